@@ -1,0 +1,27 @@
+"""moelayers: Mixture-of-Experts parallel layers for serving and RL rollout.
+
+Public API (DESIGN.md §4)::
+
+    import moelayers as ml
+    cfg = ml.MoEConfig(hidden_size=2048, ffn_hidden_size=768, num_experts=128, top_k=8)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(ep=4))
+    y = layer(x)
+"""
+
+from moelayers import metrics, reference
+from moelayers.config import MoEConfig
+from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, Routes
+from moelayers.experts import GroupedExperts
+from moelayers.groups import ParallelGroups
+from moelayers.layers import MoELayerBase, VanillaMoE
+from moelayers.metrics import MoEStats
+from moelayers.placement import ExpertPlacement, SlotMove
+from moelayers.router import TopKRouter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllGatherDispatcher", "AllToAllDispatcher", "ExpertPlacement", "GroupedExperts", "LocalFirstPolicy",
+    "MoEConfig", "MoELayerBase", "MoEStats", "ParallelGroups", "Routes", "SlotMove", "TopKRouter", "VanillaMoE",
+    "metrics", "reference", "trace",
+]

@@ -1,0 +1,104 @@
+"""`MoEConfig`: the one validated description of an MoE block."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+ACTIVATIONS = ("swiglu",)
+
+
+@dataclass
+class MoEConfig:
+    """Shape and routing of one MoE block.
+
+    Args:
+        hidden_size: model width ``H``.
+        ffn_hidden_size: per-expert intermediate width ``F`` (gate and up are each ``F`` wide).
+        num_experts: logical experts ``E``.
+        top_k: experts per token ``K`` (``1 <= K <= E``).
+        score_fn: ``'softmax'`` or ``'sigmoid'`` scoring of router logits.
+        norm_topk_prob: renormalise the ``K`` selected scores to sum to one.
+        activation: expert activation; only ``'swiglu'`` (``silu(gate) * up``).
+        params_dtype: dtype of all weights (router and experts).
+        init_std: standard deviation of the default normal initialisation.
+    """
+
+    hidden_size: int
+    ffn_hidden_size: int
+    num_experts: int
+    top_k: int
+    score_fn: str = "softmax"
+    norm_topk_prob: bool = True
+    activation: str = "swiglu"
+    params_dtype: torch.dtype = torch.float32
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"MoEConfig.{name} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"MoEConfig.{name} must be >= 1, got {value}")
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"MoEConfig.top_k ({self.top_k}) must not exceed num_experts ({self.num_experts})"
+            )
+        if self.score_fn not in SCORE_FUNCTIONS:
+            raise ValueError(f"MoEConfig.score_fn must be one of {SCORE_FUNCTIONS}, got {self.score_fn!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"MoEConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if not isinstance(self.params_dtype, torch.dtype) or not self.params_dtype.is_floating_point:
+            raise TypeError(f"MoEConfig.params_dtype must be a floating torch.dtype, got {self.params_dtype!r}")
+        if not self.init_std > 0:
+            raise ValueError(f"MoEConfig.init_std must be > 0, got {self.init_std}")
+
+    def replace(self, **changes: Any) -> "MoEConfig":
+        """A validated copy with some fields changed."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        unknown = set(changes) - set(values)
+        if unknown:
+            raise ValueError(f"MoEConfig has no field(s) {sorted(unknown)}")
+        values.update(changes)
+        return MoEConfig(**values)
+
+    @classmethod
+    def from_megatron(cls, transformer_config: Any) -> "MoEConfig":
+        """Build from a megatron-core ``TransformerConfig``.
+
+        Reads ``hidden_size``, ``moe_ffn_hidden_size`` (falls back to ``ffn_hidden_size``),
+        ``num_moe_experts``, ``moe_router_topk``, ``moe_router_score_function``,
+        ``moe_router_pre_softmax``, ``gated_linear_unit``, ``params_dtype`` and ``init_method_std``.
+        Megatron's softmax router without pre-softmax takes the top-k of the logits and then a
+        softmax over them, which is a renormalised top-k (``norm_topk_prob=True``); with
+        pre-softmax it is a plain top-k of the softmax. Its sigmoid router always renormalises
+        when ``top_k > 1``.
+        """
+        tc = transformer_config
+        if getattr(tc, "num_moe_experts", None) is None:
+            raise ValueError("transformer_config.num_moe_experts is not set: not an MoE config")
+        if not getattr(tc, "gated_linear_unit", False):
+            raise ValueError("moelayers experts are SwiGLU: transformer_config.gated_linear_unit must be True")
+        if getattr(tc, "moe_router_topk_scaling_factor", None) not in (None, 1.0):
+            raise ValueError("moe_router_topk_scaling_factor is not supported by moelayers")
+        score_fn = getattr(tc, "moe_router_score_function", "softmax")
+        topk = int(tc.moe_router_topk)
+        if score_fn == "softmax":
+            norm = not getattr(tc, "moe_router_pre_softmax", False)
+        else:
+            norm = topk > 1
+        ffn = getattr(tc, "moe_ffn_hidden_size", None) or tc.ffn_hidden_size
+        return cls(
+            hidden_size=int(tc.hidden_size),
+            ffn_hidden_size=int(ffn),
+            num_experts=int(tc.num_moe_experts),
+            top_k=topk,
+            score_fn=score_fn,
+            norm_topk_prob=norm,
+            params_dtype=getattr(tc, "params_dtype", torch.float32),
+            init_std=float(getattr(tc, "init_method_std", 0.02)),
+        )

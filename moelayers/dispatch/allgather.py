@@ -1,0 +1,70 @@
+"""`AllGatherDispatcher`: every rank sees every token, computes its own slots, reduce-scatters.
+
+Simple and with no data-dependent split sizes; it moves ``R`` times the tokens, so it suits
+small batches (decode) and small expert-parallel groups. Ranks may hold different token counts:
+they are padded to the largest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moelayers.dispatch.base import LocalPairs, Received, Routes, combine_pairs, local_pairs
+from moelayers.dispatch.comm import ReduceScatterRows, RowLayout, packed_all_gather
+from moelayers.metrics import MoEStats
+
+
+@dataclass
+class _State:
+    num_tokens: int
+    weights: torch.Tensor  # [R * Tmax, K]
+    pairs: LocalPairs
+    dtype: torch.dtype
+
+
+class AllGatherDispatcher:
+    """Expert-parallel dispatch by all-gather and reduce-scatter.
+
+    Args:
+        group: expert-parallel process group (``None`` for a single process).
+        num_ranks: size of ``group``; rank: this rank in it.
+        num_slots: physical slots per rank ``S``.
+    """
+
+    def __init__(self, group, num_ranks: int, rank: int, num_slots: int):
+        self.group, self.num_ranks, self.rank, self.num_slots = group, num_ranks, rank, num_slots
+        self.last_stats: MoEStats | None = None
+
+    def dispatch(self, x: torch.Tensor, routes: Routes) -> Received:
+        t, k = routes.dest_rank.shape
+        dev = x.device
+        sizes = torch.tensor([t], dtype=torch.int64, device=dev)
+        if self.group is not None:
+            all_sizes = sizes.new_empty(self.num_ranks)
+            dist.all_gather_into_tensor(all_sizes, sizes, group=self.group)
+            sizes = all_sizes
+        t_max = int(sizes.max())
+        pad = t_max - t
+        phys = (routes.dest_rank * self.num_slots + routes.dest_slot).to(torch.int32)
+        xs = torch.nn.functional.pad(x, (0, 0, 0, pad))
+        ws = torch.nn.functional.pad(routes.weights, (0, 0, 0, pad))
+        ps = torch.nn.functional.pad(phys, (0, 0, 0, pad), value=-1)
+        all_x, all_w, all_p = packed_all_gather([xs, ws, ps], self.group)
+        mine = (all_p >= 0) & (all_p // self.num_slots == self.rank)
+        slots = torch.where(mine, all_p % self.num_slots, -1)
+        pairs = local_pairs(slots, self.num_slots)
+        pairs_sent = torch.zeros(self.num_ranks, dtype=torch.int64, device=dev)
+        pairs_sent.scatter_add_(0, routes.dest_rank.flatten(), torch.ones_like(routes.dest_rank.flatten()))
+        row_bytes = RowLayout(((x.shape[1], x.dtype), (k, ws.dtype), (k, torch.int32))).row_bytes
+        self.last_stats = MoEStats.from_counts(
+            self.rank, pairs_sent.tolist(), [t_max] * self.num_ranks, row_bytes, routes.topk_ids
+        )
+        return Received(all_x.index_select(0, pairs.pair_row), pairs.slot_counts, _State(t, all_w, pairs, x.dtype))
+
+    def combine(self, expert_output: torch.Tensor, received: Received) -> torch.Tensor:
+        st: _State = received.state
+        partial = combine_pairs(expert_output, st.pairs, st.weights, st.dtype)
+        return ReduceScatterRows.apply(self.group, partial)[: st.num_tokens]

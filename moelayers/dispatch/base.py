@@ -1,0 +1,131 @@
+"""What every dispatcher shares: the routes it is given, replica choice, and the receive side.
+
+A dispatcher does steps 3 and 5 of the forward (DESIGN.md §1): ``dispatch`` delivers tokens to
+the ranks and slots of their experts, sorted by local slot; ``combine`` brings the expert outputs
+back, weighted and summed, in the caller's token order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from moelayers.kernels import unpermute_combine
+from moelayers.placement import ExpertPlacement
+
+
+@dataclass
+class Routes:
+    """Step 2's output: a physical destination for each (token, k).
+
+    Attributes:
+        topk_ids: ``[T, K]`` logical experts.
+        weights: ``[T, K]`` routing weights (in the hidden-state dtype).
+        dest_rank: ``[T, K]`` int64 expert-parallel rank of the chosen replica.
+        dest_slot: ``[T, K]`` int64 local slot of the chosen replica on ``dest_rank``.
+    """
+
+    topk_ids: torch.Tensor
+    weights: torch.Tensor
+    dest_rank: torch.Tensor
+    dest_slot: torch.Tensor
+
+
+@dataclass
+class Received:
+    """Tokens delivered to this rank, ready for the grouped experts.
+
+    Attributes:
+        expert_input: ``[P, H]`` one row per (token, local slot) pair, sorted by slot.
+        slot_counts: ``[S]`` rows per local slot (device tensor).
+        state: dispatcher-private bookkeeping for ``combine``.
+    """
+
+    expert_input: torch.Tensor
+    slot_counts: torch.Tensor
+    state: Any = field(repr=False)
+
+
+class Dispatcher(Protocol):
+    """Steps 3 and 5 of the forward."""
+
+    def dispatch(self, x: torch.Tensor, routes: Routes) -> Received:
+        """Send ``x [T, H]`` to the ranks/slots in ``routes``; return what this rank computes."""
+
+    def combine(self, expert_output: torch.Tensor, received: Received) -> torch.Tensor:
+        """Return ``y [T, H] = sum_k w_k * expert_k(x)`` in the caller's order."""
+
+
+class ReplicaPolicy(Protocol):
+    """Chooses one physical replica per (token, expert): ``-> [T, K]`` physical slot ids."""
+
+    def __call__(self, topk_ids: torch.Tensor, placement: ExpertPlacement, rank: int) -> torch.Tensor: ...
+
+
+class LocalFirstPolicy:
+    """A replica on the token's own rank if there is one, else replicas in turn by token index,
+    offset by the rank, so that each expert's remote load spreads evenly over its replicas."""
+
+    def __call__(self, topk_ids: torch.Tensor, placement: ExpertPlacement, rank: int) -> torch.Tensor:
+        _, log2phy, logcnt = placement.device_tables(topk_ids.device)
+        if placement.max_replicas == 1:
+            return log2phy[topk_ids, 0]
+        cand = log2phy[topk_ids]  # [T, K, Rmax]
+        is_local = (cand >= 0) & (cand // placement.slots_per_rank == rank)
+        has_local = is_local.any(-1)
+        t = torch.arange(topk_ids.shape[0], device=topk_ids.device)[:, None]
+        spread = (t + rank) % logcnt[topk_ids]
+        pick = torch.where(has_local, is_local.to(torch.int8).argmax(-1), spread)
+        return torch.gather(cand, 2, pick[..., None]).squeeze(-1)
+
+
+def routes_from_placement(
+    topk_ids: torch.Tensor, weights: torch.Tensor, placement: ExpertPlacement, rank: int, policy: ReplicaPolicy
+) -> Routes:
+    """Step 2 for placement-driven layers: logical ids -> chosen replica -> (rank, local slot)."""
+    phys = policy(topk_ids, placement, rank)
+    s = placement.slots_per_rank
+    return Routes(topk_ids, weights, phys // s, phys % s)
+
+
+@dataclass
+class LocalPairs:
+    """The (row, slot) pairs a rank computes, from per-row slot lists.
+
+    Attributes:
+        pair_row: ``[P]`` row of each pair, pairs sorted by slot (stable).
+        slot_counts: ``[S]`` pairs per slot.
+        index: ``[N, J]`` position of (row, j) among the sorted pairs, ``-1`` where slot is ``-1``.
+    """
+
+    pair_row: torch.Tensor
+    slot_counts: torch.Tensor
+    index: torch.Tensor
+
+
+def local_pairs(slots: torch.Tensor, num_slots: int, num_pairs: int | None = None) -> LocalPairs:
+    """Sort the valid entries of ``slots [N, J]`` (``-1`` = none) by slot.
+
+    Args:
+        slots: ``[N, J]`` local slot per (row, j), ``-1`` where the row has no expert here.
+        num_slots: ``S``.
+        num_pairs: number of valid entries if known on the host (saves a device sync).
+    """
+    n, j = slots.shape
+    key = torch.where(slots >= 0, slots, num_slots).flatten().to(torch.int64)
+    order = torch.argsort(key, stable=True)
+    counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=slots.device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    if num_pairs is None:
+        num_pairs = int(counts[:num_slots].sum())
+    sel = order[:num_pairs]
+    index = torch.full((n * j,), -1, dtype=torch.int64, device=slots.device)
+    index[sel] = torch.arange(num_pairs, device=slots.device)
+    return LocalPairs(sel // j, counts[:num_slots], index.view(n, j))
+
+
+def combine_pairs(expert_output: torch.Tensor, pairs: LocalPairs, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Weighted sum of each row's pair outputs: ``[P, H] -> [N, H]``."""
+    return unpermute_combine(expert_output, pairs.index, weights, out_dtype=out_dtype)

@@ -1,0 +1,193 @@
+"""Packed, differentiable collectives over rows.
+
+Several per-row tensors (hidden states, routing weights, slot ids) travel as one byte payload:
+each row is their bytes side by side, padded to 16 bytes. Forward and backward each make exactly
+one collective; integer fields carry no gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Byte layout of one payload row: fields ``(width, dtype)`` laid out in order."""
+
+    fields: tuple[tuple[int, torch.dtype], ...]
+
+    @property
+    def offsets(self) -> list[int]:
+        offs, pos = [], 0
+        for width, dtype in self.fields:
+            size = _itemsize(dtype)
+            pos = -(-pos // size) * size  # align each field to its item size
+            offs.append(pos)
+            pos += width * size
+        return offs
+
+    @property
+    def row_bytes(self) -> int:
+        (width, dtype), last = self.fields[-1], self.offsets[-1]
+        end = last + width * _itemsize(dtype)
+        return -(-end // _ALIGN) * _ALIGN
+
+    def empty(self, rows: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(rows, self.row_bytes, dtype=torch.uint8, device=device)
+
+    def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
+        """Typed ``[rows, width]`` views of each field of a ``[rows, row_bytes]`` uint8 buffer."""
+        out = []
+        for (width, dtype), off in zip(self.fields, self.offsets):
+            nbytes = width * _itemsize(dtype)
+            out.append(buf[:, off : off + nbytes].view(dtype))
+        return out
+
+    def pack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        rows = tensors[0].shape[0]
+        buf = self.empty(rows, tensors[0].device)
+        for view, t in zip(self.views(buf), tensors):
+            view.copy_(t)
+        return buf
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def all_to_all_bytes(buf: torch.Tensor, out_rows: int, in_splits: list[int], out_splits: list[int], group) -> torch.Tensor:
+    """All-to-all-v of a ``[rows, bytes]`` uint8 buffer (rows split by destination rank)."""
+    out = buf.new_empty(out_rows, buf.shape[1])
+    if group is None:
+        out.copy_(buf)
+        return out
+    dist.all_to_all_single(out, buf, out_splits, in_splits, group=group)
+    return out
+
+
+class PackedAllToAll(torch.autograd.Function):
+    """All-to-all-v of several row tensors packed into one payload; backward is the reverse
+    exchange of the packed gradients of the floating fields."""
+
+    @staticmethod
+    def forward(ctx, group, in_splits, out_splits, *tensors):
+        layout = RowLayout(tuple((t.shape[1], t.dtype) for t in tensors))
+        recv = all_to_all_bytes(layout.pack(list(tensors)), sum(out_splits), in_splits, out_splits, group)
+        ctx.group, ctx.in_splits, ctx.out_splits, ctx.layout = group, in_splits, out_splits, layout
+        ctx.float_fields = [t.dtype.is_floating_point for t in tensors]
+        outs = layout.views(recv)
+        for o, is_float in zip(outs, ctx.float_fields):
+            if not is_float:
+                ctx.mark_non_differentiable(o)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        layout = ctx.layout
+        floats = [i for i, f in enumerate(ctx.float_fields) if f]
+        grad_layout = RowLayout(tuple(layout.fields[i] for i in floats))
+        rows = sum(ctx.out_splits)
+        parts = [
+            grads[i] if grads[i] is not None else torch.zeros(rows, layout.fields[i][0], dtype=layout.fields[i][1],
+                                                               device=_device_of(grads))
+            for i in floats
+        ]
+        back = all_to_all_bytes(grad_layout.pack(parts), sum(ctx.in_splits), ctx.out_splits, ctx.in_splits, ctx.group)
+        views = iter(grad_layout.views(back))
+        result = [next(views) if f else None for f in ctx.float_fields]
+        return (None, None, None, *result)
+
+
+def packed_all_to_all(tensors: list[torch.Tensor], in_splits: list[int], out_splits: list[int], group) -> list[torch.Tensor]:
+    """Differentiable all-to-all-v of row tensors (same number of rows), one payload exchange.
+
+    Args:
+        tensors: ``[N_send, w_i]`` each; rows ordered by destination rank.
+        in_splits: rows sent to each rank; out_splits: rows received from each rank.
+
+    Returns:
+        ``[N_recv, w_i]`` each, ordered by source rank.
+    """
+    return list(PackedAllToAll.apply(group, list(in_splits), list(out_splits), *tensors))
+
+
+class AllGatherRows(torch.autograd.Function):
+    """All-gather of ``[N, w]`` rows (equal ``N`` on every rank); backward reduce-scatters."""
+
+    @staticmethod
+    def forward(ctx, group, x):
+        ctx.group = group
+        if group is None:
+            return x.clone()
+        size = dist.get_world_size(group)
+        out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, ReduceScatterRows.apply(ctx.group, grad)
+
+
+class ReduceScatterRows(torch.autograd.Function):
+    """Sum ``[R * N, w]`` over ranks and keep this rank's ``[N, w]`` block; backward all-gathers."""
+
+    @staticmethod
+    def forward(ctx, group, x):
+        ctx.group = group
+        if group is None:
+            return x.clone()
+        size = dist.get_world_size(group)
+        out = x.new_empty((x.shape[0] // size,) + tuple(x.shape[1:]))
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, AllGatherRows.apply(ctx.group, grad)
+
+
+def _device_of(grads) -> torch.device:
+    for g in grads:
+        if g is not None:
+            return g.device
+    return torch.device("cpu")
+
+
+class PackedAllGather(torch.autograd.Function):
+    """All-gather of several row tensors packed into one payload (equal rows on every rank);
+    backward reduce-scatters the gradient of each floating field."""
+
+    @staticmethod
+    def forward(ctx, group, *tensors):
+        layout = RowLayout(tuple((t.shape[1], t.dtype) for t in tensors))
+        buf = layout.pack(list(tensors))
+        if group is None:
+            out = buf
+        else:
+            out = buf.new_empty(dist.get_world_size(group) * buf.shape[0], buf.shape[1])
+            dist.all_gather_into_tensor(out, buf, group=group)
+        ctx.group = group
+        ctx.float_fields = [t.dtype.is_floating_point for t in tensors]
+        outs = layout.views(out)
+        for o, is_float in zip(outs, ctx.float_fields):
+            if not is_float:
+                ctx.mark_non_differentiable(o)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        result = []
+        for g, is_float in zip(grads, ctx.float_fields):
+            result.append(ReduceScatterRows.apply(ctx.group, g) if is_float and g is not None else None)
+        return (None, *result)
+
+
+def packed_all_gather(tensors: list[torch.Tensor], group) -> list[torch.Tensor]:
+    """Differentiable all-gather of row tensors ``[N, w_i]`` -> ``[R * N, w_i]``, one exchange."""
+    return list(PackedAllGather.apply(group, *tensors))

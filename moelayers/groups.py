@@ -1,0 +1,137 @@
+"""`ParallelGroups`: the process groups an MoE layer talks over.
+
+The world is ``dp x tp``; TP groups are consecutive ranks; the expert-parallel group spans the
+world unless told otherwise (consecutive blocks of ``ep`` ranks). Works on gloo and NCCL alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for a single process
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """Expert-parallel (``ep``), tensor-parallel (``tp``) and data-parallel (``dp``) groups.
+
+    A ``None`` group means a group of one process (this rank alone); collectives are skipped.
+    """
+
+    ep: ProcessGroup
+    tp: ProcessGroup
+    dp: ProcessGroup
+    ep_size: int
+    ep_rank: int
+    tp_size: int
+    tp_rank: int
+    dp_size: int
+    dp_rank: int
+    world_size: int
+    rank: int
+
+    @classmethod
+    def single(cls) -> "ParallelGroups":
+        """One process: no collectives at all."""
+        return cls(None, None, None, 1, 0, 1, 0, 1, 0, 1, 0)
+
+    @classmethod
+    def from_world(cls, ep: int | None = None, tp: int = 1) -> "ParallelGroups":
+        """Groups over the initialised default process group.
+
+        Args:
+            ep: expert-parallel size; default the whole world. Must divide the world size.
+            tp: tensor-parallel size (consecutive ranks). Must divide the world size.
+
+        Every rank must call this with the same arguments (it creates groups collectively).
+
+        Raises:
+            ValueError: if torch.distributed is not initialised or the sizes do not fit the world.
+        """
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                "ParallelGroups.from_world needs torch.distributed initialised "
+                "(init_process_group); use ParallelGroups.single() for one process"
+            )
+        world, rank = dist.get_world_size(), dist.get_rank()
+        ep = world if ep is None else ep
+        for name, size in (("ep", ep), ("tp", tp)):
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world % size:
+                raise ValueError(f"{name}={size!r} does not divide the world size {world}")
+        dp = world // tp
+        ep_group = _blocks(world, ep)
+        tp_group = _blocks(world, tp)
+        dp_group = _strided(world, tp)
+        return cls(
+            ep=ep_group, tp=tp_group, dp=dp_group,
+            ep_size=ep, ep_rank=rank % ep,
+            tp_size=tp, tp_rank=rank % tp,
+            dp_size=dp, dp_rank=rank // tp,
+            world_size=world, rank=rank,
+        )
+
+    @classmethod
+    def from_groups(cls, ep: ProcessGroup, tp: ProcessGroup = None, dp: ProcessGroup = None) -> "ParallelGroups":
+        """Wrap existing process groups (any may be ``None`` for a group of one)."""
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+
+        def size_rank(g: ProcessGroup) -> tuple[int, int]:
+            if g is None:
+                return 1, 0
+            return dist.get_world_size(g), dist.get_rank(g)
+
+        (es, er), (ts, tr), (ds, dr) = size_rank(ep), size_rank(tp), size_rank(dp)
+        if world % es or world % ts:
+            raise ValueError(f"group sizes ep={es}, tp={ts} do not divide the world size {world}")
+        return cls(ep, tp, dp, es, er, ts, tr, ds, dr, world, rank)
+
+    @classmethod
+    def from_megatron(cls, pg_collection: Any = None) -> "ParallelGroups":
+        """Groups from megatron-core: a ``ProcessGroupCollection`` if given (megatron-core >= 0.19
+        passes one to builders), else ``megatron.core.parallel_state``'s initialised groups."""
+        if pg_collection is not None:
+            ep = getattr(pg_collection, "ep", None)
+            tp = getattr(pg_collection, "tp", None)
+            dp = getattr(pg_collection, "dp", None)
+            return cls.from_groups(ep, tp, dp)
+        try:
+            from megatron.core import parallel_state as ps
+        except ImportError as e:  # pragma: no cover - megatron-core is a dependency
+            raise ImportError("ParallelGroups.from_megatron needs megatron-core: pip install megatron-core") from e
+        if not ps.model_parallel_is_initialized():
+            raise ValueError("megatron-core parallel_state is not initialised (initialize_model_parallel)")
+        return cls.from_groups(
+            ps.get_expert_model_parallel_group(),
+            ps.get_tensor_model_parallel_group(),
+            ps.get_data_parallel_group(),
+        )
+
+
+def _make_groups(rank_lists: list[list[int]]) -> ProcessGroup:
+    """Create every group collectively; return the one holding this rank."""
+    me, mine = dist.get_rank(), None
+    world = dist.get_world_size()
+    for ranks in rank_lists:
+        if len(ranks) == world:
+            group = dist.group.WORLD
+        else:
+            group = dist.new_group(ranks)
+        if me in ranks:
+            mine = group
+    return mine
+
+
+def _blocks(world: int, size: int) -> ProcessGroup:
+    if size == 1:
+        return None
+    return _make_groups([list(range(s, s + size)) for s in range(0, world, size)])
+
+
+def _strided(world: int, stride: int) -> ProcessGroup:
+    if world // stride == 1:
+        return None
+    return _make_groups([list(range(s, world, stride)) for s in range(stride)])

@@ -1,0 +1,71 @@
+"""Triton kernels, each next to its pure-torch reference.
+
+Every kernel ``name`` comes in three flavours:
+
+- ``name_reference``: pure torch, autograd-friendly; the training and CPU path.
+- ``name_triton``: the Triton kernel; inference only (no autograd).
+- ``name``: the dispatcher, which picks the Triton kernel when :func:`use_triton` allows it.
+
+Triton is optional: ``HAVE_TRITON`` says whether it imported. Set ``MOELAYERS_DISABLE_TRITON=1``
+to force the references everywhere. CPU tests run the kernels under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton  # noqa: F401
+    import triton.language  # noqa: F401
+
+    HAVE_TRITON = True
+except ImportError:
+    HAVE_TRITON = False
+
+TRITON_INSTALL_HINT = "Triton is not installed; install it with `pip install triton` (Linux only)."
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether a kernel working on ``t`` should take the Triton path.
+
+    True when Triton imported, ``t`` lives on CUDA, ``MOELAYERS_DISABLE_TRITON`` is not ``"1"``,
+    and no gradient is wanted for ``t`` (the kernels are inference-only; the references are the
+    autograd path).
+
+    Args:
+        t: the tensor the kernel reads (e.g. the activations).
+    """
+    if not HAVE_TRITON or not t.is_cuda:
+        return False
+    if os.environ.get("MOELAYERS_DISABLE_TRITON") == "1":
+        return False
+    return not (torch.is_grad_enabled() and t.requires_grad)
+
+
+def require_triton() -> None:
+    """Raise a clear ``ImportError`` when Triton is missing."""
+    if not HAVE_TRITON:
+        raise ImportError(TRITON_INSTALL_HINT)
+
+
+# Imported after the flags above: the kernel modules import them from this package.
+from moelayers.kernels.permute import permute, permute_reference, permute_triton  # noqa: E402
+from moelayers.kernels.unpermute_combine import (  # noqa: E402
+    unpermute_combine,
+    unpermute_combine_reference,
+    unpermute_combine_triton,
+)
+
+__all__ = [
+    "HAVE_TRITON",
+    "use_triton",
+    "require_triton",
+    "permute",
+    "permute_reference",
+    "permute_triton",
+    "unpermute_combine",
+    "unpermute_combine_reference",
+    "unpermute_combine_triton",
+]

@@ -1,0 +1,143 @@
+"""Unpermute + combine: gather expert-output rows back to token order and sum them, weighted.
+
+``out[t] = sum_{j : index[t, j] >= 0} weight[t, j] * src[index[t, j]]``, accumulated in float32
+(float64 when ``src`` is float64) and cast once to ``out_dtype``. Tokens with no valid entry get
+zeros. ``src`` may be a strided row view (e.g. a column slice of a packed receive buffer).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moelayers.kernels import HAVE_TRITON, require_triton, use_triton
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _unpermute_combine_kernel(
+        src_ptr, idx_ptr, w_ptr, out_ptr, H, J, stride_s, stride_i, stride_w, stride_o,
+        HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):
+        # One program per (token, block of H): J masked row loads, one accumulator, one store.
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask = offs < H
+        acc = tl.zeros([BLOCK_H], dtype=ACC)
+        for j in range(J):
+            r = tl.load(idx_ptr + t * stride_i + j).to(tl.int64)
+            valid = r >= 0
+            # Skip r < 0 by masking every column (a scalar & vector mask trips the interpreter).
+            row_mask = offs < tl.where(valid, H, 0)
+            r = tl.maximum(r, 0)  # keep the (masked-off) address in range
+            v = tl.load(src_ptr + r * stride_s + offs, mask=row_mask, other=0.0).to(ACC)
+            if HAS_WEIGHT:
+                w = tl.load(w_ptr + t * stride_w + j).to(ACC)
+                v = v * tl.where(valid, w, 0.0)
+            acc += v
+        tl.store(out_ptr + t * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None) -> None:
+    if src.dim() != 2 or index.dim() != 2:
+        raise ValueError(f"expected src [N, H], index [T, J]; got {tuple(src.shape)}, {tuple(index.shape)}")
+    if index.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"index must be int32 or int64, got {index.dtype}")
+    if weight is not None and weight.shape != index.shape:
+        raise ValueError(f"weight {tuple(weight.shape)} must match index {tuple(index.shape)}")
+    if src.shape[1] > 1 and src.stride(1) != 1:
+        raise ValueError(f"src must have unit stride along H, got strides {src.stride()}")
+
+
+def _acc_dtype(src: torch.Tensor) -> torch.dtype:
+    return torch.float64 if src.dtype == torch.float64 else torch.float32
+
+
+def unpermute_combine_reference(
+    src: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor | None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Pure-torch unpermute + weighted combine; differentiable w.r.t. ``src`` and ``weight``.
+
+    Args:
+        src: ``[N, H]`` rows to gather (``stride(1) == 1``); ``N`` may be 0.
+        index: ``[T, J]`` int32/int64 row of ``src`` per (token, j); ``< 0`` means none.
+        weight: ``[T, J]`` combine weights, or None for all ones. Ignored where ``index < 0``.
+        out_dtype: result dtype; default ``src.dtype``.
+
+    Returns:
+        ``[T, H]`` in ``out_dtype``; zeros for tokens with no valid index.
+    """
+    _check(src, index, weight)
+    acc = _acc_dtype(src)
+    T, H = index.shape[0], src.shape[1]
+    if src.shape[0] == 0:  # nothing to gather; keep a (zero) row so indexing stays valid
+        src = torch.cat([src, src.new_zeros(1, H)])
+    valid = index >= 0  # [T, J]
+    rows = src[index.long().clamp(min=0)].to(acc)  # [T, J, H]
+    rows = torch.where(valid.unsqueeze(-1), rows, rows.new_zeros(()))
+    if weight is not None:
+        w = torch.where(valid, weight.to(acc), weight.new_zeros((), dtype=acc))
+        rows = rows * w.unsqueeze(-1)
+    out = rows.sum(dim=1) if index.shape[1] > 0 else rows.new_zeros(T, H)
+    return out.to(out_dtype or src.dtype)
+
+
+def unpermute_combine_triton(
+    src: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor | None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Triton unpermute + weighted combine (inference only; see :func:`unpermute_combine_reference`).
+
+    Args:
+        src: ``[N, H]`` float32/bfloat16/float16/float64 rows (``stride(1) == 1``).
+        index: ``[T, J]`` int32/int64 rows of ``src``; ``< 0`` means none.
+        weight: ``[T, J]`` combine weights, or None for all ones.
+        out_dtype: result dtype; default ``src.dtype``.
+
+    Returns:
+        ``[T, H]`` new tensor in ``out_dtype``.
+    """
+    require_triton()
+    _check(src, index, weight)
+    T, J = index.shape
+    H = src.shape[1]
+    out = torch.empty(T, H, dtype=out_dtype or src.dtype, device=src.device)
+    if T == 0 or H == 0:
+        return out
+    if src.shape[0] == 0 or J == 0:  # every index is invalid
+        return out.zero_()
+    index = index.contiguous()
+    weight = weight.contiguous() if weight is not None else None
+    block_h = min(1024, triton.next_power_of_2(H))
+    grid = (T, triton.cdiv(H, block_h))
+    _unpermute_combine_kernel[grid](
+        src, index, weight if weight is not None else index, out, H, J,
+        src.stride(0), index.stride(0), J, out.stride(0),
+        HAS_WEIGHT=weight is not None,
+        ACC=tl.float64 if src.dtype == torch.float64 else tl.float32,
+        BLOCK_H=block_h,
+    )
+    return out
+
+
+def unpermute_combine(
+    src: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor | None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Gather ``src [N, H]`` rows by ``index [T, J]`` and sum them weighted into ``[T, H]``.
+
+    Uses :func:`unpermute_combine_triton` when :func:`moelayers.kernels.use_triton` allows it
+    (and ``weight`` needs no gradient), else :func:`unpermute_combine_reference`.
+    """
+    weight_needs_grad = weight is not None and torch.is_grad_enabled() and weight.requires_grad
+    if use_triton(src) and not weight_needs_grad:
+        return unpermute_combine_triton(src, index, weight, out_dtype)
+    return unpermute_combine_reference(src, index, weight, out_dtype)

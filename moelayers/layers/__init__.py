@@ -1,0 +1,6 @@
+"""Drop-in MoE layers: the shared base and one module per strategy."""
+
+from moelayers.layers.base import MoELayerBase
+from moelayers.layers.vanilla import VanillaMoE
+
+__all__ = ["MoELayerBase", "VanillaMoE"]

@@ -1,0 +1,224 @@
+"""`MoELayerBase`: the five-step forward every strategy layer shares.
+
+::
+
+    x [T, H] (+ token_ids [T])
+      1 route     TopKRouter       -> topk_ids [T, K], topk_weights [T, K]
+      2 plan      self.plan()      -> Routes (the only step a strategy owns)
+      3 dispatch  Dispatcher       -> rows per local slot
+      4 compute   GroupedExperts   -> expert outputs
+      5 combine   Dispatcher       -> y [T, H], caller's token order
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moelayers.config import MoEConfig
+from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, ReplicaPolicy, Routes
+from moelayers.dispatch.base import routes_from_placement
+from moelayers.experts import GroupedExperts, gather_logical, sum_replicas
+from moelayers.groups import ParallelGroups
+from moelayers.metrics import MoEStats
+from moelayers.placement import ExpertPlacement
+from moelayers.router import TopKRouter
+
+DISPATCHERS = ("alltoall", "allgather")
+
+
+class MoELayerBase(nn.Module):
+    """Shared constructor, weight handling and forward template of the moelayers layers.
+
+    Args:
+        config: the MoE block.
+        groups: process groups; the layer's experts are spread over ``groups.ep``.
+        placement: expert placement over the ``groups.ep_size`` ranks (default: linear).
+        dispatcher: ``'alltoall'`` (default) or ``'allgather'``.
+        dedup: all-to-all only: send a token once per destination rank.
+        replica_policy: picks a replica per (token, expert) (default :class:`LocalFirstPolicy`).
+        device: where the weights live (default: CUDA's current device when NCCL is used, else CPU).
+        seed: the default initialisation draws each logical expert from its own generator seeded
+            by ``(seed, expert id)``, so that replicas agree and every rank builds the same model.
+        check_finite: raise on NaN/inf router logits.
+        expert_backend: ``'auto'`` | ``'grouped_mm'`` | ``'loop'`` (see :class:`GroupedExperts`).
+
+    Default initialisation: router and expert weights ``~ N(0, config.init_std)``.
+    """
+
+    moe_layer_marker = True  # found by moelayers.trace.TraceRecorder
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        groups: ParallelGroups,
+        *,
+        placement: ExpertPlacement | None = None,
+        dispatcher: str = "alltoall",
+        dedup: bool = True,
+        replica_policy: ReplicaPolicy | None = None,
+        device: torch.device | str | None = None,
+        seed: int = 0,
+        check_finite: bool = True,
+        expert_backend: str = "auto",
+    ):
+        super().__init__()
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+        if not isinstance(groups, ParallelGroups):
+            raise TypeError(f"groups must be a ParallelGroups, got {type(groups).__name__}")
+        placement = placement or ExpertPlacement.linear(config.num_experts, groups.ep_size)
+        self._check_placement(placement, config, groups)
+        if dispatcher not in DISPATCHERS:
+            raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
+        self.config, self.groups, self.placement, self.seed = config, groups, placement, seed
+        self.replica_policy = replica_policy or LocalFirstPolicy()
+        self.dedup = dedup
+        self.dispatcher_name = dispatcher
+        device = torch.device(device) if device is not None else _default_device(groups)
+        self.router = TopKRouter(config, device=device, check_finite=check_finite)
+        self.experts = GroupedExperts(
+            placement.slots_per_rank, config.hidden_size, config.ffn_hidden_size,
+            dtype=config.params_dtype, device=device, backend=expert_backend,
+        )
+        self.dispatcher = self._make_dispatcher()
+        self.last_stats: MoEStats | None = None
+        self.last_topk_ids: torch.Tensor | None = None
+        self.last_token_ids: torch.Tensor | None = None
+        self._forced_ids: torch.Tensor | None = None
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ construction helpers
+    @staticmethod
+    def _check_placement(placement: ExpertPlacement, config: MoEConfig, groups: ParallelGroups) -> None:
+        if not isinstance(placement, ExpertPlacement):
+            raise TypeError(f"placement must be an ExpertPlacement, got {type(placement).__name__}")
+        if placement.num_experts != config.num_experts:
+            raise ValueError(f"placement is for {placement.num_experts} experts, config has {config.num_experts}")
+        if placement.num_ranks != groups.ep_size:
+            raise ValueError(f"placement spans {placement.num_ranks} ranks, the expert-parallel group has {groups.ep_size}")
+
+    def _make_dispatcher(self):
+        g, p = self.groups, self.placement
+        if self.dispatcher_name == "allgather":
+            return AllGatherDispatcher(g.ep, g.ep_size, g.ep_rank, p.slots_per_rank)
+        return AllToAllDispatcher(g.ep, g.ep_size, g.ep_rank, p.slots_per_rank, dedup=self.dedup)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Default init: ``N(0, init_std)``, each logical expert from its own seeded generator."""
+        cfg, dev = self.config, self.router.weight.device
+        gen = torch.Generator(device=dev)
+        gen.manual_seed(self.seed * 1_000_003 + cfg.num_experts)
+        self.router.weight.normal_(0.0, cfg.init_std, generator=gen)
+        for s, e in enumerate(self.placement.experts_on(self.groups.ep_rank)):
+            if e < 0:
+                self.experts.w13[s].zero_()
+                self.experts.w2[s].zero_()
+                continue
+            gen.manual_seed(self.seed * 1_000_003 + e)
+            self.experts.w13[s].normal_(0.0, cfg.init_std, generator=gen)
+            self.experts.w2[s].normal_(0.0, cfg.init_std, generator=gen)
+
+    # ------------------------------------------------------------------ weights in logical order
+    @torch.no_grad()
+    def load_full_weights(self, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Load logical weights (identical on every rank); all checks happen before any copy.
+
+        Args:
+            router_weight: ``[E, H]``; w13: ``[E, 2F, H]`` (gate rows, then up); w2: ``[E, H, F]``.
+
+        Raises:
+            TypeError: a weight is not a tensor, or has the wrong dtype or device.
+            ValueError: a weight has the wrong shape.
+        """
+        cfg = self.config
+        e, h, f = cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size
+        dev = self.router.weight.device
+        for name, t, shape in (("router_weight", router_weight, (e, h)), ("w13", w13, (e, 2 * f, h)), ("w2", w2, (e, h, f))):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+            if t.dtype != cfg.params_dtype:
+                raise TypeError(f"{name} has dtype {t.dtype}, the layer's params_dtype is {cfg.params_dtype}: cast it first")
+            if t.device != dev:
+                raise TypeError(f"{name} is on {t.device}, the layer is on {dev}: move it first")
+        self.router.weight.copy_(router_weight)
+        self.experts.load_full(w13, w2, self.placement, self.groups.ep_rank)
+
+    def export_full_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(router_weight [E, H], w13 [E, 2F, H], w2 [E, H, F])`` gathered over the EP group."""
+        w13, w2 = gather_logical(self.experts.w13, self.experts.w2, self.placement, self.groups.ep)
+        return self.router.weight.detach().clone(), w13, w2
+
+    def expert_grads_full(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradients of the logical experts ``([E, 2F, H], [E, H, F])``: sums over replicas."""
+        g13 = self.experts.w13.grad if self.experts.w13.grad is not None else torch.zeros_like(self.experts.w13)
+        g2 = self.experts.w2.grad if self.experts.w2.grad is not None else torch.zeros_like(self.experts.w2)
+        return sum_replicas(g13, self.placement, self.groups.ep), sum_replicas(g2, self.placement, self.groups.ep)
+
+    # ------------------------------------------------------------------ forward
+    def force_routing(self, topk_ids: torch.Tensor) -> None:
+        """Use these ``[T, K]`` logical experts (e.g. replayed from a trace) in the next forward;
+        weights come from this router's scores of them."""
+        self._forced_ids = topk_ids
+
+    def forward(self, x: torch.Tensor, *, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """MoE forward.
+
+        Args:
+            x: ``[T, H]`` or ``[S, B, H]`` hidden states in ``params_dtype`` on the layer's device.
+            token_ids: optional ``[T]`` (or ``[S, B]``) token ids, flattened like ``x``.
+
+        Returns:
+            ``y`` with the shape of ``x``.
+        """
+        x2, token_ids = self._check_input(x, token_ids)
+        forced, self._forced_ids = self._forced_ids, None
+        if forced is not None and tuple(forced.shape) != (x2.shape[0], self.config.top_k):
+            raise ValueError(f"forced routing has shape {list(forced.shape)}, expected [{x2.shape[0]}, {self.config.top_k}]")
+        topk_ids, topk_weights = self.router(x2, forced)                  # 1 route
+        routes = self.plan(topk_ids, topk_weights, token_ids)             # 2 plan
+        received = self.dispatcher.dispatch(x2, routes)                   # 3 dispatch
+        expert_out = self.experts(received.expert_input, received.slot_counts)  # 4 compute
+        y = self.dispatcher.combine(expert_out, received)                 # 5 combine
+        self.last_topk_ids, self.last_token_ids = topk_ids, token_ids
+        self.last_stats = self.dispatcher.last_stats
+        return y.view(x.shape)
+
+    def plan(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_ids: torch.Tensor | None) -> Routes:
+        """Step 2: a physical slot per (token, k). The base maps through ``self.placement``."""
+        return routes_from_placement(topk_ids, topk_weights, self.placement, self.groups.ep_rank, self.replica_policy)
+
+    def _check_input(self, x: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cfg = self.config
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() not in (2, 3) or x.shape[-1] != cfg.hidden_size:
+            raise ValueError(f"x must be [T, {cfg.hidden_size}] or [S, B, {cfg.hidden_size}], got {list(x.shape)}")
+        if x.dtype != cfg.params_dtype:
+            raise TypeError(f"x has dtype {x.dtype}, the layer computes in {cfg.params_dtype}")
+        if x.device != self.router.weight.device:
+            raise TypeError(f"x is on {x.device}, the layer is on {self.router.weight.device}")
+        x2 = x.reshape(-1, cfg.hidden_size)
+        if token_ids is not None:
+            if not isinstance(token_ids, torch.Tensor) or token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
+                raise TypeError("token_ids must be an integer tensor")
+            if token_ids.numel() != x2.shape[0]:
+                raise ValueError(f"token_ids has {token_ids.numel()} entries for {x2.shape[0]} tokens")
+            token_ids = token_ids.reshape(-1)
+        return x2, token_ids
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"E={c.num_experts}, K={c.top_k}, H={c.hidden_size}, F={c.ffn_hidden_size}, ep={self.groups.ep_size}, "
+                f"slots_per_rank={self.placement.slots_per_rank}, dispatcher={self.dispatcher_name}, dedup={self.dedup}")
+
+
+def _default_device(groups: ParallelGroups) -> torch.device:
+    import torch.distributed as dist
+
+    if groups.ep is not None and dist.get_backend(groups.ep) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,129 @@
+"""Routing metrics: local activation rate, imbalance, bytes sent, expert loads.
+
+Pure functions over tensors, and `MoEStats`, the record every layer leaves in ``last_stats``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+def local_activation_rate(token_rank: torch.Tensor, expert_rank_of_pair: torch.Tensor) -> float:
+    """Fraction of (token, expert) activations served on the token's own rank.
+
+    Args:
+        token_rank: ``[T]`` rank that holds each token.
+        expert_rank_of_pair: ``[T, K]`` rank that computes each activation.
+    """
+    if expert_rank_of_pair.numel() == 0:
+        return 0.0
+    return float((expert_rank_of_pair == token_rank[:, None]).double().mean())
+
+
+def imbalance(loads: torch.Tensor | list[float]) -> float:
+    """``max / mean`` of per-rank loads (1.0 = perfectly balanced; 1.0 for all-zero loads)."""
+    loads = torch.as_tensor(loads, dtype=torch.float64)
+    mean = float(loads.mean()) if loads.numel() else 0.0
+    return float(loads.max()) / mean if mean > 0 else 1.0
+
+
+def rank_loads(expert_rank_of_pair: torch.Tensor, num_ranks: int) -> torch.Tensor:
+    """``[R]`` (token, expert) activations computed by each rank."""
+    return torch.bincount(expert_rank_of_pair.flatten().to(torch.int64), minlength=num_ranks)
+
+
+@dataclass
+class MoEStats:
+    """What one forward did, seen from one rank (``reduce`` sums over ranks).
+
+    Attributes:
+        rank: this rank in the expert-parallel group.
+        pairs_sent: ``[R]`` (token, expert) activations this rank sent to each rank (its own
+            entry = activations served locally).
+        rows_sent: ``[R]`` payload rows sent to each rank (after de-duplication).
+        bytes_sent: ``[R]`` payload bytes sent to each other rank (0 for itself).
+        num_ranks_reduced: how many ranks' stats were summed into this record.
+    """
+
+    rank: int
+    pairs_sent: list[int]
+    rows_sent: list[int]
+    bytes_sent: list[int]
+    num_ranks_reduced: int = 1
+    _local_pairs: int | None = None
+    _topk_ids: torch.Tensor | None = field(default=None, repr=False)
+    _expert_loads: torch.Tensor | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_counts(cls, rank: int, pairs_sent: list[int], rows_sent: list[int], row_bytes: int,
+                    topk_ids: torch.Tensor | None = None) -> "MoEStats":
+        bytes_sent = [0 if r == rank else n * row_bytes for r, n in enumerate(rows_sent)]
+        return cls(rank, list(pairs_sent), list(rows_sent), bytes_sent, 1, pairs_sent[rank], topk_ids)
+
+    @property
+    def lar(self) -> float:
+        """Local activation rate: locally served activations over all activations."""
+        total = sum(self.pairs_sent)
+        return self._local_pairs / total if total else 0.0
+
+    @property
+    def rank_loads(self) -> list[int]:
+        """Activations sent to each rank (after ``reduce``: received by each rank)."""
+        return self.pairs_sent
+
+    @property
+    def imbalance(self) -> float:
+        """``max / mean`` of ``rank_loads``."""
+        return imbalance(self.rank_loads)
+
+    @property
+    def expert_loads(self) -> torch.Tensor:
+        """``[E]`` activations per logical expert (computed lazily)."""
+        if self._expert_loads is None:
+            raise ValueError("expert loads need topk_ids and num_experts: use with_experts(num_experts)")
+        return self._expert_loads
+
+    def with_experts(self, num_experts: int) -> "MoEStats":
+        if self._topk_ids is not None and self._expert_loads is None:
+            self._expert_loads = torch.bincount(self._topk_ids.flatten(), minlength=num_experts).cpu()
+        return self
+
+    def reduce(self, group=None) -> "MoEStats":
+        """Sum over the ranks of ``group`` (a collective; ``None`` = this process alone): global
+        LAR, activations received by each rank, total bytes, summed expert loads."""
+        r = len(self.pairs_sent)
+        loads = self._expert_loads if self._expert_loads is not None else torch.zeros(0, dtype=torch.int64)
+        vec = torch.tensor(self.pairs_sent + self.rows_sent + self.bytes_sent + [self._local_pairs or 0, 1],
+                           dtype=torch.int64)
+        vec = torch.cat([vec, loads.to(torch.int64)])
+        if group is not None:  # None: a group of one process, nothing to sum
+            backend = dist.get_backend(group)
+            dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+            vec = vec.to(dev)
+            dist.all_reduce(vec, group=group)
+            vec = vec.cpu()
+        v = vec.tolist()
+        out = MoEStats(self.rank, v[:r], v[r:2 * r], v[2 * r:3 * r], v[3 * r + 1], v[3 * r])
+        if loads.numel():
+            out._expert_loads = vec[3 * r + 2:]
+        return out
+
+
+def merge_stats(stats: list[MoEStats]) -> MoEStats:
+    """Host-side sum of several records (e.g. over steps or layers)."""
+    if not stats:
+        raise ValueError("merge_stats needs at least one MoEStats")
+    r = len(stats[0].pairs_sent)
+
+    def total(attr: str) -> list[int]:
+        return [sum(getattr(s, attr)[i] for s in stats) for i in range(r)]
+
+    out = MoEStats(stats[0].rank, total("pairs_sent"), total("rows_sent"), total("bytes_sent"),
+                   max(s.num_ranks_reduced for s in stats), sum(s._local_pairs or 0 for s in stats))
+    loads = [s._expert_loads for s in stats if s._expert_loads is not None]
+    if loads and len(loads) == len(stats):
+        out._expert_loads = torch.stack(loads).sum(0)
+    return out

@@ -1,0 +1,235 @@
+"""`ExpertPlacement`: where each logical expert lives, in DeepSeek EPLB's format.
+
+A placement maps the ``R * S`` physical slots (``R`` ranks, ``S`` slots per rank) to logical
+experts. Physical slot ``p`` is local slot ``p % S`` of rank ``p // S``. It is the single source
+of truth for "where is expert e"; routers stay in logical order.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class SlotMove:
+    """One slot that must receive an expert's weights when changing placement."""
+
+    dst_rank: int
+    dst_slot: int
+    expert: int
+    src_rank: int
+    src_slot: int
+
+
+class ExpertPlacement:
+    """Expert-to-slot map of one layer.
+
+    Attributes:
+        phy2log: ``[R, S]`` int64, logical expert in each slot, ``-1`` for an empty slot.
+        log2phy: ``[E, max_replicas]`` int64, physical slot ids of each expert's replicas
+            (ascending), ``-1`` padded.
+        logcnt: ``[E]`` int64, replicas per expert.
+    """
+
+    def __init__(self, phy2log: torch.Tensor | np.ndarray, num_experts: int):
+        p = torch.as_tensor(phy2log)
+        if p.dtype.is_floating_point or p.dtype == torch.bool or p.dtype.is_complex:
+            raise TypeError(f"phy2log must be an integer tensor, got {p.dtype}")
+        if p.dim() != 2 or p.numel() == 0:
+            raise ValueError(f"phy2log must be a non-empty [num_ranks, slots_per_rank] table, got shape {tuple(p.shape)}")
+        if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or num_experts < 1:
+            raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+        self.phy2log = p.to(torch.int64).cpu().clone()
+        self.num_experts = int(num_experts)
+        self.validate()
+        flat = self.phy2log.flatten()
+        self.logcnt = torch.bincount(flat[flat >= 0], minlength=self.num_experts)
+        max_rep = int(self.logcnt.max())
+        self.log2phy = torch.full((self.num_experts, max_rep), -1, dtype=torch.int64)
+        slots = torch.nonzero(flat >= 0).flatten()
+        experts = flat[slots]
+        order = torch.argsort(experts * flat.numel() + slots)  # by expert, then slot
+        slots, experts = slots[order], experts[order]
+        start = torch.cumsum(self.logcnt, 0) - self.logcnt
+        rep = torch.arange(slots.numel()) - start[experts]
+        self.log2phy[experts, rep] = slots
+        self._device_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    # ---------------------------------------------------------------- constructors
+    @classmethod
+    def linear(cls, num_experts: int, num_ranks: int, slots_per_rank: int | None = None) -> "ExpertPlacement":
+        """Experts ``r*E/R .. (r+1)*E/R - 1`` on rank ``r``; extra slots (if any) empty.
+
+        Raises:
+            ValueError: if ``num_experts`` is not divisible by ``num_ranks``.
+        """
+        _check_positive(num_ranks=num_ranks, num_experts=num_experts)
+        if num_experts % num_ranks:
+            raise ValueError(
+                f"linear placement needs num_experts ({num_experts}) divisible by num_ranks ({num_ranks})"
+            )
+        per = num_experts // num_ranks
+        slots = per if slots_per_rank is None else slots_per_rank
+        if slots < per:
+            raise ValueError(f"slots_per_rank ({slots}) < experts per rank ({per})")
+        table = torch.full((num_ranks, slots), -1, dtype=torch.int64)
+        table[:, :per] = torch.arange(num_experts).view(num_ranks, per)
+        return cls(table, num_experts)
+
+    @classmethod
+    def from_expert_rank(
+        cls, expert_rank: torch.Tensor | np.ndarray, num_ranks: int | None = None, slots_per_rank: int | None = None
+    ) -> "ExpertPlacement":
+        """One replica per expert; ``expert_rank [E]`` gives each expert's rank.
+
+        Experts on a rank fill its slots in ascending id order; ranks with fewer experts than
+        ``slots_per_rank`` (default: the most any rank holds) keep empty slots.
+        """
+        er = torch.as_tensor(expert_rank).to(torch.int64).flatten().cpu()
+        if er.numel() == 0:
+            raise ValueError("expert_rank is empty")
+        ranks = int(er.max()) + 1 if num_ranks is None else num_ranks
+        if int(er.min()) < 0 or int(er.max()) >= ranks:
+            raise ValueError(f"expert_rank has ranks outside [0, {ranks}): min {int(er.min())}, max {int(er.max())}")
+        counts = torch.bincount(er, minlength=ranks)
+        slots = int(counts.max()) if slots_per_rank is None else slots_per_rank
+        if slots < int(counts.max()):
+            raise ValueError(f"slots_per_rank ({slots}) is less than the {int(counts.max())} experts on one rank")
+        table = torch.full((ranks, slots), -1, dtype=torch.int64)
+        for r in range(ranks):
+            mine = torch.nonzero(er == r).flatten()
+            table[r, : mine.numel()] = mine
+        return cls(table, er.numel())
+
+    @classmethod
+    def from_phy2log(cls, phy2log: torch.Tensor | np.ndarray, num_experts: int) -> "ExpertPlacement":
+        """From an EPLB-style ``[R, S]`` table (``-1`` = empty slot)."""
+        return cls(phy2log, num_experts)
+
+    # ---------------------------------------------------------------- properties
+    @property
+    def num_ranks(self) -> int:
+        return self.phy2log.shape[0]
+
+    @property
+    def slots_per_rank(self) -> int:
+        return self.phy2log.shape[1]
+
+    @property
+    def max_replicas(self) -> int:
+        return self.log2phy.shape[1]
+
+    def experts_on(self, rank: int) -> list[int]:
+        """Logical experts in ``rank``'s slots (``-1`` for empty), slot order."""
+        return self.phy2log[rank].tolist()
+
+    def expert_rank(self) -> torch.Tensor:
+        """``[E]`` rank of each expert's first replica."""
+        return self.log2phy[:, 0] // self.slots_per_rank
+
+    def device_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(phy2log, log2phy, logcnt)`` on ``device``, cached."""
+        device = torch.device(device)
+        if device not in self._device_cache:
+            self._device_cache[device] = (
+                self.phy2log.to(device), self.log2phy.to(device), self.logcnt.to(device)
+            )
+        return self._device_cache[device]
+
+    # ---------------------------------------------------------------- checks and moves
+    def validate(self) -> None:
+        """Raise ``ValueError`` unless every expert has a replica, ids are in range and no rank
+        holds two replicas of one expert."""
+        p, e = self.phy2log, self.num_experts
+        bad = (p < -1) | (p >= e)
+        if bad.any():
+            raise ValueError(f"placement has expert ids outside [-1, {e}): {sorted(set(p[bad].tolist()))[:8]}")
+        present = torch.zeros(e, dtype=torch.bool)
+        present[p[p >= 0]] = True
+        if not present.all():
+            missing = torch.nonzero(~present).flatten().tolist()
+            raise ValueError(f"placement is missing expert(s) {missing[:16]}: every expert needs at least one replica")
+        for r in range(p.shape[0]):
+            row = p[r][p[r] >= 0]
+            if row.unique().numel() != row.numel():
+                dup = [x for x in row.unique().tolist() if int((row == x).sum()) > 1]
+                raise ValueError(f"placement has duplicate replicas of expert(s) {dup} on rank {r}")
+
+    def moves_to(self, other: "ExpertPlacement") -> list[SlotMove]:
+        """The slots of ``other`` whose expert differs from this placement's, with a source.
+
+        The source is a slot holding that expert now: on the destination rank itself if
+        possible, else spread round-robin over the current replicas.
+        """
+        if (other.num_experts, other.num_ranks, other.slots_per_rank) != (
+            self.num_experts, self.num_ranks, self.slots_per_rank
+        ):
+            raise ValueError(
+                "placements differ in shape: "
+                f"(E, R, S) = {(self.num_experts, self.num_ranks, self.slots_per_rank)} vs "
+                f"{(other.num_experts, other.num_ranks, other.slots_per_rank)}"
+            )
+        moves, turn = [], {}
+        s = self.slots_per_rank
+        for r in range(other.num_ranks):
+            for slot in range(s):
+                e = int(other.phy2log[r, slot])
+                if e < 0 or int(self.phy2log[r, slot]) == e:
+                    continue
+                srcs = self.log2phy[e, : int(self.logcnt[e])].tolist()
+                local = [p for p in srcs if p // s == r]
+                if local:
+                    src = local[0]
+                else:
+                    k = turn.get(e, 0)
+                    turn[e] = k + 1
+                    src = srcs[k % len(srcs)]
+                moves.append(SlotMove(r, slot, e, src // s, src % s))
+        return moves
+
+    # ---------------------------------------------------------------- persistence
+    def save(self, path: str | os.PathLike) -> None:
+        """Write ``phy2log`` and ``num_experts`` to an ``.npz`` file atomically."""
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, phy2log=self.phy2log.numpy(), num_experts=np.int64(self.num_experts))
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "ExpertPlacement":
+        """Read a placement written by :meth:`save`."""
+        with np.load(path, allow_pickle=False) as data:
+            missing = {"phy2log", "num_experts"} - set(data.files)
+            if missing:
+                raise ValueError(f"{path}: not a placement file, missing key(s) {sorted(missing)}")
+            return cls(data["phy2log"], int(data["num_experts"]))
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, ExpertPlacement)
+            and self.num_experts == other.num_experts
+            and torch.equal(self.phy2log, other.phy2log)
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"ExpertPlacement(E={self.num_experts}, ranks={self.num_ranks}, slots_per_rank={self.slots_per_rank}, "
+            f"max_replicas={self.max_replicas})"
+        )
+
+
+def _check_positive(**values: int) -> None:
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")

@@ -1,0 +1,82 @@
+"""`TopKRouter`: logits -> top-k logical experts and their weights."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moelayers.config import MoEConfig
+
+
+def scores_to_topk(logits: torch.Tensor, config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score router logits and select the top-k experts.
+
+    Scoring runs in float32 (float64 for float64 logits) so that near-ties are broken the same way
+    whatever the batch; weights are returned in float32/float64 and cast by the caller.
+
+    Args:
+        logits: ``[T, E]`` router logits.
+        config: gives ``top_k``, ``score_fn`` and ``norm_topk_prob``.
+
+    Returns:
+        ``(topk_ids [T, K] int64, topk_weights [T, K] float)``.
+    """
+    scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if config.score_fn == "softmax":
+        scores = torch.softmax(scores, dim=-1)
+    else:
+        scores = torch.sigmoid(scores)
+    weights, ids = torch.topk(scores, config.top_k, dim=-1)
+    if config.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights
+
+
+def forced_topk_weights(logits: torch.Tensor, topk_ids: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """Weights for externally chosen experts (trace replay): the scores of ``topk_ids`` under
+    this router, normalised as the config says. ``[T, E], [T, K] -> [T, K]``."""
+    scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    scores = torch.softmax(scores, dim=-1) if config.score_fn == "softmax" else torch.sigmoid(scores)
+    weights = torch.gather(scores, 1, topk_ids)
+    if config.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights
+
+
+class TopKRouter(nn.Module):
+    """Linear gate ``[E, H]`` (no bias) followed by :func:`scores_to_topk`.
+
+    Args:
+        config: the MoE block.
+        check_finite: raise ``ValueError`` on NaN/inf logits (one device sync per forward).
+    """
+
+    def __init__(self, config: MoEConfig, *, device: torch.device | str | None = None, check_finite: bool = True):
+        super().__init__()
+        self.config = config
+        self.check_finite = check_finite
+        self.weight = nn.Parameter(
+            torch.empty(config.num_experts, config.hidden_size, dtype=config.params_dtype, device=device)
+        )
+
+    def forward(
+        self, x: torch.Tensor, forced_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route tokens.
+
+        Args:
+            x: ``[T, H]`` hidden states.
+            forced_ids: optional ``[T, K]`` expert ids to use instead of the top-k (replay).
+
+        Returns:
+            ``(topk_ids [T, K] int64, topk_weights [T, K] in x.dtype)``.
+        """
+        logits = x @ self.weight.t()
+        if self.check_finite and logits.numel() and not bool(torch.isfinite(logits).all()):
+            raise ValueError("router logits contain NaN or inf: check the input hidden states and router weight")
+        if forced_ids is None:
+            ids, weights = scores_to_topk(logits, self.config)
+        else:
+            ids = forced_ids
+            weights = forced_topk_weights(logits, ids, self.config)
+        return ids, weights.to(x.dtype)

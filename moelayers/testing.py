@@ -1,0 +1,116 @@
+"""Helpers for checking layers against the dense reference (used by our tests; handy for yours).
+
+The tolerance rule of DESIGN.md §1, against a float64 reference ``ref64``:
+
+- float32 (and float64): ``max|y - ref64| <= 1e-5 * max(1, max|ref64|)``;
+- bfloat16/float16: ``max|y - ref64| <= 3 * max|ref_low - ref64| + 1e-3 * max|ref64|``, where
+  ``ref_low`` is the same reference computed in the low precision.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def tolerance(ref64: torch.Tensor, ref_low: torch.Tensor | None, dtype: torch.dtype) -> float:
+    """The allowed ``max|y - ref64|`` for output dtype ``dtype``."""
+    scale = float(ref64.detach().abs().max()) if ref64.numel() else 0.0
+    if dtype in (torch.float32, torch.float64):
+        return 1e-5 * max(1.0, scale)
+    if ref_low is None:
+        raise ValueError(f"the {dtype} tolerance needs the reference computed in {dtype}")
+    low_err = float((ref_low.detach().double() - ref64.detach()).abs().max()) if ref64.numel() else 0.0
+    return 3.0 * low_err + 1e-3 * scale
+
+
+def max_error(y: torch.Tensor, ref64: torch.Tensor) -> float:
+    """``max|y - ref64|`` in float64 (NaN never passes: it is returned as inf)."""
+    if y.shape != ref64.shape:
+        raise ValueError(f"shape mismatch: {list(y.shape)} vs reference {list(ref64.shape)}")
+    if y.numel() == 0:
+        return 0.0
+    err = (y.detach().double().cpu() - ref64.detach().double().cpu()).abs().max()
+    return float("inf") if torch.isnan(err) else float(err)
+
+
+def check_close(name: str, y: torch.Tensor, ref64: torch.Tensor, ref_low: torch.Tensor | None = None) -> str | None:
+    """``None`` if ``y`` obeys the rule, else a message naming ``name`` with error and bound."""
+    err = max_error(y, ref64)
+    tol = tolerance(ref64.double().cpu(), None if ref_low is None else ref_low.cpu(), y.dtype)
+    if err <= tol:
+        return None
+    return f"{name}: max|y - ref64| = {err:.3e} > tolerance {tol:.3e} ({y.dtype})"
+
+
+# ---------------------------------------------------------------------- multi-process runner
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, queue) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        )
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        result = fn(rank, world, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # report every failure, never hang the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
+                    timeout: float = 240.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes.
+
+    ``fn`` must be importable (module level). Returns the per-rank results in rank order.
+
+    Raises:
+        RuntimeError: with every failing rank's traceback, or on timeout (a hang fails, it does not stall).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            try:
+                rank, status, payload = queue.get(timeout=timeout)
+            except Exception:
+                raise RuntimeError(f"distributed run timed out after {timeout:.0f} s (a rank hung or died)")
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors.append(f"--- rank {rank} ---\n{payload}")
+                break  # other ranks may be stuck in a collective with the failed one
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]

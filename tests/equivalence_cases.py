@@ -1,0 +1,152 @@
+"""The central equivalence suite: VanillaMoE vs the dense float64 reference.
+
+One function, ``run_cases``, runs every case on one rank of any world size (1 without
+torch.distributed, 2 and 4 with gloo, 2+ with NCCL) and returns ``{case name: error or None}``.
+Inputs are regenerated from seeds on every rank, so each rank can compute the reference for all
+ranks' tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import moelayers as ml
+from moelayers.testing import check_close
+
+H, F = 32, 16
+
+
+class LastReplicaPolicy:
+    """A deliberately different replica choice: always the last replica."""
+
+    def __call__(self, topk_ids, placement, rank):
+        _, log2phy, logcnt = placement.device_tables(topk_ids.device)
+        return torch.gather(log2phy[topk_ids], 2, (logcnt[topk_ids] - 1)[..., None]).squeeze(-1)
+
+
+def placements(kind: str, num_experts: int, ranks: int) -> ml.ExpertPlacement:
+    g = torch.Generator().manual_seed(7)
+    if kind == "linear":
+        return ml.ExpertPlacement.linear(num_experts, ranks)
+    if kind == "permuted":
+        return ml.ExpertPlacement.from_phy2log(torch.randperm(num_experts, generator=g).view(ranks, -1), num_experts)
+    if kind == "replicas":  # two spare slots per rank, filled with replicas of random experts
+        per = num_experts // ranks
+        table = torch.full((ranks, per + 2), -1, dtype=torch.int64)
+        table[:, :per] = torch.randperm(num_experts, generator=g).view(ranks, per)
+        for r in range(ranks):
+            others = [e for e in torch.randperm(num_experts, generator=g).tolist() if e not in table[r].tolist()]
+            table[r, per:per + len(others[:2])] = torch.tensor(others[:2], dtype=torch.int64)  # one rank: spares stay empty
+        return ml.ExpertPlacement.from_phy2log(table, num_experts)
+    raise ValueError(kind)
+
+
+def case_list(world: int) -> list[dict]:
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for place in ("linear", "permuted", "replicas"):
+            for disp, dedup in (("alltoall", True), ("alltoall", False), ("allgather", True)):
+                cases.append(dict(place=place, dispatcher=disp, dedup=dedup, dtype=dtype))
+        cases.append(dict(place="replicas", dispatcher="alltoall", dedup=True, dtype=dtype, policy="last"))
+        cases.append(dict(place="replicas", dispatcher="allgather", dedup=True, dtype=dtype, policy="last"))
+        for disp, dedup in (("alltoall", True), ("alltoall", False), ("allgather", True)):
+            cases.append(dict(place="permuted", dispatcher=disp, dedup=dedup, dtype=dtype, zero_tokens=True))
+            cases.append(dict(place="linear", dispatcher=disp, dedup=dedup, dtype=dtype, one_expert=True))
+            cases.append(dict(place="replicas", dispatcher=disp, dedup=dedup, dtype=dtype, topk_all=True))
+            cases.append(dict(place="linear", dispatcher=disp, dedup=dedup, dtype=dtype, sigmoid=True, shape3d=True))
+    for c in cases:
+        flags = [k for k in ("policy", "zero_tokens", "one_expert", "topk_all", "sigmoid") if c.get(k)]
+        c["name"] = f"{c['place']}-{c['dispatcher']}-{'dedup' if c['dedup'] else 'nodedup'}-" \
+                    f"{str(c['dtype']).split('.')[-1]}" + "".join(f"-{f}" for f in flags)
+    return cases
+
+
+def _tokens(rank: int, case: dict) -> int:
+    if case.get("zero_tokens") and rank == 1:
+        return 0
+    return 6 + 3 * rank
+
+
+def run_cases(rank: int, world: int, device: str = "cpu", names: list[str] | None = None) -> dict[str, str | None]:
+    groups = ml.ParallelGroups.from_world() if world > 1 else ml.ParallelGroups.single()
+    results = {}
+    for case in case_list(world):
+        if names is not None and case["name"] not in names:
+            continue
+        try:
+            results[case["name"]] = _run_case(rank, world, groups, case, torch.device(device))
+        except Exception as e:  # a failing case must not desynchronise the others
+            results[case["name"]] = f"{case['name']}: raised {type(e).__name__}: {e}"
+            if world > 1:
+                raise
+    return results
+
+
+def _run_case(rank: int, world: int, groups, case: dict, device: torch.device) -> str | None:
+    num_experts = 8 if world <= 2 else 16
+    top_k = num_experts if case.get("topk_all") else (1 if case.get("one_expert") else 2)
+    dtype = case["dtype"]
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=num_experts, top_k=top_k,
+                       score_fn="sigmoid" if case.get("sigmoid") else "softmax", params_dtype=dtype)
+    cfg64 = cfg.replace(params_dtype=torch.float64)
+    gen = torch.Generator().manual_seed(1234)
+    router64 = torch.randn(num_experts, H, generator=gen, dtype=torch.float64) * 0.5
+    w13_64 = torch.randn(num_experts, 2 * F, H, generator=gen, dtype=torch.float64) * H ** -0.5
+    w2_64 = torch.randn(num_experts, H, F, generator=gen, dtype=torch.float64) * F ** -0.5
+    if case.get("one_expert"):
+        router64 = router64 * 0.01
+        router64[3] += 1.0
+    xs = []
+    for r in range(world):
+        g = torch.Generator().manual_seed(100 + r)
+        x = torch.randn(_tokens(r, case), H, generator=g, dtype=torch.float64)
+        if case.get("one_expert"):
+            x = x.abs() + 0.1
+        xs.append(x)
+    gys = [torch.randn(x.shape, generator=torch.Generator().manual_seed(200 + r), dtype=torch.float64)
+           for r, x in enumerate(xs)]
+
+    policy = LastReplicaPolicy() if case.get("policy") == "last" else None
+    layer = ml.VanillaMoE(cfg, groups, placement=placements(case["place"], num_experts, groups.ep_size),
+                          dispatcher=case["dispatcher"], dedup=case["dedup"], replica_policy=policy, device=device)
+    layer.load_full_weights(router64.to(dtype).to(device), w13_64.to(dtype).to(device), w2_64.to(dtype).to(device))
+
+    # layer forward and backward on this rank's tokens
+    x = xs[rank].to(dtype).to(device)
+    if case.get("shape3d") and x.shape[0] % 3 == 0:
+        x = x.view(3, -1, H)
+    x.requires_grad_(True)
+    y = layer(x)
+    (y.float() * gys[rank].view(y.shape).float().to(device)).sum().backward()
+    g13, g2 = layer.expert_grads_full()
+    g_router = layer.router.weight.grad.detach().clone()
+    if groups.ep is not None:
+        dist.all_reduce(g_router, group=groups.ep)
+
+    # references on all ranks' tokens, float64 and the layer's dtype
+    def reference(ref_dtype):
+        params = [t.to(ref_dtype).clone().requires_grad_(True) for t in (router64, w13_64, w2_64)]
+        x_all = [xi.to(ref_dtype).clone().requires_grad_(True) for xi in xs]
+        c = cfg64 if ref_dtype == torch.float64 else cfg
+        outs = [ml.reference.moe_forward(xi, *params, c) for xi in x_all]
+        loss = sum((o.double() * gy).sum() for o, gy in zip(outs, gys))
+        loss.backward()
+        gx = x_all[rank].grad if x_all[rank].grad is not None else torch.zeros_like(x_all[rank])
+        return outs[rank], gx, params
+
+    ref_y, ref_gx, ref_p = reference(torch.float64)
+    low = reference(dtype) if dtype not in (torch.float32, torch.float64) else (None, None, [None, None, None])
+    low_y, low_gx, low_p = low
+    name = case["name"]
+    checks = [
+        check_close(f"{name} output", y.reshape(ref_y.shape), ref_y, low_y),
+        check_close(f"{name} d/dx", x.grad.reshape(ref_gx.shape), ref_gx, low_gx),
+        check_close(f"{name} d/dw13", g13, ref_p[1].grad, None if low_p[1] is None else low_p[1].grad),
+        check_close(f"{name} d/dw2", g2, ref_p[2].grad, None if low_p[2] is None else low_p[2].grad),
+        check_close(f"{name} d/drouter", g_router, ref_p[0].grad, None if low_p[0] is None else low_p[0].grad),
+    ]
+    if layer.last_stats is None or not 0.0 <= layer.last_stats.lar <= 1.0:
+        checks.append(f"{name}: bad last_stats {layer.last_stats}")
+    errors = [c for c in checks if c]
+    return "; ".join(errors) if errors else None

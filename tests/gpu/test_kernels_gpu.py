@@ -1,0 +1,66 @@
+"""Native Triton kernels on CUDA vs their torch references."""
+
+import pytest
+import torch
+
+from moelayers.kernels import (
+    HAVE_TRITON,
+    permute,
+    permute_reference,
+    permute_triton,
+    unpermute_combine,
+    unpermute_combine_reference,
+    unpermute_combine_triton,
+    use_triton,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(not HAVE_TRITON, reason="needs triton"),
+]
+
+SHAPES = [(1, 8, 1), (37, 200, 3), (512, 1000, 8), (4096, 2048, 8), (16, 4096, 256)]
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32, torch.float16))
+@pytest.mark.parametrize("T,H,J", SHAPES)
+def test_permute_cuda(T, H, J, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(T + H + J)
+    n = T * J + 5
+    dest = torch.randperm(n, device="cuda", generator=gen)[: T * J].view(T, J)
+    dest[torch.rand(T, J, device="cuda", generator=gen) < 0.25] = -1
+    x = torch.randn(T, H, device="cuda", generator=gen).to(dtype)
+    wide = torch.full((n, H + 16), float("nan"), device="cuda", dtype=dtype)
+    ref_wide = wide.clone()
+    assert use_triton(x)
+    permute(x, dest.int(), wide[:, 8: 8 + H])
+    permute_reference(x, dest, ref_wide[:, 8: 8 + H])
+    assert torch.equal(wide.view(torch.uint8), ref_wide.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32))
+@pytest.mark.parametrize("T,H,J", SHAPES)
+def test_unpermute_combine_cuda(T, H, J, dtype):
+    gen = torch.Generator(device="cuda").manual_seed(T * H + J)
+    N = T * J
+    src = torch.randn(N, H + 8, device="cuda", generator=gen).to(dtype)[:, :H]
+    index = torch.randint(0, N, (T, J), device="cuda", generator=gen)
+    index[torch.rand(T, J, device="cuda", generator=gen) < 0.25] = -1
+    weight = torch.rand(T, J, device="cuda", generator=gen)
+    for w in (None, weight):
+        got = unpermute_combine(src, index, w)
+        ref = unpermute_combine_reference(src, index, w)
+        tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    got32 = unpermute_combine_triton(src, index, weight, out_dtype=torch.float32)
+    ref32 = unpermute_combine_reference(src, index, weight, out_dtype=torch.float32)
+    torch.testing.assert_close(got32, ref32, rtol=1e-5, atol=1e-5)
+
+
+def test_empty_and_all_invalid_cuda():
+    x = torch.randn(0, 64, device="cuda")
+    out = torch.zeros(4, 64, device="cuda")
+    assert permute_triton(x, torch.empty(0, 2, dtype=torch.long, device="cuda"), out) is out
+    y = unpermute_combine_triton(torch.empty(0, 64, device="cuda"), torch.full((3, 2), -1, device="cuda"), None)
+    assert y.shape == (3, 64) and (y == 0).all()

@@ -1,0 +1,216 @@
+"""Triton kernels vs their torch references vs naive python loops (CPU, TRITON_INTERPRET=1)."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton / moelayers are imported
+
+import importlib  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from moelayers.kernels import (  # noqa: E402
+    HAVE_TRITON,
+    permute,
+    permute_reference,
+    permute_triton,
+    unpermute_combine,
+    unpermute_combine_reference,
+    unpermute_combine_triton,
+    use_triton,
+)
+
+
+def _interpreted() -> bool:
+    # The interpreter is chosen when a kernel is decorated: if something imported the kernels before
+    # TRITON_INTERPRET was set, they are native kernels and cannot run on CPU tensors.
+    mod = importlib.import_module("moelayers.kernels.permute")
+    return type(mod._permute_kernel).__name__ == "InterpretedFunction"
+
+
+needs_triton = pytest.mark.skipif(
+    not HAVE_TRITON or not _interpreted(), reason="triton missing or not in interpreter mode"
+)
+
+TS, HS, JS = (0, 1, 7, 64), (8, 96, 200), (1, 3, 8)
+DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+
+def _dest_map(T, J, extra, drop, gen, idx_dtype=torch.int64):
+    """[T, J] distinct destination rows in [0, T*J + extra), with a fraction `drop` set to -1."""
+    n = T * J + extra
+    dest = torch.randperm(n, generator=gen)[: T * J].view(T, J)
+    dest[torch.rand(T, J, generator=gen) < drop] = -1
+    return dest.to(idx_dtype), n
+
+
+def _naive_permute(x, dest, out):
+    out = out.clone()
+    for t in range(dest.shape[0]):
+        for j in range(dest.shape[1]):
+            if dest[t, j] >= 0:
+                out[dest[t, j]] = x[t]
+    return out
+
+
+def _naive_combine(src, index, weight):
+    T, J = index.shape
+    out = torch.zeros(T, src.shape[1], dtype=torch.float64)
+    for t in range(T):
+        for j in range(J):
+            if index[t, j] >= 0:
+                w = 1.0 if weight is None else float(weight[t, j])
+                out[t] += w * src[index[t, j]].double()
+    return out
+
+
+def _bitwise_equal(a, b):
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _packed_out(n, H, dtype, layout, gen):
+    """A NaN-poisoned [n, H] `out` view, and its base buffer (whose other bytes must survive)."""
+    if layout == "contiguous":
+        base = torch.full((n, H), float("nan"), dtype=dtype)
+        return base, base
+    if layout == "column_slice":
+        base = torch.full((n, H + 13), float("nan"), dtype=dtype)
+        base[:, :5] = 7.0
+        base[:, 5 + H:] = -3.0
+        return base, base[:, 5: 5 + H]
+    # uint8 buffer viewed as dtype: a 16-byte header column block, the payload, an 8-byte tail.
+    es = torch.empty((), dtype=dtype).element_size()
+    base = torch.randint(0, 256, (n, 16 + H * es + 8), dtype=torch.uint8, generator=gen)
+    out = base[:, 16: 16 + H * es].view(dtype)
+    out.fill_(float("nan"))
+    return base, out
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("J", JS)
+@pytest.mark.parametrize("H", HS)
+@pytest.mark.parametrize("T", TS)
+def test_permute_matches(T, H, J, dtype):
+    gen = torch.Generator().manual_seed(T * 1000 + H * 10 + J)
+    layout = ("contiguous", "column_slice", "uint8_view")[(T + H + J) % 3]
+    idx_dtype = torch.int32 if J == 3 else torch.int64
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    dest, n = _dest_map(T, J, extra=3, drop=0.3, gen=gen, idx_dtype=idx_dtype)
+    if T == 7:
+        dest[2] = -1  # a token with no destination
+    results = []
+    for fn in (permute_triton, permute_reference):
+        base, out = _packed_out(n, H, dtype, layout, torch.Generator().manual_seed(1))
+        before = base.clone()
+        assert fn(x, dest, out) is out
+        results.append((base, out, before))
+    (b_tri, o_tri, before), (b_ref, o_ref, _) = results
+    expected = _naive_permute(x, dest, o_ref.new_full(o_ref.shape, float("nan")))
+    assert _bitwise_equal(o_tri, expected) and _bitwise_equal(o_ref, expected)
+    assert _bitwise_equal(b_tri, b_ref)  # bytes outside the view untouched, in both
+    targeted = torch.zeros(n, dtype=torch.bool)
+    targeted[dest[dest >= 0].long()] = True
+    assert not o_tri[targeted].isnan().any()  # every targeted row written
+    assert o_tri[~targeted].isnan().all()  # every other row left as it was
+    outside = torch.ones_like(before, dtype=torch.bool)
+    if layout == "column_slice":
+        outside[:, 5: 5 + H] = False
+    elif layout == "uint8_view":
+        outside[:, 16: 16 + H * o_tri.element_size()] = False
+    if layout != "contiguous":
+        assert torch.equal(b_tri[outside], before[outside])
+
+
+@needs_triton
+@pytest.mark.parametrize("idx_dtype", (torch.int32, torch.int64))
+def test_permute_all_invalid_and_wide_J(idx_dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 40, generator=gen)
+    out = torch.full((9, 40), 3.0)
+    permute_triton(x, torch.full((5, 4), -1, dtype=idx_dtype), out)
+    assert (out == 3.0).all()
+    dest, n = _dest_map(3, 256, extra=0, drop=0.5, gen=gen, idx_dtype=idx_dtype)
+    x = torch.randn(3, 40, generator=gen)
+    blank = torch.zeros(n, 40)
+    assert torch.equal(permute_triton(x, dest, blank.clone()), _naive_permute(x, dest, blank))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("J", JS)
+@pytest.mark.parametrize("H", HS)
+@pytest.mark.parametrize("T", TS)
+def test_unpermute_combine_matches(T, H, J, dtype):
+    gen = torch.Generator().manual_seed(T * 1000 + H * 10 + J + 1)
+    N = max(T * J // 2, 1)
+    wide = torch.randn(N, H + 9, generator=gen).to(dtype)
+    src = wide[:, 4: 4 + H] if (T + J) % 2 else wide[:, :H].contiguous()
+    index = torch.randint(0, N, (T, J), generator=gen)  # rows may repeat (replicated sources)
+    index[torch.rand(T, J, generator=gen) < 0.3] = -1
+    if T == 7:
+        index[3] = -1  # a token with no source: zeros
+    index = index.to(torch.int32 if J == 8 else torch.int64)
+    weight = None if H == 96 else torch.rand(T, J, generator=gen)
+    if weight is not None:
+        weight[index < 0] = float("nan")  # ignored where the index is invalid
+    expected = _naive_combine(src, index, weight)
+    tri = unpermute_combine_triton(src, index, weight)
+    ref = unpermute_combine_reference(src, index, weight)
+    assert tri.dtype == ref.dtype == dtype and tri.shape == ref.shape == (T, H)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    for got in (tri, ref):
+        torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol)
+    if T == 7:
+        assert (tri[3] == 0).all() and (ref[3] == 0).all()
+
+
+@needs_triton
+def test_unpermute_combine_out_dtype_and_empty_src():
+    gen = torch.Generator().manual_seed(2)
+    src = torch.randn(6, 24, generator=gen).bfloat16()
+    index = torch.tensor([[0, 5, -1], [2, 2, 1], [-1, -1, -1]])
+    weight = torch.rand(3, 3, generator=gen)
+    tri = unpermute_combine_triton(src, index, weight, out_dtype=torch.float32)
+    ref = unpermute_combine_reference(src, index, weight, out_dtype=torch.float32)
+    assert tri.dtype == ref.dtype == torch.float32
+    torch.testing.assert_close(tri.double(), _naive_combine(src, index, weight), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ref, tri)
+    empty = torch.empty(0, 24)
+    none = torch.full((4, 2), -1)
+    for fn in (unpermute_combine_triton, unpermute_combine_reference):
+        out = fn(empty, none, torch.rand(4, 2))
+        assert out.shape == (4, 24) and (out == 0).all()
+
+
+def test_reference_gradcheck():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    dest = torch.tensor([[0, 6], [-1, -1], [2, -1], [5, 1]])
+    out = torch.full((8, 5), 9.0, dtype=torch.float64)
+    y = permute_reference(x, dest, out)
+    assert y is not out and (out == 9.0).all()  # with grad: fresh tensor, `out` untouched
+    assert torch.equal(y.detach(), _naive_permute(x.detach(), dest, out))
+    assert torch.autograd.gradcheck(lambda x: permute_reference(x, dest, out), (x,))
+
+    src = torch.randn(6, 5, dtype=torch.float64, generator=gen, requires_grad=True)
+    index = torch.tensor([[0, 5, -1], [2, 2, 1], [-1, -1, -1], [4, 3, 0]])
+    weight = torch.rand(4, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda s, w: unpermute_combine_reference(s, index, w), (src, weight))
+    assert torch.autograd.gradcheck(lambda s: unpermute_combine_reference(s, index, None), (src,))
+
+
+def test_dispatch_uses_reference_on_cpu(monkeypatch):
+    x = torch.randn(3, 8)
+    assert not use_triton(x)
+    if torch.cuda.is_available():
+        assert use_triton(x.cuda())
+        monkeypatch.setenv("MOELAYERS_DISABLE_TRITON", "1")
+        assert not use_triton(x.cuda())
+    dest = torch.tensor([[1], [-1], [0]])
+    out = permute(x, dest, torch.zeros(2, 8))
+    assert torch.equal(out, torch.stack([x[2], x[0]]))
+    y = unpermute_combine(out, torch.tensor([[1], [-1], [0]]), None)
+    assert torch.equal(y, torch.stack([x[0], torch.zeros(8), x[2]]))
+    xg = x.clone().requires_grad_()
+    assert permute(xg, dest, torch.zeros(2, 8)).requires_grad
