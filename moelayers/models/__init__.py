@@ -1,0 +1,5 @@
+"""Small models for recipes and tests (DESIGN.md §3)."""
+
+from moelayers.models.tiny import KVCache, StepRequest, TinyConfig, TinyDecoder
+
+__all__ = ["KVCache", "StepRequest", "TinyConfig", "TinyDecoder"]

@@ -1,0 +1,308 @@
+"""`TinyDecoder`: a small decoder-only transformer with an MoE slot per block, for recipes and tests.
+
+::
+
+    input_ids -> embedding -> N x [ h += attn(norm(h))   (causal, RoPE, per-request KV cache)
+                                    h += moe(norm(h))    (any moelayers layer, token_ids passed) ]
+              -> norm -> lm_head -> logits
+
+Attention is data-parallel: every rank builds the same attention weights (seeded generator,
+independent of the rank) and keeps only the KV caches of its own requests. The MoE slot is
+expert-parallel: all ranks call it collectively every step, possibly with zero tokens.
+
+Continuous batching goes through :meth:`TinyDecoder.step`: a step mixes prefill chunks and single
+decode tokens of several requests; attention runs per request on its own cache, the MoE layers
+get all tokens of the step in one call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["TinyConfig", "TinyDecoder", "KVCache", "RMSNorm", "CausalSelfAttention", "StepRequest"]
+
+
+@dataclass
+class TinyConfig:
+    """Shape of the tiny decoder (the MoE blocks are configured by the factory).
+
+    Args:
+        vocab_size: vocabulary ``V``.
+        hidden_size: model width ``H``.
+        num_layers: transformer blocks ``N`` (one MoE slot each).
+        num_heads: attention heads (must divide ``hidden_size``; head size must be even for RoPE).
+        rope_theta: RoPE base.
+        norm_eps: RMSNorm epsilon.
+        init_std: std of the normal init of embedding, projections and LM head.
+        dtype: parameter and activation dtype (must match the MoE layers' ``params_dtype``).
+    """
+
+    vocab_size: int = 512
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"TinyConfig.{name} must be a positive int, got {v!r}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError("head size (hidden_size / num_heads) must be even for RoPE")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise TypeError(f"TinyConfig.dtype must be a floating torch.dtype, got {self.dtype!r}")
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight`` over the last dimension (computed in float32 or better)."""
+
+    def __init__(self, size: int, eps: float = 1e-6, *, dtype: torch.dtype = torch.float32, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., H] -> [..., H]``."""
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+@dataclass
+class KVCache:
+    """Keys and values of one request at one layer: ``k, v [num_heads, P, head_dim]``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        """``P``: positions cached so far."""
+        return int(self.k.shape[1])
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append ``[nh, n, hd]`` keys/values; return the full ``[nh, P + n, hd]`` tensors."""
+        self.k = torch.cat([self.k, k], dim=1)
+        self.v = torch.cat([self.v, v], dim=1)
+        return self.k, self.v
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding (rotate-half form). ``x [..., n, hd]``, ``positions [n]`` -> same shape."""
+    hd = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float64) / hd))
+    ang = positions.to(torch.float64)[:, None] * inv[None, :]  # [n, hd/2]
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with RoPE and torch SDPA (no bias)."""
+
+    def __init__(self, cfg: TinyConfig, *, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.hidden_size // cfg.num_heads
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=False, dtype=cfg.dtype, device=device)
+        self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False, dtype=cfg.dtype, device=device)
+
+    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[..., n, H] -> 3 x [..., nh, n, hd]``."""
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        shape = x.shape[:-1] + (self.num_heads, self.head_dim)
+        return tuple(t.view(shape).transpose(-3, -2) for t in (q, k, v))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Full causal pass without cache. ``x [B, S, H] -> [B, S, H]``."""
+        b, s, h = x.shape
+        q, k, v = self._heads(x)
+        pos = torch.arange(s, device=x.device)
+        q, k = _rope(q, pos, self.cfg.rope_theta), _rope(k, pos, self.cfg.rope_theta)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(o.transpose(1, 2).reshape(b, s, h))
+
+    def forward_cached(self, x: torch.Tensor, cache: KVCache | None) -> tuple[torch.Tensor, KVCache]:
+        """One request's new tokens against its cache.
+
+        Args:
+            x: ``[n, H]`` new tokens (a prefill chunk or one decode token), positions ``P .. P+n-1``.
+            cache: the request's cache at this layer (``None``: start one).
+
+        Returns:
+            ``(out [n, H], cache)`` with the cache extended by ``n`` positions.
+        """
+        n = x.shape[0]
+        q, k, v = self._heads(x)  # [nh, n, hd]
+        if cache is None:
+            cache = KVCache(k[:, :0], v[:, :0])
+        p = cache.length
+        pos = torch.arange(p, p + n, device=x.device)
+        q, k = _rope(q, pos, self.cfg.rope_theta), _rope(k, pos, self.cfg.rope_theta)
+        k_all, v_all = cache.append(k, v)
+        if n == 1:  # a decode token sees everything
+            o = F.scaled_dot_product_attention(q, k_all, v_all)
+        elif p == 0:
+            o = F.scaled_dot_product_attention(q, k_all, v_all, is_causal=True)
+        else:  # a chunk after cached positions: query i sees keys j <= p + i
+            mask = torch.arange(p + n, device=x.device)[None, :] <= (p + torch.arange(n, device=x.device))[:, None]
+            o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+        return self.out(o.transpose(0, 1).reshape(n, -1)), cache
+
+
+class Block(nn.Module):
+    """``h += attn(norm1(h)); h += moe(norm2(h), token_ids)``."""
+
+    def __init__(self, cfg: TinyConfig, moe: nn.Module, *, device=None):
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype=cfg.dtype, device=device)
+        self.attn = CausalSelfAttention(cfg, device=device)
+        self.norm2 = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype=cfg.dtype, device=device)
+        self.moe = moe
+
+
+@dataclass
+class StepRequest:
+    """One request's part of a step.
+
+    Attributes:
+        request_id: key of the request's KV cache (a new id starts a new cache).
+        token_ids: ``[n]`` tokens to process: a whole prompt (prefill) or one decode token.
+    """
+
+    request_id: Hashable
+    token_ids: torch.Tensor
+    meta: dict = field(default_factory=dict)
+
+
+class TinyDecoder(nn.Module):
+    """Small decoder with an MoE slot per block.
+
+    Args:
+        cfg: model shape.
+        moe_factory: ``moe_factory(layer_index) -> nn.Module`` builds block ``i``'s MoE slot,
+            called as ``moe(x [T, H], token_ids=[T])``. ``None`` is rejected.
+        device: where the non-MoE weights live.
+        seed: seeds the non-MoE weights (independent of the rank, so every rank agrees).
+    """
+
+    def __init__(self, cfg: TinyConfig, moe_factory: Callable[[int], nn.Module], *, device=None, seed: int = 0):
+        super().__init__()
+        if not callable(moe_factory):
+            raise TypeError("moe_factory must be a callable layer_index -> nn.Module")
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, device=device)
+        self.blocks = nn.ModuleList(Block(cfg, moe_factory(i), device=device) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype=cfg.dtype, device=device)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=cfg.dtype, device=device)
+        self.caches: dict[Hashable, list[KVCache | None]] = {}
+        self.seed = seed
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """``N(0, init_std)`` for embedding, attention and LM head from a generator seeded by
+        ``seed`` (drawn on CPU in float64, so every rank and device gets the same values);
+        norms to one. MoE slots keep their own initialisation."""
+        gen = torch.Generator().manual_seed(self.seed)
+        params = [self.embed.weight, self.lm_head.weight]
+        for b in self.blocks:
+            params += [b.attn.qkv.weight, b.attn.out.weight]
+            b.norm1.weight.fill_(1.0)
+            b.norm2.weight.fill_(1.0)
+        self.norm.weight.fill_(1.0)
+        for p in params:
+            w = torch.empty(p.shape, dtype=torch.float64).normal_(0.0, self.cfg.init_std, generator=gen)
+            p.copy_(w)
+
+    @property
+    def moe_layers(self) -> list[nn.Module]:
+        """The MoE slots, block order."""
+        return [b.moe for b in self.blocks]
+
+    # ------------------------------------------------------------------ full-sequence pass
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Plain causal pass without caches (all ranks call it together: the MoE is collective).
+
+        Args:
+            input_ids: ``[B, S]`` token ids.
+
+        Returns:
+            ``[B, S, V]`` logits.
+        """
+        b, s = input_ids.shape
+        h = self.embed(input_ids)
+        flat_ids = input_ids.reshape(-1)
+        for blk in self.blocks:
+            h = h + blk.attn(blk.norm1(h))
+            m = blk.moe(blk.norm2(h).reshape(b * s, -1), token_ids=flat_ids)
+            h = h + m.view(b, s, -1)
+        return self.lm_head(self.norm(h))
+
+    # ------------------------------------------------------------------ continuous batching
+    def step(
+        self,
+        batch: Sequence[StepRequest | tuple[Hashable, torch.Tensor]],
+        *,
+        forced_topk: Sequence[torch.Tensor | None] | None = None,
+    ) -> dict[Hashable, torch.Tensor]:
+        """One serving step over prefill chunks and decode tokens of several requests.
+
+        Every rank must call this in the same step, even with an empty ``batch``: the MoE layers
+        are collective. Each request's positions continue from its cache length.
+
+        Args:
+            batch: ``StepRequest`` or ``(request_id, token_ids [n])`` items; ``n >= 1``.
+            forced_topk: optional, per block, ``[T, K]`` expert ids (``T`` = all tokens of the
+                step, in batch order) handed to that block's ``moe.force_routing`` (trace replay);
+                an entry may be ``None`` (that block routes itself).
+
+        Returns:
+            ``{request_id: logits [V]}``: next-token logits after each request's last token.
+        """
+        items = [b if isinstance(b, StepRequest) else StepRequest(b[0], b[1]) for b in batch]
+        dev = self.embed.weight.device
+        ids = [it.token_ids.reshape(-1).to(device=dev, dtype=torch.int64) for it in items]
+        for it, t in zip(items, ids):
+            if t.numel() == 0:
+                raise ValueError(f"request {it.request_id!r} has no tokens in this step")
+        lens = [t.numel() for t in ids]
+        all_ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64, device=dev)
+        if forced_topk is not None and len(forced_topk) != len(self.blocks):
+            raise ValueError(f"forced_topk has {len(forced_topk)} entries for {len(self.blocks)} blocks")
+        caches = [self.caches.setdefault(it.request_id, [None] * len(self.blocks)) for it in items]
+        h = self.embed(all_ids)  # [T, H]
+        for li, blk in enumerate(self.blocks):
+            x = blk.norm1(h)
+            outs = []
+            for ri, chunk in enumerate(torch.split(x, lens) if lens else ()):
+                o, caches[ri][li] = blk.attn.forward_cached(chunk, caches[ri][li])
+                outs.append(o)
+            h = h + (torch.cat(outs) if outs else torch.zeros_like(x))
+            if forced_topk is not None and forced_topk[li] is not None:
+                blk.moe.force_routing(forced_topk[li])
+            h = h + blk.moe(blk.norm2(h), token_ids=all_ids)
+        last = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0) - 1
+        logits = self.lm_head(self.norm(h[last.to(dev)])) if items else h.new_zeros(0, self.cfg.vocab_size)
+        return {it.request_id: logits[i] for i, it in enumerate(items)}
+
+    def cache_length(self, request_id: Hashable) -> int:
+        """Positions cached for ``request_id`` (0 if unknown)."""
+        c = self.caches.get(request_id)
+        return 0 if c is None or c[0] is None else c[0].length
+
+    def release(self, request_id: Hashable) -> None:
+        """Drop a finished request's KV caches."""
+        self.caches.pop(request_id, None)

@@ -1,0 +1,542 @@
+"""Routing traces: the npz format of DESIGN.md §5, its I/O, and recording from a running model.
+
+A trace holds, for ``T`` tokens grouped into ``S`` sequences, the ``K`` experts each of ``L`` MoE
+layers chose::
+
+    topk_ids      [T, L, K]  integer   expert ids chosen per token, per MoE layer
+    token_ids     [T]        int64     token key (vocabulary id)
+    seq_offsets   [S+1]      int64     sequence s is tokens seq_offsets[s]:seq_offsets[s+1]
+    num_experts   scalar     int       experts per layer
+    topk_weights  [T, L, K]  float     router weights (optional)
+    vocab_size    scalar     int       token ids lie in [0, vocab_size) (optional; default max id + 1)
+
+``synthetic_trace`` and ``trace_statistics`` live in :mod:`moelayers.trace_synthetic` and are
+re-exported here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import zipfile
+from collections.abc import Hashable, Sequence
+from dataclasses import InitVar, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = [
+    "RoutingTrace", "TraceRecorder", "load_trace", "save_trace", "synthetic_trace", "trace_statistics",
+    "REQUIRED_KEYS", "OPTIONAL_KEYS",
+]
+
+REQUIRED_KEYS = ("topk_ids", "token_ids", "seq_offsets", "num_experts")
+OPTIONAL_KEYS = ("topk_weights", "vocab_size")
+
+
+def _fail(source: str, field: str, problem: str, exc: type[Exception] = ValueError) -> Exception:
+    return exc(f"{source}: field '{field}' {problem}")
+
+
+def _check_int_scalar(value: Any, source: str, field: str) -> int:
+    arr = np.asarray(value)
+    if arr.ndim != 0:
+        raise _fail(source, field, f"must be a scalar, got shape {list(arr.shape)}")
+    if arr.dtype.kind not in "iu" or isinstance(value, bool):
+        raise _fail(source, field, f"must be an integer, got dtype {arr.dtype}", TypeError)
+    if int(arr) < 1:
+        raise _fail(source, field, f"must be >= 1, got {int(arr)}")
+    return int(arr)
+
+
+def _check_int_array(arr: np.ndarray, source: str, field: str, ndim: int) -> None:
+    if not isinstance(arr, np.ndarray):
+        raise _fail(source, field, f"must be a numpy array, got {type(arr).__name__}", TypeError)
+    if arr.dtype.kind not in "iu":
+        raise _fail(source, field, f"must have an integer dtype, got {arr.dtype}", TypeError)
+    if arr.ndim != ndim:
+        raise _fail(source, field, f"must have {ndim} dimension(s), got shape {list(arr.shape)}")
+
+
+def _check_range(arr: np.ndarray, hi: int, source: str, field: str, what: str) -> None:
+    if arr.size == 0:
+        return
+    lo_found, hi_found = int(arr.min()), int(arr.max())
+    if lo_found < 0 or hi_found >= hi:
+        bad = lo_found if lo_found < 0 else hi_found
+        raise _fail(source, field, f"has {what} out of range [0, {hi}): found {bad}")
+
+
+@dataclass(eq=False)
+class RoutingTrace:
+    """Routing of ``T`` tokens in ``S`` sequences through ``L`` MoE layers (DESIGN.md §5).
+
+    Validated on construction; ``token_ids`` and ``seq_offsets`` are stored as int64 and
+    ``vocab_size`` is resolved to ``max(token_ids) + 1`` when not given.
+
+    Attributes:
+        topk_ids: ``[T, L, K]`` integer logical expert ids, in ``[0, num_experts)``.
+        token_ids: ``[T]`` int64 vocabulary ids, in ``[0, vocab_size)``.
+        seq_offsets: ``[S+1]`` int64; sequence ``s`` is tokens ``seq_offsets[s]:seq_offsets[s+1]``.
+        num_experts: experts per layer ``E`` (``K <= E``).
+        topk_weights: optional ``[T, L, K]`` finite float router weights.
+        vocab_size: optional vocabulary size; ``None`` means ``max(token_ids) + 1``.
+        source: init-only; names the trace (e.g. its file) in validation errors.
+    """
+
+    topk_ids: np.ndarray
+    token_ids: np.ndarray
+    seq_offsets: np.ndarray
+    num_experts: int
+    topk_weights: np.ndarray | None = None
+    vocab_size: int | None = None
+    source: InitVar[str] = "<memory>"
+
+    def __post_init__(self, source: str) -> None:
+        self.validate(source)
+        self.token_ids = self.token_ids.astype(np.int64, copy=False)
+        self.seq_offsets = self.seq_offsets.astype(np.int64, copy=False)
+        self.num_experts = int(self.num_experts)
+        self.vocab_size = int(self.token_ids.max()) + 1 if self.vocab_size is None else int(self.vocab_size)
+
+    def validate(self, source: str = "<memory>") -> None:
+        """Check every field; raise naming ``source`` and the field.
+
+        Raises:
+            TypeError: a field has the wrong type or dtype kind (e.g. float expert ids).
+            ValueError: wrong shapes, empty trace, ids out of range, bad ``seq_offsets``,
+                non-finite weights.
+        """
+        num_experts = _check_int_scalar(self.num_experts, source, "num_experts")
+        ids = self.topk_ids
+        _check_int_array(ids, source, "topk_ids", 3)
+        num_tokens, num_layers, top_k = ids.shape
+        if num_tokens < 1:
+            raise _fail(source, "topk_ids", "has no tokens (T = 0): a trace needs at least one token")
+        if num_layers < 1 or top_k < 1:
+            raise _fail(source, "topk_ids", f"must have L >= 1 layers and K >= 1 experts, got shape {list(ids.shape)}")
+        if top_k > num_experts:
+            raise _fail(source, "topk_ids", f"has K = {top_k} experts per token, more than num_experts = {num_experts}")
+        _check_range(ids, num_experts, source, "topk_ids", "expert ids")
+        self._validate_tokens(source, num_tokens)
+        self._validate_offsets(source, num_tokens)
+        if self.topk_weights is not None:
+            w = self.topk_weights
+            if not isinstance(w, np.ndarray) or w.dtype.kind != "f":
+                kind = w.dtype if isinstance(w, np.ndarray) else type(w).__name__
+                raise _fail(source, "topk_weights", f"must be a float numpy array, got {kind}", TypeError)
+            if w.shape != ids.shape:
+                raise _fail(source, "topk_weights", f"has shape {list(w.shape)}, expected {list(ids.shape)} like topk_ids")
+            if not np.isfinite(w).all():
+                raise _fail(source, "topk_weights", "has non-finite values")
+
+    def _validate_tokens(self, source: str, num_tokens: int) -> None:
+        tok = self.token_ids
+        _check_int_array(tok, source, "token_ids", 1)
+        if tok.shape[0] != num_tokens:
+            raise _fail(source, "token_ids", f"has {tok.shape[0]} tokens, topk_ids has T = {num_tokens}")
+        if self.vocab_size is None:
+            _check_range(tok, np.iinfo(np.int64).max, source, "token_ids", "token ids")
+        else:
+            vocab = _check_int_scalar(self.vocab_size, source, "vocab_size")
+            _check_range(tok, vocab, source, "token_ids", "token ids (vocab_size)")
+
+    def _validate_offsets(self, source: str, num_tokens: int) -> None:
+        off = self.seq_offsets
+        _check_int_array(off, source, "seq_offsets", 1)
+        if off.shape[0] < 2:
+            raise _fail(source, "seq_offsets", f"must have S+1 >= 2 entries, got {off.shape[0]}")
+        if off[0] != 0:
+            raise _fail(source, "seq_offsets", f"must start at 0, got {int(off[0])}")
+        if off[-1] != num_tokens:
+            raise _fail(source, "seq_offsets", f"must end at T = {num_tokens}, got {int(off[-1])}")
+        steps = np.diff(off)
+        if (steps < 0).any():
+            first = int(np.flatnonzero(steps < 0)[0])
+            raise _fail(source, "seq_offsets", f"must be non-decreasing: entry {first + 1} ({int(off[first + 1])}) < entry {first} ({int(off[first])})")
+
+    # ---- shape -------------------------------------------------------------------------------
+    @property
+    def num_tokens(self) -> int:
+        """``T``."""
+        return int(self.topk_ids.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        """``L``."""
+        return int(self.topk_ids.shape[1])
+
+    @property
+    def top_k(self) -> int:
+        """``K``."""
+        return int(self.topk_ids.shape[2])
+
+    @property
+    def num_sequences(self) -> int:
+        """``S``."""
+        return int(self.seq_offsets.shape[0] - 1)
+
+    @property
+    def seq_lengths(self) -> np.ndarray:
+        """``[S]`` int64 tokens per sequence."""
+        return np.diff(self.seq_offsets)
+
+    # ---- selection ---------------------------------------------------------------------------
+    def sequence_slice(self, s: int) -> slice:
+        """Token slice of sequence ``s`` (negative ``s`` counts from the end)."""
+        num = self.num_sequences
+        if not -num <= s < num:
+            raise IndexError(f"sequence {s} out of range for a trace of {num} sequences")
+        s = s % num
+        return slice(int(self.seq_offsets[s]), int(self.seq_offsets[s + 1]))
+
+    def sequence(self, s: int) -> RoutingTrace:
+        """Sequence ``s`` as a one-sequence trace (same ``num_experts`` and ``vocab_size``)."""
+        self.sequence_slice(s)  # range check
+        return self.select_sequences([s % self.num_sequences])
+
+    def select_sequences(self, idx: Sequence[int] | np.ndarray) -> RoutingTrace:
+        """A trace of the sequences ``idx``, in that order (repeats allowed).
+
+        Args:
+            idx: ``[S']`` sequence indices in ``[0, S)``.
+
+        Returns:
+            RoutingTrace with ``S'`` sequences; ``num_experts`` and ``vocab_size`` are kept.
+        """
+        idx = np.asarray(idx)
+        if idx.ndim != 1 or idx.size == 0:
+            raise ValueError(f"select_sequences needs a non-empty 1-D list of indices, got shape {list(idx.shape)}")
+        if idx.dtype.kind not in "iu":
+            raise TypeError(f"select_sequences needs integer indices, got dtype {idx.dtype}")
+        if idx.min() < 0 or idx.max() >= self.num_sequences:
+            raise IndexError(f"sequence index out of range [0, {self.num_sequences}): found {int(idx.min() if idx.min() < 0 else idx.max())}")
+        starts, lengths = self.seq_offsets[idx], self.seq_lengths[idx]
+        new_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        if new_offsets[-1] == 0:
+            raise ValueError("select_sequences selected only empty sequences: the result would have no tokens")
+        # token index = start of its sequence + position within it
+        rows = np.repeat(starts - new_offsets[:-1], lengths) + np.arange(new_offsets[-1])
+        return RoutingTrace(
+            topk_ids=self.topk_ids[rows],
+            token_ids=self.token_ids[rows],
+            seq_offsets=new_offsets,
+            num_experts=self.num_experts,
+            topk_weights=None if self.topk_weights is None else self.topk_weights[rows],
+            vocab_size=self.vocab_size,
+        )
+
+    def split(self, train_fraction: float) -> tuple[RoutingTrace, RoutingTrace]:
+        """Split by sequence: the first ``floor(train_fraction * S)`` sequences, and the rest.
+
+        Raises:
+            ValueError: the fraction is not in (0, 1) or either part would have no sequences.
+        """
+        if not 0.0 < train_fraction < 1.0:
+            raise ValueError(f"train_fraction must be in (0, 1), got {train_fraction}")
+        num = self.num_sequences
+        n_train = math.floor(train_fraction * num + 1e-9)  # tolerance for float rounding, e.g. 0.29 * 100
+        if n_train == 0 or n_train == num:
+            raise ValueError(f"split({train_fraction}) of {num} sequences leaves an empty part ({n_train} train, {num - n_train} held out)")
+        return self.select_sequences(np.arange(n_train)), self.select_sequences(np.arange(n_train, num))
+
+    # ---- aggregates --------------------------------------------------------------------------
+    def expert_counts(self) -> np.ndarray:
+        """``[L, E]`` int64: how many (token, k) assignments each expert got, per layer."""
+        return np.stack([
+            np.bincount(self.topk_ids[:, layer, :].ravel(), minlength=self.num_experts)
+            for layer in range(self.num_layers)
+        ]).astype(np.int64)
+
+    def steps(self, tokens_per_step: int) -> list[slice]:
+        """Consecutive token slices of ``tokens_per_step`` in file order (the last may be shorter)."""
+        if isinstance(tokens_per_step, bool) or not isinstance(tokens_per_step, (int, np.integer)) or tokens_per_step < 1:
+            raise ValueError(f"tokens_per_step must be a positive int, got {tokens_per_step!r}")
+        n, t = int(tokens_per_step), self.num_tokens
+        return [slice(i, min(i + n, t)) for i in range(0, t, n)]
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        """The npz payload: a dict of arrays keyed as in DESIGN.md §5."""
+        out = {
+            "topk_ids": self.topk_ids,
+            "token_ids": self.token_ids,
+            "seq_offsets": self.seq_offsets,
+            "num_experts": np.asarray(self.num_experts, dtype=np.int64),
+            "vocab_size": np.asarray(self.vocab_size, dtype=np.int64),
+        }
+        if self.topk_weights is not None:
+            out["topk_weights"] = self.topk_weights
+        return out
+
+
+# ---- files -----------------------------------------------------------------------------------
+def load_trace(path: str | os.PathLike) -> RoutingTrace:
+    """Read a trace npz (``numpy.load(path, allow_pickle=False)``) and validate it.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: not an npz file, missing required or unknown keys, or invalid contents;
+            the message names ``path`` (and the field).
+        TypeError: a field has the wrong dtype kind.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: routing trace file not found")
+    try:
+        npz = np.load(path, allow_pickle=False)
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
+        raise ValueError(f"{path}: not a readable npz routing trace ({exc})") from exc
+    if not isinstance(npz, np.lib.npyio.NpzFile):
+        raise ValueError(f"{path}: not an npz archive (numpy.load returned {type(npz).__name__})")
+    with npz:
+        keys = set(npz.files)
+        missing = [k for k in REQUIRED_KEYS if k not in keys]
+        unknown = sorted(keys - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
+        if missing or unknown:
+            raise ValueError(f"{path}: missing key(s) {missing}, unknown key(s) {unknown}; expected {list(REQUIRED_KEYS)} and optionally {list(OPTIONAL_KEYS)}")
+        try:
+            arrays = {k: npz[k] for k in keys}
+        except (ValueError, zipfile.BadZipFile, OSError) as exc:
+            raise ValueError(f"{path}: cannot read arrays ({exc})") from exc
+    return RoutingTrace(**arrays, source=str(path))
+
+
+def save_trace(trace: RoutingTrace, path: str | os.PathLike, *, compress: bool = False) -> None:
+    """Validate ``trace`` and write it to ``path`` atomically.
+
+    The npz is written to a temporary file in the same directory and moved into place with
+    ``os.replace``; on any failure the temporary file is removed and ``path`` is untouched. The
+    file is written exactly at ``path`` (no ``.npz`` suffix is added).
+
+    Args:
+        trace: the trace to write.
+        path: destination file; its directory must exist.
+        compress: zlib-compress the arrays (``numpy.savez_compressed``).
+    """
+    path = Path(path)
+    trace.validate(source=str(path))
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"{path}: directory {path.parent} does not exist")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            (np.savez_compressed if compress else np.savez)(f, **trace.to_arrays())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+# ---- recording -------------------------------------------------------------------------------
+class _Untagged:
+    """Sequence key of an untagged forward: unique per forward, never equal to a user key."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"<untagged forward {self.index}>"
+
+
+class TraceRecorder:
+    """Record routing from a running model as a :class:`RoutingTrace`.
+
+    MoE layers are the modules of ``model.modules()`` with ``moe_layer_marker = True``, in that
+    order (= layer order). After each of their forwards the recorder copies ``last_topk_ids``
+    (``[T, K]`` int64) and ``last_token_ids`` (``[T]`` int64) to CPU. A *model forward* is one run
+    of all MoE layers in order; every layer must see the same ``T``.
+
+    Sequences: ``tag(seq_ids)`` before a forward gives each of its ``T`` tokens a sequence key
+    (any hashable); an untagged forward is one new sequence. Tokens of a sequence keep the order
+    they were seen in; sequences are ordered by first appearance.
+
+    Example::
+
+        with TraceRecorder(model) as rec:
+            for batch in batches:
+                rec.tag(batch.request_ids)      # [T] one key per token
+                model(batch.input_ids)
+        trace = rec.result
+
+    Args:
+        model: module containing the MoE layers.
+        vocab_size: stored in the trace; default ``max(token_ids) + 1``.
+        num_experts: experts per layer; default the layers' ``config.num_experts``.
+    """
+
+    def __init__(self, model: nn.Module, vocab_size: int | None = None, *, num_experts: int | None = None) -> None:
+        self.model, self.vocab_size, self.num_experts = model, vocab_size, num_experts
+        self.layers: list[nn.Module] = []
+        self._names: list[str] = []
+        self._handles: list[Any] = []
+        self._active = False
+        self._finished = False
+        self._result: RoutingTrace | None = None
+        self._pending_tag: list[Hashable] | None = None
+        self._current: list[tuple[np.ndarray, np.ndarray | None]] = []
+        self._forwards: list[tuple[np.ndarray, np.ndarray, list[Hashable]]] = []  # ids [T,L,K], tokens [T], keys
+
+    def __enter__(self) -> TraceRecorder:
+        if self._active or self._finished:
+            raise RuntimeError("a TraceRecorder records once: create a new one")
+        named = [(n, m) for n, m in self.model.named_modules() if getattr(m, "moe_layer_marker", False) is True]
+        if not named:
+            raise ValueError(f"no MoE layers (modules with moe_layer_marker = True) found in {type(self.model).__name__}")
+        self._names, self.layers = [n for n, _ in named], [m for _, m in named]
+        try:
+            for index, layer in enumerate(self.layers):
+                self._handles.append(layer.register_forward_hook(self._make_hook(index)))
+        except BaseException:
+            self._remove_hooks()
+            raise
+        self._active = True
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._remove_hooks()
+        self._active, self._finished = False, True
+
+    def _remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def tag(self, seq_ids: Sequence[Hashable] | torch.Tensor | np.ndarray) -> None:
+        """Give each token of the next model forward a sequence key.
+
+        Args:
+            seq_ids: ``[T]`` one hashable key per token (list, 1-D tensor or 1-D array).
+        """
+        if not self._active:
+            raise RuntimeError("tag() is only valid inside the TraceRecorder's with-block")
+        if self._pending_tag is not None:
+            raise RuntimeError("tag() called twice without a model forward in between")
+        if self._current:
+            raise RuntimeError("tag() called in the middle of a model forward")
+        if isinstance(seq_ids, (torch.Tensor, np.ndarray)):
+            if seq_ids.ndim != 1:
+                raise ValueError(f"tag() needs a 1-D tensor of sequence keys, got shape {list(seq_ids.shape)}")
+            seq_ids = seq_ids.tolist()
+        self._pending_tag = list(seq_ids)
+
+    def _make_hook(self, index: int):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self._on_layer(index, module)
+        return hook
+
+    def _where(self, index: int) -> str:
+        return f"MoE layer {index} ('{self._names[index]}')"
+
+    def _on_layer(self, index: int, module: nn.Module) -> None:
+        try:
+            self._record_layer(index, module)
+        except BaseException:
+            self._current, self._pending_tag = [], None  # drop the broken forward
+            raise
+
+    def _record_layer(self, index: int, module: nn.Module) -> None:
+        if index == 0 and self._current:
+            raise RuntimeError(
+                f"TraceRecorder: a new forward started before the previous one finished "
+                f"(only {len(self._current)} of {len(self.layers)} MoE layers ran)"
+            )
+        if index != len(self._current):
+            raise RuntimeError(
+                f"TraceRecorder: {self._where(index)} ran when layer {len(self._current)} was expected; "
+                "MoE layers must run once per forward in model.modules() order"
+            )
+        ids = getattr(module, "last_topk_ids", None)
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
+            raise ValueError(f"TraceRecorder: {self._where(index)} set no [T, K] tensor last_topk_ids (got {type(ids).__name__})")
+        if self._current and ids.shape != self._current[0][0].shape:
+            raise ValueError(
+                f"TraceRecorder: {self._where(index)} routed {list(ids.shape)} [T, K] but layer 0 routed "
+                f"{list(self._current[0][0].shape)} in the same forward: all layers must see the same tokens"
+            )
+        tok = getattr(module, "last_token_ids", None)
+        if tok is not None and (not isinstance(tok, torch.Tensor) or tuple(tok.shape) != (ids.shape[0],)):
+            raise ValueError(f"TraceRecorder: {self._where(index)} last_token_ids must be None or a [{ids.shape[0]}] tensor, got {getattr(tok, 'shape', type(tok).__name__)}")
+        self._current.append((
+            ids.detach().to("cpu", torch.int64).numpy(),
+            None if tok is None else tok.detach().to("cpu", torch.int64).numpy(),
+        ))
+        if len(self._current) == len(self.layers):
+            self._finish_forward()
+
+    def _finish_forward(self) -> None:
+        layers, self._current = self._current, []
+        num_tokens = layers[0][0].shape[0]
+        given = [(i, t) for i, (_, t) in enumerate(layers) if t is not None]
+        if not given:
+            raise ValueError(f"TraceRecorder: forward {len(self._forwards)} has no token ids: no MoE layer set last_token_ids (pass token_ids= to the layers)")
+        for i, t in given[1:]:
+            if not np.array_equal(t, given[0][1]):
+                raise ValueError(f"TraceRecorder: {self._where(i)} saw different token ids than {self._where(given[0][0])} in forward {len(self._forwards)}")
+        keys, self._pending_tag = self._pending_tag, None
+        if keys is None:
+            keys = [_Untagged(len(self._forwards))] * num_tokens
+        elif len(keys) != num_tokens:
+            raise ValueError(f"TraceRecorder: tag() gave {len(keys)} sequence keys but forward {len(self._forwards)} had T = {num_tokens} tokens")
+        self._forwards.append((np.stack([ids for ids, _ in layers], axis=1), given[0][1], keys))
+
+    def trace(self) -> RoutingTrace:
+        """Build the trace of all forwards recorded so far.
+
+        Returns:
+            RoutingTrace with ``topk_ids [T, L, K]`` int64 over all recorded tokens.
+
+        Raises:
+            ValueError: nothing recorded, ``num_experts`` unknown, or inconsistent ``K``.
+            RuntimeError: called in the middle of a model forward.
+        """
+        if self._current:
+            raise RuntimeError(f"TraceRecorder: incomplete forward: only {len(self._current)} of {len(self.layers)} MoE layers ran")
+        if not self._forwards:
+            raise ValueError("TraceRecorder: no model forward was recorded")
+        top_ks = {ids.shape[2] for ids, _, _ in self._forwards}
+        if len(top_ks) != 1:
+            raise ValueError(f"TraceRecorder: forwards used different top-k values {sorted(top_ks)}")
+        codes: dict[Hashable, int] = {}
+        seq = np.fromiter((codes.setdefault(k, len(codes)) for _, _, keys in self._forwards for k in keys), dtype=np.int64)
+        order = np.argsort(seq, kind="stable")  # by first appearance, then seen order
+        ids = np.concatenate([f[0] for f in self._forwards])[order]
+        tokens = np.concatenate([f[1] for f in self._forwards])[order]
+        offsets = np.concatenate([[0], np.cumsum(np.bincount(seq, minlength=len(codes)))]).astype(np.int64)
+        return RoutingTrace(ids, tokens, offsets, self._resolve_num_experts(), vocab_size=self.vocab_size)
+
+    def _resolve_num_experts(self) -> int:
+        if self.num_experts is not None:
+            return self.num_experts
+        found = {getattr(getattr(layer, "config", None), "num_experts", None) for layer in self.layers}
+        if None in found:
+            raise ValueError("TraceRecorder: num_experts unknown: a MoE layer has no config.num_experts; pass TraceRecorder(model, num_experts=...)")
+        if len(found) != 1:
+            raise ValueError(f"TraceRecorder: MoE layers disagree on config.num_experts {sorted(found)}; pass num_experts=")
+        return int(found.pop())
+
+    @property
+    def result(self) -> RoutingTrace:
+        """The recorded trace, available after the with-block (built once, then cached)."""
+        if not self._finished:
+            raise RuntimeError("TraceRecorder.result is available after the with-block; call trace() inside it")
+        if self._result is None:
+            self._result = self.trace()
+        return self._result
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy re-export: trace_synthetic imports RoutingTrace from this module.
+    if name in ("synthetic_trace", "trace_statistics"):
+        from moelayers import trace_synthetic
+
+        return getattr(trace_synthetic, name)
+    raise AttributeError(f"module 'moelayers.trace' has no attribute '{name}'")

@@ -1,0 +1,174 @@
+"""Shared helpers of the Hydra recipes: launching ranks, devices, run dirs, tables, JSON.
+
+``launch(cfg, fn)`` runs ``fn(rank, world, cfg_dict)`` on every rank:
+
+- under ``torchrun`` (``WORLD_SIZE``/``RANK``/``LOCAL_RANK`` set) it initialises the default process
+  group (NCCL when CUDA is available and ``parallel.backend`` is ``auto`` or ``nccl``, else gloo) and
+  calls ``fn`` in this process, returning its result;
+- otherwise it spawns ``cfg.parallel.world_size`` processes (gloo on CPU by default) with
+  :func:`moelayers.testing.run_distributed` and returns rank 0's result.
+
+``cfg_dict`` is the resolved config as plain containers, plus ``run_dir`` (the Hydra output dir,
+where rank 0 writes its files). ``fn`` must be defined at module level (it is pickled by name).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "launch", "under_torchrun", "resolve_backend", "device_for", "run_dir", "to_dict", "print_table",
+    "write_json", "percentile", "jsonable",
+]
+
+
+def under_torchrun() -> bool:
+    """True when ``torchrun`` (or any launcher setting ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``) started us."""
+    return all(k in os.environ for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
+
+
+def resolve_backend(requested: str | None, *, torchrun: bool) -> str:
+    """``'auto'``: NCCL under torchrun when CUDA is available, else gloo (spawned runs stay on CPU).
+
+    Raises:
+        ValueError: an unknown backend, or NCCL without CUDA.
+    """
+    requested = (requested or "auto").lower()
+    if requested not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"parallel.backend must be auto, gloo or nccl, got {requested!r}")
+    if requested == "auto":
+        return "nccl" if torchrun and torch.cuda.is_available() else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise ValueError("parallel.backend=nccl needs CUDA GPUs; use parallel.backend=gloo on CPU")
+    return requested
+
+
+def device_for(backend: str) -> torch.device:
+    """The device a rank computes on: its CUDA device under NCCL, else the CPU."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def run_dir(default: str = ".") -> str:
+    """The Hydra run (output) dir, or ``default`` outside a Hydra app."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return str(HydraConfig.get().runtime.output_dir)
+    except Exception:  # not inside @hydra.main
+        return os.path.abspath(default)
+
+
+def to_dict(cfg: Any) -> dict:
+    """A resolved plain-dict copy of an OmegaConf config (dicts pass through)."""
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            return OmegaConf.to_container(cfg, resolve=True)
+    except ImportError:  # pragma: no cover - hydra-core depends on omegaconf
+        pass
+    return dict(cfg)
+
+
+def launch(cfg: Any, fn: Callable[[int, int, dict], Any]) -> Any:
+    """Run ``fn(rank, world, cfg_dict)`` on every rank (see the module docstring).
+
+    Args:
+        cfg: the recipe config (``DictConfig`` or dict) with ``parallel.world_size`` and optional
+            ``parallel.backend`` (``auto`` | ``gloo`` | ``nccl``) and ``parallel.timeout_s``.
+        fn: module-level function; its return value on rank 0 is returned here.
+
+    Returns:
+        Under torchrun: this rank's result. Spawned: rank 0's result.
+    """
+    d = to_dict(cfg)
+    d.setdefault("run_dir", run_dir())
+    par = d.get("parallel") or {}
+    if under_torchrun():
+        import torch.distributed as dist
+
+        backend = resolve_backend(par.get("backend"), torchrun=True)
+        world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        d.setdefault("parallel", {})["world_size"] = world
+        own_group = not dist.is_initialized()
+        if own_group:
+            dist.init_process_group(backend)
+        try:
+            return fn(rank, world, d)
+        finally:
+            if own_group and dist.is_initialized():
+                dist.destroy_process_group()
+    from moelayers.testing import run_distributed
+
+    world = int(par.get("world_size", 1))
+    if world < 1:
+        raise ValueError(f"parallel.world_size must be >= 1, got {world}")
+    backend = resolve_backend(par.get("backend"), torchrun=False)
+    results = run_distributed(fn, world, d, backend=backend, timeout=float(par.get("timeout_s", 600)))
+    return results[0]
+
+
+# ---------------------------------------------------------------------- output
+def percentile(values: Sequence[float], q: float) -> float:
+    """``q``-th percentile (0..100, linear interpolation) of the finite values; NaN if none."""
+    vals = sorted(v for v in values if v is not None and math.isfinite(v))
+    if not vals:
+        return float("nan")
+    pos = (len(vals) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+
+
+def print_table(rows: Sequence[tuple[str, Any]], title: str | None = None, *, fmt: str = ".4g") -> str:
+    """Print (and return) a two-column ``name | value`` table; floats are formatted with ``fmt``."""
+    cells = [(str(k), format(v, fmt) if isinstance(v, float) else str(v)) for k, v in rows]
+    w0 = max([len(k) for k, _ in cells] + [6])
+    w1 = max([len(v) for _, v in cells] + [5])
+    bar = f"+{'-' * (w0 + 2)}+{'-' * (w1 + 2)}+"
+    lines = []
+    if title:
+        lines.append(title)
+    lines += [bar, f"| {'metric'.ljust(w0)} | {'value'.rjust(w1)} |", bar]
+    lines += [f"| {k.ljust(w0)} | {v.rjust(w1)} |" for k, v in cells]
+    lines.append(bar)
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def jsonable(obj: Any) -> Any:
+    """Plain-JSON copy: tensors/numpy to lists/scalars, non-finite floats to ``None``, paths to str."""
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return jsonable(obj.tolist())
+    if hasattr(obj, "tolist") and type(obj).__module__ == "numpy":
+        return jsonable(obj.tolist())
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, (str, int, bool)) or obj is None:
+        return obj
+    if isinstance(obj, (Path, torch.dtype)):
+        return str(obj)
+    return str(obj)
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> Path:
+    """Write ``jsonable(obj)`` to ``path`` (parents created), indented; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(jsonable(obj), indent=2, sort_keys=False) + "\n")
+    return path

@@ -1,0 +1,150 @@
+"""Bad input gets a clear ValueError/TypeError naming the problem, and nothing half-applied."""
+
+import pytest
+import torch
+
+import moelayers as ml
+from moelayers.testing import run_distributed
+
+CFG = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+
+
+def layer(**kw):
+    return ml.VanillaMoE(CFG, ml.ParallelGroups.single(), **kw)
+
+
+def test_top_k_larger_than_num_experts():
+    with pytest.raises(ValueError, match="top_k"):
+        ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=5)
+
+
+@pytest.mark.parametrize("field,value,exc", [
+    ("hidden_size", 0, ValueError), ("num_experts", 2.5, TypeError), ("score_fn", "relu", ValueError),
+    ("activation", "gelu", ValueError), ("params_dtype", torch.int32, TypeError), ("init_std", -1.0, ValueError),
+])
+def test_config_fields(field, value, exc):
+    kwargs = dict(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+    kwargs[field] = value
+    with pytest.raises(exc, match=field):
+        ml.MoEConfig(**kwargs)
+
+
+def test_experts_not_divisible_over_ranks():
+    with pytest.raises(ValueError, match="divisible"):
+        ml.ExpertPlacement.linear(10, 4)
+
+
+def test_placement_missing_expert():
+    with pytest.raises(ValueError, match=r"missing expert\(s\) \[3\]"):
+        ml.ExpertPlacement.from_phy2log([[0, 1], [2, -1]], 4)
+
+
+def test_placement_id_out_of_range():
+    with pytest.raises(ValueError, match="outside"):
+        ml.ExpertPlacement.from_phy2log([[0, 1], [2, 4]], 4)
+
+
+def test_placement_duplicate_replica_on_one_rank():
+    with pytest.raises(ValueError, match="duplicate replicas of expert\\(s\\) \\[1\\] on rank 0"):
+        ml.ExpertPlacement.from_phy2log([[0, 1, 1], [2, 3, -1]], 4)
+
+
+def test_placement_not_integer():
+    with pytest.raises(TypeError, match="integer"):
+        ml.ExpertPlacement.from_phy2log(torch.zeros(2, 2), 4)
+
+
+def test_placement_for_other_experts_or_ranks():
+    with pytest.raises(ValueError, match="8 experts"):
+        layer(placement=ml.ExpertPlacement.linear(8, 1))
+    with pytest.raises(ValueError, match="spans 2 ranks"):
+        layer(placement=ml.ExpertPlacement.linear(4, 2))
+
+
+def test_token_ids_wrong_length_and_dtype():
+    m = layer()
+    x = torch.randn(5, 16)
+    with pytest.raises(ValueError, match="token_ids has 4 entries for 5 tokens"):
+        m(x, token_ids=torch.arange(4))
+    with pytest.raises(TypeError, match="token_ids must be an integer"):
+        m(x, token_ids=torch.zeros(5))
+
+
+def test_input_shape_dtype():
+    m = layer()
+    with pytest.raises(ValueError, match=r"x must be \[T, 16\]"):
+        m(torch.randn(5, 15))
+    with pytest.raises(TypeError, match="dtype"):
+        m(torch.randn(5, 16, dtype=torch.float64))
+
+
+def test_wrong_dtype_or_device_of_weights_is_not_half_applied():
+    m = layer()
+    before = [p.detach().clone() for p in m.parameters()]
+    e, h, f = 4, 16, 8
+    good = (torch.randn(e, h), torch.randn(e, 2 * f, h), torch.randn(e, h, f))
+    with pytest.raises(TypeError, match="w2 has dtype torch.float64"):
+        m.load_full_weights(good[0], good[1], good[2].double())
+    with pytest.raises(ValueError, match=r"w13 must have shape \[4, 16, 16\]"):
+        m.load_full_weights(good[0], good[1][:, :-1], good[2])
+    with pytest.raises(TypeError, match="w2 is on meta"):
+        m.load_full_weights(good[0], good[1], good[2].to("meta"))
+    with pytest.raises(TypeError, match="router_weight must be a torch.Tensor"):
+        m.load_full_weights(good[0].numpy(), good[1], good[2])
+    for b, p in zip(before, m.parameters()):
+        assert torch.equal(b, p), "a failed load changed weights"
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_inf_router_logits(bad):
+    m = layer()
+    x = torch.randn(5, 16)
+    x[2, 3] = bad
+    with pytest.raises(ValueError, match="NaN or inf"):
+        m(x)
+
+
+def test_forced_routing_shape():
+    m = layer()
+    m.force_routing(torch.zeros(3, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="forced routing"):
+        m(torch.randn(5, 16))
+
+
+def test_groups_need_distributed():
+    with pytest.raises(ValueError, match="needs torch.distributed initialised"):
+        ml.ParallelGroups.from_world(ep=2)
+
+
+def test_bad_dispatcher_and_types():
+    with pytest.raises(ValueError, match="dispatcher"):
+        layer(dispatcher="ring")
+    with pytest.raises(TypeError, match="groups must be a ParallelGroups"):
+        ml.VanillaMoE(CFG, None)
+    with pytest.raises(TypeError, match="config must be a MoEConfig"):
+        ml.VanillaMoE({"hidden_size": 16}, ml.ParallelGroups.single())
+
+
+def _groups_mismatch(rank, world):
+    errors = []
+    for kwargs in (dict(ep=3), dict(tp=3), dict(ep=0)):
+        try:
+            ml.ParallelGroups.from_world(**kwargs)
+            errors.append(f"{kwargs}: no error")
+        except ValueError as e:
+            if "does not divide the world size 4" not in str(e):
+                errors.append(f"{kwargs}: unclear message {e}")
+    groups = ml.ParallelGroups.from_world(ep=2)
+    try:
+        ml.VanillaMoE(ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=3, top_k=1), groups)
+        errors.append("3 experts over 2 ranks: no error")
+    except ValueError as e:
+        if "divisible" not in str(e):
+            errors.append(f"unclear: {e}")
+    return errors
+
+
+@pytest.mark.timeout(120)
+def test_groups_that_do_not_match_the_world():
+    for errors in run_distributed(_groups_mismatch, 4):
+        assert errors == []

@@ -1,0 +1,161 @@
+"""Unit tests of the core pieces on one process."""
+
+import os
+
+import pytest
+import torch
+
+import moelayers as ml
+from moelayers.dispatch.base import local_pairs
+from moelayers.dispatch.comm import RowLayout
+from moelayers.testing import check_close
+
+
+# ---------------------------------------------------------------- placement
+def test_linear_and_tables():
+    p = ml.ExpertPlacement.linear(8, 4)
+    assert p.phy2log.tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert p.log2phy[:, 0].tolist() == list(range(8))
+    assert p.logcnt.tolist() == [1] * 8
+    assert p.expert_rank().tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_replicas_log2phy_matches_eplb_format():
+    p = ml.ExpertPlacement.from_phy2log([[0, 1, 3], [2, 3, 0]], 4)
+    assert p.logcnt.tolist() == [2, 1, 1, 2]
+    assert p.log2phy.tolist() == [[0, 5], [1, -1], [3, -1], [2, 4]]
+    for e in range(4):
+        for phys in p.log2phy[e, : p.logcnt[e]].tolist():
+            assert p.phy2log.flatten()[phys] == e
+
+
+def test_from_expert_rank_and_spare_slots():
+    p = ml.ExpertPlacement.from_expert_rank([1, 0, 1, 0, 1], slots_per_rank=3)
+    assert p.phy2log.tolist() == [[1, 3, -1], [0, 2, 4]]
+
+
+def test_moves_to():
+    a = ml.ExpertPlacement.linear(4, 2)
+    b = ml.ExpertPlacement.from_phy2log([[0, 2], [1, 3]], 4)
+    moves = a.moves_to(b)
+    assert [(m.dst_rank, m.dst_slot, m.expert, m.src_rank, m.src_slot) for m in moves] == [
+        (0, 1, 2, 1, 0), (1, 0, 1, 0, 1)]
+    assert a.moves_to(a) == []
+    with pytest.raises(ValueError, match="differ in shape"):
+        a.moves_to(ml.ExpertPlacement.linear(4, 1))
+
+
+def test_save_load_roundtrip_atomic(tmp_path):
+    p = ml.ExpertPlacement.from_phy2log([[0, 1, 3], [2, 3, -1]], 4)
+    path = tmp_path / "p.npz"
+    p.save(path)
+    assert ml.ExpertPlacement.load(path) == p
+    assert sorted(os.listdir(tmp_path)) == ["p.npz"]
+    bad = tmp_path / "bad.npz"
+    import numpy as np
+    np.savez(bad, x=np.zeros(2))
+    with pytest.raises(ValueError, match="missing key"):
+        ml.ExpertPlacement.load(bad)
+
+
+# ---------------------------------------------------------------- router
+@pytest.mark.parametrize("score_fn,norm", [("softmax", True), ("softmax", False), ("sigmoid", True), ("sigmoid", False)])
+def test_router_scoring(score_fn, norm):
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=6, top_k=3, score_fn=score_fn, norm_topk_prob=norm)
+    r = ml.TopKRouter(cfg)
+    torch.nn.init.normal_(r.weight)
+    x = torch.randn(20, 8)
+    ids, w = r(x)
+    logits = x @ r.weight.t()
+    scores = logits.softmax(-1) if score_fn == "softmax" else logits.sigmoid()
+    top, top_ids = scores.topk(3, -1)
+    if norm:
+        top = top / top.sum(-1, keepdim=True)
+    assert torch.equal(ids, top_ids)
+    torch.testing.assert_close(w, top)
+
+
+# ---------------------------------------------------------------- experts
+def test_grouped_experts_loop_matches_reference():
+    ex = ml.GroupedExperts(3, 8, 4, dtype=torch.float64)
+    torch.nn.init.normal_(ex.w13)
+    torch.nn.init.normal_(ex.w2)
+    x = torch.randn(7, 8, dtype=torch.float64)
+    counts = torch.tensor([2, 0, 5])
+    y = ex(x, counts)
+    ref = torch.cat([ml.reference.swiglu_expert(x[:2], ex.w13[0], ex.w2[0]),
+                     ml.reference.swiglu_expert(x[2:], ex.w13[2], ex.w2[2])])
+    torch.testing.assert_close(y, ref)
+    assert ex.w13.allreduce is False and ex.w2.allreduce is False
+
+
+def test_load_full_zeroes_empty_slots_and_exports():
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=2, top_k=1)
+    p = ml.ExpertPlacement.linear(2, 1, slots_per_rank=3)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), placement=p)
+    w13, w2 = torch.randn(2, 8, 8), torch.randn(2, 8, 4)
+    layer.load_full_weights(torch.randn(2, 8), w13, w2)
+    assert torch.equal(layer.experts.w13[2], torch.zeros(8, 8))
+    _, e13, e2 = layer.export_full_weights()
+    assert torch.equal(e13, w13) and torch.equal(e2, w2)
+
+
+def test_default_init_is_seeded_per_expert():
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=1)
+    a = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=3)
+    b = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=3,
+                      placement=ml.ExpertPlacement.from_phy2log([[3, 2, 1, 0]], 4))
+    assert torch.equal(a.experts.w13[0], b.experts.w13[3])
+    assert torch.equal(a.router.weight, b.router.weight)
+    assert a.experts.w13.detach().std().item() == pytest.approx(cfg.init_std, rel=0.2)
+
+
+# ---------------------------------------------------------------- dispatch pieces
+def test_row_layout_roundtrip():
+    x = torch.randn(5, 7, dtype=torch.bfloat16)
+    w = torch.randn(5, 3)
+    s = torch.randint(-1, 9, (5, 3), dtype=torch.int32)
+    layout = RowLayout(((7, x.dtype), (3, w.dtype), (3, torch.int32)))
+    assert layout.row_bytes % 16 == 0
+    buf = layout.pack([x, w, s])
+    xv, wv, sv = layout.views(buf)
+    assert torch.equal(xv, x) and torch.equal(wv, w) and torch.equal(sv, s)
+
+
+def test_local_pairs_sorted_by_slot():
+    slots = torch.tensor([[2, -1], [0, 2], [-1, -1], [1, 0]])
+    lp = local_pairs(slots, 3)
+    assert lp.slot_counts.tolist() == [2, 1, 2]
+    assert lp.pair_row.tolist() == [1, 3, 3, 0, 1]
+    assert lp.index.tolist() == [[3, -1], [0, 4], [-1, -1], [2, 1]]
+
+
+# ---------------------------------------------------------------- stats and the checker itself
+def test_last_stats_single_process():
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single())
+    layer(torch.randn(6, 8))
+    st = layer.last_stats
+    assert st.lar == 1.0 and st.rank_loads == [12] and st.bytes_sent == [0] and st.imbalance == 1.0
+    assert st.with_experts(4).expert_loads.sum() == 12
+    assert ml.metrics.merge_stats([st, st]).rank_loads == [24]
+
+
+def test_metrics_functions():
+    assert ml.metrics.imbalance([1, 1, 4]) == pytest.approx(2.0)
+    assert ml.metrics.local_activation_rate(torch.tensor([0, 1]), torch.tensor([[0, 1], [1, 1]])) == 0.75
+    assert ml.metrics.rank_loads(torch.tensor([[0, 1], [1, 1]]), 3).tolist() == [1, 3, 0]
+
+
+def test_checker_catches_a_wrong_output():
+    """Negative control: a perturbed expert must fail the equivalence rule."""
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single())
+    layer.load_full_weights(torch.randn(4, 8), torch.randn(4, 8, 8) / 3, torch.randn(4, 8, 4) / 2)  # O(1) outputs
+    x = torch.randn(16, 8)
+    r, w13, w2 = layer.export_full_weights()
+    ref = ml.reference.moe_forward(x.double(), r.double(), w13.double(), w2.double(), cfg.replace(params_dtype=torch.float64))
+    assert check_close("ok", layer(x), ref) is None
+    with torch.no_grad():
+        layer.experts.w2[1] *= 1.001
+    assert check_close("bad", layer(x), ref) is not None
