@@ -59,7 +59,7 @@ class ExpertPlacement:
         start = torch.cumsum(self.logcnt, 0) - self.logcnt
         rep = torch.arange(slots.numel()) - start[experts]
         self.log2phy[experts, rep] = slots
-        self._device_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._device_cache: dict = {}
 
     # ---------------------------------------------------------------- constructors
     @classmethod
@@ -141,6 +141,13 @@ class ExpertPlacement:
                 self.phy2log.to(device), self.log2phy.to(device), self.logcnt.to(device)
             )
         return self._device_cache[device]
+
+    def first_replica(self, device: torch.device) -> torch.Tensor:
+        """``[E]`` physical slot of each expert's first replica on ``device``, cached."""
+        key = ("first", torch.device(device))
+        if key not in self._device_cache:
+            self._device_cache[key] = self.log2phy[:, 0].contiguous().to(device)
+        return self._device_cache[key]
 
     # ---------------------------------------------------------------- checks and moves
     def validate(self) -> None:

@@ -48,7 +48,9 @@ class TopKRouter(nn.Module):
 
     Args:
         config: the MoE block.
-        check_finite: raise ``ValueError`` on NaN/inf logits (one device sync per forward).
+        check_finite: raise ``ValueError`` on NaN/inf logits. Standalone this costs a device sync;
+            inside a layer (``defer_check=True``) the flag is left in ``last_nonfinite`` and the
+            dispatcher reads it with its split sizes, at no extra sync.
     """
 
     def __init__(self, config: MoEConfig, *, device: torch.device | str | None = None, check_finite: bool = True):
@@ -60,20 +62,26 @@ class TopKRouter(nn.Module):
         )
 
     def forward(
-        self, x: torch.Tensor, forced_ids: torch.Tensor | None = None
+        self, x: torch.Tensor, forced_ids: torch.Tensor | None = None, *, defer_check: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Route tokens.
 
         Args:
             x: ``[T, H]`` hidden states.
             forced_ids: optional ``[T, K]`` expert ids to use instead of the top-k (replay).
+            defer_check: store the non-finite flag in ``last_nonfinite`` instead of checking now.
 
         Returns:
             ``(topk_ids [T, K] int64, topk_weights [T, K] in x.dtype)``.
         """
         logits = x @ self.weight.t()
-        if self.check_finite and logits.numel() and not bool(torch.isfinite(logits).all()):
-            raise ValueError("router logits contain NaN or inf: check the input hidden states and router weight")
+        self.last_nonfinite = None
+        if self.check_finite:
+            nonfinite = ~torch.isfinite(logits).all()
+            if defer_check:
+                self.last_nonfinite = nonfinite
+            elif bool(nonfinite):
+                raise ValueError("router logits contain NaN or inf: check the input hidden states and router weight")
         if forced_ids is None:
             ids, weights = scores_to_topk(logits, self.config)
         else:

@@ -50,10 +50,10 @@ TARGET_LOAD_CV = (0.0, 0.0, 0.0)  # coefficient of variation of expert_counts, l
 
 # ---- generator defaults: fitted so that synthetic statistics match the targets ------------------
 NUM_TOPICS = 4  # topics (~ text domains) per trace
-ZIPF_EXPONENT = 1.0  # Zipf-Mandelbrot rank exponent of token frequencies
-ZIPF_OFFSET = 3.0  # Zipf-Mandelbrot rank offset (flattens the head)
-ACTIVE_VOCAB = 25000  # token ids a topic draws from (capped at vocab_size)
-TOPIC_VOCAB_JITTER = 1.0  # std of the per-topic log-rank jitter
+ZIPF_EXPONENT = 1.119  # Zipf-Mandelbrot rank exponent of token frequencies
+ZIPF_OFFSET = 2.85  # Zipf-Mandelbrot rank offset (flattens the head)
+ACTIVE_VOCAB = 12986  # token ids a topic draws from (capped at vocab_size)
+TOPIC_VOCAB_JITTER = 2.1  # std of the per-topic log-rank jitter
 EXPERT_SKEW = 1.0  # sigma of the log-normal expert popularity
 PREFERENCE_ALPHA = 0.5  # Dirichlet concentration of home-expert weights
 TOKEN_WEIGHT = 0.5  # mixture share of the token's home experts

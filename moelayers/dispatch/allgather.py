@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moelayers.dispatch.base import LocalPairs, Received, Routes, combine_pairs, local_pairs
+from moelayers.dispatch.base import LocalPairs, Received, Routes, combine_pairs, local_pairs, raise_if_nonfinite
 from moelayers.dispatch.comm import ReduceScatterRows, RowLayout, packed_all_gather
 from moelayers.metrics import MoEStats
 
@@ -41,12 +41,15 @@ class AllGatherDispatcher:
     def dispatch(self, x: torch.Tensor, routes: Routes) -> Received:
         t, k = routes.dest_rank.shape
         dev = x.device
-        sizes = torch.tensor([t], dtype=torch.int64, device=dev)
+        flag = routes.nonfinite.to(torch.int64).view(1) if routes.nonfinite is not None else torch.zeros(1, dtype=torch.int64, device=dev)
+        sizes = torch.cat([torch.tensor([t], dtype=torch.int64, device=dev), flag])  # [2]: tokens, bad logits
         if self.group is not None:
-            all_sizes = sizes.new_empty(self.num_ranks)
+            all_sizes = sizes.new_empty(self.num_ranks * 2)
             dist.all_gather_into_tensor(all_sizes, sizes, group=self.group)
             sizes = all_sizes
-        t_max = int(sizes.max())
+        host = sizes.view(-1, 2).tolist()
+        raise_if_nonfinite([row[1] for row in host])
+        t_max = max(row[0] for row in host)
         pad = t_max - t
         phys = (routes.dest_rank * self.num_slots + routes.dest_slot).to(torch.int32)
         xs = torch.nn.functional.pad(x, (0, 0, 0, pad))

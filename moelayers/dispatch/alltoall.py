@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moelayers.dispatch.base import LocalPairs, Received, Routes, combine_pairs, local_pairs
+from moelayers.dispatch.base import LocalPairs, Received, Routes, combine_pairs, local_pairs, raise_if_nonfinite
 from moelayers.dispatch.comm import RowLayout, all_to_all_bytes, packed_all_to_all
-from moelayers.kernels import permute, permute_reference, unpermute_combine
+from moelayers.kernels import dispatch_pack, permute_reference, unpermute_combine
 from moelayers.metrics import MoEStats
 
 
@@ -54,83 +54,78 @@ class AllToAllDispatcher:
 
     # ------------------------------------------------------------------ step 3
     def dispatch(self, x: torch.Tensor, routes: Routes) -> Received:
+        dest_map, send_rows, send_pairs = self._layout(routes)
+        in_splits, out_splits, pairs_sent, recv_pairs = self._exchange_counts(send_rows, send_pairs, routes.nonfinite)
+
+        j = routes.dest_rank.shape[1] if self.dedup else 1
+        layout = RowLayout(((x.shape[1], x.dtype), (j, routes.weights.dtype), (j, torch.int32)))
+        n_send, n_recv = sum(in_splits), sum(out_splits)
+        needs_grad = torch.is_grad_enabled() and (x.requires_grad or routes.weights.requires_grad)
+        if self.dedup and not needs_grad:
+            # inference: one pass writes tokens and metadata straight into the payload
+            buf = layout.empty(n_send, x.device)
+            xv, wv, sv = layout.views(buf)
+            dispatch_pack(x, dest_map, routes.dest_rank, routes.dest_slot, routes.weights, xv, wv, sv)
+            recv_x, recv_w, recv_s = layout.views(all_to_all_bytes(buf, n_recv, in_splits, out_splits, self.group))
+        else:
+            rows, row_w, row_s = self._rows(x, routes, dest_map, n_send)
+            recv_x, recv_w, recv_s = packed_all_to_all([rows, row_w, row_s], in_splits, out_splits, self.group)
+
+        pairs = local_pairs(recv_s, self.num_slots, recv_pairs)
+        self.last_stats = MoEStats.from_counts(self.rank, pairs_sent, in_splits, layout.row_bytes, routes.topk_ids)
+        state = _State(dest_map, in_splits, out_splits, recv_w, pairs, x.dtype)
+        return Received(recv_x.index_select(0, pairs.pair_row), pairs.slot_counts, state)
+
+    def _layout(self, routes: Routes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Send-buffer row of every unit (``-1`` unused), rows and activations per rank."""
         t, k = routes.dest_rank.shape
-        r = self.num_ranks
+        dev = routes.dest_rank.device
+        per_rank = torch.zeros(t, self.num_ranks, dtype=torch.int64, device=dev)
+        per_rank.scatter_add_(1, routes.dest_rank, _ones(dev).expand(t, k))  # activations per (token, rank)
+        send_pairs = per_rank.sum(0)
+        if not self.dedup:  # one row per (token, k), ordered by rank
+            order = torch.argsort(routes.dest_rank.flatten(), stable=True)
+            dest_map = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=dev))
+            return dest_map.view(t, k), send_pairs, send_pairs
+        hit = per_rank > 0
+        running = torch.cumsum(hit, 0)  # [T, R]: rows for rank r among tokens <= t
+        send_rows = hit.sum(0)
+        first_row = torch.cumsum(send_rows, 0) - send_rows  # rows ordered by (rank, token)
+        dest_map = torch.where(hit, running - 1 + first_row, -1)
+        return dest_map, send_rows, send_pairs
+
+    def _exchange_counts(self, send_rows, send_pairs, nonfinite):
+        """The one small exchange and the one host sync: split sizes, activation counts and
+        each rank's non-finite-logits flag (so that every rank raises together, none hangs)."""
+        flag = nonfinite.to(torch.int64).expand(self.num_ranks) if nonfinite is not None else torch.zeros_like(send_rows)
+        counts = torch.stack([send_rows, send_pairs, flag], 1)  # [R, 3]
+        recv = torch.empty_like(counts)
+        if self.group is None:
+            recv.copy_(counts)
+        else:
+            dist.all_to_all_single(recv, counts, group=self.group)
+        host = torch.cat([counts, recv], 1).tolist()
+        raise_if_nonfinite([row[5] for row in host])
+        return [row[0] for row in host], [row[3] for row in host], [row[1] for row in host], sum(row[4] for row in host)
+
+    def _rows(self, x, routes: Routes, dest_map: torch.Tensor, n_send: int):
+        """Differentiable payload rows: tokens, weights and int32 slots in send order."""
+        t, k = routes.dest_rank.shape
         dev = x.device
         if self.dedup:
-            hit = torch.zeros(t, r, dtype=torch.bool, device=dev)
-            hit.scatter_(1, routes.dest_rank, True)
-            # rows ordered by (rank, token): running count over the rank-major flattening
-            pos = torch.cumsum(hit.t().flatten().to(torch.int64), 0).view(r, t).t() - 1
-            dest_map = torch.where(hit, pos, -1)
-            send_rows = hit.sum(0)
-            ranks = torch.arange(r, device=dev)
-            mine = routes.dest_rank[:, None, :] == ranks[None, :, None]  # [T, R, K]
-            unit_slots = torch.where(mine, routes.dest_slot[:, None, :], -1)
+            mine = routes.dest_rank[:, None, :] == torch.arange(self.num_ranks, device=dev)[None, :, None]
+            unit_slots = torch.where(mine, routes.dest_slot[:, None, :], -1)  # [T, R, K]
             unit_weights = torch.where(mine, routes.weights[:, None, :], 0)
         else:
-            flat = routes.dest_rank.flatten()
-            order = torch.argsort(flat, stable=True)
-            pos = torch.empty_like(order)
-            pos[order] = torch.arange(order.numel(), device=dev)
-            dest_map = pos.view(t, k)
-            send_rows = None  # one row per (token, expert): the pair counts below
-            unit_slots = routes.dest_slot[..., None]
-            unit_weights = routes.weights[..., None]
-        send_pairs = torch.zeros(r, dtype=torch.int64, device=dev)
-        send_pairs.scatter_add_(0, routes.dest_rank.flatten(), torch.ones_like(routes.dest_rank.flatten()))
-        if send_rows is None:
-            send_rows = send_pairs
-
-        # the one small exchange: rows and pairs per destination, then one host sync
-        counts = torch.stack([send_rows, send_pairs], 1)  # [R, 2]
-        recv_counts = torch.empty_like(counts)
-        if self.group is None:
-            recv_counts.copy_(counts)
-        else:
-            dist.all_to_all_single(recv_counts, counts, group=self.group)
-        host = torch.cat([counts, recv_counts], 1).tolist()
-        in_splits = [row[0] for row in host]
-        out_splits = [row[2] for row in host]
-        recv_pairs = sum(row[3] for row in host)
-
-        # row metadata: (slot, weight) entries of each unit, gathered into send order
+            unit_slots, unit_weights = routes.dest_slot[..., None], routes.weights[..., None]
         j = unit_slots.shape[-1]
-        n_send = sum(in_splits)
         # invert dest_map without a sync: unused units write to a dummy row n_send
         target = torch.where(dest_map >= 0, dest_map, n_send).flatten()
         unit_of_row = torch.empty(n_send + 1, dtype=torch.int64, device=dev)
         unit_of_row.scatter_(0, target, torch.arange(target.numel(), device=dev))
         unit_of_row = unit_of_row[:n_send]
-        row_slots = unit_slots.reshape(-1, j)[unit_of_row].to(torch.int32)
-        row_weights = unit_weights.reshape(-1, j)[unit_of_row]
-
-        layout = RowLayout(((x.shape[1], x.dtype), (j, row_weights.dtype), (j, torch.int32)))
-        needs_grad = torch.is_grad_enabled() and (x.requires_grad or row_weights.requires_grad)
-        if not needs_grad:
-            # inference: gather tokens straight into the payload
-            buf = layout.empty(n_send, dev)
-            xv, wv, sv = layout.views(buf)
-            permute(x, dest_map, xv)
-            wv.copy_(row_weights)
-            sv.copy_(row_slots)
-            recv = all_to_all_bytes(buf, sum(out_splits), in_splits, out_splits, self.group)
-            recv_x, recv_w, recv_s = layout.views(recv)
-        else:
-            rows = permute_reference(x, dest_map, x.new_empty(n_send, x.shape[1]))
-            recv_x, recv_w, recv_s = packed_all_to_all([rows, row_weights, row_slots], in_splits, out_splits, self.group)
-
-        pairs = local_pairs(recv_s, self.num_slots, recv_pairs)
-        expert_input = recv_x.index_select(0, pairs.pair_row)
-        self.last_stats = MoEStats.from_counts(
-            rank=self.rank,
-            pairs_sent=[row[1] for row in host],
-            rows_sent=in_splits,
-            row_bytes=layout.row_bytes,
-            topk_ids=routes.topk_ids,
-        )
-        state = _State(dest_map, in_splits, out_splits, recv_w, pairs, x.dtype)
-        return Received(expert_input, pairs.slot_counts, state)
+        rows = permute_reference(x, dest_map, x.new_empty(n_send, x.shape[1]))
+        return rows, unit_weights.reshape(-1, j)[unit_of_row], unit_slots.reshape(-1, j)[unit_of_row].to(torch.int32)
 
     # ------------------------------------------------------------------ step 5
     def combine(self, expert_output: torch.Tensor, received: Received) -> torch.Tensor:
@@ -139,6 +134,17 @@ class AllToAllDispatcher:
         if torch.is_grad_enabled() and row_out.requires_grad:
             (back,) = packed_all_to_all([row_out], st.out_splits, st.in_splits, self.group)
         else:  # inference: exchange the rows' bytes as they are, no packing copy
-            raw = all_to_all_bytes(row_out.contiguous().view(torch.uint8), sum(st.in_splits), st.out_splits, st.in_splits, self.group)
+            raw = all_to_all_bytes(row_out.contiguous().view(torch.uint8), sum(st.in_splits),
+                                   st.out_splits, st.in_splits, self.group)
             back = raw.view(st.dtype)
         return unpermute_combine(back, st.dest_map, None, out_dtype=st.dtype)
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _ones(device: torch.device) -> torch.Tensor:
+    """A cached one-element int64 tensor of ones, expanded (no copy) where a ones-tensor is needed."""
+    if device not in _ONES:
+        _ONES[device] = torch.ones(1, dtype=torch.int64, device=device)
+    return _ONES[device]

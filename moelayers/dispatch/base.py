@@ -25,12 +25,23 @@ class Routes:
         weights: ``[T, K]`` routing weights (in the hidden-state dtype).
         dest_rank: ``[T, K]`` int64 expert-parallel rank of the chosen replica.
         dest_slot: ``[T, K]`` int64 local slot of the chosen replica on ``dest_rank``.
+        nonfinite: optional 0-dim device flag, true when this rank's router logits had NaN/inf;
+            dispatchers exchange it with their split sizes (no extra sync) and every rank raises.
     """
 
     topk_ids: torch.Tensor
     weights: torch.Tensor
     dest_rank: torch.Tensor
     dest_slot: torch.Tensor
+    nonfinite: torch.Tensor | None = None
+
+
+def raise_if_nonfinite(flags: list[int]) -> None:
+    """Raise ``ValueError`` on every rank if any rank's flag is set."""
+    bad = [r for r, f in enumerate(flags) if f]
+    if bad:
+        raise ValueError(f"router logits contain NaN or inf (on expert-parallel rank(s) {bad}): "
+                         "check the input hidden states and router weight")
 
 
 @dataclass
@@ -71,7 +82,7 @@ class LocalFirstPolicy:
     def __call__(self, topk_ids: torch.Tensor, placement: ExpertPlacement, rank: int) -> torch.Tensor:
         _, log2phy, logcnt = placement.device_tables(topk_ids.device)
         if placement.max_replicas == 1:
-            return log2phy[topk_ids, 0]
+            return placement.first_replica(topk_ids.device)[topk_ids]
         cand = log2phy[topk_ids]  # [T, K, Rmax]
         is_local = (cand >= 0) & (cand // placement.slots_per_rank == rank)
         has_local = is_local.any(-1)
@@ -86,8 +97,8 @@ def routes_from_placement(
 ) -> Routes:
     """Step 2 for placement-driven layers: logical ids -> chosen replica -> (rank, local slot)."""
     phys = policy(topk_ids, placement, rank)
-    s = placement.slots_per_rank
-    return Routes(topk_ids, weights, phys // s, phys % s)
+    dest_rank = torch.div(phys, placement.slots_per_rank, rounding_mode="floor")
+    return Routes(topk_ids, weights, dest_rank, phys - dest_rank * placement.slots_per_rank)
 
 
 @dataclass

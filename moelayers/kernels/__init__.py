@@ -51,6 +51,11 @@ def require_triton() -> None:
 
 
 # Imported after the flags above: the kernel modules import them from this package.
+from moelayers.kernels.dispatch_pack import (  # noqa: E402
+    dispatch_pack,
+    dispatch_pack_reference,
+    dispatch_pack_triton,
+)
 from moelayers.kernels.permute import permute, permute_reference, permute_triton  # noqa: E402
 from moelayers.kernels.unpermute_combine import (  # noqa: E402
     unpermute_combine,
@@ -68,4 +73,7 @@ __all__ = [
     "unpermute_combine",
     "unpermute_combine_reference",
     "unpermute_combine_triton",
+    "dispatch_pack",
+    "dispatch_pack_reference",
+    "dispatch_pack_triton",
 ]

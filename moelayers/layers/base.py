@@ -178,8 +178,9 @@ class MoELayerBase(nn.Module):
         forced, self._forced_ids = self._forced_ids, None
         if forced is not None and tuple(forced.shape) != (x2.shape[0], self.config.top_k):
             raise ValueError(f"forced routing has shape {list(forced.shape)}, expected [{x2.shape[0]}, {self.config.top_k}]")
-        topk_ids, topk_weights = self.router(x2, forced)                  # 1 route
+        topk_ids, topk_weights = self.router(x2, forced, defer_check=True)  # 1 route
         routes = self.plan(topk_ids, topk_weights, token_ids)             # 2 plan
+        routes.nonfinite = self.router.last_nonfinite
         received = self.dispatcher.dispatch(x2, routes)                   # 3 dispatch
         expert_out = self.experts(received.expert_input, received.slot_counts)  # 4 compute
         y = self.dispatcher.combine(expert_out, received)                 # 5 combine

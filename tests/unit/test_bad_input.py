@@ -148,3 +148,24 @@ def _groups_mismatch(rank, world):
 def test_groups_that_do_not_match_the_world():
     for errors in run_distributed(_groups_mismatch, 4):
         assert errors == []
+
+
+def _nan_on_one_rank(rank, world, dispatcher):
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    m = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), dispatcher=dispatcher)
+    x = torch.randn(5, 8)
+    if rank == 1:
+        x[0, 0] = float("nan")
+    try:
+        m(x)
+    except ValueError as e:
+        assert "rank(s) [1]" in str(e), str(e)
+        m(torch.randn(3, 8))  # still usable afterwards: nothing was left half-done
+        return "raised"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_nan_on_one_rank_raises_on_every_rank(dispatcher):
+    assert run_distributed(_nan_on_one_rank, 2, dispatcher) == ["raised", "raised"]

@@ -1,0 +1,506 @@
+"""megatron-core integration: drop-in MoE specs and megatron's own ``MoELayer`` for comparisons.
+
+Drop-in use (DESIGN.md §4)::
+
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+    from moelayers.integrations.megatron import moe_spec
+    import moelayers as ml
+
+    submodules = TransformerLayerSubmodules(..., mlp=moe_spec(ml.VanillaMoE, dispatcher="alltoall"))
+
+``moe_spec`` returns a ``ModuleSpec(module=MegatronMoEAdapter, params={'layer_cls': ..., **kw})``.
+megatron-core 0.16 builds it with ``build_module(spec, config=transformer_config)`` (an unknown MLP
+type gets no process groups: the adapter then uses ``parallel_state``'s groups); megatron-core
+>= 0.19 calls the mlp slot as a builder, ``spec(config=, pg_collection=, is_mtp_layer=, name=)``
+(``ModuleSpec.__call__`` is ``build_module``), and the adapter uses the given ``pg_collection``.
+
+Peer helpers for benchmarks and equality checks: :func:`megatron_moe_layer` builds megatron-core's
+own ``MoELayer`` (local spec, no TransformerEngine) for a :class:`~moelayers.MoEConfig`, and
+:func:`load_megatron_weights` loads the logical weights ``router [E, H]``, ``w13 [E, 2F, H]``,
+``w2 [E, H, F]`` into it.
+
+Limitations: megatron's distributed checkpointing (``sharded_state_dict``) does not know the
+adapter's expert layout (save/load logical weights with ``export_full_weights`` /
+``load_full_weights`` instead); expert tensor parallelism is not supported by
+:func:`load_megatron_weights`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moelayers.config import MoEConfig
+from moelayers.experts import GroupedExperts
+from moelayers.groups import ParallelGroups
+
+try:
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    HAVE_MEGATRON = True
+except ImportError:  # pragma: no cover - megatron-core is a dependency
+    ModuleSpec = build_module = None  # type: ignore[assignment]
+    HAVE_MEGATRON = False
+
+_INSTALL_HINT = "pip install 'megatron-core>=0.16'"
+
+#: Keyword arguments megatron-core passes when it builds an mlp submodule (0.16 ``build_module``
+#: extras, >= 0.19 builder arguments, and a few other call sites). The adapter accepts and ignores
+#: them (``layer_number`` / ``is_mtp_layer`` / ``name`` / ``pg_collection`` are used).
+MEGATRON_BUILD_KWARGS = frozenset({
+    "submodules", "tp_group", "model_comm_pgs", "vp_stage", "pp_layer_offset", "is_expert",
+    "input_size", "ffn_hidden_size", "shared_expert", "gate", "hidden_dropout",
+})
+
+
+def _require_megatron(what: str) -> None:
+    if not HAVE_MEGATRON:
+        raise ImportError(f"{what} needs megatron-core: {_INSTALL_HINT}")
+
+
+# ---------------------------------------------------------------------------------------- helpers
+def _layer_kwargs(layer_cls: type) -> set[str]:
+    """Keyword names ``layer_cls(config, groups, **kw)`` accepts, following ``**kwargs`` up the MRO."""
+    names: set[str] = set()
+    for klass in layer_cls.__mro__:
+        if klass in (nn.Module, object):
+            break
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = list(inspect.signature(init).parameters.values())[1:]
+        names.update(p.name for p in params
+                     if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+        if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params):
+            break
+    return names - {"config", "groups"}
+
+
+def _check_layer_cls(layer_cls: Any) -> None:
+    if not (isinstance(layer_cls, type) and issubclass(layer_cls, nn.Module)):
+        raise TypeError(f"layer_cls must be a moelayers layer class (an nn.Module subclass), got {layer_cls!r}")
+
+
+def _drop_singleton_groups(groups: ParallelGroups) -> ParallelGroups:
+    """Megatron hands out real groups of one; moelayers spells a group of one ``None``."""
+    changes = {}
+    for name in ("ep", "tp", "dp"):
+        if getattr(groups, name) is not None and getattr(groups, f"{name}_size") == 1:
+            changes[name] = None
+    return dataclasses.replace(groups, **changes) if changes else groups
+
+
+def groups_for_megatron(pg_collection: Any = None) -> ParallelGroups:
+    """The :class:`ParallelGroups` an adapter built by megatron-core uses.
+
+    ``pg_collection`` given (megatron-core >= 0.19 builders) -> its ``ep``/``tp``/``dp``;
+    else megatron's initialised ``parallel_state``; else, for a single process (torch.distributed
+    not initialised, or a world of one), :meth:`ParallelGroups.single`. Groups of one become ``None``.
+
+    Raises:
+        ValueError: several processes but neither ``pg_collection`` nor ``parallel_state``.
+    """
+    if pg_collection is not None:
+        return _drop_singleton_groups(ParallelGroups.from_megatron(pg_collection))
+    initialised = False
+    if HAVE_MEGATRON:
+        from megatron.core import parallel_state as ps
+
+        initialised = ps.model_parallel_is_initialized()
+    if initialised:
+        return _drop_singleton_groups(ParallelGroups.from_megatron())
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return ParallelGroups.single()
+    raise ValueError(
+        f"torch.distributed has {dist.get_world_size()} ranks but megatron-core parallel_state is not "
+        "initialised: call parallel_state.initialize_model_parallel(expert_model_parallel_size=...) "
+        "before building the model, or pass pg_collection"
+    )
+
+
+def _pick_device(transformer_config: Any, groups: ParallelGroups) -> torch.device:
+    """NCCL groups -> the current CUDA device; gloo groups -> CPU; a single process -> CUDA if
+    available (megatron's convention) unless ``use_cpu_initialization`` is set."""
+    backends = {str(dist.get_backend(g)) for g in (groups.ep, groups.tp, groups.dp) if g is not None}
+    if any("nccl" in b for b in backends):
+        return torch.device("cuda", torch.cuda.current_device())
+    if backends:
+        return torch.device("cpu")
+    if torch.cuda.is_available() and not getattr(transformer_config, "use_cpu_initialization", False):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _padding_to_sb(padding_mask: torch.Tensor, s: int, b: int) -> torch.Tensor:
+    """megatron's ``[B, S]`` (True = pad) -> ``[S, B]`` bool; ``[S, B]`` is accepted when unambiguous."""
+    if not isinstance(padding_mask, torch.Tensor) or padding_mask.dim() != 2:
+        raise ValueError(f"padding_mask must be a [B, S] = [{b}, {s}] tensor (True = padding)")
+    if padding_mask.dtype.is_floating_point:
+        raise TypeError("padding_mask must be bool (True = padding) or integer, not floating point")
+    if tuple(padding_mask.shape) == (b, s):
+        pad = padding_mask.transpose(0, 1)
+    elif tuple(padding_mask.shape) == (s, b):
+        pad = padding_mask
+    else:
+        raise ValueError(f"padding_mask has shape {list(padding_mask.shape)}, expected [B, S] = [{b}, {s}]")
+    return pad != 0
+
+
+# ---------------------------------------------------------------------------------------- adapter
+class MegatronMoEAdapter(nn.Module):
+    """A moelayers layer in megatron-core's mlp slot.
+
+    Built by megatron-core from :func:`moe_spec`. Accepts both build conventions:
+    0.16's ``build_module(spec, config=transformer_config, ...)`` and >= 0.19's
+    ``builder(config=, pg_collection=, is_mtp_layer=, name=)``.
+
+    Args:
+        config: megatron ``TransformerConfig``; the layer's :class:`MoEConfig` is
+            ``MoEConfig.from_megatron(config)``.
+        layer_cls: the moelayers layer class (default :class:`moelayers.VanillaMoE`).
+        pg_collection: megatron ``ProcessGroupCollection`` (>= 0.19 passes one); see
+            :func:`groups_for_megatron` for what is used without it.
+        groups: explicit :class:`ParallelGroups` (overrides ``pg_collection``).
+        layer_number, is_mtp_layer, name: megatron's bookkeeping, stored.
+        **kwargs: keyword arguments of ``layer_cls`` (from the spec's ``params``) go to the layer;
+            megatron build-time extras (:data:`MEGATRON_BUILD_KWARGS`) are ignored; anything else is
+            ignored with a warning. Ignored names are kept in ``ignored_build_kwargs``.
+
+    Default device: the current CUDA device with NCCL groups (or a single process on a CUDA
+    machine without ``use_cpu_initialization``), else CPU; pass ``device=`` in the spec to override.
+    Weights: the layer's own default initialisation (``N(0, init_method_std)``), then usually
+    :meth:`load_full_weights`. Expert parameters carry ``allreduce = False`` (megatron's DDP reduces
+    them over the expert-data-parallel group only).
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layer_cls: type | None = None,
+        *,
+        pg_collection: Any = None,
+        groups: ParallelGroups | None = None,
+        layer_number: int | None = None,
+        is_mtp_layer: bool = False,
+        name: str | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__()
+        if layer_cls is None:
+            from moelayers.layers import VanillaMoE
+
+            layer_cls = VanillaMoE
+        _check_layer_cls(layer_cls)
+        accepted = _layer_kwargs(layer_cls)
+        layer_kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+        ignored = sorted(k for k in kwargs if k not in accepted)
+        unknown = [k for k in ignored if k not in MEGATRON_BUILD_KWARGS]
+        if unknown:
+            warnings.warn(
+                f"MegatronMoEAdapter ignores build arguments {unknown}: neither {layer_cls.__name__} "
+                "nor megatron-core's known mlp build arguments take them",
+                stacklevel=2,
+            )
+        self.ignored_build_kwargs: tuple[str, ...] = tuple(ignored)
+        self.config = config  # megatron's TransformerConfig, as on megatron modules
+        self.moe_config = MoEConfig.from_megatron(config)
+        if groups is not None and not isinstance(groups, ParallelGroups):
+            raise TypeError(f"groups must be a ParallelGroups, got {type(groups).__name__}")
+        self.groups = groups if groups is not None else groups_for_megatron(pg_collection)
+        if "device" in accepted and layer_kwargs.get("device") is None:
+            layer_kwargs["device"] = _pick_device(config, self.groups)
+        self.layer_number, self.is_mtp_layer, self.megatron_name = layer_number, bool(is_mtp_layer), name
+        self.layer = layer_cls(self.moe_config, self.groups, **layer_kwargs)
+        for module in self.layer.modules():
+            if isinstance(module, GroupedExperts):
+                for p in module.parameters(recurse=False):
+                    p.allreduce = False
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """Called by megatron's ``TransformerLayer`` after building the mlp."""
+        self.layer_number = layer_number
+
+    def load_full_weights(self, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """``router_weight [E, H]``, ``w13 [E, 2F, H]``, ``w2 [E, H, F]`` (see ``MoELayerBase``)."""
+        self.layer.load_full_weights(router_weight, w13, w2)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        padding_mask: torch.Tensor | None = None,
+        *,
+        intermediate_tensors: Any = None,
+        token_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, None]:
+        """megatron's mlp interface.
+
+        Args:
+            hidden_states: ``[S, B, H]``.
+            padding_mask: optional ``[B, S]`` bool, True = padding (megatron's convention; an
+                ``[S, B]`` mask is accepted when ``S != B``). Padded tokens are dropped before the
+                layer -- never routed, never sent -- and their output rows are zero, so they
+                cannot change the output of real tokens (nor the layer's statistics).
+            intermediate_tensors: megatron's partial CUDA-graph capture; must be ``None``.
+            token_ids: optional ``[S, B]`` token ids (for layers that use them).
+
+        Returns:
+            ``(output [S, B, H], None)``: no bias.
+        """
+        if intermediate_tensors is not None:
+            raise NotImplementedError("MegatronMoEAdapter does not support partial CUDA-graph capture "
+                                      "(intermediate_tensors)")
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+            raise ValueError("hidden_states must be an [S, B, H] tensor")
+        s, b, h = hidden_states.shape
+        if token_ids is not None:
+            if token_ids.numel() != s * b:
+                raise ValueError(f"token_ids has {token_ids.numel()} entries for [S, B] = [{s}, {b}]")
+            token_ids = token_ids.reshape(-1)
+        if padding_mask is None:
+            return self.layer(hidden_states, token_ids=token_ids), None
+        keep = ~_padding_to_sb(padding_mask, s, b).reshape(-1).to(hidden_states.device)
+        x2 = hidden_states.reshape(s * b, h)
+        idx = keep.nonzero().squeeze(1)
+        ids = None if token_ids is None else token_ids.index_select(0, idx.to(token_ids.device))
+        y_kept = self.layer(x2.index_select(0, idx), token_ids=ids)  # every rank calls: collectives
+        y = x2.new_zeros(s * b, h).index_copy(0, idx, y_kept)
+        return y.view(s, b, h), None
+
+    def extra_repr(self) -> str:
+        return f"layer_number={self.layer_number}, is_mtp_layer={self.is_mtp_layer}"
+
+
+def moe_spec(layer_cls: type, **layer_kwargs: Any) -> "ModuleSpec":
+    """A megatron ``ModuleSpec`` for ``TransformerLayerSubmodules.mlp``.
+
+    Args:
+        layer_cls: a moelayers layer class, e.g. ``moelayers.VanillaMoE``.
+        **layer_kwargs: keyword arguments of ``layer_cls`` (``dispatcher=``, ``placement=``,
+            ``device=``, ...), plus optionally ``groups=`` (a :class:`ParallelGroups`).
+
+    Returns:
+        ``ModuleSpec(module=MegatronMoEAdapter, params={'layer_cls': layer_cls, **layer_kwargs})``;
+        megatron-core 0.16 builds it with ``build_module(spec, config=...)``, >= 0.19 calls it as
+        ``spec(config=, pg_collection=, is_mtp_layer=, name=)``.
+
+    Raises:
+        TypeError: ``layer_cls`` is not a layer class, or it does not take one of ``layer_kwargs``.
+    """
+    _require_megatron("moe_spec")
+    _check_layer_cls(layer_cls)
+    reserved = {"config", "layer_cls", "pg_collection", "layer_number", "is_mtp_layer", "name"} & set(layer_kwargs)
+    if reserved:
+        raise TypeError(f"moe_spec: {sorted(reserved)} are supplied by megatron-core at build time")
+    unknown = set(layer_kwargs) - _layer_kwargs(layer_cls) - {"groups"}
+    if unknown:
+        raise TypeError(f"moe_spec: {layer_cls.__name__} does not take {sorted(unknown)}")
+    return ModuleSpec(module=MegatronMoEAdapter, params={"layer_cls": layer_cls, **layer_kwargs})
+
+
+# ------------------------------------------------------------------ megatron's own MoELayer (peers)
+def _call_filtered(fn: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` with the keyword arguments its signature takes (API drift between versions)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return fn(**kwargs)
+    return fn(**{k: v for k, v in kwargs.items() if k in params})
+
+
+def _grouped_gemm_available() -> bool:
+    try:
+        from megatron.core.transformer.moe import grouped_gemm_util as gg
+    except ImportError:
+        return False
+    return bool(gg.grouped_gemm_is_available())
+
+
+def _ensure_process_group(device: torch.device) -> None:
+    """megatron's parallel_state needs torch.distributed: start a world of one if there is none."""
+    if dist.is_initialized():
+        return
+    from moelayers.testing import free_port
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+def _router_mapping(config: MoEConfig) -> tuple[str, bool]:
+    """``(moe_router_score_function, moe_router_pre_softmax)`` reproducing ``config``'s routing."""
+    if config.score_fn == "softmax":
+        # top-k of logits, then softmax over them == renormalised top-k of the softmax
+        return "softmax", not config.norm_topk_prob
+    if config.norm_topk_prob != (config.top_k > 1):
+        raise ValueError(
+            "megatron's sigmoid router renormalises exactly when top_k > 1: "
+            f"norm_topk_prob={config.norm_topk_prob} with top_k={config.top_k} has no megatron equivalent"
+        )
+    return "sigmoid", False
+
+
+def _transformer_config(config: MoEConfig, dtype: torch.dtype, ep: int, tp: int, grouped: bool, cpu: bool) -> Any:
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    score_fn, pre_softmax = _router_mapping(config)
+    wanted = dict(
+        num_layers=1, hidden_size=config.hidden_size, num_attention_heads=1,
+        ffn_hidden_size=config.ffn_hidden_size, moe_ffn_hidden_size=config.ffn_hidden_size,
+        num_moe_experts=config.num_experts, moe_router_topk=config.top_k,
+        moe_router_score_function=score_fn, moe_router_pre_softmax=pre_softmax,
+        moe_token_dispatcher_type="alltoall",
+        moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none", moe_z_loss_coeff=None,
+        moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
+        moe_router_dtype="fp32", moe_grouped_gemm=grouped, moe_permute_fusion=False,
+        add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype, pipeline_dtype=dtype,
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+        sequence_parallel=False, use_cpu_initialization=cpu, perform_initialization=False,
+        init_method_std=config.init_std,
+    )
+    names = {f.name for f in dataclasses.fields(TransformerConfig)}
+    required = {"hidden_size", "num_moe_experts", "moe_router_topk", "moe_token_dispatcher_type",
+                "moe_router_score_function", "gated_linear_unit", "params_dtype", "expert_model_parallel_size"}
+    missing = required - names
+    if missing:
+        raise RuntimeError(f"this megatron-core's TransformerConfig lacks {sorted(missing)}")
+    return TransformerConfig(**{k: v for k, v in wanted.items() if k in names})
+
+
+def megatron_moe_layer(config: MoEConfig, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda"):
+    """megatron-core's own ``MoELayer`` for ``config``, for benchmarks and equality checks.
+
+    Built from megatron's local spec (no TransformerEngine): ``GroupedMLP`` experts when the
+    ``grouped_gemm`` package is installed and the layer is bf16 on CUDA, else ``SequentialMLP``
+    (the class used is in ``layer.experts``). All-to-all dispatcher, no aux loss, no token dropping,
+    fp32 router, no biases, SwiGLU; expert parallel over the whole world (``parallel_state`` is
+    initialised with ``expert_model_parallel_size = world`` if it is not yet; torch.distributed is
+    started as a world of one if it is not yet). Weights are ``N(0, config.init_std)`` from a fixed
+    seed; use :func:`load_megatron_weights`. ``forward(x [S, B, H]) -> (y, None)``.
+
+    Note: megatron-core's all-to-all dispatcher creates CUDA streams, so this needs CUDA.
+
+    Raises:
+        ImportError: megatron-core is missing. ValueError: the routing has no megatron equivalent
+        or ``num_experts`` does not divide over the expert-parallel group.
+    """
+    _require_megatron("megatron_moe_layer")
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import moe_module_specs
+
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    _ensure_process_group(device)
+    if not ps.model_parallel_is_initialized():
+        _call_filtered(ps.initialize_model_parallel, expert_model_parallel_size=dist.get_world_size())
+    ep = ps.get_expert_model_parallel_world_size()
+    tp = ps.get_tensor_model_parallel_world_size()
+    if hasattr(ps, "get_expert_tensor_parallel_world_size") and ps.get_expert_tensor_parallel_world_size() != 1:
+        raise NotImplementedError("megatron_moe_layer supports expert tensor parallel size 1 only")
+    if config.num_experts % ep:
+        raise ValueError(f"num_experts={config.num_experts} does not divide over expert parallel size {ep}")
+    grouped = dtype == torch.bfloat16 and device.type == "cuda" and _grouped_gemm_available()
+    tc = _transformer_config(config, dtype, ep, tp, grouped, cpu=device.type == "cpu")
+    spec = _call_filtered(moe_module_specs.get_moe_module_spec, use_te=False,
+                          num_experts=config.num_experts, moe_grouped_gemm=grouped)
+    ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with ctx:
+        if isinstance(spec, ModuleSpec):
+            layer = build_module(spec, config=tc)
+        else:  # newer megatron-core: a builder (functools.partial) instead of a ModuleSpec
+            layer = _call_filtered(spec, config=tc)
+    layer = layer.to(device)
+    gen = torch.Generator(device=device)
+    gen.manual_seed(12345)
+    with torch.no_grad():
+        for _, p in sorted(layer.named_parameters(), key=lambda kv: kv[0]):
+            p.normal_(0.0, config.init_std, generator=gen)
+    return layer
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"{what}: megatron holds {list(dst.shape)}, got {list(src.shape)} "
+                         "(expert tensor parallelism is not supported)")
+    dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
+
+
+@torch.no_grad()
+def load_megatron_weights(layer: Any, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """Load logical weights into a megatron-core ``MoELayer`` (this EP rank's experts and the router).
+
+    Args:
+        layer: a megatron ``MoELayer`` (e.g. from :func:`megatron_moe_layer`).
+        router_weight: ``[E, H]``; w13: ``[E, 2F, H]`` (gate rows, then up); w2: ``[E, H, F]``;
+            the same on every rank.
+
+    Layouts written (expert tensor parallel size 1):
+      - ``GroupedMLP``: ``weight1 [H, E_local*2F]`` viewed as ``[E_local, H, 2F]`` holds ``w13[e]^T``,
+        ``weight2 [E_local*F, H]`` viewed as ``[E_local, F, H]`` holds ``w2[e]^T``;
+      - ``SequentialMLP``: ``local_experts[i].linear_fc1.weight = w13[e]`` (``[2F, H]``),
+        ``linear_fc2.weight = w2[e]`` (``[H, F]``);
+      - ``TEGroupedMLP``: ``linear_fc1.weight{i} = w13[e]``, ``linear_fc2.weight{i} = w2[e]``;
+    with ``e = layer.local_expert_indices[i]``. Biases, if any, are zeroed.
+    """
+    tc = layer.config
+    e, h = tc.num_moe_experts, tc.hidden_size
+    f = getattr(tc, "moe_ffn_hidden_size", None) or tc.ffn_hidden_size
+    for name, t, shape in (("router_weight", router_weight, (e, h)), ("w13", w13, (e, 2 * f, h)), ("w2", w2, (e, h, f))):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    local = getattr(layer, "local_expert_indices", None)
+    if local is None:
+        from megatron.core import parallel_state as ps
+
+        n = layer.num_local_experts
+        local = list(range(ps.get_expert_model_parallel_rank() * n, (ps.get_expert_model_parallel_rank() + 1) * n))
+    local = [int(i) for i in local]
+    index = torch.tensor(local, dtype=torch.int64, device=w13.device)
+    w13_l, w2_l = w13.index_select(0, index), w2.index_select(0, index)
+    n = len(local)
+
+    _copy(layer.router.weight, router_weight, "router.weight")
+    if getattr(layer.router, "bias", None) is not None:
+        layer.router.bias.zero_()
+
+    experts = layer.experts
+    if hasattr(experts, "weight1") and hasattr(experts, "weight2"):  # GroupedMLP
+        if tuple(experts.weight1.shape) != (h, n * 2 * f) or tuple(experts.weight2.shape) != (n * f, h):
+            raise ValueError(f"GroupedMLP weights {list(experts.weight1.shape)}, {list(experts.weight2.shape)} do not "
+                             f"match H={h}, F={f}, {n} local experts (expert tensor parallelism is not supported)")
+        experts.weight1.view(n, h, 2 * f).copy_(w13_l.transpose(1, 2).to(experts.weight1))
+        experts.weight2.view(n, f, h).copy_(w2_l.transpose(1, 2).to(experts.weight2))
+    elif hasattr(experts, "local_experts"):  # SequentialMLP
+        for i, mlp in enumerate(experts.local_experts):
+            _copy(mlp.linear_fc1.weight, w13_l[i], f"local_experts.{i}.linear_fc1.weight")
+            _copy(mlp.linear_fc2.weight, w2_l[i], f"local_experts.{i}.linear_fc2.weight")
+            for lin in (mlp.linear_fc1, mlp.linear_fc2):
+                if getattr(lin, "bias", None) is not None:
+                    lin.bias.zero_()
+    elif hasattr(experts, "linear_fc1") and hasattr(experts.linear_fc1, "weight0"):  # TEGroupedMLP
+        for i in range(n):
+            _copy(getattr(experts.linear_fc1, f"weight{i}"), w13_l[i], f"linear_fc1.weight{i}")
+            _copy(getattr(experts.linear_fc2, f"weight{i}"), w2_l[i], f"linear_fc2.weight{i}")
+            for lin in (experts.linear_fc1, experts.linear_fc2):
+                bias = getattr(lin, f"bias{i}", None)
+                if isinstance(bias, torch.Tensor) and bias.numel():
+                    bias.zero_()
+    else:
+        raise NotImplementedError(f"load_megatron_weights does not know the expert module {type(experts).__name__}")
+
+
+__all__ = [
+    "HAVE_MEGATRON", "MEGATRON_BUILD_KWARGS", "MegatronMoEAdapter", "groups_for_megatron",
+    "load_megatron_weights", "megatron_moe_layer", "moe_spec",
+]

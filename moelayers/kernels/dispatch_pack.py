@@ -1,0 +1,102 @@
+"""Dispatch pack: fill a de-duplicated all-to-all payload in one pass.
+
+For every (token ``t``, destination rank ``r``) with ``dest_map[t, r] = row >= 0``:
+
+- ``x_out[row] = x[t]``;
+- ``s_out[row, k] = dest_slot[t, k]`` if ``dest_rank[t, k] == r`` else ``-1``;
+- ``w_out[row, k] = weights[t, k]`` if ``dest_rank[t, k] == r`` else ``0``.
+
+The three outputs are typically typed views of one ``uint8`` payload buffer (see
+``moelayers.dispatch.comm.RowLayout``), so one launch writes the whole send buffer: the token
+rows and the routing metadata each destination rank needs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moelayers.kernels import HAVE_TRITON, require_triton, use_triton
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _dispatch_pack_kernel(
+        x_ptr, map_ptr, rank_ptr, slot_ptr, w_ptr, xo_ptr, so_ptr, wo_ptr,
+        H, R, K, stride_x, stride_xo, stride_so, stride_wo,
+        BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        # One program per (token, block of H): the row block is loaded once and stored to every
+        # destination rank; the programs of the first H block also write the metadata.
+        t = tl.program_id(0).to(tl.int64)
+        hb = tl.program_id(1)
+        offs = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        row = tl.load(x_ptr + t * stride_x + offs, mask=offs < H)
+        koffs = tl.arange(0, BLOCK_K)
+        kmask = koffs < K
+        ranks = tl.load(rank_ptr + t * K + koffs, mask=kmask, other=-1)
+        slots = tl.load(slot_ptr + t * K + koffs, mask=kmask, other=-1)
+        weights = tl.load(w_ptr + t * K + koffs, mask=kmask, other=0.0)
+        for r in range(R):
+            d = tl.load(map_ptr + t * R + r).to(tl.int64)
+            # scalar conditions become column bounds (scalar & vector masks trip the interpreter)
+            row_mask = offs < tl.where(d >= 0, H, 0)
+            meta_mask = koffs < tl.where((d >= 0) & (hb == 0), K, 0)
+            d = tl.maximum(d, 0)
+            tl.store(xo_ptr + d * stride_xo + offs, row, mask=row_mask)
+            mine = ranks == r
+            tl.store(so_ptr + d * stride_so + koffs, tl.where(mine, slots, -1).to(tl.int32), mask=meta_mask)
+            tl.store(wo_ptr + d * stride_wo + koffs, tl.where(mine, weights, 0.0).to(wo_ptr.dtype.element_ty),
+                     mask=meta_mask)
+
+
+def dispatch_pack_reference(
+    x: torch.Tensor, dest_map: torch.Tensor, dest_rank: torch.Tensor, dest_slot: torch.Tensor,
+    weights: torch.Tensor, x_out: torch.Tensor, w_out: torch.Tensor, s_out: torch.Tensor,
+) -> None:
+    """Pure-torch dispatch pack, in place (no autograd).
+
+    Args:
+        x: ``[T, H]`` tokens; dest_map: ``[T, R]`` payload row per (token, rank), ``-1`` = none.
+        dest_rank, dest_slot: ``[T, K]`` destination of each (token, k); weights: ``[T, K]``.
+        x_out: ``[N, H]``, w_out: ``[N, K]``, s_out: ``[N, K]`` int32 outputs (views allowed).
+    """
+    tok, rank = (dest_map >= 0).nonzero(as_tuple=True)
+    rows = dest_map[tok, rank]
+    mine = dest_rank[tok] == rank[:, None]
+    x_out[rows] = x[tok]
+    s_out[rows] = torch.where(mine, dest_slot[tok], -1).to(s_out.dtype)
+    w_out[rows] = torch.where(mine, weights[tok], 0).to(w_out.dtype)
+
+
+def dispatch_pack_triton(
+    x: torch.Tensor, dest_map: torch.Tensor, dest_rank: torch.Tensor, dest_slot: torch.Tensor,
+    weights: torch.Tensor, x_out: torch.Tensor, w_out: torch.Tensor, s_out: torch.Tensor,
+) -> None:
+    """Triton dispatch pack (same contract as :func:`dispatch_pack_reference`)."""
+    require_triton()
+    t, h = x.shape
+    if t == 0:
+        return
+    k = dest_rank.shape[1]
+    x = x if x.stride(1) == 1 else x.contiguous()
+    dest_map, dest_rank, dest_slot, weights = (a.contiguous() for a in (dest_map, dest_rank, dest_slot, weights))
+    block_h = min(1024, triton.next_power_of_2(h))
+    grid = (t, triton.cdiv(h, block_h))
+    _dispatch_pack_kernel[grid](
+        x, dest_map, dest_rank, dest_slot, weights, x_out, s_out, w_out,
+        h, dest_map.shape[1], k, x.stride(0), x_out.stride(0), s_out.stride(0), w_out.stride(0),
+        BLOCK_H=block_h, BLOCK_K=triton.next_power_of_2(k),
+    )
+
+
+def dispatch_pack(
+    x: torch.Tensor, dest_map: torch.Tensor, dest_rank: torch.Tensor, dest_slot: torch.Tensor,
+    weights: torch.Tensor, x_out: torch.Tensor, w_out: torch.Tensor, s_out: torch.Tensor,
+) -> None:
+    """Fill the de-duplicated payload: the Triton kernel on CUDA, else the torch reference."""
+    if use_triton(x):
+        dispatch_pack_triton(x, dest_map, dest_rank, dest_slot, weights, x_out, w_out, s_out)
+    else:
+        dispatch_pack_reference(x, dest_map, dest_rank, dest_slot, weights, x_out, w_out, s_out)

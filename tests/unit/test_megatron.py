@@ -1,0 +1,364 @@
+"""megatron-core integration on CPU (megatron-core 0.16): specs, padding, routing mapping, weights.
+
+Single-process tests run here; the megatron ``parallel_state`` tests (which need
+torch.distributed) run once in a 2-process gloo world (``initialize_model_parallel`` works on
+gloo/CPU) and each check is reported as its own test.
+
+megatron's ``MoELayer`` with the all-to-all dispatcher cannot be built on CPU (the dispatcher
+creates CUDA streams, the router moves its weight to CUDA in forward), so ``megatron_moe_layer`` is
+covered by tests/gpu/test_megatron_gpu.py; here ``load_megatron_weights`` is checked on CPU-built
+``MoELayer``s (all-gather dispatcher) by running megatron's own router scoring and expert modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+
+import moelayers as ml  # noqa: E402
+from moelayers.integrations import megatron as mi  # noqa: E402
+from moelayers.testing import check_close, run_distributed  # noqa: E402
+
+H, FF, E, K = 16, 8, 4, 2
+
+
+def _tc(**kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=1, hidden_size=H, num_attention_heads=2, ffn_hidden_size=FF, num_moe_experts=E,
+                moe_router_topk=K, moe_ffn_hidden_size=FF, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                use_cpu_initialization=True, hidden_dropout=0.0)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def _weights(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(E, H, generator=g), 0.3 * torch.randn(E, 2 * FF, H, generator=g),
+            0.3 * torch.randn(E, H, FF, generator=g))
+
+
+def _ref64(x2, weights, cfg, topk_ids=None):
+    r, w13, w2 = (w.double() for w in weights)
+    return ml.reference.moe_forward(x2.double(), r, w13, w2, cfg, topk_ids=topk_ids)
+
+
+def _build(spec, tc, style):
+    from megatron.core.transformer.spec_utils import build_module
+
+    if style == "build_module":  # megatron-core 0.16: TransformerLayer -> build_module(spec, config=...)
+        return build_module(spec, config=tc)
+    # megatron-core >= 0.19: the mlp slot is called as a builder
+    return spec(config=tc, pg_collection=None, is_mtp_layer=False, name="decoder.layers.0.mlp")
+
+
+# ---------------------------------------------------------------------------------- one process
+@pytest.mark.parametrize("style", ["build_module", "builder"])
+def test_spec_builds_and_matches_reference(style):
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    spec = mi.moe_spec(ml.VanillaMoE)
+    assert isinstance(spec, ModuleSpec) and spec.module is mi.MegatronMoEAdapter
+    assert spec.params["layer_cls"] is ml.VanillaMoE
+    adapter = _build(spec, _tc(), style)
+    assert isinstance(adapter, mi.MegatronMoEAdapter) and isinstance(adapter.layer, ml.VanillaMoE)
+    assert adapter.groups.ep_size == 1 and adapter.groups.ep is None
+    weights = _weights()
+    adapter.load_full_weights(*weights)
+    x = torch.randn(5, 3, H, generator=torch.Generator().manual_seed(1))
+    out = adapter(x)
+    assert isinstance(out, tuple) and len(out) == 2 and out[1] is None
+    assert out[0].shape == x.shape and out[0].dtype == torch.float32
+    err = check_close("adapter", out[0], _ref64(x, weights, adapter.moe_config))
+    assert err is None, err
+
+
+def test_padding_mask():
+    adapter = _build(mi.moe_spec(ml.VanillaMoE), _tc(), "build_module")
+    weights = _weights(2)
+    adapter.load_full_weights(*weights)
+    s, b = 6, 3
+    x = torch.randn(s, b, H, generator=torch.Generator().manual_seed(3))
+    pad_bs = torch.zeros(b, s, dtype=torch.bool)  # megatron: [B, S], True = padding
+    pad_bs[0, 4:] = True
+    pad_bs[2, 1:] = True
+    pad_sb = pad_bs.t()
+    x[pad_sb] = float("nan")  # garbage in padded positions must not reach real tokens
+    x.requires_grad_(True)
+    y, bias = adapter(x, padding_mask=pad_bs)
+    assert bias is None and y.shape == x.shape
+    keep = ~pad_sb.reshape(-1)
+    y2 = y.reshape(-1, H)
+    assert torch.equal(y2[~keep], torch.zeros_like(y2[~keep]))
+    real = x.detach().reshape(-1, H)[keep]
+    err = check_close("padded adapter", y2[keep], _ref64(real, weights, adapter.moe_config))
+    assert err is None, err
+    y.sum().backward()
+    assert torch.isfinite(x.grad).all() and torch.equal(x.grad[pad_sb], torch.zeros_like(x.grad[pad_sb]))
+    # [S, B] masks are accepted when unambiguous (S != B) and give the same result
+    y_sb, _ = adapter(x.detach(), padding_mask=pad_sb)
+    assert torch.equal(y_sb, y.detach())
+    # integer masks work like bool; everything padded -> zeros
+    y_int, _ = adapter(x.detach(), padding_mask=pad_bs.long())
+    assert torch.equal(y_int, y.detach())
+    y_all, _ = adapter(x.detach(), padding_mask=torch.ones(b, s, dtype=torch.bool))
+    assert torch.equal(y_all, torch.zeros_like(y_all))
+    with pytest.raises(ValueError, match="padding_mask"):
+        adapter(x.detach(), padding_mask=torch.zeros(s + 1, b, dtype=torch.bool))
+    with pytest.raises(TypeError, match="padding_mask"):
+        adapter(x.detach(), padding_mask=pad_bs.float())
+    # no mask == all-real mask
+    x_ok = torch.randn(s, b, H)
+    assert torch.equal(adapter(x_ok)[0], adapter(x_ok, padding_mask=torch.zeros(b, s, dtype=torch.bool))[0])
+
+
+def test_expert_params_not_allreduced():
+    adapter = _build(mi.moe_spec(ml.VanillaMoE), _tc(), "builder")
+    experts = adapter.layer.experts
+    assert experts.w13.allreduce is False and experts.w2.allreduce is False
+    assert getattr(adapter.layer.router.weight, "allreduce", True) is True  # replicated: reduced as usual
+    names = {n for n, p in adapter.named_parameters() if getattr(p, "allreduce", True) is False}
+    assert names == {"layer.experts.w13", "layer.experts.w2"}
+
+
+def test_layer_kwargs_and_build_extras():
+    from megatron.core.transformer.spec_utils import build_module
+
+    spec = mi.moe_spec(ml.VanillaMoE, dispatcher="allgather", seed=5, expert_backend="loop", device="cpu")
+    tc = _tc()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # megatron's known build extras are ignored silently
+        adapter = build_module(spec, config=tc, layer_number=7, tp_group=None, vp_stage=None)
+    assert adapter.layer.dispatcher_name == "allgather" and adapter.layer.seed == 5
+    assert adapter.layer.experts.backend == "loop"
+    assert adapter.layer_number == 7 and set(adapter.ignored_build_kwargs) == {"tp_group", "vp_stage"}
+    adapter.set_layer_number(9)
+    assert adapter.layer_number == 9
+    with pytest.warns(UserWarning, match="ignores build arguments"):
+        adapter = build_module(spec, config=_tc(), some_future_argument=1)
+    assert "some_future_argument" in adapter.ignored_build_kwargs
+    with pytest.raises(TypeError, match="does not take"):
+        mi.moe_spec(ml.VanillaMoE, dispatchr="alltoall")
+    with pytest.raises(TypeError, match="supplied by megatron-core"):
+        mi.moe_spec(ml.VanillaMoE, config=_tc())
+    with pytest.raises(TypeError, match="layer_cls"):
+        mi.moe_spec(object)
+    with pytest.raises(NotImplementedError):
+        adapter(torch.randn(2, 1, H), intermediate_tensors=(1,))
+
+
+@pytest.mark.parametrize(
+    "score,pre,topk,norm",
+    [("softmax", False, 2, True), ("softmax", True, 2, False), ("softmax", False, 1, True),
+     ("sigmoid", False, 2, True), ("sigmoid", False, 1, False)],
+)
+def test_from_megatron_mapping(score, pre, topk, norm):
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    tc = _tc(moe_router_score_function=score, moe_router_pre_softmax=pre, moe_router_topk=topk,
+             moe_ffn_hidden_size=6, params_dtype=torch.float32, init_method_std=0.05)
+    cfg = ml.MoEConfig.from_megatron(tc)
+    assert (cfg.score_fn, cfg.norm_topk_prob, cfg.top_k) == (score, norm, topk)
+    assert (cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts, cfg.init_std) == (H, 6, E, 0.05)
+    assert mi._router_mapping(cfg) == (score, pre)  # what megatron_moe_layer configures
+    # megatron's own routing gives the same experts and weights as ours
+    logits = torch.randn(50, E, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    probs, routing_map = topk_routing_with_score_function(logits, topk, use_pre_softmax=pre, score_function=score)
+    ids, weights = ml.router.scores_to_topk(logits, cfg)
+    ours = torch.zeros_like(probs).scatter(1, ids, weights)
+    assert torch.equal(routing_map.bool(), ours != 0)
+    torch.testing.assert_close(ours, probs, rtol=1e-12, atol=1e-12)
+
+
+def test_mapping_without_megatron_equivalent():
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=FF, num_experts=E, top_k=2, score_fn="sigmoid", norm_topk_prob=False)
+    with pytest.raises(ValueError, match="sigmoid"):
+        mi._router_mapping(cfg)
+
+
+@pytest.mark.skip(reason="megatron-core's MoELayer with the all-to-all dispatcher cannot be built on CPU "
+                         "(MoEAlltoAllTokenDispatcher creates torch.cuda.Stream; TopKRouter.gating moves its "
+                         "weight to CUDA): megatron_moe_layer is tested in tests/gpu/test_megatron_gpu.py")
+def test_megatron_moe_layer_cpu():
+    pass
+
+
+# ------------------------------------------------------------------ 2 processes: parallel_state on gloo
+def _padded_tokens(rank: int):
+    s, b = 3 + rank, 2
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(s, b, H, generator=g)
+    pad = torch.zeros(b, s, dtype=torch.bool)
+    pad[rank % b, s - 1 - rank:] = True  # a different amount of padding per rank
+    return x, pad
+
+
+def _check_adapter(adapter, rank, world, weights, name):
+    assert adapter.groups.ep_size == world and adapter.groups.ep_rank == rank, adapter.groups
+    assert adapter.layer.placement.slots_per_rank == E // world
+    adapter.load_full_weights(*weights)
+    x, pad = _padded_tokens(rank)
+    pad_sb = pad.t()
+    x[pad_sb] = float("nan")
+    y, bias = adapter(x, padding_mask=pad)
+    assert bias is None and y.shape == x.shape
+    keep = ~pad_sb.reshape(-1)
+    y2 = y.reshape(-1, H)
+    assert torch.equal(y2[~keep], torch.zeros_like(y2[~keep])), f"{name}: padded rows not zero"
+    return check_close(name, y2[keep], _ref64(x.reshape(-1, H)[keep], weights, adapter.moe_config))
+
+
+def _check_ep_build_module(rank, world):
+    """megatron-core 0.16 path: no pg_collection -> parallel_state's groups."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    adapter = build_module(mi.moe_spec(ml.VanillaMoE), config=_tc(expert_model_parallel_size=world))
+    return _check_adapter(adapter, rank, world, _weights(10), "ep build_module")
+
+
+def _check_ep_pg_collection(rank, world):
+    """megatron-core >= 0.19 path: builder(config=, pg_collection=, is_mtp_layer=, name=)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    spec = mi.moe_spec(ml.VanillaMoE, dispatcher="allgather")
+    adapter = spec(config=_tc(expert_model_parallel_size=world),
+                   pg_collection=ProcessGroupCollection.use_mpu_process_groups(), is_mtp_layer=False, name="mlp")
+    assert adapter.layer.dispatcher_name == "allgather"
+    return _check_adapter(adapter, rank, world, _weights(11), "ep pg_collection")
+
+
+def _check_transformer_layer(rank, world):
+    """The adapter inside megatron's own TransformerLayer (0.16 build path, padding_mask forwarded)."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    spec = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        mlp=mi.moe_spec(ml.VanillaMoE), mlp_bda=get_bias_dropout_add))
+    layer = build_module(spec, config=_tc(expert_model_parallel_size=world), layer_number=1)
+    assert isinstance(layer.mlp, mi.MegatronMoEAdapter) and layer.mlp.layer_number == 1
+    assert layer.mlp.groups.ep_size == world
+    weights = _weights(12)
+    layer.mlp.load_full_weights(*weights)
+    x, pad = _padded_tokens(rank)
+    out = layer(x, attention_mask=None, padding_mask=pad)
+    hidden = out[0] if isinstance(out, tuple) else out
+    keep = ~pad.t().reshape(-1)
+    x2, h2 = x.reshape(-1, H), hidden.reshape(-1, H)
+    assert torch.equal(h2[~keep], x2[~keep]), "padded rows must be the residual alone"
+    ref = x2[keep].double() + _ref64(x2[keep], weights, layer.mlp.moe_config)
+    return check_close("TransformerLayer", h2[keep], ref)
+
+
+def _megatron_layer_cpu(cfg, world, grouped):
+    """megatron's MoELayer on CPU: the all-gather dispatcher (all-to-all needs CUDA)."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    tc = mi._transformer_config(cfg, cfg.params_dtype, world, 1, grouped=grouped, cpu=True)
+    tc = dataclasses.replace(tc, moe_token_dispatcher_type="allgather")
+    layer = build_module(get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=grouped), config=tc)
+    assert type(layer.experts).__name__ == ("GroupedMLP" if grouped else "SequentialMLP")
+    return layer
+
+
+def _run_megatron_parts(layer, x2, world):
+    """megatron's router scoring and expert module on this rank's experts; outputs summed over ranks."""
+    import torch.distributed as dist
+
+    logits = x2.float() @ layer.router.weight.float().t()  # TopKRouter.gating moves weights to CUDA
+    probs, routing_map = layer.router.routing(logits)
+    local = list(layer.local_expert_indices)
+    rows = [routing_map[:, e].nonzero().squeeze(1) for e in local]
+    tokens = torch.cat([x2[r] for r in rows])
+    token_probs = torch.cat([probs[r, e] for r, e in zip(rows, local)])
+    counts = torch.tensor([len(r) for r in rows], dtype=torch.int64)
+    out, bias = layer.experts(tokens, counts, token_probs)
+    assert bias is None
+    y = torch.zeros(x2.shape, dtype=torch.float32).index_add(0, torch.cat(rows), out.float())
+    if world > 1:
+        dist.all_reduce(y)
+    ids = torch.topk(routing_map.float() + probs.float(), K, dim=1).indices  # the chosen experts
+    return y, ids
+
+
+def _check_load_sequential(rank, world):
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=FF, num_experts=E, top_k=K)
+    layer = _megatron_layer_cpu(cfg, world, grouped=False)
+    weights = _weights(13)
+    mi.load_megatron_weights(layer, *weights)
+    assert torch.equal(layer.router.weight, weights[0])
+    x2 = torch.randn(20, H, generator=torch.Generator().manual_seed(7))  # same tokens on every rank
+    y, _ = _run_megatron_parts(layer, x2, world)
+    return check_close("SequentialMLP", y, _ref64(x2, weights, cfg))
+
+
+def _torch_gmm(a, b, batch_sizes, trans_b=False):
+    """Stand-in for the grouped_gemm package's ``gmm`` (not installed here): per-group matmuls."""
+    outs, start = [], 0
+    for i, n in enumerate(batch_sizes.tolist()):
+        outs.append(a[start:start + n] @ (b[i].t() if trans_b else b[i]))
+        start += n
+    return torch.cat(outs)
+
+
+def _check_load_grouped(rank, world):
+    from types import SimpleNamespace
+
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    if not gg.grouped_gemm_is_available():  # run megatron's GroupedMLP code with a torch gmm
+        gg.assert_grouped_gemm_is_available = lambda: None
+        gg.ops = SimpleNamespace(gmm=_torch_gmm)
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=FF, num_experts=E, top_k=K, params_dtype=torch.bfloat16)
+    layer = _megatron_layer_cpu(cfg, world, grouped=True)
+    weights = tuple(w.bfloat16() for w in _weights(14))
+    mi.load_megatron_weights(layer, *weights)
+    x2 = torch.randn(20, H, generator=torch.Generator().manual_seed(8)).bfloat16()
+    y, ids = _run_megatron_parts(layer, x2, world)
+    ref64 = _ref64(x2, weights, cfg, topk_ids=ids)  # same experts: compare the expert math only
+    ref_bf16 = ml.reference.moe_forward(x2, *weights, cfg, topk_ids=ids)
+    return check_close("GroupedMLP", y.bfloat16(), ref64, ref_bf16)
+
+
+DIST_CHECKS = {
+    "ep_build_module": _check_ep_build_module,
+    "ep_pg_collection": _check_ep_pg_collection,
+    "transformer_layer": _check_transformer_layer,
+    "load_sequential": _check_load_sequential,
+    "load_grouped": _check_load_grouped,
+}
+
+
+def _dist_checks(rank: int, world: int) -> dict[str, str | None]:
+    warnings.filterwarnings("ignore")
+    torch._dynamo.config.disable = True  # megatron's jit_fuser is torch.compile: no CPU compile here
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(expert_model_parallel_size=world)
+    results = {}
+    for name, check in DIST_CHECKS.items():
+        try:
+            results[name] = check(rank, world)
+        except Exception:  # report, keep the other checks (they are independent collectives)
+            results[name] = f"{name}: {traceback.format_exc()}"
+    ps.destroy_model_parallel()
+    return results
+
+
+@pytest.fixture(scope="module")
+def dist_results():
+    return run_distributed(_dist_checks, 2, timeout=180)
+
+
+@pytest.mark.parametrize("check", list(DIST_CHECKS))
+def test_two_process_gloo(dist_results, check):
+    for rank, res in enumerate(dist_results):
+        assert res[check] is None, f"rank {rank}: {res[check]}"

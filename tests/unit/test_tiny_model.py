@@ -1,0 +1,98 @@
+"""TinyDecoder (moelayers.models.tiny): cached continuous-batching steps vs the full forward, and its
+MoE slot vs the dense reference (single process)."""
+
+import pytest
+import torch
+
+import moelayers as ml
+from moelayers.models import StepRequest, TinyConfig, TinyDecoder
+from moelayers.reference import moe_forward
+from moelayers.testing import check_close
+
+V, H, E, K = 128, 32, 8, 2
+
+
+def make_model(dtype=torch.float64, seed=0, num_layers=2):
+    moe_cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=E, top_k=K, params_dtype=dtype, init_std=0.2)
+    cfg = TinyConfig(vocab_size=V, hidden_size=H, num_layers=num_layers, num_heads=4, dtype=dtype, init_std=0.2)
+    return TinyDecoder(cfg, lambda i: ml.VanillaMoE(moe_cfg, ml.ParallelGroups.single(), seed=seed + i), seed=seed)
+
+
+@pytest.mark.timeout(60)
+def test_step_with_kv_cache_matches_full_forward():
+    torch.manual_seed(0)
+    model = make_model()
+    ids = torch.randint(0, V, (3, 14))
+    with torch.no_grad():
+        full = model(ids)  # [3, 14, V]
+        # step 1: two whole prompts (prefill) of different lengths
+        out = model.step([StepRequest("a", ids[0, :6]), ("b", ids[1, :9])])
+        assert set(out) == {"a", "b"}
+        torch.testing.assert_close(out["a"], full[0, 5], rtol=0, atol=1e-10)
+        torch.testing.assert_close(out["b"], full[1, 8], rtol=0, atol=1e-10)
+        # steps 2..: decode tokens of a and b mixed with a new prefill of c, then a chunk after a cache
+        out = model.step([("a", ids[0, 6:7]), ("c", ids[2, :4]), ("b", ids[1, 9:10])])
+        torch.testing.assert_close(out["a"], full[0, 6], rtol=0, atol=1e-10)
+        torch.testing.assert_close(out["b"], full[1, 9], rtol=0, atol=1e-10)
+        torch.testing.assert_close(out["c"], full[2, 3], rtol=0, atol=1e-10)
+        for pos in range(7, 14):
+            out = model.step([("a", ids[0, pos:pos + 1]), ("c", ids[2, pos - 3:pos - 2])])
+            torch.testing.assert_close(out["a"], full[0, pos], rtol=0, atol=1e-10)
+            torch.testing.assert_close(out["c"], full[2, pos - 3], rtol=0, atol=1e-10)
+        out = model.step([("c", ids[2, 11:14])])  # a multi-token chunk continuing a cache
+        torch.testing.assert_close(out["c"], full[2, 13], rtol=0, atol=1e-10)
+        assert model.cache_length("a") == 14 and model.cache_length("c") == 14
+        model.release("a")
+        assert model.cache_length("a") == 0 and "a" not in model.caches
+
+
+@pytest.mark.timeout(60)
+def test_greedy_decode_matches_recomputation():
+    torch.manual_seed(1)
+    model = make_model(dtype=torch.float32)
+    prompt = torch.randint(0, V, (5,))
+    with torch.no_grad():
+        seq = prompt.tolist()
+        nxt = int(model.step([("r", prompt)])["r"].argmax())
+        for _ in range(6):
+            seq.append(nxt)
+            ref = int(model(torch.tensor([seq]))[0, -1].argmax())
+            nxt = int(model.step([("r", torch.tensor([nxt]))])["r"].argmax())
+            assert nxt == ref
+
+
+def test_empty_step_and_determinism():
+    a, b = make_model(seed=3), make_model(seed=3)
+    for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert na == nb and torch.equal(pa, pb), na
+    with torch.no_grad():
+        assert a.step([]) == {}
+        with pytest.raises(ValueError):
+            a.step([("x", torch.zeros(0, dtype=torch.int64))])
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_moe_slot_matches_reference(forced):
+    torch.manual_seed(2)
+    model = make_model(dtype=torch.float32)
+    seen = {}
+
+    def hook(mod, args, kwargs, out):
+        seen["x"], seen["token_ids"], seen["y"] = args[0].detach().clone(), kwargs["token_ids"], out.detach().clone()
+
+    slot = model.blocks[1].moe
+    handle = slot.register_forward_hook(hook, with_kwargs=True)
+    ids = [torch.randint(0, V, (n,)) for n in (7, 1, 4)]
+    topk = torch.stack([torch.randperm(E)[:K] for _ in range(5)]) if forced else None
+    with torch.no_grad():
+        model.step([("p", ids[0])])
+        model.step([("p", ids[1]), ("q", ids[2])], forced_topk=[None, topk] if forced else None)
+    handle.remove()
+    # the slot got every token of the step in one call, in batch order, with their token ids
+    assert seen["x"].shape == (5, H) and seen["token_ids"].tolist() == torch.cat(ids[1:]).tolist()
+    if forced:
+        assert torch.equal(slot.last_topk_ids, topk)
+        assert not torch.equal(model.blocks[0].moe.last_topk_ids, topk)  # block 0 routed itself
+    rw, w13, w2 = slot.export_full_weights()
+    ref64 = moe_forward(seen["x"].double(), rw.double(), w13.double(), w2.double(), slot.config, topk_ids=topk)
+    assert check_close("tiny moe slot", seen["y"], ref64) is None
