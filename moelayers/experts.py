@@ -57,6 +57,15 @@ class GroupedExperts(nn.Module):
         for p in (self.w13, self.w2):
             p.allreduce = False  # expert-parallel parameters: not reduced over data parallel ranks
 
+    def uses_grouped_mm(self, x: torch.Tensor) -> bool:
+        return self.backend == "grouped_mm" or (
+            self.backend == "auto" and _grouped_mm_supported(x, self.hidden_size, self.ffn_hidden_size)
+        )
+
+    def sync_free(self, x: torch.Tensor) -> bool:
+        """Whether ``forward`` on inputs like ``x`` runs without a host sync (CUDA-graph capturable)."""
+        return self.uses_grouped_mm(x)
+
     def forward(self, x: torch.Tensor, slot_counts: torch.Tensor) -> torch.Tensor:
         """Apply slot ``s``'s expert to its contiguous block of rows.
 
@@ -67,10 +76,7 @@ class GroupedExperts(nn.Module):
         Returns:
             ``[N, H]``.
         """
-        use_gmm = self.backend == "grouped_mm" or (
-            self.backend == "auto" and _grouped_mm_supported(x, self.hidden_size, self.ffn_hidden_size)
-        )
-        if use_gmm:
+        if self.uses_grouped_mm(x):
             return self._forward_grouped_mm(x, slot_counts)
         return self._forward_loop(x, slot_counts)
 

@@ -49,9 +49,9 @@ class MoEStats:
     """
 
     rank: int
-    pairs_sent: list[int]
-    rows_sent: list[int]
-    bytes_sent: list[int]
+    _pairs_sent: list[int] | torch.Tensor
+    _rows_sent: list[int] | torch.Tensor
+    _bytes_sent: list[int] | torch.Tensor
     num_ranks_reduced: int = 1
     _local_pairs: int | None = None
     _topk_ids: torch.Tensor | None = field(default=None, repr=False)
@@ -63,11 +63,42 @@ class MoEStats:
         bytes_sent = [0 if r == rank else n * row_bytes for r, n in enumerate(rows_sent)]
         return cls(rank, list(pairs_sent), list(rows_sent), bytes_sent, 1, pairs_sent[rank], topk_ids)
 
+    @classmethod
+    def deferred(cls, rank: int, pairs_sent: torch.Tensor, rows_sent: torch.Tensor, bytes_sent: list[int],
+                 topk_ids: torch.Tensor | None = None) -> "MoEStats":
+        """Stats whose counts stay on the device until first read (no sync in the forward)."""
+        return cls(rank, pairs_sent, rows_sent, list(bytes_sent), 1, None, topk_ids)
+
+    def _host(self, name: str) -> list[int]:
+        value = getattr(self, name)
+        if isinstance(value, torch.Tensor):
+            value = value.tolist()
+            setattr(self, name, value)
+        return value
+
+    @property
+    def pairs_sent(self) -> list[int]:
+        """``[R]`` (token, expert) activations sent to each rank (own entry = served locally)."""
+        pairs = self._host("_pairs_sent")
+        if self._local_pairs is None:
+            self._local_pairs = pairs[self.rank]
+        return pairs
+
+    @property
+    def rows_sent(self) -> list[int]:
+        """``[R]`` payload rows holding tokens for each rank (after de-duplication)."""
+        return self._host("_rows_sent")
+
+    @property
+    def bytes_sent(self) -> list[int]:
+        """``[R]`` payload bytes sent to each other rank (0 for itself)."""
+        return self._host("_bytes_sent")
+
     @property
     def lar(self) -> float:
         """Local activation rate: locally served activations over all activations."""
         total = sum(self.pairs_sent)
-        return self._local_pairs / total if total else 0.0
+        return self._local_pairs / total if total else 0.0  # pairs_sent sets _local_pairs
 
     @property
     def rank_loads(self) -> list[int]:
@@ -96,7 +127,8 @@ class MoEStats:
         LAR, activations received by each rank, total bytes, summed expert loads."""
         r = len(self.pairs_sent)
         loads = self._expert_loads if self._expert_loads is not None else torch.zeros(0, dtype=torch.int64)
-        vec = torch.tensor(self.pairs_sent + self.rows_sent + self.bytes_sent + [self._local_pairs or 0, 1],
+        pairs = self.pairs_sent
+        vec = torch.tensor(pairs + self.rows_sent + self.bytes_sent + [self._local_pairs or 0, 1],
                            dtype=torch.int64)
         vec = torch.cat([vec, loads.to(torch.int64)])
         if group is not None:  # None: a group of one process, nothing to sum
@@ -121,7 +153,8 @@ def merge_stats(stats: list[MoEStats]) -> MoEStats:
     def total(attr: str) -> list[int]:
         return [sum(getattr(s, attr)[i] for s in stats) for i in range(r)]
 
-    out = MoEStats(stats[0].rank, total("pairs_sent"), total("rows_sent"), total("bytes_sent"),
+    pairs = total("pairs_sent")  # materialises each record's _local_pairs
+    out = MoEStats(stats[0].rank, pairs, total("rows_sent"), total("bytes_sent"),
                    max(s.num_ranks_reduced for s in stats), sum(s._local_pairs or 0 for s in stats))
     loads = [s._expert_loads for s in stats if s._expert_loads is not None]
     if loads and len(loads) == len(stats):

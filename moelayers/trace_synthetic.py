@@ -50,15 +50,19 @@ TARGET_LOAD_CV = (0.0, 0.0, 0.0)  # coefficient of variation of expert_counts, l
 
 # ---- generator defaults: fitted so that synthetic statistics match the targets ------------------
 NUM_TOPICS = 4  # topics (~ text domains) per trace
-ZIPF_EXPONENT = 1.119  # Zipf-Mandelbrot rank exponent of token frequencies
-ZIPF_OFFSET = 2.85  # Zipf-Mandelbrot rank offset (flattens the head)
-ACTIVE_VOCAB = 12986  # token ids a topic draws from (capped at vocab_size)
-TOPIC_VOCAB_JITTER = 2.1  # std of the per-topic log-rank jitter
-EXPERT_SKEW = 1.0  # sigma of the log-normal expert popularity
-PREFERENCE_ALPHA = 0.5  # Dirichlet concentration of home-expert weights
-TOKEN_WEIGHT = 0.5  # mixture share of the token's home experts
-TOPIC_WEIGHT = 0.2  # mixture share of the topic's home experts
-CROSSLAYER_WEIGHT = 0.2  # mixture share of the previous layer's successor experts
+ZIPF_EXPONENT = 1.151  # Zipf-Mandelbrot rank exponent of token frequencies
+ZIPF_OFFSET = 3.3  # Zipf-Mandelbrot rank offset (flattens the head)
+ACTIVE_VOCAB = 13464  # token ids a topic draws from (capped at vocab_size)
+TOPIC_VOCAB_JITTER = 2.08  # std of the per-topic log-rank jitter
+EXPERT_SKEW = 0.5  # std of the per-expert logit bias
+TOKEN_SCALE = 2.0  # std of the per-token logits
+TOPIC_SCALE = 1.0  # std of the per-topic logits
+CROSSLAYER_CARRY = 0.5  # weight of the previous layer's (relabelled) scores
+NUM_CLUSTERS = 256  # token clusters (tokens of a cluster share expert preferences)
+CLUSTER_SCALE = 0.0  # std of the per-cluster logits
+SEQUENCE_SCALE = 0.0  # std of the per-sequence logits
+CONTEXT_TAIL = 1.0  # topic/sequence logits ~ Exp(1) ** CONTEXT_TAIL
+LOGIT_TAIL = 3.0  # token/topic logits ~ Exp(1) ** LOGIT_TAIL: a few strongly preferred experts
 
 MAX_EXPERTS = 4096  # the sampler packs expert ids into the low 12 bits of float32 keys
 FREQUENT_MIN_COUNT = 100  # "frequent token": seen at least this often
@@ -202,25 +206,29 @@ def trace_statistics(
 
 
 # ---- generator ----------------------------------------------------------------------------------
-def _race_topk(rng: np.random.Generator, weights: np.ndarray, k: int) -> np.ndarray:
-    """Draw ``k`` distinct columns per row with probability ~ ``weights``, without replacement.
+def _gumbel(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
+    """Standard Gumbel noise ``-log(-log(u))``, float32, with ``u`` in the open interval (0, 1)."""
+    g = rng.random(shape, dtype=np.float32)  # multiples of 2^-24 in [0, 1)
+    np.maximum(g, np.float32(2.0**-25), out=g)
+    np.log(g, out=g)
+    np.negative(g, out=g)
+    np.log(g, out=g)
+    np.negative(g, out=g)
+    return g
 
-    Exponential races: the ``k`` smallest ``Exp(1) / w`` win, smallest (most likely) first. Keys
-    are float32; the expert id is packed into their low mantissa bits so that one fast ``uint32``
-    sort returns both (relative key precision ``2^-(23 - bits)``, ties go to the lower id).
 
-    Args:
-        weights: ``[N, E]`` float32, non-negative; broadcast ``[1, E]`` rows are allowed.
+def _topk_desc(scores: np.ndarray, k: int) -> np.ndarray:
+    """Column ids of the ``k`` largest ``scores [N, E]`` per row, largest first.
+
+    Uses ``max - score >= 0`` as float32 keys with the column id packed into their low mantissa
+    bits, so one fast ``uint32`` sort returns both (relative precision ``2^-(23 - bits)``; ties
+    go to the lower id).
 
     Returns:
-        ``[N, k]`` int64 column ids.
+        ``[N, k]`` int64.
     """
-    n, num_e = weights.shape
-    keys = rng.random((n, num_e), dtype=np.float32)
-    with np.errstate(divide="ignore"):
-        np.log(keys, out=keys)  # u = 0 -> -inf: key inf, drawn last
-        np.negative(keys, out=keys)
-        np.divide(keys, weights, out=keys)  # weight 0 -> inf, after every positive weight
+    num_e = scores.shape[1]
+    keys = scores.max(axis=1, keepdims=True) - scores
     bits = keys.view(np.uint32)
     shift = max(1, (num_e - 1).bit_length())
     bits &= np.uint32((0xFFFFFFFF << shift) & 0xFFFFFFFF)
@@ -229,35 +237,18 @@ def _race_topk(rng: np.random.Generator, weights: np.ndarray, k: int) -> np.ndar
     return (bits[:, :k] & np.uint32((1 << shift) - 1)).astype(np.int64)
 
 
-def _by_probability(chosen: np.ndarray, probs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Order each row's chosen experts by probability, highest first, like a router's top-k.
+def _heavy_tailed(rng: np.random.Generator, shape: tuple[int, int], tail: float) -> np.ndarray:
+    """``Exp(1) ** tail`` divided by its standard deviation, float32 (``tail = 1``: exponential).
 
-    Args:
-        chosen: ``[N, K]`` expert ids; probs: ``[N, E]`` float32 probabilities.
-
-    Returns:
-        ``[N, K]`` reordered ids and ``[N, K]`` their probabilities.
+    A larger ``tail`` makes a few entries per row dominate: a token prefers a few experts strongly.
     """
-    p = np.take_along_axis(probs, chosen, axis=1)
-    k = chosen.shape[1]
-    shift = max(1, (k - 1).bit_length())
-    keys = ~p.view(np.uint32)  # positive float32 bits are monotone: inverted sorts descending
-    keys &= np.uint32((0xFFFFFFFF << shift) & 0xFFFFFFFF)
-    keys |= np.arange(k, dtype=np.uint32)
-    keys.sort(axis=1)
-    order = (keys & np.uint32((1 << shift) - 1)).astype(np.int64)
-    return np.take_along_axis(chosen, order, axis=1), np.take_along_axis(p, order, axis=1)
-
-
-def _home_sets(rng: np.random.Generator, n: int, popularity: np.ndarray, k: int, alpha: float) -> tuple[np.ndarray, np.ndarray]:
-    """``n`` sets of ``k`` experts drawn by ``popularity [E]``, with Dirichlet(alpha) weights.
-
-    Returns:
-        ``experts [n, k]`` int64 and ``weights [n, k]`` float32 (rows sum to 1).
-    """
-    experts = _race_topk(rng, np.broadcast_to(popularity.astype(np.float32), (n, popularity.size)), k)
-    w = rng.gamma(alpha, size=(n, k)) + 1e-12
-    return experts, (w / w.sum(1, keepdims=True)).astype(np.float32)
+    x = rng.standard_exponential(size=shape, dtype=np.float32)
+    np.maximum(x, np.float32(1e-30), out=x)
+    np.log(x, out=x)
+    x *= np.float32(tail)
+    np.exp(x, out=x)
+    x /= np.float32(math.sqrt(math.gamma(1 + 2 * tail) - math.gamma(1 + tail) ** 2))
+    return x
 
 
 def _sequence_lengths(rng: np.random.Generator, num_sequences: int, seq_len: int | tuple[int, int]) -> np.ndarray:
@@ -326,16 +317,21 @@ def synthetic_trace(
     active_vocab: int = ACTIVE_VOCAB,
     topic_vocab_jitter: float = TOPIC_VOCAB_JITTER,
     expert_skew: float | Sequence[float] = EXPERT_SKEW,
-    preference_alpha: float = PREFERENCE_ALPHA,
-    token_weight: float | Sequence[float] = TOKEN_WEIGHT,
-    topic_weight: float | Sequence[float] = TOPIC_WEIGHT,
-    crosslayer_weight: float | Sequence[float] = CROSSLAYER_WEIGHT,
+    token_scale: float | Sequence[float] = TOKEN_SCALE,
+    topic_scale: float | Sequence[float] = TOPIC_SCALE,
+    sequence_scale: float | Sequence[float] = SEQUENCE_SCALE,
+    num_clusters: int = NUM_CLUSTERS,
+    cluster_scale: float | Sequence[float] = CLUSTER_SCALE,
+    crosslayer_carry: float | Sequence[float] = CROSSLAYER_CARRY,
+    logit_tail: float = LOGIT_TAIL,
+    context_tail: float = CONTEXT_TAIL,
     with_weights: bool = False,
 ) -> RoutingTrace:
     """A synthetic routing trace calibrated on OLMoE (see the module docstring for the model).
 
     Deterministic for a ``seed``. Knobs given as 3 values apply at the relative depths of layers
-    0, 7, 15 of 16 and are interpolated in between.
+    0, 7, 15 of 16 and are interpolated linearly in between. Scales are in units of the unit
+    Gumbel noise that stands for everything else a router sees.
 
     Args:
         num_sequences: ``S``.
@@ -347,63 +343,72 @@ def synthetic_trace(
         seed: seed of ``numpy.random.default_rng``.
         num_topics: sequence ``s`` has topic ``s % num_topics``.
         zipf_exponent, zipf_offset, active_vocab, topic_vocab_jitter: token frequency law.
-        expert_skew: sigma of the log-normal expert popularity.
-        preference_alpha: Dirichlet concentration of home-expert weights (small = few dominant).
-        token_weight, topic_weight, crosslayer_weight: mixture shares (sum <= 1; the rest is
-            expert popularity).
-        with_weights: also return ``topk_weights``: the mixture probabilities of the chosen
-            experts, renormalised over the ``K``.
+        expert_skew: std of the per-expert logit bias (load skew).
+        token_scale: std of the per-(token id, layer) logits (heavy-tailed, see ``logit_tail``).
+        topic_scale: std of the per-(topic, layer) logits (heavy-tailed).
+        crosslayer_carry: weight of the previous layer's scores (experts relabelled by a random
+            permutation) in this layer's logits, in ``[0, 1)``: the expert choice at layer
+            ``l + 1`` depends on the scores that chose the experts at layer ``l``.
+        logit_tail: tail exponent of the token and topic logits, ``Exp(1) ** logit_tail``.
+        with_weights: also return ``topk_weights``, the softmax of the chosen experts' noisy
+            logits over the ``K``.
 
     Returns:
-        RoutingTrace with ``topk_ids [T, L, K]`` (int16, or int32 above 32767 experts), most
-        likely expert first, and ``vocab_size`` set.
+        RoutingTrace with ``topk_ids [T, L, K]`` (int16, or int32 above 32767 experts), highest
+        score first, and ``vocab_size`` set.
     """
     _check_generator_args(num_sequences, num_layers, num_experts, top_k, vocab_size)
-    w_tok = _depth_values(token_weight, num_layers, "token_weight")
-    w_topic = _depth_values(topic_weight, num_layers, "topic_weight")
-    w_cross = _depth_values(crosslayer_weight, num_layers, "crosslayer_weight")
-    skew = _depth_values(expert_skew, num_layers, "expert_skew")
-    total = w_tok + w_topic + w_cross
-    if (np.concatenate([w_tok, w_topic, w_cross]) < 0).any() or (total > 1 + 1e-9).any():
-        raise ValueError(f"synthetic_trace: mixture weights must be >= 0 and sum to <= 1, got max sum {total.max():.3f}")
-    if num_topics < 1 or preference_alpha <= 0 or (skew < 0).any():
-        raise ValueError("synthetic_trace: num_topics must be >= 1, preference_alpha > 0 and expert_skew >= 0")
+    if isinstance(num_topics, bool) or not isinstance(num_topics, (int, np.integer)) or num_topics < 1:
+        raise ValueError(f"synthetic_trace: num_topics must be a positive int, got {num_topics!r}")
+    knobs = {name: _depth_values(value, num_layers, name) for name, value in (
+        ("expert_skew", expert_skew), ("token_scale", token_scale),
+        ("topic_scale", topic_scale), ("sequence_scale", sequence_scale), ("cluster_scale", cluster_scale), ("crosslayer_carry", crosslayer_carry))}
+    for name, values in knobs.items():
+        if not (np.isfinite(values).all() and (values >= 0).all()):
+            raise ValueError(f"synthetic_trace: {name} must be finite and >= 0, got {values}")
+    if (knobs["crosslayer_carry"] >= 1).any():
+        raise ValueError(f"synthetic_trace: crosslayer_carry must be < 1 (else scores grow without bound), got {knobs['crosslayer_carry']}")
+    for name, tail in (("logit_tail", logit_tail), ("context_tail", context_tail)):
+        if not 0.25 <= tail <= 4:
+            raise ValueError(f"synthetic_trace: {name} must be in [0.25, 4], got {tail}")
 
     rng = np.random.default_rng(seed)
     lengths = _sequence_lengths(rng, num_sequences, seq_len)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    token_topic = np.repeat(np.arange(num_sequences) % num_topics, lengths)
+    seq_topic = np.arange(num_sequences) % num_topics
+    token_seq = np.repeat(np.arange(num_sequences), lengths)
+    token_topic = seq_topic[token_seq]
     token_ids = _sample_tokens(rng, token_topic, num_topics, vocab_size, zipf_exponent, zipf_offset, active_vocab, topic_vocab_jitter)
     _, token_row = np.unique(token_ids, return_inverse=True)
+    token_cluster = rng.integers(0, num_clusters, size=int(token_row.max()) + 1)  # per distinct token id
+    num_t, num_e, num_u = token_ids.size, num_experts, int(token_row.max()) + 1
 
-    num_t, num_e = token_ids.size, num_experts
     topk_ids = np.empty((num_t, num_layers, top_k), dtype=np.int16 if num_e <= np.iinfo(np.int16).max else np.int32)
     topk_weights = np.empty((num_t, num_layers, top_k), dtype=np.float32) if with_weights else None
     rows = np.arange(num_t)[:, None]
-    chosen = None
+    scores = None
     for layer in range(num_layers):
-        pop = rng.lognormal(0.0, skew[layer], size=num_e)
-        pop /= pop.sum()
-        tok_home, tok_w = _home_sets(rng, int(token_row.max()) + 1, pop, top_k, preference_alpha)
-        topic_home, topic_w = _home_sets(rng, num_topics, pop, top_k, preference_alpha)
-        succ_home, succ_w = _home_sets(rng, num_e, pop, top_k, preference_alpha)
+        tok_logits = _heavy_tailed(rng, (num_u, num_e), logit_tail)
+        tok_logits *= np.float32(knobs["token_scale"][layer])
+        cluster_logits = _heavy_tailed(rng, (num_clusters, num_e), logit_tail) * np.float32(knobs["cluster_scale"][layer])
+        tok_logits += cluster_logits[token_cluster]
+        topic_logits = _heavy_tailed(rng, (num_topics, num_e), context_tail) * np.float32(knobs["topic_scale"][layer])
+        seq_logits = _heavy_tailed(rng, (num_sequences, num_e), context_tail) * np.float32(knobs["sequence_scale"][layer])
+        bias = rng.standard_normal(num_e).astype(np.float32) * np.float32(knobs["expert_skew"][layer])
+        relabel = rng.permutation(num_e)
 
-        probs = np.empty((num_t, num_e), dtype=np.float32)
-        base = 1.0 - total[layer] + (w_cross[layer] if chosen is None else 0.0)
-        if chosen is None:
-            probs[:] = (base * pop).astype(np.float32)
-        else:
-            successor = np.zeros((num_e, num_e), dtype=np.float32)
-            np.put_along_axis(successor, succ_home, succ_w * (w_cross[layer] / top_k), axis=1)
-            multi_hot = np.zeros((num_t, num_e), dtype=np.float32)
-            multi_hot[rows, chosen] = 1.0
-            np.matmul(multi_hot, successor, out=probs)
-            probs += (base * pop).astype(np.float32)
-        probs[rows, tok_home[token_row]] += w_tok[layer] * tok_w[token_row]
-        probs[rows, topic_home[token_topic]] += w_topic[layer] * topic_w[token_topic]
-
-        chosen, p = _by_probability(_race_topk(rng, probs, top_k), probs)
+        seq_logits += topic_logits[seq_topic]
+        seq_logits += bias
+        logits = np.take(tok_logits, token_row, axis=0)
+        logits += np.take(seq_logits, token_seq, axis=0)
+        if scores is not None:  # the previous layer's scores, experts relabelled, carried over
+            logits += np.float32(knobs["crosslayer_carry"][layer]) * scores[:, relabel]
+        logits += _gumbel(rng, logits.shape)
+        scores = logits
+        chosen = _topk_desc(scores, top_k)
         topk_ids[:, layer, :] = chosen
         if topk_weights is not None:
-            topk_weights[:, layer, :] = p / p.sum(1, keepdims=True)
+            w = np.take_along_axis(scores, chosen, axis=1)
+            w = np.exp(w - w[:, :1])
+            topk_weights[:, layer, :] = w / w.sum(axis=1, keepdims=True)
     return RoutingTrace(topk_ids, token_ids.astype(np.int64), offsets, num_e, topk_weights=topk_weights, vocab_size=vocab_size)

@@ -101,14 +101,13 @@ def launch(cfg: Any, fn: Callable[[int, int, dict], Any]) -> Any:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         d.setdefault("parallel", {})["world_size"] = world
-        own_group = not dist.is_initialized()
-        if own_group:
+        if not dist.is_initialized():
             dist.init_process_group(backend)
-        try:
-            return fn(rank, world, d)
-        finally:
-            if own_group and dist.is_initialized():
-                dist.destroy_process_group()
+        result = fn(rank, world, d)
+        if backend == "nccl":
+            torch.cuda.synchronize()
+        dist.barrier()
+        return result  # the caller writes its outputs, then calls shutdown()
     from moelayers.testing import run_distributed
 
     world = int(par.get("world_size", 1))
@@ -117,6 +116,15 @@ def launch(cfg: Any, fn: Callable[[int, int, dict], Any]) -> Any:
     backend = resolve_backend(par.get("backend"), torchrun=False)
     results = run_distributed(fn, world, d, backend=backend, timeout=float(par.get("timeout_s", 600)))
     return results[0]
+
+
+def shutdown() -> None:
+    """Destroy the torchrun process group (after the outputs are written: should NCCL's teardown
+    stall, nothing is lost)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------- output

@@ -55,8 +55,11 @@ def case_list(world: int) -> list[dict]:
             cases.append(dict(place="linear", dispatcher=disp, dedup=dedup, dtype=dtype, one_expert=True))
             cases.append(dict(place="replicas", dispatcher=disp, dedup=dedup, dtype=dtype, topk_all=True))
             cases.append(dict(place="linear", dispatcher=disp, dedup=dedup, dtype=dtype, sigmoid=True, shape3d=True))
+        for place in ("permuted", "replicas"):  # fixed-capacity mode (inference only)
+            cases.append(dict(place=place, dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True))
+        cases.append(dict(place="linear", dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True, zero_tokens=True))
     for c in cases:
-        flags = [k for k in ("policy", "zero_tokens", "one_expert", "topk_all", "sigmoid") if c.get(k)]
+        flags = [k for k in ("policy", "zero_tokens", "one_expert", "topk_all", "sigmoid", "capacity") if c.get(k)]
         c["name"] = f"{c['place']}-{c['dispatcher']}-{'dedup' if c['dedup'] else 'nodedup'}-" \
                     f"{str(c['dtype']).split('.')[-1]}" + "".join(f"-{f}" for f in flags)
     return cases
@@ -109,13 +112,24 @@ def _run_case(rank: int, world: int, groups, case: dict, device: torch.device) -
 
     policy = LastReplicaPolicy() if case.get("policy") == "last" else None
     layer = ml.VanillaMoE(cfg, groups, placement=placements(case["place"], num_experts, groups.ep_size),
-                          dispatcher=case["dispatcher"], dedup=case["dedup"], replica_policy=policy, device=device)
+                          dispatcher=case["dispatcher"], dedup=case["dedup"], replica_policy=policy, device=device,
+                          capacity=3 * world + 6 if case.get("capacity") else None,
+                          cuda_graph=bool(case.get("capacity")) and device.type == "cuda" and dtype == torch.bfloat16)
     layer.load_full_weights(router64.to(dtype).to(device), w13_64.to(dtype).to(device), w2_64.to(dtype).to(device))
 
     # layer forward and backward on this rank's tokens
     x = xs[rank].to(dtype).to(device)
     if case.get("shape3d") and x.shape[0] % 3 == 0:
         x = x.view(3, -1, H)
+    if case.get("capacity"):  # inference only: outputs, then a second call to exercise graph replay
+        with torch.inference_mode():
+            layer(x.flip(0))
+            y = layer(x)
+        ref_y, low_y = _reference_outputs(xs[rank], router64, w13_64, w2_64, cfg, cfg64, dtype)
+        err = check_close(f"{case['name']} output", y.reshape(ref_y.shape), ref_y, low_y)
+        layer.release_graphs()
+        lar_ok = layer.last_stats is not None and 0.0 <= layer.last_stats.lar <= 1.0
+        return err if lar_ok or err else f"{case['name']}: bad last_stats"
     x.requires_grad_(True)
     y = layer(x)
     (y.float() * gys[rank].view(y.shape).float().to(device)).sum().backward()
@@ -150,3 +164,10 @@ def _run_case(rank: int, world: int, groups, case: dict, device: torch.device) -
         checks.append(f"{name}: bad last_stats {layer.last_stats}")
     errors = [c for c in checks if c]
     return "; ".join(errors) if errors else None
+
+
+def _reference_outputs(x64, router64, w13_64, w2_64, cfg, cfg64, dtype):
+    ref = ml.reference.moe_forward(x64, router64, w13_64, w2_64, cfg64)
+    if dtype in (torch.float32, torch.float64):
+        return ref, None
+    return ref, ml.reference.moe_forward(x64.to(dtype), router64.to(dtype), w13_64.to(dtype), w2_64.to(dtype), cfg)

@@ -12,9 +12,60 @@ import torch.distributed as dist
 import moelayers as ml
 
 
+def _host_overheads(rank):
+    """Per-op host costs on this machine: tiny elementwise op, tiny all-to-all, device sync."""
+    import time
+    a = torch.ones(16, device="cuda")
+    small = torch.ones(4, dtype=torch.int64, device="cuda")
+    out = torch.empty_like(small)
+    for name, fn in (("add", lambda: a.add(1)), ("a2a(4 ints)", lambda: dist.all_to_all_single(out, small)),
+                     ("tolist sync", lambda: small.tolist())):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            fn()
+        torch.cuda.synchronize()
+        if rank == 0:
+            print(f"host cost {name}: {(time.perf_counter() - t0) / 200 * 1e6:.1f} us", flush=True)
+
+
+def _stage_times(layer, x, rank):
+    """Host time spent in each of the five steps (perf_counter, no extra syncs)."""
+    import time
+    from collections import defaultdict
+    acc = defaultdict(float)
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            acc[name] += time.perf_counter() - t0
+            return out
+        return wrapper
+
+    orig = (layer.router.forward, layer.plan, layer.dispatcher.dispatch, layer.experts.forward, layer.dispatcher.combine)
+    layer.router.forward = timed("1 route", orig[0])
+    layer.plan = timed("2 plan", orig[1])
+    layer.dispatcher.dispatch = timed("3 dispatch (incl. sync wait)", orig[2])
+    layer.experts.forward = timed("4 compute", orig[3])
+    layer.dispatcher.combine = timed("5 combine", orig[4])
+    n = 20
+    with torch.inference_mode():
+        for _ in range(n):
+            layer(x)
+        torch.cuda.synchronize()
+    layer.router.forward, layer.plan, layer.dispatcher.dispatch, layer.experts.forward, layer.dispatcher.combine = orig
+    del layer.plan
+    if rank == 0:
+        print("  host ms per step: " + ", ".join(f"{k}: {v / n * 1e3:.3f}" for k, v in sorted(acc.items())), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--stages", action="store_true")
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 4096])
     ap.add_argument("--shape", default="qwen3")
     args = ap.parse_args()
@@ -24,9 +75,11 @@ def main():
     h, f, e, k = (2048, 768, 128, 8) if args.shape == "qwen3" else (2048, 1408, 64, 6)
     cfg = ml.MoEConfig(hidden_size=h, ffn_hidden_size=f, num_experts=e, top_k=k, params_dtype=torch.bfloat16)
     groups = ml.ParallelGroups.from_world()
-    for variant in ("default", "nocheck"):
-        layer = ml.VanillaMoE(cfg, groups, check_finite=(variant == "default"))
-        for t in args.tokens:
+    _host_overheads(rank)
+    for variant in ("default", "graph"):
+      for t in args.tokens:
+            kw = dict(capacity=t, cuda_graph=True, check_finite=False) if variant == "graph" else {}
+            layer = ml.VanillaMoE(cfg, groups, **kw)
             x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
             with torch.inference_mode():
                 for _ in range(10):
@@ -44,8 +97,19 @@ def main():
                     times.append(s.elapsed_time(en))
             med = torch.tensor(sorted(times)[len(times) // 2], device="cuda")
             dist.all_reduce(med, op=dist.ReduceOp.MAX)
+            import time
+            with torch.inference_mode():
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    layer(x)
+                host = (time.perf_counter() - t0) / 20
+                torch.cuda.synchronize()
             if rank == 0:
-                print(f"{args.shape} {variant} tokens/rank={t}: {med.item():.3f} ms (median, max over ranks)", flush=True)
+                print(f"{args.shape} {variant} tokens/rank={t}: {med.item():.3f} ms (median, max over ranks); "
+                      f"back-to-back host time {host * 1e3:.3f} ms", flush=True)
+            if variant == "default" and args.stages:
+                _stage_times(layer, x, rank)
             if args.profile and variant == "default":
                 from torch.profiler import ProfilerActivity, profile
                 with torch.inference_mode(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

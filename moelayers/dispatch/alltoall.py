@@ -45,15 +45,26 @@ class AllToAllDispatcher:
         num_ranks: size of ``group``; rank: this rank in it.
         num_slots: physical slots per rank ``S``.
         dedup: send a token once per destination rank (default) instead of once per expert.
+        capacity: fixed-size mode (like DeepEP's low-latency mode). Every rank passes exactly
+            ``capacity`` tokens (the layer pads; padding tokens carry ``dest_rank == -1``) and sends
+            ``capacity`` rows to every rank, unused rows flagged by slot ``-1``: no split sizes, no
+            host sync, static shapes, so the whole forward can be captured in a CUDA graph. Costs
+            bandwidth for rows a rank does not need. ``None`` (default): exact all-to-all-v.
     """
 
-    def __init__(self, group, num_ranks: int, rank: int, num_slots: int, *, dedup: bool = True):
+    def __init__(self, group, num_ranks: int, rank: int, num_slots: int, *, dedup: bool = True,
+                 capacity: int | None = None):
+        if capacity is not None and (not dedup or capacity < 1):
+            raise ValueError(f"capacity mode needs dedup=True and capacity >= 1, got dedup={dedup}, capacity={capacity}")
         self.group, self.num_ranks, self.rank, self.num_slots = group, num_ranks, rank, num_slots
-        self.dedup = dedup
+        self.dedup, self.capacity = dedup, capacity
         self.last_stats: MoEStats | None = None
+        self.nonfinite: torch.Tensor | None = None  # capacity mode: any rank's flag, read after the forward
 
     # ------------------------------------------------------------------ step 3
     def dispatch(self, x: torch.Tensor, routes: Routes) -> Received:
+        if self.capacity is not None:
+            return self._dispatch_fixed(x, routes)
         dest_map, send_rows, send_pairs = self._layout(routes)
         in_splits, out_splits, pairs_sent, recv_pairs = self._exchange_counts(send_rows, send_pairs, routes.nonfinite)
 
@@ -74,6 +85,36 @@ class AllToAllDispatcher:
         pairs = local_pairs(recv_s, self.num_slots, recv_pairs)
         self.last_stats = MoEStats.from_counts(self.rank, pairs_sent, in_splits, layout.row_bytes, routes.topk_ids)
         state = _State(dest_map, in_splits, out_splits, recv_w, pairs, x.dtype)
+        return Received(recv_x.index_select(0, pairs.pair_row), pairs.slot_counts, state)
+
+    def _dispatch_fixed(self, x: torch.Tensor, routes: Routes) -> Received:
+        """Capacity mode: static shapes, no host sync (see the class docstring)."""
+        c, r = self.capacity, self.num_ranks
+        t, k = routes.dest_rank.shape
+        if t != c:
+            raise ValueError(f"capacity mode expects exactly {c} tokens (pad them), got {t}")
+        if torch.is_grad_enabled() and (x.requires_grad or routes.weights.requires_grad):
+            raise ValueError("capacity mode is inference-only: run it under torch.no_grad()/inference_mode(), "
+                             "or build the layer without capacity for training")
+        dev = x.device
+        ranks = torch.arange(r, device=dev)
+        per_rank = (routes.dest_rank[:, :, None] == ranks).sum(1)  # [T, R] activations; -1 = padding
+        dest_map = _fixed_rows(c, r, dev)  # row r*C + t holds token t for rank r
+        flag = routes.nonfinite if routes.nonfinite is not None else torch.zeros((), dtype=torch.bool, device=dev)
+        layout = RowLayout(((x.shape[1], x.dtype), (k, routes.weights.dtype), (k, torch.int32), (1, torch.int32)))
+        buf = layout.empty(r * c, dev)
+        xv, wv, sv, fv = layout.views(buf)
+        dispatch_pack(x, dest_map, routes.dest_rank, routes.dest_slot, routes.weights, xv, wv, sv)
+        fv.copy_(flag.to(torch.int32).expand(r * c, 1))
+        recv = all_to_all_bytes(buf, r * c, [c] * r, [c] * r, self.group)
+        recv_x, recv_w, recv_s, recv_f = layout.views(recv)
+        self.nonfinite = recv_f.amax()
+        pairs = local_pairs(recv_s, self.num_slots, static=True)
+        self.fixed_counts = torch.stack([per_rank.sum(0), (per_rank > 0).sum(0)])  # [2, R] on the device
+        self.fixed_bytes = [0 if i == self.rank else c * layout.row_bytes for i in range(r)]
+        self.last_stats = MoEStats.deferred(self.rank, self.fixed_counts[0], self.fixed_counts[1],
+                                            self.fixed_bytes, routes.topk_ids)
+        state = _State(dest_map, [c] * r, [c] * r, recv_w, pairs, x.dtype)
         return Received(recv_x.index_select(0, pairs.pair_row), pairs.slot_counts, state)
 
     def _layout(self, routes: Routes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -138,6 +179,18 @@ class AllToAllDispatcher:
                                    st.out_splits, st.in_splits, self.group)
             back = raw.view(st.dtype)
         return unpermute_combine(back, st.dest_map, None, out_dtype=st.dtype)
+
+
+_FIXED_ROWS: dict[tuple, torch.Tensor] = {}
+
+
+def _fixed_rows(capacity: int, num_ranks: int, device: torch.device) -> torch.Tensor:
+    """``[C, R]`` map of capacity mode: token ``t`` for rank ``r`` is row ``r * C + t`` (cached)."""
+    key = (capacity, num_ranks, device)
+    if key not in _FIXED_ROWS:
+        t = torch.arange(capacity, device=device)[:, None]
+        _FIXED_ROWS[key] = t + capacity * torch.arange(num_ranks, device=device)[None, :]
+    return _FIXED_ROWS[key]
 
 
 _ONES: dict[torch.device, torch.Tensor] = {}

@@ -116,19 +116,25 @@ class LocalPairs:
     index: torch.Tensor
 
 
-def local_pairs(slots: torch.Tensor, num_slots: int, num_pairs: int | None = None) -> LocalPairs:
+def local_pairs(slots: torch.Tensor, num_slots: int, num_pairs: int | None = None, *, static: bool = False) -> LocalPairs:
     """Sort the valid entries of ``slots [N, J]`` (``-1`` = none) by slot.
 
     Args:
         slots: ``[N, J]`` local slot per (row, j), ``-1`` where the row has no expert here.
         num_slots: ``S``.
         num_pairs: number of valid entries if known on the host (saves a device sync).
+        static: keep every entry (``P = N * J``, invalid ones sorted last and outside
+            ``slot_counts``): static shapes and no sync, for CUDA graphs.
     """
     n, j = slots.shape
     key = torch.where(slots >= 0, slots, num_slots).flatten().to(torch.int64)
     order = torch.argsort(key, stable=True)
     counts = torch.zeros(num_slots + 1, dtype=torch.int64, device=slots.device)
     counts.scatter_add_(0, key, torch.ones_like(key))
+    if static:
+        position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=slots.device))
+        index = torch.where(key < num_slots, position, -1)
+        return LocalPairs(order // j, counts[:num_slots], index.view(n, j))
     if num_pairs is None:
         num_pairs = int(counts[:num_slots].sum())
     sel = order[:num_pairs]

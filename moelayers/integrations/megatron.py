@@ -19,6 +19,10 @@ own ``MoELayer`` (local spec, no TransformerEngine) for a :class:`~moelayers.MoE
 :func:`load_megatron_weights` loads the logical weights ``router [E, H]``, ``w13 [E, 2F, H]``,
 ``w2 [E, H, F]`` into it.
 
+megatron-core 0.16.x without TransformerEngine cannot run its router (``RouterGatingLinearFunction``
+reads an unbound ``te_general_gemm``); :func:`megatron_moe_layer` binds that name to ``None``, the
+value megatron's own TE-less fallback uses, when it is missing.
+
 Limitations: megatron's distributed checkpointing (``sharded_state_dict``) does not know the
 adapter's expert layout (save/load logical weights with ``export_full_weights`` /
 ``load_full_weights`` instead); expert tensor parallelism is not supported by
@@ -176,7 +180,9 @@ class MegatronMoEAdapter(nn.Module):
 
     Default device: the current CUDA device with NCCL groups (or a single process on a CUDA
     machine without ``use_cpu_initialization``), else CPU; pass ``device=`` in the spec to override.
-    Weights: the layer's own default initialisation (``N(0, init_method_std)``), then usually
+    Weights: the layer's own default initialisation, ``N(0, init_method_std)`` per logical expert
+    from seeded generators (megatron's ``init_method`` distribution; replicas and ranks agree;
+    megatron's ``1/sqrt(2 num_layers)`` scaling of output layers is not applied), then usually
     :meth:`load_full_weights`. Expert parameters carry ``allreduce = False`` (megatron's DDP reduces
     them over the expert-data-parallel group only).
     """
@@ -322,6 +328,28 @@ def _grouped_gemm_available() -> bool:
     return bool(gg.grouped_gemm_is_available())
 
 
+def _fix_router_gemm_without_te() -> None:
+    """megatron-core 0.16.x without TransformerEngine: ``RouterGatingLinearFunction.forward`` reads the
+    module global ``te_general_gemm``, which is only bound when TE imports (NameError otherwise).
+    Bind it to ``None`` -- the value megatron's own TE-less fallback uses -- so the router takes its
+    ``torch.mm`` path. Nothing is changed where the name exists."""
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:
+        return
+    if hasattr(moe_utils, "RouterGatingLinearFunction") and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _default_pg_collection() -> Any:
+    """megatron's MoE process groups from ``parallel_state`` (``None``: let megatron pick them)."""
+    try:
+        from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    except ImportError:
+        return None
+    return get_default_pg_collection()
+
+
 def _ensure_process_group(device: torch.device) -> None:
     """megatron's parallel_state needs torch.distributed: start a world of one if there is none."""
     if dist.is_initialized():
@@ -336,6 +364,9 @@ def _router_mapping(config: MoEConfig) -> tuple[str, bool]:
     """``(moe_router_score_function, moe_router_pre_softmax)`` reproducing ``config``'s routing."""
     if config.score_fn == "softmax":
         # top-k of logits, then softmax over them == renormalised top-k of the softmax
+        if config.top_k == 1 and config.norm_topk_prob:
+            raise ValueError("megatron requires moe_router_pre_softmax for softmax top-1 routing, whose weight is "
+                             "the softmax probability: norm_topk_prob=True with top_k=1 has no megatron equivalent")
         return "softmax", not config.norm_topk_prob
     if config.norm_topk_prob != (config.top_k > 1):
         raise ValueError(
@@ -345,7 +376,8 @@ def _router_mapping(config: MoEConfig) -> tuple[str, bool]:
     return "sigmoid", False
 
 
-def _transformer_config(config: MoEConfig, dtype: torch.dtype, ep: int, tp: int, grouped: bool, cpu: bool) -> Any:
+def _transformer_config(config: MoEConfig, dtype: torch.dtype, ep: int, tp: int, grouped: bool, cpu: bool,
+                        dispatcher: str = "alltoall") -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     score_fn, pre_softmax = _router_mapping(config)
@@ -354,7 +386,7 @@ def _transformer_config(config: MoEConfig, dtype: torch.dtype, ep: int, tp: int,
         ffn_hidden_size=config.ffn_hidden_size, moe_ffn_hidden_size=config.ffn_hidden_size,
         num_moe_experts=config.num_experts, moe_router_topk=config.top_k,
         moe_router_score_function=score_fn, moe_router_pre_softmax=pre_softmax,
-        moe_token_dispatcher_type="alltoall",
+        moe_token_dispatcher_type=dispatcher,
         moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none", moe_z_loss_coeff=None,
         moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
         moe_router_dtype="fp32", moe_grouped_gemm=grouped, moe_permute_fusion=False,
@@ -391,11 +423,19 @@ def megatron_moe_layer(config: MoEConfig, *, dtype: torch.dtype = torch.bfloat16
         or ``num_experts`` does not divide over the expert-parallel group.
     """
     _require_megatron("megatron_moe_layer")
+    return _build_megatron_moe(config, dtype=dtype, device=device, dispatcher="alltoall")
+
+
+def _build_megatron_moe(config: MoEConfig, *, dtype: torch.dtype, device: str | torch.device,
+                        dispatcher: str = "alltoall", grouped: bool | None = None):
+    """:func:`megatron_moe_layer` with the dispatcher and expert module selectable (``grouped=None``:
+    ``GroupedMLP`` where it can run). Tests build megatron's MoELayer on CPU with ``'allgather'``."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import moe_module_specs
 
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+    _fix_router_gemm_without_te()
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -408,16 +448,18 @@ def megatron_moe_layer(config: MoEConfig, *, dtype: torch.dtype = torch.bfloat16
         raise NotImplementedError("megatron_moe_layer supports expert tensor parallel size 1 only")
     if config.num_experts % ep:
         raise ValueError(f"num_experts={config.num_experts} does not divide over expert parallel size {ep}")
-    grouped = dtype == torch.bfloat16 and device.type == "cuda" and _grouped_gemm_available()
-    tc = _transformer_config(config, dtype, ep, tp, grouped, cpu=device.type == "cpu")
+    if grouped is None:
+        grouped = dtype == torch.bfloat16 and device.type == "cuda" and _grouped_gemm_available()
+    tc = _transformer_config(config, dtype, ep, tp, grouped, cpu=device.type == "cpu", dispatcher=dispatcher)
     spec = _call_filtered(moe_module_specs.get_moe_module_spec, use_te=False,
                           num_experts=config.num_experts, moe_grouped_gemm=grouped)
+    pg_collection = _default_pg_collection()
     ctx = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
     with ctx:
         if isinstance(spec, ModuleSpec):
-            layer = build_module(spec, config=tc)
-        else:  # newer megatron-core: a builder (functools.partial) instead of a ModuleSpec
-            layer = _call_filtered(spec, config=tc)
+            layer = build_module(spec, config=tc, pg_collection=pg_collection)
+        else:  # megatron-core >= 0.19: an MlpBuilder (e.g. functools.partial) instead of a ModuleSpec
+            layer = _call_filtered(spec, config=tc, pg_collection=pg_collection, is_mtp_layer=False, name="moe")
     layer = layer.to(device)
     gen = torch.Generator(device=device)
     gen.manual_seed(12345)

@@ -42,6 +42,10 @@ class MoELayerBase(nn.Module):
             by ``(seed, expert id)``, so that replicas agree and every rank builds the same model.
         check_finite: raise on NaN/inf router logits.
         expert_backend: ``'auto'`` | ``'grouped_mm'`` | ``'loop'`` (see :class:`GroupedExperts`).
+        capacity: all-to-all only: fixed tokens per rank per forward (inputs are padded to it;
+            more is a ``ValueError``). Static shapes, no host sync; see ``AllToAllDispatcher``.
+        cuda_graph: with ``capacity``, on CUDA and without autograd, capture the whole forward in a
+            CUDA graph on first use and replay it (every rank must take this path together).
 
     Default initialisation: router and expert weights ``~ N(0, config.init_std)``.
     """
@@ -61,6 +65,8 @@ class MoELayerBase(nn.Module):
         seed: int = 0,
         check_finite: bool = True,
         expert_backend: str = "auto",
+        capacity: int | None = None,
+        cuda_graph: bool = False,
     ):
         super().__init__()
         if not isinstance(config, MoEConfig):
@@ -71,6 +77,12 @@ class MoELayerBase(nn.Module):
         self._check_placement(placement, config, groups)
         if dispatcher not in DISPATCHERS:
             raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
+        if capacity is not None and (dispatcher != "alltoall" or not dedup):
+            raise ValueError("capacity needs dispatcher='alltoall' with dedup=True")
+        if cuda_graph and capacity is None:
+            raise ValueError("cuda_graph=True needs a fixed capacity (tokens per rank)")
+        self.capacity, self.cuda_graph = capacity, cuda_graph
+        self._graphed = None
         self.config, self.groups, self.placement, self.seed = config, groups, placement, seed
         self.replica_policy = replica_policy or LocalFirstPolicy()
         self.dedup = dedup
@@ -102,7 +114,8 @@ class MoELayerBase(nn.Module):
         g, p = self.groups, self.placement
         if self.dispatcher_name == "allgather":
             return AllGatherDispatcher(g.ep, g.ep_size, g.ep_rank, p.slots_per_rank)
-        return AllToAllDispatcher(g.ep, g.ep_size, g.ep_rank, p.slots_per_rank, dedup=self.dedup)
+        return AllToAllDispatcher(g.ep, g.ep_size, g.ep_rank, p.slots_per_rank, dedup=self.dedup,
+                                  capacity=self.capacity)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -178,15 +191,77 @@ class MoELayerBase(nn.Module):
         forced, self._forced_ids = self._forced_ids, None
         if forced is not None and tuple(forced.shape) != (x2.shape[0], self.config.top_k):
             raise ValueError(f"forced routing has shape {list(forced.shape)}, expected [{x2.shape[0]}, {self.config.top_k}]")
-        topk_ids, topk_weights = self.router(x2, forced, defer_check=True)  # 1 route
-        routes = self.plan(topk_ids, topk_weights, token_ids)             # 2 plan
-        routes.nonfinite = self.router.last_nonfinite
-        received = self.dispatcher.dispatch(x2, routes)                   # 3 dispatch
-        expert_out = self.experts(received.expert_input, received.slot_counts)  # 4 compute
-        y = self.dispatcher.combine(expert_out, received)                 # 5 combine
+        if self.capacity is not None:
+            return self._forward_capacity(x2, token_ids, forced).view(x.shape)
+        y, topk_ids = self._forward_steps(x2, token_ids, forced)
         self.last_topk_ids, self.last_token_ids = topk_ids, token_ids
         self.last_stats = self.dispatcher.last_stats
         return y.view(x.shape)
+
+    def _forward_steps(self, x2, token_ids, forced, num_valid=None):
+        """The five steps on ``x2 [T, H]``; with ``num_valid``, rows from there on are padding."""
+        topk_ids, topk_weights = self.router(x2, forced, defer_check=True)  # 1 route
+        routes = self.plan(topk_ids, topk_weights, token_ids)             # 2 plan
+        routes.nonfinite = self.router.last_nonfinite
+        if num_valid is not None:
+            padding = self._arange(x2.shape[0], x2.device) >= num_valid
+            routes.dest_rank = routes.dest_rank.masked_fill(padding[:, None], -1)
+        received = self.dispatcher.dispatch(x2, routes)                   # 3 dispatch
+        expert_out = self.experts(received.expert_input, received.slot_counts)  # 4 compute
+        return self.dispatcher.combine(expert_out, received), topk_ids    # 5 combine
+
+    def _forward_capacity(self, x2, token_ids, forced):
+        """Fixed-capacity forward: pad to ``capacity`` rows, eager or replayed from a CUDA graph."""
+        t, c = x2.shape[0], self.capacity
+        if t > c:
+            raise ValueError(f"{t} tokens exceed the layer's capacity of {c} tokens per rank")
+        graphed = (self.cuda_graph and x2.is_cuda and forced is None
+                   and not (torch.is_grad_enabled() and (x2.requires_grad or self.router.weight.requires_grad)))
+        if self.cuda_graph and not graphed and x2.is_cuda and forced is not None:
+            raise ValueError("cuda_graph layers do not take forced routing; build the layer with cuda_graph=False")
+        if graphed and not self.experts.sync_free(x2):
+            raise ValueError("cuda_graph=True needs the grouped-GEMM experts (torch._grouped_mm: bf16 on Hopper-class "
+                             f"GPUs); these are {x2.dtype} on {x2.device}: use cuda_graph=False")
+        if graphed:
+            if self._graphed is None:
+                from moelayers.layers.graphs import GraphedForward
+
+                def padded(xp, num_valid):
+                    return self._forward_steps(xp, None, None, num_valid)[0]
+
+                self._graphed = GraphedForward(padded, c, self.config.hidden_size, x2.dtype, x2.device)
+            y = self._graphed(x2)
+            counts = self.dispatcher.fixed_counts.clone()
+            self.last_stats = MoEStats.deferred(self.groups.ep_rank, counts[0], counts[1], self.dispatcher.fixed_bytes)
+            self.last_topk_ids, self.last_token_ids = None, token_ids
+        else:
+            xp = torch.nn.functional.pad(x2, (0, 0, 0, c - t))
+            fp = None if forced is None else torch.nn.functional.pad(forced, (0, 0, 0, c - t))
+            tp = None if token_ids is None else torch.nn.functional.pad(token_ids, (0, c - t))
+            y, topk_ids = self._forward_steps(xp, tp, fp, torch.tensor(t, device=x2.device))
+            y = y[:t]
+            self.last_stats = self.dispatcher.last_stats
+            self.last_stats._topk_ids = topk_ids[:t]
+            self.last_topk_ids, self.last_token_ids = topk_ids[:t], token_ids
+        if self.router.check_finite and bool(self.dispatcher.nonfinite):
+            raise ValueError("router logits contain NaN or inf (on some expert-parallel rank): "
+                             "check the input hidden states and router weight")
+        return y
+
+    def release_graphs(self) -> None:
+        """Drop the captured CUDA graph (call on every rank before destroying the process group)."""
+        if self._graphed is not None:
+            torch.cuda.synchronize()
+            self._graphed = None
+
+    _ARANGE: dict = {}
+
+    @classmethod
+    def _arange(cls, n: int, device: torch.device) -> torch.Tensor:
+        key = (n, device)
+        if key not in cls._ARANGE:
+            cls._ARANGE[key] = torch.arange(n, device=device)
+        return cls._ARANGE[key]
 
     def plan(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_ids: torch.Tensor | None) -> Routes:
         """Step 2: a physical slot per (token, k). The base maps through ``self.placement``."""

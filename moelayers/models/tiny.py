@@ -18,7 +18,7 @@ get all tokens of the step in one call.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -184,7 +184,6 @@ class StepRequest:
 
     request_id: Hashable
     token_ids: torch.Tensor
-    meta: dict = field(default_factory=dict)
 
 
 class TinyDecoder(nn.Module):

@@ -51,7 +51,7 @@ def test_unpermute_combine_cuda(T, H, J, dtype):
     for w in (None, weight):
         got = unpermute_combine(src, index, w)
         ref = unpermute_combine_reference(src, index, w)
-        tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+        tol = 1e-4 if dtype == torch.float32 else 1.6e-2  # fp32 sums of up to 256 rows, any order
         torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
     got32 = unpermute_combine_triton(src, index, weight, out_dtype=torch.float32)
     ref32 = unpermute_combine_reference(src, index, weight, out_dtype=torch.float32)

@@ -152,20 +152,35 @@ def test_groups_that_do_not_match_the_world():
 
 def _nan_on_one_rank(rank, world, dispatcher):
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
-    m = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), dispatcher=dispatcher)
+    kwargs = dict(capacity=6) if dispatcher == "capacity" else dict(dispatcher=dispatcher)
+    m = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), **kwargs)
     x = torch.randn(5, 8)
     if rank == 1:
         x[0, 0] = float("nan")
     try:
-        m(x)
+        with torch.no_grad():
+            m(x)
     except ValueError as e:
-        assert "rank(s) [1]" in str(e), str(e)
-        m(torch.randn(3, 8))  # still usable afterwards: nothing was left half-done
+        assert "NaN or inf" in str(e) and (dispatcher == "capacity" or "rank(s) [1]" in str(e)), str(e)
+        with torch.no_grad():
+            m(torch.randn(3, 8))  # still usable afterwards: nothing was left half-done
         return "raised"
     return "no error"
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "capacity"])
 def test_nan_on_one_rank_raises_on_every_rank(dispatcher):
     assert run_distributed(_nan_on_one_rank, 2, dispatcher) == ["raised", "raised"]
+
+
+def test_capacity_errors():
+    with pytest.raises(ValueError, match="capacity needs dispatcher='alltoall'"):
+        layer(capacity=4, dispatcher="allgather")
+    with pytest.raises(ValueError, match="cuda_graph=True needs a fixed capacity"):
+        layer(cuda_graph=True)
+    m = layer(capacity=4)
+    with pytest.raises(ValueError, match="5 tokens exceed the layer's capacity of 4"), torch.no_grad():
+        m(torch.randn(5, 16))
+    with pytest.raises(ValueError, match="inference-only"):
+        m(torch.randn(3, 16, requires_grad=True))

@@ -5,14 +5,14 @@ torch.distributed) run once in a 2-process gloo world (``initialize_model_parall
 gloo/CPU) and each check is reported as its own test.
 
 megatron's ``MoELayer`` with the all-to-all dispatcher cannot be built on CPU (the dispatcher
-creates CUDA streams, the router moves its weight to CUDA in forward), so ``megatron_moe_layer`` is
-covered by tests/gpu/test_megatron_gpu.py; here ``load_megatron_weights`` is checked on CPU-built
-``MoELayer``s (all-gather dispatcher) by running megatron's own router scoring and expert modules.
+creates CUDA streams, the router moves its weight to CUDA in forward), so ``megatron_moe_layer``
+itself is covered by tests/gpu/test_megatron_gpu.py; here its builder runs on CPU with the
+all-gather dispatcher and ``load_megatron_weights`` is checked by running megatron's own router
+scoring and expert modules (SequentialMLP, and GroupedMLP with a torch stand-in for grouped_gemm).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import traceback
 import warnings
 
@@ -156,7 +156,7 @@ def test_layer_kwargs_and_build_extras():
 
 @pytest.mark.parametrize(
     "score,pre,topk,norm",
-    [("softmax", False, 2, True), ("softmax", True, 2, False), ("softmax", False, 1, True),
+    [("softmax", False, 2, True), ("softmax", True, 2, False), ("softmax", True, 1, False),
      ("sigmoid", False, 2, True), ("sigmoid", False, 1, False)],
 )
 def test_from_megatron_mapping(score, pre, topk, norm):
@@ -169,17 +169,18 @@ def test_from_megatron_mapping(score, pre, topk, norm):
     assert (cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts, cfg.init_std) == (H, 6, E, 0.05)
     assert mi._router_mapping(cfg) == (score, pre)  # what megatron_moe_layer configures
     # megatron's own routing gives the same experts and weights as ours
-    logits = torch.randn(50, E, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    logits = torch.randn(50, E, generator=torch.Generator().manual_seed(4))
     probs, routing_map = topk_routing_with_score_function(logits, topk, use_pre_softmax=pre, score_function=score)
     ids, weights = ml.router.scores_to_topk(logits, cfg)
     ours = torch.zeros_like(probs).scatter(1, ids, weights)
     assert torch.equal(routing_map.bool(), ours != 0)
-    torch.testing.assert_close(ours, probs, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ours, probs, rtol=1e-6, atol=1e-6)  # both score in fp32
 
 
-def test_mapping_without_megatron_equivalent():
-    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=FF, num_experts=E, top_k=2, score_fn="sigmoid", norm_topk_prob=False)
-    with pytest.raises(ValueError, match="sigmoid"):
+@pytest.mark.parametrize("score,topk,norm", [("sigmoid", 2, False), ("sigmoid", 1, True), ("softmax", 1, True)])
+def test_mapping_without_megatron_equivalent(score, topk, norm):
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=FF, num_experts=E, top_k=topk, score_fn=score, norm_topk_prob=norm)
+    with pytest.raises(ValueError, match="no megatron equivalent"):
         mi._router_mapping(cfg)
 
 
@@ -258,14 +259,11 @@ def _check_transformer_layer(rank, world):
 
 
 def _megatron_layer_cpu(cfg, world, grouped):
-    """megatron's MoELayer on CPU: the all-gather dispatcher (all-to-all needs CUDA)."""
-    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.transformer.spec_utils import build_module
-
-    tc = mi._transformer_config(cfg, cfg.params_dtype, world, 1, grouped=grouped, cpu=True)
-    tc = dataclasses.replace(tc, moe_token_dispatcher_type="allgather")
-    layer = build_module(get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=grouped), config=tc)
+    """megatron_moe_layer's builder on CPU with the all-gather dispatcher (all-to-all needs CUDA)."""
+    layer = mi._build_megatron_moe(cfg, dtype=cfg.params_dtype, device="cpu", dispatcher="allgather", grouped=grouped)
     assert type(layer.experts).__name__ == ("GroupedMLP" if grouped else "SequentialMLP")
+    assert layer.config.expert_model_parallel_size == world and layer.config.moe_router_dtype == "fp32"
+    assert len(layer.local_expert_indices) == E // world
     return layer
 
 
@@ -362,3 +360,14 @@ def dist_results():
 def test_two_process_gloo(dist_results, check):
     for rank, res in enumerate(dist_results):
         assert res[check] is None, f"rank {rank}: {res[check]}"
+
+
+def test_router_gemm_fix_without_te():
+    """megatron-core 0.16.x without TE: RouterGatingLinearFunction reads an unbound te_general_gemm."""
+    from megatron.core.transformer.moe import moe_utils
+
+    mi._fix_router_gemm_without_te()
+    x, w = torch.randn(7, H).bfloat16(), torch.randn(E, H).bfloat16()
+    logits = moe_utils.router_gating_linear(x, w, None, torch.float32)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, x.float() @ w.float().t())

@@ -1,0 +1,671 @@
+#!/usr/bin/env python
+"""Layer micro-benchmark (DESIGN.md §6): forward latency of a moelayers layer against megatron-core's
+``MoELayer``, in the same run, on the same weights.
+
+Every rank builds the same random weights (seeded, identical everywhere) and loads them into ours
+(``layer=vanilla`` by default, looked up in :data:`LAYERS`) and into megatron-core's ``MoELayer``
+(local spec, alltoall dispatcher, EP = world; the *peer*, GPU only). For each
+``bench.tokens_per_rank`` value each rank draws its own random input (seeded by rank), then:
+
+1. checks before timing: ours against the dense reference on the experts ours chose
+   (:func:`moelayers.reference.moe_forward`, DESIGN.md §1 tolerance) and, with a peer, ours against
+   the peer (max abs diff relative to max|peer|, over all ranks) with megatron's choice of experts
+   (top-k of fp32 logits) forced on ours — its bf16 router breaks ~3% of near-ties differently —
+   so a wrong result is never timed; the agreement of the two routers is reported;
+2. times ``bench.warmup`` + ``bench.iters`` forwards of each (inference mode): before each timed
+   forward a device synchronize and a barrier, CUDA events around it (``perf_counter`` on CPU);
+   the layer time is the median over iterations, maximised over ranks (the slowest rank sets it).
+
+``router=replay`` forces ours' routing from a trace (``trace.path=FILE``; without a path a synthetic
+trace shaped like the benchmark) through ``layer.force_routing``; the peer keeps its own router
+(noted in the JSON). Rank 0 prints a table and writes one JSON per (shape, tokens/rank) into the
+run dir, and copies into ``bench.save_to`` when set, named
+``{layer}_{shape}_t{tokens}_ws{world}_{device}.json``. ``bench.profile=true`` prints a
+torch.profiler table of ours' top kernels at one size (and saves a chrome trace in the run dir).
+
+Usage::
+
+    python recipes/bench.py bench=cpu_smoke                                   # 2 gloo processes, CPU
+    python recipes/bench.py bench=cpu_smoke parallel.world_size=4 router=replay
+    torchrun --standalone --nproc_per_node=8 recipes/bench.py parallel=gpu bench=qwen3_30b_a3b \\
+        bench.save_to=docs/benchmarks
+    torchrun --standalone --nproc_per_node=8 recipes/bench.py bench=deepseek_v2_lite \\
+        bench.tokens_per_rank=[4096] bench.profile=true
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import inspect
+import os
+import platform
+import re
+import shlex
+import shutil
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import hydra  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from _common import device_for, launch, resolve_backend, run_dir, shutdown, to_dict, under_torchrun, write_json  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PEER_NAME = "megatron-core MoELayer {version} (local spec, alltoall)"
+
+
+# ---------------------------------------------------------------------- layer registry
+def _construct(cls_path: str) -> Callable[..., torch.nn.Module]:
+    """A builder ``(config, groups, *, device, seed, **kwargs) -> layer`` for a constructor path."""
+
+    def build(config, groups, *, device, seed, **kwargs):
+        mod, _, name = cls_path.rpartition(".")
+        cls = getattr(importlib.import_module(mod), name)
+        accepted = inspect.signature(cls).parameters
+        kwargs = {k: v for k, v in kwargs.items() if k in accepted or k not in _OPTIONAL_KWARGS}
+        return cls(config, groups, device=device, seed=seed, **kwargs)
+
+    return build
+
+
+# kwargs the recipe adds itself; dropped when a layer's constructor does not take them
+_OPTIONAL_KWARGS = ("check_finite",)
+
+#: name -> builder. A new layer plugs in with one entry (or ``register_layer``); a layer config with
+#: ``cls: pkg.Module`` and no entry here is built from that path.
+LAYERS: dict[str, Callable[..., torch.nn.Module]] = {
+    "vanilla": _construct("moelayers.VanillaMoE"),
+}
+
+
+def register_layer(name: str, builder: Callable[..., torch.nn.Module]) -> None:
+    """Make ``layer=<name>`` build through ``builder(config, groups, *, device, seed, **kwargs)``."""
+    LAYERS[name] = builder
+
+
+def build_layer(layer_cfg: dict, config, groups, device: torch.device, seed: int, check_finite: bool):
+    """Our layer from its config group (``name``, optional ``cls``, ``kwargs``)."""
+    name = layer_cfg.get("name")
+    builder = LAYERS.get(name)
+    if builder is None and layer_cfg.get("cls"):
+        builder = _construct(layer_cfg["cls"])
+    if builder is None:
+        raise ValueError(f"unknown layer {name!r}: registered {sorted(LAYERS)}, or give layer.cls")
+    kwargs = dict(layer_cfg.get("kwargs") or {})
+    kwargs.setdefault("check_finite", check_finite)
+    return builder(config, groups, device=device, seed=seed, **kwargs)
+
+
+# ---------------------------------------------------------------------- peer (megatron-core)
+def megatron_version() -> str | None:
+    """Installed megatron-core version (from package metadata: importing it is slow and noisy)."""
+    from importlib import metadata
+
+    for dist_name in ("megatron-core", "megatron_core"):
+        try:
+            return metadata.version(dist_name)
+        except metadata.PackageNotFoundError:
+            continue
+    try:
+        import megatron.core as mc
+    except Exception:
+        return None
+    return str(getattr(mc, "__version__", None) or getattr(getattr(mc, "package_info", None), "__version__", "?"))
+
+
+def build_peer(config, dtype: torch.dtype, device: torch.device, want: str, weights) -> tuple[Any, str | None, str | None]:
+    """megatron-core's ``MoELayer`` with ``weights`` loaded: ``(peer or None, peer name or None, note)``.
+
+    ``want``: ``auto`` (no peer, with a note, when CUDA or megatron-core is missing or the peer fails to
+    build — a warning with the error is printed) | ``true`` (required: raise instead) | ``false``.
+    """
+    want = str(want).lower()
+    if want in ("false", "off", "none", "0"):
+        return None, None, "peer disabled (bench.peer=false)"
+    required = want in ("true", "on", "required", "1")
+    reason, peer = None, None
+    if device.type != "cuda":
+        reason = "megatron-core's MoELayer needs CUDA: no peer on CPU"
+    elif megatron_version() is None:
+        reason = "megatron-core is not installed: no peer"
+    else:
+        try:
+            from moelayers.integrations.megatron import load_megatron_weights, megatron_moe_layer
+
+            peer = megatron_moe_layer(config, dtype=dtype, device=device)
+            load_megatron_weights(peer, *weights)
+            peer.eval()
+        except Exception as e:  # API drift, missing optional pieces: our numbers are still worth having
+            if required:
+                raise
+            import traceback
+
+            reason = f"megatron-core MoELayer failed to build: {type(e).__name__}: {e}"
+            print(f"WARNING (rank {dist.get_rank() if dist.is_initialized() else 0}): {reason}\n"
+                  f"{traceback.format_exc()}", flush=True)
+            peer = None
+    # every rank must agree (a peer on some ranks only would hang its collectives)
+    have = gather_scalar(0.0 if peer is None else 1.0, device)
+    if peer is not None and min(have) == 0.0:
+        peer, reason = None, "megatron-core MoELayer failed to build on some rank(s)"
+    if peer is None:
+        if required:
+            raise RuntimeError(f"bench.peer=true but {reason}")
+        return None, None, reason
+    return peer, PEER_NAME.format(version=megatron_version()), None
+
+
+def peer_forward(peer, x: torch.Tensor) -> torch.Tensor:
+    """megatron-core's ``MoELayer`` takes ``[S, B, H]`` and returns ``(output, bias)``."""
+    out = peer(x.view(x.shape[0], 1, x.shape[1]))
+    if isinstance(out, tuple):
+        out = out[0]
+    return out.reshape(x.shape)
+
+
+# ---------------------------------------------------------------------- helpers
+def full_weights(config, seed: int, device: torch.device, dtype: torch.dtype):
+    """Router ``[E, H]``, w13 ``[E, 2F, H]``, w2 ``[E, H, F]`` ~ N(0, init_std), identical on every rank
+    (one generator on the compute device, seeded by ``seed``)."""
+    e, h, f = config.num_experts, config.hidden_size, config.ffn_hidden_size
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed * 1_000_003 + 17)
+    out = []
+    for shape in ((e, h), (e, 2 * f, h), (e, h, f)):
+        t = torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, config.init_std, generator=gen)
+        out.append(t.to(dtype))
+    return tuple(out)
+
+
+def rank_input(tokens: int, hidden: int, seed: int, rank: int, device: torch.device, dtype: torch.dtype):
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed * 1_000_003 + 7919 * (rank + 1) + tokens)
+    return torch.randn(tokens, hidden, generator=gen, device=device, dtype=torch.float32).to(dtype)
+
+
+class Replay:
+    """Routing replayed from a trace: rank ``r``'s ``T`` tokens are trace tokens ``r*T ...`` (wrapping)."""
+
+    def __init__(self, trace_cfg: dict, config, seed: int, need_tokens: int):
+        from moelayers.trace import load_trace, synthetic_trace
+
+        path = trace_cfg.get("path")
+        if path:
+            tr = load_trace(path)
+            self.source = str(path)
+        elif trace_cfg.get("synthetic", True):
+            mean_len = 1024
+            n_seq = max(1, -(-need_tokens // mean_len))
+            tr = synthetic_trace(n_seq, 1, config.num_experts, config.top_k, int(trace_cfg.get("vocab_size", 4096)),
+                                 seq_len=(mean_len // 2, 3 * mean_len // 2), seed=seed)
+            self.source = f"synthetic_trace(seed={seed})"
+        else:
+            raise ValueError("router=replay needs trace.path=FILE (or trace.synthetic=true)")
+        if tr.num_experts != config.num_experts or tr.top_k != config.top_k:
+            raise ValueError(f"trace {self.source} has E={tr.num_experts}, K={tr.top_k}; the benchmark shape "
+                             f"has E={config.num_experts}, K={config.top_k}")
+        layer = int(trace_cfg.get("layer", 0))
+        if not 0 <= layer < tr.num_layers:
+            raise ValueError(f"trace.layer={layer} but the trace has {tr.num_layers} layer(s)")
+        self.layer = layer
+        self.ids = torch.from_numpy(np.ascontiguousarray(tr.topk_ids[:, layer, :]).astype(np.int64))
+
+    def ids_for(self, rank: int, tokens: int, device: torch.device) -> torch.Tensor:
+        idx = (torch.arange(tokens, dtype=torch.int64) + rank * tokens) % self.ids.shape[0]
+        return self.ids[idx].to(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _barrier(device: torch.device) -> None:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    if device.type == "cuda":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
+def reduce_max(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def gather_scalar(value: float, device: torch.device) -> list[float]:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    t = torch.zeros(world, dtype=torch.float64, device=device)
+    t[dist.get_rank() if dist.is_initialized() else 0] = value
+    if world > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def time_forward(run: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> list[float]:
+    """Per-iteration milliseconds of ``run()`` on this rank (sync + barrier before each)."""
+    for _ in range(warmup):
+        run()
+    times = []
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for start, end in events:
+            _sync(device)
+            _barrier(device)
+            _sync(device)
+            start.record()
+            run()
+            end.record()
+        _sync(device)
+        times = [s.elapsed_time(e) for s, e in events]
+    else:
+        for _ in range(iters):
+            _barrier(device)
+            t0 = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - t0) * 1e3)
+    _barrier(device)
+    return times
+
+
+def peer_topk_ids(x: torch.Tensor, router_weight: torch.Tensor, config) -> torch.Tensor:
+    """``[T, K]`` experts megatron's router picks (``moe_router_dtype='fp32'``): top-k of fp32 logits
+    (softmax and sigmoid are monotonic, so the score function does not change the choice)."""
+    logits = x.float() @ router_weight.float().t()
+    return torch.topk(logits, config.top_k, dim=-1).indices
+
+
+def layer_ids(layer) -> torch.Tensor | None:
+    ids = getattr(layer, "last_topk_ids", None)
+    return None if ids is None else ids.clone()
+
+
+def routing_agreement(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> float:
+    """Fraction of tokens (over all ranks) whose expert *sets* agree."""
+    same = (a.sort(dim=-1).values == b.sort(dim=-1).values).all(dim=-1)
+    n = sum(gather_scalar(float(same.sum()), device))
+    total = sum(gather_scalar(float(same.numel()), device))
+    return n / total if total else 1.0
+
+
+def check_against_peer(y: torch.Tensor, y_peer: torch.Tensor, tol: float, max_bad_frac: float,
+                       device: torch.device) -> dict:
+    """Max abs diff of ours vs the peer relative to max|peer| (over all ranks); rows off by more than
+    ``tol`` are counted (a few are router near-ties, a wrong layer makes most of them wrong)."""
+    diff_rows = (y.float() - y_peer.float()).abs().amax(dim=-1) if y.numel() else y.new_zeros(0, dtype=torch.float32)
+    max_diff = float(diff_rows.max()) if diff_rows.numel() else 0.0
+    max_peer = float(y_peer.float().abs().max()) if y_peer.numel() else 0.0
+    max_diff, max_peer = reduce_max([max_diff, max_peer], device)
+    scale = max(max_peer, 1e-30)
+    bad = float((diff_rows > tol * scale).sum()) if diff_rows.numel() else 0.0
+    bad_total = sum(gather_scalar(bad, device))
+    rows_total = sum(gather_scalar(float(y.shape[0]), device))
+    rel = max_diff / scale
+    ok = rel <= tol or bad_total <= max_bad_frac * rows_total
+    return {"rel_max_abs_diff": rel, "tol": tol, "rows_over_tol": int(bad_total), "rows": int(rows_total), "ok": ok}
+
+
+def check_against_reference(layer, x: torch.Tensor, y: torch.Tensor, weights, config, rows: int,
+                            device: torch.device) -> dict:
+    """Ours against the dense reference (DESIGN.md §1 tolerance) on the experts ours chose."""
+    from moelayers.reference import moe_forward
+    from moelayers.testing import max_error, tolerance
+
+    n = min(rows, x.shape[0])
+    ids = layer.last_topk_ids[:n]
+    router_w, w13, w2 = weights
+    ref64 = moe_forward(x[:n].double(), router_w, w13, w2, config, topk_ids=ids)
+    ref_low = None if y.dtype in (torch.float32, torch.float64) else moe_forward(
+        x[:n], router_w, w13, w2, config, topk_ids=ids)
+    err = max_error(y[:n], ref64) if n else 0.0
+    tol = tolerance(ref64.cpu(), None if ref_low is None else ref_low.cpu(), y.dtype) if n else 0.0
+    ok = err <= tol
+    ok_all = min(gather_scalar(1.0 if ok else 0.0, device)) > 0
+    return {"max_abs_err": reduce_max([err], device)[0], "tol": tol, "rows": n, "ok": ok_all}
+
+
+def profile_ours(run: Callable[[], Any], device: torch.device, iters: int, rows: int, rank: int,
+                 out_path: str | None) -> str | None:
+    """torch.profiler over ``iters`` forwards; rank 0 gets the table of top kernels/ops."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for _ in range(2):
+        run()
+    _sync(device)
+    _barrier(device)
+    with profile(activities=acts, record_shapes=False) as prof:
+        for _ in range(iters):
+            run()
+        _sync(device)
+    _barrier(device)
+    if rank != 0:
+        return None
+    if out_path:
+        try:
+            prof.export_chrome_trace(out_path)
+        except Exception as e:  # a trace is a convenience; the table is the result
+            print(f"note: could not write the chrome trace: {e}")
+    sort_keys = ("self_cuda_time_total", "self_device_time_total") if device.type == "cuda" else ("self_cpu_time_total",)
+    averages = prof.key_averages()
+    for key in sort_keys:
+        try:
+            return averages.table(sort_by=key, row_limit=rows)
+        except Exception:
+            continue
+    return averages.table(row_limit=rows)
+
+
+# ---------------------------------------------------------------------- the worker
+def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
+    """Runs on every rank; rank 0 returns one record per tokens/rank value."""
+    from moelayers import MoEConfig, ParallelGroups
+
+    b, shape = cfg["bench"], cfg["bench"]["shape"]
+    backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    device = device_for(backend)
+    dtype = resolve_dtype(b.get("dtype", "auto"), device)
+    check_shape_fits(b, device)
+    seed = int(cfg.get("seed", 0))
+    torch.manual_seed(seed)
+    config = MoEConfig(
+        hidden_size=int(shape["hidden_size"]), ffn_hidden_size=int(shape["ffn_hidden_size"]),
+        num_experts=int(shape["num_experts"]), top_k=int(shape["top_k"]),
+        score_fn=shape.get("score_fn", "softmax"), norm_topk_prob=bool(shape.get("norm_topk_prob", True)),
+        params_dtype=dtype, init_std=float(shape.get("init_std", 0.02)),
+    )
+    groups = ParallelGroups.from_world(ep=(cfg.get("parallel") or {}).get("ep"))
+    weights = full_weights(config, seed, device, dtype)
+    ours = build_layer(cfg["layer"], config, groups, device, seed, bool(b.get("check_finite", False)))
+    ours.load_full_weights(*weights)
+    ours.eval()
+    peer, peer_name, peer_note = build_peer(config, dtype, device, b.get("peer", "auto"), weights)
+    peer_experts = None if peer is None else type(getattr(peer, "experts", peer)).__name__
+    tokens_list = [int(t) for t in b["tokens_per_rank"]]
+    router = cfg.get("_router_name", "learned")
+    replay = None
+    if router == "replay":
+        replay = Replay(cfg.get("trace") or {}, config, seed, world * max(tokens_list))
+        peer_note = "; ".join(filter(None, [peer_note, "routing replayed from a trace for ours only; "
+                                            "the peer routed with its own learned router" if peer is not None else None]))
+    elif router != "learned":
+        raise ValueError(f"router must be learned or replay, got {router!r}")
+    tol = b["check"].get("tol")
+    tol = float(tol) if tol is not None else (1e-4 if dtype in (torch.float32, torch.float64) else 2e-2)
+    grad_ctx = torch.inference_mode if b.get("inference_mode", True) else torch.no_grad
+    warmup, iters = int(b["warmup"]), int(b["iters"])
+    graph = bool(b.get("cuda_graph", False))
+    if graph and (replay is not None or device.type != "cuda"):
+        raise ValueError("bench.cuda_graph=true needs CUDA and the learned router (graphs take no forced routing)")
+    records = []
+    for tokens in tokens_list:
+        x = rank_input(tokens, config.hidden_size, seed, rank, device, dtype)
+        forced = replay.ids_for(rank, tokens, device) if replay is not None else None
+        timed = ours
+        if graph:  # fixed capacity = tokens per rank, whole forward replayed from a CUDA graph
+            layer_cfg = {**cfg["layer"], "kwargs": {**(cfg["layer"].get("kwargs") or {}),
+                                                     "capacity": tokens, "cuda_graph": True}}
+            timed = build_layer(layer_cfg, config, groups, device, seed, bool(b.get("check_finite", False)))
+            timed.load_full_weights(*weights)
+            timed.eval()
+
+        def run_ours(x=x, forced=forced, timed=timed):
+            if forced is not None:
+                timed.force_routing(forced)
+            return timed(x)
+
+        with grad_ctx():
+            # --- correctness before timing (a graph layer is checked on the experts the eager layer chose)
+            y = run_ours()
+            if graph:
+                ours(x)
+            check = {"reference": check_against_reference(ours, x, y, weights, config, int(b["check"]["ref_rows"]), device)}
+            if not check["reference"]["ok"]:
+                raise RuntimeError(f"{cfg['layer']['name']} does not match the dense reference at tokens/rank={tokens}: "
+                                   f"{check['reference']}")
+            if peer is not None:
+                # megatron's router takes the top-k of fp32 logits, ours of bf16 logits: ~3% of tokens
+                # have a near-tie that the two break differently. Check with megatron's choice forced
+                # on ours (same experts; weights still from our router), and report the agreement.
+                peer_ids = peer_topk_ids(x, weights[0], config)
+                own_ids = None if forced is not None else layer_ids(ours)
+                ours.force_routing(peer_ids)
+                y_ours, y_peer = ours(x), peer_forward(peer, x)
+                check["peer"] = check_against_peer(y_ours, y_peer, tol, float(b["check"]["max_bad_rows_frac"]), device)
+                check["peer"]["router_agreement"] = None if own_ids is None else routing_agreement(own_ids, peer_ids, device)
+                if rank == 0:
+                    c = check["peer"]
+                    agree = "" if c["router_agreement"] is None else \
+                        f"; our router picks the same experts as megatron's for {100 * c['router_agreement']:.1f}% of tokens"
+                    print(f"check t={tokens}: max|ours - peer| / max|peer| = {c['rel_max_abs_diff']:.3e} with the same "
+                          f"experts (tol {tol:g}; rows over tol: {c['rows_over_tol']}/{c['rows']}){agree}", flush=True)
+                if not check["peer"]["ok"]:
+                    msg = f"ours and the peer disagree at tokens/rank={tokens}: {check['peer']}"
+                    if b["check"].get("strict", True):
+                        raise RuntimeError(msg + " (bench.check.strict=false to time anyway)")
+                    if rank == 0:
+                        print(f"WARNING: {msg}", flush=True)
+                del y_ours, y_peer
+            elif rank == 0:
+                print(f"check t={tokens}: ours vs dense reference max abs err {check['reference']['max_abs_err']:.3e} "
+                      f"(tol {check['reference']['tol']:.3e}); no peer", flush=True)
+            del y
+            # --- timing
+            t_ours = time_forward(run_ours, device, warmup, iters)
+            t_peer = time_forward(lambda: peer_forward(peer, x), device, warmup, iters) if peer is not None else None
+        med_ours = statistics.median(t_ours)
+        med_peer = statistics.median(t_peer) if t_peer is not None else float("nan")
+        ms, peer_ms = reduce_max([med_ours, med_peer if t_peer is not None else 0.0], device)
+        stats = timed.last_stats.reduce(groups.ep) if getattr(timed, "last_stats", None) is not None else None
+        if graph:
+            timed.release_graphs()
+        rec = {
+            "ms": ms, "peer_ms": peer_ms if peer is not None else None,
+            "ms_per_rank": gather_scalar(med_ours, device),
+            "peer_ms_per_rank": gather_scalar(med_peer, device) if peer is not None else None,
+            "ms_min": reduce_max([min(t_ours)], device)[0],
+            "tokens_per_rank": tokens, "check": check,
+            "mode": f"cuda_graph (capacity={tokens})" if graph else "eager (exact all-to-all-v)",
+            "layer_stats": None if stats is None else {"imbalance": stats.imbalance, "rank_loads": stats.rank_loads,
+                                                       "bytes_sent": sum(stats.bytes_sent)},
+        }
+        records.append(rec)
+        if rank == 0:
+            ratio = f"{ms / peer_ms:.3f}" if peer is not None and peer_ms > 0 else "-"
+            peer_s = f"{peer_ms:.3f}" if peer is not None else "-"
+            print(f"timed t={tokens}: ours {ms:.3f} ms, peer {peer_s} ms, ratio {ratio}", flush=True)
+    del weights
+    if b.get("profile", False):
+        ptok = int(b.get("profile_tokens") or max(tokens_list))
+        x = rank_input(ptok, config.hidden_size, seed, rank, device, dtype)
+        forced = replay.ids_for(rank, ptok, device) if replay is not None else None
+
+        def run_prof():
+            if forced is not None:
+                ours.force_routing(forced)
+            return ours(x)
+
+        path = os.path.join(cfg["run_dir"], f"profile_{cfg['layer']['name']}_{b['name']}_t{ptok}_rank0.json")
+        with grad_ctx():
+            table = profile_ours(run_prof, device, int(b.get("profile_iters", 5)), int(b.get("profile_rows", 25)),
+                                 rank, path)
+        if rank == 0:
+            print(f"\nprofile: {cfg['layer']['name']} {b['name']} tokens/rank={ptok}, {b.get('profile_iters', 5)} forwards "
+                  f"(rank 0; chrome trace {path})\n{table}", flush=True)
+    if rank != 0:
+        return None
+    common = {
+        "device_name": device_name(device), "world_size": world, "layer": cfg["layer"]["name"],
+        "shape_name": b["name"],
+        "shape": {"H": config.hidden_size, "E": config.num_experts, "K": config.top_k, "F": config.ffn_hidden_size},
+        "peer": peer_name, "peer_experts": peer_experts, "peer_note": peer_note, "dtype": str(dtype).replace("torch.", ""),
+        "warmup": warmup, "iters": iters, "router": router,
+        "trace": None if replay is None else {"source": replay.source, "layer": replay.layer},
+        "backend": backend, "torch": torch.__version__, "triton": triton_version(),
+        "megatron_core": megatron_version(),
+    }
+    return [{**common, **r} for r in records]
+
+
+# ---------------------------------------------------------------------- environment
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"bench.dtype must be auto or one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def expert_params(shape: dict) -> int:
+    return 3 * int(shape["num_experts"]) * int(shape["hidden_size"]) * int(shape["ffn_hidden_size"])
+
+
+def check_shape_fits(b: dict, device: torch.device) -> None:
+    """Refuse a large shape without CUDA (it would take minutes per forward and gigabytes per rank)."""
+    limit = int(b.get("max_cpu_expert_params", 50_000_000))
+    n = expert_params(b["shape"])
+    if device.type != "cuda" and n > limit and not b.get("allow_large_cpu", False):
+        raise SystemExit(
+            f"bench={b['name']} has {n / 1e6:.0f}M expert parameters and there is no CUDA device here "
+            f"(a large shape on CPU is not a useful benchmark). Run the CPU smoke shape instead:\n"
+            f"    python recipes/bench.py bench=cpu_smoke\n"
+            f"or on GPUs: torchrun --standalone --nproc_per_node=N recipes/bench.py bench={b['name']} "
+            f"(bench.allow_large_cpu=true forces it)")
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def device_slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
+
+
+def triton_version() -> str | None:
+    try:
+        import triton
+    except Exception:
+        return None
+    return str(getattr(triton, "__version__", "?"))
+
+
+def command_line() -> str:
+    """The command as typed: ``sys.argv`` quoted, with the ``torchrun`` prefix rebuilt from its env."""
+    argv = shlex.join(sys.argv)
+    if under_torchrun():
+        nproc = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
+        nnodes = int(os.environ.get("GROUP_WORLD_SIZE", "1") or 1)
+        prefix = "torchrun --standalone" if nnodes == 1 else f"torchrun --nnodes={nnodes}"
+        return f"{prefix} --nproc_per_node={nproc} {argv}"
+    return f"python {argv}"
+
+
+def router_name(cfg: DictConfig) -> str:
+    """``router`` group's name; if the group is absent, a ``router=X`` command-line override."""
+    r = cfg.get("router")
+    if r is not None:
+        return str(r.get("name") if hasattr(r, "get") else r)
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        for o in HydraConfig.get().overrides.task:
+            if o.startswith("router="):
+                return o.split("=", 1)[1]
+    except Exception:
+        pass
+    return "learned"
+
+
+# ---------------------------------------------------------------------- output
+def print_results(records: list[dict]) -> None:
+    head = ("shape", "tokens/rank", "ours ms", "peer ms", "ours/peer")
+    rows = []
+    for r in records:
+        rows.append((r["shape_name"], str(r["tokens_per_rank"]), f"{r['ms']:.3f}",
+                     "-" if r["peer_ms"] is None else f"{r['peer_ms']:.3f}",
+                     "-" if r["ratio"] is None else f"{r['ratio']:.3f}"))
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    bar = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
+    fmt = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    r0 = records[0]
+    print(f"\nbench: layer={r0['layer']} vs {r0['peer'] or 'no peer'}; {r0['device_name']}, world {r0['world_size']}, "
+          f"{r0['dtype']}, median of {r0['iters']} (max over ranks), router={r0['router']}")
+    print("\n".join([bar, fmt(head), bar] + [fmt(row) for row in rows] + [bar]), flush=True)
+    if r0.get("peer_note"):
+        print(f"note: {r0['peer_note']}")
+
+
+HEAD_KEYS = ("device_name", "world_size", "layer", "shape", "tokens_per_rank", "ms", "peer", "peer_ms", "ratio",
+             "date", "command", "dtype", "iters")
+
+
+def order_record(r: dict, date: str, command: str) -> dict:
+    """The JSON record: the documented keys first, then the details."""
+    r = {**r, "date": date, "command": command,
+         "ratio": r["ms"] / r["peer_ms"] if r.get("peer_ms") else None}
+    return {**{k: r[k] for k in HEAD_KEYS}, **{k: v for k, v in r.items() if k not in HEAD_KEYS}}
+
+
+def save_records(records: list[dict], out_dir: str, save_to: str | None) -> list[str]:
+    paths = []
+    for r in records:
+        slug = device_slug(r["device_name"])
+        mode = "_graph" if str(r.get("mode", "")).startswith("cuda_graph") else ""
+        name = f"{r['layer']}{mode}_{r['shape_name']}_t{r['tokens_per_rank']}_ws{r['world_size']}_{slug}.json"
+        p = write_json(os.path.join(out_dir, name), r)
+        paths.append(str(p))
+        if save_to:
+            os.makedirs(save_to, exist_ok=True)
+            shutil.copyfile(p, os.path.join(save_to, name))
+            paths.append(os.path.join(save_to, name))
+    return paths
+
+
+@hydra.main(config_path="../conf", config_name="bench", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    d = to_dict(cfg)
+    b = d["bench"]
+    d["_router_name"] = router_name(cfg)
+    if d.get("trace", {}).get("path"):
+        d["trace"]["path"] = hydra.utils.to_absolute_path(d["trace"]["path"])
+    d["run_dir"] = run_dir()
+    torchrun = under_torchrun()
+    backend = resolve_backend((d.get("parallel") or {}).get("backend"), torchrun=torchrun)
+    check_shape_fits(b, torch.device("cuda") if backend == "nccl" else torch.device("cpu"))
+    command = command_line()
+    records = launch(d, bench_worker)
+    if not records:
+        shutdown()
+        return  # torchrun ranks other than 0
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    records = [order_record(r, date, command) for r in records]
+    save_to = hydra.utils.to_absolute_path(b["save_to"]) if b.get("save_to") else None
+    print_results(records)
+    for p in save_records(records, d["run_dir"], save_to):
+        print(f"wrote {p}")
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,410 @@
+#!/usr/bin/env python
+"""Serving loop (DESIGN.md §6): Poisson arrivals, continuous batching, attention-DP + expert-parallel MoE.
+
+Every rank builds the same :class:`moelayers.models.TinyDecoder` (attention weights identical,
+experts spread over the ranks), generates the same request list (same seed) and keeps the requests
+the scheduler gives it. Each step all ranks run the model together — a rank without work still
+calls the MoE layers with zero tokens — and stop when an all-reduce says every rank is done.
+
+Measured: per request TTFT (arrival to first token) and TPOT (mean gap between output tokens),
+output throughput, LAR and imbalance of the MoE layers (summed over layers and steps, reduced over
+ranks), activations received per rank per step. Rank 0 prints a summary table and writes
+``results.json`` and ``rank_load.png`` into the Hydra run dir.
+
+``router=replay`` replays a routing trace (``trace.path=FILE``, or a synthetic one): each request
+is one trace sequence, teacher-forced — its first ``workload.prompt_fraction`` (at least one token)
+is the prompt, the rest is fed one token per decode step — and MoE layer ``i`` is forced to the
+trace's layer ``i mod L``. A request of ``n`` tokens with a prompt of ``p`` emits ``n - p + 1``
+output tokens (one from the prefill, one per decode step; the last is past the trace's end).
+
+Usage::
+
+    python recipes/serve.py                                          # 2 gloo processes on CPU
+    python recipes/serve.py parallel.world_size=4 workload.num_requests=16 hydra.run.dir=/tmp/x
+    python recipes/serve.py router=replay trace.path=trace.npz
+    torchrun --nproc-per-node 8 recipes/serve.py parallel=gpu        # NCCL
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import hydra  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from _common import device_for, launch, percentile, print_table, run_dir, shutdown, to_dict, write_json  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---------------------------------------------------------------------- requests
+@dataclass
+class Request:
+    """One request; ``forced`` holds the recorded tokens fed in decode steps (replay)."""
+
+    rid: int
+    arrival: float
+    prompt: list[int]
+    output_len: int
+    trace_seq: int | None = None
+    forced: list[int] | None = None
+    generated: int = 0
+    next_input: int = -1
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.generated >= self.output_len
+
+
+def sample_lengths(rng: np.random.Generator, spec: dict, n: int) -> np.ndarray:
+    """``n`` lengths (>= 1) from ``{dist: uniform|fixed|lognormal, ...}``."""
+    kind = spec.get("dist", "uniform")
+    if kind == "fixed":
+        out = np.full(n, int(spec["value"]))
+    elif kind == "uniform":
+        out = rng.integers(int(spec["min"]), int(spec["max"]) + 1, size=n)
+    elif kind == "lognormal":
+        out = np.rint(float(spec["median"]) * np.exp(float(spec["sigma"]) * rng.standard_normal(n)))
+        out = np.clip(out, int(spec.get("min", 1)), int(spec.get("max", 1 << 20)))
+    else:
+        raise ValueError(f"unknown length distribution {kind!r}: use uniform, fixed or lognormal")
+    return np.maximum(out.astype(np.int64), 1)
+
+
+def make_requests(cfg: dict, vocab_size: int, trace=None) -> list[Request]:
+    """The request list, identical on every rank (seeded by ``cfg['seed']``)."""
+    wl = cfg["workload"]
+    rng = np.random.default_rng(cfg["seed"])
+    n = int(wl["num_requests"])
+    if trace is not None:
+        n = min(n, trace.num_sequences)
+    rate = wl.get("rate")
+    gaps = rng.exponential(1.0 / float(rate), size=n) if rate and float(rate) > 0 else np.zeros(n)
+    arrivals = np.cumsum(gaps)
+    if trace is None:
+        plens = sample_lengths(rng, wl["prompt_len"], n)
+        olens = sample_lengths(rng, wl["output_len"], n)
+        return [Request(i, float(arrivals[i]), rng.integers(0, vocab_size, size=int(plens[i])).tolist(), int(olens[i]))
+                for i in range(n)]
+    frac = float(wl.get("prompt_fraction", 0.5))
+    reqs = []
+    for i in range(n):
+        toks = trace.token_ids[trace.sequence_slice(i)].tolist()
+        p = min(len(toks), max(1, int(round(frac * len(toks)))))
+        reqs.append(Request(i, float(arrivals[i]), toks[:p], len(toks) - p + 1, trace_seq=i, forced=toks[p:]))
+    return reqs
+
+
+# ---------------------------------------------------------------------- schedulers
+def round_robin(requests: list[Request], world_size: int, cfg: dict) -> list[int]:
+    """Request ``i`` goes to attention-DP rank ``i mod world_size``."""
+    return [i % world_size for i in range(len(requests))]
+
+
+SCHEDULERS = {"round_robin": round_robin}
+
+
+def get_scheduler(name: str):
+    """A scheduler ``(requests, world_size, cfg) -> rank per request``: a registered name or ``module:function``."""
+    if name in SCHEDULERS:
+        return SCHEDULERS[name]
+    if ":" in name:
+        mod, fn = name.split(":", 1)
+        return getattr(importlib.import_module(mod), fn)
+    raise ValueError(f"unknown scheduler {name!r}: one of {sorted(SCHEDULERS)} or 'module:function'")
+
+
+# ---------------------------------------------------------------------- model
+def load_replay_trace(cfg: dict):
+    """The routing trace of ``router=replay`` (file or synthetic), else ``None``."""
+    if cfg["router"]["name"] != "replay":
+        return None
+    from moelayers.trace import load_trace, synthetic_trace
+
+    tc, m = cfg["trace"], cfg["model"]
+    if tc.get("path"):
+        return load_trace(tc["path"])
+    if not tc.get("synthetic", False):
+        raise ValueError("router=replay needs trace.path=FILE (or trace.synthetic=true)")
+    seq_len = tc.get("seq_len", [16, 48])
+    seq_len = tuple(int(v) for v in seq_len) if isinstance(seq_len, (list, tuple)) else int(seq_len)
+    return synthetic_trace(int(tc.get("num_sequences") or cfg["workload"]["num_requests"]), int(m["num_layers"]),
+                           int(m["num_experts"]), int(m["top_k"]), int(m["vocab_size"]), seq_len=seq_len,
+                           seed=int(cfg["seed"]))
+
+
+def fit_model_to_trace(model_cfg: dict, trace) -> tuple[dict, list[str]]:
+    """Experts and top-k from the trace; vocabulary grown to cover the trace's ``vocab_size``."""
+    m, notes = dict(model_cfg), []
+    if trace is None:
+        return m, notes
+    for key, val in (("num_experts", trace.num_experts), ("top_k", trace.top_k)):
+        if int(m[key]) != val:
+            notes.append(f"model.{key} {m[key]} -> {val} (from the trace)")
+            m[key] = val
+    if int(m["vocab_size"]) < trace.vocab_size:
+        notes.append(f"model.vocab_size {m['vocab_size']} -> {trace.vocab_size} (covers the trace)")
+        m["vocab_size"] = trace.vocab_size
+    return m, notes
+
+
+def build_model(m: dict, layer: dict, groups, device: torch.device, seed: int):
+    """TinyDecoder whose MoE slots are ``layer['cls'](MoEConfig, groups, **layer['kwargs'])``."""
+    import moelayers as ml
+    from moelayers.models import TinyConfig, TinyDecoder
+
+    dtype = DTYPES[m.get("dtype", "float32")]
+    moe_cfg = ml.MoEConfig(hidden_size=int(m["hidden_size"]), ffn_hidden_size=int(m["ffn_hidden_size"]),
+                           num_experts=int(m["num_experts"]), top_k=int(m["top_k"]),
+                           score_fn=m.get("score_fn", "softmax"), params_dtype=dtype)
+    mod, _, name = layer["cls"].rpartition(".")
+    cls = getattr(importlib.import_module(mod), name)
+    kwargs = dict(layer.get("kwargs") or {})
+
+    def factory(i: int):
+        return cls(moe_cfg, groups, device=device, seed=seed * 1000 + i, **kwargs)
+
+    tcfg = TinyConfig(vocab_size=int(m["vocab_size"]), hidden_size=int(m["hidden_size"]),
+                      num_layers=int(m["num_layers"]), num_heads=int(m["num_heads"]), dtype=dtype)
+    return TinyDecoder(tcfg, factory, device=device, seed=seed).eval()
+
+
+# ---------------------------------------------------------------------- the loop
+def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
+    """One rank of the serving loop; rank 0 returns the results dict."""
+    import moelayers as ml
+    from moelayers.metrics import merge_stats
+    from moelayers.models import StepRequest
+
+    device = device_for(dist.get_backend())
+    trace = load_replay_trace(cfg)
+    mcfg, notes = fit_model_to_trace(cfg["model"], trace)
+    groups = ml.ParallelGroups.from_world(ep=cfg["parallel"].get("ep"))
+    model = build_model(mcfg, cfg["layer"], groups, device, int(cfg["seed"]))
+    requests = make_requests(cfg, int(mcfg["vocab_size"]), trace)
+    owner = get_scheduler(cfg["scheduler"])(requests, world, cfg)
+    mine = sorted((r for r, o in zip(requests, owner) if o == rank), key=lambda r: r.arrival)
+    max_batch = int(cfg["max_batch_size"])
+    layers, num_layers = model.moe_layers, len(model.moe_layers)
+
+    def ids(tokens: list[int]) -> torch.Tensor:
+        return torch.tensor(tokens, dtype=torch.int64, device=device)
+
+    def forced_for(batch: list[tuple[Request, list[int]]]):
+        if trace is None or not batch:
+            return None
+        rows = [trace.topk_ids[trace.sequence_slice(r.trace_seq)][pos] for r, pos in batch]  # [n, L, K] each
+        topk = torch.from_numpy(np.concatenate(rows).astype(np.int64)).to(device)
+        return [topk[:, i % trace.num_layers] for i in range(num_layers)]
+
+    with torch.no_grad():  # warm-up (lazy init, allocator): one prefill and one decode, not measured
+        model.step([StepRequest("warmup", ids([0, 1, 2, 3]))])
+        model.step([StepRequest("warmup", ids([4]))])
+        model.release("warmup")
+    dist.barrier()
+
+    bar = None
+    if rank == 0 and cfg.get("progress", True):
+        from tqdm import tqdm
+        bar = tqdm(total=len(requests), desc=f"serve {cfg['layer']['name']} x{world}", unit="req", file=sys.stderr)
+    pending, waiting, running = deque(mine), deque(), []
+    acc, load_rows, step_tokens = None, [], []
+    finished, steps, out_tokens, prompt_tokens = 0, 0, 0, 0
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        while steps < int(cfg["max_steps"]):
+            now = time.perf_counter() - t0
+            while pending and pending[0].arrival <= now:
+                waiting.append(pending.popleft())
+            new = []
+            while waiting and len(running) + len(new) < max_batch:
+                new.append(waiting.popleft())
+            n_tok = len(running) + sum(len(r.prompt) for r in new)
+            vec = torch.tensor([len(pending) + len(waiting) + len(running) + len(new), n_tok, finished],
+                               dtype=torch.int64, device=device)
+            dist.all_reduce(vec)
+            remaining, global_tok, global_done = vec.tolist()
+            if bar is not None:
+                bar.update(global_done - bar.n)
+            if remaining == 0:
+                break
+            if global_tok == 0:  # nobody has work yet: wait for arrivals
+                time.sleep(min(max(pending[0].arrival - now, 0.0), 0.002) if pending else 0.001)
+                continue
+            batch = [(r, [len(r.prompt) + r.generated - 1]) for r in running]
+            batch += [(r, list(range(len(r.prompt)))) for r in new]
+            items = [StepRequest(r.rid, ids([r.next_input]) if r.generated else ids(r.prompt)) for r, _ in batch]
+            logits = model.step(items, forced_topk=forced_for(batch))
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t = time.perf_counter() - t0
+            steps += 1
+            step_tokens.append(n_tok)
+            prompt_tokens += sum(len(r.prompt) for r in new)
+            per_layer = [layer.last_stats for layer in layers]
+            acc = merge_stats(per_layer if acc is None else [acc] + per_layer)
+            load_rows.append([sum(s.pairs_sent[j] for s in per_layer) for j in range(len(per_layer[0].pairs_sent))])
+            for r, _ in batch:
+                r.token_times.append(t)
+                r.generated += 1
+                out_tokens += 1
+                if r.forced is not None:
+                    r.next_input = r.forced[r.generated - 1] if r.generated - 1 < len(r.forced) else -1
+                else:
+                    r.next_input = int(logits[r.rid].argmax())
+                if r.done:
+                    model.release(r.rid)
+                    finished += 1
+            running = [r for r, _ in batch if not r.done]
+    elapsed = time.perf_counter() - t0
+    if bar is not None:
+        bar.update(len(requests) - bar.n)
+        bar.close()
+    return _gather_results(cfg, rank, world, groups.ep_size, requests, mine, acc, load_rows, steps, out_tokens,
+                           prompt_tokens, elapsed, mcfg, notes, device)
+
+
+def _gather_results(cfg, rank, world, ep_size, requests, mine, acc, load_rows, steps, out_tokens, prompt_tokens,
+                    elapsed, mcfg, notes, device) -> dict | None:
+    """Reduce the counters over ranks; rank 0 builds the results dict."""
+    from moelayers.metrics import MoEStats, imbalance
+
+    world_group = dist.group.WORLD if world > 1 else None
+    if acc is None:  # no step ran anywhere (no requests)
+        acc = MoEStats(0, [0] * ep_size, [0] * ep_size, [0] * ep_size, 1, 0)
+    total = acc.reduce(world_group)
+    loads = torch.tensor(load_rows, dtype=torch.int64) if load_rows else torch.zeros(0, ep_size, dtype=torch.int64)
+    loads = loads.to(device)
+    counts = torch.tensor([out_tokens, prompt_tokens], dtype=torch.int64, device=device)
+    t_end = torch.tensor([elapsed], dtype=torch.float64, device=device)
+    if world > 1:
+        dist.all_reduce(loads)
+        dist.all_reduce(counts)
+        dist.all_reduce(t_end, op=dist.ReduceOp.MAX)
+    per_req = [{"id": r.rid, "rank": rank, "arrival_s": r.arrival, "prompt_len": len(r.prompt),
+                "output_len": r.generated,
+                "ttft_s": r.token_times[0] - r.arrival if r.token_times else float("nan"),
+                "tpot_s": (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1)
+                if len(r.token_times) > 1 else float("nan"),
+                "finish_s": r.token_times[-1] if r.token_times else float("nan")} for r in mine]
+    gathered = [None] * world
+    if world > 1:
+        dist.all_gather_object(gathered, per_req)
+    else:
+        gathered = [per_req]
+    if rank != 0:
+        return None
+    reqs = sorted((q for part in gathered for q in part), key=lambda q: q["id"])
+    ttft = [q["ttft_s"] for q in reqs]
+    tpot = [q["tpot_s"] for q in reqs]
+    loads = loads.cpu()
+    step_imb = [imbalance(row) for row in loads.tolist() if sum(row) > 0]
+    elapsed = float(t_end[0])
+    out_total, prompt_total = (int(v) for v in counts.cpu().tolist())
+    finite_tpot = [v for v in tpot if v == v]
+    echo = {k: v for k, v in cfg.items() if k != "run_dir"}
+    return {
+        "throughput_tok_s": out_total / elapsed if elapsed > 0 else 0.0,
+        "total_tok_s": (out_total + prompt_total) / elapsed if elapsed > 0 else 0.0,
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "ttft_mean_s": float(np.nanmean(ttft)) if reqs else float("nan"),
+        "tpot_mean_s": float(np.mean(finite_tpot)) if finite_tpot else float("nan"),
+        "tpot_p90_s": percentile(tpot, 90),
+        "lar": total.lar, "imbalance": total.imbalance,
+        "imbalance_step_mean": float(np.mean(step_imb)) if step_imb else 1.0,
+        "rank_loads": total.rank_loads, "bytes_sent": sum(total.bytes_sent), "rows_sent": sum(total.rows_sent),
+        "world_size": world, "layer": cfg["layer"]["name"], "router": cfg["router"]["name"],
+        "scheduler": cfg["scheduler"], "num_requests": len(reqs), "finished_requests": sum(
+            1 for q in reqs if q["output_len"] > 0), "output_tokens": out_total, "prompt_tokens": prompt_total,
+        "steps": steps, "elapsed_s": elapsed, "model": mcfg, "notes": notes, "config": echo,
+        "requests": reqs, "rank_load_per_step": loads.tolist(),
+    }
+
+
+# ---------------------------------------------------------------------- output
+def plot_rank_load(rank_load: list[list[int]], path: str, title: str) -> None:
+    """Line plot of activations received per rank per step (matplotlib Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = np.asarray(rank_load, dtype=np.float64).reshape(len(rank_load), -1)
+    fig, ax = plt.subplots(figsize=(8, 3.5), dpi=100)
+    for r in range(data.shape[1]):
+        ax.plot(np.arange(data.shape[0]), data[:, r], lw=1, label=f"rank {r}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("activations received")
+    ax.set_title(title)
+    if data.shape[1] <= 16:
+        ax.legend(fontsize=7, ncol=min(8, data.shape[1]))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def summarize(res: dict, out_dir: str) -> None:
+    """Print the summary table; write results.json and rank_load.png into ``out_dir``."""
+    rows = [("throughput (out tok/s)", res["throughput_tok_s"]), ("TTFT p50 (s)", res["ttft_p50_s"]),
+            ("TTFT p99 (s)", res["ttft_p99_s"]), ("TPOT mean (s)", res["tpot_mean_s"]),
+            ("TPOT p90 (s)", res["tpot_p90_s"]), ("LAR", res["lar"]), ("imbalance", res["imbalance"]),
+            ("imbalance (step mean)", res["imbalance_step_mean"]),
+            ("requests", res["num_requests"]), ("output tokens", res["output_tokens"]),
+            ("steps", res["steps"]), ("elapsed (s)", res["elapsed_s"])]
+    for note in res["notes"]:
+        print(f"note: {note}")
+    print_table(rows, title=f"serve: layer={res['layer']} router={res['router']} scheduler={res['scheduler']} "
+                            f"world={res['world_size']}")
+    path = write_json(os.path.join(out_dir, "results.json"), res)
+    print(f"results: {path}")
+    if res["config"].get("plot", True):
+        png = os.path.join(out_dir, "rank_load.png")
+        plot_rank_load(res["rank_load_per_step"], png,
+                       f"{res['layer']} ({res['router']}), world {res['world_size']}: received per step")
+        print(f"plot: {png}")
+
+
+def check_config(d: dict) -> None:
+    """Fail fast in the launching process on config mistakes (before any rank starts)."""
+    get_scheduler(d["scheduler"])
+    router = d["router"]["name"]
+    if router not in ("learned", "replay"):
+        raise ValueError(f"router must be learned or replay, got {router!r}")
+    if d["model"].get("dtype", "float32") not in DTYPES:
+        raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {d['model']['dtype']!r}")
+    if int(d["max_batch_size"]) < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {d['max_batch_size']}")
+    if router == "replay":
+        path = d["trace"].get("path")
+        if path and not os.path.isfile(path):
+            raise FileNotFoundError(f"trace.path={path} does not exist")
+        if not path and not d["trace"].get("synthetic", False):
+            raise ValueError("router=replay needs trace.path=FILE (or trace.synthetic=true)")
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    d = to_dict(cfg)
+    if d.get("trace", {}).get("path"):
+        d["trace"]["path"] = hydra.utils.to_absolute_path(d["trace"]["path"])
+    check_config(d)
+    d["run_dir"] = run_dir()
+    res = launch(d, serve_worker)
+    if res is not None:
+        summarize(res, d["run_dir"])
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""recipes/bench.py end to end on CPU: 2 gloo processes, the cpu_smoke shape, one JSON per size."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+KEYS = ("device_name", "world_size", "layer", "shape", "tokens_per_rank", "ms", "peer", "peer_ms", "ratio",
+        "date", "command", "dtype", "iters", "torch", "triton")
+
+
+def run_bench(tmp_path: Path, *overrides: str, shape: str = "cpu_smoke") -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None), env.pop("RANK", None), env.pop("LOCAL_RANK", None)  # not a torchrun child
+    cmd = [sys.executable, str(ROOT / "recipes" / "bench.py"), f"bench={shape}", "parallel.world_size=2",
+           f"hydra.run.dir={tmp_path / 'run'}", *overrides]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.timeout(90)
+def test_bench_cpu_smoke_writes_json(tmp_path):
+    proc = run_bench(tmp_path, f"bench.save_to={tmp_path / 'saved'}")
+    assert proc.returncode == 0, f"bench failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    files = sorted((tmp_path / "run").glob("vanilla_cpu_smoke_t*_ws2_*.json"))
+    assert len(files) == 2, f"expected one JSON per tokens_per_rank (2), got {[f.name for f in files]}"
+    saved = sorted(p.name for p in (tmp_path / "saved").glob("*.json"))
+    assert saved == [f.name for f in files]
+    tokens = set()
+    for f in files:
+        rec = json.loads(f.read_text())
+        missing = [k for k in KEYS if k not in rec]
+        assert not missing, f"{f.name} lacks {missing}"
+        assert rec["ms"] > 0
+        assert rec["peer"] is None and rec["peer_ms"] is None and rec["ratio"] is None  # no megatron peer on CPU
+        assert rec["world_size"] == 2 and rec["layer"] == "vanilla" and rec["dtype"] == "float32"
+        assert rec["shape"] == {"H": 64, "E": 8, "K": 2, "F": 32}
+        assert "bench=cpu_smoke" in rec["command"]
+        assert rec["check"]["reference"]["ok"]
+        assert f.name == f"vanilla_cpu_smoke_t{rec['tokens_per_rank']}_ws2_{f.name.split('_ws2_')[1]}"
+        tokens.add(rec["tokens_per_rank"])
+    assert tokens == {16, 64}
+    assert "ours ms" in proc.stdout  # the table
+
+
+@pytest.mark.timeout(90)
+def test_bench_refuses_large_shape_on_cpu(tmp_path):
+    proc = run_bench(tmp_path, shape="qwen3_30b_a3b")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "no CUDA device" in out and "bench=cpu_smoke" in out
+    assert not list((tmp_path / "run").glob("*.json"))

@@ -1,0 +1,360 @@
+"""Routing traces: npz format, validation, atomic I/O, recorder, synthetic generator, calibration."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from moelayers import trace_synthetic as ts
+from moelayers.trace import RoutingTrace, TraceRecorder, load_trace, save_trace, synthetic_trace, trace_statistics
+
+REPO = Path(__file__).resolve().parents[2]
+REAL_COUNTS = REPO.parent / "shared" / "traces" / "olmoe_mixtral_counts"
+
+
+def small_arrays(weights: bool = True) -> dict:
+    """A valid 3-sequence trace: T=7, L=2, K=2, E=4, vocab 10."""
+    rng = np.random.default_rng(0)
+    ids = np.stack([np.stack([rng.permutation(4)[:2] for _ in range(2)]) for _ in range(7)]).astype(np.int64)
+    out = dict(
+        topk_ids=ids,
+        token_ids=np.array([1, 2, 3, 1, 9, 0, 2], dtype=np.int64),
+        seq_offsets=np.array([0, 3, 3, 7], dtype=np.int64),
+        num_experts=4,
+        vocab_size=10,
+    )
+    if weights:
+        out["topk_weights"] = rng.random((7, 2, 2)).astype(np.float32)
+    return out
+
+
+def assert_same(a: RoutingTrace, b: RoutingTrace) -> None:
+    for name in ("topk_ids", "token_ids", "seq_offsets"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+        assert getattr(a, name).dtype == getattr(b, name).dtype
+    assert (a.num_experts, a.vocab_size) == (b.num_experts, b.vocab_size)
+    if a.topk_weights is None:
+        assert b.topk_weights is None
+    else:
+        np.testing.assert_array_equal(a.topk_weights, b.topk_weights)
+
+
+# ---- format and I/O ----------------------------------------------------------------------------
+def test_round_trip(tmp_path: Path) -> None:
+    trace = RoutingTrace(**small_arrays())
+    path = tmp_path / "t.npz"
+    save_trace(trace, path)
+    assert_same(trace, load_trace(path))
+    with np.load(path, allow_pickle=False) as raw:
+        assert set(raw.files) == {"topk_ids", "token_ids", "seq_offsets", "num_experts", "topk_weights", "vocab_size"}
+        assert raw["num_experts"].ndim == 0 and raw["token_ids"].dtype == np.int64
+    assert os.listdir(tmp_path) == ["t.npz"]
+
+
+def test_round_trip_without_optional_keys(tmp_path: Path) -> None:
+    arrays = small_arrays(weights=False)
+    del arrays["vocab_size"]
+    path = tmp_path / "raw.npz"
+    np.savez(path, **arrays)
+    trace = load_trace(path)
+    assert trace.topk_weights is None and trace.vocab_size == 10  # max id + 1
+    save_trace(trace, tmp_path / "again.npz", compress=True)
+    assert_same(trace, load_trace(tmp_path / "again.npz"))
+
+
+def test_properties() -> None:
+    trace = RoutingTrace(**small_arrays())
+    assert (trace.num_tokens, trace.num_layers, trace.top_k, trace.num_sequences) == (7, 2, 2, 3)
+    np.testing.assert_array_equal(trace.seq_lengths, [3, 0, 4])
+    counts = trace.expert_counts()
+    assert counts.shape == (2, 4) and (counts.sum(1) == 7 * 2).all()
+    expected = np.stack([np.bincount(trace.topk_ids[:, l].ravel(), minlength=4) for l in range(2)])
+    np.testing.assert_array_equal(counts, expected)
+
+
+BAD = {
+    "ids above E": (lambda a: a["topk_ids"].__setitem__((0, 0, 0), 70), ValueError, "'topk_ids'.*out of range \\[0, 4\\): found 70"),
+    "negative id": (lambda a: a["topk_ids"].__setitem__((1, 1, 1), -1), ValueError, "'topk_ids'.*found -1"),
+    "float ids": (lambda a: a.update(topk_ids=a["topk_ids"].astype(np.float32)), TypeError, "'topk_ids'.*integer"),
+    "ids 2-D": (lambda a: a.update(topk_ids=a["topk_ids"][:, 0]), ValueError, "'topk_ids'.*3 dimension"),
+    "K > E": (lambda a: a.update(num_experts=1, topk_ids=np.zeros((7, 2, 2), np.int64)), ValueError, "'topk_ids'.*more than num_experts"),
+    "no layers": (lambda a: a.update(topk_ids=np.zeros((7, 0, 2), np.int64), topk_weights=None), ValueError, "'topk_ids'.*L >= 1"),
+    "no tokens": (lambda a: a.update(topk_ids=np.zeros((0, 2, 2), np.int64)), ValueError, "'topk_ids'.*no tokens"),
+    "num_experts float": (lambda a: a.update(num_experts=4.0), TypeError, "'num_experts'"),
+    "num_experts zero": (lambda a: a.update(num_experts=0), ValueError, "'num_experts'"),
+    "token length": (lambda a: a.update(token_ids=a["token_ids"][:6]), ValueError, "'token_ids'.*6 tokens"),
+    "token float": (lambda a: a.update(token_ids=a["token_ids"].astype(np.float64)), TypeError, "'token_ids'"),
+    "token >= vocab": (lambda a: a.update(vocab_size=9), ValueError, "'token_ids'.*found 9"),
+    "token negative": (lambda a: a["token_ids"].__setitem__(0, -3), ValueError, "'token_ids'.*found -3"),
+    "vocab zero": (lambda a: a.update(vocab_size=0), ValueError, "'vocab_size'"),
+    "offsets start": (lambda a: a.update(seq_offsets=np.array([1, 3, 7])), ValueError, "'seq_offsets'.*start at 0"),
+    "offsets end": (lambda a: a.update(seq_offsets=np.array([0, 3, 6])), ValueError, "'seq_offsets'.*end at T = 7"),
+    "offsets decrease": (lambda a: a.update(seq_offsets=np.array([0, 4, 3, 7])), ValueError, "'seq_offsets'.*non-decreasing"),
+    "offsets short": (lambda a: a.update(seq_offsets=np.array([0])), ValueError, "'seq_offsets'"),
+    "offsets float": (lambda a: a.update(seq_offsets=np.array([0.0, 3.0, 7.0])), TypeError, "'seq_offsets'"),
+    "weights shape": (lambda a: a.update(topk_weights=np.ones((7, 2, 3), np.float32)), ValueError, "'topk_weights'.*shape"),
+    "weights nan": (lambda a: a["topk_weights"].__setitem__((0, 0, 0), np.nan), ValueError, "'topk_weights'.*non-finite"),
+    "weights int": (lambda a: a.update(topk_weights=np.ones((7, 2, 2), np.int64)), TypeError, "'topk_weights'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_validation_in_memory(case: str) -> None:
+    mutate, exc, pattern = BAD[case]
+    arrays = small_arrays()
+    mutate(arrays)
+    with pytest.raises(exc, match="<memory>: field " + pattern):
+        RoutingTrace(**arrays)
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_validation_on_save_writes_nothing(case: str, tmp_path: Path) -> None:
+    mutate, exc, pattern = BAD[case]
+    trace = RoutingTrace(**small_arrays())
+    arrays = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in trace.to_arrays().items()}
+    arrays["num_experts"], arrays["vocab_size"] = trace.num_experts, trace.vocab_size
+    mutate(arrays)
+    for name, value in arrays.items():  # corrupt the trace after construction
+        setattr(trace, name, value)
+    path = tmp_path / "bad.npz"
+    with pytest.raises(exc, match="bad.npz: field " + pattern):
+        save_trace(trace, path)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_validation_on_load_names_the_file(case: str, tmp_path: Path) -> None:
+    mutate, exc, pattern = BAD[case]
+    arrays = small_arrays()
+    mutate(arrays)
+    path = tmp_path / "bad.npz"
+    np.savez(path, **{k: v for k, v in arrays.items() if v is not None})
+    with pytest.raises(exc, match=f"{path}: field " + pattern):
+        load_trace(path)
+
+
+def test_load_key_errors(tmp_path: Path) -> None:
+    arrays = small_arrays()
+    missing = {k: v for k, v in arrays.items() if k != "seq_offsets"}
+    np.savez(tmp_path / "missing.npz", **missing)
+    with pytest.raises(ValueError, match=r"missing.npz: missing key\(s\) \['seq_offsets'\]"):
+        load_trace(tmp_path / "missing.npz")
+    np.savez(tmp_path / "unknown.npz", **arrays, extra=np.zeros(3))
+    with pytest.raises(ValueError, match=r"unknown.npz: .*unknown key\(s\) \['extra'\]"):
+        load_trace(tmp_path / "unknown.npz")
+
+
+def test_load_missing_and_garbage_files(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="nope.npz"):
+        load_trace(tmp_path / "nope.npz")
+    (tmp_path / "garbage.npz").write_bytes(b"not a zip file at all")
+    with pytest.raises(ValueError, match="garbage.npz"):
+        load_trace(tmp_path / "garbage.npz")
+    np.save(tmp_path / "plain.npy", np.zeros(3))
+    with pytest.raises(ValueError, match="plain.npy: not an npz"):
+        load_trace(tmp_path / "plain.npy")
+
+
+def test_atomic_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "t.npz"
+    old = RoutingTrace(**small_arrays())
+    save_trace(old, path)
+    before = path.read_bytes()
+
+    def broken_savez(file, **arrays):
+        file.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(np, "savez", broken_savez)
+    new = RoutingTrace(**small_arrays(weights=False))
+    with pytest.raises(OSError, match="disk full"):
+        save_trace(new, path)
+    assert os.listdir(tmp_path) == ["t.npz"] and path.read_bytes() == before
+    monkeypatch.undo()
+    save_trace(new, path)  # replaces
+    assert os.listdir(tmp_path) == ["t.npz"]
+    assert load_trace(path).topk_weights is None
+    with pytest.raises(FileNotFoundError, match="no_dir"):
+        save_trace(new, tmp_path / "no_dir" / "t.npz")
+
+
+# ---- selection ---------------------------------------------------------------------------------
+def test_select_sequence_split_steps() -> None:
+    trace = RoutingTrace(**small_arrays())
+    sub = trace.select_sequences([2, 0])
+    np.testing.assert_array_equal(sub.seq_offsets, [0, 4, 7])
+    np.testing.assert_array_equal(sub.token_ids, np.r_[trace.token_ids[3:7], trace.token_ids[0:3]])
+    np.testing.assert_array_equal(sub.topk_ids, np.concatenate([trace.topk_ids[3:7], trace.topk_ids[0:3]]))
+    np.testing.assert_array_equal(sub.topk_weights, np.concatenate([trace.topk_weights[3:7], trace.topk_weights[0:3]]))
+    assert sub.vocab_size == 10 and sub.num_experts == 4
+
+    seq = trace.sequence(-1)
+    assert seq.num_sequences == 1 and seq.num_tokens == 4
+    assert trace.sequence_slice(0) == slice(0, 3)
+    with pytest.raises(IndexError):
+        trace.sequence(3)
+    with pytest.raises(IndexError):
+        trace.select_sequences([5])
+    with pytest.raises(ValueError, match="only empty sequences"):
+        trace.select_sequences([1])
+
+    train, held = trace.split(0.5)  # floor(1.5) = 1 sequence
+    assert (train.num_sequences, held.num_sequences) == (1, 2)
+    assert_same(train, trace.select_sequences([0]))
+    with pytest.raises(ValueError, match="empty part"):
+        trace.split(0.2)  # floor(0.6) = 0
+    with pytest.raises(ValueError):
+        trace.split(1.0)
+
+    steps = trace.steps(3)
+    assert steps == [slice(0, 3), slice(3, 6), slice(6, 7)]
+    with pytest.raises(ValueError):
+        trace.steps(0)
+
+
+def test_split_fraction_rounding() -> None:
+    arrays = dict(topk_ids=np.zeros((100, 1, 1), np.int64), token_ids=np.zeros(100, np.int64),
+                  seq_offsets=np.arange(101, dtype=np.int64), num_experts=2)
+    train, held = RoutingTrace(**arrays).split(0.29)
+    assert (train.num_sequences, held.num_sequences) == (29, 71)
+
+
+# ---- recorder ----------------------------------------------------------------------------------
+class FakeMoE(nn.Module):
+    """Stands in for a moelayers layer: routes token t to experts (t * (salt + 1) + k) % E."""
+
+    moe_layer_marker = True
+
+    def __init__(self, num_experts: int, top_k: int, salt: int, with_config: bool = True) -> None:
+        super().__init__()
+        if with_config:
+            self.config = SimpleNamespace(num_experts=num_experts)
+        self.num_experts, self.top_k, self.salt = num_experts, top_k, salt
+        self.drop, self.hide_tokens = 0, False  # fault injection
+        self.last_topk_ids = self.last_token_ids = None
+
+    def route(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return (token_ids[:, None] * (self.salt + 1) + torch.arange(self.top_k)) % self.num_experts
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        ids = self.route(token_ids)
+        self.last_topk_ids = ids[: ids.shape[0] - self.drop]
+        self.last_token_ids = None if self.hide_tokens else token_ids
+        return x + 1
+
+
+class FakeModel(nn.Module):
+    def __init__(self, with_config: bool = True) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 4)
+        self.moe_a = FakeMoE(8, 2, salt=1, with_config=with_config)
+        self.mlp = nn.Linear(4, 4)
+        self.moe_b = FakeMoE(8, 2, salt=2, with_config=with_config)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(token_ids)
+        x = self.moe_a(x, token_ids=token_ids)
+        return self.moe_b(self.mlp(x), token_ids=token_ids)
+
+
+def expected_ids(model: FakeModel, tokens: list[int]) -> np.ndarray:
+    t = torch.tensor(tokens)
+    return torch.stack([model.moe_a.route(t), model.moe_b.route(t)], dim=1).numpy()
+
+
+def test_recorder_untagged_and_tagged() -> None:
+    model = FakeModel()
+    with TraceRecorder(model, vocab_size=50) as rec:
+        model(torch.tensor([5, 6, 7]))  # untagged: sequence 0
+        rec.tag(["a", "a", "b"])
+        model(torch.tensor([10, 11, 20]))
+        rec.tag(torch.tensor([7, 7]))  # tensor keys
+        model(torch.tensor([30, 31]))
+        rec.tag(["b", "a"])
+        model(torch.tensor([21, 12]))
+        model(torch.tensor([40]))  # untagged: its own sequence
+        snapshot = rec.trace()
+    trace = rec.result
+    assert_same(snapshot, trace)
+    tokens = [5, 6, 7, 10, 11, 12, 20, 21, 30, 31, 40]  # sequences by first appearance: untagged, a, b, 7, untagged
+    np.testing.assert_array_equal(trace.token_ids, tokens)
+    np.testing.assert_array_equal(trace.seq_offsets, [0, 3, 6, 8, 10, 11])
+    np.testing.assert_array_equal(trace.topk_ids, expected_ids(model, tokens))
+    assert trace.num_experts == 8 and trace.vocab_size == 50 and trace.topk_ids.dtype == np.int64
+    assert no_hooks(model)
+
+
+def test_recorder_removes_hooks_on_exception() -> None:
+    model = FakeModel()
+    with pytest.raises(KeyError):
+        with TraceRecorder(model):
+            model(torch.tensor([1, 2]))
+            raise KeyError("boom")
+    assert no_hooks(model)
+    model(torch.tensor([1, 2]))  # still usable, nothing recorded
+
+
+def no_hooks(model: nn.Module) -> bool:
+    return all(not m._forward_hooks for m in model.modules())
+
+
+def test_recorder_errors() -> None:
+    model = FakeModel()
+    model.moe_b.drop = 1
+    with pytest.raises(ValueError, match="same tokens"):
+        with TraceRecorder(model):
+            model(torch.tensor([1, 2, 3]))
+    model.moe_b.drop = 0
+    assert no_hooks(model)
+    with pytest.raises(ValueError, match="2 sequence keys but forward 0 had T = 3"):
+        with TraceRecorder(model) as rec:
+            rec.tag([0, 1])
+            model(torch.tensor([1, 2, 3]))
+    with pytest.raises(RuntimeError, match="ran when layer 0 was expected"):
+        with TraceRecorder(model):
+            model.moe_b(torch.zeros(1, 4), token_ids=torch.tensor([1]))  # layer 1 alone
+    with pytest.raises(ValueError, match="no MoE layers"):
+        with TraceRecorder(nn.Linear(2, 2)):
+            pass
+    with TraceRecorder(model) as rec:
+        with pytest.raises(RuntimeError, match="after the with-block"):
+            rec.result
+        with pytest.raises(ValueError, match="no model forward"):
+            rec.trace()
+        rec.tag([1])
+        with pytest.raises(RuntimeError, match="twice"):
+            rec.tag([1])
+    with pytest.raises(RuntimeError, match="records once"):
+        with rec:
+            pass
+    model.moe_a.hide_tokens = model.moe_b.hide_tokens = True
+    with pytest.raises(ValueError, match="no token ids"):
+        with TraceRecorder(model):
+            model(torch.tensor([1, 2]))
+    assert no_hooks(model)
+
+
+def test_recorder_token_ids_from_any_layer() -> None:
+    model = FakeModel()
+    model.moe_a.hide_tokens = True
+    with TraceRecorder(model) as rec:
+        model(torch.tensor([4, 3]))
+    np.testing.assert_array_equal(rec.result.token_ids, [4, 3])
+
+
+def test_recorder_num_experts_sources() -> None:
+    model = FakeModel(with_config=False)
+    with TraceRecorder(model) as rec:
+        model(torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="num_experts unknown"):
+        rec.result
+    with TraceRecorder(model, num_experts=8) as rec:
+        model(torch.tensor([1, 2]))
+    assert rec.result.num_experts == 8 and rec.result.vocab_size == 3

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device-machine session: the GPU test suite, then recipes/bench.py at both shapes, eager and
+# CUDA-graph modes, against megatron-core's MoELayer. Logs and a tarball of the bench JSON go to $OUT
+# (at most a handful of files, as the device tool brings back).
+#   OUT=/tmp/out bash tools/gpu_session.sh            # all GPUs
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$PWD"
+fi
+OUT="${OUT:-$PWD/outputs/gpu_session}"; mkdir -p "$OUT"
+NGPU="${NGPU:-$(python3 -c 'import torch; print(torch.cuda.device_count())')}"
+{ nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+  python3 -c 'import megatron.core as m; print("megatron-core", m.__version__)'; } > "$OUT/env.txt" 2>&1
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  timeout -s KILL "${TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider tests/gpu -rs > "$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests rc=$?" >> "$OUT/gpu_tests.log"
+fi
+for shape in ${SHAPES:-qwen3_30b_a3b deepseek_v2_lite}; do
+  for graph in ${MODES:-false true}; do
+    echo "== bench=$shape cuda_graph=$graph ws=$NGPU" >> "$OUT/bench.log"
+    timeout -s KILL "${BENCH_TIMEOUT:-240}" torchrun --standalone --nproc_per_node="$NGPU" recipes/bench.py \
+      parallel=gpu bench="$shape" bench.cuda_graph="$graph" bench.save_to=docs/benchmarks \
+      hydra.run.dir="/tmp/runs/${shape}_${graph}" "$@" 2>&1 | grep -vE "Warning|warnings.warn|W1122|^\s*$" >> "$OUT/bench.log"
+    echo "rc=${PIPESTATUS[0]}" >> "$OUT/bench.log"
+  done
+done
+tar czf "$OUT/bench_json.tgz" docs/benchmarks/*.json 2>/dev/null || true
+tail -n 60 "$OUT/bench.log"; tail -n 15 "$OUT/gpu_tests.log" 2>/dev/null
