@@ -35,18 +35,27 @@ __all__ = [
     "default_layer_pairs",
 ]
 
-# ---- calibration targets: real statistics (tools/calibrate_trace.py) ---------------------------
-# OLMoE-1B-7B, 64 experts, top-8; mean over the 4 domains with eid2token (arxiv, book, github,
-# wikipedia) resp. all 5 domains for expert_counts / crosslayer_counts. Layers 0, 7, 15 of 16.
-TARGET_ZIPF_EXPONENT = 0.0  # token frequency rank exponent (LS fit over tokens seen >= 5 times)
-TARGET_TOP_TOKEN_SHARE = 0.0  # share of the most frequent token
-TARGET_DISTINCT_TOKENS = 0  # distinct token ids per 208,896-token domain
-TARGET_TOKEN_RECALL = (0.0, 0.0, 0.0)  # in-sample token id -> top-k table recall, layers 0/7/15
-TARGET_FREQUENT_RECALL = (0.0, 0.0, 0.0)  # same, tokens seen >= 100 times only
-TARGET_CROSS_DOMAIN_RECALL = (0.0, 0.0, 0.0)  # frequent tokens, table from the other domains
-TARGET_CROSSLAYER_NMI = (0.0, 0.0)  # rank-aligned NMI of experts, layer pairs (0, 7), (7, 15)
-TARGET_LOAD_MAX_MEAN = (0.0, 0.0, 0.0)  # max / mean of expert_counts, layers 0/7/15
-TARGET_LOAD_CV = (0.0, 0.0, 0.0)  # coefficient of variation of expert_counts, layers 0/7/15
+# ---- calibration targets: real statistics (printed by tools/calibrate_trace.py) ----------------
+# OLMoE-1B-7B (64 experts, top-8), layers 0/7/15 of 16. Mean over the 4 domains with eid2token
+# (arxiv, book, github, wikipedia) for token statistics, over all 5 domains for expert_counts and
+# crosslayer_counts. A "domain" is 102 x 2048 = 208,896 tokens.
+TARGET_ZIPF_EXPONENT = 1.0988  # token frequency rank exponent (LS fit over tokens seen >= 5 times)
+TARGET_TOP_TOKEN_SHARE = 0.0487  # share of the most frequent token id
+TARGET_DISTINCT_TOKENS = 11537  # distinct token ids per domain
+TARGET_PAIR_UNION_RATIO = 1.6725  # distinct ids of two domains together / mean of one (mean over pairs)
+TARGET_TOKEN_RECALL = (0.5829, 0.7031, 0.7435)  # in-sample token id -> top-k table recall, layers 0/7/15
+TARGET_FREQUENT_RECALL = (0.5290, 0.6738, 0.7213)  # same, tokens seen >= 100 times in the domain
+TARGET_CROSS_DOMAIN_RECALL = (0.2885, 0.4093, 0.4060)  # frequent tokens, table of another domain
+TARGET_CROSSLAYER_NMI = (0.0314, 0.0688)  # rank-aligned NMI of experts, layer pairs (0, 7), (7, 15)
+TARGET_LOAD_MAX_MEAN = (5.1293, 5.1870, 4.4163)  # max / mean of expert_counts, layers 0/7/15
+TARGET_LOAD_CV = (0.6790, 0.9781, 1.0059)  # std / mean of expert_counts, layers 0/7/15
+# Mixtral-8x7B (8 experts, top-2), layers 0/7/15 of 32, all 5 domains: for reference only.
+MIXTRAL_TOKEN_RECALL = (0.6227, 0.6132, 0.6555)
+MIXTRAL_FREQUENT_RECALL = (0.6075, 0.5502, 0.6219)
+MIXTRAL_CROSS_DOMAIN_RECALL = (0.5147, 0.3951, 0.4929)
+MIXTRAL_CROSSLAYER_NMI = (0.0120, 0.0228)
+MIXTRAL_LOAD_MAX_MEAN = (1.1964, 1.1339, 1.2217)
+MIXTRAL_LOAD_CV = (0.1115, 0.0785, 0.1957)
 
 # ---- generator defaults: fitted so that synthetic statistics match the targets ------------------
 NUM_TOPICS = 4  # topics (~ text domains) per trace
@@ -55,11 +64,10 @@ ZIPF_OFFSET = 3.3  # Zipf-Mandelbrot rank offset (flattens the head)
 ACTIVE_VOCAB = 13464  # token ids a topic draws from (capped at vocab_size)
 TOPIC_VOCAB_JITTER = 2.08  # std of the per-topic log-rank jitter
 EXPERT_SKEW = 0.5  # std of the per-expert logit bias
-TOKEN_SCALE = 2.0  # std of the per-token logits
-TOPIC_SCALE = 1.0  # std of the per-topic logits
+TOKEN_SCALE = 1.3  # std of the per-token logits
+TOPIC_SCALE = 1.5  # std of the per-topic logits
 CROSSLAYER_CARRY = 0.5  # weight of the previous layer's (relabelled) scores
-NUM_CLUSTERS = 256  # token clusters (tokens of a cluster share expert preferences)
-CLUSTER_SCALE = 0.0  # std of the per-cluster logits
+CLUSTER_SCALE = 1.0  # std of the per-cluster logits
 SEQUENCE_SCALE = 0.0  # std of the per-sequence logits
 CONTEXT_TAIL = 1.0  # topic/sequence logits ~ Exp(1) ** CONTEXT_TAIL
 LOGIT_TAIL = 3.0  # token/topic logits ~ Exp(1) ** LOGIT_TAIL: a few strongly preferred experts
@@ -320,7 +328,7 @@ def synthetic_trace(
     token_scale: float | Sequence[float] = TOKEN_SCALE,
     topic_scale: float | Sequence[float] = TOPIC_SCALE,
     sequence_scale: float | Sequence[float] = SEQUENCE_SCALE,
-    num_clusters: int = NUM_CLUSTERS,
+    num_clusters: int | None = None,
     cluster_scale: float | Sequence[float] = CLUSTER_SCALE,
     crosslayer_carry: float | Sequence[float] = CROSSLAYER_CARRY,
     logit_tail: float = LOGIT_TAIL,
@@ -358,8 +366,9 @@ def synthetic_trace(
         score first, and ``vocab_size`` set.
     """
     _check_generator_args(num_sequences, num_layers, num_experts, top_k, vocab_size)
-    if isinstance(num_topics, bool) or not isinstance(num_topics, (int, np.integer)) or num_topics < 1:
-        raise ValueError(f"synthetic_trace: num_topics must be a positive int, got {num_topics!r}")
+    for name, value in (("num_topics", num_topics), ("num_clusters", 1 if num_clusters is None else num_clusters)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"synthetic_trace: {name} must be a positive int, got {value!r}")
     knobs = {name: _depth_values(value, num_layers, name) for name, value in (
         ("expert_skew", expert_skew), ("token_scale", token_scale),
         ("topic_scale", topic_scale), ("sequence_scale", sequence_scale), ("cluster_scale", cluster_scale), ("crosslayer_carry", crosslayer_carry))}
@@ -380,6 +389,7 @@ def synthetic_trace(
     token_topic = seq_topic[token_seq]
     token_ids = _sample_tokens(rng, token_topic, num_topics, vocab_size, zipf_exponent, zipf_offset, active_vocab, topic_vocab_jitter)
     _, token_row = np.unique(token_ids, return_inverse=True)
+    num_clusters = num_experts if num_clusters is None else num_clusters
     token_cluster = rng.integers(0, num_clusters, size=int(token_row.max()) + 1)  # per distinct token id
     num_t, num_e, num_u = token_ids.size, num_experts, int(token_row.max()) + 1
 
@@ -395,18 +405,19 @@ def synthetic_trace(
         topic_logits = _heavy_tailed(rng, (num_topics, num_e), context_tail) * np.float32(knobs["topic_scale"][layer])
         seq_logits = _heavy_tailed(rng, (num_sequences, num_e), context_tail) * np.float32(knobs["sequence_scale"][layer])
         bias = rng.standard_normal(num_e).astype(np.float32) * np.float32(knobs["expert_skew"][layer])
-        relabel = rng.permutation(num_e)
+        labels = rng.permutation(num_e)  # expert ids of this layer's score columns
 
         seq_logits += topic_logits[seq_topic]
         seq_logits += bias
         logits = np.take(tok_logits, token_row, axis=0)
         logits += np.take(seq_logits, token_seq, axis=0)
-        if scores is not None:  # the previous layer's scores, experts relabelled, carried over
-            logits += np.float32(knobs["crosslayer_carry"][layer]) * scores[:, relabel]
+        if scores is not None:  # the previous layer's scores carry over, column by column
+            scores *= np.float32(knobs["crosslayer_carry"][layer])
+            logits += scores
         logits += _gumbel(rng, logits.shape)
         scores = logits
         chosen = _topk_desc(scores, top_k)
-        topk_ids[:, layer, :] = chosen
+        topk_ids[:, layer, :] = labels[chosen]
         if topk_weights is not None:
             w = np.take_along_axis(scores, chosen, axis=1)
             w = np.exp(w - w[:, :1])

@@ -358,3 +358,122 @@ def test_recorder_num_experts_sources() -> None:
     with TraceRecorder(model, num_experts=8) as rec:
         model(torch.tensor([1, 2]))
     assert rec.result.num_experts == 8 and rec.result.vocab_size == 3
+
+
+# ---- statistics --------------------------------------------------------------------------------
+def test_count_statistics() -> None:
+    counts = np.round(1e6 * np.arange(1, 201) ** -1.2)
+    assert ts.rank_frequency_exponent(counts) == pytest.approx(1.2, abs=1e-3)
+    assert np.isnan(ts.rank_frequency_exponent(np.array([9, 8, 7])))
+    table = np.array([[5, 3, 0, 2], [0, 1, 4, 0]])
+    assert ts.table_recall(table, 2) == pytest.approx((8 + 5) / 15)
+    assert ts.cross_table_recall(table, np.array([[0, 1, 6, 3], [1, 0, 0, 3]]), 2) == pytest.approx(1 / 14)
+    assert ts.normalized_mutual_information(np.eye(4)) == pytest.approx(1.0)
+    assert ts.normalized_mutual_information(np.ones((4, 4))) == pytest.approx(0.0, abs=1e-12)
+    assert ts.load_skew(np.array([1, 1, 1, 5])) == pytest.approx((2.5, np.std([1, 1, 1, 5]) / 2))
+
+
+def test_trace_statistics_of_a_deterministic_router() -> None:
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 50, size=20000)
+    ids = np.stack([(tokens[:, None] + np.arange(2)) % 16, (3 * tokens[:, None] + np.arange(2)) % 16], axis=1)
+    trace = RoutingTrace(ids, tokens, np.array([0, 20000]), 16)
+    st = trace_statistics(trace)
+    np.testing.assert_allclose(st["token_topk_recall"], 1.0)
+    np.testing.assert_allclose(st["frequent_token_recall"], 1.0)
+    assert st["layer_pairs"] == [(0, 1)] and 0.5 < st["crosslayer_nmi"][0] <= 1.0
+    assert st["distinct_tokens"] == 50 and st["load_max_mean"].shape == (2,)
+    assert ts.default_layer_pairs(16) == [(0, 7), (7, 15)] and ts.reference_layers(16) == [0, 7, 15]
+    assert ts.default_layer_pairs(1) == []
+
+
+# ---- synthetic traces --------------------------------------------------------------------------
+def test_synthetic_is_valid_and_deterministic() -> None:
+    kw = dict(num_sequences=12, num_layers=5, num_experts=16, top_k=3, vocab_size=500, seq_len=(5, 40))
+    a = synthetic_trace(**kw, seed=3, with_weights=True)
+    assert_same(a, synthetic_trace(**kw, seed=3, with_weights=True))
+    assert not np.array_equal(a.topk_ids, synthetic_trace(**kw, seed=4).topk_ids)
+    assert a.num_sequences == 12 and a.num_layers == 5 and a.top_k == 3 and a.vocab_size == 500
+    assert ((a.seq_lengths >= 5) & (a.seq_lengths <= 40)).all()
+    assert a.topk_ids.dtype == np.int16
+    srt = np.sort(a.topk_ids, axis=2)
+    assert (np.diff(srt, axis=2) > 0).all()  # K distinct experts per token and layer
+    w = a.topk_weights
+    np.testing.assert_allclose(w.sum(axis=2), 1.0, rtol=1e-5)
+    assert (np.diff(w, axis=2) <= 1e-7).all()  # highest score first
+    fixed = synthetic_trace(3, 2, 8, 2, 100, seq_len=7, seed=0)
+    np.testing.assert_array_equal(fixed.seq_offsets, [0, 7, 14, 21])
+
+
+def test_synthetic_scales_to_large_models() -> None:
+    trace = synthetic_trace(4, 48, 128, 8, 150_000, seq_len=1000, seed=0)
+    assert trace.topk_ids.shape == (4000, 48, 8) and int(trace.topk_ids.max()) < 128
+    assert int(trace.token_ids.max()) < 150_000
+
+
+def test_synthetic_rejects_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="top_k"):
+        synthetic_trace(2, 2, 4, 5, 100)
+    with pytest.raises(ValueError, match="seq_len"):
+        synthetic_trace(2, 2, 4, 2, 100, seq_len=(10, 5))
+    with pytest.raises(ValueError, match="crosslayer_carry"):
+        synthetic_trace(2, 2, 4, 2, 100, crosslayer_carry=1.0)
+    with pytest.raises(ValueError, match="token_scale"):
+        synthetic_trace(2, 2, 4, 2, 100, token_scale=(1.0, 2.0))
+    with pytest.raises(ValueError, match="num_experts"):
+        synthetic_trace(2, 2, ts.MAX_EXPERTS + 1, 2, 100)
+
+
+def test_synthetic_heldout_is_harder_than_in_sample() -> None:
+    trace = synthetic_trace(32, 3, 32, 4, 5000, seq_len=1024, seed=5)
+    train, held = trace.split(0.5)
+    for layer in range(3):
+        tr_tok, tr_table = ts.token_expert_table(train, layer)
+        he_tok, he_table = ts.token_expert_table(held, layer)
+        common, i_tr, i_he = np.intersect1d(tr_tok, he_tok, return_indices=True)
+        in_sample = ts.table_recall(he_table[i_he], 4)
+        heldout = ts.cross_table_recall(tr_table[i_tr], he_table[i_he], 4)
+        assert heldout < in_sample - 0.03, (layer, heldout, in_sample)
+
+
+def test_synthetic_matches_calibration_targets() -> None:
+    """One topic of 102 x 2048 tokens with OLMoE's shape is one 'domain' of the real data."""
+    trace = synthetic_trace(102, 16, 64, 8, 50280, seq_len=2048, seed=11, num_topics=1)
+    st = trace_statistics(trace)
+    layers = ts.reference_layers(16)
+    assert st["zipf_exponent"] == pytest.approx(ts.TARGET_ZIPF_EXPONENT, abs=0.1)
+    assert st["top_token_share"] == pytest.approx(ts.TARGET_TOP_TOKEN_SHARE, abs=0.02)
+    assert st["distinct_tokens"] == pytest.approx(ts.TARGET_DISTINCT_TOKENS, rel=0.2)
+    np.testing.assert_allclose(st["token_topk_recall"][layers], ts.TARGET_TOKEN_RECALL, atol=0.1)
+    np.testing.assert_allclose(st["frequent_token_recall"][layers], ts.TARGET_FREQUENT_RECALL, atol=0.1)
+    np.testing.assert_allclose(st["crosslayer_nmi"], ts.TARGET_CROSSLAYER_NMI, atol=0.02)
+    np.testing.assert_allclose(np.log(st["load_cv"][layers]), np.log(ts.TARGET_LOAD_CV), atol=0.5)
+    np.testing.assert_allclose(np.log(st["load_max_mean"][layers]), np.log(ts.TARGET_LOAD_MAX_MEAN), atol=0.5)
+
+
+# ---- real data ---------------------------------------------------------------------------------
+def _calibration_tool():
+    spec = importlib.util.spec_from_file_location("calibrate_trace", REPO / "tools" / "calibrate_trace.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(not REAL_COUNTS.is_dir(), reason=f"real routing counts not present at {REAL_COUNTS}")
+def test_calibration_constants_match_real_counts() -> None:
+    tool = _calibration_tool()
+    olmoe = tool.real_stats(REAL_COUNTS / tool.FILES["olmoe"])
+    assert olmoe.zipf_exponent == pytest.approx(ts.TARGET_ZIPF_EXPONENT, abs=1e-3)
+    assert olmoe.top_token_share == pytest.approx(ts.TARGET_TOP_TOKEN_SHARE, abs=1e-3)
+    assert olmoe.distinct_tokens == pytest.approx(ts.TARGET_DISTINCT_TOKENS, abs=1)
+    assert olmoe.pair_union_ratio == pytest.approx(ts.TARGET_PAIR_UNION_RATIO, abs=1e-3)
+    for name, target in (("token_recall", ts.TARGET_TOKEN_RECALL), ("frequent_recall", ts.TARGET_FREQUENT_RECALL),
+                         ("cross_domain_recall", ts.TARGET_CROSS_DOMAIN_RECALL), ("crosslayer_nmi", ts.TARGET_CROSSLAYER_NMI),
+                         ("load_max_mean", ts.TARGET_LOAD_MAX_MEAN), ("load_cv", ts.TARGET_LOAD_CV)):
+        np.testing.assert_allclose(getattr(olmoe, name), target, atol=1e-3, err_msg=name)
+    mixtral = tool.real_stats(REAL_COUNTS / tool.FILES["mixtral"])
+    for name, target in (("token_recall", ts.MIXTRAL_TOKEN_RECALL), ("crosslayer_nmi", ts.MIXTRAL_CROSSLAYER_NMI),
+                         ("load_cv", ts.MIXTRAL_LOAD_CV)):
+        np.testing.assert_allclose(getattr(mixtral, name), target, atol=1e-3, err_msg=name)
+    # PROVENANCE.txt: arxiv recall OLMoE 0.61/0.74/0.78, Mixtral 0.62/0.64/0.66 (uniform 0.125 / 0.25)
+    assert ts.TARGET_TOKEN_RECALL[0] > 0.125 * 4 and ts.MIXTRAL_TOKEN_RECALL[0] > 0.25 * 2
