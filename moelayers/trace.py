@@ -248,7 +248,7 @@ class RoutingTrace:
     def expert_counts(self) -> np.ndarray:
         """``[L, E]`` int64: how many (token, k) assignments each expert got, per layer."""
         return np.stack([
-            np.bincount(self.topk_ids[:, layer, :].ravel(), minlength=self.num_experts)
+            np.bincount(self.topk_ids[:, layer, :].ravel().astype(np.int64, copy=False), minlength=self.num_experts)
             for layer in range(self.num_layers)
         ]).astype(np.int64)
 

@@ -63,13 +63,13 @@ ZIPF_EXPONENT = 1.151  # Zipf-Mandelbrot rank exponent of token frequencies
 ZIPF_OFFSET = 3.3  # Zipf-Mandelbrot rank offset (flattens the head)
 ACTIVE_VOCAB = 13464  # token ids a topic draws from (capped at vocab_size)
 TOPIC_VOCAB_JITTER = 2.08  # std of the per-topic log-rank jitter
-EXPERT_SKEW = 0.5  # std of the per-expert logit bias
-TOKEN_SCALE = 1.3  # std of the per-token logits
-TOPIC_SCALE = 1.5  # std of the per-topic logits
+EXPERT_SKEW = (0.13, 0.28, 0.25)  # std of the per-expert logit bias
+TOKEN_SCALE = (0.9, 1.25, 1.1)  # std of the per-token logits
+TOPIC_SCALE = (1.35, 1.6, 1.7)  # std of the per-topic logits
 CROSSLAYER_CARRY = 0.5  # weight of the previous layer's (relabelled) scores
-CLUSTER_SCALE = 1.0  # std of the per-cluster logits
+CLUSTER_SCALE = (1.9, 1.9, 2.7)  # std of the per-cluster logits
 SEQUENCE_SCALE = 0.0  # std of the per-sequence logits
-CONTEXT_TAIL = 1.0  # topic/sequence logits ~ Exp(1) ** CONTEXT_TAIL
+CONTEXT_TAIL = 2.0  # topic/sequence logits ~ Exp(1) ** CONTEXT_TAIL
 LOGIT_TAIL = 3.0  # token/topic logits ~ Exp(1) ** LOGIT_TAIL: a few strongly preferred experts
 
 MAX_EXPERTS = 4096  # the sampler packs expert ids into the low 12 bits of float32 keys
@@ -307,7 +307,7 @@ def _check_generator_args(num_sequences: int, num_layers: int, num_experts: int,
     if top_k > num_experts:
         raise ValueError(f"synthetic_trace: top_k ({top_k}) must not exceed num_experts ({num_experts})")
     if num_experts > MAX_EXPERTS:
-        raise ValueError(f"synthetic_trace: at most {MAX_EXPERTS} experts are supported, got {num_experts}")
+        raise ValueError(f"synthetic_trace: num_experts must be <= {MAX_EXPERTS} (ids are packed into float32 sort keys), got {num_experts}")
 
 
 def synthetic_trace(

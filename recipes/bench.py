@@ -45,22 +45,35 @@ import shlex
 import shutil
 import statistics
 import sys
-import time
 from collections.abc import Callable
-from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import hydra  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from _common import device_for, launch, resolve_backend, run_dir, shutdown, to_dict, under_torchrun, write_json  # noqa: E402
+from _bench_tools import (  # noqa: E402
+    megatron_version,
+    build_peer,
+    peer_forward,
+    full_weights,
+    rank_input,
+    Replay,
+    reduce_max,
+    gather_scalar,
+    time_forward,
+    peer_topk_ids,
+    layer_ids,
+    routing_agreement,
+    check_against_peer,
+    check_against_reference,
+    profile_ours,
+)
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PEER_NAME = "megatron-core MoELayer {version} (local spec, alltoall)"
 
 
 # ---------------------------------------------------------------------- layer registry
@@ -103,269 +116,6 @@ def build_layer(layer_cfg: dict, config, groups, device: torch.device, seed: int
     kwargs = dict(layer_cfg.get("kwargs") or {})
     kwargs.setdefault("check_finite", check_finite)
     return builder(config, groups, device=device, seed=seed, **kwargs)
-
-
-# ---------------------------------------------------------------------- peer (megatron-core)
-def megatron_version() -> str | None:
-    """Installed megatron-core version (from package metadata: importing it is slow and noisy)."""
-    from importlib import metadata
-
-    for dist_name in ("megatron-core", "megatron_core"):
-        try:
-            return metadata.version(dist_name)
-        except metadata.PackageNotFoundError:
-            continue
-    try:
-        import megatron.core as mc
-    except Exception:
-        return None
-    return str(getattr(mc, "__version__", None) or getattr(getattr(mc, "package_info", None), "__version__", "?"))
-
-
-def build_peer(config, dtype: torch.dtype, device: torch.device, want: str, weights) -> tuple[Any, str | None, str | None]:
-    """megatron-core's ``MoELayer`` with ``weights`` loaded: ``(peer or None, peer name or None, note)``.
-
-    ``want``: ``auto`` (no peer, with a note, when CUDA or megatron-core is missing or the peer fails to
-    build — a warning with the error is printed) | ``true`` (required: raise instead) | ``false``.
-    """
-    want = str(want).lower()
-    if want in ("false", "off", "none", "0"):
-        return None, None, "peer disabled (bench.peer=false)"
-    required = want in ("true", "on", "required", "1")
-    reason, peer = None, None
-    if device.type != "cuda":
-        reason = "megatron-core's MoELayer needs CUDA: no peer on CPU"
-    elif megatron_version() is None:
-        reason = "megatron-core is not installed: no peer"
-    else:
-        try:
-            from moelayers.integrations.megatron import load_megatron_weights, megatron_moe_layer
-
-            peer = megatron_moe_layer(config, dtype=dtype, device=device)
-            load_megatron_weights(peer, *weights)
-            peer.eval()
-        except Exception as e:  # API drift, missing optional pieces: our numbers are still worth having
-            if required:
-                raise
-            import traceback
-
-            reason = f"megatron-core MoELayer failed to build: {type(e).__name__}: {e}"
-            print(f"WARNING (rank {dist.get_rank() if dist.is_initialized() else 0}): {reason}\n"
-                  f"{traceback.format_exc()}", flush=True)
-            peer = None
-    # every rank must agree (a peer on some ranks only would hang its collectives)
-    have = gather_scalar(0.0 if peer is None else 1.0, device)
-    if peer is not None and min(have) == 0.0:
-        peer, reason = None, "megatron-core MoELayer failed to build on some rank(s)"
-    if peer is None:
-        if required:
-            raise RuntimeError(f"bench.peer=true but {reason}")
-        return None, None, reason
-    return peer, PEER_NAME.format(version=megatron_version()), None
-
-
-def peer_forward(peer, x: torch.Tensor) -> torch.Tensor:
-    """megatron-core's ``MoELayer`` takes ``[S, B, H]`` and returns ``(output, bias)``."""
-    out = peer(x.view(x.shape[0], 1, x.shape[1]))
-    if isinstance(out, tuple):
-        out = out[0]
-    return out.reshape(x.shape)
-
-
-# ---------------------------------------------------------------------- helpers
-def full_weights(config, seed: int, device: torch.device, dtype: torch.dtype):
-    """Router ``[E, H]``, w13 ``[E, 2F, H]``, w2 ``[E, H, F]`` ~ N(0, init_std), identical on every rank
-    (one generator on the compute device, seeded by ``seed``)."""
-    e, h, f = config.num_experts, config.hidden_size, config.ffn_hidden_size
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed * 1_000_003 + 17)
-    out = []
-    for shape in ((e, h), (e, 2 * f, h), (e, h, f)):
-        t = torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, config.init_std, generator=gen)
-        out.append(t.to(dtype))
-    return tuple(out)
-
-
-def rank_input(tokens: int, hidden: int, seed: int, rank: int, device: torch.device, dtype: torch.dtype):
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed * 1_000_003 + 7919 * (rank + 1) + tokens)
-    return torch.randn(tokens, hidden, generator=gen, device=device, dtype=torch.float32).to(dtype)
-
-
-class Replay:
-    """Routing replayed from a trace: rank ``r``'s ``T`` tokens are trace tokens ``r*T ...`` (wrapping)."""
-
-    def __init__(self, trace_cfg: dict, config, seed: int, need_tokens: int):
-        from moelayers.trace import load_trace, synthetic_trace
-
-        path = trace_cfg.get("path")
-        if path:
-            tr = load_trace(path)
-            self.source = str(path)
-        elif trace_cfg.get("synthetic", True):
-            mean_len = 1024
-            n_seq = max(1, -(-need_tokens // mean_len))
-            tr = synthetic_trace(n_seq, 1, config.num_experts, config.top_k, int(trace_cfg.get("vocab_size", 4096)),
-                                 seq_len=(mean_len // 2, 3 * mean_len // 2), seed=seed)
-            self.source = f"synthetic_trace(seed={seed})"
-        else:
-            raise ValueError("router=replay needs trace.path=FILE (or trace.synthetic=true)")
-        if tr.num_experts != config.num_experts or tr.top_k != config.top_k:
-            raise ValueError(f"trace {self.source} has E={tr.num_experts}, K={tr.top_k}; the benchmark shape "
-                             f"has E={config.num_experts}, K={config.top_k}")
-        layer = int(trace_cfg.get("layer", 0))
-        if not 0 <= layer < tr.num_layers:
-            raise ValueError(f"trace.layer={layer} but the trace has {tr.num_layers} layer(s)")
-        self.layer = layer
-        self.ids = torch.from_numpy(np.ascontiguousarray(tr.topk_ids[:, layer, :]).astype(np.int64))
-
-    def ids_for(self, rank: int, tokens: int, device: torch.device) -> torch.Tensor:
-        idx = (torch.arange(tokens, dtype=torch.int64) + rank * tokens) % self.ids.shape[0]
-        return self.ids[idx].to(device)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _barrier(device: torch.device) -> None:
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return
-    if device.type == "cuda":
-        dist.barrier(device_ids=[device.index])
-    else:
-        dist.barrier()
-
-
-def reduce_max(values: list[float], device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def gather_scalar(value: float, device: torch.device) -> list[float]:
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    t = torch.zeros(world, dtype=torch.float64, device=device)
-    t[dist.get_rank() if dist.is_initialized() else 0] = value
-    if world > 1:
-        dist.all_reduce(t)
-    return t.tolist()
-
-
-def time_forward(run: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> list[float]:
-    """Per-iteration milliseconds of ``run()`` on this rank (sync + barrier before each)."""
-    for _ in range(warmup):
-        run()
-    times = []
-    if device.type == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-        for start, end in events:
-            _sync(device)
-            _barrier(device)
-            _sync(device)
-            start.record()
-            run()
-            end.record()
-        _sync(device)
-        times = [s.elapsed_time(e) for s, e in events]
-    else:
-        for _ in range(iters):
-            _barrier(device)
-            t0 = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - t0) * 1e3)
-    _barrier(device)
-    return times
-
-
-def peer_topk_ids(x: torch.Tensor, router_weight: torch.Tensor, config) -> torch.Tensor:
-    """``[T, K]`` experts megatron's router picks (``moe_router_dtype='fp32'``): top-k of fp32 logits
-    (softmax and sigmoid are monotonic, so the score function does not change the choice)."""
-    logits = x.float() @ router_weight.float().t()
-    return torch.topk(logits, config.top_k, dim=-1).indices
-
-
-def layer_ids(layer) -> torch.Tensor | None:
-    ids = getattr(layer, "last_topk_ids", None)
-    return None if ids is None else ids.clone()
-
-
-def routing_agreement(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> float:
-    """Fraction of tokens (over all ranks) whose expert *sets* agree."""
-    same = (a.sort(dim=-1).values == b.sort(dim=-1).values).all(dim=-1)
-    n = sum(gather_scalar(float(same.sum()), device))
-    total = sum(gather_scalar(float(same.numel()), device))
-    return n / total if total else 1.0
-
-
-def check_against_peer(y: torch.Tensor, y_peer: torch.Tensor, tol: float, max_bad_frac: float,
-                       device: torch.device) -> dict:
-    """Max abs diff of ours vs the peer relative to max|peer| (over all ranks); rows off by more than
-    ``tol`` are counted (a few are router near-ties, a wrong layer makes most of them wrong)."""
-    diff_rows = (y.float() - y_peer.float()).abs().amax(dim=-1) if y.numel() else y.new_zeros(0, dtype=torch.float32)
-    max_diff = float(diff_rows.max()) if diff_rows.numel() else 0.0
-    max_peer = float(y_peer.float().abs().max()) if y_peer.numel() else 0.0
-    max_diff, max_peer = reduce_max([max_diff, max_peer], device)
-    scale = max(max_peer, 1e-30)
-    bad = float((diff_rows > tol * scale).sum()) if diff_rows.numel() else 0.0
-    bad_total = sum(gather_scalar(bad, device))
-    rows_total = sum(gather_scalar(float(y.shape[0]), device))
-    rel = max_diff / scale
-    ok = rel <= tol or bad_total <= max_bad_frac * rows_total
-    return {"rel_max_abs_diff": rel, "tol": tol, "rows_over_tol": int(bad_total), "rows": int(rows_total), "ok": ok}
-
-
-def check_against_reference(layer, x: torch.Tensor, y: torch.Tensor, weights, config, rows: int,
-                            device: torch.device) -> dict:
-    """Ours against the dense reference (DESIGN.md §1 tolerance) on the experts ours chose."""
-    from moelayers.reference import moe_forward
-    from moelayers.testing import max_error, tolerance
-
-    n = min(rows, x.shape[0])
-    ids = layer.last_topk_ids[:n]
-    router_w, w13, w2 = weights
-    ref64 = moe_forward(x[:n].double(), router_w, w13, w2, config, topk_ids=ids)
-    ref_low = None if y.dtype in (torch.float32, torch.float64) else moe_forward(
-        x[:n], router_w, w13, w2, config, topk_ids=ids)
-    err = max_error(y[:n], ref64) if n else 0.0
-    tol = tolerance(ref64.cpu(), None if ref_low is None else ref_low.cpu(), y.dtype) if n else 0.0
-    ok = err <= tol
-    ok_all = min(gather_scalar(1.0 if ok else 0.0, device)) > 0
-    return {"max_abs_err": reduce_max([err], device)[0], "tol": tol, "rows": n, "ok": ok_all}
-
-
-def profile_ours(run: Callable[[], Any], device: torch.device, iters: int, rows: int, rank: int,
-                 out_path: str | None) -> str | None:
-    """torch.profiler over ``iters`` forwards; rank 0 gets the table of top kernels/ops."""
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    for _ in range(2):
-        run()
-    _sync(device)
-    _barrier(device)
-    with profile(activities=acts, record_shapes=False) as prof:
-        for _ in range(iters):
-            run()
-        _sync(device)
-    _barrier(device)
-    if rank != 0:
-        return None
-    if out_path:
-        try:
-            prof.export_chrome_trace(out_path)
-        except Exception as e:  # a trace is a convenience; the table is the result
-            print(f"note: could not write the chrome trace: {e}")
-    sort_keys = ("self_cuda_time_total", "self_device_time_total") if device.type == "cuda" else ("self_cpu_time_total",)
-    averages = prof.key_averages()
-    for key in sort_keys:
-        try:
-            return averages.table(sort_by=key, row_limit=rows)
-        except Exception:
-            continue
-    return averages.table(row_limit=rows)
 
 
 # ---------------------------------------------------------------------- the worker

@@ -199,31 +199,33 @@ def fit_routing(target: Stats, knobs: dict, rounds: int) -> dict:
 
     At each reference depth d (layers 0, 7, 15): token_scale[d] <- cross_domain_recall[d],
     topic_scale[d] <- token_recall[d] (net of the cross-domain error), expert_skew[d] <- load_cv[d];
-    cluster_scale at depths 0 and 7 <- NMI (0, 7), at depth 15 <- NMI (7, 15). The shape knobs
-    (``logit_tail``, ``context_tail``, ``crosslayer_carry``, ``num_clusters``) stay as given.
+    cluster_scale at depths 0 and 7 <- NMI (0, 7), at depth 15 <- NMI (7, 15); context_tail <-
+    mean load max/mean. ``logit_tail``, ``crosslayer_carry`` and ``num_clusters`` stay as given.
     Returns the knobs of the round with the smallest loss.
     """
     k = {name: np.array(np.broadcast_to(knobs[name], 3), dtype=np.float64) for name in ROUTING_KNOBS}
     best, best_loss = dict(knobs), np.inf
     for step in range(rounds):
         knobs.update({name: tuple(float(x) for x in np.round(v, 3)) for name, v in k.items()})
+        knobs["context_tail"] = float(np.round(knobs["context_tail"], 3))
         got = synthetic_stats(**knobs)
         err = {
             "recall": target.token_recall - got.token_recall,
             "cross": target.cross_domain_recall - got.cross_domain_recall,
             "cv": np.log(target.load_cv / got.load_cv),
             "nmi": np.log(target.crosslayer_nmi / got.crosslayer_nmi),
+            "max_mean": np.log(target.load_max_mean / got.load_max_mean),
         }
         loss = sum(float(np.sum(e**2)) for e in err.values())
         if loss < best_loss:
             best, best_loss = dict(knobs), loss
-        print(f"round {step}: " + ", ".join(f"{n}={knobs[n]}" for n in ROUTING_KNOBS))
-        print(f"   loss {loss:.4f} errors " + ", ".join(f"{n}={np.round(e, 3)}" for n, e in err.items())
-              + f"; load_max_mean {np.round(got.load_max_mean, 2)}", flush=True)
+        print(f"round {step}: " + ", ".join(f"{n}={knobs[n]}" for n in ROUTING_KNOBS + ("context_tail",)))
+        print(f"   loss {loss:.4f} errors " + ", ".join(f"{n}={np.round(e, 3)}" for n, e in err.items()), flush=True)
         k["token_scale"] *= np.exp(2.0 * err["cross"])
         k["topic_scale"] *= np.exp(2.0 * (err["recall"] - err["cross"]))
         k["expert_skew"] = np.maximum(k["expert_skew"] * np.exp(0.8 * err["cv"]), 0.02)
         k["cluster_scale"] *= np.exp(0.5 * np.array([err["nmi"][0], err["nmi"][0], err["nmi"][1]]))
+        knobs["context_tail"] = float(np.clip(knobs["context_tail"] * np.exp(0.7 * err["max_mean"].mean()), 0.25, 4.0))
     return best
 
 

@@ -24,6 +24,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed")
 
 import moelayers as ml  # noqa: E402
 from moelayers.integrations import megatron as mi  # noqa: E402
+from moelayers.integrations import megatron_peer as mpeer  # noqa: E402
 from moelayers.testing import check_close, run_distributed  # noqa: E402
 
 H, FF, E, K = 16, 8, 4, 2
@@ -167,7 +168,7 @@ def test_from_megatron_mapping(score, pre, topk, norm):
     cfg = ml.MoEConfig.from_megatron(tc)
     assert (cfg.score_fn, cfg.norm_topk_prob, cfg.top_k) == (score, norm, topk)
     assert (cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts, cfg.init_std) == (H, 6, E, 0.05)
-    assert mi._router_mapping(cfg) == (score, pre)  # what megatron_moe_layer configures
+    assert mpeer._router_mapping(cfg) == (score, pre)  # what megatron_moe_layer configures
     # megatron's own routing gives the same experts and weights as ours
     logits = torch.randn(50, E, generator=torch.Generator().manual_seed(4))
     probs, routing_map = topk_routing_with_score_function(logits, topk, use_pre_softmax=pre, score_function=score)
@@ -181,7 +182,7 @@ def test_from_megatron_mapping(score, pre, topk, norm):
 def test_mapping_without_megatron_equivalent(score, topk, norm):
     cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=FF, num_experts=E, top_k=topk, score_fn=score, norm_topk_prob=norm)
     with pytest.raises(ValueError, match="no megatron equivalent"):
-        mi._router_mapping(cfg)
+        mpeer._router_mapping(cfg)
 
 
 @pytest.mark.skip(reason="megatron-core's MoELayer with the all-to-all dispatcher cannot be built on CPU "
@@ -260,7 +261,7 @@ def _check_transformer_layer(rank, world):
 
 def _megatron_layer_cpu(cfg, world, grouped):
     """megatron_moe_layer's builder on CPU with the all-gather dispatcher (all-to-all needs CUDA)."""
-    layer = mi._build_megatron_moe(cfg, dtype=cfg.params_dtype, device="cpu", dispatcher="allgather", grouped=grouped)
+    layer = mpeer._build_megatron_moe(cfg, dtype=cfg.params_dtype, device="cpu", dispatcher="allgather", grouped=grouped)
     assert type(layer.experts).__name__ == ("GroupedMLP" if grouped else "SequentialMLP")
     assert layer.config.expert_model_parallel_size == world and layer.config.moe_router_dtype == "fp32"
     assert len(layer.local_expert_indices) == E // world
@@ -366,7 +367,7 @@ def test_router_gemm_fix_without_te():
     """megatron-core 0.16.x without TE: RouterGatingLinearFunction reads an unbound te_general_gemm."""
     from megatron.core.transformer.moe import moe_utils
 
-    mi._fix_router_gemm_without_te()
+    mpeer._fix_router_gemm_without_te()
     x, w = torch.randn(7, H).bfloat16(), torch.randn(E, H).bfloat16()
     logits = moe_utils.router_gating_linear(x, w, None, torch.float32)
     assert logits.dtype == torch.float32

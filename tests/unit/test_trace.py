@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -455,6 +456,7 @@ def test_synthetic_matches_calibration_targets() -> None:
 def _calibration_tool():
     spec = importlib.util.spec_from_file_location("calibrate_trace", REPO / "tools" / "calibrate_trace.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
     spec.loader.exec_module(module)
     return module
 
