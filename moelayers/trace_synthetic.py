@@ -63,13 +63,13 @@ ZIPF_EXPONENT = 1.151  # Zipf-Mandelbrot rank exponent of token frequencies
 ZIPF_OFFSET = 3.3  # Zipf-Mandelbrot rank offset (flattens the head)
 ACTIVE_VOCAB = 13464  # token ids a topic draws from (capped at vocab_size)
 TOPIC_VOCAB_JITTER = 2.08  # std of the per-topic log-rank jitter
-EXPERT_SKEW = (0.13, 0.28, 0.25)  # std of the per-expert logit bias
-TOKEN_SCALE = (0.9, 1.25, 1.1)  # std of the per-token logits
-TOPIC_SCALE = (1.35, 1.6, 1.7)  # std of the per-topic logits
+EXPERT_SKEW = (0.05, 0.1, 0.1)  # std of the per-expert logit bias
+TOKEN_SCALE = (0.6, 0.7, 0.6)  # std of the per-token logits
+TOPIC_SCALE = (1.2, 1.5, 1.5)  # std of the per-topic logits
 CROSSLAYER_CARRY = 0.5  # weight of the previous layer's (relabelled) scores
-CLUSTER_SCALE = (1.9, 1.9, 2.7)  # std of the per-cluster logits
+CLUSTER_SCALE = (2.0, 2.0, 2.5)  # std of the per-cluster logits
 SEQUENCE_SCALE = 0.0  # std of the per-sequence logits
-CONTEXT_TAIL = 2.0  # topic/sequence logits ~ Exp(1) ** CONTEXT_TAIL
+CONTEXT_TAIL = 1.0  # topic/sequence logits ~ Exp(1) ** CONTEXT_TAIL
 LOGIT_TAIL = 3.0  # token/topic logits ~ Exp(1) ** LOGIT_TAIL: a few strongly preferred experts
 
 MAX_EXPERTS = 4096  # the sampler packs expert ids into the low 12 bits of float32 keys
@@ -391,6 +391,7 @@ def synthetic_trace(
     _, token_row = np.unique(token_ids, return_inverse=True)
     num_clusters = num_experts if num_clusters is None else num_clusters
     token_cluster = rng.integers(0, num_clusters, size=int(token_row.max()) + 1)  # per distinct token id
+    token_context = token_topic * num_clusters + token_cluster[token_row]  # (topic, cluster) row
     num_t, num_e, num_u = token_ids.size, num_experts, int(token_row.max()) + 1
 
     topk_ids = np.empty((num_t, num_layers, top_k), dtype=np.int16 if num_e <= np.iinfo(np.int16).max else np.int32)
@@ -400,8 +401,8 @@ def synthetic_trace(
     for layer in range(num_layers):
         tok_logits = _heavy_tailed(rng, (num_u, num_e), logit_tail)
         tok_logits *= np.float32(knobs["token_scale"][layer])
-        cluster_logits = _heavy_tailed(rng, (num_clusters, num_e), logit_tail) * np.float32(knobs["cluster_scale"][layer])
-        tok_logits += cluster_logits[token_cluster]
+        cluster_logits = _heavy_tailed(rng, (num_topics * num_clusters, num_e), logit_tail)
+        cluster_logits *= np.float32(knobs["cluster_scale"][layer])
         topic_logits = _heavy_tailed(rng, (num_topics, num_e), context_tail) * np.float32(knobs["topic_scale"][layer])
         seq_logits = _heavy_tailed(rng, (num_sequences, num_e), context_tail) * np.float32(knobs["sequence_scale"][layer])
         bias = rng.standard_normal(num_e).astype(np.float32) * np.float32(knobs["expert_skew"][layer])
@@ -411,6 +412,7 @@ def synthetic_trace(
         seq_logits += bias
         logits = np.take(tok_logits, token_row, axis=0)
         logits += np.take(seq_logits, token_seq, axis=0)
+        logits += np.take(cluster_logits, token_context, axis=0)
         if scores is not None:  # the previous layer's scores carry over, column by column
             scores *= np.float32(knobs["crosslayer_carry"][layer])
             logits += scores

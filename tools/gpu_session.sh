@@ -30,4 +30,9 @@ for shape in ${SHAPES:-qwen3_30b_a3b deepseek_v2_lite}; do
   done
 done
 tar czf "$OUT/bench_json.tgz" docs/benchmarks/*.json 2>/dev/null || true
-tail -n 60 "$OUT/bench.log"; tail -n 15 "$OUT/gpu_tests.log" 2>/dev/null
+if [ "${PROFILE:-1}" = 1 ]; then  # GEM latency curves of every GPU
+  timeout -s KILL "${PROFILE_TIMEOUT:-200}" torchrun --standalone --nproc_per_node="$NGPU" recipes/profile.py \
+    parallel=gpu hydra.run.dir=/tmp/runs/profile 2>&1 | grep -vE "Warning|warnings.warn|W1122" > "$OUT/profile.log"
+  cp /tmp/runs/profile/curves.npz "$OUT/curves_ws${NGPU}.npz" 2>/dev/null || true
+fi
+grep -E '^\\||^== |rc=' "$OUT/bench.log" | tail -n 40; tail -n 8 "$OUT/profile.log" 2>/dev/null; tail -n 5 "$OUT/gpu_tests.log" 2>/dev/null

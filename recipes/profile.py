@@ -1,0 +1,159 @@
+"""Per-GPU latency curves of the grouped experts (GEM), for ``recipes/plan.py curves.path=FILE``.
+
+Every rank times its own grouped-expert computation (the experts of one rank at the chosen shape)
+for a range of row counts: densely at tile boundaries (``profile.tile`` rows, the grouped GEMM's M
+tile) up to ``profile.dense_until``, then sparsely (every ``profile.sparse_step`` rows) up to
+``profile.max_rows``; the planner interpolates linearly between samples. Rank 0 gathers the curves
+and writes ``curves.npz`` (``rows [N]``, ``latency_s [R, N]``, ``device_names``) atomically into the
+run dir, and prints the spread between the GPUs.
+
+    torchrun --standalone --nproc_per_node=2 recipes/profile.py parallel=gpu      # GPUs
+    python recipes/profile.py profile=cpu_smoke                                   # 2 gloo processes, tiny shape
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import hydra  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from _common import device_for, launch, run_dir, shutdown, to_dict  # noqa: E402
+
+
+def sample_rows(tile: int, dense_until: int, sparse_step: int, max_rows: int) -> list[int]:
+    """Row counts to time: every tile boundary up to ``dense_until``, then every ``sparse_step``."""
+    if min(tile, sparse_step, max_rows) < 1 or dense_until < tile:
+        raise ValueError(f"bad sampling: tile={tile}, dense_until={dense_until}, sparse_step={sparse_step}, "
+                         f"max_rows={max_rows}")
+    rows = list(range(tile, min(dense_until, max_rows) + 1, tile))
+    rows += list(range(rows[-1] + sparse_step, max_rows + 1, sparse_step))
+    return sorted(set([1] + rows))
+
+
+def _time_once(experts, x, counts, device) -> float:
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        experts(x, counts)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    experts(x, counts)
+    return time.perf_counter() - t0
+
+
+def profile_worker(rank: int, world: int, cfg: dict) -> dict | None:
+    from moelayers import GroupedExperts
+
+    p, shape = cfg["profile"], cfg["profile"]["shape"]
+    backend = dist.get_backend() if dist.is_initialized() else "gloo"
+    device = device_for(backend)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    h, f, e = int(shape["hidden_size"]), int(shape["ffn_hidden_size"]), int(shape["num_experts"])
+    if e % world:
+        raise ValueError(f"{e} experts do not divide over {world} ranks")
+    slots = e // world
+    experts = GroupedExperts(slots, h, f, dtype=dtype, device=device)
+    gen = torch.Generator(device=device).manual_seed(int(cfg.get("seed", 0)) + rank)
+    with torch.no_grad():
+        experts.w13.normal_(0, 0.02, generator=gen)
+        experts.w2.normal_(0, 0.02, generator=gen)
+    rows = sample_rows(int(p["tile"]), int(p["dense_until"]), int(p["sparse_step"]), int(p["max_rows"]))
+    x_all = torch.randn(rows[-1], h, dtype=dtype, device=device, generator=gen)
+    reps, warmup = int(p["reps"]), int(p["warmup"])
+    lat = []
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm
+        bar = tqdm(total=len(rows), desc="profiling row counts", unit="pt")
+    t_start = time.perf_counter()
+    with torch.inference_mode():
+        for n in rows:
+            # n rows spread evenly over this rank's experts (the grouped GEMM sees the same total)
+            counts = torch.full((slots,), n // slots, dtype=torch.int64, device=device)
+            counts[: n % slots] += 1
+            x = x_all[:n]
+            for _ in range(warmup):
+                experts(x, counts)
+            lat.append(float(np.median([_time_once(experts, x, counts, device) for _ in range(reps)])))
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    local = torch.tensor(lat, dtype=torch.float64, device=device)
+    everyone = [torch.empty_like(local) for _ in range(world)]
+    if world > 1:
+        dist.all_gather(everyone, local)
+    else:
+        everyone = [local]
+    names = [None] * world
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    if world > 1:
+        dist.all_gather_object(names, name)
+    else:
+        names = [name]
+    if rank != 0:
+        return None
+    latency = torch.stack(everyone).cpu().numpy()
+    if (latency <= 0).any():
+        raise RuntimeError("a measured latency is not positive: the timer failed")
+    return {"rows": rows, "latency_s": latency, "device_names": names, "seconds": time.perf_counter() - t_start,
+            "shape": {"H": h, "F": f, "E": e, "slots_per_rank": slots}, "dtype": str(dtype)}
+
+
+def save_curves(path: str, rows, latency_s: np.ndarray, device_names) -> None:
+    """Write the curves file atomically (the format ``LatencyCurves.load`` reads)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            np.savez(fh, rows=np.asarray(rows, dtype=np.int64), latency_s=np.asarray(latency_s, dtype=np.float64),
+                     device_names=np.asarray(device_names, dtype=str))
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def summarize(res: dict, out_dir: str) -> str:
+    lat = res["latency_s"]
+    rows = res["rows"]
+    path = os.path.join(out_dir, "curves.npz")
+    save_curves(path, rows, lat, res["device_names"])
+    picks = [i for i, n in enumerate(rows) if n in (1, 128, 1024, 4096, 16384)] or [0, len(rows) - 1]
+    table = [("rows", *[f"rank {r}" for r in range(lat.shape[0])], "max/min")]
+    for i in picks:
+        col = lat[:, i]
+        table.append((str(rows[i]), *[f"{v * 1e6:.1f} us" for v in col], f"{col.max() / col.min():.3f}"))
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
+    spread = float((lat.max(0) / lat.min(0)).max())
+    print(f"profiled {len(rows)} row counts on {lat.shape[0]} rank(s) in {res['seconds']:.1f} s; "
+          f"largest max/min between GPUs {spread:.3f}; devices {res['device_names']}; wrote {path}")
+    return path
+
+
+@hydra.main(config_path="../conf", config_name="profile", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    d = to_dict(cfg)
+    d["run_dir"] = run_dir()
+    res = launch(d, profile_worker)
+    if res is not None:
+        summarize(res, d["run_dir"])
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
