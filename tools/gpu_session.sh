@@ -35,4 +35,4 @@ if [ "${PROFILE:-1}" = 1 ]; then  # GEM latency curves of every GPU
     parallel=gpu hydra.run.dir=/tmp/runs/profile 2>&1 | grep -vE "Warning|warnings.warn|W1122" > "$OUT/profile.log"
   cp /tmp/runs/profile/curves.npz "$OUT/curves_ws${NGPU}.npz" 2>/dev/null || true
 fi
-grep -E '^\\||^== |rc=' "$OUT/bench.log" | tail -n 40; tail -n 8 "$OUT/profile.log" 2>/dev/null; tail -n 5 "$OUT/gpu_tests.log" 2>/dev/null
+grep -E '^[|]|^== |rc=' "$OUT/bench.log" | tail -n 40; tail -n 8 "$OUT/profile.log" 2>/dev/null; tail -n 5 "$OUT/gpu_tests.log" 2>/dev/null
