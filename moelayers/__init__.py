@@ -13,7 +13,7 @@ from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, Routes
 from moelayers.experts import GroupedExperts
 from moelayers.groups import ParallelGroups
-from moelayers.layers import MoELayerBase, VanillaMoE
+from moelayers.layers import MoELayerBase, VanillaMoE, VariabilityAwareMoE
 from moelayers.metrics import MoEStats
 from moelayers.placement import ExpertPlacement, SlotMove
 from moelayers.router import TopKRouter
@@ -23,5 +23,5 @@ __version__ = "0.1.0"
 __all__ = [
     "AllGatherDispatcher", "AllToAllDispatcher", "ExpertPlacement", "GroupedExperts", "LocalFirstPolicy",
     "MoEConfig", "MoELayerBase", "MoEStats", "ParallelGroups", "Routes", "SlotMove", "TopKRouter", "VanillaMoE",
-    "metrics", "reference", "trace",
+    "VariabilityAwareMoE", "metrics", "reference", "trace",
 ]

@@ -2,22 +2,28 @@
 
 The targets (``TARGET_*``, ``MIXTRAL_*``) and generator defaults below are the output of
 ``tools/calibrate_trace.py``, run on the aggregated OLMoE-1B-7B / Mixtral-8x7B routing counts in
-``shared/traces/olmoe_mixtral_counts`` (allenai/OLMoE ``scripts/routing_output``, 102 x 2048-token
+``shared/traces/olmoe_mixtral_counts`` (allenai/OLMoE ``scripts/routing_output``: 102 x 2048-token
 chunks per text domain, layers 0, 7 and 15). "Per domain" statistics are averaged over the
 domains; a synthetic *topic* plays the role of a domain.
 
-Generative model, per MoE layer ``l`` (``E`` experts, top-``K``):
+Generative model. Tokens: sequence ``s`` has topic ``s % num_topics``; its token ids are drawn
+i.i.d. from a Zipf-Mandelbrot law ``p(r) ~ (r + zipf_offset) ** -zipf_exponent`` over
+``active_vocab`` ranks, which each topic maps to ids by its own jittered order of one global random
+ranking. Every distinct token id belongs to one of ``num_clusters`` clusters. Routing: at layer
+``l`` token ``t`` (id ``v``, cluster ``c``, topic ``p``, sequence ``s``) scores expert ``e`` with::
 
-* tokens: sequence ``s`` has topic ``s % num_topics``; its tokens are drawn i.i.d. from a
-  Zipf-Mandelbrot law ``p(r) ~ (r + offset)^-exponent`` over ``active_vocab`` ranks; each topic
-  maps ranks to token ids by its own jittered order of one global random ranking.
-* experts: a popularity ``pi_l ~ LogNormal(0, expert_skew)``; every token id and every topic gets
-  ``K`` "home" experts drawn by popularity with Dirichlet(``preference_alpha``) weights; every
-  expert of layer ``l - 1`` gets ``K`` successor experts the same way.
-* routing: a token's expert distribution is the mixture
-  ``token_weight * home(token) + topic_weight * home(topic) + crosslayer_weight * mean_k succ(e_{l-1,k})
-  + rest * pi_l`` (layer 0 gives the cross-layer share to ``pi_0``), and its ``K`` experts are drawn
-  without replacement (exponential races), most likely first.
+    y[t, l, e] = token_scale   * A_l[v, e]        # the token's own preference, same in every topic
+               + cluster_scale * C_l[(p, c), e]   # its cluster's preference within this topic
+               + topic_scale   * B_l[p, e]        # the topic's hot experts
+               + sequence_scale * Q_l[s, e]       # the sequence's own preference
+               + bias_l[e]                        # expert popularity, N(0, expert_skew^2)
+               + crosslayer_carry * y[t, l-1, e]  # the previous layer's scores (column e)
+               + Gumbel noise                     # everything else the router sees
+
+and takes the top ``K``, highest first. ``A`` and ``C`` are ``Exp(1) ** logit_tail`` (a few
+strongly preferred experts), ``B`` and ``Q`` ``Exp(1) ** context_tail``, all scaled to unit
+variance. Each layer then renames its score columns by a random permutation, so the carried
+column ``e`` of layer ``l - 1`` is some other expert id at layer ``l``.
 """
 
 from __future__ import annotations
@@ -63,11 +69,11 @@ ZIPF_EXPONENT = 1.151  # Zipf-Mandelbrot rank exponent of token frequencies
 ZIPF_OFFSET = 3.3  # Zipf-Mandelbrot rank offset (flattens the head)
 ACTIVE_VOCAB = 13464  # token ids a topic draws from (capped at vocab_size)
 TOPIC_VOCAB_JITTER = 2.08  # std of the per-topic log-rank jitter
-EXPERT_SKEW = (0.05, 0.1, 0.1)  # std of the per-expert logit bias
-TOKEN_SCALE = (0.6, 0.7, 0.6)  # std of the per-token logits
-TOPIC_SCALE = (1.2, 1.5, 1.5)  # std of the per-topic logits
-CROSSLAYER_CARRY = 0.5  # weight of the previous layer's (relabelled) scores
-CLUSTER_SCALE = (2.0, 2.0, 2.5)  # std of the per-cluster logits
+EXPERT_SKEW = (1.0, 2.0, 2.0)  # std of the per-expert logit bias
+TOKEN_SCALE = (1.0, 1.5, 1.5)  # std of the per-token logits
+TOPIC_SCALE = (0.4, 0.4, 0.4)  # std of the per-topic logits
+CROSSLAYER_CARRY = (0.5, 0.5, 0.7)  # weight of the previous layer's (relabelled) scores
+CLUSTER_SCALE = (1.9, 1.9, 1.9)  # std of the per-cluster logits
 SEQUENCE_SCALE = 0.0  # std of the per-sequence logits
 CONTEXT_TAIL = 1.0  # topic/sequence logits ~ Exp(1) ** CONTEXT_TAIL
 LOGIT_TAIL = 3.0  # token/topic logits ~ Exp(1) ** LOGIT_TAIL: a few strongly preferred experts

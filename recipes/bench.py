@@ -47,15 +47,19 @@ import statistics
 import sys
 from collections.abc import Callable
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# run as a script, this directory comes first on sys.path and recipes/profile.py would shadow the
+# standard library's profile module: use the repository root instead (recipes is a package)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
 
 import hydra  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from _common import device_for, launch, resolve_backend, run_dir, shutdown, to_dict, under_torchrun, write_json  # noqa: E402
-from _bench_tools import (  # noqa: E402
+from recipes._common import device_for, launch, resolve_backend, run_dir, shutdown, to_dict, under_torchrun, write_json  # noqa: E402
+from recipes._bench_tools import (  # noqa: E402
     megatron_version,
     build_peer,
     peer_forward,

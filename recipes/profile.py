@@ -1,6 +1,7 @@
 """Per-GPU latency curves of the grouped experts (GEM), for ``recipes/plan.py curves.path=FILE``.
 
-Every rank times its own grouped-expert computation (the experts of one rank at the chosen shape)
+Every rank times its own grouped-expert computation (the experts of one rank at the chosen shape;
+on GPUs, GPU time measured over CUDA-graph replays, free of host launch overhead)
 for a range of row counts: densely at tile boundaries (``profile.tile`` rows, the grouped GEMM's M
 tile) up to ``profile.dense_until``, then sparsely (every ``profile.sparse_step`` rows) up to
 ``profile.max_rows``; the planner interpolates linearly between samples. Rank 0 gathers the curves
@@ -18,7 +19,11 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# run as a script, this directory comes first on sys.path and recipes/profile.py would shadow the
+# standard library's profile module: use the repository root instead (recipes is a package)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
 
 import hydra  # noqa: E402
 import numpy as np  # noqa: E402
@@ -26,7 +31,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from _common import device_for, launch, run_dir, shutdown, to_dict  # noqa: E402
+from recipes._common import device_for, launch, run_dir, shutdown, to_dict  # noqa: E402
 
 
 def sample_rows(tile: int, dense_until: int, sparse_step: int, max_rows: int) -> list[int]:
@@ -39,17 +44,37 @@ def sample_rows(tile: int, dense_until: int, sparse_step: int, max_rows: int) ->
     return sorted(set([1] + rows))
 
 
-def _time_once(experts, x, counts, device) -> float:
-    if device.type == "cuda":
+def _time_rows(experts, x, counts, device, warmup: int, reps: int, inner: int = 10) -> float:
+    """Median seconds of one grouped-expert call on ``x``.
+
+    On CUDA, ``inner`` calls are captured in a CUDA graph and its replays timed with events, so the
+    figure is GPU time, not the host's launch overhead (which a lone call would measure).
+    """
+    for _ in range(warmup):
+        experts(x, counts)
+    if device.type != "cuda":
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            experts(x, counts)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            experts(x, counts)
+    graph.replay()
+    times = []
+    for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        experts(x, counts)
+        graph.replay()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end) / 1e3
-    t0 = time.perf_counter()
-    experts(x, counts)
-    return time.perf_counter() - t0
+        times.append(start.elapsed_time(end) / 1e3 / inner)
+    del graph
+    return float(np.median(times))
 
 
 def profile_worker(rank: int, world: int, cfg: dict) -> dict | None:
@@ -82,10 +107,7 @@ def profile_worker(rank: int, world: int, cfg: dict) -> dict | None:
             # n rows spread evenly over this rank's experts (the grouped GEMM sees the same total)
             counts = torch.full((slots,), n // slots, dtype=torch.int64, device=device)
             counts[: n % slots] += 1
-            x = x_all[:n]
-            for _ in range(warmup):
-                experts(x, counts)
-            lat.append(float(np.median([_time_once(experts, x, counts, device) for _ in range(reps)])))
+            lat.append(_time_rows(experts, x_all[:n], counts, device, warmup, reps))
             if bar is not None:
                 bar.update(1)
     if bar is not None:

@@ -34,7 +34,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# run as a script, this directory comes first on sys.path and recipes/profile.py would shadow the
+# standard library's profile module: use the repository root instead (recipes is a package)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
 
 import hydra  # noqa: E402
 import numpy as np  # noqa: E402
@@ -42,7 +46,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from _common import device_for, launch, percentile, print_table, run_dir, shutdown, to_dict, write_json  # noqa: E402
+from recipes._common import device_for, launch, percentile, print_table, run_dir, shutdown, to_dict, write_json  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -184,6 +188,7 @@ def build_model(m: dict, layer: dict, groups, device: torch.device, seed: int):
 def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
     """One rank of the serving loop; rank 0 returns the results dict."""
     import moelayers as ml
+    from moelayers.emulation import VariabilitySettings
     from moelayers.metrics import merge_stats
     from moelayers.models import StepRequest
 
@@ -191,7 +196,9 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
     trace = load_replay_trace(cfg)
     mcfg, notes = fit_model_to_trace(cfg["model"], trace)
     groups = ml.ParallelGroups.from_world(ep=cfg["parallel"].get("ep"))
-    model = build_model(mcfg, cfg["layer"], groups, device, int(cfg["seed"]))
+    var = VariabilitySettings.from_config(cfg)  # variability preset / curves and its emulation (any layer)
+    model = build_model(mcfg, var.layer_config(cfg["layer"], groups.ep_size), groups, device, int(cfg["seed"]))
+    emulators = var.apply(model.moe_layers)
     requests = make_requests(cfg, int(mcfg["vocab_size"]), trace)
     owner = get_scheduler(cfg["scheduler"])(requests, world, cfg)
     mine = sorted((r for r, o in zip(requests, owner) if o == rank), key=lambda r: r.arrival)
@@ -268,6 +275,8 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
                     finished += 1
             running = [r for r, _ in batch if not r.done]
     elapsed = time.perf_counter() - t0
+    notes += [f"emulated variability={var.name} ({var.mode} mode) on rank {rank}"] if emulators else []
+    notes += [f"MoE layer {i}: {m.num_replans} re-plan(s)" for i, m in enumerate(layers) if hasattr(m, "num_replans")]
     if bar is not None:
         bar.update(len(requests) - bar.n)
         bar.close()
@@ -377,7 +386,10 @@ def summarize(res: dict, out_dir: str) -> None:
 
 def check_config(d: dict) -> None:
     """Fail fast in the launching process on config mistakes (before any rank starts)."""
+    from moelayers.emulation import VariabilitySettings
+
     get_scheduler(d["scheduler"])
+    VariabilitySettings.from_config(d)  # variability / emulation keys (optional)
     router = d["router"]["name"]
     if router not in ("learned", "replay"):
         raise ValueError(f"router must be learned or replay, got {router!r}")

@@ -191,41 +191,46 @@ def fit_token_law(target: Stats, vocab_size: int = SYN_SHAPE["vocab_size"]) -> d
                 topic_vocab_jitter=round(jitter, 2))
 
 
-ROUTING_KNOBS = ("token_scale", "topic_scale", "cluster_scale", "expert_skew")
+ROUTING_KNOBS = ("token_scale", "cluster_scale", "topic_scale", "expert_skew", "crosslayer_carry")
+KNOB_RANGE = {"token_scale": (0.02, 6.0), "cluster_scale": (0.02, 6.0), "topic_scale": (0.02, 6.0),
+              "expert_skew": (0.02, 3.0), "crosslayer_carry": (0.0, 0.95)}
 
 
 def fit_routing(target: Stats, knobs: dict, rounds: int) -> dict:
     """Damped fixed-point fit of the routing knobs, each paired with the statistic it drives most.
 
-    At each reference depth d (layers 0, 7, 15): token_scale[d] <- cross_domain_recall[d],
-    topic_scale[d] <- token_recall[d] (net of the cross-domain error), expert_skew[d] <- load_cv[d];
-    cluster_scale at depths 0 and 7 <- NMI (0, 7), at depth 15 <- NMI (7, 15); context_tail <-
-    mean load max/mean. ``logit_tail``, ``crosslayer_carry`` and ``num_clusters`` stay as given.
-    Returns the knobs of the round with the smallest loss.
+    At each reference depth d (layers 0, 7, 15): token_scale[d] <- cross_domain_recall[d] (token
+    preferences that hold in every domain), cluster_scale[d] <- token_recall[d] net of the
+    cross-domain error (domain-specific cluster preferences), topic_scale[d] <- load max/mean[d]
+    (hot experts of a domain), expert_skew[d] <- load_cv[d]; crosslayer_carry at depths 0 and 7
+    <- NMI (0, 7), at depth 15 <- NMI (7, 15). ``logit_tail``, ``context_tail`` and
+    ``num_clusters`` stay as given. Knobs are clipped to ``KNOB_RANGE``. Returns the knobs of the
+    round with the smallest loss.
     """
     k = {name: np.array(np.broadcast_to(knobs[name], 3), dtype=np.float64) for name in ROUTING_KNOBS}
     best, best_loss = dict(knobs), np.inf
     for step in range(rounds):
         knobs.update({name: tuple(float(x) for x in np.round(v, 3)) for name, v in k.items()})
-        knobs["context_tail"] = float(np.round(knobs["context_tail"], 3))
         got = synthetic_stats(**knobs)
         err = {
             "recall": target.token_recall - got.token_recall,
             "cross": target.cross_domain_recall - got.cross_domain_recall,
             "cv": np.log(target.load_cv / got.load_cv),
-            "nmi": np.log(target.crosslayer_nmi / got.crosslayer_nmi),
             "max_mean": np.log(target.load_max_mean / got.load_max_mean),
+            "nmi": np.log(target.crosslayer_nmi / got.crosslayer_nmi),
         }
         loss = sum(float(np.sum(e**2)) for e in err.values())
         if loss < best_loss:
             best, best_loss = dict(knobs), loss
-        print(f"round {step}: " + ", ".join(f"{n}={knobs[n]}" for n in ROUTING_KNOBS + ("context_tail",)))
+        print(f"round {step}: " + ", ".join(f"{n}={knobs[n]}" for n in ROUTING_KNOBS))
         print(f"   loss {loss:.4f} errors " + ", ".join(f"{n}={np.round(e, 3)}" for n, e in err.items()), flush=True)
         k["token_scale"] *= np.exp(2.0 * err["cross"])
-        k["topic_scale"] *= np.exp(2.0 * (err["recall"] - err["cross"]))
-        k["expert_skew"] = np.maximum(k["expert_skew"] * np.exp(0.8 * err["cv"]), 0.02)
-        k["cluster_scale"] *= np.exp(0.5 * np.array([err["nmi"][0], err["nmi"][0], err["nmi"][1]]))
-        knobs["context_tail"] = float(np.clip(knobs["context_tail"] * np.exp(0.7 * err["max_mean"].mean()), 0.25, 4.0))
+        k["cluster_scale"] *= np.exp(2.0 * (err["recall"] - err["cross"]))
+        k["topic_scale"] *= np.exp(0.7 * err["max_mean"])
+        k["expert_skew"] *= np.exp(0.8 * err["cv"])
+        k["crosslayer_carry"] += 0.3 * np.array([err["nmi"][0], err["nmi"][0], err["nmi"][1]])
+        for name, (lo, hi) in KNOB_RANGE.items():
+            k[name] = np.clip(k[name], lo, hi)
     return best
 
 

@@ -2,5 +2,6 @@
 
 from moelayers.layers.base import MoELayerBase
 from moelayers.layers.vanilla import VanillaMoE
+from moelayers.layers.variability import VariabilityAwareMoE
 
-__all__ = ["MoELayerBase", "VanillaMoE"]
+__all__ = ["MoELayerBase", "VanillaMoE", "VariabilityAwareMoE"]

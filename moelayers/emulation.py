@@ -1,0 +1,313 @@
+"""Emulated GPU variability: make identical GPUs (or CPU processes) behave like slower ones.
+
+GEM (``VariabilityAwareMoE``) places experts so that every GPU *finishes* at the same time given its
+own latency curve. To show the effect on identical hardware, :func:`emulate_variability` stretches
+step 4 (the grouped-expert compute) of any moelayers layer on this rank. It hooks the layer's
+``experts`` module (no change to the layer class), so a baseline and a GEM layer run on the same
+slowed-down "hardware". Two modes:
+
+- ``'measured'`` (default): time this rank's grouped-expert compute (CUDA: events, and a
+  synchronize after it, only while emulation is on; CPU: ``perf_counter``) and add busy work of
+  ``(s - 1) x`` that time, ``s`` = this rank's slowdown factor. Faithful on GPUs; on a tiny CPU model
+  the compute is microseconds and drowned by Python and gloo overheads.
+- ``'curve'``: pad the compute to ``time_scale * C_rank(rows)`` seconds, ``rows`` = activations
+  this rank computes, ``C_rank`` = this rank's curve from ``moelayers.planning.gem.LatencyCurves``
+  (the curves the planner uses). Makes the effect visible on CPU, where measured compute is tiny.
+
+Waiting is a busy spin (``wait='spin'``, the default of ``'measured'``: busy work) or ``time.sleep``
+(``wait='sleep'``, the default of ``'curve'``: leaves the core to other processes when ranks share
+few CPU cores).
+
+Presets (``variability=high|moderate|low|none``), slowdown ``s_r`` of rank ``r`` of ``R``:
+``high``: ``1/0.88`` on rank 0, 1.0 elsewhere; ``moderate``: evenly spaced from ``1/0.88`` (rank 0)
+to 1.0 (rank ``R-1``); ``low`` and ``none``: 1.0 everywhere.
+
+:class:`VariabilitySettings` reads the recipes' ``variability`` / ``emulation`` config.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = ["VARIABILITY_PRESETS", "HIGH_SLOWDOWN", "slowdown_preset", "curve_latency", "emulate_variability",
+           "VariabilityEmulator", "VariabilitySettings"]
+
+VARIABILITY_PRESETS = ("high", "moderate", "low", "none")
+HIGH_SLOWDOWN = 1.0 / 0.88
+MODES = ("measured", "curve")
+WAITS = ("auto", "spin", "sleep")
+
+
+def slowdown_preset(name: str, num_ranks: int) -> list[float]:
+    """Per-rank slowdown factors ``[R]`` of a preset (see the module docstring).
+
+    Raises:
+        ValueError: unknown preset or ``num_ranks < 1``.
+    """
+    if name not in VARIABILITY_PRESETS:
+        raise ValueError(f"variability must be one of {VARIABILITY_PRESETS}, got {name!r}")
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+    if name == "high":
+        return [HIGH_SLOWDOWN] + [1.0] * (num_ranks - 1)
+    if name == "moderate":
+        return [float(v) for v in np.linspace(HIGH_SLOWDOWN, 1.0, num_ranks)] if num_ranks > 1 else [HIGH_SLOWDOWN]
+    return [1.0] * num_ranks
+
+
+def preset_curves(name: str, num_ranks: int) -> Any:
+    """``LatencyCurves.preset(name, num_ranks)`` from ``moelayers.planning.gem`` (imported lazily)."""
+    from moelayers.planning.gem import LatencyCurves
+
+    return LatencyCurves.preset(name, num_ranks)
+
+
+def load_curves(path: str) -> Any:
+    """Latency curves written by the profiler (``LatencyCurves.load``)."""
+    from moelayers.planning.gem import LatencyCurves
+
+    return LatencyCurves.load(path)
+
+
+def curve_latency(curves: Any, rank: int, num_ranks: int, rows: int) -> float:
+    """``C_rank(rows)`` in seconds: ``curves`` maps rows per rank ``[..., R]`` to seconds ``[..., R]``."""
+    rank_rows = np.zeros(num_ranks, dtype=np.float64)
+    rank_rows[rank] = rows
+    out = np.asarray(curves(rank_rows), dtype=np.float64)
+    if out.shape != (num_ranks,):
+        raise ValueError(f"curves returned shape {out.shape} for rows of shape ({num_ranks},)")
+    return float(out[rank])
+
+
+def _wait(seconds: float, how: str) -> None:
+    if seconds <= 0:
+        return
+    if how == "sleep":
+        time.sleep(seconds)
+        return
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
+
+
+@dataclass
+class VariabilityEmulator:
+    """Handle of an emulation hooked on one layer's ``experts`` (see :func:`emulate_variability`).
+
+    Attributes:
+        calls: expert computes seen; compute_s: their measured time (measured mode; 0 in curve
+            mode); added_s: seconds of emulated extra time in total; last_added_s: of the last call.
+    """
+
+    mode: str
+    rank: int
+    num_ranks: int
+    factor: float
+    curves: Any = None
+    time_scale: float = 1.0
+    wait: str = "spin"
+    calls: int = 0
+    compute_s: float = 0.0
+    added_s: float = 0.0
+    last_added_s: float = 0.0
+    _handles: list = field(default_factory=list, repr=False)
+    _start: Any = field(default=None, repr=False)
+
+    def _pre(self, module: nn.Module, args: tuple) -> None:
+        x = args[0]
+        if self.mode == "measured" and x.is_cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def _post(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        x = args[0]
+        if self.mode == "measured":
+            if x.is_cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                end.synchronize()
+                elapsed = self._start.elapsed_time(end) / 1e3
+            else:
+                elapsed = time.perf_counter() - self._start
+            extra = (self.factor - 1.0) * elapsed
+            self.compute_s += elapsed
+        else:
+            if x.is_cuda:
+                torch.cuda.current_stream(x.device).synchronize()
+            target = self.time_scale * curve_latency(self.curves, self.rank, self.num_ranks, int(x.shape[0]))
+            extra = target - (time.perf_counter() - self._start)
+        extra = max(extra, 0.0)
+        _wait(extra, self.wait)
+        self.calls += 1
+        self.added_s += extra
+        self.last_added_s = extra
+
+    def remove(self) -> None:
+        """Unhook: the layer computes at its own speed again."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def emulate_variability(layer: nn.Module, factor: float | None = None, *, mode: str = "measured",
+                        variability: str | None = None, curves: Any = None, time_scale: float = 1.0,
+                        wait: str = "auto", rank: int | None = None, num_ranks: int | None = None
+                        ) -> VariabilityEmulator:
+    """Slow down step 4 (grouped-expert compute) of ``layer`` on this rank.
+
+    Args:
+        layer: any module with an ``experts`` submodule called as ``experts(x [N, H], slot_counts [S])``
+            (every moelayers layer) and, unless ``rank``/``num_ranks`` are given, ``groups``.
+        factor: measured mode: this rank's slowdown ``s >= 1`` (default: from ``variability``).
+        mode: ``'measured'`` (extra ``(s - 1) x`` measured compute time) or ``'curve'`` (pad the
+            compute to ``time_scale * C_rank(rows)``).
+        variability: preset name (``high|moderate|low|none``) for the default factor or curves.
+        curves: curve mode: a ``LatencyCurves`` (default: ``LatencyCurves.preset(variability, R)``).
+        time_scale: curve mode: multiplies the curve latencies (e.g. to bring GPU-sized curves to the
+            scale of a CPU run).
+        wait: ``'spin'`` | ``'sleep'`` | ``'auto'`` (spin in measured mode, sleep in curve mode).
+        rank, num_ranks: this rank and the expert-parallel size (default: ``layer.groups``).
+
+    Returns:
+        The :class:`VariabilityEmulator` (``.remove()`` unhooks it).
+
+    Raises:
+        ValueError: bad arguments, or a layer that replays CUDA graphs (hooks cannot run there).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if wait not in WAITS:
+        raise ValueError(f"wait must be one of {WAITS}, got {wait!r}")
+    experts = getattr(layer, "experts", None)
+    if not isinstance(experts, nn.Module):
+        raise TypeError(f"{type(layer).__name__} has no `experts` module to slow down")
+    if getattr(layer, "cuda_graph", False):
+        raise ValueError("variability emulation needs eager forwards: build the layer with cuda_graph=False")
+    if rank is None or num_ranks is None:
+        groups = getattr(layer, "groups", None)
+        if groups is None:
+            raise ValueError("pass rank= and num_ranks= for a layer without `groups`")
+        rank = groups.ep_rank if rank is None else rank
+        num_ranks = groups.ep_size if num_ranks is None else num_ranks
+    if not 0 <= rank < num_ranks:
+        raise ValueError(f"rank {rank} is outside [0, {num_ranks})")
+    if not time_scale > 0:
+        raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    if mode == "measured":
+        if factor is None:
+            if variability is None:
+                raise ValueError("measured mode needs factor= or variability=")
+            factor = slowdown_preset(variability, num_ranks)[rank]
+        if not factor >= 1.0:
+            raise ValueError(f"slowdown factor must be >= 1, got {factor}")
+    else:
+        if factor is not None:
+            raise ValueError("curve mode takes its times from curves=, not factor=")
+        if curves is None:
+            if variability is None:
+                raise ValueError("curve mode needs curves= or variability=")
+            curves = preset_curves(variability, num_ranks)
+        factor = 1.0
+    wait = ("spin" if mode == "measured" else "sleep") if wait == "auto" else wait
+    emu = VariabilityEmulator(mode, rank, num_ranks, float(factor), curves, float(time_scale), wait)
+    emu._handles = [experts.register_forward_pre_hook(emu._pre), experts.register_forward_hook(emu._post)]
+    return emu
+
+
+@dataclass
+class VariabilitySettings:
+    """The recipes' variability settings.
+
+    Config (both keys optional)::
+
+        variability: high            # a preset name, or {name: high, curves: {path: curves.npz}}
+        emulation:                   # slow the ranks down accordingly (any layer)
+          mode: measured             # measured | curve | off
+          time_scale: 1.0            # curve mode: multiplies the curve latencies
+          wait: auto                 # auto | spin | sleep
+
+    Attributes:
+        name: preset name; curves_path: profiled curves (``LatencyCurves.load``) or ``None``;
+        mode, time_scale, wait: of the emulation (``mode='off'``: none).
+    """
+
+    name: str = "none"
+    curves_path: str | None = None
+    mode: str = "measured"
+    time_scale: float = 1.0
+    wait: str = "auto"
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "VariabilitySettings":
+        """From a recipe config dict (keys ``variability`` and ``emulation``).
+
+        Raises:
+            ValueError: unknown preset, mode or wait, or a malformed entry.
+        """
+        var = cfg.get("variability") or "none"
+        if isinstance(var, str):
+            name, path = var, None
+        elif isinstance(var, dict):
+            name = var.get("name") or "none"
+            path = (var.get("curves") or {}).get("path") if isinstance(var.get("curves"), dict) else None
+        else:
+            raise ValueError(f"variability must be a preset name or a dict with `name`, got {var!r}")
+        emu = cfg.get("emulation") or {}
+        if not isinstance(emu, dict):
+            raise ValueError(f"emulation must be a dict (mode, time_scale, wait), got {emu!r}")
+        unknown = set(emu) - {"mode", "time_scale", "wait"}
+        if unknown:
+            raise ValueError(f"unknown emulation key(s) {sorted(unknown)}: use mode, time_scale, wait")
+        out = cls(str(name), path, str(emu.get("mode", "measured")), float(emu.get("time_scale", 1.0)),
+                  str(emu.get("wait", "auto")))
+        if out.name not in VARIABILITY_PRESETS:
+            raise ValueError(f"variability must be one of {VARIABILITY_PRESETS}, got {out.name!r}")
+        if out.mode not in MODES + ("off",):
+            raise ValueError(f"emulation.mode must be measured, curve or off, got {out.mode!r}")
+        if out.wait not in WAITS:
+            raise ValueError(f"emulation.wait must be one of {WAITS}, got {out.wait!r}")
+        if not out.time_scale > 0:
+            raise ValueError(f"emulation.time_scale must be > 0, got {out.time_scale}")
+        return out
+
+    def curves(self, num_ranks: int) -> Any:
+        """The latency curves: loaded from ``curves_path``, else the preset's."""
+        return load_curves(self.curves_path) if self.curves_path else preset_curves(self.name, num_ranks)
+
+    def layer_config(self, layer_cfg: dict, num_ranks: int) -> dict:
+        """``layer_cfg`` (``cls``, ``kwargs``) with ``variability`` (and ``curves`` when profiled) added
+        to the kwargs of a layer class that takes them; other layers are returned unchanged."""
+        import importlib
+
+        mod, _, name = layer_cfg["cls"].rpartition(".")
+        params = inspect.signature(getattr(importlib.import_module(mod), name)).parameters
+        if "variability" not in params:
+            return layer_cfg
+        kwargs = dict(layer_cfg.get("kwargs") or {}, variability=self.name)
+        if self.curves_path:
+            kwargs["curves"] = self.curves(num_ranks)
+        return dict(layer_cfg, kwargs=kwargs)
+
+    def apply(self, layers: Sequence[nn.Module]) -> list[VariabilityEmulator]:
+        """Hook the emulation on every layer (none when ``mode='off'``, or in measured mode when this
+        rank's slowdown is 1)."""
+        if self.mode == "off" or not layers:
+            return []
+        groups = layers[0].groups
+        if self.mode == "measured":
+            factor = slowdown_preset(self.name, groups.ep_size)[groups.ep_rank]
+            if factor == 1.0:
+                return []
+            return [emulate_variability(layer, factor, wait=self.wait) for layer in layers]
+        curves = self.curves(groups.ep_size)
+        return [emulate_variability(layer, mode="curve", curves=curves, time_scale=self.time_scale, wait=self.wait)
+                for layer in layers]

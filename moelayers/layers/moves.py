@@ -1,0 +1,254 @@
+"""Transactional expert-weight moves between ranks (a placement change while serving).
+
+:func:`move_expert_weights` changes a layer's placement in five steps; every rank runs them::
+
+    1 prepare   validate the new placement locally (type, E/R/S, validate()), work out this rank's
+                sends/receives from old.moves_to(new), allocate staging for the slots that change
+    2 vote      all_reduce MIN of a per-rank ok flag (+ a digest of both placements, so ranks that
+                were handed different placements abort too) -- BEFORE any point-to-point traffic
+    3 stage     point-to-point exchange (batch_isend_irecv; gloo and NCCL) straight from the live
+                slots into staging buffers; same-rank moves are copied into staging as well
+    4 vote      the optional fault hook runs on every rank; a second all_reduce MIN of the ok flags
+    5 commit    only if every rank is ok: staging -> live slots, emptied slots zeroed, the layer's
+                placement set, its dispatcher rebuilt, its CUDA graph dropped; otherwise staging is
+                discarded and every rank raises the same error naming the failing ranks
+
+So a placement is either applied on every rank or on none: never a mix. Memory: staging holds only
+the slots that change on this rank, at most one layer's expert weights (``S`` slots). Sends read
+the live slots directly (each slot is a contiguous ``[2F, H]`` / ``[H, F]`` block), without copies.
+The death of a process is out of scope (a dead peer makes the collectives fail or time out).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from moelayers.placement import ExpertPlacement, SlotMove
+
+_NEUTRAL = torch.iinfo(torch.int64).max  # a failing rank's digest entries: no effect under MIN
+
+
+class PlacementMoveError(RuntimeError):
+    """A placement change was aborted on every rank; the old placement keeps serving.
+
+    Attributes:
+        failing_ranks: expert-parallel ranks that reported a failure (empty when the ranks were
+            handed different placements).
+        stage: ``'validate'`` (before any transfer) or ``'staging'`` (after the exchange).
+    """
+
+    def __init__(self, message: str, failing_ranks: list[int], stage: str):
+        super().__init__(message)
+        self.failing_ranks, self.stage = failing_ranks, stage
+
+
+class PlacementRejected(PlacementMoveError, ValueError):
+    """The new placement was rejected before any transfer (bad input on some rank)."""
+
+
+@dataclass
+class _Plan:
+    """This rank's part of a move.
+
+    Attributes:
+        slots: ``[n]`` local slots whose expert changes (staging row ``i`` is for ``slots[i]``).
+        local: ``(staging row, source slot)`` copies within this rank.
+        recv: ``(staging row, source rank, move index)`` receives.
+        send: ``(source slot, destination rank, move index)`` sends.
+        emptied: local slots that hold an expert now and none in the new placement.
+    """
+
+    slots: list[int] = field(default_factory=list)
+    local: list[tuple[int, int]] = field(default_factory=list)
+    recv: list[tuple[int, int, int]] = field(default_factory=list)
+    send: list[tuple[int, int, int]] = field(default_factory=list)
+    emptied: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Staging:
+    """Received weights waiting for the commit (what the fault hook sees).
+
+    Attributes:
+        slots: local slots to overwrite; w13: ``[n, 2F, H]``; w2: ``[n, H, F]`` (row ``i`` for ``slots[i]``).
+    """
+
+    rank: int
+    slots: list[int]
+    w13: torch.Tensor
+    w2: torch.Tensor
+
+
+def check_new_placement(old: ExpertPlacement, new: Any) -> None:
+    """Raise unless ``new`` can replace ``old``: an :class:`ExpertPlacement` with the same number of
+    experts, ranks and slots per rank that passes ``validate()``.
+
+    Raises:
+        TypeError: ``new`` is not an ExpertPlacement.
+        ValueError: a shape differs or ``new`` is invalid.
+    """
+    if not isinstance(new, ExpertPlacement):
+        raise TypeError(f"the new placement must be an ExpertPlacement, got {type(new).__name__}")
+    for what, a, b in (("experts", old.num_experts, new.num_experts), ("ranks", old.num_ranks, new.num_ranks),
+                       ("slots per rank", old.slots_per_rank, new.slots_per_rank)):
+        if a != b:
+            raise ValueError(f"the new placement has {b} {what}, the layer's has {a}")
+    new.validate()
+
+
+def placement_digest(old: ExpertPlacement, new: ExpertPlacement) -> int:
+    """A 56-bit digest of both placements (equal on every rank iff they were handed the same ones)."""
+    h = hashlib.blake2b(digest_size=7)
+    for p in (old, new):
+        h.update(str((p.num_experts,) + tuple(p.phy2log.shape)).encode())
+        h.update(p.phy2log.contiguous().numpy().tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def local_plan(moves: list[SlotMove], old: ExpertPlacement, new: ExpertPlacement, rank: int) -> _Plan:
+    """This rank's staging rows, copies, receives and sends for ``moves`` (``old.moves_to(new)``)."""
+    plan = _Plan()
+    for i, m in enumerate(moves):
+        if m.dst_rank == rank:
+            row = len(plan.slots)
+            plan.slots.append(m.dst_slot)
+            if m.src_rank == rank:
+                plan.local.append((row, m.src_slot))
+            else:
+                plan.recv.append((row, m.src_rank, i))
+        elif m.src_rank == rank:
+            plan.send.append((m.src_slot, m.dst_rank, i))
+    plan.emptied = [s for s in range(new.slots_per_rank)
+                    if int(new.phy2log[rank, s]) < 0 and int(old.phy2log[rank, s]) >= 0]
+    return plan
+
+
+def _comm_device(group, fallback: torch.device) -> torch.device:
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return fallback if fallback.type == "cpu" else torch.device("cpu")
+
+
+def _vote(group, size: int, rank: int, ok: bool, digest: int, device: torch.device) -> tuple[list[int], bool]:
+    """All-reduce MIN of ``[ok per rank..., digest, -digest]``: ``(failing ranks, digests agree)``."""
+    vec = torch.ones(size + 2, dtype=torch.int64)
+    vec[rank] = int(ok)
+    vec[size], vec[size + 1] = (digest, -digest) if ok else (_NEUTRAL, _NEUTRAL)
+    if group is not None:
+        vec = vec.to(device)
+        dist.all_reduce(vec, op=dist.ReduceOp.MIN, group=group)
+        vec = vec.cpu()
+    flags = vec[:size].tolist()
+    failing = [r for r, f in enumerate(flags) if not f]
+    agree = failing != [] or int(vec[size]) == -int(vec[size + 1])
+    return failing, agree
+
+
+def _exchange(plan: _Plan, staging: Staging, w13: torch.Tensor, w2: torch.Tensor, group) -> None:
+    """Fill ``staging``: same-rank copies, then one batch of isend/irecv (ordered by move index on
+    both sides, tags = move index, so gloo and NCCL match the same pairs)."""
+    for row, src in plan.local:
+        staging.w13[row].copy_(w13[src])
+        staging.w2[row].copy_(w2[src])
+    if group is None:
+        if plan.recv or plan.send:
+            raise RuntimeError("a single-process layer cannot move weights between ranks")
+        return
+    ops = []
+    events = [(i, "recv", row, peer) for row, peer, i in plan.recv] + [(i, "send", slot, peer) for slot, peer, i in plan.send]
+    for i, kind, idx, peer in sorted(events):
+        gpeer = dist.get_global_rank(group, peer)
+        if kind == "recv":
+            ops.append(dist.P2POp(dist.irecv, staging.w13[idx], gpeer, group, tag=2 * i))
+            ops.append(dist.P2POp(dist.irecv, staging.w2[idx], gpeer, group, tag=2 * i + 1))
+        else:
+            ops.append(dist.P2POp(dist.isend, w13[idx], gpeer, group, tag=2 * i))
+            ops.append(dist.P2POp(dist.isend, w2[idx], gpeer, group, tag=2 * i + 1))
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+
+
+def _fail(stage: str, failing: list[int], agree: bool, old: ExpertPlacement, cause: BaseException | None) -> None:
+    if failing:
+        what = "rejected the new placement" if stage == "validate" else "failed while staging the weights"
+        msg = (f"placement change aborted on every rank: rank(s) {failing} {what}; the old placement "
+               f"({old!r}) keeps serving and no weights changed")
+    else:
+        msg = ("placement change aborted on every rank: the ranks were handed different placements "
+               "(every rank must pass the same one); the old placement keeps serving")
+    cls = PlacementRejected if stage == "validate" else PlacementMoveError
+    raise cls(msg, failing, stage) from cause
+
+
+@torch.no_grad()
+def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging], None] | None = None) -> list[SlotMove]:
+    """Change ``layer``'s placement to ``new``, moving expert weights between ranks transactionally.
+
+    Every rank of the layer's expert-parallel group must call this together (with the same ``new``).
+
+    Args:
+        layer: a :class:`~moelayers.layers.base.MoELayerBase` (uses ``placement``, ``experts``,
+            ``groups``, ``_make_dispatcher`` and ``release_graphs``).
+        new: the new placement.
+        fault_hook: called on this rank with the :class:`Staging` after the exchange; raising
+            aborts the move on every rank (used by tests to inject faults).
+
+    Returns:
+        The slot moves that were carried out (all ranks').
+
+    Raises:
+        PlacementRejected: some rank rejected ``new`` (its own reason chained as ``__cause__``), or the
+            ranks passed different placements; raised on every rank before any transfer.
+        PlacementMoveError: some rank failed after staging; raised on every rank, nothing committed.
+    """
+    old, groups = layer.placement, layer.groups
+    group, size, rank = groups.ep, groups.ep_size, groups.ep_rank
+    w13, w2 = layer.experts.w13, layer.experts.w2
+    device = _comm_device(group, w13.device)
+
+    # 1 prepare (everything that can fail locally happens before the first vote)
+    cause, plan, staging, moves, digest = None, None, None, [], 0
+    try:
+        check_new_placement(old, new)
+        digest = placement_digest(old, new)
+        moves = old.moves_to(new)
+        plan = local_plan(moves, old, new, rank)
+        n = len(plan.slots)
+        staging = Staging(rank, plan.slots, w13.new_empty((n,) + tuple(w13.shape[1:])),
+                          w2.new_empty((n,) + tuple(w2.shape[1:])))
+    except Exception as e:  # noqa: BLE001 - reported through the vote, re-raised below as the cause
+        cause = e
+    # 2 vote before any point-to-point traffic
+    failing, agree = _vote(group, size, rank, cause is None, digest, device)
+    if failing or not agree:
+        _fail("validate", failing, agree, old, cause)
+    # 3 stage: every rank takes part
+    _exchange(plan, staging, w13, w2, group)
+    # 4 fault hook, second vote
+    try:
+        if fault_hook is not None:
+            fault_hook(staging)
+    except Exception as e:  # noqa: BLE001 - reported through the vote
+        cause = e
+    failing, _ = _vote(group, size, rank, cause is None, digest, device)
+    if failing:
+        del staging
+        _fail("staging", failing, True, old, cause)
+    # 5 commit
+    if plan.slots:
+        idx = torch.tensor(plan.slots, dtype=torch.int64, device=w13.device)
+        w13.index_copy_(0, idx, staging.w13)
+        w2.index_copy_(0, idx, staging.w2)
+    for s in plan.emptied:
+        w13[s].zero_()
+        w2[s].zero_()
+    layer.release_graphs()
+    layer.placement = new
+    layer.dispatcher = layer._make_dispatcher()
+    return moves

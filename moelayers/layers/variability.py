@@ -1,0 +1,250 @@
+"""`VariabilityAwareMoE` (GEM): place experts so that every GPU finishes at the same time.
+
+GPUs of one model differ in speed (GEM measures up to ~12% between nominally identical parts).
+The layer records the expert loads it serves, and a GEM search (``moelayers.planning.gem``) picks
+the expert -> rank assignment minimising the predicted step time ``max_r C_r(rows_r)`` under
+each rank's latency curve ``C_r``. The new placement is applied while serving by moving expert
+weights point-to-point between the ranks that exchange experts (``apply_placement``, transactional:
+see :mod:`moelayers.layers.moves`). Routing, dispatch and expert math are the base's: outputs
+equal the dense reference before and after a move.
+
+Load recording: after each forward, this rank's per-step logical expert counts ``[E]`` go into a
+ring buffer of ``window`` steps (on the layer's device, no host sync). Re-planning sums the buffer
+over the expert-parallel ranks (one all_reduce of ``[window, E]``), plans on rank 0 and broadcasts
+the result, so every rank applies the same placement.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from moelayers.config import MoEConfig
+from moelayers.groups import ParallelGroups
+from moelayers.layers.base import MoELayerBase
+from moelayers.layers.moves import PlacementMoveError, Staging, move_expert_weights
+from moelayers.placement import ExpertPlacement
+
+Planner = Callable[..., Any]  # (loads [steps, E], curves, *, restarts, seed) -> expert_rank [E]
+
+
+class VariabilityAwareMoE(MoELayerBase):
+    """Expert-parallel MoE layer that re-places its experts for heterogeneous GPU speeds (GEM).
+
+    Args:
+        config, groups, placement: as every layer (placement default: linear).
+        curves: latency curves of the ranks (``moelayers.planning.gem.LatencyCurves``); default
+            ``LatencyCurves.preset(variability, ep_size)``, built on first use.
+        variability: preset for the default curves: ``'high' | 'moderate' | 'low' | 'none'``.
+        window: steps of expert loads kept for planning.
+        auto_replan: re-plan once when the window first fills, then every ``replan_every`` steps
+            (if set).
+        replan_every: steps between automatic re-plans after the first (needs ``auto_replan``).
+        planner: ``planner(loads [steps, E], curves, *, restarts, seed) -> expert_rank [E]``, run on
+            rank 0 only (default: ``moelayers.planning.gem.plan_gem``).
+        restarts, plan_seed: passed to the planner as ``restarts`` and ``seed``.
+        record_loads: keep the load window (forwards replayed from a CUDA graph expose no routing:
+            ``cuda_graph=True`` needs ``record_loads=False``; plan with ``replan(loads=...)``).
+        slowdown: emulated variability (measured mode of :func:`moelayers.emulation.emulate_variability`):
+            this rank's factor ``s >= 1``, or one factor per expert-parallel rank ``[R]``; ``None``: none.
+            It slows the hardware down; the planner still uses ``curves``.
+        **kwargs: the rest of :class:`MoELayerBase`'s arguments (dispatcher, device, seed, ...).
+
+    Attributes:
+        num_replans: placement changes made by :meth:`replan`.
+        steps: forwards recorded so far.
+
+    Example:
+        >>> layer = VariabilityAwareMoE(cfg, groups, variability="high", window=16, auto_replan=True)
+        >>> y = layer(x)                        # every rank, every step; re-plans after 16 steps
+        >>> layer.apply_placement(placement)    # or move explicitly (every rank, same placement)
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        groups: ParallelGroups,
+        *,
+        placement: ExpertPlacement | None = None,
+        curves: Any = None,
+        variability: str = "none",
+        window: int = 16,
+        replan_every: int | None = None,
+        auto_replan: bool = False,
+        planner: Planner | None = None,
+        restarts: int = 8,
+        plan_seed: int = 0,
+        record_loads: bool = True,
+        slowdown: float | list[float] | None = None,
+        **kwargs: Any,
+    ):
+        from moelayers.emulation import VARIABILITY_PRESETS
+
+        if variability not in VARIABILITY_PRESETS:
+            raise ValueError(f"variability must be one of {VARIABILITY_PRESETS}, got {variability!r}")
+        for name, v in (("window", window), ("restarts", restarts)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if replan_every is not None:
+            if isinstance(replan_every, bool) or not isinstance(replan_every, int) or replan_every < 1:
+                raise ValueError(f"replan_every must be a positive int or None, got {replan_every!r}")
+            if not auto_replan:
+                raise ValueError("replan_every needs auto_replan=True")
+        if auto_replan and not record_loads:
+            raise ValueError("auto_replan needs record_loads=True (it plans from the recorded window)")
+        if record_loads and kwargs.get("cuda_graph"):
+            raise ValueError("cuda_graph=True forwards expose no routing to record: pass record_loads=False "
+                             "and plan with replan(loads=...)")
+        if planner is not None and not callable(planner):
+            raise TypeError(f"planner must be callable, got {type(planner).__name__}")
+        super().__init__(config, groups, placement=placement, **kwargs)
+        self.curves, self.variability = curves, variability
+        self.window, self.replan_every, self.auto_replan = window, replan_every, auto_replan
+        self.planner, self.restarts, self.plan_seed = planner, restarts, plan_seed
+        self.record_loads = record_loads
+        self.steps, self.num_replans = 0, 0
+        self._loads = torch.zeros(window, config.num_experts, dtype=torch.int64, device=self.router.weight.device)
+        self._staging_fault_hook: Callable[[Staging], None] | None = None
+        self.emulator = None
+        if slowdown is not None:
+            from moelayers.emulation import emulate_variability
+
+            if isinstance(slowdown, (list, tuple)):
+                if len(slowdown) != groups.ep_size:
+                    raise ValueError(f"slowdown has {len(slowdown)} factors for {groups.ep_size} ranks")
+                slowdown = slowdown[groups.ep_rank]
+            self.emulator = emulate_variability(self, float(slowdown))
+
+    # ------------------------------------------------------------------ forward + load recording
+    def forward(self, x: torch.Tensor, *, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The base forward, then record this step's expert loads (and re-plan when due).
+
+        Args:
+            x: ``[T, H]`` or ``[S, B, H]``; token_ids: optional ``[T]`` / ``[S, B]``.
+
+        Returns:
+            ``y`` with the shape of ``x``.
+        """
+        y = super().forward(x, token_ids=token_ids)
+        if self.record_loads:
+            self._record(self.last_topk_ids)
+            if self._replan_due():
+                self.replan()
+        return y
+
+    @torch.no_grad()
+    def _record(self, topk_ids: torch.Tensor) -> None:
+        row = self._loads[self.steps % self.window]
+        row.zero_()
+        ids = topk_ids.reshape(-1).to(device=row.device, dtype=torch.int64)
+        row.index_add_(0, ids, torch.ones_like(ids))
+        self.steps += 1
+
+    def _replan_due(self) -> bool:
+        if not self.auto_replan or self.steps < self.window:
+            return False
+        if self.steps == self.window:
+            return True
+        return self.replan_every is not None and (self.steps - self.window) % self.replan_every == 0
+
+    def window_loads(self) -> torch.Tensor:
+        """This rank's recorded loads ``[min(steps, window), E]`` (int64, CPU), oldest step first."""
+        n = min(self.steps, self.window)
+        order = [(self.steps - n + i) % self.window for i in range(n)]
+        return self._loads[order].cpu()
+
+    def global_window_loads(self) -> torch.Tensor:
+        """The window summed over the expert-parallel ranks ``[min(steps, window), E]`` (int64, CPU).
+
+        A collective over ``groups.ep`` (one all_reduce of ``[window, E]``): call it on every rank.
+        """
+        n = min(self.steps, self.window)
+        order = [(self.steps - n + i) % self.window for i in range(n)]
+        loads = self._loads.clone()
+        if self.groups.ep is not None:
+            loads = loads.to(self._comm_device())
+            dist.all_reduce(loads, group=self.groups.ep)
+        return loads[order].cpu()
+
+    # ------------------------------------------------------------------ planning
+    def latency_curves(self) -> Any:
+        """The curves the planner uses (the preset's unless given)."""
+        if self.curves is None:
+            from moelayers.planning.gem import LatencyCurves
+
+            self.curves = LatencyCurves.preset(self.variability, self.groups.ep_size)
+        return self.curves
+
+    def replan(self, loads: torch.Tensor | None = None) -> ExpertPlacement:
+        """Plan a placement on rank 0, broadcast it and apply it on every rank (a collective).
+
+        Args:
+            loads: ``[steps, E]`` global expert loads (identical on every rank); default: the
+                recorded window summed over ranks.
+
+        Returns:
+            The placement now serving (the same on every rank).
+
+        Raises:
+            PlacementMoveError: the planner failed on rank 0 (raised on every rank), or the move
+                was aborted; the old placement keeps serving.
+        """
+        e, r = self.config.num_experts, self.groups.ep_size
+        if loads is None:
+            loads = self.global_window_loads()
+        msg = torch.zeros(e + 1, dtype=torch.int64)
+        cause = None
+        if self.groups.ep_rank == 0:
+            try:
+                if loads.dim() != 2 or loads.shape[1] != e or loads.shape[0] < 1:
+                    raise ValueError(f"loads must be [steps >= 1, {e}], got {list(loads.shape)}")
+                planner = self.planner
+                if planner is None:
+                    from moelayers.planning.gem import plan_gem as planner
+                expert_rank = torch.as_tensor(planner(loads.cpu().to(torch.float64).numpy(), self.latency_curves(),
+                                                      restarts=self.restarts, seed=self.plan_seed))
+                expert_rank = expert_rank.to(torch.int64).reshape(-1).cpu()
+                if expert_rank.numel() != e or int(expert_rank.min()) < 0 or int(expert_rank.max()) >= r:
+                    raise ValueError(f"the planner returned {expert_rank.tolist()}: expected [{e}] ranks in [0, {r})")
+                msg[0], msg[1:] = 1, expert_rank
+            except Exception as exc:  # noqa: BLE001 - broadcast as a failure, raised on every rank below
+                cause = exc
+        if self.groups.ep is not None:
+            msg = msg.to(self._comm_device())
+            dist.broadcast(msg, src=dist.get_global_rank(self.groups.ep, 0), group=self.groups.ep)
+            msg = msg.cpu()
+        if not int(msg[0]):
+            raise PlacementMoveError("re-planning failed on rank 0 (the planner raised or returned a bad plan); "
+                                     "the old placement keeps serving", [0], "plan") from cause
+        new = ExpertPlacement.from_expert_rank(msg[1:], num_ranks=r, slots_per_rank=self.placement.slots_per_rank)
+        if new != self.placement:
+            self.apply_placement(new)
+        self.num_replans += 1
+        return self.placement
+
+    # ------------------------------------------------------------------ moves
+    def apply_placement(self, placement: ExpertPlacement) -> None:
+        """Move expert weights to ``placement`` while serving (a collective over ``groups.ep``).
+
+        Transactional: validated and voted on before any transfer, staged, voted on again, then
+        committed on every rank or on none (see :func:`moelayers.layers.moves.move_expert_weights`).
+        Outputs are unchanged: each logical expert's weights move with it; the router stays in
+        logical order. At most one layer's expert weights of extra memory (only changing slots).
+
+        Raises:
+            PlacementRejected: bad input on some rank (wrong experts/ranks/slots, invalid, or
+                different placements across ranks); raised on every rank.
+            PlacementMoveError: a failure while staging on some rank; raised on every rank.
+        """
+        move_expert_weights(self, placement, fault_hook=self._staging_fault_hook)
+
+    def _comm_device(self) -> torch.device:
+        if self.groups.ep is not None and dist.get_backend(self.groups.ep) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def extra_repr(self) -> str:
+        return (super().extra_repr() + f", variability={self.variability}, window={self.window}, "
+                f"auto_replan={self.auto_replan}, replan_every={self.replan_every}")

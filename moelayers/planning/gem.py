@@ -1,0 +1,328 @@
+"""GEM: variability-aware expert placement — latency curves, the score, and the planners' entry points.
+
+Each rank ``r`` (GPU) has its own latency curve ``C_r(n)``: seconds to compute ``n`` (token,
+expert) rows of its experts in one step. A placement ``expert_rank [E]`` (equal experts per rank)
+is scored on per-step loads ``loads [steps, E]`` by the time the slowest rank finishes, summed
+over steps::
+
+    S(M) = sum_steps max_rank C_rank(rows_rank(M, step)),   rows_rank = sum of its experts' loads
+
+Curve file format (written by ``recipes/profile.py``, read by :meth:`LatencyCurves.load`), npz:
+
+=============  ==========  ==================================================================
+key            shape       meaning
+=============  ==========  ==================================================================
+``rows``       ``[N]``     int sample points (rows per rank per step), strictly ascending, ``N >= 2``
+``latency_s``  ``[R, N]``  float seconds per rank at each sample, finite, ``>= 0``, non-decreasing
+=============  ==========  ==================================================================
+
+Between samples the latency is interpolated linearly, beyond the last sample extrapolated linearly
+from the last two, below the first sample held at the first value. Synthetic ("tiled") curves
+``C_r(n) = s_r * (base + per_tile * ceil(n / tile))`` are evaluated exactly; their file also holds
+the optional keys ``tile``, ``base_s``, ``per_tile_s`` (scalars) and ``scale [R]``.
+
+The search itself lives in :mod:`moelayers.planning.gem_search`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from moelayers.planning.steps import DEFAULT_TOKENS_PER_STEP, rank_rows, trace_step_loads
+
+__all__ = [
+    "LatencyCurves", "PRESETS", "score", "score_layers", "evaluate", "plan_linear", "plan_gem", "check_expert_rank",
+]
+
+SLOW_FACTOR = 1.0 / 0.88  # the slow rank of the synthetic presets runs at 88 % speed
+BASE_S = 20e-6
+PER_TILE_S = 10e-6
+TILE_ROWS = 128
+PRESETS = ("high", "moderate", "low", "none")
+_TILED_MAX_ROWS = 1 << 17  # samples of a tiled curve cover this many rows (the formula is exact beyond)
+
+
+class LatencyCurves:
+    """Per-rank latency as a function of the rows a rank computes in one step.
+
+    Construct from samples (``LatencyCurves(rows, latency_s)``, :meth:`load`) or analytically
+    (:meth:`tiled`, :meth:`preset`). Call it on ``rank_rows [..., R]`` to get ``[..., R]`` seconds.
+
+    Args:
+        rows: ``[N]`` int sample points, strictly ascending, ``>= 0``, ``N >= 2``.
+        latency_s: ``[R, N]`` seconds per rank at the samples (finite, ``>= 0``, non-decreasing in rows).
+        source: names the curves in error messages.
+
+    Raises:
+        ValueError: any of the above is violated (the message names the problem).
+    """
+
+    def __init__(self, rows: np.ndarray, latency_s: np.ndarray, *, source: str = "<memory>") -> None:
+        rows_a, lat = np.asarray(rows), np.asarray(latency_s)
+        if rows_a.ndim != 1 or rows_a.shape[0] < 2:
+            raise ValueError(f"{source}: latency curve 'rows' must be 1-D with >= 2 samples, got shape {list(rows_a.shape)}")
+        if rows_a.dtype.kind not in "iuf" or not np.all(np.isfinite(rows_a)) or np.any(rows_a != np.round(rows_a)):
+            raise ValueError(f"{source}: latency curve 'rows' must be integers")
+        if rows_a.min() < 0:
+            raise ValueError(f"{source}: latency curve 'rows' must be >= 0, found {rows_a.min()}")
+        if np.any(np.diff(rows_a) <= 0):
+            raise ValueError(f"{source}: latency curve 'rows' must be strictly ascending")
+        if lat.ndim != 2 or lat.shape[1] != rows_a.shape[0] or lat.shape[0] < 1:
+            raise ValueError(f"{source}: 'latency_s' must be [R, N={rows_a.shape[0]}], got shape {list(lat.shape)}")
+        if lat.dtype.kind not in "iuf" or not np.all(np.isfinite(lat)):
+            raise ValueError(f"{source}: 'latency_s' must be finite numbers")
+        if (lat < 0).any():
+            r, n = np.argwhere(lat < 0)[0]
+            raise ValueError(f"{source}: negative latency {lat[r, n]:.3g} s on rank {r} at {int(rows_a[n])} rows")
+        if (np.diff(lat, axis=1) < 0).any():
+            r, n = np.argwhere(np.diff(lat, axis=1) < 0)[0]
+            raise ValueError(f"{source}: latency curve of rank {r} is not monotone (non-decreasing): "
+                             f"{lat[r, n]:.4g} s at {int(rows_a[n])} rows > {lat[r, n + 1]:.4g} s at {int(rows_a[n + 1])} rows")
+        self.rows = rows_a.astype(np.int64)
+        self.latency_s = lat.astype(np.float64)
+        self._x = self.rows.astype(np.float64)
+        self._slope = np.diff(self.latency_s, axis=1) / np.diff(self._x)  # [R, N-1]
+        self._tiled: tuple[np.ndarray, float, float, int] | None = None  # (scale [R], base_s, per_tile_s, tile)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def tiled(cls, scale: np.ndarray, *, base_s: float = BASE_S, per_tile_s: float = PER_TILE_S,
+              tile: int = TILE_ROWS) -> LatencyCurves:
+        """Synthetic curves ``C_r(n) = scale[r] * (base_s + per_tile_s * ceil(n / tile))``, exact.
+
+        Args:
+            scale: ``[R]`` slowdown of each rank (``1`` = nominal, ``1/0.88`` = 12 % slower).
+        """
+        scale = np.asarray(scale, dtype=np.float64).reshape(-1)
+        if scale.size < 1 or not np.all(np.isfinite(scale)) or (scale <= 0).any():
+            raise ValueError(f"tiled curves: scale must be [R] positive finite values, got {scale}")
+        if tile < 1 or base_s < 0 or per_tile_s < 0:
+            raise ValueError(f"tiled curves: need tile >= 1, base_s >= 0, per_tile_s >= 0 (got {tile}, {base_s}, {per_tile_s})")
+        k = np.arange(_TILED_MAX_ROWS // tile + 1)
+        rows = np.unique(np.concatenate([[0], k[1:] * tile - tile + 1, k[1:] * tile]))  # 0, 1, t, t+1, 2t, ...
+        lat = scale[:, None] * (base_s + per_tile_s * np.ceil(rows / tile))[None, :]
+        out = cls(rows, lat, source="tiled curves")
+        out._tiled = (scale, float(base_s), float(per_tile_s), int(tile))
+        return out
+
+    @classmethod
+    def preset(cls, name: str, num_ranks: int) -> LatencyCurves:
+        """Synthetic tiled curves ``s_r * (20 us + 10 us * ceil(n / 128))`` for a variability preset.
+
+        Args:
+            name: ``high`` (rank 0 at 88 % speed: ``s_0 = 1/0.88``, others 1), ``moderate`` (``s``
+                evenly spaced from ``1/0.88`` on rank 0 down to 1 on the last rank), ``low`` or
+                ``none`` (all 1).
+            num_ranks: ``R``.
+        """
+        if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
+            raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+        if name == "high":
+            scale = np.ones(num_ranks)
+            scale[0] = SLOW_FACTOR
+        elif name == "moderate":
+            scale = np.linspace(SLOW_FACTOR, 1.0, num_ranks)
+        elif name in ("low", "none"):
+            scale = np.ones(num_ranks)
+        else:
+            raise ValueError(f"unknown variability preset {name!r}; choose one of {list(PRESETS)} or give curves.path=FILE")
+        return cls.tiled(scale)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> LatencyCurves:
+        """Read curves from an npz file (see the module docstring for the format)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: latency curve file not found")
+        with np.load(path, allow_pickle=False) as data:
+            missing = [k for k in ("rows", "latency_s") if k not in data.files]
+            if missing:
+                raise ValueError(f"{path}: not a latency curve file, missing key(s) {missing} (need rows [N], latency_s [R, N])")
+            if "scale" in data.files:
+                return cls.tiled(data["scale"], base_s=float(data["base_s"]), per_tile_s=float(data["per_tile_s"]),
+                                 tile=int(data["tile"]))
+            return cls(data["rows"], data["latency_s"], source=str(path))
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write ``rows`` and ``latency_s`` (plus the tiled parameters, if any) to ``path`` atomically."""
+        path = Path(path)
+        arrays = {"rows": self.rows, "latency_s": self.latency_s}
+        if self._tiled is not None:
+            scale, base_s, per_tile_s, tile = self._tiled
+            arrays.update(scale=scale, base_s=np.float64(base_s), per_tile_s=np.float64(per_tile_s), tile=np.int64(tile))
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(f, **arrays)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    # ------------------------------------------------------------------ evaluation
+    @property
+    def num_ranks(self) -> int:
+        """``R``."""
+        return int(self.latency_s.shape[0])
+
+    @property
+    def tiled_params(self) -> tuple[np.ndarray, float, float, int] | None:
+        """``(scale [R], base_s, per_tile_s, tile)`` of tiled curves, else ``None``."""
+        return self._tiled
+
+    def check_ranks(self, num_ranks: int) -> None:
+        """Raise ``ValueError`` unless these curves are for ``num_ranks`` ranks."""
+        if self.num_ranks != num_ranks:
+            raise ValueError(f"latency curves are for {self.num_ranks} ranks, but the placement has {num_ranks} "
+                             f"(parallel.ep); profile or choose curves for {num_ranks} ranks")
+
+    def eval_ranks(self, rows: np.ndarray, ranks: np.ndarray | int) -> np.ndarray:
+        """Latency of rank ``ranks`` at ``rows`` (both broadcast against each other).
+
+        Args:
+            rows: ``[...]`` rows per rank (any real, ``>= 0``).
+            ranks: ``[...]`` int ranks, broadcastable to ``rows``.
+
+        Returns:
+            ``[...]`` float64 seconds.
+        """
+        x = np.asarray(rows, dtype=np.float64)
+        r = np.asarray(ranks, dtype=np.int64)
+        if self._tiled is not None:
+            scale, base_s, per_tile_s, tile = self._tiled
+            out = np.ceil(x * (1.0 / tile) - 1e-9)
+            out *= per_tile_s
+            out += base_s
+            out *= scale[r]
+            return out
+        idx = np.clip(np.searchsorted(self._x, x, side="right") - 1, 0, self._x.size - 2)
+        xc = np.maximum(x, self._x[0])
+        return self.latency_s[r, idx] + (xc - self._x[idx]) * self._slope[r, idx]
+
+    def __call__(self, rank_rows: np.ndarray) -> np.ndarray:
+        """Latency of every rank: ``rank_rows [..., R]`` -> ``[..., R]`` seconds (vectorised)."""
+        x = np.asarray(rank_rows)
+        if x.ndim < 1 or x.shape[-1] != self.num_ranks:
+            raise ValueError(f"rank_rows must be [..., R={self.num_ranks}], got shape {list(x.shape)}")
+        return self.eval_ranks(x, np.arange(self.num_ranks))
+
+    def __repr__(self) -> str:
+        kind = "tiled" if self._tiled is not None else f"{self.rows.size} samples"
+        return f"LatencyCurves(R={self.num_ranks}, {kind})"
+
+
+# ---------------------------------------------------------------------- placements and scores
+def check_expert_rank(expert_rank: np.ndarray, num_experts: int, num_ranks: int, *, equal: bool = True) -> np.ndarray:
+    """Validate ``expert_rank [E]`` (ranks in range; equal experts per rank if ``equal``); int64 copy."""
+    er = np.asarray(expert_rank)
+    if er.ndim != 1 or er.shape[0] != num_experts or er.dtype.kind not in "iu":
+        raise ValueError(f"expert_rank must be [E={num_experts}] integers, got shape {list(er.shape)} dtype {er.dtype}")
+    if er.min() < 0 or er.max() >= num_ranks:
+        raise ValueError(f"expert_rank has ranks outside [0, {num_ranks})")
+    if equal:
+        counts = np.bincount(er, minlength=num_ranks)
+        if (counts != num_experts // num_ranks).any():
+            raise ValueError(f"expert_rank must put {num_experts // num_ranks} experts on every rank, got {counts.tolist()}")
+    return er.astype(np.int64)
+
+
+def _check_loads(loads: np.ndarray) -> np.ndarray:
+    loads = np.asarray(loads)
+    if loads.ndim != 2:
+        raise ValueError(f"loads must be [steps, E], got shape {list(loads.shape)}")
+    if loads.shape[0] == 0:
+        raise ValueError("loads has no steps (empty trace): nothing to plan or score")
+    if loads.shape[1] == 0:
+        raise ValueError("loads has no experts")
+    if not np.all(np.isfinite(loads)) or (loads < 0).any():
+        raise ValueError("loads must be finite and >= 0")
+    return loads
+
+
+def score(expert_rank: np.ndarray, loads: np.ndarray, curves: LatencyCurves) -> float:
+    """``S(M) = sum_steps max_rank C_rank(rows_rank)`` of one layer.
+
+    Args:
+        expert_rank: ``[E]`` rank of each expert (any counts per rank).
+        loads: ``[steps, E]`` rows of each expert per step.
+        curves: latency curves of the ``R`` ranks.
+
+    Returns:
+        Seconds (sum over steps of the slowest rank's latency).
+    """
+    loads = _check_loads(loads)
+    er = check_expert_rank(np.asarray(expert_rank).astype(np.int64), loads.shape[1], curves.num_ranks, equal=False)
+    return float(curves(rank_rows(er, loads, curves.num_ranks)).max(axis=1).sum())
+
+
+def score_layers(expert_rank: np.ndarray, loads: np.ndarray, curves: LatencyCurves) -> np.ndarray:
+    """Per-layer scores: ``expert_rank [L, E]``, ``loads [L, steps, E]`` -> ``[L]`` seconds."""
+    er, loads = np.asarray(expert_rank), np.asarray(loads)
+    if er.ndim != 2 or loads.ndim != 3 or er.shape[0] != loads.shape[0] or er.shape[1] != loads.shape[2]:
+        raise ValueError(f"expert_rank [L, E] and loads [L, steps, E] disagree: {list(er.shape)} vs {list(loads.shape)}")
+    return np.array([score(er[i], loads[i], curves) for i in range(er.shape[0])])
+
+
+def evaluate(trace, expert_rank: np.ndarray, curves: LatencyCurves,
+             tokens_per_step: int = DEFAULT_TOKENS_PER_STEP) -> float:
+    """Score of a whole-model placement on a trace: the sum over layers of per-layer ``S``.
+
+    Steps are ``tokens_per_step`` consecutive tokens of ``trace`` in file order (the last may be
+    shorter); the rows of a rank in a step are the (token, expert) activations of its experts.
+    ``recipes/plan.py`` reports ``evaluate(held_out, expert_rank, curves, tokens_per_step)`` with
+    ``held_out = trace.split(train_fraction)[1]`` and ``expert_rank`` from ``assignment.npz``.
+
+    Args:
+        trace: a :class:`~moelayers.trace.RoutingTrace` with ``L`` layers.
+        expert_rank: ``[L, E]`` rank of each expert per layer (``[E]``: the same for every layer).
+        curves: latency curves of the ``R`` ranks.
+        tokens_per_step: tokens per step.
+
+    Returns:
+        Seconds.
+    """
+    er = np.asarray(expert_rank)
+    if er.ndim == 1:
+        er = np.broadcast_to(er, (trace.num_layers, er.shape[0]))
+    if er.shape != (trace.num_layers, trace.num_experts):
+        raise ValueError(f"expert_rank must be [L={trace.num_layers}, E={trace.num_experts}], got {list(er.shape)}")
+    return float(score_layers(er, trace_step_loads(trace, tokens_per_step), curves).sum())
+
+
+def plan_linear(num_experts: int, num_ranks: int) -> np.ndarray:
+    """Linear placement: experts ``r*E/R .. (r+1)*E/R - 1`` on rank ``r``; ``[E]`` int64."""
+    if num_ranks < 1 or num_experts % num_ranks:
+        raise ValueError(f"num_experts ({num_experts}) must be divisible by num_ranks ({num_ranks})")
+    return np.arange(num_experts, dtype=np.int64) // (num_experts // num_ranks)
+
+
+def plan_gem(loads: np.ndarray, curves: LatencyCurves, *, restarts: int = 8, seed: int = 0,
+             method: str = "robust", **options) -> np.ndarray:
+    """GEM placement of one layer: equal experts per rank, minimising ``S`` (see the module docstring).
+
+    Args:
+        loads: ``[steps, E]`` rows per expert per step (e.g. the train steps of a trace, or the
+            last 16 steps online).
+        curves: latency curves of the ``R`` ranks (``E`` divisible by ``R``).
+        restarts: ``K`` greedy + swap runs; runs after the first perturb the expert
+            utilisations by 20 % noise. The best (by the objective) wins.
+        seed: makes the restarts deterministic.
+        method: ``"plain"`` (the paper: greedy + best swap on the given steps) or ``"robust"``
+            (the same search on an objective built to generalise to unseen steps, see
+            :mod:`moelayers.planning.gem_search`).
+        **options: passed to :func:`moelayers.planning.gem_search.search`.
+
+    Returns:
+        ``expert_rank [E]`` int64 with ``E / R`` experts on every rank.
+    """
+    from moelayers.planning.gem_search import search
+
+    loads = _check_loads(loads)
+    num_e, num_r = loads.shape[1], curves.num_ranks
+    if num_e % num_r:
+        raise ValueError(f"num_experts ({num_e}) must be divisible by the number of ranks ({num_r}) of the curves")
+    return search(loads, curves, restarts=restarts, seed=seed, method=method, **options)

@@ -1,0 +1,458 @@
+"""VariabilityAwareMoE: transactional weight moves, load recording, re-planning, emulation.
+
+World sizes 2 and 4 on gloo (each spawned once, every scenario in one run, a timeout so a hang
+fails). Scenarios return ``{"errors": [...], ...}`` per rank; cross-rank facts (same placement,
+same error message) are compared here. ``run_scenarios`` also serves tests/gpu (NCCL).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import moelayers as ml
+from moelayers.layers.moves import PlacementMoveError, PlacementRejected
+from moelayers.testing import check_close, run_distributed
+
+H, F = 32, 16
+SCENARIOS = ("moves", "bad_input", "staging_fault", "recorder_replan", "auto_replan")
+
+
+# ---------------------------------------------------------------------- shared set-up
+def _num_experts(world: int) -> int:
+    return 8 if world <= 2 else 16
+
+
+def _weights(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    router = torch.randn(e, H, generator=g, dtype=torch.float64) * 0.5
+    w13 = torch.randn(e, 2 * F, H, generator=g, dtype=torch.float64) * H ** -0.5
+    w2 = torch.randn(e, H, F, generator=g, dtype=torch.float64) * F ** -0.5
+    return router, w13, w2
+
+
+def _x(rank: int, salt: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + rank + 1000 * salt)
+    return torch.randn(7 + 3 * rank, H, generator=g, dtype=torch.float64)
+
+
+def _permuted(e: int, r: int, seed: int, spare: int = 0) -> ml.ExpertPlacement:
+    g = torch.Generator().manual_seed(seed)
+    per = e // r
+    table = torch.full((r, per + spare), -1, dtype=torch.int64)
+    table[:, :per] = torch.randperm(e, generator=g).view(r, per)
+    if spare:  # spare slots: replicas of random experts not on that rank (rank 0 keeps one empty)
+        for rank in range(r):
+            others = [x for x in torch.randperm(e, generator=g).tolist() if x not in table[rank].tolist()]
+            n = min(spare - 1 if rank == 0 else spare, len(others))
+            table[rank, per:per + n] = torch.tensor(others[:n], dtype=torch.int64)
+    return ml.ExpertPlacement.from_phy2log(table, e)
+
+
+class Ctx:
+    """One rank's view: groups, config, float64 weights, the layer factory and checks."""
+
+    def __init__(self, rank: int, world: int, device: str, dtype: torch.dtype = torch.float32):
+        self.rank, self.world, self.device, self.dtype = rank, world, torch.device(device), dtype
+        self.groups = ml.ParallelGroups.from_world() if world > 1 else ml.ParallelGroups.single()
+        self.e = _num_experts(world)
+        self.cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=self.e, top_k=2, params_dtype=dtype)
+        self.w64 = _weights(self.e)
+
+    def layer(self, placement: ml.ExpertPlacement | None = None, **kw) -> ml.VariabilityAwareMoE:
+        layer = ml.VariabilityAwareMoE(self.cfg, self.groups, placement=placement, device=self.device, **kw)
+        layer.load_full_weights(*(w.to(self.dtype).to(self.device) for w in self.w64))
+        return layer
+
+    def forward(self, layer, salt: int = 0) -> torch.Tensor:
+        with torch.no_grad():
+            return layer(_x(self.rank, salt).to(self.dtype).to(self.device))
+
+    def check(self, name: str, layer, salt: int = 0) -> str | None:
+        """Output of this rank's tokens vs the dense float64 reference (DESIGN §1)."""
+        y = self.forward(layer, salt)
+        x64 = _x(self.rank, salt)
+        ref = ml.reference.moe_forward(x64, *self.w64, self.cfg.replace(params_dtype=torch.float64))
+        low = None
+        if self.dtype not in (torch.float32, torch.float64):
+            low = ml.reference.moe_forward(x64.to(self.dtype), *(w.to(self.dtype) for w in self.w64), self.cfg)
+        return check_close(name, y, ref, low)
+
+    def check_weights(self, name: str, layer) -> str | None:
+        """Exported logical weights equal the loaded ones exactly."""
+        router, w13, w2 = layer.export_full_weights()
+        for what, got, want in (("router", router, self.w64[0]), ("w13", w13, self.w64[1]), ("w2", w2, self.w64[2])):
+            if not torch.equal(got.cpu(), want.to(self.dtype)):
+                return f"{name}: exported {what} differs from the loaded weights"
+        return None
+
+
+def _expect_raise(fn, exc_type) -> tuple[BaseException | None, str | None]:
+    try:
+        fn()
+    except exc_type as e:  # noqa: PERF203
+        return e, None
+    except BaseException as e:  # noqa: BLE001
+        return None, f"raised {type(e).__name__} instead of {exc_type.__name__}: {e}"
+    return None, f"did not raise {exc_type.__name__}"
+
+
+# ---------------------------------------------------------------------- scenarios
+def scenario_moves(rank: int, world: int, device: str) -> dict:
+    """Outputs equal the reference before and after each move; exported weights are unchanged."""
+    errors = []
+    runs = [(torch.float32, {}), (torch.bfloat16, {}), (torch.float32, {"dispatcher": "allgather"}),
+            (torch.float32, {"capacity": 16})]
+    for dtype, kw in runs:
+        ctx = Ctx(rank, world, device, dtype)
+        e, r = ctx.e, world
+        tag = f"{str(dtype).split('.')[-1]}{''.join(f'-{k}={v}' for k, v in kw.items())}"
+        chains = {
+            "plain": [ml.ExpertPlacement.linear(e, r), _permuted(e, r, 1), _permuted(e, r, 2), _permuted(e, r, 2),
+                      ml.ExpertPlacement.linear(e, r)],
+            "spare": [ml.ExpertPlacement.linear(e, r, slots_per_rank=e // r + 2), _permuted(e, r, 3, spare=2),
+                      _permuted(e, r, 4, spare=2), _permuted(e, r, 5, spare=0).phy2log, None],
+        }
+        spare_nonrep = torch.full((r, e // r + 2), -1, dtype=torch.int64)  # permuted, spare slots emptied
+        spare_nonrep[:, : e // r] = chains["spare"][3]
+        chains["spare"][3] = ml.ExpertPlacement.from_phy2log(spare_nonrep, e)
+        chains["spare"][4] = ml.ExpertPlacement.linear(e, r, slots_per_rank=e // r + 2)
+        for chain, places in chains.items():
+            layer = ctx.layer(places[0], **kw)
+            errors.append(ctx.check(f"{tag} {chain} start", layer))
+            for i, p in enumerate(places[1:]):
+                layer.apply_placement(p)
+                name = f"{tag} {chain} move {i + 1}"
+                if layer.placement != p:
+                    errors.append(f"{name}: placement not applied")
+                errors.append(ctx.check(name, layer, salt=i + 1))
+                errors.append(ctx.check_weights(name, layer))
+            if chain == "spare":  # slots emptied by the last moves hold zeros
+                empty = layer.placement.phy2log[ctx.groups.ep_rank] < 0
+                if layer.experts.w13[empty.to(layer.experts.w13.device)].abs().sum() != 0:
+                    errors.append(f"{tag} {chain}: emptied slots are not zeroed")
+    return {"errors": [m for m in errors if m]}
+
+
+def scenario_bad_input(rank: int, world: int, device: str) -> dict:
+    """Bad input on one or all ranks raises on every rank before any transfer; the old placement serves."""
+    ctx = Ctx(rank, world, device)
+    e, r = ctx.e, world
+    p1, p2, p3 = _permuted(e, r, 11), _permuted(e, r, 12), _permuted(e, r, 13)
+    layer = ctx.layer()
+    layer.apply_placement(p1)
+    y0 = ctx.forward(layer)
+    errors, messages, failing = [], {}, {}
+    last = world - 1
+
+    def invalid() -> ml.ExpertPlacement:
+        bad = _permuted(e, r, 12)
+        bad.phy2log[0, 1] = bad.phy2log[0, 0]  # duplicate replica on rank 0, missing expert: validate() fails
+        return bad
+
+    cases = {
+        "wrong_num_experts": lambda: ml.ExpertPlacement.linear(2 * e, r),
+        "wrong_num_ranks": lambda: ml.ExpertPlacement.linear(e, 2 * r),
+        "invalid_on_last_rank": lambda: invalid() if rank == last else p2,
+        "wrong_slots_on_last_rank": lambda: (ml.ExpertPlacement.linear(e, r, slots_per_rank=e // r + 1)
+                                             if rank == last else p2),
+        "not_a_placement_on_rank0": lambda: p2.phy2log if rank == 0 else p2,
+        "different_placements": lambda: p2 if rank == 0 else p3,
+    }
+    for name, make in cases.items():
+        exc, err = _expect_raise(lambda: layer.apply_placement(make()), PlacementRejected)
+        if err:
+            errors.append(f"{name}: {err}")
+            continue
+        messages[name], failing[name] = str(exc), exc.failing_ranks
+        if layer.placement != p1:
+            errors.append(f"{name}: the placement changed")
+        if not torch.equal(ctx.forward(layer), y0):
+            errors.append(f"{name}: outputs changed")
+        errors.append(ctx.check_weights(name, layer))
+    layer.apply_placement(p2)  # still in step with every rank
+    errors.append(ctx.check("after bad input, good move", layer))
+    return {"errors": [m for m in errors if m], "messages": messages, "failing": failing}
+
+
+def scenario_staging_fault(rank: int, world: int, device: str) -> dict:
+    """A fault after staging on one rank leaves every rank on the old placement and weights."""
+    ctx = Ctx(rank, world, device)
+    e, r = ctx.e, world
+    p1, p2 = _permuted(e, r, 21), _permuted(e, r, 22)
+    layer = ctx.layer(p1)
+    y0 = ctx.forward(layer)
+    errors = []
+
+    def hook(staging):  # every rank scribbles over its staging; the last rank also fails
+        staging.w13.fill_(float("nan"))
+        staging.w2.fill_(float("nan"))
+        if staging.rank == world - 1:
+            raise RuntimeError("injected staging fault")
+
+    layer._staging_fault_hook = hook
+    exc, err = _expect_raise(lambda: layer.apply_placement(p2), PlacementMoveError)
+    failing, message = None, None
+    if err:
+        errors.append(f"staging fault: {err}")
+    else:
+        failing, message = exc.failing_ranks, str(exc)
+        if isinstance(exc, PlacementRejected):
+            errors.append("staging fault reported as a rejected placement")
+    if layer.placement != p1:
+        errors.append("staging fault: the placement changed")
+    if not torch.equal(ctx.forward(layer), y0):
+        errors.append("staging fault: outputs changed")
+    errors.append(ctx.check_weights("staging fault", layer))
+    layer._staging_fault_hook = None
+    layer.apply_placement(p2)
+    errors.append(ctx.check("after the fault, good move", layer))
+    return {"errors": [m for m in errors if m], "failing": failing, "message": message}
+
+
+def _forced(rank: int, step: int, e: int, k: int) -> torch.Tensor:
+    """Skewed distinct top-k ids of rank ``rank`` at ``step`` (rank 1 has no tokens at step 2)."""
+    n = 0 if (rank == 1 and step == 2) else 5 + 2 * rank + step
+    g = torch.Generator().manual_seed(7000 + 31 * rank + step)
+    scores = torch.rand(n, e, generator=g) + torch.linspace(1.0, 0.0, e)  # low ids are hot
+    return scores.topk(k, dim=1).indices
+
+
+class StubPlanner:
+    """Equal experts per rank in a process-dependent random order (so only a broadcast can make
+    ranks agree); checks that it was handed ``expect`` loads."""
+
+    def __init__(self, num_ranks: int, expect: torch.Tensor | None = None, fail: bool = False):
+        self.num_ranks, self.expect, self.fail, self.calls, self.last = num_ranks, expect, fail, 0, None
+
+    def __call__(self, loads, curves, *, restarts, seed):
+        self.calls += 1
+        if self.fail:
+            raise RuntimeError("planner exploded")
+        if self.expect is not None and not np.array_equal(np.asarray(loads), self.expect.numpy()):
+            raise AssertionError(f"planner got loads {np.asarray(loads).tolist()}, expected {self.expect.tolist()}")
+        e = np.asarray(loads).shape[1]
+        g = torch.Generator().manual_seed(os.getpid() * 7 + self.calls)
+        er = torch.empty(e, dtype=torch.int64)
+        er[torch.randperm(e, generator=g)] = torch.arange(e) // (e // self.num_ranks)
+        self.last = er.tolist()
+        return er.numpy()
+
+
+def scenario_recorder_replan(rank: int, world: int, device: str) -> dict:
+    """The window holds the sum over ranks of the bincounts of the tokens seen; replan() gives the
+    same placement on every rank; outputs stay equal to the reference."""
+    ctx = Ctx(rank, world, device)
+    e, k, window, steps = ctx.e, ctx.cfg.top_k, 4, 6
+    layer = ctx.layer(window=window)
+    errors = []
+    for step in range(steps):
+        ids = _forced(rank, step, e, k).to(ctx.device)
+        layer.force_routing(ids)
+        with torch.no_grad():
+            layer(torch.randn(ids.shape[0], H, dtype=ctx.dtype, device=ctx.device))
+    mine = torch.stack([torch.bincount(_forced(rank, s, e, k).flatten(), minlength=e) for s in range(steps)])
+    total = torch.stack([sum(torch.bincount(_forced(q, s, e, k).flatten(), minlength=e) for q in range(world))
+                         for s in range(steps)])
+    if not torch.equal(layer.window_loads(), mine[-window:]):
+        errors.append(f"local window {layer.window_loads().tolist()} != {mine[-window:].tolist()}")
+    got = layer.global_window_loads()
+    if not torch.equal(got, total[-window:]):
+        errors.append(f"global window {got.tolist()} != {total[-window:].tolist()}")
+
+    layer.planner = StubPlanner(world, expect=total[-window:].double())
+    placement = layer.replan()
+    errors.append(ctx.check("after replan (stub)", layer, salt=1))
+    errors.append(ctx.check_weights("after replan (stub)", layer))
+    stub_plan = layer.planner.last  # rank 0 only
+
+    layer.planner = StubPlanner(world, fail=True)
+    exc, err = _expect_raise(layer.replan, PlacementMoveError)
+    if err:
+        errors.append(f"failing planner: {err}")
+    if layer.placement != placement:
+        errors.append("failing planner: the placement changed")
+
+    gem = ctx.layer(window=window, variability="high")  # the real GEM search, preset curves
+    for step in range(steps):
+        gem.force_routing(_forced(rank, step, e, k).to(ctx.device))
+        with torch.no_grad():
+            gem(torch.randn(_forced(rank, step, e, k).shape[0], H, dtype=ctx.dtype, device=ctx.device))
+    gem_placement = gem.replan()
+    errors.append(ctx.check("after replan (GEM)", gem, salt=2))
+    return {"errors": [m for m in errors if m], "phy2log": placement.phy2log.tolist(), "stub_plan": stub_plan,
+            "gem_phy2log": gem_placement.phy2log.tolist(), "steps": layer.steps}
+
+
+def scenario_auto_replan(rank: int, world: int, device: str) -> dict:
+    """auto_replan re-plans when the window first fills, then every replan_every steps."""
+    ctx = Ctx(rank, world, device)
+    layer = ctx.layer(window=3, auto_replan=True, replan_every=2, planner=StubPlanner(world))
+    errors, seen = [], []
+    for step in range(7):
+        errors.append(ctx.check(f"auto step {step}", layer, salt=step))
+        seen.append(layer.num_replans)
+    if seen != [0, 0, 1, 1, 2, 2, 3]:
+        errors.append(f"re-plans after each step {seen}, expected [0, 0, 1, 1, 2, 2, 3]")
+    return {"errors": [m for m in errors if m], "phy2log": layer.placement.phy2log.tolist()}
+
+
+def run_scenarios(rank: int, world: int, device: str = "cpu", names: tuple[str, ...] = SCENARIOS) -> dict:
+    """Every scenario on this rank; returns ``{scenario: result dict}`` (exceptions are errors)."""
+    out = {}
+    for name in names:
+        t0 = time.perf_counter()
+        try:
+            out[name] = globals()[f"scenario_{name}"](rank, world, device)
+        except Exception as e:  # a broken scenario fails its test; collectives may be out of step: stop
+            out[name] = {"errors": [f"raised {type(e).__name__}: {e}"]}
+            out[name]["seconds"] = time.perf_counter() - t0
+            break
+        out[name]["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def check_results(results: list[dict], name: str, world: int) -> None:
+    """Assertions on every rank's result of scenario ``name`` (shared with tests/gpu)."""
+    for rank, res in enumerate(results):
+        assert name in res, f"scenario {name} did not run on rank {rank} (an earlier scenario broke the run)"
+        assert res[name]["errors"] == [], f"world {world}, rank {rank}: {res[name]['errors']}"
+    per_rank = [res[name] for res in results]
+    if name == "bad_input":
+        for case, msg in per_rank[0]["messages"].items():
+            assert all(p["messages"][case] == msg for p in per_rank), f"{case}: messages differ across ranks"
+            failing = per_rank[0]["failing"][case]
+            assert all(p["failing"][case] == failing for p in per_rank)
+            if case.endswith("on_last_rank"):
+                assert failing == [world - 1] and f"rank(s) [{world - 1}]" in msg, msg
+            elif case.endswith("on_rank0"):
+                assert failing == [0], msg
+            elif case == "different_placements":
+                assert failing == [] and "different placements" in msg, msg
+            else:
+                assert failing == list(range(world)), msg
+    if name == "staging_fault":
+        assert all(p["failing"] == [world - 1] for p in per_rank)
+        assert all(p["message"] == per_rank[0]["message"] for p in per_rank)
+        assert f"rank(s) [{world - 1}] failed while staging" in per_rank[0]["message"]
+    if name == "recorder_replan":
+        assert all(p["phy2log"] == per_rank[0]["phy2log"] for p in per_rank), "replan: placements differ"
+        assert all(p["gem_phy2log"] == per_rank[0]["gem_phy2log"] for p in per_rank), "GEM: placements differ"
+        plan = per_rank[0]["stub_plan"]  # rank 0's planner output is what every rank applied
+        placement = ml.ExpertPlacement.from_expert_rank(torch.tensor(plan), num_ranks=world)
+        assert per_rank[0]["phy2log"] == placement.phy2log.tolist()
+        assert all(p["stub_plan"] is None for p in per_rank[1:]), "the planner ran on a rank other than 0"
+    if name == "auto_replan":
+        assert all(p["phy2log"] == per_rank[0]["phy2log"] for p in per_rank)
+
+
+# ---------------------------------------------------------------------- tests (gloo)
+_results: dict[int, list[dict]] = {}
+
+
+def _results_for(world: int) -> list[dict]:
+    if world not in _results:
+        _results[world] = run_distributed(run_scenarios, world, timeout=150)
+    return _results[world]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", (2, 4))
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_variability_layer(world, name):
+    check_results(_results_for(world), name, world)
+
+
+def test_single_process_moves_and_replan():
+    res = run_scenarios(0, 1, names=("moves", "staging_fault", "auto_replan"))
+    for name, r in res.items():
+        assert r["errors"] == [], f"{name}: {r['errors']}"
+
+
+def test_constructor_checks():
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2)
+    g = ml.ParallelGroups.single()
+    with pytest.raises(ValueError, match="variability"):
+        ml.VariabilityAwareMoE(cfg, g, variability="extreme")
+    with pytest.raises(ValueError, match="auto_replan"):
+        ml.VariabilityAwareMoE(cfg, g, replan_every=4)
+    with pytest.raises(ValueError, match="window"):
+        ml.VariabilityAwareMoE(cfg, g, window=0)
+    with pytest.raises(ValueError, match="record_loads"):
+        ml.VariabilityAwareMoE(cfg, g, capacity=8, cuda_graph=True)
+
+
+# ---------------------------------------------------------------------- emulation (one process)
+def test_slowdown_presets():
+    from moelayers.emulation import slowdown_preset
+
+    assert slowdown_preset("high", 4) == [pytest.approx(1 / 0.88), 1.0, 1.0, 1.0]
+    assert slowdown_preset("moderate", 3) == [pytest.approx(1 / 0.88), pytest.approx((1 / 0.88 + 1) / 2), 1.0]
+    assert slowdown_preset("low", 2) == slowdown_preset("none", 2) == [1.0, 1.0]
+    with pytest.raises(ValueError):
+        slowdown_preset("extreme", 2)
+
+
+def _emulated_layer(cls=ml.VanillaMoE):
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2)
+    return cls(cfg, ml.ParallelGroups.single(), seed=3), torch.randn(64, H, generator=torch.Generator().manual_seed(0))
+
+
+def test_measured_emulation_stretches_expert_compute():
+    from moelayers.emulation import emulate_variability
+
+    layer, x = _emulated_layer()
+    with torch.no_grad():
+        y_ref = layer(x)
+        emu = emulate_variability(layer, 3.0)
+        y = layer(x)
+    assert torch.equal(y, y_ref)  # emulation changes time, never values
+    assert emu.calls == 1 and emu.compute_s > 0
+    assert emu.added_s == pytest.approx(2.0 * emu.compute_s, rel=1e-6)
+    emu.remove()
+    with torch.no_grad():
+        layer(x)
+    assert emu.calls == 1
+
+
+def test_curve_emulation_pads_to_curve_latency():
+    from moelayers.emulation import curve_latency, emulate_variability
+
+    class Curves:  # 1 ms + 10 us per row on rank 0
+        def __call__(self, rows):
+            return 1e-3 + 1e-5 * np.asarray(rows, dtype=np.float64)
+
+    layer, x = _emulated_layer()
+    emu = emulate_variability(layer, mode="curve", curves=Curves(), time_scale=2.0, wait="spin")
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        layer(x)
+    elapsed = time.perf_counter() - t0
+    target = 2.0 * curve_latency(Curves(), 0, 1, 64 * 2)  # 64 tokens x top-2 rows on the only rank
+    assert elapsed >= target and 0 < emu.last_added_s <= target
+    with pytest.raises(ValueError, match="curve mode"):
+        emulate_variability(layer, 2.0, mode="curve", curves=Curves())
+
+
+def test_emulation_presets_with_gem_curves():
+    from moelayers.emulation import VariabilitySettings, emulate_variability
+
+    layer, x = _emulated_layer(ml.VariabilityAwareMoE)
+    emu = emulate_variability(layer, mode="curve", variability="high", time_scale=10.0)
+    with torch.no_grad():
+        layer(x)
+    assert emu.last_added_s > 0
+    s = VariabilitySettings.from_config({"variability": {"name": "moderate", "curves": {"path": None}},
+                                         "emulation": {"mode": "curve", "time_scale": 5}})
+    assert (s.name, s.mode, s.time_scale) == ("moderate", "curve", 5.0)
+    lc = s.layer_config({"cls": "moelayers.VariabilityAwareMoE", "kwargs": {"window": 4}}, 2)
+    assert lc["kwargs"] == {"window": 4, "variability": "moderate"}
+    assert s.layer_config({"cls": "moelayers.VanillaMoE", "kwargs": {}}, 2)["kwargs"] == {}
+    with pytest.raises(ValueError, match="variability"):
+        VariabilitySettings.from_config({"variability": "extreme"})
+    with pytest.raises(ValueError, match="emulation"):
+        VariabilitySettings.from_config({"emulation": {"mode": "fast"}})

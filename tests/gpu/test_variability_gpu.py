@@ -1,0 +1,77 @@
+"""VariabilityAwareMoE on 2 GPUs with NCCL: the scenarios of tests/distributed/test_variability.py
+(moves, bad input, staging fault, recorder + replan, auto replan), a move of a CUDA-graph layer,
+and the measured (CUDA-event) variability emulation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import moelayers as ml
+from moelayers.testing import run_distributed
+from tests.distributed.test_variability import SCENARIOS, Ctx, StubPlanner, _permuted, check_results, run_scenarios
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+needs_two = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+WORLD = 2
+_results: dict[str, list[dict]] = {}
+
+
+def _results_nccl() -> list[dict]:
+    if "nccl" not in _results:
+        _results["nccl"] = run_distributed(run_scenarios, WORLD, "cuda", backend="nccl", timeout=300)
+    return _results["nccl"]
+
+
+@needs_two
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_variability_layer_nccl(name):
+    check_results(_results_nccl(), name, WORLD)
+
+
+def _graph_worker(rank: int, world: int) -> list[str]:
+    """A bf16 capacity layer replayed from a CUDA graph: moves and replan drop the graph; outputs
+    equal the reference before and after."""
+    ctx = Ctx(rank, world, "cuda", torch.bfloat16)
+    e = ctx.e
+    layer = ctx.layer(_permuted(e, world, 1), capacity=16, cuda_graph=True, record_loads=False)
+    errors = [ctx.check("graph start", layer)]
+    if layer._graphed is None:
+        errors.append("no CUDA graph was captured")
+    layer.apply_placement(_permuted(e, world, 2))
+    if layer._graphed is not None:
+        errors.append("apply_placement kept the old CUDA graph")
+    errors.append(ctx.check("graph after move", layer, salt=1))
+    errors.append(ctx.check_weights("graph after move", layer))
+    layer.planner = StubPlanner(world)
+    layer.curves = object()  # the stub ignores the curves
+    layer.replan(loads=torch.ones(4, e, dtype=torch.int64))
+    errors.append(ctx.check("graph after replan", layer, salt=2))
+    layer.release_graphs()
+    return [m for m in errors if m]
+
+
+@needs_two
+@pytest.mark.timeout(600)
+def test_cuda_graph_layer_moves_nccl():
+    for rank, errors in enumerate(run_distributed(_graph_worker, WORLD, backend="nccl", timeout=300)):
+        assert errors == [], f"rank {rank}: {errors}"
+
+
+def test_measured_emulation_on_cuda():
+    from moelayers.emulation import emulate_variability
+
+    cfg = ml.MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=8, top_k=2, params_dtype=torch.bfloat16)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device="cuda")
+    x = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        y_ref = layer(x)
+        emu = emulate_variability(layer, 2.0)
+        y = layer(x)
+    assert torch.equal(y, y_ref)
+    assert emu.calls == 1 and emu.compute_s > 0
+    assert emu.added_s == pytest.approx(emu.compute_s, rel=1e-6)
+    emu.remove()
+    assert np.isfinite(emu.added_s)
