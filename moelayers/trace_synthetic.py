@@ -12,15 +12,15 @@ i.i.d. from a Zipf-Mandelbrot law ``p(r) ~ (r + zipf_offset) ** -zipf_exponent``
 ranking. Every distinct token id belongs to one of ``num_clusters`` clusters. Routing: at layer
 ``l`` token ``t`` (id ``v``, cluster ``c``, topic ``p``, sequence ``s``) scores expert ``e`` with::
 
-    y[t, l, e] = token_scale   * A_l[v, e]        # the token's own preference, same in every topic
-               + cluster_scale * C_l[(p, c), e]   # its cluster's preference within this topic
-               + topic_scale   * B_l[p, e]        # the topic's hot experts
+    y[t, l, e] = token_scale    * A_l[v, e]        # the token's own preference, same in every topic
+               + cluster_scale  * C_l[(p, c), e]  # its cluster's preference within this topic
+               + topic_scale    * B_l[p, e]       # the topic's hot experts
                + sequence_scale * Q_l[s, e]       # the sequence's own preference
-               + bias_l[e]                        # expert popularity, N(0, expert_skew^2)
-               + crosslayer_carry * y[t, l-1, e]  # the previous layer's scores (column e)
+               + crosslayer_carry * x[t, l-1, e]  # the previous layer's view (column e)
                + Gumbel noise                     # everything else the router sees
+             = x[t, l, e] + bias_l[e]             # expert popularity, N(0, expert_skew^2)
 
-and takes the top ``K``, highest first. ``A`` and ``C`` are ``Exp(1) ** logit_tail`` (a few
+and takes the top ``K``, highest first. The carried view ``x`` leaves out the bias. ``A`` and ``C`` are ``Exp(1) ** logit_tail`` (a few
 strongly preferred experts), ``B`` and ``Q`` ``Exp(1) ** context_tail``, all scaled to unit
 variance. Each layer then renames its score columns by a random permutation, so the carried
 column ``e`` of layer ``l - 1`` is some other expert id at layer ``l``.
@@ -69,10 +69,10 @@ ZIPF_EXPONENT = 1.151  # Zipf-Mandelbrot rank exponent of token frequencies
 ZIPF_OFFSET = 3.3  # Zipf-Mandelbrot rank offset (flattens the head)
 ACTIVE_VOCAB = 13464  # token ids a topic draws from (capped at vocab_size)
 TOPIC_VOCAB_JITTER = 2.08  # std of the per-topic log-rank jitter
-EXPERT_SKEW = (1.0, 2.0, 2.0)  # std of the per-expert logit bias
+EXPERT_SKEW = (0.5, 1.0, 1.0)  # std of the per-expert logit bias
 TOKEN_SCALE = (1.0, 1.5, 1.5)  # std of the per-token logits
 TOPIC_SCALE = (0.4, 0.4, 0.4)  # std of the per-topic logits
-CROSSLAYER_CARRY = (0.5, 0.5, 0.7)  # weight of the previous layer's (relabelled) scores
+CROSSLAYER_CARRY = (0.6, 0.6, 0.8)  # weight of the previous layer's (relabelled) scores
 CLUSTER_SCALE = (1.9, 1.9, 1.9)  # std of the per-cluster logits
 SEQUENCE_SCALE = 0.0  # std of the per-sequence logits
 CONTEXT_TAIL = 1.0  # topic/sequence logits ~ Exp(1) ** CONTEXT_TAIL
@@ -403,7 +403,7 @@ def synthetic_trace(
     topk_ids = np.empty((num_t, num_layers, top_k), dtype=np.int16 if num_e <= np.iinfo(np.int16).max else np.int32)
     topk_weights = np.empty((num_t, num_layers, top_k), dtype=np.float32) if with_weights else None
     rows = np.arange(num_t)[:, None]
-    scores = None
+    state = None  # [T, E] the router's view without the expert bias, carried to the next layer
     for layer in range(num_layers):
         tok_logits = _heavy_tailed(rng, (num_u, num_e), logit_tail)
         tok_logits *= np.float32(knobs["token_scale"][layer])
@@ -415,15 +415,15 @@ def synthetic_trace(
         labels = rng.permutation(num_e)  # expert ids of this layer's score columns
 
         seq_logits += topic_logits[seq_topic]
-        seq_logits += bias
-        logits = np.take(tok_logits, token_row, axis=0)
-        logits += np.take(seq_logits, token_seq, axis=0)
-        logits += np.take(cluster_logits, token_context, axis=0)
-        if scores is not None:  # the previous layer's scores carry over, column by column
-            scores *= np.float32(knobs["crosslayer_carry"][layer])
-            logits += scores
-        logits += _gumbel(rng, logits.shape)
-        scores = logits
+        view = np.take(tok_logits, token_row, axis=0)
+        view += np.take(seq_logits, token_seq, axis=0)
+        view += np.take(cluster_logits, token_context, axis=0)
+        if state is not None:  # the previous layer's view carries over, column by column
+            state *= np.float32(knobs["crosslayer_carry"][layer])
+            view += state
+        view += _gumbel(rng, view.shape)
+        state = view
+        scores = state + bias
         chosen = _topk_desc(scores, top_k)
         topk_ids[:, layer, :] = labels[chosen]
         if topk_weights is not None:

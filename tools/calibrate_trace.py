@@ -191,47 +191,67 @@ def fit_token_law(target: Stats, vocab_size: int = SYN_SHAPE["vocab_size"]) -> d
                 topic_vocab_jitter=round(jitter, 2))
 
 
-ROUTING_KNOBS = ("token_scale", "cluster_scale", "topic_scale", "expert_skew", "crosslayer_carry")
-KNOB_RANGE = {"token_scale": (0.02, 6.0), "cluster_scale": (0.02, 6.0), "topic_scale": (0.02, 6.0),
-              "expert_skew": (0.02, 3.0), "crosslayer_carry": (0.0, 0.95)}
+ROUTING_KNOBS = ("token_scale", "cluster_scale", "topic_scale", "expert_skew")  # 3 depths each
+CARRY_MAX = 0.95
 
 
-def fit_routing(target: Stats, knobs: dict, rounds: int) -> dict:
-    """Damped fixed-point fit of the routing knobs, each paired with the statistic it drives most.
+def _knobs_from(x: np.ndarray, knobs: dict) -> dict:
+    """Unconstrained vector -> knobs: scales exp(x); carry CARRY_MAX * sigmoid(x), depth 0 = depth 7."""
+    out = dict(knobs)
+    for i, name in enumerate(ROUTING_KNOBS):
+        out[name] = tuple(float(v) for v in np.round(np.exp(x[3 * i: 3 * i + 3]), 4))
+    c0, c15 = CARRY_MAX / (1 + np.exp(-x[-2:]))
+    out["crosslayer_carry"] = (round(float(c0), 4), round(float(c0), 4), round(float(c15), 4))
+    return out
 
-    At each reference depth d (layers 0, 7, 15): token_scale[d] <- cross_domain_recall[d] (token
-    preferences that hold in every domain), cluster_scale[d] <- token_recall[d] net of the
-    cross-domain error (domain-specific cluster preferences), topic_scale[d] <- load max/mean[d]
-    (hot experts of a domain), expert_skew[d] <- load_cv[d]; crosslayer_carry at depths 0 and 7
-    <- NMI (0, 7), at depth 15 <- NMI (7, 15). ``logit_tail``, ``context_tail`` and
-    ``num_clusters`` stay as given. Knobs are clipped to ``KNOB_RANGE``. Returns the knobs of the
-    round with the smallest loss.
+
+def _x_from(knobs: dict) -> np.ndarray:
+    scales = [np.log(np.broadcast_to(knobs[name], 3)) for name in ROUTING_KNOBS]
+    carry = np.broadcast_to(knobs["crosslayer_carry"], 3)[[1, 2]] / CARRY_MAX
+    return np.concatenate(scales + [np.log(carry / (1 - carry))])
+
+
+def _residual(target: Stats, got: Stats) -> np.ndarray:
+    """14 residuals: recall, cross-domain recall (3 each), log load CV, log max/mean (3 each), log NMI (2)."""
+    return np.concatenate([
+        got.token_recall - target.token_recall,
+        got.cross_domain_recall - target.cross_domain_recall,
+        np.log(got.load_cv / target.load_cv),
+        np.log(got.load_max_mean / target.load_max_mean),
+        np.log(got.crosslayer_nmi / target.crosslayer_nmi),
+    ])
+
+
+def fit_routing(target: Stats, knobs: dict, rounds: int, step: float = 0.15) -> dict:
+    """Broyden fit of the 14 routing knobs (token, cluster, topic scales and expert skew at depths
+    0/7/15; cross-layer carry at depths 0 = 7 and 15) to the 14 residuals of :func:`_residual`.
+
+    The Jacobian starts from forward differences (``step`` in the unconstrained coordinates),
+    steps are damped to norm <= 1 and only accepted when they lower the squared residual. The
+    shape knobs (``logit_tail``, ``context_tail``, ``num_clusters``, ``sequence_scale``) stay as
+    given. Every evaluation uses the same seed (common random numbers).
     """
-    k = {name: np.array(np.broadcast_to(knobs[name], 3), dtype=np.float64) for name in ROUTING_KNOBS}
-    best, best_loss = dict(knobs), np.inf
-    for step in range(rounds):
-        knobs.update({name: tuple(float(x) for x in np.round(v, 3)) for name, v in k.items()})
-        got = synthetic_stats(**knobs)
-        err = {
-            "recall": target.token_recall - got.token_recall,
-            "cross": target.cross_domain_recall - got.cross_domain_recall,
-            "cv": np.log(target.load_cv / got.load_cv),
-            "max_mean": np.log(target.load_max_mean / got.load_max_mean),
-            "nmi": np.log(target.crosslayer_nmi / got.crosslayer_nmi),
-        }
-        loss = sum(float(np.sum(e**2)) for e in err.values())
-        if loss < best_loss:
-            best, best_loss = dict(knobs), loss
-        print(f"round {step}: " + ", ".join(f"{n}={knobs[n]}" for n in ROUTING_KNOBS))
-        print(f"   loss {loss:.4f} errors " + ", ".join(f"{n}={np.round(e, 3)}" for n, e in err.items()), flush=True)
-        k["token_scale"] *= np.exp(2.0 * err["cross"])
-        k["cluster_scale"] *= np.exp(2.0 * (err["recall"] - err["cross"]))
-        k["topic_scale"] *= np.exp(0.7 * err["max_mean"])
-        k["expert_skew"] *= np.exp(0.8 * err["cv"])
-        k["crosslayer_carry"] += 0.3 * np.array([err["nmi"][0], err["nmi"][0], err["nmi"][1]])
-        for name, (lo, hi) in KNOB_RANGE.items():
-            k[name] = np.clip(k[name], lo, hi)
-    return best
+    x = _x_from(knobs)
+    r = _residual(target, synthetic_stats(**_knobs_from(x, knobs)))
+    print(f"start: loss {r @ r:.4f} residual {np.round(r, 3)}", flush=True)
+    jac = np.empty((r.size, x.size))
+    for j in range(x.size):
+        dx = np.zeros_like(x)
+        dx[j] = step
+        jac[:, j] = (_residual(target, synthetic_stats(**_knobs_from(x + dx, knobs))) - r) / step
+    print("jacobian done", flush=True)
+    for it in range(rounds):
+        dx = -np.linalg.lstsq(jac, r, rcond=1e-3)[0]
+        dx *= min(1.0, 1.0 / np.linalg.norm(dx))
+        r_new = _residual(target, synthetic_stats(**_knobs_from(x + dx, knobs)))
+        jac += np.outer(r_new - r - jac @ dx, dx) / (dx @ dx)  # Broyden rank-1 update
+        accepted = r_new @ r_new < r @ r
+        if accepted:
+            x, r = x + dx, r_new
+        print(f"round {it}: loss {r_new @ r_new:.4f} {'accepted' if accepted else 'rejected'}; "
+              f"residual {np.round(r_new, 3)}", flush=True)
+        print("   knobs " + ", ".join(f"{n}={_knobs_from(x, knobs)[n]}" for n in ROUTING_KNOBS + ("crosslayer_carry",)), flush=True)
+    return _knobs_from(x, knobs)
 
 
 def current_knobs() -> dict:

@@ -79,12 +79,7 @@ class PackedAllToAll(torch.autograd.Function):
         layout = RowLayout(tuple((t.shape[1], t.dtype) for t in tensors))
         recv = all_to_all_bytes(layout.pack(list(tensors)), sum(out_splits), in_splits, out_splits, group)
         ctx.group, ctx.in_splits, ctx.out_splits, ctx.layout = group, in_splits, out_splits, layout
-        ctx.float_fields = [t.dtype.is_floating_point for t in tensors]
-        outs = layout.views(recv)
-        for o, is_float in zip(outs, ctx.float_fields):
-            if not is_float:
-                ctx.mark_non_differentiable(o)
-        return tuple(outs)
+        return _typed_outputs(ctx, layout, recv, tensors)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -152,6 +147,16 @@ class ReduceScatterRows(torch.autograd.Function):
         return None, AllGatherRows.apply(ctx.group, grad)
 
 
+def _typed_outputs(ctx, layout: RowLayout, buf: torch.Tensor, tensors) -> tuple[torch.Tensor, ...]:
+    """The received fields as typed views; integer fields are marked non-differentiable."""
+    ctx.float_fields = [t.dtype.is_floating_point for t in tensors]
+    outs = layout.views(buf)
+    for o, is_float in zip(outs, ctx.float_fields):
+        if not is_float:
+            ctx.mark_non_differentiable(o)
+    return tuple(outs)
+
+
 def _device_of(grads) -> torch.device:
     for g in grads:
         if g is not None:
@@ -173,12 +178,7 @@ class PackedAllGather(torch.autograd.Function):
             out = buf.new_empty(dist.get_world_size(group) * buf.shape[0], buf.shape[1])
             dist.all_gather_into_tensor(out, buf, group=group)
         ctx.group = group
-        ctx.float_fields = [t.dtype.is_floating_point for t in tensors]
-        outs = layout.views(out)
-        for o, is_float in zip(outs, ctx.float_fields):
-            if not is_float:
-                ctx.mark_non_differentiable(o)
-        return tuple(outs)
+        return _typed_outputs(ctx, layout, out, tensors)
 
     @staticmethod
     def backward(ctx, *grads):
