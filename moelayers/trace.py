@@ -459,8 +459,8 @@ class TraceRecorder:
             raise ValueError(f"TraceRecorder: {self._where(index)} set no [T, K] tensor last_topk_ids (got {type(ids).__name__})")
         if self._current and ids.shape != self._current[0][0].shape:
             raise ValueError(
-                f"TraceRecorder: {self._where(index)} routed {list(ids.shape)} [T, K] but layer 0 routed "
-                f"{list(self._current[0][0].shape)} in the same forward: all layers must see the same tokens"
+                f"TraceRecorder: {self._where(index)} routed [T, K] = {list(ids.shape)} but layer 0 routed "
+                f"{list(self._current[0][0].shape)} in the same forward: all layers must see the same tokens and top-k"
             )
         tok = getattr(module, "last_token_ids", None)
         if tok is not None and (not isinstance(tok, torch.Tensor) or tuple(tok.shape) != (ids.shape[0],)):

@@ -9,21 +9,23 @@ domains; a synthetic *topic* plays the role of a domain.
 Generative model. Tokens: sequence ``s`` has topic ``s % num_topics``; its token ids are drawn
 i.i.d. from a Zipf-Mandelbrot law ``p(r) ~ (r + zipf_offset) ** -zipf_exponent`` over
 ``active_vocab`` ranks, which each topic maps to ids by its own jittered order of one global random
-ranking. Every distinct token id belongs to one of ``num_clusters`` clusters. Routing: at layer
-``l`` token ``t`` (id ``v``, cluster ``c``, topic ``p``, sequence ``s``) scores expert ``e`` with::
+ranking. Every distinct token id belongs to one of ``num_clusters`` clusters. Routing: at layer ``l``
+token ``t`` (id ``v``, cluster ``c``, topic ``p``, sequence ``s``) scores expert ``e`` with::
 
-    y[t, l, e] = token_scale    * A_l[v, e]        # the token's own preference, same in every topic
+    y[t, l, e] = token_scale    * A_l[v, e]       # the token's own preference, same in every topic
                + cluster_scale  * C_l[(p, c), e]  # its cluster's preference within this topic
                + topic_scale    * B_l[p, e]       # the topic's hot experts
                + sequence_scale * Q_l[s, e]       # the sequence's own preference
-               + crosslayer_carry * x[t, l-1, e]  # the previous layer's view (column e)
-               + Gumbel noise                     # everything else the router sees
-             = x[t, l, e] + bias_l[e]             # expert popularity, N(0, expert_skew^2)
+               + bias_l[e]                        # expert popularity, N(0, expert_skew^2)
+               + n[t, l, e]                       # context: everything else the router sees
+    n[t, l, e] = crosslayer_carry * n[t, l-1, e] + sqrt(1 - crosslayer_carry^2) * Gumbel
 
-and takes the top ``K``, highest first. The carried view ``x`` leaves out the bias. ``A`` and ``C`` are ``Exp(1) ** logit_tail`` (a few
-strongly preferred experts), ``B`` and ``Q`` ``Exp(1) ** context_tail``, all scaled to unit
-variance. Each layer then renames its score columns by a random permutation, so the carried
-column ``e`` of layer ``l - 1`` is some other expert id at layer ``l``.
+and takes the top ``K``, highest first. The context noise ``n`` (a standard Gumbel at layer 0) is
+carried from layer to layer, so the choice at layer ``l`` depends on the choice at ``l - 1``
+beyond what token, cluster and topic explain. ``A`` and ``C`` are ``Exp(1) ** logit_tail`` (a
+few strongly preferred experts), ``B`` and ``Q`` ``Exp(1) ** context_tail``, all scaled to unit
+standard deviation. Each layer names its score columns by its own random permutation of the
+expert ids, so carried column ``e`` is a different expert id at every layer.
 """
 
 from __future__ import annotations
@@ -63,20 +65,28 @@ MIXTRAL_CROSSLAYER_NMI = (0.0120, 0.0228)
 MIXTRAL_LOAD_MAX_MEAN = (1.1964, 1.1339, 1.2217)
 MIXTRAL_LOAD_CV = (0.1115, 0.0785, 0.1957)
 
-# ---- generator defaults: fitted so that synthetic statistics match the targets ------------------
-NUM_TOPICS = 4  # topics (~ text domains) per trace
+# ---- generator defaults: fitted by ``tools/calibrate_trace.py --fit`` -------------------------
+# The token law is solved for (TARGET_ZIPF_EXPONENT, TARGET_TOP_TOKEN_SHARE, TARGET_DISTINCT_TOKENS,
+# TARGET_PAIR_UNION_RATIO); the routing knobs by a Broyden fit of 14 knobs to 14 residuals (recall,
+# cross-domain recall, load CV and max/mean at layers 0/7/15, NMI of (0, 7) and (7, 15)) on a
+# 16-layer, 64-expert, top-8, vocab-50,280 trace with 2 topics of 102 x 2048 tokens. Triples are
+# values at layers 0/7/15 of 16 (relative depth 0, 7/15, 1), interpolated in between. Fitted
+# synthetic statistics (targets in brackets): recall 0.598/0.714/0.784 (0.583/0.703/0.744);
+# cross-domain recall 0.283/0.377/0.374 (0.289/0.409/0.406); NMI 0.030/0.062 (0.031/0.069);
+# load max/mean 5.13/5.26/5.47 (5.13/5.19/4.42); load CV 0.74/0.95/1.02 (0.68/0.98/1.01).
+NUM_TOPICS = 4  # topics (~ text domains) per trace; the real data has 4 domains with token data
 ZIPF_EXPONENT = 1.151  # Zipf-Mandelbrot rank exponent of token frequencies
-ZIPF_OFFSET = 3.3  # Zipf-Mandelbrot rank offset (flattens the head)
-ACTIVE_VOCAB = 13464  # token ids a topic draws from (capped at vocab_size)
-TOPIC_VOCAB_JITTER = 2.08  # std of the per-topic log-rank jitter
-EXPERT_SKEW = (0.5, 1.0, 1.0)  # std of the per-expert logit bias
-TOKEN_SCALE = (1.0, 1.5, 1.5)  # std of the per-token logits
-TOPIC_SCALE = (0.4, 0.4, 0.4)  # std of the per-topic logits
-CROSSLAYER_CARRY = (0.6, 0.6, 0.8)  # weight of the previous layer's (relabelled) scores
-CLUSTER_SCALE = (1.9, 1.9, 1.9)  # std of the per-cluster logits
-SEQUENCE_SCALE = 0.0  # std of the per-sequence logits
-CONTEXT_TAIL = 1.0  # topic/sequence logits ~ Exp(1) ** CONTEXT_TAIL
-LOGIT_TAIL = 3.0  # token/topic logits ~ Exp(1) ** LOGIT_TAIL: a few strongly preferred experts
+ZIPF_OFFSET = 3.3  # Zipf-Mandelbrot rank offset (flattens the head: top token ~4.8%)
+ACTIVE_VOCAB = 13464  # token ids one topic draws from (capped at vocab_size)
+TOPIC_VOCAB_JITTER = 2.08  # std of the per-topic log-rank jitter (vocabulary overlap of topics)
+TOKEN_SCALE = (1.2789, 1.3600, 2.0319)  # std of the per-token logits (hold in every topic)
+CLUSTER_SCALE = (1.3894, 2.7502, 4.4029)  # std of the per-(topic, token cluster) logits
+TOPIC_SCALE = (0.5988, 0.0058, 0.0155)  # std of the per-topic logits (hot experts of a domain)
+EXPERT_SKEW = (0.3715, 1.9111, 2.4742)  # std of the per-expert logit bias (load skew)
+CROSSLAYER_CARRY = (0.8853, 0.8853, 0.9711)  # AR(1) coefficient of the context noise across layers
+SEQUENCE_SCALE = 0.0  # std of per-sequence logits: not identifiable from aggregated counts, off
+LOGIT_TAIL = 3.0  # token/cluster logits ~ Exp(1) ** 3: a few strongly preferred experts (chosen, not fitted)
+CONTEXT_TAIL = 1.0  # topic/sequence logits ~ Exp(1) (chosen, not fitted)
 
 MAX_EXPERTS = 4096  # the sampler packs expert ids into the low 12 bits of float32 keys
 FREQUENT_MIN_COUNT = 100  # "frequent token": seen at least this often
@@ -265,13 +275,50 @@ def _heavy_tailed(rng: np.random.Generator, shape: tuple[int, int], tail: float)
     return x
 
 
+def _layer_tables(
+    rng: np.random.Generator, k: dict[str, float], num_u: int, num_topics: int, num_clusters: int,
+    num_sequences: int, num_e: int, logit_tail: float, context_tail: float,
+    pair_row: np.ndarray, pair_topic: np.ndarray, pair_context: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One layer's random preferences.
+
+    Returns:
+        ``pair_logits [P, E]`` token + cluster + topic logits + expert bias for each occurring
+        (token id, topic) pair, ``seq_logits [S, E]`` and ``labels [E]`` (the expert id of each
+        score column).
+    """
+    tok_logits = _heavy_tailed(rng, (num_u, num_e), logit_tail)
+    tok_logits *= np.float32(k["token_scale"])
+    cluster_logits = _heavy_tailed(rng, (num_topics * num_clusters, num_e), logit_tail)
+    cluster_logits *= np.float32(k["cluster_scale"])
+    topic_logits = _heavy_tailed(rng, (num_topics, num_e), context_tail) * np.float32(k["topic_scale"])
+    seq_logits = _heavy_tailed(rng, (num_sequences, num_e), context_tail) * np.float32(k["sequence_scale"])
+    bias = rng.standard_normal(num_e).astype(np.float32) * np.float32(k["expert_skew"])
+    labels = rng.permutation(num_e)
+    pair_logits = np.take(tok_logits, pair_row, axis=0)
+    pair_logits += np.take(cluster_logits, pair_context, axis=0)
+    pair_logits += np.take(topic_logits + bias, pair_topic, axis=0)
+    return pair_logits, seq_logits, labels
+
+
+def _carry_context(rng: np.random.Generator, context: np.ndarray | None, carry: float, shape: tuple[int, int]) -> np.ndarray:
+    """Next layer's context noise: ``carry * context + sqrt(1 - carry^2) * Gumbel`` (Gumbel at layer 0)."""
+    fresh = _gumbel(rng, shape)
+    if context is None:
+        return fresh
+    context *= np.float32(carry)
+    fresh *= np.float32(math.sqrt(1.0 - carry * carry))
+    context += fresh
+    return context
+
+
 def _sequence_lengths(rng: np.random.Generator, num_sequences: int, seq_len: int | tuple[int, int]) -> np.ndarray:
     if isinstance(seq_len, (int, np.integer)):
         lo = hi = int(seq_len)
     else:
         lo, hi = (int(v) for v in seq_len)
     if not 1 <= lo <= hi:
-        raise ValueError(f"seq_len must be an int >= 1 or a (lo, hi) range with 1 <= lo <= hi, got {seq_len!r}")
+        raise ValueError(f"synthetic_trace: seq_len must be an int >= 1 or a (lo, hi) range with 1 <= lo <= hi, got {seq_len!r}")
     return rng.integers(lo, hi + 1, size=num_sequences, dtype=np.int64)
 
 
@@ -305,15 +352,28 @@ def _depth_values(value: float | Sequence[float], num_layers: int, name: str) ->
     return np.interp(depth, np.asarray(REFERENCE_DEPTHS) / REFERENCE_DEPTHS[-1], values)
 
 
-def _check_generator_args(num_sequences: int, num_layers: int, num_experts: int, top_k: int, vocab_size: int) -> None:
-    for name, value in (("num_sequences", num_sequences), ("num_layers", num_layers),
-                        ("num_experts", num_experts), ("top_k", top_k), ("vocab_size", vocab_size)):
+def _check_generator_args(num_sequences: int, num_layers: int, num_experts: int, top_k: int, vocab_size: int,
+                          num_topics: int, num_clusters: int) -> None:
+    for name, value in (("num_sequences", num_sequences), ("num_layers", num_layers), ("num_experts", num_experts),
+                        ("top_k", top_k), ("vocab_size", vocab_size), ("num_topics", num_topics),
+                        ("num_clusters", num_clusters)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"synthetic_trace: {name} must be a positive int, got {value!r}")
     if top_k > num_experts:
         raise ValueError(f"synthetic_trace: top_k ({top_k}) must not exceed num_experts ({num_experts})")
     if num_experts > MAX_EXPERTS:
         raise ValueError(f"synthetic_trace: num_experts must be <= {MAX_EXPERTS} (ids are packed into float32 sort keys), got {num_experts}")
+
+
+def _check_knobs(knobs: dict[str, np.ndarray], logit_tail: float, context_tail: float) -> None:
+    for name, values in knobs.items():
+        if not (np.isfinite(values).all() and (values >= 0).all()):
+            raise ValueError(f"synthetic_trace: {name} must be finite and >= 0, got {values}")
+    if (knobs["crosslayer_carry"] >= 1).any():
+        raise ValueError(f"synthetic_trace: crosslayer_carry must be < 1, got {knobs['crosslayer_carry']}")
+    for name, tail in (("logit_tail", logit_tail), ("context_tail", context_tail)):
+        if not 0.25 <= tail <= 4:
+            raise ValueError(f"synthetic_trace: {name} must be in [0.25, 4], got {tail}")
 
 
 def synthetic_trace(
@@ -326,26 +386,26 @@ def synthetic_trace(
     seed: int = 0,
     *,
     num_topics: int = NUM_TOPICS,
+    num_clusters: int | None = None,
     zipf_exponent: float = ZIPF_EXPONENT,
     zipf_offset: float = ZIPF_OFFSET,
     active_vocab: int = ACTIVE_VOCAB,
     topic_vocab_jitter: float = TOPIC_VOCAB_JITTER,
-    expert_skew: float | Sequence[float] = EXPERT_SKEW,
     token_scale: float | Sequence[float] = TOKEN_SCALE,
+    cluster_scale: float | Sequence[float] = CLUSTER_SCALE,
     topic_scale: float | Sequence[float] = TOPIC_SCALE,
     sequence_scale: float | Sequence[float] = SEQUENCE_SCALE,
-    num_clusters: int | None = None,
-    cluster_scale: float | Sequence[float] = CLUSTER_SCALE,
+    expert_skew: float | Sequence[float] = EXPERT_SKEW,
     crosslayer_carry: float | Sequence[float] = CROSSLAYER_CARRY,
     logit_tail: float = LOGIT_TAIL,
     context_tail: float = CONTEXT_TAIL,
     with_weights: bool = False,
 ) -> RoutingTrace:
-    """A synthetic routing trace calibrated on OLMoE (see the module docstring for the model).
+    """A synthetic routing trace calibrated on OLMoE (the model is in the module docstring).
 
     Deterministic for a ``seed``. Knobs given as 3 values apply at the relative depths of layers
-    0, 7, 15 of 16 and are interpolated linearly in between. Scales are in units of the unit
-    Gumbel noise that stands for everything else a router sees.
+    0, 7, 15 of 16 and are interpolated linearly in between; scales are relative to the context
+    noise (a standard Gumbel). About 10 s for 200k tokens x 26 layers x 64 experts on one core.
 
     Args:
         num_sequences: ``S``.
@@ -356,74 +416,58 @@ def synthetic_trace(
         seq_len: tokens per sequence, fixed or uniform in ``[lo, hi]``.
         seed: seed of ``numpy.random.default_rng``.
         num_topics: sequence ``s`` has topic ``s % num_topics``.
-        zipf_exponent, zipf_offset, active_vocab, topic_vocab_jitter: token frequency law.
+        num_clusters: token clusters; default one per expert.
+        zipf_exponent, zipf_offset, active_vocab, topic_vocab_jitter: the token frequency law.
+        token_scale: std of the per-(token id, layer) logits, the same in every topic.
+        cluster_scale: std of the per-(topic, token cluster, layer) logits.
+        topic_scale: std of the per-(topic, layer) logits.
+        sequence_scale: std of the per-(sequence, layer) logits.
         expert_skew: std of the per-expert logit bias (load skew).
-        token_scale: std of the per-(token id, layer) logits (heavy-tailed, see ``logit_tail``).
-        topic_scale: std of the per-(topic, layer) logits (heavy-tailed).
-        crosslayer_carry: weight of the previous layer's scores (experts relabelled by a random
-            permutation) in this layer's logits, in ``[0, 1)``: the expert choice at layer
-            ``l + 1`` depends on the scores that chose the experts at layer ``l``.
-        logit_tail: tail exponent of the token and topic logits, ``Exp(1) ** logit_tail``.
-        with_weights: also return ``topk_weights``, the softmax of the chosen experts' noisy
-            logits over the ``K``.
+        crosslayer_carry: AR(1) coefficient, in ``[0, 1)``, of the context noise from one layer
+            to the next (column by column): the choice at ``l`` depends on the choice at ``l - 1``.
+        logit_tail: token and cluster logits are ``Exp(1) ** logit_tail`` (scaled to unit std).
+        context_tail: topic and sequence logits are ``Exp(1) ** context_tail``.
+        with_weights: also return ``topk_weights``, the softmax of the chosen experts' scores
+            over the ``K``.
 
     Returns:
         RoutingTrace with ``topk_ids [T, L, K]`` (int16, or int32 above 32767 experts), highest
         score first, and ``vocab_size`` set.
     """
-    _check_generator_args(num_sequences, num_layers, num_experts, top_k, vocab_size)
-    for name, value in (("num_topics", num_topics), ("num_clusters", 1 if num_clusters is None else num_clusters)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"synthetic_trace: {name} must be a positive int, got {value!r}")
+    num_clusters = num_experts if num_clusters is None else num_clusters
+    _check_generator_args(num_sequences, num_layers, num_experts, top_k, vocab_size, num_topics, num_clusters)
     knobs = {name: _depth_values(value, num_layers, name) for name, value in (
-        ("expert_skew", expert_skew), ("token_scale", token_scale),
-        ("topic_scale", topic_scale), ("sequence_scale", sequence_scale), ("cluster_scale", cluster_scale), ("crosslayer_carry", crosslayer_carry))}
-    for name, values in knobs.items():
-        if not (np.isfinite(values).all() and (values >= 0).all()):
-            raise ValueError(f"synthetic_trace: {name} must be finite and >= 0, got {values}")
-    if (knobs["crosslayer_carry"] >= 1).any():
-        raise ValueError(f"synthetic_trace: crosslayer_carry must be < 1 (else scores grow without bound), got {knobs['crosslayer_carry']}")
-    for name, tail in (("logit_tail", logit_tail), ("context_tail", context_tail)):
-        if not 0.25 <= tail <= 4:
-            raise ValueError(f"synthetic_trace: {name} must be in [0.25, 4], got {tail}")
+        ("token_scale", token_scale), ("cluster_scale", cluster_scale), ("topic_scale", topic_scale),
+        ("sequence_scale", sequence_scale), ("expert_skew", expert_skew), ("crosslayer_carry", crosslayer_carry))}
+    _check_knobs(knobs, logit_tail, context_tail)
 
     rng = np.random.default_rng(seed)
     lengths = _sequence_lengths(rng, num_sequences, seq_len)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    seq_topic = np.arange(num_sequences) % num_topics
     token_seq = np.repeat(np.arange(num_sequences), lengths)
-    token_topic = seq_topic[token_seq]
+    token_topic = token_seq % num_topics
     token_ids = _sample_tokens(rng, token_topic, num_topics, vocab_size, zipf_exponent, zipf_offset, active_vocab, topic_vocab_jitter)
-    _, token_row = np.unique(token_ids, return_inverse=True)
-    num_clusters = num_experts if num_clusters is None else num_clusters
-    token_cluster = rng.integers(0, num_clusters, size=int(token_row.max()) + 1)  # per distinct token id
-    token_context = token_topic * num_clusters + token_cluster[token_row]  # (topic, cluster) row
+    _, token_row = np.unique(token_ids, return_inverse=True)  # distinct token ids -> rows
     num_t, num_e, num_u = token_ids.size, num_experts, int(token_row.max()) + 1
+    token_cluster = rng.integers(0, num_clusters, size=num_u)
+    # token, cluster and topic logits are shared by all occurrences of a (token id, topic) pair
+    pairs, token_pair = np.unique(token_row * num_topics + token_topic, return_inverse=True)
+    pair_row, pair_topic = pairs // num_topics, pairs % num_topics
+    pair_context = pair_topic * num_clusters + token_cluster[pair_row]  # (topic, cluster) row
 
     topk_ids = np.empty((num_t, num_layers, top_k), dtype=np.int16 if num_e <= np.iinfo(np.int16).max else np.int32)
     topk_weights = np.empty((num_t, num_layers, top_k), dtype=np.float32) if with_weights else None
-    rows = np.arange(num_t)[:, None]
-    state = None  # [T, E] the router's view without the expert bias, carried to the next layer
+    context = None  # [T, E] context noise, carried from layer to layer
     for layer in range(num_layers):
-        tok_logits = _heavy_tailed(rng, (num_u, num_e), logit_tail)
-        tok_logits *= np.float32(knobs["token_scale"][layer])
-        cluster_logits = _heavy_tailed(rng, (num_topics * num_clusters, num_e), logit_tail)
-        cluster_logits *= np.float32(knobs["cluster_scale"][layer])
-        topic_logits = _heavy_tailed(rng, (num_topics, num_e), context_tail) * np.float32(knobs["topic_scale"][layer])
-        seq_logits = _heavy_tailed(rng, (num_sequences, num_e), context_tail) * np.float32(knobs["sequence_scale"][layer])
-        bias = rng.standard_normal(num_e).astype(np.float32) * np.float32(knobs["expert_skew"][layer])
-        labels = rng.permutation(num_e)  # expert ids of this layer's score columns
-
-        seq_logits += topic_logits[seq_topic]
-        view = np.take(tok_logits, token_row, axis=0)
-        view += np.take(seq_logits, token_seq, axis=0)
-        view += np.take(cluster_logits, token_context, axis=0)
-        if state is not None:  # the previous layer's view carries over, column by column
-            state *= np.float32(knobs["crosslayer_carry"][layer])
-            view += state
-        view += _gumbel(rng, view.shape)
-        state = view
-        scores = state + bias
+        k = {name: float(values[layer]) for name, values in knobs.items()}
+        pair_logits, seq_logits, labels = _layer_tables(
+            rng, k, num_u, num_topics, num_clusters, num_sequences, num_e, logit_tail, context_tail,
+            pair_row, pair_topic, pair_context)
+        context = _carry_context(rng, context, k["crosslayer_carry"], (num_t, num_e))
+        scores = np.take(pair_logits, token_pair, axis=0)
+        if k["sequence_scale"] > 0:
+            scores += np.take(seq_logits, token_seq, axis=0)
+        scores += context
         chosen = _topk_desc(scores, top_k)
         topk_ids[:, layer, :] = labels[chosen]
         if topk_weights is not None:

@@ -270,6 +270,10 @@ def expected_ids(model: FakeModel, tokens: list[int]) -> np.ndarray:
     return torch.stack([model.moe_a.route(t), model.moe_b.route(t)], dim=1).numpy()
 
 
+def no_hooks(model: nn.Module) -> bool:
+    return all(not m._forward_hooks for m in model.modules())
+
+
 def test_recorder_untagged_and_tagged() -> None:
     model = FakeModel()
     with TraceRecorder(model, vocab_size=50) as rec:
@@ -300,10 +304,6 @@ def test_recorder_removes_hooks_on_exception() -> None:
             raise KeyError("boom")
     assert no_hooks(model)
     model(torch.tensor([1, 2]))  # still usable, nothing recorded
-
-
-def no_hooks(model: nn.Module) -> bool:
-    return all(not m._forward_hooks for m in model.modules())
 
 
 def test_recorder_errors() -> None:
@@ -425,16 +425,27 @@ def test_synthetic_rejects_bad_arguments() -> None:
         synthetic_trace(2, 2, ts.MAX_EXPERTS + 1, 2, 100)
 
 
-def test_synthetic_heldout_is_harder_than_in_sample() -> None:
-    trace = synthetic_trace(32, 3, 32, 4, 5000, seq_len=1024, seed=5)
+def _table_recalls(train: RoutingTrace, test: RoutingTrace, layer: int, min_count: int = 1) -> tuple[float, float]:
+    """(in-sample recall on test, recall on test of train's table) over tokens seen in both."""
+    tr_tok, tr_table = ts.token_expert_table(train, layer)
+    te_tok, te_table = ts.token_expert_table(test, layer)
+    _, i_tr, i_te = np.intersect1d(tr_tok, te_tok, return_indices=True)
+    keep = (tr_table[i_tr].sum(1) >= min_count * train.top_k) & (te_table[i_te].sum(1) >= min_count * test.top_k)
+    tr, te = tr_table[i_tr][keep], te_table[i_te][keep]
+    return ts.table_recall(te, test.top_k), ts.cross_table_recall(tr, te, test.top_k)
+
+
+def test_synthetic_routing_depends_on_context() -> None:
+    """A token table from one half does worse on the other half, and much worse on a new topic."""
+    trace = synthetic_trace(32, 3, 64, 8, 50280, seq_len=2048, seed=5)  # 4 topics; depths 0, 7.5, 15 of 16
     train, held = trace.split(0.5)
+    topic3 = np.arange(3, 32, 4)
+    others = trace.select_sequences(np.setdiff1d(np.arange(32), topic3))
     for layer in range(3):
-        tr_tok, tr_table = ts.token_expert_table(train, layer)
-        he_tok, he_table = ts.token_expert_table(held, layer)
-        common, i_tr, i_he = np.intersect1d(tr_tok, he_tok, return_indices=True)
-        in_sample = ts.table_recall(he_table[i_he], 4)
-        heldout = ts.cross_table_recall(tr_table[i_tr], he_table[i_he], 4)
-        assert heldout < in_sample - 0.03, (layer, heldout, in_sample)
+        in_sample, heldout = _table_recalls(train, held, layer)
+        assert heldout < in_sample - 0.02, (layer, heldout, in_sample)
+        in_sample, cross = _table_recalls(others, trace.select_sequences(topic3), layer, min_count=20)
+        assert cross < in_sample - 0.15, (layer, cross, in_sample)
 
 
 def test_synthetic_matches_calibration_targets() -> None:
@@ -448,8 +459,12 @@ def test_synthetic_matches_calibration_targets() -> None:
     np.testing.assert_allclose(st["token_topk_recall"][layers], ts.TARGET_TOKEN_RECALL, atol=0.1)
     np.testing.assert_allclose(st["frequent_token_recall"][layers], ts.TARGET_FREQUENT_RECALL, atol=0.1)
     np.testing.assert_allclose(st["crosslayer_nmi"], ts.TARGET_CROSSLAYER_NMI, atol=0.02)
-    np.testing.assert_allclose(np.log(st["load_cv"][layers]), np.log(ts.TARGET_LOAD_CV), atol=0.5)
-    np.testing.assert_allclose(np.log(st["load_max_mean"][layers]), np.log(ts.TARGET_LOAD_MAX_MEAN), atol=0.5)
+    # load skew of one layer varies a lot between draws (real layer-0 CV: 0.56..0.95 over domains):
+    # compare the geometric mean over the three layers tightly, single layers loosely
+    for name, target in (("load_cv", ts.TARGET_LOAD_CV), ("load_max_mean", ts.TARGET_LOAD_MAX_MEAN)):
+        got = np.log(st[name][layers])
+        assert got.mean() == pytest.approx(np.log(target).mean(), abs=0.3), name
+        np.testing.assert_allclose(got, np.log(target), atol=1.0, err_msg=name)
 
 
 # ---- real data ---------------------------------------------------------------------------------
