@@ -237,7 +237,8 @@ class VariabilitySettings:
 
     Attributes:
         name: preset name; curves_path: profiled curves (``LatencyCurves.load``) or ``None``;
-        mode, time_scale, wait: of the emulation (``mode='off'``: none).
+        mode, time_scale, wait: of the emulation (``mode='off'``: none);
+        given: whether the config set ``variability`` at all.
     """
 
     name: str = "none"
@@ -245,6 +246,7 @@ class VariabilitySettings:
     mode: str = "measured"
     time_scale: float = 1.0
     wait: str = "auto"
+    given: bool = False
 
     @classmethod
     def from_config(cls, cfg: dict) -> "VariabilitySettings":
@@ -253,6 +255,7 @@ class VariabilitySettings:
         Raises:
             ValueError: unknown preset, mode or wait, or a malformed entry.
         """
+        given = cfg.get("variability") is not None
         var = cfg.get("variability") or "none"
         if isinstance(var, str):
             name, path = var, None
@@ -268,7 +271,7 @@ class VariabilitySettings:
         if unknown:
             raise ValueError(f"unknown emulation key(s) {sorted(unknown)}: use mode, time_scale, wait")
         out = cls(str(name), path, str(emu.get("mode", "measured")), float(emu.get("time_scale", 1.0)),
-                  str(emu.get("wait", "auto")))
+                  str(emu.get("wait", "auto")), given)
         if out.name not in VARIABILITY_PRESETS:
             raise ValueError(f"variability must be one of {VARIABILITY_PRESETS}, got {out.name!r}")
         if out.mode not in MODES + ("off",):
@@ -285,14 +288,23 @@ class VariabilitySettings:
 
     def layer_config(self, layer_cfg: dict, num_ranks: int) -> dict:
         """``layer_cfg`` (``cls``, ``kwargs``) with ``variability`` (and ``curves`` when profiled) added
-        to the kwargs of a layer class that takes them; other layers are returned unchanged."""
+        to the kwargs of a layer class that takes them; other layers, or no ``variability`` in the
+        config, leave it unchanged.
+
+        Raises:
+            ValueError: the layer's kwargs name a different ``variability`` than the config.
+        """
         import importlib
 
         mod, _, name = layer_cfg["cls"].rpartition(".")
         params = inspect.signature(getattr(importlib.import_module(mod), name)).parameters
-        if "variability" not in params:
+        if not self.given or "variability" not in params:
             return layer_cfg
-        kwargs = dict(layer_cfg.get("kwargs") or {}, variability=self.name)
+        kwargs = dict(layer_cfg.get("kwargs") or {})
+        if kwargs.get("variability", self.name) != self.name:
+            raise ValueError(f"layer.kwargs.variability={kwargs['variability']!r} contradicts "
+                             f"variability={self.name!r}")
+        kwargs["variability"] = self.name
         if self.curves_path:
             kwargs["curves"] = self.curves(num_ranks)
         return dict(layer_cfg, kwargs=kwargs)

@@ -75,6 +75,7 @@ class Staging:
     """Received weights waiting for the commit (what the fault hook sees).
 
     Attributes:
+        rank: this expert-parallel rank.
         slots: local slots to overwrite; w13: ``[n, 2F, H]``; w2: ``[n, H, F]`` (row ``i`` for ``slots[i]``).
     """
 
@@ -160,7 +161,8 @@ def _exchange(plan: _Plan, staging: Staging, w13: torch.Tensor, w2: torch.Tensor
             raise RuntimeError("a single-process layer cannot move weights between ranks")
         return
     ops = []
-    events = [(i, "recv", row, peer) for row, peer, i in plan.recv] + [(i, "send", slot, peer) for slot, peer, i in plan.send]
+    events = [(i, "recv", row, peer) for row, peer, i in plan.recv]
+    events += [(i, "send", slot, peer) for slot, peer, i in plan.send]
     for i, kind, idx, peer in sorted(events):
         gpeer = dist.get_global_rank(group, peer)
         if kind == "recv":
@@ -174,7 +176,8 @@ def _exchange(plan: _Plan, staging: Staging, w13: torch.Tensor, w2: torch.Tensor
             req.wait()
 
 
-def _fail(stage: str, failing: list[int], agree: bool, old: ExpertPlacement, cause: BaseException | None) -> None:
+def _fail(stage: str, failing: list[int], old: ExpertPlacement, cause: BaseException | None) -> None:
+    """Raise the abort error (identical text on every rank; this rank's own failure as the cause)."""
     if failing:
         what = "rejected the new placement" if stage == "validate" else "failed while staging the weights"
         msg = (f"placement change aborted on every rank: rank(s) {failing} {what}; the old placement "
@@ -227,19 +230,18 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
     # 2 vote before any point-to-point traffic
     failing, agree = _vote(group, size, rank, cause is None, digest, device)
     if failing or not agree:
-        _fail("validate", failing, agree, old, cause)
-    # 3 stage: every rank takes part
-    _exchange(plan, staging, w13, w2, group)
-    # 4 fault hook, second vote
+        _fail("validate", failing, old, cause)
+    # 3 stage: every rank takes part; 4 fault hook, second vote
     try:
+        _exchange(plan, staging, w13, w2, group)
         if fault_hook is not None:
             fault_hook(staging)
-    except Exception as e:  # noqa: BLE001 - reported through the vote
+    except Exception as e:  # noqa: BLE001 - reported through the vote (a failed transfer must not strand peers)
         cause = e
     failing, _ = _vote(group, size, rank, cause is None, digest, device)
     if failing:
         del staging
-        _fail("staging", failing, True, old, cause)
+        _fail("staging", failing, old, cause)
     # 5 commit
     if plan.slots:
         idx = torch.tensor(plan.slots, dtype=torch.int64, device=w13.device)

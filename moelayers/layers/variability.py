@@ -105,7 +105,8 @@ class VariabilityAwareMoE(MoELayerBase):
         self.planner, self.restarts, self.plan_seed = planner, restarts, plan_seed
         self.record_loads = record_loads
         self.steps, self.num_replans = 0, 0
-        self._loads = torch.zeros(window, config.num_experts, dtype=torch.int64, device=self.router.weight.device)
+        self.register_buffer("_loads", torch.zeros(window, config.num_experts, dtype=torch.int64,
+                                                   device=self.router.weight.device), persistent=False)
         self._staging_fault_hook: Callable[[Staging], None] | None = None
         self.emulator = None
         if slowdown is not None:
@@ -200,10 +201,12 @@ class VariabilityAwareMoE(MoELayerBase):
             try:
                 if loads.dim() != 2 or loads.shape[1] != e or loads.shape[0] < 1:
                     raise ValueError(f"loads must be [steps >= 1, {e}], got {list(loads.shape)}")
-                planner = self.planner
+                planner, curves = self.planner, self.latency_curves()
                 if planner is None:
                     from moelayers.planning.gem import plan_gem as planner
-                expert_rank = torch.as_tensor(planner(loads.cpu().to(torch.float64).numpy(), self.latency_curves(),
+                if hasattr(curves, "check_ranks"):  # LatencyCurves: curves for exactly R ranks
+                    curves.check_ranks(r)
+                expert_rank = torch.as_tensor(planner(loads.cpu().to(torch.float64).numpy(), curves,
                                                       restarts=self.restarts, seed=self.plan_seed))
                 expert_rank = expert_rank.to(torch.int64).reshape(-1).cpu()
                 if expert_rank.numel() != e or int(expert_rank.min()) < 0 or int(expert_rank.max()) >= r:

@@ -124,13 +124,17 @@ def scenario_moves(rank: int, world: int, device: str) -> dict:
         for chain, places in chains.items():
             layer = ctx.layer(places[0], **kw)
             errors.append(ctx.check(f"{tag} {chain} start", layer))
+            kinds = set()
             for i, p in enumerate(places[1:]):
+                kinds |= {"local" if m.src_rank == m.dst_rank else "remote" for m in layer.placement.moves_to(p)}
                 layer.apply_placement(p)
                 name = f"{tag} {chain} move {i + 1}"
                 if layer.placement != p:
                     errors.append(f"{name}: placement not applied")
                 errors.append(ctx.check(name, layer, salt=i + 1))
                 errors.append(ctx.check_weights(name, layer))
+            if world > 1 and kinds != {"local", "remote"}:
+                errors.append(f"{tag} {chain}: the chain should exercise local and remote moves, got {kinds}")
             if chain == "spare":  # slots emptied by the last moves hold zeros
                 empty = layer.placement.phy2log[ctx.groups.ep_rank] < 0
                 if layer.experts.w13[empty.to(layer.experts.w13.device)].abs().sum() != 0:
@@ -187,8 +191,11 @@ def scenario_staging_fault(rank: int, world: int, device: str) -> dict:
     layer = ctx.layer(p1)
     y0 = ctx.forward(layer)
     errors = []
+    changed = int((p1.phy2log[ctx.groups.ep_rank] != p2.phy2log[ctx.groups.ep_rank]).sum())
 
     def hook(staging):  # every rank scribbles over its staging; the last rank also fails
+        if len(staging.slots) != changed or staging.w13.shape[0] != changed or staging.w2.shape[0] != changed:
+            errors.append(f"staging holds {staging.w13.shape[0]} slots, {changed} change on this rank")
         staging.w13.fill_(float("nan"))
         staging.w2.fill_(float("nan"))
         if staging.rank == world - 1:
@@ -417,6 +424,10 @@ def test_measured_emulation_stretches_expert_compute():
     with torch.no_grad():
         layer(x)
     assert emu.calls == 1
+    gem, _ = _emulated_layer(lambda *a, **kw: ml.VariabilityAwareMoE(*a, slowdown=[1.5], **kw))
+    with torch.no_grad():
+        assert torch.equal(gem(x), y_ref)
+    assert gem.emulator.calls == 1 and gem.emulator.added_s == pytest.approx(0.5 * gem.emulator.compute_s, rel=1e-6)
 
 
 def test_curve_emulation_pads_to_curve_latency():
@@ -442,7 +453,7 @@ def test_emulation_presets_with_gem_curves():
     from moelayers.emulation import VariabilitySettings, emulate_variability
 
     layer, x = _emulated_layer(ml.VariabilityAwareMoE)
-    emu = emulate_variability(layer, mode="curve", variability="high", time_scale=10.0)
+    emu = emulate_variability(layer, mode="curve", variability="high", time_scale=1000.0)
     with torch.no_grad():
         layer(x)
     assert emu.last_added_s > 0
@@ -456,3 +467,34 @@ def test_emulation_presets_with_gem_curves():
         VariabilitySettings.from_config({"variability": "extreme"})
     with pytest.raises(ValueError, match="emulation"):
         VariabilitySettings.from_config({"emulation": {"mode": "fast"}})
+
+
+def test_settings_emulate_any_layer():
+    from moelayers.emulation import VariabilitySettings
+
+    layers = [_emulated_layer()[0] for _ in range(2)]  # VanillaMoE: the baseline runs on the same slowed hardware
+    emus = VariabilitySettings.from_config({"variability": "high"}).apply(layers)
+    assert len(emus) == 2 and all(e.factor == pytest.approx(1 / 0.88) and e.mode == "measured" for e in emus)
+    assert VariabilitySettings.from_config({"variability": "low"}).apply(layers) == []  # s = 1: nothing to do
+    assert VariabilitySettings.from_config({"variability": "high", "emulation": {"mode": "off"}}).apply(layers) == []
+
+
+# ---------------------------------------------------------------------- serve recipe end to end
+@pytest.mark.timeout(150)
+def test_serve_variability_replans(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(root / "recipes" / "serve.py"), "layer=variability", "variability=high",
+           "emulation.mode=curve", "router=replay", "workload.num_requests=8", "layer.kwargs.window=8",
+           "progress=false", "plot=false", f"hydra.run.dir={tmp_path}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=140)
+    assert proc.returncode == 0, f"serve failed:\n{proc.stdout}\n{proc.stderr}"
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["layer"] == "variability" and res["output_tokens"] > 0 and res["tpot_p90_s"] > 0
+    assert "emulated variability=high (curve mode) on rank 0" in res["notes"]
+    assert "MoE layer 0: 1 re-plan(s)" in res["notes"] and "MoE layer 1: 1 re-plan(s)" in res["notes"]
