@@ -14,6 +14,7 @@ from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFir
 from moelayers.experts import GroupedExperts
 from moelayers.groups import ParallelGroups
 from moelayers.layers import MoELayerBase, VanillaMoE, VariabilityAwareMoE
+from moelayers.layers import SemanticMoE
 from moelayers.metrics import MoEStats
 from moelayers.placement import ExpertPlacement, SlotMove
 from moelayers.router import TopKRouter
@@ -24,4 +25,5 @@ __all__ = [
     "AllGatherDispatcher", "AllToAllDispatcher", "ExpertPlacement", "GroupedExperts", "LocalFirstPolicy",
     "MoEConfig", "MoELayerBase", "MoEStats", "ParallelGroups", "Routes", "SlotMove", "TopKRouter", "VanillaMoE",
     "VariabilityAwareMoE", "metrics", "reference", "trace",
+    "SemanticMoE",
 ]

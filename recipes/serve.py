@@ -22,12 +22,19 @@ Usage::
     python recipes/serve.py                                          # 2 gloo processes on CPU
     python recipes/serve.py parallel.world_size=4 workload.num_requests=16 hydra.run.dir=/tmp/x
     python recipes/serve.py router=replay trace.path=trace.npz
+    python recipes/serve.py layer=semantic scheduler=semantic router=replay   # Sem-MoE, plan from the trace
     torchrun --nproc-per-node 8 recipes/serve.py parallel=gpu        # NCCL
+
+``scheduler`` is a name (``round_robin``, ``semantic``, ``module:function``) or a dict
+``scheduler={name:semantic,plan_path:FILE}``. ``layer=semantic`` and ``scheduler=semantic`` share one
+``SemanticPlan``: ``scheduler.plan_path``, else ``layer.plan_path``, else one planned (mode dp) on the
+replay trace's first half of sequences (``layer.plan_train_fraction``).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 import time
@@ -116,17 +123,70 @@ def round_robin(requests: list[Request], world_size: int, cfg: dict) -> list[int
     return [i % world_size for i in range(len(requests))]
 
 
-SCHEDULERS = {"round_robin": round_robin}
+def semantic(requests: list[Request], world_size: int, cfg: dict) -> list[int]:
+    """Sem-MoE Algorithm 2 (:class:`moelayers.schedule.SemanticScheduler`): each request, in arrival
+    order, to the unmasked rank its prompt's tokens vote for; every ``world_size`` requests cover all ranks."""
+    from moelayers.schedule import SemanticScheduler
+
+    sched = SemanticScheduler(semantic_plan(cfg, world_size), num_ranks=world_size)
+    return [sched.assign(r.prompt) for r in requests]
 
 
-def get_scheduler(name: str):
+SCHEDULERS = {"round_robin": round_robin, "semantic": semantic}
+
+
+def scheduler_name(spec) -> str:
+    """``scheduler`` is a name or a dict with ``name`` (and e.g. ``plan_path``)."""
+    if isinstance(spec, dict):
+        if "name" not in spec:
+            raise ValueError(f"scheduler={spec} needs a name, e.g. scheduler={{name:semantic,plan_path:FILE}}")
+        return spec["name"]
+    return spec
+
+
+def get_scheduler(name):
     """A scheduler ``(requests, world_size, cfg) -> rank per request``: a registered name or ``module:function``."""
+    name = scheduler_name(name)
     if name in SCHEDULERS:
         return SCHEDULERS[name]
     if ":" in name:
         mod, fn = name.split(":", 1)
         return getattr(importlib.import_module(mod), fn)
     raise ValueError(f"unknown scheduler {name!r}: one of {sorted(SCHEDULERS)} or 'module:function'")
+
+
+# ---------------------------------------------------------------------- semantic plan
+_PLANS: dict = {}
+
+
+def semantic_plan_path(cfg: dict) -> str | None:
+    """``scheduler.plan_path`` (dict form), else ``layer.plan_path``, else ``None``."""
+    sched = cfg["scheduler"]
+    return (sched.get("plan_path") if isinstance(sched, dict) else None) or cfg["layer"].get("plan_path")
+
+
+def semantic_plan(cfg: dict, num_ranks: int, trace=None):
+    """The ``SemanticPlan`` of ``layer=semantic`` / ``scheduler=semantic`` (built once per process):
+    loaded from :func:`semantic_plan_path`, or planned (mode dp) on the replay trace's first
+    ``layer.plan_train_fraction`` (default 0.5) of sequences."""
+    from moelayers.planning.semantic import SemanticPlan, plan_semantic
+
+    path = semantic_plan_path(cfg)
+    source = None if path else json.dumps([cfg.get(k) for k in ("router", "trace", "workload", "model", "seed")]
+                                          + [cfg["layer"].get("plan_train_fraction")], sort_keys=True, default=str)
+    key = (path, source, num_ranks)
+    if key not in _PLANS:
+        if path:
+            plan = SemanticPlan.load(path)
+        else:
+            trace = trace if trace is not None else load_replay_trace(cfg)
+            if trace is None:
+                raise ValueError("a semantic plan needs scheduler={name:semantic,plan_path:FILE}, layer.plan_path=FILE "
+                                 "or router=replay (planned on the trace's first half)")
+            train, _ = trace.split(float(cfg["layer"].get("plan_train_fraction", 0.5)))
+            plan = plan_semantic(train, num_ranks, mode="dp", seed=int(cfg["seed"]), progress=False)
+        _PLANS[key] = plan
+    return _PLANS[key]
 
 
 # ---------------------------------------------------------------------- model
@@ -163,8 +223,9 @@ def fit_model_to_trace(model_cfg: dict, trace) -> tuple[dict, list[str]]:
     return m, notes
 
 
-def build_model(m: dict, layer: dict, groups, device: torch.device, seed: int):
-    """TinyDecoder whose MoE slots are ``layer['cls'](MoEConfig, groups, **layer['kwargs'])``."""
+def build_model(m: dict, layer: dict, groups, device: torch.device, seed: int, plan=None):
+    """TinyDecoder whose MoE slots are ``layer['cls'](MoEConfig, groups, **layer['kwargs'])``, or
+    ``layer['cls'].from_plan(plan, i mod plan layers, ...)`` with a plan (``SemanticMoE``)."""
     import moelayers as ml
     from moelayers.models import TinyConfig, TinyDecoder
 
@@ -177,6 +238,9 @@ def build_model(m: dict, layer: dict, groups, device: torch.device, seed: int):
     kwargs = dict(layer.get("kwargs") or {})
 
     def factory(i: int):
+        if plan is not None:
+            return cls.from_plan(plan, i % len(plan.expert_rank), moe_cfg, groups, device=device, seed=seed * 1000 + i,
+                                 **kwargs)
         return cls(moe_cfg, groups, device=device, seed=seed * 1000 + i, **kwargs)
 
     tcfg = TinyConfig(vocab_size=int(m["vocab_size"]), hidden_size=int(m["hidden_size"]),
@@ -197,7 +261,9 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
     mcfg, notes = fit_model_to_trace(cfg["model"], trace)
     groups = ml.ParallelGroups.from_world(ep=cfg["parallel"].get("ep"))
     var = VariabilitySettings.from_config(cfg)  # variability preset / curves and its emulation (any layer)
-    model = build_model(mcfg, var.layer_config(cfg["layer"], groups.ep_size), groups, device, int(cfg["seed"]))
+    layer_cfg = var.layer_config(cfg["layer"], groups.ep_size)
+    plan = semantic_plan(cfg, groups.ep_size, trace) if uses_plan(layer_cfg) else None
+    model = build_model(mcfg, layer_cfg, groups, device, int(cfg["seed"]), plan=plan)
     emulators = var.apply(model.moe_layers)
     requests = make_requests(cfg, int(mcfg["vocab_size"]), trace)
     owner = get_scheduler(cfg["scheduler"])(requests, world, cfg)
@@ -384,11 +450,26 @@ def summarize(res: dict, out_dir: str) -> None:
         print(f"plot: {png}")
 
 
+def uses_plan(layer_cfg: dict) -> bool:
+    """Whether the layer class is built from a semantic plan (has ``from_plan``)."""
+    mod, _, name = layer_cfg["cls"].rpartition(".")
+    return hasattr(getattr(importlib.import_module(mod), name), "from_plan")
+
+
 def check_config(d: dict) -> None:
     """Fail fast in the launching process on config mistakes (before any rank starts)."""
     from moelayers.emulation import VariabilitySettings
 
     get_scheduler(d["scheduler"])
+    if scheduler_name(d["scheduler"]) == "semantic" or uses_plan(d["layer"]):
+        path = semantic_plan_path(d)
+        if path and not os.path.isfile(path):
+            raise FileNotFoundError(f"semantic plan {path} does not exist")
+        if not path and d["router"]["name"] != "replay":
+            raise ValueError("layer=semantic / scheduler=semantic need a plan: layer.plan_path=FILE, "
+                             "scheduler={name:semantic,plan_path:FILE}, or router=replay (planned on the trace)")
+    if (d["layer"].get("kwargs") or {}).get("mode") == "tp":
+        raise ValueError("serve.py runs attention data-parallel: use the layer's mode=dp (layer.kwargs.mode=dp)")
     VariabilitySettings.from_config(d)  # variability / emulation keys (optional)
     router = d["router"]["name"]
     if router not in ("learned", "replay"):
@@ -410,6 +491,9 @@ def main(cfg: DictConfig) -> None:
     d = to_dict(cfg)
     if d.get("trace", {}).get("path"):
         d["trace"]["path"] = hydra.utils.to_absolute_path(d["trace"]["path"])
+    for holder in (d["layer"], d["scheduler"]):
+        if isinstance(holder, dict) and holder.get("plan_path"):
+            holder["plan_path"] = hydra.utils.to_absolute_path(holder["plan_path"])
     check_config(d)
     d["run_dir"] = run_dir()
     res = launch(d, serve_worker)

@@ -62,6 +62,14 @@ from moelayers.kernels.unpermute_combine import (  # noqa: E402
     unpermute_combine_reference,
     unpermute_combine_triton,
 )
+from moelayers.kernels.shuffle import (  # noqa: E402
+    bucket_positions,
+    bucket_positions_reference,
+    bucket_positions_triton,
+    shuffle_rows,
+    shuffle_rows_reference,
+    shuffle_rows_triton,
+)
 
 __all__ = [
     "HAVE_TRITON",
@@ -76,4 +84,10 @@ __all__ = [
     "dispatch_pack",
     "dispatch_pack_reference",
     "dispatch_pack_triton",
+    "shuffle_rows",
+    "shuffle_rows_reference",
+    "shuffle_rows_triton",
+    "bucket_positions",
+    "bucket_positions_reference",
+    "bucket_positions_triton",
 ]

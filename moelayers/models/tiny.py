@@ -6,9 +6,14 @@
                                     h += moe(norm(h))    (any moelayers layer, token_ids passed) ]
               -> norm -> lm_head -> logits
 
-Attention is data-parallel: every rank builds the same attention weights (seeded generator,
-independent of the rank) and keeps only the KV caches of its own requests. The MoE slot is
-expert-parallel: all ranks call it collectively every step, possibly with zero tokens.
+Attention is data-parallel by default (``attention='dp'``): every rank builds the same attention
+weights (seeded generator, independent of the rank) and keeps only the KV caches of its own
+requests. The MoE slot is expert-parallel: all ranks call it collectively every step, possibly with
+zero tokens. With ``attention='tp'`` the attention heads are split over the TP ranks (every TP rank
+runs the same requests with its heads and their KV caches) and each block's MoE slot finishes the
+partial attention output itself: ``h = moe.forward_tp(attn_partial, h, norm2, token_ids=...)``
+(DESIGN.md §4; e.g. ``SemanticMoE(mode='tp')``, which also gets its two predecessors' n-gram
+context ranks as ``prev_ranks``).
 
 Continuous batching goes through :meth:`TinyDecoder.step`: a step mixes prefill chunks and single
 decode tokens of several requests; attention runs per request on its own cache, the MoE layers
@@ -98,6 +103,21 @@ class KVCache:
         return self.k, self.v
 
 
+def _tp_heads(cfg: TinyConfig, attention: str, groups) -> tuple[int, int] | None:
+    """This rank's ``[lo, hi)`` heads under ``attention='tp'`` (``None`` for ``'dp'``)."""
+    if attention not in ("dp", "tp"):
+        raise ValueError(f"attention must be 'dp' or 'tp', got {attention!r}")
+    if attention == "dp":
+        return None
+    if groups is None:
+        raise ValueError("attention='tp' needs groups (a ParallelGroups with the TP group)")
+    p, r = groups.tp_size, groups.tp_rank
+    if cfg.num_heads % p:
+        raise ValueError(f"attention='tp' over {p} ranks needs num_heads ({cfg.num_heads}) divisible by {p}")
+    per = cfg.num_heads // p
+    return r * per, (r + 1) * per
+
+
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding (rotate-half form). ``x [..., n, hd]``, ``positions [n]`` -> same shape."""
     hd = x.shape[-1]
@@ -112,12 +132,22 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with RoPE and torch SDPA (no bias)."""
 
-    def __init__(self, cfg: TinyConfig, *, device=None):
+    def __init__(self, cfg: TinyConfig, *, device=None, heads: tuple[int, int] | None = None):
         super().__init__()
         self.cfg = cfg
-        self.num_heads, self.head_dim = cfg.num_heads, cfg.hidden_size // cfg.num_heads
-        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=False, dtype=cfg.dtype, device=device)
-        self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False, dtype=cfg.dtype, device=device)
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.heads = heads or (0, cfg.num_heads)  # [lo, hi): this rank's heads (attention-TP), default all
+        self.num_heads = self.heads[1] - self.heads[0]
+        width = self.num_heads * self.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * width, bias=False, dtype=cfg.dtype, device=device)
+        self.out = nn.Linear(width, cfg.hidden_size, bias=False, dtype=cfg.dtype, device=device)
+
+    @torch.no_grad()
+    def load_full(self, qkv: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy this rank's heads from the full ``qkv [3H, H]`` and ``out [H, H]`` weights."""
+        h, lo, hi = self.cfg.hidden_size, self.heads[0] * self.head_dim, self.heads[1] * self.head_dim
+        self.qkv.weight.copy_(torch.cat([qkv[i * h + lo:i * h + hi] for i in range(3)]))
+        self.out.weight.copy_(out[:, lo:hi])
 
     def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[..., n, H] -> 3 x [..., nh, n, hd]``."""
@@ -132,7 +162,7 @@ class CausalSelfAttention(nn.Module):
         pos = torch.arange(s, device=x.device)
         q, k = _rope(q, pos, self.cfg.rope_theta), _rope(k, pos, self.cfg.rope_theta)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(o.transpose(1, 2).reshape(b, s, h))
+        return self.out(o.transpose(1, 2).reshape(b, s, -1))
 
     def forward_cached(self, x: torch.Tensor, cache: KVCache | None) -> tuple[torch.Tensor, KVCache]:
         """One request's new tokens against its cache.
@@ -165,10 +195,10 @@ class CausalSelfAttention(nn.Module):
 class Block(nn.Module):
     """``h += attn(norm1(h)); h += moe(norm2(h), token_ids)``."""
 
-    def __init__(self, cfg: TinyConfig, moe: nn.Module, *, device=None):
+    def __init__(self, cfg: TinyConfig, moe: nn.Module, *, device=None, heads: tuple[int, int] | None = None):
         super().__init__()
         self.norm1 = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype=cfg.dtype, device=device)
-        self.attn = CausalSelfAttention(cfg, device=device)
+        self.attn = CausalSelfAttention(cfg, device=device, heads=heads)
         self.norm2 = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype=cfg.dtype, device=device)
         self.moe = moe
 
@@ -195,15 +225,23 @@ class TinyDecoder(nn.Module):
             called as ``moe(x [T, H], token_ids=[T])``. ``None`` is rejected.
         device: where the non-MoE weights live.
         seed: seeds the non-MoE weights (independent of the rank, so every rank agrees).
+        attention: ``'dp'`` (default) or ``'tp'`` (heads split over ``groups``' TP ranks; every MoE
+            slot must offer ``forward_tp``).
+        groups: the ``ParallelGroups`` of ``attention='tp'`` (its ``tp_size`` must divide ``num_heads``).
     """
 
-    def __init__(self, cfg: TinyConfig, moe_factory: Callable[[int], nn.Module], *, device=None, seed: int = 0):
+    def __init__(self, cfg: TinyConfig, moe_factory: Callable[[int], nn.Module], *, device=None, seed: int = 0,
+                 attention: str = "dp", groups=None):
         super().__init__()
         if not callable(moe_factory):
             raise TypeError("moe_factory must be a callable layer_index -> nn.Module")
         self.cfg = cfg
+        self.attention, heads = attention, _tp_heads(cfg, attention, groups)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, device=device)
-        self.blocks = nn.ModuleList(Block(cfg, moe_factory(i), device=device) for i in range(cfg.num_layers))
+        self.blocks = nn.ModuleList(Block(cfg, moe_factory(i), device=device, heads=heads)
+                                    for i in range(cfg.num_layers))
+        if attention == "tp" and not all(hasattr(b.moe, "forward_tp") for b in self.blocks):
+            raise ValueError("attention='tp' needs MoE slots with forward_tp (e.g. SemanticMoE(mode='tp'))")
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype=cfg.dtype, device=device)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=cfg.dtype, device=device)
         self.caches: dict[Hashable, list[KVCache | None]] = {}
@@ -216,15 +254,18 @@ class TinyDecoder(nn.Module):
         ``seed`` (drawn on CPU in float64, so every rank and device gets the same values);
         norms to one. MoE slots keep their own initialisation."""
         gen = torch.Generator().manual_seed(self.seed)
-        params = [self.embed.weight, self.lm_head.weight]
-        for b in self.blocks:
-            params += [b.attn.qkv.weight, b.attn.out.weight]
+        h = self.cfg.hidden_size
+
+        def draw(shape) -> torch.Tensor:
+            return torch.empty(shape, dtype=torch.float64).normal_(0.0, self.cfg.init_std, generator=gen)
+
+        for p in (self.embed.weight, self.lm_head.weight):
+            p.copy_(draw(p.shape))
+        for b in self.blocks:  # full attention weights, sliced to this rank's heads
+            b.attn.load_full(draw((3 * h, h)), draw((h, h)))
             b.norm1.weight.fill_(1.0)
             b.norm2.weight.fill_(1.0)
         self.norm.weight.fill_(1.0)
-        for p in params:
-            w = torch.empty(p.shape, dtype=torch.float64).normal_(0.0, self.cfg.init_std, generator=gen)
-            p.copy_(w)
 
     @property
     def moe_layers(self) -> list[nn.Module]:
@@ -244,11 +285,28 @@ class TinyDecoder(nn.Module):
         b, s = input_ids.shape
         h = self.embed(input_ids)
         flat_ids = input_ids.reshape(-1)
+        history: list = []
         for blk in self.blocks:
+            if self.attention == "tp":
+                partial = blk.attn(blk.norm1(h)).reshape(b * s, -1)
+                h = self._moe_tp(blk, partial, h.reshape(b * s, -1), flat_ids, history).view(b, s, -1)
+                continue
             h = h + blk.attn(blk.norm1(h))
             m = blk.moe(blk.norm2(h).reshape(b * s, -1), token_ids=flat_ids)
             h = h + m.view(b, s, -1)
         return self.lm_head(self.norm(h))
+
+    @staticmethod
+    def _moe_tp(blk: Block, partial: torch.Tensor, residual: torch.Tensor, token_ids: torch.Tensor,
+                history: list) -> torch.Tensor:
+        """Attention-TP: the MoE slot finishes the partial attention output (``forward_tp``); slots
+        that record ``last_context_ranks`` get their two predecessors' as ``prev_ranks`` (n-gram)."""
+        kw = {}
+        if hasattr(blk.moe, "last_context_ranks"):
+            kw["prev_ranks"] = (history[-2] if len(history) > 1 else None, history[-1] if history else None)
+        out = blk.moe.forward_tp(partial, residual, blk.norm2, token_ids=token_ids, **kw)
+        history.append(getattr(blk.moe, "last_context_ranks", None))
+        return out
 
     # ------------------------------------------------------------------ continuous batching
     def step(
@@ -283,15 +341,20 @@ class TinyDecoder(nn.Module):
             raise ValueError(f"forced_topk has {len(forced_topk)} entries for {len(self.blocks)} blocks")
         caches = [self.caches.setdefault(it.request_id, [None] * len(self.blocks)) for it in items]
         h = self.embed(all_ids)  # [T, H]
+        history: list = []
         for li, blk in enumerate(self.blocks):
             x = blk.norm1(h)
             outs = []
             for ri, chunk in enumerate(torch.split(x, lens) if lens else ()):
                 o, caches[ri][li] = blk.attn.forward_cached(chunk, caches[ri][li])
                 outs.append(o)
-            h = h + (torch.cat(outs) if outs else torch.zeros_like(x))
+            attn = torch.cat(outs) if outs else torch.zeros_like(x)
             if forced_topk is not None and forced_topk[li] is not None:
                 blk.moe.force_routing(forced_topk[li])
+            if self.attention == "tp":  # attn is this rank's partial sum over its heads
+                h = self._moe_tp(blk, attn, h, all_ids, history)
+                continue
+            h = h + attn
             h = h + blk.moe(blk.norm2(h), token_ids=all_ids)
         last = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0) - 1
         logits = self.lm_head(self.norm(h[last.to(dev)])) if items else h.new_zeros(0, self.cfg.vocab_size)

@@ -1,0 +1,236 @@
+"""`SemanticMoE` (Sem-MoE / Semantic Parallelism): experts placed with the tokens that use them.
+
+An offline plan (``moelayers.planning.semantic.SemanticPlan``) co-clusters tokens and experts: per
+layer it gives each expert a rank (``plan.placement(layer)``) and each token a predicted rank with a
+confidence (``token_rank/token_conf``, and an n-gram table over the token's ranks at the two
+previous layers). Online, tokens are sent to where their experts are:
+
+- ``mode='dp'`` (attention data-parallel): a placement-driven layer (``forward(x, token_ids=...)``)
+  whose placement comes from the plan; requests are routed to ranks by
+  :class:`moelayers.schedule.SemanticScheduler` outside the layer.
+- ``mode='tp'`` (attention tensor-parallel, ``tp = ep``): :meth:`SemanticMoE.forward_tp` replaces
+  attention's all-reduce by a reduce-scatter whose rows are rebatched so that each rank gets the
+  tokens predicted for it (Sem-MoE Algorithm 3), runs the MoE on its chunk (expert-parallel over
+  the same group) and all-gathers the result back into the original order::
+
+      attn_partial [T, H] --shuffled reduce-scatter--> [C, H] (+ residual rows of the chunk) = h
+      h + moe(norm(h))    --shuffled all-gather-->     [T, H], original order, every TP rank
+
+Routing, dispatch and expert math are the base's; the shuffle is lossless, so outputs equal the
+dense reference ``h + moe_forward(norm(h))``, ``h = residual + sum_tp attn_partial``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from moelayers.config import MoEConfig
+from moelayers.groups import ParallelGroups
+from moelayers.kernels import shuffle_rows
+from moelayers.layers.base import MoELayerBase
+from moelayers.placement import ExpertPlacement
+from moelayers.schedule.token_shuffle import (
+    LayerTables,
+    PrevRanks,
+    Rebatch,
+    rebatch_tokens,
+    shuffled_all_gather,
+    shuffled_reduce_scatter,
+)
+
+MODES = ("dp", "tp")
+
+
+class SemanticMoE(MoELayerBase):
+    """Expert-parallel MoE layer with a semantic (token/expert co-clustered) placement.
+
+    Args:
+        config, groups: as every layer. ``mode='tp'`` needs the expert-parallel group to be the
+            tensor-parallel group (``ParallelGroups.from_world(tp=world)``: ``tp = ep = world``).
+        placement: default ``plan.placement(layer_idx)`` with a plan, else linear.
+        mode: ``'dp'`` (attention data-parallel) or ``'tp'`` (attention tensor-parallel).
+        plan: a ``SemanticPlan`` (duck-typed: ``expert_rank``, ``token_rank``, ``token_conf``,
+            ``ngram_rank``, ``ngram_conf``, ``num_ranks``, ``num_experts``, ``placement(layer)``).
+            Without one, ``forward_tp`` cuts plain chunks in token order.
+        layer_idx: which layer of the plan this layer is.
+        **kwargs: the rest of :class:`MoELayerBase`'s arguments (dispatcher, device, seed, ...).
+
+    Attributes:
+        semantic_plan: the plan (``None`` without one; ``plan`` is the base's step-2 method).
+        last_ranks: ``[T]`` int64 rank each token was assigned to in the last ``forward_tp``
+            (original token order, same on every TP rank).
+        last_context_ranks: ``[T]`` int64 rank holding most of each token's experts at this layer
+            (ties: the lower rank) in the last ``forward_tp``: the n-gram context of the next two
+            layers, as the plan defines it (``moelayers.planning.semantic.majority_rank``). Only
+            gathered when the plan's n-gram has confidence at layer ``layer_idx + 1`` or ``+ 2``
+            (else ``None``); pass ``(ranks at l-2, ranks at l-1)`` as ``prev_ranks``.
+        last_rebatch: the last :class:`moelayers.schedule.Rebatch`.
+
+    Raises:
+        ValueError: an unknown mode, a plan for another number of experts or ranks, ``layer_idx``
+            outside the plan, or ``mode='tp'`` with an expert-parallel group other than the TP group.
+
+    Example:
+        >>> layer = SemanticMoE.from_plan(plan, 3, cfg, ParallelGroups.from_world(tp=world), mode="tp")
+        >>> h = layer.forward_tp(attn_partial, h, norm, token_ids=ids, prev_ranks=(r1, r2))
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        groups: ParallelGroups,
+        *,
+        placement: ExpertPlacement | None = None,
+        mode: str = "dp",
+        plan: Any = None,
+        layer_idx: int = 0,
+        **kwargs: Any,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not isinstance(groups, ParallelGroups):
+            raise TypeError(f"groups must be a ParallelGroups, got {type(groups).__name__}")
+        if mode == "tp" and (groups.tp_size != groups.ep_size or groups.tp_rank != groups.ep_rank):
+            raise ValueError(f"mode='tp' runs the MoE expert-parallel over the TP group (tp = ep), got "
+                             f"tp={groups.tp_size}, ep={groups.ep_size}: use ParallelGroups.from_world(tp=world)")
+        tables, self.gather_context = None, False
+        if plan is not None:
+            _check_plan(plan, config, groups)
+            tables = LayerTables.from_plan(plan, layer_idx)
+            placement = placement or plan.placement(layer_idx)
+            later = torch.as_tensor(plan.ngram_conf)[layer_idx + 1:layer_idx + 3]
+            self.gather_context = mode == "tp" and bool((later > 0).any())
+        super().__init__(config, groups, placement=placement, **kwargs)
+        self.mode, self.semantic_plan, self.layer_idx = mode, plan, layer_idx
+        self._tables = tables
+        self._tables_on: dict[torch.device, LayerTables] = {}
+        self.last_ranks: torch.Tensor | None = None
+        self.last_context_ranks: torch.Tensor | None = None
+        self.last_rebatch: Rebatch | None = None
+        self._expert_rank_on: torch.Tensor | None = None  # [E] placement.expert_rank() on the device
+
+    @classmethod
+    def from_plan(cls, plan: Any, layer_idx: int, config: MoEConfig, groups: ParallelGroups, *,
+                  mode: str | None = None, **kwargs: Any) -> "SemanticMoE":
+        """Layer ``layer_idx`` of ``plan``: its placement and token tables.
+
+        Args:
+            plan: a ``SemanticPlan``; ``plan.check_compatible(num_experts, ep_size)`` is called.
+            layer_idx: the plan's layer.
+            config, groups: as every layer.
+            mode: ``'dp'`` | ``'tp'``; default ``plan.mode`` when that is one of them, else ``'dp'``.
+            **kwargs: passed to the constructor (dispatcher, device, seed, ...).
+        """
+        if mode is None:
+            mode = getattr(plan, "mode", "dp")
+            mode = mode if mode in MODES else "dp"
+        return cls(config, groups, mode=mode, plan=plan, layer_idx=layer_idx, **kwargs)
+
+    # ------------------------------------------------------------------ attention-TP
+    def tables(self, device: torch.device) -> LayerTables | None:
+        """This layer's predictors on ``device`` (cached), or ``None`` without a plan."""
+        if self._tables is None:
+            return None
+        device = torch.device(device)
+        if device not in self._tables_on:
+            self._tables_on[device] = self._tables.to(device)
+        return self._tables_on[device]
+
+    def rebatch(self, token_ids: torch.Tensor | None, prev_ranks: PrevRanks = None, *,
+                num_tokens: int | None = None) -> Rebatch:
+        """The token order of :meth:`forward_tp` (deterministic: the same on every TP rank).
+
+        Args:
+            token_ids: ``[T]`` token ids (``None`` only without a plan, with ``num_tokens``).
+            prev_ranks: the tokens' ranks at layers ``l-2, l-1`` (see ``predict_ranks``).
+        """
+        if token_ids is None:
+            if self._tables is not None:
+                raise ValueError("forward_tp needs token_ids: the plan predicts ranks from them")
+            token_ids = torch.zeros(num_tokens or 0, dtype=torch.int64, device=self.router.weight.device)
+        return rebatch_tokens(token_ids.reshape(-1), self.tables(token_ids.device), self.groups.tp_size, prev_ranks)
+
+    def forward_tp(self, attn_partial: torch.Tensor, residual: torch.Tensor,
+                   norm: Callable[[torch.Tensor], torch.Tensor], *, token_ids: torch.Tensor | None,
+                   prev_ranks: PrevRanks = None) -> torch.Tensor:
+        """``h + moe(norm(h))`` with ``h = residual + sum_tp attn_partial``, through the shuffled
+        reduce-scatter / all-gather (every TP rank calls it with the same tokens).
+
+        Args:
+            attn_partial: ``[T, H]`` (or ``[S, B, H]``) attention output before its TP all-reduce.
+            residual: same shape: the residual stream (identical on every TP rank).
+            norm: the pre-MoE norm, applied to this rank's chunk of ``h``.
+            token_ids: ``[T]`` (or ``[S, B]``) token ids, flattened like ``attn_partial``.
+            prev_ranks: the tokens' n-gram context: their ranks at layers ``l-2`` and ``l-1``
+                (``[2, T]`` or a pair, ``None``/``-1`` = unknown), i.e. the earlier layers'
+                :attr:`last_context_ranks`.
+
+        Returns:
+            ``[T, H]`` (shape of ``attn_partial``), original token order, on every TP rank.
+        """
+        if self.mode != "tp":
+            raise ValueError("forward_tp needs a layer built with mode='tp' (this one is mode='dp')")
+        x2, token_ids = self._check_input(attn_partial, token_ids)
+        if not isinstance(residual, torch.Tensor) or residual.shape != attn_partial.shape:
+            raise ValueError(f"residual must have the shape of attn_partial {list(attn_partial.shape)}, "
+                             f"got {list(getattr(residual, 'shape', []))}")
+        if residual.dtype != x2.dtype or residual.device != x2.device:
+            raise TypeError(f"residual is {residual.dtype} on {residual.device}, "
+                            f"attn_partial {x2.dtype} on {x2.device}")
+        rb = self.rebatch(token_ids, prev_ranks, num_tokens=x2.shape[0])
+        r, group = self.groups.tp_rank, self.groups.tp
+        mine = rb.chunk(r)
+        n = rb.valid_rows(r)
+        reduced = shuffled_reduce_scatter(x2, rb.perm, group)                      # [C, H]
+        h = shuffle_rows(residual.reshape(x2.shape), mine) + reduced             # dummy rows: zeros
+        rows = mine[:n]
+        if self._forced_ids is not None:  # replayed routing of all T tokens: keep this chunk's rows
+            if self._forced_ids.shape[0] != x2.shape[0]:
+                raise ValueError(f"forced routing has {self._forced_ids.shape[0]} rows for {x2.shape[0]} tokens")
+            self._forced_ids = self._forced_ids.index_select(0, rows.to(self._forced_ids.device))
+        hv = h[:n]
+        y = self.forward(norm(hv), token_ids=None if token_ids is None else token_ids.index_select(0, rows))
+        out_chunk = torch.cat([hv + y, h[n:]])
+        out = shuffled_all_gather(out_chunk, rb.perm, group, inverse=rb.inverse)
+        self.last_ranks, self.last_rebatch = rb.rank, rb
+        self.last_context_ranks = self._context_ranks(rb, n) if self.gather_context else None
+        return out.view(attn_partial.shape)
+
+    def _context_ranks(self, rb: Rebatch, n: int) -> torch.Tensor | None:
+        """``[T]`` majority rank of each token's experts here, gathered from the chunks' routing."""
+        topk = self.last_topk_ids  # [n, K] this chunk's routing (None when replayed from a CUDA graph)
+        if topk is None:
+            return None
+        r, dev = self.groups.tp_size, topk.device
+        if self._expert_rank_on is None or self._expert_rank_on.device != dev:
+            self._expert_rank_on = self.placement.expert_rank().to(dev)
+        counts = torch.zeros(rb.chunk_size, r, dtype=torch.int64, device=dev)
+        counts[:n].scatter_add_(1, self._expert_rank_on[topk], torch.ones_like(topk))
+        mine = torch.where(torch.arange(rb.chunk_size, device=dev) < n, counts.argmax(1), -1)  # ties: lower rank
+        if self.groups.tp is None:
+            gathered = mine
+        else:
+            gathered = mine.new_empty(r * rb.chunk_size)
+            if gathered.numel():
+                dist.all_gather_into_tensor(gathered, mine, group=self.groups.tp)
+        return gathered[rb.inverse]
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode}, layer_idx={self.layer_idx}, " + super().extra_repr()
+
+
+def _check_plan(plan: Any, config: MoEConfig, groups: ParallelGroups) -> None:
+    """Clear errors for a plan made for another model or world."""
+    e, r = getattr(plan, "num_experts", None), getattr(plan, "num_ranks", None)
+    if e is None or r is None:
+        raise TypeError(f"plan must be a SemanticPlan (num_experts, num_ranks, tables), got {type(plan).__name__}")
+    if int(e) != config.num_experts:
+        raise ValueError(f"the plan is for {int(e)} experts, the layer has {config.num_experts}")
+    if int(r) != groups.ep_size:
+        raise ValueError(f"the plan is for {int(r)} ranks, the expert-parallel group has {groups.ep_size}")
+    check = getattr(plan, "check_compatible", None)
+    if check is not None:
+        check(config.num_experts, groups.ep_size)

@@ -1,0 +1,330 @@
+"""Held-out evaluation of a :class:`~moelayers.planning.semantic.SemanticPlan` (pure functions).
+
+``evaluate_tp`` (attention-TP, Sem-MoE Algorithm 3): held-out tokens in file order, in batches of
+``tokens_per_step``; in every batch each rank receives exactly ``tokens_per_step / R`` tokens
+(the last, partial batch as evenly as possible: counts differ by at most one). A token's rank at
+layer ``l`` is chosen from what the online shuffler knows when layer ``l``'s input is shuffled:
+its token id and the routing (experts) of layers *before* ``l`` — never layer ``l``'s routing.
+
+* ``predictor='combined'`` (default): ``log Pr(rank | token)`` plus the history n-gram of the
+  token's actual experts at layers ``l-1 .. l-D`` (:meth:`SemanticPlan.rank_scores`), turned into
+  probabilities (expected share of local activations per rank); per batch, per-rank prices balance
+  the demand (:func:`price_balance`), then :func:`capacity_assign` groups tokens by rank.
+* ``predictor='alg3'``: Algorithm 3 as published: the rank from the token table (``token_rank``,
+  ``token_conf``) or from the device n-gram ``A`` (context: the ranks holding most of the token's
+  actual experts at layers ``l-2, l-1`` under the plan's placements), whichever is more confident.
+* ``predictor='token'``: the token table alone.
+
+In every case tokens are grouped by their preferred rank into equal chunks; a full rank keeps its
+most confident tokens and the overflow goes to ranks with room, least confident first.
+
+``evaluate_dp`` (attention-DP, Sem-MoE Algorithm 2): a sequence is one request and keeps one rank
+for all layers; requests in file order are scored by their tokens' votes (``token_conf`` on
+``token_rank``), each takes its best unmasked rank which is then masked (the mask resets when all
+ranks are taken); no rank ever holds more than ``max_ratio`` (1.3) × the mean tokens per rank.
+
+Report keys: ``lar`` (local activation rate: share of (token, layer, k) activations whose expert
+lives on the token's rank at that layer), ``lar_linear`` (linear placement; tp: tokens in file
+order chunks, dp: requests round robin), ``lar_per_layer``, ``token_imbalance`` (max / mean
+tokens per rank), ``expert_imbalance`` (max / mean activations received per rank, mean over
+layers; ``expert_imbalance_max`` over layers), ``a2a_bytes_ratio`` (tokens sent to remote ranks,
+de-duplicated — a token goes once to each remote rank holding any of its experts — relative to
+linear; ``remote_ratio``: the same without de-duplication, i.e. ``(1 - lar) / (1 - lar_linear)``).
+Everything is recomputable: :func:`lar_from_assignment` gives ``lar`` from the returned arrays.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moelayers.planning.semantic import SemanticPlan, check_token_ids, majority_rank, rank_counts
+
+__all__ = ["capacity_assign", "price_balance", "step_capacity", "request_schedule", "lar_from_assignment",
+           "linear_expert_rank", "tp_scores", "evaluate_tp", "evaluate_dp", "evaluate", "PREDICTORS"]
+
+PREDICTORS = ("combined", "alg3", "token")
+
+
+def capacity_assign(scores: np.ndarray, capacity: np.ndarray, group: np.ndarray | None = None) -> np.ndarray:
+    """Group items by their best rank into chunks of bounded size; overflow to ranks with room.
+
+    Each item wants its highest-scoring rank that still has room in its group. A rank with more
+    candidates than room keeps the highest-scoring ones (ties: earlier items); the rest try again
+    with that rank closed (so the least confident overflow goes to the ranks with room).
+
+    Args:
+        scores: ``[n, R]`` float, higher = better (e.g. expected share of local activations).
+        capacity: ``[G, R]`` int room per (group, rank); ``sum`` over ranks ``>=`` items of the group.
+        group: ``[n]`` int group (batch) of each item in ``[0, G)``; default all 0.
+
+    Returns:
+        ``[n]`` int64 rank per item.
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    n, r = s.shape
+    grp = np.zeros(n, np.int64) if group is None else np.asarray(group, dtype=np.int64)
+    room = np.array(capacity, dtype=np.int64).reshape(-1)
+    if room.size % r:
+        raise ValueError(f"capacity must be [G, R={r}], got {np.shape(capacity)}")
+    if (np.bincount(grp, minlength=room.size // r) > room.reshape(-1, r).sum(1)).any():
+        raise ValueError("capacity_assign: a group has more items than its total capacity")
+    out = np.full(n, -1, dtype=np.int64)
+    closed = np.zeros((n, r), dtype=bool)
+    todo = np.arange(n)
+    while todo.size:
+        open_ = ~closed[todo] & (room.reshape(-1, r)[grp[todo]] > 0)
+        cand = np.where(open_, s[todo], -np.inf)
+        choice = np.argmax(cand, axis=1)
+        best = cand[np.arange(todo.size), choice]
+        key = grp[todo] * r + choice
+        lo, hi = best.min(), best.max()
+        order = np.argsort(key + 0.5 * (hi - best) / (hi - lo + 1e-300), kind="stable")  # by key, then best first
+        ks = key[order]
+        pos = np.arange(ks.size) - np.searchsorted(ks, ks, side="left")
+        ok = pos < room[ks]
+        out[todo[order[ok]]] = choice[order[ok]]
+        room -= np.bincount(ks[ok], minlength=room.size)
+        rej = order[~ok]
+        closed[todo[rej], choice[rej]] = True
+        todo = todo[rej]
+    return out
+
+
+def price_balance(scores: np.ndarray, capacity: np.ndarray, group: np.ndarray | None = None, *,
+                  iters: int = 20) -> np.ndarray:
+    """Scores minus per-(group, rank) prices that spread the demand to the capacities (dual ascent).
+
+    A rank wanted by more items than it holds gets more expensive, so the items that lose least by
+    moving move; :func:`capacity_assign` on the result settles what remains.
+
+    Returns:
+        ``[n, R]`` adjusted scores.
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    n, r = s.shape
+    grp = np.zeros(n, np.int64) if group is None else np.asarray(group, dtype=np.int64)
+    cap = np.asarray(capacity, dtype=np.float64).reshape(-1, r)
+    price = np.zeros_like(cap)
+    step = float(s.std()) + 1e-12
+    per = np.maximum(cap.mean(1, keepdims=True), 1.0)
+    for _ in range(iters):
+        adj = s - price[grp]
+        choice = np.argmax(adj, axis=1)
+        demand = np.bincount(grp * r + choice, minlength=cap.size).reshape(cap.shape)
+        excess = demand - cap
+        if not (excess > 0).any():
+            break
+        price += step * excess / per
+        step *= 0.85
+    return s - price[grp]
+
+
+def step_capacity(num_tokens: int, tokens_per_step: int, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
+    """Batches of ``tokens_per_step`` tokens in file order and the tokens each rank takes of each.
+
+    Returns:
+        ``(step [T] int64, capacity [B, R] int64)``: full batches give every rank
+        ``tokens_per_step / R``; the last partial batch differs by at most one between ranks.
+    """
+    if isinstance(tokens_per_step, bool) or not isinstance(tokens_per_step, (int, np.integer)) or tokens_per_step < 1:
+        raise ValueError(f"tokens_per_step must be a positive int, got {tokens_per_step!r}")
+    if tokens_per_step % num_ranks:
+        raise ValueError(f"tokens_per_step ({tokens_per_step}) must be divisible by the number of ranks ({num_ranks}) "
+                         "so that every rank receives the same number of tokens per batch")
+    step = np.arange(num_tokens, dtype=np.int64) // tokens_per_step
+    sizes = np.bincount(step)
+    cap = (sizes[:, None] // num_ranks + (np.arange(num_ranks)[None, :] < (sizes % num_ranks)[:, None])).astype(np.int64)
+    return step, cap
+
+
+def request_schedule(scores: np.ndarray, lengths: np.ndarray, num_ranks: int, *, max_ratio: float = 1.3) -> np.ndarray:
+    """Sem-MoE Algorithm 2: requests in order, each to its best unmasked rank, then mask it.
+
+    The mask resets once every rank is taken. A rank is closed to a request that would take it
+    above ``max_ratio * total_tokens / R``; if every unmasked rank is closed the request takes the
+    best open masked rank, and if none is open (a request longer than the room anywhere) the
+    least-loaded rank.
+
+    Args:
+        scores: ``[S, R]`` preference of each request for each rank (ties: the lower rank).
+        lengths: ``[S]`` tokens per request.
+
+    Returns:
+        ``[S]`` int64 rank per request.
+    """
+    sc = np.asarray(scores, dtype=np.float64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    cap = max_ratio * lengths.sum() / num_ranks
+    load = np.zeros(num_ranks, dtype=np.int64)
+    masked = np.zeros(num_ranks, dtype=bool)
+    out = np.empty(sc.shape[0], dtype=np.int64)
+    for s in range(sc.shape[0]):
+        fits = load + lengths[s] <= cap
+        for allowed in (~masked & fits, fits):
+            if allowed.any():
+                r = int(np.argmax(np.where(allowed, sc[s], -np.inf)))
+                break
+        else:
+            r = int(np.argmin(load))
+        out[s] = r
+        load[r] += lengths[s]
+        masked[r] = True
+        if masked.all():
+            masked[:] = False
+    return out
+
+
+def lar_from_assignment(trace, expert_rank: np.ndarray, token_rank: np.ndarray) -> float:
+    """Local activation rate of an assignment, averaged over layers.
+
+    Args:
+        trace: :class:`~moelayers.trace.RoutingTrace` with ``T`` tokens, ``L`` layers.
+        expert_rank: ``[L, E]`` rank of each expert per layer.
+        token_rank: ``[T, L]`` rank of each token per layer.
+
+    Returns:
+        Share of (token, layer, k) activations whose expert's rank equals the token's rank.
+    """
+    er = np.asarray(expert_rank, dtype=np.int64)
+    tr = np.asarray(token_rank, dtype=np.int64)
+    if er.shape != (trace.num_layers, trace.num_experts) or tr.shape != (trace.num_tokens, trace.num_layers):
+        raise ValueError(f"expert_rank must be [L, E] = {[trace.num_layers, trace.num_experts]} and token_rank "
+                         f"[T, L] = {[trace.num_tokens, trace.num_layers]}; got {list(er.shape)}, {list(tr.shape)}")
+    return float(np.mean([_layer_local(trace.topk_ids[:, l], er[l], tr[:, l]).mean() for l in range(trace.num_layers)]))
+
+
+def linear_expert_rank(num_layers: int, num_experts: int, num_ranks: int) -> np.ndarray:
+    """``[L, E]`` linear placement: experts ``r*E/R .. (r+1)*E/R - 1`` on rank ``r``."""
+    return np.tile(np.arange(num_experts, dtype=np.int64) // (num_experts // num_ranks), (num_layers, 1))
+
+
+def _layer_local(topk: np.ndarray, er: np.ndarray, tr: np.ndarray) -> np.ndarray:
+    return er[np.asarray(topk).astype(np.int64, copy=False)] == tr[:, None]
+
+
+def _remote_ranks(topk: np.ndarray, er: np.ndarray, tr: np.ndarray, r: int) -> int:
+    """De-duplicated sends: sum over tokens of the remote ranks holding any of its experts."""
+    hit = rank_counts(topk, er, r) > 0
+    return int(hit.sum() - hit[np.arange(tr.size), tr].sum())
+
+
+def _report(trace, plan: SemanticPlan, token_rank: np.ndarray, linear_token_rank: np.ndarray, mode: str) -> dict:
+    r, num_l = plan.num_ranks, trace.num_layers
+    lin = linear_expert_rank(num_l, trace.num_experts, r)
+    per_layer, per_layer_lin, e_imb, e_imb_lin, sent, sent_lin = [], [], [], [], 0, 0
+    for l in range(num_l):
+        topk = trace.topk_ids[:, l]
+        per_layer.append(float(_layer_local(topk, plan.expert_rank[l], token_rank[:, l]).mean()))
+        per_layer_lin.append(float(_layer_local(topk, lin[l], linear_token_rank).mean()))
+        for er, acc in ((plan.expert_rank[l], e_imb), (lin[l], e_imb_lin)):
+            got = np.bincount(er[topk.astype(np.int64)].ravel(), minlength=r)
+            acc.append(float(got.max() / got.mean()))
+        sent += _remote_ranks(topk, plan.expert_rank[l], token_rank[:, l], r)
+        sent_lin += _remote_ranks(topk, lin[l], linear_token_rank, r)
+    tokens = np.bincount(token_rank[:, 0], minlength=r)
+    lar, lar_lin = float(np.mean(per_layer)), float(np.mean(per_layer_lin))
+    return {
+        "mode": mode, "ep": r, "num_tokens": int(trace.num_tokens), "num_layers": num_l,
+        "lar": lar, "lar_linear": lar_lin, "lar_per_layer": per_layer, "lar_linear_per_layer": per_layer_lin,
+        "token_imbalance": float(tokens.max() / tokens.mean()), "tokens_per_rank": tokens.tolist(),
+        "expert_imbalance": float(np.mean(e_imb)), "expert_imbalance_max": float(np.max(e_imb)),
+        "expert_imbalance_linear": float(np.mean(e_imb_lin)),
+        "a2a_bytes_ratio": float(sent / sent_lin) if sent_lin else 1.0,
+        "remote_ratio": float((1 - lar) / (1 - lar_lin)) if lar_lin < 1 else 1.0,
+    }
+
+
+def _check(plan: SemanticPlan, trace) -> np.ndarray:
+    plan.check_compatible(trace.num_experts, plan.num_ranks, trace.num_layers)
+    return check_token_ids(trace.token_ids, plan.vocab_size, "token_ids")
+
+
+def tp_scores(plan: SemanticPlan, trace, layer: int, predictor: str = "combined") -> np.ndarray:
+    """``[T, R]`` preference of each token for each rank at ``layer`` (uses layers ``< layer`` only).
+
+    ``combined`` and ``token`` give probabilities (expected share of local activations);
+    ``alg3`` gives the chosen source's confidence on its rank and 0 elsewhere.
+    """
+    ids = check_token_ids(trace.token_ids, plan.vocab_size, "token_ids")
+    r, l = plan.num_ranks, layer
+    if predictor in ("combined", "token"):
+        depth = 0 if predictor == "token" or plan.history_pmi is None else min(plan.history_pmi.shape[1], l)
+        prev = trace.topk_ids[:, [l - d for d in range(1, depth + 1)]] if depth else None
+        logit = plan.rank_scores(l, ids, prev).astype(np.float64)
+        p = np.exp(logit - logit.max(1, keepdims=True))
+        return p / p.sum(1, keepdims=True)
+    if predictor != "alg3":
+        raise ValueError(f"predictor must be one of {PREDICTORS}, got {predictor!r}")
+    rank_, conf = plan.token_rank[l][ids], plan.token_conf[l][ids].astype(np.float64)
+    if l >= 2:
+        ctx2 = majority_rank(trace.topk_ids[:, l - 2], plan.expert_rank[l - 2], r)
+        ctx1 = majority_rank(trace.topk_ids[:, l - 1], plan.expert_rank[l - 1], r)
+        a_rank, a_conf = plan.ngram_rank[l][ctx2, ctx1], plan.ngram_conf[l][ctx2, ctx1].astype(np.float64)
+        use_a = a_conf > conf
+        rank_, conf = np.where(use_a, a_rank, rank_), np.where(use_a, a_conf, conf)
+    out = np.zeros((ids.size, r))
+    out[np.arange(ids.size), rank_] = conf
+    return out
+
+
+def evaluate_tp(plan: SemanticPlan, heldout_trace, tokens_per_step: int = 2048, *,
+                predictor: str = "combined") -> tuple[dict, np.ndarray]:
+    """Held-out evaluation in attention-TP mode (see the module docstring).
+
+    Args:
+        plan: the plan (any mode; ``tp`` plans carry the tables this mode needs).
+        heldout_trace: routing of held-out tokens (same ``E`` and ``L`` as the plan).
+        tokens_per_step: batch size, divisible by ``R``.
+        predictor: ``'combined'``, ``'alg3'`` or ``'token'``.
+
+    Returns:
+        ``(report, token_rank [T, L] int64)``.
+    """
+    if predictor not in PREDICTORS:
+        raise ValueError(f"predictor must be one of {PREDICTORS}, got {predictor!r}")
+    _check(plan, heldout_trace)
+    step, cap = step_capacity(heldout_trace.num_tokens, tokens_per_step, plan.num_ranks)
+    out = np.empty((heldout_trace.num_tokens, heldout_trace.num_layers), dtype=np.int64)
+    for l in range(heldout_trace.num_layers):
+        sc = tp_scores(plan, heldout_trace, l, predictor)
+        if predictor != "alg3":
+            sc = price_balance(sc, cap, step)
+        out[:, l] = capacity_assign(sc, cap, step)
+    starts = np.searchsorted(step, np.arange(cap.shape[0]))
+    pos = np.arange(step.size) - starts[step]
+    bounds = np.cumsum(cap, axis=1)  # linear: each batch cut into R chunks in file order
+    linear_tr = (pos[:, None] >= bounds[step]).sum(1).astype(np.int64)
+    report = _report(heldout_trace, plan, out, linear_tr, "tp")
+    report.update(tokens_per_step=int(tokens_per_step), predictor=predictor)
+    return report, out
+
+
+def evaluate_dp(plan: SemanticPlan, heldout_trace, *, max_ratio: float = 1.3) -> tuple[dict, np.ndarray]:
+    """Held-out evaluation in attention-DP mode (Algorithm 2, see the module docstring).
+
+    Votes use the plan's layer-0 ``token_rank`` / ``token_conf`` rows (identical over layers in a
+    dp plan). The ``max_ratio`` cap applies to the final tokens per rank: a rank is closed to a
+    request that would take it above ``max_ratio * T / R``.
+
+    Returns:
+        ``(report, token_rank [T, L] int64)``, each token's rank the rank of its request.
+    """
+    ids = _check(plan, heldout_trace)
+    r = plan.num_ranks
+    lengths = heldout_trace.seq_lengths
+    seq = np.repeat(np.arange(lengths.size), lengths)
+    votes = np.bincount(seq * r + plan.token_rank[0][ids], weights=plan.token_conf[0][ids].astype(np.float64),
+                        minlength=lengths.size * r).reshape(-1, r)
+    req = request_schedule(votes, lengths, r, max_ratio=max_ratio)
+    tr = np.repeat(req[seq][:, None], heldout_trace.num_layers, axis=1)
+    linear_tr = (seq % r).astype(np.int64)
+    report = _report(heldout_trace, plan, tr, linear_tr, "dp")
+    report.update(max_ratio=float(max_ratio))
+    return report, tr
+
+
+def evaluate(plan: SemanticPlan, heldout_trace, tokens_per_step: int = 2048, **kwargs) -> tuple[dict, np.ndarray]:
+    """:func:`evaluate_tp` or :func:`evaluate_dp`, by ``plan.mode``; ``(report, token_rank [T, L])``."""
+    if plan.mode == "dp":
+        return evaluate_dp(plan, heldout_trace, **kwargs)
+    return evaluate_tp(plan, heldout_trace, tokens_per_step, **kwargs)

@@ -1,0 +1,583 @@
+"""Co-clustering solvers of Sem-MoE / Speculative MoE, and :func:`plan_semantic`.
+
+Objective (both papers), per layer, for a placement ``expert_rank [E]`` (``E / R`` experts per rank,
+expert loads per rank within ``slack`` of the mean) and a token→rank assignment::
+
+    J = theta * (token-load imbalance: max / mean tokens per rank - 1)
+      + (1 - theta) * (expected remote activations: share of (token, k) activations off the token's rank)
+
+The tokens are the profiled token occurrences (each with its routing at the layer; at most
+``sample`` of them, drawn with the seed); given a placement each token takes the rank holding most
+of its experts, at most ``beta * mean`` tokens per rank (:func:`~moelayers.planning.semantic_eval.capacity_assign`).
+
+* ``alternating`` (Sem-MoE Algorithm 1): start from a co-activation clustering of the experts
+  (best of a few seeded restarts), then alternate request scheduling (tokens → ranks) and expert
+  placement (experts → ranks maximising co-location, :func:`assign_experts`) until stable, then
+  random-swap fine-tuning (swap two experts of different ranks, keep it if ``J`` drops).
+* ``cem`` (Speculative MoE Algorithm 1, cross-entropy method): a ``[E, R]`` categorical matrix;
+  each round samples placements (Gumbel-perturbed, capacity-respecting), keeps the ``rho`` elite
+  by ``J`` and moves the matrix towards their frequencies; ``beta`` is the token capacity factor.
+
+In ``dp`` mode a request keeps one rank at every layer, so requests are clustered once and the
+placements of all layers are solved against the same clusters (:func:`solve_dp`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from moelayers.planning.semantic import (
+    SemanticPlan, build_token_table, history_tables, nearest_seen_tokens, ngram_tables, rank_counts, token_rank_probs,
+)
+from moelayers.planning.semantic_eval import capacity_assign, request_schedule
+
+__all__ = ["assign_experts", "coactivation_clusters", "LayerObjective", "solve_alternating", "solve_cem", "solve_dp",
+           "plan_semantic", "SOLVERS"]
+
+SOLVERS = ("alternating", "cem")
+
+
+def assign_experts(affinity: np.ndarray, load: np.ndarray, num_ranks: int, *, slack: float = 1.1,
+                   max_swaps: int = 4000) -> np.ndarray:
+    """Experts → ranks maximising ``sum_e affinity[e, rank(e)]``, ``E / R`` per rank, load ``<= slack * mean``.
+
+    Greedy by regret (experts with the most to lose first), then best pairwise swaps.
+
+    Args:
+        affinity: ``[E, R]`` gain of each expert on each rank.
+        load: ``[E]`` expert loads (activations).
+
+    Returns:
+        ``expert_rank [E]`` int64.
+    """
+    a = np.asarray(affinity, dtype=np.float64)
+    load = np.asarray(load, dtype=np.float64)
+    num_e, r = a.shape
+    per = num_e // r
+    cap = max(load.sum() / r * slack, load.max(initial=0))
+    er = np.full(num_e, -1, dtype=np.int64)
+    cnt, rl = np.zeros(r, np.int64), np.zeros(r)
+    srt = np.sort(a, axis=1)
+    regret = srt[:, -1] - (srt[:, -2] if r > 1 else 0)
+    for e in np.lexsort((-load, -regret)):
+        room = (cnt < per) & (rl + load[e] <= cap)
+        if not room.any():
+            room = cnt < per
+            choice = int(np.argmin(np.where(room, rl, np.inf)))
+        else:
+            choice = int(np.argmax(np.where(room, a[e], -np.inf)))
+        er[e] = choice
+        cnt[choice] += 1
+        rl[choice] += load[e]
+    return _swap_improve(_repair_load(er, load, r, cap), lambda er_: a[:, er_], load, r, cap, max_swaps)
+
+
+def _repair_load(er: np.ndarray, load: np.ndarray, r: int, cap: float) -> np.ndarray:
+    """Swap experts between the busiest and the idlest rank until every rank is within ``cap``."""
+    for _ in range(er.size):
+        rl = np.bincount(er, weights=load, minlength=r)
+        hi, lo = int(np.argmax(rl)), int(np.argmin(rl))
+        if rl[hi] <= cap or hi == lo:
+            break
+        a, b = np.flatnonzero(er == hi), np.flatnonzero(er == lo)
+        diff = load[a][:, None] - load[b][None, :]  # load moved from hi to lo by swapping
+        new_max = np.maximum(rl[hi] - diff, rl[lo] + diff)
+        new_max[diff <= 0] = np.inf
+        i, j = np.unravel_index(int(np.argmin(new_max)), new_max.shape)
+        if not new_max[i, j] < rl[hi]:
+            break
+        er[b[j]], er[a[i]] = hi, lo
+    return er
+
+
+def _swap_improve(er: np.ndarray, gain_cols, load: np.ndarray, r: int, cap: float, max_swaps: int,
+                  pair: np.ndarray | None = None) -> np.ndarray:
+    """Best-improvement pairwise swaps. ``gain_cols(er) -> [E, E]`` value of expert i on the rank of j.
+
+    ``pair`` (``[E, E]``) is subtracted twice for swapped pairs (quadratic co-activation objectives).
+    """
+    num_e = er.size
+    idx = np.arange(num_e)
+    for _ in range(max_swaps):
+        g = gain_cols(er)
+        cur = g[idx, idx]
+        delta = g + g.T - cur[:, None] - cur[None, :]
+        if pair is not None:
+            delta -= 2 * pair
+        rl = np.bincount(er, weights=load, minlength=r)
+        new_i = rl[er][:, None] - load[:, None] + load[None, :]  # load of i's rank after the swap
+        bad = (er[:, None] == er[None, :]) | (new_i > cap) | (new_i.T > cap)
+        delta[bad] = -np.inf
+        best = int(np.argmax(delta))
+        i, j = divmod(best, num_e)
+        if not delta[i, j] > 1e-9 * (abs(cur).sum() + 1e-12):
+            break
+        er[i], er[j] = er[j], er[i]
+    return er
+
+
+def coactivation_clusters(coact: np.ndarray, load: np.ndarray, num_ranks: int, rng: np.random.Generator, *,
+                          restarts: int = 4, slack: float = 1.1) -> list[np.ndarray]:
+    """Expert clusters maximising within-rank co-activation (``E / R`` per rank, loads within ``slack``).
+
+    Args:
+        coact: ``[E, E]`` how often two experts serve the same token.
+
+    Returns:
+        ``restarts`` local optima (``expert_rank [E]`` each), from seeded random balanced starts.
+    """
+    m = np.array(coact, dtype=np.float64)
+    np.fill_diagonal(m, 0.0)
+    num_e = m.shape[0]
+    load = np.asarray(load, dtype=np.float64)
+    cap = max(load.sum() / num_ranks * slack, load.max(initial=0))
+    out = []
+    onehot = np.eye(num_ranks)
+    for _ in range(restarts):
+        er = _repair_load(rng.permutation(np.arange(num_e) % num_ranks), load, num_ranks, cap)  # random, within cap
+
+        def cols(er_: np.ndarray) -> np.ndarray:
+            aff = m @ onehot[er_]  # [E, R]
+            return aff[:, er_]
+
+        out.append(_swap_improve(er, cols, load, num_ranks, cap, 4 * num_e, pair=m))
+    return out
+
+
+class LayerObjective:
+    """``J`` of one layer on a token sample (see the module docstring).
+
+    Args:
+        acts: ``[n, K]`` expert ids of the sampled tokens at this layer.
+        num_ranks: ``R``.
+        theta: weight of the token-load imbalance.
+        beta: token capacity factor: at most ``ceil(beta * n / R)`` tokens per rank.
+    """
+
+    def __init__(self, acts: np.ndarray, num_ranks: int, *, theta: float = 0.1, beta: float = 1.1) -> None:
+        self.acts = np.asarray(acts).astype(np.int64, copy=False)
+        self.n, self.k = self.acts.shape
+        self.r, self.theta = num_ranks, float(theta)
+        self.cap = int(math.ceil(beta * self.n / num_ranks))
+
+    def assign(self, expert_rank: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens → ranks under ``expert_rank``: ``(token_rank [n], counts [n, R])``."""
+        counts = rank_counts(self.acts, expert_rank, self.r)
+        tr = capacity_assign(counts.astype(np.float64), np.full((1, self.r), self.cap))
+        return tr, counts
+
+    def __call__(self, expert_rank: np.ndarray) -> float:
+        tr, counts = self.assign(expert_rank)
+        return self.value(tr, counts)
+
+    def batch(self, expert_ranks: np.ndarray) -> np.ndarray:
+        """``J`` of ``S`` placements ``[S, E]`` at once: ``[S]``."""
+        ers = np.asarray(expert_ranks, dtype=np.int64)
+        num_s, n, r = ers.shape[0], self.n, self.r
+        ranks = ers[:, self.acts]  # [S, n, K]
+        rows = np.arange(num_s * n).reshape(num_s, n, 1)
+        counts = np.bincount((rows * r + ranks).ravel(), minlength=num_s * n * r).reshape(num_s * n, r)
+        grp = np.repeat(np.arange(num_s), n)
+        tr = capacity_assign(counts.astype(np.float64), np.full((num_s, r), self.cap), grp)
+        local = counts[np.arange(num_s * n), tr].reshape(num_s, n).sum(1) / (n * self.k)
+        tl = np.bincount(grp * r + tr, minlength=num_s * r).reshape(num_s, r)
+        return self.theta * (tl.max(1) / tl.mean(1) - 1.0) + (1.0 - self.theta) * (1.0 - local)
+
+    def value(self, token_rank: np.ndarray, counts: np.ndarray) -> float:
+        local = counts[np.arange(self.n), token_rank].sum() / (self.n * self.k)
+        tl = np.bincount(token_rank, minlength=self.r)
+        return self.theta * (tl.max() / tl.mean() - 1.0) + (1.0 - self.theta) * (1.0 - local)
+
+
+def solve_alternating(obj: LayerObjective, coact: np.ndarray, load: np.ndarray, rng: np.random.Generator, *,
+                      restarts: int = 24, keep: int = 4, slack: float = 1.1, max_iter: int = 10,
+                      swaps: int = 64) -> tuple[np.ndarray, float]:
+    """Sem-MoE Algorithm 1 for one layer: returns ``(expert_rank [E], J)``.
+
+    ``restarts`` co-activation clusterings (cheap); the ``keep`` with the most within-rank
+    co-activation start the alternation; the best by ``J`` gets ``swaps`` random-swap trials.
+    """
+    num_e, r = coact.shape[0], obj.r
+    cap = max(load.sum() / r * slack, load.max(initial=0))
+    m = coact - np.diag(np.diag(coact))
+    starts = coactivation_clusters(coact, load, r, rng, restarts=restarts, slack=slack)
+    within = [float((m * (er[:, None] == er[None, :])).sum()) for er in starts]
+    best, best_j = None, np.inf
+    for i in np.argsort(within, kind="stable")[::-1][:keep]:
+        er = starts[i]
+        j = obj(er)
+        for _ in range(max_iter):  # request scheduling <-> expert placement
+            tr, _ = obj.assign(er)
+            aff = np.zeros((num_e, r))
+            for c in range(r):
+                aff[:, c] = np.bincount(obj.acts[tr == c].ravel(), minlength=num_e)
+            cand = assign_experts(aff, load, r, slack=slack)
+            cj = obj(cand)
+            if cj >= j - 1e-12:
+                break
+            er, j = cand, cj
+        if j < best_j:
+            best, best_j = er.copy(), j
+    return _random_swaps(obj, best, load, rng, cap, swaps)
+
+
+def _sample_placements(logits: np.ndarray, load: np.ndarray, r: int, cap: float) -> np.ndarray:
+    """Capacity-respecting placements ``[S, E]`` from perturbed logits ``[S, E, R]``.
+
+    In each sample the experts, most decided first, take their best rank with room (``E / R``
+    experts and load ``<= cap``), then loads are repaired if a rank still exceeds ``cap``.
+    """
+    num_s, num_e, _ = logits.shape
+    per = num_e // r
+    order = np.argsort(-logits.max(2), axis=1, kind="stable")
+    er = np.empty((num_s, num_e), dtype=np.int64)
+    cnt, rl = np.zeros((num_s, r), np.int64), np.zeros((num_s, r))
+    rows = np.arange(num_s)
+    for p in range(num_e):
+        e = order[:, p]
+        room = cnt < per
+        fits = room & (rl + load[e][:, None] <= cap)
+        allowed = np.where(fits.any(1, keepdims=True), fits, room)
+        c = np.argmax(np.where(allowed, logits[rows, e], -np.inf), axis=1)
+        er[rows, e] = c
+        cnt[rows, c] += 1
+        rl[rows, c] += load[e]
+    for i in np.flatnonzero(rl.max(1) > cap):
+        er[i] = _repair_load(er[i], load, r, cap)
+    return er
+
+
+def solve_cem(obj: LayerObjective, load: np.ndarray, rng: np.random.Generator, *, rho: float = 0.2,
+              samples: int = 48, iters: int = 25, smoothing: float = 0.7, slack: float = 1.1, batch_tokens: int = 2048,
+              swaps: int = 64, init: np.ndarray | None = None) -> tuple[np.ndarray, float]:
+    """Speculative MoE Algorithm 1 (cross-entropy method) for one layer: ``(expert_rank [E], J)``.
+
+    A categorical matrix ``P [E, R]`` (uniform at first) is sampled ``samples`` times a round
+    (Gumbel-perturbed, capacity-respecting); the ``rho`` elite by ``J`` (evaluated on
+    ``batch_tokens`` of the token sample) move it: ``P <- smoothing * elite_freq + (1 - smoothing) * P``.
+    Stops after ``iters`` rounds or once ``P`` is near-deterministic; the best placement seen then
+    gets ``swaps`` random-swap trials on the full sample, as in :func:`solve_alternating`.
+
+    Args:
+        init: optional ``[E]`` placement whose one-hot (mixed 50/50 with uniform) starts ``P``.
+    """
+    num_e, r = load.size, obj.r
+    cap = max(load.sum() / r * slack, load.max(initial=0))
+    prob = np.full((num_e, r), 1.0 / r)
+    if init is not None:
+        prob = 0.5 * prob + 0.5 * np.eye(r)[init]
+    small = LayerObjective(obj.acts[:batch_tokens], r, theta=obj.theta, beta=obj.cap * r / obj.n)
+    n_elite = max(1, int(math.ceil(rho * samples)))
+    best, best_j = None, np.inf
+    for _ in range(iters):
+        gumbel = -np.log(-np.log(rng.uniform(1e-12, 1.0, size=(samples, num_e, r))))
+        cands = _sample_placements(np.log(prob + 1e-12)[None] + gumbel, load, r, cap)
+        js = small.batch(cands)
+        elite = np.argsort(js, kind="stable")[:n_elite]
+        if js[elite[0]] < best_j:
+            best, best_j = cands[elite[0]].copy(), float(js[elite[0]])
+        freq = np.zeros((num_e, r))
+        np.add.at(freq, (np.tile(np.arange(num_e), n_elite), cands[elite].ravel()), 1.0 / n_elite)
+        prob = smoothing * freq + (1 - smoothing) * prob
+        if prob.max(1).min() > 0.995:
+            break
+    return _random_swaps(obj, best, load, rng, cap, swaps)
+
+
+def _random_swaps(obj: LayerObjective, er: np.ndarray, load: np.ndarray, rng: np.random.Generator, cap: float,
+                  swaps: int) -> tuple[np.ndarray, float]:
+    """Random-swap fine-tuning: swap two experts of different ranks, keep it if ``J`` drops."""
+    r, num_e = obj.r, er.size
+    j = obj(er)
+    for _ in range(swaps):
+        a, b = rng.integers(0, num_e, size=2)
+        if er[a] == er[b]:
+            continue
+        rl = np.bincount(er, weights=load, minlength=r)
+        if rl[er[a]] - load[a] + load[b] > cap or rl[er[b]] - load[b] + load[a] > cap:
+            continue
+        cand = er.copy()
+        cand[a], cand[b] = er[b], er[a]
+        cj = obj(cand)
+        if cj < j:
+            er, j = cand, cj
+    return er, float(j)
+
+
+# ------------------------------------------------------------------------------------ dp mode
+def _request_profiles(topk_ids: np.ndarray, offsets: np.ndarray, num_experts: int) -> np.ndarray:
+    """``[S, L, E]`` float32 expert counts of each request at each layer."""
+    num_t, num_l, k = topk_ids.shape
+    seq = np.repeat(np.arange(offsets.size - 1), np.diff(offsets))
+    out = np.zeros((offsets.size - 1, num_l, num_experts), dtype=np.float32)
+    for layer in range(num_l):
+        out[:, layer] = np.bincount((seq[:, None] * num_experts + topk_ids[:, layer]).ravel(),
+                                    minlength=out.shape[0] * num_experts).reshape(-1, num_experts)
+    return out
+
+
+def solve_dp(profiles: np.ndarray, loads: np.ndarray, num_ranks: int, rng: np.random.Generator, *,
+             theta: float = 0.1, beta: float = 1.1, slack: float = 1.1, restarts: int = 3, max_iter: int = 20,
+             solver: str = "alternating", progress: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
+    """Cluster requests once and place every layer's experts against the same clusters.
+
+    Alternates: per-layer placements maximising co-location with the request clusters
+    (:func:`assign_experts`, or CEM for ``solver='cem'``), and requests → the rank holding most of
+    their activations over all layers (at most ``ceil(beta * S / R)`` requests per rank).
+
+    Args:
+        profiles: ``[S, L, E]`` expert counts per request and layer.
+        loads: ``[L, E]`` expert loads.
+
+    Returns:
+        ``(request_rank [S], expert_rank [L, E], J)``.
+    """
+    num_s, num_l, num_e = profiles.shape
+    r = num_ranks
+    cap = np.full((1, r), int(math.ceil(beta * num_s / r)))
+    flat = profiles.reshape(num_s, num_l * num_e)
+    total = flat.sum()
+
+    def place(req: np.ndarray) -> np.ndarray:
+        onehot = np.eye(r, dtype=np.float32)[req]
+        ers = np.empty((num_l, num_e), dtype=np.int64)
+        for layer in range(num_l):
+            aff = profiles[:, layer].T @ onehot
+            ers[layer] = assign_experts(aff, loads[layer], r, slack=slack)
+            if solver == "cem":  # the dp objective is linear in a layer's placement; CEM refines it
+                ers[layer] = _cem_linear(aff, loads[layer], r, rng, slack, ers[layer])
+        return ers
+
+    def score(ers: np.ndarray) -> np.ndarray:
+        hot = np.zeros((num_l * num_e, r), dtype=np.float32)
+        hot[np.arange(num_l * num_e), ers.ravel()] = 1
+        return flat @ hot  # [S, R] activations of each request on each rank
+
+    def value(req: np.ndarray, sc: np.ndarray) -> float:
+        local = sc[np.arange(num_s), req].sum() / total
+        tl = np.bincount(req, weights=profiles[:, 0].sum(1), minlength=r)
+        return theta * (tl.max() / max(tl.mean(), 1e-12) - 1) + (1 - theta) * (1 - local)
+
+    best = (None, None, np.inf)
+    for _ in _progress(range(restarts), progress, f"clustering requests (EP{r})"):
+        req = rng.permutation(np.arange(num_s) % r)
+        ers = place(req)
+        j = np.inf
+        for _ in range(max_iter):
+            sc = score(ers)
+            new = capacity_assign(sc / np.maximum(sc.sum(1, keepdims=True), 1e-12), cap)
+            cand = place(new)
+            cj = value(new, score(cand))
+            if cj >= j - 1e-9:
+                break
+            req, ers, j = new, cand, cj
+        if j < best[2]:
+            best = (req, ers, j)
+    return best
+
+
+def _cem_linear(aff: np.ndarray, load: np.ndarray, r: int, rng: np.random.Generator, slack: float,
+                init: np.ndarray, samples: int = 32, iters: int = 15, rho: float = 0.2) -> np.ndarray:
+    """CEM over placements for a linear co-location objective ``-sum_e aff[e, rank(e)]``."""
+    num_e = aff.shape[0]
+    cap = max(load.sum() / r * slack, load.max(initial=0))
+    prob = 0.5 / r + 0.5 * np.eye(r)[init]
+    best, best_v = init, aff[np.arange(num_e), init].sum()
+    n_elite = max(1, int(math.ceil(rho * samples)))
+    for _ in range(iters):
+        g = -np.log(-np.log(rng.uniform(1e-12, 1.0, size=(samples, num_e, r))))
+        cands = _sample_placements(np.log(prob + 1e-12)[None] + g, load, r, cap)
+        vals = aff[np.arange(num_e)[None, :], cands].sum(1)
+        order = np.argsort(-vals, kind="stable")[:n_elite]
+        if vals[order[0]] > best_v:
+            best, best_v = cands[order[0]], vals[order[0]]
+        prob = 0.7 * np.eye(r)[cands[order]].mean(0) + 0.3 * prob
+    return best
+
+
+# ------------------------------------------------------------------------------------ entry point
+def _progress(iterable, enabled: bool, desc: str):
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, desc=desc, leave=False)
+
+
+def _coactivation(acts: np.ndarray, num_e: int) -> np.ndarray:
+    k = acts.shape[1]
+    keys = (acts[:, :, None] * num_e + acts[:, None, :]).reshape(acts.shape[0], k * k)
+    return np.bincount(keys.ravel(), minlength=num_e * num_e).reshape(num_e, num_e).astype(np.float64)
+
+
+def _check_args(trace, ep: int, mode: str, solver: str, theta: float) -> None:
+    if isinstance(ep, bool) or not isinstance(ep, (int, np.integer)) or ep < 1:
+        raise ValueError(f"ep must be a positive int, got {ep!r}")
+    if trace.num_experts % ep:
+        raise ValueError(f"num_experts ({trace.num_experts}) must be divisible by ep ({ep})")
+    if mode not in ("tp", "dp"):
+        raise ValueError(f"mode must be 'tp' or 'dp', got {mode!r}")
+    if solver not in SOLVERS:
+        raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
+    if not 0.0 <= float(theta) <= 1.0:
+        raise ValueError(f"theta must be in [0, 1], got {theta}")
+
+
+def _fit_history_weights(logq: list[np.ndarray], own: list[np.ndarray], hist: np.ndarray, prev: np.ndarray,
+                         depth: int) -> np.ndarray:
+    """History weights maximising (leave-one-out) local activations of a token sample, all layers.
+
+    Args:
+        logq: per layer ``[n, R]`` leave-one-out ``log Pr(rank | token)`` of the sample.
+        own: per layer ``[n, R]`` the sample's actual activations per rank.
+        hist: ``[L, D, E, R]`` history tables.
+        prev: ``[n, L, K]`` the sample's routing.
+    """
+    if depth == 0:
+        return np.zeros(0, np.float32)
+    num_l = len(logq)
+    terms = [[hist[l, d][prev[:, l - d - 1].astype(np.int64)].sum(1) for d in range(min(depth, l))] for l in range(num_l)]
+    grid1 = (0.0, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0)
+    grid2 = (0.0, 0.05, 0.1, 0.2, 0.3, 0.45) if depth > 1 else (0.0,)
+    best, best_w = -1.0, np.zeros(depth, np.float32)
+    for w2 in grid2:
+        for w1 in grid1:
+            w = np.array([w1] + [w2 * 0.5 ** i for i in range(depth - 1)], dtype=np.float32)
+            hit = 0.0
+            for l in range(num_l):
+                score = logq[l].copy()
+                for d, term in enumerate(terms[l]):
+                    score += w[d] * term
+                hit += own[l][np.arange(score.shape[0]), np.argmax(score, axis=1)].sum()
+            if hit > best + 1e-9:
+                best, best_w = hit, w
+    return best_w
+
+
+def plan_semantic(train_trace, ep: int, mode: str = "tp", *, solver: str = "alternating", theta: float = 0.1,
+                  seed: int = 0, progress: bool = True, embeddings: np.ndarray | None = None, history: int = 4,
+                  sample: int = 8192, beta: float = 1.1, rho: float = 0.2, slack: float = 1.1,
+                  smoothing: float = 2.0, max_requests: int = 4096) -> SemanticPlan:
+    """Semantic plan from a (training) routing trace. Deterministic for a ``seed``.
+
+    Args:
+        train_trace: :class:`~moelayers.trace.RoutingTrace` to profile.
+        ep: ranks ``R`` (``E`` divisible by it).
+        mode: ``'tp'`` (tokens shuffled per layer: one co-clustering per layer, plus the n-gram and
+            history tables) or ``'dp'`` (requests clustered once; every layer placed against them).
+        solver: ``'alternating'`` (Sem-MoE Algorithm 1) or ``'cem'`` (Speculative MoE Algorithm 1).
+        theta: weight of token-load imbalance vs remote activations in the objective.
+        seed: seeds every random choice.
+        progress: tqdm bar over layers.
+        embeddings: optional ``[V, D]`` token embeddings: unseen tokens take their cosine-nearest
+            seen token's row (else the layer distribution).
+        history: ``D``, previous layers in the history n-gram (tp).
+        sample: profiled tokens the per-layer objective is evaluated on (tp).
+        beta: token capacity factor of the objective (at most ``beta`` × mean tokens per rank).
+        rho: elite fraction of the cross-entropy method.
+        slack: expert loads per rank at most ``slack`` × mean (profiled loads).
+        smoothing: pseudo-occurrences of the layer distribution in ``Pr(rank | token)``.
+        max_requests: requests clustered in dp mode (a seeded subset; all are used for the tables).
+
+    Returns:
+        :class:`~moelayers.planning.semantic.SemanticPlan`.
+    """
+    _check_args(train_trace, ep, mode, solver, theta)
+    rng = np.random.default_rng(seed)
+    v = train_trace.vocab_size
+    seen = np.bincount(train_trace.token_ids, minlength=v) > 0
+    src = nearest_seen_tokens(embeddings, seen, seed=seed) if embeddings is not None else None
+    fn = _plan_tp if mode == "tp" else _plan_dp
+    return fn(train_trace, int(ep), rng, src, solver=solver, theta=float(theta), seed=int(seed), progress=progress,
+              history=int(history), sample=int(sample), beta=beta, rho=rho, slack=slack, smoothing=smoothing,
+              max_requests=int(max_requests))
+
+
+def _plan_tp(tr, r: int, rng, src, *, solver, theta, seed, progress, history, sample, beta, rho, slack, smoothing,
+             **_) -> SemanticPlan:
+    num_t, num_l, k = tr.topk_ids.shape
+    num_e, v, ids = tr.num_experts, tr.vocab_size, tr.token_ids
+    sub = np.sort(rng.choice(num_t, size=min(num_t, sample), replace=False))
+    big = np.sort(rng.choice(num_t, size=min(num_t, 100_000), replace=False))
+    co = big[:: max(1, big.size // 50_000)]
+    fit = np.sort(rng.choice(num_t, size=min(num_t, 4096), replace=False))
+    expert_rank = np.empty((num_l, num_e), np.int64)
+    token_rank = np.empty((num_l, v), np.int64)
+    token_conf = np.empty((num_l, v), np.float32)
+    token_logq = np.empty((num_l, v, r), np.float16)
+    objective = np.empty(num_l)
+    fit_logq, fit_own = [], []
+    for l in _progress(range(num_l), progress, f"semantic plan (tp, {solver}, EP{r})"):
+        table = build_token_table(ids, tr.topk_ids[:, l], num_e, v)
+        load = table.expert_load.astype(np.float64)
+        obj = LayerObjective(tr.topk_ids[sub, l], r, theta=theta, beta=beta)
+        if solver == "alternating":
+            er, j = solve_alternating(obj, _coactivation(tr.topk_ids[co, l].astype(np.int64), num_e), load, rng, slack=slack)
+        else:
+            er, j = solve_cem(obj, load, rng, rho=rho, slack=slack)
+        expert_rank[l], objective[l] = er, j
+        q = token_rank_probs(table, er, r, smoothing=smoothing, source=src)
+        token_rank[l] = np.argmax(q, axis=1)
+        token_conf[l] = q.max(1)
+        token_logq[l] = np.log(q)
+        # leave-one-out view of the fit sample (its own activations removed from its token's row)
+        own = rank_counts(tr.topk_ids[fit, l], er, r)
+        f = table.token_freq[ids[fit]].astype(np.float64)
+        raw = q[ids[fit]] * (k * f + smoothing * k)[:, None] - own
+        fit_logq.append(np.log(np.maximum(raw, 1e-9) / (k * (f - 1) + smoothing * k)[:, None]))
+        fit_own.append(own)
+    ngram_rank, ngram_conf = ngram_tables(tr.topk_ids[big], expert_rank, r)
+    hist = history_tables(tr.topk_ids[big], expert_rank, r, depth=history) if history > 0 else None
+    weights = _fit_history_weights(fit_logq, fit_own, hist, tr.topk_ids[fit], history) if history > 0 else None
+    return SemanticPlan(expert_rank, token_rank, token_conf, ngram_rank, ngram_conf, r, num_e, v, "tp",
+                        token_logq=token_logq, history_pmi=hist, history_weight=weights, solver=solver, theta=theta,
+                        seed=seed, objective=objective)
+
+
+def _plan_dp(tr, r: int, rng, src, *, solver, theta, seed, progress, beta, slack, max_requests, **_) -> SemanticPlan:
+    num_t, num_l, k = tr.topk_ids.shape
+    num_e, v, ids = tr.num_experts, tr.vocab_size, tr.token_ids
+    num_s, lengths = tr.num_sequences, tr.seq_lengths
+    seq = np.repeat(np.arange(num_s), lengths)
+    loads = tr.expert_counts().astype(np.float64)
+    pick = np.sort(rng.choice(num_s, size=min(num_s, max_requests), replace=False))
+    pick = pick[lengths[pick] > 0]
+    part = tr.select_sequences(pick)
+    profiles = _request_profiles(part.topk_ids, part.seq_offsets, num_e)
+    _, ers, _ = solve_dp(profiles, loads, r, rng, theta=theta, beta=beta, slack=slack, solver=solver, progress=progress)
+    # every training request to its cluster, then the token -> cluster votes
+    sc = np.zeros(num_s * r)
+    for l in range(num_l):
+        sc += np.bincount((seq[:, None] * r + ers[l][tr.topk_ids[:, l].astype(np.int64)]).ravel(), minlength=num_s * r)
+    sc = sc.reshape(num_s, r)
+    cluster = capacity_assign(sc / np.maximum(sc.sum(1, keepdims=True), 1e-12), np.full((1, r), int(math.ceil(beta * num_s / r))))
+    cnt = np.bincount(ids * r + cluster[seq], minlength=v * r).reshape(v, r).astype(np.float64)
+    prior = cnt.sum(0) / cnt.sum()
+    p = (cnt + prior) / (cnt.sum(1, keepdims=True) + 1.0)
+    if src is not None:
+        unseen = (np.bincount(ids, minlength=v) == 0) & (src >= 0)
+        p[unseen] = p[src[unseen]]
+    rank_v = np.argmax(p, axis=1)
+    conf_v = np.clip((p.max(1) - 1.0 / r) / (1.0 - 1.0 / r), 0.0, 1.0) if r > 1 else np.ones(v)
+    # the clusters the online scheduler will realise (Algorithm 2 on the training requests), and
+    # every layer placed against them
+    votes = np.bincount(seq * r + rank_v[ids], weights=conf_v[ids], minlength=num_s * r).reshape(num_s, r)
+    realised = request_schedule(votes, lengths, r)
+    objective = np.empty(num_l)
+    tokens = np.bincount(realised, weights=lengths, minlength=r)
+    for l in _progress(range(num_l), progress, f"semantic plan (dp, {solver}, EP{r})"):
+        acts = tr.topk_ids[:, l].astype(np.int64)
+        aff = np.bincount((acts * r + realised[seq][:, None]).ravel(), minlength=num_e * r).reshape(num_e, r).astype(np.float64)
+        ers[l] = assign_experts(aff, loads[l], r, slack=slack)
+        if solver == "cem":
+            ers[l] = _cem_linear(aff, loads[l], r, rng, slack, ers[l])
+        local = aff[np.arange(num_e), ers[l]].sum() / aff.sum()
+        objective[l] = theta * (tokens.max() / tokens.mean() - 1) + (1 - theta) * (1 - local)
+    token_rank = np.tile(rank_v, (num_l, 1))
+    token_conf = np.tile(conf_v.astype(np.float32), (num_l, 1))
+    big = np.sort(rng.choice(num_t, size=min(num_t, 200_000), replace=False))
+    ngram_rank, ngram_conf = ngram_tables(tr.topk_ids[big], ers, r)
+    return SemanticPlan(ers, token_rank, token_conf, ngram_rank, ngram_conf, r, num_e, v, "dp", solver=solver,
+                        theta=theta, seed=seed, objective=objective)

@@ -1,0 +1,137 @@
+"""Attention-DP request scheduling (Sem-MoE Algorithm 2).
+
+With attention data-parallel, a request lives on one rank for its whole life, and every MoE
+activation of its tokens is local when the expert sits on that rank. The semantic scheduler sends a
+request where its tokens' experts are, as predicted by the plan's token table, while keeping the
+number of requests per rank balanced::
+
+    score[r]  = sum over the request's tokens t with token_rank[t] == r of token_conf[t]
+    rank      = argmax of score over the ranks not yet masked (ties: lowest rank)
+    mask[rank] = True; all ranks masked -> clear the mask
+
+so every ``R`` consecutive requests go to ``R`` different ranks (affinity with balanced load).
+Both schedulers share one interface: ``assign(token_ids) -> rank``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+
+class RequestScheduler(Protocol):
+    """Picks an attention-DP rank for each arriving request."""
+
+    num_ranks: int
+
+    def assign(self, token_ids: Any) -> int:
+        """The rank for a request with these (prompt) token ids."""
+
+
+def _token_array(token_ids: Any) -> np.ndarray:
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.detach().cpu().numpy()
+    a = np.asarray(token_ids)
+    if a.size == 0:
+        return a.reshape(0).astype(np.int64)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"token_ids must be integers, got dtype {a.dtype}")
+    return a.reshape(-1).astype(np.int64)
+
+
+class RoundRobinScheduler:
+    """Request ``i`` goes to rank ``i mod R`` (ignores the tokens).
+
+    Args:
+        num_ranks: attention-DP ranks ``R``.
+    """
+
+    def __init__(self, num_ranks: int):
+        if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+            raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+        self.num_ranks = num_ranks
+        self._next = 0
+
+    def assign(self, token_ids: Any = None) -> int:
+        """The next rank in turn."""
+        r = self._next
+        self._next = (r + 1) % self.num_ranks
+        return r
+
+    def reset(self) -> None:
+        self._next = 0
+
+
+class SemanticScheduler:
+    """Affinity scheduling from a ``SemanticPlan``'s token table (Sem-MoE Algorithm 2).
+
+    Args:
+        plan: a ``SemanticPlan`` (or any object with ``token_rank [L, V]``, ``token_conf [L, V]`` and
+            ``num_ranks``); a dp-mode plan's token table is the same at every layer.
+        layer: which layer's token table votes (default 0).
+        num_ranks: the attention-DP ranks; must equal ``plan.num_ranks`` if given.
+
+    Attributes:
+        loads: ``[R]`` requests assigned to each rank so far.
+
+    Raises:
+        ValueError: ``layer`` out of range, tables of inconsistent shapes, or a plan for another
+            number of ranks.
+    """
+
+    def __init__(self, plan: Any, *, layer: int = 0, num_ranks: int | None = None):
+        tr, tc = np.asarray(_numpy(plan.token_rank)), np.asarray(_numpy(plan.token_conf))
+        if tr.ndim == 1:
+            tr, tc = tr[None], tc[None]
+        if tr.ndim != 2 or tc.shape != tr.shape:
+            raise ValueError(f"plan.token_rank/token_conf must both be [L, V], "
+                             f"got {list(tr.shape)} and {list(tc.shape)}")
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < tr.shape[0]:
+            raise ValueError(f"layer {layer!r} is out of range for a plan of {tr.shape[0]} layers")
+        self.num_ranks = int(plan.num_ranks)
+        if num_ranks is not None and num_ranks != self.num_ranks:
+            raise ValueError(f"the plan is for {self.num_ranks} ranks, the scheduler serves {num_ranks}")
+        self.token_rank = tr[layer].astype(np.int64)
+        self.token_conf = np.nan_to_num(tc[layer].astype(np.float64), nan=0.0)
+        self.token_conf[(self.token_rank < 0) | (self.token_rank >= self.num_ranks)] = 0.0
+        self.vocab_size = self.token_rank.shape[0]
+        self.mask = np.zeros(self.num_ranks, dtype=bool)
+        self.loads = np.zeros(self.num_ranks, dtype=np.int64)
+
+    def scores(self, token_ids: Any) -> np.ndarray:
+        """``[R]`` float64 confidence-weighted votes of the request's tokens (unseen tokens: none).
+
+        Raises:
+            ValueError: a negative token id.
+        """
+        ids = _token_array(token_ids)
+        if ids.size and ids.min() < 0:
+            raise ValueError(f"token ids must be >= 0, got {int(ids.min())}")
+        ids = ids[ids < self.vocab_size]
+        conf = self.token_conf[ids]
+        seen = conf > 0
+        return np.bincount(self.token_rank[ids[seen]], weights=conf[seen], minlength=self.num_ranks).astype(np.float64)
+
+    def assign(self, token_ids: Any) -> int:
+        """The best unmasked rank for this request; masks it (and clears a full mask)."""
+        s = self.scores(token_ids)
+        s[self.mask] = -np.inf
+        rank = int(np.argmax(s))  # first maximum: ties go to the lowest rank
+        self.mask[rank] = True
+        if self.mask.all():
+            self.mask[:] = False
+        self.loads[rank] += 1
+        return rank
+
+    def reset(self) -> None:
+        """Forget the mask and the loads."""
+        self.mask[:] = False
+        self.loads[:] = 0
+
+
+def _numpy(a: Any) -> np.ndarray:
+    if isinstance(a, torch.Tensor):
+        return a.detach().cpu().numpy()
+    return np.asarray(a)

@@ -1,0 +1,314 @@
+"""Attention-TP token rebatching (Sem-MoE Algorithm 3) and the shuffled collectives it rides on.
+
+With attention tensor-parallel over ``R`` ranks, every rank holds the attention output of all ``T``
+tokens as a partial sum, and the all-reduce that would finish it is replaced by a reduce-scatter:
+rank ``r`` gets the finished rows of chunk ``r`` and runs the (expert-parallel) MoE on them. The
+reduce-scatter may hand out the rows in any order, so the rebatch picks the order that sends each
+token to the rank holding its experts::
+
+    predict   per token: rank from T (token_rank/token_conf at this layer) or from the n-gram A
+              (ngram_rank/ngram_conf given the token's ranks at the two previous layers), whichever
+              is more confident
+    bucket    equal chunks of C = ceil(T / R) rows (reduce-scatter needs equal sizes); the most
+              confident tokens of a rank stay, the least confident overflow to the ranks with room;
+              T not divisible by R: R*C - T dummy rows (zeros), the last row of the least wanted chunks
+    perm      [R*C] token per shuffled row (-1 = dummy); chunk r = perm[r*C:(r+1)*C]
+    shuffled_reduce_scatter(partial [T, H], perm) -> [C, H]    rows gathered by perm, then reduce-scatter
+    shuffled_all_gather(chunk [C, H], perm)      -> [T, H]    all-gather, then the inverse permutation
+
+Everything here is a deterministic function of its inputs (integer counts, stable orders, no
+atomics), so every TP rank, given the same tokens, computes the same rebatch without talking.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moelayers.dispatch.comm import AllGatherRows, ReduceScatterRows
+from moelayers.kernels import bucket_positions, shuffle_rows
+
+PrevRanks = Any  # [2, T] tensor (rows: layer l-2, layer l-1), or a pair of [T] tensors / None; -1 = unknown
+
+
+# ---------------------------------------------------------------------- the plan's tables at one layer
+@dataclass
+class LayerTables:
+    """The predictors of one layer, taken from a ``SemanticPlan`` (or any object with its fields).
+
+    Attributes:
+        token_rank: ``[V]`` int64 rank predicted for each token id (``-1`` = none).
+        token_conf: ``[V]`` float32 confidence of ``token_rank`` (0 for unseen tokens).
+        ngram_rank: ``[R, R]`` int64 rank predicted from the ranks at layers ``l-2, l-1``.
+        ngram_conf: ``[R, R]`` float32 confidence of ``ngram_rank`` (0 at layers 0 and 1).
+    """
+
+    token_rank: torch.Tensor
+    token_conf: torch.Tensor
+    ngram_rank: torch.Tensor
+    ngram_conf: torch.Tensor
+
+    @property
+    def num_ranks(self) -> int:
+        return int(self.ngram_rank.shape[0])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.token_rank.shape[0])
+
+    @classmethod
+    def from_plan(cls, plan: Any, layer: int) -> "LayerTables":
+        """Layer ``layer``'s tables of ``plan`` (fields ``token_rank [L, V]``, ``token_conf [L, V]``,
+        ``ngram_rank [L, R, R]``, ``ngram_conf [L, R, R]``; numpy or torch).
+
+        Raises:
+            ValueError: ``layer`` out of range, or tables of inconsistent shapes.
+        """
+        tr, tc = _as_tensor(plan.token_rank, torch.int64), _as_tensor(plan.token_conf, torch.float32)
+        nr, nc = _as_tensor(plan.ngram_rank, torch.int64), _as_tensor(plan.ngram_conf, torch.float32)
+        if tr.dim() != 2 or tc.shape != tr.shape:
+            raise ValueError(f"plan.token_rank/token_conf must both be [L, V], "
+                             f"got {list(tr.shape)} and {list(tc.shape)}")
+        num_layers, r = tr.shape[0], int(plan.num_ranks)
+        if nr.shape != (num_layers, r, r) or nc.shape != nr.shape:
+            raise ValueError(f"plan.ngram_rank/ngram_conf must both be [L, R, R] = [{num_layers}, {r}, {r}], "
+                             f"got {list(nr.shape)} and {list(nc.shape)}")
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+            raise ValueError(f"layer {layer!r} is out of range for a plan of {num_layers} layers")
+        return cls(tr[layer].clone(), tc[layer].clone(), nr[layer].clone(), nc[layer].clone())
+
+    def to(self, device: torch.device | str) -> "LayerTables":
+        tables = (self.token_rank, self.token_conf, self.ngram_rank, self.ngram_conf)
+        return LayerTables(*(t.to(device) for t in tables))
+
+
+def _as_tensor(a: Any, dtype: torch.dtype) -> torch.Tensor:
+    return torch.as_tensor(a).to(dtype).cpu()
+
+
+# ---------------------------------------------------------------------- step 1: predict
+def predict_ranks(token_ids: torch.Tensor, tables: LayerTables,
+                  prev_ranks: PrevRanks = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, the rank of T or of the n-gram A, whichever is more confident (T on ties).
+
+    Args:
+        token_ids: ``[T]`` int token ids; ids outside the plan's vocabulary have no T prediction.
+        tables: this layer's predictors (on ``token_ids``' device).
+        prev_ranks: the tokens' ranks at layers ``l-2`` and ``l-1``: ``[2, T]``, or a pair of ``[T]``
+            tensors or ``None``; ``-1`` (or ``None``) = unknown, and A needs both.
+
+    Returns:
+        ``(pred [T] int64, conf [T] float32)``: predicted rank (``-1`` = no prediction) and confidence.
+    """
+    if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
+        raise TypeError(f"token_ids must be a [T] integer tensor, got {token_ids.dtype} {list(token_ids.shape)}")
+    t, dev, r = token_ids.numel(), token_ids.device, tables.num_ranks
+    ids = token_ids.to(torch.int64)
+    known = (ids >= 0) & (ids < tables.vocab_size)
+    safe = torch.where(known, ids, 0)
+    pred = torch.where(known, tables.token_rank[safe], -1)
+    conf = torch.where(known & (pred >= 0), tables.token_conf[safe], 0.0)
+    p2, p1 = _prev_pair(prev_ranks, t, dev)
+    if p2 is not None and p1 is not None:
+        seen = (p2 >= 0) & (p2 < r) & (p1 >= 0) & (p1 < r)
+        p2s, p1s = torch.where(seen, p2, 0), torch.where(seen, p1, 0)
+        pred_a = torch.where(seen, tables.ngram_rank[p2s, p1s], -1)
+        conf_a = torch.where(seen & (pred_a >= 0), tables.ngram_conf[p2s, p1s], 0.0)
+        use_a = conf_a > conf
+        pred, conf = torch.where(use_a, pred_a, pred), torch.where(use_a, conf_a, conf)
+    pred = torch.where((pred >= 0) & (pred < r), pred, -1)
+    return pred, torch.where(pred >= 0, conf, 0.0).to(torch.float32)
+
+
+def _prev_pair(prev: PrevRanks, t: int, dev: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if prev is None:
+        return None, None
+    if isinstance(prev, torch.Tensor):
+        if prev.dim() != 2 or prev.shape[0] != 2:
+            raise ValueError(f"prev_ranks must be [2, T] (layers l-2, l-1), got {list(prev.shape)}")
+        prev = (prev[0], prev[1])
+    if not isinstance(prev, Sequence) or len(prev) != 2:
+        raise ValueError("prev_ranks must be a [2, T] tensor or a pair (ranks at l-2, ranks at l-1)")
+    out = []
+    for p in prev:
+        if p is not None:
+            p = torch.as_tensor(p)
+            if p.shape != (t,):
+                raise ValueError(f"prev_ranks entries must be [T] = [{t}], got {list(p.shape)}")
+            p = p.to(device=dev, dtype=torch.int64)
+        out.append(p)
+    return out[0], out[1]
+
+
+# ---------------------------------------------------------------------- step 2: bucket into equal chunks
+@dataclass
+class Rebatch:
+    """A token order for the shuffled reduce-scatter: ``R`` equal chunks of ``C`` rows.
+
+    Attributes:
+        perm: ``[R*C]`` int64 token of each shuffled row, ``-1`` for a dummy (padding) row.
+        inverse: ``[T]`` int64 shuffled row of each token.
+        rank: ``[T]`` int64 rank each token is assigned to (``inverse // C``).
+        pred: ``[T]`` int64 predicted rank (``-1`` = none); conf: ``[T]`` float32 its confidence.
+        capacity: ``[R]`` int64 real tokens per chunk (``C``, or ``C - 1`` for a chunk with a dummy row).
+        num_tokens: ``T``; num_ranks: ``R``; chunk_size: ``C = ceil(T / R)``.
+    """
+
+    perm: torch.Tensor
+    inverse: torch.Tensor
+    rank: torch.Tensor
+    pred: torch.Tensor
+    conf: torch.Tensor
+    capacity: torch.Tensor
+    num_tokens: int
+    num_ranks: int
+    chunk_size: int
+    _host_capacity: list[int] | None = None
+
+    @property
+    def num_dummies(self) -> int:
+        """``R*C - T`` padding rows (``< R``), one at the end of as many chunks."""
+        return self.num_ranks * self.chunk_size - self.num_tokens
+
+    def valid_rows(self, r: int) -> int:
+        """Real tokens in chunk ``r``: its first ``C`` or ``C - 1`` rows (one small host read)."""
+        if self._host_capacity is None:
+            self._host_capacity = self.capacity.tolist()
+        return self._host_capacity[r]
+
+    def chunk(self, r: int) -> torch.Tensor:
+        """``[C]`` tokens of chunk ``r`` (``-1`` = dummy, only in the last row)."""
+        return self.perm[r * self.chunk_size:(r + 1) * self.chunk_size]
+
+
+def rebatch(pred: torch.Tensor, conf: torch.Tensor, num_ranks: int) -> Rebatch:
+    """Group tokens by predicted rank into ``R`` equal chunks.
+
+    The ``R*C - T`` dummy rows go to the chunks fewest tokens are predicted for (ties: the last
+    ranks), one each, as their last row. Chunk ``r`` then takes up to ``cap_r`` (``C`` or ``C - 1``)
+    tokens predicted for ``r``, most confident first; the rest (overflow, the least confident, and
+    tokens without prediction) fill the remaining room of the chunks in rank order, in token order.
+
+    Args:
+        pred: ``[T]`` int predicted rank (``-1`` or out of range = none).
+        conf: ``[T]`` float confidence.
+        num_ranks: ``R``.
+
+    Returns:
+        The :class:`Rebatch`.
+    """
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+    if pred.dim() != 1 or conf.shape != pred.shape:
+        raise ValueError(f"expected pred [T] and conf [T]; got {list(pred.shape)} and {list(conf.shape)}")
+    t, r, dev = pred.numel(), num_ranks, pred.device
+    c = -(-t // r)
+    pred = pred.to(torch.int64)
+    pred = torch.where((pred >= 0) & (pred < r), pred, -1)
+    conf = torch.where(pred >= 0, torch.nan_to_num(conf.float(), nan=0.0), 0.0)
+    if t == 0:
+        empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        return Rebatch(empty, empty, empty, pred, conf, torch.zeros(r, dtype=torch.int64, device=dev), 0, r, 0)
+    has = pred >= 0
+    safe = torch.where(has, pred, 0)
+    ranks = torch.arange(r, device=dev)
+    demand = torch.zeros(r, dtype=torch.int64, device=dev).scatter_add_(0, safe, has.to(torch.int64))
+    least_wanted = torch.argsort(demand * r + (r - 1 - ranks), stable=True)  # integer keys: deterministic
+    cap = torch.full((r,), c, dtype=torch.int64, device=dev)
+    cap[least_wanted[: r * c - t]] = c - 1
+    pos = bucket_positions(pred, conf)
+    keep = has & (pos < cap[safe])
+    kept = torch.zeros(r, dtype=torch.int64, device=dev).scatter_add_(0, safe, keep.to(torch.int64))
+    room = cap - kept
+    room_end = torch.cumsum(room, 0)
+    k = torch.cumsum((~keep).to(torch.int64), 0) - 1  # index among the leftovers, token order
+    free_rank = torch.searchsorted(room_end, k.clamp(min=0), right=True).clamp(max=r - 1)
+    free_pos = kept[free_rank] + k - (room_end - room)[free_rank]
+    inverse = torch.where(keep, safe * c + pos, free_rank * c + free_pos)
+    perm = torch.full((r * c,), -1, dtype=torch.int64, device=dev)
+    perm[inverse] = torch.arange(t, device=dev)
+    return Rebatch(perm, inverse, inverse // c, pred, conf, cap, t, r, c)
+
+
+def rebatch_tokens(token_ids: torch.Tensor, tables: LayerTables | None, num_ranks: int,
+                   prev_ranks: PrevRanks = None) -> Rebatch:
+    """:func:`predict_ranks` then :func:`rebatch`; without tables, plain equal chunks in token order."""
+    if tables is None:
+        t = token_ids.numel()
+        return rebatch(torch.full((t,), -1, dtype=torch.int64, device=token_ids.device),
+                       torch.zeros(t, device=token_ids.device), num_ranks)
+    if tables.num_ranks != num_ranks:
+        raise ValueError(f"the plan's tables are for {tables.num_ranks} ranks, the group has {num_ranks}")
+    pred, conf = predict_ranks(token_ids.reshape(-1), tables, prev_ranks)
+    return rebatch(pred, conf, num_ranks)
+
+
+def inverse_permutation(perm: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``[T]`` shuffled row of each token, from ``perm [N]`` (``-1`` = dummy row)."""
+    target = torch.where(perm >= 0, perm, num_tokens)
+    inv = torch.empty(num_tokens + 1, dtype=torch.int64, device=perm.device)
+    inv.scatter_(0, target, torch.arange(perm.numel(), device=perm.device))
+    return inv[:num_tokens]
+
+
+# ---------------------------------------------------------------------- the shuffled collectives
+def _group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def shuffled_reduce_scatter(partial: torch.Tensor, perm: torch.Tensor, group) -> torch.Tensor:
+    """Finish a TP partial sum, each rank keeping its rebatched chunk.
+
+    Rows are gathered by ``perm`` straight into the reduce-scatter input buffer (Triton kernel on
+    CUDA), then ``reduce_scatter_tensor`` sums over the group. Differentiable (the backward is
+    :func:`shuffled_all_gather` of the gradient).
+
+    Args:
+        partial: ``[T, H]`` this rank's partial sum, same token order on every rank.
+        perm: ``[R*C]`` token per shuffled row, ``-1`` = dummy (zeros); identical on every rank.
+        group: the TP process group (``None`` = one process).
+
+    Returns:
+        ``[C, H]``: rows ``perm[r*C:(r+1)*C]`` of the full sum, on rank ``r``.
+    """
+    r = _group_size(group)
+    if partial.dim() != 2:
+        raise ValueError(f"partial must be [T, H], got {list(partial.shape)}")
+    if perm.dim() != 1 or perm.numel() % r:
+        raise ValueError(f"perm must be [R*C] with R = {r} ranks, got {list(perm.shape)}")
+    buf = shuffle_rows(partial, perm)
+    if group is None or buf.numel() == 0:  # every rank has the same T: all skip together
+        return buf[: perm.numel() // r]
+    return ReduceScatterRows.apply(group, buf)
+
+
+def shuffled_all_gather(chunk: torch.Tensor, perm: torch.Tensor, group, *,
+                        inverse: torch.Tensor | None = None) -> torch.Tensor:
+    """Gather every rank's chunk and restore the original token order.
+
+    ``all_gather_into_tensor`` of the ``[C, H]`` chunks, then rows picked by the inverse
+    permutation (Triton kernel on CUDA); dummy rows are dropped. Differentiable.
+
+    Args:
+        chunk: ``[C, H]`` this rank's rows, in rebatched order.
+        perm: ``[R*C]`` the rebatch's permutation (``-1`` = dummy), identical on every rank.
+        group: the TP process group (``None`` = one process).
+        inverse: optional ``[T]`` inverse of ``perm`` (saves recomputing it and a host sync).
+
+    Returns:
+        ``[T, H]`` in the original token order, identical on every rank.
+    """
+    r = _group_size(group)
+    if chunk.dim() != 2 or perm.dim() != 1 or perm.numel() != r * chunk.shape[0]:
+        raise ValueError(f"chunk [C, H] and perm [R*C] (R = {r}) do not fit: {list(chunk.shape)}, {list(perm.shape)}")
+    if inverse is None:
+        inverse = inverse_permutation(perm, int((perm >= 0).sum()))
+    if group is None or chunk.numel() == 0:
+        gathered = chunk if group is None else chunk.new_zeros(perm.numel(), chunk.shape[1])
+    else:
+        gathered = AllGatherRows.apply(group, chunk)
+    return shuffle_rows(gathered, inverse)

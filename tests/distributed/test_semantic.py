@@ -1,0 +1,344 @@
+"""SemanticMoE (dp and tp modes), the shuffled reduce-scatter / all-gather and the tiny decoder's
+attention-TP against the dense float64 reference, on gloo at world sizes 2 and 4.
+
+``run_semantic_cases`` runs every case on one rank of any world size (the GPU suite calls it under
+NCCL) and returns ``{case: error or None}`` plus what must be identical on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moelayers as ml
+from moelayers.models.tiny import RMSNorm
+from moelayers.planning.semantic import SemanticPlan, majority_rank
+from moelayers.router import scores_to_topk
+from moelayers.schedule import shuffled_all_gather, shuffled_reduce_scatter
+from moelayers.testing import check_close, run_distributed
+
+H, F, V, L = 32, 16, 48, 3
+
+
+# ---------------------------------------------------------------------- plans
+def make_plan(num_experts: int, num_ranks: int, seed: int = 0, *, vocab: int = V, layers: int = L,
+              mode: str = "tp", unseen: int = 8) -> SemanticPlan:
+    """A random valid plan: balanced expert ranks, random token/n-gram tables (the token table shared
+    by all layers in dp mode); the last ``unseen`` token ids have confidence 0, and layers 0/1 have
+    no n-gram confidence."""
+    g = torch.Generator().manual_seed(seed)
+    er = torch.stack([(torch.arange(num_experts) % num_ranks)[torch.randperm(num_experts, generator=g)]
+                      for _ in range(layers)])
+    tr = torch.randint(0, num_ranks, (layers, vocab), generator=g)
+    if mode == "dp":
+        tr[:] = tr[0].clone()
+    tc = torch.rand(layers, vocab, generator=g) * 0.9 + 0.05
+    tc[:, vocab - unseen:] = 0.0
+    nr = torch.randint(0, num_ranks, (layers, num_ranks, num_ranks), generator=g)
+    nc = torch.rand(layers, num_ranks, num_ranks, generator=g)
+    nc[:2] = 0.0
+    return SemanticPlan(er.numpy(), tr.numpy(), tc.numpy(), nr.numpy(), nc.numpy(), num_ranks, num_experts, vocab,
+                        mode)
+
+
+def weights64(num_experts: int, seed: int = 1234):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(num_experts, H, generator=g, dtype=torch.float64) * 0.5,
+            torch.randn(num_experts, 2 * F, H, generator=g, dtype=torch.float64) * H ** -0.5,
+            torch.randn(num_experts, H, F, generator=g, dtype=torch.float64) * F ** -0.5)
+
+
+def _norm(dtype, device="cpu"):
+    """The pre-MoE RMSNorm (same weights in every dtype and on every device)."""
+    w = 1.0 + 0.1 * torch.randn(H, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    n = RMSNorm(H, dtype=dtype, device=device)
+    with torch.no_grad():
+        n.weight.copy_(w.to(dtype))
+    return n
+
+
+# ---------------------------------------------------------------------- tp cases
+TP_CASES = [
+    dict(name="tp-f32-prev", dtype=torch.float32, tokens=lambda r: 4 * r, prev=True),
+    dict(name="tp-bf16-ragged", dtype=torch.bfloat16, tokens=lambda r: 4 * r + 1, prev=True),
+    dict(name="tp-f64-overflow", dtype=torch.float64, tokens=lambda r: 3 * r + 2, overflow=True),
+    dict(name="tp-f32-unseen", dtype=torch.float32, tokens=lambda r: 2 * r - 1, unseen=True),
+    dict(name="tp-f32-noplan", dtype=torch.float32, tokens=lambda r: r - 1, noplan=True),  # T < R
+    dict(name="tp-f32-zero", dtype=torch.float32, tokens=lambda r: 0),
+]
+
+
+def _tp_inputs(case, world, t, plan):
+    g = torch.Generator().manual_seed(17 + t)
+    partials = [torch.randn(t, H, generator=g, dtype=torch.float64) for _ in range(world)]
+    residual = torch.randn(t, H, generator=g, dtype=torch.float64)
+    if case.get("unseen"):  # ids past the vocabulary and ids with confidence 0
+        ids = torch.randint(V - 8, V + 20, (t,), generator=g)
+    else:
+        ids = torch.randint(0, V, (t,), generator=g)
+    prev = None
+    if case.get("prev"):
+        prev = torch.randint(-1, world, (2, t), generator=g)
+    if case.get("overflow") and plan is not None:  # every token predicted on rank 0, distinct confidences
+        plan.token_rank[2] = 0
+        plan.token_conf[2] = torch.linspace(0.1, 0.9, V).numpy()
+    return partials, residual, ids, prev
+
+
+def _run_tp_case(rank, world, groups, case, device, outs):
+    dtype, e = case["dtype"], 4 * world
+    t = case["tokens"](world)
+    plan = None if case.get("noplan") else make_plan(e, world, seed=3)
+    partials, residual, ids, prev = _tp_inputs(case, world, t, plan)
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=e, top_k=2, params_dtype=dtype)
+    kw = dict(device=device, seed=7)
+    layer = (ml.SemanticMoE(cfg, groups, mode="tp", **kw) if plan is None
+             else ml.SemanticMoE.from_plan(plan, 2, cfg, groups, mode="tp", **kw))
+    w64 = weights64(e)
+    layer.load_full_weights(*(w.to(dtype).to(device) for w in w64))
+    n64, norm = _norm(torch.float64), _norm(dtype, device)
+    with torch.no_grad():
+        out = layer.forward_tp(partials[rank].to(dtype).to(device), residual.to(dtype).to(device), norm,
+                               token_ids=ids.to(device), prev_ranks=None if prev is None else prev.to(device))
+        h64 = residual + sum(partials)
+        ref = h64 + ml.reference.moe_forward(n64(h64), *w64, cfg.replace(params_dtype=torch.float64))
+        low = None
+        if dtype == torch.bfloat16:
+            hl = residual.to(dtype) + sum(p.to(dtype) for p in partials)
+            low = hl + ml.reference.moe_forward(_norm(dtype)(hl), *(w.to(dtype) for w in w64), cfg)
+    rb = layer.last_rebatch
+    outs[case["name"]] = (out.double().cpu(), rb.perm.cpu(), layer.last_ranks.cpu())
+    errs = [check_close(f"{case['name']} output", out.cpu(), ref, low)]
+    counts = torch.bincount(rb.rank.cpu(), minlength=world)
+    if t and not (counts.max() - counts.min() <= 1 and counts.sum() == t):
+        errs.append(f"{case['name']}: unequal chunks {counts.tolist()}")
+    if case.get("overflow") and t:
+        conf = torch.as_tensor(plan.token_conf[2])[ids]
+        top = torch.argsort(conf, descending=True, stable=True)[: rb.valid_rows(0)]
+        if sorted(top.tolist()) != sorted((rb.rank.cpu() == 0).nonzero().flatten().tolist()):
+            errs.append(f"{case['name']}: rank 0 should keep its {rb.valid_rows(0)} most confident tokens")
+    return [e for e in errs if e]
+
+
+def _lar_case(rank, world, groups, device):
+    """LAR recorded in tp mode = the LAR of the shuffled chunk assignment; an oracle plan raises it."""
+    e, t, dtype = 4 * world, 8 * world, torch.float64
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=e, top_k=2, params_dtype=dtype)
+    w64 = weights64(e, seed=99)
+    g = torch.Generator().manual_seed(4)
+    partials = [torch.randn(t, H, generator=g, dtype=dtype) for _ in range(world)]
+    residual = torch.randn(t, H, generator=g, dtype=dtype)
+    ids = torch.randperm(V, generator=g)[:t]
+    n64, norm = _norm(dtype), _norm(dtype, device)
+    h64 = residual + sum(partials)
+    topk, _ = scores_to_topk(n64(h64) @ w64[0].t(), cfg)
+    plan = make_plan(e, world, seed=5)
+    er = plan.placement(2).expert_rank()
+    plan.token_rank[2, ids.numpy()] = er[topk[:, 0]].numpy()  # oracle: each token's top-1 expert's rank
+    plan.token_conf[2, ids.numpy()] = 1.0
+    lars, errs = [], []
+    for p in (None, plan):
+        layer = (ml.SemanticMoE(cfg, groups, mode="tp", placement=plan.placement(2), device=device, seed=1)
+                 if p is None else ml.SemanticMoE.from_plan(p, 2, cfg, groups, mode="tp", device=device, seed=1))
+        layer.load_full_weights(*(w.to(device) for w in w64))
+        with torch.no_grad():
+            layer.forward_tp(partials[rank].to(device), residual.to(device), norm, token_ids=ids.to(device))
+        lar = layer.last_stats.reduce(groups.ep).lar
+        expected = float((er[topk] == layer.last_ranks.cpu()[:, None]).double().mean())
+        if abs(lar - expected) > 1e-12:
+            errs.append(f"tp LAR {lar} != LAR of the chunk assignment {expected}")
+        lars.append(lar)
+    if not lars[1] > lars[0]:
+        errs.append(f"oracle plan LAR {lars[1]:.3f} not above plain chunks {lars[0]:.3f}")
+    return errs, lars
+
+
+def _collectives_case(rank, world, groups, device):
+    """shuffled_reduce_scatter / shuffled_all_gather against sum + index (incl. dummies)."""
+    g = torch.Generator().manual_seed(8)
+    t = 3 * world - 1
+    c = -(-t // world)
+    parts = [torch.randn(t, 5, generator=g, dtype=torch.float64) for _ in range(world)]
+    perm = torch.full((world * c,), -1, dtype=torch.int64)
+    perm[torch.randperm(world * c, generator=g)[:t]] = torch.randperm(t, generator=g)
+    full = sum(parts)
+    chunk = shuffled_reduce_scatter(parts[rank].to(device), perm.to(device), groups.tp)
+    mine = perm[rank * c:(rank + 1) * c]
+    want = torch.where((mine >= 0)[:, None], full[mine.clamp(min=0)], 0.0)
+    errs = []
+    if (chunk.cpu() - want).abs().max() > 1e-12:
+        errs.append("shuffled_reduce_scatter differs from sum + gather")
+    back = shuffled_all_gather(chunk, perm.to(device), groups.tp)
+    if back.shape != (t, 5) or (back.cpu() - full).abs().max() > 1e-12:
+        errs.append("shuffled_all_gather(shuffled_reduce_scatter(x)) is not the all-reduce")
+    return errs
+
+
+# ---------------------------------------------------------------------- dp cases
+def _run_dp_case(rank, world, groups, dtype, device):
+    e = 4 * world
+    plan = make_plan(e, world, seed=11, mode="dp")
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=e, top_k=2, params_dtype=dtype)
+    layer = ml.SemanticMoE.from_plan(plan, 1, cfg, groups, device=device, seed=3)
+    errs = [] if layer.mode == "dp" and layer.placement == plan.placement(1) else ["dp layer: wrong mode/placement"]
+    w64 = weights64(e, seed=21)
+    layer.load_full_weights(*(w.to(dtype).to(device) for w in w64))
+    g = torch.Generator().manual_seed(50 + rank)
+    x64 = torch.randn(5 + 2 * rank, H, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, V + 5, (x64.shape[0],), generator=g)
+    with torch.no_grad():
+        y = layer(x64.to(dtype).to(device), token_ids=ids.to(device))
+    ref = ml.reference.moe_forward(x64, *w64, cfg.replace(params_dtype=torch.float64))
+    low = None if dtype != torch.bfloat16 else ml.reference.moe_forward(x64.to(dtype), *(w.to(dtype) for w in w64), cfg)
+    errs.append(check_close(f"dp-{dtype} output", y.cpu(), ref, low))
+    return [e for e in errs if e]
+
+
+# ---------------------------------------------------------------------- tiny decoder, attention-TP
+def _tiny(groups, attention, layer_fn, dtype=torch.float64, device=None):
+    from moelayers.models import TinyConfig, TinyDecoder
+
+    cfg = TinyConfig(vocab_size=V + 16, hidden_size=H, num_layers=L, num_heads=4, dtype=dtype, init_std=0.2)
+    return TinyDecoder(cfg, layer_fn, attention=attention, groups=groups, device=device, seed=2)
+
+
+def _tiny_case(rank, world, groups, device, outs):
+    """TinyDecoder with attention-TP + SemanticMoE(tp) vs one process with attention-DP + VanillaMoE."""
+    e = 4 * world
+    moe = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=e, top_k=2, params_dtype=torch.float64,
+                       init_std=0.2)
+    plan = make_plan(e, world, seed=13)
+    tp = _tiny(groups, "tp", lambda i: ml.SemanticMoE.from_plan(plan, i, moe, groups, mode="tp", device=device,
+                                                                 seed=10 + i), device=device)
+    ref = _tiny(None, "dp", lambda i: ml.VanillaMoE(moe, ml.ParallelGroups.single(), seed=10 + i))
+    for mine, theirs in zip(tp.moe_layers, ref.moe_layers):  # same logical weights on any device
+        mine.load_full_weights(*(w.to(device) for w in theirs.export_full_weights()))
+    g = torch.Generator().manual_seed(9)
+    a, b = torch.randint(0, V + 16, (7,), generator=g), torch.randint(0, V + 16, (4,), generator=g)
+    errs, got = [], []
+    with torch.no_grad():
+        for batch in ([("a", a[:5]), ("b", b[:3])], [("a", a[5:6]), ("b", b[3:4])], [("a", a[6:7])]):
+            lt = tp.step([(k, v.to(device)) for k, v in batch])
+            lr = ref.step(batch)
+            for k in lr:
+                got.append(lt[k].cpu())
+                errs.append(check_close(f"tiny tp step {k}", lt[k].cpu(), lr[k]))
+        ids = torch.stack([a[:6], torch.cat([b, a[:2]])])
+        errs.append(check_close("tiny tp forward", tp(ids.to(device)).cpu(), ref(ids)))
+    if tp.blocks[2].moe.last_ranks is None or tp.blocks[2].moe.last_ranks.numel() != 12:
+        errs.append("tiny tp: last_ranks not recorded")
+    for i in (0, 1):  # the n-gram context of layer 2: majority ranks at layers 0 and 1, as planned
+        want = majority_rank(ref.blocks[i].moe.last_topk_ids.numpy(), plan.expert_rank[i], world)
+        if not (tp.blocks[i].moe.last_context_ranks.cpu().numpy() == want).all():
+            errs.append(f"tiny tp: layer {i} context ranks differ from the plan's majority ranks")
+    if tp.blocks[2].moe.last_context_ranks is not None:  # no later n-gram needs it: not gathered
+        errs.append("tiny tp: layer 2 gathered context ranks nobody uses")
+    outs["tiny"] = (torch.stack(got), torch.zeros(1), torch.zeros(1))
+    return [e for e in errs if e]
+
+
+# ---------------------------------------------------------------------- runner
+def run_semantic_cases(rank: int, world: int, device: str = "cpu") -> tuple[dict, dict, list[float]]:
+    """Every case on this rank: ``({case: error or None}, {case: tensors identical on all ranks}, lars)``."""
+    device = torch.device(device)
+    tp_groups = ml.ParallelGroups.from_world(tp=world)
+    dp_groups = ml.ParallelGroups.from_world()
+    results, outs = {}, {}
+    for case in TP_CASES:
+        results[case["name"]] = "; ".join(_run_tp_case(rank, world, tp_groups, case, device, outs)) or None
+    errs, lars = _lar_case(rank, world, tp_groups, device)
+    results["tp-lar"] = "; ".join(errs) or None
+    results["collectives"] = "; ".join(_collectives_case(rank, world, tp_groups, device)) or None
+    for dtype in (torch.float32, torch.bfloat16):
+        results[f"dp-{dtype}"] = "; ".join(_run_dp_case(rank, world, dp_groups, dtype, device)) or None
+    results["tiny-tp"] = "; ".join(_tiny_case(rank, world, tp_groups, device, outs)) or None
+    dist.barrier()
+    # numpy arrays travel back by value (tensors would go through shared memory of exited processes)
+    return results, {k: [t.detach().cpu().numpy() for t in v] for k, v in outs.items()}, lars
+
+
+def check_results(results: list) -> None:
+    """Every case passed on every rank, and tp outputs, permutations and ranks agree across ranks."""
+    failures = [f"rank {r}: {err}" for r, (res, _, _) in enumerate(results) for err in res.values() if err]
+    assert not failures, "\n".join(failures)
+    first = results[0][1]
+    for r, (_, outs, _) in enumerate(results[1:], 1):
+        for name, tensors in first.items():
+            for a, b in zip(tensors, outs[name]):
+                assert a.shape == b.shape and (a == b).all(), f"{name}: rank {r} differs from rank 0"
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", (2, 4))
+def test_semantic_moe_matches_reference(world):
+    results = run_distributed(run_semantic_cases, world)
+    check_results(results)
+    _, _, lars = results[0]
+    print(f"world {world}: tp LAR plain chunks {lars[0]:.3f}, oracle plan {lars[1]:.3f}")
+
+
+# ---------------------------------------------------------------------- recipes/serve.py
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _serve(run_dir: Path, *overrides: str) -> dict:
+    cmd = [sys.executable, str(ROOT / "recipes" / "serve.py"), "parallel.world_size=2", "router=replay", "seed=0",
+           "progress=false", "plot=false", f"hydra.run.dir={run_dir}", *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"serve failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads((run_dir / "results.json").read_text())
+
+
+@pytest.mark.timeout(300)
+def test_serve_semantic_beats_vanilla_round_robin(tmp_path):
+    """Same requests (replayed trace, seed 0): Sem-MoE placement + scheduler vs linear + round robin.
+    LAR and bytes are per-activation quantities, independent of batching, so the run is deterministic."""
+    sem = _serve(tmp_path / "semantic", "layer=semantic", "scheduler=semantic")
+    van = _serve(tmp_path / "vanilla", "layer=vanilla", "scheduler=round_robin")
+    assert (sem["layer"], sem["scheduler"], van["scheduler"]) == ("semantic", "semantic", "round_robin")
+    assert sem["output_tokens"] == van["output_tokens"] > 0
+    assert sem["lar"] > van["lar"] + 0.02, (sem["lar"], van["lar"])
+    assert sem["bytes_sent"] < van["bytes_sent"], (sem["bytes_sent"], van["bytes_sent"])
+
+
+def _serve_cfg(*overrides: str) -> dict:
+    from hydra import compose, initialize_config_dir
+
+    from recipes._common import to_dict
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return to_dict(compose("config", overrides=list(overrides)))
+
+
+def test_serve_semantic_plan_sources_and_config_errors(tmp_path):
+    from recipes import serve
+
+    cfg = _serve_cfg("layer=semantic", "scheduler=semantic", "router=replay", "workload.num_requests=8")
+    built = serve.semantic_plan(cfg, 2)  # no file: planned (dp) on the replay trace's first half
+    assert built.mode == "dp" and built.num_ranks == 2 and serve.semantic_plan(cfg, 2) is built
+    path = tmp_path / "plan.npz"
+    built.save(path)
+    for sched in ("semantic", {"name": "semantic", "plan_path": str(path)}):
+        layer_path = None if isinstance(sched, dict) else str(path)
+        c = dict(cfg, scheduler=sched, layer=dict(cfg["layer"], plan_path=layer_path))
+        serve.check_config(c)
+        loaded = serve.semantic_plan(c, 2)
+        assert (loaded.expert_rank == built.expert_rank).all() and (loaded.token_rank == built.token_rank).all()
+        owners = serve.get_scheduler(c["scheduler"])(serve.make_requests(c, 512, serve.load_replay_trace(c)), 2, c)
+        assert sorted(owners) == [0] * 4 + [1] * 4  # balanced: every 2 requests take both ranks
+    with pytest.raises(ValueError, match="plan"):
+        serve.check_config(_serve_cfg("scheduler=semantic", "router=learned"))
+    with pytest.raises(ValueError, match="mode=dp"):
+        serve.check_config(_serve_cfg("layer=semantic", "router=replay", "layer.kwargs.mode=tp"))
+    with pytest.raises(FileNotFoundError):
+        serve.check_config(dict(cfg, layer=dict(cfg["layer"], plan_path=str(tmp_path / "missing.npz"))))
+    with pytest.raises(ValueError, match="name"):
+        serve.get_scheduler({"plan_path": str(path)})

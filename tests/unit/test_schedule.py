@@ -1,0 +1,224 @@
+"""moelayers.schedule (request scheduler, token rebatch, shuffled collectives) and SemanticMoE in one
+process."""
+
+import numpy as np
+import pytest
+import torch
+
+import moelayers as ml
+from moelayers.schedule import (
+    LayerTables,
+    RoundRobinScheduler,
+    SemanticScheduler,
+    inverse_permutation,
+    predict_ranks,
+    rebatch,
+    rebatch_tokens,
+    shuffled_all_gather,
+    shuffled_reduce_scatter,
+)
+from moelayers.testing import check_close
+from tests.distributed.test_semantic import H, _norm, make_plan, weights64
+
+
+# ---------------------------------------------------------------------- request schedulers
+def _plan_for_requests(num_ranks=3, vocab=12):
+    plan = make_plan(6, num_ranks, vocab=vocab, unseen=2)
+    plan.token_rank[0] = np.arange(vocab) % num_ranks     # token v votes for rank v % R ...
+    plan.token_conf[0] = 1.0                              # ... with weight 1, except the unseen
+    plan.token_conf[0, vocab - 2:] = 0.0
+    return plan
+
+
+def test_round_robin():
+    s = RoundRobinScheduler(3)
+    assert [s.assign([1, 2]) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    s.reset()
+    assert s.assign(None) == 0
+    with pytest.raises(ValueError):
+        RoundRobinScheduler(0)
+
+
+def test_semantic_scheduler_affinity_mask_and_reset():
+    s = SemanticScheduler(_plan_for_requests())
+    np.testing.assert_allclose(s.scores([0, 3, 4, 10, 11, 99]), [2.0, 1.0, 0.0])  # 10, 11 unseen, 99 outside
+    assert s.assign(torch.tensor([2, 5, 0])) == 2  # affinity
+    assert s.assign([1, 4, 7, 2]) == 1
+    assert s.assign([1, 4, 7]) == 0  # 1 is masked (and 2): the only rank left
+    assert not s.mask.any()  # every rank taken: the mask was reset
+    # all requests want rank 0: balanced anyway, R consecutive requests on R different ranks
+    assert [s.assign([0, 3, 6]) for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert s.loads.tolist() == [3, 3, 3]
+    assert s.assign([]) == 0 and s.assign(np.array([10, 11])) == 1  # no votes: lowest unmasked rank
+    s.reset()
+    assert s.loads.sum() == 0 and not s.mask.any()
+
+
+def test_semantic_scheduler_errors():
+    plan = _plan_for_requests()
+    with pytest.raises(ValueError, match="3 ranks"):
+        SemanticScheduler(plan, num_ranks=4)
+    with pytest.raises(ValueError, match="out of range"):
+        SemanticScheduler(plan, layer=5)
+    with pytest.raises(ValueError, match=">= 0"):
+        SemanticScheduler(plan).assign([1, -2])
+    with pytest.raises(TypeError):
+        SemanticScheduler(plan).assign([0.5])
+    plan.token_rank, plan.token_conf = plan.token_rank[0], plan.token_conf[0]  # a single shared [V] table
+    assert SemanticScheduler(plan).assign([1, 1, 2]) == 1
+
+
+# ---------------------------------------------------------------------- prediction
+def _tables(num_ranks=3):
+    tr = torch.tensor([0, 1, 2, 2, -1, 0])
+    tc = torch.tensor([0.9, 0.2, 0.5, 0.0, 0.0, 0.3])
+    nr = torch.arange(num_ranks * num_ranks).view(num_ranks, num_ranks) % num_ranks
+    nc = torch.full((num_ranks, num_ranks), 0.4)
+    nc[0, 0] = 0.0
+    return LayerTables(tr, tc, nr, nc)
+
+
+def test_predict_ranks_takes_the_more_confident_table():
+    t = _tables()
+    ids = torch.tensor([0, 1, 2, 3, 4, 9, 5, 1])
+    pred, conf = predict_ranks(ids, t)  # T only; id 4 has rank -1, id 9 is outside the vocabulary
+    assert pred.tolist() == [0, 1, 2, 2, -1, -1, 0, 1]
+    assert torch.allclose(conf, torch.tensor([0.9, 0.2, 0.5, 0.0, 0.0, 0.0, 0.3, 0.2]))
+    prev = torch.tensor([[1, 1, 1, 1, 1, 1, 0, -1], [2, 2, 2, 2, 2, 2, 0, 2]])  # A: rank (1*3+2)%3 = 2, conf 0.4
+    pred, conf = predict_ranks(ids, t, prev)
+    assert pred.tolist() == [0, 2, 2, 2, 2, 2, 0, 1]  # A wins where more confident; [0,0] has conf 0; -1 unknown
+    assert torch.allclose(conf, torch.tensor([0.9, 0.4, 0.5, 0.4, 0.4, 0.4, 0.3, 0.2]))
+    assert predict_ranks(ids, t, (None, prev[1]))[0].tolist() == predict_ranks(ids, t)[0].tolist()  # A needs both
+    with pytest.raises(ValueError):
+        predict_ranks(ids, t, prev[:1])
+    with pytest.raises(TypeError):
+        predict_ranks(ids.float(), t)
+
+
+def test_layer_tables_from_plan_checks():
+    plan = make_plan(8, 2)
+    tables = LayerTables.from_plan(plan, 2)
+    assert tables.num_ranks == 2 and tables.vocab_size == plan.vocab_size
+    with pytest.raises(ValueError, match="out of range"):
+        LayerTables.from_plan(plan, 3)
+    plan.ngram_rank = plan.ngram_rank[:, :1]
+    with pytest.raises(ValueError, match="ngram"):
+        LayerTables.from_plan(plan, 0)
+
+
+# ---------------------------------------------------------------------- rebatch
+def _check_rebatch(rb, pred, conf, t, r):
+    c = -(-t // r)
+    assert rb.chunk_size == c and rb.perm.numel() == r * c and rb.num_dummies == r * c - t < r
+    real = rb.perm[rb.perm >= 0]
+    assert sorted(real.tolist()) == list(range(t))  # every token exactly once
+    assert torch.equal(rb.perm[rb.inverse], torch.arange(t)) and torch.equal(rb.rank, rb.inverse // max(c, 1))
+    assert torch.equal(rb.inverse, inverse_permutation(rb.perm, t))
+    for q in range(r):
+        chunk = rb.chunk(q)
+        n = rb.valid_rows(q)
+        assert (chunk[:n] >= 0).all() and (chunk[n:] < 0).all()  # real rows first, at most one dummy
+        mine = pred == q
+        stay, gone = mine & (rb.rank == q), mine & (rb.rank != q)
+        if gone.any():  # overflow only from a full rank, and only its least confident tokens
+            assert int(stay.sum()) == n
+            assert not stay.any() or conf[gone].max() <= conf[stay].min()
+    demand = torch.bincount(pred[pred >= 0], minlength=r)
+    dummies = [q for q in range(r) if rb.valid_rows(q) < c]
+    others = [q for q in range(r) if q not in dummies]
+    assert not others or not dummies or max(demand[dummies]) <= min(demand[others])  # on the least wanted
+
+
+@pytest.mark.parametrize("t,r", [(0, 2), (1, 4), (3, 4), (8, 4), (13, 4), (50, 3), (64, 8)])
+def test_rebatch_equal_chunks_and_overflow(t, r):
+    gen = torch.Generator().manual_seed(t * 10 + r)
+    pred = torch.randint(-1, r, (t,), generator=gen)
+    pred[: t // 2] = 0  # rank 0 overflows
+    conf = torch.randint(0, 5, (t,), generator=gen).float() / 4
+    rb = rebatch(pred, conf, r)
+    _check_rebatch(rb, pred, torch.where(pred >= 0, conf, 0.0), t, r)
+    again = rebatch(pred.clone(), conf.clone(), r)
+    assert torch.equal(rb.perm, again.perm)  # deterministic
+
+
+def test_rebatch_without_plan_keeps_token_order():
+    rb = rebatch_tokens(torch.arange(7), None, 3)
+    assert rb.perm.tolist() == [0, 1, 2, 3, 4, -1, 5, 6, -1]  # no demand anywhere: dummies on the last ranks
+    with pytest.raises(ValueError, match="ranks"):
+        rebatch_tokens(torch.arange(7), _tables(3), 2)
+    with pytest.raises(ValueError):
+        rebatch(torch.zeros(3, dtype=torch.int64), torch.zeros(3), 0)
+
+
+def test_shuffled_collectives_single_process():
+    x = torch.randn(5, 4)
+    perm = torch.tensor([3, 1, -1, 4, 0, 2])
+    chunk = shuffled_reduce_scatter(x, perm, None)
+    assert torch.equal(chunk[[0, 1, 3]], x[[3, 1, 4]]) and (chunk[2] == 0).all()
+    assert torch.equal(shuffled_all_gather(chunk, perm, None), x)
+    assert torch.equal(shuffled_all_gather(chunk, perm, None, inverse=inverse_permutation(perm, 5)), x)
+    with pytest.raises(ValueError):
+        shuffled_all_gather(chunk[:3], perm, None)
+    with pytest.raises(ValueError):
+        shuffled_reduce_scatter(x[0], perm, None)
+
+
+# ---------------------------------------------------------------------- SemanticMoE, one process
+def _layer(mode, dtype=torch.float64, e=8, plan_seed=0, **kw):
+    plan = make_plan(e, 1, seed=plan_seed, mode=mode)
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=e, top_k=2, params_dtype=dtype)
+    layer = ml.SemanticMoE.from_plan(plan, 2, cfg, ml.ParallelGroups.single(), **kw)
+    w64 = weights64(e)
+    layer.load_full_weights(*(w.to(dtype) for w in w64))
+    return layer, cfg, w64
+
+
+def test_semantic_moe_single_process_dp_and_tp():
+    layer, cfg, w64 = _layer("dp")
+    assert layer.mode == "dp"
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, H, generator=g, dtype=torch.float64)
+    assert check_close("dp", layer(x, token_ids=torch.arange(9)), ml.reference.moe_forward(x, *w64, cfg)) is None
+    with pytest.raises(ValueError, match="mode='tp'"):
+        layer.forward_tp(x, x, _norm(torch.float64), token_ids=torch.arange(9))
+
+    layer, cfg, w64 = _layer("tp")
+    assert layer.mode == "tp"
+    partial, residual, norm = torch.randn(9, H, generator=g, dtype=torch.float64), x, _norm(torch.float64)
+    first = torch.randint(0, 8, (9,), generator=g)
+    forced = torch.stack([first, (first + 3) % 8], 1)  # replayed routing, two distinct experts per token
+    layer.force_routing(forced)
+    out = layer.forward_tp(partial, residual, norm, token_ids=torch.arange(9))
+    h = residual + partial
+    ref = h + ml.reference.moe_forward(norm(h), *w64, cfg, topk_ids=forced)
+    assert check_close("tp forced", out, ref) is None
+    assert layer.last_ranks.tolist() == [0] * 9
+    out3 = layer.forward_tp(partial.view(3, 3, H), residual.view(3, 3, H), norm, token_ids=torch.arange(9).view(3, 3))
+    assert out3.shape == (3, 3, H)
+    assert check_close("tp 3d", out3.view(9, H), h + ml.reference.moe_forward(norm(h), *w64, cfg)) is None
+
+
+def test_semantic_moe_errors():
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=8, top_k=2)
+    single = ml.ParallelGroups.single()
+    with pytest.raises(ValueError, match="16 experts"):
+        ml.SemanticMoE.from_plan(make_plan(16, 1), 0, cfg, single)
+    with pytest.raises(ValueError, match="2 ranks"):
+        ml.SemanticMoE.from_plan(make_plan(8, 2), 0, cfg, single)
+    with pytest.raises(ValueError, match="out of range"):
+        ml.SemanticMoE.from_plan(make_plan(8, 1), 7, cfg, single)
+    with pytest.raises(ValueError, match="mode"):
+        ml.SemanticMoE(cfg, single, mode="ep")
+    with pytest.raises(TypeError, match="SemanticPlan"):
+        ml.SemanticMoE(cfg, single, plan=object())
+    fake = ml.ParallelGroups(None, None, None, 2, 0, 1, 0, 2, 0, 2, 0)  # ep over 2 ranks, tp = 1
+    with pytest.raises(ValueError, match="tp = ep"):
+        ml.SemanticMoE(cfg, fake, mode="tp")
+    layer = ml.SemanticMoE.from_plan(make_plan(8, 1, mode="tp"), 0, cfg, single)
+    x = torch.randn(4, H)
+    with pytest.raises(ValueError, match="token_ids"):
+        layer.forward_tp(x, x, _norm(torch.float32), token_ids=None)
+    with pytest.raises(ValueError, match="residual"):
+        layer.forward_tp(x, x[:3], _norm(torch.float32), token_ids=torch.arange(4))
+    plain = ml.SemanticMoE(cfg, single, mode="tp")  # no plan: plain chunks, token_ids optional
+    assert plain.forward_tp(x, x, _norm(torch.float32), token_ids=None).shape == (4, H)
