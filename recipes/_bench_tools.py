@@ -101,7 +101,15 @@ def rank_input(tokens: int, hidden: int, seed: int, rank: int, device: torch.dev
 
 
 class Replay:
-    """Routing replayed from a trace: rank ``r``'s ``T`` tokens are trace tokens ``r*T ...`` (wrapping)."""
+    """Routing replayed from a trace.
+
+    By default rank ``r``'s ``T`` tokens are trace tokens ``r*T ...`` (wrapping). With ``owner``
+    (``[S]`` rank of each sequence, from a request scheduler) rank ``r`` replays the tokens of its
+    own sequences in file order (wrapping), as attention-DP serving would give them to it.
+
+    Attributes:
+        trace: the :class:`~moelayers.trace.RoutingTrace`; layer: the replayed MoE layer; source: its name.
+    """
 
     def __init__(self, trace_cfg: dict, config, seed: int, need_tokens: int):
         from moelayers.trace import load_trace, synthetic_trace
@@ -111,11 +119,11 @@ class Replay:
             tr = load_trace(path)
             self.source = str(path)
         elif trace_cfg.get("synthetic", True):
-            mean_len = 1024
-            n_seq = max(1, -(-need_tokens // mean_len))
+            lo, hi = (int(v) for v in trace_cfg.get("seq_len") or (512, 1536))
+            n_seq = max(2, -(-need_tokens // ((lo + hi) // 2)))
             tr = synthetic_trace(n_seq, 1, config.num_experts, config.top_k, int(trace_cfg.get("vocab_size", 4096)),
-                                 seq_len=(mean_len // 2, 3 * mean_len // 2), seed=seed)
-            self.source = f"synthetic_trace(seed={seed})"
+                                 seq_len=(lo, hi), seed=seed)
+            self.source = f"synthetic_trace(seed={seed}, seq_len=({lo}, {hi}))"
         else:
             raise ValueError("router=replay needs trace.path=FILE (or trace.synthetic=true)")
         if tr.num_experts != config.num_experts or tr.top_k != config.top_k:
@@ -124,12 +132,51 @@ class Replay:
         layer = int(trace_cfg.get("layer", 0))
         if not 0 <= layer < tr.num_layers:
             raise ValueError(f"trace.layer={layer} but the trace has {tr.num_layers} layer(s)")
-        self.layer = layer
+        self.trace, self.layer = tr, layer
         self.ids = torch.from_numpy(np.ascontiguousarray(tr.topk_ids[:, layer, :]).astype(np.int64))
 
-    def ids_for(self, rank: int, tokens: int, device: torch.device) -> torch.Tensor:
-        idx = (torch.arange(tokens, dtype=torch.int64) + rank * tokens) % self.ids.shape[0]
+    def ids_for(self, rank: int, tokens: int, device: torch.device, owner: np.ndarray | None = None) -> torch.Tensor:
+        """``[tokens, K]`` expert ids rank ``rank`` replays (its own sequences when ``owner`` is given)."""
+        if owner is None:
+            idx = (torch.arange(tokens, dtype=torch.int64) + rank * tokens) % self.ids.shape[0]
+        else:
+            mine = np.flatnonzero(np.asarray(owner) == rank)
+            if mine.size == 0:
+                raise ValueError(f"the request schedule gives rank {rank} no sequence of {self.source}")
+            off = self.trace.seq_offsets
+            pool = np.concatenate([np.arange(off[s], off[s + 1]) for s in mine])
+            idx = torch.from_numpy(pool[np.arange(tokens) % pool.size])
         return self.ids[idx].to(device)
+
+
+def semantic_schedules(replay: Replay, world: int, seed: int, train_fraction: float, plan_path: str | None):
+    """A dp-mode ``SemanticPlan`` and the request schedules of the replay trace's held-out sequences.
+
+    The plan is loaded from ``plan_path`` or made (``plan_semantic``, mode ``dp``) on the first
+    ``train_fraction`` of the sequences; the replay then keeps only the held-out rest (without a
+    plan file), where the semantic scheduler (Sem-MoE Algorithm 2) and round robin assign requests.
+
+    Returns:
+        ``(plan, {"semantic": owner [S_held], "round_robin": owner [S_held]})``.
+    """
+    from moelayers.planning.semantic import SemanticPlan, plan_semantic
+    from moelayers.schedule import SemanticScheduler
+
+    tr = replay.trace
+    if plan_path:
+        plan = SemanticPlan.load(plan_path)
+        held = tr
+    else:
+        train, held = tr.split(train_fraction)
+        plan = plan_semantic(train, world, mode="dp", seed=seed, progress=False)
+    plan.check_compatible(tr.num_experts, world)
+    if replay.layer >= plan.num_layers:
+        raise ValueError(f"trace.layer={replay.layer} but the semantic plan has {plan.num_layers} layer(s)")
+    sched = SemanticScheduler(plan, layer=replay.layer, num_ranks=world)
+    owner = np.array([sched.assign(held.token_ids[held.sequence_slice(s)]) for s in range(held.num_sequences)])
+    replay.trace = held
+    replay.ids = torch.from_numpy(np.ascontiguousarray(held.topk_ids[:, replay.layer, :]).astype(np.int64))
+    return plan, {"semantic": owner, "round_robin": np.arange(held.num_sequences) % world}
 
 
 def _sync(device: torch.device) -> None:

@@ -18,7 +18,12 @@ Every rank builds the same random weights (seeded, identical everywhere) and loa
 
 ``router=replay`` forces ours' routing from a trace (``trace.path=FILE``; without a path a synthetic
 trace shaped like the benchmark) through ``layer.force_routing``; the peer keeps its own router
-(noted in the JSON). Rank 0 prints a table and writes one JSON per (shape, tokens/rank) into the
+(noted in the JSON). A plan-built layer (``layer=semantic``) needs ``router=replay``: it plans (dp
+mode) on the trace's first half of sequences, or loads ``layer.plan_path``, and each rank replays the
+held-out requests the semantic scheduler gives it; ``bench.baseline`` (``auto``: ``vanilla`` for such a
+layer) is timed in the same run on the same held-out requests dealt round robin, with both layers'
+LAR and all-to-all bytes in the JSON (``baseline``, ``baseline_ms``, ``vs_baseline``,
+``baseline_stats``). Rank 0 prints a table and writes one JSON per (shape, tokens/rank) into the
 run dir, and copies into ``bench.save_to`` when set, named
 ``{layer}_{shape}_t{tokens}_ws{world}_{device}.json``. ``bench.profile=true`` prints a
 torch.profiler table of ours' top kernels at one size (and saves a chrome trace in the run dir).
@@ -27,6 +32,7 @@ Usage::
 
     python recipes/bench.py bench=cpu_smoke                                   # 2 gloo processes, CPU
     python recipes/bench.py bench=cpu_smoke parallel.world_size=4 router=replay
+    python recipes/bench.py bench=cpu_smoke router=replay layer=semantic        # vs VanillaMoE, same run
     torchrun --standalone --nproc_per_node=8 recipes/bench.py parallel=gpu bench=qwen3_30b_a3b \\
         bench.save_to=docs/benchmarks
     torchrun --standalone --nproc_per_node=8 recipes/bench.py bench=deepseek_v2_lite \\
@@ -66,6 +72,7 @@ from recipes._bench_tools import (  # noqa: E402
     full_weights,
     rank_input,
     Replay,
+    semantic_schedules,
     reduce_max,
     gather_scalar,
     time_forward,
@@ -84,11 +91,12 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.
 def _construct(cls_path: str) -> Callable[..., torch.nn.Module]:
     """A builder ``(config, groups, *, device, seed, **kwargs) -> layer`` for a constructor path."""
 
-    def build(config, groups, *, device, seed, **kwargs):
-        mod, _, name = cls_path.rpartition(".")
-        cls = getattr(importlib.import_module(mod), name)
+    def build(config, groups, *, device, seed, plan=None, plan_layer=0, **kwargs):
+        cls = _layer_class(cls_path)
         accepted = inspect.signature(cls).parameters
         kwargs = {k: v for k, v in kwargs.items() if k in accepted or k not in _OPTIONAL_KWARGS}
+        if plan is not None:  # a plan-built layer (SemanticMoE): placement and tables from the plan
+            return cls.from_plan(plan, plan_layer, config, groups, device=device, seed=seed, **kwargs)
         return cls(config, groups, device=device, seed=seed, **kwargs)
 
     return build
@@ -96,6 +104,16 @@ def _construct(cls_path: str) -> Callable[..., torch.nn.Module]:
 
 # kwargs the recipe adds itself; dropped when a layer's constructor does not take them
 _OPTIONAL_KWARGS = ("check_finite",)
+
+def _layer_class(cls_path: str) -> type:
+    mod, _, name = cls_path.rpartition(".")
+    return getattr(importlib.import_module(mod), name)
+
+
+def uses_plan(layer_cfg: dict) -> bool:
+    """Whether the layer is built from a semantic plan (its class has ``from_plan``)."""
+    return bool(layer_cfg.get("cls")) and hasattr(_layer_class(layer_cfg["cls"]), "from_plan")
+
 
 #: name -> builder. A new layer plugs in with one entry (or ``register_layer``); a layer config with
 #: ``cls: pkg.Module`` and no entry here is built from that path.
@@ -109,8 +127,8 @@ def register_layer(name: str, builder: Callable[..., torch.nn.Module]) -> None:
     LAYERS[name] = builder
 
 
-def build_layer(layer_cfg: dict, config, groups, device: torch.device, seed: int, check_finite: bool):
-    """Our layer from its config group (``name``, optional ``cls``, ``kwargs``)."""
+def build_layer(layer_cfg: dict, config, groups, device: torch.device, seed: int, check_finite: bool, **extra):
+    """Our layer from its config group (``name``, optional ``cls``, ``kwargs``); ``extra``: ``plan``, ``plan_layer``."""
     name = layer_cfg.get("name")
     builder = LAYERS.get(name)
     if builder is None and layer_cfg.get("cls"):
@@ -119,7 +137,17 @@ def build_layer(layer_cfg: dict, config, groups, device: torch.device, seed: int
         raise ValueError(f"unknown layer {name!r}: registered {sorted(LAYERS)}, or give layer.cls")
     kwargs = dict(layer_cfg.get("kwargs") or {})
     kwargs.setdefault("check_finite", check_finite)
-    return builder(config, groups, device=device, seed=seed, **kwargs)
+    return builder(config, groups, device=device, seed=seed, **kwargs, **extra)
+
+
+def resolve_baseline(want, plan_based: bool) -> str | None:
+    """``bench.baseline``: ``auto`` = ``vanilla`` for a plan-built layer (same run, round-robin requests), else none."""
+    want = None if want is None else str(want)
+    if want in (None, "none", "null", "false"):
+        return None
+    if want == "auto":
+        return "vanilla" if plan_based else None
+    return want
 
 
 # ---------------------------------------------------------------------- the worker
@@ -142,20 +170,37 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
     )
     groups = ParallelGroups.from_world(ep=(cfg.get("parallel") or {}).get("ep"))
     weights = full_weights(config, seed, device, dtype)
-    ours = build_layer(cfg["layer"], config, groups, device, seed, bool(b.get("check_finite", False)))
-    ours.load_full_weights(*weights)
-    ours.eval()
-    peer, peer_name, peer_note = build_peer(config, dtype, device, b.get("peer", "auto"), weights)
-    peer_experts = None if peer is None else type(getattr(peer, "experts", peer)).__name__
     tokens_list = [int(t) for t in b["tokens_per_rank"]]
     router = cfg.get("_router_name", "learned")
-    replay = None
+    replay, plan, owners = None, None, {}
     if router == "replay":
-        replay = Replay(cfg.get("trace") or {}, config, seed, world * max(tokens_list))
-        peer_note = "; ".join(filter(None, [peer_note, "routing replayed from a trace for ours only; "
-                                            "the peer routed with its own learned router" if peer is not None else None]))
+        plan_based = uses_plan(cfg["layer"])
+        need = world * max(tokens_list) * (2 if plan_based else 1)  # a plan trains on the first half
+        replay = Replay(cfg.get("trace") or {}, config, seed, need)
+        if plan_based:
+            plan, owners = semantic_schedules(replay, world, seed, float(cfg["layer"].get("plan_train_fraction", 0.5)),
+                                              cfg["layer"].get("plan_path"))
     elif router != "learned":
         raise ValueError(f"router must be learned or replay, got {router!r}")
+    elif uses_plan(cfg["layer"]):
+        raise ValueError(f"layer={cfg['layer']['name']} places experts from a semantic plan of real routing: "
+                         "use router=replay (trace.path=FILE, or the synthetic trace)")
+    check_finite = bool(b.get("check_finite", False))
+    plan_kw = {} if plan is None else {"plan": plan, "plan_layer": replay.layer}
+    ours = build_layer(cfg["layer"], config, groups, device, seed, check_finite, **plan_kw)
+    ours.load_full_weights(*weights)
+    ours.eval()
+    base_name = resolve_baseline(b.get("baseline", "auto"), plan is not None)
+    base = None
+    if base_name is not None:
+        base = build_layer({"name": base_name}, config, groups, device, seed, check_finite)
+        base.load_full_weights(*weights)
+        base.eval()
+    peer, peer_name, peer_note = build_peer(config, dtype, device, b.get("peer", "auto"), weights)
+    peer_experts = None if peer is None else type(getattr(peer, "experts", peer)).__name__
+    if replay is not None:
+        peer_note = "; ".join(filter(None, [peer_note, "routing replayed from a trace for ours only; "
+                                            "the peer routed with its own learned router" if peer is not None else None]))
     tol = b["check"].get("tol")
     tol = float(tol) if tol is not None else (1e-4 if dtype in (torch.float32, torch.float64) else 2e-2)
     grad_ctx = torch.inference_mode if b.get("inference_mode", True) else torch.no_grad
@@ -166,7 +211,8 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
     records = []
     for tokens in tokens_list:
         x = rank_input(tokens, config.hidden_size, seed, rank, device, dtype)
-        forced = replay.ids_for(rank, tokens, device) if replay is not None else None
+        forced = replay.ids_for(rank, tokens, device, owners.get("semantic")) if replay is not None else None
+        base_forced = replay.ids_for(rank, tokens, device, owners.get("round_robin")) if replay is not None else None
         timed = ours
         if graph:  # fixed capacity = tokens per rank, whole forward replayed from a CUDA graph
             layer_cfg = {**cfg["layer"], "kwargs": {**(cfg["layer"].get("kwargs") or {}),
@@ -180,6 +226,11 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
                 timed.force_routing(forced)
             return timed(x)
 
+        def run_base(x=x, forced=base_forced):
+            if forced is not None:
+                base.force_routing(forced)
+            return base(x)
+
         with grad_ctx():
             # --- correctness before timing (a graph layer is checked on the experts the eager layer chose)
             y = run_ours()
@@ -189,6 +240,12 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
             if not check["reference"]["ok"]:
                 raise RuntimeError(f"{cfg['layer']['name']} does not match the dense reference at tokens/rank={tokens}: "
                                    f"{check['reference']}")
+            if base is not None:
+                check["baseline_reference"] = check_against_reference(base, x, run_base(), weights, config,
+                                                                      int(b["check"]["ref_rows"]), device)
+                if not check["baseline_reference"]["ok"]:
+                    raise RuntimeError(f"baseline {base_name} does not match the dense reference: "
+                                       f"{check['baseline_reference']}")
             if peer is not None:
                 # megatron's router takes the top-k of fp32 logits, ours of bf16 logits: ~3% of tokens
                 # have a near-tie that the two break differently. Check with megatron's choice forced
@@ -219,10 +276,13 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
             # --- timing
             t_ours = time_forward(run_ours, device, warmup, iters)
             t_peer = time_forward(lambda: peer_forward(peer, x), device, warmup, iters) if peer is not None else None
+            t_base = time_forward(run_base, device, warmup, iters) if base is not None else None
         med_ours = statistics.median(t_ours)
         med_peer = statistics.median(t_peer) if t_peer is not None else float("nan")
         ms, peer_ms = reduce_max([med_ours, med_peer if t_peer is not None else 0.0], device)
         stats = timed.last_stats.reduce(groups.ep) if getattr(timed, "last_stats", None) is not None else None
+        base_ms = reduce_max([statistics.median(t_base)], device)[0] if base is not None else None
+        base_stats = base.last_stats.reduce(groups.ep) if base is not None else None
         if graph:
             timed.release_graphs()
         rec = {
@@ -232,19 +292,24 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
             "ms_min": reduce_max([min(t_ours)], device)[0],
             "tokens_per_rank": tokens, "check": check,
             "mode": f"cuda_graph (capacity={tokens})" if graph else "eager (exact all-to-all-v)",
-            "layer_stats": None if stats is None else {"imbalance": stats.imbalance, "rank_loads": stats.rank_loads,
-                                                       "bytes_sent": sum(stats.bytes_sent)},
+            "layer_stats": _stats_record(stats),
+            "baseline": base_name, "baseline_ms": base_ms,
+            "vs_baseline": ms / base_ms if base_ms else None, "baseline_stats": _stats_record(base_stats),
         }
         records.append(rec)
         if rank == 0:
             ratio = f"{ms / peer_ms:.3f}" if peer is not None and peer_ms > 0 else "-"
             peer_s = f"{peer_ms:.3f}" if peer is not None else "-"
             print(f"timed t={tokens}: ours {ms:.3f} ms, peer {peer_s} ms, ratio {ratio}", flush=True)
+            if base is not None:
+                print(f"timed t={tokens}: baseline {base_name} {base_ms:.3f} ms (ours/baseline {ms / base_ms:.3f}); "
+                      f"LAR ours {stats.lar:.3f} vs {base_stats.lar:.3f}, all-to-all bytes ours "
+                      f"{sum(stats.bytes_sent)} vs {sum(base_stats.bytes_sent)}", flush=True)
     del weights
     if b.get("profile", False):
         ptok = int(b.get("profile_tokens") or max(tokens_list))
         x = rank_input(ptok, config.hidden_size, seed, rank, device, dtype)
-        forced = replay.ids_for(rank, ptok, device) if replay is not None else None
+        forced = replay.ids_for(rank, ptok, device, owners.get("semantic")) if replay is not None else None
 
         def run_prof():
             if forced is not None:
@@ -271,6 +336,14 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
         "megatron_core": megatron_version(),
     }
     return [{**common, **r} for r in records]
+
+
+def _stats_record(stats) -> dict | None:
+    """The JSON view of a reduced ``MoEStats`` (``None`` passes through)."""
+    if stats is None:
+        return None
+    return {"lar": stats.lar, "imbalance": stats.imbalance, "rank_loads": stats.rank_loads,
+            "bytes_sent": sum(stats.bytes_sent)}
 
 
 # ---------------------------------------------------------------------- environment
@@ -354,11 +427,18 @@ def router_name(cfg: DictConfig) -> str:
 # ---------------------------------------------------------------------- output
 def print_results(records: list[dict]) -> None:
     head = ("shape", "tokens/rank", "ours ms", "peer ms", "ours/peer")
+    with_base = any(r.get("baseline") for r in records)
+    if with_base:
+        head += (f"{records[0]['baseline']} ms", "ours/baseline", "LAR ours", "LAR baseline")
     rows = []
     for r in records:
-        rows.append((r["shape_name"], str(r["tokens_per_rank"]), f"{r['ms']:.3f}",
-                     "-" if r["peer_ms"] is None else f"{r['peer_ms']:.3f}",
-                     "-" if r["ratio"] is None else f"{r['ratio']:.3f}"))
+        row = (r["shape_name"], str(r["tokens_per_rank"]), f"{r['ms']:.3f}",
+               "-" if r["peer_ms"] is None else f"{r['peer_ms']:.3f}",
+               "-" if r["ratio"] is None else f"{r['ratio']:.3f}")
+        if with_base:
+            row += (f"{r['baseline_ms']:.3f}", f"{r['vs_baseline']:.3f}", f"{r['layer_stats']['lar']:.3f}",
+                    f"{r['baseline_stats']['lar']:.3f}")
+        rows.append(row)
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     bar = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
     fmt = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731

@@ -54,3 +54,25 @@ def test_bench_refuses_large_shape_on_cpu(tmp_path):
     assert proc.returncode != 0
     assert "no CUDA device" in out and "bench=cpu_smoke" in out
     assert not list((tmp_path / "run").glob("*.json"))
+
+
+@pytest.mark.timeout(120)
+def test_bench_semantic_against_vanilla_in_one_run(tmp_path):
+    """layer=semantic replays its scheduler's requests; VanillaMoE (round robin) is timed in the same run."""
+    proc = run_bench(tmp_path, "router=replay", "layer=semantic", "trace.seq_len=[32,128]", "bench.tokens_per_rank=[64]")
+    assert proc.returncode == 0, f"bench failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    (f,) = (tmp_path / "run").glob("semantic_cpu_smoke_t64_ws2_*.json")
+    rec = json.loads(f.read_text())
+    assert rec["layer"] == "semantic" and rec["baseline"] == "vanilla" and rec["router"] == "replay"
+    assert rec["baseline_ms"] > 0 and rec["vs_baseline"] == pytest.approx(rec["ms"] / rec["baseline_ms"])
+    assert rec["check"]["reference"]["ok"] and rec["check"]["baseline_reference"]["ok"]
+    for side in ("layer_stats", "baseline_stats"):
+        assert 0.0 <= rec[side]["lar"] <= 1.0 and rec[side]["bytes_sent"] > 0
+    assert "vanilla ms" in proc.stdout and "LAR baseline" in proc.stdout
+
+
+@pytest.mark.timeout(90)
+def test_bench_semantic_needs_replayed_routing(tmp_path):
+    proc = run_bench(tmp_path, "layer=semantic")
+    assert proc.returncode != 0 and "router=replay" in proc.stdout + proc.stderr
+    assert not list((tmp_path / "run").glob("*.json"))
