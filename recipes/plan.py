@@ -1,33 +1,69 @@
 #!/usr/bin/env python
-"""Offline expert placement from a routing trace, evaluated on held-out steps (DESIGN.md §6).
+"""Offline expert placement from a routing trace, evaluated on held-out sequences (DESIGN.md §6).
 
 The trace's first ``floor(trace.train_fraction * S)`` sequences train the planner, the rest are
-held out. Steps are ``trace.tokens_per_step`` consecutive tokens of each part in file order; the
-rows of a rank in a step are the (token, expert) activations of its experts. Every layer is
-planned on its own (tqdm bar over layers) with ``planner=linear|eplb|gem``; GEM uses the latency
-curves of ``variability=high|moderate|low|none`` (synthetic) or ``curves.path=FILE`` (measured,
-``recipes/profile.py``).
+held out. ``planner=linear|eplb|gem|semantic`` plans every layer on the train part:
 
-Writes into the Hydra run dir (``hydra.run.dir=...``):
+* ``linear``: experts ``r*E/R .. (r+1)*E/R - 1`` on rank ``r``;
+* ``eplb``: DeepSeek's EPLB balanced packing by mean load (:mod:`moelayers.planning.eplb`, no replicas);
+* ``gem``: GEM, per-rank latency curves (``variability=high|moderate|low|none`` synthetic presets or
+  ``curves.path=FILE`` measured by ``recipes/profile.py``);
+* ``semantic``: Sem-MoE co-clustering of experts and tokens (:func:`moelayers.planning.semantic_solvers.plan_semantic`,
+  ``planner.solver=alternating|cem``, ``planner.theta`` and the knobs of ``conf/planner/semantic.yaml``),
+  or an existing plan file (``plan.path=FILE``, checked against the trace and ``parallel.ep``).
 
-* ``report.json``: ``score`` (the chosen planner's held-out score, seconds summed over steps and
-  layers), ``score_linear``, ``score_eplb``, ``score_gem`` (held out, same curves),
-  ``gem_vs_linear`` / ``gem_vs_eplb`` (relative reductions of the GEM score: 0.08 = 8 % lower),
-  ``vs_linear`` / ``vs_eplb`` (the same for the chosen planner), the train-step scores
-  (``train_score*``), ``solve_seconds`` (chosen planner, all layers), ``planner``, ``ep``,
-  ``variability``, per-layer scores and the config;
-* ``assignment.npz``: ``expert_rank [L, E]`` int64 (the placement), ``num_ranks``,
-  ``tokens_per_step``, ``train_fraction``;
+Every run reports, on the held-out part, for the configured ``mode``:
+
+* the **local activation rate** (LAR) of the chosen planner's assignment. ``mode=tp`` (attention-TP):
+  held-out tokens in file order in batches of ``trace.tokens_per_step``, every rank receives exactly
+  ``tokens_per_step / ep`` tokens of each batch (the last, partial batch: counts differ by at most
+  one); the semantic planner picks a token's rank at layer ``l`` from its token id and the experts of
+  layers before ``l`` (:func:`moelayers.planning.semantic_eval.evaluate_tp`), the other planners cut
+  each batch into ``ep`` chunks in file order. ``mode=dp`` (attention-DP): a sequence is one request
+  and keeps one rank for all layers; the semantic planner's request scheduler (Algorithm 2) picks it
+  from the request's token ids, requests in file order, the other planners go round robin; no rank
+  holds more than 1.3 × the mean tokens (:mod:`recipes._plan_tools`);
+* GEM's **step-latency scores** of the linear, EPLB and GEM placements (and the chosen one) on the
+  same held-out steps (seconds summed over steps and layers; :func:`moelayers.planning.gem.evaluate`).
+
+Writes into the Hydra run dir (``hydra.run.dir=...``), only after everything succeeded (temporary
+files moved into place, ``report.json`` last):
+
+* ``report.json``: ``planner``, ``ep``, ``mode``, ``lar``, ``lar_linear`` (linear placement, tokens
+  spread evenly), ``token_imbalance`` (max/mean tokens per rank), ``expert_imbalance`` (max/mean
+  activations received per rank, mean over layers), ``a2a_bytes_ratio`` (de-duplicated all-to-all
+  sends relative to linear), ``solve_seconds`` (the chosen planner, all layers; 0 for a loaded plan),
+  per-layer LARs; GEM: ``score`` (chosen planner), ``score_linear``, ``score_eplb``, ``score_gem``
+  (``score_semantic``), ``gem_vs_linear`` / ``gem_vs_eplb`` (relative reductions of the GEM score:
+  0.08 = 8 % lower), ``vs_linear`` / ``vs_eplb`` (the same for the chosen planner), ``train_score*``,
+  ``per_layer`` scores; and the config;
+* ``assignment.npz`` (compressed): ``expert_rank [L, E]`` int64 (the chosen placement; for
+  linear/eplb/gem this is the placement file: ``ExpertPlacement.from_expert_rank(expert_rank[l],
+  num_ranks=ep)`` per layer),
+  ``token_rank [T_heldout, L]`` int64 (the rank that processes each held-out token at each layer),
+  ``seq_offsets [S_heldout+1]`` of the held-out part, ``num_ranks``, ``tokens_per_step``,
+  ``train_fraction``, ``mode``;
+* ``plan.npz`` (``planner=semantic``): the :class:`~moelayers.planning.semantic.SemanticPlan`
+  (``SemanticPlan.load``; read by ``SemanticMoE.from_plan``, ``recipes/serve.py layer.plan_path=FILE``
+  and ``plan.path=FILE``);
 * ``curves.npz``: the latency curves used (:meth:`LatencyCurves.load` reads it).
 
-Anyone can recompute ``score``::
+Anyone can recompute the report::
 
     train, held_out = load_trace(TRACE).split(train_fraction)
-    evaluate(held_out, np.load("assignment.npz")["expert_rank"], LatencyCurves.load("curves.npz"), tokens_per_step)
+    a = np.load("assignment.npz")
+    lar_from_assignment(held_out, a["expert_rank"], a["token_rank"])          # report["lar"]
+    evaluate(held_out, a["expert_rank"], LatencyCurves.load("curves.npz"), tokens_per_step)   # report["score"]
+
+(``lar_from_assignment`` from :mod:`moelayers.planning.semantic_eval`, ``evaluate`` from
+:mod:`moelayers.planning.gem`.) Planning is deterministic for a ``seed``.
 
 Usage::
 
-    python recipes/plan.py                                   # synthetic trace, GEM, EP4, variability=high
+    python recipes/plan.py                                   # synthetic trace, GEM, EP4, variability=high, mode=tp
+    python recipes/plan.py planner=semantic parallel.ep=8 mode=tp trace.path=trace.npz trace.train_fraction=0.5
+    python recipes/plan.py planner=semantic planner.solver=cem planner.theta=0.2 parallel.ep=4 mode=dp trace.path=trace.npz
+    python recipes/plan.py planner=semantic plan.path=plan.npz parallel.ep=8 trace.path=trace.npz   # evaluate a plan file
     python recipes/plan.py planner=gem parallel.ep=4 variability=high trace.path=trace.npz
     python recipes/plan.py planner=eplb parallel.ep=8 trace.path=trace.npz hydra.run.dir=/tmp/plan
 """
@@ -37,16 +73,49 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# run as a script, this directory comes first on sys.path and recipes/profile.py would shadow the
+# standard library's profile module: use the repository root instead (recipes is a package)
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+sys.path.insert(0, os.path.dirname(_HERE))
 
 import hydra  # noqa: E402
 import numpy as np  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from _common import print_table, run_dir, to_dict, write_json  # noqa: E402
+from recipes._common import print_table, run_dir, to_dict, write_json  # noqa: E402
+from recipes._plan_tools import DP_MAX_RATIO, MODES, commit_files, even_token_rank, lar_report  # noqa: E402
 
-PLANNERS = ("linear", "eplb", "gem")
+BASELINES = ("linear", "eplb", "gem")  # always planned: GEM's scores compare against them
+PLANNERS = (*BASELINES, "semantic")
+# planner.<knob> -> plan_semantic keyword and its type (conf/planner/semantic.yaml)
+SEMANTIC_KNOBS = {"solver": str, "theta": float, "history": int, "sample": int, "beta": float, "rho": float,
+                  "slack": float, "smoothing": float, "max_requests": int}
+
+
+# ------------------------------------------------------------------------------------ inputs
+def check_config(d: dict) -> tuple[str, int, str, int, float]:
+    """``(planner, ep, mode, tokens_per_step, train_fraction)`` from the config, or ``ValueError`` naming the key."""
+    name, mode = str(d["planner"]["name"]), str(d.get("mode", "tp"))
+    if name not in PLANNERS:
+        raise ValueError(f"planner must be one of {list(PLANNERS)}, got {name!r}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+    ep = int(d["parallel"]["ep"])
+    if ep < 1:
+        raise ValueError(f"parallel.ep must be >= 1, got {ep}")
+    tc = d["trace"]
+    tps, frac = int(tc.get("tokens_per_step", 2048)), float(tc.get("train_fraction", 0.5))
+    if tps < 1:
+        raise ValueError(f"trace.tokens_per_step must be >= 1, got {tps}")
+    if mode == "tp" and tps % ep:
+        raise ValueError(f"trace.tokens_per_step ({tps}) must be divisible by parallel.ep ({ep}) in mode=tp: "
+                         "every rank receives tokens_per_step / ep tokens of each batch")
+    if (d.get("plan") or {}).get("path") and name != "semantic":
+        raise ValueError(f"plan.path is a semantic plan file: it needs planner=semantic, got planner={name}")
+    return name, ep, mode, tps, frac
 
 
 def load_plan_trace(d: dict):
@@ -64,6 +133,11 @@ def load_plan_trace(d: dict):
                            int(tc["vocab_size"]), seq_len=seq_len, seed=int(d["seed"]))
 
 
+def trace_name(d: dict) -> str:
+    """The trace in messages: its file, or ``synthetic trace``."""
+    return str(d["trace"].get("path") or "synthetic trace")
+
+
 def load_curves(d: dict, num_ranks: int):
     """Latency curves: ``curves.path`` if set, else the ``variability`` preset; checked for ``num_ranks``."""
     from moelayers.planning.gem import LatencyCurves
@@ -74,8 +148,38 @@ def load_curves(d: dict, num_ranks: int):
     return curves, (f"file:{path}" if path else str(d["variability"]["name"]))
 
 
+def load_embeddings(path: str | None, vocab_size: int) -> np.ndarray | None:
+    """``planner.embeddings``: optional ``[V, D]`` float npy of token embeddings (unseen tokens borrow a neighbour's row)."""
+    if not path:
+        return None
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: planner.embeddings file not found")
+    emb = np.load(path, allow_pickle=False)
+    if emb.ndim != 2 or emb.shape[0] != vocab_size or emb.dtype.kind != "f":
+        raise ValueError(f"{path}: planner.embeddings must be a float [V={vocab_size}, D] array, "
+                         f"got {emb.dtype} {list(emb.shape)}")
+    return emb
+
+
+def load_semantic_plan(path: str, trace, held_out, ep: int, mode: str, trace_source: str):
+    """``plan.path``: a :class:`SemanticPlan` file, checked against the trace, ``parallel.ep`` and ``mode``."""
+    from moelayers.planning.semantic import SemanticPlan
+
+    plan = SemanticPlan.load(path)
+    plan.check_compatible(trace.num_experts, ep, trace.num_layers)
+    if plan.mode != mode:
+        raise ValueError(f"{path}: semantic plan field 'mode' is {plan.mode!r}, but mode={mode}; "
+                         f"re-plan with mode={mode} or run with mode={plan.mode}")
+    top = int(held_out.token_ids.max())
+    if top >= plan.vocab_size:
+        raise ValueError(f"{trace_source}: field 'token_ids' has token id {top}, outside [0, vocab_size="
+                         f"{plan.vocab_size}) of the semantic plan {path}; re-plan on this vocabulary")
+    return plan
+
+
+# ------------------------------------------------------------------------------------ planning
 def plan_layer(name: str, loads, curves, num_ranks: int, d: dict):
-    """``expert_rank [E]`` of one layer from its train loads ``[steps, E]``."""
+    """``expert_rank [E]`` of one layer from its train loads ``[steps, E]`` (baseline planners)."""
     from moelayers.planning.eplb import plan_eplb
     from moelayers.planning.gem import plan_gem, plan_linear
 
@@ -100,80 +204,137 @@ def plan_all(name: str, train_loads, curves, num_ranks: int, d: dict, *, bar: bo
     return out, time.perf_counter() - t0
 
 
-def run(d: dict) -> dict:
-    """Plan, evaluate, write report.json / assignment.npz / curves.npz into ``d['run_dir']``."""
+def plan_semantic_from_config(d: dict, trace, train, held_out, ep: int, mode: str, *, bar: bool):
+    """``(SemanticPlan, seconds, source)``: ``plan.path`` if set (0 s), else ``plan_semantic`` on ``train``."""
+    from moelayers.planning.semantic_solvers import plan_semantic
+
+    path = (d.get("plan") or {}).get("path")
+    if path:
+        return load_semantic_plan(path, trace, held_out, ep, mode, trace_name(d)), 0.0, path
+    p = d["planner"]
+    knobs = {k: cast(p[k]) for k, cast in SEMANTIC_KNOBS.items() if p.get(k) is not None}
+    emb = load_embeddings(p.get("embeddings"), train.vocab_size)
+    t0 = time.perf_counter()
+    plan = plan_semantic(train, ep, mode, seed=int(d["seed"]), progress=bar, embeddings=emb, **knobs)
+    return plan, time.perf_counter() - t0, "solved"
+
+
+def assign_tokens(plan, held_out, ep: int, mode: str, tps: int, d: dict) -> tuple[np.ndarray, np.ndarray]:
+    """``(token_rank [T, L], even [T])``: the chosen planner's token ranks and the even spread.
+
+    With a semantic ``plan`` the ranks come from its online predictor (tp) or request scheduler (dp),
+    else every layer uses the even spread.
+    """
+    from moelayers.planning.semantic_eval import evaluate
+
+    even = even_token_rank(held_out, ep, mode, tps)
+    if plan is None:
+        return np.repeat(even[:, None], held_out.num_layers, axis=1), even
+    kw = {"predictor": str(d["planner"].get("predictor", "combined"))} if mode == "tp" else {"max_ratio": DP_MAX_RATIO}
+    _, token_rank = evaluate(plan, held_out, tps, **kw)
+    return np.asarray(token_rank, dtype=np.int64), even
+
+
+def gem_scores(plans: dict[str, np.ndarray], name: str, train_loads, test_loads, curves) -> dict:
+    """GEM step-latency scores of every placement in ``plans`` (``{planner: expert_rank [L, E]}``)."""
     from moelayers.planning.gem import score_layers
+
+    def reduction(a: float, b: float) -> float:
+        return 1.0 - a / b if b > 0 else 0.0
+
+    per_layer = {p: score_layers(er, test_loads, curves) for p, er in plans.items()}
+    held = {p: float(v.sum()) for p, v in per_layer.items()}
+    train = {p: float(score_layers(er, train_loads, curves).sum()) for p, er in plans.items()}
+    return {
+        "score": held[name], **{f"score_{p}": v for p, v in held.items()},
+        "gem_vs_linear": reduction(held["gem"], held["linear"]), "gem_vs_eplb": reduction(held["gem"], held["eplb"]),
+        "vs_linear": reduction(held[name], held["linear"]), "vs_eplb": reduction(held[name], held["eplb"]),
+        "train_score": train[name], **{f"train_score_{p}": v for p, v in train.items()},
+        "train_gem_vs_linear": reduction(train["gem"], train["linear"]),
+        "per_layer": {p: v.tolist() for p, v in per_layer.items()},
+    }
+
+
+# ------------------------------------------------------------------------------------ the run
+def run(d: dict) -> dict:
+    """Plan, evaluate, then write report.json / assignment.npz / curves.npz (/ plan.npz) into ``d['run_dir']``."""
     from moelayers.planning.steps import trace_step_loads
 
-    name = str(d["planner"]["name"])
-    if name not in PLANNERS:
-        raise ValueError(f"planner must be one of {list(PLANNERS)}, got {name!r}")
-    ep = int(d["parallel"]["ep"])
-    if ep < 1:
-        raise ValueError(f"parallel.ep must be >= 1, got {ep}")
+    name, ep, mode, tps, frac = check_config(d)
     tc = d["trace"]
-    tps, frac = int(tc.get("tokens_per_step", 2048)), float(tc.get("train_fraction", 0.5))
     trace = load_plan_trace(d)
     if trace.num_experts % ep:
-        raise ValueError(f"num_experts ({trace.num_experts}) must be divisible by parallel.ep ({ep})")
+        raise ValueError(f"{trace_name(d)}: field 'num_experts' ({trace.num_experts}) must be divisible by "
+                         f"parallel.ep ({ep})")
     curves, variability = load_curves(d, ep)
     train, held_out = trace.split(frac)
     train_loads, test_loads = trace_step_loads(train, tps), trace_step_loads(held_out, tps)
 
     bar = bool(d.get("progress", True))
-    plans, solve = {}, 0.0
-    for planner in (name, *[p for p in PLANNERS if p != name]):  # the chosen one first (and timed)
+    plans, solve, semantic, plan_source = {}, 0.0, None, "solved"
+    if name == "semantic":  # the chosen planner first (timed, with the bar)
+        semantic, solve, plan_source = plan_semantic_from_config(d, trace, train, held_out, ep, mode, bar=bar)
+    for planner in sorted(BASELINES, key=lambda p: p != name):
         plans[planner], seconds = plan_all(planner, train_loads, curves, ep, d, bar=bar and planner == name)
         solve = seconds if planner == name else solve
-    per_layer = {p: score_layers(er, test_loads, curves) for p, er in plans.items()}
-    held = {p: float(v.sum()) for p, v in per_layer.items()}
-    train_scores = {p: float(score_layers(er, train_loads, curves).sum()) for p, er in plans.items()}
-
-    out_dir = d["run_dir"]
-    os.makedirs(out_dir, exist_ok=True)
-    np.savez(os.path.join(out_dir, "assignment.npz"), expert_rank=plans[name], num_ranks=np.int64(ep),
-             tokens_per_step=np.int64(tps), train_fraction=np.float64(frac))
-    curves.save(os.path.join(out_dir, "curves.npz"))
-
-    def reduction(a: float, b: float) -> float:
-        return 1.0 - a / b if b > 0 else 0.0
+    if semantic is not None:
+        plans["semantic"] = semantic.expert_rank
+    token_rank, even = assign_tokens(semantic, held_out, ep, mode, tps, d)
 
     report = {
-        "planner": name, "ep": ep, "variability": variability,
-        "score": held[name], "score_linear": held["linear"], "score_eplb": held["eplb"], "score_gem": held["gem"],
-        "gem_vs_linear": reduction(held["gem"], held["linear"]), "gem_vs_eplb": reduction(held["gem"], held["eplb"]),
-        "vs_linear": reduction(held[name], held["linear"]), "vs_eplb": reduction(held[name], held["eplb"]),
-        "train_score": train_scores[name], "train_score_linear": train_scores["linear"],
-        "train_score_eplb": train_scores["eplb"], "train_score_gem": train_scores["gem"],
-        "train_gem_vs_linear": reduction(train_scores["gem"], train_scores["linear"]),
-        "solve_seconds": solve,
+        "planner": name, "ep": ep, "mode": mode,
+        **lar_report(held_out, plans[name], token_rank, even, ep),
+        "solve_seconds": solve, "variability": variability,
+        **gem_scores(plans, name, train_loads, test_loads, curves),
         "gem_method": str(d["planner"].get("method", "robust")) if name == "gem" else "robust",
+        "plan": plan_source if name == "semantic" else None,
         "num_layers": trace.num_layers, "num_experts": trace.num_experts, "top_k": trace.top_k,
-        "train_steps": int(train_loads.shape[1]), "held_out_steps": int(test_loads.shape[1]),
-        "tokens_per_step": tps, "train_fraction": frac, "seed": int(d["seed"]),
-        "trace": tc.get("path") or "synthetic",
-        "per_layer": {p: v.tolist() for p, v in per_layer.items()},
+        "vocab_size": trace.vocab_size, "held_out_tokens": held_out.num_tokens,
+        "held_out_sequences": held_out.num_sequences, "train_steps": int(train_loads.shape[1]),
+        "held_out_steps": int(test_loads.shape[1]), "tokens_per_step": tps, "train_fraction": frac,
+        "seed": int(d["seed"]), "trace": tc.get("path") or "synthetic",
         "config": {k: v for k, v in d.items() if k != "run_dir"},
     }
-    write_json(os.path.join(out_dir, "report.json"), report)
+    write_outputs(d["run_dir"], report, plans[name], token_rank, held_out, curves, semantic)
     return report
+
+
+def write_outputs(out_dir: str, report: dict, expert_rank: np.ndarray, token_rank: np.ndarray, held_out, curves,
+                  semantic) -> None:
+    """All files of a run, all or nothing (``report.json`` last)."""
+
+    def assignment(path: Path) -> None:
+        with open(path, "wb") as f:  # compressed: token_rank is T x L and mostly repeats
+            np.savez_compressed(f, expert_rank=np.asarray(expert_rank, dtype=np.int64), token_rank=token_rank,
+                     seq_offsets=held_out.seq_offsets, num_ranks=np.int64(report["ep"]),
+                     tokens_per_step=np.int64(report["tokens_per_step"]),
+                     train_fraction=np.float64(report["train_fraction"]), mode=np.str_(report["mode"]))
+
+    writers = {"assignment.npz": assignment, "curves.npz": curves.save}
+    if semantic is not None:
+        writers["plan.npz"] = semantic.save
+    writers["report.json"] = lambda path: write_json(path, report)
+    commit_files(out_dir, writers)
 
 
 @hydra.main(config_path="../conf", config_name="plan", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     d = to_dict(cfg)
-    for key in ("trace", "curves"):
+    for key in ("trace", "curves", "plan"):
         if (d.get(key) or {}).get("path"):
             d[key]["path"] = hydra.utils.to_absolute_path(d[key]["path"])
+    if (d.get("planner") or {}).get("embeddings"):
+        d["planner"]["embeddings"] = hydra.utils.to_absolute_path(d["planner"]["embeddings"])
     d["run_dir"] = run_dir()
     rep = run(d)
-    print_table([("planner", rep["planner"]), ("ep", rep["ep"]), ("variability", rep["variability"]),
-                 ("held-out steps", rep["held_out_steps"]), ("score (s)", rep["score"]),
+    print_table([("planner", rep["planner"]), ("ep", rep["ep"]), ("mode", rep["mode"]),
+                 ("held-out tokens", rep["held_out_tokens"]), ("lar", rep["lar"]), ("lar linear", rep["lar_linear"]),
+                 ("token imbalance", rep["token_imbalance"]), ("expert imbalance", rep["expert_imbalance"]),
+                 ("a2a bytes vs linear", rep["a2a_bytes_ratio"]), ("score (s)", rep["score"]),
                  ("score linear (s)", rep["score_linear"]), ("score eplb (s)", rep["score_eplb"]),
                  ("score gem (s)", rep["score_gem"]), ("gem vs linear", rep["gem_vs_linear"]),
-                 ("gem vs eplb", rep["gem_vs_eplb"]), ("train: gem vs linear", rep["train_gem_vs_linear"]),
-                 ("solve seconds", rep["solve_seconds"])],
-                title=f"plan: planner={rep['planner']} ep={rep['ep']} variability={rep['variability']}")
+                 ("gem vs eplb", rep["gem_vs_eplb"]), ("solve seconds", rep["solve_seconds"])],
+                title=f"plan: planner={rep['planner']} ep={rep['ep']} mode={rep['mode']} variability={rep['variability']}")
     print(f"report: {os.path.join(d['run_dir'], 'report.json')}")
 
 

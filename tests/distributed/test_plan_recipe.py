@@ -1,0 +1,313 @@
+"""recipes/plan.py end to end on small synthetic traces: semantic / linear / eplb / gem, tp and dp, bad input.
+
+Most cases call ``recipes.plan.run`` with the composed Hydra config (fast); two run the script as
+a subprocess (``hydra.run.dir`` honoured, a failing run's exit status and message).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TPS = 256  # trace.tokens_per_step of these tests
+LAR_KEYS = ("planner", "ep", "mode", "lar", "lar_linear", "token_imbalance", "expert_imbalance", "a2a_bytes_ratio",
+            "solve_seconds")
+GEM_KEYS = ("score", "score_linear", "score_eplb", "score_gem", "gem_vs_linear", "gem_vs_eplb", "solve_seconds")
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory) -> Path:
+    """40 sequences of 64..256 tokens, 4 layers, 16 experts, top-2, vocabulary 500."""
+    from moelayers.trace import save_trace, synthetic_trace
+
+    path = tmp_path_factory.mktemp("trace") / "trace.npz"
+    save_trace(synthetic_trace(40, 4, 16, 2, 500, seq_len=(64, 256), seed=0), path)
+    return path
+
+
+def config(run_dir: Path, trace: Path, *overrides: str) -> dict:
+    """The composed conf/plan.yaml (as recipes/plan.py sees it) for ``trace``, written to ``run_dir``."""
+    from hydra import compose, initialize_config_dir
+
+    from recipes._common import to_dict
+
+    base = [f"trace.path={trace}", f"trace.tokens_per_step={TPS}", "progress=false"]
+    merged = {o.split("=", 1)[0]: o for o in [*base, *overrides]}  # later overrides win
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("plan", overrides=list(merged.values()))
+    d = to_dict(cfg)
+    d["run_dir"] = str(run_dir)
+    return d
+
+
+def run_plan(run_dir: Path, trace: Path, *overrides: str) -> tuple[dict, dict]:
+    """``recipes.plan.run``; returns (report.json, assignment.npz arrays) as read back from ``run_dir``."""
+    from recipes.plan import run
+
+    run(config(run_dir, trace, *overrides))
+    report = json.loads((run_dir / "report.json").read_text())
+    with np.load(run_dir / "assignment.npz", allow_pickle=False) as a:
+        return report, {k: a[k] for k in a.files}
+
+
+def held_out(trace: Path, fraction: float = 0.5):
+    from moelayers.trace import load_trace
+
+    return load_trace(trace).split(fraction)[1]
+
+
+def check_lar(report: dict, arrays: dict, trace: Path) -> None:
+    """The report's LAR is recomputable from assignment.npz; its shapes are the held-out part's."""
+    from moelayers.planning.semantic_eval import lar_from_assignment
+
+    held = held_out(trace)
+    assert arrays["expert_rank"].shape == (held.num_layers, held.num_experts)
+    assert arrays["token_rank"].shape == (held.num_tokens, held.num_layers)
+    np.testing.assert_array_equal(arrays["seq_offsets"], held.seq_offsets)
+    assert lar_from_assignment(held, arrays["expert_rank"], arrays["token_rank"]) == pytest.approx(report["lar"], abs=1e-12)
+    assert 0.0 <= report["lar"] <= 1.0 and 0.0 <= report["lar_linear"] <= 1.0
+
+
+def check_tp_batches(token_rank: np.ndarray, ep: int) -> None:
+    """Every full batch gives each rank exactly TPS / ep tokens per layer, the partial one within 1."""
+    for start in range(0, token_rank.shape[0], TPS):
+        batch = token_rank[start:start + TPS]
+        for layer in range(batch.shape[1]):
+            counts = np.bincount(batch[:, layer], minlength=ep)
+            if batch.shape[0] == TPS:
+                assert (counts == TPS // ep).all(), (start, layer, counts)
+            else:
+                assert counts.max() - counts.min() <= 1 and counts.sum() == batch.shape[0]
+
+
+def check_dp_requests(token_rank: np.ndarray, offsets: np.ndarray, ep: int) -> np.ndarray:
+    """Each sequence keeps one rank at every layer; no rank above 1.3 x the mean tokens. Returns ``[S]`` ranks."""
+    req = token_rank[offsets[:-1], 0]
+    assert (token_rank == np.repeat(req, np.diff(offsets))[:, None]).all()
+    tokens = np.bincount(token_rank[:, 0], minlength=ep)
+    assert tokens.max() <= 1.3 * tokens.mean()
+    return req
+
+
+@pytest.fixture(scope="module")
+def semantic_runs(trace_file, tmp_path_factory) -> dict:
+    """One semantic run per mode at EP4: ``{mode: (run_dir, report, arrays)}``."""
+    out = {}
+    for mode in ("tp", "dp"):
+        run_dir = tmp_path_factory.mktemp(f"semantic_{mode}")
+        out[mode] = (run_dir, *run_plan(run_dir, trace_file, "planner=semantic", "parallel.ep=4", f"mode={mode}"))
+    return out
+
+
+# ------------------------------------------------------------------------------------ semantic
+@pytest.mark.parametrize("mode", ["tp", "dp"])
+def test_semantic_report_and_assignment(semantic_runs, trace_file, mode):
+    from moelayers.planning.semantic import SemanticPlan
+
+    run_dir, report, arrays = semantic_runs[mode]
+    assert not [k for k in LAR_KEYS + GEM_KEYS if k not in report]
+    assert (report["planner"], report["ep"], report["mode"]) == ("semantic", 4, mode)
+    check_lar(report, arrays, trace_file)
+    assert report["lar"] > report["lar_linear"]  # co-clustering beats linear on a clustered trace
+    assert report["expert_imbalance"] >= 1.0 and report["a2a_bytes_ratio"] > 0
+    plan = SemanticPlan.load(run_dir / "plan.npz")
+    assert plan.mode == mode and plan.num_ranks == 4
+    np.testing.assert_array_equal(plan.expert_rank, arrays["expert_rank"])
+    if mode == "tp":
+        check_tp_batches(arrays["token_rank"], 4)
+        assert report["token_imbalance"] == pytest.approx(1.0, abs=4 / arrays["token_rank"].shape[0])
+    else:
+        check_dp_requests(arrays["token_rank"], arrays["seq_offsets"], 4)
+
+
+@pytest.mark.parametrize("mode", ["tp", "dp"])
+def test_semantic_ranks_ignore_the_routing_they_place(semantic_runs, trace_file, tmp_path, mode):
+    """tp: a token's rank at layer l never reads layer l's routing (here: the last layer's); dp: a
+    request's rank comes from its token ids alone (here: every held-out layer re-routed)."""
+    from moelayers.trace import load_trace, save_trace
+
+    trace = load_trace(trace_file)
+    first = int(trace.seq_offsets[trace.num_sequences // 2])  # held-out tokens start here
+    layers = slice(trace.num_layers - 1, None) if mode == "tp" else slice(None)
+    trace.topk_ids[first:, layers] = (trace.topk_ids[first:, layers] + 5) % trace.num_experts
+    changed = tmp_path / "rerouted.npz"
+    save_trace(trace, changed)
+    report, arrays = run_plan(tmp_path / "run", changed, "planner=semantic", "parallel.ep=4", f"mode={mode}")
+    np.testing.assert_array_equal(arrays["token_rank"], semantic_runs[mode][2]["token_rank"])
+    check_lar(report, arrays, changed)
+
+
+def test_semantic_plan_file_is_evaluated(semantic_runs, trace_file, tmp_path):
+    """plan.path= re-evaluates a saved plan: same assignment and LAR, no solving."""
+    run_dir, report, arrays = semantic_runs["tp"]
+    again, arrays2 = run_plan(tmp_path / "run", trace_file, "planner=semantic", "parallel.ep=4", "mode=tp",
+                              f"plan.path={run_dir / 'plan.npz'}")
+    assert again["lar"] == report["lar"] and again["solve_seconds"] == 0.0 and again["plan"] == str(run_dir / "plan.npz")
+    np.testing.assert_array_equal(arrays2["token_rank"], arrays["token_rank"])
+
+
+def test_semantic_deterministic_for_a_seed(trace_file, tmp_path):
+    runs = [run_plan(tmp_path / f"run{i}", trace_file, "planner=semantic", "planner.solver=cem", "parallel.ep=2",
+                     "seed=3")[1] for i in range(2)]
+    assert runs[0].keys() == runs[1].keys()
+    for key in runs[0]:
+        np.testing.assert_array_equal(runs[0][key], runs[1][key], err_msg=key)
+
+
+# ------------------------------------------------------------------------------------ baselines
+@pytest.mark.parametrize("planner", ["linear", "eplb"])
+@pytest.mark.parametrize("mode", ["tp", "dp"])
+def test_baseline_planners_spread_tokens_evenly(trace_file, tmp_path, planner, mode):
+    report, arrays = run_plan(tmp_path / "run", trace_file, f"planner={planner}", "parallel.ep=2", f"mode={mode}")
+    assert not [k for k in LAR_KEYS + GEM_KEYS if k not in report]
+    assert (report["planner"], report["ep"], report["mode"]) == (planner, 2, mode)
+    check_lar(report, arrays, trace_file)
+    assert (np.bincount(arrays["expert_rank"][0], minlength=2) == 8).all()
+    tr = arrays["token_rank"]
+    assert (tr == tr[:, :1]).all()  # no plan: the same spread at every layer
+    if mode == "tp":
+        check_tp_batches(tr, 2)
+        np.testing.assert_array_equal(tr[:TPS, 0], np.arange(TPS) // (TPS // 2))  # a batch in 2 chunks in file order
+    else:
+        req = check_dp_requests(tr, arrays["seq_offsets"], 2)
+        np.testing.assert_array_equal(req, np.arange(req.size) % 2)  # round robin in file order
+    if planner == "linear":
+        assert report["lar"] == report["lar_linear"] and report["a2a_bytes_ratio"] == 1.0
+
+
+def test_gem_keeps_its_scores(trace_file, tmp_path):
+    from moelayers.planning.gem import LatencyCurves, evaluate
+
+    report, arrays = run_plan(tmp_path / "run", trace_file, "planner=gem", "parallel.ep=4", "variability=high")
+    assert not [k for k in LAR_KEYS + GEM_KEYS if k not in report]
+    assert report["planner"] == "gem" and report["score"] == report["score_gem"]
+    curves = LatencyCurves.load(tmp_path / "run" / "curves.npz")
+    assert evaluate(held_out(trace_file), arrays["expert_rank"], curves, TPS) == pytest.approx(report["score"], rel=1e-12)
+    check_lar(report, arrays, trace_file)
+    assert not (tmp_path / "run" / "plan.npz").exists()
+
+
+# ------------------------------------------------------------------------------------ the script
+def run_script(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, str(ROOT / "recipes" / "plan.py"), "progress=false", f"trace.tokens_per_step={TPS}",
+           *overrides]
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.timeout(150)
+def test_script_honours_run_dir(trace_file, tmp_path):
+    out = tmp_path / "out"
+    proc = run_script(tmp_path, f"trace.path={trace_file}", "planner=semantic", "mode=dp", "parallel.ep=2",
+                      f"hydra.run.dir={out}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {"report.json", "assignment.npz", "plan.npz", "curves.npz"} <= {p.name for p in out.iterdir()}
+    assert json.loads((out / "report.json").read_text())["mode"] == "dp"
+    assert "lar" in proc.stdout and str(out / "report.json") in proc.stdout
+
+
+@pytest.mark.timeout(150)
+def test_script_bad_trace_fails_cleanly(tmp_path):
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, topk_ids=np.zeros((4, 1, 2), np.int64), token_ids=np.zeros(4, np.int64), num_experts=np.int64(4))
+    out = tmp_path / "out"
+    proc = run_script(tmp_path, f"trace.path={bad}", "planner=semantic", f"hydra.run.dir={out}")
+    assert proc.returncode != 0
+    assert "seq_offsets" in proc.stderr and str(bad) in proc.stderr
+    assert not (out / "report.json").exists() and not (out / "plan.npz").exists()
+
+
+# ------------------------------------------------------------------------------------ bad input
+def write_bad_trace(trace: Path, path: Path, **changes) -> Path:
+    """``trace``'s arrays with ``changes`` (a value of None drops the key), written without validation."""
+    with np.load(trace, allow_pickle=False) as data:
+        arrays = {k: data[k] for k in data.files}
+    for key, value in changes.items():
+        if value is None:
+            arrays.pop(key)
+        else:
+            arrays[key] = value(arrays[key]) if callable(value) else value
+    np.savez(path, **arrays)
+    return path
+
+
+def other_plan(tmp_path: Path, *, num_experts: int, ep: int, vocab: int = 500, mode: str = "tp") -> Path:
+    """A semantic plan for a 4-layer trace of ``num_experts`` experts and vocabulary ``vocab`` at ``ep`` ranks."""
+    from moelayers.planning.semantic_solvers import plan_semantic
+    from moelayers.trace import synthetic_trace
+
+    path = tmp_path / f"plan_e{num_experts}_ep{ep}_v{vocab}_{mode}.npz"
+    trace = synthetic_trace(8, 4, num_experts, 2, vocab, seq_len=64, seed=1)
+    plan_semantic(trace, ep, mode, progress=False).save(path)
+    return path
+
+
+def expect_failure(trace_file: Path, tmp_path: Path, bad: dict, match: str, *overrides: str,
+                   exc: type[Exception] = ValueError) -> None:
+    from recipes.plan import run
+
+    trace = write_bad_trace(trace_file, tmp_path / "bad.npz", **bad) if bad else trace_file
+    run_dir = tmp_path / "run"
+    with pytest.raises(exc, match=match):
+        run(config(run_dir, trace, "planner=semantic", "parallel.ep=4", *overrides))
+    assert not (run_dir / "report.json").exists() and not (run_dir / "plan.npz").exists()
+    assert not (run_dir / "assignment.npz").exists()
+
+
+@pytest.mark.parametrize("case", ["missing_key", "expert_out_of_range", "token_too_large", "token_negative"])
+def test_bad_trace_is_a_clear_error(trace_file, tmp_path, case):
+    bad, match = {
+        "missing_key": ({"seq_offsets": None}, r"bad\.npz: missing key\(s\) \['seq_offsets'\]"),
+        "expert_out_of_range": ({"topk_ids": lambda a: np.where(np.arange(a.size).reshape(a.shape) == 7, 16, a)},
+                                r"bad\.npz: field 'topk_ids' has expert ids out of range \[0, 16\): found 16"),
+        "token_too_large": ({"token_ids": lambda a: np.where(np.arange(a.size) == 3, 500, a)},
+                            r"bad\.npz: field 'token_ids' has token ids \(vocab_size\) out of range \[0, 500\)"),
+        "token_negative": ({"token_ids": lambda a: np.where(np.arange(a.size) == 3, -1, a)},
+                           r"bad\.npz: field 'token_ids' has token ids \(vocab_size\) out of range.*found -1"),
+    }[case]
+    expect_failure(trace_file, tmp_path, bad, match)
+
+
+@pytest.mark.parametrize("experts, ep, vocab, mode, match", [
+    (8, 4, 500, "tp", r"{plan}: semantic plan field 'num_experts' is 8"),
+    (16, 2, 500, "tp", r"{plan}: semantic plan field 'num_ranks' is 2"),
+    (16, 4, 500, "dp", r"{plan}: semantic plan field 'mode' is 'dp', but mode=tp"),
+    (16, 4, 200, "tp", r"{trace}: field 'token_ids' has token id \d+, outside \[0, vocab_size=200\) of the semantic plan"),
+])
+def test_plan_for_another_setup_is_a_clear_error(trace_file, tmp_path, experts, ep, vocab, mode, match):
+    path = other_plan(tmp_path, num_experts=experts, ep=ep, vocab=vocab, mode=mode)
+    expect_failure(trace_file, tmp_path, {}, match.format(plan=path.name, trace=trace_file.name), f"plan.path={path}")
+
+
+def test_bad_embeddings_is_a_clear_error(trace_file, tmp_path):
+    emb = tmp_path / "emb.npy"
+    np.save(emb, np.zeros((499, 8), np.float32))
+    expect_failure(trace_file, tmp_path, {}, r"emb\.npy: planner\.embeddings must be a float \[V=500, D\] array",
+                   f"planner.embeddings={emb}")
+
+
+def test_config_errors(trace_file, tmp_path):
+    expect_failure(trace_file, tmp_path, {}, r"field 'num_experts' \(16\) must be divisible by parallel\.ep \(3\)",
+                   "parallel.ep=3", "mode=dp")
+    expect_failure(trace_file, tmp_path, {}, r"trace\.tokens_per_step \(256\) must be divisible by parallel\.ep \(3\)",
+                   "parallel.ep=3")
+    expect_failure(trace_file, tmp_path, {}, "mode must be one of", "mode=ep")
+    expect_failure(trace_file, tmp_path, {}, "plan.path is a semantic plan file", "planner=eplb", "plan.path=x.npz")
+    expect_failure(trace_file, tmp_path, {}, "nope.npz: routing trace file not found",
+                   f"trace.path={tmp_path / 'nope.npz'}", exc=FileNotFoundError)
+
+
+def test_a_failed_write_leaves_nothing(trace_file, tmp_path, monkeypatch):
+    import recipes.plan as recipe
+
+    def boom(path, obj):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(recipe, "write_json", boom)
+    expect_failure(trace_file, tmp_path, {}, "disk full", exc=OSError)
+    assert not list((tmp_path / "run").iterdir())  # no temporary files left either
