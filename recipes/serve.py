@@ -25,6 +25,20 @@ Usage::
     python recipes/serve.py layer=semantic scheduler=semantic router=replay   # Sem-MoE, plan from the trace
     torchrun --nproc-per-node 8 recipes/serve.py parallel=gpu        # NCCL
 
+Comparisons (``compare.layer=NAME``, ``recipes/_serve_compare.py``, docs/serve_compare.md): ours and the
+baseline once per seed (``compare.seeds``, default 3) on the same requests and the same emulated
+hardware, one results.json (our medians, ``baseline``, ``runs``, ``comparison``), compare.png::
+
+    python recipes/serve.py layer=semantic scheduler=semantic router=replay trace.num_sequences=256 \
+        trace.request_offset=128 compare.layer=vanilla compare.scheduler=round_robin
+    python recipes/serve.py layer=variability variability=high emulation.mode=curve emulation.time_scale=3000 \
+        router=replay workload.num_requests=1024 workload.rate=2000 max_batch_size=256 layer.kwargs.window=8 \
+        compare.layer=vanilla
+
+All-to-all volume: ``a2a_bytes`` = ``a2a_dispatch_bytes`` (``bytes_sent``) + ``a2a_combine_bytes``, see
+:func:`_gather_results`. In ``emulation.mode=curve``, ``emulated_expert_s`` is the expert time the
+emulation imposed on the critical path (:func:`emulated_expert_time`).
+
 ``scheduler`` is a name (``round_robin``, ``semantic``, ``module:function``) or a dict
 ``scheduler={name:semantic,plan_path:FILE}``. ``layer=semantic`` and ``scheduler=semantic`` share one
 ``SemanticPlan``: ``scheduler.plan_path``, else ``layer.plan_path``, else one planned (mode dp) on the
@@ -53,6 +67,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import device_for, launch, percentile, print_table, run_dir, shutdown, to_dict, write_json  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -98,8 +113,9 @@ def make_requests(cfg: dict, vocab_size: int, trace=None) -> list[Request]:
     wl = cfg["workload"]
     rng = np.random.default_rng(cfg["seed"])
     n = int(wl["num_requests"])
+    offset = request_offset(cfg) if trace is not None else 0
     if trace is not None:
-        n = min(n, trace.num_sequences)
+        n = max(0, min(n, trace.num_sequences - offset))
     rate = wl.get("rate")
     gaps = rng.exponential(1.0 / float(rate), size=n) if rate and float(rate) > 0 else np.zeros(n)
     arrivals = np.cumsum(gaps)
@@ -111,10 +127,16 @@ def make_requests(cfg: dict, vocab_size: int, trace=None) -> list[Request]:
     frac = float(wl.get("prompt_fraction", 0.5))
     reqs = []
     for i in range(n):
-        toks = trace.token_ids[trace.sequence_slice(i)].tolist()
+        toks = trace.token_ids[trace.sequence_slice(offset + i)].tolist()
         p = min(len(toks), max(1, int(round(frac * len(toks)))))
-        reqs.append(Request(i, float(arrivals[i]), toks[:p], len(toks) - p + 1, trace_seq=i, forced=toks[p:]))
+        reqs.append(Request(i, float(arrivals[i]), toks[:p], len(toks) - p + 1, trace_seq=offset + i, forced=toks[p:]))
     return reqs
+
+
+def request_offset(cfg: dict) -> int:
+    """``trace.request_offset``: request ``i`` replays trace sequence ``offset + i`` (default 0). With
+    a plan built on the trace's first half, an offset of half the sequences serves held-out requests."""
+    return int((cfg.get("trace") or {}).get("request_offset") or 0)
 
 
 # ---------------------------------------------------------------------- schedulers
@@ -203,7 +225,8 @@ def load_replay_trace(cfg: dict):
         raise ValueError("router=replay needs trace.path=FILE (or trace.synthetic=true)")
     seq_len = tc.get("seq_len", [16, 48])
     seq_len = tuple(int(v) for v in seq_len) if isinstance(seq_len, (list, tuple)) else int(seq_len)
-    return synthetic_trace(int(tc.get("num_sequences") or cfg["workload"]["num_requests"]), int(m["num_layers"]),
+    num_seq = int(tc.get("num_sequences") or int(cfg["workload"]["num_requests"]) + request_offset(cfg))
+    return synthetic_trace(num_seq, int(m["num_layers"]),
                            int(m["num_experts"]), int(m["top_k"]), int(m["vocab_size"]), seq_len=seq_len,
                            seed=int(cfg["seed"]))
 
@@ -290,7 +313,11 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
     bar = None
     if rank == 0 and cfg.get("progress", True):
         from tqdm import tqdm
-        bar = tqdm(total=len(requests), desc=f"serve {cfg['layer']['name']} x{world}", unit="req", file=sys.stderr)
+        nested = cfg.get("_run_label") is not None  # one run of a comparison: under the runs bar
+        bar = tqdm(total=len(requests), desc=cfg.get("_run_label") or f"serve {cfg['layer']['name']} x{world}",
+                   unit="req", file=sys.stderr, position=1 if nested else None, leave=not nested)
+    replans_seen = [getattr(m, "num_replans", 0) for m in model.moe_layers]
+    replans = []
     pending, waiting, running = deque(mine), deque(), []
     acc, load_rows, step_tokens = None, [], []
     finished, steps, out_tokens, prompt_tokens = 0, 0, 0, 0
@@ -327,7 +354,11 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
             prompt_tokens += sum(len(r.prompt) for r in new)
             per_layer = [layer.last_stats for layer in layers]
             acc = merge_stats(per_layer if acc is None else [acc] + per_layer)
-            load_rows.append([sum(s.pairs_sent[j] for s in per_layer) for j in range(len(per_layer[0].pairs_sent))])
+            load_rows.append([list(s.pairs_sent) for s in per_layer])  # [L, R] activations sent to each rank
+            for i, m in enumerate(layers):
+                if getattr(m, "num_replans", 0) != replans_seen[i]:
+                    replans_seen[i] = m.num_replans
+                    replans.append({"layer": i, "step": steps, "t_s": t})
             for r, _ in batch:
                 r.token_times.append(t)
                 r.generated += 1
@@ -346,22 +377,69 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
     if bar is not None:
         bar.update(len(requests) - bar.n)
         bar.close()
-    return _gather_results(cfg, rank, world, groups.ep_size, requests, mine, acc, load_rows, steps, out_tokens,
-                           prompt_tokens, elapsed, mcfg, notes, device)
+    res = _gather_results(cfg, rank, world, groups.ep_size, requests, mine, acc, load_rows, steps, out_tokens,
+                          prompt_tokens, elapsed, mcfg, notes, device)
+    if res is not None:
+        res["replans"] = replans
+    return res
+
+
+def compare_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
+    """Every run of a comparison (``cfg['_runs']``, see ``recipes._serve_compare``) in turn, in this
+    one launch of the ranks; rank 0 returns every run's results (with ``side``)."""
+    import gc
+
+    runs, bar = cfg["_runs"], None
+    if rank == 0 and cfg.get("progress", True):
+        from tqdm import tqdm
+        bar = tqdm(total=len(runs), desc="compare", unit="run", file=sys.stderr, position=0)
+    out = []
+    for run in runs:
+        if bar is not None:
+            bar.set_postfix_str(run["_run_label"])
+        res = serve_worker(rank, world, run)
+        if res is not None:
+            res["side"] = run["_side"]
+            out.append(res)
+        gc.collect()
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    return out if rank == 0 else None
+
+
+def requests_digest(requests: list[Request]) -> str:
+    """SHA-1 of what defines the workload (arrival, prompt, output length, forced tokens of every
+    request): equal digests = the same requests."""
+    import hashlib
+
+    h = hashlib.sha1()
+    for r in requests:
+        h.update(json.dumps([r.rid, round(r.arrival, 9), r.prompt, r.output_len, r.forced, r.trace_seq]).encode())
+    return h.hexdigest()
 
 
 def _gather_results(cfg, rank, world, ep_size, requests, mine, acc, load_rows, steps, out_tokens, prompt_tokens,
                     elapsed, mcfg, notes, device) -> dict | None:
-    """Reduce the counters over ranks; rank 0 builds the results dict."""
+    """Reduce the counters over ranks; rank 0 builds the results dict.
+
+    All-to-all volume: ``a2a_dispatch_bytes`` (= ``bytes_sent``: de-duplicated payload rows to other
+    ranks, hidden state + routing metadata, ``MoEStats.bytes_sent``) plus ``a2a_combine_bytes`` (one
+    hidden-state row back per such row) = ``a2a_bytes``, summed over ranks, MoE layers and steps.
+    """
     from moelayers.metrics import MoEStats, imbalance
 
     world_group = dist.group.WORLD if world > 1 else None
     if acc is None:  # no step ran anywhere (no requests)
         acc = MoEStats(0, [0] * ep_size, [0] * ep_size, [0] * ep_size, 1, 0)
+    remote_rows = sum(acc.rows_sent) - acc.rows_sent[acc.rank]  # rows this rank sent to other ranks
     total = acc.reduce(world_group)
-    loads = torch.tensor(load_rows, dtype=torch.int64) if load_rows else torch.zeros(0, ep_size, dtype=torch.int64)
+    num_layers = len(load_rows[0]) if load_rows else 0
+    loads = (torch.tensor(load_rows, dtype=torch.int64) if load_rows
+             else torch.zeros(0, num_layers, ep_size, dtype=torch.int64))  # [steps, L, R]
     loads = loads.to(device)
-    counts = torch.tensor([out_tokens, prompt_tokens], dtype=torch.int64, device=device)
+    counts = torch.tensor([out_tokens, prompt_tokens, remote_rows], dtype=torch.int64, device=device)
     t_end = torch.tensor([elapsed], dtype=torch.float64, device=device)
     if world > 1:
         dist.all_reduce(loads)
@@ -383,12 +461,14 @@ def _gather_results(cfg, rank, world, ep_size, requests, mine, acc, load_rows, s
     reqs = sorted((q for part in gathered for q in part), key=lambda q: q["id"])
     ttft = [q["ttft_s"] for q in reqs]
     tpot = [q["tpot_s"] for q in reqs]
-    loads = loads.cpu()
+    layer_loads = loads.cpu()  # [steps, L, R] activations received per MoE layer and rank
+    loads = layer_loads.sum(1)  # [steps, R]
     step_imb = [imbalance(row) for row in loads.tolist() if sum(row) > 0]
     elapsed = float(t_end[0])
-    out_total, prompt_total = (int(v) for v in counts.cpu().tolist())
+    out_total, prompt_total, remote_total = (int(v) for v in counts.cpu().tolist())
+    combine_bytes = remote_total * int(mcfg["hidden_size"]) * DTYPES[mcfg.get("dtype", "float32")].itemsize
     finite_tpot = [v for v in tpot if v == v]
-    echo = {k: v for k, v in cfg.items() if k != "run_dir"}
+    echo = {k: v for k, v in cfg.items() if k != "run_dir" and not k.startswith("_")}
     return {
         "throughput_tok_s": out_total / elapsed if elapsed > 0 else 0.0,
         "total_tok_s": (out_total + prompt_total) / elapsed if elapsed > 0 else 0.0,
@@ -399,12 +479,33 @@ def _gather_results(cfg, rank, world, ep_size, requests, mine, acc, load_rows, s
         "lar": total.lar, "imbalance": total.imbalance,
         "imbalance_step_mean": float(np.mean(step_imb)) if step_imb else 1.0,
         "rank_loads": total.rank_loads, "bytes_sent": sum(total.bytes_sent), "rows_sent": sum(total.rows_sent),
+        "a2a_bytes": sum(total.bytes_sent) + combine_bytes, "a2a_dispatch_bytes": sum(total.bytes_sent),
+        "a2a_combine_bytes": combine_bytes, "a2a_rows": remote_total,
         "world_size": world, "layer": cfg["layer"]["name"], "router": cfg["router"]["name"],
         "scheduler": cfg["scheduler"], "num_requests": len(reqs), "finished_requests": sum(
             1 for q in reqs if q["output_len"] > 0), "output_tokens": out_total, "prompt_tokens": prompt_total,
-        "steps": steps, "elapsed_s": elapsed, "model": mcfg, "notes": notes, "config": echo,
+        "steps": steps, "elapsed_s": elapsed, "seed": cfg["seed"], "requests_digest": requests_digest(requests),
+        "model": mcfg, "notes": notes, "config": echo,
         "requests": reqs, "rank_load_per_step": loads.tolist(),
+        **emulated_expert_time(cfg, layer_loads),
     }
+
+
+def emulated_expert_time(cfg: dict, layer_loads: torch.Tensor) -> dict:
+    """In ``emulation.mode=curve``, the expert time the emulation imposed, from the recorded loads
+    ``[steps, L, R]``: each (step, layer) costs ``time_scale * max_r C_r(rows_r)`` (the slowest rank
+    holds the others in the combine all-to-all). ``emulated_expert_s`` is the sum over steps and layers
+    (the critical path of step 4, GEM's objective as served), ``emulated_expert_rank_s [R]`` each
+    rank's own padded time. Empty for other modes."""
+    from moelayers.emulation import VariabilitySettings
+
+    var = VariabilitySettings.from_config(cfg)
+    if var.mode != "curve" or layer_loads.numel() == 0:
+        return {}
+    curves = var.curves(int(layer_loads.shape[-1]))
+    per_rank = var.time_scale * np.asarray(curves(layer_loads.to(torch.float64).numpy()), dtype=np.float64)
+    return {"emulated_expert_s": float(per_rank.max(-1).sum()),
+            "emulated_expert_rank_s": per_rank.sum((0, 1)).tolist()}
 
 
 # ---------------------------------------------------------------------- output
@@ -433,8 +534,8 @@ def summarize(res: dict, out_dir: str) -> None:
     """Print the summary table; write results.json and rank_load.png into ``out_dir``."""
     rows = [("throughput (out tok/s)", res["throughput_tok_s"]), ("TTFT p50 (s)", res["ttft_p50_s"]),
             ("TTFT p99 (s)", res["ttft_p99_s"]), ("TPOT mean (s)", res["tpot_mean_s"]),
-            ("TPOT p90 (s)", res["tpot_p90_s"]), ("LAR", res["lar"]), ("imbalance", res["imbalance"]),
-            ("imbalance (step mean)", res["imbalance_step_mean"]),
+            ("TPOT p90 (s)", res["tpot_p90_s"]), ("LAR", res["lar"]), ("all-to-all bytes", res["a2a_bytes"]),
+            ("imbalance", res["imbalance"]), ("imbalance (step mean)", res["imbalance_step_mean"]),
             ("requests", res["num_requests"]), ("output tokens", res["output_tokens"]),
             ("steps", res["steps"]), ("elapsed (s)", res["elapsed_s"])]
     for note in res["notes"]:
@@ -484,6 +585,11 @@ def check_config(d: dict) -> None:
             raise FileNotFoundError(f"trace.path={path} does not exist")
         if not path and not d["trace"].get("synthetic", False):
             raise ValueError("router=replay needs trace.path=FILE (or trace.synthetic=true)")
+        offset, num_seq = d["trace"].get("request_offset") or 0, d["trace"].get("num_sequences")
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise ValueError(f"trace.request_offset must be an int >= 0, got {offset!r}")
+        if not path and num_seq and int(num_seq) <= offset:
+            raise ValueError(f"trace.request_offset={offset} leaves no sequence of trace.num_sequences={num_seq}")
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
@@ -496,9 +602,19 @@ def main(cfg: DictConfig) -> None:
             holder["plan_path"] = hydra.utils.to_absolute_path(holder["plan_path"])
     check_config(d)
     d["run_dir"] = run_dir()
-    res = launch(d, serve_worker)
-    if res is not None:
-        summarize(res, d["run_dir"])
+    if compare.enabled(d):
+        runs = compare.run_configs(d, os.path.join(os.path.dirname(_HERE), "conf"))
+        for run in runs[:2]:  # ours and the baseline
+            check_config(run)
+        par = dict(d["parallel"], timeout_s=float(d["parallel"].get("timeout_s", 600)) * len(runs))
+        t0 = time.perf_counter()
+        res = launch(dict(d, parallel=par, _runs=runs), compare_worker)
+        if res is not None:
+            compare.summarize(res, d, d["run_dir"], time.perf_counter() - t0)
+    else:
+        res = launch(d, serve_worker)
+        if res is not None:
+            summarize(res, d["run_dir"])
     shutdown()
 
 

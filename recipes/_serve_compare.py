@@ -1,0 +1,307 @@
+"""Ours against a baseline in ``recipes/serve.py``: the ``compare`` block.
+
+With ``compare.layer`` set, serve.py runs our configuration (``layer``, ``scheduler``) and the
+baseline (``compare.layer``, ``compare.scheduler``) once per seed, in one launch of the ranks::
+
+    python recipes/serve.py layer=semantic scheduler=semantic router=replay \\
+        compare.layer=vanilla compare.scheduler=round_robin compare.seeds=3
+
+Both sides of a seed serve the same requests (the seed draws the arrivals, lengths and the synthetic
+trace; ``requests_digest`` in every run proves it), start from the same attention weights and run
+on the same emulated hardware (``variability`` / ``emulation`` slow the ranks down for any layer).
+Only the layer (and the scheduler) differ. Within a seed the order alternates (ours first on even
+seed indices, the baseline first on odd ones) so that drift of a shared machine hits both sides
+alike.
+
+``results.json`` holds our medians over the seeds at the top level (the keys of a single run),
+``baseline`` with the same keys, ``runs`` (``{"ours": [...], "baseline": [...]}``, every run's full
+metrics with its ``seed``), ``seeds`` and ``comparison``: per compared metric the two medians, their
+ratio and difference, whether ours is better and on how many seeds, plus the flags ``lar_higher``,
+``a2a_bytes_lower``, ``tpot_p90_lower``, ... and ``same_requests``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from recipes._common import write_json
+
+# metrics reduced to medians over the seeds (plain numbers of a single run's results)
+MEDIAN_KEYS = ("throughput_tok_s", "total_tok_s", "ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "tpot_mean_s",
+               "tpot_p90_s", "lar", "imbalance", "imbalance_step_mean", "bytes_sent", "rows_sent", "a2a_bytes",
+               "a2a_dispatch_bytes", "a2a_combine_bytes", "a2a_rows", "num_requests", "finished_requests",
+               "output_tokens", "prompt_tokens", "steps", "elapsed_s", "emulated_expert_s")
+# (metric, which direction is better, flag in `comparison`)
+COMPARED = (("lar", "higher", "lar_higher"), ("a2a_bytes", "lower", "a2a_bytes_lower"),
+            ("tpot_p90_s", "lower", "tpot_p90_lower"), ("tpot_mean_s", "lower", "tpot_mean_lower"),
+            ("throughput_tok_s", "higher", "throughput_higher"), ("ttft_p50_s", "lower", "ttft_p50_lower"),
+            ("ttft_p99_s", "lower", "ttft_p99_lower"), ("imbalance", "lower", "imbalance_lower"),
+            ("emulated_expert_s", "lower", "emulated_expert_lower"))
+SIDES = ("ours", "baseline")
+
+
+# ---------------------------------------------------------------------- config
+def enabled(cfg: dict) -> bool:
+    """Whether the config asks for a comparison (``compare.layer`` set)."""
+    comp = cfg.get("compare")
+    return isinstance(comp, dict) and comp.get("layer") is not None
+
+
+def seeds(cfg: dict) -> list[int]:
+    """``compare.seeds``: ``n`` -> ``seed, seed+1, ..., seed+n-1``; a list -> those seeds.
+
+    Raises:
+        ValueError: not a positive int or a non-empty list of distinct ints.
+    """
+    spec = cfg["compare"].get("seeds", 3)
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        if spec < 1:
+            raise ValueError(f"compare.seeds must be >= 1 (or a list of seeds), got {spec}")
+        return [int(cfg["seed"]) + i for i in range(spec)]
+    if (isinstance(spec, (list, tuple)) and spec and len(set(spec)) == len(spec)
+            and all(isinstance(s, int) and not isinstance(s, bool) for s in spec)):
+        return [int(s) for s in spec]
+    raise ValueError(f"compare.seeds must be a positive int or a list of distinct ints, got {spec!r}")
+
+
+def baseline_layer(spec: Any, conf_dir: str) -> dict:
+    """The baseline's layer config: a name of ``conf/layer/NAME.yaml``, or a dict like one.
+
+    Raises:
+        ValueError / FileNotFoundError: an unknown name or a dict without ``name`` and ``cls``.
+    """
+    if isinstance(spec, str):
+        path = os.path.join(conf_dir, "layer", f"{spec}.yaml")
+        if not os.path.isfile(path):
+            names = sorted(f[:-5] for f in os.listdir(os.path.join(conf_dir, "layer")) if f.endswith(".yaml"))
+            raise FileNotFoundError(f"compare.layer={spec!r}: no {path}; one of {names}, or a dict with name, cls")
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    if isinstance(spec, dict) and spec.get("name") and spec.get("cls"):
+        return copy.deepcopy(spec)
+    raise ValueError(f"compare.layer must be a layer name (conf/layer) or a dict with name and cls, got {spec!r}")
+
+
+def run_configs(cfg: dict, conf_dir: str) -> list[dict]:
+    """The per-run configs, in run order: for each seed ours and the baseline (alternating which
+    goes first). Each is ``cfg`` without ``compare``, with ``seed``, ``layer``, ``scheduler`` set and
+    ``_side`` / ``_run_label`` (not echoed into results)."""
+    comp = cfg["compare"]
+    base_layer = baseline_layer(comp["layer"], conf_dir)
+    base_sched = comp.get("scheduler") if comp.get("scheduler") is not None else cfg["scheduler"]
+    runs = []
+    for i, seed in enumerate(seeds(cfg)):
+        sides = [("ours", cfg["layer"], cfg["scheduler"]), ("baseline", base_layer, base_sched)]
+        for side, layer, sched in (sides if i % 2 == 0 else sides[::-1]):
+            run = {k: copy.deepcopy(v) for k, v in cfg.items() if k not in ("compare", "run_dir")}
+            run.update(seed=seed, layer=copy.deepcopy(layer), scheduler=copy.deepcopy(sched),
+                       run_dir=cfg.get("run_dir"), _side=side, _run_label=f"{side} ({layer['name']}) seed {seed}")
+            runs.append(run)
+    return runs
+
+
+# ---------------------------------------------------------------------- aggregation
+def _num(v: Any) -> float:
+    return float("nan") if v is None else float(v)
+
+
+def medians(runs: list[dict]) -> dict:
+    """``np.median`` over the runs of every :data:`MEDIAN_KEYS` metric, and per rank of ``rank_loads``."""
+    out = {k: float(np.median([_num(r[k]) for r in runs])) for k in MEDIAN_KEYS if all(k in r for r in runs)}
+    out["rank_loads"] = [float(np.median(col)) for col in zip(*(r["rank_loads"] for r in runs))]
+    return out
+
+
+def side_summary(runs: list[dict]) -> dict:
+    """One side: medians plus what is common to its runs (layer, scheduler, world, model, notes)."""
+    first = runs[0]
+    out = medians(runs)
+    out.update({k: first[k] for k in ("world_size", "layer", "router", "scheduler", "model")})
+    out["seeds"] = [r["seed"] for r in runs]
+    out["notes"] = list(dict.fromkeys(n for r in runs for n in r["notes"]))
+    return out
+
+
+def _better(ours: float, base: float, direction: str) -> bool:
+    if not (math.isfinite(ours) and math.isfinite(base)):
+        return False
+    return ours > base if direction == "higher" else ours < base
+
+
+def comparison(runs: dict[str, list[dict]], ours: dict, base: dict) -> dict:
+    """Per compared metric: both medians, ``ratio`` (ours / baseline), ``delta`` (ours - baseline),
+    ``ours_better`` (on the medians) and ``seeds_ours_better`` (seed by seed); the flags of
+    :data:`COMPARED` and ``same_requests`` (every seed served identical requests on both sides)."""
+    base_by_seed = {r["seed"]: r for r in runs["baseline"]}
+    pairs = [(r, base_by_seed[r["seed"]]) for r in runs["ours"]]
+    metrics, flags = {}, {}
+    for key, direction, flag in COMPARED:
+        if key not in ours or key not in base:  # e.g. emulated_expert_s outside emulation.mode=curve
+            continue
+        o, b = ours[key], base[key]
+        metrics[key] = {"ours": o, "baseline": b, "ratio": o / b if b else float("nan"), "delta": o - b,
+                        "better": direction, "ours_better": _better(o, b, direction),
+                        "seeds_ours_better": sum(_better(_num(ro[key]), _num(rb[key]), direction) for ro, rb in pairs),
+                        "seeds": len(pairs)}
+        flags[flag] = metrics[key]["ours_better"]
+    same = all(ro["requests_digest"] == rb["requests_digest"] for ro, rb in pairs)
+    return {**flags, "same_requests": same, "metrics": metrics}
+
+
+def build_results(run_results: list[dict], cfg: dict, wall_s: float) -> dict:
+    """The comparison's results dict (see the module docstring) from every run's results."""
+    runs = {side: sorted((dict(r) for r in run_results if r["side"] == side), key=lambda r: r["seed"])
+            for side in SIDES}
+    for side in SIDES:
+        for r in runs[side]:
+            r.pop("config", None)  # the top-level config, with this run's seed / layer / scheduler
+    ours, base = side_summary(runs["ours"]), side_summary(runs["baseline"])
+    echo = {k: v for k, v in cfg.items() if k != "run_dir" and not k.startswith("_")}
+    return {**ours, "config": echo, "baseline": base, "seeds": ours["seeds"],
+            "comparison": comparison(runs, ours, base),
+            "compare": {"baseline_layer": runs["baseline"][0]["layer"], "baseline_scheduler": base["scheduler"],
+                        "order": "per seed, ours first on even seed indices, the baseline first on odd ones"},
+            "wall_s": wall_s, "runs": runs}
+
+
+# ---------------------------------------------------------------------- output
+def _fmt(v: Any) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v)
+    if isinstance(v, float):
+        return "nan" if v != v else format(v, ".4g")
+    return str(v)
+
+
+def print_grid(header: list[str], rows: list[list[Any]], title: str | None = None) -> str:
+    """Print (and return) a table with a header row; first column left-aligned, the rest right."""
+    cells = [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    bar = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
+
+    def line(vals):
+        cells_ = [v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(vals, widths))]
+        return "| " + " | ".join(cells_) + " |"
+
+    lines = ([title] if title else []) + [bar, line(header), bar] + [line(r) for r in cells] + [bar]
+    text = "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+TABLE_ROWS = (("throughput (out tok/s)", "throughput_tok_s"), ("TTFT p50 (s)", "ttft_p50_s"),
+              ("TTFT p99 (s)", "ttft_p99_s"), ("TPOT mean (s)", "tpot_mean_s"), ("TPOT p90 (s)", "tpot_p90_s"),
+              ("LAR", "lar"), ("all-to-all bytes", "a2a_bytes"), ("imbalance", "imbalance"),
+              ("emulated expert time (s)", "emulated_expert_s"), ("output tokens", "output_tokens"),
+              ("steps", "steps"), ("elapsed (s)", "elapsed_s"))
+
+
+def print_tables(res: dict) -> None:
+    """Per-run key metrics, then the medians side by side with ratio and per-seed wins."""
+    rows = []
+    for seed in res["seeds"]:
+        for side in SIDES:
+            r = next(x for x in res["runs"][side] if x["seed"] == seed)
+            rows.append([seed, f"{side} ({r['layer']})", r["throughput_tok_s"], r["ttft_p99_s"], r["tpot_mean_s"],
+                         r["tpot_p90_s"], r["lar"], r["a2a_bytes"], len(r.get("replans") or [])])
+    print_grid(["seed", "side", "out tok/s", "TTFT p99", "TPOT mean", "TPOT p90", "LAR", "a2a bytes",
+                "re-plans (all layers)"], rows, title="runs")
+    cmp_metrics = res["comparison"]["metrics"]
+    rows = []
+    for label, key in TABLE_ROWS:
+        if key not in res or key not in res["baseline"]:
+            continue
+        m = cmp_metrics.get(key)
+        ratio = res[key] / res["baseline"][key] if res["baseline"][key] else float("nan")
+        wins = f"{m['seeds_ours_better']}/{m['seeds']} ({m['better']})" if m else ""
+        rows.append([label, res[key], res["baseline"][key], ratio, wins])
+    base = res["baseline"]
+    title = (f"compare: {res['layer']} (scheduler={res['scheduler']}) vs {base['layer']} "
+             f"(scheduler={base['scheduler']}), router={res['router']}, world={res['world_size']}, "
+             f"seeds={res['seeds']}")
+    print_grid(["metric (median)", f"ours: {res['layer']}", f"baseline: {base['layer']}", "ours/base",
+                "seeds ours better"], rows, title=title)
+    c = res["comparison"]
+    print("comparison: " + ", ".join(f"{flag}={c[flag]}" for _, _, flag in COMPARED if flag in c)
+          + f", same_requests={c['same_requests']}")
+
+
+def plot_compare(res: dict, path: str) -> None:
+    """Per-seed bars (and the median) of the key metrics, ours against the baseline."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (("throughput_tok_s", "throughput (out tok/s)"), ("tpot_mean_s", "TPOT mean (s)"),
+              ("tpot_p90_s", "TPOT p90 (s)"), ("ttft_p99_s", "TTFT p99 (s)"), ("lar", "LAR"),
+              ("a2a_bytes", "all-to-all bytes"))
+    labels = [str(s) for s in res["seeds"]] + ["median"]
+    x = np.arange(len(labels))
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6), dpi=100)
+    for ax, (key, title) in zip(axes.ravel(), panels):
+        for j, side in enumerate(SIDES):
+            summary = res if side == "ours" else res["baseline"]
+            vals = [_num(r[key]) for r in res["runs"][side]] + [_num(summary[key])]
+            ax.bar(x + (j - 0.5) * 0.4, vals, width=0.4, label=f"{side}: {summary['layer']}",
+                   color=("tab:blue", "tab:gray")[j])
+        ax.set_xticks(x, labels)
+        ax.set_xlabel("seed")
+        m = res["comparison"]["metrics"].get(key)
+        ax.set_title(title + (f"  ({m['better']} is better)" if m else ""), fontsize=9)
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(f"{res['layer']} vs {res['baseline']['layer']}, router={res['router']}, world {res['world_size']}")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_rank_load_sides(res: dict, path: str) -> None:
+    """Activations received per rank per step, ours above the baseline, for the first seed
+    (dashed lines: our re-plans)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seed = res["seeds"][0]
+    fig, axes = plt.subplots(2, 1, figsize=(8, 5.5), dpi=100, sharex=True)
+    for ax, side in zip(axes, SIDES):
+        r = next(x for x in res["runs"][side] if x["seed"] == seed)
+        data = np.asarray(r["rank_load_per_step"], dtype=np.float64).reshape(len(r["rank_load_per_step"]), -1)
+        for k in range(data.shape[1]):
+            ax.plot(np.arange(1, data.shape[0] + 1), data[:, k], lw=1, label=f"rank {k}")
+        for rp in r.get("replans") or []:
+            ax.axvline(rp["step"], color="k", ls="--", lw=0.8)
+        ax.set_ylabel("received")
+        ax.set_title(f"{side}: {r['layer']} (seed {seed}, imbalance {r['imbalance']:.3g}, LAR {r['lar']:.3g})",
+                     fontsize=9)
+        if data.shape[1] <= 16:
+            ax.legend(fontsize=7, ncol=min(8, data.shape[1]))
+    axes[-1].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def summarize(run_results: list[dict], cfg: dict, out_dir: str, wall_s: float) -> dict:
+    """Build the results, print the tables, write results.json, compare.png and rank_load.png."""
+    res = build_results(run_results, cfg, wall_s)
+    for note in res["notes"]:
+        print(f"note (ours): {note}")
+    for note in res["baseline"]["notes"]:
+        print(f"note (baseline): {note}")
+    print_tables(res)
+    path = write_json(os.path.join(out_dir, "results.json"), res)
+    print(f"results: {path}  ({len(run_results)} runs, {wall_s:.1f} s)")
+    if cfg.get("plot", True):
+        for name, fn in (("compare.png", plot_compare), ("rank_load.png", plot_rank_load_sides)):
+            fn(res, os.path.join(out_dir, name))
+            print(f"plot: {os.path.join(out_dir, name)}")
+    return res

@@ -1,0 +1,111 @@
+"""recipes/serve.py with a `compare` block: ours against a baseline on the same requests, once per seed,
+one results.json (2 gloo processes)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVE = ROOT / "recipes" / "serve.py"
+KEYS = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_mean_s", "tpot_p90_s", "lar", "imbalance", "a2a_bytes",
+        "world_size", "layer")
+MEDIANS = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_mean_s", "tpot_p90_s", "lar", "imbalance",
+           "a2a_bytes", "bytes_sent", "output_tokens", "steps", "elapsed_s")
+
+
+def _compare(run_dir: Path, *overrides: str) -> tuple[dict, str]:
+    cmd = [sys.executable, str(SERVE), "parallel.world_size=2", f"hydra.run.dir={run_dir}", *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, f"serve failed:\n{proc.stdout}\n{proc.stderr}"
+    return json.loads((run_dir / "results.json").read_text()), proc.stdout
+
+
+def _check_structure(res: dict, seeds: list[int], ours: str, base: str) -> None:
+    assert res["seeds"] == seeds and res["layer"] == ours and res["baseline"]["layer"] == base
+    for key in KEYS:
+        assert key in res and key in res["baseline"], key
+    runs = res["runs"]
+    assert set(runs) == {"ours", "baseline"}
+    for side, name in (("ours", ours), ("baseline", base)):
+        assert [r["seed"] for r in runs[side]] == seeds
+        assert all(r["layer"] == name and r["side"] == side and r["output_tokens"] > 0 for r in runs[side])
+        summary = res if side == "ours" else res["baseline"]
+        for key in MEDIANS:  # the summaries are medians over the seeds
+            assert summary[key] == pytest.approx(float(np.median([r[key] for r in runs[side]])), rel=1e-12), (side, key)
+    for ro, rb in zip(runs["ours"], runs["baseline"]):  # same seed -> the same requests on both sides
+        assert ro["requests_digest"] == rb["requests_digest"]
+        strip = [[(q["id"], q["arrival_s"], q["prompt_len"], q["output_len"]) for q in r["requests"]] for r in (ro, rb)]
+        assert strip[0] == strip[1] and ro["output_tokens"] == rb["output_tokens"]
+        assert ro["a2a_bytes"] == ro["a2a_dispatch_bytes"] + ro["a2a_combine_bytes"] > 0
+    for ra, rb in zip(runs["ours"], runs["ours"][1:]):  # different seeds -> different requests
+        assert ra["requests_digest"] != rb["requests_digest"]
+    cmp = res["comparison"]
+    assert cmp["same_requests"] is True
+    for key, flag in (("lar", "lar_higher"), ("a2a_bytes", "a2a_bytes_lower"), ("tpot_p90_s", "tpot_p90_lower")):
+        m = cmp["metrics"][key]
+        assert m["ours"] == res[key] and m["baseline"] == res["baseline"][key]
+        assert m["ratio"] == pytest.approx(res[key] / res["baseline"][key])
+        assert cmp[flag] == m["ours_better"] and 0 <= m["seeds_ours_better"] <= len(seeds)
+
+
+@pytest.mark.timeout(150)
+def test_compare_semantic_vs_vanilla(tmp_path):
+    seeds = [0, 2]
+    res, out = _compare(tmp_path / "run", "layer=semantic", "scheduler=semantic", "router=replay",
+                        "workload.num_requests=8", "trace.num_sequences=64", "trace.request_offset=32",
+                        "compare.layer=vanilla", "compare.scheduler=round_robin",
+                        f"compare.seeds=[{seeds[0]},{seeds[1]}]")
+    assert "compare: semantic (scheduler=semantic) vs vanilla (scheduler=round_robin)" in out  # side-by-side table
+    assert (tmp_path / "run" / "compare.png").stat().st_size > 1000
+    assert (tmp_path / "run" / "rank_load.png").stat().st_size > 1000
+    _check_structure(res, seeds, "semantic", "vanilla")
+    assert res["scheduler"] == "semantic" and res["baseline"]["scheduler"] == "round_robin"
+    assert res["config"]["compare"]["layer"] == "vanilla"
+    # held-out requests: sequences 32.. of the trace (the plan is built on sequences 0..31)
+    assert all(r["requests_digest"] for r in res["runs"]["ours"])
+    # routing is replayed: LAR depends only on the trace, the plan and the scheduler -> deterministic
+    assert all(ro["lar"] > rb["lar"] for ro, rb in zip(res["runs"]["ours"], res["runs"]["baseline"]))
+    assert res["lar"] > res["baseline"]["lar"] and res["comparison"]["lar_higher"] is True
+
+
+@pytest.mark.timeout(150)
+def test_compare_variability_vs_vanilla_same_emulated_hardware(tmp_path):
+    seeds = [3, 4]
+    res, _ = _compare(tmp_path / "run", "layer=variability", "variability=high", "emulation.mode=curve",
+                      "emulation.time_scale=20", "router=replay", "workload.num_requests=8", "layer.kwargs.window=4",
+                      "compare.layer=vanilla", "compare.seeds=2", "seed=3", "progress=false", "plot=false")
+    _check_structure(res, seeds, "variability", "vanilla")
+    assert not (tmp_path / "run" / "compare.png").exists()
+    for side in ("ours", "baseline"):  # both sides run on the same emulated slow rank 0
+        for r in res["runs"][side]:
+            assert "emulated variability=high (curve mode) on rank 0" in r["notes"]
+            assert r["emulated_expert_s"] > 0 and len(r["emulated_expert_rank_s"]) == 2
+    assert all(len(r["replans"]) == 2 for r in res["runs"]["ours"])  # each MoE layer re-planned once
+    assert all(r["replans"] == [] for r in res["runs"]["baseline"])
+    assert "emulated_expert_s" in res["comparison"]["metrics"]
+
+
+def test_compare_config_errors(tmp_path):
+    from recipes import _serve_compare as compare
+
+    conf = str(ROOT / "conf")
+    cfg = {"seed": 5, "layer": {"name": "variability", "cls": "x"}, "scheduler": "round_robin",
+           "compare": {"layer": "vanilla", "seeds": 3}}
+    assert compare.enabled(cfg) and not compare.enabled({"compare": {"layer": None}})
+    assert compare.seeds(cfg) == [5, 6, 7]
+    runs = compare.run_configs(cfg, conf)
+    assert [(r["_side"], r["seed"]) for r in runs] == [("ours", 5), ("baseline", 5), ("baseline", 6), ("ours", 6),
+                                                        ("ours", 7), ("baseline", 7)]
+    assert all("compare" not in r for r in runs)
+    assert runs[1]["layer"]["cls"] == "moelayers.VanillaMoE" and runs[1]["scheduler"] == "round_robin"
+    for bad in (0, [], [1, 1], "3", True):
+        with pytest.raises(ValueError, match="compare.seeds"):
+            compare.seeds(dict(cfg, compare={"layer": "vanilla", "seeds": bad}))
+    with pytest.raises(FileNotFoundError, match="no_such_layer"):
+        compare.run_configs(dict(cfg, compare={"layer": "no_such_layer"}), conf)
