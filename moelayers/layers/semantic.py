@@ -10,8 +10,12 @@ previous layers). Online, tokens are sent to where their experts are:
   :class:`moelayers.schedule.SemanticScheduler` outside the layer.
 - ``mode='tp'`` (attention tensor-parallel, ``tp = ep``): :meth:`SemanticMoE.forward_tp` replaces
   attention's all-reduce by a reduce-scatter whose rows are rebatched so that each rank gets the
-  tokens predicted for it (Sem-MoE Algorithm 3), runs the MoE on its chunk (expert-parallel over
-  the same group) and all-gathers the result back into the original order::
+  tokens predicted for it, runs the MoE on its chunk (expert-parallel over the same group) and
+  all-gathers the result back into the original order. The prediction is the plan's: with
+  ``token_logq`` (what ``plan_semantic`` writes for tp) the log-linear predictor of the token id
+  and the token's experts at the previous layers, balanced into equal chunks exactly as the
+  held-out evaluation does (``moelayers.schedule.token_shuffle.HistoryPredictor``); otherwise
+  Sem-MoE Algorithm 3 (token table vs n-gram of the previous ranks)::
 
       attn_partial [T, H] --shuffled reduce-scatter--> [C, H] (+ residual rows of the chunk) = h
       h + moe(norm(h))    --shuffled all-gather-->     [T, H], original order, every TP rank
@@ -33,9 +37,11 @@ from moelayers.kernels import shuffle_rows
 from moelayers.layers.base import MoELayerBase
 from moelayers.placement import ExpertPlacement
 from moelayers.schedule.token_shuffle import (
+    HistoryPredictor,
     LayerTables,
     PrevRanks,
     Rebatch,
+    rebatch_history,
     rebatch_tokens,
     shuffled_all_gather,
     shuffled_reduce_scatter,
@@ -62,11 +68,14 @@ class SemanticMoE(MoELayerBase):
         semantic_plan: the plan (``None`` without one; ``plan`` is the base's step-2 method).
         last_ranks: ``[T]`` int64 rank each token was assigned to in the last ``forward_tp``
             (original token order, same on every TP rank).
-        last_context_ranks: ``[T]`` int64 rank holding most of each token's experts at this layer
-            (ties: the lower rank) in the last ``forward_tp``: the n-gram context of the next two
-            layers, as the plan defines it (``moelayers.planning.semantic.majority_rank``). Only
-            gathered when the plan's n-gram has confidence at layer ``layer_idx + 1`` or ``+ 2``
-            (else ``None``); pass ``(ranks at l-2, ranks at l-1)`` as ``prev_ranks``.
+        last_context_ranks: the context the next layers' predictors need, from the last
+            ``forward_tp`` (same on every TP rank; ``None`` when no later layer uses it). With the
+            history predictor: ``[D', T, K]`` int64 expert ids of the tokens at this layer and the
+            ``D' - 1`` before it (the history the next layer reads; pass it as ``prev_ranks[1]``).
+            With Algorithm 3: ``[T]`` int64 rank holding most of each token's experts at this layer
+            (ties: the lower rank, ``moelayers.planning.semantic.majority_rank``), gathered when the
+            plan's n-gram has confidence at layer ``layer_idx + 1`` or ``+ 2``; pass
+            ``(ranks at l-2, ranks at l-1)`` as ``prev_ranks``.
         last_rebatch: the last :class:`moelayers.schedule.Rebatch`.
 
     Raises:
@@ -96,17 +105,22 @@ class SemanticMoE(MoELayerBase):
         if mode == "tp" and (groups.tp_size != groups.ep_size or groups.tp_rank != groups.ep_rank):
             raise ValueError(f"mode='tp' runs the MoE expert-parallel over the TP group (tp = ep), got "
                              f"tp={groups.tp_size}, ep={groups.ep_size}: use ParallelGroups.from_world(tp=world)")
-        tables, self.gather_context = None, False
+        tables, predictor, self.gather_context = None, None, False
         if plan is not None:
             _check_plan(plan, config, groups)
-            tables = LayerTables.from_plan(plan, layer_idx)
+            tables = LayerTables.from_plan(plan, layer_idx)  # also checks layer_idx and the table shapes
             placement = placement or plan.placement(layer_idx)
-            later = torch.as_tensor(plan.ngram_conf)[layer_idx + 1:layer_idx + 3]
-            self.gather_context = mode == "tp" and bool((later > 0).any())
+            predictor = HistoryPredictor.from_plan(plan, layer_idx) if mode == "tp" else None
+            if predictor is None:
+                later = torch.as_tensor(plan.ngram_conf)[layer_idx + 1:layer_idx + 3]
+            else:
+                hist = getattr(plan, "history_pmi", None)
+                later = torch.zeros(0) if hist is None else torch.as_tensor(hist)[layer_idx + 1:layer_idx + 1 + hist.shape[1]]
+            self.gather_context = mode == "tp" and bool((later != 0).any())
         super().__init__(config, groups, placement=placement, **kwargs)
         self.mode, self.semantic_plan, self.layer_idx = mode, plan, layer_idx
-        self._tables = tables
-        self._tables_on: dict[torch.device, LayerTables] = {}
+        self._tables, self._predictor = tables, predictor
+        self._tables_on: dict[torch.device, LayerTables | HistoryPredictor] = {}
         self.last_ranks: torch.Tensor | None = None
         self.last_context_ranks: torch.Tensor | None = None
         self.last_rebatch: Rebatch | None = None
@@ -130,13 +144,14 @@ class SemanticMoE(MoELayerBase):
         return cls(config, groups, mode=mode, plan=plan, layer_idx=layer_idx, **kwargs)
 
     # ------------------------------------------------------------------ attention-TP
-    def tables(self, device: torch.device) -> LayerTables | None:
-        """This layer's predictors on ``device`` (cached), or ``None`` without a plan."""
-        if self._tables is None:
+    def tables(self, device: torch.device) -> LayerTables | HistoryPredictor | None:
+        """This layer's predictor on ``device`` (cached), or ``None`` without a plan."""
+        table = self._predictor if self._predictor is not None else self._tables
+        if table is None:
             return None
         device = torch.device(device)
         if device not in self._tables_on:
-            self._tables_on[device] = self._tables.to(device)
+            self._tables_on[device] = table.to(device)
         return self._tables_on[device]
 
     def rebatch(self, token_ids: torch.Tensor | None, prev_ranks: PrevRanks = None, *,
@@ -145,13 +160,16 @@ class SemanticMoE(MoELayerBase):
 
         Args:
             token_ids: ``[T]`` token ids (``None`` only without a plan, with ``num_tokens``).
-            prev_ranks: the tokens' ranks at layers ``l-2, l-1`` (see ``predict_ranks``).
+            prev_ranks: the previous layers' context (see :meth:`forward_tp`).
         """
         if token_ids is None:
-            if self._tables is not None:
+            if self._tables is not None or self._predictor is not None:
                 raise ValueError("forward_tp needs token_ids: the plan predicts ranks from them")
             token_ids = torch.zeros(num_tokens or 0, dtype=torch.int64, device=self.router.weight.device)
-        return rebatch_tokens(token_ids.reshape(-1), self.tables(token_ids.device), self.groups.tp_size, prev_ranks)
+        ids = token_ids.reshape(-1)
+        if self._predictor is not None:
+            return rebatch_history(ids, self.tables(ids.device), self.groups.tp_size, _history_of(prev_ranks, ids))
+        return rebatch_tokens(ids, self.tables(ids.device), self.groups.tp_size, prev_ranks)
 
     def forward_tp(self, attn_partial: torch.Tensor, residual: torch.Tensor,
                    norm: Callable[[torch.Tensor], torch.Tensor], *, token_ids: torch.Tensor | None,
@@ -164,9 +182,11 @@ class SemanticMoE(MoELayerBase):
             residual: same shape: the residual stream (identical on every TP rank).
             norm: the pre-MoE norm, applied to this rank's chunk of ``h``.
             token_ids: ``[T]`` (or ``[S, B]``) token ids, flattened like ``attn_partial``.
-            prev_ranks: the tokens' n-gram context: their ranks at layers ``l-2`` and ``l-1``
-                (``[2, T]`` or a pair, ``None``/``-1`` = unknown), i.e. the earlier layers'
-                :attr:`last_context_ranks`.
+            prev_ranks: the context from the earlier layers, i.e. their :attr:`last_context_ranks`
+                as a pair ``(layer l-2's, layer l-1's)``. History predictor: the second is
+                ``[D', T, K]`` expert ids at layers ``l-1, l-2, ...`` (a ``[D', T, K]`` tensor alone
+                is accepted too; ``None`` = no history). Algorithm 3: the tokens' ranks at layers
+                ``l-2`` and ``l-1`` (``[2, T]`` or a pair, ``None``/``-1`` = unknown).
 
         Returns:
             ``[T, H]`` (shape of ``attn_partial``), original token order, on every TP rank.
@@ -196,8 +216,35 @@ class SemanticMoE(MoELayerBase):
         out_chunk = torch.cat([hv + y, h[n:]])
         out = shuffled_all_gather(out_chunk, rb.perm, group, inverse=rb.inverse)
         self.last_ranks, self.last_rebatch = rb.rank, rb
-        self.last_context_ranks = self._context_ranks(rb, n) if self.gather_context else None
+        self.last_context_ranks = None
+        if self.gather_context and self._predictor is not None:
+            self.last_context_ranks = self._context_history(rb, n, _history_of(prev_ranks, token_ids))
+        elif self.gather_context:
+            self.last_context_ranks = self._context_ranks(rb, n)
         return out.view(attn_partial.shape)
+
+    def _gather_rows(self, rows: torch.Tensor, rb: Rebatch) -> torch.Tensor:
+        """``[T, ...]`` in the original token order from every rank's ``[C, ...]`` chunk rows."""
+        if self.groups.tp is None:
+            gathered = rows
+        else:
+            gathered = rows.new_empty((self.groups.tp_size * rows.shape[0], *rows.shape[1:]))
+            if gathered.numel():
+                dist.all_gather_into_tensor(gathered, rows.contiguous(), group=self.groups.tp)
+        return gathered[rb.inverse]
+
+    def _context_history(self, rb: Rebatch, n: int, history: torch.Tensor | None) -> torch.Tensor | None:
+        """``[D', T, K]`` experts of every token at this layer and the ``D' - 1`` before it."""
+        topk = self.last_topk_ids  # [n, K] this chunk's routing (None when replayed from a CUDA graph)
+        if topk is None:
+            return None
+        mine = torch.full((rb.chunk_size, topk.shape[1]), -1, dtype=torch.int64, device=topk.device)
+        mine[:n] = topk
+        now = self._gather_rows(mine, rb)[None]
+        depth = int(self._predictor.history.shape[0])
+        if history is None or depth < 2:
+            return now
+        return torch.cat([now, history[: depth - 1].to(now.device, torch.int64)])
 
     def _context_ranks(self, rb: Rebatch, n: int) -> torch.Tensor | None:
         """``[T]`` majority rank of each token's experts here, gathered from the chunks' routing."""
@@ -210,16 +257,22 @@ class SemanticMoE(MoELayerBase):
         counts = torch.zeros(rb.chunk_size, r, dtype=torch.int64, device=dev)
         counts[:n].scatter_add_(1, self._expert_rank_on[topk], torch.ones_like(topk))
         mine = torch.where(torch.arange(rb.chunk_size, device=dev) < n, counts.argmax(1), -1)  # ties: lower rank
-        if self.groups.tp is None:
-            gathered = mine
-        else:
-            gathered = mine.new_empty(r * rb.chunk_size)
-            if gathered.numel():
-                dist.all_gather_into_tensor(gathered, mine, group=self.groups.tp)
-        return gathered[rb.inverse]
+        return self._gather_rows(mine, rb)
 
     def extra_repr(self) -> str:
         return f"mode={self.mode}, layer_idx={self.layer_idx}, " + super().extra_repr()
+
+
+def _history_of(prev: PrevRanks, token_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """The ``[D', T, K]`` expert history in ``prev`` (a pair whose second entry is it, or itself), else ``None``."""
+    if isinstance(prev, (tuple, list)) and len(prev) == 2:
+        prev = prev[1]
+    if not isinstance(prev, torch.Tensor) or prev.dim() != 3:
+        return None
+    t = -1 if token_ids is None else token_ids.numel()
+    if prev.shape[1] != t:
+        raise ValueError(f"the expert history must be [D', T={t}, K], got {list(prev.shape)}")
+    return prev
 
 
 def _check_plan(plan: Any, config: MoEConfig, groups: ParallelGroups) -> None:

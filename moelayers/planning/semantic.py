@@ -8,8 +8,9 @@ Profiling tables, built from a routing trace (:class:`~moelayers.trace.RoutingTr
 * per rank (under a placement) the token→rank table ``Pr(rank | token)`` (:func:`token_rank_probs`),
   smoothed towards the layer's rank distribution;
 * the inter-layer device n-gram ``A, A_p`` (:func:`ngram_tables`): the token's ranks at layers
-  ``l-2, l-1`` → its most likely rank at ``l`` and that rank's confidence, and the expert-level
-  history tables (:func:`history_tables`), the same idea with the previous layers' *experts*.
+  ``l-2, l-1`` → its most likely rank at ``l`` and that rank's confidence (Algorithm 3);
+* the tp predictor of :meth:`SemanticPlan.rank_scores`: a log-linear model of the token id and the
+  token's *experts* at the previous ``D`` layers (:mod:`moelayers.planning.semantic_predict`).
 
 A token's *rank at a layer* (for the n-gram) is the rank holding most of its ``K`` experts there
 under the plan's placement, ties to the lower rank (:func:`majority_rank`): the routing of earlier
@@ -36,7 +37,7 @@ from moelayers.placement import ExpertPlacement
 
 __all__ = [
     "TokenExpertTable", "build_token_table", "check_token_ids", "nearest_seen_tokens", "token_rank_probs",
-    "majority_rank", "rank_counts", "ngram_tables", "history_tables", "SemanticPlan",
+    "majority_rank", "rank_counts", "ngram_tables", "SemanticPlan",
 ]  # plan_semantic is importable from here too (lazily, see __getattr__)
 
 FORMAT_VERSION = 1
@@ -261,34 +262,6 @@ def ngram_tables(topk_ids: np.ndarray, expert_rank: np.ndarray, num_ranks: int) 
     return rank_, conf
 
 
-def history_tables(topk_ids: np.ndarray, expert_rank: np.ndarray, num_ranks: int, depth: int = 2, *,
-                   smoothing: float = 20.0) -> np.ndarray:
-    """Expert-level history n-gram: ``[L, depth, E, R]`` float32 pointwise mutual information.
-
-    ``H[l, d-1, e, r] = log Pr(activation at l on rank r | expert e chosen at layer l-d) - log Pr(rank r at l)``
-    (smoothed with ``smoothing`` pseudo-activations of the layer distribution; 0 where ``l < d``).
-    Summed over a token's experts at layers ``l-1 .. l-depth`` and added to ``log Pr(rank | token)``
-    it is a naive-Bayes estimate of where the token's activations at ``l`` land.
-
-    Args:
-        topk_ids: ``[T, L, K]`` routing.
-        expert_rank: ``[L, E]`` placements.
-    """
-    num_t, num_l, k = topk_ids.shape
-    num_e, r = expert_rank.shape[1], num_ranks
-    out = np.zeros((num_l, depth, num_e, r), dtype=np.float32)
-    ids = topk_ids.astype(np.int64)
-    for layer in range(1, num_l):
-        ranks = expert_rank[layer][ids[:, layer]]  # [T, K]
-        prior = np.bincount(ranks.ravel(), minlength=r) / ranks.size
-        for d in range(1, min(depth, layer) + 1):
-            keys = ids[:, layer - d, :, None] * r + ranks[:, None, :]  # every (expert at l-d, rank at l) pair
-            x = np.bincount(keys.ravel(), minlength=num_e * r).reshape(num_e, r).astype(np.float64)
-            x = (x + smoothing * prior) / (x.sum(1, keepdims=True) + smoothing)
-            out[layer, d - 1] = np.log(x) - np.log(np.maximum(prior, 1e-12))
-    return out
-
-
 # ------------------------------------------------------------------------------------ the plan
 _REQUIRED = ("expert_rank", "token_rank", "token_conf", "ngram_rank", "ngram_conf", "num_ranks", "num_experts",
              "vocab_size", "mode")
@@ -309,8 +282,11 @@ class SemanticPlan:
         ngram_conf: ``[L, R, R]`` float32 (0 for layers 0/1 and unseen contexts).
         num_ranks, num_experts, vocab_size: ``R``, ``E``, ``V``.
         mode: ``'tp'`` (tokens shuffled per layer) or ``'dp'`` (a request keeps one rank).
-        token_logq: optional ``[L, V, R]`` float16 ``log Pr(rank | token)`` (tp predictor).
-        history_pmi: optional ``[L, D, E, R]`` float32 history tables (:func:`history_tables`).
+        token_logq: optional ``[L, V, R]`` float16 token part of the tp predictor's log-scores
+            (:meth:`rank_scores`; fitted: ``a log Pr(rank | token) + c``, see ``semantic_predict``).
+        history_pmi: optional ``[L, D, E, R]`` float32 history part: the score each expert chosen at
+            layer ``l-d`` adds to each rank at ``l`` (the name is historical: pointwise mutual
+            information once, fitted log-linear weights now).
         history_weight: optional ``[D]`` float32 weights of the history terms in :meth:`rank_scores`.
         solver, theta, seed, objective: solver metadata (``objective [L]`` final value per layer).
         source: where the plan was loaded from (for error messages).
@@ -422,10 +398,12 @@ class SemanticPlan:
                                  f"setup needs {want}; re-plan with recipes/plan.py for this setup")
 
     def rank_scores(self, layer: int, token_ids: np.ndarray, prev_topk: np.ndarray | None = None) -> np.ndarray:
-        """Log-scores ``[n, R]`` of where tokens' activations at ``layer`` land (tp predictor).
+        """Log-scores ``[n, R]`` float32 of where tokens' activations at ``layer`` land (tp predictor).
 
-        ``log Pr(rank | token) + sum_d w_d sum_k history_pmi[layer, d-1, e_{l-d, k}]``; uses only
-        the token ids and the experts of *earlier* layers.
+        ``token_logq[layer][v] + sum_d w_d sum_k history_pmi[layer, d-1, e_{l-d, k}]``; uses only the
+        token ids and the experts of *earlier* layers. Accumulated in float32 in a fixed order (token
+        row, then depth by depth, expert by expert): the online shuffler
+        (``moelayers.schedule.token_shuffle.HistoryPredictor``) adds the same numbers in the same order.
 
         Args:
             layer: ``l``.
@@ -439,12 +417,18 @@ class SemanticPlan:
             conf = np.clip(self.token_conf[layer][ids], 1e-4, 1 - 1e-4)
             out = np.tile(np.log((1 - conf) / max(self.num_ranks - 1, 1))[:, None], (1, self.num_ranks))
             out[np.arange(ids.size), self.token_rank[layer][ids]] = np.log(conf)
+            out = out.astype(np.float32)
         if prev_topk is not None and self.history_pmi is not None:
             prev = np.asarray(prev_topk).astype(np.int64, copy=False)
             for d in range(min(prev.shape[1], self.history_pmi.shape[1], layer)):
-                w = float(self.history_weight[d])
-                if w:
-                    out += w * self.history_pmi[layer, d][prev[:, d]].sum(1)
+                w = np.float32(self.history_weight[d])
+                if w == 0:
+                    continue
+                table = self.history_pmi[layer, d]
+                term = table[prev[:, d, 0]].copy()
+                for k in range(1, prev.shape[2]):
+                    term += table[prev[:, d, k]]
+                out += term if w == 1 else w * term
         return out
 
     # ------------------------------------------------------------------ files

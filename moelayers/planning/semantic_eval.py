@@ -6,14 +6,16 @@
 layer ``l`` is chosen from what the online shuffler knows when layer ``l``'s input is shuffled:
 its token id and the routing (experts) of layers *before* ``l`` — never layer ``l``'s routing.
 
-* ``predictor='combined'`` (default): ``log Pr(rank | token)`` plus the history n-gram of the
-  token's actual experts at layers ``l-1 .. l-D`` (:meth:`SemanticPlan.rank_scores`), turned into
-  probabilities (expected share of local activations per rank); per batch, per-rank prices balance
-  the demand (:func:`price_balance`), then :func:`capacity_assign` groups tokens by rank.
+* ``predictor='combined'`` (default): the plan's log-linear scores of the token id and the token's
+  actual experts at layers ``l-1 .. l-D`` (:meth:`SemanticPlan.rank_scores`, fitted by
+  :mod:`moelayers.planning.semantic_predict`); per batch, per-rank prices balance the demand
+  (:func:`price_balance`), then :func:`capacity_assign` groups tokens by rank
+  (:func:`balanced_assign`). The online shuffler (``SemanticMoE.forward_tp``) computes exactly this
+  assignment for a batch (``moelayers.schedule.token_shuffle.balanced_ranks``).
 * ``predictor='alg3'``: Algorithm 3 as published: the rank from the token table (``token_rank``,
   ``token_conf``) or from the device n-gram ``A`` (context: the ranks holding most of the token's
   actual experts at layers ``l-2, l-1`` under the plan's placements), whichever is more confident.
-* ``predictor='token'``: the token table alone.
+* ``predictor='token'``: the token part of ``combined`` alone.
 
 In every case tokens are grouped by their preferred rank into equal chunks; a full rank keeps its
 most confident tokens and the overflow goes to ranks with room, least confident first.
@@ -39,18 +41,23 @@ import numpy as np
 
 from moelayers.planning.semantic import SemanticPlan, check_token_ids, majority_rank, rank_counts
 
-__all__ = ["capacity_assign", "price_balance", "step_capacity", "request_schedule", "lar_from_assignment",
+__all__ = ["even_token_rank", "assignment_metrics", "lar_report", "capacity_assign", "price_balance", "balanced_assign", "step_capacity", "request_schedule", "lar_from_assignment",
            "linear_expert_rank", "tp_scores", "evaluate_tp", "evaluate_dp", "evaluate", "PREDICTORS"]
 
 PREDICTORS = ("combined", "alg3", "token")
 
 
+PRICE_ITERS, PRICE_STEP, PRICE_DECAY = 30, 1.0, 0.85  # price_balance schedule (scores in nats)
+
+
 def capacity_assign(scores: np.ndarray, capacity: np.ndarray, group: np.ndarray | None = None) -> np.ndarray:
     """Group items by their best rank into chunks of bounded size; overflow to ranks with room.
 
-    Each item wants its highest-scoring rank that still has room in its group. A rank with more
-    candidates than room keeps the highest-scoring ones (ties: earlier items); the rest try again
-    with that rank closed (so the least confident overflow goes to the ranks with room).
+    In rounds, each unplaced item wants its highest-scoring rank that still has room in its group;
+    a rank with more candidates than room keeps the highest-scoring ones (ties: the earlier item)
+    and is then full, so the rest try again among the ranks with room. Scores are compared as
+    float32 (the online shuffler, ``moelayers.schedule.token_shuffle.capacity_ranks``, does the
+    same with the bucketing kernel and gets the same result).
 
     Args:
         scores: ``[n, R]`` float, higher = better (e.g. expected share of local activations).
@@ -60,7 +67,7 @@ def capacity_assign(scores: np.ndarray, capacity: np.ndarray, group: np.ndarray 
     Returns:
         ``[n]`` int64 rank per item.
     """
-    s = np.asarray(scores, dtype=np.float64)
+    s = np.asarray(scores, dtype=np.float32)
     n, r = s.shape
     grp = np.zeros(n, np.int64) if group is None else np.asarray(group, dtype=np.int64)
     room = np.array(capacity, dtype=np.int64).reshape(-1)
@@ -69,54 +76,57 @@ def capacity_assign(scores: np.ndarray, capacity: np.ndarray, group: np.ndarray 
     if (np.bincount(grp, minlength=room.size // r) > room.reshape(-1, r).sum(1)).any():
         raise ValueError("capacity_assign: a group has more items than its total capacity")
     out = np.full(n, -1, dtype=np.int64)
-    closed = np.zeros((n, r), dtype=bool)
     todo = np.arange(n)
     while todo.size:
-        open_ = ~closed[todo] & (room.reshape(-1, r)[grp[todo]] > 0)
-        cand = np.where(open_, s[todo], -np.inf)
+        cand = np.where(room.reshape(-1, r)[grp[todo]] > 0, s[todo], -np.inf)
         choice = np.argmax(cand, axis=1)
         best = cand[np.arange(todo.size), choice]
         key = grp[todo] * r + choice
-        lo, hi = best.min(), best.max()
-        order = np.argsort(key + 0.5 * (hi - best) / (hi - lo + 1e-300), kind="stable")  # by key, then best first
+        order = np.lexsort((-best, key))  # by key, then best first, then item order (stable)
         ks = key[order]
         pos = np.arange(ks.size) - np.searchsorted(ks, ks, side="left")
         ok = pos < room[ks]
         out[todo[order[ok]]] = choice[order[ok]]
         room -= np.bincount(ks[ok], minlength=room.size)
-        rej = order[~ok]
-        closed[todo[rej], choice[rej]] = True
-        todo = todo[rej]
+        todo = np.sort(todo[order[~ok]])
     return out
 
 
 def price_balance(scores: np.ndarray, capacity: np.ndarray, group: np.ndarray | None = None, *,
-                  iters: int = 20) -> np.ndarray:
-    """Scores minus per-(group, rank) prices that spread the demand to the capacities (dual ascent).
+                  iters: int = PRICE_ITERS, step: float = PRICE_STEP, decay: float = PRICE_DECAY) -> np.ndarray:
+    """Log-scores minus per-(group, rank) prices that spread the demand to the capacities (dual ascent).
 
-    A rank wanted by more items than it holds gets more expensive, so the items that lose least by
-    moving move; :func:`capacity_assign` on the result settles what remains.
+    A rank wanted by more items than it holds gets dearer (``step * decay^i * excess / mean room``
+    at round ``i``, in the units of ``scores``), so the items that lose least by moving move; a
+    group stops once no rank is over-demanded. :func:`capacity_assign` on the result settles what
+    remains. Element-wise float64 arithmetic only: the online shuffler
+    (``moelayers.schedule.token_shuffle.price_balance``) reproduces it bit for bit.
+
+    Args:
+        scores: ``[n, R]`` log-scores (e.g. :meth:`SemanticPlan.rank_scores`), compared as float32.
+        capacity: ``[G, R]`` room per (group, rank).
+        group: ``[n]`` group of each item; default all 0.
 
     Returns:
-        ``[n, R]`` adjusted scores.
+        ``[n, R]`` float32 adjusted scores.
     """
-    s = np.asarray(scores, dtype=np.float64)
+    s = np.asarray(scores, dtype=np.float32).astype(np.float64)
     n, r = s.shape
     grp = np.zeros(n, np.int64) if group is None else np.asarray(group, dtype=np.int64)
     cap = np.asarray(capacity, dtype=np.float64).reshape(-1, r)
-    price = np.zeros_like(cap)
-    step = float(s.std()) + 1e-12
     per = np.maximum(cap.mean(1, keepdims=True), 1.0)
+    price = np.zeros_like(cap)
     for _ in range(iters):
-        adj = s - price[grp]
-        choice = np.argmax(adj, axis=1)
-        demand = np.bincount(grp * r + choice, minlength=cap.size).reshape(cap.shape)
-        excess = demand - cap
-        if not (excess > 0).any():
-            break
-        price += step * excess / per
-        step *= 0.85
-    return s - price[grp]
+        choice = np.argmax(s - price[grp], axis=1)
+        excess = np.bincount(grp * r + choice, minlength=cap.size).reshape(cap.shape) - cap
+        price += np.where((excess > 0).any(1, keepdims=True), step * excess / per, 0.0)
+        step *= decay
+    return (s - price[grp]).astype(np.float32)
+
+
+def balanced_assign(scores: np.ndarray, capacity: np.ndarray, group: np.ndarray | None = None) -> np.ndarray:
+    """:func:`capacity_assign` of :func:`price_balance`: the tp shuffle of log-scores ``[n, R]`` -> ``[n]`` ranks."""
+    return capacity_assign(price_balance(scores, capacity, group), capacity, group)
 
 
 def step_capacity(num_tokens: int, tokens_per_step: int, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
@@ -137,7 +147,8 @@ def step_capacity(num_tokens: int, tokens_per_step: int, num_ranks: int) -> tupl
     return step, cap
 
 
-def request_schedule(scores: np.ndarray, lengths: np.ndarray, num_ranks: int, *, max_ratio: float = 1.3) -> np.ndarray:
+def request_schedule(scores: np.ndarray, lengths: np.ndarray, num_ranks: int, *, max_ratio: float = 1.3,
+                     mask: bool = True) -> np.ndarray:
     """Sem-MoE Algorithm 2: requests in order, each to its best unmasked rank, then mask it.
 
     The mask resets once every rank is taken. A rank is closed to a request that would take it
@@ -148,6 +159,8 @@ def request_schedule(scores: np.ndarray, lengths: np.ndarray, num_ranks: int, *,
     Args:
         scores: ``[S, R]`` preference of each request for each rank (ties: the lower rank).
         lengths: ``[S]`` tokens per request.
+        mask: ``False``: no mask, the ``max_ratio`` cap alone balances (each request takes its best
+            open rank). What the online ``SemanticScheduler`` does is the default (mask on).
 
     Returns:
         ``[S]`` int64 rank per request.
@@ -168,7 +181,7 @@ def request_schedule(scores: np.ndarray, lengths: np.ndarray, num_ranks: int, *,
             r = int(np.argmin(load))
         out[s] = r
         load[r] += lengths[s]
-        masked[r] = True
+        masked[r] = mask
         if masked.all():
             masked[:] = False
     return out
@@ -202,35 +215,92 @@ def _layer_local(topk: np.ndarray, er: np.ndarray, tr: np.ndarray) -> np.ndarray
     return er[np.asarray(topk).astype(np.int64, copy=False)] == tr[:, None]
 
 
-def _remote_ranks(topk: np.ndarray, er: np.ndarray, tr: np.ndarray, r: int) -> int:
-    """De-duplicated sends: sum over tokens of the remote ranks holding any of its experts."""
-    hit = rank_counts(topk, er, r) > 0
-    return int(hit.sum() - hit[np.arange(tr.size), tr].sum())
+def even_token_rank(trace, num_ranks: int, mode: str, tokens_per_step: int = 2048, *,
+                    max_ratio: float = 1.3) -> np.ndarray:
+    """Ranks of the tokens spread evenly, the same at every layer (no plan).
+
+    Args:
+        trace: held-out :class:`~moelayers.trace.RoutingTrace` with ``T`` tokens.
+        num_ranks: ``R``.
+        mode: ``'tp'`` (each batch of ``tokens_per_step`` cut into ``R`` chunks in file order, the last
+            partial batch's chunks differing by at most one) or ``'dp'`` (requests round robin in file
+            order, at most ``max_ratio`` × the mean tokens per rank).
+        tokens_per_step: batch size (tp; divisible by ``R``).
+
+    Returns:
+        ``[T]`` int64 rank per token.
+    """
+    if mode == "tp":
+        step, cap = step_capacity(trace.num_tokens, tokens_per_step, num_ranks)
+        starts = np.searchsorted(step, np.arange(cap.shape[0]))
+        pos = np.arange(step.size) - starts[step]  # position within the batch
+        return (pos[:, None] >= np.cumsum(cap, axis=1)[step]).sum(1).astype(np.int64)
+    if mode != "dp":
+        raise ValueError(f"mode must be 'tp' or 'dp', got {mode!r}")
+    lengths = trace.seq_lengths
+    req = request_schedule(np.zeros((lengths.size, num_ranks)), lengths, num_ranks, max_ratio=max_ratio)
+    return np.repeat(req, lengths).astype(np.int64)
 
 
-def _report(trace, plan: SemanticPlan, token_rank: np.ndarray, linear_token_rank: np.ndarray, mode: str) -> dict:
-    r, num_l = plan.num_ranks, trace.num_layers
-    lin = linear_expert_rank(num_l, trace.num_experts, r)
-    per_layer, per_layer_lin, e_imb, e_imb_lin, sent, sent_lin = [], [], [], [], 0, 0
-    for l in range(num_l):
-        topk = trace.topk_ids[:, l]
-        per_layer.append(float(_layer_local(topk, plan.expert_rank[l], token_rank[:, l]).mean()))
-        per_layer_lin.append(float(_layer_local(topk, lin[l], linear_token_rank).mean()))
-        for er, acc in ((plan.expert_rank[l], e_imb), (lin[l], e_imb_lin)):
-            got = np.bincount(er[topk.astype(np.int64)].ravel(), minlength=r)
-            acc.append(float(got.max() / got.mean()))
-        sent += _remote_ranks(topk, plan.expert_rank[l], token_rank[:, l], r)
-        sent_lin += _remote_ranks(topk, lin[l], linear_token_rank, r)
-    tokens = np.bincount(token_rank[:, 0], minlength=r)
-    lar, lar_lin = float(np.mean(per_layer)), float(np.mean(per_layer_lin))
+def assignment_metrics(trace, expert_rank: np.ndarray, token_rank: np.ndarray, num_ranks: int) -> dict:
+    """Per-layer local activations, loads and de-duplicated remote sends of an assignment.
+
+    Args:
+        trace: :class:`~moelayers.trace.RoutingTrace` with ``T`` tokens, ``L`` layers.
+        expert_rank: ``[L, E]`` rank of each expert.
+        token_rank: ``[T, L]`` rank of each token at each layer.
+        num_ranks: ``R``.
+
+    Returns:
+        ``lar_per_layer [L]``, ``token_imbalance``, ``tokens_per_rank [R]`` (layer 0),
+        ``expert_imbalance_per_layer [L]`` and ``remote_sends`` (int).
+    """
+    er, tr = np.asarray(expert_rank, dtype=np.int64), np.asarray(token_rank, dtype=np.int64)
+    if er.shape != (trace.num_layers, trace.num_experts) or tr.shape != (trace.num_tokens, trace.num_layers):
+        raise ValueError(f"expert_rank must be [L, E] = {[trace.num_layers, trace.num_experts]} and token_rank "
+                         f"[T, L] = {[trace.num_tokens, trace.num_layers]}; got {list(er.shape)}, {list(tr.shape)}")
+    lar, e_imb, t_imb, sends = [], [], [], 0
+    rows = np.arange(trace.num_tokens)
+    for layer in range(trace.num_layers):
+        ranks = er[layer][trace.topk_ids[:, layer].astype(np.int64)]  # [T, K] rank of each activation
+        lar.append(float((ranks == tr[:, layer, None]).mean()))
+        got = np.bincount(ranks.ravel(), minlength=num_ranks)
+        e_imb.append(float(got.max() / got.mean()))
+        tokens = np.bincount(tr[:, layer], minlength=num_ranks)
+        t_imb.append(float(tokens.max() / tokens.mean()))
+        hit = rank_counts(trace.topk_ids[:, layer], er[layer], num_ranks) > 0
+        sends += int(hit.sum() - hit[rows, tr[:, layer]].sum())
+    return {"lar_per_layer": lar, "token_imbalance": float(np.mean(t_imb)),
+            "tokens_per_rank": np.bincount(tr[:, 0], minlength=num_ranks).tolist(),
+            "expert_imbalance_per_layer": e_imb, "remote_sends": sends}
+
+
+def lar_report(trace, expert_rank: np.ndarray, token_rank: np.ndarray, linear_token_rank: np.ndarray,
+               num_ranks: int) -> dict:
+    """The LAR keys of ``report.json`` (see the module docstring).
+
+    Args:
+        trace: held-out trace (``T`` tokens, ``L`` layers, ``E`` experts).
+        expert_rank: ``[L, E]`` the planner's placement.
+        token_rank: ``[T, L]`` the planner's token ranks.
+        linear_token_rank: ``[T]`` the even spread (:func:`even_token_rank`), used with the linear
+            placement for ``lar_linear`` and the ``a2a_bytes_ratio`` reference.
+        num_ranks: ``R``.
+    """
+    mine = assignment_metrics(trace, expert_rank, token_rank, num_ranks)
+    lin_tr = np.repeat(np.asarray(linear_token_rank, dtype=np.int64)[:, None], trace.num_layers, axis=1)
+    lin = assignment_metrics(trace, linear_expert_rank(trace.num_layers, trace.num_experts, num_ranks), lin_tr,
+                             num_ranks)
+    lar, lar_lin = float(np.mean(mine["lar_per_layer"])), float(np.mean(lin["lar_per_layer"]))
     return {
-        "mode": mode, "ep": r, "num_tokens": int(trace.num_tokens), "num_layers": num_l,
-        "lar": lar, "lar_linear": lar_lin, "lar_per_layer": per_layer, "lar_linear_per_layer": per_layer_lin,
-        "token_imbalance": float(tokens.max() / tokens.mean()), "tokens_per_rank": tokens.tolist(),
-        "expert_imbalance": float(np.mean(e_imb)), "expert_imbalance_max": float(np.max(e_imb)),
-        "expert_imbalance_linear": float(np.mean(e_imb_lin)),
-        "a2a_bytes_ratio": float(sent / sent_lin) if sent_lin else 1.0,
-        "remote_ratio": float((1 - lar) / (1 - lar_lin)) if lar_lin < 1 else 1.0,
+        "lar": lar, "lar_linear": lar_lin,
+        "lar_per_layer": mine["lar_per_layer"], "lar_linear_per_layer": lin["lar_per_layer"],
+        "token_imbalance": mine["token_imbalance"], "tokens_per_rank": mine["tokens_per_rank"],
+        "expert_imbalance": float(np.mean(mine["expert_imbalance_per_layer"])),
+        "expert_imbalance_max": float(np.max(mine["expert_imbalance_per_layer"])),
+        "expert_imbalance_linear": float(np.mean(lin["expert_imbalance_per_layer"])),
+        "a2a_bytes_ratio": mine["remote_sends"] / lin["remote_sends"] if lin["remote_sends"] else 1.0,
+        "remote_ratio": (1 - lar) / (1 - lar_lin) if lar_lin < 1 else 1.0,
     }
 
 
@@ -242,17 +312,16 @@ def _check(plan: SemanticPlan, trace) -> np.ndarray:
 def tp_scores(plan: SemanticPlan, trace, layer: int, predictor: str = "combined") -> np.ndarray:
     """``[T, R]`` preference of each token for each rank at ``layer`` (uses layers ``< layer`` only).
 
-    ``combined`` and ``token`` give probabilities (expected share of local activations);
-    ``alg3`` gives the chosen source's confidence on its rank and 0 elsewhere.
+    ``combined`` and ``token`` give float32 log-scores (:meth:`SemanticPlan.rank_scores`, with and
+    without the experts of the previous layers); ``alg3`` gives the chosen source's confidence on
+    its rank and 0 elsewhere.
     """
     ids = check_token_ids(trace.token_ids, plan.vocab_size, "token_ids")
     r, l = plan.num_ranks, layer
     if predictor in ("combined", "token"):
         depth = 0 if predictor == "token" or plan.history_pmi is None else min(plan.history_pmi.shape[1], l)
         prev = trace.topk_ids[:, [l - d for d in range(1, depth + 1)]] if depth else None
-        logit = plan.rank_scores(l, ids, prev).astype(np.float64)
-        p = np.exp(logit - logit.max(1, keepdims=True))
-        return p / p.sum(1, keepdims=True)
+        return plan.rank_scores(l, ids, prev)
     if predictor != "alg3":
         raise ValueError(f"predictor must be one of {PREDICTORS}, got {predictor!r}")
     rank_, conf = plan.token_rank[l][ids], plan.token_conf[l][ids].astype(np.float64)
@@ -287,24 +356,22 @@ def evaluate_tp(plan: SemanticPlan, heldout_trace, tokens_per_step: int = 2048, 
     out = np.empty((heldout_trace.num_tokens, heldout_trace.num_layers), dtype=np.int64)
     for l in range(heldout_trace.num_layers):
         sc = tp_scores(plan, heldout_trace, l, predictor)
-        if predictor != "alg3":
-            sc = price_balance(sc, cap, step)
-        out[:, l] = capacity_assign(sc, cap, step)
-    starts = np.searchsorted(step, np.arange(cap.shape[0]))
-    pos = np.arange(step.size) - starts[step]
-    bounds = np.cumsum(cap, axis=1)  # linear: each batch cut into R chunks in file order
-    linear_tr = (pos[:, None] >= bounds[step]).sum(1).astype(np.int64)
-    report = _report(heldout_trace, plan, out, linear_tr, "tp")
-    report.update(tokens_per_step=int(tokens_per_step), predictor=predictor)
+        out[:, l] = capacity_assign(sc, cap, step) if predictor == "alg3" else balanced_assign(sc, cap, step)
+    linear_tr = even_token_rank(heldout_trace, plan.num_ranks, "tp", tokens_per_step)
+    report = {"mode": "tp", "ep": plan.num_ranks, "num_tokens": int(heldout_trace.num_tokens),
+              "num_layers": heldout_trace.num_layers,
+              **lar_report(heldout_trace, plan.expert_rank, out, linear_tr, plan.num_ranks),
+              "tokens_per_step": int(tokens_per_step), "predictor": predictor}
     return report, out
 
 
-def evaluate_dp(plan: SemanticPlan, heldout_trace, *, max_ratio: float = 1.3) -> tuple[dict, np.ndarray]:
+def evaluate_dp(plan: SemanticPlan, heldout_trace, *, max_ratio: float = 1.3, mask: bool = True) -> tuple[dict, np.ndarray]:
     """Held-out evaluation in attention-DP mode (Algorithm 2, see the module docstring).
 
     Votes use the plan's layer-0 ``token_rank`` / ``token_conf`` rows (identical over layers in a
     dp plan). The ``max_ratio`` cap applies to the final tokens per rank: a rank is closed to a
-    request that would take it above ``max_ratio * T / R``.
+    request that would take it above ``max_ratio * T / R``. ``mask=False`` schedules by the cap
+    alone (see :func:`request_schedule`; not what the online scheduler does today).
 
     Returns:
         ``(report, token_rank [T, L] int64)``, each token's rank the rank of its request.
@@ -315,11 +382,12 @@ def evaluate_dp(plan: SemanticPlan, heldout_trace, *, max_ratio: float = 1.3) ->
     seq = np.repeat(np.arange(lengths.size), lengths)
     votes = np.bincount(seq * r + plan.token_rank[0][ids], weights=plan.token_conf[0][ids].astype(np.float64),
                         minlength=lengths.size * r).reshape(-1, r)
-    req = request_schedule(votes, lengths, r, max_ratio=max_ratio)
+    req = request_schedule(votes, lengths, r, max_ratio=max_ratio, mask=mask)
     tr = np.repeat(req[seq][:, None], heldout_trace.num_layers, axis=1)
-    linear_tr = (seq % r).astype(np.int64)
-    report = _report(heldout_trace, plan, tr, linear_tr, "dp")
-    report.update(max_ratio=float(max_ratio))
+    linear_tr = even_token_rank(heldout_trace, r, "dp", max_ratio=max_ratio)
+    report = {"mode": "dp", "ep": r, "num_tokens": int(heldout_trace.num_tokens),
+              "num_layers": heldout_trace.num_layers, **lar_report(heldout_trace, plan.expert_rank, tr, linear_tr, r),
+              "max_ratio": float(max_ratio), "mask": bool(mask)}
     return report, tr
 
 

@@ -18,6 +18,11 @@ of its experts, at most ``beta * mean`` tokens per rank (:func:`~moelayers.plann
   each round samples placements (Gumbel-perturbed, capacity-respecting), keeps the ``rho`` elite
   by ``J`` and moves the matrix towards their frequencies; ``beta`` is the token capacity factor.
 
+In ``tp`` mode the plan also carries the online predictor of a token's rank at each layer, fitted
+once the layer is placed (:mod:`moelayers.planning.semantic_predict`: token table and the token's
+experts at the previous ``history`` layers, leave-sequence-out). Expert loads per rank are capped
+at ``slack`` × the mean, or at the least a single hot expert allows (:func:`load_cap`).
+
 In ``dp`` mode a request keeps one rank at every layer, so requests are clustered once and the
 placements of all layers are solved against the same clusters (:func:`solve_dp`).
 """
@@ -29,14 +34,33 @@ import math
 import numpy as np
 
 from moelayers.planning.semantic import (
-    SemanticPlan, build_token_table, history_tables, nearest_seen_tokens, ngram_tables, rank_counts, token_rank_probs,
+    SemanticPlan, build_token_table, nearest_seen_tokens, ngram_tables, rank_counts, token_rank_probs,
 )
 from moelayers.planning.semantic_eval import capacity_assign, request_schedule
+from moelayers.planning.semantic_predict import fit_rank_model, frequency_bucket, history_onehot, leave_sequence_out
 
-__all__ = ["assign_experts", "coactivation_clusters", "LayerObjective", "solve_alternating", "solve_cem", "solve_dp",
+__all__ = ["load_cap", "assign_experts", "coactivation_clusters", "LayerObjective", "solve_alternating", "solve_cem", "solve_dp",
            "plan_semantic", "SOLVERS"]
 
 SOLVERS = ("alternating", "cem")
+
+
+def load_cap(load: np.ndarray, num_ranks: int, slack: float) -> float:
+    """Most expert load a rank may hold: ``slack`` × the mean, or the least any placement can do.
+
+    With ``E / R`` experts per rank, the rank of the heaviest expert holds at least it plus the
+    ``E / R - 1`` lightest others; when that exceeds ``slack`` × mean it is the cap, so a single hot
+    expert does not free the other ranks (nor its own) from balancing.
+
+    Args:
+        load: ``[E]`` expert loads.
+    """
+    load = np.asarray(load, dtype=np.float64)
+    if load.size == 0:
+        return 0.0
+    per = load.size // num_ranks
+    floor = load.max() + np.sort(load)[: per - 1].sum() if per > 1 else load.max()
+    return float(max(load.sum() / num_ranks * slack, floor))
 
 
 def assign_experts(affinity: np.ndarray, load: np.ndarray, num_ranks: int, *, slack: float = 1.1,
@@ -56,7 +80,7 @@ def assign_experts(affinity: np.ndarray, load: np.ndarray, num_ranks: int, *, sl
     load = np.asarray(load, dtype=np.float64)
     num_e, r = a.shape
     per = num_e // r
-    cap = max(load.sum() / r * slack, load.max(initial=0))
+    cap = load_cap(load, r, slack)
     er = np.full(num_e, -1, dtype=np.int64)
     cnt, rl = np.zeros(r, np.int64), np.zeros(r)
     srt = np.sort(a, axis=1)
@@ -75,20 +99,21 @@ def assign_experts(affinity: np.ndarray, load: np.ndarray, num_ranks: int, *, sl
 
 
 def _repair_load(er: np.ndarray, load: np.ndarray, r: int, cap: float) -> np.ndarray:
-    """Swap experts between the busiest and the idlest rank until every rank is within ``cap``."""
+    """Swap experts of the busiest rank with experts of any other rank until every rank is within
+    ``cap`` (each swap: the one that lowers the pair's larger load most), or no swap helps."""
     for _ in range(er.size):
         rl = np.bincount(er, weights=load, minlength=r)
-        hi, lo = int(np.argmax(rl)), int(np.argmin(rl))
-        if rl[hi] <= cap or hi == lo:
+        hi = int(np.argmax(rl))
+        if rl[hi] <= cap:
             break
-        a, b = np.flatnonzero(er == hi), np.flatnonzero(er == lo)
-        diff = load[a][:, None] - load[b][None, :]  # load moved from hi to lo by swapping
-        new_max = np.maximum(rl[hi] - diff, rl[lo] + diff)
+        a, b = np.flatnonzero(er == hi), np.flatnonzero(er != hi)
+        diff = load[a][:, None] - load[b][None, :]  # load moved off the busiest rank by swapping a <-> b
+        new_max = np.maximum(rl[hi] - diff, rl[er[b]][None, :] + diff)
         new_max[diff <= 0] = np.inf
         i, j = np.unravel_index(int(np.argmin(new_max)), new_max.shape)
         if not new_max[i, j] < rl[hi]:
             break
-        er[b[j]], er[a[i]] = hi, lo
+        er[a[i]], er[b[j]] = er[b[j]], hi
     return er
 
 
@@ -132,7 +157,7 @@ def coactivation_clusters(coact: np.ndarray, load: np.ndarray, num_ranks: int, r
     np.fill_diagonal(m, 0.0)
     num_e = m.shape[0]
     load = np.asarray(load, dtype=np.float64)
-    cap = max(load.sum() / num_ranks * slack, load.max(initial=0))
+    cap = load_cap(load, num_ranks, slack)
     out = []
     onehot = np.eye(num_ranks)
     for _ in range(restarts):
@@ -200,7 +225,7 @@ def solve_alternating(obj: LayerObjective, coact: np.ndarray, load: np.ndarray, 
     co-activation start the alternation; the best by ``J`` gets ``swaps`` random-swap trials.
     """
     num_e, r = coact.shape[0], obj.r
-    cap = max(load.sum() / r * slack, load.max(initial=0))
+    cap = load_cap(load, r, slack)
     m = coact - np.diag(np.diag(coact))
     starts = coactivation_clusters(coact, load, r, rng, restarts=restarts, slack=slack)
     within = [float((m * (er[:, None] == er[None, :])).sum()) for er in starts]
@@ -264,7 +289,7 @@ def solve_cem(obj: LayerObjective, load: np.ndarray, rng: np.random.Generator, *
         init: optional ``[E]`` placement whose one-hot (mixed 50/50 with uniform) starts ``P``.
     """
     num_e, r = load.size, obj.r
-    cap = max(load.sum() / r * slack, load.max(initial=0))
+    cap = load_cap(load, r, slack)
     prob = np.full((num_e, r), 1.0 / r)
     if init is not None:
         prob = 0.5 * prob + 0.5 * np.eye(r)[init]
@@ -382,7 +407,7 @@ def _cem_linear(aff: np.ndarray, load: np.ndarray, r: int, rng: np.random.Genera
                 init: np.ndarray, samples: int = 32, iters: int = 15, rho: float = 0.2) -> np.ndarray:
     """CEM over placements for a linear co-location objective ``-sum_e aff[e, rank(e)]``."""
     num_e = aff.shape[0]
-    cap = max(load.sum() / r * slack, load.max(initial=0))
+    cap = load_cap(load, r, slack)
     prob = 0.5 / r + 0.5 * np.eye(r)[init]
     best, best_v = init, aff[np.arange(num_e), init].sum()
     n_elite = max(1, int(math.ceil(rho * samples)))
@@ -425,61 +450,32 @@ def _check_args(trace, ep: int, mode: str, solver: str, theta: float) -> None:
         raise ValueError(f"theta must be in [0, 1], got {theta}")
 
 
-def _fit_history_weights(logq: list[np.ndarray], own: list[np.ndarray], hist: np.ndarray, prev: np.ndarray,
-                         depth: int) -> np.ndarray:
-    """History weights maximising (leave-one-out) local activations of a token sample, all layers.
-
-    Args:
-        logq: per layer ``[n, R]`` leave-one-out ``log Pr(rank | token)`` of the sample.
-        own: per layer ``[n, R]`` the sample's actual activations per rank.
-        hist: ``[L, D, E, R]`` history tables.
-        prev: ``[n, L, K]`` the sample's routing.
-    """
-    if depth == 0:
-        return np.zeros(0, np.float32)
-    num_l = len(logq)
-    terms = [[hist[l, d][prev[:, l - d - 1].astype(np.int64)].sum(1) for d in range(min(depth, l))] for l in range(num_l)]
-    grid1 = (0.0, 0.1, 0.2, 0.3, 0.45, 0.6, 0.8, 1.0)
-    grid2 = (0.0, 0.05, 0.1, 0.2, 0.3, 0.45) if depth > 1 else (0.0,)
-    best, best_w = -1.0, np.zeros(depth, np.float32)
-    for w2 in grid2:
-        for w1 in grid1:
-            w = np.array([w1] + [w2 * 0.5 ** i for i in range(depth - 1)], dtype=np.float32)
-            hit = 0.0
-            for l in range(num_l):
-                score = logq[l].copy()
-                for d, term in enumerate(terms[l]):
-                    score += w[d] * term
-                hit += own[l][np.arange(score.shape[0]), np.argmax(score, axis=1)].sum()
-            if hit > best + 1e-9:
-                best, best_w = hit, w
-    return best_w
-
-
 def plan_semantic(train_trace, ep: int, mode: str = "tp", *, solver: str = "alternating", theta: float = 0.1,
-                  seed: int = 0, progress: bool = True, embeddings: np.ndarray | None = None, history: int = 4,
+                  seed: int = 0, progress: bool = True, embeddings: np.ndarray | None = None, history: int = 8,
                   sample: int = 8192, beta: float = 1.1, rho: float = 0.2, slack: float = 1.1,
-                  smoothing: float = 2.0, max_requests: int = 4096) -> SemanticPlan:
+                  smoothing: float = 2.0, max_requests: int = 4096, predictor_sample: int = 16384) -> SemanticPlan:
     """Semantic plan from a (training) routing trace. Deterministic for a ``seed``.
 
     Args:
         train_trace: :class:`~moelayers.trace.RoutingTrace` to profile.
         ep: ranks ``R`` (``E`` divisible by it).
-        mode: ``'tp'`` (tokens shuffled per layer: one co-clustering per layer, plus the n-gram and
-            history tables) or ``'dp'`` (requests clustered once; every layer placed against them).
+        mode: ``'tp'`` (tokens shuffled per layer: one co-clustering per layer, plus the online
+            rank predictor and the Algorithm 3 n-gram) or ``'dp'`` (requests clustered once; every
+            layer placed against them).
         solver: ``'alternating'`` (Sem-MoE Algorithm 1) or ``'cem'`` (Speculative MoE Algorithm 1).
         theta: weight of token-load imbalance vs remote activations in the objective.
         seed: seeds every random choice.
         progress: tqdm bar over layers.
         embeddings: optional ``[V, D]`` token embeddings: unseen tokens take their cosine-nearest
             seen token's row (else the layer distribution).
-        history: ``D``, previous layers in the history n-gram (tp).
+        history: ``D``, previous layers whose experts the tp predictor reads (0: token table only).
         sample: profiled tokens the per-layer objective is evaluated on (tp).
         beta: token capacity factor of the objective (at most ``beta`` × mean tokens per rank).
         rho: elite fraction of the cross-entropy method.
         slack: expert loads per rank at most ``slack`` × mean (profiled loads).
         smoothing: pseudo-occurrences of the layer distribution in ``Pr(rank | token)``.
         max_requests: requests clustered in dp mode (a seeded subset; all are used for the tables).
+        predictor_sample: profiled tokens the tp predictor is fitted on (a seeded sample).
 
     Returns:
         :class:`~moelayers.planning.semantic.SemanticPlan`.
@@ -492,23 +488,34 @@ def plan_semantic(train_trace, ep: int, mode: str = "tp", *, solver: str = "alte
     fn = _plan_tp if mode == "tp" else _plan_dp
     return fn(train_trace, int(ep), rng, src, solver=solver, theta=float(theta), seed=int(seed), progress=progress,
               history=int(history), sample=int(sample), beta=beta, rho=rho, slack=slack, smoothing=smoothing,
-              max_requests=int(max_requests))
+              max_requests=int(max_requests), predictor_sample=int(predictor_sample))
+
+
+def _sequence_pairs(tr) -> tuple[np.ndarray, np.ndarray]:
+    """``(pair [T], pair_freq [P])``: each token's (sequence, token id) pair and the pair's occurrences."""
+    seq = np.repeat(np.arange(tr.num_sequences, dtype=np.int64), tr.seq_lengths)
+    _, pair = np.unique(seq * tr.vocab_size + tr.token_ids, return_inverse=True)
+    pair = pair.reshape(-1)
+    return pair, np.bincount(pair)
 
 
 def _plan_tp(tr, r: int, rng, src, *, solver, theta, seed, progress, history, sample, beta, rho, slack, smoothing,
-             **_) -> SemanticPlan:
+             predictor_sample, **_) -> SemanticPlan:
     num_t, num_l, k = tr.topk_ids.shape
     num_e, v, ids = tr.num_experts, tr.vocab_size, tr.token_ids
     sub = np.sort(rng.choice(num_t, size=min(num_t, sample), replace=False))
     big = np.sort(rng.choice(num_t, size=min(num_t, 100_000), replace=False))
     co = big[:: max(1, big.size // 50_000)]
-    fit = np.sort(rng.choice(num_t, size=min(num_t, 4096), replace=False))
+    fit = np.sort(rng.choice(num_t, size=min(num_t, predictor_sample), replace=False))
+    pair, pair_freq = _sequence_pairs(tr)
+    borrowed = ~(np.bincount(ids, minlength=v) > 0) & (src >= 0) if src is not None else np.zeros(v, bool)
+    vocab_bucket = frequency_bucket(np.where(borrowed, 1, np.bincount(ids, minlength=v)))  # borrowed rows: least trusted
     expert_rank = np.empty((num_l, num_e), np.int64)
     token_rank = np.empty((num_l, v), np.int64)
     token_conf = np.empty((num_l, v), np.float32)
     token_logq = np.empty((num_l, v, r), np.float16)
+    hist_w = np.zeros((num_l, history, num_e, r), np.float32)
     objective = np.empty(num_l)
-    fit_logq, fit_own = [], []
     for l in _progress(range(num_l), progress, f"semantic plan (tp, {solver}, EP{r})"):
         table = build_token_table(ids, tr.topk_ids[:, l], num_e, v)
         load = table.expert_load.astype(np.float64)
@@ -521,18 +528,19 @@ def _plan_tp(tr, r: int, rng, src, *, solver, theta, seed, progress, history, sa
         q = token_rank_probs(table, er, r, smoothing=smoothing, source=src)
         token_rank[l] = np.argmax(q, axis=1)
         token_conf[l] = q.max(1)
-        token_logq[l] = np.log(q)
-        # leave-one-out view of the fit sample (its own activations removed from its token's row)
-        own = rank_counts(tr.topk_ids[fit, l], er, r)
-        f = table.token_freq[ids[fit]].astype(np.float64)
-        raw = q[ids[fit]] * (k * f + smoothing * k)[:, None] - own
-        fit_logq.append(np.log(np.maximum(raw, 1e-9) / (k * (f - 1) + smoothing * k)[:, None]))
-        fit_own.append(own)
+        # the online predictor, fitted on a sample whose token rows leave their own sequence out
+        counts = rank_counts(tr.topk_ids[:, l], er, r)
+        pair_counts = np.stack([np.bincount(pair, weights=counts[:, j], minlength=pair_freq.size) for j in range(r)], 1)
+        rows, rest = leave_sequence_out(q[ids[fit]], table.token_freq[ids[fit]], pair_counts[pair[fit]],
+                                        pair_freq[pair[fit]], k, smoothing)
+        hist = history_onehot(tr.topk_ids[fit], l, history, num_e)
+        model = fit_rank_model(rows, frequency_bucket(rest), hist, counts[fit] / k)
+        token_logq[l] = model.token_scores(np.log(q), vocab_bucket)
+        hist_w[l] = model.w.reshape(history, num_e, r)
     ngram_rank, ngram_conf = ngram_tables(tr.topk_ids[big], expert_rank, r)
-    hist = history_tables(tr.topk_ids[big], expert_rank, r, depth=history) if history > 0 else None
-    weights = _fit_history_weights(fit_logq, fit_own, hist, tr.topk_ids[fit], history) if history > 0 else None
     return SemanticPlan(expert_rank, token_rank, token_conf, ngram_rank, ngram_conf, r, num_e, v, "tp",
-                        token_logq=token_logq, history_pmi=hist, history_weight=weights, solver=solver, theta=theta,
+                        token_logq=token_logq, history_pmi=hist_w if history else None,
+                        history_weight=np.ones(history, np.float32) if history else None, solver=solver, theta=theta,
                         seed=seed, objective=objective)
 
 

@@ -4,15 +4,24 @@ With attention tensor-parallel over ``R`` ranks, every rank holds the attention 
 tokens as a partial sum, and the all-reduce that would finish it is replaced by a reduce-scatter:
 rank ``r`` gets the finished rows of chunk ``r`` and runs the (expert-parallel) MoE on them. The
 reduce-scatter may hand out the rows in any order, so the rebatch picks the order that sends each
-token to the rank holding its experts::
+token to the rank holding its experts. Two predictors:
 
-    predict   per token: rank from T (token_rank/token_conf at this layer) or from the n-gram A
-              (ngram_rank/ngram_conf given the token's ranks at the two previous layers), whichever
-              is more confident
-    bucket    equal chunks of C = ceil(T / R) rows (reduce-scatter needs equal sizes); the most
-              confident tokens of a rank stay, the least confident overflow to the ranks with room;
-              T not divisible by R: R*C - T dummy rows (zeros), the last row of the least wanted chunks
-    perm      [R*C] token per shuffled row (-1 = dummy); chunk r = perm[r*C:(r+1)*C]
+* :class:`HistoryPredictor` (plans with ``token_logq``, what ``plan_semantic`` writes for tp): the
+  plan's log-linear scores of the token id and the token's experts at the previous ``D`` layers
+  (``SemanticPlan.rank_scores``), per-rank prices that balance the demand (:func:`price_balance`),
+  then equal chunks, the highest scores of a rank first (:func:`capacity_ranks`). This is the
+  held-out evaluation's default (``moelayers.planning.semantic_eval.balanced_assign``) to the bit:
+  the same float32 sums in the same order, the same float64 price updates, the same tie-breaks.
+  Chunk ``r`` takes ``T // R`` tokens, plus one for the first ``T % R`` ranks.
+* :class:`LayerTables` (Algorithm 3 as published): per token, the rank from T (token_rank /
+  token_conf at this layer) or from the n-gram A (ngram_rank / ngram_conf given the token's ranks at
+  the two previous layers), whichever is more confident; the most confident tokens of a rank stay,
+  the least confident overflow to the ranks with room; the ``R*C - T`` dummy rows go to the least
+  wanted chunks.
+
+::
+
+    perm      [R*C] token per shuffled row (-1 = dummy); chunk r = perm[r*C:(r+1)*C], C = ceil(T / R)
     shuffled_reduce_scatter(partial [T, H], perm) -> [C, H]    rows gathered by perm, then reduce-scatter
     shuffled_all_gather(chunk [C, H], perm)      -> [T, H]    all-gather, then the inverse permutation
 
@@ -31,6 +40,7 @@ import torch.distributed as dist
 
 from moelayers.dispatch.comm import AllGatherRows, ReduceScatterRows
 from moelayers.kernels import bucket_positions, shuffle_rows
+from moelayers.planning.semantic_eval import PRICE_DECAY, PRICE_ITERS, PRICE_STEP
 
 PrevRanks = Any  # [2, T] tensor (rows: layer l-2, layer l-1), or a pair of [T] tensors / None; -1 = unknown
 
@@ -142,6 +152,181 @@ def _prev_pair(prev: PrevRanks, t: int, dev: torch.device) -> tuple[torch.Tensor
             p = p.to(device=dev, dtype=torch.int64)
         out.append(p)
     return out[0], out[1]
+
+
+# ---------------------------------------------------------------------- the log-linear history predictor
+@dataclass
+class HistoryPredictor:
+    """The tp predictor of one layer of a plan (``SemanticPlan.rank_scores``), in torch.
+
+    Attributes:
+        token_scores: ``[V, R]`` (float16 or float32) token part, ``plan.token_logq[layer]``.
+        history: ``[D, E, R]`` float32 score each expert at layer ``layer-d`` adds (``plan.history_pmi[layer]``).
+        history_weight: ``D`` floats, the weights of the depths.
+        layer: the plan's layer (depths ``d > layer`` are never used).
+    """
+
+    token_scores: torch.Tensor
+    history: torch.Tensor
+    history_weight: tuple[float, ...]
+    layer: int
+
+    @property
+    def num_ranks(self) -> int:
+        return int(self.token_scores.shape[1])
+
+    @property
+    def depth(self) -> int:
+        """Previous layers whose experts the scores use (``<= layer``)."""
+        return min(int(self.history.shape[0]), self.layer)
+
+    @classmethod
+    def from_plan(cls, plan: Any, layer: int) -> "HistoryPredictor | None":
+        """Layer ``layer``'s predictor, or ``None`` when the plan has no ``token_logq`` (Algorithm 3 tables only)."""
+        logq = getattr(plan, "token_logq", None)
+        if logq is None:
+            return None
+        logq = torch.as_tensor(logq[layer])
+        hist = getattr(plan, "history_pmi", None)
+        if hist is None:
+            hist, weight = torch.zeros(0, 1, logq.shape[1]), ()
+        else:
+            hist = torch.as_tensor(hist[layer]).to(torch.float32)
+            w = getattr(plan, "history_weight", None)
+            w = torch.ones(hist.shape[0]) if w is None else torch.as_tensor(w).to(torch.float32)
+            weight = tuple(float(x) for x in w.tolist())
+        return cls(logq.clone(), hist.clone(), weight, int(layer))
+
+    def to(self, device: torch.device | str) -> "HistoryPredictor":
+        return HistoryPredictor(self.token_scores.to(device), self.history.to(device), self.history_weight, self.layer)
+
+    def scores(self, token_ids: torch.Tensor, history: torch.Tensor | None = None) -> torch.Tensor:
+        """``[T, R]`` float32 log-scores (ids outside the vocabulary: history part only).
+
+        Args:
+            token_ids: ``[T]`` int token ids.
+            history: ``[D', T, K]`` int expert ids at layers ``layer-1, layer-2, ...`` (``None`` = none).
+        """
+        v = self.token_scores.shape[0]
+        ids = token_ids.to(torch.int64)
+        known = (ids >= 0) & (ids < v)
+        out = self.token_scores[torch.where(known, ids, 0)].to(torch.float32)
+        out = torch.where(known[:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+        if history is None:
+            return out
+        if history.dim() != 3 or history.shape[1] != ids.numel():
+            raise ValueError(f"history must be [D', T={ids.numel()}, K] expert ids, got {list(history.shape)}")
+        for d in range(min(int(history.shape[0]), self.depth)):
+            w = self.history_weight[d]
+            if w == 0:
+                continue
+            table, prev = self.history[d], history[d].to(torch.int64)
+            term = table[prev[:, 0]].clone()
+            for k in range(1, prev.shape[1]):
+                term += table[prev[:, k]]
+            out += term if w == 1 else term * w
+        return out
+
+
+def price_balance(scores: torch.Tensor, capacity: torch.Tensor, *, iters: int = PRICE_ITERS,
+                  step: float = PRICE_STEP, decay: float = PRICE_DECAY) -> torch.Tensor:
+    """Scores minus per-rank prices that spread the demand to ``capacity [R]`` (one batch).
+
+    ``moelayers.planning.semantic_eval.price_balance`` for one group, in the same float64
+    element-wise operations (bit-identical result), with no host synchronisation.
+
+    Returns:
+        ``[T, R]`` float32 adjusted scores.
+    """
+    s = scores.to(torch.float32).to(torch.float64)
+    cap = capacity.to(device=s.device, dtype=torch.float64)
+    per = torch.clamp(cap.mean(), min=1.0)
+    price = torch.zeros_like(cap)
+    for _ in range(iters):
+        choice = torch.argmax(s - price, dim=1)
+        excess = torch.bincount(choice, minlength=cap.numel()).to(torch.float64) - cap
+        price = price + torch.where((excess > 0).any(), step * excess / per, torch.zeros_like(excess))
+        step *= decay
+    return (s - price).to(torch.float32)
+
+
+def capacity_ranks(scores: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor:
+    """Equal chunks (``moelayers.planning.semantic_eval.capacity_assign`` for one group, same result).
+
+    In at most ``R`` rounds each unplaced token asks for its best rank with room; a rank keeps its
+    highest-scoring candidates (ties: the earlier token; :func:`~moelayers.kernels.bucket_positions`)
+    up to its room.
+
+    Args:
+        scores: ``[T, R]`` float32.
+        capacity: ``[R]`` int64 room per rank (sum ``>= T``).
+
+    Returns:
+        ``[T]`` int64 rank per token.
+    """
+    t, r = scores.shape
+    dev = scores.device
+    out = torch.full((t,), -1, dtype=torch.int64, device=dev)
+    room = capacity.to(device=dev, dtype=torch.int64).clone()
+    neg_inf = torch.tensor(float("-inf"), dtype=torch.float32, device=dev)
+    for _ in range(r):
+        todo = out < 0
+        cand = torch.where(room[None, :] > 0, scores.to(torch.float32), neg_inf)
+        choice = torch.argmax(cand, dim=1)
+        best = cand.gather(1, choice[:, None])[:, 0]
+        pos = bucket_positions(torch.where(todo, choice, -1), torch.where(todo, best, torch.zeros_like(best)))
+        ok = todo & (pos < room[choice])
+        out = torch.where(ok, choice, out)
+        room = room - torch.zeros_like(room).scatter_add_(0, choice, ok.to(torch.int64))
+    return out
+
+
+def balanced_ranks(scores: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor:
+    """:func:`capacity_ranks` of :func:`price_balance`: ``[T]`` rank per token."""
+    return capacity_ranks(price_balance(scores, capacity), capacity)
+
+
+def even_capacity(num_tokens: int, num_ranks: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[R]`` int64: ``T // R`` tokens per rank, one more for the first ``T % R`` ranks (as ``step_capacity``)."""
+    ranks = torch.arange(num_ranks, device=device)
+    return (num_tokens // num_ranks + (ranks < num_tokens % num_ranks)).to(torch.int64)
+
+
+def rebatch_ranks(rank: torch.Tensor, num_ranks: int, pred: torch.Tensor | None = None,
+                  conf: torch.Tensor | None = None) -> Rebatch:
+    """The :class:`Rebatch` that sends each token to ``rank [T]`` (``even_capacity`` tokens per rank).
+
+    Chunk ``r`` holds its tokens in token order, then (when it takes ``C - 1``) one dummy row.
+    """
+    t, r, dev = rank.numel(), num_ranks, rank.device
+    c = -(-t // r)
+    cap = even_capacity(t, r, dev)
+    pred = rank if pred is None else pred
+    conf = torch.ones(t, device=dev) if conf is None else conf.to(torch.float32)
+    if t == 0:
+        empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        return Rebatch(empty, empty, empty, pred, conf, torch.zeros(r, dtype=torch.int64, device=dev), 0, r, 0)
+    pos = bucket_positions(rank, torch.zeros(t, device=dev))  # token order within a rank
+    inverse = rank * c + pos
+    perm = torch.full((r * c,), -1, dtype=torch.int64, device=dev)
+    perm[inverse] = torch.arange(t, device=dev)
+    return Rebatch(perm, inverse, rank, pred, conf, cap, t, r, c)
+
+
+def rebatch_history(token_ids: torch.Tensor, predictor: HistoryPredictor, num_ranks: int,
+                    history: torch.Tensor | None = None) -> Rebatch:
+    """:meth:`HistoryPredictor.scores`, :func:`balanced_ranks` and :func:`rebatch_ranks` for one batch.
+
+    ``pred``/``conf`` of the result: each token's best rank before balancing and its softmax share.
+    """
+    if predictor.num_ranks != num_ranks:
+        raise ValueError(f"the plan's tables are for {predictor.num_ranks} ranks, the group has {num_ranks}")
+    ids = token_ids.reshape(-1)
+    scores = predictor.scores(ids, history)
+    rank = balanced_ranks(scores, even_capacity(ids.numel(), num_ranks, ids.device))
+    best, pred = scores.max(1) if ids.numel() else (scores.new_zeros(0), ids.new_zeros(0))
+    conf = torch.exp(best - torch.logsumexp(scores, 1)) if ids.numel() else best
+    return rebatch_ranks(rank, num_ranks, pred, conf)
 
 
 # ---------------------------------------------------------------------- step 2: bucket into equal chunks

@@ -10,12 +10,13 @@ import pytest
 
 from moelayers.placement import ExpertPlacement
 from moelayers.planning.semantic import (
-    SemanticPlan, build_token_table, check_token_ids, history_tables, majority_rank, nearest_seen_tokens,
-    ngram_tables, plan_semantic, token_rank_probs,
+    SemanticPlan, build_token_table, check_token_ids, majority_rank, nearest_seen_tokens, ngram_tables, plan_semantic,
+    token_rank_probs,
 )
 from moelayers.planning.semantic_eval import (
     capacity_assign, evaluate_dp, evaluate_tp, lar_from_assignment, request_schedule, step_capacity,
 )
+from moelayers.planning.semantic_predict import frequency_bucket, history_onehot, leave_sequence_out, minimize_lbfgs
 from moelayers.planning.semantic_solvers import LayerObjective, _coactivation, solve_alternating, solve_cem
 from moelayers.trace import RoutingTrace, synthetic_trace
 
@@ -72,7 +73,7 @@ def test_token_table_matches_brute_force():
             np.testing.assert_allclose(q[v], want)
 
 
-def test_ngram_and_history_match_brute_force():
+def test_ngram_tables_match_brute_force():
     tr = planted_trace(num_seq=8, seq_len=6, num_layers=4, num_experts=8, ranks=2, vocab=10, seed=2)
     er = np.stack([np.random.default_rng(i).permutation(np.arange(8) % 2) for i in range(4)])
     rank_, conf = ngram_tables(tr.topk_ids, er, 2)
@@ -88,18 +89,73 @@ def test_ngram_and_history_match_brute_force():
                 if table[a, b].sum():
                     assert rank_[layer, a, b] == np.argmax(table[a, b])
                     assert conf[layer, a, b] == pytest.approx(table[a, b].max() / table[a, b].sum())
-    hist = history_tables(tr.topk_ids, er, 2, depth=2, smoothing=3.0)
-    assert (hist[0] == 0).all() and (hist[1, 1] == 0).all()
-    layer, d = 3, 2
-    x = np.zeros((8, 2))
-    for t in range(tr.num_tokens):
-        for e_prev in tr.topk_ids[t, layer - d]:
-            for e in tr.topk_ids[t, layer]:
-                x[e_prev, er[layer][e]] += 1
-    prior = np.bincount(er[layer][tr.topk_ids[:, layer]].ravel(), minlength=2) / tr.topk_ids[:, layer].size
-    want = np.log((x + 3.0 * prior) / (x.sum(1, keepdims=True) + 3.0)) - np.log(prior)
-    np.testing.assert_allclose(hist[layer, d - 1], want, rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(majority_rank(np.array([[0, 2], [1, 3]]), np.array([1, 0, 1, 1]), 2), [1, 0])  # tie: lower
+
+
+# ------------------------------------------------------------------------------------ the tp predictor
+def test_leave_sequence_out_and_history_onehot_match_brute_force():
+    tr = planted_trace(num_seq=6, seq_len=8, num_layers=3, num_experts=8, ranks=2, vocab=5, seed=6)
+    layer, er, a = 2, np.arange(8) % 2, 1.5
+    table = build_token_table(tr.token_ids, tr.topk_ids[:, layer], 8, 5)
+    q = token_rank_probs(table, er, 2, smoothing=a)
+    seq = np.repeat(np.arange(6), 8)
+    ranks = er[tr.topk_ids[:, layer]]  # [T, K]
+    dist = np.bincount(ranks.ravel(), minlength=2) / ranks.size
+    for t in (0, 13, 47):
+        same = (seq == seq[t]) & (tr.token_ids == tr.token_ids[t])
+        others = (tr.token_ids == tr.token_ids[t]) & ~same
+        counts = np.bincount(ranks[others].ravel(), minlength=2)
+        want = (counts + a * 2 * dist) / (2 * others.sum() + a * 2)
+        rows, rest = leave_sequence_out(q[tr.token_ids[t]][None], table.token_freq[tr.token_ids[t]][None],
+                                        np.bincount(ranks[same].ravel(), minlength=2)[None], np.array([same.sum()]), 2, a)
+        np.testing.assert_allclose(np.exp(rows[0]), np.maximum(want, 1e-9), rtol=1e-5)
+        assert rest[0] == others.sum()
+    hist = history_onehot(tr.topk_ids, layer, 3, 8)
+    assert hist.shape == (tr.num_tokens, 24) and (hist[:, 16:] == 0).all()  # depth 3 > layer 2: no block
+    for t in (0, 5):
+        for d in (1, 2):
+            assert sorted(np.flatnonzero(hist[t, (d - 1) * 8:d * 8])) == sorted(tr.topk_ids[t, layer - d])
+    assert list(frequency_bucket(np.array([0, 1, 2, 3, 4, 127, 128, 10**6]))) == [0, 1, 2, 2, 3, 5, 6, 6]
+
+
+def test_minimize_lbfgs_solves_a_quadratic():
+    rng = np.random.default_rng(0)
+    m = rng.standard_normal((6, 6))
+    a, b = m @ m.T + np.eye(6), rng.standard_normal(6)
+    x = minimize_lbfgs(lambda x: (0.5 * x @ a @ x - b @ x, a @ x - b), np.zeros(6), maxiter=200, tol=1e-14)
+    np.testing.assert_allclose(x, np.linalg.solve(a, b), rtol=1e-5, atol=1e-7)
+
+
+def history_trace(num_seq: int = 150, seq_len: int = 32, num_layers: int = 4, num_experts: int = 16, ranks: int = 4,
+                  purity: float = 0.9, seed: int = 0) -> RoutingTrace:
+    """Token ids carry nothing; each token walks a chain of expert groups (group at ``l`` = a fixed map
+    of its group at ``l - 1``, else random) and picks its experts in its group: only the experts of
+    the previous layer tell where it goes."""
+    rng = np.random.default_rng(seed)
+    n, per = num_seq * seq_len, num_experts // ranks
+    group = rng.integers(0, ranks, size=n)
+    topk = np.empty((n, num_layers, 2), dtype=np.int64)
+    for layer in range(num_layers):
+        if layer:
+            group = np.where(rng.random(n) < purity, rng.permutation(ranks)[group], rng.integers(0, ranks, size=n))
+        members = rng.permutation(num_experts).reshape(ranks, per)
+        topk[:, layer] = np.stack([rng.choice(members[g], 2, replace=False) for g in group])
+    tokens = rng.integers(0, 50, size=n)
+    return RoutingTrace(topk, tokens, np.arange(0, n + 1, seq_len, dtype=np.int64), num_experts, vocab_size=50)
+
+
+def test_history_predictor_learns_planted_history():
+    train, held = history_trace().split(0.7)
+    plan = plan_semantic(train, 4, "tp", progress=False, history=2)
+    assert plan.history_pmi.shape == (4, 2, 16, 4) and (plan.history_pmi[0] == 0).all()
+    combined, _ = evaluate_tp(plan, held, 64)
+    token, _ = evaluate_tp(plan, held, 64, predictor="token")
+    later = slice(1, None)  # layer 0 has no history: both at chance there
+    assert np.mean(combined["lar_per_layer"][later]) > np.mean(token["lar_per_layer"][later]) + 0.25
+    assert np.mean(token["lar_per_layer"][later]) < 0.35  # token ids carry nothing
+    plain = plan_semantic(train, 4, "tp", progress=False, history=0)  # token table only
+    assert plain.history_pmi is None
+    np.testing.assert_array_equal(evaluate_tp(plain, held, 64)[1], evaluate_tp(plain, held, 64, predictor="token")[1])
 
 
 def test_unseen_tokens_layer_distribution_and_nearest_neighbour():
@@ -241,6 +297,9 @@ def test_capacity_assign_and_step_capacity():
     # Algorithm 2 mask: the first R requests go to distinct ranks, whatever they prefer
     r = request_schedule(np.tile([1.0, 0.0, 0.0], (6, 1)), np.ones(6, np.int64), 3)
     assert sorted(r[:3]) == [0, 1, 2] and sorted(r[3:]) == [0, 1, 2]
+    # without the mask only the 1.3 x mean cap (2.6 requests here) moves requests off their best rank
+    r = request_schedule(np.tile([1.0, 0.0, 0.0], (6, 1)), np.ones(6, np.int64), 3, mask=False)
+    assert list(r) == [0, 0, 1, 1, 2, 2]
 
 
 @pytest.mark.parametrize("predictor", ["combined", "alg3", "token"])
@@ -290,6 +349,9 @@ def test_evaluate_dp_invariants(synth):
     assert report["token_imbalance"] == pytest.approx(tokens.max() / tokens.mean())
     assert report["lar"] == pytest.approx(lar_from_assignment(held, plan.expert_rank, token_rank))
     assert report["expert_imbalance"] <= 1.3
+    free, free_rank = evaluate_dp(plan, held, mask=False)
+    tokens = np.bincount(free_rank[:, 0], minlength=4)
+    assert tokens.max() <= 1.3 * tokens.mean() and (free_rank == free_rank[:, :1]).all()
 
 
 def test_deterministic_for_a_seed(synth):

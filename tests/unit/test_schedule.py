@@ -6,6 +6,8 @@ import pytest
 import torch
 
 import moelayers as ml
+from moelayers.planning.semantic_eval import evaluate_tp
+from moelayers.planning.semantic_solvers import plan_semantic
 from moelayers.schedule import (
     LayerTables,
     RoundRobinScheduler,
@@ -17,6 +19,8 @@ from moelayers.schedule import (
     shuffled_all_gather,
     shuffled_reduce_scatter,
 )
+from moelayers.schedule.token_shuffle import HistoryPredictor, capacity_ranks, rebatch_history
+from moelayers.trace import synthetic_trace
 from moelayers.testing import check_close
 from tests.distributed.test_semantic import H, _norm, make_plan, weights64
 
@@ -148,6 +152,72 @@ def test_rebatch_without_plan_keeps_token_order():
         rebatch_tokens(torch.arange(7), _tables(3), 2)
     with pytest.raises(ValueError):
         rebatch(torch.zeros(3, dtype=torch.int64), torch.zeros(3), 0)
+
+
+# ---------------------------------------------------------------------- history predictor: online == offline
+@pytest.fixture(scope="module")
+def fitted():
+    train, held = synthetic_trace(200, 6, 16, 4, 500, seq_len=(8, 64), seed=3).split(0.6)
+    return plan_semantic(train, 4, "tp", progress=False, history=3), held
+
+
+def _history(trace, rows, layer, depth):
+    """``[D', T, K]`` experts of ``rows`` at layers ``layer-1, layer-2, ...`` (``None`` at layer 0)."""
+    d = min(depth, layer)
+    if d == 0:
+        return None
+    return torch.as_tensor(trace.topk_ids[rows][:, [layer - j for j in range(1, d + 1)]].astype(np.int64)).permute(1, 0, 2)
+
+
+@pytest.mark.parametrize("tps", [256, 64])
+def test_online_rebatch_equals_offline_evaluation(fitted, tps):
+    """Every batch the held-out evaluation cuts (tps tokens in file order, the last one partial),
+    shuffled online from the token ids and the previous layers' experts: the same rank for every
+    token, exactly tps / R tokens per rank (the partial batch: T // R, +1 on the first T % R ranks)."""
+    plan, held = fitted
+    _, offline = evaluate_tp(plan, held, tps)
+    assert held.num_tokens % tps and held.num_tokens > 4 * tps  # a partial last batch too
+    for start in range(0, held.num_tokens, tps):
+        rows = np.arange(start, min(start + tps, held.num_tokens))
+        ids = torch.as_tensor(held.token_ids[rows])
+        for layer in range(held.num_layers):
+            rb = rebatch_history(ids, HistoryPredictor.from_plan(plan, layer), 4, _history(held, rows, layer, 3))
+            np.testing.assert_array_equal(rb.rank.numpy(), offline[rows, layer], err_msg=f"batch {start}, layer {layer}")
+            counts = torch.bincount(rb.rank, minlength=4)
+            assert counts.tolist() == [rows.size // 4 + (q < rows.size % 4) for q in range(4)]
+            assert torch.equal(rb.perm[rb.inverse], torch.arange(rows.size))
+            for q in range(4):  # chunk q: its tokens in token order, then at most one dummy
+                chunk = rb.chunk(q)
+                assert torch.equal(chunk[: rb.valid_rows(q)], torch.nonzero(rb.rank == q).flatten())
+
+
+def test_capacity_ranks_ties_and_overflow():
+    scores = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 0.5], [0.2, 0.1], [0.0, 1.0]])
+    # rank 0 holds 2: the two highest 1.0s win, ties to the earlier token; token 2 overflows, token 3 too
+    assert capacity_ranks(scores, torch.tensor([2, 3])).tolist() == [0, 0, 1, 1, 1]
+    assert capacity_ranks(scores[:0], torch.tensor([0, 0])).tolist() == []
+
+
+def test_tiny_decoder_tp_carries_the_expert_history():
+    """Attention-TP tiny decoder in one process: each SemanticMoE layer hands the next its experts
+    and the previous ones' ([D', T, K], newest first), as the plan's predictor reads them."""
+    from moelayers.models import TinyConfig, TinyDecoder
+
+    one = plan_semantic(synthetic_trace(40, 3, 8, 2, 48, seq_len=(4, 16), seed=1), 1, "tp", progress=False, history=2)
+    assert one.history_pmi is not None
+    one.history_pmi[:] = 0.1  # some weight at every depth: the layers gather their context
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=8, top_k=2, params_dtype=torch.float64)
+    groups = ml.ParallelGroups.single()
+    model = TinyDecoder(TinyConfig(vocab_size=48, hidden_size=H, num_layers=3, num_heads=4, dtype=torch.float64),
+                        lambda i: ml.SemanticMoE.from_plan(one, i, cfg, groups, mode="tp", seed=i), attention="tp",
+                        groups=groups)
+    with torch.no_grad():
+        model(torch.randint(0, 48, (2, 5), generator=torch.Generator().manual_seed(0)))
+    moes = model.moe_layers
+    topk = [m.last_topk_ids for m in moes]
+    assert torch.equal(moes[0].last_context_ranks, topk[0][None])
+    assert torch.equal(moes[1].last_context_ranks, torch.stack([topk[1], topk[0]]))
+    assert moes[2].last_context_ranks is None  # the last layer: nobody reads it
 
 
 def test_shuffled_collectives_single_process():
