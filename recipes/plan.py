@@ -92,7 +92,7 @@ BASELINES = ("linear", "eplb", "gem")  # always planned: GEM's scores compare ag
 PLANNERS = (*BASELINES, "semantic")
 # planner.<knob> -> plan_semantic keyword and its type (conf/planner/semantic.yaml)
 SEMANTIC_KNOBS = {"solver": str, "theta": float, "history": int, "sample": int, "beta": float, "rho": float,
-                  "slack": float, "smoothing": float, "max_requests": int}
+                  "slack": float, "smoothing": float, "max_requests": int, "predictor_sample": int}
 
 
 # ------------------------------------------------------------------------------------ inputs
