@@ -5,8 +5,9 @@ on GPUs, GPU time measured over CUDA-graph replays, free of host launch overhead
 for a range of row counts: densely at tile boundaries (``profile.tile`` rows, the grouped GEMM's M
 tile) up to ``profile.dense_until``, then sparsely (every ``profile.sparse_step`` rows) up to
 ``profile.max_rows``; the planner interpolates linearly between samples. Rank 0 gathers the curves
-and writes ``curves.npz`` (``rows [N]``, ``latency_s [R, N]``, ``device_names``) atomically into the
-run dir, and prints the spread between the GPUs.
+and writes ``curves.npz`` (``rows [N]``, ``latency_s [R, N]`` — the least-squares non-decreasing fit
+of the measurements, which ``LatencyCurves`` requires —, ``latency_raw_s [R, N]``, ``device_names``)
+atomically into the run dir, and prints the spread between the GPUs.
 
     torchrun --standalone --nproc_per_node=2 recipes/profile.py parallel=gpu      # GPUs
     python recipes/profile.py profile=cpu_smoke                                   # 2 gloo processes, tiny shape
@@ -133,14 +134,43 @@ def profile_worker(rank: int, world: int, cfg: dict) -> dict | None:
             "shape": {"H": h, "F": f, "E": e, "slots_per_rank": slots}, "dtype": str(dtype)}
 
 
-def save_curves(path: str, rows, latency_s: np.ndarray, device_names) -> None:
-    """Write the curves file atomically (the format ``LatencyCurves.load`` reads)."""
+def monotone_fit(latency_s: np.ndarray) -> np.ndarray:
+    """Least-squares non-decreasing fit of each rank's measured curve (pool adjacent violators).
+
+    Timing noise, and kernels that run fewer rows per expert slower (a memory-bound grouped GEMM
+    reads every active expert's weights), can make a measured curve dip; a planner needs
+    ``C_r(n)`` non-decreasing, so each dip is replaced by the mean of the samples it spans.
+
+    Args:
+        latency_s: ``[R, N]`` measured seconds at increasing row counts.
+
+    Returns:
+        ``[R, N]`` non-decreasing in ``N``, equal to the input where it already was.
+    """
+    out = np.empty_like(np.asarray(latency_s, dtype=np.float64))
+    for r, y in enumerate(np.asarray(latency_s, dtype=np.float64)):
+        sums, counts = [], []
+        for v in y:
+            sums.append(v)
+            counts.append(1)
+            while len(sums) > 1 and sums[-2] / counts[-2] > sums[-1] / counts[-1]:
+                last_sum, last_count = sums.pop(), counts.pop()
+                sums[-1] += last_sum
+                counts[-1] += last_count
+        out[r] = np.repeat(np.asarray(sums) / np.asarray(counts), counts)
+    return out
+
+
+def save_curves(path: str, rows, latency_s: np.ndarray, device_names, raw_latency_s: np.ndarray | None = None) -> None:
+    """Write the curves file atomically (the format ``LatencyCurves.load`` reads; ``latency_raw_s``:
+    the measurements before :func:`monotone_fit`)."""
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
+            extra = {} if raw_latency_s is None else {"latency_raw_s": np.asarray(raw_latency_s, dtype=np.float64)}
             np.savez(fh, rows=np.asarray(rows, dtype=np.int64), latency_s=np.asarray(latency_s, dtype=np.float64),
-                     device_names=np.asarray(device_names, dtype=str))
+                     device_names=np.asarray(device_names, dtype=str), **extra)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -149,10 +179,10 @@ def save_curves(path: str, rows, latency_s: np.ndarray, device_names) -> None:
 
 
 def summarize(res: dict, out_dir: str) -> str:
-    lat = res["latency_s"]
-    rows = res["rows"]
+    raw, rows = res["latency_s"], res["rows"]
+    lat = monotone_fit(raw)
     path = os.path.join(out_dir, "curves.npz")
-    save_curves(path, rows, lat, res["device_names"])
+    save_curves(path, rows, lat, res["device_names"], raw)
     picks = [i for i, n in enumerate(rows) if n in (1, 128, 1024, 4096, 16384)] or [0, len(rows) - 1]
     table = [("rows", *[f"rank {r}" for r in range(lat.shape[0])], "max/min")]
     for i in picks:
@@ -162,8 +192,10 @@ def summarize(res: dict, out_dir: str) -> str:
     for row in table:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
     spread = float((lat.max(0) / lat.min(0)).max())
+    dips = int((raw != lat).sum())
     print(f"profiled {len(rows)} row counts on {lat.shape[0]} rank(s) in {res['seconds']:.1f} s; "
-          f"largest max/min between GPUs {spread:.3f}; devices {res['device_names']}; wrote {path}")
+          f"largest max/min between GPUs {spread:.3f} (median {float(np.median(lat.max(0) / lat.min(0))):.3f}); "
+          f"{dips} of {raw.size} samples smoothed to a non-decreasing curve; devices {res['device_names']}; wrote {path}")
     return path
 
 

@@ -20,17 +20,37 @@ def test_profile_writes_curves(tmp_path):
         rows, lat = d["rows"], d["latency_s"]
         assert rows.tolist() == [1, 16, 32, 48, 64, 96, 128]
         assert lat.shape == (2, len(rows)) and (lat > 0).all()
+        assert d["latency_raw_s"].shape == lat.shape
+    from moelayers.planning.gem import LatencyCurves
+
+    assert LatencyCurves.load(out / "curves.npz").num_ranks == 2  # what plan.py curves.path=... reads
     assert "largest max/min between GPUs" in proc.stdout
 
 
-def test_sample_rows():
+def _profile_module():
     import importlib.util
 
-    sys.path.insert(0, str(ROOT / "recipes"))
     spec = importlib.util.spec_from_file_location("profile_recipe", ROOT / "recipes" / "profile.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    sample_rows = mod.sample_rows
+    return mod
+
+
+def test_monotone_fit():
+    fit = _profile_module().monotone_fit
+    # the H200 measurement of 2026-11-23 (us; 128 experts on one GPU): memory-bound at few rows per expert
+    raw = np.array([[28.2, 463.5, 429.4, 443.0, 428.1, 435.9, 512.9]])
+    got = fit(raw)
+    assert (np.diff(got) >= 0).all() and got[0, 0] == 28.2 and got[0, -1] == 512.9
+    assert got[0, 1:6] == pytest.approx(np.full(5, raw[0, 1:6].mean()))  # one pooled block, its mean
+    assert got.sum() == pytest.approx(raw.sum())  # least squares under an order constraint keeps the mean
+    mono = np.array([[1.0, 2.0, 2.0, 5.0], [3.0, 1.0, 4.0, 4.0]])
+    np.testing.assert_array_equal(fit(mono)[0], mono[0])
+    np.testing.assert_allclose(fit(mono)[1], [2.0, 2.0, 4.0, 4.0])
+
+
+def test_sample_rows():
+    sample_rows = _profile_module().sample_rows
 
     assert sample_rows(128, 512, 1024, 3000) == [1, 128, 256, 384, 512, 1536, 2560]
     with pytest.raises(ValueError, match="bad sampling"):
