@@ -112,20 +112,16 @@ class Replay:
     """
 
     def __init__(self, trace_cfg: dict, config, seed: int, need_tokens: int):
-        from moelayers.trace import load_trace, synthetic_trace
+        from recipes._common import config_trace
 
+        trace_cfg = {"synthetic": True, **trace_cfg}
+        lo, hi = (int(v) for v in trace_cfg.get("seq_len") or (512, 1536))
+        tr = config_trace(trace_cfg, num_sequences=max(2, -(-need_tokens // ((lo + hi) // 2))), num_layers=1,
+                          num_experts=config.num_experts, top_k=config.top_k,
+                          vocab_size=trace_cfg.get("vocab_size", 4096), seed=seed, seq_len=(lo, hi),
+                          need="router=replay")
         path = trace_cfg.get("path")
-        if path:
-            tr = load_trace(path)
-            self.source = str(path)
-        elif trace_cfg.get("synthetic", True):
-            lo, hi = (int(v) for v in trace_cfg.get("seq_len") or (512, 1536))
-            n_seq = max(2, -(-need_tokens // ((lo + hi) // 2)))
-            tr = synthetic_trace(n_seq, 1, config.num_experts, config.top_k, int(trace_cfg.get("vocab_size", 4096)),
-                                 seq_len=(lo, hi), seed=seed)
-            self.source = f"synthetic_trace(seed={seed}, seq_len=({lo}, {hi}))"
-        else:
-            raise ValueError("router=replay needs trace.path=FILE (or trace.synthetic=true)")
+        self.source = str(path) if path else f"synthetic_trace(seed={seed}, seq_len=({lo}, {hi}))"
         if tr.num_experts != config.num_experts or tr.top_k != config.top_k:
             raise ValueError(f"trace {self.source} has E={tr.num_experts}, K={tr.top_k}; the benchmark shape "
                              f"has E={config.num_experts}, K={config.top_k}")

@@ -180,3 +180,29 @@ def write_json(path: str | os.PathLike, obj: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(jsonable(obj), indent=2, sort_keys=False) + "\n")
     return path
+
+
+def config_trace(tc: dict, *, num_sequences: int, num_layers: int, num_experts: int, top_k: int, vocab_size: int,
+                 seed: int, seq_len: Any, need: str):
+    """The routing trace a recipe's ``trace`` block names: ``trace.path`` (npz, validated), else a
+    synthetic trace of the given shape when ``trace.synthetic`` is true.
+
+    Args:
+        tc: the ``trace`` config block (``path``, ``synthetic``, optional ``seq_len``).
+        num_sequences, num_layers, num_experts, top_k, vocab_size, seed: the synthetic trace's shape.
+        seq_len: default tokens per synthetic sequence (``trace.seq_len`` wins): an int or ``[lo, hi]``.
+        need: who needs it, for the error (e.g. ``"router=replay"``).
+
+    Raises:
+        ValueError: no path and ``trace.synthetic`` false; the loader's errors for a bad file.
+    """
+    from moelayers.trace import load_trace, synthetic_trace
+
+    if tc.get("path"):
+        return load_trace(tc["path"])
+    if not tc.get("synthetic", False):
+        raise ValueError(f"{need} needs trace.path=FILE (or trace.synthetic=true)")
+    seq_len = tc.get("seq_len") or seq_len
+    seq_len = tuple(int(v) for v in seq_len) if isinstance(seq_len, (list, tuple)) else int(seq_len)
+    return synthetic_trace(int(num_sequences), int(num_layers), int(num_experts), int(top_k), int(vocab_size),
+                           seq_len=seq_len, seed=int(seed))

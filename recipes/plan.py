@@ -85,7 +85,7 @@ import hydra  # noqa: E402
 import numpy as np  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from recipes._common import print_table, run_dir, to_dict, write_json  # noqa: E402
+from recipes._common import config_trace, print_table, run_dir, to_dict, write_json  # noqa: E402
 from recipes._plan_tools import DP_MAX_RATIO, MODES, commit_files, even_token_rank, lar_report  # noqa: E402
 
 BASELINES = ("linear", "eplb", "gem")  # always planned: GEM's scores compare against them
@@ -120,17 +120,10 @@ def check_config(d: dict) -> tuple[str, int, str, int, float]:
 
 def load_plan_trace(d: dict):
     """The routing trace: ``trace.path``, else a synthetic one of the configured shape."""
-    from moelayers.trace import load_trace, synthetic_trace
-
     tc = d["trace"]
-    if tc.get("path"):
-        return load_trace(tc["path"])
-    if not tc.get("synthetic", False):
-        raise ValueError("plan.py needs trace.path=FILE (or trace.synthetic=true)")
-    seq_len = tc.get("seq_len", [256, 2048])
-    seq_len = tuple(int(v) for v in seq_len) if isinstance(seq_len, (list, tuple)) else int(seq_len)
-    return synthetic_trace(int(tc["num_sequences"]), int(tc["num_layers"]), int(tc["num_experts"]), int(tc["top_k"]),
-                           int(tc["vocab_size"]), seq_len=seq_len, seed=int(d["seed"]))
+    return config_trace(tc, num_sequences=tc.get("num_sequences", 0), num_layers=tc.get("num_layers", 0),
+                        num_experts=tc.get("num_experts", 0), top_k=tc.get("top_k", 0),
+                        vocab_size=tc.get("vocab_size", 0), seed=d["seed"], seq_len=[256, 2048], need="plan.py")
 
 
 def trace_name(d: dict) -> str:

@@ -68,7 +68,7 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes import _serve_compare as compare  # noqa: E402
-from recipes._common import device_for, launch, percentile, print_table, run_dir, shutdown, to_dict, write_json  # noqa: E402
+from recipes._common import config_trace, device_for, launch, percentile, print_table, run_dir, shutdown, to_dict, write_json  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -216,19 +216,11 @@ def load_replay_trace(cfg: dict):
     """The routing trace of ``router=replay`` (file or synthetic), else ``None``."""
     if cfg["router"]["name"] != "replay":
         return None
-    from moelayers.trace import load_trace, synthetic_trace
-
     tc, m = cfg["trace"], cfg["model"]
-    if tc.get("path"):
-        return load_trace(tc["path"])
-    if not tc.get("synthetic", False):
-        raise ValueError("router=replay needs trace.path=FILE (or trace.synthetic=true)")
-    seq_len = tc.get("seq_len", [16, 48])
-    seq_len = tuple(int(v) for v in seq_len) if isinstance(seq_len, (list, tuple)) else int(seq_len)
     num_seq = int(tc.get("num_sequences") or int(cfg["workload"]["num_requests"]) + request_offset(cfg))
-    return synthetic_trace(num_seq, int(m["num_layers"]),
-                           int(m["num_experts"]), int(m["top_k"]), int(m["vocab_size"]), seq_len=seq_len,
-                           seed=int(cfg["seed"]))
+    return config_trace(tc, num_sequences=num_seq, num_layers=m["num_layers"], num_experts=m["num_experts"],
+                        top_k=m["top_k"], vocab_size=m["vocab_size"], seed=cfg["seed"], seq_len=[16, 48],
+                        need="router=replay")
 
 
 def fit_model_to_trace(model_cfg: dict, trace) -> tuple[dict, list[str]]:
