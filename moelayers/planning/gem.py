@@ -86,6 +86,9 @@ class LatencyCurves:
         self.latency_s = lat.astype(np.float64)
         self._x = self.rows.astype(np.float64)
         self._slope = np.diff(self.latency_s, axis=1) / np.diff(self._x)  # [R, N-1]
+        self._icept = self.latency_s[:, :-1] - self._slope * self._x[:-1]  # segment k: icept + slope * rows
+        gaps = np.diff(self.rows)
+        self._spacing = float(gaps[0]) if np.all(gaps == gaps[0]) else None  # uniform grid: index by division
         self._tiled: tuple[np.ndarray, float, float, int] | None = None  # (scale [R], base_s, per_tile_s, tile)
 
     # ------------------------------------------------------------------ constructors
@@ -197,11 +200,54 @@ class LatencyCurves:
             out = np.ceil(x * (1.0 / tile) - 1e-9)
             out *= per_tile_s
             out += base_s
-            out *= scale[r]
-            return out
-        idx = np.clip(np.searchsorted(self._x, x, side="right") - 1, 0, self._x.size - 2)
+            return out * scale[r]
         xc = np.maximum(x, self._x[0])
-        return self.latency_s[r, idx] + (xc - self._x[idx]) * self._slope[r, idx]
+        num = self._x.size
+        if self._spacing is not None:
+            idx = np.minimum(((xc - self._x[0]) * (1.0 / self._spacing)).astype(np.int64), num - 2)
+        else:
+            idx = np.clip(np.searchsorted(self._x, x, side="right") - 1, 0, num - 2)
+        flat = idx + r * (num - 1)  # gather from the flattened [R, N-1] tables: faster than 2-D fancy indexing
+        out = np.take(self._slope.ravel(), flat)
+        out *= xc
+        out += np.take(self._icept.ravel(), flat)
+        return out
+
+    def smoothed(self, width: float) -> LatencyCurves:
+        """Moving average of every curve over a window of ``width`` rows (a box kernel).
+
+        ``C~_r(n) = (1 / w) * integral of C_r over [n - w/2, n + w/2]``: the expected latency when the
+        rows are only known to within ``+- w/2`` (a tiled curve averaged over one tile becomes a
+        straight line). Computed exactly from the piecewise-linear samples (piecewise quadratic
+        antiderivative), on a uniform grid of ``max(1, w / 8)`` rows up to the last sample; beyond
+        it the smoothed curve continues linearly, as every curve does.
+
+        Args:
+            width: window ``w`` in rows, ``> 0``.
+
+        Returns:
+            Sampled curves for the same ``R`` ranks.
+        """
+        if not np.isfinite(width) or width <= 0:
+            raise ValueError(f"smoothing width must be a positive number of rows, got {width}")
+        half = 0.5 * float(width)
+        step = max(1, int(width // 8))
+        top = max(int(self.rows[0]) + step, int(self.rows[-1] - half))  # windows inside the samples
+        grid = np.arange(int(self.rows[0]), top + step, step, dtype=np.int64)
+        ranks = np.arange(self.num_ranks)[:, None]
+        hi, lo = self._antiderivative(grid + half, ranks), self._antiderivative(grid - half, ranks)
+        lat = np.maximum.accumulate((hi - lo) / width, axis=1)  # guard monotonicity against rounding
+        return LatencyCurves(grid, lat, source=f"{self!r} smoothed over {width:.4g} rows")
+
+    def _antiderivative(self, x: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+        """``I_r(x) = integral of C_r from rows[0] to x`` (negative below ``rows[0]``); broadcast shapes."""
+        x = np.asarray(x, dtype=np.float64)
+        seg = self.latency_s[:, :-1] + 0.5 * self._slope * np.diff(self._x)  # mean latency per segment
+        cum = np.concatenate([np.zeros((self.num_ranks, 1)), np.cumsum(seg * np.diff(self._x), axis=1)], axis=1)
+        idx = np.clip(np.searchsorted(self._x, x, side="right") - 1, 0, self._x.size - 2)
+        dx = np.maximum(x, self._x[0]) - self._x[idx]
+        below = np.minimum(x - self._x[0], 0.0) * self.latency_s[ranks, 0]  # curve held at its first value
+        return cum[ranks, idx] + dx * (self.latency_s[ranks, idx] + 0.5 * dx * self._slope[ranks, idx]) + below
 
     def __call__(self, rank_rows: np.ndarray) -> np.ndarray:
         """Latency of every rank: ``rank_rows [..., R]`` -> ``[..., R]`` seconds (vectorised)."""
@@ -310,14 +356,20 @@ def plan_gem(loads: np.ndarray, curves: LatencyCurves, *, restarts: int = 8, see
         curves: latency curves of the ``R`` ranks (``E`` divisible by ``R``).
         restarts: ``K`` greedy + swap runs; runs after the first perturb the expert
             utilisations by 20 % noise. The best (by the objective) wins.
-        seed: makes the restarts deterministic.
+        seed: makes the result deterministic (restarts, and the scenarios of ``robust``).
         method: ``"plain"`` (the paper: greedy + best swap on the given steps) or ``"robust"``
-            (the same search on an objective built to generalise to unseen steps, see
-            :mod:`moelayers.planning.gem_search`).
-        **options: passed to :func:`moelayers.planning.gem_search.search`.
+            (the same search on the expected ``S`` over steps like the given ones: moment-matched
+            Gaussian scenarios with the steps' predictive mean and covariance, scored with the
+            curves averaged over the rows' uncertainty; see :mod:`moelayers.planning.gem_search`).
+        **options: passed to :func:`moelayers.planning.gem_search.search` (``noise``,
+            ``min_gain``, ``scenarios``).
 
     Returns:
         ``expert_rank [E]`` int64 with ``E / R`` experts on every rank.
+
+    Raises:
+        ValueError: no steps (empty trace), negative or non-finite loads, ``E`` not divisible by
+            the curves' ``R``, an unknown ``method``.
     """
     from moelayers.planning.gem_search import search
 

@@ -10,16 +10,69 @@ Given objective steps ``X [S, E]`` (rows per expert per step) and curves ``C_r``
   of the two changed ranks are recomputed), the other ranks enter through the per-step top-3 —
   and applies the best one, until it gains less than ``min_gain`` (0.1 %) of ``F``;
 * restarts: run ``k > 0`` starts the greedy from utilisations perturbed by ``noise`` (20 %).
+
+Two objectives (``method``), searched the same way:
+
+``plain`` (the paper)
+    ``X`` = the given steps and ``C_r`` = the given curves. Fitted on a few dozen train steps it
+    over-fits them: it tunes each rank's rows to the particular fluctuations of those steps and
+    to where they fall between the tile boundaries of the curves, neither of which recurs.
+
+``robust`` (default)
+    ``F`` in expectation over the steps the placement will *meet*, estimated from the given ones:
+
+    1. *Predictive steps.* A future step is modelled by the mean ``mu`` and the covariance of
+       the given steps, inflated by ``1 + 1/S`` for the error of the mean (the predictive
+       distribution of one more step). The covariance is kept whole — it says which experts burst
+       together, which is what a placement must spread over the ranks — and realised by
+       ``N`` moment-matched Gaussian scenarios: ``X = mu + c * Q @ diag(sv) @ V^T`` with the SVD
+       ``steps - mu = U diag(sv) V^T`` and ``Q [N, k]`` orthonormal random directions drawn in
+       antithetic pairs, so the scenarios' mean and covariance equal the predictive ones exactly
+       while the fluctuations point everywhere in the span of the observed ones instead of at
+       ``S`` fixed points. Loads are clipped at 0. With ``S - 1 > N / 2`` steps the steps
+       themselves (fluctuations scaled by ``sqrt(1 + 1/S)``) are the scenarios. ``N`` is 128 for
+       ``E <= 64`` and shrinks as ``1 / E^2`` (the refinement's work per round is ``E^2 N``), at
+       least 32.
+    2. *Smoothed curves.* The rows a rank gets in an unseen step are known only to within the
+       spread of the scenario estimate, so each curve is replaced by its moving average over a
+       window (a box kernel) whose standard deviation follows Silverman's rule for ``N`` samples
+       of one rank's rows: ``h = 1.06 sigma N^(-1/5)``, window ``sqrt(12) h``, with ``sigma`` the
+       standard deviation of the rows of ``E / R`` random experts under the predictive
+       covariance. A tiled curve averaged over a tile is a straight line: no tile boundary is
+       left to over-fit.
+
+    There is no tuning constant: the mean, covariance and bandwidth come from the given steps,
+    ``N`` from the time budget. What was measured and did not help (``tools/gem_yardstick.py``):
+    shrinking the covariance towards its diagonal (Ledoit-Wolf, also projected on the fixed total
+    load) or to a low-rank factor model — always worse, the off-diagonal structure generalises;
+    inflating the covariance for drift, or scaling the fluctuations down (trusting the mean
+    more); independent or permuted per-expert resampling (destroys the co-bursts: much worse);
+    sums of random pairs or triples of observed fluctuations instead of Gaussian ones (about the
+    same); empirical-Bayes shrinkage of the mean; fitting on the latest steps only; more
+    scenarios or restarts, a lower ``min_gain``, a stronger search; mixing the raw steps into the
+    scenarios. The smoothed curves alone (on the raw steps) give most of the gain at small cost;
+    the scenarios add to it where the steps are few or bursty.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-__all__ = ["greedy", "refine", "search", "objective"]
+if TYPE_CHECKING:  # gem imports this module lazily (plan_gem); only the annotations need it here
+    from moelayers.planning.gem import LatencyCurves
+
+__all__ = ["METHODS", "greedy", "refine", "search", "objective", "robust_objective", "predictive_scenarios",
+           "smoothing_width", "scenario_count"]
+
+METHODS = ("plain", "robust")
+MAX_SCENARIOS = 128  # robust: scenarios for E <= 64 ...
+MIN_SCENARIOS = 32  # ... and at least this many
+SCENARIO_WORK = MAX_SCENARIOS * 64 * 64  # N * E^2 kept at this for E > 64 (the work of one swap round)
 
 
-def objective(expert_rank: np.ndarray, x: np.ndarray, curves) -> float:
+def objective(expert_rank: np.ndarray, x: np.ndarray, curves: LatencyCurves) -> float:
     """``F = sum_s max_r C_r(rows_r)`` for objective steps ``x [S, E]`` (any real loads)."""
     num_r = curves.num_ranks
     rows = np.zeros((x.shape[0], num_r))
@@ -27,7 +80,7 @@ def objective(expert_rank: np.ndarray, x: np.ndarray, curves) -> float:
     return float(curves(rows).max(axis=1).sum())
 
 
-def greedy(x: np.ndarray, curves, per_rank: int, *, order_loads: np.ndarray | None = None) -> np.ndarray:
+def greedy(x: np.ndarray, curves: LatencyCurves, per_rank: int, *, order_loads: np.ndarray | None = None) -> np.ndarray:
     """Greedy initial mapping.
 
     Args:
@@ -77,7 +130,7 @@ def _others_max(lat: np.ndarray) -> np.ndarray:
     return np.where(ok.any(axis=-1), out, 0.0)
 
 
-def refine(expert_rank: np.ndarray, x: np.ndarray, curves, *, min_gain: float = 1e-3,
+def refine(expert_rank: np.ndarray, x: np.ndarray, curves: LatencyCurves, *, min_gain: float = 1e-3,
            max_rounds: int | None = None) -> tuple[np.ndarray, float]:
     """Best-swap refinement until the best swap gains less than ``min_gain * F``.
 
@@ -125,21 +178,10 @@ def refine(expert_rank: np.ndarray, x: np.ndarray, curves, *, min_gain: float = 
     return er, f
 
 
-def search(loads: np.ndarray, curves, *, restarts: int = 8, seed: int = 0, method: str = "robust",
-           noise: float = 0.2, min_gain: float = 1e-3) -> np.ndarray:
-    """Greedy + best swap with ``restarts`` starts; see :func:`moelayers.planning.gem.plan_gem`.
-
-    Returns:
-        ``expert_rank [E]`` int64, ``E / R`` experts per rank.
-    """
-    if method not in ("plain", "robust"):
-        raise ValueError(f"method must be 'plain' or 'robust', got {method!r}")
-    if restarts < 1:
-        raise ValueError(f"restarts must be >= 1, got {restarts}")
-    x = np.asarray(loads, dtype=np.float64)
-    num_e, num_r = x.shape[1], curves.num_ranks
-    per_rank = num_e // num_r
-    rng = np.random.default_rng(seed)
+def _best_of_restarts(x: np.ndarray, curves: LatencyCurves, per_rank: int, restarts: int, rng: np.random.Generator,
+                      noise: float, min_gain: float) -> np.ndarray:
+    """Greedy + best swap from ``restarts`` starts on objective steps ``x [S, E]``; the lowest ``F`` wins."""
+    num_e = x.shape[1]
     best, best_f = None, np.inf
     for k in range(restarts):
         order = x if k == 0 else x * (1.0 + noise * rng.uniform(-1.0, 1.0, size=(1, num_e)))
@@ -148,3 +190,106 @@ def search(loads: np.ndarray, curves, *, restarts: int = 8, seed: int = 0, metho
         if f < best_f - 1e-15:
             best, best_f = er, f
     return best
+
+
+def scenario_count(num_experts: int) -> int:
+    """Predictive scenarios ``N`` for ``E`` experts: 128 up to ``E = 64``, then ``~ 1 / E^2``, at least 32."""
+    return int(np.clip(SCENARIO_WORK // max(num_experts, 1) ** 2, MIN_SCENARIOS, MAX_SCENARIOS)) // 2 * 2
+
+
+def predictive_scenarios(loads: np.ndarray, num: int, rng: np.random.Generator) -> np.ndarray:
+    """Scenario steps with the predictive mean and covariance of one more step (module docstring, 1.).
+
+    Args:
+        loads: ``[S, E]`` observed steps.
+        num: scenarios ``N`` (even) when the steps are few (``S - 1 <= N / 2``).
+        rng: source of the random directions.
+
+    Returns:
+        ``[N, E]`` float64 (``[S, E]`` when the steps themselves are used; the one step if ``S = 1``).
+    """
+    x = np.asarray(loads, dtype=np.float64)
+    num_s = x.shape[0]
+    if num_s < 2:
+        return x.copy()
+    mu = x.mean(axis=0)
+    dev = x - mu
+    if 2 * (num_s - 1) > num:
+        return np.maximum(mu + np.sqrt(1.0 + 1.0 / num_s) * dev, 0.0)
+    _, sv, vt = np.linalg.svd(dev, full_matrices=False)
+    keep = sv > sv[0] * 1e-9 if sv[0] > 0 else np.zeros_like(sv, dtype=bool)
+    if not keep.any():
+        return x[:1].copy()  # every step the same: it is the scenario
+    sv, vt = sv[keep], vt[keep]
+    half = rng.standard_normal((num // 2, sv.size))
+    q, _ = np.linalg.qr(np.concatenate([half, -half]))  # [N, k] orthonormal, columns sum to 0
+    scale = np.sqrt(num * (1.0 + 1.0 / num_s) / (num_s - 1))  # (1/N) X^T X = (1 + 1/S) dev^T dev / (S - 1)
+    return np.maximum(mu + (scale * q * sv) @ vt, 0.0)
+
+
+def smoothing_width(x: np.ndarray, per_rank: int) -> float:
+    """Box-kernel window (rows) for the curves: ``sqrt(12) * 1.06 sigma N^(-1/5)`` (module docstring, 2.).
+
+    Args:
+        x: ``[N, E]`` scenario steps.
+        per_rank: experts per rank ``m``.
+
+    Returns:
+        Window in rows (0 when the scenarios do not vary).
+    """
+    num_n, num_e = x.shape
+    if num_n < 2:
+        return 0.0
+    var = x.var(axis=0)  # [E]
+    cov_sum = x.sum(axis=1).var() - var.sum()  # sum of the off-diagonal covariances
+    off = cov_sum / (num_e * (num_e - 1)) if num_e > 1 else 0.0
+    sigma2 = per_rank * var.mean() + per_rank * (per_rank - 1) * off  # rows of m random experts
+    return float(np.sqrt(12.0 * max(sigma2, 0.0)) * 1.06 * num_n ** -0.2)
+
+
+def robust_objective(loads: np.ndarray, curves: LatencyCurves, rng: np.random.Generator,
+                     num_scenarios: int | None = None) -> tuple[np.ndarray, LatencyCurves]:
+    """The ``robust`` objective: ``(scenarios [N, E], smoothed curves)`` (module docstring).
+
+    Args:
+        loads: ``[S, E]`` observed steps.
+        curves: :class:`~moelayers.planning.gem.LatencyCurves` of the ``R`` ranks.
+        rng: source of the scenario directions.
+        num_scenarios: ``N`` (default :func:`scenario_count`).
+    """
+    num_e, num_r = loads.shape[1], curves.num_ranks
+    num = scenario_count(num_e) if num_scenarios is None else int(num_scenarios)
+    if num < 2 or num % 2:
+        raise ValueError(f"scenarios must be an even number >= 2, got {num_scenarios}")
+    x = predictive_scenarios(loads, num, rng)
+    width = smoothing_width(x, num_e // num_r)
+    return x, (curves.smoothed(width) if width >= 1.0 else curves)
+
+
+def search(loads: np.ndarray, curves: LatencyCurves, *, restarts: int = 8, seed: int = 0, method: str = "robust",
+           noise: float = 0.2, min_gain: float = 1e-3, scenarios: int | None = None) -> np.ndarray:
+    """Greedy + best swap with ``restarts`` starts; see :func:`moelayers.planning.gem.plan_gem`.
+
+    Args:
+        loads: ``[S, E]`` rows per expert per step.
+        curves: latency curves of the ``R`` ranks.
+        restarts: greedy + swap runs.
+        seed: seeds the restarts' noise (and the robust scenarios).
+        method: ``"plain"`` or ``"robust"`` (module docstring).
+        noise: relative perturbation of the utilisations for restarts after the first.
+        min_gain: relative gain below which the swaps stop.
+        scenarios: ``N`` for ``robust`` (default :func:`scenario_count`).
+
+    Returns:
+        ``expert_rank [E]`` int64, ``E / R`` experts per rank.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
+    if isinstance(restarts, bool) or not isinstance(restarts, (int, np.integer)) or restarts < 1:
+        raise ValueError(f"restarts must be a positive int, got {restarts!r}")
+    x = np.asarray(loads, dtype=np.float64)
+    per_rank = x.shape[1] // curves.num_ranks
+    rng = np.random.default_rng(seed)
+    if method == "robust":
+        x, curves = robust_objective(x, curves, rng, scenarios)
+    return _best_of_restarts(x, curves, per_rank, int(restarts), rng, noise, min_gain)
