@@ -46,7 +46,9 @@ files moved into place, ``report.json`` last):
 * ``plan.npz`` (``planner=semantic``): the :class:`~moelayers.planning.semantic.SemanticPlan`
   (``SemanticPlan.load``; read by ``SemanticMoE.from_plan``, ``recipes/serve.py layer.plan_path=FILE``
   and ``plan.path=FILE``);
-* ``curves.npz``: the latency curves used (:meth:`LatencyCurves.load` reads it).
+* ``curves.npz``: the latency curves used (:meth:`LatencyCurves.load` reads it);
+* ``plan.png``: per layer, the held-out LAR of the chosen planner against linear, and every planned
+  placement's held-out GEM score relative to linear.
 
 Anyone can recompute the report::
 
@@ -86,6 +88,7 @@ import numpy as np  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import config_trace, print_table, run_dir, to_dict, write_json  # noqa: E402
+from recipes._plots import plot_plan  # noqa: E402
 from recipes._plan_tools import DP_MAX_RATIO, MODES, commit_files, even_token_rank, lar_report  # noqa: E402
 
 BASELINES = ("linear", "eplb", "gem")  # always planned: GEM's scores compare against them
@@ -303,7 +306,7 @@ def write_outputs(out_dir: str, report: dict, expert_rank: np.ndarray, token_ran
                      tokens_per_step=np.int64(report["tokens_per_step"]),
                      train_fraction=np.float64(report["train_fraction"]), mode=np.str_(report["mode"]))
 
-    writers = {"assignment.npz": assignment, "curves.npz": curves.save}
+    writers = {"assignment.npz": assignment, "curves.npz": curves.save, "plan.png": lambda path: plot_plan(report, path)}
     if semantic is not None:
         writers["plan.npz"] = semantic.save
     writers["report.json"] = lambda path: write_json(path, report)

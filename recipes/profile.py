@@ -7,7 +7,8 @@ tile) up to ``profile.dense_until``, then sparsely (every ``profile.sparse_step`
 ``profile.max_rows``; the planner interpolates linearly between samples. Rank 0 gathers the curves
 and writes ``curves.npz`` (``rows [N]``, ``latency_s [R, N]`` — the least-squares non-decreasing fit
 of the measurements, which ``LatencyCurves`` requires —, ``latency_raw_s [R, N]``, ``device_names``)
-atomically into the run dir, and prints the spread between the GPUs.
+atomically into the run dir with a picture of them (``curves.png``: each rank's curve, and its
+latency relative to the fastest rank), and prints the spread between the GPUs.
 
     torchrun --standalone --nproc_per_node=2 recipes/profile.py parallel=gpu      # GPUs
     python recipes/profile.py profile=cpu_smoke                                   # 2 gloo processes, tiny shape
@@ -33,6 +34,7 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import device_for, launch, run_dir, shutdown, to_dict  # noqa: E402
+from recipes._plots import plot_curves  # noqa: E402
 
 
 def sample_rows(tile: int, dense_until: int, sparse_step: int, max_rows: int) -> list[int]:
@@ -183,6 +185,7 @@ def summarize(res: dict, out_dir: str) -> str:
     lat = monotone_fit(raw)
     path = os.path.join(out_dir, "curves.npz")
     save_curves(path, rows, lat, res["device_names"], raw)
+    plot_curves(rows, lat, raw, res["device_names"], os.path.join(out_dir, "curves.png"))
     picks = [i for i, n in enumerate(rows) if n in (1, 128, 1024, 4096, 16384)] or [0, len(rows) - 1]
     table = [("rows", *[f"rank {r}" for r in range(lat.shape[0])], "max/min")]
     for i in picks:

@@ -69,6 +69,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import config_trace, device_for, launch, percentile, print_table, run_dir, shutdown, to_dict, write_json  # noqa: E402
+from recipes._plots import plot_rank_load  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -501,27 +502,6 @@ def emulated_expert_time(cfg: dict, layer_loads: torch.Tensor) -> dict:
 
 
 # ---------------------------------------------------------------------- output
-def plot_rank_load(rank_load: list[list[int]], path: str, title: str) -> None:
-    """Line plot of activations received per rank per step (matplotlib Agg)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    data = np.asarray(rank_load, dtype=np.float64).reshape(len(rank_load), -1)
-    fig, ax = plt.subplots(figsize=(8, 3.5), dpi=100)
-    for r in range(data.shape[1]):
-        ax.plot(np.arange(data.shape[0]), data[:, r], lw=1, label=f"rank {r}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("activations received")
-    ax.set_title(title)
-    if data.shape[1] <= 16:
-        ax.legend(fontsize=7, ncol=min(8, data.shape[1]))
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
 def summarize(res: dict, out_dir: str) -> None:
     """Print the summary table; write results.json and rank_load.png into ``out_dir``."""
     rows = [("throughput (out tok/s)", res["throughput_tok_s"]), ("TTFT p50 (s)", res["ttft_p50_s"]),

@@ -206,7 +206,8 @@ def test_script_honours_run_dir(trace_file, tmp_path):
     proc = run_script(tmp_path, f"trace.path={trace_file}", "planner=semantic", "mode=dp", "parallel.ep=2",
                       f"hydra.run.dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert {"report.json", "assignment.npz", "plan.npz", "curves.npz"} <= {p.name for p in out.iterdir()}
+    assert {"report.json", "assignment.npz", "plan.npz", "curves.npz", "plan.png"} <= {p.name for p in out.iterdir()}
+    assert (out / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "report.json").read_text())["mode"] == "dp"
     assert "lar" in proc.stdout and str(out / "report.json") in proc.stdout
 

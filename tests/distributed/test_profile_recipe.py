@@ -25,6 +25,7 @@ def test_profile_writes_curves(tmp_path):
 
     assert LatencyCurves.load(out / "curves.npz").num_ranks == 2  # what plan.py curves.path=... reads
     assert "largest max/min between GPUs" in proc.stdout
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the picture of the curves
 
 
 def _profile_module():

@@ -1,0 +1,111 @@
+"""Figures the recipes write beside their numbers (matplotlib, Agg backend, PNG).
+
+Each function takes plain data (lists / arrays / the report dict) and a destination path; the format
+is always PNG, whatever the path's suffix (``commit_files`` hands writers ``*.tmp`` paths).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+__all__ = ["plot_rank_load", "plot_plan", "plot_curves"]
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str | os.PathLike) -> None:
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    _pyplot().close(fig)
+
+
+def plot_rank_load(rank_load: list[list[int]], path: str | os.PathLike, title: str) -> None:
+    """Line plot of activations received per rank per step (``rank_load [steps][R]``)."""
+    plt = _pyplot()
+    data = np.asarray(rank_load, dtype=np.float64).reshape(len(rank_load), -1)
+    fig, ax = plt.subplots(figsize=(8, 3.5), dpi=100)
+    for r in range(data.shape[1]):
+        ax.plot(np.arange(data.shape[0]), data[:, r], lw=1, label=f"rank {r}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("activations received")
+    ax.set_title(title)
+    if data.shape[1] <= 16:
+        ax.legend(fontsize=7, ncol=min(8, data.shape[1]))
+    _save(fig, path)
+
+
+def plot_plan(report: dict, path: str | os.PathLike) -> None:
+    """``recipes/plan.py``'s picture of a run, per layer on the held-out part.
+
+    Left: local activation rate of the chosen planner's assignment and of linear placement with the
+    tokens spread evenly (``lar_per_layer``, ``lar_linear_per_layer``). Right: GEM step-latency score
+    of every planned placement relative to linear (``per_layer``; below 0 = faster than linear).
+
+    Args:
+        report: the run's ``report.json`` content.
+        path: destination (PNG).
+    """
+    plt = _pyplot()
+    fig, (ax_lar, ax_gem) = plt.subplots(1, 2, figsize=(11, 3.8), dpi=100)
+    layers = np.arange(len(report["lar_per_layer"]))
+    ax_lar.plot(layers, report["lar_per_layer"], marker="o", ms=3, lw=1.2,
+                label=f"{report['planner']} (mean {report['lar']:.3f})")
+    ax_lar.plot(layers, report["lar_linear_per_layer"], marker="o", ms=3, lw=1.2, color="grey",
+                label=f"linear, even tokens (mean {report['lar_linear']:.3f})")
+    ax_lar.set(xlabel="layer", ylabel="local activation rate", ylim=(0, 1),
+               title=f"held-out LAR, EP{report['ep']} mode={report['mode']}")
+    ax_lar.legend(fontsize=8)
+    per_layer = {k: np.asarray(v, dtype=np.float64) for k, v in report["per_layer"].items()}
+    base = np.maximum(per_layer["linear"], 1e-300)
+    for name, scores in per_layer.items():
+        if name == "linear":
+            continue
+        total = 100.0 * (scores.sum() / base.sum() - 1.0)
+        ax_gem.plot(layers, 100.0 * (scores / base - 1.0), marker="o", ms=3, lw=1.2,
+                    label=f"{name} (all layers {total:+.2f} %)")
+    ax_gem.axhline(0.0, color="grey", lw=1)
+    ax_gem.set(xlabel="layer", ylabel="score vs linear (%)",
+               title=f"held-out step latency (GEM score), variability={report['variability']}")
+    ax_gem.legend(fontsize=8)
+    _save(fig, path)
+
+
+def plot_curves(rows, latency_s: np.ndarray, raw_latency_s: np.ndarray, device_names,
+                path: str | os.PathLike) -> None:
+    """``recipes/profile.py``'s picture: each rank's latency curve and its spread from the fastest.
+
+    Left: the non-decreasing fit (lines) over the raw measurements (dots), in microseconds. Right:
+    each rank's fitted latency divided by the fastest rank's at the same row count.
+
+    Args:
+        rows: ``[N]`` sampled row counts.
+        latency_s: ``[R, N]`` fitted seconds.
+        raw_latency_s: ``[R, N]`` measured seconds.
+        device_names: ``[R]`` device names (legend).
+        path: destination (PNG).
+    """
+    plt = _pyplot()
+    x = np.asarray(rows, dtype=np.float64)
+    lat, raw = np.asarray(latency_s, dtype=np.float64), np.asarray(raw_latency_s, dtype=np.float64)
+    fig, (ax_lat, ax_sp) = plt.subplots(1, 2, figsize=(11, 3.8), dpi=100)
+    fastest = lat.min(axis=0)
+    for r in range(lat.shape[0]):
+        line, = ax_lat.plot(x, lat[r] * 1e6, lw=1.2, label=f"rank {r} ({device_names[r]})")
+        ax_lat.plot(x, raw[r] * 1e6, ".", ms=3, color=line.get_color())
+        ax_sp.plot(x, lat[r] / fastest, lw=1.2, color=line.get_color(), label=f"rank {r}")
+    ax_lat.set(xlabel="rows per step", ylabel="latency (us)", title="grouped-expert latency (dots: measured)")
+    ax_sp.set(xlabel="rows per step", ylabel="latency / fastest rank", title="spread between ranks")
+    for ax in (ax_lat, ax_sp):
+        ax.set_xscale("symlog", linthresh=128)
+        if lat.shape[0] <= 16:
+            ax.legend(fontsize=7)
+    _save(fig, path)
