@@ -207,28 +207,47 @@ def gather_scalar(value: float, device: torch.device) -> list[float]:
 
 def time_forward(run: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> list[float]:
     """Per-iteration milliseconds of ``run()`` on this rank (sync + barrier before each)."""
-    for _ in range(warmup):
-        run()
-    times = []
-    if device.type == "cuda":
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-        for start, end in events:
-            _sync(device)
-            _barrier(device)
-            _sync(device)
-            start.record()
+    return time_forwards([run], device, warmup, iters)[0]
+
+
+def time_forwards(runs: list[Callable[[], Any]], device: torch.device, warmup: int, iters: int) -> list[list[float]]:
+    """Per-iteration milliseconds of each of ``runs``, interleaved: iteration ``i`` times ``runs[0]``,
+    then ``runs[1]``, ... (a device sync and a barrier before each call).
+
+    Interleaving makes a ratio between the runs fair: host jitter, clocks and other load hit both
+    alike, where timing one block after the other lets them drift apart between the blocks.
+
+    Returns:
+        ``[len(runs)][iters]`` milliseconds (CUDA events on GPU, ``perf_counter`` on CPU).
+    """
+    for run in runs:
+        for _ in range(warmup):
             run()
-            end.record()
+    out: list[list[float]] = [[] for _ in runs]
+    if device.type == "cuda":
+        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in runs]
+                  for _ in range(iters)]
+        for row in events:
+            for run, (start, end) in zip(runs, row):
+                _sync(device)
+                _barrier(device)
+                _sync(device)
+                start.record()
+                run()
+                end.record()
         _sync(device)
-        times = [s.elapsed_time(e) for s, e in events]
+        for row in events:
+            for i, (start, end) in enumerate(row):
+                out[i].append(start.elapsed_time(end))
     else:
         for _ in range(iters):
-            _barrier(device)
-            t0 = time.perf_counter()
-            run()
-            times.append((time.perf_counter() - t0) * 1e3)
+            for i, run in enumerate(runs):
+                _barrier(device)
+                t0 = time.perf_counter()
+                run()
+                out[i].append((time.perf_counter() - t0) * 1e3)
     _barrier(device)
-    return times
+    return out
 
 
 def peer_topk_ids(x: torch.Tensor, router_weight: torch.Tensor, config) -> torch.Tensor:

@@ -15,6 +15,8 @@ Every rank builds the same random weights (seeded, identical everywhere) and loa
 2. times ``bench.warmup`` + ``bench.iters`` forwards of each (inference mode): before each timed
    forward a device synchronize and a barrier, CUDA events around it (``perf_counter`` on CPU);
    the layer time is the median over iterations, maximised over ranks (the slowest rank sets it).
+   Ours and the baseline (below) are timed interleaved, one forward each in turn, so that their
+   ratio is not skewed by host jitter between two blocks of iterations; the peer is timed apart.
 
 ``router=replay`` forces ours' routing from a trace (``trace.path=FILE``; without a path a synthetic
 trace shaped like the benchmark) through ``layer.force_routing``; the peer keeps its own router
@@ -76,6 +78,7 @@ from recipes._bench_tools import (  # noqa: E402
     reduce_max,
     gather_scalar,
     time_forward,
+    time_forwards,
     peer_topk_ids,
     layer_ids,
     routing_agreement,
@@ -274,9 +277,10 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
                       f"(tol {check['reference']['tol']:.3e}); no peer", flush=True)
             del y
             # --- timing
-            t_ours = time_forward(run_ours, device, warmup, iters)
+            # ours and the baseline interleaved (their ratio is the point); the much slower peer on its own
+            t_ours, t_base = (time_forwards([run_ours, run_base], device, warmup, iters) if base is not None
+                              else (time_forward(run_ours, device, warmup, iters), None))
             t_peer = time_forward(lambda: peer_forward(peer, x), device, warmup, iters) if peer is not None else None
-            t_base = time_forward(run_base, device, warmup, iters) if base is not None else None
         med_ours = statistics.median(t_ours)
         med_peer = statistics.median(t_peer) if t_peer is not None else float("nan")
         ms, peer_ms = reduce_max([med_ours, med_peer if t_peer is not None else 0.0], device)

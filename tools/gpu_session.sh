@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One device-machine session: the GPU test suite, then recipes/bench.py at both shapes, eager and
-# CUDA-graph modes, against megatron-core's MoELayer. Logs and a tarball of the bench JSON go to $OUT
-# (at most a handful of files, as the device tool brings back).
-#   OUT=/tmp/out bash tools/gpu_session.sh            # all GPUs
+# CUDA-graph modes, against megatron-core's MoELayer, the plan-built layers (EXTRA_LAYERS, default
+# semantic) with routing replayed against VanillaMoE, and the GEM latency profile. Logs, the curves
+# and a tarball of the bench JSON go to $OUT (a handful of files, as the device tool brings back).
+#   OUT=/tmp/out bash tools/gpu_session.sh                                   # all GPUs, everything
+#   OUT=/tmp/out SHAPES=" " PROFILE=0 bash tools/gpu_session.sh              # tests + semantic bench only
+# Knobs: SKIP_TESTS=1, SHAPES, MODES, EXTRA_LAYERS (" ": none), PROFILE=0, *_TIMEOUT (seconds).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -29,10 +32,18 @@ for shape in ${SHAPES:-qwen3_30b_a3b deepseek_v2_lite}; do
     echo "rc=${PIPESTATUS[0]}" >> "$OUT/bench.log"
   done
 done
+for layer in ${EXTRA_LAYERS:-semantic}; do  # plan-built layers: routing replayed, VanillaMoE timed in the same run
+  echo "== bench=qwen3_30b_a3b layer=$layer router=replay ws=$NGPU" >> "$OUT/bench.log"
+  timeout -s KILL "${BENCH_TIMEOUT:-240}" torchrun --standalone --nproc_per_node="$NGPU" recipes/bench.py \
+    parallel=gpu bench=qwen3_30b_a3b router=replay layer="$layer" bench.save_to=docs/benchmarks \
+    hydra.run.dir="/tmp/runs/${layer}_replay" "$@" 2>&1 | grep -vE "Warning|warnings.warn|W1122|^\s*$" >> "$OUT/bench.log"
+  echo "rc=${PIPESTATUS[0]}" >> "$OUT/bench.log"
+done
 tar czf "$OUT/bench_json.tgz" docs/benchmarks/*.json 2>/dev/null || true
 if [ "${PROFILE:-1}" = 1 ]; then  # GEM latency curves of every GPU
   timeout -s KILL "${PROFILE_TIMEOUT:-200}" torchrun --standalone --nproc_per_node="$NGPU" recipes/profile.py \
     parallel=gpu hydra.run.dir=/tmp/runs/profile 2>&1 | grep -vE "Warning|warnings.warn|W1122" > "$OUT/profile.log"
   cp /tmp/runs/profile/curves.npz "$OUT/curves_ws${NGPU}.npz" 2>/dev/null || true
+  cp /tmp/runs/profile/curves.png "$OUT/curves_ws${NGPU}.png" 2>/dev/null || true
 fi
 grep -E '^[|]|^== |rc=' "$OUT/bench.log" | tail -n 40; tail -n 8 "$OUT/profile.log" 2>/dev/null; tail -n 5 "$OUT/gpu_tests.log" 2>/dev/null

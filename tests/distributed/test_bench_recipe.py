@@ -76,3 +76,15 @@ def test_bench_semantic_needs_replayed_routing(tmp_path):
     proc = run_bench(tmp_path, "layer=semantic")
     assert proc.returncode != 0 and "router=replay" in proc.stdout + proc.stderr
     assert not list((tmp_path / "run").glob("*.json"))
+
+
+def test_time_forwards_interleaves_the_runs():
+    """Ours and the baseline alternate call by call (after each one's warm-up), so both see the same conditions."""
+    import torch
+
+    from recipes._bench_tools import time_forwards
+
+    calls = []
+    times = time_forwards([lambda: calls.append("a"), lambda: calls.append("b")], torch.device("cpu"), 2, 3)
+    assert calls == ["a", "a", "b", "b"] + ["a", "b"] * 3
+    assert [len(t) for t in times] == [3, 3] and all(v >= 0 for t in times for v in t)
