@@ -285,6 +285,12 @@ def test_robust_scenarios_have_the_predictive_moments() -> None:
     np.testing.assert_allclose(sx.T @ sx / 64, (1 + 1 / 7) * dev.T @ dev / 6, rtol=1e-9, atol=1e-6)
     many = rng.poisson(300, size=(40, 10)).astype(float)  # 2 (S - 1) > N: the steps themselves
     assert predictive_scenarios(many, 64, rng).shape == (40, 10)
+    lots = rng.poisson(rng.uniform(200, 900, size=10), size=(300, 10)).astype(float)  # S > 2 N: 2 N Gaussian ones
+    x = predictive_scenarios(lots, 64, rng)
+    assert x.shape == (128, 10)
+    np.testing.assert_allclose(x.mean(axis=0), lots.mean(axis=0), rtol=1e-9)
+    dev, sx = lots - lots.mean(axis=0), x - x.mean(axis=0)
+    np.testing.assert_allclose(sx.T @ sx / 128, (1 + 1 / 300) * dev.T @ dev / 299, rtol=1e-9, atol=1e-6)
     assert smoothing_width(np.ones((5, 4)), 2) == 0.0
     _, smooth = robust_objective(loads, LatencyCurves.preset("high", 2), rng)
     assert smooth.tiled_params is None and smooth.num_ranks == 2
