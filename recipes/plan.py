@@ -215,19 +215,22 @@ def plan_semantic_from_config(d: dict, trace, train, held_out, ep: int, mode: st
     return plan, time.perf_counter() - t0, "solved"
 
 
-def assign_tokens(plan, held_out, ep: int, mode: str, tps: int, d: dict) -> tuple[np.ndarray, np.ndarray]:
+def assign_tokens(plan, held_out, ep: int, mode: str, tps: int, d: dict, *, bar: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """``(token_rank [T, L], even [T])``: the chosen planner's token ranks and the even spread.
 
     With a semantic ``plan`` the ranks come from its online predictor (tp) or request scheduler (dp),
     else every layer uses the even spread.
     """
-    from moelayers.planning.semantic_eval import evaluate
+    from moelayers.planning.semantic_eval import assign_dp, assign_tp
 
     even = even_token_rank(held_out, ep, mode, tps)
     if plan is None:
         return np.repeat(even[:, None], held_out.num_layers, axis=1), even
-    kw = {"predictor": str(d["planner"].get("predictor", "combined"))} if mode == "tp" else {"max_ratio": DP_MAX_RATIO}
-    _, token_rank = evaluate(plan, held_out, tps, **kw)
+    if mode == "tp":
+        token_rank = assign_tp(plan, held_out, tps, predictor=str(d["planner"].get("predictor", "combined")),
+                               progress=bar)
+    else:
+        token_rank = assign_dp(plan, held_out, max_ratio=DP_MAX_RATIO)
     return np.asarray(token_rank, dtype=np.int64), even
 
 
@@ -275,7 +278,7 @@ def run(d: dict) -> dict:
         solve = seconds if planner == name else solve
     if semantic is not None:
         plans["semantic"] = semantic.expert_rank
-    token_rank, even = assign_tokens(semantic, held_out, ep, mode, tps, d)
+    token_rank, even = assign_tokens(semantic, held_out, ep, mode, tps, d, bar=bar)
 
     report = {
         "planner": name, "ep": ep, "mode": mode,

@@ -42,7 +42,8 @@ import numpy as np
 from moelayers.planning.semantic import SemanticPlan, check_token_ids, majority_rank, rank_counts
 
 __all__ = ["even_token_rank", "assignment_metrics", "lar_report", "capacity_assign", "price_balance", "balanced_assign", "step_capacity", "request_schedule", "lar_from_assignment",
-           "linear_expert_rank", "tp_scores", "evaluate_tp", "evaluate_dp", "evaluate", "PREDICTORS"]
+           "linear_expert_rank", "tp_scores", "assign_tp", "assign_dp", "evaluate_tp", "evaluate_dp", "evaluate",
+           "PREDICTORS"]
 
 PREDICTORS = ("combined", "alg3", "token")
 
@@ -116,11 +117,20 @@ def price_balance(scores: np.ndarray, capacity: np.ndarray, group: np.ndarray | 
     cap = np.asarray(capacity, dtype=np.float64).reshape(-1, r)
     per = np.maximum(cap.mean(1, keepdims=True), 1.0)
     price = np.zeros_like(cap)
+    # a group without over-demand keeps its prices, hence its choices, for good: only the items of
+    # groups still over-demanded are looked at again (the same result, much less work on long traces)
+    live = np.arange(n)
     for _ in range(iters):
-        choice = np.argmax(s - price[grp], axis=1)
-        excess = np.bincount(grp * r + choice, minlength=cap.size).reshape(cap.shape) - cap
-        price += np.where((excess > 0).any(1, keepdims=True), step * excess / per, 0.0)
+        every = live.size == n  # no gathers while every group is still live
+        g = grp if every else grp[live]
+        choice = np.argmax((s if every else s[live]) - price[g], axis=1)
+        excess = np.bincount(g * r + choice, minlength=cap.size).reshape(cap.shape) - cap
+        over = (excess > 0).any(1)
+        price += np.where(over[:, None], step * excess / per, 0.0)
         step *= decay
+        live = live[over[g]]
+        if live.size == 0:
+            break
     return (s - price[grp]).astype(np.float32)
 
 
@@ -336,6 +346,28 @@ def tp_scores(plan: SemanticPlan, trace, layer: int, predictor: str = "combined"
     return out
 
 
+def assign_tp(plan: SemanticPlan, heldout_trace, tokens_per_step: int = 2048, *,
+              predictor: str = "combined", progress: bool = False) -> np.ndarray:
+    """Attention-TP token ranks of :func:`evaluate_tp`, without the metrics: ``token_rank [T, L]`` int64.
+
+    ``progress``: a tqdm bar over the layers (about 2 s a layer per million tokens).
+    """
+    if predictor not in PREDICTORS:
+        raise ValueError(f"predictor must be one of {PREDICTORS}, got {predictor!r}")
+    _check(plan, heldout_trace)
+    step, cap = step_capacity(heldout_trace.num_tokens, tokens_per_step, plan.num_ranks)
+    out = np.empty((heldout_trace.num_tokens, heldout_trace.num_layers), dtype=np.int64)
+    layers = range(heldout_trace.num_layers)
+    if progress:
+        from tqdm import tqdm
+
+        layers = tqdm(layers, desc=f"held-out token ranks (tp, EP{plan.num_ranks})", unit="layer")
+    for l in layers:
+        sc = tp_scores(plan, heldout_trace, l, predictor)
+        out[:, l] = capacity_assign(sc, cap, step) if predictor == "alg3" else balanced_assign(sc, cap, step)
+    return out
+
+
 def evaluate_tp(plan: SemanticPlan, heldout_trace, tokens_per_step: int = 2048, *,
                 predictor: str = "combined") -> tuple[dict, np.ndarray]:
     """Held-out evaluation in attention-TP mode (see the module docstring).
@@ -349,20 +381,25 @@ def evaluate_tp(plan: SemanticPlan, heldout_trace, tokens_per_step: int = 2048, 
     Returns:
         ``(report, token_rank [T, L] int64)``.
     """
-    if predictor not in PREDICTORS:
-        raise ValueError(f"predictor must be one of {PREDICTORS}, got {predictor!r}")
-    _check(plan, heldout_trace)
-    step, cap = step_capacity(heldout_trace.num_tokens, tokens_per_step, plan.num_ranks)
-    out = np.empty((heldout_trace.num_tokens, heldout_trace.num_layers), dtype=np.int64)
-    for l in range(heldout_trace.num_layers):
-        sc = tp_scores(plan, heldout_trace, l, predictor)
-        out[:, l] = capacity_assign(sc, cap, step) if predictor == "alg3" else balanced_assign(sc, cap, step)
+    out = assign_tp(plan, heldout_trace, tokens_per_step, predictor=predictor)
     linear_tr = even_token_rank(heldout_trace, plan.num_ranks, "tp", tokens_per_step)
     report = {"mode": "tp", "ep": plan.num_ranks, "num_tokens": int(heldout_trace.num_tokens),
               "num_layers": heldout_trace.num_layers,
               **lar_report(heldout_trace, plan.expert_rank, out, linear_tr, plan.num_ranks),
               "tokens_per_step": int(tokens_per_step), "predictor": predictor}
     return report, out
+
+
+def assign_dp(plan: SemanticPlan, heldout_trace, *, max_ratio: float = 1.3, mask: bool = True) -> np.ndarray:
+    """Attention-DP token ranks of :func:`evaluate_dp`, without the metrics: ``token_rank [T, L]`` int64."""
+    ids = _check(plan, heldout_trace)
+    r = plan.num_ranks
+    lengths = heldout_trace.seq_lengths
+    seq = np.repeat(np.arange(lengths.size), lengths)
+    votes = np.bincount(seq * r + plan.token_rank[0][ids], weights=plan.token_conf[0][ids].astype(np.float64),
+                        minlength=lengths.size * r).reshape(-1, r)
+    req = request_schedule(votes, lengths, r, max_ratio=max_ratio, mask=mask)
+    return np.repeat(req[seq][:, None], heldout_trace.num_layers, axis=1)
 
 
 def evaluate_dp(plan: SemanticPlan, heldout_trace, *, max_ratio: float = 1.3, mask: bool = True) -> tuple[dict, np.ndarray]:
@@ -376,14 +413,8 @@ def evaluate_dp(plan: SemanticPlan, heldout_trace, *, max_ratio: float = 1.3, ma
     Returns:
         ``(report, token_rank [T, L] int64)``, each token's rank the rank of its request.
     """
-    ids = _check(plan, heldout_trace)
+    tr = assign_dp(plan, heldout_trace, max_ratio=max_ratio, mask=mask)
     r = plan.num_ranks
-    lengths = heldout_trace.seq_lengths
-    seq = np.repeat(np.arange(lengths.size), lengths)
-    votes = np.bincount(seq * r + plan.token_rank[0][ids], weights=plan.token_conf[0][ids].astype(np.float64),
-                        minlength=lengths.size * r).reshape(-1, r)
-    req = request_schedule(votes, lengths, r, max_ratio=max_ratio, mask=mask)
-    tr = np.repeat(req[seq][:, None], heldout_trace.num_layers, axis=1)
     linear_tr = even_token_rank(heldout_trace, r, "dp", max_ratio=max_ratio)
     report = {"mode": "dp", "ep": r, "num_tokens": int(heldout_trace.num_tokens),
               "num_layers": heldout_trace.num_layers, **lar_report(heldout_trace, plan.expert_rank, tr, linear_tr, r),

@@ -14,7 +14,8 @@ from moelayers.planning.semantic import (
     token_rank_probs,
 )
 from moelayers.planning.semantic_eval import (
-    capacity_assign, evaluate_dp, evaluate_tp, lar_from_assignment, request_schedule, step_capacity,
+    balanced_assign, capacity_assign, evaluate_dp, evaluate_tp, lar_from_assignment, price_balance, request_schedule,
+    step_capacity,
 )
 from moelayers.planning.semantic_predict import frequency_bucket, history_onehot, leave_sequence_out, minimize_lbfgs
 from moelayers.planning.semantic_solvers import LayerObjective, _coactivation, solve_alternating, solve_cem
@@ -373,3 +374,31 @@ def test_plan_speed_scaled_down():
     assert plan.expert_rank.shape == (8, 32)
     # 8 layers x 32 experts x 3k vocab x ~20k tokens; the full-size budget is 60 s for 26 x 64 x 20k
     assert elapsed < 15, f"plan_semantic took {elapsed:.1f} s"
+
+
+def _price_balance_every_item(scores, capacity, group, iters=30, step=1.0, decay=0.85):
+    """The dual ascent of ``price_balance`` written plainly: every item re-chooses in every round."""
+    s = np.asarray(scores, dtype=np.float32).astype(np.float64)
+    r = s.shape[1]
+    cap = np.asarray(capacity, dtype=np.float64).reshape(-1, r)
+    per = np.maximum(cap.mean(1, keepdims=True), 1.0)
+    price = np.zeros_like(cap)
+    for _ in range(iters):
+        choice = np.argmax(s - price[group], axis=1)
+        excess = np.bincount(group * r + choice, minlength=cap.size).reshape(cap.shape) - cap
+        price += np.where((excess > 0).any(1, keepdims=True), step * excess / per, 0.0)
+        step *= decay
+    return (s - price[group]).astype(np.float32)
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_price_balance_skips_settled_groups_without_changing_the_result(ranks):
+    """Groups whose demand fits stop being looked at; the prices must be exactly those of re-choosing every item."""
+    rng = np.random.default_rng(ranks)
+    n, tps = 5000, 256
+    scores = (rng.standard_normal((n, ranks)) * rng.uniform(0.1, 3.0, size=(n, 1))).astype(np.float32)
+    scores[: n // 3, 0] += 2.0  # some groups strongly over-demand rank 0, others settle at once
+    step, cap = step_capacity(n, tps, ranks)
+    got = price_balance(scores, cap, step)
+    np.testing.assert_array_equal(got, _price_balance_every_item(scores, cap, step))
+    np.testing.assert_array_equal(balanced_assign(scores, cap, step), capacity_assign(got, cap, step))
