@@ -351,7 +351,7 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
             for i, m in enumerate(layers):
                 if getattr(m, "num_replans", 0) != replans_seen[i]:
                     replans_seen[i] = m.num_replans
-                    replans.append({"layer": i, "step": steps, "t_s": t})
+                    replans.append({"layer": i, "step": steps, "t_s": t, **(getattr(m, "last_replan", None) or {})})
             for r, _ in batch:
                 r.token_times.append(t)
                 r.generated += 1

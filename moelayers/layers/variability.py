@@ -45,6 +45,11 @@ class VariabilityAwareMoE(MoELayerBase):
         planner: ``planner(loads [steps, E], curves, *, restarts, seed) -> expert_rank [E]``, run on
             rank 0 only (default: ``moelayers.planning.gem.plan_gem``).
         restarts, plan_seed: passed to the planner as ``restarts`` and ``seed``.
+        min_gain: move only when the new placement's predicted time on the planning window
+            (``moelayers.planning.gem.score`` of the loads under the curves) is at least this share
+            below the current placement's, e.g. ``0.01``: no weights moved for a 0.1 % gain when
+            re-planning every few steps. ``None`` (default): always apply the planner's placement.
+            Scores need a placement with one replica per expert and ``LatencyCurves``.
         record_loads: keep the load window (forwards replayed from a CUDA graph expose no routing:
             ``cuda_graph=True`` needs ``record_loads=False``; plan with ``replan(loads=...)``).
         slowdown: emulated variability (measured mode of :func:`moelayers.emulation.emulate_variability`):
@@ -53,7 +58,11 @@ class VariabilityAwareMoE(MoELayerBase):
         **kwargs: the rest of :class:`MoELayerBase`'s arguments (dispatcher, device, seed, ...).
 
     Attributes:
-        num_replans: placement changes made by :meth:`replan`.
+        num_replans: re-plans made by :meth:`replan` (whether or not they moved weights).
+        num_moves: re-plans that moved weights.
+        last_replan: ``{"score_current", "score_new", "gain", "moved"}`` of the last re-plan
+            (seconds summed over the window's steps; scores ``None`` where they could not be
+            computed), the same on every rank; ``None`` before the first.
         steps: forwards recorded so far.
 
     Example:
@@ -76,6 +85,7 @@ class VariabilityAwareMoE(MoELayerBase):
         planner: Planner | None = None,
         restarts: int = 8,
         plan_seed: int = 0,
+        min_gain: float | None = None,
         record_loads: bool = True,
         slowdown: float | list[float] | None = None,
         **kwargs: Any,
@@ -97,14 +107,19 @@ class VariabilityAwareMoE(MoELayerBase):
         if record_loads and kwargs.get("cuda_graph"):
             raise ValueError("cuda_graph=True forwards expose no routing to record: pass record_loads=False "
                              "and plan with replan(loads=...)")
+        if min_gain is not None and (isinstance(min_gain, bool) or not isinstance(min_gain, (int, float))
+                                     or not 0.0 <= float(min_gain) < 1.0):
+            raise ValueError(f"min_gain must be None or a number in [0, 1), got {min_gain!r}")
         if planner is not None and not callable(planner):
             raise TypeError(f"planner must be callable, got {type(planner).__name__}")
         super().__init__(config, groups, placement=placement, **kwargs)
         self.curves, self.variability = curves, variability
         self.window, self.replan_every, self.auto_replan = window, replan_every, auto_replan
         self.planner, self.restarts, self.plan_seed = planner, restarts, plan_seed
+        self.min_gain = None if min_gain is None else float(min_gain)
         self.record_loads = record_loads
-        self.steps, self.num_replans = 0, 0
+        self.steps, self.num_replans, self.num_moves = 0, 0, 0
+        self.last_replan: dict | None = None
         self.register_buffer("_loads", torch.zeros(window, config.num_experts, dtype=torch.int64,
                                                    device=self.router.weight.device), persistent=False)
         self._staging_fault_hook: Callable[[Staging], None] | None = None
@@ -195,7 +210,8 @@ class VariabilityAwareMoE(MoELayerBase):
         e, r = self.config.num_experts, self.groups.ep_size
         if loads is None:
             loads = self.global_window_loads()
-        msg = torch.zeros(e + 1, dtype=torch.int64)
+        # rank 0 -> all: [ok, expert_rank (E), score_current, score_new (float64 bits)]
+        msg = torch.zeros(e + 3, dtype=torch.int64)
         cause = None
         if self.groups.ep_rank == 0:
             try:
@@ -206,12 +222,13 @@ class VariabilityAwareMoE(MoELayerBase):
                     from moelayers.planning.gem import plan_gem as planner
                 if hasattr(curves, "check_ranks"):  # LatencyCurves: curves for exactly R ranks
                     curves.check_ranks(r)
-                expert_rank = torch.as_tensor(planner(loads.cpu().to(torch.float64).numpy(), curves,
-                                                      restarts=self.restarts, seed=self.plan_seed))
+                x = loads.cpu().to(torch.float64).numpy()
+                expert_rank = torch.as_tensor(planner(x, curves, restarts=self.restarts, seed=self.plan_seed))
                 expert_rank = expert_rank.to(torch.int64).reshape(-1).cpu()
                 if expert_rank.numel() != e or int(expert_rank.min()) < 0 or int(expert_rank.max()) >= r:
                     raise ValueError(f"the planner returned {expert_rank.tolist()}: expected [{e}] ranks in [0, {r})")
-                msg[0], msg[1:] = 1, expert_rank
+                msg[0], msg[1:e + 1] = 1, expert_rank
+                msg[e + 1:] = torch.tensor(self._window_scores(x, curves, expert_rank), dtype=torch.float64).view(torch.int64)
             except Exception as exc:  # noqa: BLE001 - broadcast as a failure, raised on every rank below
                 cause = exc
         if self.groups.ep is not None:
@@ -221,11 +238,28 @@ class VariabilityAwareMoE(MoELayerBase):
         if not int(msg[0]):
             raise PlacementMoveError("re-planning failed on rank 0 (the planner raised or returned a bad plan); "
                                      "the old placement keeps serving", [0], "plan") from cause
-        new = ExpertPlacement.from_expert_rank(msg[1:], num_ranks=r, slots_per_rank=self.placement.slots_per_rank)
-        if new != self.placement:
+        new = ExpertPlacement.from_expert_rank(msg[1:e + 1], num_ranks=r, slots_per_rank=self.placement.slots_per_rank)
+        s_cur, s_new = (None if v != v else v for v in msg[e + 1:].clone().view(torch.float64).tolist())  # NaN: none
+        gain = None if s_cur is None or s_new is None or s_cur <= 0 else 1.0 - s_new / s_cur
+        move = new != self.placement and (self.min_gain is None or gain is None or gain >= self.min_gain)
+        if move:
             self.apply_placement(new)
+            self.num_moves += 1
         self.num_replans += 1
+        self.last_replan = {"score_current": s_cur, "score_new": s_new, "gain": gain, "moved": move}
         return self.placement
+
+    def _window_scores(self, loads, curves, expert_rank: torch.Tensor) -> tuple[float, float]:
+        """``(current, new)`` predicted seconds over the window's steps; NaN where not computable
+        (a placement with replicas, or curves that are not ``LatencyCurves``)."""
+        from moelayers.planning.gem import LatencyCurves, score
+
+        if not isinstance(curves, LatencyCurves) or self.placement.max_replicas != 1:
+            return float("nan"), float("nan")
+        try:
+            return score(self.placement.expert_rank().numpy(), loads, curves), score(expert_rank.numpy(), loads, curves)
+        except ValueError:  # e.g. loads the curves cannot score: no prediction, the plan still stands
+            return float("nan"), float("nan")
 
     # ------------------------------------------------------------------ moves
     def apply_placement(self, placement: ExpertPlacement) -> None:
@@ -250,4 +284,4 @@ class VariabilityAwareMoE(MoELayerBase):
 
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", variability={self.variability}, window={self.window}, "
-                f"auto_replan={self.auto_replan}, replan_every={self.replan_every}")
+                f"auto_replan={self.auto_replan}, replan_every={self.replan_every}, min_gain={self.min_gain}")

@@ -19,7 +19,7 @@ from moelayers.layers.moves import PlacementMoveError, PlacementRejected
 from moelayers.testing import check_close, run_distributed
 
 H, F = 32, 16
-SCENARIOS = ("moves", "bad_input", "staging_fault", "recorder_replan", "auto_replan")
+SCENARIOS = ("moves", "bad_input", "staging_fault", "recorder_replan", "auto_replan", "min_gain")
 
 
 # ---------------------------------------------------------------------- shared set-up
@@ -308,6 +308,32 @@ def scenario_auto_replan(rank: int, world: int, device: str) -> dict:
     return {"errors": [m for m in errors if m], "phy2log": layer.placement.phy2log.tolist()}
 
 
+def scenario_min_gain(rank: int, world: int, device: str) -> dict:
+    """min_gain: a re-plan predicted to gain less than it keeps the placement (no weights move);
+    one predicted to gain enough moves. Hot low ids sit together on rank 0 (the slow one) under
+    linear placement, so GEM's placement is much faster on these loads (about 40 %)."""
+    ctx = Ctx(rank, world, device)
+    e, k = ctx.e, ctx.cfg.top_k
+    loads = torch.stack([torch.bincount(_forced(0, s, e, k).flatten(), minlength=e) for s in range(4)]) * 100
+    errors = []
+    strict = ctx.layer(variability="high", min_gain=0.99)
+    before = strict.placement
+    strict.replan(loads=loads)
+    kept = strict.last_replan
+    if strict.placement != before or strict.num_moves != 0 or strict.num_replans != 1 or kept["moved"]:
+        errors.append(f"min_gain=0.99 moved weights: {kept}, moves {strict.num_moves}")
+    if not (kept["score_current"] > kept["score_new"] > 0 and 0.2 < kept["gain"] < 0.99):
+        errors.append(f"predicted scores {kept}")
+    errors.append(ctx.check("min_gain=0.99, kept", strict, salt=3))
+    loose = ctx.layer(variability="high", min_gain=0.01)
+    loose.replan(loads=loads)
+    moved = loose.last_replan
+    if loose.placement == before or loose.num_moves != 1 or not moved["moved"] or moved["gain"] != kept["gain"]:
+        errors.append(f"min_gain=0.01 did not move: {moved}, moves {loose.num_moves}")
+    errors.append(ctx.check("min_gain=0.01, moved", loose, salt=4))
+    return {"errors": [m for m in errors if m], "last": [kept, moved], "phy2log": loose.placement.phy2log.tolist()}
+
+
 def run_scenarios(rank: int, world: int, device: str = "cpu", names: tuple[str, ...] = SCENARIOS) -> dict:
     """Every scenario on this rank; returns ``{scenario: result dict}`` (exceptions are errors)."""
     out = {}
@@ -355,6 +381,8 @@ def check_results(results: list[dict], name: str, world: int) -> None:
         assert all(p["stub_plan"] is None for p in per_rank[1:]), "the planner ran on a rank other than 0"
     if name == "auto_replan":
         assert all(p["phy2log"] == per_rank[0]["phy2log"] for p in per_rank)
+    if name == "min_gain":  # rank 0 decides and every rank applies the same decision
+        assert all(p["last"] == per_rank[0]["last"] and p["phy2log"] == per_rank[0]["phy2log"] for p in per_rank)
 
 
 # ---------------------------------------------------------------------- tests (gloo)
@@ -391,6 +419,24 @@ def test_constructor_checks():
         ml.VariabilityAwareMoE(cfg, g, window=0)
     with pytest.raises(ValueError, match="record_loads"):
         ml.VariabilityAwareMoE(cfg, g, capacity=8, cuda_graph=True)
+    for bad in (-0.1, 1.0, "0.1", True):
+        with pytest.raises(ValueError, match="min_gain"):
+            ml.VariabilityAwareMoE(cfg, g, min_gain=bad)
+
+
+def test_replan_records_predicted_scores_in_one_process():
+    """World size 1: one rank, nothing to gain; the scores are still reported, and a planner of
+    its own (not ``LatencyCurves``) leaves them ``None`` and always applies."""
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2)
+    layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), variability="high", min_gain=0.01)
+    layer.replan(loads=torch.tensor([[300, 10, 10, 10], [250, 20, 5, 5]]))
+    last = layer.last_replan
+    assert last["score_current"] == last["score_new"] > 0 and last["gain"] == 0.0 and not last["moved"]
+    assert (layer.num_replans, layer.num_moves) == (1, 0)
+    layer.curves = lambda rows: rows  # curves and planner of one's own: no GEM score, min_gain cannot apply
+    layer.planner = lambda loads, curves, *, restarts, seed: np.zeros(loads.shape[1], dtype=np.int64)
+    layer.replan(loads=torch.tensor([[300, 10, 10, 10]]))
+    assert layer.last_replan == {"score_current": None, "score_new": None, "gain": None, "moved": False}
 
 
 # ---------------------------------------------------------------------- emulation (one process)
@@ -498,3 +544,7 @@ def test_serve_variability_replans(tmp_path):
     assert res["layer"] == "variability" and res["output_tokens"] > 0 and res["tpot_p90_s"] > 0
     assert "emulated variability=high (curve mode) on rank 0" in res["notes"]
     assert "MoE layer 0: 1 re-plan(s)" in res["notes"] and "MoE layer 1: 1 re-plan(s)" in res["notes"]
+    assert len(res["replans"]) == 2
+    for r in res["replans"]:  # each re-plan records its predicted gain on the window
+        assert r["moved"] in (True, False) and r["score_current"] > 0 and r["score_new"] > 0, r
+        assert r["gain"] == pytest.approx(1 - r["score_new"] / r["score_current"])
