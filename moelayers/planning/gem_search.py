@@ -221,7 +221,8 @@ def predictive_scenarios(loads: np.ndarray, num: int, rng: np.random.Generator) 
     dev = x - mu
     if 2 * (num_s - 1) > num and num_s <= 2 * num:
         return np.maximum(mu + np.sqrt(1.0 + 1.0 / num_s) * dev, 0.0)
-    num = num if num_s <= 2 * num else 2 * num  # many steps: a bounded set with their moments
+    if num_s > 2 * num:  # many steps: a bounded set with their moments
+        num = 2 * num
     _, sv, vt = np.linalg.svd(dev, full_matrices=False)
     keep = sv > sv[0] * 1e-9 if sv[0] > 0 else np.zeros_like(sv, dtype=bool)
     if not keep.any():
