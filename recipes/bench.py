@@ -96,8 +96,7 @@ def _construct(cls_path: str) -> Callable[..., torch.nn.Module]:
 
     def build(config, groups, *, device, seed, plan=None, plan_layer=0, **kwargs):
         cls = _layer_class(cls_path)
-        accepted = inspect.signature(cls).parameters
-        kwargs = {k: v for k, v in kwargs.items() if k in accepted or k not in _OPTIONAL_KWARGS}
+        kwargs = {k: v for k, v in kwargs.items() if k not in _OPTIONAL_KWARGS or _accepts(cls, k)}
         if plan is not None:  # a plan-built layer (SemanticMoE): placement and tables from the plan
             return cls.from_plan(plan, plan_layer, config, groups, device=device, seed=seed, **kwargs)
         return cls(config, groups, device=device, seed=seed, **kwargs)
@@ -107,6 +106,14 @@ def _construct(cls_path: str) -> Callable[..., torch.nn.Module]:
 
 # kwargs the recipe adds itself; dropped when a layer's constructor does not take them
 _OPTIONAL_KWARGS = ("check_finite",)
+
+def _accepts(cls: type, name: str) -> bool:
+    """Whether ``cls(...)`` takes keyword ``name``: named in its signature, or passed on by ``**kwargs``
+    (``SemanticMoE(**kwargs)`` hands ``check_finite`` to the base, so dropping it there would leave
+    its NaN check on while the baseline's is off, and time the two layers unequally)."""
+    params = inspect.signature(cls).parameters
+    return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
 
 def _layer_class(cls_path: str) -> type:
     mod, _, name = cls_path.rpartition(".")

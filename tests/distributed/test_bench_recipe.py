@@ -88,3 +88,26 @@ def test_time_forwards_interleaves_the_runs():
     times = time_forwards([lambda: calls.append("a"), lambda: calls.append("b")], torch.device("cpu"), 2, 3)
     assert calls == ["a", "a", "b", "b"] + ["a", "b"] * 3
     assert [len(t) for t in times] == [3, 3] and all(v >= 0 for t in times for v in t)
+
+
+@pytest.mark.parametrize("check_finite", [False, True])
+def test_build_layer_gives_every_layer_the_same_nan_check(check_finite):
+    """``bench.check_finite`` reaches layers whose constructor takes ``**kwargs`` (SemanticMoE) as well as
+    VanillaMoE: with it dropped, SemanticMoE kept its default NaN check and was timed doing extra work."""
+    import torch
+
+    from moelayers import MoEConfig, ParallelGroups
+    from moelayers.planning.semantic import plan_semantic
+    from moelayers.trace import synthetic_trace
+    from recipes.bench import build_layer
+
+    config = MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=8, top_k=2, params_dtype=torch.float32)
+    trace = synthetic_trace(num_sequences=8, num_layers=1, num_experts=8, top_k=2, vocab_size=64, seed=0,
+                            seq_len=(16, 32))
+    plan = plan_semantic(trace, 1, mode="dp", seed=0, progress=False)
+    cpu, groups = torch.device("cpu"), ParallelGroups.single()
+    semantic = build_layer({"name": "semantic", "cls": "moelayers.SemanticMoE", "kwargs": {"mode": "dp"}},
+                           config, groups, cpu, 0, check_finite, plan=plan, plan_layer=0)
+    vanilla = build_layer({"name": "vanilla"}, config, groups, cpu, 0, check_finite)
+    assert semantic.router.check_finite is check_finite
+    assert vanilla.router.check_finite is check_finite
