@@ -109,14 +109,15 @@ class Replay:
 
     Attributes:
         trace: the :class:`~moelayers.trace.RoutingTrace`; layer: the replayed MoE layer; source: its name.
+        repeated: whether some :meth:`ids_for` call had to wrap (replay a trace token twice).
     """
 
-    def __init__(self, trace_cfg: dict, config, seed: int, need_tokens: int):
+    def __init__(self, trace_cfg: dict, config, seed: int, need_tokens: int, min_sequences: int = 2):
         from recipes._common import config_trace
 
         trace_cfg = {"synthetic": True, **trace_cfg}
         lo, hi = (int(v) for v in trace_cfg.get("seq_len") or (512, 1536))
-        tr = config_trace(trace_cfg, num_sequences=max(2, -(-need_tokens // ((lo + hi) // 2))), num_layers=1,
+        tr = config_trace(trace_cfg, num_sequences=max(min_sequences, -(-need_tokens // ((lo + hi) // 2))), num_layers=1,
                           num_experts=config.num_experts, top_k=config.top_k,
                           vocab_size=trace_cfg.get("vocab_size", 4096), seed=seed, seq_len=(lo, hi),
                           need="router=replay")
@@ -130,10 +131,12 @@ class Replay:
             raise ValueError(f"trace.layer={layer} but the trace has {tr.num_layers} layer(s)")
         self.trace, self.layer = tr, layer
         self.ids = torch.from_numpy(np.ascontiguousarray(tr.topk_ids[:, layer, :]).astype(np.int64))
+        self.repeated = False  # set when a rank had fewer trace tokens than it replays (they wrap)
 
     def ids_for(self, rank: int, tokens: int, device: torch.device, owner: np.ndarray | None = None) -> torch.Tensor:
         """``[tokens, K]`` expert ids rank ``rank`` replays (its own sequences when ``owner`` is given)."""
         if owner is None:
+            self.repeated |= (rank + 1) * tokens > self.ids.shape[0]
             idx = (torch.arange(tokens, dtype=torch.int64) + rank * tokens) % self.ids.shape[0]
         else:
             mine = np.flatnonzero(np.asarray(owner) == rank)
@@ -141,6 +144,7 @@ class Replay:
                 raise ValueError(f"the request schedule gives rank {rank} no sequence of {self.source}")
             off = self.trace.seq_offsets
             pool = np.concatenate([np.arange(off[s], off[s + 1]) for s in mine])
+            self.repeated |= pool.size < tokens
             idx = torch.from_numpy(pool[np.arange(tokens) % pool.size])
         return self.ids[idx].to(device)
 

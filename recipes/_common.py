@@ -25,8 +25,19 @@ import torch
 
 __all__ = [
     "launch", "under_torchrun", "resolve_backend", "device_for", "run_dir", "to_dict", "print_table",
-    "write_json", "percentile", "jsonable",
+    "write_json", "percentile", "jsonable", "EXECUTION_KWARGS", "shared_execution_kwargs",
 ]
+
+#: Layer kwargs that say *how* a layer executes rather than *what* it is: a comparison gives the
+#: baseline ours' values, so that only the layer differs (dispatcher, de-duplication, NaN check,
+#: expert GEMM backend).
+EXECUTION_KWARGS = ("dispatcher", "dedup", "check_finite", "expert_backend")
+
+
+def shared_execution_kwargs(layer_cfg: dict) -> dict:
+    """The :data:`EXECUTION_KWARGS` set in ``layer_cfg['kwargs']``."""
+    kwargs = layer_cfg.get("kwargs") or {}
+    return {k: kwargs[k] for k in EXECUTION_KWARGS if k in kwargs}
 
 
 def under_torchrun() -> bool:

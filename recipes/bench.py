@@ -25,7 +25,11 @@ mode) on the trace's first half of sequences, or loads ``layer.plan_path``, and 
 held-out requests the semantic scheduler gives it; ``bench.baseline`` (``auto``: ``vanilla`` for such a
 layer) is timed in the same run on the same held-out requests dealt round robin, with both layers'
 LAR and all-to-all bytes in the JSON (``baseline``, ``baseline_ms``, ``vs_baseline``,
-``baseline_stats``). Rank 0 prints a table and writes one JSON per (shape, tokens/rank) into the
+``baseline_stats``). The baseline executes like ours — the same dispatcher, dedup, NaN check and
+expert backend (``recipes._common.EXECUTION_KWARGS``, recorded as ``baseline_kwargs``) and, with
+``bench.cuda_graph=true``, the same capacity and CUDA graph — so that only the layer differs. A
+layer that re-plans by itself (``auto_replan``) is timed with it off (the JSON's ``notes`` say so).
+Rank 0 prints a table and writes one JSON per (shape, tokens/rank) into the
 run dir, and copies into ``bench.save_to`` when set, named
 ``{layer}_{shape}_t{tokens}_ws{world}_{device}.json``. ``bench.profile=true`` prints a
 torch.profiler table of ours' top kernels at one size (and saves a chrome trace in the run dir).
@@ -66,7 +70,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from recipes._common import device_for, launch, resolve_backend, run_dir, shutdown, to_dict, under_torchrun, write_json  # noqa: E402
+from recipes._common import (  # noqa: E402
+    device_for, launch, resolve_backend, run_dir, shared_execution_kwargs, shutdown, to_dict, under_torchrun, write_json,
+)
 from recipes._bench_tools import (  # noqa: E402
     megatron_version,
     build_peer,
@@ -150,6 +156,11 @@ def build_layer(layer_cfg: dict, config, groups, device: torch.device, seed: int
     return builder(config, groups, device=device, seed=seed, **kwargs, **extra)
 
 
+def _graphed_config(layer_cfg: dict, tokens: int) -> dict:
+    """``layer_cfg`` with ``capacity = tokens`` and ``cuda_graph = True``."""
+    return {**layer_cfg, "kwargs": {**(layer_cfg.get("kwargs") or {}), "capacity": tokens, "cuda_graph": True}}
+
+
 def resolve_baseline(want, plan_based: bool) -> str | None:
     """``bench.baseline``: ``auto`` = ``vanilla`` for a plan-built layer (same run, round-robin requests), else none."""
     want = None if want is None else str(want)
@@ -185,8 +196,10 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
     replay, plan, owners = None, None, {}
     if router == "replay":
         plan_based = uses_plan(cfg["layer"])
-        need = world * max(tokens_list) * (2 if plan_based else 1)  # a plan trains on the first half
-        replay = Replay(cfg.get("trace") or {}, config, seed, need)
+        # a plan trains on the first half; the scheduler's requests need not split the held-out
+        # half evenly, so leave every rank twice its tokens and at least 4 held-out requests
+        need = world * max(tokens_list) * (4 if plan_based else 1)
+        replay = Replay(cfg.get("trace") or {}, config, seed, need, min_sequences=8 * world if plan_based else 2)
         if plan_based:
             plan, owners = semantic_schedules(replay, world, seed, float(cfg["layer"].get("plan_train_fraction", 0.5)),
                                               cfg["layer"].get("plan_path"))
@@ -197,15 +210,21 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
                          "use router=replay (trace.path=FILE, or the synthetic trace)")
     check_finite = bool(b.get("check_finite", False))
     plan_kw = {} if plan is None else {"plan": plan, "plan_layer": replay.layer}
-    ours = build_layer(cfg["layer"], config, groups, device, seed, check_finite, **plan_kw)
-    ours.load_full_weights(*weights)
-    ours.eval()
+    notes = []
+
+    def make(layer_cfg: dict, **extra) -> torch.nn.Module:
+        layer = build_layer(layer_cfg, config, groups, device, seed, check_finite, **extra)
+        layer.load_full_weights(*weights)
+        if getattr(layer, "auto_replan", False):  # moving weights inside the timed loop would time the move
+            layer.auto_replan = False
+            notes.append(f"{layer_cfg.get('name')}: auto_replan off while timing")
+        return layer.eval()
+
+    ours = make(cfg["layer"], **plan_kw)
     base_name = resolve_baseline(b.get("baseline", "auto"), plan is not None)
-    base = None
-    if base_name is not None:
-        base = build_layer({"name": base_name}, config, groups, device, seed, check_finite)
-        base.load_full_weights(*weights)
-        base.eval()
+    # the baseline executes like ours (dispatcher, dedup, NaN check, expert backend): only the layer differs
+    base_cfg = None if base_name is None else {"name": base_name, "kwargs": shared_execution_kwargs(cfg["layer"])}
+    base = make(base_cfg) if base_cfg is not None else None
     peer, peer_name, peer_note = build_peer(config, dtype, device, b.get("peer", "auto"), weights)
     peer_experts = None if peer is None else type(getattr(peer, "experts", peer)).__name__
     if replay is not None:
@@ -223,29 +242,28 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
         x = rank_input(tokens, config.hidden_size, seed, rank, device, dtype)
         forced = replay.ids_for(rank, tokens, device, owners.get("semantic")) if replay is not None else None
         base_forced = replay.ids_for(rank, tokens, device, owners.get("round_robin")) if replay is not None else None
-        timed = ours
-        if graph:  # fixed capacity = tokens per rank, whole forward replayed from a CUDA graph
-            layer_cfg = {**cfg["layer"], "kwargs": {**(cfg["layer"].get("kwargs") or {}),
-                                                     "capacity": tokens, "cuda_graph": True}}
-            timed = build_layer(layer_cfg, config, groups, device, seed, bool(b.get("check_finite", False)))
-            timed.load_full_weights(*weights)
-            timed.eval()
+        timed, base_timed = ours, base
+        if graph:  # fixed capacity = tokens per rank, whole forward replayed from a CUDA graph (both layers)
+            timed = make(_graphed_config(cfg["layer"], tokens))
+            base_timed = make(_graphed_config(base_cfg, tokens)) if base is not None else None
 
         def run_ours(x=x, forced=forced, timed=timed):
             if forced is not None:
                 timed.force_routing(forced)
             return timed(x)
 
-        def run_base(x=x, forced=base_forced):
+        def run_base(x=x, forced=base_forced, base_timed=base_timed):
             if forced is not None:
-                base.force_routing(forced)
-            return base(x)
+                base_timed.force_routing(forced)
+            return base_timed(x)
 
         with grad_ctx():
             # --- correctness before timing (a graph layer is checked on the experts the eager layer chose)
             y = run_ours()
             if graph:
                 ours(x)
+                if base is not None:
+                    base(x)
             check = {"reference": check_against_reference(ours, x, y, weights, config, int(b["check"]["ref_rows"]), device)}
             if not check["reference"]["ok"]:
                 raise RuntimeError(f"{cfg['layer']['name']} does not match the dense reference at tokens/rank={tokens}: "
@@ -293,9 +311,11 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
         ms, peer_ms = reduce_max([med_ours, med_peer if t_peer is not None else 0.0], device)
         stats = timed.last_stats.reduce(groups.ep) if getattr(timed, "last_stats", None) is not None else None
         base_ms = reduce_max([statistics.median(t_base)], device)[0] if base is not None else None
-        base_stats = base.last_stats.reduce(groups.ep) if base is not None else None
+        base_stats = base_timed.last_stats.reduce(groups.ep) if base is not None else None
         if graph:
             timed.release_graphs()
+            if base_timed is not None:
+                base_timed.release_graphs()
         rec = {
             "ms": ms, "peer_ms": peer_ms if peer is not None else None,
             "ms_per_rank": gather_scalar(med_ours, device),
@@ -304,7 +324,7 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
             "tokens_per_rank": tokens, "check": check,
             "mode": f"cuda_graph (capacity={tokens})" if graph else "eager (exact all-to-all-v)",
             "layer_stats": _stats_record(stats),
-            "baseline": base_name, "baseline_ms": base_ms,
+            "baseline": base_name, "baseline_kwargs": None if base_cfg is None else base_cfg["kwargs"], "baseline_ms": base_ms,
             "vs_baseline": ms / base_ms if base_ms else None, "baseline_stats": _stats_record(base_stats),
         }
         records.append(rec)
@@ -316,7 +336,7 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
                 print(f"timed t={tokens}: baseline {base_name} {base_ms:.3f} ms (ours/baseline {ms / base_ms:.3f}); "
                       f"LAR ours {stats.lar:.3f} vs {base_stats.lar:.3f}, all-to-all bytes ours "
                       f"{sum(stats.bytes_sent)} vs {sum(base_stats.bytes_sent)}", flush=True)
-    del weights
+    weights = None  # free them before profiling (make() is not called after this)
     if b.get("profile", False):
         ptok = int(b.get("profile_tokens") or max(tokens_list))
         x = rank_input(ptok, config.hidden_size, seed, rank, device, dtype)
@@ -332,8 +352,10 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
             table = profile_ours(run_prof, device, int(b.get("profile_iters", 5)), int(b.get("profile_rows", 25)),
                                  rank, path)
         if rank == 0:
-            print(f"\nprofile: {cfg['layer']['name']} {b['name']} tokens/rank={ptok}, {b.get('profile_iters', 5)} forwards "
+            print(f"\nprofile: {cfg['layer']['name']} {b['name']} tokens/rank={ptok}, {b.get('profile_iters', 5)} "
+                  f"{'eager ' if graph else ''}forwards "
                   f"(rank 0; chrome trace {path})\n{table}", flush=True)
+    repeated = replay is not None and bool(reduce_max([float(replay.repeated)], device)[0])  # a collective: every rank
     if rank != 0:
         return None
     common = {
@@ -342,7 +364,9 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
         "shape": {"H": config.hidden_size, "E": config.num_experts, "K": config.top_k, "F": config.ffn_hidden_size},
         "peer": peer_name, "peer_experts": peer_experts, "peer_note": peer_note, "dtype": str(dtype).replace("torch.", ""),
         "warmup": warmup, "iters": iters, "router": router,
-        "trace": None if replay is None else {"source": replay.source, "layer": replay.layer},
+        "trace": None if replay is None else {"source": replay.source, "layer": replay.layer,
+                                              "tokens_repeated": repeated},
+        "notes": list(dict.fromkeys(notes)),
         "backend": backend, "torch": torch.__version__, "triton": triton_version(),
         "megatron_core": megatron_version(),
     }
@@ -459,6 +483,8 @@ def print_results(records: list[dict]) -> None:
     print("\n".join([bar, fmt(head), bar] + [fmt(row) for row in rows] + [bar]), flush=True)
     if r0.get("peer_note"):
         print(f"note: {r0['peer_note']}")
+    for note in r0.get("notes") or []:
+        print(f"note: {note}")
 
 
 HEAD_KEYS = ("device_name", "world_size", "layer", "shape", "tokens_per_rank", "ms", "peer", "peer_ms", "ratio",
