@@ -9,9 +9,11 @@ baseline (``compare.layer``, ``compare.scheduler``) once per seed, in one launch
 Both sides of a seed serve the same requests (the seed draws the arrivals, lengths and the synthetic
 trace; ``requests_digest`` in every run proves it), start from the same attention weights and run
 on the same emulated hardware (``variability`` / ``emulation`` slow the ranks down for any layer).
-Only the layer (and the scheduler) differ. Within a seed the order alternates (ours first on even
-seed indices, the baseline first on odd ones) so that drift of a shared machine hits both sides
-alike.
+Only the layer (and the scheduler) differ: a baseline named by ``compare.layer=NAME`` takes ours'
+execution kwargs (dispatcher, dedup, NaN check, expert backend), and a semantic scheduler on the
+baseline side reads ours' plan (``layer.plan_path`` / ``plan_train_fraction``). Within a seed the
+order alternates (ours first on even seed indices, the baseline first on odd ones) so that drift of
+a shared machine hits both sides alike.
 
 ``results.json`` holds our medians over the seeds at the top level (the keys of a single run),
 ``baseline`` with the same keys, ``runs`` (``{"ours": [...], "baseline": [...]}``, every run's full
@@ -29,13 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from recipes._common import write_json
+from recipes._common import shared_execution_kwargs, write_json
 
 # metrics reduced to medians over the seeds (plain numbers of a single run's results)
 MEDIAN_KEYS = ("throughput_tok_s", "total_tok_s", "ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "tpot_mean_s",
                "tpot_p90_s", "lar", "imbalance", "imbalance_step_mean", "bytes_sent", "rows_sent", "a2a_bytes",
                "a2a_dispatch_bytes", "a2a_combine_bytes", "a2a_rows", "num_requests", "finished_requests",
-               "output_tokens", "prompt_tokens", "steps", "elapsed_s", "emulated_expert_s")
+               "in_sample_requests", "output_tokens", "prompt_tokens", "steps", "elapsed_s", "emulated_expert_s")
 # (metric, which direction is better, flag in `comparison`)
 COMPARED = (("lar", "higher", "lar_higher"), ("a2a_bytes", "lower", "a2a_bytes_lower"),
             ("tpot_p90_s", "lower", "tpot_p90_lower"), ("tpot_mean_s", "lower", "tpot_mean_lower"),
@@ -88,13 +90,35 @@ def baseline_layer(spec: Any, conf_dir: str) -> dict:
     raise ValueError(f"compare.layer must be a layer name (conf/layer) or a dict with name and cls, got {spec!r}")
 
 
+def pin_semantic_plan(sched: Any, cfg: dict) -> Any:
+    """The baseline's scheduler, reading the semantic plan ours reads.
+
+    A ``semantic`` scheduler finds its plan through the layer config (``layer.plan_path``,
+    ``layer.plan_train_fraction``), which on the baseline side is the baseline's layer: pin ours'
+    plan source into the scheduler itself (dict form) unless it names one already.
+    """
+    name = sched.get("name") if isinstance(sched, dict) else sched
+    if name != "semantic":
+        return sched
+    pinned = dict(sched) if isinstance(sched, dict) else {"name": "semantic"}
+    ours = cfg["scheduler"] if isinstance(cfg["scheduler"], dict) else {}
+    for key in ("plan_path", "plan_train_fraction"):
+        value = ours.get(key) if ours.get(key) is not None else cfg["layer"].get(key)
+        if pinned.get(key) is None and value is not None:
+            pinned[key] = value
+    return pinned
+
+
 def run_configs(cfg: dict, conf_dir: str) -> list[dict]:
     """The per-run configs, in run order: for each seed ours and the baseline (alternating which
     goes first). Each is ``cfg`` without ``compare``, with ``seed``, ``layer``, ``scheduler`` set and
     ``_side`` / ``_run_label`` (not echoed into results)."""
     comp = cfg["compare"]
     base_layer = baseline_layer(comp["layer"], conf_dir)
+    if isinstance(comp["layer"], str):  # a named baseline executes like ours: only the layer differs
+        base_layer["kwargs"] = {**(base_layer.get("kwargs") or {}), **shared_execution_kwargs(cfg["layer"])}
     base_sched = comp.get("scheduler") if comp.get("scheduler") is not None else cfg["scheduler"]
+    base_sched = pin_semantic_plan(base_sched, cfg)
     runs = []
     for i, seed in enumerate(seeds(cfg)):
         sides = [("ours", cfg["layer"], cfg["scheduler"]), ("baseline", base_layer, base_sched)]

@@ -92,7 +92,8 @@ def profile_worker(rank: int, world: int, cfg: dict) -> dict | None:
         raise ValueError(f"{e} experts do not divide over {world} ranks")
     slots = e // world
     experts = GroupedExperts(slots, h, f, dtype=dtype, device=device)
-    gen = torch.Generator(device=device).manual_seed(int(cfg.get("seed", 0)) + rank)
+    # the same weights and rows on every rank: the curves then differ only by the GPUs
+    gen = torch.Generator(device=device).manual_seed(int(cfg.get("seed", 0)))
     with torch.no_grad():
         experts.w13.normal_(0, 0.02, generator=gen)
         experts.w2.normal_(0, 0.02, generator=gen)

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import sys
 import time
@@ -184,8 +185,19 @@ _PLANS: dict = {}
 
 def semantic_plan_path(cfg: dict) -> str | None:
     """``scheduler.plan_path`` (dict form), else ``layer.plan_path``, else ``None``."""
+    return _plan_setting(cfg, "plan_path")
+
+
+def plan_train_fraction(cfg: dict) -> float:
+    """``scheduler.plan_train_fraction`` (dict form), else ``layer.plan_train_fraction``, else 0.5."""
+    value = _plan_setting(cfg, "plan_train_fraction")
+    return 0.5 if value is None else float(value)
+
+
+def _plan_setting(cfg: dict, key: str):
     sched = cfg["scheduler"]
-    return (sched.get("plan_path") if isinstance(sched, dict) else None) or cfg["layer"].get("plan_path")
+    value = sched.get(key) if isinstance(sched, dict) else None
+    return value if value is not None else cfg["layer"].get(key)
 
 
 def semantic_plan(cfg: dict, num_ranks: int, trace=None):
@@ -196,7 +208,7 @@ def semantic_plan(cfg: dict, num_ranks: int, trace=None):
 
     path = semantic_plan_path(cfg)
     source = None if path else json.dumps([cfg.get(k) for k in ("router", "trace", "workload", "model", "seed")]
-                                          + [cfg["layer"].get("plan_train_fraction")], sort_keys=True, default=str)
+                                          + [plan_train_fraction(cfg)], sort_keys=True, default=str)
     key = (path, source, num_ranks)
     if key not in _PLANS:
         if path:
@@ -206,7 +218,7 @@ def semantic_plan(cfg: dict, num_ranks: int, trace=None):
             if trace is None:
                 raise ValueError("a semantic plan needs scheduler={name:semantic,plan_path:FILE}, layer.plan_path=FILE "
                                  "or router=replay (planned on the trace's first half)")
-            train, _ = trace.split(float(cfg["layer"].get("plan_train_fraction", 0.5)))
+            train, _ = trace.split(plan_train_fraction(cfg))
             plan = plan_semantic(train, num_ranks, mode="dp", seed=int(cfg["seed"]), progress=False)
         _PLANS[key] = plan
     return _PLANS[key]
@@ -222,6 +234,14 @@ def load_replay_trace(cfg: dict):
     return config_trace(tc, num_sequences=num_seq, num_layers=m["num_layers"], num_experts=m["num_experts"],
                         top_k=m["top_k"], vocab_size=m["vocab_size"], seed=cfg["seed"], seq_len=[16, 48],
                         need="router=replay")
+
+
+def in_sample_requests(cfg: dict, requests: list[Request], trace, layer_uses_plan: bool) -> int:
+    """How many requests replay a sequence the semantic plan (planned from this trace) trained on."""
+    if trace is None or semantic_plan_path(cfg) or not (layer_uses_plan or scheduler_name(cfg["scheduler"]) == "semantic"):
+        return 0
+    n_train = math.floor(plan_train_fraction(cfg) * trace.num_sequences + 1e-9)  # RoutingTrace.split's rule
+    return sum(1 for r in requests if r.trace_seq is not None and r.trace_seq < n_train)
 
 
 def fit_model_to_trace(model_cfg: dict, trace) -> tuple[dict, list[str]]:
@@ -283,6 +303,11 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
     emulators = var.apply(model.moe_layers)
     requests = make_requests(cfg, int(mcfg["vocab_size"]), trace)
     owner = get_scheduler(cfg["scheduler"])(requests, world, cfg)
+    in_sample = in_sample_requests(cfg, requests, trace, plan is not None)
+    if in_sample:
+        notes.append(f"{in_sample} of {len(requests)} requests replay sequences the semantic plan was trained on "
+                     f"(trace.request_offset={request_offset(cfg)}; held-out from "
+                     f"{math.floor(plan_train_fraction(cfg) * trace.num_sequences + 1e-9)})")
     mine = sorted((r for r, o in zip(requests, owner) if o == rank), key=lambda r: r.arrival)
     max_batch = int(cfg["max_batch_size"])
     layers, num_layers = model.moe_layers, len(model.moe_layers)
@@ -374,6 +399,7 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
                           prompt_tokens, elapsed, mcfg, notes, device)
     if res is not None:
         res["replans"] = replans
+        res["in_sample_requests"] = in_sample
     return res
 
 
@@ -439,7 +465,7 @@ def _gather_results(cfg, rank, world, ep_size, requests, mine, acc, load_rows, s
         dist.all_reduce(counts)
         dist.all_reduce(t_end, op=dist.ReduceOp.MAX)
     per_req = [{"id": r.rid, "rank": rank, "arrival_s": r.arrival, "prompt_len": len(r.prompt),
-                "output_len": r.generated,
+                "output_len": r.generated, "finished": r.done,
                 "ttft_s": r.token_times[0] - r.arrival if r.token_times else float("nan"),
                 "tpot_s": (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1)
                 if len(r.token_times) > 1 else float("nan"),
@@ -476,7 +502,7 @@ def _gather_results(cfg, rank, world, ep_size, requests, mine, acc, load_rows, s
         "a2a_combine_bytes": combine_bytes, "a2a_rows": remote_total,
         "world_size": world, "layer": cfg["layer"]["name"], "router": cfg["router"]["name"],
         "scheduler": cfg["scheduler"], "num_requests": len(reqs), "finished_requests": sum(
-            1 for q in reqs if q["output_len"] > 0), "output_tokens": out_total, "prompt_tokens": prompt_total,
+            1 for q in reqs if q["finished"]), "output_tokens": out_total, "prompt_tokens": prompt_total,
         "steps": steps, "elapsed_s": elapsed, "seed": cfg["seed"], "requests_digest": requests_digest(requests),
         "model": mcfg, "notes": notes, "config": echo,
         "requests": reqs, "rank_load_per_step": loads.tolist(),

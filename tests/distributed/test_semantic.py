@@ -307,6 +307,10 @@ def test_serve_semantic_beats_vanilla_round_robin(tmp_path):
     assert sem["output_tokens"] == van["output_tokens"] > 0
     assert sem["lar"] > van["lar"] + 0.02, (sem["lar"], van["lar"])
     assert sem["bytes_sent"] < van["bytes_sent"], (sem["bytes_sent"], van["bytes_sent"])
+    # no request_offset: the plan's training sequences are served too, and the results say so
+    n = sem["num_requests"]
+    assert sem["in_sample_requests"] == n // 2 and van["in_sample_requests"] == 0
+    assert any(f"{n // 2} of {n} requests replay sequences the semantic plan was trained on" in m for m in sem["notes"])
 
 
 def _serve_cfg(*overrides: str) -> dict:
@@ -332,8 +336,16 @@ def test_serve_semantic_plan_sources_and_config_errors(tmp_path):
         serve.check_config(c)
         loaded = serve.semantic_plan(c, 2)
         assert (loaded.expert_rank == built.expert_rank).all() and (loaded.token_rank == built.token_rank).all()
-        owners = serve.get_scheduler(c["scheduler"])(serve.make_requests(c, 512, serve.load_replay_trace(c)), 2, c)
+        trace = serve.load_replay_trace(c)
+        requests = serve.make_requests(c, 512, trace)
+        owners = serve.get_scheduler(c["scheduler"])(requests, 2, c)
         assert sorted(owners) == [0] * 4 + [1] * 4  # balanced: every 2 requests take both ranks
+        assert serve.in_sample_requests(c, requests, trace, True) == 0  # a plan file: nothing known in-sample
+    trace = serve.load_replay_trace(cfg)
+    requests = serve.make_requests(cfg, 512, trace)
+    assert serve.in_sample_requests(cfg, requests, trace, True) == 4  # planned on sequences 0-3 of 8
+    late = dict(cfg, trace=dict(cfg["trace"], request_offset=4, num_sequences=12))
+    assert serve.in_sample_requests(late, serve.make_requests(late, 512, trace), trace, True) == 0
     with pytest.raises(ValueError, match="plan"):
         serve.check_config(_serve_cfg("scheduler=semantic", "router=learned"))
     with pytest.raises(ValueError, match="mode=dp"):

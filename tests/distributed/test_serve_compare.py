@@ -109,3 +109,24 @@ def test_compare_config_errors(tmp_path):
             compare.seeds(dict(cfg, compare={"layer": "vanilla", "seeds": bad}))
     with pytest.raises(FileNotFoundError, match="no_such_layer"):
         compare.run_configs(dict(cfg, compare={"layer": "no_such_layer"}), conf)
+
+
+def test_compare_baseline_executes_like_ours_and_reads_our_plan():
+    """A named baseline takes ours' execution kwargs; a semantic scheduler on its side reads ours' plan."""
+    from recipes import _serve_compare as compare
+
+    conf = str(ROOT / "conf")
+    ours = {"name": "semantic", "cls": "moelayers.SemanticMoE", "plan_path": "plan.npz", "plan_train_fraction": 0.25,
+            "kwargs": {"mode": "dp", "dispatcher": "allgather", "dedup": False, "check_finite": False}}
+    cfg = {"seed": 0, "layer": ours, "scheduler": "semantic", "compare": {"layer": "vanilla", "seeds": 1}}
+    base = next(r for r in compare.run_configs(cfg, conf) if r["_side"] == "baseline")
+    assert base["layer"]["kwargs"] == {"dispatcher": "allgather", "dedup": False, "check_finite": False}
+    assert base["scheduler"] == {"name": "semantic", "plan_path": "plan.npz", "plan_train_fraction": 0.25}
+    # an explicit baseline scheduler is kept; a dict baseline layer is taken as given
+    cfg["compare"] = {"layer": {"name": "mine", "cls": "moelayers.VanillaMoE", "kwargs": {"dedup": True}},
+                      "scheduler": "round_robin", "seeds": 1}
+    base = next(r for r in compare.run_configs(cfg, conf) if r["_side"] == "baseline")
+    assert base["layer"]["kwargs"] == {"dedup": True} and base["scheduler"] == "round_robin"
+    cfg["compare"] = {"layer": "vanilla", "scheduler": {"name": "semantic", "plan_path": "other.npz"}, "seeds": 1}
+    base = next(r for r in compare.run_configs(cfg, conf) if r["_side"] == "baseline")
+    assert base["scheduler"] == {"name": "semantic", "plan_path": "other.npz", "plan_train_fraction": 0.25}
