@@ -206,12 +206,13 @@ def predictive_scenarios(loads: np.ndarray, num: int, rng: np.random.Generator) 
     Args:
         loads: ``[S, E]`` observed steps.
         num: scenarios ``N`` (even) when the steps are few (``S - 1 <= N / 2``); ``2 N`` when
-            they are many (``S > 2 N``).
+            they are many (``S > 2 N``), and at least twice the directions the steps vary in
+            (``2 k``, so that every one of them is matched: many steps of more than ``N`` experts).
         rng: source of the random directions.
 
     Returns:
-        ``[N, E]`` float64 (``[S, E]`` when the steps themselves are used, ``[2 N, E]`` for many
-        steps; the one step if ``S = 1``).
+        ``[N, E]`` float64 (``[S, E]`` when the steps themselves are used, ``[max(2 N, 2 k), E]``
+        for many steps; the one step if ``S = 1``).
     """
     x = np.asarray(loads, dtype=np.float64)
     num_s = x.shape[0]
@@ -228,6 +229,7 @@ def predictive_scenarios(loads: np.ndarray, num: int, rng: np.random.Generator) 
     if not keep.any():
         return x[:1].copy()  # every step the same: it is the scenario
     sv, vt = sv[keep], vt[keep]
+    num = max(num, 2 * sv.size)  # N / 2 antithetic pairs span at most N / 2 directions (many steps of > N experts)
     half = rng.standard_normal((num // 2, sv.size))
     q, _ = np.linalg.qr(np.concatenate([half, -half]))  # [N, k] orthonormal, columns sum to 0
     scale = np.sqrt(num * (1.0 + 1.0 / num_s) / (num_s - 1))  # (1/N) X^T X = (1 + 1/S) dev^T dev / (S - 1)

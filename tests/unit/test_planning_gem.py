@@ -291,6 +291,13 @@ def test_robust_scenarios_have_the_predictive_moments() -> None:
     np.testing.assert_allclose(x.mean(axis=0), lots.mean(axis=0), rtol=1e-9)
     dev, sx = lots - lots.mean(axis=0), x - x.mean(axis=0)
     np.testing.assert_allclose(sx.T @ sx / 128, (1 + 1 / 300) * dev.T @ dev / 299, rtol=1e-9, atol=1e-6)
+    # many steps of more experts than 2 N scenarios span (128 experts: N = 32): one pair per direction
+    wide = rng.poisson(rng.uniform(200, 900, size=128), size=(100, 128)).astype(float)
+    x = predictive_scenarios(wide, 32, rng)
+    assert x.shape == (2 * 99, 128)  # 99 directions (S - 1), more than 2 N = 64
+    np.testing.assert_allclose(x.mean(axis=0), wide.mean(axis=0), rtol=1e-9)
+    dev, sx = wide - wide.mean(axis=0), x - x.mean(axis=0)
+    np.testing.assert_allclose(sx.T @ sx / 198, (1 + 1 / 100) * dev.T @ dev / 99, rtol=1e-9, atol=1e-6)
     assert smoothing_width(np.ones((5, 4)), 2) == 0.0
     _, smooth = robust_objective(loads, LatencyCurves.preset("high", 2), rng)
     assert smooth.tiled_params is None and smooth.num_ranks == 2
