@@ -40,7 +40,11 @@ class VariabilityAwareMoE(MoELayerBase):
         variability: preset for the default curves: ``'high' | 'moderate' | 'low' | 'none'``.
         window: steps of expert loads kept for planning.
         auto_replan: re-plan once when the window first fills, then every ``replan_every`` steps
-            (if set).
+            (if set), at the end of that forward. When autograd records the forward (the input or
+            the weights require grad), the re-plan waits for the start of the next forward instead:
+            moving weights in place would break the backward of the graph that saved them. (The
+            optimizer state of the moved slots does not move with them: re-planning is meant for
+            serving and rollout, not for training.)
         replan_every: steps between automatic re-plans after the first (needs ``auto_replan``).
         planner: ``planner(loads [steps, E], curves, *, restarts, seed) -> expert_rank [E]``, run on
             rank 0 only (default: ``moelayers.planning.gem.plan_gem``).
@@ -119,6 +123,7 @@ class VariabilityAwareMoE(MoELayerBase):
         self.min_gain = None if min_gain is None else float(min_gain)
         self.record_loads = record_loads
         self.steps, self.num_replans, self.num_moves = 0, 0, 0
+        self._replan_pending = False
         self.last_replan: dict | None = None
         self.register_buffer("_loads", torch.zeros(window, config.num_experts, dtype=torch.int64,
                                                    device=self.router.weight.device), persistent=False)
@@ -143,11 +148,18 @@ class VariabilityAwareMoE(MoELayerBase):
         Returns:
             ``y`` with the shape of ``x``.
         """
+        if self._replan_pending:  # due at the end of the last forward, which autograd recorded
+            self._replan_pending = False
+            self.replan()
         y = super().forward(x, token_ids=token_ids)
         if self.record_loads:
             self._record(self.last_topk_ids)
             if self._replan_due():
-                self.replan()
+                recording = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
+                if recording:
+                    self._replan_pending = True
+                else:
+                    self.replan()
         return y
 
     @torch.no_grad()

@@ -305,6 +305,22 @@ def scenario_auto_replan(rank: int, world: int, device: str) -> dict:
         seen.append(layer.num_replans)
     if seen != [0, 0, 1, 1, 2, 2, 3]:
         errors.append(f"re-plans after each step {seen}, expected [0, 0, 1, 1, 2, 2, 3]")
+    # under autograd a due re-plan waits for the next forward: the backward of the step that filled
+    # the window still sees the weights it saved
+    train, seen = ctx.layer(window=2, auto_replan=True, planner=StubPlanner(world)), []
+    for step in range(3):
+        x = _x(rank, 10 + step).to(ctx.dtype).to(ctx.device).requires_grad_(True)
+        try:
+            train(x).sum().backward()
+        except RuntimeError as e:
+            errors.append(f"backward at step {step}: {e}")
+            break
+        seen.append(train.num_replans)
+        if x.grad is None:
+            errors.append(f"no input gradient at step {step}")
+    if seen != [0, 0, 1]:
+        errors.append(f"re-plans after each autograd step {seen}, expected [0, 0, 1]")
+    errors.append(ctx.check("after the deferred re-plan", train, salt=20))
     return {"errors": [m for m in errors if m], "phy2log": layer.placement.phy2log.tolist()}
 
 
