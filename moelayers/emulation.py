@@ -103,7 +103,9 @@ class VariabilityEmulator:
 
     Attributes:
         calls: expert computes seen; compute_s: their measured time (measured mode; 0 in curve
-            mode); added_s: seconds of emulated extra time in total; last_added_s: of the last call.
+            mode); added_s: seconds of emulated extra time in total; last_added_s: of the last call;
+        last_rows: curve mode: the (token, expert) rows of the last call (the sum of its
+            ``slot_counts``: padding rows of a fixed-capacity layer do not count).
     """
 
     mode: str
@@ -117,6 +119,7 @@ class VariabilityEmulator:
     compute_s: float = 0.0
     added_s: float = 0.0
     last_added_s: float = 0.0
+    last_rows: int = 0
     _handles: list = field(default_factory=list, repr=False)
     _start: Any = field(default=None, repr=False)
 
@@ -143,7 +146,9 @@ class VariabilityEmulator:
         else:
             if x.is_cuda:
                 torch.cuda.current_stream(x.device).synchronize()
-            target = self.time_scale * curve_latency(self.curves, self.rank, self.num_ranks, int(x.shape[0]))
+            # the rows routed here, not x's: a fixed-capacity layer pads x to the same size every step
+            self.last_rows = int(args[1].sum()) if len(args) > 1 else int(x.shape[0])
+            target = self.time_scale * curve_latency(self.curves, self.rank, self.num_ranks, self.last_rows)
             extra = target - (time.perf_counter() - self._start)
         extra = max(extra, 0.0)
         _wait(extra, self.wait)

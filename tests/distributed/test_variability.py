@@ -507,6 +507,14 @@ def test_curve_emulation_pads_to_curve_latency():
     elapsed = time.perf_counter() - t0
     target = 2.0 * curve_latency(Curves(), 0, 1, 64 * 2)  # 64 tokens x top-2 rows on the only rank
     assert elapsed >= target and 0 < emu.last_added_s <= target
+    assert emu.last_rows == 64 * 2
+    # a fixed-capacity layer pads its expert input; the curve sees the routed rows, not the padding
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2)
+    fixed = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=3, capacity=32)
+    emu = emulate_variability(fixed, mode="curve", curves=Curves(), wait="spin")
+    with torch.no_grad():
+        fixed(x[:5])
+    assert emu.last_rows == 5 * 2
     with pytest.raises(ValueError, match="curve mode"):
         emulate_variability(layer, 2.0, mode="curve", curves=Curves())
 
