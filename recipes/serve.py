@@ -32,7 +32,7 @@ hardware, one results.json (our medians, ``baseline``, ``runs``, ``comparison``)
     python recipes/serve.py layer=semantic scheduler=semantic router=replay trace.num_sequences=256 \
         trace.request_offset=128 compare.layer=vanilla compare.scheduler=round_robin
     python recipes/serve.py layer=variability variability=high emulation.mode=curve emulation.time_scale=3000 \
-        router=replay workload.num_requests=1024 workload.rate=2000 max_batch_size=256 layer.kwargs.window=8 \
+        router=replay workload.num_requests=1024 workload.rate=2000 max_batch_size=256 layer.kwargs.window=6 \
         compare.layer=vanilla
 
 All-to-all volume: ``a2a_bytes`` = ``a2a_dispatch_bytes`` (``bytes_sent``) + ``a2a_combine_bytes``, see
@@ -326,6 +326,9 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
         model.step([StepRequest("warmup", ids([0, 1, 2, 3]))])
         model.step([StepRequest("warmup", ids([4]))])
         model.release("warmup")
+    for layer in model.moe_layers:  # GEM plans from served steps only, not from the warm-up's
+        if hasattr(layer, "reset_loads"):
+            layer.reset_loads()
     dist.barrier()
 
     bar = None

@@ -177,6 +177,13 @@ class VariabilityAwareMoE(MoELayerBase):
             return True
         return self.replan_every is not None and (self.steps - self.window) % self.replan_every == 0
 
+    def reset_loads(self) -> None:
+        """Forget the recorded window (``steps`` back to 0), e.g. after warm-up forwards that did
+        not serve real requests; the next re-plan is due when the window has filled again."""
+        self._loads.zero_()
+        self.steps = 0
+        self._replan_pending = False
+
     def window_loads(self) -> torch.Tensor:
         """This rank's recorded loads ``[min(steps, window), E]`` (int64, CPU), oldest step first."""
         n = min(self.steps, self.window)

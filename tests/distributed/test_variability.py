@@ -569,6 +569,7 @@ def test_serve_variability_replans(tmp_path):
     assert "emulated variability=high (curve mode) on rank 0" in res["notes"]
     assert "MoE layer 0: 1 re-plan(s)" in res["notes"] and "MoE layer 1: 1 re-plan(s)" in res["notes"]
     assert len(res["replans"]) == 2
+    assert [r["step"] for r in res["replans"]] == [8, 8]  # the window holds served steps, not the warm-up
     for r in res["replans"]:  # each re-plan records its predicted gain on the window
         assert r["moved"] in (True, False) and r["score_current"] > 0 and r["score_new"] > 0, r
         assert r["gain"] == pytest.approx(1 - r["score_new"] / r["score_current"])
