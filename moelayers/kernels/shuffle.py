@@ -48,9 +48,9 @@ if HAVE_TRITON:
         for j0 in range(0, T, BLOCK_J):
             offs_j = j0 + tl.arange(0, BLOCK_J)
             mask_j = offs_j < T
-            pred_j = tl.load(pred_ptr + offs_j, mask=mask_j, other=-2)  # -2 never matches a real token
+            pred_j = tl.load(pred_ptr + offs_j, mask=mask_j, other=0)
             conf_j = tl.load(conf_ptr + offs_j, mask=mask_j, other=0.0)
-            same = pred_j[None, :] == pred_i[:, None]
+            same = (pred_j[None, :] == pred_i[:, None]) & mask_j[None, :]  # lanes past T count for no bucket
             higher = conf_j[None, :] > conf_i[:, None]
             tie = (conf_j[None, :] == conf_i[:, None]) & (offs_j[None, :] < offs_i[:, None])
             acc += tl.sum((same & (higher | tie)).to(tl.int32), axis=1)

@@ -74,8 +74,8 @@ def test_shuffle_rows_matches(T, N, H, dtype):
 @pytest.mark.parametrize("T", (0, 1, 5, 64, 65, 150))
 def test_bucket_positions_matches(T):
     gen = torch.Generator().manual_seed(T)
-    pred = torch.randint(-1, 4, (T,), generator=gen)
-    conf = torch.randint(0, 4, (T,), generator=gen).float() / 3  # many ties
+    pred = torch.randint(-3, 4, (T,), generator=gen)  # any bucket id, negative ones too
+    conf = torch.randint(-2, 4, (T,), generator=gen).float() / 3  # many ties, negative confidences too
     if T > 3:
         conf[1], conf[2], conf[3] = -0.0, 0.0, float("nan")  # -0.0 == 0.0 == NaN (counted as 0)
     expected = _naive_positions(pred, conf)
