@@ -172,7 +172,7 @@ def semantic_schedules(replay: Replay, world: int, seed: int, train_fraction: fl
     plan.check_compatible(tr.num_experts, world)
     if replay.layer >= plan.num_layers:
         raise ValueError(f"trace.layer={replay.layer} but the semantic plan has {plan.num_layers} layer(s)")
-    sched = SemanticScheduler(plan, layer=replay.layer, num_ranks=world)
+    sched = SemanticScheduler(plan, layer=replay.layer, num_ranks=world, total_tokens=held.num_tokens)
     owner = np.array([sched.assign(held.token_ids[held.sequence_slice(s)]) for s in range(held.num_sequences)])
     replay.trace = held
     replay.ids = torch.from_numpy(np.ascontiguousarray(held.topk_ids[:, replay.layer, :]).astype(np.int64))

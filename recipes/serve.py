@@ -149,10 +149,12 @@ def round_robin(requests: list[Request], world_size: int, cfg: dict) -> list[int
 
 def semantic(requests: list[Request], world_size: int, cfg: dict) -> list[int]:
     """Sem-MoE Algorithm 2 (:class:`moelayers.schedule.SemanticScheduler`): each request, in arrival
-    order, to the unmasked rank its prompt's tokens vote for; every ``world_size`` requests cover all ranks."""
+    order, to the unmasked rank its prompt's tokens vote for; every ``world_size`` requests cover all
+    ranks, and no rank gets more than 1.3x the mean prompt tokens (the requests are known up front)."""
     from moelayers.schedule import SemanticScheduler
 
-    sched = SemanticScheduler(semantic_plan(cfg, world_size), num_ranks=world_size)
+    sched = SemanticScheduler(semantic_plan(cfg, world_size), num_ranks=world_size,
+                              total_tokens=sum(len(r.prompt) for r in requests))
     return [sched.assign(r.prompt) for r in requests]
 
 

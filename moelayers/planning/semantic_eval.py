@@ -41,7 +41,7 @@ import numpy as np
 
 from moelayers.planning.semantic import SemanticPlan, check_token_ids, majority_rank, rank_counts
 
-__all__ = ["even_token_rank", "assignment_metrics", "lar_report", "capacity_assign", "price_balance", "balanced_assign", "step_capacity", "request_schedule", "lar_from_assignment",
+__all__ = ["even_token_rank", "assignment_metrics", "lar_report", "capacity_assign", "price_balance", "balanced_assign", "step_capacity", "request_schedule", "schedule_one", "lar_from_assignment",
            "linear_expert_rank", "tp_scores", "assign_tp", "assign_dp", "evaluate_tp", "evaluate_dp", "evaluate",
            "PREDICTORS"]
 
@@ -170,7 +170,8 @@ def request_schedule(scores: np.ndarray, lengths: np.ndarray, num_ranks: int, *,
         scores: ``[S, R]`` preference of each request for each rank (ties: the lower rank).
         lengths: ``[S]`` tokens per request.
         mask: ``False``: no mask, the ``max_ratio`` cap alone balances (each request takes its best
-            open rank). What the online ``SemanticScheduler`` does is the default (mask on).
+            open rank). The default (mask on) is what the online ``SemanticScheduler`` does
+            given ``total_tokens`` (both call :func:`schedule_one`).
 
     Returns:
         ``[S]`` int64 rank per request.
@@ -182,19 +183,33 @@ def request_schedule(scores: np.ndarray, lengths: np.ndarray, num_ranks: int, *,
     masked = np.zeros(num_ranks, dtype=bool)
     out = np.empty(sc.shape[0], dtype=np.int64)
     for s in range(sc.shape[0]):
-        fits = load + lengths[s] <= cap
-        for allowed in (~masked & fits, fits):
-            if allowed.any():
-                r = int(np.argmax(np.where(allowed, sc[s], -np.inf)))
-                break
-        else:
-            r = int(np.argmin(load))
-        out[s] = r
-        load[r] += lengths[s]
-        masked[r] = mask
-        if masked.all():
-            masked[:] = False
+        out[s] = schedule_one(sc[s], int(lengths[s]), load, masked, cap, mask=mask)
     return out
+
+
+def schedule_one(scores: np.ndarray, length: int, load: np.ndarray, masked: np.ndarray, cap: float, *,
+                 mask: bool = True) -> int:
+    """One request of :func:`request_schedule` (also the online ``SemanticScheduler.assign``).
+
+    The best rank among those unmasked that stay within ``cap`` tokens with this request, else
+    among all that stay within it, else the least-loaded rank; ties: the lowest rank. Updates
+    ``load [R]`` (tokens) and ``masked [R]`` in place (the mask clears once every rank is taken).
+
+    Returns:
+        The rank.
+    """
+    fits = load + length <= cap
+    for allowed in (~masked & fits, fits):
+        if allowed.any():
+            r = int(np.argmax(np.where(allowed, scores, -np.inf)))
+            break
+    else:
+        r = int(np.argmin(load))
+    load[r] += length
+    masked[r] = mask
+    if masked.all():
+        masked[:] = False
+    return r
 
 
 def lar_from_assignment(trace, expert_rank: np.ndarray, token_rank: np.ndarray) -> float:
@@ -406,7 +421,9 @@ def evaluate_dp(plan: SemanticPlan, heldout_trace, *, max_ratio: float = 1.3, ma
     """Held-out evaluation in attention-DP mode (Algorithm 2, see the module docstring).
 
     Votes use the plan's layer-0 ``token_rank`` / ``token_conf`` rows (identical over layers in a
-    dp plan). The ``max_ratio`` cap applies to the final tokens per rank: a rank is closed to a
+    dp plan) of every token of the sequence: here a request is a whole trace sequence (a prompt;
+    ``recipes/serve.py``, which splits a sequence into a prompt and teacher-forced output, votes
+    on the prompt alone). The ``max_ratio`` cap applies to the final tokens per rank: a rank is closed to a
     request that would take it above ``max_ratio * T / R``. ``mask=False`` schedules by the cap
     alone (see :func:`request_schedule`; not what the online scheduler does today).
 

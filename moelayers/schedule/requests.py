@@ -10,6 +10,9 @@ number of requests per rank balanced::
     mask[rank] = True; all ranks masked -> clear the mask
 
 so every ``R`` consecutive requests go to ``R`` different ranks (affinity with balanced load).
+Given the tokens it will schedule in all (``total_tokens``), it also closes a rank to a request that
+would take it above ``max_ratio`` times the mean (1.3), exactly as the held-out evaluation of
+``recipes/plan.py mode=dp`` does (both run ``moelayers.planning.semantic_eval.schedule_one``).
 Both schedulers share one interface: ``assign(token_ids) -> rank``.
 """
 
@@ -19,6 +22,8 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+
+from moelayers.planning.semantic_eval import schedule_one
 
 
 class RequestScheduler(Protocol):
@@ -72,16 +77,22 @@ class SemanticScheduler:
             ``num_ranks``); a dp-mode plan's token table is the same at every layer.
         layer: which layer's token table votes (default 0).
         num_ranks: the attention-DP ranks; must equal ``plan.num_ranks`` if given.
+        total_tokens: the tokens of all the requests to schedule (when known, e.g. a batch of
+            rollouts): a rank is then closed to a request that would take it above
+            ``max_ratio * total_tokens / R`` tokens. ``None``: no token cap (the mask alone balances).
+        max_ratio: the cap's multiple of the mean tokens per rank.
 
     Attributes:
         loads: ``[R]`` requests assigned to each rank so far.
+        token_loads: ``[R]`` tokens assigned to each rank so far.
 
     Raises:
-        ValueError: ``layer`` out of range, tables of inconsistent shapes, or a plan for another
-            number of ranks.
+        ValueError: ``layer`` out of range, tables of inconsistent shapes, a plan for another
+            number of ranks, or a negative ``total_tokens`` / ``max_ratio`` below 1.
     """
 
-    def __init__(self, plan: Any, *, layer: int = 0, num_ranks: int | None = None):
+    def __init__(self, plan: Any, *, layer: int = 0, num_ranks: int | None = None, total_tokens: int | None = None,
+                 max_ratio: float = 1.3):
         tr, tc = np.asarray(_numpy(plan.token_rank)), np.asarray(_numpy(plan.token_conf))
         if tr.ndim == 1:
             tr, tc = tr[None], tc[None]
@@ -97,8 +108,15 @@ class SemanticScheduler:
         self.token_conf = np.nan_to_num(tc[layer].astype(np.float64), nan=0.0)
         self.token_conf[(self.token_rank < 0) | (self.token_rank >= self.num_ranks)] = 0.0
         self.vocab_size = self.token_rank.shape[0]
+        if total_tokens is not None and (isinstance(total_tokens, bool) or int(total_tokens) != total_tokens
+                                         or total_tokens < 0):
+            raise ValueError(f"total_tokens must be None or an int >= 0, got {total_tokens!r}")
+        if not max_ratio >= 1.0:
+            raise ValueError(f"max_ratio must be >= 1, got {max_ratio!r}")
+        self.cap = np.inf if total_tokens is None else max_ratio * int(total_tokens) / self.num_ranks
         self.mask = np.zeros(self.num_ranks, dtype=bool)
         self.loads = np.zeros(self.num_ranks, dtype=np.int64)
+        self.token_loads = np.zeros(self.num_ranks, dtype=np.int64)
 
     def scores(self, token_ids: Any) -> np.ndarray:
         """``[R]`` float64 confidence-weighted votes of the request's tokens (unseen tokens: none).
@@ -114,14 +132,12 @@ class SemanticScheduler:
         seen = conf > 0
         return np.bincount(self.token_rank[ids[seen]], weights=conf[seen], minlength=self.num_ranks).astype(np.float64)
 
-    def assign(self, token_ids: Any) -> int:
-        """The best unmasked rank for this request; masks it (and clears a full mask)."""
-        s = self.scores(token_ids)
-        s[self.mask] = -np.inf
-        rank = int(np.argmax(s))  # first maximum: ties go to the lowest rank
-        self.mask[rank] = True
-        if self.mask.all():
-            self.mask[:] = False
+    def assign(self, token_ids: Any, num_tokens: int | None = None) -> int:
+        """The best unmasked rank for this request (within the token cap); masks it (and clears a
+        full mask). ``num_tokens``: the request's tokens for the cap (default: ``len(token_ids)``)."""
+        ids = _token_array(token_ids)
+        n = ids.size if num_tokens is None else int(num_tokens)
+        rank = schedule_one(self.scores(ids), n, self.token_loads, self.mask, self.cap)  # ties: lowest rank
         self.loads[rank] += 1
         return rank
 
@@ -129,6 +145,7 @@ class SemanticScheduler:
         """Forget the mask and the loads."""
         self.mask[:] = False
         self.loads[:] = 0
+        self.token_loads[:] = 0
 
 
 def _numpy(a: Any) -> np.ndarray:

@@ -16,8 +16,8 @@ token to the rank holding its experts. Two predictors:
 * :class:`LayerTables` (Algorithm 3 as published): per token, the rank from T (token_rank /
   token_conf at this layer) or from the n-gram A (ngram_rank / ngram_conf given the token's ranks at
   the two previous layers), whichever is more confident; the most confident tokens of a rank stay,
-  the least confident overflow to the ranks with room; the ``R*C - T`` dummy rows go to the least
-  wanted chunks.
+  the least confident overflow to the ranks with room; the ``R*C - T`` dummy rows go to the last
+  chunks, as with the history predictor.
 
 ::
 
@@ -373,8 +373,8 @@ class Rebatch:
 def rebatch(pred: torch.Tensor, conf: torch.Tensor, num_ranks: int) -> Rebatch:
     """Group tokens by predicted rank into ``R`` equal chunks.
 
-    The ``R*C - T`` dummy rows go to the chunks fewest tokens are predicted for (ties: the last
-    ranks), one each, as their last row. Chunk ``r`` then takes up to ``cap_r`` (``C`` or ``C - 1``)
+    The ``R*C - T`` dummy rows go to the last chunks (:func:`even_capacity`, as the held-out
+    evaluation's ``step_capacity``), one each, as their last row. Chunk ``r`` then takes up to ``cap_r`` (``C`` or ``C - 1``)
     tokens predicted for ``r``, most confident first; the rest (overflow, the least confident, and
     tokens without prediction) fill the remaining room of the chunks in rank order, in token order.
 
@@ -400,11 +400,7 @@ def rebatch(pred: torch.Tensor, conf: torch.Tensor, num_ranks: int) -> Rebatch:
         return Rebatch(empty, empty, empty, pred, conf, torch.zeros(r, dtype=torch.int64, device=dev), 0, r, 0)
     has = pred >= 0
     safe = torch.where(has, pred, 0)
-    ranks = torch.arange(r, device=dev)
-    demand = torch.zeros(r, dtype=torch.int64, device=dev).scatter_add_(0, safe, has.to(torch.int64))
-    least_wanted = torch.argsort(demand * r + (r - 1 - ranks), stable=True)  # integer keys: deterministic
-    cap = torch.full((r,), c, dtype=torch.int64, device=dev)
-    cap[least_wanted[: r * c - t]] = c - 1
+    cap = even_capacity(t, r, dev)  # as the held-out evaluation (step_capacity): the first T % R ranks take C
     pos = bucket_positions(pred, conf)
     keep = has & (pos < cap[safe])
     kept = torch.zeros(r, dtype=torch.int64, device=dev).scatter_add_(0, safe, keep.to(torch.int64))
