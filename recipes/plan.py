@@ -39,7 +39,8 @@ files moved into place, ``report.json`` last):
   ``per_layer`` scores; and the config;
 * ``assignment.npz`` (compressed): ``expert_rank [L, E]`` int64 (the chosen placement; for
   linear/eplb/gem this is the placement file: ``ExpertPlacement.from_expert_rank(expert_rank[l],
-  num_ranks=ep)`` per layer),
+  num_ranks=ep)`` per layer), ``expert_rank_<planner> [L, E]`` for every placement the report scores
+  (``linear``, ``eplb``, ``gem`` and ``semantic`` when planned),
   ``token_rank [T_heldout, L]`` int64 (the rank that processes each held-out token at each layer),
   ``seq_offsets [S_heldout+1]`` of the held-out part, ``num_ranks``, ``tokens_per_step``,
   ``train_fraction``, ``mode``;
@@ -56,6 +57,7 @@ Anyone can recompute the report::
     a = np.load("assignment.npz")
     lar_from_assignment(held_out, a["expert_rank"], a["token_rank"])          # report["lar"]
     evaluate(held_out, a["expert_rank"], LatencyCurves.load("curves.npz"), tokens_per_step)   # report["score"]
+    evaluate(held_out, a["expert_rank_eplb"], ...)                                      # report["score_eplb"]
 
 (``lar_from_assignment`` from :mod:`moelayers.planning.semantic_eval`, ``evaluate`` from
 :mod:`moelayers.planning.gem`.) Planning is deterministic for a ``seed``.
@@ -294,17 +296,19 @@ def run(d: dict) -> dict:
         "seed": int(d["seed"]), "trace": tc.get("path") or "synthetic",
         "config": {k: v for k, v in d.items() if k != "run_dir"},
     }
-    write_outputs(d["run_dir"], report, plans[name], token_rank, held_out, curves, semantic)
+    write_outputs(d["run_dir"], report, plans, name, token_rank, held_out, curves, semantic)
     return report
 
 
-def write_outputs(out_dir: str, report: dict, expert_rank: np.ndarray, token_rank: np.ndarray, held_out, curves,
+def write_outputs(out_dir: str, report: dict, plans: dict, name: str, token_rank: np.ndarray, held_out, curves,
                   semantic) -> None:
-    """All files of a run, all or nothing (``report.json`` last)."""
+    """All files of a run, all or nothing (``report.json`` last). ``plans``: ``{planner: expert_rank [L, E]}``,
+    ``name`` the chosen one (``expert_rank`` in ``assignment.npz``; every one as ``expert_rank_<planner>``)."""
+    every = {f"expert_rank_{p}": np.asarray(er, dtype=np.int64) for p, er in plans.items()}
 
     def assignment(path: Path) -> None:
         with open(path, "wb") as f:  # compressed: token_rank is T x L and mostly repeats
-            np.savez_compressed(f, expert_rank=np.asarray(expert_rank, dtype=np.int64), token_rank=token_rank,
+            np.savez_compressed(f, expert_rank=np.asarray(plans[name], dtype=np.int64), **every, token_rank=token_rank,
                      seq_offsets=held_out.seq_offsets, num_ranks=np.int64(report["ep"]),
                      tokens_per_step=np.int64(report["tokens_per_step"]),
                      train_fraction=np.float64(report["train_fraction"]), mode=np.str_(report["mode"]))

@@ -188,6 +188,11 @@ def test_gem_keeps_its_scores(trace_file, tmp_path):
     assert report["planner"] == "gem" and report["score"] == report["score_gem"]
     curves = LatencyCurves.load(tmp_path / "run" / "curves.npz")
     assert evaluate(held_out(trace_file), arrays["expert_rank"], curves, TPS) == pytest.approx(report["score"], rel=1e-12)
+    for planner in ("linear", "eplb", "gem"):  # every scored placement is saved, so every score can be recomputed
+        got = evaluate(held_out(trace_file), arrays[f"expert_rank_{planner}"], curves, TPS)
+        assert got == pytest.approx(report[f"score_{planner}"], rel=1e-12), planner
+    np.testing.assert_array_equal(arrays["expert_rank_gem"], arrays["expert_rank"])
+    assert report["gem_vs_eplb"] == pytest.approx(1 - report["score_gem"] / report["score_eplb"], rel=1e-12)
     check_lar(report, arrays, trace_file)
     assert not (tmp_path / "run" / "plan.npz").exists()
 
