@@ -227,13 +227,14 @@ class MoELayerBase(nn.Module):
                 from moelayers.layers.graphs import GraphedForward
 
                 def padded(xp, num_valid):
-                    return self._forward_steps(xp, None, None, num_valid)[0]
+                    return self._forward_steps(xp, None, None, num_valid)  # (y, topk_ids)
 
                 self._graphed = GraphedForward(padded, c, self.config.hidden_size, x2.dtype, x2.device)
-            y = self._graphed(x2)
+            y, topk_ids = self._graphed(x2)
             counts = self.dispatcher.fixed_counts.clone()
             self.last_stats = MoEStats.deferred(self.groups.ep_rank, counts[0], counts[1], self.dispatcher.fixed_bytes)
-            self.last_topk_ids, self.last_token_ids = None, token_ids
+            # a view of the graph's static routing output: valid until the next forward
+            self.last_topk_ids, self.last_token_ids = topk_ids, token_ids
         else:
             xp = torch.nn.functional.pad(x2, (0, 0, 0, c - t))
             fp = None if forced is None else torch.nn.functional.pad(forced, (0, 0, 0, c - t))

@@ -13,7 +13,8 @@ import torch
 
 
 class GraphedForward:
-    """Captures ``fn(x_static [C, H], num_valid [] int64) -> y [C, H]`` on first use and replays it.
+    """Captures ``fn(x_static [C, H], num_valid [] int64) -> (y [C, H], aux [C, ...])`` on first use
+    and replays it.
 
     Args:
         fn: the padded forward; must be free of host syncs and shape changes.
@@ -28,6 +29,7 @@ class GraphedForward:
         self.num_valid = torch.zeros((), dtype=torch.int64, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.y: torch.Tensor | None = None
+        self.aux: torch.Tensor | None = None
 
     def _capture(self) -> None:
         side = torch.cuda.Stream(device=self.x.device)
@@ -38,11 +40,14 @@ class GraphedForward:
         torch.cuda.current_stream(self.x.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.y = self.fn(self.x, self.num_valid)
+            self.y, self.aux = self.fn(self.x, self.num_valid)
         self.graph = graph
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [T, H]`` with ``T <= C`` -> ``y [T, H]`` (a copy: the static output is reused)."""
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, H]`` with ``T <= C`` -> ``(y [T, H], aux [T, ...])``.
+
+        ``y`` is a copy; ``aux`` (e.g. the routing) is a view of the static output, valid until the
+        next replay (no extra kernel on the latency path)."""
         t = x.shape[0]
         self.x[:t].copy_(x)
         if t < self.capacity:
@@ -51,4 +56,4 @@ class GraphedForward:
         if self.graph is None:
             self._capture()
         self.graph.replay()
-        return self.y[:t].clone()
+        return self.y[:t].clone(), self.aux[:t]

@@ -235,7 +235,7 @@ class SemanticMoE(MoELayerBase):
 
     def _context_history(self, rb: Rebatch, n: int, history: torch.Tensor | None) -> torch.Tensor | None:
         """``[D', T, K]`` experts of every token at this layer and the ``D' - 1`` before it."""
-        topk = self.last_topk_ids  # [n, K] this chunk's routing (None when replayed from a CUDA graph)
+        topk = self.last_topk_ids  # [n, K] this chunk's routing
         if topk is None:
             return None
         mine = torch.full((rb.chunk_size, topk.shape[1]), -1, dtype=torch.int64, device=topk.device)
@@ -248,7 +248,7 @@ class SemanticMoE(MoELayerBase):
 
     def _context_ranks(self, rb: Rebatch, n: int) -> torch.Tensor | None:
         """``[T]`` majority rank of each token's experts here, gathered from the chunks' routing."""
-        topk = self.last_topk_ids  # [n, K] this chunk's routing (None when replayed from a CUDA graph)
+        topk = self.last_topk_ids  # [n, K] this chunk's routing
         if topk is None:
             return None
         r, dev = self.groups.tp_size, topk.device

@@ -54,8 +54,8 @@ class VariabilityAwareMoE(MoELayerBase):
             below the current placement's, e.g. ``0.01``: no weights moved for a 0.1 % gain when
             re-planning every few steps. ``None`` (default): always apply the planner's placement.
             Scores need a placement with one replica per expert and ``LatencyCurves``.
-        record_loads: keep the load window (forwards replayed from a CUDA graph expose no routing:
-            ``cuda_graph=True`` needs ``record_loads=False``; plan with ``replan(loads=...)``).
+        record_loads: keep the load window (forwards replayed from a CUDA graph too: the graph
+            outputs the routing). A move drops the captured graph; the next forward captures anew.
         slowdown: emulated variability (measured mode of :func:`moelayers.emulation.emulate_variability`):
             this rank's factor ``s >= 1``, or one factor per expert-parallel rank ``[R]``; ``None``: none.
             It slows the hardware down; the planner still uses ``curves``.
@@ -108,9 +108,6 @@ class VariabilityAwareMoE(MoELayerBase):
                 raise ValueError("replan_every needs auto_replan=True")
         if auto_replan and not record_loads:
             raise ValueError("auto_replan needs record_loads=True (it plans from the recorded window)")
-        if record_loads and kwargs.get("cuda_graph"):
-            raise ValueError("cuda_graph=True forwards expose no routing to record: pass record_loads=False "
-                             "and plan with replan(loads=...)")
         if min_gain is not None and (isinstance(min_gain, bool) or not isinstance(min_gain, (int, float))
                                      or not 0.0 <= float(min_gain) < 1.0):
             raise ValueError(f"min_gain must be None or a number in [0, 1), got {min_gain!r}")
@@ -246,6 +243,8 @@ class VariabilityAwareMoE(MoELayerBase):
                 expert_rank = expert_rank.to(torch.int64).reshape(-1).cpu()
                 if expert_rank.numel() != e or int(expert_rank.min()) < 0 or int(expert_rank.max()) >= r:
                     raise ValueError(f"the planner returned {expert_rank.tolist()}: expected [{e}] ranks in [0, {r})")
+                # e.g. more experts on a rank than it has slots: fail here, as a planner failure on every rank
+                ExpertPlacement.from_expert_rank(expert_rank, num_ranks=r, slots_per_rank=self.placement.slots_per_rank)
                 msg[0], msg[1:e + 1] = 1, expert_rank
                 msg[e + 1:] = torch.tensor(self._window_scores(x, curves, expert_rank), dtype=torch.float64).view(torch.int64)
             except Exception as exc:  # noqa: BLE001 - broadcast as a failure, raised on every rank below

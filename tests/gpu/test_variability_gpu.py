@@ -60,6 +60,30 @@ def test_cuda_graph_layer_moves_nccl():
         assert errors == [], f"rank {rank}: {errors}"
 
 
+def test_cuda_graph_layer_records_loads_and_replans():
+    """One GPU: a CUDA-graph layer exposes its routing (a view of the graph's output), so it records
+    its loads and re-plans by itself (at world size 1 the plan cannot move anything; the 2-GPU test
+    above moves a graphed layer), and outputs stay exact."""
+    ctx = Ctx(0, 1, "cuda", torch.bfloat16)
+    eager = ctx.layer(capacity=32, record_loads=False)  # the same padded shapes, eager
+    layer = ctx.layer(capacity=32, cuda_graph=True, auto_replan=True, window=2, planner=StubPlanner(1))
+    errors, replans = [], []
+    for step in range(4):
+        errors.append(ctx.check(f"graph step {step}", layer, salt=step))
+        if step == 0 and layer._graphed is None:
+            errors.append("no CUDA graph was captured")
+        ctx.forward(eager, salt=step)
+        if not torch.equal(layer.last_topk_ids, eager.last_topk_ids):
+            errors.append(f"step {step}: the graph's routing differs from the eager layer's")
+        want = torch.bincount(eager.last_topk_ids.flatten().cpu(), minlength=ctx.e)
+        if not torch.equal(layer.window_loads()[-1], want):
+            errors.append(f"step {step}: recorded {layer.window_loads()[-1].tolist()}, routed {want.tolist()}")
+        replans.append(layer.num_replans)
+    assert replans == [0, 1, 1, 1], replans
+    assert [m for m in errors if m] == []
+    layer.release_graphs()
+
+
 def test_measured_emulation_on_cuda():
     from moelayers.emulation import emulate_variability
 
