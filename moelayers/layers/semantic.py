@@ -36,6 +36,7 @@ from moelayers.groups import ParallelGroups
 from moelayers.kernels import shuffle_rows
 from moelayers.layers.base import MoELayerBase
 from moelayers.placement import ExpertPlacement
+from moelayers.planning.semantic_eval import PREDICTORS
 from moelayers.schedule.token_shuffle import (
     HistoryPredictor,
     LayerTables,
@@ -62,6 +63,11 @@ class SemanticMoE(MoELayerBase):
             ``ngram_rank``, ``ngram_conf``, ``num_ranks``, ``num_experts``, ``placement(layer)``).
             Without one, ``forward_tp`` cuts plain chunks in token order.
         layer_idx: which layer of the plan this layer is.
+        predictor: ``mode='tp'``: how tokens are assigned to ranks, as ``recipes/plan.py
+            planner.predictor`` evaluates it: ``'combined'`` (default: the log-linear predictor of the
+            token id and the experts of the previous layers), ``'token'`` (the token id alone) or
+            ``'alg3'`` (Sem-MoE Algorithm 3 as published: token table vs n-gram of the previous ranks).
+            A plan without ``token_logq`` (Algorithm 3 tables only) runs ``'alg3'`` whatever is asked.
         **kwargs: the rest of :class:`MoELayerBase`'s arguments (dispatcher, device, seed, ...).
 
     Attributes:
@@ -96,30 +102,36 @@ class SemanticMoE(MoELayerBase):
         mode: str = "dp",
         plan: Any = None,
         layer_idx: int = 0,
+        predictor: str = "combined",
         **kwargs: Any,
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if predictor not in PREDICTORS:
+            raise ValueError(f"predictor must be one of {PREDICTORS}, got {predictor!r}")
         if not isinstance(groups, ParallelGroups):
             raise TypeError(f"groups must be a ParallelGroups, got {type(groups).__name__}")
         if mode == "tp" and (groups.tp_size != groups.ep_size or groups.tp_rank != groups.ep_rank):
             raise ValueError(f"mode='tp' runs the MoE expert-parallel over the TP group (tp = ep), got "
                              f"tp={groups.tp_size}, ep={groups.ep_size}: use ParallelGroups.from_world(tp=world)")
-        tables, predictor, self.gather_context = None, None, False
+        tables, predictor_obj, self.gather_context = None, None, False
         if plan is not None:
             _check_plan(plan, config, groups)
             tables = LayerTables.from_plan(plan, layer_idx)  # also checks layer_idx and the table shapes
             placement = placement or plan.placement(layer_idx)
-            predictor = HistoryPredictor.from_plan(plan, layer_idx) if mode == "tp" else None
-            if predictor is None:
+            history_predictor = None
+            if mode == "tp" and predictor != "alg3":
+                history_predictor = HistoryPredictor.from_plan(plan, layer_idx, history=predictor == "combined")
+            if history_predictor is None:  # Algorithm 3: the next layers' n-grams read this layer's ranks
                 later = torch.as_tensor(plan.ngram_conf)[layer_idx + 1:layer_idx + 3]
-            else:
-                hist = getattr(plan, "history_pmi", None)
+            else:  # the next layers' predictors read this layer's experts (unless none uses history)
+                hist = getattr(plan, "history_pmi", None) if predictor == "combined" else None
                 later = torch.zeros(0) if hist is None else torch.as_tensor(hist)[layer_idx + 1:layer_idx + 1 + hist.shape[1]]
             self.gather_context = mode == "tp" and bool((later != 0).any())
+            predictor_obj = history_predictor
         super().__init__(config, groups, placement=placement, **kwargs)
-        self.mode, self.semantic_plan, self.layer_idx = mode, plan, layer_idx
-        self._tables, self._predictor = tables, predictor
+        self.mode, self.semantic_plan, self.layer_idx, self.predictor = mode, plan, layer_idx, predictor
+        self._tables, self._predictor = tables, predictor_obj
         self._tables_on: dict[torch.device, LayerTables | HistoryPredictor] = {}
         self.last_ranks: torch.Tensor | None = None
         self.last_context_ranks: torch.Tensor | None = None

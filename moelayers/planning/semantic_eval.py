@@ -365,11 +365,16 @@ def assign_tp(plan: SemanticPlan, heldout_trace, tokens_per_step: int = 2048, *,
               predictor: str = "combined", progress: bool = False) -> np.ndarray:
     """Attention-TP token ranks of :func:`evaluate_tp`, without the metrics: ``token_rank [T, L]`` int64.
 
+    ``predictor``: as ``SemanticMoE(predictor=...)`` runs online (a plan without ``token_logq`` runs
+    ``alg3`` whatever is asked, there and here).
+
     ``progress``: a tqdm bar over the layers (about 2 s a layer per million tokens).
     """
     if predictor not in PREDICTORS:
         raise ValueError(f"predictor must be one of {PREDICTORS}, got {predictor!r}")
     _check(plan, heldout_trace)
+    if plan.token_logq is None:  # Algorithm 3 tables only: what SemanticMoE runs on such a plan
+        predictor = "alg3"
     step, cap = step_capacity(heldout_trace.num_tokens, tokens_per_step, plan.num_ranks)
     out = np.empty((heldout_trace.num_tokens, heldout_trace.num_layers), dtype=np.int64)
     layers = range(heldout_trace.num_layers)
@@ -401,7 +406,8 @@ def evaluate_tp(plan: SemanticPlan, heldout_trace, tokens_per_step: int = 2048, 
     report = {"mode": "tp", "ep": plan.num_ranks, "num_tokens": int(heldout_trace.num_tokens),
               "num_layers": heldout_trace.num_layers,
               **lar_report(heldout_trace, plan.expert_rank, out, linear_tr, plan.num_ranks),
-              "tokens_per_step": int(tokens_per_step), "predictor": predictor}
+              "tokens_per_step": int(tokens_per_step),
+              "predictor": predictor if plan.token_logq is not None else "alg3"}
     return report, out
 
 

@@ -181,13 +181,14 @@ class HistoryPredictor:
         return min(int(self.history.shape[0]), self.layer)
 
     @classmethod
-    def from_plan(cls, plan: Any, layer: int) -> "HistoryPredictor | None":
-        """Layer ``layer``'s predictor, or ``None`` when the plan has no ``token_logq`` (Algorithm 3 tables only)."""
+    def from_plan(cls, plan: Any, layer: int, *, history: bool = True) -> "HistoryPredictor | None":
+        """Layer ``layer``'s predictor, or ``None`` when the plan has no ``token_logq`` (Algorithm 3
+        tables only). ``history=False``: the token part alone (the evaluation's ``token`` predictor)."""
         logq = getattr(plan, "token_logq", None)
         if logq is None:
             return None
         logq = torch.as_tensor(logq[layer])
-        hist = getattr(plan, "history_pmi", None)
+        hist = getattr(plan, "history_pmi", None) if history else None
         if hist is None:
             hist, weight = torch.zeros(0, 1, logq.shape[1]), ()
         else:
