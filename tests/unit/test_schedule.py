@@ -306,6 +306,8 @@ def test_semantic_moe_errors():
         ml.SemanticMoE.from_plan(make_plan(8, 1), 7, cfg, single)
     with pytest.raises(ValueError, match="mode"):
         ml.SemanticMoE(cfg, single, mode="ep")
+    with pytest.raises(ValueError, match="predictor"):
+        ml.SemanticMoE(cfg, single, mode="tp", predictor="oracle")
     with pytest.raises(TypeError, match="SemanticPlan"):
         ml.SemanticMoE(cfg, single, plan=object())
     fake = ml.ParallelGroups(None, None, None, 2, 0, 1, 0, 2, 0, 2, 0)  # ep over 2 ranks, tp = 1
