@@ -37,7 +37,7 @@ def forced_topk_weights(logits: torch.Tensor, topk_ids: torch.Tensor, config: Mo
     this router, normalised as the config says. ``[T, E], [T, K] -> [T, K]``."""
     scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
     scores = torch.softmax(scores, dim=-1) if config.score_fn == "softmax" else torch.sigmoid(scores)
-    weights = torch.gather(scores, 1, topk_ids)
+    weights = torch.gather(scores, 1, topk_ids.long())  # any integer ids (a trace may store int16)
     if config.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights
@@ -85,6 +85,6 @@ class TopKRouter(nn.Module):
         if forced_ids is None:
             ids, weights = scores_to_topk(logits, self.config)
         else:
-            ids = forced_ids
+            ids = forced_ids.to(torch.int64)  # a trace may store int16 / uint8 ids (uint8 would index as a mask)
             weights = forced_topk_weights(logits, ids, self.config)
         return ids, weights.to(x.dtype)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from moelayers.dispatch.base import LocalPairs, Received, Routes, combine_pairs, local_pairs, raise_if_nonfinite
 from moelayers.dispatch.comm import RowLayout, all_to_all_bytes, packed_all_to_all
-from moelayers.kernels import dispatch_pack, permute_reference, unpermute_combine
+from moelayers.kernels import dispatch_pack, unpermute_combine
 from moelayers.metrics import MoEStats
 
 
@@ -60,6 +60,7 @@ class AllToAllDispatcher:
         self.dedup, self.capacity = dedup, capacity
         self.last_stats: MoEStats | None = None
         self.nonfinite: torch.Tensor | None = None  # capacity mode: any rank's flag, read after the forward
+        self.overflow: torch.Tensor | None = None  # capacity mode: [R] int32, the ranks that had more tokens
 
     # ------------------------------------------------------------------ step 3
     def dispatch(self, x: torch.Tensor, routes: Routes) -> Received:
@@ -100,15 +101,18 @@ class AllToAllDispatcher:
         ranks = torch.arange(r, device=dev)
         per_rank = (routes.dest_rank[:, :, None] == ranks).sum(1)  # [T, R] activations; -1 = padding
         dest_map = _fixed_rows(c, r, dev)  # row r*C + t holds token t for rank r
-        flag = routes.nonfinite if routes.nonfinite is not None else torch.zeros((), dtype=torch.bool, device=dev)
-        layout = RowLayout(((x.shape[1], x.dtype), (k, routes.weights.dtype), (k, torch.int32), (1, torch.int32)))
+        no = torch.zeros((), dtype=torch.bool, device=dev)
+        flags = torch.stack([no if routes.nonfinite is None else routes.nonfinite,
+                             no if routes.overflow is None else routes.overflow]).to(torch.int32)
+        layout = RowLayout(((x.shape[1], x.dtype), (k, routes.weights.dtype), (k, torch.int32), (2, torch.int32)))
         buf = layout.empty(r * c, dev)
         xv, wv, sv, fv = layout.views(buf)
         dispatch_pack(x, dest_map, routes.dest_rank, routes.dest_slot, routes.weights, xv, wv, sv)
-        fv.copy_(flag.to(torch.int32).expand(r * c, 1))
+        fv.copy_(flags.expand(r * c, 2))
         recv = all_to_all_bytes(buf, r * c, [c] * r, [c] * r, self.group)
         recv_x, recv_w, recv_s, recv_f = layout.views(recv)
-        self.nonfinite = recv_f.amax()
+        self.nonfinite = recv_f[:, 0].amax()
+        self.overflow = recv_f[::c, 1]  # row r * C comes from rank r
         pairs = local_pairs(recv_s, self.num_slots, static=True)
         self.fixed_counts = torch.stack([per_rank.sum(0), (per_rank > 0).sum(0)])  # [2, R] on the device
         self.fixed_bytes = [0 if i == self.rank else c * layout.row_bytes for i in range(r)]
@@ -165,7 +169,7 @@ class AllToAllDispatcher:
         unit_of_row = torch.empty(n_send + 1, dtype=torch.int64, device=dev)
         unit_of_row.scatter_(0, target, torch.arange(target.numel(), device=dev))
         unit_of_row = unit_of_row[:n_send]
-        rows = permute_reference(x, dest_map, x.new_empty(n_send, x.shape[1]))
+        rows = x.index_select(0, unit_of_row // dest_map.shape[1])  # the token of each row: no sync, differentiable
         return rows, unit_weights.reshape(-1, j)[unit_of_row], unit_slots.reshape(-1, j)[unit_of_row].to(torch.int32)
 
     # ------------------------------------------------------------------ step 5

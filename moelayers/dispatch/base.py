@@ -27,6 +27,8 @@ class Routes:
         dest_slot: ``[T, K]`` int64 local slot of the chosen replica on ``dest_rank``.
         nonfinite: optional 0-dim device flag, true when this rank's router logits had NaN/inf;
             dispatchers exchange it with their split sizes (no extra sync) and every rank raises.
+        overflow: capacity mode: optional 0-dim device flag, true when this rank had more tokens
+            than the capacity (it sends the first ``capacity``); exchanged like ``nonfinite``.
     """
 
     topk_ids: torch.Tensor
@@ -34,6 +36,7 @@ class Routes:
     dest_rank: torch.Tensor
     dest_slot: torch.Tensor
     nonfinite: torch.Tensor | None = None
+    overflow: torch.Tensor | None = None
 
 
 def raise_if_nonfinite(flags: list[int]) -> None:

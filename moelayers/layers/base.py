@@ -203,9 +203,10 @@ class MoELayerBase(nn.Module):
         topk_ids, topk_weights = self.router(x2, forced, defer_check=True)  # 1 route
         routes = self.plan(topk_ids, topk_weights, token_ids)             # 2 plan
         routes.nonfinite = self.router.last_nonfinite
-        if num_valid is not None:
+        if num_valid is not None:  # capacity mode: rows from num_valid on are padding
             padding = self._arange(x2.shape[0], x2.device) >= num_valid
             routes.dest_rank = routes.dest_rank.masked_fill(padding[:, None], -1)
+            routes.overflow = num_valid > x2.shape[0]  # more tokens than the capacity: told to every rank
         received = self.dispatcher.dispatch(x2, routes)                   # 3 dispatch
         expert_out = self.experts(received.expert_input, received.slot_counts)  # 4 compute
         return self.dispatcher.combine(expert_out, received), topk_ids    # 5 combine
@@ -213,8 +214,11 @@ class MoELayerBase(nn.Module):
     def _forward_capacity(self, x2, token_ids, forced):
         """Fixed-capacity forward: pad to ``capacity`` rows, eager or replayed from a CUDA graph."""
         t, c = x2.shape[0], self.capacity
-        if t > c:
-            raise ValueError(f"{t} tokens exceed the layer's capacity of {c} tokens per rank")
+        if t > c:  # take part in the exchange with the first c tokens and a flag (no rank hangs), then raise
+            x2 = x2[:c]
+            forced = None if forced is None else forced[:c]
+            token_ids = None if token_ids is None else token_ids[:c]
+        n = x2.shape[0]
         graphed = (self.cuda_graph and x2.is_cuda and forced is None
                    and not (torch.is_grad_enabled() and (x2.requires_grad or self.router.weight.requires_grad)))
         if self.cuda_graph and not graphed and x2.is_cuda and forced is not None:
@@ -230,24 +234,40 @@ class MoELayerBase(nn.Module):
                     return self._forward_steps(xp, None, None, num_valid)  # (y, topk_ids)
 
                 self._graphed = GraphedForward(padded, c, self.config.hidden_size, x2.dtype, x2.device)
-            y, topk_ids = self._graphed(x2)
+            y, topk_ids = self._graphed(x2, num_valid=t)
             counts = self.dispatcher.fixed_counts.clone()
-            self.last_stats = MoEStats.deferred(self.groups.ep_rank, counts[0], counts[1], self.dispatcher.fixed_bytes)
+            self.last_stats = MoEStats.deferred(self.groups.ep_rank, counts[0], counts[1], self.dispatcher.fixed_bytes,
+                                                topk_ids)  # expert loads from the routing view (read them before the next forward)
             # a view of the graph's static routing output: valid until the next forward
             self.last_topk_ids, self.last_token_ids = topk_ids, token_ids
         else:
-            xp = torch.nn.functional.pad(x2, (0, 0, 0, c - t))
-            fp = None if forced is None else torch.nn.functional.pad(forced, (0, 0, 0, c - t))
-            tp = None if token_ids is None else torch.nn.functional.pad(token_ids, (0, c - t))
+            xp = torch.nn.functional.pad(x2, (0, 0, 0, c - n))
+            fp = None if forced is None else torch.nn.functional.pad(forced, (0, 0, 0, c - n))
+            tp = None if token_ids is None else torch.nn.functional.pad(token_ids, (0, c - n))
             y, topk_ids = self._forward_steps(xp, tp, fp, torch.tensor(t, device=x2.device))
-            y = y[:t]
+            y = y[:n]
             self.last_stats = self.dispatcher.last_stats
-            self.last_stats._topk_ids = topk_ids[:t]
-            self.last_topk_ids, self.last_token_ids = topk_ids[:t], token_ids
-        if self.router.check_finite and bool(self.dispatcher.nonfinite):
+            self.last_stats._topk_ids = topk_ids[:n]
+            self.last_topk_ids, self.last_token_ids = topk_ids[:n], token_ids
+        self._raise_on_flags(t)
+        return y
+
+    def _raise_on_flags(self, t: int) -> None:
+        """Capacity mode: raise on every rank when any rank had NaN/inf logits or more than ``capacity``
+        tokens (the flags came with the exchange). One host sync, made when the NaN check is on or
+        this rank overflowed; with ``check_finite=False`` only an overflowing rank itself raises."""
+        if not (self.router.check_finite or t > self.capacity):
+            return
+        d = self.dispatcher
+        nonfinite, *over = torch.cat([d.nonfinite.reshape(1).to(torch.int32), d.overflow.to(torch.int32)]).tolist()
+        if self.router.check_finite and nonfinite:
             raise ValueError("router logits contain NaN or inf (on some expert-parallel rank): "
                              "check the input hidden states and router weight")
-        return y
+        bad = [r for r, f in enumerate(over) if f]
+        if bad:
+            here = f" ({t} tokens on this rank)" if t > self.capacity else ""
+            raise ValueError(f"more tokens than the layer's capacity of {self.capacity} per rank on expert-parallel "
+                             f"rank(s) {bad}{here}: split the batch or build the layer with a larger capacity")
 
     def release_graphs(self) -> None:
         """Drop the captured CUDA graph (call on every rank before destroying the process group)."""

@@ -43,16 +43,17 @@ class GraphedForward:
             self.y, self.aux = self.fn(self.x, self.num_valid)
         self.graph = graph
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, num_valid: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, H]`` with ``T <= C`` -> ``(y [T, H], aux [T, ...])``.
 
-        ``y`` is a copy; ``aux`` (e.g. the routing) is a view of the static output, valid until the
-        next replay (no extra kernel on the latency path)."""
+        ``num_valid``: what ``fn`` sees as the valid rows (default ``T``; more than ``C`` flags an
+        overflow). ``y`` is a copy; ``aux`` (e.g. the routing) is a view of the static output, valid
+        until the next replay (no extra kernel on the latency path)."""
         t = x.shape[0]
         self.x[:t].copy_(x)
         if t < self.capacity:
             self.x[t:].zero_()
-        self.num_valid.fill_(t)
+        self.num_valid.fill_(t if num_valid is None else num_valid)
         if self.graph is None:
             self._capture()
         self.graph.replay()

@@ -174,13 +174,39 @@ def test_nan_on_one_rank_raises_on_every_rank(dispatcher):
     assert run_distributed(_nan_on_one_rank, 2, dispatcher) == ["raised", "raised"]
 
 
+def _overflow_on_one_rank(rank, world, check_finite):
+    """Rank 1 has more tokens than the capacity: it takes part in the exchange (no rank hangs)."""
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    m = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), capacity=4, check_finite=check_finite)
+    try:
+        with torch.no_grad():
+            m(torch.randn(7 if rank == 1 else 3, 8))
+    except ValueError as e:
+        assert "capacity of 4" in str(e) and "rank(s) [1]" in str(e), str(e)
+        assert (rank == 1) == ("7 tokens on this rank" in str(e)), str(e)
+        with torch.no_grad():
+            m(torch.randn(3, 8))  # still usable afterwards (every rank takes part again)
+        return "raised"
+    with torch.no_grad():
+        m(torch.randn(3, 8))
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_capacity_overflow_on_one_rank_raises_without_a_hang():
+    assert run_distributed(_overflow_on_one_rank, 2, True) == ["raised", "raised"]
+    # without the NaN check there is no sync to learn it: the overflowing rank alone raises
+    assert run_distributed(_overflow_on_one_rank, 2, False) == ["no error", "raised"]
+
+
 def test_capacity_errors():
     with pytest.raises(ValueError, match="capacity needs dispatcher='alltoall'"):
         layer(capacity=4, dispatcher="allgather")
     with pytest.raises(ValueError, match="cuda_graph=True needs a fixed capacity"):
         layer(cuda_graph=True)
     m = layer(capacity=4)
-    with pytest.raises(ValueError, match="5 tokens exceed the layer's capacity of 4"), torch.no_grad():
+    with pytest.raises(ValueError, match=r"capacity of 4 per rank on expert-parallel rank\(s\) \[0\] \(5 tokens"), \
+            torch.no_grad():
         m(torch.randn(5, 16))
     with pytest.raises(ValueError, match="inference-only"):
         m(torch.randn(3, 16, requires_grad=True))

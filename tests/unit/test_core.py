@@ -130,6 +130,22 @@ def test_local_pairs_sorted_by_slot():
     assert lp.index.tolist() == [[3, -1], [0, 4], [-1, -1], [2, 1]]
 
 
+def test_forced_routing_takes_any_integer_ids():
+    """Replayed ids stored as int16 or uint8 (a trace may) route like int64 ones (uint8 must not act as a mask)."""
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single())
+    x = torch.randn(5, 8, dtype=torch.float64)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 3]])
+    outs = []
+    for dtype in (torch.int64, torch.int16, torch.uint8):
+        layer.force_routing(ids.to(dtype))
+        outs.append(layer(x))
+        assert torch.equal(layer.last_topk_ids, ids)
+    ref = ml.reference.moe_forward(x, *layer.export_full_weights(), cfg, topk_ids=ids)
+    for y in outs:
+        assert check_close("forced ids", y, ref) is None
+
+
 # ---------------------------------------------------------------- stats and the checker itself
 def test_last_stats_single_process():
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
