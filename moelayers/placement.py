@@ -8,12 +8,12 @@ of truth for "where is expert e"; routers stay in logical order.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
+
+from moelayers.files import atomic_write, read_npz
 
 
 @dataclass(frozen=True)
@@ -203,24 +203,23 @@ class ExpertPlacement:
     # ---------------------------------------------------------------- persistence
     def save(self, path: str | os.PathLike) -> None:
         """Write ``phy2log`` and ``num_experts`` to an ``.npz`` file atomically."""
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, phy2log=self.phy2log.numpy(), num_experts=np.int64(self.num_experts))
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        phy2log, num_experts = self.phy2log.numpy(), np.int64(self.num_experts)
+        atomic_write(path, lambda f: np.savez(f, phy2log=phy2log, num_experts=num_experts))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ExpertPlacement":
         """Read a placement written by :meth:`save`."""
-        with np.load(path, allow_pickle=False) as data:
-            missing = {"phy2log", "num_experts"} - set(data.files)
-            if missing:
-                raise ValueError(f"{path}: not a placement file, missing key(s) {sorted(missing)}")
-            return cls(data["phy2log"], int(data["num_experts"]))
+        data = read_npz(path, "placement file")
+        missing = {"phy2log", "num_experts"} - set(data)
+        if missing:
+            raise ValueError(f"{path}: not a placement file, missing key(s) {sorted(missing)}")
+        num_experts = data["num_experts"]
+        if num_experts.ndim or num_experts.dtype.kind not in "iu":
+            raise ValueError(f"{path}: 'num_experts' must be an integer scalar, got {num_experts!r}")
+        try:
+            return cls(data["phy2log"], int(num_experts))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{path}: invalid placement ({exc})") from exc
 
     def __eq__(self, other: object) -> bool:
         return (

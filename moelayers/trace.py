@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
-import zipfile
 from collections.abc import Hashable, Sequence
 from dataclasses import InitVar, dataclass
 from pathlib import Path
@@ -28,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from moelayers.files import atomic_write, read_npz
 
 __all__ = [
     "RoutingTrace", "TraceRecorder", "load_trace", "save_trace", "synthetic_trace", "trace_statistics",
@@ -98,6 +97,8 @@ class RoutingTrace:
 
     def __post_init__(self, source: str) -> None:
         self.validate(source)
+        if self.topk_ids.dtype.kind == "u" and self.topk_ids.dtype.itemsize >= 8:  # uint64: no exact float/int64 mixing
+            self.topk_ids = self.topk_ids.astype(np.int64)
         self.token_ids = self.token_ids.astype(np.int64, copy=False)
         self.seq_offsets = self.seq_offsets.astype(np.int64, copy=False)
         self.num_experts = int(self.num_experts)
@@ -154,7 +155,7 @@ class RoutingTrace:
             raise _fail(source, "seq_offsets", f"must start at 0, got {int(off[0])}")
         if off[-1] != num_tokens:
             raise _fail(source, "seq_offsets", f"must end at T = {num_tokens}, got {int(off[-1])}")
-        steps = np.diff(off)
+        steps = np.diff(off.astype(np.int64))  # signed: unsigned differences would wrap around
         if (steps < 0).any():
             first = int(np.flatnonzero(steps < 0)[0])
             raise _fail(source, "seq_offsets", f"must be non-decreasing: entry {first + 1} ({int(off[first + 1])}) < entry {first} ({int(off[first])})")
@@ -242,6 +243,11 @@ class RoutingTrace:
         n_train = math.floor(train_fraction * num + 1e-9)  # tolerance for float rounding, e.g. 0.29 * 100
         if n_train == 0 or n_train == num:
             raise ValueError(f"split({train_fraction}) of {num} sequences leaves an empty part ({n_train} train, {num - n_train} held out)")
+        cut = int(self.seq_offsets[n_train])
+        if cut == 0 or cut == self.num_tokens:
+            part = "train" if cut == 0 else "held-out"
+            raise ValueError(f"split({train_fraction}): the {part} sequences ({n_train if cut == 0 else num - n_train}) "
+                             f"hold no tokens (all of length 0); choose another train_fraction")
         return self.select_sequences(np.arange(n_train)), self.select_sequences(np.arange(n_train, num))
 
     # ---- aggregates --------------------------------------------------------------------------
@@ -284,24 +290,12 @@ def load_trace(path: str | os.PathLike) -> RoutingTrace:
         TypeError: a field has the wrong dtype kind.
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: routing trace file not found")
-    try:
-        npz = np.load(path, allow_pickle=False)
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
-        raise ValueError(f"{path}: not a readable npz routing trace ({exc})") from exc
-    if not isinstance(npz, np.lib.npyio.NpzFile):
-        raise ValueError(f"{path}: not an npz archive (numpy.load returned {type(npz).__name__})")
-    with npz:
-        keys = set(npz.files)
-        missing = [k for k in REQUIRED_KEYS if k not in keys]
-        unknown = sorted(keys - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
-        if missing or unknown:
-            raise ValueError(f"{path}: missing key(s) {missing}, unknown key(s) {unknown}; expected {list(REQUIRED_KEYS)} and optionally {list(OPTIONAL_KEYS)}")
-        try:
-            arrays = {k: npz[k] for k in keys}
-        except (ValueError, zipfile.BadZipFile, OSError) as exc:
-            raise ValueError(f"{path}: cannot read arrays ({exc})") from exc
+    arrays = read_npz(path, "routing trace file")
+    keys = set(arrays)
+    missing = [k for k in REQUIRED_KEYS if k not in keys]
+    unknown = sorted(keys - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
+    if missing or unknown:
+        raise ValueError(f"{path}: missing key(s) {missing}, unknown key(s) {unknown}; expected {list(REQUIRED_KEYS)} and optionally {list(OPTIONAL_KEYS)}")
     return RoutingTrace(**arrays, source=str(path))
 
 
@@ -319,19 +313,8 @@ def save_trace(trace: RoutingTrace, path: str | os.PathLike, *, compress: bool =
     """
     path = Path(path)
     trace.validate(source=str(path))
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"{path}: directory {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            (np.savez_compressed if compress else np.savez)(f, **trace.to_arrays())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    arrays = trace.to_arrays()
+    atomic_write(path, lambda f: (np.savez_compressed if compress else np.savez)(f, **arrays), fsync=True)
 
 
 # ---- recording -------------------------------------------------------------------------------
@@ -382,6 +365,7 @@ class TraceRecorder:
         self._finished = False
         self._result: RoutingTrace | None = None
         self._pending_tag: list[Hashable] | None = None
+        self._in_forward = False  # a model forward started and has not recorded all its MoE layers yet
         self._current: list[tuple[np.ndarray, np.ndarray | None]] = []
         self._forwards: list[tuple[np.ndarray, np.ndarray, list[Hashable]]] = []  # ids [T,L,K], tokens [T], keys
 
@@ -393,6 +377,7 @@ class TraceRecorder:
             raise ValueError(f"no MoE layers (modules with moe_layer_marker = True) found in {type(self.model).__name__}")
         self._names, self.layers = [n for n, _ in named], [m for _, m in named]
         try:
+            self._handles.append(self.model.register_forward_pre_hook(self._on_model_forward))
             for index, layer in enumerate(self.layers):
                 self._handles.append(layer.register_forward_hook(self._make_hook(index)))
         except BaseException:
@@ -418,6 +403,8 @@ class TraceRecorder:
         """
         if not self._active:
             raise RuntimeError("tag() is only valid inside the TraceRecorder's with-block")
+        if self._in_forward:  # the last model forward raised part-way: it is not recorded
+            self._drop_broken_forward()
         if self._pending_tag is not None:
             raise RuntimeError("tag() called twice without a model forward in between")
         if self._current:
@@ -427,6 +414,15 @@ class TraceRecorder:
                 raise ValueError(f"tag() needs a 1-D tensor of sequence keys, got shape {list(seq_ids.shape)}")
             seq_ids = seq_ids.tolist()
         self._pending_tag = list(seq_ids)
+
+    def _on_model_forward(self, module: nn.Module, args: Any) -> None:
+        if self._in_forward:  # the last model forward raised part-way (and nothing was tagged since)
+            self._drop_broken_forward()
+        self._in_forward = True
+
+    def _drop_broken_forward(self) -> None:
+        """Forget a model forward that raised before all MoE layers ran (its routing and its tag)."""
+        self._current, self._pending_tag, self._in_forward = [], None, False
 
     def _make_hook(self, index: int):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -440,7 +436,7 @@ class TraceRecorder:
         try:
             self._record_layer(index, module)
         except BaseException:
-            self._current, self._pending_tag = [], None  # drop the broken forward
+            self._drop_broken_forward()
             raise
 
     def _record_layer(self, index: int, module: nn.Module) -> None:
@@ -473,7 +469,7 @@ class TraceRecorder:
             self._finish_forward()
 
     def _finish_forward(self) -> None:
-        layers, self._current = self._current, []
+        layers, self._current, self._in_forward = self._current, [], False
         num_tokens = layers[0][0].shape[0]
         given = [(i, t) for i, (_, t) in enumerate(layers) if t is not None]
         if not given:

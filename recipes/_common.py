@@ -186,11 +186,14 @@ def jsonable(obj: Any) -> Any:
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> Path:
-    """Write ``jsonable(obj)`` to ``path`` (parents created), indented; returns the path."""
+    """Write ``jsonable(obj)`` to ``path`` (parents created), indented, atomically (never half a
+    file, even if the run dies while writing); returns the path."""
+    from moelayers.files import atomic_write
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(jsonable(obj), indent=2, sort_keys=False) + "\n")
-    return path
+    text = (json.dumps(jsonable(obj), indent=2, sort_keys=False) + "\n").encode()
+    return atomic_write(path, lambda f: f.write(text))
 
 
 def config_trace(tc: dict, *, num_sequences: int, num_layers: int, num_experts: int, top_k: int, vocab_size: int,

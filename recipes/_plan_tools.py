@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+from moelayers.files import file_mode
 from moelayers.planning.semantic_eval import even_token_rank, lar_report
 
 __all__ = ["DP_MAX_RATIO", "MODES", "even_token_rank", "lar_report", "commit_files"]
@@ -22,7 +23,8 @@ DP_MAX_RATIO = 1.3  # no rank holds more than this × the mean tokens per rank i
 MODES = ("tp", "dp")
 
 
-def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path], None]]) -> list[Path]:
+def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path], None]],
+                 stale: tuple[str, ...] = ()) -> list[Path]:
     """Write several files into ``out_dir`` all or nothing.
 
     Every writer first writes a temporary file in ``out_dir``; only when all succeeded are they moved
@@ -32,14 +34,15 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
     Args:
         out_dir: destination folder (created if missing).
         writers: file name -> function writing that file's content to the path it is given.
+        stale: other outputs of the same recipe: removed (before the moves) when this run does not
+            write them, so that a reused run dir never mixes two runs' files.
 
     Returns:
         The final paths.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    umask = os.umask(0)
-    os.umask(umask)
+    mode = file_mode()
     tmps: dict[str, Path] = {}
     try:
         for name, write in writers.items():
@@ -47,11 +50,14 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
             os.close(fd)
             tmps[name] = Path(tmp)
             write(tmps[name])
-            os.chmod(tmps[name], 0o666 & ~umask)  # the permissions of a plain open(), not mkstemp's 0600
+            os.chmod(tmps[name], mode)  # the permissions of a plain open(), not mkstemp's 0600
     except BaseException:
         for tmp in tmps.values():
             tmp.unlink(missing_ok=True)
         raise
+    for name in stale:
+        if name not in tmps:
+            (out / name).unlink(missing_ok=True)
     for name, tmp in tmps.items():
         os.replace(tmp, out / name)
     return [out / name for name in tmps]

@@ -93,6 +93,7 @@ from recipes._common import config_trace, print_table, run_dir, to_dict, write_j
 from recipes._plots import plot_plan  # noqa: E402
 from recipes._plan_tools import DP_MAX_RATIO, MODES, commit_files, even_token_rank, lar_report  # noqa: E402
 
+OUTPUTS = ("assignment.npz", "curves.npz", "plan.png", "plan.npz", "report.json")  # every file a run may write
 BASELINES = ("linear", "eplb", "gem")  # always planned: GEM's scores compare against them
 PLANNERS = (*BASELINES, "semantic")
 # planner.<knob> -> plan_semantic keyword and its type (conf/planner/semantic.yaml)
@@ -101,6 +102,13 @@ SEMANTIC_KNOBS = {"solver": str, "theta": float, "history": int, "sample": int, 
 
 
 # ------------------------------------------------------------------------------------ inputs
+def _positive_int(value, key: str) -> int:
+    """``value`` as an int >= 1, or ``ValueError`` naming ``key`` (2.7 is not silently 2)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
+    return value
+
+
 def check_config(d: dict) -> tuple[str, int, str, int, float]:
     """``(planner, ep, mode, tokens_per_step, train_fraction)`` from the config, or ``ValueError`` naming the key."""
     name, mode = str(d["planner"]["name"]), str(d.get("mode", "tp"))
@@ -108,13 +116,9 @@ def check_config(d: dict) -> tuple[str, int, str, int, float]:
         raise ValueError(f"planner must be one of {list(PLANNERS)}, got {name!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
-    ep = int(d["parallel"]["ep"])
-    if ep < 1:
-        raise ValueError(f"parallel.ep must be >= 1, got {ep}")
+    ep = _positive_int(d["parallel"]["ep"], "parallel.ep")
     tc = d["trace"]
-    tps, frac = int(tc.get("tokens_per_step", 2048)), float(tc.get("train_fraction", 0.5))
-    if tps < 1:
-        raise ValueError(f"trace.tokens_per_step must be >= 1, got {tps}")
+    tps, frac = _positive_int(tc.get("tokens_per_step", 2048), "trace.tokens_per_step"), float(tc.get("train_fraction", 0.5))
     if mode == "tp" and tps % ep:
         raise ValueError(f"trace.tokens_per_step ({tps}) must be divisible by parallel.ep ({ep}) in mode=tp: "
                          "every rank receives tokens_per_step / ep tokens of each batch")
@@ -152,7 +156,12 @@ def load_embeddings(path: str | None, vocab_size: int) -> np.ndarray | None:
         return None
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: planner.embeddings file not found")
-    emb = np.load(path, allow_pickle=False)
+    try:
+        emb = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise ValueError(f"{path}: planner.embeddings is not a readable .npy array ({exc})") from exc
+    if not isinstance(emb, np.ndarray):  # an .npz archive
+        raise ValueError(f"{path}: planner.embeddings must be a .npy array [V={vocab_size}, D], not an .npz archive")
     if emb.ndim != 2 or emb.shape[0] != vocab_size or emb.dtype.kind != "f":
         raise ValueError(f"{path}: planner.embeddings must be a float [V={vocab_size}, D] array, "
                          f"got {emb.dtype} {list(emb.shape)}")
@@ -317,7 +326,7 @@ def write_outputs(out_dir: str, report: dict, plans: dict, name: str, token_rank
     if semantic is not None:
         writers["plan.npz"] = semantic.save
     writers["report.json"] = lambda path: write_json(path, report)
-    commit_files(out_dir, writers)
+    commit_files(out_dir, writers, stale=OUTPUTS)
 
 
 @hydra.main(config_path="../conf", config_name="plan", version_base="1.3")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -39,9 +38,9 @@ from recipes._plots import plot_curves  # noqa: E402
 
 def sample_rows(tile: int, dense_until: int, sparse_step: int, max_rows: int) -> list[int]:
     """Row counts to time: every tile boundary up to ``dense_until``, then every ``sparse_step``."""
-    if min(tile, sparse_step, max_rows) < 1 or dense_until < tile:
-        raise ValueError(f"bad sampling: tile={tile}, dense_until={dense_until}, sparse_step={sparse_step}, "
-                         f"max_rows={max_rows}")
+    if min(tile, sparse_step, max_rows) < 1 or dense_until < tile or max_rows < tile:
+        raise ValueError(f"bad sampling: need profile.tile, sparse_step, max_rows >= 1 and dense_until, max_rows >= "
+                         f"tile; got tile={tile}, dense_until={dense_until}, sparse_step={sparse_step}, max_rows={max_rows}")
     rows = list(range(tile, min(dense_until, max_rows) + 1, tile))
     rows += list(range(rows[-1] + sparse_step, max_rows + 1, sparse_step))
     return sorted(set([1] + rows))
@@ -167,18 +166,12 @@ def monotone_fit(latency_s: np.ndarray) -> np.ndarray:
 def save_curves(path: str, rows, latency_s: np.ndarray, device_names, raw_latency_s: np.ndarray | None = None) -> None:
     """Write the curves file atomically (the format ``LatencyCurves.load`` reads; ``latency_raw_s``:
     the measurements before :func:`monotone_fit`)."""
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            extra = {} if raw_latency_s is None else {"latency_raw_s": np.asarray(raw_latency_s, dtype=np.float64)}
-            np.savez(fh, rows=np.asarray(rows, dtype=np.int64), latency_s=np.asarray(latency_s, dtype=np.float64),
-                     device_names=np.asarray(device_names, dtype=str), **extra)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    from moelayers.files import atomic_write
+
+    extra = {} if raw_latency_s is None else {"latency_raw_s": np.asarray(raw_latency_s, dtype=np.float64)}
+    arrays = dict(rows=np.asarray(rows, dtype=np.int64), latency_s=np.asarray(latency_s, dtype=np.float64),
+                  device_names=np.asarray(device_names, dtype=str), **extra)
+    atomic_write(path, lambda fh: np.savez(fh, **arrays))
 
 
 def summarize(res: dict, out_dir: str) -> str:
@@ -207,6 +200,8 @@ def summarize(res: dict, out_dir: str) -> str:
 def main(cfg: DictConfig) -> None:
     d = to_dict(cfg)
     d["run_dir"] = run_dir()
+    p = d["profile"]  # a bad sampling fails here, before any rank starts
+    sample_rows(int(p["tile"]), int(p["dense_until"]), int(p["sparse_step"]), int(p["max_rows"]))
     res = launch(d, profile_worker)
     if res is not None:
         summarize(res, d["run_dir"])

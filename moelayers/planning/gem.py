@@ -27,11 +27,10 @@ The search itself lives in :mod:`moelayers.planning.gem_search`.
 from __future__ import annotations
 
 import os
-import tempfile
-from pathlib import Path
 
 import numpy as np
 
+from moelayers.files import atomic_write, read_npz
 from moelayers.planning.steps import DEFAULT_TOKENS_PER_STEP, rank_rows, trace_step_loads
 
 __all__ = [
@@ -63,6 +62,8 @@ class LatencyCurves:
 
     def __init__(self, rows: np.ndarray, latency_s: np.ndarray, *, source: str = "<memory>") -> None:
         rows_a, lat = np.asarray(rows), np.asarray(latency_s)
+        if rows_a.dtype.kind == "u":  # unsigned differences would wrap around instead of going negative
+            rows_a = rows_a.astype(np.int64)
         if rows_a.ndim != 1 or rows_a.shape[0] < 2:
             raise ValueError(f"{source}: latency curve 'rows' must be 1-D with >= 2 samples, got shape {list(rows_a.shape)}")
         if rows_a.dtype.kind not in "iuf" or not np.all(np.isfinite(rows_a)) or np.any(rows_a != np.round(rows_a)):
@@ -82,6 +83,7 @@ class LatencyCurves:
             r, n = np.argwhere(np.diff(lat, axis=1) < 0)[0]
             raise ValueError(f"{source}: latency curve of rank {r} is not monotone (non-decreasing): "
                              f"{lat[r, n]:.4g} s at {int(rows_a[n])} rows > {lat[r, n + 1]:.4g} s at {int(rows_a[n + 1])} rows")
+        self.source = source
         self.rows = rows_a.astype(np.int64)
         self.latency_s = lat.astype(np.float64)
         self._x = self.rows.astype(np.float64)
@@ -94,7 +96,7 @@ class LatencyCurves:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def tiled(cls, scale: np.ndarray, *, base_s: float = BASE_S, per_tile_s: float = PER_TILE_S,
-              tile: int = TILE_ROWS) -> LatencyCurves:
+              tile: int = TILE_ROWS, source: str = "tiled curves") -> LatencyCurves:
         """Synthetic curves ``C_r(n) = scale[r] * (base_s + per_tile_s * ceil(n / tile))``, exact.
 
         Args:
@@ -108,7 +110,7 @@ class LatencyCurves:
         k = np.arange(_TILED_MAX_ROWS // tile + 1)
         rows = np.unique(np.concatenate([[0], k[1:] * tile - tile + 1, k[1:] * tile]))  # 0, 1, t, t+1, 2t, ...
         lat = scale[:, None] * (base_s + per_tile_s * np.ceil(rows / tile))[None, :]
-        out = cls(rows, lat, source="tiled curves")
+        out = cls(rows, lat, source=source)
         out._tiled = (scale, float(base_s), float(per_tile_s), int(tile))
         return out
 
@@ -137,34 +139,42 @@ class LatencyCurves:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> LatencyCurves:
-        """Read curves from an npz file (see the module docstring for the format)."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: latency curve file not found")
-        with np.load(path, allow_pickle=False) as data:
-            missing = [k for k in ("rows", "latency_s") if k not in data.files]
-            if missing:
-                raise ValueError(f"{path}: not a latency curve file, missing key(s) {missing} (need rows [N], latency_s [R, N])")
-            if "scale" in data.files:
-                return cls.tiled(data["scale"], base_s=float(data["base_s"]), per_tile_s=float(data["per_tile_s"]),
-                                 tile=int(data["tile"]))
-            return cls(data["rows"], data["latency_s"], source=str(path))
+        """Read curves from an npz file (see the module docstring for the format).
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: not an npz, missing keys, invalid samples, or tiled parameters that are
+                incomplete or disagree with the samples; the message names the file.
+        """
+        data = read_npz(path, "latency curve file")
+        missing = [k for k in ("rows", "latency_s") if k not in data]
+        if missing:
+            raise ValueError(f"{path}: not a latency curve file, missing key(s) {missing} (need rows [N], latency_s [R, N])")
+        curves = cls(data["rows"], data["latency_s"], source=str(path))
+        tiled_keys = ("scale", "base_s", "per_tile_s", "tile")
+        present = [k for k in tiled_keys if k in data]
+        if not present:
+            return curves
+        if len(present) < len(tiled_keys):
+            raise ValueError(f"{path}: tiled curve parameters {present} without {sorted(set(tiled_keys) - set(present))}")
+        tile = data["tile"]
+        if tile.ndim or tile.dtype.kind not in "iu":
+            raise ValueError(f"{path}: 'tile' must be an integer scalar, got {tile!r}")
+        tiled = cls.tiled(data["scale"], base_s=float(data["base_s"]), per_tile_s=float(data["per_tile_s"]),
+                          tile=int(tile), source=str(path))
+        if tiled.latency_s.shape != curves.latency_s.shape or not np.allclose(tiled.latency_s, curves.latency_s,
+                                                                              rtol=1e-9, atol=0.0):
+            raise ValueError(f"{path}: the tiled parameters (scale for {tiled.num_ranks} ranks) disagree with the "
+                             f"samples rows/latency_s ({curves.num_ranks} ranks)")
+        return tiled
 
     def save(self, path: str | os.PathLike) -> None:
         """Write ``rows`` and ``latency_s`` (plus the tiled parameters, if any) to ``path`` atomically."""
-        path = Path(path)
         arrays = {"rows": self.rows, "latency_s": self.latency_s}
         if self._tiled is not None:
             scale, base_s, per_tile_s, tile = self._tiled
             arrays.update(scale=scale, base_s=np.float64(base_s), per_tile_s=np.float64(per_tile_s), tile=np.int64(tile))
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **arrays)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(path, lambda f: np.savez(f, **arrays))
 
     # ------------------------------------------------------------------ evaluation
     @property
@@ -180,8 +190,8 @@ class LatencyCurves:
     def check_ranks(self, num_ranks: int) -> None:
         """Raise ``ValueError`` unless these curves are for ``num_ranks`` ranks."""
         if self.num_ranks != num_ranks:
-            raise ValueError(f"latency curves are for {self.num_ranks} ranks, but the placement has {num_ranks} "
-                             f"(parallel.ep); profile or choose curves for {num_ranks} ranks")
+            raise ValueError(f"{self.source}: latency curves are for {self.num_ranks} ranks, but the placement has "
+                             f"{num_ranks} (parallel.ep); profile or choose curves for {num_ranks} ranks")
 
     def eval_ranks(self, rows: np.ndarray, ranks: np.ndarray | int) -> np.ndarray:
         """Latency of rank ``ranks`` at ``rows`` (both broadcast against each other).
@@ -301,7 +311,7 @@ def score(expert_rank: np.ndarray, loads: np.ndarray, curves: LatencyCurves) -> 
         Seconds (sum over steps of the slowest rank's latency).
     """
     loads = _check_loads(loads)
-    er = check_expert_rank(np.asarray(expert_rank).astype(np.int64), loads.shape[1], curves.num_ranks, equal=False)
+    er = check_expert_rank(expert_rank, loads.shape[1], curves.num_ranks, equal=False)  # integers: no silent truncation
     return float(curves(rank_rows(er, loads, curves.num_ranks)).max(axis=1).sum())
 
 
@@ -336,6 +346,10 @@ def evaluate(trace, expert_rank: np.ndarray, curves: LatencyCurves,
         er = np.broadcast_to(er, (trace.num_layers, er.shape[0]))
     if er.shape != (trace.num_layers, trace.num_experts):
         raise ValueError(f"expert_rank must be [L={trace.num_layers}, E={trace.num_experts}], got {list(er.shape)}")
+    used = np.unique(er) if er.size else er
+    if used.size < curves.num_ranks:
+        raise ValueError(f"expert_rank places experts on {used.size} of the curves' {curves.num_ranks} ranks "
+                         f"(no layer uses the others): curves for another number of ranks?")
     return float(score_layers(er, trace_step_loads(trace, tokens_per_step), curves).sum())
 
 

@@ -27,13 +27,13 @@ held-out evaluation in :mod:`moelayers.planning.semantic_eval`.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 
 from moelayers.placement import ExpertPlacement
+from moelayers.files import atomic_write, read_npz
 
 __all__ = [
     "TokenExpertTable", "build_token_table", "check_token_ids", "nearest_seen_tokens", "token_rank_probs",
@@ -443,28 +443,15 @@ class SemanticPlan:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan (npz) atomically: temp file in the same folder, then ``os.replace``."""
-        path = Path(path)
         self.validate()
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, **self.to_arrays())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        arrays = self.to_arrays()
+        atomic_write(path, lambda f: np.savez(f, **arrays))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> SemanticPlan:
         """Read and validate a plan written by :meth:`save`."""
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path}: semantic plan file not found")
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                arrays = {k: data[k] for k in data.files}
-        except Exception as exc:  # noqa: BLE001 - any unreadable file is a ValueError naming it
-            raise ValueError(f"{path}: not a readable semantic plan npz ({exc})") from exc
+        arrays = read_npz(path, "semantic plan file")
         missing = [k for k in _REQUIRED if k not in arrays]
         if missing:
             raise ValueError(f"{path}: semantic plan is missing field(s) {missing}")
@@ -480,6 +467,8 @@ class SemanticPlan:
             elif k in ("mode", "solver"):
                 kw[k] = str(a)
             elif k == "theta":
+                if a.ndim != 0 or a.dtype.kind not in "iuf":
+                    raise ValueError(f"{path}: semantic plan field 'theta' must be a number")
                 kw[k] = float(a)
             else:
                 kw[k] = a

@@ -154,9 +154,14 @@ class LoadWindow:
         """Add one step from the routing of each layer: ``[L]`` arrays ``[T, K]`` (or ``[T, L, K]``)."""
         ids = topk_ids if isinstance(topk_ids, np.ndarray) and topk_ids.ndim == 3 else None
         per_layer = [ids[:, i, :] for i in range(ids.shape[1])] if ids is not None else list(topk_ids)
-        counts = np.stack([np.bincount(np.asarray(t).ravel(), minlength=self.num_experts)[: self.num_experts]
-                           for t in per_layer])
-        self.push(counts)
+        flat = [np.asarray(t).ravel() for t in per_layer]
+        for i, t in enumerate(flat):
+            if t.dtype.kind not in "iu":
+                raise TypeError(f"LoadWindow.push_topk: layer {i} expert ids must be integers, got dtype {t.dtype}")
+            if t.size and (int(t.min()) < 0 or int(t.max()) >= self.num_experts):
+                bad = int(t.min()) if int(t.min()) < 0 else int(t.max())
+                raise ValueError(f"LoadWindow.push_topk: layer {i} has expert id {bad} outside [0, {self.num_experts})")
+        self.push(np.stack([np.bincount(t.astype(np.int64), minlength=self.num_experts) for t in flat]))
 
     def loads(self) -> np.ndarray:
         """``[L, steps, E]`` int64, oldest step first.

@@ -303,9 +303,21 @@ def test_config_errors(trace_file, tmp_path):
     expect_failure(trace_file, tmp_path, {}, r"trace\.tokens_per_step \(256\) must be divisible by parallel\.ep \(3\)",
                    "parallel.ep=3")
     expect_failure(trace_file, tmp_path, {}, "mode must be one of", "mode=ep")
+    expect_failure(trace_file, tmp_path, {}, r"parallel\.ep must be an integer >= 1, got 2\.7", "parallel.ep=2.7")
+    expect_failure(trace_file, tmp_path, {}, r"trace\.tokens_per_step must be an integer >= 1, got 64\.9",
+                   "trace.tokens_per_step=64.9")
     expect_failure(trace_file, tmp_path, {}, "plan.path is a semantic plan file", "planner=eplb", "plan.path=x.npz")
     expect_failure(trace_file, tmp_path, {}, "nope.npz: routing trace file not found",
                    f"trace.path={tmp_path / 'nope.npz'}", exc=FileNotFoundError)
+
+
+def test_a_reused_run_dir_holds_one_run(trace_file, tmp_path):
+    """A gem run into the dir of a semantic run removes the semantic plan it does not write."""
+    run_plan(tmp_path / "run", trace_file, "planner=semantic", "parallel.ep=2")
+    assert (tmp_path / "run" / "plan.npz").exists()
+    report, _ = run_plan(tmp_path / "run", trace_file, "planner=gem", "parallel.ep=2")
+    assert report["planner"] == "gem" and not (tmp_path / "run" / "plan.npz").exists()
+    assert {p.name for p in (tmp_path / "run").iterdir()} >= {"report.json", "assignment.npz", "curves.npz", "plan.png"}
 
 
 def test_a_failed_write_leaves_nothing(trace_file, tmp_path, monkeypatch):

@@ -56,3 +56,5 @@ def test_sample_rows():
     assert sample_rows(128, 512, 1024, 3000) == [1, 128, 256, 384, 512, 1536, 2560]
     with pytest.raises(ValueError, match="bad sampling"):
         sample_rows(0, 512, 1024, 3000)
+    with pytest.raises(ValueError, match="bad sampling"):
+        sample_rows(128, 512, 1024, 64)  # max_rows below one tile

@@ -271,7 +271,38 @@ def expected_ids(model: FakeModel, tokens: list[int]) -> np.ndarray:
 
 
 def no_hooks(model: nn.Module) -> bool:
-    return all(not m._forward_hooks for m in model.modules())
+    return all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_recorder_drops_a_forward_that_raised_part_way() -> None:
+    """The model raises between its MoE layers: that forward (and its tag) is not recorded, and the
+    next tag() and forward work as if it had not happened."""
+    model = FakeModel()
+    with TraceRecorder(model, vocab_size=50) as rec:
+        rec.tag(["a", "a"])
+        model(torch.tensor([1, 2]))
+        rec.tag(["b", "b"])
+        model.mlp.register_forward_pre_hook(_raise_once)  # after moe_a ran, before moe_b
+        with pytest.raises(RuntimeError, match="mlp broke"):
+            model(torch.tensor([3, 4]))
+        rec.tag(["c"])  # not "tag() called twice"
+        model(torch.tensor([5]))
+        model(torch.tensor([6]))  # untagged, right after a good one
+        model.mlp.register_forward_pre_hook(_raise_once)
+        with pytest.raises(RuntimeError, match="mlp broke"):
+            model(torch.tensor([7]))
+        model(torch.tensor([8]))  # untagged, after a broken untagged forward
+    trace = rec.result
+    np.testing.assert_array_equal(trace.token_ids, [1, 2, 5, 6, 8])
+    np.testing.assert_array_equal(trace.seq_offsets, [0, 2, 3, 4, 5])
+    np.testing.assert_array_equal(trace.topk_ids, expected_ids(model, [1, 2, 5, 6, 8]))
+
+
+def _raise_once(module: nn.Module, args) -> None:
+    for key, hook in list(module._forward_pre_hooks.items()):
+        if hook is _raise_once:
+            del module._forward_pre_hooks[key]
+    raise RuntimeError("mlp broke")
 
 
 def test_recorder_untagged_and_tagged() -> None:

@@ -1,0 +1,113 @@
+"""The library's files: written atomically and readable by others, read with errors that name the file."""
+
+import os
+import stat
+
+import numpy as np
+import pytest
+
+import moelayers as ml
+from moelayers.files import atomic_write, read_npz
+from moelayers.planning.gem import LatencyCurves, evaluate, score
+from moelayers.planning.steps import LoadWindow
+from moelayers.trace import RoutingTrace, load_trace, save_trace
+
+
+def _trace(seq_offsets=(0, 5, 20), dtype=np.int64) -> RoutingTrace:
+    ids = np.zeros((20, 1, 2), dtype)
+    ids[:, 0, 1] = 1
+    return RoutingTrace(ids, np.arange(20) % 7, np.asarray(seq_offsets, dtype), 4)
+
+
+def test_atomic_write_gives_plain_permissions_and_leaves_nothing_on_failure(tmp_path):
+    old = os.umask(0o022)
+    try:
+        save_trace(_trace(), tmp_path / "t.npz")
+        LatencyCurves.preset("high", 2).save(tmp_path / "c.npz")
+        ml.ExpertPlacement.linear(4, 2).save(tmp_path / "p.npz")
+    finally:
+        os.umask(old)
+    for name in ("t.npz", "c.npz", "p.npz"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o644, name
+    (tmp_path / "keep.bin").write_bytes(b"old")
+
+    def boom(f):
+        f.write(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_write(tmp_path / "keep.bin", boom)
+    assert (tmp_path / "keep.bin").read_bytes() == b"old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npz", "keep.bin", "p.npz", "t.npz"]
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        atomic_write(tmp_path / "no" / "x.bin", lambda f: None)
+
+
+def test_read_npz_names_the_file(tmp_path):
+    np.save(tmp_path / "a.npy", np.zeros(3))
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    for name in ("a.npy", "junk.npz"):
+        for load in (lambda p: read_npz(p, "thing"), LatencyCurves.load, ml.ExpertPlacement.load, load_trace):
+            with pytest.raises(ValueError, match=name):
+                load(tmp_path / name)
+    with pytest.raises(FileNotFoundError, match="missing.npz"):
+        LatencyCurves.load(tmp_path / "missing.npz")
+
+
+def test_unsigned_fields_do_not_wrap_around():
+    with pytest.raises(ValueError, match="non-decreasing"):
+        _trace((0, 15, 5, 20), np.uint64)
+    t = _trace((0, 5, 20), np.uint64)
+    assert t.topk_ids.dtype == np.int64 and t.seq_offsets.dtype == np.int64
+    with pytest.raises(ValueError, match="strictly ascending"):
+        LatencyCurves(np.array([0, 256, 128], np.uint64), np.ones((1, 3)))
+
+
+def test_tiled_curve_files_must_be_whole_and_consistent(tmp_path):
+    good = LatencyCurves.preset("high", 4)
+    good.save(tmp_path / "good.npz")
+    assert LatencyCurves.load(tmp_path / "good.npz").tiled_params is not None
+    arrays = read_npz(tmp_path / "good.npz", "curves")
+    np.savez(tmp_path / "partial.npz", **{k: v for k, v in arrays.items() if k != "base_s"})
+    with pytest.raises(ValueError, match=r"partial\.npz: tiled curve parameters .* without \['base_s'\]"):
+        LatencyCurves.load(tmp_path / "partial.npz")
+    np.savez(tmp_path / "mismatch.npz", **{**arrays, "scale": np.ones(2)})
+    with pytest.raises(ValueError, match=r"mismatch\.npz: the tiled parameters \(scale for 2 ranks\) disagree"):
+        LatencyCurves.load(tmp_path / "mismatch.npz")
+    np.savez(tmp_path / "tile.npz", **{**arrays, "tile": np.float64(128.7)})
+    with pytest.raises(ValueError, match=r"tile\.npz: 'tile' must be an integer"):
+        LatencyCurves.load(tmp_path / "tile.npz")
+    with pytest.raises(ValueError, match=r"good\.npz: latency curves are for 4 ranks"):
+        LatencyCurves.load(tmp_path / "good.npz").check_ranks(8)
+
+
+def test_scores_refuse_assignments_they_cannot_mean():
+    curves = LatencyCurves.preset("moderate", 8)
+    loads = np.ones((3, 8))
+    with pytest.raises(ValueError, match="integers"):
+        score(np.arange(8) / 8 + 0.9, loads, curves)  # float ranks are not truncated
+    trace = _trace()
+    with pytest.raises(ValueError, match="2 of the curves' 8 ranks"):
+        evaluate(trace, np.array([[0, 0, 1, 1]]), curves, 4)  # an EP2 assignment scored with EP8 curves
+    assert evaluate(trace, np.array([[0, 1, 0, 1]]), LatencyCurves.preset("high", 2), 4) > 0
+
+
+def test_load_window_checks_expert_ids():
+    w = LoadWindow(1, 4)
+    with pytest.raises(ValueError, match="expert id 9 outside"):
+        w.push_topk(np.array([[[0, 9]]]))
+    with pytest.raises(ValueError, match="expert id -1 outside"):
+        w.push_topk([np.array([[0, -1]])])
+    with pytest.raises(TypeError, match="integers"):
+        w.push_topk([np.array([[0.0, 1.0]])])
+    w.push_topk([np.array([[0, 3], [3, 1]])])
+    np.testing.assert_array_equal(w.loads()[0, 0], [1, 1, 0, 2])
+
+
+def test_placement_file_checks_its_scalars(tmp_path):
+    np.savez(tmp_path / "p.npz", phy2log=np.arange(4).reshape(2, 2), num_experts=np.float64(4.9))
+    with pytest.raises(ValueError, match=r"p\.npz: 'num_experts' must be an integer scalar"):
+        ml.ExpertPlacement.load(tmp_path / "p.npz")
+    np.savez(tmp_path / "q.npz", phy2log=np.arange(4).reshape(2, 2), num_experts=np.int64(3))
+    with pytest.raises(ValueError, match=r"q\.npz: invalid placement"):
+        ml.ExpertPlacement.load(tmp_path / "q.npz")
