@@ -33,3 +33,25 @@ def _results_for(world):
 def test_vanilla_matches_reference_gpu(world, case):
     for rank, res in enumerate(_results_for(world)):
         assert res[case] is None, f"world {world}, rank {rank}: {res[case]}"
+
+
+def test_graphed_layer_overflow_raises_and_recovers():
+    """More tokens than the capacity on the graph path: a clear error (the flag travels through the
+    captured exchange), and the graph keeps serving correct outputs afterwards."""
+    import moelayers as ml
+    from moelayers.testing import check_close
+
+    cfg = ml.MoEConfig(hidden_size=256, ffn_hidden_size=128, num_experts=8, top_k=2, params_dtype=torch.bfloat16)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device="cuda", capacity=16, cuda_graph=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(20, 256, device="cuda", generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        layer(x[:4])  # capture
+        with pytest.raises(ValueError, match=r"capacity of 16 per rank on expert-parallel rank\(s\) \[0\] \(20 tokens"):
+            layer(x)
+        y = layer(x[:10])
+    w64 = [w.double() for w in layer.export_full_weights()]
+    ref = ml.reference.moe_forward(x[:10].double(), *w64, cfg.replace(params_dtype=torch.float64))
+    low = ml.reference.moe_forward(x[:10], *layer.export_full_weights(), cfg)
+    assert check_close("graph after overflow", y, ref, low) is None
+    layer.release_graphs()
