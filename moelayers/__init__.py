@@ -8,7 +8,7 @@ Public API (DESIGN.md §4)::
     y = layer(x)
 """
 
-from moelayers import metrics, reference
+from moelayers import metrics, reference, trace
 from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, Routes
 from moelayers.experts import GroupedExperts

@@ -11,6 +11,25 @@ SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ACTIVATIONS = ("swiglu",)
 
 
+#: megatron-core TransformerConfig fields that change an MoE layer's output, and the only values moelayers
+#: implements; ``MoEConfig.from_megatron`` refuses any other value.
+MEGATRON_SUPPORTED_VALUES: dict[str, tuple] = {
+    "moe_router_topk_scaling_factor": (None, 1.0),
+    # sinkhorn changes the weights; the auxiliary losses only matter in training
+    "moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
+    "moe_router_enable_expert_bias": (False,),   # the bias shifts which experts are chosen
+    "moe_router_num_groups": (None,),            # group-limited routing
+    "moe_router_group_topk": (None,),
+    "moe_expert_capacity_factor": (None,),       # token dropping
+    "moe_apply_probs_on_input": (False,),
+    "moe_router_force_load_balancing": (False,),
+    "moe_shared_expert_intermediate_size": (None,),  # shared experts
+    "moe_latent_size": (None,),
+    "glu_linear_offset": (0.0,),
+    "activation_func_clamp_value": (None,),
+}
+
+
 @dataclass
 class MoEConfig:
     """Shape and routing of one MoE block.
@@ -77,14 +96,27 @@ class MoEConfig:
         softmax over them, which is a renormalised top-k (``norm_topk_prob=True``); with
         pre-softmax it is a plain top-k of the softmax. Its sigmoid router always renormalises
         when ``top_k > 1``.
+
+        Raises:
+            ValueError: not an MoE config, or a setting that would change what megatron's layer
+                computes and that moelayers does not implement (it is never silently dropped):
+                see :data:`MEGATRON_SUPPORTED_VALUES`, non-SwiGLU experts, linear biases.
         """
+        import torch.nn.functional as F
+
         tc = transformer_config
         if getattr(tc, "num_moe_experts", None) is None:
             raise ValueError("transformer_config.num_moe_experts is not set: not an MoE config")
-        if not getattr(tc, "gated_linear_unit", False):
-            raise ValueError("moelayers experts are SwiGLU: transformer_config.gated_linear_unit must be True")
-        if getattr(tc, "moe_router_topk_scaling_factor", None) not in (None, 1.0):
-            raise ValueError("moe_router_topk_scaling_factor is not supported by moelayers")
+        if not getattr(tc, "gated_linear_unit", False) or getattr(tc, "activation_func", F.silu) is not F.silu:
+            raise ValueError("moelayers experts are SwiGLU: transformer_config needs gated_linear_unit=True and "
+                             "activation_func=F.silu")
+        if getattr(tc, "add_bias_linear", False):
+            raise ValueError("moelayers router and experts have no biases: set transformer_config.add_bias_linear=False")
+        bad = [f"{name}={getattr(tc, name)!r}" for name, accepted in MEGATRON_SUPPORTED_VALUES.items()
+               if getattr(tc, name, accepted[0]) not in accepted]
+        if bad:
+            raise ValueError(f"transformer_config sets what moelayers does not implement: {', '.join(bad)} "
+                             "(outputs would differ from megatron's MoELayer)")
         score_fn = getattr(tc, "moe_router_score_function", "softmax")
         topk = int(tc.moe_router_topk)
         if score_fn == "softmax":

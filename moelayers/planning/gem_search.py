@@ -142,7 +142,8 @@ def refine(expert_rank: np.ndarray, x: np.ndarray, curves: LatencyCurves, *, min
         x: ``[S, E]`` objective steps.
         curves: ``R`` latency curves.
         min_gain: relative gain below which the search stops.
-        max_rounds: cap on swaps (default ``4 E``).
+        max_rounds: a safety cap on swaps (default ``1000 E``; the gain threshold ends the search
+            long before: every swap lowers ``F`` by at least ``min_gain``).
 
     Returns:
         ``(expert_rank [E], F)``.
@@ -157,7 +158,7 @@ def refine(expert_rank: np.ndarray, x: np.ndarray, curves: LatencyCurves, *, min
     # A[i, j, s]: latency of i's rank if i is swapped for j
     A = curves.eval_ranks((rows[er] - xt)[:, None, :] + xt[None, :, :], er[:, None, None])
     f = float(lat.max(axis=1).sum())
-    max_rounds = 4 * num_e if max_rounds is None else max_rounds
+    max_rounds = 1000 * num_e if max_rounds is None else max_rounds
     for _ in range(max_rounds):
         others = _others_max(lat)[er][:, er]  # [E, E, S]
         new = np.maximum(A, A.transpose(1, 0, 2))

@@ -156,7 +156,7 @@ def build_token_table(token_ids: np.ndarray, topk_ids: np.ndarray, num_experts: 
 
 
 def nearest_seen_tokens(embeddings: np.ndarray, seen: np.ndarray, *, chunk: int = 4096,
-                        max_dim: int | None = 256, seed: int = 0) -> np.ndarray:
+                        max_dim: int | None = 256, seed: int = 0, candidates: int = 32) -> np.ndarray:
     """For every token id, the cosine-nearest *seen* token id (seen ids map to themselves).
 
     Args:
@@ -164,8 +164,11 @@ def nearest_seen_tokens(embeddings: np.ndarray, seen: np.ndarray, *, chunk: int 
         seen: ``[V]`` bool, the token ids with profiling data.
         chunk: unseen tokens compared per matmul.
         max_dim: when ``D > max_dim`` the (unit) embeddings are first projected to ``max_dim``
-            dimensions by a fixed seeded Gaussian matrix (cosine neighbours approximately kept, much
-            faster for large vocabularies); ``None`` = exact.
+            dimensions by a fixed seeded Gaussian matrix to find the ``candidates`` nearest seen
+            tokens fast, which are then ranked by the exact cosine in ``D`` dimensions (the true
+            nearest neighbour unless the projection pushed it out of the candidates);
+            ``None`` = exact search in ``D`` dimensions.
+        candidates: approximate neighbours re-ranked exactly (with ``max_dim``).
 
     Returns:
         ``[V]`` int64 source id per token; ``-1`` everywhere if nothing is seen.
@@ -181,14 +184,26 @@ def nearest_seen_tokens(embeddings: np.ndarray, seen: np.ndarray, *, chunk: int 
     if seen_ids.size == 0 or unseen_ids.size == 0:
         return src
     unit = emb / np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
-    if max_dim is not None and unit.shape[1] > max_dim:
+    approx = max_dim is not None and unit.shape[1] > max_dim
+    search = unit
+    if approx:
         proj = np.random.default_rng(seed).standard_normal((unit.shape[1], max_dim)).astype(np.float32)
-        unit = unit @ proj
-        unit /= np.maximum(np.linalg.norm(unit, axis=1, keepdims=True), 1e-12)
-    base = unit[seen_ids]
+        search = unit @ proj
+        search /= np.maximum(np.linalg.norm(search, axis=1, keepdims=True), 1e-12)
+    base = search[seen_ids]
+    k = min(candidates, seen_ids.size)
     for i in range(0, unseen_ids.size, chunk):
         part = unseen_ids[i:i + chunk]
-        src[part] = seen_ids[np.argmax(unit[part] @ base.T, axis=1)]
+        sim = search[part] @ base.T  # [n, seen]
+        if not approx:
+            src[part] = seen_ids[np.argmax(sim, axis=1)]
+            continue
+        cand = np.argpartition(-sim, k - 1, axis=1)[:, :k]  # [n, k] approximate nearest
+        cand.sort(axis=1)  # ties in the exact cosine: the lowest seen id, as argmax would pick
+        for j in range(0, part.size, 256):  # exact cosines of the candidates ([256, k, D] at a time)
+            rows, c = part[j:j + 256], cand[j:j + 256]
+            exact = np.einsum("nd,nkd->nk", unit[rows], unit[seen_ids[c]])
+            src[rows] = seen_ids[c[np.arange(rows.size), np.argmax(exact, axis=1)]]
     return src
 
 

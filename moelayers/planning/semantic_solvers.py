@@ -345,7 +345,7 @@ def _request_profiles(topk_ids: np.ndarray, offsets: np.ndarray, num_experts: in
 
 def solve_dp(profiles: np.ndarray, loads: np.ndarray, num_ranks: int, rng: np.random.Generator, *,
              theta: float = 0.1, beta: float = 1.1, slack: float = 1.1, restarts: int = 3, max_iter: int = 20,
-             solver: str = "alternating", progress: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
+             solver: str = "alternating", rho: float = 0.2, progress: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
     """Cluster requests once and place every layer's experts against the same clusters.
 
     Alternates: per-layer placements maximising co-location with the request clusters
@@ -372,7 +372,7 @@ def solve_dp(profiles: np.ndarray, loads: np.ndarray, num_ranks: int, rng: np.ra
             aff = profiles[:, layer].T @ onehot
             ers[layer] = assign_experts(aff, loads[layer], r, slack=slack)
             if solver == "cem":  # the dp objective is linear in a layer's placement; CEM refines it
-                ers[layer] = _cem_linear(aff, loads[layer], r, rng, slack, ers[layer])
+                ers[layer] = _cem_linear(aff, loads[layer], r, rng, slack, ers[layer], rho=rho)
         return ers
 
     def score(ers: np.ndarray) -> np.ndarray:
@@ -544,7 +544,7 @@ def _plan_tp(tr, r: int, rng, src, *, solver, theta, seed, progress, history, sa
                         seed=seed, objective=objective)
 
 
-def _plan_dp(tr, r: int, rng, src, *, solver, theta, seed, progress, beta, slack, max_requests, **_) -> SemanticPlan:
+def _plan_dp(tr, r: int, rng, src, *, solver, theta, seed, progress, beta, rho, slack, max_requests, **_) -> SemanticPlan:
     num_t, num_l, k = tr.topk_ids.shape
     num_e, v, ids = tr.num_experts, tr.vocab_size, tr.token_ids
     num_s, lengths = tr.num_sequences, tr.seq_lengths
@@ -554,7 +554,8 @@ def _plan_dp(tr, r: int, rng, src, *, solver, theta, seed, progress, beta, slack
     pick = pick[lengths[pick] > 0]
     part = tr.select_sequences(pick)
     profiles = _request_profiles(part.topk_ids, part.seq_offsets, num_e)
-    _, ers, _ = solve_dp(profiles, loads, r, rng, theta=theta, beta=beta, slack=slack, solver=solver, progress=progress)
+    _, ers, _ = solve_dp(profiles, loads, r, rng, theta=theta, beta=beta, slack=slack, solver=solver, rho=rho,
+                         progress=progress)
     # every training request to its cluster, then the token -> cluster votes
     sc = np.zeros(num_s * r)
     for l in range(num_l):
@@ -580,7 +581,7 @@ def _plan_dp(tr, r: int, rng, src, *, solver, theta, seed, progress, beta, slack
         aff = np.bincount((acts * r + realised[seq][:, None]).ravel(), minlength=num_e * r).reshape(num_e, r).astype(np.float64)
         ers[l] = assign_experts(aff, loads[l], r, slack=slack)
         if solver == "cem":
-            ers[l] = _cem_linear(aff, loads[l], r, rng, slack, ers[l])
+            ers[l] = _cem_linear(aff, loads[l], r, rng, slack, ers[l], rho=rho)
         local = aff[np.arange(num_e), ers[l]].sum() / aff.sum()
         objective[l] = theta * (tokens.max() / tokens.mean() - 1) + (1 - theta) * (1 - local)
     token_rank = np.tile(rank_v, (num_l, 1))

@@ -13,6 +13,7 @@ scoring and expert modules (SequentialMLP, and GroupedMLP with a torch stand-in 
 
 from __future__ import annotations
 
+import re
 import traceback
 import warnings
 
@@ -176,6 +177,26 @@ def test_from_megatron_mapping(score, pre, topk, norm):
     ours = torch.zeros_like(probs).scatter(1, ids, weights)
     assert torch.equal(routing_map.bool(), ours != 0)
     torch.testing.assert_close(ours, probs, rtol=1e-6, atol=1e-6)  # both score in fp32
+
+
+@pytest.mark.parametrize("setting, match", [
+    (dict(moe_router_load_balancing_type="sinkhorn"), "moe_router_load_balancing_type='sinkhorn'"),
+    (dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid"), "moe_router_enable_expert_bias=True"),
+    (dict(moe_router_num_groups=2, moe_router_group_topk=1), "moe_router_num_groups=2"),
+    (dict(moe_expert_capacity_factor=1.0), "moe_expert_capacity_factor=1.0"),
+    (dict(moe_shared_expert_intermediate_size=16), "moe_shared_expert_intermediate_size=16"),
+    (dict(activation_func=F.gelu), "activation_func=F.silu"),
+    (dict(add_bias_linear=True), "add_bias_linear=False"),
+])
+def test_from_megatron_refuses_what_it_does_not_implement(setting, match):
+    """A setting that changes megatron's output is an error, never silently dropped."""
+    try:
+        tc = _tc(**setting)
+    except Exception as e:  # noqa: BLE001 - this megatron-core version rejects the combination itself
+        pytest.skip(f"TransformerConfig refuses {setting}: {e}")
+    with pytest.raises(ValueError, match=re.escape(match)):
+        ml.MoEConfig.from_megatron(tc)
+    assert ml.MoEConfig.from_megatron(_tc(moe_router_load_balancing_type="seq_aux_loss")).top_k == K  # training-only
 
 
 @pytest.mark.parametrize("score,topk,norm", [("sigmoid", 2, False), ("sigmoid", 1, True), ("softmax", 1, True)])
