@@ -31,7 +31,7 @@ expert backend (``recipes._common.EXECUTION_KWARGS``, recorded as ``baseline_kwa
 layer that re-plans by itself (``auto_replan``) is timed with it off (the JSON's ``notes`` say so).
 Rank 0 prints a table and writes one JSON per (shape, tokens/rank) into the
 run dir, and copies into ``bench.save_to`` when set, named
-``{layer}_{shape}_t{tokens}_ws{world}_{device}.json``. ``bench.profile=true`` prints a
+``{layer}[_graph]_{shape}_t{tokens}_ws{world}_{device}.json``. ``bench.profile=true`` prints a
 torch.profiler table of ours' top kernels at one size (and saves a chrome trace in the run dir).
 
 Usage::
