@@ -8,7 +8,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelayers.placement import ExpertPlacement
-from moelayers.reference import swiglu_expert
+
+
+def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """One slot's SwiGLU: ``x [N, H]``, ``w13 [2F, H]`` (gate rows, then up), ``w2 [H, F]`` -> ``[N, H]``
+    (the loop backend; ``moelayers.reference`` has its own, independent version)."""
+    gate, up = (x @ w13.t()).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ w2.t()
 
 
 def _grouped_mm_supported(x: torch.Tensor, hidden: int, ffn: int) -> bool:
@@ -90,7 +96,7 @@ class GroupedExperts(nn.Module):
         outs, start = [], 0
         for s, n in enumerate(slot_counts.tolist()):
             if n:
-                outs.append(swiglu_expert(x[start : start + n], self.w13[s], self.w2[s]))
+                outs.append(swiglu(x[start : start + n], self.w13[s], self.w2[s]))
             start += n
         if not outs:
             return x.new_zeros(0, self.hidden_size) + 0 * (self.w13.sum() + self.w2.sum())

@@ -1,4 +1,8 @@
-"""The dense single-process reference every layer must reproduce."""
+"""The dense single-process reference every layer must reproduce.
+
+It shares no code with the layers: routing scores, the top-k, forced-routing weights and the
+SwiGLU expert are written out here, so that a bug in the layers' versions cannot agree with itself.
+"""
 
 from __future__ import annotations
 
@@ -6,20 +10,35 @@ import torch
 import torch.nn.functional as F
 
 from moelayers.config import MoEConfig
-from moelayers.router import forced_topk_weights, scores_to_topk
 
 
 def swiglu_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """One SwiGLU expert: ``silu(x W1^T) * (x W3^T) W2^T``.
 
     Args:
-        x: ``[N, H]``; w13: ``[2F, H]`` (gate rows first, then up); w2: ``[H, F]``.
+        x: ``[N, H]``; w13: ``[2F, H]`` (gate rows ``W1 = w13[:F]`` first, then up ``W3 = w13[F:]``);
+            w2: ``[H, F]``.
 
     Returns:
         ``[N, H]``.
     """
-    gate, up = (x @ w13.t()).chunk(2, dim=-1)
-    return (F.silu(gate) * up) @ w2.t()
+    f = w2.shape[1]
+    w1, w3 = w13[:f], w13[f:]
+    return (F.silu(x @ w1.t()) * (x @ w3.t())) @ w2.t()
+
+
+def _routing(logits: torch.Tensor, config: MoEConfig, topk_ids: torch.Tensor | None):
+    """``(ids [T, K], weights [T, K])``: scores in float32 (or float64), top-k unless forced, renormalised if asked."""
+    scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    scores = torch.softmax(scores, dim=-1) if config.score_fn == "softmax" else torch.sigmoid(scores)
+    if topk_ids is None:
+        weights, ids = torch.topk(scores, config.top_k, dim=-1)
+    else:
+        ids = topk_ids
+        weights = scores.gather(1, ids)
+    if config.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights
 
 
 def moe_forward(
@@ -45,11 +64,8 @@ def moe_forward(
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     logits = x2 @ router_weight.to(x.dtype).t()
-    if topk_ids is None:
-        ids, weights = scores_to_topk(logits, config)
-    else:
-        ids = topk_ids.reshape(x2.shape[0], -1).to(torch.int64)
-        weights = forced_topk_weights(logits, ids, config)
+    forced = None if topk_ids is None else topk_ids.reshape(x2.shape[0], -1).to(torch.int64)
+    ids, weights = _routing(logits, config, forced)
     weights = weights.to(x.dtype)
     y = torch.zeros_like(x2)
     for e in range(config.num_experts):

@@ -81,7 +81,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
                     timeout: float = 240.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes.
 
-    ``fn`` must be importable (module level). Returns the per-rank results in rank order.
+    ``fn`` must be importable (module level). Returns the per-rank results in rank order. With
+    ``backend='nccl'`` the ranks run Triton natively even if this process runs it under the
+    interpreter (``TRITON_INTERPRET`` is not passed on: CPU kernel tests set it at import).
 
     Raises:
         RuntimeError: with every failing rank's traceback, or on timeout (a hang fails, it does not stall).
@@ -91,8 +93,13 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue), daemon=True)
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    interpret = os.environ.pop("TRITON_INTERPRET", None) if backend == "nccl" else None
+    try:
+        for p in procs:
+            p.start()  # a spawned child inherits the environment as it is now
+    finally:
+        if interpret is not None:
+            os.environ["TRITON_INTERPRET"] = interpret
     results: dict[int, Any] = {}
     errors: list[str] = []
     try:

@@ -49,7 +49,10 @@ def test_dp_attention_ep_moe_step_matches_single_process():
     model, req = _model(ml.ParallelGroups.single()), _requests()
     with torch.no_grad():
         for rank, reqs in ((0, [("a", req["a"]), ("b", req["b"])]), (1, [("c", req["c"])])):
-            assert torch.allclose(model.step(reqs)[reqs[0][0]], got[rank][0][reqs[0][0]], rtol=0, atol=1e-10)
+            want = model.step(reqs)
+            assert set(got[rank][0]) == {rid for rid, _ in reqs}
+            for rid, _ in reqs:  # every request of the batch, not just the first
+                assert torch.allclose(want[rid], got[rank][0][rid], rtol=0, atol=1e-10), (rank, rid)
         ref = model.step([("a", req["c"][:1]), ("b", req["d"]), ("c", req["d"])])
     assert got[1][1] == {}
     torch.testing.assert_close(got[0][1]["a"], ref["a"], rtol=0, atol=1e-10)

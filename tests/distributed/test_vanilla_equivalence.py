@@ -26,3 +26,47 @@ def test_vanilla_matches_reference(world, case):
     for rank, res in enumerate(results_for(world)):
         assert case in res, f"case {case} did not run on rank {rank}"
         assert res[case] is None, f"world {world}, rank {rank}: {res[case]}"
+
+
+def _routing_choices(rank, world):
+    """What the equivalence cases cannot see (outputs are equal whichever replica or path is used):
+    the replica policy keeps tokens local, spreads remote ones over the replicas, and de-duplication
+    sends a token once per rank."""
+    import torch
+
+    import moelayers as ml
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    groups = ml.ParallelGroups.from_world()
+    x = torch.randn(6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    # experts 0 and 2 on both ranks, 1 only on rank 0, 3 only on rank 1
+    replicas = ml.ExpertPlacement(torch.tensor([[0, 1, 2], [2, 3, 0]]), 4)
+    layer = ml.VanillaMoE(cfg, groups, placement=replicas)
+    layer.force_routing(torch.tensor([[0, 2]] * 6))  # replicated experts: all local
+    with torch.no_grad():
+        layer(x)
+    st = layer.last_stats
+    out["local"] = (st.lar, st.rows_sent[1 - rank])
+    layer.force_routing(torch.tensor([[1, 3]] * 6))  # each on one rank only: one activation goes across
+    with torch.no_grad():
+        layer(x)
+    out["single"] = (layer.last_stats.lar, layer.last_stats.rows_sent[1 - rank])
+    # de-duplication: both experts of every token on the other rank (linear: 0, 1 | 2, 3)
+    theirs = [2, 3] if rank == 0 else [0, 1]
+    for dedup in (True, False):
+        m = ml.VanillaMoE(cfg, groups, dedup=dedup)
+        m.force_routing(torch.tensor([theirs] * 6))
+        with torch.no_grad():
+            m(x)
+        out[f"dedup={dedup}"] = (m.dispatcher.dedup, m.last_stats.rows_sent[1 - rank], m.last_stats.pairs_sent[1 - rank])
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_replica_policy_and_dedup_route_as_documented():
+    for rank, out in enumerate(run_distributed(_routing_choices, 2)):
+        assert out["local"] == (1.0, 0), (rank, out)  # a local replica: nothing crosses
+        assert out["single"] == (0.5, 6), (rank, out)
+        assert out["dedup=True"] == (True, 6, 12), (rank, out)  # one row per token for its 2 activations
+        assert out["dedup=False"] == (False, 12, 12), (rank, out)  # one row per activation

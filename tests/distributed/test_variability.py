@@ -477,17 +477,21 @@ def _emulated_layer(cls=ml.VanillaMoE):
     return cls(cfg, ml.ParallelGroups.single(), seed=3), torch.randn(64, H, generator=torch.Generator().manual_seed(0))
 
 
-def test_measured_emulation_stretches_expert_compute():
-    from moelayers.emulation import emulate_variability
+def test_measured_emulation_stretches_expert_compute(monkeypatch):
+    import moelayers.emulation as emulation
 
+    waits = []
+    real_wait = emulation._wait
+    monkeypatch.setattr(emulation, "_wait", lambda seconds, how: (waits.append(seconds), real_wait(seconds, how)))
     layer, x = _emulated_layer()
     with torch.no_grad():
         y_ref = layer(x)
-        emu = emulate_variability(layer, 3.0)
+        emu = emulation.emulate_variability(layer, 3.0)
         y = layer(x)
     assert torch.equal(y, y_ref)  # emulation changes time, never values
     assert emu.calls == 1 and emu.compute_s > 0
     assert emu.added_s == pytest.approx(2.0 * emu.compute_s, rel=1e-6)
+    assert waits == [emu.added_s]  # the forward really waited (s - 1) x its expert time
     emu.remove()
     with torch.no_grad():
         layer(x)

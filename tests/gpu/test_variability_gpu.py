@@ -84,9 +84,13 @@ def test_cuda_graph_layer_records_loads_and_replans():
     layer.release_graphs()
 
 
-def test_measured_emulation_on_cuda():
-    from moelayers.emulation import emulate_variability
+def test_measured_emulation_on_cuda(monkeypatch):
+    import moelayers.emulation as emulation
 
+    waits = []
+    real_wait = emulation._wait
+    monkeypatch.setattr(emulation, "_wait", lambda seconds, how: (waits.append(seconds), real_wait(seconds, how)))
+    emulate_variability = emulation.emulate_variability
     cfg = ml.MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=8, top_k=2, params_dtype=torch.bfloat16)
     layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device="cuda")
     x = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16)
@@ -97,5 +101,6 @@ def test_measured_emulation_on_cuda():
     assert torch.equal(y, y_ref)
     assert emu.calls == 1 and emu.compute_s > 0
     assert emu.added_s == pytest.approx(emu.compute_s, rel=1e-6)
+    assert waits == [emu.added_s]  # the forward really waited
     emu.remove()
     assert np.isfinite(emu.added_s)
