@@ -96,11 +96,10 @@ class KVCache:
         """``P``: positions cached so far."""
         return int(self.k.shape[1])
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append ``[nh, n, hd]`` keys/values; return the full ``[nh, P + n, hd]`` tensors."""
-        self.k = torch.cat([self.k, k], dim=1)
-        self.v = torch.cat([self.v, v], dim=1)
-        return self.k, self.v
+    def extended(self, k: torch.Tensor, v: torch.Tensor) -> "KVCache":
+        """A new cache with ``[nh, n, hd]`` keys/values appended (this one is left as it is, so a
+        step that fails part-way leaves every request's caches as they were)."""
+        return KVCache(torch.cat([self.k, k], dim=1), torch.cat([self.v, v], dim=1))
 
 
 def _tp_heads(cfg: TinyConfig, attention: str, groups) -> tuple[int, int] | None:
@@ -172,7 +171,7 @@ class CausalSelfAttention(nn.Module):
             cache: the request's cache at this layer (``None``: start one).
 
         Returns:
-            ``(out [n, H], cache)`` with the cache extended by ``n`` positions.
+            ``(out [n, H], new_cache)``: the cache extended by ``n`` positions (a new object).
         """
         n = x.shape[0]
         q, k, v = self._heads(x)  # [nh, n, hd]
@@ -181,7 +180,8 @@ class CausalSelfAttention(nn.Module):
         p = cache.length
         pos = torch.arange(p, p + n, device=x.device)
         q, k = _rope(q, pos, self.cfg.rope_theta), _rope(k, pos, self.cfg.rope_theta)
-        k_all, v_all = cache.append(k, v)
+        cache = cache.extended(k, v)
+        k_all, v_all = cache.k, cache.v
         if n == 1:  # a decode token sees everything
             o = F.scaled_dot_product_attention(q, k_all, v_all)
         elif p == 0:
@@ -335,11 +335,14 @@ class TinyDecoder(nn.Module):
         for it, t in zip(items, ids):
             if t.numel() == 0:
                 raise ValueError(f"request {it.request_id!r} has no tokens in this step")
+        if len({it.request_id for it in items}) != len(items):
+            raise ValueError("a request appears twice in one step: give it one chunk per step")
         lens = [t.numel() for t in ids]
         all_ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64, device=dev)
         if forced_topk is not None and len(forced_topk) != len(self.blocks):
             raise ValueError(f"forced_topk has {len(forced_topk)} entries for {len(self.blocks)} blocks")
-        caches = [self.caches.setdefault(it.request_id, [None] * len(self.blocks)) for it in items]
+        # staged: committed to self.caches only when every block has run (a collective may raise)
+        caches = [list(self.caches.get(it.request_id) or [None] * len(self.blocks)) for it in items]
         h = self.embed(all_ids)  # [T, H]
         history: list = []
         for li, blk in enumerate(self.blocks):
@@ -356,6 +359,8 @@ class TinyDecoder(nn.Module):
                 continue
             h = h + attn
             h = h + blk.moe(blk.norm2(h), token_ids=all_ids)
+        for it, cache in zip(items, caches):
+            self.caches[it.request_id] = cache
         last = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0) - 1
         logits = self.lm_head(self.norm(h[last.to(dev)])) if items else h.new_zeros(0, self.cfg.vocab_size)
         return {it.request_id: logits[i] for i, it in enumerate(items)}

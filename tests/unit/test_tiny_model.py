@@ -61,6 +61,28 @@ def test_greedy_decode_matches_recomputation():
             assert nxt == ref
 
 
+def test_a_step_that_fails_part_way_changes_no_cache():
+    """A collective may raise in a later block (e.g. a capacity overflow on some rank): the caches
+    stay as before the step, so retrying gives what a clean run gives."""
+    torch.manual_seed(2)
+    model, clean = make_model(seed=5), make_model(seed=5)
+    ids = torch.randint(0, V, (2, 8))
+    with torch.no_grad():
+        for m in (model, clean):
+            m.step([("a", ids[0, :5]), ("b", ids[1, :3])])
+        num_blocks = len(model.blocks)
+        bad = [None] * (num_blocks - 1) + [torch.zeros(3, 5, dtype=torch.int64)]  # last block: wrong shape
+        with pytest.raises(ValueError, match="forced routing"):
+            model.step([("a", ids[0, 5:6]), ("c", ids[1, 3:5])], forced_topk=bad)
+        assert model.cache_length("a") == 5 and model.cache_length("b") == 3 and "c" not in model.caches
+        got = model.step([("a", ids[0, 5:6]), ("c", ids[1, 3:5])])
+        want = clean.step([("a", ids[0, 5:6]), ("c", ids[1, 3:5])])
+        for rid in ("a", "c"):
+            torch.testing.assert_close(got[rid], want[rid], rtol=0, atol=0)
+        with pytest.raises(ValueError, match="twice"):
+            model.step([("a", ids[0, 6:7]), ("a", ids[0, 7:8])])
+
+
 def test_empty_step_and_determinism():
     a, b = make_model(seed=3), make_model(seed=3)
     for (na, pa), (nb, pb) in zip(a.named_parameters(), b.named_parameters()):
