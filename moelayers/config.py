@@ -30,6 +30,10 @@ MEGATRON_SUPPORTED_VALUES: dict[str, tuple] = {
 }
 
 
+#: megatron-core ``moe_router_dtype`` -> ``MoEConfig.router_dtype``
+ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
+
+
 @dataclass
 class MoEConfig:
     """Shape and routing of one MoE block.
@@ -44,6 +48,9 @@ class MoEConfig:
         activation: expert activation; only ``'swiglu'`` (``silu(gate) * up``).
         params_dtype: dtype of all weights (router and experts).
         init_std: standard deviation of the default normal initialisation.
+        router_dtype: dtype the router logits ``x W^T`` are computed in, at least (``None``: the
+            input's dtype). ``torch.float32`` is megatron-core's ``moe_router_dtype='fp32'``: with
+            bf16 weights it picks the same experts as megatron's router, near-ties included.
     """
 
     hidden_size: int
@@ -55,6 +62,7 @@ class MoEConfig:
     activation: str = "swiglu"
     params_dtype: torch.dtype = torch.float32
     init_std: float = 0.02
+    router_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k"):
@@ -75,6 +83,13 @@ class MoEConfig:
             raise TypeError(f"MoEConfig.params_dtype must be a floating torch.dtype, got {self.params_dtype!r}")
         if not self.init_std > 0:
             raise ValueError(f"MoEConfig.init_std must be > 0, got {self.init_std}")
+        if self.router_dtype is not None and (not isinstance(self.router_dtype, torch.dtype)
+                                              or not self.router_dtype.is_floating_point):
+            raise TypeError(f"MoEConfig.router_dtype must be None or a floating torch.dtype, got {self.router_dtype!r}")
+
+    def logits_dtype(self, x_dtype: torch.dtype) -> torch.dtype:
+        """The dtype router logits are computed in for inputs of ``x_dtype``."""
+        return x_dtype if self.router_dtype is None else torch.promote_types(x_dtype, self.router_dtype)
 
     def replace(self, **changes: Any) -> "MoEConfig":
         """A validated copy with some fields changed."""
@@ -91,7 +106,8 @@ class MoEConfig:
 
         Reads ``hidden_size``, ``moe_ffn_hidden_size`` (falls back to ``ffn_hidden_size``),
         ``num_moe_experts``, ``moe_router_topk``, ``moe_router_score_function``,
-        ``moe_router_pre_softmax``, ``gated_linear_unit``, ``params_dtype`` and ``init_method_std``.
+        ``moe_router_pre_softmax``, ``moe_router_dtype``, ``gated_linear_unit``, ``params_dtype`` and
+        ``init_method_std``.
         Megatron's softmax router without pre-softmax takes the top-k of the logits and then a
         softmax over them, which is a renormalised top-k (``norm_topk_prob=True``); with
         pre-softmax it is a plain top-k of the softmax. Its sigmoid router always renormalises
@@ -124,6 +140,10 @@ class MoEConfig:
         else:
             norm = topk > 1
         ffn = getattr(tc, "moe_ffn_hidden_size", None) or tc.ffn_hidden_size
+        router_name = getattr(tc, "moe_router_dtype", None)
+        if router_name not in ROUTER_DTYPES:
+            raise ValueError(f"transformer_config.moe_router_dtype={router_name!r}: one of {sorted(ROUTER_DTYPES, key=str)}")
+        router_dtype = ROUTER_DTYPES[router_name]
         return cls(
             hidden_size=int(tc.hidden_size),
             ffn_hidden_size=int(ffn),
@@ -133,4 +153,5 @@ class MoEConfig:
             norm_topk_prob=norm,
             params_dtype=getattr(tc, "params_dtype", torch.float32),
             init_std=float(getattr(tc, "init_method_std", 0.02)),
+            router_dtype=router_dtype,
         )

@@ -63,7 +63,8 @@ def moe_forward(
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    logits = x2 @ router_weight.to(x.dtype).t()
+    dtype = config.logits_dtype(x.dtype)
+    logits = x2.to(dtype) @ router_weight.to(dtype).t()
     forced = None if topk_ids is None else topk_ids.reshape(x2.shape[0], -1).to(torch.int64)
     ids, weights = _routing(logits, config, forced)
     weights = weights.to(x.dtype)

@@ -74,7 +74,8 @@ class TopKRouter(nn.Module):
         Returns:
             ``(topk_ids [T, K] int64, topk_weights [T, K] in x.dtype)``.
         """
-        logits = x @ self.weight.t()
+        dtype = self.config.logits_dtype(x.dtype)
+        logits = x.to(dtype) @ self.weight.to(dtype).t()  # no-op casts unless config.router_dtype is wider
         self.last_nonfinite = None
         if self.check_finite:
             nonfinite = ~torch.isfinite(logits).all()

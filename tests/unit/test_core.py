@@ -146,6 +146,22 @@ def test_forced_routing_takes_any_integer_ids():
         assert check_close("forced ids", y, ref) is None
 
 
+def test_fp32_router_with_bf16_weights_matches_the_reference():
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=8, top_k=2, params_dtype=torch.bfloat16,
+                       router_dtype=torch.float32)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=1)
+    x64 = torch.randn(40, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        y = layer(x64.to(torch.bfloat16))
+    w = layer.export_full_weights()
+    ref = ml.reference.moe_forward(x64, *(t.double() for t in w), cfg.replace(params_dtype=torch.float64),
+                                   topk_ids=layer.last_topk_ids)
+    low = ml.reference.moe_forward(x64.to(torch.bfloat16), *w, cfg)
+    assert check_close("fp32 router", y, ref, low) is None
+    with pytest.raises(TypeError, match="router_dtype"):
+        cfg.replace(router_dtype=torch.int32)
+
+
 # ---------------------------------------------------------------- stats and the checker itself
 def test_last_stats_single_process():
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)

@@ -179,6 +179,32 @@ def test_from_megatron_mapping(score, pre, topk, norm):
     torch.testing.assert_close(ours, probs, rtol=1e-6, atol=1e-6)  # both score in fp32
 
 
+def test_fp32_router_picks_megatrons_experts_in_bf16():
+    """moe_router_dtype='fp32' -> router_dtype=float32: bf16 inputs and weights, fp32 logits, the same
+    experts and weights as megatron's router on them (near-ties included); the bf16 router differs."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    cfg = ml.MoEConfig.from_megatron(_tc(moe_router_dtype="fp32", params_dtype=torch.bfloat16, num_moe_experts=64,
+                                         moe_router_topk=6))
+    assert cfg.router_dtype is torch.float32 and cfg.logits_dtype(torch.bfloat16) is torch.float32
+    router = ml.TopKRouter(cfg)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(64, H, generator=g))
+        x = torch.randn(4000, H, generator=g).to(torch.bfloat16)
+        ids, weights = router(x)
+        logits = x.float() @ router.weight.float().t()  # what megatron's fp32 router gating computes
+        probs, routing_map = topk_routing_with_score_function(logits, 6, use_pre_softmax=False, score_function="softmax")
+        assert torch.equal(routing_map.bool(), torch.zeros_like(routing_map, dtype=torch.bool).scatter(1, ids, True))
+        torch.testing.assert_close(weights.float(), probs.gather(1, ids), rtol=1e-2, atol=0)
+        plain = ml.TopKRouter(cfg.replace(router_dtype=None))
+        plain.weight.copy_(router.weight)
+        bf16_ids, _ = plain(x)  # logits in bf16: some near-ties break the other way
+        assert not torch.equal(bf16_ids.sort(1).values, ids.sort(1).values)
+    with pytest.raises(ValueError, match="moe_router_dtype"):
+        ml.MoEConfig.from_megatron(_tc(moe_router_dtype="fp8"))
+
+
 @pytest.mark.parametrize("setting, match", [
     (dict(moe_router_load_balancing_type="sinkhorn"), "moe_router_load_balancing_type='sinkhorn'"),
     (dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid"), "moe_router_enable_expert_bias=True"),
