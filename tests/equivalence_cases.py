@@ -58,8 +58,14 @@ def case_list(world: int) -> list[dict]:
         for place in ("permuted", "replicas"):  # fixed-capacity mode (inference only)
             cases.append(dict(place=place, dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True))
         cases.append(dict(place="linear", dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True, zero_tokens=True))
+    # fp32 router logits from bf16 weights (MoEConfig.router_dtype; megatron's moe_router_dtype='fp32')
+    for disp, dedup in (("alltoall", True), ("allgather", True)):
+        cases.append(dict(place="replicas", dispatcher=disp, dedup=dedup, dtype=torch.bfloat16, fp32_router=True))
+    cases.append(dict(place="permuted", dispatcher="alltoall", dedup=True, dtype=torch.bfloat16, capacity=True,
+                      fp32_router=True))
     for c in cases:
-        flags = [k for k in ("policy", "zero_tokens", "one_expert", "topk_all", "sigmoid", "capacity") if c.get(k)]
+        flags = [k for k in ("policy", "zero_tokens", "one_expert", "topk_all", "sigmoid", "capacity", "fp32_router")
+                 if c.get(k)]
         c["name"] = f"{c['place']}-{c['dispatcher']}-{'dedup' if c['dedup'] else 'nodedup'}-" \
                     f"{str(c['dtype']).split('.')[-1]}" + "".join(f"-{f}" for f in flags)
     return cases
@@ -91,7 +97,8 @@ def _run_case(rank: int, world: int, groups, case: dict, device: torch.device) -
     top_k = num_experts if case.get("topk_all") else (1 if case.get("one_expert") else 2)
     dtype = case["dtype"]
     cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=num_experts, top_k=top_k,
-                       score_fn="sigmoid" if case.get("sigmoid") else "softmax", params_dtype=dtype)
+                       score_fn="sigmoid" if case.get("sigmoid") else "softmax", params_dtype=dtype,
+                       router_dtype=torch.float32 if case.get("fp32_router") else None)
     cfg64 = cfg.replace(params_dtype=torch.float64)
     gen = torch.Generator().manual_seed(1234)
     router64 = torch.randn(num_experts, H, generator=gen, dtype=torch.float64) * 0.5
