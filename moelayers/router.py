@@ -74,8 +74,11 @@ class TopKRouter(nn.Module):
         Returns:
             ``(topk_ids [T, K] int64, topk_weights [T, K] in x.dtype)``.
         """
-        dtype = self.config.logits_dtype(x.dtype)
-        logits = x.to(dtype) @ self.weight.to(dtype).t()  # no-op casts unless config.router_dtype is wider
+        if self.config.router_dtype is None:  # the default: no extra calls on the latency path
+            logits = x @ self.weight.t()
+        else:
+            dtype = self.config.logits_dtype(x.dtype)
+            logits = x.to(dtype) @ self.weight.to(dtype).t()
         self.last_nonfinite = None
         if self.check_finite:
             nonfinite = ~torch.isfinite(logits).all()
