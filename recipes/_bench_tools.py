@@ -254,11 +254,21 @@ def time_forwards(runs: list[Callable[[], Any]], device: torch.device, warmup: i
     return out
 
 
-def peer_topk_ids(x: torch.Tensor, router_weight: torch.Tensor, config) -> torch.Tensor:
-    """``[T, K]`` experts megatron's router picks (``moe_router_dtype='fp32'``): top-k of fp32 logits
-    (softmax and sigmoid are monotonic, so the score function does not change the choice)."""
-    logits = x.float() @ router_weight.float().t()
-    return torch.topk(logits, config.top_k, dim=-1).indices
+def peer_forward_with_routing(peer, x: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(output [T, H], experts [T, K])``: one forward of megatron-core's ``MoELayer`` and the experts its
+    router picked (its ``routing_map``, captured by a forward hook on ``peer.router``)."""
+    captured = []
+    hook = peer.router.register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        y = peer_forward(peer, x)
+    finally:
+        hook.remove()
+    if not captured or not isinstance(captured[-1], tuple) or len(captured[-1]) < 2:
+        raise RuntimeError("megatron's router returned no (probs, routing_map): cannot read its choice of experts")
+    routing_map = captured[-1][1].reshape(x.shape[0], -1)
+    if not bool((routing_map.sum(dim=-1) == top_k).all()):
+        raise RuntimeError(f"megatron's routing_map does not hold {top_k} experts per token")
+    return y, torch.topk(routing_map.float(), top_k, dim=-1).indices
 
 
 def layer_ids(layer) -> torch.Tensor | None:

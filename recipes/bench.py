@@ -10,8 +10,9 @@ Every rank builds the same random weights (seeded, identical everywhere) and loa
 1. checks before timing: ours against the dense reference on the experts ours chose
    (:func:`moelayers.reference.moe_forward`, DESIGN.md §1 tolerance) and, with a peer, ours against
    the peer (max abs diff relative to max|peer|, over all ranks) with megatron's choice of experts
-   (top-k of fp32 logits) forced on ours — its bf16 router breaks ~3% of near-ties differently —
-   so a wrong result is never timed; the agreement of the two routers is reported;
+   (captured from its router) forced on ours — a router near-tie may break differently — so a wrong
+   result is never timed; the agreement of the two routers is reported. Both routers score in
+   ``bench.router_dtype`` (``null``: the input's dtype; ``fp32``: megatron's ``moe_router_dtype``);
 2. times ``bench.warmup`` + ``bench.iters`` forwards of each (inference mode): before each timed
    forward a device synchronize and a barrier, CUDA events around it (``perf_counter`` on CPU);
    the layer time is the median over iterations, maximised over ranks (the slowest rank sets it).
@@ -85,7 +86,7 @@ from recipes._bench_tools import (  # noqa: E402
     gather_scalar,
     time_forward,
     time_forwards,
-    peer_topk_ids,
+    peer_forward_with_routing,
     layer_ids,
     routing_agreement,
     check_against_peer,
@@ -161,6 +162,16 @@ def _graphed_config(layer_cfg: dict, tokens: int) -> dict:
     return {**layer_cfg, "kwargs": {**(layer_cfg.get("kwargs") or {}), "capacity": tokens, "cuda_graph": True}}
 
 
+def resolve_router_dtype(b: dict) -> torch.dtype | None:
+    """``bench.router_dtype``: ``null`` (the input's dtype) | ``fp32`` | ``fp64``, megatron's names."""
+    from moelayers.config import ROUTER_DTYPES
+
+    name = b.get("router_dtype")
+    if name not in ROUTER_DTYPES:
+        raise ValueError(f"bench.router_dtype={name!r}: one of {sorted(ROUTER_DTYPES, key=str)}")
+    return ROUTER_DTYPES[name]
+
+
 def resolve_baseline(want, plan_based: bool) -> str | None:
     """``bench.baseline``: ``auto`` = ``vanilla`` for a plan-built layer (same run, round-robin requests), else none."""
     want = None if want is None else str(want)
@@ -187,7 +198,7 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
         hidden_size=int(shape["hidden_size"]), ffn_hidden_size=int(shape["ffn_hidden_size"]),
         num_experts=int(shape["num_experts"]), top_k=int(shape["top_k"]),
         score_fn=shape.get("score_fn", "softmax"), norm_topk_prob=bool(shape.get("norm_topk_prob", True)),
-        params_dtype=dtype, init_std=float(shape.get("init_std", 0.02)),
+        params_dtype=dtype, init_std=float(shape.get("init_std", 0.02)), router_dtype=resolve_router_dtype(b),
     )
     groups = ParallelGroups.from_world(ep=(cfg.get("parallel") or {}).get("ep"))
     weights = full_weights(config, seed, device, dtype)
@@ -275,13 +286,13 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
                     raise RuntimeError(f"baseline {base_name} does not match the dense reference: "
                                        f"{check['baseline_reference']}")
             if peer is not None:
-                # megatron's router takes the top-k of fp32 logits, ours of bf16 logits: ~3% of tokens
-                # have a near-tie that the two break differently. Check with megatron's choice forced
-                # on ours (same experts; weights still from our router), and report the agreement.
-                peer_ids = peer_topk_ids(x, weights[0], config)
+                # a few tokens have a near-tie of router logits that megatron's and our matmul break
+                # differently. Check with megatron's choice forced on ours (same experts; weights still
+                # from our router), and report the agreement.
                 own_ids = None if forced is not None else layer_ids(ours)
+                y_peer, peer_ids = peer_forward_with_routing(peer, x, config.top_k)
                 ours.force_routing(peer_ids)
-                y_ours, y_peer = ours(x), peer_forward(peer, x)
+                y_ours = ours(x)
                 check["peer"] = check_against_peer(y_ours, y_peer, tol, float(b["check"]["max_bad_rows_frac"]), device)
                 check["peer"]["router_agreement"] = None if own_ids is None else routing_agreement(own_ids, peer_ids, device)
                 if rank == 0:
@@ -363,6 +374,7 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
         "shape_name": b["name"],
         "shape": {"H": config.hidden_size, "E": config.num_experts, "K": config.top_k, "F": config.ffn_hidden_size},
         "peer": peer_name, "peer_experts": peer_experts, "peer_note": peer_note, "dtype": str(dtype).replace("torch.", ""),
+        "router_dtype": None if config.router_dtype is None else str(config.router_dtype).replace("torch.", ""),
         "warmup": warmup, "iters": iters, "router": router,
         "trace": None if replay is None else {"source": replay.source, "layer": replay.layer,
                                               "tokens_repeated": repeated},

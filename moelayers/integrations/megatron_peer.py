@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moelayers.config import MoEConfig
+from moelayers.config import ROUTER_DTYPES, MoEConfig
 from moelayers.integrations.megatron import ModuleSpec, _require_megatron, build_module
 
 # ------------------------------------------------------------------ megatron's own MoELayer (peers)
@@ -85,6 +85,15 @@ def _router_mapping(config: MoEConfig) -> tuple[str, bool]:
     return "sigmoid", False
 
 
+def _router_dtype_name(config: MoEConfig) -> str | None:
+    """megatron's ``moe_router_dtype`` for ``config.router_dtype`` (``None``: the input's dtype)."""
+    names = {dtype: name for name, dtype in ROUTER_DTYPES.items()}
+    if config.router_dtype not in names:
+        raise ValueError(f"MoEConfig.router_dtype={config.router_dtype}: megatron's moe_router_dtype offers "
+                         f"{sorted(map(str, names))} only")
+    return names[config.router_dtype]
+
+
 def _transformer_config(config: MoEConfig, dtype: torch.dtype, ep: int, tp: int, grouped: bool, cpu: bool,
                         dispatcher: str = "alltoall") -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -98,7 +107,7 @@ def _transformer_config(config: MoEConfig, dtype: torch.dtype, ep: int, tp: int,
         moe_token_dispatcher_type=dispatcher,
         moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none", moe_z_loss_coeff=None,
         moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
-        moe_router_dtype="fp32", moe_grouped_gemm=grouped, moe_permute_fusion=False,
+        moe_router_dtype=_router_dtype_name(config), moe_grouped_gemm=grouped, moe_permute_fusion=False,
         add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype, pipeline_dtype=dtype,
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
@@ -120,7 +129,7 @@ def megatron_moe_layer(config: MoEConfig, *, dtype: torch.dtype = torch.bfloat16
     Built from megatron's local spec (no TransformerEngine): ``GroupedMLP`` experts when the
     ``grouped_gemm`` package is installed and the layer is bf16 on CUDA, else ``SequentialMLP``
     (the class used is in ``layer.experts``). All-to-all dispatcher, no aux loss, no token dropping,
-    fp32 router, no biases, SwiGLU; expert parallel over the whole world (``parallel_state`` is
+    router logits in ``config.router_dtype`` (megatron's ``moe_router_dtype``), no biases, SwiGLU; expert parallel over the whole world (``parallel_state`` is
     initialised with ``expert_model_parallel_size = world`` if it is not yet; torch.distributed is
     started as a world of one if it is not yet). Weights are ``N(0, config.init_std)`` from a fixed
     seed; use :func:`load_megatron_weights`. ``forward(x [S, B, H]) -> (y, None)``.

@@ -48,6 +48,19 @@ def test_bench_cpu_smoke_writes_json(tmp_path):
 
 
 @pytest.mark.timeout(90)
+def test_bench_router_dtype(tmp_path):
+    """bench.router_dtype=fp32 reaches ours (and the peer): fp32 logits from bf16 weights, checked and recorded."""
+    proc = run_bench(tmp_path, "bench.dtype=bfloat16", "bench.router_dtype=fp32", "bench.tokens_per_rank=[16]")
+    assert proc.returncode == 0, f"bench failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    (f,) = (tmp_path / "run").glob("vanilla_cpu_smoke_t16_ws2_*.json")
+    rec = json.loads(f.read_text())
+    assert rec["router_dtype"] == "float32" and rec["dtype"] == "bfloat16" and rec["check"]["reference"]["ok"]
+    proc = run_bench(tmp_path, "bench.router_dtype=bf16", "hydra.run.dir=" + str(tmp_path / "bad"))
+    assert proc.returncode != 0 and "bench.router_dtype='bf16'" in proc.stdout + proc.stderr
+    assert not (tmp_path / "bad").exists() or not list((tmp_path / "bad").glob("*.json"))
+
+
+@pytest.mark.timeout(90)
 def test_bench_refuses_large_shape_on_cpu(tmp_path):
     proc = run_bench(tmp_path, shape="qwen3_30b_a3b")
     out = proc.stdout + proc.stderr

@@ -4,9 +4,11 @@ On 1 GPU (and, with >= 2 GPUs, on 2 GPUs over NCCL) build megatron's ``MoELayer`
 ``megatron_moe_layer`` (local spec, all-to-all dispatcher), our ``VanillaMoE`` and the megatron
 adapter (``moe_spec(VanillaMoE)`` built from megatron's own ``TransformerConfig``), load the same
 logical weights into all three and check each against the float64 reference with the bf16 rule.
+Every score function runs with the input's router dtype and with fp32 router logits
+(``MoEConfig.router_dtype``, megatron's ``moe_router_dtype``), the same setting on both sides.
 ``max|ours - megatron|`` is reported (printed, and as a junit property) but not asserted: a token
-whose top-k is a near-tie may legitimately pick another expert in bf16 (ours scores bf16 logits,
-megatron fp32 ones), which the reference rule allows for but a direct comparison does not. So the
+whose top-k is a near-tie may legitimately pick another expert in bf16 (the logits' summation order
+differs), which the reference rule allows for but a direct comparison does not. So the
 expert math is also compared with identical routing: megatron's chosen experts (captured from its
 router) are forced on ours (``force_routing``), checked against the reference with those experts,
 and that ``max|ours - megatron|`` is reported too.
@@ -33,7 +35,8 @@ pytestmark = [
 
 H, FF, E, K = 128, 64, 8, 2
 S, B = 16, 4
-SCORE_FNS = ("softmax", "sigmoid")
+CASES = {f"{score_fn}/{name}": (score_fn, dtype) for score_fn in ("softmax", "sigmoid")
+         for name, dtype in (("router=input", None), ("router=fp32", torch.float32))}
 
 
 def _weights():
@@ -63,9 +66,9 @@ def _compare(rank: int, world: int) -> dict:
     x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(100 + rank)).bfloat16()
     out = {"megatron_core": getattr(megatron.core, "__version__", "?"), "torch": torch.__version__,
            "device": torch.cuda.get_device_name(dev)}
-    for score_fn in SCORE_FNS:
+    for case, (score_fn, router_dtype) in CASES.items():
         cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=FF, num_experts=E, top_k=K, score_fn=score_fn,
-                           norm_topk_prob=True, params_dtype=torch.bfloat16)
+                           norm_topk_prob=True, params_dtype=torch.bfloat16, router_dtype=router_dtype)
         meg = mi.megatron_moe_layer(cfg, dtype=torch.bfloat16, device=dev)
         mi.load_megatron_weights(meg, *dev_weights)
         groups = mi.groups_for_megatron()  # megatron's parallel_state, initialised by megatron_moe_layer
@@ -73,6 +76,7 @@ def _compare(rank: int, world: int) -> dict:
         ours = ml.VanillaMoE(cfg, groups, device=dev)
         ours.load_full_weights(*dev_weights)
         adapter = mi.moe_spec(ml.VanillaMoE)(config=meg.config, pg_collection=None, is_mtp_layer=False, name="mlp")
+        assert meg.config.moe_router_dtype == {None: None, torch.float32: "fp32"}[router_dtype]
         assert adapter.moe_config == cfg, (adapter.moe_config, cfg)  # from_megatron round trip
         adapter.load_full_weights(*dev_weights)
 
@@ -91,9 +95,9 @@ def _compare(rank: int, world: int) -> dict:
         ref_bf16 = ml.reference.moe_forward(x, *weights, cfg)
         res = {
             "experts": type(meg.experts).__name__,
-            "errors": [e for e in (check_close(f"megatron ({score_fn})", y_meg, ref64, ref_bf16),
-                                   check_close(f"VanillaMoE ({score_fn})", y_ours, ref64, ref_bf16),
-                                   check_close(f"adapter ({score_fn})", y_adapter, ref64, ref_bf16)) if e],
+            "errors": [e for e in (check_close(f"megatron ({case})", y_meg, ref64, ref_bf16),
+                                   check_close(f"VanillaMoE ({case})", y_ours, ref64, ref_bf16),
+                                   check_close(f"adapter ({case})", y_adapter, ref64, ref_bf16)) if e],
             "max_ours_vs_megatron": max_error(y_ours.float(), y_meg.float().double()),
             "max_megatron_vs_ref64": max_error(y_meg, ref64),
             "max_ours_vs_ref64": max_error(y_ours, ref64),
@@ -110,27 +114,27 @@ def _compare(rank: int, world: int) -> dict:
             ref64_f = ml.reference.moe_forward(x.double(), *(w.double() for w in weights), cfg, topk_ids=ids)
             ref_bf16_f = ml.reference.moe_forward(x, *weights, cfg, topk_ids=ids)
             res["errors"] += [e for e in (
-                check_close(f"megatron ({score_fn}, its routing)", y_meg, ref64_f, ref_bf16_f),
-                check_close(f"VanillaMoE ({score_fn}, megatron's routing)", y_forced, ref64_f, ref_bf16_f)) if e]
+                check_close(f"megatron ({case}, its routing)", y_meg, ref64_f, ref_bf16_f),
+                check_close(f"VanillaMoE ({case}, megatron's routing)", y_forced, ref64_f, ref_bf16_f)) if e]
             res["max_same_routing"] = max_error(y_forced.float(), y_meg.float().double())
-        out[score_fn] = res
+        out[case] = res
     return out
 
 
 def _check(results: list[dict], world: int, record_property) -> None:
     failures = []
     for rank, res in enumerate(results):
-        for score_fn in SCORE_FNS:
-            r = res[score_fn]
-            line = (f"world={world} rank={rank} {score_fn} [{r['experts']}, megatron-core {res['megatron_core']}, "
+        for case in CASES:
+            r = res[case]
+            line = (f"world={world} rank={rank} {case} [{r['experts']}, megatron-core {res['megatron_core']}, "
                     f"torch {res['torch']}, {res['device']}]: max|ours - megatron| = {r['max_ours_vs_megatron']:.3e}, "
                     f"max|megatron - ref64| = {r['max_megatron_vs_ref64']:.3e}, "
                     f"max|ours - ref64| = {r['max_ours_vs_ref64']:.3e}, bf16 tolerance {r['tolerance']:.3e}; "
                     f"with megatron's routing max|ours - megatron| = "
                     + ("n/a" if r["max_same_routing"] is None else f"{r['max_same_routing']:.3e}"))
             print(line)
-            record_property(f"w{world}_r{rank}_{score_fn}_max_ours_vs_megatron", r["max_ours_vs_megatron"])
-            record_property(f"w{world}_r{rank}_{score_fn}_max_ours_vs_megatron_same_routing", r["max_same_routing"])
+            record_property(f"w{world}_r{rank}_{case}_max_ours_vs_megatron", r["max_ours_vs_megatron"])
+            record_property(f"w{world}_r{rank}_{case}_max_ours_vs_megatron_same_routing", r["max_same_routing"])
             failures += [f"rank {rank}: {e}" for e in r["errors"]]
     assert not failures, "\n".join(failures)
 

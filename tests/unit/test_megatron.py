@@ -232,11 +232,13 @@ def test_mapping_without_megatron_equivalent(score, topk, norm):
         mpeer._router_mapping(cfg)
 
 
-@pytest.mark.skip(reason="megatron-core's MoELayer with the all-to-all dispatcher cannot be built on CPU "
-                         "(MoEAlltoAllTokenDispatcher creates torch.cuda.Stream; TopKRouter.gating moves its "
-                         "weight to CUDA): megatron_moe_layer is tested in tests/gpu/test_megatron_gpu.py")
-def test_megatron_moe_layer_cpu():
-    pass
+def test_router_dtype_reaches_megatron():
+    """megatron_moe_layer scores in the config's router dtype, and refuses one megatron cannot."""
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=FF, num_experts=E, top_k=K, params_dtype=torch.bfloat16)
+    assert mpeer._router_dtype_name(cfg) is None
+    assert mpeer._router_dtype_name(cfg.replace(router_dtype=torch.float32)) == "fp32"
+    with pytest.raises(ValueError, match="router_dtype"):
+        mpeer._router_dtype_name(cfg.replace(router_dtype=torch.float16))
 
 
 # ------------------------------------------------------------------ 2 processes: parallel_state on gloo
@@ -310,7 +312,8 @@ def _megatron_layer_cpu(cfg, world, grouped):
     """megatron_moe_layer's builder on CPU with the all-gather dispatcher (all-to-all needs CUDA)."""
     layer = mpeer._build_megatron_moe(cfg, dtype=cfg.params_dtype, device="cpu", dispatcher="allgather", grouped=grouped)
     assert type(layer.experts).__name__ == ("GroupedMLP" if grouped else "SequentialMLP")
-    assert layer.config.expert_model_parallel_size == world and layer.config.moe_router_dtype == "fp32"
+    assert layer.config.expert_model_parallel_size == world
+    assert layer.config.moe_router_dtype == {None: None, torch.float32: "fp32"}[cfg.router_dtype]
     assert len(layer.local_expert_indices) == E // world
     return layer
 
@@ -363,7 +366,8 @@ def _check_load_grouped(rank, world):
     if not gg.grouped_gemm_is_available():  # run megatron's GroupedMLP code with a torch gmm
         gg.assert_grouped_gemm_is_available = lambda: None
         gg.ops = SimpleNamespace(gmm=_torch_gmm)
-    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=FF, num_experts=E, top_k=K, params_dtype=torch.bfloat16)
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=FF, num_experts=E, top_k=K, params_dtype=torch.bfloat16,
+                       router_dtype=torch.float32)  # as _run_megatron_parts scores
     layer = _megatron_layer_cpu(cfg, world, grouped=True)
     weights = tuple(w.bfloat16() for w in _weights(14))
     mi.load_megatron_weights(layer, *weights)
