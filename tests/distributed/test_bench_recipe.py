@@ -22,6 +22,14 @@ def run_bench(tmp_path: Path, *overrides: str, shape: str = "cpu_smoke") -> subp
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
 
 
+def bench_record(tmp_path: Path, pattern: str, *overrides: str) -> dict:
+    """Run the bench (one tokens_per_rank value), check it succeeded, return its one JSON record."""
+    proc = run_bench(tmp_path, *overrides)
+    assert proc.returncode == 0, f"bench failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    (f,) = (tmp_path / "run").glob(pattern)
+    return json.loads(f.read_text())
+
+
 @pytest.mark.timeout(90)
 def test_bench_cpu_smoke_writes_json(tmp_path):
     proc = run_bench(tmp_path, f"bench.save_to={tmp_path / 'saved'}")
@@ -50,10 +58,8 @@ def test_bench_cpu_smoke_writes_json(tmp_path):
 @pytest.mark.timeout(90)
 def test_bench_router_dtype(tmp_path):
     """bench.router_dtype=fp32 reaches ours (and the peer): fp32 logits from bf16 weights, checked and recorded."""
-    proc = run_bench(tmp_path, "bench.dtype=bfloat16", "bench.router_dtype=fp32", "bench.tokens_per_rank=[16]")
-    assert proc.returncode == 0, f"bench failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    (f,) = (tmp_path / "run").glob("vanilla_cpu_smoke_t16_ws2_*.json")
-    rec = json.loads(f.read_text())
+    rec = bench_record(tmp_path, "vanilla_cpu_smoke_t16_ws2_*.json", "bench.dtype=bfloat16", "bench.router_dtype=fp32",
+                       "bench.tokens_per_rank=[16]")
     assert rec["router_dtype"] == "float32" and rec["dtype"] == "bfloat16" and rec["check"]["reference"]["ok"]
     proc = run_bench(tmp_path, "bench.router_dtype=bf16", "hydra.run.dir=" + str(tmp_path / "bad"))
     assert proc.returncode != 0 and "bench.router_dtype='bf16'" in proc.stdout + proc.stderr
@@ -134,9 +140,7 @@ def test_build_layer_gives_every_layer_the_same_nan_check(check_finite):
 @pytest.mark.timeout(120)
 def test_bench_times_variability_without_moving_weights(tmp_path):
     """A layer that re-plans by itself (VariabilityAwareMoE) is timed with auto_replan off, and says so."""
-    proc = run_bench(tmp_path, "layer=variability", "bench.baseline=vanilla", "bench.tokens_per_rank=[16]")
-    assert proc.returncode == 0, f"bench failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    (f,) = (tmp_path / "run").glob("variability_cpu_smoke_t16_ws2_*.json")
-    rec = json.loads(f.read_text())
+    rec = bench_record(tmp_path, "variability_cpu_smoke_t16_ws2_*.json", "layer=variability", "bench.baseline=vanilla",
+                       "bench.tokens_per_rank=[16]")
     assert rec["notes"] == ["variability: auto_replan off while timing"]
     assert rec["baseline"] == "vanilla" and rec["baseline_kwargs"] == {"dispatcher": "alltoall", "dedup": True}
