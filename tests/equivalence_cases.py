@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import moelayers as ml
-from moelayers.testing import check_close
+from moelayers.testing import check_close, redraw_near_ties
 
 H, F = 32, 16
 
@@ -110,10 +110,9 @@ def _run_case(rank: int, world: int, groups, case: dict, device: torch.device) -
     xs = []
     for r in range(world):
         g = torch.Generator().manual_seed(100 + r)
-        x = torch.randn(_tokens(r, case), H, generator=g, dtype=torch.float64)
-        if case.get("one_expert"):
-            x = x.abs() + 0.1
-        xs.append(x)
+        draw = (lambda n, g=g: torch.randn(n, H, generator=g, dtype=torch.float64).abs() + 0.1) if case.get("one_expert") \
+            else (lambda n, g=g: torch.randn(n, H, generator=g, dtype=torch.float64))
+        xs.append(redraw_near_ties(draw(_tokens(r, case)), router64, top_k, draw))
     gys = [torch.randn(x.shape, generator=torch.Generator().manual_seed(200 + r), dtype=torch.float64)
            for r, x in enumerate(xs)]
 

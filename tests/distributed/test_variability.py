@@ -16,7 +16,7 @@ import torch
 
 import moelayers as ml
 from moelayers.layers.moves import PlacementMoveError, PlacementRejected
-from moelayers.testing import check_close, run_distributed
+from moelayers.testing import check_close, redraw_near_ties, run_distributed
 
 H, F = 32, 16
 SCENARIOS = ("moves", "bad_input", "staging_fault", "recorder_replan", "auto_replan", "min_gain")
@@ -35,9 +35,14 @@ def _weights(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return router, w13, w2
 
 
-def _x(rank: int, salt: int = 0) -> torch.Tensor:
+def _x(rank: int, world: int, salt: int = 0) -> torch.Tensor:
+    """This rank's float64 tokens, without router near-ties (a bf16 check stays a check)."""
     g = torch.Generator().manual_seed(100 + rank + 1000 * salt)
-    return torch.randn(7 + 3 * rank, H, generator=g, dtype=torch.float64)
+
+    def draw(n: int) -> torch.Tensor:
+        return torch.randn(n, H, generator=g, dtype=torch.float64)
+
+    return redraw_near_ties(draw(7 + 3 * rank), _weights(_num_experts(world))[0], 2, draw)
 
 
 def _permuted(e: int, r: int, seed: int, spare: int = 0) -> ml.ExpertPlacement:
@@ -70,12 +75,12 @@ class Ctx:
 
     def forward(self, layer, salt: int = 0) -> torch.Tensor:
         with torch.no_grad():
-            return layer(_x(self.rank, salt).to(self.dtype).to(self.device))
+            return layer(_x(self.rank, self.world, salt).to(self.dtype).to(self.device))
 
     def check(self, name: str, layer, salt: int = 0) -> str | None:
         """Output of this rank's tokens vs the dense float64 reference (DESIGN §1)."""
         y = self.forward(layer, salt)
-        x64 = _x(self.rank, salt)
+        x64 = _x(self.rank, self.world, salt)
         ref = ml.reference.moe_forward(x64, *self.w64, self.cfg.replace(params_dtype=torch.float64))
         low = None
         if self.dtype not in (torch.float32, torch.float64):
@@ -317,7 +322,7 @@ def scenario_auto_replan(rank: int, world: int, device: str) -> dict:
     # the window still sees the weights it saved
     train, seen = ctx.layer(window=2, auto_replan=True, planner=StubPlanner(world)), []
     for step in range(3):
-        x = _x(rank, 10 + step).to(ctx.dtype).to(ctx.device).requires_grad_(True)
+        x = _x(rank, world, 10 + step).to(ctx.dtype).to(ctx.device).requires_grad_(True)
         try:
             train(x).sum().backward()
         except RuntimeError as e:

@@ -50,8 +50,9 @@ def test_graphed_layer_overflow_raises_and_recovers():
         with pytest.raises(ValueError, match=r"capacity of 16 per rank on expert-parallel rank\(s\) \[0\] \(20 tokens"):
             layer(x)
         y = layer(x[:10])
+    ids = layer.last_topk_ids.clone()  # on the experts the layer chose: a router near-tie cannot loosen the check
     w64 = [w.double() for w in layer.export_full_weights()]
-    ref = ml.reference.moe_forward(x[:10].double(), *w64, cfg.replace(params_dtype=torch.float64))
-    low = ml.reference.moe_forward(x[:10], *layer.export_full_weights(), cfg)
+    ref = ml.reference.moe_forward(x[:10].double(), *w64, cfg.replace(params_dtype=torch.float64), topk_ids=ids)
+    low = ml.reference.moe_forward(x[:10], *layer.export_full_weights(), cfg, topk_ids=ids)
     assert check_close("graph after overflow", y, ref, low) is None
     layer.release_graphs()

@@ -95,9 +95,11 @@ def _compare(rank: int, world: int) -> dict:
         ref_bf16 = ml.reference.moe_forward(x, *weights, cfg)
         res = {
             "experts": type(meg.experts).__name__,
-            "errors": [e for e in (check_close(f"megatron ({case})", y_meg, ref64, ref_bf16),
-                                   check_close(f"VanillaMoE ({case})", y_ours, ref64, ref_bf16),
-                                   check_close(f"adapter ({case})", y_adapter, ref64, ref_bf16)) if e],
+            # each on its own router's choice: a near-tie makes these loose (3 x the bf16 reference's
+            # error); the checks with megatron's routing forced below are the tight ones
+            "errors": [e for e in (check_close(f"megatron ({case})", y_meg, ref64, ref_bf16, allow_loose=True),
+                                   check_close(f"VanillaMoE ({case})", y_ours, ref64, ref_bf16, allow_loose=True),
+                                   check_close(f"adapter ({case})", y_adapter, ref64, ref_bf16, allow_loose=True)) if e],
             "max_ours_vs_megatron": max_error(y_ours.float(), y_meg.float().double()),
             "max_megatron_vs_ref64": max_error(y_meg, ref64),
             "max_ours_vs_ref64": max_error(y_ours, ref64),
