@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -22,6 +24,7 @@ MEGATRON_SUPPORTED_VALUES: dict[str, tuple] = {
     "moe_router_group_topk": (None,),
     "moe_expert_capacity_factor": (None,),       # token dropping
     "moe_apply_probs_on_input": (False,),
+    "moe_input_jitter_eps": (None,),             # megatron's router jitters its input, in eval mode too
     "moe_router_force_load_balancing": (False,),
     "moe_shared_expert_intermediate_size": (None,),  # shared experts
     "moe_latent_size": (None,),
@@ -81,8 +84,11 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if not isinstance(self.params_dtype, torch.dtype) or not self.params_dtype.is_floating_point:
             raise TypeError(f"MoEConfig.params_dtype must be a floating torch.dtype, got {self.params_dtype!r}")
-        if not self.init_std > 0:
-            raise ValueError(f"MoEConfig.init_std must be > 0, got {self.init_std}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise TypeError(f"MoEConfig.norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
+        if isinstance(self.init_std, bool) or not isinstance(self.init_std, numbers.Real) \
+                or not math.isfinite(self.init_std) or not self.init_std > 0:
+            raise ValueError(f"MoEConfig.init_std must be a finite number > 0, got {self.init_std!r}")
         if self.router_dtype is not None and (not isinstance(self.router_dtype, torch.dtype)
                                               or not self.router_dtype.is_floating_point):
             raise TypeError(f"MoEConfig.router_dtype must be None or a floating torch.dtype, got {self.router_dtype!r}")

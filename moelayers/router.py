@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from moelayers.config import MoEConfig
+from moelayers.dispatch.base import FORCED_OUT_OF_RANGE, NONFINITE_LOGITS, raise_if_nonfinite
 
 
 def scores_to_topk(logits: torch.Tensor, config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +51,9 @@ class TopKRouter(nn.Module):
         config: the MoE block.
         check_finite: raise ``ValueError`` on NaN/inf logits. Standalone this costs a device sync;
             inside a layer (``defer_check=True``) the flag is left in ``last_nonfinite`` and the
-            dispatcher reads it with its split sizes, at no extra sync.
+            dispatcher reads it with its split sizes, at no extra sync. Forced expert ids outside
+            ``[0, E)`` are flagged the same way whatever ``check_finite`` says (they are clamped
+            into range so that the exchange completes, then every rank raises).
     """
 
     def __init__(self, config: MoEConfig, *, device: torch.device | str | None = None, check_finite: bool = True):
@@ -69,7 +72,9 @@ class TopKRouter(nn.Module):
         Args:
             x: ``[T, H]`` hidden states.
             forced_ids: optional ``[T, K]`` expert ids to use instead of the top-k (replay).
-            defer_check: store the non-finite flag in ``last_nonfinite`` instead of checking now.
+            defer_check: store the flag (``moelayers.dispatch.base.NONFINITE_LOGITS`` |
+                ``FORCED_OUT_OF_RANGE``, a 0-dim int32 device tensor, or ``None`` when nothing was
+                checked) in ``last_nonfinite`` instead of raising now.
 
         Returns:
             ``(topk_ids [T, K] int64, topk_weights [T, K] in x.dtype)``.
@@ -79,16 +84,18 @@ class TopKRouter(nn.Module):
         else:
             dtype = self.config.logits_dtype(x.dtype)
             logits = x.to(dtype) @ self.weight.to(dtype).t()
-        self.last_nonfinite = None
+        flag = None
         if self.check_finite:
-            nonfinite = ~torch.isfinite(logits).all()
-            if defer_check:
-                self.last_nonfinite = nonfinite
-            elif bool(nonfinite):
-                raise ValueError("router logits contain NaN or inf: check the input hidden states and router weight")
+            flag = (~torch.isfinite(logits).all()).to(torch.int32) * NONFINITE_LOGITS
         if forced_ids is None:
             ids, weights = scores_to_topk(logits, self.config)
         else:
             ids = forced_ids.to(torch.int64)  # a trace may store int16 / uint8 ids (uint8 would index as a mask)
+            bad = ((ids < 0) | (ids >= self.config.num_experts)).any().to(torch.int32) * FORCED_OUT_OF_RANGE
+            flag = bad if flag is None else flag | bad
+            ids = ids.clamp(0, self.config.num_experts - 1)
             weights = forced_topk_weights(logits, ids, self.config)
+        self.last_nonfinite = flag if defer_check else None
+        if not defer_check and flag is not None:
+            raise_if_nonfinite([int(flag)])
         return ids, weights.to(x.dtype)

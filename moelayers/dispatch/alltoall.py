@@ -59,7 +59,7 @@ class AllToAllDispatcher:
         self.group, self.num_ranks, self.rank, self.num_slots = group, num_ranks, rank, num_slots
         self.dedup, self.capacity = dedup, capacity
         self.last_stats: MoEStats | None = None
-        self.nonfinite: torch.Tensor | None = None  # capacity mode: any rank's flag, read after the forward
+        self.nonfinite: torch.Tensor | None = None  # capacity mode: [R] every rank's routing flag, read after the forward
         self.overflow: torch.Tensor | None = None  # capacity mode: [R] int32, the ranks that had more tokens
 
     # ------------------------------------------------------------------ step 3
@@ -111,7 +111,7 @@ class AllToAllDispatcher:
         fv.copy_(flags.expand(r * c, 2))
         recv = all_to_all_bytes(buf, r * c, [c] * r, [c] * r, self.group)
         recv_x, recv_w, recv_s, recv_f = layout.views(recv)
-        self.nonfinite = recv_f[:, 0].amax()
+        self.nonfinite = recv_f[::c, 0]  # row r * C comes from rank r
         self.overflow = recv_f[::c, 1]  # row r * C comes from rank r
         pairs = local_pairs(recv_s, self.num_slots, static=True)
         self.fixed_counts = torch.stack([per_rank.sum(0), (per_rank > 0).sum(0)])  # [2, R] on the device

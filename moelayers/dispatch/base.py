@@ -25,8 +25,10 @@ class Routes:
         weights: ``[T, K]`` routing weights (in the hidden-state dtype).
         dest_rank: ``[T, K]`` int64 expert-parallel rank of the chosen replica.
         dest_slot: ``[T, K]`` int64 local slot of the chosen replica on ``dest_rank``.
-        nonfinite: optional 0-dim device flag, true when this rank's router logits had NaN/inf;
-            dispatchers exchange it with their split sizes (no extra sync) and every rank raises.
+        nonfinite: optional 0-dim int device flag of bad routing on this rank: ``NONFINITE_LOGITS``
+            (router logits with NaN/inf) | ``FORCED_OUT_OF_RANGE`` (forced expert ids outside
+            ``[0, E)``); dispatchers exchange it with their split sizes (no extra sync) and every
+            rank raises.
         overflow: capacity mode: optional 0-dim device flag, true when this rank had more tokens
             than the capacity (it sends the first ``capacity``); exchanged like ``nonfinite``.
     """
@@ -39,9 +41,18 @@ class Routes:
     overflow: torch.Tensor | None = None
 
 
+NONFINITE_LOGITS = 1  # bits of Routes.nonfinite
+FORCED_OUT_OF_RANGE = 2
+
+
 def raise_if_nonfinite(flags: list[int]) -> None:
-    """Raise ``ValueError`` on every rank if any rank's flag is set."""
-    bad = [r for r, f in enumerate(flags) if f]
+    """Raise ``ValueError`` on every rank if any rank's routing flag (``Routes.nonfinite``, one per
+    expert-parallel rank, in rank order) is set."""
+    forced = [r for r, f in enumerate(flags) if int(f) & FORCED_OUT_OF_RANGE]
+    if forced:
+        raise ValueError(f"forced routing (force_routing) holds expert ids outside [0, num_experts) on "
+                         f"expert-parallel rank(s) {forced}: a trace of another model?")
+    bad = [r for r, f in enumerate(flags) if int(f) & NONFINITE_LOGITS]
     if bad:
         raise ValueError(f"router logits contain NaN or inf (on expert-parallel rank(s) {bad}): "
                          "check the input hidden states and router weight")

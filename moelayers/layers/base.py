@@ -12,12 +12,14 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import nn
 
 from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, ReplicaPolicy, Routes
-from moelayers.dispatch.base import routes_from_placement
+from moelayers.dispatch.base import raise_if_nonfinite, routes_from_placement
 from moelayers.experts import GroupedExperts, gather_logical, sum_replicas
 from moelayers.groups import ParallelGroups
 from moelayers.metrics import MoEStats
@@ -77,11 +79,13 @@ class MoELayerBase(nn.Module):
         self._check_placement(placement, config, groups)
         if dispatcher not in DISPATCHERS:
             raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or capacity < 1):
+            raise ValueError(f"capacity must be None or an int >= 1 (tokens per rank), got {capacity!r}")
         if capacity is not None and (dispatcher != "alltoall" or not dedup):
             raise ValueError("capacity needs dispatcher='alltoall' with dedup=True")
         if cuda_graph and capacity is None:
             raise ValueError("cuda_graph=True needs a fixed capacity (tokens per rank)")
-        self.capacity, self.cuda_graph = capacity, cuda_graph
+        self.capacity, self.cuda_graph = None if capacity is None else int(capacity), cuda_graph
         self._graphed = None
         self.config, self.groups, self.placement, self.seed = config, groups, placement, seed
         self.replica_policy = replica_policy or LocalFirstPolicy()
@@ -174,7 +178,16 @@ class MoELayerBase(nn.Module):
     # ------------------------------------------------------------------ forward
     def force_routing(self, topk_ids: torch.Tensor) -> None:
         """Use these ``[T, K]`` logical experts (e.g. replayed from a trace) in the next forward;
-        weights come from this router's scores of them."""
+        weights come from this router's scores of them. Ids outside ``[0, E)`` make that forward
+        raise ``ValueError`` on every rank (after the exchange: no rank hangs).
+
+        Raises:
+            TypeError: ``topk_ids`` is not an integer tensor (bool and float ids are refused).
+        """
+        if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype == torch.bool or topk_ids.is_floating_point() \
+                or topk_ids.is_complex():
+            raise TypeError(f"forced routing must be an integer tensor of expert ids, got "
+                            f"{topk_ids.dtype if isinstance(topk_ids, torch.Tensor) else type(topk_ids).__name__}")
         self._forced_ids = topk_ids
 
     def forward(self, x: torch.Tensor, *, token_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -187,8 +200,8 @@ class MoELayerBase(nn.Module):
         Returns:
             ``y`` with the shape of ``x``.
         """
+        forced, self._forced_ids = self._forced_ids, None  # used by this forward only, even one that raises
         x2, token_ids = self._check_input(x, token_ids)
-        forced, self._forced_ids = self._forced_ids, None
         if forced is not None and tuple(forced.shape) != (x2.shape[0], self.config.top_k):
             raise ValueError(f"forced routing has shape {list(forced.shape)}, expected [{x2.shape[0]}, {self.config.top_k}]")
         if self.capacity is not None:
@@ -249,21 +262,21 @@ class MoELayerBase(nn.Module):
             self.last_stats = self.dispatcher.last_stats
             self.last_stats._topk_ids = topk_ids[:n]
             self.last_topk_ids, self.last_token_ids = topk_ids[:n], token_ids
-        self._raise_on_flags(t)
+        self._raise_on_flags(t, forced is not None)
         return y
 
-    def _raise_on_flags(self, t: int) -> None:
-        """Capacity mode: raise on every rank when any rank had NaN/inf logits or more than ``capacity``
-        tokens (the flags came with the exchange). One host sync, made when the NaN check is on or
-        this rank overflowed; with ``check_finite=False`` only an overflowing rank itself raises."""
-        if not (self.router.check_finite or t > self.capacity):
+    def _raise_on_flags(self, t: int, forced: bool) -> None:
+        """Capacity mode: raise on every rank when any rank had NaN/inf logits, forced expert ids out
+        of range or more than ``capacity`` tokens (the flags came with the exchange). One host sync,
+        made when the NaN check is on, the routing was forced or this rank overflowed; with
+        ``check_finite=False`` and the router's own routing only an overflowing rank itself raises."""
+        if not (self.router.check_finite or forced or t > self.capacity):
             return
         d = self.dispatcher
-        nonfinite, *over = torch.cat([d.nonfinite.reshape(1).to(torch.int32), d.overflow.to(torch.int32)]).tolist()
-        if self.router.check_finite and nonfinite:
-            raise ValueError("router logits contain NaN or inf (on some expert-parallel rank): "
-                             "check the input hidden states and router weight")
-        bad = [r for r, f in enumerate(over) if f]
+        r = self.groups.ep_size
+        flags = torch.cat([d.nonfinite.to(torch.int32), d.overflow.to(torch.int32)]).tolist()
+        raise_if_nonfinite(flags[:r])
+        bad = [i for i, f in enumerate(flags[r:]) if f]
         if bad:
             here = f" ({t} tokens on this rank)" if t > self.capacity else ""
             raise ValueError(f"more tokens than the layer's capacity of {self.capacity} per rank on expert-parallel "

@@ -203,6 +203,7 @@ class SemanticMoE(MoELayerBase):
         Returns:
             ``[T, H]`` (shape of ``attn_partial``), original token order, on every TP rank.
         """
+        forced, self._forced_ids = self._forced_ids, None  # used by this call only, even one that raises
         if self.mode != "tp":
             raise ValueError("forward_tp needs a layer built with mode='tp' (this one is mode='dp')")
         x2, token_ids = self._check_input(attn_partial, token_ids)
@@ -219,10 +220,10 @@ class SemanticMoE(MoELayerBase):
         reduced = shuffled_reduce_scatter(x2, rb.perm, group)                      # [C, H]
         h = shuffle_rows(residual.reshape(x2.shape), mine) + reduced             # dummy rows: zeros
         rows = mine[:n]
-        if self._forced_ids is not None:  # replayed routing of all T tokens: keep this chunk's rows
-            if self._forced_ids.shape[0] != x2.shape[0]:
-                raise ValueError(f"forced routing has {self._forced_ids.shape[0]} rows for {x2.shape[0]} tokens")
-            self._forced_ids = self._forced_ids.index_select(0, rows.to(self._forced_ids.device))
+        if forced is not None:  # replayed routing of all T tokens: keep this chunk's rows
+            if forced.shape[0] != x2.shape[0]:
+                raise ValueError(f"forced routing has {forced.shape[0]} rows for {x2.shape[0]} tokens")
+            self._forced_ids = forced.index_select(0, rows.to(forced.device))
         hv = h[:n]
         y = self.forward(norm(hv), token_ids=None if token_ids is None else token_ids.index_select(0, rows))
         out_chunk = torch.cat([hv + y, h[n:]])

@@ -121,6 +121,7 @@ class VariabilityAwareMoE(MoELayerBase):
         self.record_loads = record_loads
         self.steps, self.num_replans, self.num_moves = 0, 0, 0
         self._replan_pending = False
+        self._in_flight: list[dict] = []  # one per forward autograd recorded: {"done": its backward reached y}
         self.last_replan: dict | None = None
         self.register_buffer("_loads", torch.zeros(window, config.num_experts, dtype=torch.int64,
                                                    device=self.router.weight.device), persistent=False)
@@ -145,19 +146,39 @@ class VariabilityAwareMoE(MoELayerBase):
         Returns:
             ``y`` with the shape of ``x``.
         """
-        if self._replan_pending:  # due at the end of the last forward, which autograd recorded
+        if self._replan_pending and not self.graphs_in_flight():  # deferred: no recorded graph holds the weights now
             self._replan_pending = False
             self.replan()
         y = super().forward(x, token_ids=token_ids)
+        if y.requires_grad:  # autograd saved the weights: a move waits until this graph's backward has run
+            state = {"done": False}
+            y.register_hook(lambda grad, state=state: state.update(done=True))
+            self._in_flight.append(state)
         if self.record_loads:
             self._record(self.last_topk_ids)
             if self._replan_due():
-                recording = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
-                if recording:
+                if y.requires_grad or self.graphs_in_flight():
                     self._replan_pending = True
                 else:
                     self.replan()
         return y
+
+    def graphs_in_flight(self) -> int:
+        """Forwards that autograd recorded and whose backward has not yet reached their output.
+
+        An automatic re-plan moves the expert weights in place, which would break the backward of
+        such a graph, so a due move waits for the first forward after they are all done (gradient
+        accumulation and pipelined micro-batches included). A graph dropped without a backward
+        keeps a move waiting: call :meth:`forget_graphs` then. Every rank makes the same choice
+        as long as the ranks run the same forwards and backwards (the move is a collective).
+        """
+        self._in_flight = [s for s in self._in_flight if not s["done"]]
+        return len(self._in_flight)
+
+    def forget_graphs(self) -> None:
+        """Declare every recorded forward's graph gone (dropped without a backward): a waiting move
+        happens at the next forward. Call it on every rank."""
+        self._in_flight.clear()
 
     @torch.no_grad()
     def _record(self, topk_ids: torch.Tensor) -> None:

@@ -334,6 +334,27 @@ def scenario_auto_replan(rank: int, world: int, device: str) -> dict:
     if seen != [0, 0, 1]:
         errors.append(f"re-plans after each autograd step {seen}, expected [0, 0, 1]")
     errors.append(ctx.check("after the deferred re-plan", train, salt=20))
+    # gradient accumulation (three forwards, one backward) and pipelined micro-batches (the second
+    # forward's graph still alive when the first one's backward is done): the move waits until no
+    # recorded graph holds the weights, and every backward sees the weights its forward saved
+    for name, pattern, expected in (("accumulation", "FFFB", [0, 0, 0, 0, 1]), ("1F1B", "FFBFBB", [0, 0, 0, 0, 0, 0, 1])):
+        acc, graphs, seen = ctx.layer(window=2, auto_replan=True, planner=StubPlanner(world)), [], []
+        try:
+            for step, op in enumerate(pattern):
+                if op == "F":
+                    graphs.append(acc(_x(rank, world, 30 + step).to(ctx.dtype).to(ctx.device).requires_grad_(True)).sum())
+                elif name == "accumulation":
+                    sum(graphs).backward()
+                else:
+                    graphs.pop(0).backward()
+                seen.append(acc.num_replans)
+        except RuntimeError as e:
+            errors.append(f"{name}: backward failed: {e}")
+            continue
+        errors.append(ctx.check(f"{name}: after the deferred re-plan", acc, salt=21))
+        seen.append(acc.num_replans)
+        if seen != expected:
+            errors.append(f"{name}: re-plans after each step {seen}, expected {expected}")
     return {"errors": [m for m in errors if m], "phy2log": layer.placement.phy2log.tolist()}
 
 

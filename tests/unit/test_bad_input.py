@@ -111,6 +111,55 @@ def test_forced_routing_shape():
         m(torch.randn(5, 16))
 
 
+@pytest.mark.parametrize("ids", [torch.zeros(5, 2, dtype=torch.bool), torch.zeros(5, 2), [[0, 1]] * 5])
+def test_forced_routing_must_be_integer_ids(ids):
+    with pytest.raises(TypeError, match="integer tensor of expert ids"):
+        layer().force_routing(ids)
+
+
+@pytest.mark.parametrize("bad", [4, -1])
+def test_forced_routing_out_of_range(bad):
+    m = layer()
+    ids = torch.zeros(5, 2, dtype=torch.int16)
+    ids[3, 1] = bad
+    m.force_routing(ids)
+    with pytest.raises(ValueError, match=r"expert ids outside \[0, num_experts\)"):
+        m(torch.randn(5, 16))
+    with pytest.raises(ValueError, match="outside"):
+        m.router(torch.randn(5, 16), ids)  # standalone: at once
+
+
+def test_forced_routing_is_not_left_for_a_later_forward():
+    """A forward that raises still consumes the forced routing: the next one routes by itself."""
+    m = layer()
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        m(x)
+        own = m.last_topk_ids.clone()
+        m.force_routing(torch.full((5, 2), 3, dtype=torch.int64))
+        with pytest.raises(TypeError, match="dtype"):
+            m(x.double())
+        m(x)
+    assert torch.equal(m.last_topk_ids, own)
+
+
+@pytest.mark.parametrize("kw, err, match", [
+    (dict(init_std=float("inf")), ValueError, "init_std"),
+    (dict(init_std=True), ValueError, "init_std"),
+    (dict(norm_topk_prob="no"), TypeError, "norm_topk_prob"),
+    (dict(norm_topk_prob=None), TypeError, "norm_topk_prob"),
+])
+def test_config_values(kw, err, match):
+    with pytest.raises(err, match=match):
+        ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, **kw)
+
+
+@pytest.mark.parametrize("capacity", [2.5, True, "4", 0])
+def test_capacity_must_be_a_positive_int(capacity):
+    with pytest.raises(ValueError, match="capacity must be None or an int >= 1"):
+        layer(capacity=capacity)
+
+
 def test_groups_need_distributed():
     with pytest.raises(ValueError, match="needs torch.distributed initialised"):
         ml.ParallelGroups.from_world(ep=2)
@@ -190,6 +239,33 @@ def _overflow_on_one_rank(rank, world, check_finite):
     with torch.no_grad():
         m(torch.randn(3, 8))
     return "no error"
+
+
+def _forced_out_of_range_on_one_rank(rank, world, dispatcher, check_finite):
+    """Every rank replays a trace; rank 1's holds an expert id >= E: every rank raises, none hangs."""
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    kwargs = dict(capacity=6) if dispatcher == "capacity" else dict(dispatcher=dispatcher)
+    m = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), check_finite=check_finite, **kwargs)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    if rank == 1:
+        ids[1, 0] = 4
+    m.force_routing(ids)
+    try:
+        with torch.no_grad():
+            m(torch.randn(3, 8))
+    except ValueError as e:
+        assert "outside [0, num_experts)" in str(e) and "rank(s) [1]" in str(e), str(e)
+        with torch.no_grad():
+            m(torch.randn(3, 8))  # still usable afterwards
+        return "raised"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "capacity"])
+@pytest.mark.parametrize("check_finite", [True, False])
+def test_forced_ids_out_of_range_on_one_rank_raise_on_every_rank(dispatcher, check_finite):
+    assert run_distributed(_forced_out_of_range_on_one_rank, 2, dispatcher, check_finite) == ["raised", "raised"]
 
 
 @pytest.mark.timeout(120)

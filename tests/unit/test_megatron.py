@@ -213,6 +213,7 @@ def test_fp32_router_picks_megatrons_experts_in_bf16():
     (dict(moe_shared_expert_intermediate_size=16), "moe_shared_expert_intermediate_size=16"),
     (dict(activation_func=F.gelu), "activation_func=F.silu"),
     (dict(add_bias_linear=True), "add_bias_linear=False"),
+    (dict(moe_input_jitter_eps=0.5), "moe_input_jitter_eps=0.5"),
 ])
 def test_from_megatron_refuses_what_it_does_not_implement(setting, match):
     """A setting that changes megatron's output is an error, never silently dropped."""
