@@ -162,9 +162,10 @@ def request_schedule(scores: np.ndarray, lengths: np.ndarray, num_ranks: int, *,
     """Sem-MoE Algorithm 2: requests in order, each to its best unmasked rank, then mask it.
 
     The mask resets once every rank is taken. A rank is closed to a request that would take it
-    above ``max_ratio * total_tokens / R``; if every unmasked rank is closed the request takes the
-    best open masked rank, and if none is open (a request longer than the room anywhere) the
-    least-loaded rank.
+    above ``max_ratio * total_tokens / R``, or that would leave no rank room for the longest request
+    still to come (the lengths are known here; the online scheduler does not know them and skips
+    that look-ahead); if every unmasked rank is closed the request takes the best open masked rank,
+    and if none is open (a request longer than the room anywhere) the least-loaded rank.
 
     Args:
         scores: ``[S, R]`` preference of each request for each rank (ties: the lower rank).
@@ -182,23 +183,34 @@ def request_schedule(scores: np.ndarray, lengths: np.ndarray, num_ranks: int, *,
     load = np.zeros(num_ranks, dtype=np.int64)
     masked = np.zeros(num_ranks, dtype=bool)
     out = np.empty(sc.shape[0], dtype=np.int64)
+    longest_after = np.append(np.maximum.accumulate(lengths[::-1])[::-1][1:], 0) if lengths.size else lengths
     for s in range(sc.shape[0]):
-        out[s] = schedule_one(sc[s], int(lengths[s]), load, masked, cap, mask=mask)
+        out[s] = schedule_one(sc[s], int(lengths[s]), load, masked, cap, mask=mask, reserve=int(longest_after[s]))
     return out
 
 
 def schedule_one(scores: np.ndarray, length: int, load: np.ndarray, masked: np.ndarray, cap: float, *,
-                 mask: bool = True) -> int:
+                 mask: bool = True, reserve: int = 0) -> int:
     """One request of :func:`request_schedule` (also the online ``SemanticScheduler.assign``).
 
     The best rank among those unmasked that stay within ``cap`` tokens with this request, else
     among all that stay within it, else the least-loaded rank; ties: the lowest rank. Updates
     ``load [R]`` (tokens) and ``masked [R]`` in place (the mask clears once every rank is taken).
+    With ``reserve > 0`` (offline, where the longest request still to come is known) a rank only
+    stays within ``cap`` if some rank keeps room for ``reserve`` tokens afterwards, when any does.
 
     Returns:
         The rank.
     """
     fits = load + length <= cap
+    if reserve > 0 and fits.any():  # keep room somewhere for the longest request still to come
+        room = cap - load.astype(np.float64)
+        first = int(np.argmax(room))
+        second = np.max(np.delete(room, first), initial=-np.inf)
+        best_other = np.where(np.arange(room.size) == first, second, room[first])  # most room on another rank
+        keeps = np.maximum(best_other, room - length) >= reserve
+        if (fits & keeps).any():
+            fits = fits & keeps
     for allowed in (~masked & fits, fits):
         if allowed.any():
             r = int(np.argmax(np.where(allowed, scores, -np.inf)))
