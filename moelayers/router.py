@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from moelayers.config import MoEConfig
-from moelayers.dispatch.base import FORCED_OUT_OF_RANGE, NONFINITE_LOGITS, raise_if_nonfinite
+from moelayers.dispatch.base import FORCED_OUT_OF_RANGE, raise_if_nonfinite
 
 
 def scores_to_topk(logits: torch.Tensor, config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,8 +73,8 @@ class TopKRouter(nn.Module):
             x: ``[T, H]`` hidden states.
             forced_ids: optional ``[T, K]`` expert ids to use instead of the top-k (replay).
             defer_check: store the flag (``moelayers.dispatch.base.NONFINITE_LOGITS`` |
-                ``FORCED_OUT_OF_RANGE``, a 0-dim int32 device tensor, or ``None`` when nothing was
-                checked) in ``last_nonfinite`` instead of raising now.
+                ``FORCED_OUT_OF_RANGE``, a 0-dim bool or int32 device tensor, or ``None`` when
+                nothing was checked) in ``last_nonfinite`` instead of raising now.
 
         Returns:
             ``(topk_ids [T, K] int64, topk_weights [T, K] in x.dtype)``.
@@ -84,15 +84,13 @@ class TopKRouter(nn.Module):
         else:
             dtype = self.config.logits_dtype(x.dtype)
             logits = x.to(dtype) @ self.weight.to(dtype).t()
-        flag = None
-        if self.check_finite:
-            flag = (~torch.isfinite(logits).all()).to(torch.int32) * NONFINITE_LOGITS
+        flag = ~torch.isfinite(logits).all() if self.check_finite else None  # a bool: NONFINITE_LOGITS when set
         if forced_ids is None:
             ids, weights = scores_to_topk(logits, self.config)
         else:
             ids = forced_ids.to(torch.int64)  # a trace may store int16 / uint8 ids (uint8 would index as a mask)
             bad = ((ids < 0) | (ids >= self.config.num_experts)).any().to(torch.int32) * FORCED_OUT_OF_RANGE
-            flag = bad if flag is None else flag | bad
+            flag = bad if flag is None else bad | flag.to(torch.int32)
             ids = ids.clamp(0, self.config.num_experts - 1)
             weights = forced_topk_weights(logits, ids, self.config)
         self.last_nonfinite = flag if defer_check else None

@@ -129,9 +129,10 @@ def megatron_moe_layer(config: MoEConfig, *, dtype: torch.dtype = torch.bfloat16
     Built from megatron's local spec (no TransformerEngine): ``GroupedMLP`` experts when the
     ``grouped_gemm`` package is installed and the layer is bf16 on CUDA, else ``SequentialMLP``
     (the class used is in ``layer.experts``). All-to-all dispatcher, no aux loss, no token dropping,
-    router logits in ``config.router_dtype`` (megatron's ``moe_router_dtype``), no biases, SwiGLU; expert parallel over the whole world (``parallel_state`` is
-    initialised with ``expert_model_parallel_size = world`` if it is not yet; torch.distributed is
-    started as a world of one if it is not yet). Weights are ``N(0, config.init_std)`` from a fixed
+    router logits in ``config.router_dtype`` (megatron's ``moe_router_dtype``), no biases, SwiGLU;
+    expert parallel over the whole world (``parallel_state`` is initialised with
+    ``expert_model_parallel_size = world`` if it is not yet; torch.distributed is started as a world
+    of one if it is not yet). Weights are ``N(0, config.init_std)`` from a fixed
     seed; use :func:`load_megatron_weights`. ``forward(x [S, B, H]) -> (y, None)``.
 
     Note: megatron-core's all-to-all dispatcher creates CUDA streams, so this needs CUDA.
