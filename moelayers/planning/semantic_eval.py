@@ -23,12 +23,14 @@ most confident tokens and the overflow goes to ranks with room, least confident 
 ``evaluate_dp`` (attention-DP, Sem-MoE Algorithm 2): a sequence is one request and keeps one rank
 for all layers; requests in file order are scored by their tokens' votes (``token_conf`` on
 ``token_rank``), each takes its best unmasked rank which is then masked (the mask resets when all
-ranks are taken); no rank ever holds more than ``max_ratio`` (1.3) × the mean tokens per rank.
+ranks are taken); no rank holds more than ``max_ratio`` (1.3) × the mean tokens per rank, unless
+no order of the requests allows it (a request longer than the room left on every rank then goes to
+the least-loaded rank; the report's ``token_imbalance`` shows it).
 
 Report keys: ``lar`` (local activation rate: share of (token, layer, k) activations whose expert
 lives on the token's rank at that layer), ``lar_linear`` (linear placement; tp: tokens in file
 order chunks, dp: requests round robin), ``lar_per_layer``, ``token_imbalance`` (max / mean
-tokens per rank), ``expert_imbalance`` (max / mean activations received per rank, mean over
+tokens per rank; in tp mode 1.0 up to the last, partial batch, whose counts differ by at most one), ``expert_imbalance`` (max / mean activations received per rank, mean over
 layers; ``expert_imbalance_max`` over layers), ``a2a_bytes_ratio`` (tokens sent to remote ranks,
 de-duplicated — a token goes once to each remote rank holding any of its experts — relative to
 linear; ``remote_ratio``: the same without de-duplication, i.e. ``(1 - lar) / (1 - lar_linear)``).
