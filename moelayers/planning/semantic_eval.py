@@ -23,9 +23,9 @@ most confident tokens and the overflow goes to ranks with room, least confident 
 ``evaluate_dp`` (attention-DP, Sem-MoE Algorithm 2): a sequence is one request and keeps one rank
 for all layers; requests in file order are scored by their tokens' votes (``token_conf`` on
 ``token_rank``), each takes its best unmasked rank which is then masked (the mask resets when all
-ranks are taken); no rank holds more than ``max_ratio`` (1.3) × the mean tokens per rank, unless
-no order of the requests allows it (a request longer than the room left on every rank then goes to
-the least-loaded rank; the report's ``token_imbalance`` shows it).
+ranks are taken); no rank holds more than ``max_ratio`` (1.3) × the mean tokens per rank, unless a
+request finds no rank with room left for it (it then goes to the least-loaded rank; the report's
+``token_imbalance`` shows it; the schedule keeps room for the longest request still to come).
 
 Report keys: ``lar`` (local activation rate: share of (token, layer, k) activations whose expert
 lives on the token's rank at that layer), ``lar_linear`` (linear placement; tp: tokens in file
