@@ -309,8 +309,15 @@ def moe_spec(layer_cls: type, **layer_kwargs: Any) -> "ModuleSpec":
     return ModuleSpec(module=MegatronMoEAdapter, params={"layer_cls": layer_cls, **layer_kwargs})
 
 
-# megatron's own MoELayer (peers) lives in megatron_peer.py; re-exported here for convenience.
-from moelayers.integrations.megatron_peer import load_megatron_weights, megatron_moe_layer  # noqa: E402
+def __getattr__(name: str) -> Any:
+    """megatron's own MoELayer (the peer) lives in megatron_peer.py, which imports this module:
+    ``load_megatron_weights`` and ``megatron_moe_layer`` are re-exported here lazily."""
+    if name in ("load_megatron_weights", "megatron_moe_layer"):
+        from moelayers.integrations import megatron_peer
+
+        return getattr(megatron_peer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "HAVE_MEGATRON", "MEGATRON_BUILD_KWARGS", "MegatronMoEAdapter", "groups_for_megatron",

@@ -424,3 +424,15 @@ def test_router_gemm_fix_without_te():
     logits = moe_utils.router_gating_linear(x, w, None, torch.float32)
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, x.float() @ w.float().t())
+
+
+@pytest.mark.parametrize("module", ["moelayers.integrations.megatron_peer", "moelayers.integrations.megatron"])
+def test_each_integration_module_imports_first(module):
+    """In a fresh interpreter either module may be imported first (they refer to each other)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", f"import {module} as m; "
+                           "from moelayers.integrations.megatron import megatron_moe_layer, load_megatron_weights"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
