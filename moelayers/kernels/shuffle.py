@@ -8,8 +8,9 @@ Two kernels, each with its torch reference:
 - ``bucket_positions``: each token's position inside its bucket (tokens of the same predicted
   rank), ordered by confidence, highest first, ties by token index:
   ``pos[i] = #{j : pred[j] == pred[i] and (conf[j] > conf[i] or (conf[j] == conf[i] and j < i))}``.
-  The definition is a total order on exact values, so the Triton kernel (pairwise counts, no sort)
-  and the reference (two stable sorts) agree bit for bit: the rebatch is identical on every rank.
+  Confidences are compared as float32 (both implementations cast them), where the definition is a
+  total order, so the Triton kernel (pairwise counts, no sort) and the reference (two stable sorts)
+  agree bit for bit: the rebatch is identical on every rank.
 """
 
 from __future__ import annotations
@@ -88,9 +89,12 @@ def shuffle_rows_reference(x: torch.Tensor, index: torch.Tensor, out: torch.Tens
     """
     _check_shuffle(x, index, out)
     t = x.shape[0]
-    padded = torch.nn.functional.pad(x, (0, 0, 0, 1))  # row T is the zero row
-    src = torch.where(index >= 0, index.to(torch.int64), t)
-    rows = padded.index_select(0, src)
+    if t == 0:  # only -1 (zero rows) can be asked of no rows
+        padded = torch.nn.functional.pad(x, (0, 0, 0, 1))
+        rows = padded.index_select(0, torch.where(index >= 0, index.to(torch.int64), t))
+    else:  # an index >= T fails here (IndexError; a device assert on CUDA) instead of reading a zero row
+        valid = (index >= 0)[:, None]
+        rows = torch.where(valid, x.index_select(0, index.to(torch.int64).clamp(min=0)), x.new_zeros(()))
     if out is None or (torch.is_grad_enabled() and x.requires_grad):
         return rows
     out.copy_(rows)

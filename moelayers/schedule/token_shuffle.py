@@ -270,9 +270,11 @@ def capacity_ranks(scores: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor
     out = torch.full((t,), -1, dtype=torch.int64, device=dev)
     room = capacity.to(device=dev, dtype=torch.int64).clone()
     neg_inf = torch.tensor(float("-inf"), dtype=torch.float32, device=dev)
+    # finite scores: a rank with room (even one scored -inf) always beats a full one, so every token is placed
+    finite = torch.nan_to_num(scores.to(torch.float32), nan=-3e38, neginf=-3e38, posinf=3e38)
     for _ in range(r):
         todo = out < 0
-        cand = torch.where(room[None, :] > 0, scores.to(torch.float32), neg_inf)
+        cand = torch.where(room[None, :] > 0, finite, neg_inf)
         choice = torch.argmax(cand, dim=1)
         best = cand.gather(1, choice[:, None])[:, 0]
         pos = bucket_positions(torch.where(todo, choice, -1), torch.where(todo, best, torch.zeros_like(best)))

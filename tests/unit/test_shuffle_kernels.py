@@ -119,3 +119,25 @@ def test_dispatchers_use_references_on_cpu():
     assert torch.equal(shuffle_rows(x, index), _naive_shuffle(x, index))
     pred, conf = torch.tensor([1, 1, 0, 1]), torch.tensor([0.2, 0.5, 0.1, 0.5])
     assert bucket_positions(pred, conf).tolist() == [2, 0, 0, 1]
+
+
+def test_capacity_ranks_places_a_token_scored_minus_inf_where_there_is_room():
+    """Token 0 prefers rank 0 and scores -inf on rank 1; once rank 0 is full it still gets rank 1
+    (it used to keep rank -1, and the rebatch then dropped it from the permutation)."""
+    from moelayers.schedule.token_shuffle import capacity_ranks, rebatch_ranks
+
+    scores = torch.tensor([[0.0, float("-inf")], [0.0, 5.0], [1.0, 0.0], [1.0, 0.0]])
+    ranks = capacity_ranks(scores, torch.tensor([2, 2]))
+    assert ranks.tolist() == [1, 1, 0, 0]
+    assert sorted(rebatch_ranks(ranks, 2).perm.tolist()) == [0, 1, 2, 3]
+
+
+def test_shuffle_reference_refuses_an_index_past_the_rows():
+    """Index T is outside [-1, T): an error, not the padding's zero row."""
+    from moelayers.kernels.shuffle import shuffle_rows_reference
+
+    x = torch.ones(2, 3)
+    assert shuffle_rows_reference(x, torch.tensor([1, -1])).tolist() == [[1.0] * 3, [0.0] * 3]
+    with pytest.raises(IndexError):
+        shuffle_rows_reference(x, torch.tensor([2, 0]))
+    assert shuffle_rows_reference(x[:0], torch.tensor([-1, -1])).tolist() == [[0.0] * 3] * 2
