@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 
 __all__ = [
-    "launch", "under_torchrun", "resolve_backend", "device_for", "run_dir", "to_dict", "print_table",
+    "launch", "under_torchrun", "resolve_backend", "device_for", "run_dir", "invocation", "to_dict", "print_table",
     "write_json", "percentile", "jsonable", "EXECUTION_KWARGS", "shared_execution_kwargs",
 ]
 
@@ -76,6 +77,20 @@ def run_dir(default: str = ".") -> str:
         return str(HydraConfig.get().runtime.output_dir)
     except Exception:  # not inside @hydra.main
         return os.path.abspath(default)
+
+
+def invocation() -> dict:
+    """How this run was started, for its own outputs (the recipes keep no ``.hydra/`` in the run dir:
+    ``hydra.output_subdir: null``): ``argv`` and the Hydra command-line ``overrides`` (empty outside
+    a Hydra app)."""
+    overrides: list[str] = []
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        overrides = [str(o) for o in HydraConfig.get().overrides.task]
+    except Exception:  # not inside @hydra.main
+        pass
+    return {"argv": [str(a) for a in sys.argv], "overrides": overrides}
 
 
 def to_dict(cfg: Any) -> dict:

@@ -20,6 +20,10 @@ a shared machine hits both sides alike.
 metrics with its ``seed``), ``seeds`` and ``comparison``: per compared metric the two medians, their
 ratio and difference, whether ours is better and on how many seeds, plus the flags ``lar_higher``,
 ``a2a_bytes_lower``, ``tpot_p90_lower``, ... and ``same_requests``.
+
+Medians need at least :data:`MIN_SEEDS` (3) seeds. Fewer are allowed (quick checks and the tests
+use 2), but the run prints a warning before it starts and after, and ``results.json`` says
+``"seeds_below_minimum": true`` with the warning in ``warnings``.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -45,6 +50,8 @@ COMPARED = (("lar", "higher", "lar_higher"), ("a2a_bytes", "lower", "a2a_bytes_l
             ("ttft_p99_s", "lower", "ttft_p99_lower"), ("imbalance", "lower", "imbalance_lower"),
             ("emulated_expert_s", "lower", "emulated_expert_lower"))
 SIDES = ("ours", "baseline")
+#: the fewest seeds whose medians the comparison vouches for (fewer: ``seeds_below_minimum``)
+MIN_SEEDS = 3
 
 
 # ---------------------------------------------------------------------- config
@@ -69,6 +76,15 @@ def seeds(cfg: dict) -> list[int]:
             and all(isinstance(s, int) and not isinstance(s, bool) for s in spec)):
         return [int(s) for s in spec]
     raise ValueError(f"compare.seeds must be a positive int or a list of distinct ints, got {spec!r}")
+
+
+def seeds_warning(cfg_or_seeds: dict | list[int]) -> str | None:
+    """The warning for fewer than :data:`MIN_SEEDS` seeds (``None`` when there are enough)."""
+    chosen = cfg_or_seeds if isinstance(cfg_or_seeds, list) else seeds(cfg_or_seeds)
+    if len(chosen) >= MIN_SEEDS:
+        return None
+    return (f"compare.seeds gives {len(chosen)} seed(s) {chosen}: below the minimum of {MIN_SEEDS} for medians "
+            f"over seeds; the comparison is indicative only (results.json: seeds_below_minimum=true)")
 
 
 def baseline_layer(spec: Any, conf_dir: str) -> dict:
@@ -178,8 +194,9 @@ def comparison(runs: dict[str, list[dict]], ours: dict, base: dict) -> dict:
     return {**flags, "same_requests": same, "metrics": metrics}
 
 
-def build_results(run_results: list[dict], cfg: dict, wall_s: float) -> dict:
-    """The comparison's results dict (see the module docstring) from every run's results."""
+def build_results(run_results: list[dict], cfg: dict, wall_s: float, command: dict | None = None) -> dict:
+    """The comparison's results dict (see the module docstring) from every run's results
+    (``command``: how the run was started, ``recipes._common.invocation``)."""
     runs = {side: sorted((dict(r) for r in run_results if r["side"] == side), key=lambda r: r["seed"])
             for side in SIDES}
     for side in SIDES:
@@ -187,7 +204,10 @@ def build_results(run_results: list[dict], cfg: dict, wall_s: float) -> dict:
             r.pop("config", None)  # the top-level config, with this run's seed / layer / scheduler
     ours, base = side_summary(runs["ours"]), side_summary(runs["baseline"])
     echo = {k: v for k, v in cfg.items() if k != "run_dir" and not k.startswith("_")}
-    return {**ours, "config": echo, "baseline": base, "seeds": ours["seeds"],
+    warning = seeds_warning(ours["seeds"])
+    return {**ours, "config": echo, **({"command": command} if command is not None else {}),
+            "baseline": base, "seeds": ours["seeds"],
+            "seeds_below_minimum": warning is not None, "warnings": [warning] if warning else [],
             "comparison": comparison(runs, ours, base),
             "compare": {"baseline_layer": runs["baseline"][0]["layer"], "baseline_scheduler": base["scheduler"],
                         "order": "per seed, ours first on even seed indices, the baseline first on odd ones"},
@@ -314,14 +334,16 @@ def plot_rank_load_sides(res: dict, path: str) -> None:
     plt.close(fig)
 
 
-def summarize(run_results: list[dict], cfg: dict, out_dir: str, wall_s: float) -> dict:
+def summarize(run_results: list[dict], cfg: dict, out_dir: str, wall_s: float, command: dict | None = None) -> dict:
     """Build the results, print the tables, write results.json, compare.png and rank_load.png."""
-    res = build_results(run_results, cfg, wall_s)
+    res = build_results(run_results, cfg, wall_s, command)
     for note in res["notes"]:
         print(f"note (ours): {note}")
     for note in res["baseline"]["notes"]:
         print(f"note (baseline): {note}")
     print_tables(res)
+    for warning in res["warnings"]:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     path = write_json(os.path.join(out_dir, "results.json"), res)
     print(f"results: {path}  ({len(run_results)} runs, {wall_s:.1f} s)")
     if cfg.get("plot", True):

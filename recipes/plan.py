@@ -36,7 +36,8 @@ files moved into place, ``report.json`` last):
   per-layer LARs; GEM: ``score`` (chosen planner), ``score_linear``, ``score_eplb``, ``score_gem``
   (``score_semantic``), ``gem_vs_linear`` / ``gem_vs_eplb`` (relative reductions of the GEM score:
   0.08 = 8 % lower), ``vs_linear`` / ``vs_eplb`` (the same for the chosen planner), ``train_score*``,
-  ``per_layer`` scores; and the config;
+  ``per_layer`` scores; the resolved ``config`` and ``command`` (``argv``, Hydra ``overrides``;
+  the run dir gets no ``.hydra/`` and no log file, and a failed run writes nothing there);
 * ``assignment.npz`` (compressed): ``expert_rank [L, E]`` int64 (the chosen placement; for
   linear/eplb/gem this is the placement file: ``ExpertPlacement.from_expert_rank(expert_rank[l],
   num_ranks=ep)`` per layer), ``expert_rank_<planner> [L, E]`` for every placement the report scores
@@ -89,7 +90,7 @@ import hydra  # noqa: E402
 import numpy as np  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from recipes._common import config_trace, print_table, run_dir, to_dict, write_json  # noqa: E402
+from recipes._common import config_trace, invocation, print_table, run_dir, to_dict, write_json  # noqa: E402
 from recipes._plots import plot_plan  # noqa: E402
 from recipes._plan_tools import DP_MAX_RATIO, MODES, commit_files, even_token_rank, lar_report  # noqa: E402
 
@@ -304,6 +305,7 @@ def run(d: dict) -> dict:
         "held_out_steps": int(test_loads.shape[1]), "tokens_per_step": tps, "train_fraction": frac,
         "seed": int(d["seed"]), "trace": tc.get("path") or "synthetic",
         "config": {k: v for k, v in d.items() if k != "run_dir"},
+        "command": invocation(),  # argv and Hydra overrides (the run dir holds no .hydra/)
     }
     write_outputs(d["run_dir"], report, plans, name, token_rank, held_out, curves, semantic)
     return report

@@ -8,7 +8,9 @@ tile) up to ``profile.dense_until``, then sparsely (every ``profile.sparse_step`
 and writes ``curves.npz`` (``rows [N]``, ``latency_s [R, N]`` — the least-squares non-decreasing fit
 of the measurements, which ``LatencyCurves`` requires —, ``latency_raw_s [R, N]``, ``device_names``)
 atomically into the run dir with a picture of them (``curves.png``: each rank's curve, and its
-latency relative to the fastest rank), and prints the spread between the GPUs.
+latency relative to the fastest rank), and prints the spread between the GPUs. ``curves.npz`` also
+holds ``config``: the resolved config and the command line as a JSON string (the run dir gets no
+``.hydra/`` and no log file, and a run that fails writes nothing there).
 
     torchrun --standalone --nproc_per_node=2 recipes/profile.py parallel=gpu      # GPUs
     python recipes/profile.py profile=cpu_smoke                                   # 2 gloo processes, tiny shape
@@ -16,6 +18,7 @@ latency relative to the fastest rank), and prints the spread between the GPUs.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -32,7 +35,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from recipes._common import device_for, launch, run_dir, shutdown, to_dict  # noqa: E402
+from recipes._common import device_for, invocation, jsonable, launch, run_dir, shutdown, to_dict  # noqa: E402
 from recipes._plots import plot_curves  # noqa: E402
 
 
@@ -163,22 +166,25 @@ def monotone_fit(latency_s: np.ndarray) -> np.ndarray:
     return out
 
 
-def save_curves(path: str, rows, latency_s: np.ndarray, device_names, raw_latency_s: np.ndarray | None = None) -> None:
+def save_curves(path: str, rows, latency_s: np.ndarray, device_names, raw_latency_s: np.ndarray | None = None,
+                config: dict | None = None) -> None:
     """Write the curves file atomically (the format ``LatencyCurves.load`` reads; ``latency_raw_s``:
-    the measurements before :func:`monotone_fit`)."""
+    the measurements before :func:`monotone_fit`; ``config``: stored as a JSON string)."""
     from moelayers.files import atomic_write
 
     extra = {} if raw_latency_s is None else {"latency_raw_s": np.asarray(raw_latency_s, dtype=np.float64)}
+    if config is not None:
+        extra["config"] = np.str_(json.dumps(jsonable(config), sort_keys=True))
     arrays = dict(rows=np.asarray(rows, dtype=np.int64), latency_s=np.asarray(latency_s, dtype=np.float64),
                   device_names=np.asarray(device_names, dtype=str), **extra)
     atomic_write(path, lambda fh: np.savez(fh, **arrays))
 
 
-def summarize(res: dict, out_dir: str) -> str:
+def summarize(res: dict, out_dir: str, config: dict | None = None) -> str:
     raw, rows = res["latency_s"], res["rows"]
     lat = monotone_fit(raw)
     path = os.path.join(out_dir, "curves.npz")
-    save_curves(path, rows, lat, res["device_names"], raw)
+    save_curves(path, rows, lat, res["device_names"], raw, config=config)
     plot_curves(rows, lat, raw, res["device_names"], os.path.join(out_dir, "curves.png"))
     picks = [i for i, n in enumerate(rows) if n in (1, 128, 1024, 4096, 16384)] or [0, len(rows) - 1]
     table = [("rows", *[f"rank {r}" for r in range(lat.shape[0])], "max/min")]
@@ -204,7 +210,8 @@ def main(cfg: DictConfig) -> None:
     sample_rows(int(p["tile"]), int(p["dense_until"]), int(p["sparse_step"]), int(p["max_rows"]))
     res = launch(d, profile_worker)
     if res is not None:
-        summarize(res, d["run_dir"])
+        echo = {k: v for k, v in d.items() if k != "run_dir"}
+        summarize(res, d["run_dir"], config={"config": echo, "command": invocation()})
     shutdown()
 
 

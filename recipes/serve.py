@@ -9,13 +9,19 @@ calls the MoE layers with zero tokens — and stop when an all-reduce says every
 Measured: per request TTFT (arrival to first token) and TPOT (mean gap between output tokens),
 output throughput, LAR and imbalance of the MoE layers (summed over layers and steps, reduced over
 ranks), activations received per rank per step. Rank 0 prints a summary table and writes
-``results.json`` and ``rank_load.png`` into the Hydra run dir.
+``results.json`` (with the resolved ``config`` and the ``command``: argv and Hydra overrides) and
+``rank_load.png`` into the Hydra run dir, nothing else: no ``.hydra/``, no log file, and a run that
+fails on bad input writes nothing there (:func:`check_config` checks the files it is given, plan,
+curves and trace, against the run before any rank starts).
 
 ``router=replay`` replays a routing trace (``trace.path=FILE``, or a synthetic one): each request
 is one trace sequence, teacher-forced — its first ``workload.prompt_fraction`` (at least one token)
 is the prompt, the rest is fed one token per decode step — and MoE layer ``i`` is forced to the
 trace's layer ``i mod L``. A request of ``n`` tokens with a prompt of ``p`` emits ``n - p + 1``
 output tokens (one from the prefill, one per decode step; the last is past the trace's end).
+Requests replay sequences ``trace.request_offset ..`` (``workload.num_requests`` of them): empty
+sequences are skipped and a trace that ends early gives fewer requests, both noted in results.json
+(``notes``, ``skipped_empty_sequences``); an offset that leaves no request is an error.
 
 Usage::
 
@@ -69,7 +75,7 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes import _serve_compare as compare  # noqa: E402
-from recipes._common import config_trace, device_for, launch, percentile, print_table, run_dir, shutdown, to_dict, write_json  # noqa: E402
+from recipes._common import config_trace, device_for, invocation, launch, percentile, print_table, run_dir, shutdown, to_dict, write_json  # noqa: E402
 from recipes._plots import plot_rank_load  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -110,14 +116,54 @@ def sample_lengths(rng: np.random.Generator, spec: dict, n: int) -> np.ndarray:
     return np.maximum(out.astype(np.int64), 1)
 
 
+def replay_sequences(cfg: dict, trace) -> tuple[list[int], list[str], int]:
+    """The trace sequences the requests replay, notes about the ones left out, and how many empty
+    sequences were skipped.
+
+    Request ``i`` replays the ``i``-th non-empty sequence of ``request_offset .. request_offset +
+    workload.num_requests - 1``: empty (zero-token) sequences are skipped (a request needs at least
+    one prompt token), and a trace that ends early gives fewer requests; both are noted.
+
+    Raises:
+        ValueError: no request left (the offset is past the trace's end, or every sequence of the
+            window is empty); the message names the trace and its sequence count.
+    """
+    n, offset = int(cfg["workload"]["num_requests"]), request_offset(cfg)
+    num_seq, name = trace.num_sequences, _trace_name(cfg, trace)
+    if offset >= num_seq:
+        raise ValueError(f"trace.request_offset={offset} leaves no request: {name} has {num_seq} sequence(s) "
+                         f"(request i replays sequence request_offset + i)")
+    window = range(offset, min(offset + n, num_seq))
+    lengths = trace.seq_lengths
+    seqs = [s for s in window if lengths[s] > 0]
+    notes = []
+    if len(window) < n:
+        notes.append(f"{name} has {num_seq} sequence(s): trace.request_offset={offset} leaves {len(window)} of "
+                     f"workload.num_requests={n} requests (sequences {offset}..{num_seq - 1})")
+    if len(seqs) < len(window):
+        empty = [s for s in window if lengths[s] == 0]
+        shown = ", ".join(str(s) for s in empty[:10]) + (", ..." if len(empty) > 10 else "")
+        notes.append(f"skipped {len(empty)} empty sequence(s) of {name} (no tokens to replay): {shown}")
+    if not seqs:
+        raise ValueError(f"no request left: sequences {window.start}..{window.stop - 1} of {name} "
+                         f"({num_seq} sequence(s)) are all empty")
+    return seqs, notes, len(window) - len(seqs)
+
+
+def _trace_name(cfg: dict, trace) -> str:
+    path = (cfg.get("trace") or {}).get("path")
+    return f"trace {path}" if path else "the synthetic trace"
+
+
 def make_requests(cfg: dict, vocab_size: int, trace=None) -> list[Request]:
-    """The request list, identical on every rank (seeded by ``cfg['seed']``)."""
+    """The request list, identical on every rank (seeded by ``cfg['seed']``); with a trace, one
+    request per sequence of :func:`replay_sequences`."""
     wl = cfg["workload"]
     rng = np.random.default_rng(cfg["seed"])
     n = int(wl["num_requests"])
-    offset = request_offset(cfg) if trace is not None else 0
     if trace is not None:
-        n = max(0, min(n, trace.num_sequences - offset))
+        seqs = replay_sequences(cfg, trace)[0]
+        n = len(seqs)
     rate = wl.get("rate")
     gaps = rng.exponential(1.0 / float(rate), size=n) if rate and float(rate) > 0 else np.zeros(n)
     arrivals = np.cumsum(gaps)
@@ -128,10 +174,10 @@ def make_requests(cfg: dict, vocab_size: int, trace=None) -> list[Request]:
                 for i in range(n)]
     frac = float(wl.get("prompt_fraction", 0.5))
     reqs = []
-    for i in range(n):
-        toks = trace.token_ids[trace.sequence_slice(offset + i)].tolist()
+    for i, seq in enumerate(seqs):
+        toks = trace.token_ids[trace.sequence_slice(seq)].tolist()
         p = min(len(toks), max(1, int(round(frac * len(toks)))))
-        reqs.append(Request(i, float(arrivals[i]), toks[:p], len(toks) - p + 1, trace_seq=offset + i, forced=toks[p:]))
+        reqs.append(Request(i, float(arrivals[i]), toks[:p], len(toks) - p + 1, trace_seq=seq, forced=toks[p:]))
     return reqs
 
 
@@ -304,6 +350,10 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
     model = build_model(mcfg, layer_cfg, groups, device, int(cfg["seed"]), plan=plan)
     emulators = var.apply(model.moe_layers)
     requests = make_requests(cfg, int(mcfg["vocab_size"]), trace)
+    skipped_empty = 0
+    if trace is not None:
+        _, replay_notes, skipped_empty = replay_sequences(cfg, trace)
+        notes += replay_notes
     owner = get_scheduler(cfg["scheduler"])(requests, world, cfg)
     in_sample = in_sample_requests(cfg, requests, trace, plan is not None)
     if in_sample:
@@ -405,6 +455,8 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
     if res is not None:
         res["replans"] = replans
         res["in_sample_requests"] = in_sample
+        if trace is not None:
+            res["skipped_empty_sequences"] = skipped_empty
     return res
 
 
@@ -560,21 +612,98 @@ def uses_plan(layer_cfg: dict) -> bool:
     return hasattr(getattr(importlib.import_module(mod), name), "from_plan")
 
 
+def serve_sizes(d: dict) -> tuple[int, int]:
+    """``(world, ep)``: the ranks (torchrun's ``WORLD_SIZE``, else ``parallel.world_size``) and the
+    expert-parallel size (``parallel.ep``, default the world), as ``ParallelGroups.from_world`` sees them."""
+    from recipes._common import under_torchrun
+
+    par = d.get("parallel") or {}
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else int(par.get("world_size", 1))
+    return world, int(par.get("ep") or world)
+
+
+def _plan_path_key(d: dict) -> str:
+    sched = d["scheduler"]
+    return "scheduler.plan_path" if isinstance(sched, dict) and sched.get("plan_path") else "layer.plan_path"
+
+
+def check_plan_file(d: dict, path: str, trace) -> None:
+    """The semantic plan file of ``layer=semantic`` / ``scheduler=semantic`` against this run: mode
+    dp (attention-DP serving), the model's experts and the expert-parallel ranks (a plan layer), the
+    world (the semantic scheduler) and a vocabulary covering the requests' token ids (the semantic
+    scheduler). ``trace``: the replay trace file, or ``None``.
+
+    Raises:
+        ValueError: naming the file (and the config key that gave it).
+    """
+    from moelayers.planning.semantic import SemanticPlan
+
+    key = f"{_plan_path_key(d)}={path}"
+    plan = SemanticPlan.load(path)  # its errors name the file
+    world, ep = serve_sizes(d)
+    mcfg, _ = fit_model_to_trace(d["model"], trace)
+    layer_uses_plan = uses_plan(d["layer"])
+    sched_uses_plan = scheduler_name(d["scheduler"]) == "semantic"
+    if plan.mode != "dp":
+        raise ValueError(f"{key}: semantic plan field 'mode' is {plan.mode!r}, but serve.py runs attention "
+                         f"data-parallel (mode dp); re-plan with recipes/plan.py planner=semantic mode=dp")
+    try:
+        if layer_uses_plan:
+            plan.check_compatible(int(mcfg["num_experts"]), ep)
+        if sched_uses_plan:
+            plan.check_compatible(None, world)
+    except ValueError as e:
+        raise ValueError(f"{key}: {e}" if str(path) not in str(e) else str(e)) from None
+    if sched_uses_plan:
+        # the scheduler reads the prompts' token ids: trace tokens with a replay trace, else drawn
+        # from the model's vocabulary
+        vocab, what = ((trace.vocab_size, f"the replay trace {d['trace']['path']}") if trace is not None
+                       else (int(mcfg["vocab_size"]), "the model (model.vocab_size)"))
+        if plan.vocab_size < vocab:
+            raise ValueError(f"{key}: semantic plan field 'vocab_size' is {plan.vocab_size}, smaller than the "
+                             f"vocab_size {vocab} of {what}: token ids >= {plan.vocab_size} have no entry in the "
+                             f"plan's token table; re-plan on a trace with this vocabulary")
+
+
+def check_curves_file(d: dict) -> None:
+    """``variability.curves.path``: the profiled latency curves must exist and be for the
+    expert-parallel ranks, whether or not this run uses them (a wrong file given is an error).
+
+    Raises:
+        FileNotFoundError / ValueError: naming the file.
+    """
+    from moelayers.emulation import VariabilitySettings
+    from moelayers.planning.gem import LatencyCurves
+
+    path = VariabilitySettings.from_config(d).curves_path
+    if not path:
+        return
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"variability.curves.path={path} does not exist")
+    _, ep = serve_sizes(d)
+    try:
+        LatencyCurves.load(path).check_ranks(ep)
+    except ValueError as e:
+        raise ValueError(f"variability.curves.path={path}: {e}" if str(path) not in str(e) else str(e)) from None
+
+
 def check_config(d: dict) -> None:
     """Fail fast in the launching process on config mistakes (before any rank starts)."""
     from moelayers.emulation import VariabilitySettings
 
     get_scheduler(d["scheduler"])
+    plan_path = None
     if scheduler_name(d["scheduler"]) == "semantic" or uses_plan(d["layer"]):
-        path = semantic_plan_path(d)
-        if path and not os.path.isfile(path):
-            raise FileNotFoundError(f"semantic plan {path} does not exist")
-        if not path and d["router"]["name"] != "replay":
+        plan_path = semantic_plan_path(d)
+        if plan_path and not os.path.isfile(plan_path):
+            raise FileNotFoundError(f"semantic plan {plan_path} does not exist")
+        if not plan_path and d["router"]["name"] != "replay":
             raise ValueError("layer=semantic / scheduler=semantic need a plan: layer.plan_path=FILE, "
                              "scheduler={name:semantic,plan_path:FILE}, or router=replay (planned on the trace)")
     if (d["layer"].get("kwargs") or {}).get("mode") == "tp":
         raise ValueError("serve.py runs attention data-parallel: use the layer's mode=dp (layer.kwargs.mode=dp)")
     VariabilitySettings.from_config(d)  # variability / emulation keys (optional)
+    check_curves_file(d)
     router = d["router"]["name"]
     if router not in ("learned", "replay"):
         raise ValueError(f"router must be learned or replay, got {router!r}")
@@ -582,6 +711,7 @@ def check_config(d: dict) -> None:
         raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {d['model']['dtype']!r}")
     if int(d["max_batch_size"]) < 1:
         raise ValueError(f"max_batch_size must be >= 1, got {d['max_batch_size']}")
+    trace = None
     if router == "replay":
         path = d["trace"].get("path")
         if path and not os.path.isfile(path):
@@ -593,6 +723,26 @@ def check_config(d: dict) -> None:
             raise ValueError(f"trace.request_offset must be an int >= 0, got {offset!r}")
         if not path and num_seq and int(num_seq) <= offset:
             raise ValueError(f"trace.request_offset={offset} leaves no sequence of trace.num_sequences={num_seq}")
+        if path:
+            trace = _load_trace_file(path)
+            replay_sequences(d, trace)  # no request left: an error naming the file
+    if plan_path:
+        check_plan_file(d, plan_path, trace)
+
+
+def _load_trace_file(path: str):
+    """``load_trace(path)``, once per file and process (check_config runs per side of a comparison)."""
+    from moelayers.trace import load_trace
+
+    stat = os.stat(path)
+    key = (path, stat.st_mtime_ns, stat.st_size)
+    if key not in _TRACE_FILES:
+        _TRACE_FILES.clear()
+        _TRACE_FILES[key] = load_trace(path)
+    return _TRACE_FILES[key]
+
+
+_TRACE_FILES: dict = {}
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
@@ -603,20 +753,27 @@ def main(cfg: DictConfig) -> None:
     for holder in (d["layer"], d["scheduler"]):
         if isinstance(holder, dict) and holder.get("plan_path"):
             holder["plan_path"] = hydra.utils.to_absolute_path(holder["plan_path"])
+    var = d.get("variability")
+    if isinstance(var, dict) and isinstance(var.get("curves"), dict) and var["curves"].get("path"):
+        var["curves"]["path"] = hydra.utils.to_absolute_path(var["curves"]["path"])
     check_config(d)
     d["run_dir"] = run_dir()
     if compare.enabled(d):
         runs = compare.run_configs(d, os.path.join(os.path.dirname(_HERE), "conf"))
         for run in runs[:2]:  # ours and the baseline
             check_config(run)
+        warning = compare.seeds_warning(d)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
         par = dict(d["parallel"], timeout_s=float(d["parallel"].get("timeout_s", 600)) * len(runs))
         t0 = time.perf_counter()
         res = launch(dict(d, parallel=par, _runs=runs), compare_worker)
         if res is not None:
-            compare.summarize(res, d, d["run_dir"], time.perf_counter() - t0)
+            compare.summarize(res, d, d["run_dir"], time.perf_counter() - t0, command=invocation())
     else:
         res = launch(d, serve_worker)
         if res is not None:
+            res["command"] = invocation()  # argv and Hydra overrides (the run dir holds no .hydra/)
             summarize(res, d["run_dir"])
     shutdown()
 

@@ -88,7 +88,8 @@ class SemanticScheduler:
 
     Raises:
         ValueError: ``layer`` out of range, tables of inconsistent shapes, a plan for another
-            number of ranks, or a negative ``total_tokens`` / ``max_ratio`` below 1.
+            number of ranks, or a negative ``total_tokens`` / ``max_ratio`` below 1. :meth:`assign`
+            and :meth:`scores`: a token id outside ``[0, vocab_size)`` of the plan.
     """
 
     def __init__(self, plan: Any, *, layer: int = 0, num_ranks: int | None = None, total_tokens: int | None = None,
@@ -108,6 +109,7 @@ class SemanticScheduler:
         self.token_conf = np.nan_to_num(tc[layer].astype(np.float64), nan=0.0)
         self.token_conf[(self.token_rank < 0) | (self.token_rank >= self.num_ranks)] = 0.0
         self.vocab_size = self.token_rank.shape[0]
+        self.source = getattr(plan, "source", None)  # the plan's file, for errors
         if total_tokens is not None and (isinstance(total_tokens, bool) or int(total_tokens) != total_tokens
                                          or total_tokens < 0):
             raise ValueError(f"total_tokens must be None or an int >= 0, got {total_tokens!r}")
@@ -119,15 +121,20 @@ class SemanticScheduler:
         self.token_loads = np.zeros(self.num_ranks, dtype=np.int64)
 
     def scores(self, token_ids: Any) -> np.ndarray:
-        """``[R]`` float64 confidence-weighted votes of the request's tokens (unseen tokens: none).
+        """``[R]`` float64 confidence-weighted votes of the request's tokens (tokens the plan never
+        saw, confidence 0: none).
 
         Raises:
-            ValueError: a negative token id.
+            ValueError: a token id outside the plan's vocabulary ``[0, vocab_size)`` (not silently
+                dropped: the plan was made for another vocabulary).
         """
         ids = _token_array(token_ids)
-        if ids.size and ids.min() < 0:
-            raise ValueError(f"token ids must be >= 0, got {int(ids.min())}")
-        ids = ids[ids < self.vocab_size]
+        if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
+            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+            where = f"{self.source}: " if self.source else ""
+            raise ValueError(f"{where}token id {bad} is outside the plan's vocabulary "
+                             f"[0, vocab_size={self.vocab_size}): token ids must be >= 0 and < vocab_size; "
+                             f"use a plan made for this vocabulary")
         conf = self.token_conf[ids]
         seen = conf > 0
         return np.bincount(self.token_rank[ids[seen]], weights=conf[seen], minlength=self.num_ranks).astype(np.float64)

@@ -211,9 +211,14 @@ def test_script_honours_run_dir(trace_file, tmp_path):
     proc = run_script(tmp_path, f"trace.path={trace_file}", "planner=semantic", "mode=dp", "parallel.ep=2",
                       f"hydra.run.dir={out}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert {"report.json", "assignment.npz", "plan.npz", "curves.npz", "plan.png"} <= {p.name for p in out.iterdir()}
+    # the outputs only: no .hydra/, no plan.log; report.json records the config and the command
+    assert {"report.json", "assignment.npz", "plan.npz", "curves.npz", "plan.png"} == {p.name for p in out.iterdir()}
     assert (out / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads((out / "report.json").read_text())["mode"] == "dp"
+    report = json.loads((out / "report.json").read_text())
+    assert report["mode"] == "dp" and report["config"]["parallel"]["ep"] == 2
+    assert report["command"]["overrides"] == ["progress=false", f"trace.tokens_per_step={TPS}",
+                                              f"trace.path={trace_file}", "planner=semantic", "mode=dp",
+                                              "parallel.ep=2"]
     assert "lar" in proc.stdout and str(out / "report.json") in proc.stdout
 
 
@@ -225,7 +230,7 @@ def test_script_bad_trace_fails_cleanly(tmp_path):
     proc = run_script(tmp_path, f"trace.path={bad}", "planner=semantic", f"hydra.run.dir={out}")
     assert proc.returncode != 0
     assert "seq_offsets" in proc.stderr and str(bad) in proc.stderr
-    assert not (out / "report.json").exists() and not (out / "plan.npz").exists()
+    assert not out.exists() or not list(out.iterdir())  # nothing at all: no report, no .hydra/, no plan.log
 
 
 # ------------------------------------------------------------------------------------ bad input

@@ -1,5 +1,6 @@
 """recipes/profile.py end to end on CPU (2 gloo processes, tiny shape): a loadable curves file."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,21 @@ def test_profile_writes_curves(tmp_path):
     assert LatencyCurves.load(out / "curves.npz").num_ranks == 2  # what plan.py curves.path=... reads
     assert "largest max/min between GPUs" in proc.stdout
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the picture of the curves
+    # the outputs only (no .hydra/, no profile.log); curves.npz records the config and the command
+    assert {p.name for p in out.iterdir()} == {"curves.npz", "curves.png"}
+    with np.load(out / "curves.npz", allow_pickle=False) as d:
+        rec = json.loads(str(d["config"]))
+    assert rec["command"]["overrides"] == ["profile=cpu_smoke"] and rec["config"]["profile"]["tile"] == 16
+
+
+@pytest.mark.timeout(60)
+def test_profile_bad_input_writes_nothing(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "profile.py"), "profile=cpu_smoke",
+                           "profile.tile=0", f"hydra.run.dir={out}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=50)
+    assert proc.returncode != 0 and "bad sampling" in proc.stderr
+    assert not out.exists() or not list(out.iterdir())
 
 
 def _profile_module():

@@ -82,6 +82,10 @@ def test_compare_variability_vs_vanilla_same_emulated_hardware(tmp_path):
                       "compare.layer=vanilla", "compare.seeds=2", "seed=3", "progress=false", "plot=false")
     _check_structure(res, seeds, "variability", "vanilla")
     assert not (tmp_path / "run" / "compare.png").exists()
+    assert {p.name for p in (tmp_path / "run").iterdir()} == {"results.json"}  # no .hydra/, no serve.log
+    assert res["command"]["overrides"][-1] == "plot=false"
+    # 2 seeds (for speed) run, flagged: medians want at least 3
+    assert res["seeds_below_minimum"] is True and "below the minimum of 3" in res["warnings"][0]
     for side in ("ours", "baseline"):  # both sides run on the same emulated slow rank 0
         for r in res["runs"][side]:
             assert "emulated variability=high (curve mode) on rank 0" in r["notes"]
@@ -107,6 +111,12 @@ def test_compare_config_errors(tmp_path):
     for bad in (0, [], [1, 1], "3", True):
         with pytest.raises(ValueError, match="compare.seeds"):
             compare.seeds(dict(cfg, compare={"layer": "vanilla", "seeds": bad}))
+    # fewer than 3 seeds: allowed (quick checks, the tests above) but warned about and flagged
+    assert compare.MIN_SEEDS == 3 and compare.seeds_warning(cfg) is None
+    assert compare.seeds_warning(dict(cfg, compare={"layer": "vanilla", "seeds": [4, 9, 1]})) is None
+    for few, got in ((1, [5]), (2, [5, 6]), ([7, 3], [7, 3])):
+        warning = compare.seeds_warning(dict(cfg, compare={"layer": "vanilla", "seeds": few}))
+        assert f"{len(got)} seed(s) {got}: below the minimum of 3" in warning and "seeds_below_minimum=true" in warning
     with pytest.raises(FileNotFoundError, match="no_such_layer"):
         compare.run_configs(dict(cfg, compare={"layer": "no_such_layer"}), conf)
 
@@ -130,3 +140,20 @@ def test_compare_baseline_executes_like_ours_and_reads_our_plan():
     cfg["compare"] = {"layer": "vanilla", "scheduler": {"name": "semantic", "plan_path": "other.npz"}, "seeds": 1}
     base = next(r for r in compare.run_configs(cfg, conf) if r["_side"] == "baseline")
     assert base["scheduler"] == {"name": "semantic", "plan_path": "other.npz", "plan_train_fraction": 0.25}
+
+
+def test_compare_results_flag_fewer_than_three_seeds():
+    """build_results: ``seeds_below_minimum`` and the warning follow the number of seeds run."""
+    from recipes import _serve_compare as compare
+
+    def run(side, seed):
+        return {"side": side, "seed": seed, "layer": side, "router": "replay", "scheduler": "round_robin",
+                "world_size": 2, "model": {}, "notes": [], "rank_loads": [1, 1], "requests_digest": str(seed),
+                **{k: 1.0 for k in compare.MEDIAN_KEYS}}
+
+    cfg = {"seed": 0, "compare": {"layer": "vanilla"}}
+    for seeds, below in (([0, 1], True), ([0], True), ([0, 1, 2], False), ([0, 1, 2, 3], False)):
+        res = compare.build_results([run(side, s) for s in seeds for side in compare.SIDES], cfg, 1.0,
+                                    command={"argv": ["serve.py"], "overrides": []})
+        assert res["seeds"] == seeds and res["seeds_below_minimum"] is below
+        assert len(res["warnings"]) == below and res["command"]["argv"] == ["serve.py"]

@@ -67,7 +67,11 @@ def _serve(run_dir: Path, *overrides: str) -> dict:
     assert proc.returncode == 0, f"serve failed:\n{proc.stdout}\n{proc.stderr}"
     assert "throughput" in proc.stdout and "LAR" in proc.stdout  # the summary table
     assert (run_dir / "rank_load.png").stat().st_size > 1000
+    # the run dir holds the recipe's outputs only (no .hydra/, no serve.log): results.json records
+    # the config and the command itself
+    assert {p.name for p in run_dir.iterdir()} == {"results.json", "rank_load.png"}
     res = json.loads((run_dir / "results.json").read_text())
+    assert res["command"]["overrides"] == ["parallel.world_size=2", *overrides]
     for key in KEYS:
         assert key in res, key
     assert res["world_size"] == 2 and res["layer"] == "vanilla"
@@ -121,3 +125,166 @@ def test_serve_replay_trace_file(tmp_path):
     assert res["lar"] == pytest.approx(local / total, abs=1e-12)
     assert res["rank_loads"] == loads.tolist()
     assert np.asarray(res["rank_load_per_step"]).sum(0).tolist() == loads.tolist()
+
+
+# ---------------------------------------------------------------------- bad input, checked up front
+def _serve_fails(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(SERVE), "parallel.world_size=2", f"hydra.run.dir={run_dir}", "progress=false",
+           *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode != 0, proc.stdout
+    return proc
+
+
+def _config(*overrides: str) -> dict:
+    """serve.py's resolved config for these overrides (what main hands check_config)."""
+    from hydra import compose, initialize_config_dir
+
+    from recipes._common import to_dict
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
+        return to_dict(compose("config", overrides=["parallel.world_size=2", *overrides]))
+
+
+def _trace_with_empty_sequences(path: Path, lengths: list[int]):
+    """A replay trace (4 experts, 2 layers, top-2, vocab 100) whose sequences have these lengths (0: empty)."""
+    from moelayers.trace import RoutingTrace, save_trace
+
+    rng = np.random.default_rng(0)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    n = int(offsets[-1])
+    topk = np.stack([rng.permutation(4)[:2] for _ in range(n * 2)]).reshape(n, 2, 2).astype(np.int64)
+    trace = RoutingTrace(topk, rng.integers(0, 100, size=n).astype(np.int64), offsets, 4, vocab_size=100)
+    save_trace(trace, path)
+    return trace
+
+
+@pytest.mark.timeout(90)
+def test_serve_bad_input_writes_nothing_in_the_run_dir(tmp_path):
+    """A run refused on bad input leaves the run dir as it was: no .hydra/, no serve.log, and a
+    reused dir keeps the earlier run's files untouched (the error names the plan file)."""
+    from tests.distributed.test_semantic import make_plan
+
+    plan = tmp_path / "plan16.npz"
+    make_plan(16, 2, vocab=512, mode="dp").save(plan)  # the tiny model has 8 experts
+    run = tmp_path / "run"
+    proc = _serve_fails(run, "layer=semantic", "scheduler=semantic", f"layer.plan_path={plan}")
+    assert str(plan) in proc.stderr and "num_experts" in proc.stderr
+    assert not run.exists() or not list(run.iterdir())
+    reused = tmp_path / "reused"
+    reused.mkdir()
+    (reused / "results.json").write_text('{"earlier": true}\n')
+    _serve_fails(reused, "layer=semantic", "scheduler=semantic", f"layer.plan_path={plan}")
+    assert [p.name for p in reused.iterdir()] == ["results.json"]
+    assert (reused / "results.json").read_text() == '{"earlier": true}\n'
+
+
+def test_serve_plan_file_checked_before_the_ranks_start(tmp_path):
+    """layer.plan_path / scheduler.plan_path: experts, ranks, mode dp and the vocabulary, checked in
+    check_config with the file named (not inside the spawned ranks)."""
+    from recipes import serve
+    from tests.distributed.test_semantic import make_plan
+
+    def plan_file(name, *args, **kw):
+        path = tmp_path / f"{name}.npz"
+        make_plan(*args, **kw).save(path)
+        return path
+
+    ok = plan_file("ok", 8, 2, vocab=512, mode="dp")
+    both = ("layer=semantic", "scheduler=semantic")
+    serve.check_config(_config(*both, f"layer.plan_path={ok}"))
+    for path, match in ((plan_file("e16", 16, 2, vocab=512, mode="dp"), "'num_experts' is 16, but .* needs 8"),
+                        (plan_file("r4", 8, 4, vocab=512, mode="dp"), "'num_ranks' is 4, but .* needs 2"),
+                        (plan_file("tp", 8, 2, vocab=512, mode="tp"), "'mode' is 'tp', but serve.py runs attention "
+                                                                      "data-parallel"),
+                        (plan_file("v500", 8, 2, vocab=500, mode="dp"), "'vocab_size' is 500, smaller than the "
+                                                                        "vocab_size 512 of the model")):
+        with pytest.raises(ValueError, match=match) as e:
+            serve.check_config(_config(*both, f"layer.plan_path={path}"))
+        assert str(path) in str(e.value)
+    # the scheduler alone reads the plan's token table and ranks; the layer alone its experts and ranks
+    with pytest.raises(ValueError, match="scheduler.plan_path=.*v500.npz.*'vocab_size' is 500"):
+        serve.check_config(_config("scheduler={name:semantic,plan_path:" + str(tmp_path / "v500.npz") + "}"))
+    with pytest.raises(ValueError, match="'num_ranks' is 4"):
+        serve.check_config(_config("scheduler={name:semantic,plan_path:" + str(tmp_path / "r4.npz") + "}"))
+    serve.check_config(_config("layer=semantic", f"layer.plan_path={tmp_path / 'v500.npz'}"))  # no token ids read
+    with pytest.raises(ValueError, match="'num_experts' is 16"):
+        serve.check_config(_config("layer=semantic", f"layer.plan_path={tmp_path / 'e16.npz'}"))
+    # replay: the requests' tokens come from the trace (vocab 100), the experts too (4)
+    trace = tmp_path / "trace.npz"
+    _trace_with_empty_sequences(trace, [5, 6, 7, 8])
+    replay = ("router=replay", f"trace.path={trace}")
+    serve.check_config(_config(*both, *replay, f"layer.plan_path={plan_file('t4', 4, 2, vocab=100, mode='dp')}"))
+    with pytest.raises(ValueError, match="'num_experts' is 8, but .* needs 4"):
+        serve.check_config(_config(*both, *replay, f"layer.plan_path={ok}"))
+    with pytest.raises(ValueError, match="'vocab_size' is 50, smaller than the vocab_size 100 of the replay trace"):
+        serve.check_config(_config(*both, *replay,
+                                   f"layer.plan_path={plan_file('t4v50', 4, 2, vocab=50, unseen=2, mode='dp')}"))
+
+
+def test_serve_curves_file_checked_before_the_ranks_start(tmp_path):
+    """variability.curves.path: curves for the wrong number of ranks are an error naming the file,
+    also where this run would not use them."""
+    from moelayers.planning.gem import LatencyCurves
+    from recipes import serve
+
+    c2, c4 = tmp_path / "c2.npz", tmp_path / "c4.npz"
+    LatencyCurves.preset("high", 2).save(c2)
+    LatencyCurves.preset("high", 4).save(c4)
+    for layer, mode in (("variability", "measured"), ("variability", "curve"), ("vanilla", "measured"),
+                        ("vanilla", "off")):
+        args = (f"layer={layer}", "variability=high", f"emulation.mode={mode}")
+        serve.check_config(_config(*args, f"+variability.curves.path={c2}"))
+        with pytest.raises(ValueError, match="latency curves are for 4 ranks, but the placement has 2") as e:
+            serve.check_config(_config(*args, f"+variability.curves.path={c4}"))
+        assert str(c4) in str(e.value)
+    with pytest.raises(FileNotFoundError, match="nope.npz"):
+        serve.check_config(_config("variability=high", f"+variability.curves.path={tmp_path / 'nope.npz'}"))
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, rows=np.array([1, 2]))
+    with pytest.raises(ValueError, match="bad.npz"):
+        serve.check_config(_config("layer=vanilla", "variability=high", f"+variability.curves.path={bad}"))
+
+
+def test_serve_replay_window(tmp_path):
+    """Requests replay the non-empty sequences of request_offset .. + num_requests; an offset past
+    the trace's end, or a window of empty sequences only, is an error naming the file."""
+    from recipes import serve
+
+    path = tmp_path / "trace.npz"
+    trace = _trace_with_empty_sequences(path, [5, 0, 6, 0, 0, 7, 8, 0, 0])
+    cfg = _config("router=replay", f"trace.path={path}", "workload.num_requests=4")
+    serve.check_config(cfg)
+    reqs = serve.make_requests(cfg, 512, trace)
+    assert [r.trace_seq for r in reqs] == [0, 2] and [r.rid for r in reqs] == [0, 1]
+    assert all(r.prompt for r in reqs)
+    _, notes, skipped = serve.replay_sequences(cfg, trace)
+    assert skipped == 2 and notes == [f"skipped 2 empty sequence(s) of trace {path} (no tokens to replay): 1, 3"]
+    cfg["trace"]["request_offset"] = 5  # sequences 5..8 of 9: 5, 6 served, 7, 8 empty
+    assert [r.trace_seq for r in serve.make_requests(cfg, 512, trace)] == [5, 6]
+    cfg["trace"]["request_offset"] = 6  # sequences 6..8: a short window (3 of 4), 7 and 8 empty
+    _, notes, skipped = serve.replay_sequences(cfg, trace)
+    assert skipped == 2 and notes[0] == (f"trace {path} has 9 sequence(s): trace.request_offset=6 leaves 3 of "
+                                         f"workload.num_requests=4 requests (sequences 6..8)")
+    for offset, match in ((9, "trace.request_offset=9 leaves no request: trace .*trace.npz has 9 sequence"),
+                          (40, "trace.request_offset=40 leaves no request: trace .*trace.npz has 9 sequence"),
+                          (7, "no request left: sequences 7..8 of trace .*trace.npz \\(9 sequence\\(s\\)\\) are all "
+                              "empty")):
+        with pytest.raises(ValueError, match=match):
+            serve.check_config(_config("router=replay", f"trace.path={path}", "workload.num_requests=4",
+                                       f"trace.request_offset={offset}"))
+
+
+@pytest.mark.timeout(90)
+def test_serve_replay_skips_empty_sequences_and_notes_a_short_trace(tmp_path):
+    """End to end: empty sequences are skipped (not a crash inside a rank), a trace shorter than
+    workload.num_requests gives fewer requests; results.json notes both."""
+    path = tmp_path / "trace.npz"
+    _trace_with_empty_sequences(path, [3, 5, 0, 6, 0, 4, 7])
+    res = _serve(tmp_path / "run", "router=replay", f"trace.path={path}", "trace.request_offset=1",
+                 "workload.num_requests=10", "progress=false")
+    assert res["num_requests"] == res["finished_requests"] == 4 and res["skipped_empty_sequences"] == 2
+    assert f"skipped 2 empty sequence(s) of trace {path} (no tokens to replay): 2, 4" in res["notes"]
+    assert (f"trace {path} has 7 sequence(s): trace.request_offset=1 leaves 6 of workload.num_requests=10 "
+            f"requests (sequences 1..6)") in res["notes"]

@@ -45,7 +45,7 @@ def test_round_robin():
 
 def test_semantic_scheduler_affinity_mask_and_reset():
     s = SemanticScheduler(_plan_for_requests())
-    np.testing.assert_allclose(s.scores([0, 3, 4, 10, 11, 99]), [2.0, 1.0, 0.0])  # 10, 11 unseen, 99 outside
+    np.testing.assert_allclose(s.scores([0, 3, 4, 10, 11]), [2.0, 1.0, 0.0])  # 10, 11 unseen (confidence 0)
     assert s.assign(torch.tensor([2, 5, 0])) == 2  # affinity
     assert s.assign([1, 4, 7, 2]) == 1
     assert s.assign([1, 4, 7]) == 0  # 1 is masked (and 2): the only rank left
@@ -85,6 +85,23 @@ def test_semantic_scheduler_token_cap_is_the_evaluations():
         SemanticScheduler(plan, total_tokens=-1)
     with pytest.raises(ValueError, match="max_ratio"):
         SemanticScheduler(plan, total_tokens=10, max_ratio=0.5)
+
+
+def test_semantic_scheduler_token_ids_outside_the_plans_vocabulary():
+    """An id >= the plan's vocab_size (or < 0) is an error naming vocab_size and the id, not a
+    silently dropped vote (the plan was made for another vocabulary)."""
+    plan = _plan_for_requests(vocab=12)
+    plan.source = "/some/plan.npz"
+    s = SemanticScheduler(plan)
+    for bad, ids in ((12, [0, 3, 12]), (99, [99, 1]), (-1, [4, -1])):
+        with pytest.raises(ValueError, match=rf"token id {bad} is outside the plan's vocabulary "
+                                             rf"\[0, vocab_size=12\)") as e:
+            s.assign(ids)
+        assert "/some/plan.npz" in str(e.value)
+        with pytest.raises(ValueError, match="vocab_size=12"):
+            s.scores(np.array(ids))
+    assert s.loads.sum() == 0 and not s.mask.any()  # a refused request changes nothing
+    assert s.assign([11, 0]) == 0  # the last id of the vocabulary is fine
 
 
 def test_semantic_scheduler_errors():
