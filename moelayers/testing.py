@@ -122,6 +122,29 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
                 pass
 
 
+def _next_report(queue, procs: list, reported: dict, timeout: float) -> tuple[int, str, Any]:
+    """The next ``(rank, status, payload)`` from the ranks; fails at once when a rank that has not
+    reported died (an import error in the child, a crash), else after ``timeout`` seconds."""
+    import queue as queue_mod
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return queue.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        except queue_mod.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
+            if dead:
+                time.sleep(0.5)  # a report put just before the exit may still be in flight
+                try:
+                    return queue.get_nowait()
+                except queue_mod.Empty:
+                    codes = {r: procs[r].exitcode for r in dead}
+                    raise RuntimeError(f"rank(s) {dead} died without reporting (exit codes {codes})") from None
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"distributed run timed out after {timeout:.0f} s (a rank hung or died)") from None
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
                     timeout: float = 240.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes.
@@ -149,10 +172,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
     errors: list[str] = []
     try:
         for _ in range(world_size):
-            try:
-                rank, status, payload = queue.get(timeout=timeout)
-            except Exception:
-                raise RuntimeError(f"distributed run timed out after {timeout:.0f} s (a rank hung or died)")
+            rank, status, payload = _next_report(queue, procs, results, timeout)
             if status == "ok":
                 results[rank] = payload
             else:

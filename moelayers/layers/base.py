@@ -315,8 +315,10 @@ class MoELayerBase(nn.Module):
         if token_ids is not None:
             if not isinstance(token_ids, torch.Tensor) or token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
                 raise TypeError("token_ids must be an integer tensor")
-            if token_ids.numel() != x2.shape[0]:
-                raise ValueError(f"token_ids has {token_ids.numel()} entries for {x2.shape[0]} tokens")
+            if token_ids.numel() != x2.shape[0] or (token_ids.dim() > 1 and token_ids.shape != x.shape[:-1]):
+                raise ValueError(f"token_ids must be [{x2.shape[0]}] or shaped like x without its last dimension "
+                                 f"{list(x.shape[:-1])}, got {list(token_ids.shape)} (e.g. [B, S] ids for [S, B, H] "
+                                 "hidden states would pair tokens with the wrong rows)")
             token_ids = token_ids.reshape(-1)
         return x2, token_ids
 

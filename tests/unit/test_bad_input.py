@@ -1,5 +1,7 @@
 """Bad input gets a clear ValueError/TypeError naming the problem, and nothing half-applied."""
 
+import os
+
 import pytest
 import torch
 
@@ -64,7 +66,7 @@ def test_placement_for_other_experts_or_ranks():
 def test_token_ids_wrong_length_and_dtype():
     m = layer()
     x = torch.randn(5, 16)
-    with pytest.raises(ValueError, match="token_ids has 4 entries for 5 tokens"):
+    with pytest.raises(ValueError, match=r"token_ids must be \[5\] or shaped like x without its last dimension \[5\], got \[4\]"):
         m(x, token_ids=torch.arange(4))
     with pytest.raises(TypeError, match="token_ids must be an integer"):
         m(x, token_ids=torch.zeros(5))
@@ -286,3 +288,29 @@ def test_capacity_errors():
         m(torch.randn(5, 16))
     with pytest.raises(ValueError, match="inference-only"):
         m(torch.randn(3, 16, requires_grad=True))
+
+
+def test_token_ids_must_be_laid_out_like_x():
+    m = layer()
+    x = torch.randn(3, 2, 16)  # [S, B, H]
+    with torch.no_grad():
+        m(x, token_ids=torch.arange(6).view(3, 2))
+        m(x, token_ids=torch.arange(6))  # flattened like x
+        with pytest.raises(ValueError, match=r"\[B, S\] ids for \[S, B, H\]"):
+            m(x, token_ids=torch.arange(6).view(2, 3))
+
+
+def _dies_on_rank_1(rank, world):
+    if rank == 1:
+        os._exit(3)
+    return rank
+
+
+@pytest.mark.timeout(60)
+def test_run_distributed_fails_fast_when_a_rank_dies():
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] died without reporting \(exit codes \{1: 3\}\)"):
+        run_distributed(_dies_on_rank_1, 2, timeout=50)
+    assert time.monotonic() - start < 30
