@@ -91,7 +91,10 @@ class ExpertPlacement:
         Experts on a rank fill its slots in ascending id order; ranks with fewer experts than
         ``slots_per_rank`` (default: the most any rank holds) keep empty slots.
         """
-        er = torch.as_tensor(expert_rank).to(torch.int64).flatten().cpu()
+        er = torch.as_tensor(expert_rank)
+        if er.is_floating_point() or er.is_complex() or er.dtype == torch.bool:
+            raise TypeError(f"expert_rank must hold integer ranks, got dtype {er.dtype}")
+        er = er.to(torch.int64).flatten().cpu()
         if er.numel() == 0:
             raise ValueError("expert_rank is empty")
         ranks = int(er.max()) + 1 if num_ranks is None else num_ranks

@@ -71,12 +71,13 @@ def balanced_packing(weights: np.ndarray, num_packs: int, *, item_group: np.ndar
     return pack
 
 
-def replicate_experts(weights: np.ndarray, num_physical: int) -> tuple[np.ndarray, np.ndarray]:
+def replicate_experts(weights: np.ndarray, num_physical: int, max_replicas: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Replicas for the hottest experts: ``num_physical >= E`` physical experts in all.
 
     Args:
         weights: ``[E]`` expert loads.
         num_physical: total physical experts.
+        max_replicas: at most this many replicas of one expert (``plan_eplb``: the ranks, one each).
 
     Returns:
         ``phy2log [num_physical]`` (logical expert of each physical one; the first ``E`` are the
@@ -86,10 +87,16 @@ def replicate_experts(weights: np.ndarray, num_physical: int) -> tuple[np.ndarra
     num_e = w.size
     if num_physical < num_e:
         raise ValueError(f"replicate_experts: {num_physical} physical experts cannot hold {num_e} experts")
+    if max_replicas is not None and num_physical > num_e * max_replicas:
+        raise ValueError(f"replicate_experts: {num_physical} physical experts need more than {max_replicas} "
+                         f"replicas of some of the {num_e} experts (at most one per rank)")
     phy2log = list(range(num_e))
     logcnt = np.ones(num_e, dtype=np.int64)
     for _ in range(num_physical - num_e):
-        e = int(np.argmax(w / logcnt))
+        share = w / logcnt
+        if max_replicas is not None:
+            share = np.where(logcnt < max_replicas, share, -np.inf)
+        e = int(np.argmax(share))
         phy2log.append(e)
         logcnt[e] += 1
     return np.array(phy2log, dtype=np.int64), logcnt
@@ -119,7 +126,7 @@ def plan_eplb(loads: np.ndarray, num_ranks: int, *, num_replicas: int = 0) -> np
         raise ValueError(f"E + num_replicas ({num_phy}) must be divisible by num_ranks ({num_ranks})")
     if num_replicas == 0:
         return balanced_packing(w, num_ranks)
-    phy2log, logcnt = replicate_experts(w, num_phy)
+    phy2log, logcnt = replicate_experts(w, num_phy, max_replicas=num_ranks)  # a rank holds one replica at most
     pack = balanced_packing(w[phy2log] / logcnt[phy2log], num_ranks, item_group=phy2log)
     per = num_phy // num_ranks
     table = np.empty((num_ranks, per), dtype=np.int64)

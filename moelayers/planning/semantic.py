@@ -140,6 +140,9 @@ def build_token_table(token_ids: np.ndarray, topk_ids: np.ndarray, num_experts: 
     ids = check_token_ids(token_ids, vocab_size)
     top = np.asarray(topk_ids).astype(np.int64, copy=False)
     num_e, k = int(num_experts), top.shape[1]
+    if top.size and (top.min() < 0 or top.max() >= num_e):
+        bad = int(top.min()) if top.min() < 0 else int(top.max())
+        raise ValueError(f"topk_ids holds expert id {bad}, outside [0, num_experts={num_e})")
     keys = (ids[:, None] * num_e + top).ravel()
     if vocab_size * num_e <= 1 << 25:  # dense bincount beats sorting for moderate tables
         dense = np.bincount(keys, minlength=vocab_size * num_e)
@@ -384,8 +387,11 @@ class SemanticPlan:
             arr = np.asarray(arr)
             if shape is not None and arr.shape != shape:
                 raise self._fail(name, f"must have shape {list(shape)}, got {list(arr.shape)}")
+            if name == "token_logq":  # stored as float16: a finite value beyond its range would become inf
+                with np.errstate(over="ignore"):
+                    arr = arr.astype(np.float16)
             if not np.isfinite(arr).all():
-                raise self._fail(name, "has non-finite values")
+                raise self._fail(name, "has non-finite values" + (" (as float16)" if name == "token_logq" else ""))
         if self.history_pmi is not None:
             h = np.asarray(self.history_pmi, dtype=np.float32)
             if h.ndim != 4 or h.shape[0] != num_l or h.shape[2:] != (e, r):

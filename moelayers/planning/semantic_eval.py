@@ -70,7 +70,8 @@ def capacity_assign(scores: np.ndarray, capacity: np.ndarray, group: np.ndarray 
     Returns:
         ``[n]`` int64 rank per item.
     """
-    s = np.asarray(scores, dtype=np.float32)
+    with np.errstate(over="ignore"):  # finite: a rank with room (even one scored -inf) beats a full one
+        s = np.nan_to_num(np.asarray(scores, dtype=np.float32), nan=-3e38, neginf=-3e38, posinf=3e38)
     n, r = s.shape
     grp = np.zeros(n, np.int64) if group is None else np.asarray(group, dtype=np.int64)
     room = np.array(capacity, dtype=np.int64).reshape(-1)

@@ -437,7 +437,7 @@ def _coactivation(acts: np.ndarray, num_e: int) -> np.ndarray:
     return np.bincount(keys.ravel(), minlength=num_e * num_e).reshape(num_e, num_e).astype(np.float64)
 
 
-def _check_args(trace, ep: int, mode: str, solver: str, theta: float) -> None:
+def _check_args(trace, ep: int, mode: str, solver: str, theta: float, smoothing: float = 1.0) -> None:
     if isinstance(ep, bool) or not isinstance(ep, (int, np.integer)) or ep < 1:
         raise ValueError(f"ep must be a positive int, got {ep!r}")
     if trace.num_experts % ep:
@@ -448,6 +448,9 @@ def _check_args(trace, ep: int, mode: str, solver: str, theta: float) -> None:
         raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
     if not 0.0 <= float(theta) <= 1.0:
         raise ValueError(f"theta must be in [0, 1], got {theta}")
+    if not float(smoothing) > 0.0 or not np.isfinite(float(smoothing)):
+        raise ValueError(f"smoothing must be a finite number > 0 (pseudo-occurrences of the layer distribution), "
+                         f"got {smoothing}")
 
 
 def plan_semantic(train_trace, ep: int, mode: str = "tp", *, solver: str = "alternating", theta: float = 0.1,
@@ -480,7 +483,7 @@ def plan_semantic(train_trace, ep: int, mode: str = "tp", *, solver: str = "alte
     Returns:
         :class:`~moelayers.planning.semantic.SemanticPlan`.
     """
-    _check_args(train_trace, ep, mode, solver, theta)
+    _check_args(train_trace, ep, mode, solver, theta, smoothing)
     rng = np.random.default_rng(seed)
     v = train_trace.vocab_size
     seen = np.bincount(train_trace.token_ids, minlength=v) > 0

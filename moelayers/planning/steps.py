@@ -100,7 +100,7 @@ def rank_rows(expert_rank: np.ndarray, loads: np.ndarray, num_ranks: int) -> np.
         num_ranks: ``R``.
 
     Returns:
-        ``[..., R]`` with the dtype of ``loads``.
+        ``[..., R]``: int64 for integer loads (summed in int64: no wrap-around), float64 for float loads.
     """
     er = np.asarray(expert_rank, dtype=np.int64)
     loads = np.asarray(loads)
@@ -108,9 +108,10 @@ def rank_rows(expert_rank: np.ndarray, loads: np.ndarray, num_ranks: int) -> np.
         raise ValueError(f"expert_rank has shape {list(er.shape)}, expected [{loads.shape[-1]}] (one rank per expert)")
     if er.size and (er.min() < 0 or er.max() >= num_ranks):
         raise ValueError(f"expert_rank has ranks outside [0, {num_ranks})")
-    onehot = np.zeros((er.size, num_ranks), dtype=loads.dtype)
+    acc = np.float64 if loads.dtype.kind == "f" else np.int64
+    onehot = np.zeros((er.size, num_ranks), dtype=acc)
     onehot[np.arange(er.size), er] = 1
-    return loads @ onehot
+    return loads.astype(acc, copy=False) @ onehot
 
 
 class LoadWindow:
@@ -146,6 +147,9 @@ class LoadWindow:
             c = c[None]
         if c.shape != (self.num_layers, self.num_experts):
             raise ValueError(f"LoadWindow.push: counts must be [{self.num_layers}, {self.num_experts}], got {list(c.shape)}")
+        if c.dtype.kind not in "iu" and not (c.dtype.kind == "f" and np.isfinite(c).all() and (c == np.round(c)).all()):
+            raise ValueError(f"LoadWindow.push: counts must be whole numbers of rows, got dtype {c.dtype} "
+                             "with fractions or NaN/inf")
         if (c < 0).any():
             raise ValueError("LoadWindow.push: counts must be >= 0")
         self._steps.append(c.astype(np.int64, copy=True))

@@ -191,3 +191,8 @@ def test_checker_catches_a_wrong_output():
     with torch.no_grad():
         layer.experts.w2[1] *= 1.001
     assert check_close("bad", layer(x), ref) is not None
+
+
+def test_placement_from_expert_rank_refuses_float_ranks():
+    with pytest.raises(TypeError, match="integer ranks"):
+        ml.ExpertPlacement.from_expert_rank(torch.tensor([0.7, 1.2]), num_ranks=2)

@@ -393,3 +393,31 @@ def test_plan_eplb_balances_and_replicates() -> None:
     placement.validate()
     with pytest.raises(ValueError, match="divisible by num_ranks"):
         plan_eplb(loads, 3)
+
+
+def test_scores_sum_narrow_integer_loads_without_wrapping():
+    """uint8 / int32 loads are summed per rank in int64 (they used to wrap around silently)."""
+    curves = LatencyCurves.preset("moderate", 2)
+    er = np.array([0, 0, 1, 1])
+    for dtype, value in ((np.uint8, 200), (np.int32, 2 ** 30)):
+        loads = np.full((3, 4), value, dtype=dtype)
+        assert score(er, loads, curves) == score(er, loads.astype(np.int64), curves)
+
+
+def test_load_window_refuses_fractions_and_nan():
+    w = LoadWindow(1, 4)
+    w.push(np.array([1.0, 2.0, 0.0, 3.0]))  # whole numbers as floats are fine
+    for bad in ([1, np.nan, 2, 3], [1, 2.5, 2, 3]):
+        with pytest.raises(ValueError, match="whole numbers"):
+            w.push(np.array(bad))
+
+
+def test_eplb_replicas_one_per_rank():
+    """A very hot expert gets at most one replica per rank (two on one rank broke the placement)."""
+    from moelayers.planning.eplb import plan_eplb, plan_eplb_placement
+
+    table = plan_eplb(np.array([100.0, 1, 1, 1]), 2, num_replicas=2)
+    assert all(len(set(row)) == len(row) for row in table.tolist())
+    plan_eplb_placement(np.array([100.0, 1, 1, 1]), 2, num_replicas=2).validate()
+    with pytest.raises(ValueError, match="at most one per rank"):
+        plan_eplb(np.array([5.0, 1]), 2, num_replicas=4)

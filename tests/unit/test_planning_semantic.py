@@ -428,3 +428,27 @@ def test_request_schedule_keeps_room_for_the_longest_request_to_come():
     for scores in (np.zeros((11, 2)), np.tile([[1.0, 0.0]], (11, 1))):
         tokens = np.bincount(request_schedule(scores, lengths, 2), weights=lengths, minlength=2)
         assert tokens.max() <= 1.3 * lengths.sum() / 2, tokens
+
+
+def test_capacity_assign_places_an_item_scored_minus_inf_everywhere():
+    """An item scored -inf on every rank still gets a rank with room (it used to loop forever)."""
+    from moelayers.planning.semantic_eval import capacity_assign
+
+    assert capacity_assign(np.array([[-np.inf, -np.inf], [1.0, 0.0]]), np.array([[1, 1]])).tolist() == [1, 0]
+    assert capacity_assign(np.array([[-1e39, -1e39], [1.0, 0.0]]), np.array([[1, 1]])).tolist() == [1, 0]
+
+
+def test_token_table_refuses_expert_ids_out_of_range():
+    from moelayers.planning.semantic import build_token_table
+
+    for bad in (4, -1):
+        with pytest.raises(ValueError, match=f"expert id {bad}, outside"):
+            build_token_table(np.array([0, 1]), np.array([[0, bad], [1, 2]]), 4, 3)
+
+
+def test_plan_semantic_refuses_zero_smoothing():
+    from moelayers.trace import synthetic_trace
+
+    trace = synthetic_trace(8, 2, 8, 2, 64, seq_len=(8, 16), seed=0)
+    with pytest.raises(ValueError, match="smoothing must be a finite number > 0"):
+        plan_semantic(trace, 2, "tp", smoothing=0.0, progress=False)
