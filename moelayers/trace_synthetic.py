@@ -431,7 +431,7 @@ def synthetic_trace(
             over the ``K``.
 
     Returns:
-        RoutingTrace with ``topk_ids [T, L, K]`` (int16, or int32 above 32767 experts), highest
+        RoutingTrace with ``topk_ids [T, L, K]`` (int16: at most MAX_EXPERTS = 4096 experts), highest
         score first, and ``vocab_size`` set.
     """
     num_clusters = num_experts if num_clusters is None else num_clusters

@@ -214,7 +214,7 @@ class LatencyCurves:
         xc = np.maximum(x, self._x[0])
         num = self._x.size
         if self._spacing is not None:
-            idx = np.minimum(((xc - self._x[0]) * (1.0 / self._spacing)).astype(np.int64), num - 2)
+            idx = np.minimum((xc - self._x[0]) * (1.0 / self._spacing), num - 2).astype(np.int64)  # clip first: no int overflow
         else:
             idx = np.clip(np.searchsorted(self._x, x, side="right") - 1, 0, num - 2)
         flat = idx + r * (num - 1)  # gather from the flattened [R, N-1] tables: faster than 2-D fancy indexing

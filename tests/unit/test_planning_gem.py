@@ -421,3 +421,8 @@ def test_eplb_replicas_one_per_rank():
     plan_eplb_placement(np.array([100.0, 1, 1, 1]), 2, num_replicas=2).validate()
     with pytest.raises(ValueError, match="at most one per rank"):
         plan_eplb(np.array([5.0, 1]), 2, num_replicas=4)
+
+
+def test_sampled_curves_extrapolate_huge_row_counts():
+    curves = LatencyCurves(np.array([0, 10, 20]), np.array([[1.0, 2.0, 3.0]]))
+    assert curves(np.array([[1e30]]))[0, 0] == pytest.approx(1e29)  # was an IndexError (int64 overflow)
