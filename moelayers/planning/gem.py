@@ -107,7 +107,7 @@ class LatencyCurves:
             raise ValueError(f"tiled curves: scale must be [R] positive finite values, got {scale}")
         if tile < 1 or base_s < 0 or per_tile_s < 0:
             raise ValueError(f"tiled curves: need tile >= 1, base_s >= 0, per_tile_s >= 0 (got {tile}, {base_s}, {per_tile_s})")
-        k = np.arange(_TILED_MAX_ROWS // tile + 1)
+        k = np.arange(max(_TILED_MAX_ROWS // tile, 1) + 1)  # at least one whole tile, however large
         rows = np.unique(np.concatenate([[0], k[1:] * tile - tile + 1, k[1:] * tile]))  # 0, 1, t, t+1, 2t, ...
         lat = scale[:, None] * (base_s + per_tile_s * np.ceil(rows / tile))[None, :]
         out = cls(rows, lat, source=source)

@@ -402,6 +402,11 @@ class SemanticPlan:
             self.history_pmi, self.history_weight = h, w
         if self.token_logq is not None:
             self.token_logq = np.asarray(self.token_logq, dtype=np.float16)
+        if self.objective is not None:
+            obj = np.asarray(self.objective)
+            if obj.shape != (num_l,) or obj.dtype.kind not in "iuf":
+                raise self._fail("objective", f"must be [L={num_l}] numbers, got shape {list(obj.shape)} dtype {obj.dtype}")
+            self.objective = obj.astype(np.float64)
 
     # ------------------------------------------------------------------ use
     def placement(self, layer: int) -> ExpertPlacement:
@@ -486,6 +491,8 @@ class SemanticPlan:
                     raise ValueError(f"{path}: semantic plan field '{k}' must be an integer scalar")
                 kw[k] = int(a)
             elif k in ("mode", "solver"):
+                if a.ndim != 0 or a.dtype.kind != "U":
+                    raise ValueError(f"{path}: semantic plan field '{k}' must be a string")
                 kw[k] = str(a)
             elif k == "theta":
                 if a.ndim != 0 or a.dtype.kind not in "iuf":

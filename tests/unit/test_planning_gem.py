@@ -426,3 +426,11 @@ def test_eplb_replicas_one_per_rank():
 def test_sampled_curves_extrapolate_huge_row_counts():
     curves = LatencyCurves(np.array([0, 10, 20]), np.array([[1.0, 2.0, 3.0]]))
     assert curves(np.array([[1e30]]))[0, 0] == pytest.approx(1e29)  # was an IndexError (int64 overflow)
+
+
+def test_tiled_curves_with_a_tile_larger_than_the_sampled_range():
+    tile = 1 << 18  # was "'rows' must be 1-D with >= 2 samples": the samples stopped before the first tile
+    curves = LatencyCurves.tiled(np.ones(2), tile=tile)
+    rows = np.array([0, 1, tile, tile + 1, 5 * tile])
+    expected = 20e-6 + 10e-6 * np.ceil(rows / tile)
+    np.testing.assert_allclose(curves(np.broadcast_to(rows[:, None], (rows.size, 2)))[:, 0], expected, rtol=1e-12)

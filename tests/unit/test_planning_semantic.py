@@ -299,6 +299,12 @@ def test_plan_load_validates(tmp_path, tp_plan):
     (tmp_path / "d.npz").write_bytes(b"not a zip")
     with pytest.raises(ValueError, match=r"d\.npz"):
         SemanticPlan.load(tmp_path / "d.npz")
+    np.savez(tmp_path / "e.npz", **dict(arrays, objective=arrays["objective"][:-1]))
+    with pytest.raises(ValueError, match=r"e\.npz.*objective"):
+        SemanticPlan.load(tmp_path / "e.npz")
+    np.savez(tmp_path / "f.npz", **dict(arrays, solver=np.array(["alternating", "cem"])))
+    with pytest.raises(ValueError, match=r"f\.npz.*'solver' must be a string"):
+        SemanticPlan.load(tmp_path / "f.npz")
 
 
 # ------------------------------------------------------------------------------------ evaluation
