@@ -10,8 +10,9 @@ Every npz it reads goes through :func:`read_npz`, so an unreadable or foreign fi
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
 import zipfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
@@ -20,16 +21,63 @@ import numpy as np
 
 __all__ = ["atomic_write", "file_mode", "read_npz"]
 
+# What a damaged zip member or .npy header raises while it is read (an encrypted member: RuntimeError,
+# an unknown compression method: NotImplementedError).
+_READ_ERRORS = (zipfile.BadZipFile, zlib.error, ValueError, OSError, EOFError, RuntimeError, NotImplementedError)
+
+
+def _proc_umask() -> int | None:
+    """The umask from ``/proc/self/status`` (Linux), or ``None`` where it is not there."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _umask_at_import() -> int:
+    umask = _proc_umask()
+    if umask is None:  # no /proc: read it once, here, not each time a file is written
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return umask
+
+
+_UMASK_AT_IMPORT = _umask_at_import()
+
 
 def file_mode() -> int:
-    """The permissions of a plain ``open()`` under the current umask (``mkstemp`` would give 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
+    """The permissions of a plain ``open()`` under the current umask (``mkstemp`` would give 0600).
+
+    Never calls ``os.umask``, which sets the umask to read it: for a moment, every thread of the
+    process would create files with the wrong permissions. Without ``/proc``, the umask at import.
+    """
+    umask = _proc_umask()
+    return 0o666 & ~(_UMASK_AT_IMPORT if umask is None else umask)
+
+
+def _create_temp(folder: Path) -> tuple[int, Path]:
+    """Create a new empty file in ``folder`` with a short random name (the destination's name may be
+    near the file system's 255-byte limit) and the permissions of a plain ``open()``."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = folder / f".tmp-{secrets.token_hex(8)}"
+        try:
+            return os.open(tmp, flags, 0o666), tmp  # the kernel applies the umask
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{folder}: cannot create a temporary file")
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, fsync: bool = False) -> Path:
     """Write ``path`` all or nothing: ``write(f)`` fills a temporary file beside it, then it replaces ``path``.
+
+    Like a plain ``open(path, "wb")``, a new file gets ``0o666 & ~umask``, an existing file keeps
+    its permission bits, and a symbolic link is written through (its target is replaced, the link
+    stays).
 
     Args:
         path: destination; its folder must exist.
@@ -43,21 +91,47 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
         FileNotFoundError: the folder does not exist.
     """
     path = Path(path)
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"{path}: directory {path.parent} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    dest = Path(os.path.realpath(path)) if path.is_symlink() else path
+    if not dest.parent.is_dir():
+        raise FileNotFoundError(f"{path}: directory {dest.parent} does not exist")
+    try:
+        mode = os.stat(dest).st_mode & 0o777
+    except FileNotFoundError:
+        mode = None
+    fd, tmp = _create_temp(dest.parent)
     try:
         with os.fdopen(fd, "wb") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
             write(f)
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
-        os.chmod(tmp, file_mode())
-        os.replace(tmp, path)
+        os.replace(tmp, dest)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _read_member(zf: zipfile.ZipFile, name: str) -> np.ndarray:
+    """The array of the ``.npy`` member ``name``, its header checked against the member's size first
+    (a damaged header could otherwise claim terabytes)."""
+    if not name.endswith(".npy"):
+        raise ValueError("not a .npy array")
+    with zf.open(name) as f:
+        version = np.lib.format.read_magic(f)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read_header(f)
+        header_size = f.tell()
+    if dtype.hasobject:
+        raise ValueError("holds pickled Python objects")
+    expected = header_size + int(np.prod(shape, dtype=object)) * dtype.itemsize
+    if expected != zf.getinfo(name).file_size:
+        raise ValueError(f"its header claims shape {shape} of {dtype} ({expected} bytes with the header) "
+                         f"but the member holds {zf.getinfo(name).file_size} bytes")
+    with zf.open(name) as f:
+        return np.lib.format.read_array(f, allow_pickle=False)
 
 
 def read_npz(path: str | os.PathLike, what: str) -> dict[str, np.ndarray]:
@@ -67,22 +141,29 @@ def read_npz(path: str | os.PathLike, what: str) -> dict[str, np.ndarray]:
         path: the file.
         what: what the file should be, for messages (e.g. ``"latency curve file"``).
 
+    Returns:
+        name -> array, one per ``NAME.npy`` member.
+
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: not a readable npz archive (a ``.npy`` file, a damaged zip, pickled objects),
-            naming ``path``.
+        ValueError: not a readable npz archive (a ``.npy`` file, a damaged zip or ``.npy`` header,
+            pickled objects, a member that is not a ``.npy`` array), naming ``path`` (and the
+            member).
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: {what} not found")
     try:
         data = np.load(path, allow_pickle=False)
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
+    except _READ_ERRORS as exc:
         raise ValueError(f"{path}: not a readable npz {what} ({exc})") from exc
     if not isinstance(data, np.lib.npyio.NpzFile):
         raise ValueError(f"{path}: not an npz archive but a single array (a {what} is an npz of named arrays)")
-    try:
-        with data:
-            return {k: data[k] for k in data.files}
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:
-        raise ValueError(f"{path}: cannot read the arrays of this {what} ({exc})") from exc
+    arrays = {}
+    with data:
+        for name in data.zip.namelist():
+            try:
+                arrays[name.removesuffix(".npy")] = _read_member(data.zip, name)
+            except _READ_ERRORS as exc:
+                raise ValueError(f"{path}: cannot read member {name!r} of this {what} ({exc})") from exc
+    return arrays

@@ -1,13 +1,15 @@
 """The library's files: written atomically and readable by others, read with errors that name the file."""
 
+import io
 import os
 import stat
+import zipfile
 
 import numpy as np
 import pytest
 
 import moelayers as ml
-from moelayers.files import atomic_write, read_npz
+from moelayers.files import atomic_write, file_mode, read_npz
 from moelayers.planning.gem import LatencyCurves, evaluate, score
 from moelayers.planning.steps import LoadWindow
 from moelayers.trace import RoutingTrace, load_trace, save_trace
@@ -41,6 +43,84 @@ def test_atomic_write_gives_plain_permissions_and_leaves_nothing_on_failure(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.npz", "keep.bin", "p.npz", "t.npz"]
     with pytest.raises(FileNotFoundError, match="does not exist"):
         atomic_write(tmp_path / "no" / "x.bin", lambda f: None)
+
+
+def test_atomic_write_never_changes_the_umask(tmp_path, monkeypatch):
+    """Reading the umask with os.umask sets it for a moment: other threads would create files with
+    the wrong permissions. A new file still gets a plain open()'s 0o666 & ~umask."""
+    old = os.umask(0o027)
+
+    def no_umask(mask):
+        raise AssertionError("os.umask called")
+
+    try:
+        monkeypatch.setattr(os, "umask", no_umask)
+        assert file_mode() == 0o640
+        atomic_write(tmp_path / "new.bin", lambda f: f.write(b"x"))
+        monkeypatch.undo()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "new.bin").stat().st_mode) == 0o640
+
+
+def test_atomic_write_keeps_the_permissions_of_an_existing_file(tmp_path):
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"old")
+    secret.chmod(0o600)
+    atomic_write(secret, lambda f: f.write(b"new"))
+    assert secret.read_bytes() == b"new" and stat.S_IMODE(secret.stat().st_mode) == 0o600
+
+
+def test_atomic_write_writes_through_a_symlink(tmp_path):
+    (tmp_path / "target.bin").write_bytes(b"old")
+    (tmp_path / "latest.bin").symlink_to("target.bin")
+    assert atomic_write(tmp_path / "latest.bin", lambda f: f.write(b"new")) == tmp_path / "latest.bin"
+    assert (tmp_path / "latest.bin").is_symlink() and (tmp_path / "target.bin").read_bytes() == b"new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest.bin", "target.bin"]
+
+
+def test_atomic_write_a_name_at_the_length_limit(tmp_path):
+    """The temporary file's name does not grow with the destination's."""
+    long = tmp_path / ("t" * (os.pathconf(tmp_path, "PC_NAME_MAX") - 4) + ".npz")
+    save_trace(_trace(), long)
+    assert load_trace(long).num_tokens == 20 and [p.name for p in tmp_path.iterdir()] == [long.name]
+
+
+def _damaged_deflate(path):
+    """A compressed npz with bytes flipped inside the deflate stream of a.npy (zlib.error)."""
+    np.savez_compressed(path, a=np.arange(2000) % 7)
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo("a.npy")
+    start = info.header_offset + 30 + len(info.filename) + len(info.extra)
+    data = bytearray(path.read_bytes())
+    for i in range(start + 5, start + 25):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _huge_header(path):
+    """A .npy member whose header claims 2**40 rows (reading it would allocate terabytes)."""
+    raw = io.BytesIO()
+    np.save(raw, np.zeros((3, 2), np.int16))
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("a.npy", raw.getvalue().replace(b"(3, 2)", b"(1099511627776, 2)"))
+
+
+def _raw_member(path):
+    """A member that is not a .npy array: np.load would return its bytes."""
+    with zipfile.ZipFile(path, "w") as z:
+        raw = io.BytesIO()
+        np.save(raw, np.arange(4))
+        z.writestr("phy2log.npy", raw.getvalue())
+        z.writestr("num_experts", b"4")
+
+
+@pytest.mark.parametrize("make, member", [(_damaged_deflate, "a.npy"), (_huge_header, "a.npy"),
+                                          (_raw_member, "num_experts")])
+def test_read_npz_damaged_members_name_the_file_and_member(tmp_path, make, member):
+    make(tmp_path / "bad.npz")
+    with pytest.raises(ValueError, match=rf"bad\.npz: cannot read member '{member}'"):
+        read_npz(tmp_path / "bad.npz", "thing")
 
 
 def test_read_npz_names_the_file(tmp_path):
