@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Hashable, Sequence
 from dataclasses import InitVar, dataclass
 from pathlib import Path
@@ -338,6 +339,14 @@ class TraceRecorder:
     (``[T, K]`` int64) and ``last_token_ids`` (``[T]`` int64) to CPU. A *model forward* is one run
     of all MoE layers in order; every layer must see the same ``T``.
 
+    Incomplete forwards: a model forward that *raises* part-way (some MoE layers recorded, later
+    ones not, the exception caught by the caller) is dropped with its tag; at the end of the
+    with-block a ``RuntimeWarning`` says how many forwards were dropped. A model forward that
+    *returns* without running every MoE layer (a skipped or conditional layer) cannot be stored in
+    a ``[T, L, K]`` trace: rather than losing its tokens silently, ``model(...)`` raises
+    ``RuntimeError`` naming the layers that did not run (that forward is dropped; recording can go
+    on). Both are detected by hooks on ``model`` itself, so call ``model``, not a submodule.
+
     Sequences: ``tag(seq_ids)`` before a forward gives each of its ``T`` tokens a sequence key
     (any hashable); an untagged forward is one new sequence. Tokens of a sequence keep the order
     they were seen in; sequences are ordered by first appearance.
@@ -366,6 +375,7 @@ class TraceRecorder:
         self._result: RoutingTrace | None = None
         self._pending_tag: list[Hashable] | None = None
         self._in_forward = False  # a model forward started and has not recorded all its MoE layers yet
+        self._dropped = 0  # forwards dropped after some (not all) of their MoE layers were recorded
         self._current: list[tuple[np.ndarray, np.ndarray | None]] = []
         self._forwards: list[tuple[np.ndarray, np.ndarray, list[Hashable]]] = []  # ids [T,L,K], tokens [T], keys
 
@@ -378,6 +388,7 @@ class TraceRecorder:
         self._names, self.layers = [n for n, _ in named], [m for _, m in named]
         try:
             self._handles.append(self.model.register_forward_pre_hook(self._on_model_forward))
+            self._handles.append(self.model.register_forward_hook(self._on_model_return))
             for index, layer in enumerate(self.layers):
                 self._handles.append(layer.register_forward_hook(self._make_hook(index)))
         except BaseException:
@@ -389,6 +400,14 @@ class TraceRecorder:
     def __exit__(self, *exc_info: Any) -> None:
         self._remove_hooks()
         self._active, self._finished = False, True
+        if self._in_forward or self._current:  # the last model forward raised part-way
+            self._drop_broken_forward()
+        if self._dropped:
+            warnings.warn(
+                f"TraceRecorder: dropped {self._dropped} incomplete model forward(s) (not all {len(self.layers)} "
+                f"MoE layers ran); the trace holds the {len(self._forwards)} complete one(s)",
+                RuntimeWarning, stacklevel=2,
+            )
 
     def _remove_hooks(self) -> None:
         for handle in self._handles:
@@ -420,8 +439,21 @@ class TraceRecorder:
             self._drop_broken_forward()
         self._in_forward = True
 
+    def _on_model_return(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self._current:  # every MoE layer recorded (or none ran: nothing to record)
+            self._pending_tag, self._in_forward = None, False
+            return
+        ran = len(self._current)
+        self._drop_broken_forward()
+        raise RuntimeError(
+            f"TraceRecorder: the model forward returned after only {ran} of {len(self.layers)} MoE layers ran "
+            f"({', '.join(self._where(i) for i in range(ran, len(self.layers)))} did not): a trace needs every "
+            "MoE layer once per forward; this forward is not recorded"
+        )
+
     def _drop_broken_forward(self) -> None:
         """Forget a model forward that raised before all MoE layers ran (its routing and its tag)."""
+        self._dropped += bool(self._current)
         self._current, self._pending_tag, self._in_forward = [], None, False
 
     def _make_hook(self, index: int):

@@ -328,7 +328,11 @@ def _sample_tokens(
 ) -> np.ndarray:
     """``[T]`` token ids: Zipf-Mandelbrot ranks mapped through each topic's ranking."""
     active = min(active_vocab, vocab_size)
-    pmf = (np.arange(1, active + 1) + offset) ** -exponent
+    with np.errstate(over="ignore", under="ignore"):
+        pmf = (np.arange(1, active + 1) + offset) ** -exponent
+    if not (np.isfinite(pmf).all() and pmf.sum() > 0):
+        raise ValueError(f"synthetic_trace: zipf_exponent={exponent!r} with zipf_offset={offset!r} over-/underflows "
+                         f"the token frequency law over {active} ranks")
     cdf = np.cumsum(pmf / pmf.sum())
     global_order = rng.permutation(vocab_size)
     candidates = min(vocab_size, 4 * active)
@@ -363,6 +367,23 @@ def _check_generator_args(num_sequences: int, num_layers: int, num_experts: int,
         raise ValueError(f"synthetic_trace: top_k ({top_k}) must not exceed num_experts ({num_experts})")
     if num_experts > MAX_EXPERTS:
         raise ValueError(f"synthetic_trace: num_experts must be <= {MAX_EXPERTS} (ids are packed into float32 sort keys), got {num_experts}")
+
+
+def _check_token_law(zipf_exponent: float, zipf_offset: float, active_vocab: int, topic_vocab_jitter: float) -> None:
+    for name, value in (("zipf_exponent", zipf_exponent), ("zipf_offset", zipf_offset),
+                        ("topic_vocab_jitter", topic_vocab_jitter)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                or not math.isfinite(value):
+            raise ValueError(f"synthetic_trace: {name} must be a finite number, got {value!r}")
+    if zipf_exponent < 0:
+        raise ValueError(f"synthetic_trace: zipf_exponent must be >= 0, got {zipf_exponent!r}")
+    if zipf_offset <= -1:
+        raise ValueError(f"synthetic_trace: zipf_offset must be > -1 (p(r) ~ (r + zipf_offset) ** -zipf_exponent "
+                         f"for ranks r >= 1), got {zipf_offset!r}")
+    if topic_vocab_jitter < 0:
+        raise ValueError(f"synthetic_trace: topic_vocab_jitter must be >= 0, got {topic_vocab_jitter!r}")
+    if isinstance(active_vocab, bool) or not isinstance(active_vocab, (int, np.integer)) or active_vocab < 1:
+        raise ValueError(f"synthetic_trace: active_vocab must be a positive int, got {active_vocab!r}")
 
 
 def _check_knobs(knobs: dict[str, np.ndarray], logit_tail: float, context_tail: float) -> None:
@@ -440,6 +461,7 @@ def synthetic_trace(
         ("token_scale", token_scale), ("cluster_scale", cluster_scale), ("topic_scale", topic_scale),
         ("sequence_scale", sequence_scale), ("expert_skew", expert_skew), ("crosslayer_carry", crosslayer_carry))}
     _check_knobs(knobs, logit_tail, context_tail)
+    _check_token_law(zipf_exponent, zipf_offset, active_vocab, topic_vocab_jitter)
 
     rng = np.random.default_rng(seed)
     lengths = _sequence_lengths(rng, num_sequences, seq_len)

@@ -278,7 +278,8 @@ def test_recorder_drops_a_forward_that_raised_part_way() -> None:
     """The model raises between its MoE layers: that forward (and its tag) is not recorded, and the
     next tag() and forward work as if it had not happened."""
     model = FakeModel()
-    with TraceRecorder(model, vocab_size=50) as rec:
+    with pytest.warns(RuntimeWarning, match=r"dropped 2 incomplete model forward\(s\)"), \
+            TraceRecorder(model, vocab_size=50) as rec:
         rec.tag(["a", "a"])
         model(torch.tensor([1, 2]))
         rec.tag(["b", "b"])
@@ -296,6 +297,45 @@ def test_recorder_drops_a_forward_that_raised_part_way() -> None:
     np.testing.assert_array_equal(trace.token_ids, [1, 2, 5, 6, 8])
     np.testing.assert_array_equal(trace.seq_offsets, [0, 2, 3, 4, 5])
     np.testing.assert_array_equal(trace.topk_ids, expected_ids(model, [1, 2, 5, 6, 8]))
+
+
+def test_recorder_drops_a_last_forward_that_raised_part_way() -> None:
+    """The last forward of the with-block raised after moe_a: result holds the complete ones."""
+    model = FakeModel()
+    with pytest.warns(RuntimeWarning, match=r"dropped 1 incomplete .* holds the 2 complete"):
+        with TraceRecorder(model, vocab_size=50) as rec:
+            model(torch.tensor([1, 2]))
+            model(torch.tensor([3]))
+            model.mlp.register_forward_pre_hook(_raise_once)
+            with pytest.raises(RuntimeError, match="mlp broke"):
+                model(torch.tensor([4, 5]))
+    np.testing.assert_array_equal(rec.result.token_ids, [1, 2, 3])
+    np.testing.assert_array_equal(rec.result.topk_ids, expected_ids(model, [1, 2, 3]))
+
+
+class SkippingModel(FakeModel):
+    """Returns after moe_a when told to (an early exit): moe_b never runs."""
+
+    def forward(self, token_ids: torch.Tensor, skip: bool = False) -> torch.Tensor:
+        x = self.moe_a(self.embed(token_ids), token_ids=token_ids)
+        return x if skip else self.moe_b(self.mlp(x), token_ids=token_ids)
+
+
+def test_recorder_refuses_a_forward_that_skipped_a_layer() -> None:
+    """A forward that returns without running every MoE layer is an error naming the missing layer,
+    not a silent loss of its tokens; the recording goes on."""
+    model = SkippingModel()
+    with pytest.warns(RuntimeWarning, match=r"dropped 2 incomplete"), TraceRecorder(model, vocab_size=50) as rec:
+        rec.tag(["a"])
+        with pytest.raises(RuntimeError, match=r"only 1 of 2 MoE layers ran \(MoE layer 1 \('moe_b'\) did not\)"):
+            model(torch.tensor([1]), skip=True)
+        rec.tag(["b", "b"])  # the skipped forward's tag is gone with it
+        model(torch.tensor([2, 3]))
+        with pytest.raises(RuntimeError, match="did not"):
+            model(torch.tensor([4]), skip=True)  # the last forward
+    np.testing.assert_array_equal(rec.result.token_ids, [2, 3])
+    np.testing.assert_array_equal(rec.result.topk_ids, expected_ids(model, [2, 3]))
+    assert no_hooks(model)
 
 
 def _raise_once(module: nn.Module, args) -> None:
@@ -454,6 +494,19 @@ def test_synthetic_rejects_bad_arguments() -> None:
         synthetic_trace(2, 2, 4, 2, 100, token_scale=(1.0, 2.0))
     with pytest.raises(ValueError, match="num_experts"):
         synthetic_trace(2, 2, ts.MAX_EXPERTS + 1, 2, 100)
+
+
+@pytest.mark.parametrize("knob, value", [
+    ("zipf_exponent", float("nan")), ("zipf_exponent", float("inf")), ("zipf_exponent", -1.0),
+    ("zipf_offset", -1.0), ("zipf_offset", float("nan")), ("active_vocab", 0), ("active_vocab", 2.5),
+    ("topic_vocab_jitter", float("nan")), ("topic_vocab_jitter", -0.5),
+])
+def test_synthetic_rejects_a_bad_token_law(knob: str, value: float) -> None:
+    """NaN used to collapse the trace to one token id, offset <= -1 too (or raise an IndexError)."""
+    with pytest.raises(ValueError, match=f"synthetic_trace: {knob} must be"):
+        synthetic_trace(2, 1, 4, 1, 100, seq_len=50, **{knob: value})
+    with pytest.raises(ValueError, match="over-/underflows"):
+        synthetic_trace(2, 1, 4, 1, 100, seq_len=50, zipf_exponent=1e6)
 
 
 def _table_recalls(train: RoutingTrace, test: RoutingTrace, layer: int, min_count: int = 1) -> tuple[float, float]:
