@@ -28,6 +28,7 @@ to 1.0 (rank ``R-1``); ``low`` and ``none``: 1.0 everywhere.
 from __future__ import annotations
 
 import inspect
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -84,6 +85,17 @@ def curve_latency(curves: Any, rank: int, num_ranks: int, rows: int) -> float:
     if out.shape != (num_ranks,):
         raise ValueError(f"curves returned shape {out.shape} for rows of shape ({num_ranks},)")
     return float(out[rank])
+
+
+def _finite(value: Any, name: str, low: float, *, inclusive: bool) -> float:
+    """``value`` as a float, or a ValueError naming ``name`` unless it is finite and above ``low``."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or not math.isfinite(number) or number < low or (number == low and not inclusive):
+        raise ValueError(f"{name} must be a finite number {'>=' if inclusive else '>'} {low:g}, got {value!r}")
+    return number
 
 
 def _wait(seconds: float, how: str) -> None:
@@ -205,15 +217,13 @@ def emulate_variability(layer: nn.Module, factor: float | None = None, *, mode: 
         num_ranks = groups.ep_size if num_ranks is None else num_ranks
     if not 0 <= rank < num_ranks:
         raise ValueError(f"rank {rank} is outside [0, {num_ranks})")
-    if not time_scale > 0:
-        raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    time_scale = _finite(time_scale, "time_scale", 0.0, inclusive=False)
     if mode == "measured":
         if factor is None:
             if variability is None:
                 raise ValueError("measured mode needs factor= or variability=")
             factor = slowdown_preset(variability, num_ranks)[rank]
-        if not factor >= 1.0:
-            raise ValueError(f"slowdown factor must be >= 1, got {factor}")
+        factor = _finite(factor, "slowdown factor", 1.0, inclusive=True)
     else:
         if factor is not None:
             raise ValueError("curve mode takes its times from curves=, not factor=")
@@ -228,6 +238,22 @@ def emulate_variability(layer: nn.Module, factor: float | None = None, *, mode: 
     return emu
 
 
+def _curves_path(var: dict) -> str | None:
+    """``variability.curves.path`` of a ``variability`` dict (``None``: no curves), its keys checked."""
+    unknown = set(var) - {"name", "curves"}
+    if unknown:
+        raise ValueError(f"unknown variability key(s) {sorted(unknown)}: use name, curves")
+    curves = var.get("curves")
+    if curves is None:
+        return None
+    if not isinstance(curves, dict) or set(curves) != {"path"}:
+        raise ValueError(f"variability.curves must be a dict with the one key `path`, got {curves!r}")
+    path = curves["path"]
+    if path is not None and not isinstance(path, str):
+        raise ValueError(f"variability.curves.path must be a file name or null, got {path!r}")
+    return path or None
+
+
 @dataclass
 class VariabilitySettings:
     """The recipes' variability settings.
@@ -236,7 +262,7 @@ class VariabilitySettings:
 
         variability: high            # a preset name, or {name: high, curves: {path: curves.npz}}
         emulation:                   # slow the ranks down accordingly (any layer)
-          mode: measured             # measured | curve | off
+          mode: measured             # measured | curve | off (YAML's boolean ``off``, False, too)
           time_scale: 1.0            # curve mode: multiplies the curve latencies
           wait: auto                 # auto | spin | sleep
 
@@ -265,8 +291,7 @@ class VariabilitySettings:
         if isinstance(var, str):
             name, path = var, None
         elif isinstance(var, dict):
-            name = var.get("name") or "none"
-            path = (var.get("curves") or {}).get("path") if isinstance(var.get("curves"), dict) else None
+            name, path = var.get("name") or "none", _curves_path(var)
         else:
             raise ValueError(f"variability must be a preset name or a dict with `name`, got {var!r}")
         emu = cfg.get("emulation") or {}
@@ -275,16 +300,16 @@ class VariabilitySettings:
         unknown = set(emu) - {"mode", "time_scale", "wait"}
         if unknown:
             raise ValueError(f"unknown emulation key(s) {sorted(unknown)}: use mode, time_scale, wait")
-        out = cls(str(name), path, str(emu.get("mode", "measured")), float(emu.get("time_scale", 1.0)),
-                  str(emu.get("wait", "auto")), given)
+        mode = emu.get("mode", "measured")
+        mode = "off" if mode is False else mode  # YAML 1.1 (OmegaConf, Hydra) reads `mode: off` as False
+        time_scale = _finite(emu.get("time_scale", 1.0), "emulation.time_scale", 0.0, inclusive=False)
+        out = cls(str(name), path, str(mode), time_scale, str(emu.get("wait", "auto")), given)
         if out.name not in VARIABILITY_PRESETS:
             raise ValueError(f"variability must be one of {VARIABILITY_PRESETS}, got {out.name!r}")
         if out.mode not in MODES + ("off",):
-            raise ValueError(f"emulation.mode must be measured, curve or off, got {out.mode!r}")
+            raise ValueError(f"emulation.mode must be measured, curve or off, got {mode!r}")
         if out.wait not in WAITS:
             raise ValueError(f"emulation.wait must be one of {WAITS}, got {out.wait!r}")
-        if not out.time_scale > 0:
-            raise ValueError(f"emulation.time_scale must be > 0, got {out.time_scale}")
         return out
 
     def curves(self, num_ranks: int) -> Any:

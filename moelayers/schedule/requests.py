@@ -36,6 +36,7 @@ class RequestScheduler(Protocol):
 
 
 def _token_array(token_ids: Any) -> np.ndarray:
+    """``[N]`` integer token ids in their own dtype (``uint64`` ids above the int64 range must not wrap)."""
     if isinstance(token_ids, torch.Tensor):
         token_ids = token_ids.detach().cpu().numpy()
     a = np.asarray(token_ids)
@@ -43,7 +44,7 @@ def _token_array(token_ids: Any) -> np.ndarray:
         return a.reshape(0).astype(np.int64)
     if a.dtype.kind not in "iu":
         raise TypeError(f"token_ids must be integers, got dtype {a.dtype}")
-    return a.reshape(-1).astype(np.int64)
+    return a.reshape(-1)
 
 
 class RoundRobinScheduler:
@@ -135,6 +136,7 @@ class SemanticScheduler:
             raise ValueError(f"{where}token id {bad} is outside the plan's vocabulary "
                              f"[0, vocab_size={self.vocab_size}): token ids must be >= 0 and < vocab_size; "
                              f"use a plan made for this vocabulary")
+        ids = ids.astype(np.int64)  # in [0, vocab_size): no wrap-around
         conf = self.token_conf[ids]
         seen = conf > 0
         return np.bincount(self.token_rank[ids[seen]], weights=conf[seen], minlength=self.num_ranks).astype(np.float64)

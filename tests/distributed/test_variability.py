@@ -585,6 +585,34 @@ def test_settings_emulate_any_layer():
     assert VariabilitySettings.from_config({"variability": "high", "emulation": {"mode": "off"}}).apply(layers) == []
 
 
+def test_settings_read_yaml_off_and_refuse_malformed_entries():
+    """YAML 1.1 (OmegaConf) reads ``mode: off`` as False: that is off. Unknown or mistyped variability
+    entries, and non-finite scales or factors, are errors rather than silently ignored."""
+    from omegaconf import OmegaConf
+
+    from moelayers.emulation import VariabilitySettings, emulate_variability
+
+    cfg = OmegaConf.to_container(OmegaConf.create("variability: high\nemulation:\n  mode: off\n"))
+    assert cfg["emulation"]["mode"] is False
+    settings = VariabilitySettings.from_config(cfg)
+    assert settings.mode == "off" and settings.apply([_emulated_layer()[0]]) == []
+    for bad, match in (({"name": "high", "curve": {"path": "c.npz"}}, r"unknown variability key\(s\) \['curve'\]"),
+                       ({"name": "high", "curves": "c.npz"}, "variability.curves must be a dict"),
+                       ({"name": "high", "curves": {"path": "c.npz", "scale": 2}}, "variability.curves must be a dict"),
+                       ({"name": "high", "curves": {"path": 3}}, "variability.curves.path must be a file name")):
+        with pytest.raises(ValueError, match=match):
+            VariabilitySettings.from_config({"variability": bad})
+    for scale in (float("inf"), float("nan"), 0, "fast", True):
+        with pytest.raises(ValueError, match="emulation.time_scale must be a finite number > 0"):
+            VariabilitySettings.from_config({"emulation": {"time_scale": scale}})
+    layer, _ = _emulated_layer()
+    for factor in (float("inf"), float("nan"), 0.5):
+        with pytest.raises(ValueError, match="slowdown factor must be a finite number >= 1"):
+            emulate_variability(layer, factor)
+    with pytest.raises(ValueError, match="time_scale must be a finite number > 0"):
+        emulate_variability(layer, 2.0, time_scale=float("inf"))
+
+
 # ---------------------------------------------------------------------- serve recipe end to end
 @pytest.mark.timeout(150)
 def test_serve_variability_replans(tmp_path):

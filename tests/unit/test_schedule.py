@@ -101,6 +101,11 @@ def test_semantic_scheduler_token_ids_outside_the_plans_vocabulary():
         with pytest.raises(ValueError, match="vocab_size=12"):
             s.scores(np.array(ids))
     assert s.loads.sum() == 0 and not s.mask.any()  # a refused request changes nothing
+    huge = np.array([3, 2**63 + 5], dtype=np.uint64)  # above int64: named as it is, not wrapped negative
+    with pytest.raises(ValueError, match=rf"token id {2**63 + 5} is outside"):
+        s.assign(huge)
+    assert s.assign(np.array([11, 0], dtype=np.uint64)) == 0  # uint64 ids inside the vocabulary are fine
+    s.reset()
     assert s.assign([11, 0]) == 0  # the last id of the vocabulary is fine
 
 
@@ -327,7 +332,11 @@ def test_semantic_moe_errors():
         ml.SemanticMoE(cfg, single, mode="tp", predictor="oracle")
     with pytest.raises(TypeError, match="SemanticPlan"):
         ml.SemanticMoE(cfg, single, plan=object())
-    fake = ml.ParallelGroups(None, None, None, 2, 0, 1, 0, 2, 0, 2, 0)  # ep over 2 ranks, tp = 1
+    # ep over 2 ranks, tp = 1, in one process: unchecked (ParallelGroups refuses ep=None with ep_size=2)
+    fake = ml.ParallelGroups.__new__(ml.ParallelGroups)
+    for name, value in zip(("ep", "tp", "dp", "ep_size", "ep_rank", "tp_size", "tp_rank", "dp_size", "dp_rank",
+                            "world_size", "rank"), (None, None, None, 2, 0, 1, 0, 2, 0, 2, 0)):
+        object.__setattr__(fake, name, value)
     with pytest.raises(ValueError, match="tp = ep"):
         ml.SemanticMoE(cfg, fake, mode="tp")
     layer = ml.SemanticMoE.from_plan(make_plan(8, 1, mode="tp"), 0, cfg, single)
