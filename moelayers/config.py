@@ -11,17 +11,22 @@ import torch
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 ACTIVATIONS = ("swiglu",)
+#: weight dtypes the layers compute in (fp8 weights would need scaling factors moelayers does not keep)
+PARAMS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 #: megatron-core TransformerConfig fields that change an MoE layer's output, and the only values moelayers
 #: implements; ``MoEConfig.from_megatron`` refuses any other value.
 MEGATRON_SUPPORTED_VALUES: dict[str, tuple] = {
     "moe_router_topk_scaling_factor": (None, 1.0),
-    # sinkhorn changes the weights; the auxiliary losses only matter in training
+    # sinkhorn changes the weights; the auxiliary losses only matter in training (see
+    # ``megatron_training_losses``); a list combines several aux-loss types: each entry must be one of these
     "moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
     "moe_router_enable_expert_bias": (False,),   # the bias shifts which experts are chosen
-    "moe_router_num_groups": (None,),            # group-limited routing
-    "moe_router_group_topk": (None,),
+    # group-limited routing; megatron ignores moe_router_num_groups while moe_router_group_topk is
+    # unset (None or 0), and so does from_megatron
+    "moe_router_num_groups": (None,),
+    "moe_router_group_topk": (None, 0),
     "moe_expert_capacity_factor": (None,),       # token dropping
     "moe_apply_probs_on_input": (False,),
     "moe_input_jitter_eps": (None,),             # megatron's router jitters its input, in eval mode too
@@ -35,6 +40,81 @@ MEGATRON_SUPPORTED_VALUES: dict[str, tuple] = {
 
 #: megatron-core ``moe_router_dtype`` -> ``MoEConfig.router_dtype``
 ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
+
+#: megatron-core's auxiliary load-balancing losses (``moe_router_load_balancing_type`` entries)
+MEGATRON_AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+
+
+def _megatron_unsupported(tc: Any) -> list[str]:
+    """``name=value`` for each :data:`MEGATRON_SUPPORTED_VALUES` field that ``tc`` sets to a value
+    moelayers does not implement.
+
+    A list ``moe_router_load_balancing_type`` (megatron combines several aux-loss types) passes when
+    every entry is supported; ``moe_router_num_groups`` only counts with ``moe_router_group_topk`` set,
+    as in megatron's router (``if group_topk:`` selects group-limited routing).
+    """
+    bad = []
+    group_limited = bool(getattr(tc, "moe_router_group_topk", None))
+    for name, accepted in MEGATRON_SUPPORTED_VALUES.items():
+        value = getattr(tc, name, accepted[0])
+        if name == "moe_router_num_groups" and not group_limited:
+            continue
+        if name == "moe_router_load_balancing_type" and isinstance(value, (list, tuple)):
+            wrong = [v for v in value if v not in accepted]
+            if wrong:
+                bad.append(f"{name}={value!r} (entries {wrong!r}; each must be one of {accepted})")
+        elif value not in accepted:
+            bad.append(f"{name}={value!r}")
+    return bad
+
+
+def _megatron_aux_loss_coeff(tc: Any, loss_type: str) -> Any:
+    """The coefficient megatron's router gives ``loss_type`` (its ``TopKRouter.get_aux_loss_coeff``):
+    ``moe_aux_loss_coeff`` (or its entry at the type's first position in a list
+    ``moe_router_load_balancing_type``) when the type is selected, else 0."""
+    types = getattr(tc, "moe_router_load_balancing_type", "aux_loss")
+    coeffs = getattr(tc, "moe_aux_loss_coeff", 0.0)
+    if isinstance(types, str):
+        return coeffs if types == loss_type else 0.0
+    types = list(types)
+    if loss_type not in types:
+        return 0.0
+    return coeffs[types.index(loss_type)] if isinstance(coeffs, (list, tuple)) else coeffs
+
+
+def megatron_training_losses(tc: Any) -> list[str]:
+    """The auxiliary / z losses a megatron ``TransformerConfig`` turns on, as ``name=value`` strings.
+
+    megatron's router adds them to its gradient in training (``training`` and grad enabled) and
+    never changes the output with them; moelayers has no such term, so
+    :class:`~moelayers.integrations.megatron.MegatronMoEAdapter` refuses to train with them rather
+    than drop them silently, while inference (serving, rollouts) is unaffected.
+    """
+    bad = []
+    for loss_type in MEGATRON_AUX_LOSS_TYPES:
+        if _megatron_aux_loss_coeff(tc, loss_type):
+            bad.append(f"moe_aux_loss_coeff={tc.moe_aux_loss_coeff!r} (the {loss_type!r} loss)")
+    z = getattr(tc, "moe_z_loss_coeff", None)
+    if z is not None and z != 0:
+        bad.append(f"moe_z_loss_coeff={z!r}")
+    return bad
+
+
+def _megatron_params_dtype(tc: Any) -> torch.dtype:
+    """The dtype megatron's weights end up in: ``params_dtype``, or bf16 / fp16 with ``bf16`` /
+    ``fp16`` set (megatron's ``Float16Module`` casts every parameter, the adapter's included)."""
+    params = getattr(tc, "params_dtype", torch.float32)
+    half = torch.bfloat16 if getattr(tc, "bf16", False) else torch.float16 if getattr(tc, "fp16", False) else None
+    if half is not None:
+        flag = "bf16" if half is torch.bfloat16 else "fp16"
+        if params not in (torch.float32, half):
+            raise ValueError(f"transformer_config sets {flag}=True with params_dtype={params}: megatron's Float16Module "
+                             f"casts the weights to {half}; set params_dtype={half}")
+        params = half
+    if params not in PARAMS_DTYPES:
+        raise ValueError(f"transformer_config.params_dtype={params} is not supported: one of "
+                         f"{[str(d) for d in PARAMS_DTYPES]} (fp8 weights need scaling factors moelayers does not keep)")
+    return params
 
 
 @dataclass
@@ -84,6 +164,9 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if not isinstance(self.params_dtype, torch.dtype) or not self.params_dtype.is_floating_point:
             raise TypeError(f"MoEConfig.params_dtype must be a floating torch.dtype, got {self.params_dtype!r}")
+        if self.params_dtype not in PARAMS_DTYPES:
+            raise TypeError(f"MoEConfig.params_dtype={self.params_dtype} is not supported: one of "
+                            f"{[str(d) for d in PARAMS_DTYPES]} (fp8 weights need scaling factors moelayers does not keep)")
         if not isinstance(self.norm_topk_prob, bool):
             raise TypeError(f"MoEConfig.norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
         if isinstance(self.init_std, bool) or not isinstance(self.init_std, numbers.Real) \
@@ -112,8 +195,10 @@ class MoEConfig:
 
         Reads ``hidden_size``, ``moe_ffn_hidden_size`` (falls back to ``ffn_hidden_size``),
         ``num_moe_experts``, ``moe_router_topk``, ``moe_router_score_function``,
-        ``moe_router_pre_softmax``, ``moe_router_dtype``, ``gated_linear_unit``, ``params_dtype`` and
-        ``init_method_std``.
+        ``moe_router_pre_softmax``, ``moe_router_dtype``, ``gated_linear_unit``, ``params_dtype``,
+        ``bf16`` / ``fp16`` and ``init_method_std``.
+        ``bf16=True`` (``fp16=True``) makes ``params_dtype`` bf16 (fp16): megatron's
+        ``Float16Module`` casts every parameter to it, whatever ``params_dtype`` they were made in.
         Megatron's softmax router without pre-softmax takes the top-k of the logits and then a
         softmax over them, which is a renormalised top-k (``norm_topk_prob=True``); with
         pre-softmax it is a plain top-k of the softmax. Its sigmoid router always renormalises
@@ -122,7 +207,11 @@ class MoEConfig:
         Raises:
             ValueError: not an MoE config, or a setting that would change what megatron's layer
                 computes and that moelayers does not implement (it is never silently dropped):
-                see :data:`MEGATRON_SUPPORTED_VALUES`, non-SwiGLU experts, linear biases.
+                see :data:`MEGATRON_SUPPORTED_VALUES`, non-SwiGLU experts, linear biases, a
+                ``params_dtype`` outside :data:`PARAMS_DTYPES` (fp8), or ``params_dtype``
+                contradicting ``bf16`` / ``fp16``. The auxiliary / z loss coefficients do not change
+                the output and are accepted here; the megatron adapter refuses to *train* with them
+                (:func:`megatron_training_losses`).
         """
         import torch.nn.functional as F
 
@@ -134,11 +223,11 @@ class MoEConfig:
                              "activation_func=F.silu")
         if getattr(tc, "add_bias_linear", False):
             raise ValueError("moelayers router and experts have no biases: set transformer_config.add_bias_linear=False")
-        bad = [f"{name}={getattr(tc, name)!r}" for name, accepted in MEGATRON_SUPPORTED_VALUES.items()
-               if getattr(tc, name, accepted[0]) not in accepted]
+        bad = _megatron_unsupported(tc)
         if bad:
             raise ValueError(f"transformer_config sets what moelayers does not implement: {', '.join(bad)} "
                              "(outputs would differ from megatron's MoELayer)")
+        params_dtype = _megatron_params_dtype(tc)
         score_fn = getattr(tc, "moe_router_score_function", "softmax")
         topk = int(tc.moe_router_topk)
         if score_fn == "softmax":
@@ -157,7 +246,7 @@ class MoEConfig:
             top_k=topk,
             score_fn=score_fn,
             norm_topk_prob=norm,
-            params_dtype=getattr(tc, "params_dtype", torch.float32),
+            params_dtype=params_dtype,
             init_std=float(getattr(tc, "init_method_std", 0.02)),
             router_dtype=router_dtype,
         )

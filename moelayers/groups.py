@@ -33,6 +33,41 @@ class ParallelGroups:
     world_size: int
     rank: int
 
+    def __post_init__(self) -> None:
+        """Check that sizes, ranks and groups agree (a mismatch would only show up later, as a
+        wrong result or an ``IndexError`` deep in a layer).
+
+        Raises:
+            ValueError: a size is not a positive int or a rank is not in ``[0, size)``; a size > 1
+                without its group (``None`` means a group of one); a group whose size or this
+                rank's position in it differs from the declared one; ``ep_size`` or ``tp_size``
+                not dividing ``world_size``.
+        """
+        for size_name, rank_name in (("ep_size", "ep_rank"), ("tp_size", "tp_rank"), ("dp_size", "dp_rank"),
+                                     ("world_size", "rank")):
+            size, rank = getattr(self, size_name), getattr(self, rank_name)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"ParallelGroups.{size_name} must be a positive int, got {size!r}")
+            if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+                raise ValueError(f"ParallelGroups.{rank_name} must be an int in [0, {size_name}={size}), got {rank!r}")
+        for name in ("ep", "tp", "dp"):
+            group, size, rank = getattr(self, name), getattr(self, f"{name}_size"), getattr(self, f"{name}_rank")
+            if group is None:
+                if size != 1:
+                    raise ValueError(f"ParallelGroups.{name} is None (a group of one) but {name}_size={size}: "
+                                     f"pass the {name} process group, or build with from_world() / from_megatron()")
+                continue
+            if not dist.is_available() or not dist.is_initialized():
+                raise ValueError(f"ParallelGroups.{name} is a process group but torch.distributed is not initialised")
+            actual_size, actual_rank = dist.get_world_size(group), dist.get_rank(group)
+            if (actual_size, actual_rank) != (size, rank):
+                raise ValueError(f"ParallelGroups.{name} has {actual_size} ranks and this process is its rank "
+                                 f"{actual_rank}, but {name}_size={size}, {name}_rank={rank}")
+        for name in ("ep", "tp"):
+            if self.world_size % getattr(self, f"{name}_size"):
+                raise ValueError(f"ParallelGroups.{name}_size={getattr(self, f'{name}_size')} does not divide "
+                                 f"world_size={self.world_size}")
+
     @classmethod
     def single(cls) -> "ParallelGroups":
         """One process: no collectives at all."""

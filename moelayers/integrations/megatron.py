@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moelayers.config import MoEConfig
+from moelayers.config import MoEConfig, megatron_training_losses
 from moelayers.experts import GroupedExperts
 from moelayers.groups import ParallelGroups
 
@@ -216,6 +216,7 @@ class MegatronMoEAdapter(nn.Module):
         self.ignored_build_kwargs: tuple[str, ...] = tuple(ignored)
         self.config = config  # megatron's TransformerConfig, as on megatron modules
         self.moe_config = MoEConfig.from_megatron(config)
+        self.training_losses: tuple[str, ...] = tuple(megatron_training_losses(config))
         if groups is not None and not isinstance(groups, ParallelGroups):
             raise TypeError(f"groups must be a ParallelGroups, got {type(groups).__name__}")
         self.groups = groups if groups is not None else groups_for_megatron(pg_collection)
@@ -236,6 +237,17 @@ class MegatronMoEAdapter(nn.Module):
         """``router_weight [E, H]``, ``w13 [E, 2F, H]``, ``w2 [E, H, F]`` (see ``MoELayerBase``)."""
         self.layer.load_full_weights(router_weight, w13, w2)
 
+    def export_full_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The wrapped layer's logical weights (see ``MoELayerBase.export_full_weights``).
+
+        Every expert-parallel rank must call it (the experts are gathered over the EP group).
+
+        Returns:
+            ``(router_weight [E, H], w13 [E, 2F, H], w2 [E, H, F])``, in logical expert order: what
+            :meth:`load_full_weights` takes.
+        """
+        return self.layer.export_full_weights()
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -253,11 +265,26 @@ class MegatronMoEAdapter(nn.Module):
                 layer -- never routed, never sent -- and their output rows are zero, so they
                 cannot change the output of real tokens (nor the layer's statistics).
             intermediate_tensors: megatron's partial CUDA-graph capture; must be ``None``.
-            token_ids: optional ``[S, B]`` token ids (for layers that use them).
+            token_ids: optional token ids (for layers that use them): ``[S, B]`` like
+                ``hidden_states``, or ``[S * B]`` in its flattened order. megatron's ``[B, S]``
+                ``input_ids`` must be transposed first (``input_ids.t()``): with ``S != B`` they
+                are refused, since they would pair ids with the wrong tokens.
 
         Returns:
             ``(output [S, B, H], None)``: no bias.
+
+        Raises:
+            RuntimeError: training (``self.training`` with grad enabled) while the config turns on
+                megatron's auxiliary or z loss, which moelayers does not add to the router's
+                gradient (:attr:`training_losses`); inference runs as usual.
         """
+        if self.training_losses and self.training and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"the transformer_config turns on training losses moelayers does not implement: "
+                f"{', '.join(self.training_losses)}; megatron would add them to the router's gradient here, "
+                "moelayers would silently miss them. Set the coefficients to 0 to train, or run inference "
+                "(model.eval() or torch.no_grad())"
+            )
         if intermediate_tensors is not None:
             raise NotImplementedError("MegatronMoEAdapter does not support partial CUDA-graph capture "
                                       "(intermediate_tensors)")
@@ -265,8 +292,11 @@ class MegatronMoEAdapter(nn.Module):
             raise ValueError("hidden_states must be an [S, B, H] tensor")
         s, b, h = hidden_states.shape
         if token_ids is not None:
-            if token_ids.numel() != s * b:
-                raise ValueError(f"token_ids has {token_ids.numel()} entries for [S, B] = [{s}, {b}]")
+            if not isinstance(token_ids, torch.Tensor):
+                raise TypeError(f"token_ids must be a tensor, got {type(token_ids).__name__}")
+            if token_ids.numel() != s * b or (token_ids.dim() > 1 and tuple(token_ids.shape) != (s, b)):
+                raise ValueError(f"token_ids must be [S, B] = [{s}, {b}] like hidden_states (or flat [{s * b}]), got "
+                                 f"{list(token_ids.shape)}: transpose megatron's [B, S] input_ids first")
             token_ids = token_ids.reshape(-1)
         if padding_mask is None:
             return self.layer(hidden_states, token_ids=token_ids), None

@@ -58,3 +58,15 @@ class GraphedForward:
             self._capture()
         self.graph.replay()
         return self.y[:t].clone(), self.aux[:t]
+
+    def release(self) -> None:
+        """Drop the captured graph and its static outputs, once its work is done.
+
+        Waits for the device the graph was captured on (``self.x.device``, not the current
+        device, which may differ), so no replay is still running, e.g. a collective, when the
+        caller then destroys the process group. Without a captured graph it makes no CUDA call
+        (safe on CPU-only machines). The next call captures again.
+        """
+        if self.graph is not None:
+            torch.cuda.synchronize(self.x.device)
+        self.graph = self.y = self.aux = None

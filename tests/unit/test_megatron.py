@@ -242,6 +242,164 @@ def test_router_dtype_reaches_megatron():
         mpeer._router_dtype_name(cfg.replace(router_dtype=torch.float16))
 
 
+def test_adapter_token_ids_layout():
+    """token_ids pair with hidden_states' [S, B] rows: megatron's [B, S] input_ids are refused (they
+    would pair ids with the wrong tokens), with and without a padding mask."""
+    adapter = _build(mi.moe_spec(ml.VanillaMoE), _tc(), "build_module")
+    s, b = 5, 3
+    x = torch.randn(s, b, H, generator=torch.Generator().manual_seed(6))
+    ids_bs = torch.arange(b * s).view(b, s)  # megatron's input_ids layout
+    for pad in (None, torch.zeros(b, s, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=r"transpose megatron's \[B, S\] input_ids"):
+            adapter(x, pad, token_ids=ids_bs)
+        adapter(x, pad, token_ids=ids_bs.t())
+        assert torch.equal(adapter.layer.last_token_ids, ids_bs.t().reshape(-1))
+        adapter(x, pad, token_ids=ids_bs.t().reshape(-1))  # flat, in hidden_states' order
+        assert torch.equal(adapter.layer.last_token_ids, ids_bs.t().reshape(-1))
+    with pytest.raises(ValueError, match="token_ids"):
+        adapter(x, token_ids=torch.arange(s * b + 1))
+
+
+def test_adapter_export_full_weights():
+    """The adapter's export_full_weights (promised by its docs) returns what load_full_weights took."""
+    adapter = _build(mi.moe_spec(ml.VanillaMoE), _tc(), "builder")
+    weights = _weights(7)
+    adapter.load_full_weights(*weights)
+    exported = adapter.export_full_weights()
+    assert len(exported) == 3
+    for got, want in zip(exported, weights):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("setting, match", [
+    (dict(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01), "moe_aux_loss_coeff=0.01"),
+    (dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=1e-3), "'seq_aux_loss' loss"),
+    (dict(moe_router_load_balancing_type=["none", "global_aux_loss"], moe_aux_loss_coeff=[0.0, 0.5]),
+     "'global_aux_loss' loss"),
+    (dict(moe_z_loss_coeff=1e-3), "moe_z_loss_coeff=0.001"),
+])
+def test_adapter_refuses_to_train_with_training_losses(setting, match):
+    """megatron adds aux / z losses to the router's gradient in training; moelayers has none: the
+    adapter refuses to train with them (never a silent loss) but serves with them as usual."""
+    tc = _tc(**setting)
+    assert ml.MoEConfig.from_megatron(tc) == ml.MoEConfig.from_megatron(_tc())  # the output does not change
+    adapter = _build(mi.moe_spec(ml.VanillaMoE), tc, "builder")
+    adapter.load_full_weights(*_weights(5))
+    x = torch.randn(4, 2, H, generator=torch.Generator().manual_seed(5))
+    with pytest.raises(RuntimeError, match=re.escape(match)):
+        adapter.train()(x)
+    with torch.no_grad():
+        y_no_grad, _ = adapter(x)
+    y_eval, _ = adapter.eval()(x)
+    assert torch.equal(y_no_grad, y_eval)
+
+
+def test_from_megatron_accepts_inactive_training_losses():
+    """Coefficients megatron's router does not use (zero, or for a type not selected) are accepted."""
+    base = ml.MoEConfig.from_megatron(_tc())
+    for setting in (dict(moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.01),
+                    dict(moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0),
+                    dict(moe_router_load_balancing_type=["aux_loss", "none"], moe_aux_loss_coeff=[0.0, 0.3])):
+        assert ml.MoEConfig.from_megatron(_tc(**setting)) == base, setting
+        assert ml.config.megatron_training_losses(_tc(**setting)) == [], setting
+
+
+def test_from_megatron_load_balancing_list():
+    """A list of load-balancing types (megatron combines them like one aux-loss type) is accepted when
+    every entry is supported; otherwise refused with the offending entries named."""
+    base = ml.MoEConfig.from_megatron(_tc())
+    tc = _tc(moe_router_load_balancing_type=["aux_loss", "seq_aux_loss"], moe_aux_loss_coeff=[0.0, 0.0])
+    assert ml.MoEConfig.from_megatron(tc) == base
+    assert ml.MoEConfig.from_megatron(_tc(moe_router_load_balancing_type=["none"], moe_aux_loss_coeff=[0.0])) == base
+    try:
+        bad = _tc(moe_router_load_balancing_type=["none", "sinkhorn"], moe_aux_loss_coeff=[0.0, 0.0])
+    except Exception as e:  # noqa: BLE001 - this megatron-core version rejects the list itself
+        pytest.skip(f"TransformerConfig refuses the list: {e}")
+    with pytest.raises(ValueError, match=re.escape("entries ['sinkhorn']")):
+        ml.MoEConfig.from_megatron(bad)
+
+
+def test_from_megatron_num_groups_without_group_topk():
+    """megatron routes group-limited only when moe_router_group_topk is set: num_groups alone is plain
+    top-k (checked on megatron's own routing), so from_megatron accepts it."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    assert ml.MoEConfig.from_megatron(_tc(moe_router_num_groups=2)) == ml.MoEConfig.from_megatron(_tc())
+    logits = torch.randn(40, E, generator=torch.Generator().manual_seed(8))
+    plain = topk_routing_with_score_function(logits, K, use_pre_softmax=False, score_function="softmax")
+    grouped = topk_routing_with_score_function(logits, K, use_pre_softmax=False, num_groups=2, group_topk=None,
+                                               score_function="softmax")
+    assert all(torch.equal(p, g) for p, g in zip(plain, grouped))
+    with pytest.raises(ValueError, match=re.escape("moe_router_group_topk=1")):
+        ml.MoEConfig.from_megatron(_tc(moe_router_num_groups=2, moe_router_group_topk=1))
+
+
+@pytest.mark.parametrize("flag, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_from_megatron_half_precision(flag, dtype):
+    """bf16 / fp16: megatron's Float16Module casts the adapter's parameters; the layer computes in that dtype."""
+    from megatron.core.transformer.module import Float16Module
+
+    tc = _tc(**{flag: True})  # params_dtype left at its default, float32
+    assert ml.MoEConfig.from_megatron(tc).params_dtype is dtype
+    assert ml.MoEConfig.from_megatron(_tc(**{flag: True, "params_dtype": dtype})).params_dtype is dtype
+    adapter = _build(mi.moe_spec(ml.VanillaMoE), tc, "build_module")
+    Float16Module(tc, adapter)
+    assert {p.dtype for p in adapter.parameters()} == {dtype}
+    weights = tuple(w.to(dtype) for w in _weights(9))
+    adapter.load_full_weights(*weights)
+    x = torch.randn(4, 2, H, generator=torch.Generator().manual_seed(9)).to(dtype)
+    y, _ = adapter(x)
+    assert y.dtype is dtype and y.shape == x.shape and torch.isfinite(y).all()
+    with pytest.raises(ValueError, match=f"{flag}=True with params_dtype=torch.float64"):
+        ml.MoEConfig.from_megatron(_tc(**{flag: True, "params_dtype": torch.float64}))
+
+
+def test_fp8_params_dtype_refused():
+    with pytest.raises(TypeError, match="params_dtype=torch.float8_e4m3fn is not supported"):
+        ml.MoEConfig(hidden_size=H, ffn_hidden_size=FF, num_experts=E, top_k=K, params_dtype=torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=re.escape("transformer_config.params_dtype=torch.float8_e4m3fn")):
+        ml.MoEConfig.from_megatron(_tc(params_dtype=torch.float8_e4m3fn))
+
+
+@pytest.mark.parametrize("changes, match", [
+    (dict(ep_size=2), "ep is None (a group of one) but ep_size=2"),
+    (dict(tp_size=2, world_size=2), "tp is None (a group of one) but tp_size=2"),
+    (dict(ep_size=0), "ep_size must be a positive int"),
+    (dict(dp_size=True), "dp_size must be a positive int"),
+    (dict(rank=1), "rank must be an int in [0, world_size=1)"),
+    (dict(ep_rank=-1), "ep_rank must be an int"),
+])
+def test_parallel_groups_validated(changes, match):
+    """Sizes, ranks and groups must agree at construction (ep=None with ep_size=2 used to fail later)."""
+    import dataclasses
+
+    single = ml.ParallelGroups.single()
+    with pytest.raises(ValueError, match=re.escape(match)):
+        dataclasses.replace(single, **changes)
+    assert dataclasses.replace(single) == single
+
+
+def test_graphed_forward_release(monkeypatch):
+    """GraphedForward.release synchronizes the device the graph was captured on (not the current
+    device), and makes no CUDA call when nothing was captured. CPU stand-ins only: the capture itself
+    needs CUDA (tests/gpu)."""
+    from moelayers.layers.graphs import GraphedForward
+
+    calls = []
+
+    def fake_synchronize(*args, **kwargs):
+        calls.append((args, kwargs))
+
+    monkeypatch.setattr(torch.cuda, "synchronize", fake_synchronize)
+    graphed = GraphedForward(lambda x, n: (x, x), capacity=4, hidden=H, dtype=torch.float32, device=torch.device("cpu"))
+    graphed.release()
+    assert calls == []
+    graphed.graph, graphed.y, graphed.aux = object(), graphed.x, graphed.x  # as after a capture
+    graphed.release()
+    assert calls == [((graphed.x.device,), {})]
+    assert graphed.graph is None and graphed.y is None and graphed.aux is None
+
+
 # ------------------------------------------------------------------ 2 processes: parallel_state on gloo
 def _padded_tokens(rank: int):
     s, b = 3 + rank, 2
@@ -379,7 +537,22 @@ def _check_load_grouped(rank, world):
     return check_close("GroupedMLP", y.bfloat16(), ref64, ref_bf16)
 
 
+def _check_groups_validated(rank, world):
+    """A real group whose size or rank differs from the declared one is refused at construction."""
+    import dataclasses
+
+    groups = ml.ParallelGroups.from_megatron()
+    assert groups.ep_size == world and groups.ep is not None
+    for changes, match in ((dict(ep=None), f"ep is None (a group of one) but ep_size={world}"),
+                           (dict(ep_size=1, ep_rank=0), f"ep has {world} ranks"),
+                           (dict(ep_rank=(rank + 1) % world), f"this process is its rank {rank}")):
+        with pytest.raises(ValueError, match=re.escape(match)):
+            dataclasses.replace(groups, **changes)
+    return None
+
+
 DIST_CHECKS = {
+    "groups_validated": _check_groups_validated,
     "ep_build_module": _check_ep_build_module,
     "ep_pg_collection": _check_ep_pg_collection,
     "transformer_layer": _check_transformer_layer,
