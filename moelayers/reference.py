@@ -56,16 +56,30 @@ def moe_forward(
         x: ``[T, H]`` or ``[S, B, H]``.
         router_weight: ``[E, H]``; w13: ``[E, 2F, H]``; w2: ``[E, H, F]`` (logical order).
         config: routing configuration.
-        topk_ids: optional forced ``[T, K]`` expert choice (as in trace replay).
+        topk_ids: optional forced ``[T, K]`` expert choice (as in trace replay); ``[S, B, K]``
+            for ``[S, B, H]`` hidden states.
 
     Returns:
         Same shape as ``x``.
+
+    Raises:
+        ValueError: ``topk_ids`` is not laid out like ``x`` with ``K = config.top_k`` columns, or
+            holds ids outside ``[0, E)``.
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     dtype = config.logits_dtype(x.dtype)
     logits = x2.to(dtype) @ router_weight.to(dtype).t()
-    forced = None if topk_ids is None else topk_ids.reshape(x2.shape[0], -1).to(torch.int64)
+    forced = None
+    if topk_ids is not None:
+        k = config.top_k
+        if tuple(topk_ids.shape) not in ((x2.shape[0], k), (*shape[:-1], k)):
+            raise ValueError(f"topk_ids must be [{x2.shape[0]}, {k}] (or {[*shape[:-1], k]}) for x of shape "
+                             f"{list(shape)}, got {list(topk_ids.shape)}")
+        forced = topk_ids.reshape(x2.shape[0], k).to(torch.int64)
+        if forced.numel() and (forced.min() < 0 or forced.max() >= config.num_experts):
+            raise ValueError(f"topk_ids must be in [0, {config.num_experts}), got ids in "
+                             f"[{int(forced.min())}, {int(forced.max())}]")
     ids, weights = _routing(logits, config, forced)
     weights = weights.to(x.dtype)
     y = torch.zeros_like(x2)

@@ -78,7 +78,14 @@ class TopKRouter(nn.Module):
 
         Returns:
             ``(topk_ids [T, K] int64, topk_weights [T, K] in x.dtype)``.
+
+        Raises:
+            ValueError: ``forced_ids`` is not ``[T, K]``; without ``defer_check``, NaN/inf logits
+                (``check_finite``) or forced ids outside ``[0, E)``.
         """
+        if forced_ids is not None and tuple(forced_ids.shape) != (x.shape[0], self.config.top_k):
+            raise ValueError(f"forced_ids must be [T, K] = [{x.shape[0]}, {self.config.top_k}], "
+                             f"got {list(forced_ids.shape)}")
         if self.config.router_dtype is None:  # the default: no extra calls on the latency path
             logits = x @ self.weight.t()
         else:

@@ -27,8 +27,8 @@ class Routes:
         dest_slot: ``[T, K]`` int64 local slot of the chosen replica on ``dest_rank``.
         nonfinite: optional 0-dim int device flag of bad routing on this rank: ``NONFINITE_LOGITS``
             (router logits with NaN/inf) | ``FORCED_OUT_OF_RANGE`` (forced expert ids outside
-            ``[0, E)``); dispatchers exchange it with their split sizes (no extra sync) and every
-            rank raises.
+            ``[0, E)``) | ``BAD_INPUT`` (the layer refused this rank's input and sends no tokens);
+            dispatchers exchange it with their split sizes (no extra sync) and every rank raises.
         overflow: capacity mode: optional 0-dim device flag, true when this rank had more tokens
             than the capacity (it sends the first ``capacity``); exchanged like ``nonfinite``.
     """
@@ -43,11 +43,16 @@ class Routes:
 
 NONFINITE_LOGITS = 1  # bits of Routes.nonfinite
 FORCED_OUT_OF_RANGE = 2
+BAD_INPUT = 4  # the layer refused this rank's input; it takes part in the exchange with no tokens
 
 
 def raise_if_nonfinite(flags: list[int]) -> None:
     """Raise ``ValueError`` on every rank if any rank's routing flag (``Routes.nonfinite``, one per
     expert-parallel rank, in rank order) is set."""
+    refused = [r for r, f in enumerate(flags) if int(f) & BAD_INPUT]
+    if refused:
+        raise ValueError(f"the layer refused the input of expert-parallel rank(s) {refused} (that rank raised "
+                         "the reason); every rank raises this forward so that none waits for the others")
     forced = [r for r, f in enumerate(flags) if int(f) & FORCED_OUT_OF_RANGE]
     if forced:
         raise ValueError(f"forced routing (force_routing) holds expert ids outside [0, num_experts) on "

@@ -19,7 +19,7 @@ from torch import nn
 
 from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, ReplicaPolicy, Routes
-from moelayers.dispatch.base import raise_if_nonfinite, routes_from_placement
+from moelayers.dispatch.base import BAD_INPUT, raise_if_nonfinite, routes_from_placement
 from moelayers.experts import GroupedExperts, gather_logical, sum_replicas
 from moelayers.groups import ParallelGroups
 from moelayers.metrics import MoEStats
@@ -102,6 +102,7 @@ class MoELayerBase(nn.Module):
         self.last_topk_ids: torch.Tensor | None = None
         self.last_token_ids: torch.Tensor | None = None
         self._forced_ids: torch.Tensor | None = None
+        self._bad_input = False  # this forward stands in for a refused input (see _refuse_in_step)
         self.reset_parameters()
 
     # ------------------------------------------------------------------ construction helpers
@@ -199,11 +200,25 @@ class MoELayerBase(nn.Module):
 
         Returns:
             ``y`` with the shape of ``x``.
+
+        Raises:
+            TypeError, ValueError: input of the wrong shape, dtype or device, token ids or forced
+                routing not laid out like ``x``. With several expert-parallel ranks this rank first
+                takes part in the forward's exchange with no tokens, so the other ranks raise
+                ``ValueError`` too instead of waiting for it (see :meth:`_refuse_in_step`).
+            ValueError: NaN/inf router logits (``check_finite``) or forced ids outside ``[0, E)`` on
+                any rank; more tokens than ``capacity`` on any rank.
         """
         forced, self._forced_ids = self._forced_ids, None  # used by this forward only, even one that raises
-        x2, token_ids = self._check_input(x, token_ids)
-        if forced is not None and tuple(forced.shape) != (x2.shape[0], self.config.top_k):
-            raise ValueError(f"forced routing has shape {list(forced.shape)}, expected [{x2.shape[0]}, {self.config.top_k}]")
+        try:
+            x2, token_ids = self._check_input(x, token_ids)
+            if forced is not None and tuple(forced.shape) != (x2.shape[0], self.config.top_k):
+                raise ValueError(f"forced routing has shape {list(forced.shape)}, "
+                                 f"expected [{x2.shape[0]}, {self.config.top_k}]")
+        except (TypeError, ValueError) as exc:
+            if self.groups.ep_size == 1:
+                raise
+            self._refuse_in_step(exc)  # raises
         if self.capacity is not None:
             return self._forward_capacity(x2, token_ids, forced).view(x.shape)
         y, topk_ids = self._forward_steps(x2, token_ids, forced)
@@ -211,11 +226,34 @@ class MoELayerBase(nn.Module):
         self.last_stats = self.dispatcher.last_stats
         return y.view(x.shape)
 
+    def _refuse_in_step(self, exc: Exception) -> None:
+        """Raise ``exc`` for this rank's bad input, but only after taking part in the forward's
+        exchange with no tokens and the ``BAD_INPUT`` flag: the other expert-parallel ranks learn
+        it with their split sizes and raise too, instead of waiting for this rank forever (with
+        ``capacity`` and ``check_finite=False`` they make no host sync to learn it, and go on)."""
+        empty = self.router.weight.new_empty(0, self.config.hidden_size)
+        kept = self.last_topk_ids, self.last_token_ids, self.last_stats  # the stand-in is not a forward
+        self._bad_input = True
+        try:
+            if self.capacity is not None:
+                self._forward_capacity(empty, None, None)
+            else:
+                self._forward_steps(empty, None, None)
+        except ValueError:
+            pass  # the exchanged flag: this rank raises its own, more precise error
+        finally:
+            self._bad_input = False
+            self.last_topk_ids, self.last_token_ids, self.last_stats = kept
+        raise exc
+
     def _forward_steps(self, x2, token_ids, forced, num_valid=None):
         """The five steps on ``x2 [T, H]``; with ``num_valid``, rows from there on are padding."""
         topk_ids, topk_weights = self.router(x2, forced, defer_check=True)  # 1 route
         routes = self.plan(topk_ids, topk_weights, token_ids)             # 2 plan
         routes.nonfinite = self.router.last_nonfinite
+        if self._bad_input:
+            flag = torch.tensor(BAD_INPUT, dtype=torch.int32, device=x2.device)
+            routes.nonfinite = flag if routes.nonfinite is None else flag | routes.nonfinite.to(torch.int32)
         if num_valid is not None:  # capacity mode: rows from num_valid on are padding
             padding = self._arange(x2.shape[0], x2.device) >= num_valid
             routes.dest_rank = routes.dest_rank.masked_fill(padding[:, None], -1)
@@ -232,7 +270,7 @@ class MoELayerBase(nn.Module):
             forced = None if forced is None else forced[:c]
             token_ids = None if token_ids is None else token_ids[:c]
         n = x2.shape[0]
-        graphed = (self.cuda_graph and x2.is_cuda and forced is None
+        graphed = (self.cuda_graph and x2.is_cuda and forced is None and not self._bad_input
                    and not (torch.is_grad_enabled() and (x2.requires_grad or self.router.weight.requires_grad)))
         if self.cuda_graph and not graphed and x2.is_cuda and forced is not None:
             raise ValueError("cuda_graph layers do not take forced routing; build the layer with cuda_graph=False")
@@ -270,7 +308,7 @@ class MoELayerBase(nn.Module):
         of range or more than ``capacity`` tokens (the flags came with the exchange). One host sync,
         made when the NaN check is on, the routing was forced or this rank overflowed; with
         ``check_finite=False`` and the router's own routing only an overflowing rank itself raises."""
-        if not (self.router.check_finite or forced or t > self.capacity):
+        if not (self.router.check_finite or forced or t > self.capacity or self._bad_input):
             return
         d = self.dispatcher
         r = self.groups.ep_size
@@ -285,7 +323,7 @@ class MoELayerBase(nn.Module):
     def release_graphs(self) -> None:
         """Drop the captured CUDA graph (call on every rank before destroying the process group)."""
         if self._graphed is not None:
-            torch.cuda.synchronize()
+            self._graphed.release()  # waits for the graph's own device, not the current one
             self._graphed = None
 
     _ARANGE: dict = {}

@@ -270,6 +270,55 @@ def test_forced_ids_out_of_range_on_one_rank_raise_on_every_rank(dispatcher, che
     assert run_distributed(_forced_out_of_range_on_one_rank, 2, dispatcher, check_finite) == ["raised", "raised"]
 
 
+BAD_INPUTS = {  # what rank 1 passes instead of x [3, 8] (with token ids [3] and forced routing [3, 2])
+    "hidden size": dict(x=lambda: torch.randn(3, 9)),
+    "dtype": dict(x=lambda: torch.randn(3, 8, dtype=torch.float64)),
+    "token_ids": dict(token_ids=lambda: torch.arange(4)),
+    "forced shape": dict(forced=lambda: torch.tensor([[0, 1], [2, 3]])),
+}
+
+
+def _bad_input_on_one_rank(rank, world, dispatcher, check_finite):
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    kwargs = dict(capacity=6) if dispatcher == "capacity" else dict(dispatcher=dispatcher)
+    m = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), check_finite=check_finite, **kwargs)
+    return {kind: _refused_forward(m, rank, kind) for kind in BAD_INPUTS}
+
+
+def _refused_forward(m, rank, kind):
+    """Rank 1's input is refused: it takes part in the exchange with no tokens and raises its own
+    error; the others learn it with their split sizes and raise too (none waits forever)."""
+    make = dict(x=lambda: torch.randn(3, 8), token_ids=lambda: torch.arange(3),
+                forced=lambda: torch.tensor([[0, 1], [2, 3], [1, 2]]))
+    if rank == 1:
+        make.update(BAD_INPUTS[kind])
+    m.force_routing(make["forced"]())
+    try:
+        with torch.no_grad():
+            m(make["x"](), token_ids=make["token_ids"]())
+    except (TypeError, ValueError) as e:
+        if rank == 0:
+            assert "refused the input of expert-parallel rank(s) [1]" in str(e), str(e)
+        else:
+            assert "expert-parallel" not in str(e), str(e)  # its own reason
+        outcome = "raised"
+    else:
+        outcome = "no error"
+    with torch.no_grad():
+        y = m(torch.randn(3, 8))  # still usable, in step with the other rank
+    assert m.last_topk_ids.shape == (3, 2) and y.shape == (3, 8)
+    return outcome
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "capacity"])
+def test_bad_input_on_one_rank_raises_on_every_rank(dispatcher):
+    raised = {kind: "raised" for kind in BAD_INPUTS}
+    assert run_distributed(_bad_input_on_one_rank, 2, dispatcher, True, timeout=90) == [raised, raised]
+    if dispatcher == "capacity":  # no NaN check, but every rank forces its routing: each reads the flags
+        assert run_distributed(_bad_input_on_one_rank, 2, dispatcher, False, timeout=90) == [raised, raised]
+
+
 @pytest.mark.timeout(120)
 def test_capacity_overflow_on_one_rank_raises_without_a_hang():
     assert run_distributed(_overflow_on_one_rank, 2, True) == ["raised", "raised"]
@@ -314,3 +363,28 @@ def test_run_distributed_fails_fast_when_a_rank_dies():
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] died without reporting \(exit codes \{1: 3\}\)"):
         run_distributed(_dies_on_rank_1, 2, timeout=50)
     assert time.monotonic() - start < 30
+
+
+def test_router_and_reference_check_forced_ids():
+    """Standalone, the router and the dense reference refuse forced ids of the wrong shape (a
+    [T * K] or [K, T] tensor used to broadcast or reshape into a wrong routing) or range."""
+    from moelayers.reference import moe_forward
+    from moelayers.router import TopKRouter
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    router = TopKRouter(cfg)
+    torch.nn.init.normal_(router.weight)
+    x = torch.randn(3, 8)
+    good = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    for bad in (good.t(), good.reshape(-1), good[:, :1], good[:2]):
+        with pytest.raises(ValueError, match=r"forced_ids must be \[T, K\] = \[3, 2\]"):
+            router(x, bad)
+        with pytest.raises(ValueError, match=r"topk_ids must be \[3, 2\]"):
+            moe_forward(x, router.weight, torch.randn(4, 8, 8), torch.randn(4, 8, 4), cfg, topk_ids=bad)
+    with pytest.raises(ValueError, match=r"topk_ids must be in \[0, 4\)"):
+        moe_forward(x, router.weight, torch.randn(4, 8, 8), torch.randn(4, 8, 4), cfg, topk_ids=good + 2)
+    ids, _ = router(x, good)
+    assert torch.equal(ids, good)
+    y_sb = moe_forward(x.view(3, 1, 8), router.weight, torch.randn(4, 8, 8), torch.randn(4, 8, 4), cfg,
+                       topk_ids=good.view(3, 1, 2))
+    assert y_sb.shape == (3, 1, 8)

@@ -181,15 +181,18 @@ def test_metrics_functions():
 
 def test_checker_catches_a_wrong_output():
     """Negative control: a perturbed expert must fail the equivalence rule."""
+    g = torch.Generator().manual_seed(11)  # its own generator: no dependence on the tests run before
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
     layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single())
-    layer.load_full_weights(torch.randn(4, 8), torch.randn(4, 8, 8) / 3, torch.randn(4, 8, 4) / 2)  # O(1) outputs
-    x = torch.randn(16, 8)
+    layer.load_full_weights(torch.randn(4, 8, generator=g), torch.randn(4, 8, 8, generator=g) / 3,
+                            torch.randn(4, 8, 4, generator=g) / 2)  # O(1) outputs
+    x = torch.randn(16, 8, generator=g)
     r, w13, w2 = layer.export_full_weights()
     ref = ml.reference.moe_forward(x.double(), r.double(), w13.double(), w2.double(), cfg.replace(params_dtype=torch.float64))
     assert check_close("ok", layer(x), ref) is None
+    busiest = int(torch.bincount(layer.last_topk_ids.reshape(-1), minlength=4).argmax())
     with torch.no_grad():
-        layer.experts.w2[1] *= 1.001
+        layer.experts.w2[busiest] *= 1.001
     assert check_close("bad", layer(x), ref) is not None
 
 
