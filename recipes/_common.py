@@ -26,13 +26,61 @@ import torch
 
 __all__ = [
     "launch", "under_torchrun", "resolve_backend", "device_for", "run_dir", "invocation", "to_dict", "print_table",
-    "write_json", "percentile", "jsonable", "EXECUTION_KWARGS", "shared_execution_kwargs",
+    "write_json", "percentile", "jsonable", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
+    "normalize_flags", "LAYER_FLAGS",
 ]
 
 #: Layer kwargs that say *how* a layer executes rather than *what* it is: a comparison gives the
 #: baseline ours' values, so that only the layer differs (dispatcher, de-duplication, NaN check,
 #: expert GEMM backend).
 EXECUTION_KWARGS = ("dispatcher", "dedup", "check_finite", "expert_backend")
+
+
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def flag(cfg: dict, key: str, default: bool) -> bool:
+    """The on/off setting ``cfg[key]`` (``default`` when absent or null).
+
+    Hydra passes ``progress=off`` from the command line as the *string* ``'off'``, which Python
+    would take as true; this reads true/false, yes/no, on/off and 1/0 (any case) as what they say.
+
+    Raises:
+        ValueError: any other value, naming ``key``.
+    """
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ValueError(f"{key} must be true or false (yes/no, on/off), got {value!r}")
+
+
+
+
+
+#: the on/off layer kwargs a recipe's ``layer.kwargs`` may set (read with :func:`flag`)
+LAYER_FLAGS = ("layer.kwargs.dedup", "layer.kwargs.check_finite", "layer.kwargs.cuda_graph")
+
+
+def normalize_flags(d: dict, keys: Sequence[str]) -> None:
+    """Replace each on/off setting named by a dotted key (``"bench.profile"``) with its bool, in
+    place, where it is set (see :func:`flag`); absent keys stay absent.
+
+    Raises:
+        ValueError: a value that is not on/off, naming its dotted key.
+    """
+    for key in keys:
+        *parents, leaf = key.split(".")
+        node = d
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and node.get(leaf) is not None:
+            node[leaf] = flag({key: node[leaf]}, key, False)
 
 
 def shared_execution_kwargs(layer_cfg: dict) -> dict:

@@ -72,7 +72,8 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
-    device_for, launch, resolve_backend, run_dir, shared_execution_kwargs, shutdown, to_dict, under_torchrun, write_json,
+    LAYER_FLAGS, device_for, launch, normalize_flags, resolve_backend, run_dir, shared_execution_kwargs, shutdown, to_dict,
+    under_torchrun, write_json,
 )
 from recipes._bench_tools import (  # noqa: E402
     megatron_version,
@@ -528,6 +529,8 @@ def save_records(records: list[dict], out_dir: str, save_to: str | None) -> list
 @hydra.main(config_path="../conf", config_name="bench", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     d = to_dict(cfg)
+    normalize_flags(d, ("trace.synthetic", "bench.inference_mode", "bench.check_finite", "bench.cuda_graph",
+                        "bench.profile", "bench.allow_large_cpu", "bench.check.strict", *LAYER_FLAGS))
     b = d["bench"]
     d["_router_name"] = router_name(cfg)
     if d.get("trace", {}).get("path"):

@@ -90,7 +90,7 @@ import hydra  # noqa: E402
 import numpy as np  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from recipes._common import config_trace, invocation, print_table, run_dir, to_dict, write_json  # noqa: E402
+from recipes._common import config_trace, invocation, normalize_flags, print_table, run_dir, to_dict, write_json  # noqa: E402
 from recipes._plots import plot_plan  # noqa: E402
 from recipes._plan_tools import DP_MAX_RATIO, MODES, commit_files, even_token_rank, lar_report  # noqa: E402
 
@@ -281,7 +281,7 @@ def run(d: dict) -> dict:
     train, held_out = trace.split(frac)
     train_loads, test_loads = trace_step_loads(train, tps), trace_step_loads(held_out, tps)
 
-    bar = bool(d.get("progress", True))
+    bar = d.get("progress", True)
     plans, solve, semantic, plan_source = {}, 0.0, None, "solved"
     if name == "semantic":  # the chosen planner first (timed, with the bar)
         semantic, solve, plan_source = plan_semantic_from_config(d, trace, train, held_out, ep, mode, bar=bar)
@@ -334,6 +334,7 @@ def write_outputs(out_dir: str, report: dict, plans: dict, name: str, token_rank
 @hydra.main(config_path="../conf", config_name="plan", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     d = to_dict(cfg)
+    normalize_flags(d, ("progress", "trace.synthetic"))
     for key in ("trace", "curves", "plan"):
         if (d.get(key) or {}).get("path"):
             d[key]["path"] = hydra.utils.to_absolute_path(d[key]["path"])

@@ -75,7 +75,10 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes import _serve_compare as compare  # noqa: E402
-from recipes._common import config_trace, device_for, invocation, launch, percentile, print_table, run_dir, shutdown, to_dict, write_json  # noqa: E402
+from recipes._common import (  # noqa: E402
+    LAYER_FLAGS, config_trace, device_for, invocation, launch, normalize_flags, percentile, print_table, run_dir, shutdown,
+    to_dict, write_json,
+)
 from recipes._plots import plot_rank_load  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -748,6 +751,7 @@ _TRACE_FILES: dict = {}
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     d = to_dict(cfg)
+    normalize_flags(d, ("progress", "plot", "trace.synthetic", *LAYER_FLAGS, "layer.kwargs.auto_replan"))
     if d.get("trace", {}).get("path"):
         d["trace"]["path"] = hydra.utils.to_absolute_path(d["trace"]["path"])
     for holder in (d["layer"], d["scheduler"]):

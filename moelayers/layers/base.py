@@ -75,6 +75,9 @@ class MoELayerBase(nn.Module):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
         if not isinstance(groups, ParallelGroups):
             raise TypeError(f"groups must be a ParallelGroups, got {type(groups).__name__}")
+        for name, value in (("dedup", dedup), ("check_finite", check_finite), ("cuda_graph", cuda_graph)):
+            if not isinstance(value, bool):  # a config's string 'off' would be truthy
+                raise TypeError(f"{name} must be a bool, got {value!r}")
         placement = placement or ExpertPlacement.linear(config.num_experts, groups.ep_size)
         self._check_placement(placement, config, groups)
         if dispatcher not in DISPATCHERS:

@@ -96,6 +96,40 @@ def test_serve_default(tmp_path):
 
 
 @pytest.mark.timeout(90)
+def test_serve_reads_off_and_no_as_false(tmp_path):
+    """Hydra passes ``plot=off`` as the string 'off' (truthy in Python): it means false, for the
+    recipe's own switches and the layer's; a value that is not on/off is refused before any rank."""
+    run = tmp_path / "run"
+    cmd = [sys.executable, str(SERVE), "parallel.world_size=2", f"hydra.run.dir={run}", "workload.num_requests=4",
+           "progress=off", "plot=no", "layer.kwargs.dedup=off"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stderr
+    assert "serve vanilla x2" not in proc.stderr  # no progress bar
+    assert [p.name for p in run.iterdir()] == ["results.json"]  # no plot
+    res = json.loads((run / "results.json").read_text())
+    assert res["config"]["layer"]["kwargs"]["dedup"] is False and res["config"]["plot"] is False
+    proc = _serve_fails(tmp_path / "bad", "plot=sometimes")
+    assert "plot must be true or false" in proc.stderr
+    assert not (tmp_path / "bad").exists() or not list((tmp_path / "bad").iterdir())
+
+
+def test_flag_reads_on_off_settings():
+    from recipes._common import flag, normalize_flags
+
+    for value, want in ((True, True), ("off", False), ("No", False), ("ON", True), ("1", True), (0, False), (None, None)):
+        assert flag({"k": value}, "k", None) is want, value
+    for value in ("maybe", 2, 0.5, ["x"]):
+        with pytest.raises(ValueError, match="k must be true or false"):
+            flag({"k": value}, "k", True)
+    d = {"bench": {"profile": "off", "check": {"strict": "yes"}}, "layer": None}
+    normalize_flags(d, ("bench.profile", "bench.check.strict", "bench.missing", "layer.kwargs.dedup"))
+    assert d == {"bench": {"profile": False, "check": {"strict": True}}, "layer": None}
+    with pytest.raises(ValueError, match=r"bench\.profile must be true or false"):
+        normalize_flags({"bench": {"profile": "maybe"}}, ("bench.profile",))
+
+
+@pytest.mark.timeout(90)
 def test_serve_replay_trace_file(tmp_path):
     from moelayers.trace import save_trace, synthetic_trace
 

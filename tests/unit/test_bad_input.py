@@ -388,3 +388,11 @@ def test_router_and_reference_check_forced_ids():
     y_sb = moe_forward(x.view(3, 1, 8), router.weight, torch.randn(4, 8, 8), torch.randn(4, 8, 4), cfg,
                        topk_ids=good.view(3, 1, 2))
     assert y_sb.shape == (3, 1, 8)
+
+
+@pytest.mark.parametrize("name", ["dedup", "check_finite", "cuda_graph"])
+def test_switches_must_be_bools(name):
+    """A config's string 'off' is truthy: refused rather than read as on."""
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    with pytest.raises(TypeError, match=f"{name} must be a bool, got 'off'"):
+        ml.VanillaMoE(cfg, ml.ParallelGroups.single(), **{name: "off"})
