@@ -27,7 +27,7 @@ import torch
 __all__ = [
     "launch", "under_torchrun", "resolve_backend", "device_for", "run_dir", "invocation", "to_dict", "print_table",
     "write_json", "percentile", "jsonable", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
-    "normalize_flags", "LAYER_FLAGS",
+    "normalize_flags", "LAYER_FLAGS", "int_setting",
 ]
 
 #: Layer kwargs that say *how* a layer executes rather than *what* it is: a comparison gives the
@@ -81,6 +81,20 @@ def normalize_flags(d: dict, keys: Sequence[str]) -> None:
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict) and node.get(leaf) is not None:
             node[leaf] = flag({key: node[leaf]}, key, False)
+
+
+def int_setting(value: Any, key: str, minimum: int | None = None) -> int:
+    """``value`` as an integer setting (at least ``minimum`` when given).
+
+    A float is refused rather than truncated (``iters=2.7`` is not silently 2), and so is a bool.
+
+    Raises:
+        ValueError: not an integer, or below ``minimum``, naming ``key``.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+        bound = "" if minimum is None else f" >= {minimum}"
+        raise ValueError(f"{key} must be an integer{bound}, got {value!r}")
+    return value
 
 
 def shared_execution_kwargs(layer_cfg: dict) -> dict:
@@ -203,12 +217,21 @@ def shutdown() -> None:
 
 # ---------------------------------------------------------------------- output
 def percentile(values: Sequence[float], q: float) -> float:
-    """``q``-th percentile (0..100, linear interpolation) of the finite values; NaN if none."""
-    vals = sorted(v for v in values if v is not None and math.isfinite(v))
+    """``q``-th percentile (0..100, linear interpolation) of the values; NaN if none.
+
+    ``None`` and NaN (not measured) are left out; ``+inf`` counts as larger than any other value
+    (e.g. the TTFT of a request that got no first token before the run ended), so a percentile that
+    falls among such values is ``inf``.
+    """
+    vals = sorted(v for v in values if v is not None and not math.isnan(v))
     if not vals:
         return float("nan")
     pos = (len(vals) - 1) * q / 100.0
     lo, hi = math.floor(pos), math.ceil(pos)
+    if pos == lo:
+        return vals[lo]
+    if math.isinf(vals[hi]):  # no interpolation towards inf (inf - inf is NaN)
+        return vals[hi]
     return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
 
 

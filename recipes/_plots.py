@@ -29,16 +29,20 @@ def _save(fig, path: str | os.PathLike) -> None:
 
 
 def plot_rank_load(rank_load: list[list[int]], path: str | os.PathLike, title: str) -> None:
-    """Line plot of activations received per rank per step (``rank_load [steps][R]``)."""
+    """Line plot of activations received per rank per step (``rank_load [steps][R]``); with no step,
+    empty axes that say so."""
     plt = _pyplot()
-    data = np.asarray(rank_load, dtype=np.float64).reshape(len(rank_load), -1)
+    data = np.asarray(rank_load, dtype=np.float64)
+    data = data.reshape(len(data), -1) if data.size else np.zeros((0, 0))  # reshape(0, -1) is ambiguous
     fig, ax = plt.subplots(figsize=(8, 3.5), dpi=100)
+    if not data.size:
+        ax.text(0.5, 0.5, "no steps ran", ha="center", va="center", transform=ax.transAxes)
     for r in range(data.shape[1]):
         ax.plot(np.arange(data.shape[0]), data[:, r], lw=1, label=f"rank {r}")
     ax.set_xlabel("step")
     ax.set_ylabel("activations received")
     ax.set_title(title)
-    if data.shape[1] <= 16:
+    if 0 < data.shape[1] <= 16:
         ax.legend(fontsize=7, ncol=min(8, data.shape[1]))
     _save(fig, path)
 

@@ -8,7 +8,10 @@ calls the MoE layers with zero tokens — and stop when an all-reduce says every
 
 Measured: per request TTFT (arrival to first token) and TPOT (mean gap between output tokens),
 output throughput, LAR and imbalance of the MoE layers (summed over layers and steps, reduced over
-ranks), activations received per rank per step. Rank 0 prints a summary table and writes
+ranks), activations received per rank per step. A run that ``max_steps`` ends before every request
+finished says so: ``truncated`` true, ``unserved_requests`` (no first token) and a note; its TTFT
+figures count unserved requests as infinite (``inf`` in the table, ``null`` in results.json), as
+they waited longer than the run (:func:`latency_summary`). Rank 0 prints a summary table and writes
 ``results.json`` (with the resolved ``config`` and the ``command``: argv and Hydra overrides) and
 ``rank_load.png`` into the Hydra run dir, nothing else: no ``.hydra/``, no log file, and a run that
 fails on bad input writes nothing there (:func:`check_config` checks the files it is given, plan,
@@ -76,7 +79,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, config_trace, device_for, invocation, launch, normalize_flags, percentile, print_table, run_dir, shutdown,
+    LAYER_FLAGS, config_trace, device_for, int_setting, invocation, launch, normalize_flags, percentile, print_table, run_dir, shutdown,
     to_dict, write_json,
 )
 from recipes._plots import plot_rank_load  # noqa: E402
@@ -104,8 +107,12 @@ class Request:
         return self.generated >= self.output_len
 
 
+LENGTH_DISTS = ("uniform", "fixed", "lognormal")
+LOGNORMAL_CLIP = (1, 1 << 20)  # lognormal lengths' default min and max
+
+
 def sample_lengths(rng: np.random.Generator, spec: dict, n: int) -> np.ndarray:
-    """``n`` lengths (>= 1) from ``{dist: uniform|fixed|lognormal, ...}``."""
+    """``n`` lengths (>= 1) from ``{dist: uniform|fixed|lognormal, ...}`` (see :func:`check_length_spec`)."""
     kind = spec.get("dist", "uniform")
     if kind == "fixed":
         out = np.full(n, int(spec["value"]))
@@ -113,10 +120,46 @@ def sample_lengths(rng: np.random.Generator, spec: dict, n: int) -> np.ndarray:
         out = rng.integers(int(spec["min"]), int(spec["max"]) + 1, size=n)
     elif kind == "lognormal":
         out = np.rint(float(spec["median"]) * np.exp(float(spec["sigma"]) * rng.standard_normal(n)))
-        out = np.clip(out, int(spec.get("min", 1)), int(spec.get("max", 1 << 20)))
+        out = np.clip(out, int(spec.get("min", LOGNORMAL_CLIP[0])), int(spec.get("max", LOGNORMAL_CLIP[1])))
     else:
-        raise ValueError(f"unknown length distribution {kind!r}: use uniform, fixed or lognormal")
+        raise ValueError(f"unknown length distribution {kind!r}: use one of {', '.join(LENGTH_DISTS)}")
     return np.maximum(out.astype(np.int64), 1)
+
+
+def check_length_spec(spec, key: str) -> None:
+    """A length spec of :func:`sample_lengths`: ``{dist: uniform, min, max}`` (ints, ``1 <= min <=
+    max``), ``{dist: fixed, value}`` (an int >= 1) or ``{dist: lognormal, median, sigma, min, max}``
+    (``median > 0``, ``sigma >= 0``, optional clip bounds as for uniform, default :data:`LOGNORMAL_CLIP`).
+
+    Raises:
+        ValueError: naming the config key (``key``, e.g. ``workload.prompt_len``).
+    """
+    if not isinstance(spec, dict):
+        raise ValueError(f"{key} must be a dict {{dist: {'|'.join(LENGTH_DISTS)}, ...}}, got {spec!r}")
+    kind = spec.get("dist", "uniform")
+    if kind not in LENGTH_DISTS:
+        raise ValueError(f"{key}.dist must be one of {', '.join(LENGTH_DISTS)}, got {kind!r}")
+    if kind == "fixed":
+        int_setting(spec.get("value"), f"{key}.value", 1)
+        return
+    if kind == "lognormal":
+        median, sigma = spec.get("median"), spec.get("sigma")
+        if not (_is_finite_number(median) and median > 0):
+            raise ValueError(f"{key}.median must be a finite number > 0, got {median!r}")
+        if not (_is_finite_number(sigma) and sigma >= 0):
+            raise ValueError(f"{key}.sigma must be a finite number >= 0, got {sigma!r}")
+        lo, hi = spec.get("min", LOGNORMAL_CLIP[0]), spec.get("max", LOGNORMAL_CLIP[1])
+    else:
+        lo, hi = spec.get("min"), spec.get("max")
+    int_setting(lo, f"{key}.min", 1)
+    int_setting(hi, f"{key}.max", 1)
+    if lo > hi:
+        raise ValueError(f"{key}.min={lo} is greater than {key}.max={hi}")
+
+
+def _is_finite_number(value) -> bool:
+    """An int or float (not a bool), finite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def replay_sequences(cfg: dict, trace) -> tuple[list[int], list[str], int]:
@@ -158,9 +201,18 @@ def _trace_name(cfg: dict, trace) -> str:
     return f"trace {path}" if path else "the synthetic trace"
 
 
+DEFAULT_PROMPT_FRACTION = 0.5  # workload.prompt_fraction when absent
+
+
 def make_requests(cfg: dict, vocab_size: int, trace=None) -> list[Request]:
     """The request list, identical on every rank (seeded by ``cfg['seed']``); with a trace, one
-    request per sequence of :func:`replay_sequences`."""
+    request per sequence of :func:`replay_sequences`.
+
+    Arrivals are Poisson at ``workload.rate`` requests per second; a null (or absent) rate makes
+    every request arrive at t=0. Without a trace the lengths come from ``workload.prompt_len`` and
+    ``workload.output_len``; with one, ``workload.prompt_fraction`` (default
+    :data:`DEFAULT_PROMPT_FRACTION`) of each sequence is the prompt. :func:`check_config` checks them.
+    """
     wl = cfg["workload"]
     rng = np.random.default_rng(cfg["seed"])
     n = int(wl["num_requests"])
@@ -168,14 +220,14 @@ def make_requests(cfg: dict, vocab_size: int, trace=None) -> list[Request]:
         seqs = replay_sequences(cfg, trace)[0]
         n = len(seqs)
     rate = wl.get("rate")
-    gaps = rng.exponential(1.0 / float(rate), size=n) if rate and float(rate) > 0 else np.zeros(n)
+    gaps = rng.exponential(1.0 / float(rate), size=n) if rate is not None else np.zeros(n)
     arrivals = np.cumsum(gaps)
     if trace is None:
         plens = sample_lengths(rng, wl["prompt_len"], n)
         olens = sample_lengths(rng, wl["output_len"], n)
         return [Request(i, float(arrivals[i]), rng.integers(0, vocab_size, size=int(plens[i])).tolist(), int(olens[i]))
                 for i in range(n)]
-    frac = float(wl.get("prompt_fraction", 0.5))
+    frac = float(wl.get("prompt_fraction", DEFAULT_PROMPT_FRACTION))
     reqs = []
     for i, seq in enumerate(seqs):
         toks = trace.token_ids[trace.sequence_slice(seq)].tolist()
@@ -228,6 +280,33 @@ def get_scheduler(name):
         mod, fn = name.split(":", 1)
         return getattr(importlib.import_module(mod), fn)
     raise ValueError(f"unknown scheduler {name!r}: one of {sorted(SCHEDULERS)} or 'module:function'")
+
+
+def assign_requests(requests: list[Request], world_size: int, cfg: dict) -> list[int]:
+    """The attention-DP rank of each request, from the scheduler ``cfg['scheduler']``, checked (a
+    short list or a rank outside the world would silently drop requests).
+
+    Returns:
+        One rank per request, ints in ``[0, world_size)``.
+
+    Raises:
+        ValueError: the scheduler's output is not one int in ``[0, world_size)`` per request; the
+            message names the scheduler.
+    """
+    name = scheduler_name(cfg["scheduler"])
+    owner = get_scheduler(cfg["scheduler"])(requests, world_size, cfg)
+    try:
+        owner = list(owner)
+    except TypeError:
+        raise ValueError(f"scheduler {name!r} returned {owner!r}, not a list of ranks") from None
+    if len(owner) != len(requests):
+        raise ValueError(f"scheduler {name!r} returned {len(owner)} rank(s) for {len(requests)} request(s): "
+                         f"it must return one rank per request")
+    for i, rank in enumerate(owner):
+        if not isinstance(rank, (int, np.integer)) or isinstance(rank, bool) or not 0 <= rank < world_size:
+            raise ValueError(f"scheduler {name!r} gave request {i} rank {rank!r}: a rank must be an int in "
+                             f"[0, {world_size}) (the world size)")
+    return [int(rank) for rank in owner]
 
 
 # ---------------------------------------------------------------------- semantic plan
@@ -357,7 +436,7 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
     if trace is not None:
         _, replay_notes, skipped_empty = replay_sequences(cfg, trace)
         notes += replay_notes
-    owner = get_scheduler(cfg["scheduler"])(requests, world, cfg)
+    owner = assign_requests(requests, world, cfg)
     in_sample = in_sample_requests(cfg, requests, trace, plan is not None)
     if in_sample:
         notes.append(f"{in_sample} of {len(requests)} requests replay sequences the semantic plan was trained on "
@@ -538,36 +617,61 @@ def _gather_results(cfg, rank, world, ep_size, requests, mine, acc, load_rows, s
     if rank != 0:
         return None
     reqs = sorted((q for part in gathered for q in part), key=lambda q: q["id"])
-    ttft = [q["ttft_s"] for q in reqs]
-    tpot = [q["tpot_s"] for q in reqs]
+    latency = latency_summary(reqs)
+    if latency["truncated"]:
+        unserved = latency["unserved_requests"]
+        notes = notes + [f"max_steps={cfg['max_steps']} ended the run with {len(reqs) - latency['finished_requests']} "
+                         f"of {len(reqs)} request(s) unfinished" + (
+                             f", {unserved} without a first token (their TTFT counts as inf in the TTFT figures, "
+                             f"null in results.json)" if unserved else "")]
     layer_loads = loads.cpu()  # [steps, L, R] activations received per MoE layer and rank
     loads = layer_loads.sum(1)  # [steps, R]
     step_imb = [imbalance(row) for row in loads.tolist() if sum(row) > 0]
     elapsed = float(t_end[0])
     out_total, prompt_total, remote_total = (int(v) for v in counts.cpu().tolist())
     combine_bytes = remote_total * int(mcfg["hidden_size"]) * DTYPES[mcfg.get("dtype", "float32")].itemsize
-    finite_tpot = [v for v in tpot if v == v]
     echo = {k: v for k, v in cfg.items() if k != "run_dir" and not k.startswith("_")}
     return {
         "throughput_tok_s": out_total / elapsed if elapsed > 0 else 0.0,
         "total_tok_s": (out_total + prompt_total) / elapsed if elapsed > 0 else 0.0,
-        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-        "ttft_mean_s": float(np.nanmean(ttft)) if reqs else float("nan"),
-        "tpot_mean_s": float(np.mean(finite_tpot)) if finite_tpot else float("nan"),
-        "tpot_p90_s": percentile(tpot, 90),
+        **latency,
         "lar": total.lar, "imbalance": total.imbalance,
         "imbalance_step_mean": float(np.mean(step_imb)) if step_imb else 1.0,
         "rank_loads": total.rank_loads, "bytes_sent": sum(total.bytes_sent), "rows_sent": sum(total.rows_sent),
         "a2a_bytes": sum(total.bytes_sent) + combine_bytes, "a2a_dispatch_bytes": sum(total.bytes_sent),
         "a2a_combine_bytes": combine_bytes, "a2a_rows": remote_total,
         "world_size": world, "layer": cfg["layer"]["name"], "router": cfg["router"]["name"],
-        "scheduler": cfg["scheduler"], "num_requests": len(reqs), "finished_requests": sum(
-            1 for q in reqs if q["finished"]), "output_tokens": out_total, "prompt_tokens": prompt_total,
+        "scheduler": cfg["scheduler"], "num_requests": len(reqs), "output_tokens": out_total,
+        "prompt_tokens": prompt_total,
         "steps": steps, "elapsed_s": elapsed, "seed": cfg["seed"], "requests_digest": requests_digest(requests),
         "model": mcfg, "notes": notes, "config": echo,
         "requests": reqs, "rank_load_per_step": loads.tolist(),
         **emulated_expert_time(cfg, layer_loads),
     }
+
+
+def latency_summary(reqs: list[dict]) -> dict:
+    """TTFT and TPOT figures of the per-request records (``ttft_s``, ``tpot_s``, ``output_len``,
+    ``finished``), and whether the run ended before every request finished.
+
+    A request that got no first token (``max_steps`` ended the run first) has no measured TTFT; it
+    counts as ``inf`` (it waited longer than the run), so the TTFT figures never leave it out: a
+    percentile that falls among such requests, and the mean, are ``inf``. The TPOT figures cover
+    the requests with at least two output tokens.
+
+    Returns:
+        ``ttft_p50_s``, ``ttft_p99_s``, ``ttft_mean_s``, ``tpot_mean_s``, ``tpot_p90_s``,
+        ``finished_requests``, ``unserved_requests`` (no output token) and ``truncated`` (some
+        request unfinished).
+    """
+    ttft = [q["ttft_s"] if q["output_len"] else math.inf for q in reqs]
+    tpot = [q["tpot_s"] for q in reqs if not math.isnan(q["tpot_s"])]
+    finished = sum(1 for q in reqs if q["finished"])
+    return {"ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+            "ttft_mean_s": float(np.mean(ttft)) if ttft else math.nan,
+            "tpot_mean_s": float(np.mean(tpot)) if tpot else math.nan, "tpot_p90_s": percentile(tpot, 90),
+            "finished_requests": finished, "unserved_requests": sum(1 for q in reqs if not q["output_len"]),
+            "truncated": finished < len(reqs)}
 
 
 def emulated_expert_time(cfg: dict, layer_loads: torch.Tensor) -> dict:
@@ -594,7 +698,8 @@ def summarize(res: dict, out_dir: str) -> None:
             ("TTFT p99 (s)", res["ttft_p99_s"]), ("TPOT mean (s)", res["tpot_mean_s"]),
             ("TPOT p90 (s)", res["tpot_p90_s"]), ("LAR", res["lar"]), ("all-to-all bytes", res["a2a_bytes"]),
             ("imbalance", res["imbalance"]), ("imbalance (step mean)", res["imbalance_step_mean"]),
-            ("requests", res["num_requests"]), ("output tokens", res["output_tokens"]),
+            ("requests", res["num_requests"]), ("finished requests", res["finished_requests"]),
+            ("unserved requests (TTFT inf)", res["unserved_requests"]), ("output tokens", res["output_tokens"]),
             ("steps", res["steps"]), ("elapsed (s)", res["elapsed_s"])]
     for note in res["notes"]:
         print(f"note: {note}")
@@ -690,6 +795,28 @@ def check_curves_file(d: dict) -> None:
         raise ValueError(f"variability.curves.path={path}: {e}" if str(path) not in str(e) else str(e)) from None
 
 
+def check_workload(wl: dict) -> None:
+    """The ``workload`` block: ``num_requests`` an int >= 1 (a run serves something), ``rate`` a
+    finite number > 0 or null (every request at t=0), the length specs ``prompt_len`` and
+    ``output_len`` (:func:`check_length_spec`) and ``prompt_fraction`` in ``(0, 1]`` (the share of a
+    replayed sequence that is the prompt, at least one token); each whether or not this run uses it.
+
+    Raises:
+        ValueError: naming the config key.
+    """
+    int_setting(wl.get("num_requests"), "workload.num_requests", 1)
+    rate = wl.get("rate")
+    if rate is not None and not (_is_finite_number(rate) and rate > 0):
+        raise ValueError(f"workload.rate must be a finite number > 0 (requests per second) or null (every request "
+                         f"arrives at t=0), got {rate!r}")
+    check_length_spec(wl.get("prompt_len"), "workload.prompt_len")
+    check_length_spec(wl.get("output_len"), "workload.output_len")
+    frac = wl.get("prompt_fraction", DEFAULT_PROMPT_FRACTION)
+    if not (_is_finite_number(frac) and 0 < frac <= 1):
+        raise ValueError(f"workload.prompt_fraction must be a number in (0, 1] (the share of each replayed sequence "
+                         f"that is the prompt), got {frac!r}")
+
+
 def check_config(d: dict) -> None:
     """Fail fast in the launching process on config mistakes (before any rank starts)."""
     from moelayers.emulation import VariabilitySettings
@@ -712,8 +839,9 @@ def check_config(d: dict) -> None:
         raise ValueError(f"router must be learned or replay, got {router!r}")
     if d["model"].get("dtype", "float32") not in DTYPES:
         raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got {d['model']['dtype']!r}")
-    if int(d["max_batch_size"]) < 1:
-        raise ValueError(f"max_batch_size must be >= 1, got {d['max_batch_size']}")
+    int_setting(d.get("max_batch_size"), "max_batch_size", 1)
+    int_setting(d.get("max_steps"), "max_steps", 1)  # a run of zero steps serves nothing
+    check_workload(d["workload"])
     trace = None
     if router == "replay":
         path = d["trace"].get("path")
@@ -722,8 +850,7 @@ def check_config(d: dict) -> None:
         if not path and not d["trace"].get("synthetic", False):
             raise ValueError("router=replay needs trace.path=FILE (or trace.synthetic=true)")
         offset, num_seq = d["trace"].get("request_offset") or 0, d["trace"].get("num_sequences")
-        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
-            raise ValueError(f"trace.request_offset must be an int >= 0, got {offset!r}")
+        int_setting(offset, "trace.request_offset", 0)
         if not path and num_seq and int(num_seq) <= offset:
             raise ValueError(f"trace.request_offset={offset} leaves no sequence of trace.num_sequences={num_seq}")
         if path:

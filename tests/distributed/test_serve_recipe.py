@@ -60,10 +60,15 @@ def test_dp_attention_ep_moe_step_matches_single_process():
     torch.testing.assert_close(got[1][2]["c"], ref["c"], rtol=0, atol=1e-10)
 
 
-def _serve(run_dir: Path, *overrides: str) -> dict:
+def _run_serve(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """recipes/serve.py on 2 gloo processes, writing into ``run_dir``."""
     cmd = [sys.executable, str(SERVE), "parallel.world_size=2", f"hydra.run.dir={run_dir}", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+
+
+def _serve(run_dir: Path, *overrides: str) -> dict:
+    proc = _run_serve(run_dir, *overrides)
     assert proc.returncode == 0, f"serve failed:\n{proc.stdout}\n{proc.stderr}"
     assert "throughput" in proc.stdout and "LAR" in proc.stdout  # the summary table
     assert (run_dir / "rank_load.png").stat().st_size > 1000
@@ -100,10 +105,7 @@ def test_serve_reads_off_and_no_as_false(tmp_path):
     """Hydra passes ``plot=off`` as the string 'off' (truthy in Python): it means false, for the
     recipe's own switches and the layer's; a value that is not on/off is refused before any rank."""
     run = tmp_path / "run"
-    cmd = [sys.executable, str(SERVE), "parallel.world_size=2", f"hydra.run.dir={run}", "workload.num_requests=4",
-           "progress=off", "plot=no", "layer.kwargs.dedup=off"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    proc = _run_serve(run, "workload.num_requests=4", "progress=off", "plot=no", "layer.kwargs.dedup=off")
     assert proc.returncode == 0, proc.stderr
     assert "serve vanilla x2" not in proc.stderr  # no progress bar
     assert [p.name for p in run.iterdir()] == ["results.json"]  # no plot
@@ -163,10 +165,7 @@ def test_serve_replay_trace_file(tmp_path):
 
 # ---------------------------------------------------------------------- bad input, checked up front
 def _serve_fails(run_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(SERVE), "parallel.world_size=2", f"hydra.run.dir={run_dir}", "progress=false",
-           *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    proc = _run_serve(run_dir, "progress=false", *overrides)
     assert proc.returncode != 0, proc.stdout
     return proc
 
@@ -322,3 +321,113 @@ def test_serve_replay_skips_empty_sequences_and_notes_a_short_trace(tmp_path):
     assert f"skipped 2 empty sequence(s) of trace {path} (no tokens to replay): 2, 4" in res["notes"]
     assert (f"trace {path} has 7 sequence(s): trace.request_offset=1 leaves 6 of workload.num_requests=10 "
             f"requests (sequences 1..6)") in res["notes"]
+
+
+def test_serve_workload_checked_before_the_ranks_start():
+    """workload.* and max_steps: a bad value is an error naming the key in check_config, not a crash
+    in a rank (numpy's "low >= high"), a burst at t=0 (rate nan / negative) or one-token requests
+    (prompt_fraction 7); a run that would serve nothing (no request, no step) is refused too."""
+    from recipes import serve
+
+    rate = r"workload.rate must be a finite number > 0 \(requests per second\) or null"
+    fraction = r"workload.prompt_fraction must be a number in \(0, 1\] .*"
+    lognormal = ("workload.output_len.dist=lognormal", "+workload.output_len.median=20")
+    for overrides, match in (
+            (("workload.rate=nan",), rate + r".*, got nan"), (("workload.rate=-50",), rate + r".*, got -50"),
+            (("workload.rate=0",), rate), (("workload.rate=inf",), rate), (("workload.rate=fast",), rate),
+            (("workload.num_requests=0",), "workload.num_requests must be an integer >= 1, got 0"),
+            (("max_steps=0",), "max_steps must be an integer >= 1, got 0"),
+            (("workload.prompt_len.min=64", "workload.prompt_len.max=16"),
+             "workload.prompt_len.min=64 is greater than workload.prompt_len.max=16"),
+            (("workload.output_len.min=0",), "workload.output_len.min must be an integer >= 1, got 0"),
+            (("workload.prompt_len.max=2.5",), "workload.prompt_len.max must be an integer >= 1, got 2.5"),
+            (("workload.prompt_len.dist=zipf",), "workload.prompt_len.dist must be one of uniform, fixed, lognormal"),
+            (("workload.prompt_len.dist=fixed",), "workload.prompt_len.value must be an integer >= 1, got None"),
+            ((*lognormal, "+workload.output_len.sigma=nan"), "workload.output_len.sigma must be a finite number >= 0"),
+            (("router=replay", "workload.prompt_fraction=7"), fraction + ", got 7"),
+            (("router=replay", "workload.prompt_fraction=nan"), fraction + ", got nan"),
+            (("workload.prompt_fraction=0",), fraction + ", got 0")):
+        with pytest.raises(ValueError, match=match):
+            serve.check_config(_config(*overrides))
+    for overrides in (("workload.rate=null",), ("router=replay", "workload.prompt_fraction=1"),
+                      ("workload.prompt_len.dist=fixed", "+workload.prompt_len.value=8"),
+                      (*lognormal, "+workload.output_len.sigma=0.5")):
+        serve.check_config(_config(*overrides))
+    burst = _config("workload.rate=null", "workload.num_requests=4")  # null: every request arrives at t=0
+    assert [r.arrival for r in serve.make_requests(burst, 512)] == [0.0] * 4
+
+
+def test_plot_rank_load_without_steps(tmp_path):
+    """A run of zero steps has an empty rank_load_per_step: the plot says so instead of crashing
+    after results.json was written."""
+    from recipes._plots import plot_rank_load
+
+    plot_rank_load([], tmp_path / "empty.png", "no steps")
+    assert (tmp_path / "empty.png").stat().st_size > 1000
+
+
+def test_serve_scheduler_output_checked(monkeypatch):
+    """A custom scheduler must give every request one rank in [0, world): a short list (zip would
+    truncate) or a rank outside the world would silently drop requests."""
+    from recipes import serve
+
+    cfg = _config("workload.num_requests=4")
+    requests = serve.make_requests(cfg, 512)
+    assert serve.assign_requests(requests, 2, cfg) == [0, 1, 0, 1]
+    for name, fn, match in (
+            ("short", lambda r, w, c: [0] * (len(r) // 2), r"returned 2 rank\(s\) for 4 request\(s\)"),
+            ("long", lambda r, w, c: [0] * (len(r) + 1), r"returned 5 rank\(s\) for 4 request\(s\)"),
+            ("world", lambda r, w, c: [i % w for i in range(len(r) - 1)] + [w], r"gave request 3 rank 2: .*\[0, 2\)"),
+            ("negative", lambda r, w, c: [-1] * len(r), "gave request 0 rank -1"),
+            ("float", lambda r, w, c: [0.0] * len(r), "gave request 0 rank 0.0"),
+            ("none", lambda r, w, c: None, "returned None, not a list of ranks")):
+        monkeypatch.setitem(serve.SCHEDULERS, name, fn)
+        with pytest.raises(ValueError, match=f"scheduler '{name}' {match}"):
+            serve.assign_requests(requests, 2, dict(cfg, scheduler=name))
+    monkeypatch.setitem(serve.SCHEDULERS, "numpy", lambda r, w, c: np.arange(len(r)) % w)
+    assert serve.assign_requests(requests, 2, dict(cfg, scheduler="numpy")) == [0, 1, 0, 1]
+
+
+def test_latency_summary_counts_unserved_requests():
+    """Requests without a first token (max_steps ended the run) count as inf in the TTFT figures,
+    not left out; the summary says the run was truncated and how many got no token."""
+    from recipes import serve
+    from recipes._common import percentile
+
+    inf, nan = float("inf"), float("nan")
+    assert percentile([1.0, 2.0, inf, inf], 50) == inf and percentile([1.0, 3.0, nan, None], 50) == 2.0
+    assert percentile([1.0, 2.0, 3.0, inf], 50) == 2.5 and percentile([1.0, inf], 0) == 1.0
+
+    def req(ttft, tokens, finished):
+        return {"ttft_s": ttft, "tpot_s": 0.1 if tokens > 1 else nan, "output_len": tokens, "finished": finished}
+
+    lat = serve.latency_summary([req(1.0, 3, True), req(2.0, 1, False), req(nan, 0, False), req(nan, 0, False)])
+    assert lat["truncated"] and lat["finished_requests"] == 1 and lat["unserved_requests"] == 2
+    assert lat["ttft_p50_s"] == lat["ttft_p99_s"] == lat["ttft_mean_s"] == inf
+    assert lat["tpot_mean_s"] == pytest.approx(0.1)  # TPOT: the requests with two tokens or more
+    lat = serve.latency_summary([req(1.0, 3, True)] * 9 + [req(nan, 0, False)])
+    assert lat["ttft_p50_s"] == 1.0 and lat["ttft_p99_s"] == inf and lat["unserved_requests"] == 1
+    lat = serve.latency_summary([req(1.0, 3, True), req(3.0, 2, True)])
+    assert not lat["truncated"] and lat["unserved_requests"] == 0 and lat["ttft_p50_s"] == 2.0
+
+
+@pytest.mark.timeout(90)
+def test_serve_truncated_by_max_steps_says_so(tmp_path):
+    """End to end: max_steps ends the run with requests unserved; results.json says truncated, counts
+    them and notes it, and the TTFT figures (inf: null in JSON) do not look like a normal run's."""
+    run = tmp_path / "run"
+    # every request arrives at t=0; 2 in flight per rank, >= 8 output tokens each: after 3 steps
+    # each rank has served 2 of its 4 requests (none finished) and 2 wait
+    proc = _run_serve(run, "progress=false", "workload.num_requests=8", "workload.rate=null", "max_batch_size=2",
+                      "max_steps=3")
+    assert proc.returncode == 0, proc.stderr
+    assert (run / "rank_load.png").stat().st_size > 1000
+    res = json.loads((run / "results.json").read_text())
+    assert res["truncated"] is True and res["steps"] == 3
+    assert res["num_requests"] == 8 and res["finished_requests"] == 0 and res["unserved_requests"] == 4
+    assert sum(q["ttft_s"] is None for q in res["requests"]) == 4
+    assert res["ttft_p50_s"] is None and res["ttft_p99_s"] is None and res["ttft_mean_s"] is None
+    assert res["tpot_mean_s"] > 0
+    assert res["notes"] == ["max_steps=3 ended the run with 8 of 8 request(s) unfinished, 4 without a first token "
+                            "(their TTFT counts as inf in the TTFT figures, null in results.json)"]
+    assert "| TTFT p99 (s)" in proc.stdout and "inf |" in proc.stdout
