@@ -1,17 +1,38 @@
-"""Helpers of recipes/bench.py: the megatron-core peer, inputs, timing and correctness checks."""
+"""Helpers of recipes/bench.py: settings, the megatron-core peer, inputs, timing and correctness checks."""
 
 from __future__ import annotations
 
 import time
-
-import numpy as np
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from recipes._common import int_setting
+
 PEER_NAME = "megatron-core MoELayer {version} (local spec, alltoall)"
+
+
+# ---------------------------------------------------------------------- settings
+def seq_len_bounds(value: Any, default: tuple[int, int] = (512, 1536)) -> tuple[int, int]:
+    """``trace.seq_len`` as ``(lo, hi)`` tokens per synthetic sequence: one int ``n`` is ``(n, n)``,
+    ``[lo, hi]`` itself, ``None`` the default.
+
+    Raises:
+        ValueError: anything else, a length below 1 or ``hi < lo``, naming ``trace.seq_len``.
+    """
+    if value is None:
+        return default
+    pair = list(value) if isinstance(value, (list, tuple)) else [value, value]
+    if len(pair) != 2:
+        raise ValueError(f"trace.seq_len must be an integer or [lo, hi], got {value!r}")
+    lo, hi = (int_setting(v, "trace.seq_len", 1) for v in pair)
+    if hi < lo:
+        raise ValueError(f"trace.seq_len [lo, hi] needs lo <= hi, got {value!r}")
+    return lo, hi
+
 
 # ---------------------------------------------------------------------- peer (megatron-core)
 def megatron_version() -> str | None:
@@ -116,7 +137,7 @@ class Replay:
         from recipes._common import config_trace
 
         trace_cfg = {"synthetic": True, **trace_cfg}
-        lo, hi = (int(v) for v in trace_cfg.get("seq_len") or (512, 1536))
+        lo, hi = seq_len_bounds(trace_cfg.get("seq_len"))
         tr = config_trace(trace_cfg, num_sequences=max(min_sequences, -(-need_tokens // ((lo + hi) // 2))), num_layers=1,
                           num_experts=config.num_experts, top_k=config.top_k,
                           vocab_size=trace_cfg.get("vocab_size", 4096), seed=seed, seq_len=(lo, hi),

@@ -72,8 +72,8 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, device_for, launch, normalize_flags, resolve_backend, run_dir, shared_execution_kwargs, shutdown, to_dict,
-    under_torchrun, write_json,
+    LAYER_FLAGS, device_for, flag, int_setting, launch, normalize_flags, resolve_backend, run_dir, shared_execution_kwargs, shutdown,
+    to_dict, under_torchrun, write_json,
 )
 from recipes._bench_tools import (  # noqa: E402
     megatron_version,
@@ -93,6 +93,7 @@ from recipes._bench_tools import (  # noqa: E402
     check_against_peer,
     check_against_reference,
     profile_ours,
+    seq_len_bounds,
 )
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -174,13 +175,57 @@ def resolve_router_dtype(b: dict) -> torch.dtype | None:
 
 
 def resolve_baseline(want, plan_based: bool) -> str | None:
-    """``bench.baseline``: ``auto`` = ``vanilla`` for a plan-built layer (same run, round-robin requests), else none."""
-    want = None if want is None else str(want)
-    if want in (None, "none", "null", "false"):
+    """``bench.baseline``: a layer name; ``auto`` = ``vanilla`` for a plan-built layer (same run,
+    round-robin requests), else none; off (``false``/``off``/``no``, ``none``/``null``) = none.
+
+    Raises:
+        ValueError: an on value (``true``/``on``/``yes``): it names no layer to compare with.
+    """
+    word = None if want is None else str(want).strip().lower()
+    if word in (None, "none", "null"):
         return None
-    if want == "auto":
+    if word == "auto":
         return "vanilla" if plan_based else None
-    return want
+    try:
+        on = flag({"bench.baseline": want}, "bench.baseline", False)
+    except ValueError:  # not an on/off value: a layer name
+        return str(want)
+    if on:
+        raise ValueError(f"bench.baseline={want} names no layer: give one (e.g. bench.baseline=vanilla), "
+                         "auto, or false for none")
+    return None
+
+
+def tokens_per_rank(b: dict) -> list[int]:
+    """``bench.tokens_per_rank``: one size or a list of them, as a list of ints >= 1.
+
+    Raises:
+        ValueError: an empty list or a size that is not an integer >= 1, naming the key.
+    """
+    value = b.get("tokens_per_rank")
+    sizes = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not sizes:
+        raise ValueError("bench.tokens_per_rank must name at least one size")
+    return [int_setting(t, "bench.tokens_per_rank", 1) for t in sizes]
+
+
+def check_config(d: dict) -> None:
+    """Check the settings every rank reads, before any rank starts; ``bench.tokens_per_rank`` becomes a list.
+
+    ``bench.tokens_per_rank`` (sizes >= 1), ``bench.warmup`` (>= 0), ``bench.iters`` (>= 1),
+    ``bench.baseline`` (:func:`resolve_baseline`) and, with ``router=replay``, ``trace.seq_len``
+    (:func:`recipes._bench_tools.seq_len_bounds`).
+
+    Raises:
+        ValueError: a bad value, naming its key.
+    """
+    b = d["bench"]
+    b["tokens_per_rank"] = tokens_per_rank(b)
+    int_setting(b.get("warmup"), "bench.warmup", 0)
+    int_setting(b.get("iters"), "bench.iters", 1)
+    resolve_baseline(b.get("baseline", "auto"), plan_based=False)
+    if d.get("_router_name") == "replay":
+        seq_len_bounds((d.get("trace") or {}).get("seq_len"))
 
 
 # ---------------------------------------------------------------------- the worker
@@ -203,7 +248,7 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
     )
     groups = ParallelGroups.from_world(ep=(cfg.get("parallel") or {}).get("ep"))
     weights = full_weights(config, seed, device, dtype)
-    tokens_list = [int(t) for t in b["tokens_per_rank"]]
+    tokens_list = tokens_per_rank(b)
     router = cfg.get("_router_name", "learned")
     replay, plan, owners = None, None, {}
     if router == "replay":
@@ -533,6 +578,7 @@ def main(cfg: DictConfig) -> None:
                         "bench.profile", "bench.allow_large_cpu", "bench.check.strict", *LAYER_FLAGS))
     b = d["bench"]
     d["_router_name"] = router_name(cfg)
+    check_config(d)
     if d.get("trace", {}).get("path"):
         d["trace"]["path"] = hydra.utils.to_absolute_path(d["trace"]["path"])
     d["run_dir"] = run_dir()

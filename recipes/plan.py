@@ -90,26 +90,16 @@ import hydra  # noqa: E402
 import numpy as np  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from recipes._common import config_trace, invocation, normalize_flags, print_table, run_dir, to_dict, write_json  # noqa: E402
+from recipes._common import config_trace, int_setting, invocation, normalize_flags, print_table, run_dir, to_dict, write_json  # noqa: E402
 from recipes._plots import plot_plan  # noqa: E402
 from recipes._plan_tools import DP_MAX_RATIO, MODES, commit_files, even_token_rank, lar_report  # noqa: E402
 
 OUTPUTS = ("assignment.npz", "curves.npz", "plan.png", "plan.npz", "report.json")  # every file a run may write
 BASELINES = ("linear", "eplb", "gem")  # always planned: GEM's scores compare against them
 PLANNERS = (*BASELINES, "semantic")
-# planner.<knob> -> plan_semantic keyword and its type (conf/planner/semantic.yaml)
-SEMANTIC_KNOBS = {"solver": str, "theta": float, "history": int, "sample": int, "beta": float, "rho": float,
-                  "slack": float, "smoothing": float, "max_requests": int, "predictor_sample": int}
 
 
 # ------------------------------------------------------------------------------------ inputs
-def _positive_int(value, key: str) -> int:
-    """``value`` as an int >= 1, or ``ValueError`` naming ``key`` (2.7 is not silently 2)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{key} must be an integer >= 1, got {value!r}")
-    return value
-
-
 def check_config(d: dict) -> tuple[str, int, str, int, float]:
     """``(planner, ep, mode, tokens_per_step, train_fraction)`` from the config, or ``ValueError`` naming the key."""
     name, mode = str(d["planner"]["name"]), str(d.get("mode", "tp"))
@@ -117,15 +107,34 @@ def check_config(d: dict) -> tuple[str, int, str, int, float]:
         raise ValueError(f"planner must be one of {list(PLANNERS)}, got {name!r}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
-    ep = _positive_int(d["parallel"]["ep"], "parallel.ep")
+    ep = int_setting(d["parallel"]["ep"], "parallel.ep", 1)
     tc = d["trace"]
-    tps, frac = _positive_int(tc.get("tokens_per_step", 2048), "trace.tokens_per_step"), float(tc.get("train_fraction", 0.5))
+    tps, frac = int_setting(tc.get("tokens_per_step", 2048), "trace.tokens_per_step", 1), float(tc.get("train_fraction", 0.5))
     if mode == "tp" and tps % ep:
         raise ValueError(f"trace.tokens_per_step ({tps}) must be divisible by parallel.ep ({ep}) in mode=tp: "
                          "every rank receives tokens_per_step / ep tokens of each batch")
-    if (d.get("plan") or {}).get("path") and name != "semantic":
+    path = (d.get("plan") or {}).get("path")
+    if path and name != "semantic":
         raise ValueError(f"plan.path is a semantic plan file: it needs planner=semantic, got planner={name}")
+    if name == "semantic" and not path:
+        semantic_settings(d["planner"])  # a bad solver setting fails here, before the trace is read
     return name, ep, mode, tps, frac
+
+
+def semantic_settings(planner: dict) -> dict:
+    """The ``plan_semantic`` settings the ``planner`` block sets (``conf/planner/semantic.yaml``), checked.
+
+    The values are passed as they are, not cast: ``planner.sample=2.7`` is refused, not planned with 2.
+
+    Raises:
+        ValueError: a setting out of range or of the wrong type, naming ``planner.<setting>``
+            (:func:`moelayers.planning.semantic_solvers.check_settings`).
+    """
+    from moelayers.planning.semantic_solvers import SETTINGS, check_settings
+
+    settings = {k: planner[k] for k in SETTINGS if planner.get(k) is not None}
+    check_settings(settings, prefix="planner.")
+    return settings
 
 
 def load_plan_trace(d: dict):
@@ -220,10 +229,9 @@ def plan_semantic_from_config(d: dict, trace, train, held_out, ep: int, mode: st
     if path:
         return load_semantic_plan(path, trace, held_out, ep, mode, trace_name(d)), 0.0, path
     p = d["planner"]
-    knobs = {k: cast(p[k]) for k, cast in SEMANTIC_KNOBS.items() if p.get(k) is not None}
     emb = load_embeddings(p.get("embeddings"), train.vocab_size)
     t0 = time.perf_counter()
-    plan = plan_semantic(train, ep, mode, seed=int(d["seed"]), progress=bar, embeddings=emb, **knobs)
+    plan = plan_semantic(train, ep, mode, seed=int(d["seed"]), progress=bar, embeddings=emb, **semantic_settings(p))
     return plan, time.perf_counter() - t0, "solved"
 
 

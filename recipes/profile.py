@@ -35,7 +35,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from recipes._common import device_for, invocation, jsonable, launch, run_dir, shutdown, to_dict  # noqa: E402
+from recipes._common import device_for, int_setting, invocation, jsonable, launch, run_dir, shutdown, to_dict  # noqa: E402
 from recipes._plots import plot_curves  # noqa: E402
 
 
@@ -47,6 +47,22 @@ def sample_rows(tile: int, dense_until: int, sparse_step: int, max_rows: int) ->
     rows = list(range(tile, min(dense_until, max_rows) + 1, tile))
     rows += list(range(rows[-1] + sparse_step, max_rows + 1, sparse_step))
     return sorted(set([1] + rows))
+
+
+def check_profile(p: dict) -> list[int]:
+    """The row counts to time (:func:`sample_rows`) from the ``profile`` block, its settings checked.
+
+    ``tile``, ``dense_until``, ``sparse_step``, ``max_rows`` must be integers (their ranges:
+    :func:`sample_rows`), ``warmup`` an integer >= 0 and ``reps`` an integer >= 1 (with no timed call
+    every latency would be NaN).
+
+    Raises:
+        ValueError: a bad setting, naming it.
+    """
+    int_setting(p.get("warmup"), "profile.warmup", 0)
+    int_setting(p.get("reps"), "profile.reps", 1)
+    keys = ("tile", "dense_until", "sparse_step", "max_rows")
+    return sample_rows(*(int_setting(p.get(k), f"profile.{k}") for k in keys))
 
 
 def _time_rows(experts, x, counts, device, warmup: int, reps: int, inner: int = 10) -> float:
@@ -99,7 +115,7 @@ def profile_worker(rank: int, world: int, cfg: dict) -> dict | None:
     with torch.no_grad():
         experts.w13.normal_(0, 0.02, generator=gen)
         experts.w2.normal_(0, 0.02, generator=gen)
-    rows = sample_rows(int(p["tile"]), int(p["dense_until"]), int(p["sparse_step"]), int(p["max_rows"]))
+    rows = check_profile(p)
     x_all = torch.randn(rows[-1], h, dtype=dtype, device=device, generator=gen)
     reps, warmup = int(p["reps"]), int(p["warmup"])
     lat = []
@@ -133,8 +149,8 @@ def profile_worker(rank: int, world: int, cfg: dict) -> dict | None:
     if rank != 0:
         return None
     latency = torch.stack(everyone).cpu().numpy()
-    if (latency <= 0).any():
-        raise RuntimeError("a measured latency is not positive: the timer failed")
+    if (~np.isfinite(latency) | (latency <= 0)).any():
+        raise RuntimeError("a measured latency is not a positive number: the timer failed")
     return {"rows": rows, "latency_s": latency, "device_names": names, "seconds": time.perf_counter() - t_start,
             "shape": {"H": h, "F": f, "E": e, "slots_per_rank": slots}, "dtype": str(dtype)}
 
@@ -206,8 +222,7 @@ def summarize(res: dict, out_dir: str, config: dict | None = None) -> str:
 def main(cfg: DictConfig) -> None:
     d = to_dict(cfg)
     d["run_dir"] = run_dir()
-    p = d["profile"]  # a bad sampling fails here, before any rank starts
-    sample_rows(int(p["tile"]), int(p["dense_until"]), int(p["sparse_step"]), int(p["max_rows"]))
+    check_profile(d["profile"])  # a bad setting fails here, before any rank starts
     res = launch(d, profile_worker)
     if res is not None:
         echo = {k: v for k, v in d.items() if k != "run_dir"}

@@ -39,8 +39,8 @@ from moelayers.planning.semantic import (
 from moelayers.planning.semantic_eval import capacity_assign, request_schedule
 from moelayers.planning.semantic_predict import fit_rank_model, frequency_bucket, history_onehot, leave_sequence_out
 
-__all__ = ["load_cap", "assign_experts", "coactivation_clusters", "LayerObjective", "solve_alternating", "solve_cem", "solve_dp",
-           "plan_semantic", "SOLVERS"]
+__all__ = ["load_cap", "assign_experts", "coactivation_clusters", "LayerObjective", "solve_alternating", "solve_cem",
+           "solve_dp", "plan_semantic", "SOLVERS", "SETTINGS", "check_settings"]
 
 SOLVERS = ("alternating", "cem")
 
@@ -437,20 +437,64 @@ def _coactivation(acts: np.ndarray, num_e: int) -> np.ndarray:
     return np.bincount(keys.ravel(), minlength=num_e * num_e).reshape(num_e, num_e).astype(np.float64)
 
 
-def _check_args(trace, ep: int, mode: str, solver: str, theta: float, smoothing: float = 1.0) -> None:
+def _finite(value) -> bool:
+    """Whether ``value`` is a finite real number (Python or numpy; a bool is not one)."""
+    return (isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+            and math.isfinite(value))
+
+
+def _integer(value) -> bool:
+    """Whether ``value`` is an integer (Python or numpy; a bool or a whole float is not one)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+#: the solver settings of :func:`plan_semantic`: name -> (whether a value is valid, what a valid one is)
+SETTINGS = {
+    "solver": (lambda v: v in SOLVERS, f"one of {SOLVERS}"),
+    "theta": (lambda v: _finite(v) and 0 <= v <= 1, "a number in [0, 1] (objective weight of token-load imbalance)"),
+    "history": (lambda v: _integer(v) and v >= 0, "an integer >= 0 (previous layers the tp predictor reads)"),
+    "sample": (lambda v: _integer(v) and v >= 1, "an integer >= 1 (profiled tokens of the objective)"),
+    "beta": (lambda v: _finite(v) and v >= 1, "a finite number >= 1 (token capacity factor: below 1 the ranks "
+                                              "cannot hold every token)"),
+    "rho": (lambda v: _finite(v) and 0 < v <= 1, "a number in (0, 1] (elite fraction of the cross-entropy method)"),
+    "slack": (lambda v: _finite(v) and v >= 1, "a finite number >= 1 (expert loads per rank at most slack x mean; "
+                                               "no placement keeps every rank below the mean)"),
+    "smoothing": (lambda v: _finite(v) and v > 0, "a finite number > 0 (pseudo-occurrences of the layer distribution)"),
+    "max_requests": (lambda v: _integer(v) and v >= 1, "an integer >= 1 (requests clustered in dp mode)"),
+    "predictor_sample": (lambda v: _integer(v) and v >= 1, "an integer >= 1 (profiled tokens the tp predictor "
+                                                           "is fitted on)"),
+}
+
+
+def check_settings(settings: dict, *, prefix: str = "") -> None:
+    """Check solver settings of :func:`plan_semantic` (any subset of :data:`SETTINGS`) for type and range.
+
+    A NaN or infinite number is refused everywhere (``slack=nan`` would otherwise lift the expert-load
+    cap silently), as is a float where an integer is meant (``sample=2.7`` is not silently 2).
+
+    Args:
+        settings: setting name -> value.
+        prefix: put before the name in the message (e.g. ``"planner."`` for a recipe's config key).
+
+    Raises:
+        ValueError: the first invalid or unknown setting, named.
+    """
+    for name, value in settings.items():
+        if name not in SETTINGS:
+            raise ValueError(f"{prefix}{name} is not a setting of the semantic planner: one of {sorted(SETTINGS)}")
+        valid, what = SETTINGS[name]
+        if not valid(value):
+            raise ValueError(f"{prefix}{name} must be {what}, got {value!r}")
+
+
+def _check_args(trace, ep: int, mode: str, **settings) -> None:
     if isinstance(ep, bool) or not isinstance(ep, (int, np.integer)) or ep < 1:
         raise ValueError(f"ep must be a positive int, got {ep!r}")
     if trace.num_experts % ep:
         raise ValueError(f"num_experts ({trace.num_experts}) must be divisible by ep ({ep})")
     if mode not in ("tp", "dp"):
         raise ValueError(f"mode must be 'tp' or 'dp', got {mode!r}")
-    if solver not in SOLVERS:
-        raise ValueError(f"solver must be one of {SOLVERS}, got {solver!r}")
-    if not 0.0 <= float(theta) <= 1.0:
-        raise ValueError(f"theta must be in [0, 1], got {theta}")
-    if not float(smoothing) > 0.0 or not np.isfinite(float(smoothing)):
-        raise ValueError(f"smoothing must be a finite number > 0 (pseudo-occurrences of the layer distribution), "
-                         f"got {smoothing}")
+    check_settings(settings)
 
 
 def plan_semantic(train_trace, ep: int, mode: str = "tp", *, solver: str = "alternating", theta: float = 0.1,
@@ -473,17 +517,21 @@ def plan_semantic(train_trace, ep: int, mode: str = "tp", *, solver: str = "alte
             seen token's row (else the layer distribution).
         history: ``D``, previous layers whose experts the tp predictor reads (0: token table only).
         sample: profiled tokens the per-layer objective is evaluated on (tp).
-        beta: token capacity factor of the objective (at most ``beta`` × mean tokens per rank).
-        rho: elite fraction of the cross-entropy method.
-        slack: expert loads per rank at most ``slack`` × mean (profiled loads).
+        beta: token capacity factor of the objective (at most ``beta`` × mean tokens per rank; >= 1).
+        rho: elite fraction of the cross-entropy method, in ``(0, 1]``.
+        slack: expert loads per rank at most ``slack`` × mean (profiled loads; >= 1).
         smoothing: pseudo-occurrences of the layer distribution in ``Pr(rank | token)``.
         max_requests: requests clustered in dp mode (a seeded subset; all are used for the tables).
         predictor_sample: profiled tokens the tp predictor is fitted on (a seeded sample).
 
     Returns:
         :class:`~moelayers.planning.semantic.SemanticPlan`.
+
+    Raises:
+        ValueError: a bad ``ep`` or ``mode``, or a solver setting out of range (:func:`check_settings`), named.
     """
-    _check_args(train_trace, ep, mode, solver, theta, smoothing)
+    _check_args(train_trace, ep, mode, solver=solver, theta=theta, history=history, sample=sample, beta=beta, rho=rho,
+                slack=slack, smoothing=smoothing, max_requests=max_requests, predictor_sample=predictor_sample)
     rng = np.random.default_rng(seed)
     v = train_trace.vocab_size
     seen = np.bincount(train_trace.token_ids, minlength=v) > 0

@@ -144,3 +144,74 @@ def test_bench_times_variability_without_moving_weights(tmp_path):
                        "bench.tokens_per_rank=[16]")
     assert rec["notes"] == ["variability: auto_replan off while timing"]
     assert rec["baseline"] == "vanilla" and rec["baseline_kwargs"] == {"dispatcher": "alltoall", "dedup": True}
+
+
+@pytest.mark.parametrize("value, plan_based, expected", [
+    (False, True, None), ("false", True, None), ("off", True, None), ("no", False, None), ("none", True, None),
+    (None, True, None), ("auto", True, "vanilla"), ("auto", False, None), ("vanilla", False, "vanilla"),
+])
+def test_resolve_baseline(value, plan_based, expected):
+    """Hydra passes ``bench.baseline=false`` as the bool False: no baseline (it used to look up a layer 'False')."""
+    from recipes.bench import resolve_baseline
+
+    assert resolve_baseline(value, plan_based) == expected
+
+
+@pytest.mark.parametrize("value", [True, "on", "yes"])
+def test_resolve_baseline_refuses_true(value):
+    from recipes.bench import resolve_baseline
+
+    with pytest.raises(ValueError, match="bench.baseline=.* names no layer"):
+        resolve_baseline(value, True)
+
+
+def bench_config(*overrides: str) -> dict:
+    """conf/bench.yaml composed with bench=cpu_smoke and ``overrides``, as main hands it to check_config."""
+    from hydra import compose, initialize_config_dir
+
+    from recipes._common import to_dict
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        d = to_dict(compose("bench", overrides=["bench=cpu_smoke", *overrides]))
+    d["_router_name"] = d["router"]["name"]
+    return d
+
+
+def test_check_config_takes_one_size_and_refuses_bad_counts():
+    """``bench.tokens_per_rank=16`` is one size (it was a TypeError inside every rank); iters, warmup and the
+    sizes are checked before any rank starts (``iters=0`` ended in 'no median for empty data')."""
+    from recipes.bench import check_config
+
+    d = bench_config("bench.tokens_per_rank=16")
+    check_config(d)
+    assert d["bench"]["tokens_per_rank"] == [16]
+    for override, match in [("bench.iters=0", r"bench\.iters must be an integer >= 1, got 0"),
+                            ("bench.warmup=-1", r"bench\.warmup must be an integer >= 0, got -1"),
+                            ("bench.iters=2.5", r"bench\.iters must be an integer >= 1, got 2\.5"),
+                            ("bench.tokens_per_rank=[16,0]", r"bench\.tokens_per_rank must be an integer >= 1, got 0"),
+                            ("bench.baseline=true", r"bench\.baseline=True names no layer"),
+                            ("trace.seq_len=[64,32]", r"trace\.seq_len \[lo, hi\] needs lo <= hi")]:
+        with pytest.raises(ValueError, match=match):
+            check_config(bench_config("router=replay", override))
+
+
+@pytest.mark.parametrize("seq_len", [64, [64, 64]])
+def test_replay_takes_one_sequence_length(seq_len):
+    """``trace.seq_len=64`` (fixed length, as plan.py reads it) replays like ``[64, 64]`` (it was a TypeError)."""
+    import torch
+
+    from moelayers import MoEConfig
+    from recipes._bench_tools import Replay
+
+    config = MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=8, top_k=2, params_dtype=torch.float32)
+    replay = Replay({"seq_len": seq_len}, config, seed=0, need_tokens=256)
+    assert (replay.trace.seq_lengths == 64).all() and replay.trace.num_tokens >= 256
+    assert replay.ids_for(1, 16, torch.device("cpu")).shape == (16, 2)
+
+
+@pytest.mark.timeout(90)
+def test_bench_bad_iters_fails_before_the_ranks_start(tmp_path):
+    proc = run_bench(tmp_path, "bench.iters=0")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "bench.iters must be an integer >= 1, got 0" in out
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())

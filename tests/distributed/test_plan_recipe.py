@@ -316,6 +316,21 @@ def test_config_errors(trace_file, tmp_path):
                    f"trace.path={tmp_path / 'nope.npz'}", exc=FileNotFoundError)
 
 
+@pytest.mark.parametrize("override, match", [
+    ("planner.slack=nan", r"planner\.slack must be a finite number >= 1.*got nan"),  # used to lift the load cap
+    ("planner.beta=nan", r"planner\.beta must be a finite number >= 1.*got nan"),
+    ("planner.sample=0", r"planner\.sample must be an integer >= 1.*got 0"),
+    ("planner.history=-1", r"planner\.history must be an integer >= 0.*got -1"),
+    ("planner.rho=0", r"planner\.rho must be a number in \(0, 1\].*got 0"),
+])
+def test_bad_semantic_settings_fail_before_planning(trace_file, tmp_path, monkeypatch, override, match):
+    """A bad solver setting is refused by the config check, naming its key, before the trace is read."""
+    import recipes.plan as recipe
+
+    monkeypatch.setattr(recipe, "load_plan_trace", lambda d: pytest.fail("the trace was read"))
+    expect_failure(trace_file, tmp_path, {}, match, override)
+
+
 def test_a_reused_run_dir_holds_one_run(trace_file, tmp_path):
     """A gem run into the dir of a semantic run removes the semantic plan it does not write."""
     run_plan(tmp_path / "run", trace_file, "planner=semantic", "parallel.ep=2")

@@ -74,3 +74,29 @@ def test_sample_rows():
         sample_rows(0, 512, 1024, 3000)
     with pytest.raises(ValueError, match="bad sampling"):
         sample_rows(128, 512, 1024, 64)  # max_rows below one tile
+
+
+CPU_SMOKE = {"shape": {"hidden_size": 16, "ffn_hidden_size": 8, "num_experts": 4}, "tile": 16, "dense_until": 32,
+             "sparse_step": 16, "max_rows": 48, "warmup": 0, "reps": 1}
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("reps", 0, r"profile\.reps must be an integer >= 1, got 0"),  # used to write all-NaN curves
+    ("reps", 2.5, r"profile\.reps must be an integer >= 1"),
+    ("warmup", -1, r"profile\.warmup must be an integer >= 0"),
+    ("tile", 15.5, r"profile\.tile must be an integer, got 15\.5"),  # not silently 15
+])
+def test_check_profile_refuses_bad_settings(key, value, match):
+    check_profile = _profile_module().check_profile
+
+    assert check_profile(CPU_SMOKE) == [1, 16, 32, 48]
+    with pytest.raises(ValueError, match=match):
+        check_profile({**CPU_SMOKE, key: value})
+
+
+def test_profile_worker_refuses_nan_latency(monkeypatch):
+    """A NaN timing (the median of no samples) is a failed timer, not a curve to write."""
+    mod = _profile_module()
+    monkeypatch.setattr(mod, "_time_rows", lambda *args, **kwargs: float("nan"))
+    with pytest.raises(RuntimeError, match="not a positive number"):
+        mod.profile_worker(0, 1, {"profile": CPU_SMOKE, "seed": 0})

@@ -458,3 +458,17 @@ def test_plan_semantic_refuses_zero_smoothing():
     trace = synthetic_trace(8, 2, 8, 2, 64, seq_len=(8, 16), seed=0)
     with pytest.raises(ValueError, match="smoothing must be a finite number > 0"):
         plan_semantic(trace, 2, "tp", smoothing=0.0, progress=False)
+
+
+@pytest.mark.parametrize("setting, value", [
+    ("slack", float("nan")), ("slack", 0.5), ("beta", float("nan")), ("beta", 0.9), ("beta", float("inf")),
+    ("rho", 0.0), ("rho", 1.5), ("theta", float("nan")), ("sample", 0), ("sample", 2.7), ("history", -1),
+    ("max_requests", 0), ("predictor_sample", True), ("solver", "sgd"),
+])
+def test_plan_semantic_refuses_bad_settings_naming_them(setting, value):
+    """Every solver setting is checked for type, range and finiteness before planning: ``slack=nan``
+    used to lift the expert-load cap silently, ``beta=nan`` / ``sample=0`` / ``history=-1`` to fail deep
+    inside the solver."""
+    trace = synthetic_trace(8, 2, 8, 2, 64, seq_len=(8, 16), seed=0)
+    with pytest.raises(ValueError, match=rf"^{setting} must be "):
+        plan_semantic(trace, 2, "tp", progress=False, **{setting: value})
