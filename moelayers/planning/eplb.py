@@ -39,7 +39,9 @@ def balanced_packing(weights: np.ndarray, num_packs: int, *, item_group: np.ndar
     """Pack ``N`` items into ``num_packs`` packs of ``N / num_packs`` items, balancing the weight.
 
     Heaviest item first, each into the lightest pack with a free place (ties: the lower pack);
-    with ``item_group``, a pack takes at most one item of a group when it can.
+    with ``item_group``, a pack takes at most one item of a group: where the greedy pass had to put
+    two in one pack (every open pack already held the group), the later one is swapped with the
+    closest-weighing item of another pack that can take it (:func:`_separate_groups`).
 
     Args:
         weights: ``[N]`` item weights.
@@ -68,7 +70,46 @@ def balanced_packing(weights: np.ndarray, num_packs: int, *, item_group: np.ndar
         count[p] += 1
         if item_group is not None:
             held[p].add(int(item_group[i]))
+    if item_group is not None:
+        _separate_groups(pack, w, np.asarray(item_group, dtype=np.int64))
     return pack
+
+
+def _separate_groups(pack: np.ndarray, w: np.ndarray, group: np.ndarray) -> None:
+    """Swap items in place until no pack holds two items of one group.
+
+    Each clash (item ``i`` in a pack that holds another item of its group) is resolved by swapping
+    ``i`` with the item ``j`` of another pack whose weight is closest to ``i``'s, such that neither
+    pack then holds a group twice; pack sizes are unchanged.
+
+    Raises:
+        ValueError: a group has more items than there are packs, or no such swap exists.
+    """
+    num_packs = int(pack.max()) + 1 if pack.size else 0
+    counts = np.bincount(group)
+    if counts.size and counts.max() > num_packs:
+        raise ValueError(f"balanced_packing: group {int(counts.argmax())} has {int(counts.max())} items for "
+                         f"{num_packs} packs: one pack would hold two")
+    while True:
+        pairs = pack * (group.max() + 1) + group
+        _, first, times = np.unique(pairs, return_index=True, return_counts=True)
+        clashes = [k for k, c in zip(first, times) if c > 1]
+        if not clashes:
+            return
+        k = int(clashes[0])
+        i = int(np.flatnonzero((pack == pack[k]) & (group == group[k]))[-1])  # the later of the two
+        p, g = int(pack[i]), int(group[i])
+        in_p = set(group[pack == p].tolist())
+        best, best_gap = -1, np.inf
+        for j in np.flatnonzero(pack != p):
+            q, h = int(pack[j]), int(group[j])
+            if h in in_p or g in set(group[(pack == q) & (np.arange(pack.size) != j)].tolist()):
+                continue
+            if abs(w[j] - w[i]) < best_gap:
+                best, best_gap = int(j), abs(w[j] - w[i])
+        if best < 0:
+            raise ValueError(f"balanced_packing: cannot place the items of group {g} on distinct packs")
+        pack[i], pack[best] = pack[best], p
 
 
 def replicate_experts(weights: np.ndarray, num_physical: int, max_replicas: int | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -167,7 +167,7 @@ def refine(expert_rank: np.ndarray, x: np.ndarray, curves: LatencyCurves, *, min
         tot[er[:, None] == er[None, :]] = np.inf
         flat = int(np.argmin(tot))
         i, j = divmod(flat, num_e)
-        if f - tot[i, j] < min_gain * f:
+        if not f - tot[i, j] > max(min_gain * f, 0.0):  # a swap must gain something (F = 0: nothing to gain)
             break
         a, b = er[i], er[j]
         rows[a] += xt[j] - xt[i]
@@ -297,6 +297,10 @@ def search(loads: np.ndarray, curves: LatencyCurves, *, restarts: int = 8, seed:
         raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
     if isinstance(restarts, bool) or not isinstance(restarts, (int, np.integer)) or restarts < 1:
         raise ValueError(f"restarts must be a positive int, got {restarts!r}")
+    for name, value in (("min_gain", min_gain), ("noise", noise)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                or not np.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     x = np.asarray(loads, dtype=np.float64)
     per_rank = x.shape[1] // curves.num_ranks
     rng = np.random.default_rng(seed)

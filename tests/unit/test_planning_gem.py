@@ -371,6 +371,27 @@ def test_balanced_packing_properties() -> None:
         balanced_packing(w, 5)
 
 
+def test_plan_eplb_never_puts_two_replicas_on_a_rank() -> None:
+    """When every open rank already holds a hot expert, greedy packing used to put two of its
+    replicas on one rank (a placement the layer refuses): now they are swapped apart."""
+    table = plan_eplb(np.array([30, 30, 30]), 3, num_replicas=3)
+    assert all(len(set(row)) == len(row) for row in table.tolist()), table
+    plan_eplb_placement(np.array([30, 30, 30]), 3, num_replicas=3)
+    rng = np.random.default_rng(0)
+    tried = 0
+    while tried < 300:  # small integer loads: many ties, the hard case
+        r = int(rng.integers(2, 6))
+        e = int(rng.integers(r, 4 * r + 1))
+        rep = int(rng.integers(1, 2 * r + 1))
+        if (e + rep) % r or e + rep > e * r:
+            continue
+        tried += 1
+        loads = rng.integers(0, 4, size=e) * int(rng.choice([1, 10]))
+        table = plan_eplb(loads, r, num_replicas=rep)
+        assert all(len(set(row)) == len(row) for row in table.tolist()), (loads, r, rep, table)
+        assert sorted(np.unique(table).tolist()) == list(range(e))
+
+
 def test_plan_eplb_balances_and_replicates() -> None:
     rng = np.random.default_rng(9)
     loads = rng.poisson(rng.exponential(200, size=16), size=(5, 16))
@@ -434,3 +455,21 @@ def test_tiled_curves_with_a_tile_larger_than_the_sampled_range():
     rows = np.array([0, 1, tile, tile + 1, 5 * tile])
     expected = 20e-6 + 10e-6 * np.ceil(rows / tile)
     np.testing.assert_allclose(curves(np.broadcast_to(rows[:, None], (rows.size, 2)))[:, 0], expected, rtol=1e-12)
+
+
+def test_refine_stops_when_nothing_can_be_gained() -> None:
+    """With F = 0 (curves through the origin, a window without tokens) no swap gains anything: the
+    search stops at once instead of swapping for 1000 E rounds per restart."""
+    from moelayers.planning import gem_search
+
+    curves = LatencyCurves.tiled(np.ones(4), base_s=0.0)
+    x = np.zeros((16, 32))
+    start = gem_search.greedy(x, curves, 8)
+    er, f = gem_search.refine(start, x, curves, max_rounds=50)
+    assert f == 0.0 and np.array_equal(er, start)
+    t0 = time.perf_counter()
+    plan_gem(np.zeros((16, 32), dtype=np.int64), curves)
+    assert time.perf_counter() - t0 < 2.0
+    for bad in (float("nan"), -0.1, float("inf")):
+        with pytest.raises(ValueError, match="min_gain must be a finite number >= 0"):
+            search(np.ones((4, 8)), curves, min_gain=bad)
