@@ -161,21 +161,24 @@ def step_capacity(num_tokens: int, tokens_per_step: int, num_ranks: int) -> tupl
 
 
 def request_schedule(scores: np.ndarray, lengths: np.ndarray, num_ranks: int, *, max_ratio: float = 1.3,
-                     mask: bool = True) -> np.ndarray:
+                     mask: bool = True, lookahead: bool = False) -> np.ndarray:
     """Sem-MoE Algorithm 2: requests in order, each to its best unmasked rank, then mask it.
 
     The mask resets once every rank is taken. A rank is closed to a request that would take it
-    above ``max_ratio * total_tokens / R``, or that would leave no rank room for the longest request
-    still to come (the lengths are known here; the online scheduler does not know them and skips
-    that look-ahead); if every unmasked rank is closed the request takes the best open masked rank,
-    and if none is open (a request longer than the room anywhere) the least-loaded rank.
+    above ``max_ratio * total_tokens / R``; if every unmasked rank is closed the request takes the
+    best open masked rank, and if none is open (a request longer than the room anywhere) the
+    least-loaded rank. With the defaults this is exactly what the online ``SemanticScheduler``
+    does given ``total_tokens`` (both call :func:`schedule_one`), so a held-out evaluation
+    describes serving.
 
     Args:
         scores: ``[S, R]`` preference of each request for each rank (ties: the lower rank).
         lengths: ``[S]`` tokens per request.
         mask: ``False``: no mask, the ``max_ratio`` cap alone balances (each request takes its best
-            open rank). The default (mask on) is what the online ``SemanticScheduler`` does
-            given ``total_tokens`` (both call :func:`schedule_one`).
+            open rank).
+        lookahead: also close a rank to a request that would leave no rank room for the longest
+            request still to come. Needs the future lengths, which an online scheduler does not
+            know: an offline bound, not what serving does.
 
     Returns:
         ``[S]`` int64 rank per request.
@@ -188,7 +191,8 @@ def request_schedule(scores: np.ndarray, lengths: np.ndarray, num_ranks: int, *,
     out = np.empty(sc.shape[0], dtype=np.int64)
     longest_after = np.append(np.maximum.accumulate(lengths[::-1])[::-1][1:], 0) if lengths.size else lengths
     for s in range(sc.shape[0]):
-        out[s] = schedule_one(sc[s], int(lengths[s]), load, masked, cap, mask=mask, reserve=int(longest_after[s]))
+        reserve = int(longest_after[s]) if lookahead else 0
+        out[s] = schedule_one(sc[s], int(lengths[s]), load, masked, cap, mask=mask, reserve=reserve)
     return out
 
 
@@ -199,8 +203,9 @@ def schedule_one(scores: np.ndarray, length: int, load: np.ndarray, masked: np.n
     The best rank among those unmasked that stay within ``cap`` tokens with this request, else
     among all that stay within it, else the least-loaded rank; ties: the lowest rank. Updates
     ``load [R]`` (tokens) and ``masked [R]`` in place (the mask clears once every rank is taken).
-    With ``reserve > 0`` (offline, where the longest request still to come is known) a rank only
-    stays within ``cap`` if some rank keeps room for ``reserve`` tokens afterwards, when any does.
+    With ``reserve > 0`` (``request_schedule(lookahead=True)``, offline, where the longest request
+    still to come is known) a rank only stays within ``cap`` if some rank keeps room for
+    ``reserve`` tokens afterwards, when any does.
 
     Returns:
         The rank.

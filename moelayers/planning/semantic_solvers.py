@@ -586,7 +586,7 @@ def _plan_tp(tr, r: int, rng, src, *, solver, theta, seed, progress, history, sa
                                         pair_freq[pair[fit]], k, smoothing)
         hist = history_onehot(tr.topk_ids[fit], l, history, num_e)
         model = fit_rank_model(rows, frequency_bucket(rest), hist, counts[fit] / k)
-        token_logq[l] = model.token_scores(np.log(q), vocab_bucket)
+        token_logq[l] = model.token_scores(np.log(np.maximum(q, 1e-9)), vocab_bucket)  # q = 0 where no expert of a rank was used
         hist_w[l] = model.w.reshape(history, num_e, r)
     ngram_rank, ngram_conf = ngram_tables(tr.topk_ids[big], expert_rank, r)
     return SemanticPlan(expert_rank, token_rank, token_conf, ngram_rank, ngram_conf, r, num_e, v, "tp",

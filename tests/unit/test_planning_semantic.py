@@ -427,13 +427,16 @@ def test_price_balance_skips_settled_groups_without_changing_the_result(ranks):
 
 def test_request_schedule_keeps_room_for_the_longest_request_to_come():
     """Ten 1-token requests, then an 8-token one, on 2 ranks (cap 1.3 x 9 = 11.7): without looking
-    ahead the short ones split 5/5 and the long one lands at 13 > 11.7; 8 + 1 + 1 + 1 and 7 fit."""
+    ahead (online, the default) the short ones split 5/5 and the long one lands at 13 > 11.7; with
+    the offline look-ahead 8 + 1 + 1 + 1 and 7 fit."""
     from moelayers.planning.semantic_eval import request_schedule
 
     lengths = np.array([1] * 10 + [8])
     for scores in (np.zeros((11, 2)), np.tile([[1.0, 0.0]], (11, 1))):
-        tokens = np.bincount(request_schedule(scores, lengths, 2), weights=lengths, minlength=2)
+        tokens = np.bincount(request_schedule(scores, lengths, 2, lookahead=True), weights=lengths, minlength=2)
         assert tokens.max() <= 1.3 * lengths.sum() / 2, tokens
+        online = np.bincount(request_schedule(scores, lengths, 2), weights=lengths, minlength=2)
+        assert online.max() == 13, online
 
 
 def test_capacity_assign_places_an_item_scored_minus_inf_everywhere():
@@ -472,3 +475,16 @@ def test_plan_semantic_refuses_bad_settings_naming_them(setting, value):
     trace = synthetic_trace(8, 2, 8, 2, 64, seq_len=(8, 16), seed=0)
     with pytest.raises(ValueError, match=rf"^{setting} must be "):
         plan_semantic(trace, 2, "tp", progress=False, **{setting: value})
+
+
+@pytest.mark.parametrize("solver", ["alternating", "cem"])
+def test_tp_plan_with_a_rank_whose_experts_no_token_used(solver):
+    """A rank that holds only unused experts has Pr(rank | token) = 0: the predictor's log scores
+    stay finite (they used to be -inf, and the plan failed its own check)."""
+    from moelayers.planning.semantic_solvers import plan_semantic
+    from moelayers.trace import RoutingTrace
+
+    topk = np.array([[[0, 1]], [[0, 1]], [[2, 3]]], dtype=np.int64)  # experts 4-7 never used
+    trace = RoutingTrace(topk_ids=topk, token_ids=np.array([5, 5, 7]), seq_offsets=np.array([0, 2, 3]), num_experts=8)
+    plan = plan_semantic(trace, 4, "tp", solver=solver, progress=False, history=1)
+    assert np.isfinite(plan.token_logq).all()

@@ -81,6 +81,13 @@ def test_semantic_scheduler_token_cap_is_the_evaluations():
         online = SemanticScheduler(plan, total_tokens=int(lengths.sum()))
         scores = np.stack([online.scores(q) for q in reqs])
         assert [online.assign(q) for q in reqs] == request_schedule(scores, lengths, r).tolist()
+    for _ in range(100):  # heavy-tailed lengths, where a look-ahead would change the schedule
+        plan = _plan_for_requests(num_ranks=3)
+        reqs = [rng.integers(0, 12, size=int(rng.choice([3, 5, 40, 120]))) for _ in range(12)]
+        lengths = np.array([q.size for q in reqs])
+        online = SemanticScheduler(plan, total_tokens=int(lengths.sum()))
+        scores = np.stack([online.scores(q) for q in reqs])
+        assert [online.assign(q) for q in reqs] == request_schedule(scores, lengths, 3).tolist()
     with pytest.raises(ValueError, match="total_tokens"):
         SemanticScheduler(plan, total_tokens=-1)
     with pytest.raises(ValueError, match="max_ratio"):
