@@ -51,6 +51,31 @@ if HAVE_TRITON:
                      mask=meta_mask)
 
 
+def _check(x, dest_map, dest_rank, dest_slot, weights, x_out, w_out, s_out) -> None:
+    """Shapes, dtypes and the unit inner strides the kernel's row addressing assumes (a strided
+    view would be written as if it were contiguous)."""
+    if x.dim() != 2 or dest_map.dim() != 2 or dest_map.shape[0] != x.shape[0]:
+        raise ValueError(f"expected x [T, H] and dest_map [T, R], got {tuple(x.shape)}, {tuple(dest_map.shape)}")
+    t, h = x.shape
+    if dest_rank.dim() != 2 or dest_rank.shape[0] != t or dest_slot.shape != dest_rank.shape \
+            or weights.shape != dest_rank.shape:
+        raise ValueError(f"dest_rank, dest_slot and weights must be [T={t}, K], got {tuple(dest_rank.shape)}, "
+                         f"{tuple(dest_slot.shape)}, {tuple(weights.shape)}")
+    k = dest_rank.shape[1]
+    if x_out.dim() != 2 or x_out.shape[1] != h or w_out.shape != (x_out.shape[0], k) or s_out.shape != w_out.shape:
+        raise ValueError(f"expected x_out [N, H={h}], w_out and s_out [N, K={k}], got {tuple(x_out.shape)}, "
+                         f"{tuple(w_out.shape)}, {tuple(s_out.shape)}")
+    for name, a in (("dest_map", dest_map), ("dest_rank", dest_rank), ("dest_slot", dest_slot)):
+        if a.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32 or int64, got {a.dtype}")
+    if x_out.dtype != x.dtype or s_out.dtype != torch.int32 or not w_out.dtype.is_floating_point:
+        raise TypeError(f"x_out must be {x.dtype} (got {x_out.dtype}), s_out int32 (got {s_out.dtype}), w_out "
+                        f"floating (got {w_out.dtype})")
+    for name, a in (("x_out", x_out), ("w_out", w_out), ("s_out", s_out)):
+        if a.shape[1] > 1 and a.stride(1) != 1:
+            raise ValueError(f"{name} must have unit stride along its last dimension, got strides {a.stride()}")
+
+
 def dispatch_pack_reference(
     x: torch.Tensor, dest_map: torch.Tensor, dest_rank: torch.Tensor, dest_slot: torch.Tensor,
     weights: torch.Tensor, x_out: torch.Tensor, w_out: torch.Tensor, s_out: torch.Tensor,
@@ -74,8 +99,14 @@ def dispatch_pack_triton(
     x: torch.Tensor, dest_map: torch.Tensor, dest_rank: torch.Tensor, dest_slot: torch.Tensor,
     weights: torch.Tensor, x_out: torch.Tensor, w_out: torch.Tensor, s_out: torch.Tensor,
 ) -> None:
-    """Triton dispatch pack (same contract as :func:`dispatch_pack_reference`)."""
+    """Triton dispatch pack (same contract as :func:`dispatch_pack_reference`).
+
+    Raises:
+        ValueError, TypeError: shapes or dtypes off the contract, or an output whose last
+            dimension is not contiguous.
+    """
     require_triton()
+    _check(x, dest_map, dest_rank, dest_slot, weights, x_out, w_out, s_out)
     t, h = x.shape
     if t == 0:
         return

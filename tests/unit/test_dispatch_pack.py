@@ -46,3 +46,21 @@ def test_dispatch_pack_matches_reference(t, h, k, r, dtype):
 def _views(layout, buf):
     xv, wv, sv = layout.views(buf)
     return xv, wv, sv
+
+
+@pytest.mark.skipif(not HAVE_TRITON or not _interpreted(), reason="triton missing or not interpreted")
+def test_dispatch_pack_refuses_strided_or_misshapen_outputs():
+    """The kernel addresses output rows as contiguous: a transposed view used to be filled wrongly
+    without a word; now it is refused, as are shapes and dtypes off the contract."""
+    x, dest_map, dest_rank, dest_slot, weights, n = _case(9, 40, 3, 4, torch.float32, 3)
+    good = dict(x_out=torch.zeros(n, 40), w_out=torch.zeros(n, 3), s_out=torch.zeros(n, 3, dtype=torch.int32))
+    bad = {"x_out": torch.zeros(40, n).t(), "w_out": torch.zeros(3, n).t(), "s_out": torch.zeros(3, n, dtype=torch.int32).t()}
+    for name, view in bad.items():
+        with pytest.raises(ValueError, match=f"{name} must have unit stride"):
+            dispatch_pack_triton(x, dest_map, dest_rank, dest_slot, weights, **{**good, name: view})
+    with pytest.raises(ValueError, match="w_out and s_out"):
+        dispatch_pack_triton(x, dest_map, dest_rank, dest_slot, weights, **{**good, "w_out": torch.zeros(n, 2)})
+    with pytest.raises(TypeError, match="s_out int32"):
+        dispatch_pack_triton(x, dest_map, dest_rank, dest_slot, weights, **{**good, "s_out": torch.zeros(n, 3)})
+    with pytest.raises(ValueError, match=r"must be \[T=9, K\]"):
+        dispatch_pack_triton(x, dest_map, dest_rank[:4], dest_slot, weights, **good)
