@@ -64,6 +64,8 @@ def _check_shuffle(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor | Non
         raise ValueError(f"expected x [T, H] and index [N]; got {tuple(x.shape)} and {tuple(index.shape)}")
     if index.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"index must be int32 or int64, got {index.dtype}")
+    if x.shape[0] == 0 and index.numel() and bool((index >= 0).any()):  # a sync, only when x has no rows
+        raise IndexError(f"index holds row {int(index.max())} of x, which has no rows (only -1 can be asked)")
     if out is not None:
         if tuple(out.shape) != (index.shape[0], x.shape[1]):
             raise ValueError(f"out must be [{index.shape[0]}, {x.shape[1]}], got {tuple(out.shape)}")
@@ -89,7 +91,7 @@ def shuffle_rows_reference(x: torch.Tensor, index: torch.Tensor, out: torch.Tens
     """
     _check_shuffle(x, index, out)
     t = x.shape[0]
-    if t == 0:  # only -1 (zero rows) can be asked of no rows
+    if t == 0:  # only -1 (zero rows) can be asked of no rows (_check_shuffle)
         padded = torch.nn.functional.pad(x, (0, 0, 0, 1))
         rows = padded.index_select(0, torch.where(index >= 0, index.to(torch.int64), t))
     else:  # an index >= T fails here (IndexError; a device assert on CUDA) instead of reading a zero row

@@ -101,6 +101,14 @@ def _as_tensor(a: Any, dtype: torch.dtype) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- step 1: predict
+def _check_token_ids(token_ids: torch.Tensor) -> None:
+    """``TypeError`` unless ``token_ids`` is a ``[T]`` integer tensor (float ids would be truncated)."""
+    if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or token_ids.dtype.is_floating_point \
+            or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
+        got = f"{token_ids.dtype} {list(token_ids.shape)}" if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__
+        raise TypeError(f"token_ids must be a [T] integer tensor, got {got}")
+
+
 def predict_ranks(token_ids: torch.Tensor, tables: LayerTables,
                   prev_ranks: PrevRanks = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token, the rank of T or of the n-gram A, whichever is more confident (T on ties).
@@ -114,8 +122,7 @@ def predict_ranks(token_ids: torch.Tensor, tables: LayerTables,
     Returns:
         ``(pred [T] int64, conf [T] float32)``: predicted rank (``-1`` = no prediction) and confidence.
     """
-    if token_ids.dim() != 1 or token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
-        raise TypeError(f"token_ids must be a [T] integer tensor, got {token_ids.dtype} {list(token_ids.shape)}")
+    _check_token_ids(token_ids)
     t, dev, r = token_ids.numel(), token_ids.device, tables.num_ranks
     ids = token_ids.to(torch.int64)
     known = (ids >= 0) & (ids < tables.vocab_size)
@@ -207,7 +214,11 @@ class HistoryPredictor:
         Args:
             token_ids: ``[T]`` int token ids.
             history: ``[D', T, K]`` int expert ids at layers ``layer-1, layer-2, ...`` (``None`` = none).
+
+        Raises:
+            TypeError: ``token_ids`` is not a ``[T]`` integer tensor.
         """
+        _check_token_ids(token_ids)
         v = self.token_scores.shape[0]
         ids = token_ids.to(torch.int64)
         known = (ids >= 0) & (ids < v)

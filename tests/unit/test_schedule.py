@@ -354,3 +354,14 @@ def test_semantic_moe_errors():
         layer.forward_tp(x, x[:3], _norm(torch.float32), token_ids=torch.arange(4))
     plain = ml.SemanticMoE(cfg, single, mode="tp")  # no plan: plain chunks, token_ids optional
     assert plain.forward_tp(x, x, _norm(torch.float32), token_ids=None).shape == (4, H)
+
+
+def test_predictors_refuse_float_token_ids():
+    """Float ids (2.7) used to be truncated into another token's prediction."""
+    predictor = HistoryPredictor(torch.zeros(10, 2), torch.zeros(0, 1, 2), (), 0)
+    for ids in (torch.tensor([2.7, 1.0]), torch.tensor([True, False])):
+        with pytest.raises(TypeError, match=r"token_ids must be a \[T\] integer tensor"):
+            predictor.scores(ids)
+        with pytest.raises(TypeError, match=r"token_ids must be a \[T\] integer tensor"):
+            rebatch_history(ids, predictor, 2)
+    assert predictor.scores(torch.tensor([2, 1])).shape == (2, 2)

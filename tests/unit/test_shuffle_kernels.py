@@ -141,3 +141,5 @@ def test_shuffle_reference_refuses_an_index_past_the_rows():
     with pytest.raises(IndexError):
         shuffle_rows_reference(x, torch.tensor([2, 0]))
     assert shuffle_rows_reference(x[:0], torch.tensor([-1, -1])).tolist() == [[0.0] * 3] * 2
+    with pytest.raises(IndexError, match="has no rows"):  # row 0 of no rows: it used to read the padding's zeros
+        shuffle_rows_reference(x[:0], torch.tensor([0, -1]))
