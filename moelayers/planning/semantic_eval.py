@@ -161,24 +161,25 @@ def step_capacity(num_tokens: int, tokens_per_step: int, num_ranks: int) -> tupl
 
 
 def request_schedule(scores: np.ndarray, lengths: np.ndarray, num_ranks: int, *, max_ratio: float = 1.3,
-                     mask: bool = True, lookahead: bool = False) -> np.ndarray:
+                     mask: bool = True, lookahead: bool = True) -> np.ndarray:
     """Sem-MoE Algorithm 2: requests in order, each to its best unmasked rank, then mask it.
 
     The mask resets once every rank is taken. A rank is closed to a request that would take it
-    above ``max_ratio * total_tokens / R``; if every unmasked rank is closed the request takes the
+    above ``max_ratio * total_tokens / R`` or, with ``lookahead``, that would leave no rank room
+    for the longest request still to come; if every unmasked rank is closed the request takes the
     best open masked rank, and if none is open (a request longer than the room anywhere) the
-    least-loaded rank. With the defaults this is exactly what the online ``SemanticScheduler``
-    does given ``total_tokens`` (both call :func:`schedule_one`), so a held-out evaluation
-    describes serving.
+    least-loaded rank.
 
     Args:
         scores: ``[S, R]`` preference of each request for each rank (ties: the lower rank).
         lengths: ``[S]`` tokens per request.
         mask: ``False``: no mask, the ``max_ratio`` cap alone balances (each request takes its best
             open rank).
-        lookahead: also close a rank to a request that would leave no rank room for the longest
-            request still to come. Needs the future lengths, which an online scheduler does not
-            know: an offline bound, not what serving does.
+        lookahead: keep room for the longest request still to come (the default: the held-out
+            evaluation knows every length, and the report promises no rank above the cap; the
+            look-ahead keeps room for a long last request). ``False`` is exactly what the online ``SemanticScheduler``
+            does given ``total_tokens`` (both call :func:`schedule_one`): it cannot know the
+            lengths to come, and a long last request may take a rank above the cap.
 
     Returns:
         ``[S]`` int64 rank per request.

@@ -11,8 +11,11 @@ number of requests per rank balanced::
 
 so every ``R`` consecutive requests go to ``R`` different ranks (affinity with balanced load).
 Given the tokens it will schedule in all (``total_tokens``), it also closes a rank to a request that
-would take it above ``max_ratio`` times the mean (1.3), exactly as the held-out evaluation of
-``recipes/plan.py mode=dp`` does (both run ``moelayers.planning.semantic_eval.schedule_one``).
+would take it above ``max_ratio`` times the mean (1.3), as the held-out evaluation of
+``recipes/plan.py mode=dp`` does (both run ``moelayers.planning.semantic_eval.schedule_one``), with
+one difference: the evaluation knows the lengths still to come and keeps room for the longest
+(``request_schedule(lookahead=True)``); online they are unknown, so a long late request can take a
+rank above the cap. ``request_schedule(..., lookahead=False)`` is this scheduler exactly.
 Both schedulers share one interface: ``assign(token_ids) -> rank``.
 """
 

@@ -427,15 +427,15 @@ def test_price_balance_skips_settled_groups_without_changing_the_result(ranks):
 
 def test_request_schedule_keeps_room_for_the_longest_request_to_come():
     """Ten 1-token requests, then an 8-token one, on 2 ranks (cap 1.3 x 9 = 11.7): without looking
-    ahead (online, the default) the short ones split 5/5 and the long one lands at 13 > 11.7; with
-    the offline look-ahead 8 + 1 + 1 + 1 and 7 fit."""
+    ahead (online) the short ones split 5/5 and the long one lands at 13 > 11.7; with the look-ahead
+    (the evaluation's default) 8 + 1 + 1 + 1 and 7 fit."""
     from moelayers.planning.semantic_eval import request_schedule
 
     lengths = np.array([1] * 10 + [8])
     for scores in (np.zeros((11, 2)), np.tile([[1.0, 0.0]], (11, 1))):
-        tokens = np.bincount(request_schedule(scores, lengths, 2, lookahead=True), weights=lengths, minlength=2)
+        tokens = np.bincount(request_schedule(scores, lengths, 2), weights=lengths, minlength=2)
         assert tokens.max() <= 1.3 * lengths.sum() / 2, tokens
-        online = np.bincount(request_schedule(scores, lengths, 2), weights=lengths, minlength=2)
+        online = np.bincount(request_schedule(scores, lengths, 2, lookahead=False), weights=lengths, minlength=2)
         assert online.max() == 13, online
 
 

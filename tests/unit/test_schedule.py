@@ -60,7 +60,8 @@ def test_semantic_scheduler_affinity_mask_and_reset():
 
 def test_semantic_scheduler_token_cap_is_the_evaluations():
     """Given the total tokens, the online scheduler closes ranks at 1.3x the mean exactly as the
-    held-out evaluation (request_schedule) does; without it, the mask alone balances."""
+    held-out evaluation (request_schedule) does without its look-ahead; without the total, the mask
+    alone balances."""
     from moelayers.planning.semantic_eval import request_schedule
 
     plan = _plan_for_requests(num_ranks=2)
@@ -69,7 +70,7 @@ def test_semantic_scheduler_token_cap_is_the_evaluations():
     capped = SemanticScheduler(plan, total_tokens=int(lengths.sum()))
     got = [capped.assign(q) for q in reqs]
     scores = np.stack([SemanticScheduler(plan).scores(q) for q in reqs])
-    assert got == request_schedule(scores, lengths, 2).tolist()
+    assert got == request_schedule(scores, lengths, 2, lookahead=False).tolist()
     assert capped.token_loads.max() <= 1.3 * lengths.sum() / 2 and capped.token_loads.tolist() == [21, 12]
     free = SemanticScheduler(plan)
     assert [free.assign(q) for q in reqs] == [0, 1] * 3 and free.token_loads.tolist() == [30, 3]
@@ -80,14 +81,14 @@ def test_semantic_scheduler_token_cap_is_the_evaluations():
         lengths = np.array([q.size for q in reqs])
         online = SemanticScheduler(plan, total_tokens=int(lengths.sum()))
         scores = np.stack([online.scores(q) for q in reqs])
-        assert [online.assign(q) for q in reqs] == request_schedule(scores, lengths, r).tolist()
+        assert [online.assign(q) for q in reqs] == request_schedule(scores, lengths, r, lookahead=False).tolist()
     for _ in range(100):  # heavy-tailed lengths, where a look-ahead would change the schedule
         plan = _plan_for_requests(num_ranks=3)
         reqs = [rng.integers(0, 12, size=int(rng.choice([3, 5, 40, 120]))) for _ in range(12)]
         lengths = np.array([q.size for q in reqs])
         online = SemanticScheduler(plan, total_tokens=int(lengths.sum()))
         scores = np.stack([online.scores(q) for q in reqs])
-        assert [online.assign(q) for q in reqs] == request_schedule(scores, lengths, 3).tolist()
+        assert [online.assign(q) for q in reqs] == request_schedule(scores, lengths, 3, lookahead=False).tolist()
     with pytest.raises(ValueError, match="total_tokens"):
         SemanticScheduler(plan, total_tokens=-1)
     with pytest.raises(ValueError, match="max_ratio"):
