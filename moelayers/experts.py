@@ -17,6 +17,10 @@ def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor
     return (F.silu(gate) * up) @ w2.t()
 
 
+#: dtypes ``torch._grouped_mm`` takes
+GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def _grouped_mm_supported(x: torch.Tensor, hidden: int, ffn: int) -> bool:
     """``torch._grouped_mm`` runs bf16 on Hopper-class GPUs; rows must be 16-byte aligned."""
     return (
@@ -56,6 +60,13 @@ class GroupedExperts(nn.Module):
         super().__init__()
         if backend not in ("auto", "grouped_mm", "loop"):
             raise ValueError(f"backend must be 'auto', 'grouped_mm' or 'loop', got {backend!r}")
+        if backend == "grouped_mm":  # asked for explicitly: refuse here what it cannot run, not in the forward
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if not hasattr(torch, "_grouped_mm") or dtype not in GROUPED_MM_DTYPES \
+                    or (hidden_size * itemsize) % 16 or (ffn_hidden_size * itemsize) % 16:
+                raise ValueError(f"backend='grouped_mm' needs torch._grouped_mm, a dtype in "
+                                 f"{[str(d) for d in GROUPED_MM_DTYPES]} and 16-byte aligned rows (H={hidden_size}, "
+                                 f"F={ffn_hidden_size} in {dtype}): use backend='auto' or 'loop'")
         self.num_slots, self.hidden_size, self.ffn_hidden_size = num_slots, hidden_size, ffn_hidden_size
         self.backend = backend
         self.w13 = nn.Parameter(torch.empty(num_slots, 2 * ffn_hidden_size, hidden_size, dtype=dtype, device=device))

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import numbers
+from typing import Any
 
 import torch
 from torch import nn
@@ -168,6 +169,39 @@ class MoELayerBase(nn.Module):
         self.router.weight.copy_(router_weight)
         self.experts.load_full(w13, w2, self.placement, self.groups.ep_rank)
 
+    def get_extra_state(self) -> dict:
+        """What ``state_dict()`` saves beside the weights: the placement, since ``experts.w13`` /
+        ``experts.w2`` hold one row per *slot* of it (a moved or re-planned layer's rows would load
+        into another expert's slot of a freshly built layer)."""
+        return {"phy2log": self.placement.phy2log.clone(), "num_experts": self.placement.num_experts}
+
+    def set_extra_state(self, state: Any) -> None:
+        """Adopt the placement a checkpoint was saved in (``load_state_dict`` calls it with the
+        weights; every expert-parallel rank loads its own file of the same moment).
+
+        Raises:
+            ValueError: ``state`` is not a saved placement, or one this layer cannot take (other
+                experts, ranks or slots per rank).
+        """
+        if not isinstance(state, dict) or set(state) != {"phy2log", "num_experts"}:
+            raise ValueError(f"the checkpoint's extra state of this MoE layer must be its placement "
+                             f"{{phy2log, num_experts}}, got {type(state).__name__}")
+        saved = ExpertPlacement(state["phy2log"], state["num_experts"])
+        if saved == self.placement:
+            return
+        self._check_placement(saved, self.config, self.groups)
+        if saved.slots_per_rank != self.placement.slots_per_rank:
+            raise ValueError(f"the checkpoint's placement has {saved.slots_per_rank} slots per rank, this layer "
+                             f"{self.placement.slots_per_rank}: build it with placement= of that shape")
+        self._adopt_placement(saved)
+
+    def _adopt_placement(self, placement: ExpertPlacement) -> None:
+        """Serve with ``placement`` from now on (the expert weights are already laid out in it):
+        drop the captured graph and rebuild the dispatcher (subclasses drop what they derived)."""
+        self.release_graphs()
+        self.placement = placement
+        self.dispatcher = self._make_dispatcher()
+
     def export_full_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(router_weight [E, H], w13 [E, 2F, H], w2 [E, H, F])`` gathered over the EP group."""
         w13, w2 = gather_logical(self.experts.w13, self.experts.w2, self.placement, self.groups.ep)
@@ -235,7 +269,6 @@ class MoELayerBase(nn.Module):
         it with their split sizes and raise too, instead of waiting for this rank forever (with
         ``capacity`` and ``check_finite=False`` they make no host sync to learn it, and go on)."""
         empty = self.router.weight.new_empty(0, self.config.hidden_size)
-        kept = self.last_topk_ids, self.last_token_ids, self.last_stats  # the stand-in is not a forward
         self._bad_input = True
         try:
             if self.capacity is not None:
@@ -246,7 +279,6 @@ class MoELayerBase(nn.Module):
             pass  # the exchanged flag: this rank raises its own, more precise error
         finally:
             self._bad_input = False
-            self.last_topk_ids, self.last_token_ids, self.last_stats = kept
         raise exc
 
     def _forward_steps(self, x2, token_ids, forced, num_valid=None):
@@ -288,22 +320,20 @@ class MoELayerBase(nn.Module):
                     return self._forward_steps(xp, None, None, num_valid)  # (y, topk_ids)
 
                 self._graphed = GraphedForward(padded, c, self.config.hidden_size, x2.dtype, x2.device)
-            y, topk_ids = self._graphed(x2, num_valid=t)
+            y, topk_ids = self._graphed(x2, num_valid=t)  # topk_ids: a view of the graph's static output
             counts = self.dispatcher.fixed_counts.clone()
-            self.last_stats = MoEStats.deferred(self.groups.ep_rank, counts[0], counts[1], self.dispatcher.fixed_bytes,
-                                                topk_ids)  # expert loads from the routing view (read them before the next forward)
-            # a view of the graph's static routing output: valid until the next forward
-            self.last_topk_ids, self.last_token_ids = topk_ids, token_ids
+            stats = MoEStats.deferred(self.groups.ep_rank, counts[0], counts[1], self.dispatcher.fixed_bytes,
+                                      topk_ids)  # expert loads from the routing view (read them before the next forward)
         else:
             xp = torch.nn.functional.pad(x2, (0, 0, 0, c - n))
             fp = None if forced is None else torch.nn.functional.pad(forced, (0, 0, 0, c - n))
             tp = None if token_ids is None else torch.nn.functional.pad(token_ids, (0, c - n))
             y, topk_ids = self._forward_steps(xp, tp, fp, torch.tensor(t, device=x2.device))
-            y = y[:n]
-            self.last_stats = self.dispatcher.last_stats
-            self.last_stats._topk_ids = topk_ids[:n]
-            self.last_topk_ids, self.last_token_ids = topk_ids[:n], token_ids
-        self._raise_on_flags(t, forced is not None)
+            y, topk_ids = y[:n], topk_ids[:n]
+            stats = self.dispatcher.last_stats
+            stats._topk_ids = topk_ids
+        self._raise_on_flags(t, forced is not None)  # a refused forward leaves the last good one's records
+        self.last_stats, self.last_topk_ids, self.last_token_ids = stats, topk_ids, token_ids
         return y
 
     def _raise_on_flags(self, t: int, forced: bool) -> None:

@@ -197,7 +197,7 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
 
     Args:
         layer: a :class:`~moelayers.layers.base.MoELayerBase` (uses ``placement``, ``experts``,
-            ``groups``, ``_make_dispatcher`` and ``release_graphs``).
+            ``groups`` and ``_adopt_placement``).
         new: the new placement.
         fault_hook: called on this rank with the :class:`Staging` after the exchange; raising
             aborts the move on every rank (used by tests to inject faults).
@@ -250,7 +250,5 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
     for s in plan.emptied:
         w13[s].zero_()
         w2[s].zero_()
-    layer.release_graphs()
-    layer.placement = new
-    layer.dispatcher = layer._make_dispatcher()
+    layer._adopt_placement(new)
     return moves

@@ -272,6 +272,10 @@ class SemanticMoE(MoELayerBase):
         mine = torch.where(torch.arange(rb.chunk_size, device=dev) < n, counts.argmax(1), -1)  # ties: lower rank
         return self._gather_rows(mine, rb)
 
+    def _adopt_placement(self, placement) -> None:
+        super()._adopt_placement(placement)
+        self._expert_rank_on = None  # derived from the old placement
+
     def extra_repr(self) -> str:
         return f"mode={self.mode}, layer_idx={self.layer_idx}, " + super().extra_repr()
 

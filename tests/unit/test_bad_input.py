@@ -396,3 +396,30 @@ def test_switches_must_be_bools(name):
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
     with pytest.raises(TypeError, match=f"{name} must be a bool, got 'off'"):
         ml.VanillaMoE(cfg, ml.ParallelGroups.single(), **{name: "off"})
+
+
+@pytest.mark.parametrize("capacity", [None, 16])
+def test_a_refused_forward_keeps_the_last_records(capacity):
+    """NaN logits: the forward raises and last_topk_ids / last_stats still describe the last good
+    forward (capacity mode used to overwrite them before raising)."""
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+    m = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), capacity=capacity)
+    with torch.no_grad():
+        m(torch.randn(5, 16))
+        ids, pairs = m.last_topk_ids.clone(), list(m.last_stats.pairs_sent)
+        bad = torch.randn(9, 16)
+        bad[0, 0] = float("nan")
+        with pytest.raises(ValueError, match="NaN or inf"):
+            m(bad)
+    assert torch.equal(m.last_topk_ids, ids) and list(m.last_stats.pairs_sent) == pairs
+
+
+def test_explicit_grouped_mm_refuses_what_it_cannot_run():
+    """expert_backend='grouped_mm' on float64 (or misaligned rows) fails at construction, not deep in
+    the first forward."""
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, params_dtype=torch.float64)
+    with pytest.raises(ValueError, match="backend='grouped_mm' needs"):
+        ml.VanillaMoE(cfg, ml.ParallelGroups.single(), expert_backend="grouped_mm")
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        ml.VanillaMoE(cfg.replace(params_dtype=torch.float32, ffn_hidden_size=6), ml.ParallelGroups.single(),
+                      expert_backend="grouped_mm")

@@ -199,3 +199,31 @@ def test_checker_catches_a_wrong_output():
 def test_placement_from_expert_rank_refuses_float_ranks():
     with pytest.raises(TypeError, match="integer ranks"):
         ml.ExpertPlacement.from_expert_rank(torch.tensor([0.7, 1.2]), num_ranks=2)
+
+
+def test_state_dict_carries_the_placement():
+    """Expert weights are stored per slot: a checkpoint of a moved layer loads into a freshly built
+    one with the placement it was saved in (it used to load into the wrong experts' slots)."""
+    from moelayers.placement import ExpertPlacement
+
+    g = torch.Generator().manual_seed(4)
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, params_dtype=torch.float64)
+    layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single())
+    layer.load_full_weights(torch.randn(4, 16, generator=g, dtype=torch.float64),
+                            torch.randn(4, 16, 16, generator=g, dtype=torch.float64) / 4,
+                            torch.randn(4, 16, 8, generator=g, dtype=torch.float64) / 3)
+    x = torch.randn(8, 16, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        want = layer(x)
+        layer.apply_placement(ExpertPlacement.from_phy2log(torch.tensor([[3, 2, 1, 0]]), 4))
+        fresh = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single())
+        fresh.load_state_dict(layer.state_dict())
+        assert fresh.placement == layer.placement
+        torch.testing.assert_close(fresh(x), want, rtol=1e-12, atol=1e-12)
+        wide = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), placement=ExpertPlacement.linear(4, 1, slots_per_rank=5))
+        with pytest.raises(ValueError, match="slots per rank"):
+            fresh.load_state_dict(wide.state_dict(), strict=False)
+        state = layer.state_dict()
+        state["_extra_state"] = {"weights": 1}
+        with pytest.raises(ValueError, match="must be its placement"):
+            fresh.load_state_dict(state)
