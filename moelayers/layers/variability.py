@@ -16,6 +16,8 @@ the result, so every rank applies the same placement.
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -71,8 +73,14 @@ class VariabilityAwareMoE(MoELayerBase):
 
     Example:
         >>> layer = VariabilityAwareMoE(cfg, groups, variability="high", window=16, auto_replan=True)
-        >>> y = layer(x)                        # every rank, every step; re-plans after 16 steps
+        >>> with torch.no_grad():                # serving: no autograd graph holds the weights
+        ...     y = layer(x)                    # every rank, every step; re-plans after 16 steps
         >>> layer.apply_placement(placement)    # or move explicitly (every rank, same placement)
+
+    Under autograd (training) a due re-plan waits until no recorded graph is alive without its
+    backward (:meth:`graphs_in_flight`). Serving with autograd on keeps the last outputs' graphs
+    alive, so the move keeps waiting: after ``window`` such forwards a ``RuntimeWarning`` says so
+    (serve under ``torch.no_grad()`` / ``torch.inference_mode()``, or call :meth:`forget_graphs`).
     """
 
     def __init__(
@@ -120,8 +128,8 @@ class VariabilityAwareMoE(MoELayerBase):
         self.min_gain = None if min_gain is None else float(min_gain)
         self.record_loads = record_loads
         self.steps, self.num_replans, self.num_moves = 0, 0, 0
-        self._replan_pending = False
-        self._in_flight: list[dict] = []  # one per forward autograd recorded: {"done": its backward reached y}
+        self._replan_pending, self._waited = False, 0  # forwards a due re-plan has waited for graphs
+        self._in_flight: list[weakref.ref] = []  # one per forward autograd recorded (see _watch_graph)
         self.last_replan: dict | None = None
         self.register_buffer("_loads", torch.zeros(window, config.num_experts, dtype=torch.int64,
                                                    device=self.router.weight.device), persistent=False)
@@ -146,14 +154,21 @@ class VariabilityAwareMoE(MoELayerBase):
         Returns:
             ``y`` with the shape of ``x``.
         """
-        if self._replan_pending and not self.graphs_in_flight():  # deferred: no recorded graph holds the weights now
-            self._replan_pending = False
-            self.replan()
+        if self._replan_pending:  # deferred: re-plan once no recorded graph holds the weights
+            if not self.graphs_in_flight():
+                self._replan_pending, self._waited = False, 0
+                self.replan()
+            else:
+                self._waited += 1
+                if self._waited == self.window:
+                    warnings.warn(
+                        f"VariabilityAwareMoE: a due re-plan has waited {self._waited} forwards for autograd graphs "
+                        f"({self.graphs_in_flight()} alive) to be back-propagated or dropped; when serving, run the "
+                        "model under torch.no_grad() or torch.inference_mode() (or call forget_graphs() on every rank)",
+                        RuntimeWarning, stacklevel=2)
         y = super().forward(x, token_ids=token_ids)
         if y.requires_grad:  # autograd saved the weights: a move waits until this graph's backward has run
-            state = {"done": False}
-            y.register_hook(lambda grad, state=state: state.update(done=True))
-            self._in_flight.append(state)
+            y = self._watch_graph(y)
         if self.record_loads:
             self._record(self.last_topk_ids)
             if self._replan_due():
@@ -163,21 +178,30 @@ class VariabilityAwareMoE(MoELayerBase):
                     self.replan()
         return y
 
+    def _watch_graph(self, y: torch.Tensor) -> torch.Tensor:
+        """``y`` through an identity autograd node that holds a token: the token is marked done
+        when the backward reaches ``y``, and freed with the node when the graph is dropped without
+        one (serving without ``torch.no_grad``); :meth:`graphs_in_flight` counts the others."""
+        token = _GraphToken()
+        self._in_flight.append(weakref.ref(token))
+        return _WatchGraph.apply(y, token)
+
     def graphs_in_flight(self) -> int:
-        """Forwards that autograd recorded and whose backward has not yet reached their output.
+        """Forwards that autograd recorded whose graph is still alive and whose backward has not
+        yet reached their output.
 
         An automatic re-plan moves the expert weights in place, which would break the backward of
         such a graph, so a due move waits for the first forward after they are all done (gradient
         accumulation and pipelined micro-batches included). A graph dropped without a backward
-        keeps a move waiting: call :meth:`forget_graphs` then. Every rank makes the same choice
-        as long as the ranks run the same forwards and backwards (the move is a collective).
+        stops counting once it is freed. Every rank makes the same choice as long as the ranks run
+        the same forwards and backwards and drop the same graphs (the move is a collective).
         """
-        self._in_flight = [s for s in self._in_flight if not s["done"]]
+        self._in_flight = [ref for ref in self._in_flight if ref() is not None and not ref().done]
         return len(self._in_flight)
 
     def forget_graphs(self) -> None:
-        """Declare every recorded forward's graph gone (dropped without a backward): a waiting move
-        happens at the next forward. Call it on every rank."""
+        """Declare every recorded forward's graph gone (e.g. kept alive but never to be
+        back-propagated): a waiting move happens at the next forward. Call it on every rank."""
         self._in_flight.clear()
 
     @torch.no_grad()
@@ -324,3 +348,26 @@ class VariabilityAwareMoE(MoELayerBase):
     def extra_repr(self) -> str:
         return (super().extra_repr() + f", variability={self.variability}, window={self.window}, "
                 f"auto_replan={self.auto_replan}, replan_every={self.replan_every}, min_gain={self.min_gain}")
+
+
+class _GraphToken:
+    """Lives as long as the autograd node of :class:`_WatchGraph` that holds it."""
+
+    __slots__ = ("done", "__weakref__")
+
+    def __init__(self) -> None:
+        self.done = False
+
+
+class _WatchGraph(torch.autograd.Function):
+    """Identity whose backward marks its token done (see ``VariabilityAwareMoE._watch_graph``)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, token: _GraphToken) -> torch.Tensor:
+        ctx.token = token
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.token.done = True
+        return grad, None

@@ -458,6 +458,26 @@ def test_single_process_moves_and_replan():
         assert r["errors"] == [], f"{name}: {r['errors']}"
 
 
+def test_auto_replan_when_serving_with_autograd_on():
+    """Serving without torch.no_grad(): outputs whose graphs are dropped stop counting (the list of
+    graphs stays bounded; it grew by one per forward); while the caller keeps the last output alive
+    the move waits, and after a window of forwards a warning says what to do."""
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2)
+    layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), window=4, auto_replan=True,
+                                   planner=StubPlanner(1))
+    x = torch.randn(8, H, generator=torch.Generator().manual_seed(1))
+    with pytest.warns(RuntimeWarning, match="waited 4 forwards for autograd graphs"):
+        for _ in range(12):
+            y = layer(x)  # the previous output is alive until this returns
+    assert layer.num_replans == 0 and layer.graphs_in_flight() == 1
+    del y  # dropped without a backward: no longer in flight
+    layer(x).sum().item()  # (this output is dropped at once)
+    assert layer.num_replans == 1
+    for _ in range(8):
+        layer(x)
+    assert layer.graphs_in_flight() == 0
+
+
 def test_constructor_checks():
     cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2)
     g = ml.ParallelGroups.single()
