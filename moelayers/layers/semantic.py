@@ -42,6 +42,7 @@ from moelayers.schedule.token_shuffle import (
     LayerTables,
     PrevRanks,
     Rebatch,
+    rebatch as rebatch_predicted,
     rebatch_history,
     rebatch_tokens,
     shuffled_all_gather,
@@ -202,18 +203,31 @@ class SemanticMoE(MoELayerBase):
 
         Returns:
             ``[T, H]`` (shape of ``attn_partial``), original token order, on every TP rank.
+
+        Raises:
+            TypeError, ValueError: this rank's input, residual, token ids or forced routing are
+                refused; with several TP ranks it first joins their collectives with stand-ins of
+                the same size, so that every TP rank raises (``ValueError`` naming this rank)
+                instead of waiting for it.
         """
         forced, self._forced_ids = self._forced_ids, None  # used by this call only, even one that raises
         if self.mode != "tp":
             raise ValueError("forward_tp needs a layer built with mode='tp' (this one is mode='dp')")
-        x2, token_ids = self._check_input(attn_partial, token_ids)
-        if not isinstance(residual, torch.Tensor) or residual.shape != attn_partial.shape:
-            raise ValueError(f"residual must have the shape of attn_partial {list(attn_partial.shape)}, "
-                             f"got {list(getattr(residual, 'shape', []))}")
-        if residual.dtype != x2.dtype or residual.device != x2.device:
-            raise TypeError(f"residual is {residual.dtype} on {residual.device}, "
-                            f"attn_partial {x2.dtype} on {x2.device}")
-        rb = self.rebatch(token_ids, prev_ranks, num_tokens=x2.shape[0])
+        try:
+            x2, token_ids = self._check_input(attn_partial, token_ids)
+            if not isinstance(residual, torch.Tensor) or residual.shape != attn_partial.shape:
+                raise ValueError(f"residual must have the shape of attn_partial {list(attn_partial.shape)}, "
+                                 f"got {list(getattr(residual, 'shape', []))}")
+            if residual.dtype != x2.dtype or residual.device != x2.device:
+                raise TypeError(f"residual is {residual.dtype} on {residual.device}, "
+                                f"attn_partial {x2.dtype} on {x2.device}")
+            if forced is not None and forced.shape[0] != x2.shape[0]:
+                raise ValueError(f"forced routing has {forced.shape[0]} rows for {x2.shape[0]} tokens")
+            rb = self.rebatch(token_ids, prev_ranks, num_tokens=x2.shape[0])
+        except (TypeError, ValueError) as exc:
+            if self.groups.tp_size == 1 or not isinstance(attn_partial, torch.Tensor) or attn_partial.dim() not in (2, 3):
+                raise
+            self._refuse_tp_in_step(exc, attn_partial.shape[:-1].numel())  # raises
         r, group = self.groups.tp_rank, self.groups.tp
         mine = rb.chunk(r)
         n = rb.valid_rows(r)
@@ -221,8 +235,6 @@ class SemanticMoE(MoELayerBase):
         h = shuffle_rows(residual.reshape(x2.shape), mine) + reduced             # dummy rows: zeros
         rows = mine[:n]
         if forced is not None:  # replayed routing of all T tokens: keep this chunk's rows
-            if forced.shape[0] != x2.shape[0]:
-                raise ValueError(f"forced routing has {forced.shape[0]} rows for {x2.shape[0]} tokens")
             self._forced_ids = forced.index_select(0, rows.to(forced.device))
         hv = h[:n]
         y = self.forward(norm(hv), token_ids=None if token_ids is None else token_ids.index_select(0, rows))
@@ -235,6 +247,18 @@ class SemanticMoE(MoELayerBase):
         elif self.gather_context:
             self.last_context_ranks = self._context_ranks(rb, n)
         return out.view(attn_partial.shape)
+
+    def _refuse_tp_in_step(self, exc: Exception, num_tokens: int) -> None:
+        """Raise ``exc`` for this TP rank's bad input after taking part, with zeros in plain chunks
+        of the same size, in the shuffled reduce-scatter the other ranks run, then in the MoE's
+        exchange with the refusal flag (:meth:`_refuse_in_step`): every TP rank raises, none hangs.
+        The TP ranks must agree on the number of tokens (``num_tokens``)."""
+        dev = self.router.weight.device
+        plain = rebatch_predicted(torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+                        torch.zeros(num_tokens, device=dev), self.groups.tp_size)
+        zeros = self.router.weight.new_zeros(num_tokens, self.config.hidden_size)
+        shuffled_reduce_scatter(zeros, plain.perm, self.groups.tp)
+        self._refuse_in_step(exc)
 
     def _gather_rows(self, rows: torch.Tensor, rb: Rebatch) -> torch.Tensor:
         """``[T, ...]`` in the original token order from every rank's ``[C, ...]`` chunk rows."""

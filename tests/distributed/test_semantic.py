@@ -284,6 +284,47 @@ def test_semantic_moe_matches_reference(world):
     print(f"world {world}: tp LAR plain chunks {lars[0]:.3f}, oracle plan {lars[1]:.3f}")
 
 
+TP_BAD_INPUTS = ("residual shape", "dtype", "forced rows", "no token ids")
+
+
+def _tp_bad_input_on_one_rank(rank, world):
+    """forward_tp with a bad input on rank 1: it joins the reduce-scatter and the MoE exchange with
+    stand-ins and raises its own error; rank 0 raises too (none hangs); the next call still works."""
+    groups = ml.ParallelGroups.from_world(tp=world)
+    plan = make_plan(4 * world, world, seed=3)
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4 * world, top_k=2, params_dtype=torch.float64)
+    layer = ml.SemanticMoE.from_plan(plan, 2, cfg, groups, mode="tp", seed=7)
+    norm = _norm(torch.float64)
+    partials, residual, ids, _ = _tp_inputs({}, world, 9, plan)
+    outcome = {}
+    for kind in TP_BAD_INPUTS:
+        x, res, tok, forced = partials[rank], residual, ids, torch.zeros(9, 2, dtype=torch.int64)
+        if rank == 1:
+            x = x.float() if kind == "dtype" else x
+            res = res[:5] if kind == "residual shape" else res
+            forced = forced[:4] if kind == "forced rows" else forced
+            tok = None if kind == "no token ids" else tok
+        layer.force_routing(forced)
+        try:
+            with torch.no_grad():
+                layer.forward_tp(x, res, norm, token_ids=tok)
+            outcome[kind] = "no error"
+        except (TypeError, ValueError) as e:
+            refused = "refused the input of expert-parallel rank(s) [1]" in str(e)
+            outcome[kind] = "raised" if refused == (rank == 0) else f"raised the wrong error: {e}"
+        with torch.no_grad():
+            out = layer.forward_tp(partials[rank], residual, norm, token_ids=ids)
+        if out.shape != (9, H):
+            outcome[kind] = f"the next call gave {list(out.shape)}"
+    return outcome
+
+
+@pytest.mark.timeout(120)
+def test_forward_tp_bad_input_on_one_rank_raises_on_every_rank():
+    raised = {kind: "raised" for kind in TP_BAD_INPUTS}
+    assert run_distributed(_tp_bad_input_on_one_rank, 2, timeout=90) == [raised, raised]
+
+
 # ---------------------------------------------------------------------- recipes/serve.py
 ROOT = Path(__file__).resolve().parents[2]
 
