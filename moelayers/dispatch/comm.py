@@ -147,6 +147,64 @@ class ReduceScatterRows(torch.autograd.Function):
         return None, AllGatherRows.apply(ctx.group, grad)
 
 
+class GatherRowsSplitGrad(torch.autograd.Function):
+    """All-gather of ``[N, w]`` rows whose result is *replicated*: every rank goes on with the same
+    gathered tensor and gets the same gradient of it, so the backward keeps this rank's block of
+    the gradient (not the sum over ranks, which :class:`AllGatherRows` takes: that adjoint is for
+    a gradient that is a partial sum on each rank)."""
+
+    @staticmethod
+    def forward(ctx, group, x):
+        ctx.group = group
+        return AllGatherRows.forward(ctx, group, x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.group is None:
+            return None, grad
+        n = grad.shape[0] // dist.get_world_size(ctx.group)
+        rank = dist.get_rank(ctx.group)
+        return None, grad[rank * n:(rank + 1) * n]
+
+
+class CopyToGroup(torch.autograd.Function):
+    """Identity forward of a tensor every rank of ``group`` holds alike; the backward sums the
+    ranks' gradients (each rank used part of it, or used it in a partial computation: megatron's
+    ``copy_to_tensor_model_parallel_region``)."""
+
+    @staticmethod
+    def forward(ctx, group, x):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.group is None:
+            return None, grad
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return None, grad
+
+
+def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:
+    """``x`` unchanged; its gradient summed over ``group`` in the backward (see :class:`CopyToGroup`)."""
+    if group is None or not torch.is_grad_enabled() or not x.requires_grad:
+        return x
+    return CopyToGroup.apply(group, x)
+
+
+def allreduce_partial_grads(module: torch.nn.Module, group) -> None:
+    """Sum over ``group`` the gradients of ``module``'s parameters marked ``sequence_parallel``
+    (used on one chunk of the tokens per rank, e.g. an attention-TP ``SemanticMoE``'s router and
+    the norm before it), as megatron does for sequence-parallel parameters. Call on every rank
+    after the backward; a no-op for ``group=None``."""
+    if group is None:
+        return
+    for p in module.parameters():
+        if getattr(p, "sequence_parallel", False) and p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+
+
 def _typed_outputs(ctx, layout: RowLayout, buf: torch.Tensor, tensors) -> tuple[torch.Tensor, ...]:
     """The received fields as typed views; integer fields are marked non-differentiable."""
     ctx.float_fields = [t.dtype.is_floating_point for t in tensors]

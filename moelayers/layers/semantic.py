@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from moelayers.config import MoEConfig
+from moelayers.dispatch.comm import copy_to_group
 from moelayers.groups import ParallelGroups
 from moelayers.kernels import shuffle_rows
 from moelayers.layers.base import MoELayerBase
@@ -132,6 +133,8 @@ class SemanticMoE(MoELayerBase):
             predictor_obj = history_predictor
         super().__init__(config, groups, placement=placement, **kwargs)
         self.mode, self.semantic_plan, self.layer_idx, self.predictor = mode, plan, layer_idx, predictor
+        if mode == "tp":  # routes only this TP rank's chunk: a partial gradient (see forward_tp)
+            self.router.weight.sequence_parallel = True
         self._tables, self._predictor = tables, predictor_obj
         self._tables_on: dict[torch.device, LayerTables | HistoryPredictor] = {}
         self.last_ranks: torch.Tensor | None = None
@@ -204,6 +207,13 @@ class SemanticMoE(MoELayerBase):
         Returns:
             ``[T, H]`` (shape of ``attn_partial``), original token order, on every TP rank.
 
+        Gradients follow megatron's tensor parallelism without sequence parallelism: the output
+        is replicated and its gradient is the same full gradient on every TP rank; ``attn_partial``
+        and ``residual`` then get full gradients (the residual's summed over the TP ranks, each of
+        which used its chunk's rows). The router weight and ``norm``'s parameters see only this
+        rank's chunk: their gradients are partial sums to be all-reduced over the TP group, as for
+        megatron's sequence-parallel norms (the router weight carries ``sequence_parallel = True``).
+
         Raises:
             TypeError, ValueError: this rank's input, residual, token ids or forced routing are
                 refused; with several TP ranks it first joins their collectives with stand-ins of
@@ -232,14 +242,15 @@ class SemanticMoE(MoELayerBase):
         mine = rb.chunk(r)
         n = rb.valid_rows(r)
         reduced = shuffled_reduce_scatter(x2, rb.perm, group)                      # [C, H]
-        h = shuffle_rows(residual.reshape(x2.shape), mine) + reduced             # dummy rows: zeros
+        res = copy_to_group(residual.reshape(x2.shape), group)  # each rank uses its rows: grads summed
+        h = shuffle_rows(res, mine) + reduced                                    # dummy rows: zeros
         rows = mine[:n]
         if forced is not None:  # replayed routing of all T tokens: keep this chunk's rows
             self._forced_ids = forced.index_select(0, rows.to(forced.device))
         hv = h[:n]
         y = self.forward(norm(hv), token_ids=None if token_ids is None else token_ids.index_select(0, rows))
         out_chunk = torch.cat([hv + y, h[n:]])
-        out = shuffled_all_gather(out_chunk, rb.perm, group, inverse=rb.inverse)
+        out = shuffled_all_gather(out_chunk, rb.perm, group, inverse=rb.inverse, replicated_grad=True)
         self.last_ranks, self.last_rebatch = rb.rank, rb
         self.last_context_ranks = None
         if self.gather_context and self._predictor is not None:

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moelayers.dispatch.comm import copy_to_group
+
 __all__ = ["TinyConfig", "TinyDecoder", "KVCache", "RMSNorm", "CausalSelfAttention", "StepRequest"]
 
 
@@ -242,6 +244,10 @@ class TinyDecoder(nn.Module):
                                     for i in range(cfg.num_layers))
         if attention == "tp" and not all(hasattr(b.moe, "forward_tp") for b in self.blocks):
             raise ValueError("attention='tp' needs MoE slots with forward_tp (e.g. SemanticMoE(mode='tp'))")
+        self.tp_group = groups.tp if attention == "tp" else None
+        if attention == "tp":  # applied by forward_tp to this rank's chunk: partial gradients
+            for b in self.blocks:
+                b.norm2.weight.sequence_parallel = True
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dtype=cfg.dtype, device=device)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=cfg.dtype, device=device)
         self.caches: dict[Hashable, list[KVCache | None]] = {}
@@ -288,7 +294,8 @@ class TinyDecoder(nn.Module):
         history: list = []
         for blk in self.blocks:
             if self.attention == "tp":
-                partial = blk.attn(blk.norm1(h)).reshape(b * s, -1)
+                x = copy_to_group(blk.norm1(h), self.tp_group)  # this rank's heads: a partial input gradient
+                partial = blk.attn(x).reshape(b * s, -1)
                 h = self._moe_tp(blk, partial, h.reshape(b * s, -1), flat_ids, history).view(b, s, -1)
                 continue
             h = h + blk.attn(blk.norm1(h))
@@ -346,7 +353,7 @@ class TinyDecoder(nn.Module):
         h = self.embed(all_ids)  # [T, H]
         history: list = []
         for li, blk in enumerate(self.blocks):
-            x = blk.norm1(h)
+            x = copy_to_group(blk.norm1(h), self.tp_group)
             outs = []
             for ri, chunk in enumerate(torch.split(x, lens) if lens else ()):
                 o, caches[ri][li] = blk.attn.forward_cached(chunk, caches[ri][li])

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from moelayers.dispatch.comm import AllGatherRows, ReduceScatterRows
+from moelayers.dispatch.comm import AllGatherRows, GatherRowsSplitGrad, ReduceScatterRows
 from moelayers.kernels import bucket_positions, shuffle_rows
 from moelayers.planning.semantic_eval import PRICE_DECAY, PRICE_ITERS, PRICE_STEP
 
@@ -482,7 +482,7 @@ def shuffled_reduce_scatter(partial: torch.Tensor, perm: torch.Tensor, group) ->
 
 
 def shuffled_all_gather(chunk: torch.Tensor, perm: torch.Tensor, group, *,
-                        inverse: torch.Tensor | None = None) -> torch.Tensor:
+                        inverse: torch.Tensor | None = None, replicated_grad: bool = False) -> torch.Tensor:
     """Gather every rank's chunk and restore the original token order.
 
     ``all_gather_into_tensor`` of the ``[C, H]`` chunks, then rows picked by the inverse
@@ -493,6 +493,10 @@ def shuffled_all_gather(chunk: torch.Tensor, perm: torch.Tensor, group, *,
         perm: ``[R*C]`` the rebatch's permutation (``-1`` = dummy), identical on every rank.
         group: the TP process group (``None`` = one process).
         inverse: optional ``[T]`` inverse of ``perm`` (saves recomputing it and a host sync).
+        replicated_grad: the output's gradient is the same full gradient on every rank (the ranks
+            go on with replicated computation, megatron's tensor parallelism without sequence
+            parallelism): the backward keeps this rank's rows. ``False``: each rank's gradient is
+            a partial sum, which the backward reduce-scatters (the adjoint of the gather).
 
     Returns:
         ``[T, H]`` in the original token order, identical on every rank.
@@ -505,5 +509,5 @@ def shuffled_all_gather(chunk: torch.Tensor, perm: torch.Tensor, group, *,
     if group is None or chunk.numel() == 0:
         gathered = chunk if group is None else chunk.new_zeros(perm.numel(), chunk.shape[1])
     else:
-        gathered = AllGatherRows.apply(group, chunk)
+        gathered = (GatherRowsSplitGrad if replicated_grad else AllGatherRows).apply(group, chunk)
     return shuffle_rows(gathered, inverse)
