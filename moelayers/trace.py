@@ -402,7 +402,7 @@ class TraceRecorder:
         self._active, self._finished = False, True
         if self._in_forward or self._current:  # the last model forward raised part-way
             self._drop_broken_forward()
-        if self._dropped:
+        if self._dropped and exc_info[0] is None:  # leaving on an exception: that says enough
             warnings.warn(
                 f"TraceRecorder: dropped {self._dropped} incomplete model forward(s) (not all {len(self.layers)} "
                 f"MoE layers ran); the trace holds the {len(self._forwards)} complete one(s)",
