@@ -282,6 +282,25 @@ def get_scheduler(name):
     raise ValueError(f"unknown scheduler {name!r}: one of {sorted(SCHEDULERS)} or 'module:function'")
 
 
+def warm_up(model, device: torch.device) -> None:
+    """One prefill and one decode through ``model`` (lazy init, allocator), not measured. The MoE
+    layers record no loads meanwhile, so a load-planning layer (GEM) neither plans from the warm-up
+    nor re-plans during it, however small its window."""
+    from moelayers.models import StepRequest
+
+    recording = [(m, m.record_loads) for m in model.moe_layers if hasattr(m, "record_loads")]
+    for m, _ in recording:
+        m.record_loads = False
+    try:
+        with torch.no_grad():
+            model.step([StepRequest("warmup", torch.tensor([0, 1, 2, 3], dtype=torch.int64, device=device))])
+            model.step([StepRequest("warmup", torch.tensor([4], dtype=torch.int64, device=device))])
+            model.release("warmup")
+    finally:
+        for m, on in recording:
+            m.record_loads = on
+
+
 def assign_requests(requests: list[Request], world_size: int, cfg: dict) -> list[int]:
     """The attention-DP rank of each request, from the scheduler ``cfg['scheduler']``, checked (a
     short list or a rank outside the world would silently drop requests).
@@ -456,13 +475,7 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
         topk = torch.from_numpy(np.concatenate(rows).astype(np.int64)).to(device)
         return [topk[:, i % trace.num_layers] for i in range(num_layers)]
 
-    with torch.no_grad():  # warm-up (lazy init, allocator): one prefill and one decode, not measured
-        model.step([StepRequest("warmup", ids([0, 1, 2, 3]))])
-        model.step([StepRequest("warmup", ids([4]))])
-        model.release("warmup")
-    for layer in model.moe_layers:  # GEM plans from served steps only, not from the warm-up's
-        if hasattr(layer, "reset_loads"):
-            layer.reset_loads()
+    warm_up(model, device)
     dist.barrier()
 
     bar = None

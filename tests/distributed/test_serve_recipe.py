@@ -431,3 +431,20 @@ def test_serve_truncated_by_max_steps_says_so(tmp_path):
     assert res["notes"] == ["max_steps=3 ended the run with 8 of 8 request(s) unfinished, 4 without a first token "
                             "(their TTFT counts as inf in the TTFT figures, null in results.json)"]
     assert "| TTFT p99 (s)" in proc.stdout and "inf |" in proc.stdout
+
+
+def test_warm_up_records_nothing_and_replans_nothing():
+    """With a window of 1 or 2 steps, the warm-up's two forwards used to fill GEM's window and move
+    the experts on warm-up routing; now they record nothing."""
+    from moelayers.models import TinyConfig, TinyDecoder
+    from recipes.serve import warm_up
+
+    moe = ml.MoEConfig(hidden_size=32, ffn_hidden_size=16, num_experts=8, top_k=2)
+    for window in (1, 2):
+        model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4),
+                            lambda i: ml.VariabilityAwareMoE(moe, ml.ParallelGroups.single(), seed=i, window=window,
+                                                             auto_replan=True, variability="high"))
+        before = [m.placement for m in model.moe_layers]
+        warm_up(model, torch.device("cpu"))
+        assert [(m.num_replans, m.steps, m.record_loads) for m in model.moe_layers] == [(0, 0, True)] * 2
+        assert [m.placement for m in model.moe_layers] == before
