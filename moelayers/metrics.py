@@ -130,7 +130,7 @@ class MoEStats:
         r = len(self.pairs_sent)
         loads = self._expert_loads if self._expert_loads is not None else torch.zeros(0, dtype=torch.int64)
         pairs = self.pairs_sent
-        vec = torch.tensor(pairs + self.rows_sent + self.bytes_sent + [self._local_pairs or 0, 1],
+        vec = torch.tensor(pairs + self.rows_sent + self.bytes_sent + [self._local_pairs or 0, self.num_ranks_reduced],
                            dtype=torch.int64)
         vec = torch.cat([vec, loads.to(torch.int64)])
         if group is not None:  # None: a group of one process, nothing to sum
@@ -151,6 +151,12 @@ def merge_stats(stats: list[MoEStats]) -> MoEStats:
     if not stats:
         raise ValueError("merge_stats needs at least one MoEStats")
     r = len(stats[0].pairs_sent)
+    sizes = sorted({len(s.pairs_sent) for s in stats})
+    if len(sizes) > 1:
+        raise ValueError(f"merge_stats: the records are over different numbers of ranks {sizes}")
+    experts = sorted({s._expert_loads.numel() for s in stats if s._expert_loads is not None})
+    if len(experts) > 1:
+        raise ValueError(f"merge_stats: the records' expert loads have different numbers of experts {experts}")
 
     def total(attr: str) -> list[int]:
         return [sum(getattr(s, attr)[i] for s in stats) for i in range(r)]

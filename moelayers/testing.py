@@ -54,6 +54,9 @@ def check_close(name: str, y: torch.Tensor, ref64: torch.Tensor, ref_low: torch.
     bound exceeds ``LOOSE_TOLERANCE`` of ``max|ref64|``, unless ``allow_loose``: draw the inputs with
     :func:`redraw_near_ties`, or compare with the routing forced (``topk_ids``) instead.
     """
+    if ref_low is not None and (ref_low.dtype != y.dtype or ref_low.shape != ref64.shape):
+        raise ValueError(f"{name}: ref_low must be the reference computed in y's dtype {y.dtype} with ref64's shape "
+                         f"{list(ref64.shape)}, got {ref_low.dtype} {list(ref_low.shape)} (a coarser one loosens the check)")
     err = max_error(y, ref64)
     tol = tolerance(ref64.double().cpu(), None if ref_low is None else ref_low.cpu(), y.dtype)
     scale = float(ref64.detach().abs().max()) if ref64.numel() else 0.0

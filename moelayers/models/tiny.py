@@ -22,6 +22,7 @@ get all tokens of the step in one call.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -69,6 +70,11 @@ class TinyConfig:
             raise ValueError("head size (hidden_size / num_heads) must be even for RoPE")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise TypeError(f"TinyConfig.dtype must be a floating torch.dtype, got {self.dtype!r}")
+        for name, low, strict in (("rope_theta", 0.0, True), ("norm_eps", 0.0, False), ("init_std", 0.0, False)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or v < low or (strict and v == low):
+                raise ValueError(f"TinyConfig.{name} must be a finite number {'>' if strict else '>='} {low:g}, got {v!r}")
 
 
 class RMSNorm(nn.Module):
@@ -338,6 +344,11 @@ class TinyDecoder(nn.Module):
         """
         items = [b if isinstance(b, StepRequest) else StepRequest(b[0], b[1]) for b in batch]
         dev = self.embed.weight.device
+        for it in items:
+            t = it.token_ids
+            if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+                raise TypeError(f"request {it.request_id!r}: token_ids must be an integer tensor, got "
+                                f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
         ids = [it.token_ids.reshape(-1).to(device=dev, dtype=torch.int64) for it in items]
         for it, t in zip(items, ids):
             if t.numel() == 0:

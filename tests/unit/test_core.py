@@ -227,3 +227,17 @@ def test_state_dict_carries_the_placement():
         state["_extra_state"] = {"weights": 1}
         with pytest.raises(ValueError, match="must be its placement"):
             fresh.load_state_dict(state)
+
+
+def test_stats_merge_and_reduce_keep_their_counts():
+    """merge_stats refuses records over different numbers of ranks (it summed the first record's
+    length and dropped the rest); reduce() of an already-reduced record keeps its rank count."""
+    from moelayers.metrics import MoEStats, merge_stats
+
+    two, four = MoEStats.from_counts(0, [5, 3], [4, 2], 10), MoEStats.from_counts(0, [1, 1, 1, 9], [1, 1, 1, 9], 10)
+    for records in ([two, four], [four, two]):
+        with pytest.raises(ValueError, match=r"different numbers of ranks \[2, 4\]"):
+            merge_stats(records)
+    assert merge_stats([two, two]).pairs_sent == [10, 6]
+    reduced = MoEStats(0, [18, 6], [12, 6], [480, 160], 2, 14)
+    assert reduced.reduce(None).num_ranks_reduced == 2

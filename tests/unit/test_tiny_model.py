@@ -118,3 +118,24 @@ def test_moe_slot_matches_reference(forced):
     rw, w13, w2 = slot.export_full_weights()
     ref64 = moe_forward(seen["x"].double(), rw.double(), w13.double(), w2.double(), slot.config, topk_ids=topk)
     assert check_close("tiny moe slot", seen["y"], ref64) is None
+
+
+def test_bad_ids_and_config_values_are_refused():
+    """step() truncated float ids (forward() refuses them); rope_theta=0 made RoPE NaN, which the
+    attention kernel turned into zeros: a model without attention, silently."""
+    model = make_model()
+    with pytest.raises(TypeError, match="token_ids must be an integer tensor"):
+        model.step([StepRequest("r", torch.tensor([3.7, 5.2]))])
+    assert model.cache_length("r") == 0
+    for name, value in (("rope_theta", 0.0), ("rope_theta", float("nan")), ("norm_eps", -1e-6), ("init_std", float("inf"))):
+        with pytest.raises(ValueError, match=f"TinyConfig.{name} must be a finite number"):
+            TinyConfig(**{name: value})
+
+
+def test_check_close_refuses_a_coarser_low_precision_reference():
+    """A bf16 ref_low for a float16 output loosened the tolerance enough to pass a 2 % error."""
+    ref64 = torch.linspace(-1, 1, 64, dtype=torch.float64).reshape(8, 8)
+    y = (ref64 * 1.02).half()
+    assert check_close("y", y, ref64, ref64.half()) is not None
+    with pytest.raises(ValueError, match="ref_low must be the reference computed in y's dtype"):
+        check_close("y", y, ref64, ref64.bfloat16())
