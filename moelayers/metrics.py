@@ -58,6 +58,7 @@ class MoEStats:
     _local_pairs: int | None = None
     _topk_ids: torch.Tensor | None = field(default=None, repr=False)
     _expert_loads: torch.Tensor | None = field(default=None, repr=False)
+    _num_experts: int | None = field(default=None, repr=False)  # set by the layer: expert_loads on first read
 
     @classmethod
     def from_counts(cls, rank: int, pairs_sent: list[int], rows_sent: list[int], row_bytes: int,
@@ -114,7 +115,10 @@ class MoEStats:
 
     @property
     def expert_loads(self) -> torch.Tensor:
-        """``[E]`` activations per logical expert (computed lazily)."""
+        """``[E]`` activations per logical expert (computed on first read from the routing; a layer's
+        ``last_stats`` knows its ``E``, other records need :meth:`with_experts`)."""
+        if self._expert_loads is None and self._num_experts is not None:
+            self.with_experts(self._num_experts)
         if self._expert_loads is None:
             raise ValueError("expert loads need topk_ids and num_experts: use with_experts(num_experts)")
         return self._expert_loads

@@ -261,6 +261,7 @@ class MoELayerBase(nn.Module):
         y, topk_ids = self._forward_steps(x2, token_ids, forced)
         self.last_topk_ids, self.last_token_ids = topk_ids, token_ids
         self.last_stats = self.dispatcher.last_stats
+        self.last_stats._num_experts = self.config.num_experts
         return y.view(x.shape)
 
     def _refuse_in_step(self, exc: Exception) -> None:
@@ -333,6 +334,7 @@ class MoELayerBase(nn.Module):
             stats = self.dispatcher.last_stats
             stats._topk_ids = topk_ids
         self._raise_on_flags(t, forced is not None)  # a refused forward leaves the last good one's records
+        stats._num_experts = self.config.num_experts
         self.last_stats, self.last_topk_ids, self.last_token_ids = stats, topk_ids, token_ids
         return y
 

@@ -241,3 +241,15 @@ def test_stats_merge_and_reduce_keep_their_counts():
     assert merge_stats([two, two]).pairs_sent == [10, 6]
     reduced = MoEStats(0, [18, 6], [12, 6], [480, 160], 2, 14)
     assert reduced.reduce(None).num_ranks_reduced == 2
+
+
+def test_last_stats_expert_loads_on_first_read():
+    """A layer's last_stats gives its expert loads directly (DESIGN: computed lazily); it used to
+    raise unless with_experts(E) was called first."""
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    for capacity in (None, 16):
+        layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), capacity=capacity)
+        with torch.no_grad():
+            layer(torch.randn(6, 8, generator=torch.Generator().manual_seed(2)))
+        want = torch.bincount(layer.last_topk_ids.flatten(), minlength=4)
+        assert torch.equal(layer.last_stats.expert_loads, want) and int(want.sum()) == 12
