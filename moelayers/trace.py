@@ -31,7 +31,7 @@ from moelayers.files import atomic_write, read_npz
 
 __all__ = [
     "RoutingTrace", "TraceRecorder", "load_trace", "save_trace", "synthetic_trace", "trace_statistics",
-    "REQUIRED_KEYS", "OPTIONAL_KEYS",
+    "REQUIRED_KEYS", "OPTIONAL_KEYS", "train_sequences",
 ]
 
 REQUIRED_KEYS = ("topk_ids", "token_ids", "seq_offsets", "num_experts")
@@ -69,6 +69,13 @@ def _check_range(arr: np.ndarray, hi: int, source: str, field: str, what: str) -
     if lo_found < 0 or hi_found >= hi:
         bad = lo_found if lo_found < 0 else hi_found
         raise _fail(source, field, f"has {what} out of range [0, {hi}): found {bad}")
+
+
+def train_sequences(train_fraction: float, num_sequences: int) -> int:
+    """``floor(train_fraction * num_sequences)``, the training part of :meth:`RoutingTrace.split`, with
+    a relative tolerance of 1e-12 for float rounding (``0.29 * 100`` is 28.999999999999996: 29), so
+    that a fraction just below a boundary (``0.37499999995 * 8``: 2) is not rounded up."""
+    return math.floor(train_fraction * num_sequences * (1 + 1e-12))
 
 
 @dataclass(eq=False)
@@ -241,7 +248,7 @@ class RoutingTrace:
         if not 0.0 < train_fraction < 1.0:
             raise ValueError(f"train_fraction must be in (0, 1), got {train_fraction}")
         num = self.num_sequences
-        n_train = math.floor(train_fraction * num + 1e-9)  # tolerance for float rounding, e.g. 0.29 * 100
+        n_train = train_sequences(train_fraction, num)
         if n_train == 0 or n_train == num:
             raise ValueError(f"split({train_fraction}) of {num} sequences leaves an empty part ({n_train} train, {num - n_train} held out)")
         cut = int(self.seq_offsets[n_train])

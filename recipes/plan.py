@@ -22,7 +22,8 @@ Every run reports, on the held-out part, for the configured ``mode``:
   each batch into ``ep`` chunks in file order. ``mode=dp`` (attention-DP): a sequence is one request
   and keeps one rank for all layers; the semantic planner's request scheduler (Algorithm 2) picks it
   from the request's token ids, requests in file order, the other planners go round robin; no rank
-  holds more than 1.3 × the mean tokens (:mod:`recipes._plan_tools`);
+  holds more than 1.3 × the mean tokens (:mod:`recipes._plan_tools`) where the held-out requests
+  allow it (``max_ratio_exceeded`` in the report, and a warning, where they do not);
 * GEM's **step-latency scores** of the linear, EPLB and GEM placements (and the chosen one) on the
   same held-out steps (seconds summed over steps and layers; :func:`moelayers.planning.gem.evaluate`).
 
@@ -30,7 +31,8 @@ Writes into the Hydra run dir (``hydra.run.dir=...``), only after everything suc
 files moved into place, ``report.json`` last):
 
 * ``report.json``: ``planner``, ``ep``, ``mode``, ``lar``, ``lar_linear`` (linear placement, tokens
-  spread evenly), ``token_imbalance`` (max/mean tokens per rank), ``expert_imbalance`` (max/mean
+  spread evenly), ``token_imbalance`` (max/mean tokens per rank; dp: ``max_ratio_exceeded`` when
+  above 1.3), ``expert_imbalance`` (max/mean
   activations received per rank, mean over layers), ``a2a_bytes_ratio`` (de-duplicated all-to-all
   sends relative to linear), ``solve_seconds`` (the chosen planner, all layers; 0 for a loaded plan),
   per-layer LARs; GEM: ``score`` (chosen planner), ``score_linear``, ``score_eplb``, ``score_gem``
@@ -109,7 +111,9 @@ def check_config(d: dict) -> tuple[str, int, str, int, float]:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
     ep = int_setting(d["parallel"]["ep"], "parallel.ep", 1)
     tc = d["trace"]
-    tps, frac = int_setting(tc.get("tokens_per_step", 2048), "trace.tokens_per_step", 1), float(tc.get("train_fraction", 0.5))
+    tps, frac = int_setting(tc.get("tokens_per_step", 2048), "trace.tokens_per_step", 1), tc.get("train_fraction", 0.5)
+    if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 < frac < 1.0:
+        raise ValueError(f"trace.train_fraction must be a number in (0, 1), got {frac!r}")
     if mode == "tp" and tps % ep:
         raise ValueError(f"trace.tokens_per_step ({tps}) must be divisible by parallel.ep ({ep}) in mode=tp: "
                          "every rank receives tokens_per_step / ep tokens of each batch")
@@ -315,6 +319,12 @@ def run(d: dict) -> dict:
         "config": {k: v for k, v in d.items() if k != "run_dir"},
         "command": invocation(),  # argv and Hydra overrides (the run dir holds no .hydra/)
     }
+    report["max_ratio_exceeded"] = mode == "dp" and max(report["tokens_per_rank"]) > DP_MAX_RATIO * (
+        sum(report["tokens_per_rank"]) / ep) + 1e-9
+    if report["max_ratio_exceeded"]:
+        print(f"warning: a rank holds more than {DP_MAX_RATIO} x the mean held-out tokens (token imbalance "
+              f"{report['token_imbalance']:.3f}): no schedule of these requests in file order stays within it",
+              file=sys.stderr)
     write_outputs(d["run_dir"], report, plans, name, token_rank, held_out, curves, semantic)
     return report
 

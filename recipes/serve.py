@@ -389,7 +389,9 @@ def in_sample_requests(cfg: dict, requests: list[Request], trace, layer_uses_pla
     """How many requests replay a sequence the semantic plan (planned from this trace) trained on."""
     if trace is None or semantic_plan_path(cfg) or not (layer_uses_plan or scheduler_name(cfg["scheduler"]) == "semantic"):
         return 0
-    n_train = math.floor(plan_train_fraction(cfg) * trace.num_sequences + 1e-9)  # RoutingTrace.split's rule
+    from moelayers.trace import train_sequences
+
+    n_train = train_sequences(plan_train_fraction(cfg), trace.num_sequences)  # RoutingTrace.split's rule
     return sum(1 for r in requests if r.trace_seq is not None and r.trace_seq < n_train)
 
 
@@ -440,6 +442,7 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
     from moelayers.emulation import VariabilitySettings
     from moelayers.metrics import merge_stats
     from moelayers.models import StepRequest
+    from moelayers.trace import train_sequences
 
     device = device_for(dist.get_backend())
     trace = load_replay_trace(cfg)
@@ -460,7 +463,7 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
     if in_sample:
         notes.append(f"{in_sample} of {len(requests)} requests replay sequences the semantic plan was trained on "
                      f"(trace.request_offset={request_offset(cfg)}; held-out from "
-                     f"{math.floor(plan_train_fraction(cfg) * trace.num_sequences + 1e-9)})")
+                     f"{train_sequences(plan_train_fraction(cfg), trace.num_sequences)})")
     mine = sorted((r for r, o in zip(requests, owner) if o == rank), key=lambda r: r.arrival)
     max_batch = int(cfg["max_batch_size"])
     layers, num_layers = model.moe_layers, len(model.moe_layers)

@@ -25,7 +25,9 @@ for all layers; requests in file order are scored by their tokens' votes (``toke
 ``token_rank``), each takes its best unmasked rank which is then masked (the mask resets when all
 ranks are taken); no rank holds more than ``max_ratio`` (1.3) × the mean tokens per rank, unless a
 request finds no rank with room left for it (it then goes to the least-loaded rank; the report's
-``token_imbalance`` shows it; the schedule keeps room for the longest request still to come).
+``token_imbalance`` shows it; the schedule closes a rank to a request when the requests still to
+come would no longer pack under the cap, so this happens only where no packing exists or
+first-fit decreasing misses it).
 
 Report keys: ``lar`` (local activation rate: share of (token, layer, k) activations whose expert
 lives on the token's rank at that layer), ``lar_linear`` (linear placement; tp: tokens in file
@@ -165,8 +167,8 @@ def request_schedule(scores: np.ndarray, lengths: np.ndarray, num_ranks: int, *,
     """Sem-MoE Algorithm 2: requests in order, each to its best unmasked rank, then mask it.
 
     The mask resets once every rank is taken. A rank is closed to a request that would take it
-    above ``max_ratio * total_tokens / R`` or, with ``lookahead``, that would leave no rank room
-    for the longest request still to come; if every unmasked rank is closed the request takes the
+    above ``max_ratio * total_tokens / R`` or, with ``lookahead``, after which the requests still
+    to come would not pack under that cap; if every unmasked rank is closed the request takes the
     best open masked rank, and if none is open (a request longer than the room anywhere) the
     least-loaded rank.
 
@@ -175,11 +177,12 @@ def request_schedule(scores: np.ndarray, lengths: np.ndarray, num_ranks: int, *,
         lengths: ``[S]`` tokens per request.
         mask: ``False``: no mask, the ``max_ratio`` cap alone balances (each request takes its best
             open rank).
-        lookahead: keep room for the longest request still to come (the default: the held-out
-            evaluation knows every length, and the report promises no rank above the cap; the
-            look-ahead keeps room for a long last request). ``False`` is exactly what the online ``SemanticScheduler``
-            does given ``total_tokens`` (both call :func:`schedule_one`): it cannot know the
-            lengths to come, and a long last request may take a rank above the cap.
+        lookahead: close a rank to a request when the requests still to come would no longer
+            pack under the cap (first-fit decreasing, :func:`packs`). The default: the held-out
+            evaluation knows every length, and the report promises no rank above the cap.
+            ``False`` is exactly what the online ``SemanticScheduler`` does given
+            ``total_tokens`` (both call :func:`schedule_one`): it cannot know the lengths to come,
+            and late long requests may take a rank above the cap.
 
     Returns:
         ``[S]`` int64 rank per request.
@@ -190,40 +193,55 @@ def request_schedule(scores: np.ndarray, lengths: np.ndarray, num_ranks: int, *,
     load = np.zeros(num_ranks, dtype=np.int64)
     masked = np.zeros(num_ranks, dtype=bool)
     out = np.empty(sc.shape[0], dtype=np.int64)
-    longest_after = np.append(np.maximum.accumulate(lengths[::-1])[::-1][1:], 0) if lengths.size else lengths
     for s in range(sc.shape[0]):
-        reserve = int(longest_after[s]) if lookahead else 0
-        out[s] = schedule_one(sc[s], int(lengths[s]), load, masked, cap, mask=mask, reserve=reserve)
+        rest = np.sort(lengths[s + 1:])[::-1] if lookahead else None
+        out[s] = schedule_one(sc[s], int(lengths[s]), load, masked, cap, mask=mask, remaining=rest)
     return out
 
 
+def packs(room: np.ndarray, lengths_desc: np.ndarray) -> bool:
+    """Whether requests of ``lengths_desc`` (descending) fit into ranks with ``room [R]`` tokens
+    left, by first-fit decreasing (a sufficient test; exact when it says yes)."""
+    if lengths_desc.size == 0:
+        return True
+    if room.sum() - room.size * (lengths_desc[0] - 1) >= lengths_desc.sum():
+        return True  # any fit succeeds: each rank wastes less than the longest request
+    room = room.astype(np.float64)
+    for n in lengths_desc:
+        fit = np.flatnonzero(room >= n)
+        if fit.size == 0:
+            return False
+        room[fit[0]] -= n
+    return True
+
+
 def schedule_one(scores: np.ndarray, length: int, load: np.ndarray, masked: np.ndarray, cap: float, *,
-                 mask: bool = True, reserve: int = 0) -> int:
+                 mask: bool = True, remaining: np.ndarray | None = None) -> int:
     """One request of :func:`request_schedule` (also the online ``SemanticScheduler.assign``).
 
     The best rank among those unmasked that stay within ``cap`` tokens with this request, else
     among all that stay within it, else the least-loaded rank; ties: the lowest rank. Updates
     ``load [R]`` (tokens) and ``masked [R]`` in place (the mask clears once every rank is taken).
-    With ``reserve > 0`` (``request_schedule(lookahead=True)``, offline, where the longest request
-    still to come is known) a rank only stays within ``cap`` if some rank keeps room for
-    ``reserve`` tokens afterwards, when any does.
+    With ``remaining`` (``request_schedule(lookahead=True)``, offline: the lengths still to come,
+    descending) a rank only stays within ``cap`` if the remaining requests still pack under the cap
+    afterwards (:func:`packs`), when some rank allows that.
 
     Returns:
         The rank.
     """
     fits = load + length <= cap
-    if reserve > 0 and fits.any():  # keep room somewhere for the longest request still to come
-        room = cap - load.astype(np.float64)
-        first = int(np.argmax(room))
-        second = np.max(np.delete(room, first), initial=-np.inf)
-        best_other = np.where(np.arange(room.size) == first, second, room[first])  # most room on another rank
-        keeps = np.maximum(best_other, room - length) >= reserve
-        if (fits & keeps).any():
-            fits = fits & keeps
     for allowed in (~masked & fits, fits):
-        if allowed.any():
-            r = int(np.argmax(np.where(allowed, scores, -np.inf)))
-            break
+        order = [int(r) for r in np.lexsort((np.arange(scores.size), -np.asarray(scores, np.float64))) if allowed[r]]
+        if not order:
+            continue
+        r = order[0]
+        if remaining is not None and remaining.size:
+            room = cap - load.astype(np.float64)
+            keep = next((c for c in order if packs(room - length * (np.arange(room.size) == c), remaining)), None)
+            if keep is None and allowed is not fits:
+                continue  # no unmasked rank keeps the rest packable: try the masked ones too
+            r = r if keep is None else keep
+        break
     else:
         r = int(np.argmin(load))
     load[r] += length

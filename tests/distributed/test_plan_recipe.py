@@ -123,6 +123,7 @@ def test_semantic_report_and_assignment(semantic_runs, trace_file, mode):
         assert report["token_imbalance"] == pytest.approx(1.0, abs=4 / arrays["token_rank"].shape[0])
     else:
         check_dp_requests(arrays["token_rank"], arrays["seq_offsets"], 4)
+    assert report["max_ratio_exceeded"] is False
 
 
 @pytest.mark.parametrize("mode", ["tp", "dp"])
@@ -312,6 +313,9 @@ def test_config_errors(trace_file, tmp_path):
     expect_failure(trace_file, tmp_path, {}, r"trace\.tokens_per_step must be an integer >= 1, got 64\.9",
                    "trace.tokens_per_step=64.9")
     expect_failure(trace_file, tmp_path, {}, "plan.path is a semantic plan file", "planner=eplb", "plan.path=x.npz")
+    for bad in ("null", "half", "1.5"):  # null and 'half' used to crash in float() without naming the key
+        expect_failure(trace_file, tmp_path, {}, r"trace\.train_fraction must be a number in \(0, 1\)",
+                       f"trace.train_fraction={bad}")
     expect_failure(trace_file, tmp_path, {}, "nope.npz: routing trace file not found",
                    f"trace.path={tmp_path / 'nope.npz'}", exc=FileNotFoundError)
 

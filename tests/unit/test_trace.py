@@ -578,3 +578,12 @@ def test_calibration_constants_match_real_counts() -> None:
         np.testing.assert_allclose(getattr(mixtral, name), target, atol=1e-3, err_msg=name)
     # PROVENANCE.txt: arxiv recall OLMoE 0.61/0.74/0.78, Mixtral 0.62/0.64/0.66 (uniform 0.125 / 0.25)
     assert ts.TARGET_TOKEN_RECALL[0] > 0.125 * 4 and ts.MIXTRAL_TOKEN_RECALL[0] > 0.25 * 2
+
+
+def test_split_rounds_float_products_but_not_fractions_below_a_boundary() -> None:
+    """floor(f * S) with a relative tolerance: 0.29 * 100 (28.999999999999996) gives 29, while
+    0.37499999995 * 8 gives 2 (an absolute 1e-9 made it 3) and 0.1249999999 * 8 gives 0."""
+    from moelayers.trace import train_sequences
+
+    assert train_sequences(0.29, 100) == 29 and train_sequences(0.7, 10) == 7 and train_sequences(0.5, 7) == 3
+    assert train_sequences(0.37499999995, 8) == 2 and train_sequences(0.1249999999, 8) == 0
