@@ -88,7 +88,30 @@ class RankModel:
 
     def scores(self, log_rows: np.ndarray, bucket: np.ndarray, hist: np.ndarray) -> np.ndarray:
         """``[n, R]`` float32 scores from the token rows and ``hist [n, D*E]`` (:func:`history_onehot`)."""
-        return self.token_scores(log_rows, bucket) + hist @ self.w
+        return (self.token_scores(log_rows, bucket) + _SparseRows(hist) @ self.w).astype(np.float32)
+
+
+class _SparseRows:
+    """A mostly-zero ``[n, F]`` matrix (the history one-hot) as its non-zeros, for products summed in
+    a fixed order: BLAS splits the sums of a dense product by thread count, so a plan would depend
+    on the number of threads; ``np.bincount`` adds in index order."""
+
+    def __init__(self, dense: np.ndarray) -> None:
+        self.shape = dense.shape
+        self.rows, self.cols = np.nonzero(dense)
+        self.vals = dense[self.rows, self.cols].astype(np.float64)
+
+    def __matmul__(self, w: np.ndarray) -> np.ndarray:
+        """``dense @ w`` for ``w [F, R]``: ``[n, R]`` float64."""
+        n = self.shape[0]
+        out = [np.bincount(self.rows, weights=self.vals * w[self.cols, j], minlength=n) for j in range(w.shape[1])]
+        return np.stack(out, axis=1) if out else np.zeros((n, 0))
+
+    def rmatmul_t(self, g: np.ndarray) -> np.ndarray:
+        """``dense.T @ g`` for ``g [n, R]``: ``[F, R]`` float64."""
+        f = self.shape[1]
+        out = [np.bincount(self.cols, weights=self.vals * g[self.rows, j], minlength=f) for j in range(g.shape[1])]
+        return np.stack(out, axis=1) if out else np.zeros((f, 0))
 
 
 def fit_rank_model(log_rows: np.ndarray, bucket: np.ndarray, hist: np.ndarray, target: np.ndarray, *,
@@ -125,10 +148,11 @@ def _rank_loss(log_rows: np.ndarray, bucket: np.ndarray, hist: np.ndarray, targe
     n, r = target.shape
     nb, nf = len(FREQUENCY_EDGES) + 1, hist.shape[1]
     lq, y = np.asarray(log_rows, np.float32), np.asarray(target, np.float32)
+    sparse = _SparseRows(hist)  # products in a fixed order: the fit does not depend on the thread count
 
     def loss_grad(x: np.ndarray) -> tuple[float, np.ndarray]:
         a, c, w = x[:nb], x[nb:nb + r], x[nb + r:].reshape(nf, r)
-        z = (a[bucket][:, None] * lq + c).astype(np.float32) + hist @ w.astype(np.float32)
+        z = (a[bucket][:, None] * lq + c).astype(np.float32) + (sparse @ w.astype(np.float32)).astype(np.float32)
         z -= z.max(1, keepdims=True)
         p = np.exp(z)
         s = p.sum(1, keepdims=True)
@@ -136,7 +160,7 @@ def _rank_loss(log_rows: np.ndarray, bucket: np.ndarray, hist: np.ndarray, targe
         loss = -float((y * (z - np.log(s))).sum(dtype=np.float64)) / n + l2 * float((w * w).sum())
         g = (p - y) / np.float32(n)
         ga = np.bincount(bucket, weights=(g * lq).sum(1), minlength=nb)
-        gw = (hist.T @ g).astype(np.float64) + 2 * l2 * w
+        gw = sparse.rmatmul_t(g) + 2 * l2 * w
         return loss, np.concatenate([ga, g.sum(0, dtype=np.float64), gw.ravel()])
 
     return loss_grad

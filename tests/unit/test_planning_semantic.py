@@ -512,3 +512,43 @@ def test_request_schedule_keeps_every_remaining_request_packable():
             continue
         tokens = np.bincount(request_schedule(rng.random((s, r)), lengths, r), weights=lengths, minlength=r)
         assert tokens.max() <= cap + 1e-9, (lengths, tokens)
+
+
+_PLAN_HASH = """
+import hashlib, numpy as np
+from moelayers.trace import synthetic_trace
+from moelayers.planning.semantic_solvers import plan_semantic
+train, _ = synthetic_trace(80, 6, 32, 4, 3000, seq_len=(64, 400), seed=7).split(0.5)
+p = plan_semantic(train, 4, "tp", progress=False)
+h = hashlib.sha256()
+for a in (p.expert_rank, p.token_rank, p.token_logq, p.history_pmi):
+    h.update(np.ascontiguousarray(a).tobytes())
+print(h.hexdigest())
+"""
+
+
+@pytest.mark.timeout(240)
+def test_semantic_plan_does_not_depend_on_the_thread_count():
+    """The tp predictor's fit summed its one-hot products through BLAS, whose split of the sums
+    follows the thread count: this plan differed between 1 and 2 threads (0.40274 vs 0.40276 LAR
+    on a similar trace). The products now add in index order."""
+    import subprocess
+    import sys
+
+    digests = set()
+    for threads in ("1", "2"):
+        env = dict(os.environ, OMP_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+        proc = subprocess.run([sys.executable, "-c", _PLAN_HASH], env=env, capture_output=True, text=True, timeout=200)
+        assert proc.returncode == 0, proc.stderr
+        digests.add(proc.stdout.strip())
+    assert len(digests) == 1, digests
+
+
+def test_sparse_rows_products_equal_the_dense_ones():
+    from moelayers.planning.semantic_predict import _SparseRows
+
+    rng = np.random.default_rng(3)
+    dense = (rng.random((50, 12)) < 0.2).astype(np.float32)
+    w, g = rng.standard_normal((12, 4)), rng.standard_normal((50, 4))
+    np.testing.assert_allclose(_SparseRows(dense) @ w, dense @ w, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(_SparseRows(dense).rmatmul_t(g), dense.T @ g, rtol=1e-6, atol=1e-6)
