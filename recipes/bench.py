@@ -147,11 +147,11 @@ def register_layer(name: str, builder: Callable[..., torch.nn.Module]) -> None:
 
 
 def build_layer(layer_cfg: dict, config, groups, device: torch.device, seed: int, check_finite: bool, **extra):
-    """Our layer from its config group (``name``, optional ``cls``, ``kwargs``); ``extra``: ``plan``, ``plan_layer``."""
+    """Our layer from its config group (``cls`` when given, else the builder registered for ``name``;
+    ``kwargs``); ``extra``: ``plan``, ``plan_layer``."""
     name = layer_cfg.get("name")
-    builder = LAYERS.get(name)
-    if builder is None and layer_cfg.get("cls"):
-        builder = _construct(layer_cfg["cls"])
+    # an explicit cls wins over the registered name (layer.cls=... on the command line used to be ignored)
+    builder = _construct(layer_cfg["cls"]) if layer_cfg.get("cls") else LAYERS.get(name)
     if builder is None:
         raise ValueError(f"unknown layer {name!r}: registered {sorted(LAYERS)}, or give layer.cls")
     kwargs = dict(layer_cfg.get("kwargs") or {})
@@ -321,13 +321,16 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
                 ours(x)
                 if base is not None:
                     base(x)
-            check = {"reference": check_against_reference(ours, x, y, weights, config, int(b["check"]["ref_rows"]), device)}
+            ref_check = dict(max_bad_frac=float(b["check"]["max_bad_rows_frac"]))
+            check = {"reference": check_against_reference(ours, x, y, weights, config, int(b["check"]["ref_rows"]), device,
+                                                           forced=forced, **ref_check)}
             if not check["reference"]["ok"]:
                 raise RuntimeError(f"{cfg['layer']['name']} does not match the dense reference at tokens/rank={tokens}: "
                                    f"{check['reference']}")
             if base is not None:
                 check["baseline_reference"] = check_against_reference(base, x, run_base(), weights, config,
-                                                                      int(b["check"]["ref_rows"]), device)
+                                                                      int(b["check"]["ref_rows"]), device,
+                                                                      forced=base_forced, **ref_check)
                 if not check["baseline_reference"]["ok"]:
                     raise RuntimeError(f"baseline {base_name} does not match the dense reference: "
                                        f"{check['baseline_reference']}")

@@ -215,3 +215,68 @@ def test_bench_bad_iters_fails_before_the_ranks_start(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and "bench.iters must be an integer >= 1, got 0" in out
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def _checked_layer(wrong_routing: bool = False):
+    """A 1-process VanillaMoE on 300 tokens (fp32) and its weights; ``wrong_routing``: forced to
+    each token's K lowest-scoring experts (a wrong router)."""
+    import torch
+
+    import moelayers as ml
+
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=8, top_k=2, init_std=0.3)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=1)
+    x = torch.randn(300, 16, generator=torch.Generator().manual_seed(3))
+    if wrong_routing:
+        layer.force_routing(torch.topk(-(x @ layer.router.weight.detach().t()), 2, dim=-1).indices)
+    with torch.no_grad():
+        y = layer(x)
+    return layer, x, y, tuple(w.double() for w in layer.export_full_weights()), cfg
+
+
+def test_reference_check_catches_a_wrong_router_and_nan_rows():
+    """It compared ours with the dense reference on the experts ours chose (a wrong router passed)
+    and on the first 256 rows only (NaN beyond them passed)."""
+    import torch
+
+    from recipes._bench_tools import check_against_reference
+
+    cpu = torch.device("cpu")
+    layer, x, y, weights, cfg = _checked_layer()
+    assert check_against_reference(layer, x, y, weights, cfg, 256, cpu)["ok"]
+    bad = check_against_reference(*_checked_layer(wrong_routing=True)[:4], cfg, 256, cpu)
+    assert not bad["ok"] and bad["rows_other_experts"] == 256
+    y_nan = y.clone()
+    y_nan[280:] = float("nan")
+    assert not check_against_reference(layer, x, y_nan, weights, cfg, 256, cpu)["ok"]
+
+
+def test_peer_check_refuses_nan_and_a_far_off_row():
+    import torch
+
+    from recipes._bench_tools import check_against_peer
+
+    cpu = torch.device("cpu")
+    y_peer = torch.randn(1000, 8, generator=torch.Generator().manual_seed(0))
+    assert check_against_peer(y_peer + 1e-4, y_peer, 2e-2, 1e-3, cpu)["ok"]
+    far = y_peer.clone()
+    far[7] += 1e6  # one row of 1000 off by anything used to pass as a "near-tie"
+    nan = torch.full_like(y_peer, float("nan"))
+    for ours, peer in ((far, y_peer), (nan, y_peer), (y_peer * 1e9, nan)):
+        assert not check_against_peer(ours, peer, 2e-2, 1e-3, cpu)["ok"]
+    near = y_peer.clone()
+    near[7] += 3e-2 * y_peer.abs().max()  # one row a little over: still a near-tie
+    assert check_against_peer(near, y_peer, 2e-2, 1e-3, cpu)["ok"]
+
+
+def test_build_layer_uses_an_explicit_cls():
+    """layer.cls=... used to be ignored when layer.name was a registered name."""
+    import torch
+
+    import moelayers as ml
+    from recipes.bench import build_layer
+
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+    layer = build_layer({"name": "vanilla", "cls": "moelayers.VariabilityAwareMoE", "kwargs": {}}, cfg,
+                        ml.ParallelGroups.single(), torch.device("cpu"), 0, False)
+    assert type(layer) is ml.VariabilityAwareMoE
