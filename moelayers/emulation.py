@@ -98,13 +98,18 @@ def _finite(value: Any, name: str, low: float, *, inclusive: bool) -> float:
     return number
 
 
+#: ``time.sleep`` overshoots by tens of microseconds: sleep waits end with this long a spin
+SLEEP_MARGIN_S = 2e-4
+
+
 def _wait(seconds: float, how: str) -> None:
+    """Wait ``seconds``: spinning, or (``'sleep'``) sleeping all but the last ``SLEEP_MARGIN_S``, which
+    are spun, so that the wait is as long as asked (a plain sleep added ~90 us to every wait)."""
     if seconds <= 0:
         return
-    if how == "sleep":
-        time.sleep(seconds)
-        return
     deadline = time.perf_counter() + seconds
+    if how == "sleep" and seconds > SLEEP_MARGIN_S:
+        time.sleep(seconds - SLEEP_MARGIN_S)
     while time.perf_counter() < deadline:
         pass
 
@@ -231,6 +236,7 @@ def emulate_variability(layer: nn.Module, factor: float | None = None, *, mode: 
             if variability is None:
                 raise ValueError("curve mode needs curves= or variability=")
             curves = preset_curves(variability, num_ranks)
+        curve_latency(curves, rank, num_ranks, 1)  # curves for another number of ranks fail here, not in a forward
         factor = 1.0
     wait = ("spin" if mode == "measured" else "sleep") if wait == "auto" else wait
     emu = VariabilityEmulator(mode, rank, num_ranks, float(factor), curves, float(time_scale), wait)

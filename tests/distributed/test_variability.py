@@ -633,6 +633,32 @@ def test_settings_read_yaml_off_and_refuse_malformed_entries():
         emulate_variability(layer, 2.0, time_scale=float("inf"))
 
 
+def test_sleep_waits_last_as_long_as_asked_and_curves_must_fit_the_ranks():
+    """A plain sleep overshot every curve-mode wait by ~90 us (shrinking the emulated spread between
+    ranks); curves for another number of ranks failed only in the first forward."""
+    import moelayers.emulation as emulation
+    from moelayers.emulation import emulate_variability
+    from moelayers.planning.gem import LatencyCurves
+
+    def late_sleep(seconds):  # a sleep that overshoots by 150 us, as the OS may
+        end = time.perf_counter() + seconds + 1.5e-4
+        while time.perf_counter() < end:
+            pass
+
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(emulation.time, "sleep", late_sleep)
+    try:
+        t0 = time.perf_counter()
+        emulation._wait(4e-4, "sleep")
+        took = time.perf_counter() - t0
+    finally:
+        monkeypatch.undo()
+    assert 4e-4 <= took < 5e-4, took  # a plain sleep: 5.5e-4
+    layer, _ = _emulated_layer()
+    with pytest.raises(ValueError, match="R=4"):
+        emulate_variability(layer, mode="curve", curves=LatencyCurves.preset("high", 4), rank=0, num_ranks=2)
+
+
 # ---------------------------------------------------------------------- serve recipe end to end
 @pytest.mark.timeout(150)
 def test_serve_variability_replans(tmp_path):
