@@ -111,18 +111,22 @@ def packed_all_to_all(tensors: list[torch.Tensor], in_splits: list[int], out_spl
     return list(PackedAllToAll.apply(group, list(in_splits), list(out_splits), *tensors))
 
 
+def _all_gather_rows(group, x: torch.Tensor) -> torch.Tensor:
+    """``[R * N, w]``: every rank's ``[N, w]`` rows in rank order (a copy for ``group=None``)."""
+    if group is None:
+        return x.clone()
+    out = x.new_empty((dist.get_world_size(group) * x.shape[0],) + tuple(x.shape[1:]))
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    return out
+
+
 class AllGatherRows(torch.autograd.Function):
     """All-gather of ``[N, w]`` rows (equal ``N`` on every rank); backward reduce-scatters."""
 
     @staticmethod
     def forward(ctx, group, x):
         ctx.group = group
-        if group is None:
-            return x.clone()
-        size = dist.get_world_size(group)
-        out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out
+        return _all_gather_rows(group, x)
 
     @staticmethod
     def backward(ctx, grad):
@@ -156,7 +160,7 @@ class GatherRowsSplitGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, x):
         ctx.group = group
-        return AllGatherRows.forward(ctx, group, x)
+        return _all_gather_rows(group, x)
 
     @staticmethod
     def backward(ctx, grad):
