@@ -111,22 +111,17 @@ def packed_all_to_all(tensors: list[torch.Tensor], in_splits: list[int], out_spl
     return list(PackedAllToAll.apply(group, list(in_splits), list(out_splits), *tensors))
 
 
-def _all_gather_rows(group, x: torch.Tensor) -> torch.Tensor:
-    """``[R * N, w]``: every rank's ``[N, w]`` rows in rank order (a copy for ``group=None``)."""
-    if group is None:
-        return x.clone()
-    out = x.new_empty((dist.get_world_size(group) * x.shape[0],) + tuple(x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-    return out
-
-
 class AllGatherRows(torch.autograd.Function):
     """All-gather of ``[N, w]`` rows (equal ``N`` on every rank); backward reduce-scatters."""
 
     @staticmethod
     def forward(ctx, group, x):
         ctx.group = group
-        return _all_gather_rows(group, x)
+        if group is None:
+            return x.clone()
+        out = x.new_empty((dist.get_world_size(group) * x.shape[0],) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -151,16 +146,11 @@ class ReduceScatterRows(torch.autograd.Function):
         return None, AllGatherRows.apply(ctx.group, grad)
 
 
-class GatherRowsSplitGrad(torch.autograd.Function):
-    """All-gather of ``[N, w]`` rows whose result is *replicated*: every rank goes on with the same
+class GatherRowsSplitGrad(AllGatherRows):
+    """:class:`AllGatherRows` whose result is *replicated*: every rank goes on with the same
     gathered tensor and gets the same gradient of it, so the backward keeps this rank's block of
-    the gradient (not the sum over ranks, which :class:`AllGatherRows` takes: that adjoint is for
-    a gradient that is a partial sum on each rank)."""
-
-    @staticmethod
-    def forward(ctx, group, x):
-        ctx.group = group
-        return _all_gather_rows(group, x)
+    the gradient (not the sum over ranks, the adjoint for a gradient that is a partial sum on each
+    rank)."""
 
     @staticmethod
     def backward(ctx, grad):
