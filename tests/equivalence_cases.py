@@ -134,8 +134,7 @@ def _run_case(rank: int, world: int, groups, case: dict, device: torch.device) -
         ref_y, low_y = _reference_outputs(xs[rank], router64, w13_64, w2_64, cfg, cfg64, dtype)
         err = check_close(f"{case['name']} output", y.reshape(ref_y.shape), ref_y, low_y)
         layer.release_graphs()
-        lar_ok = layer.last_stats is not None and 0.0 <= layer.last_stats.lar <= 1.0
-        return err if lar_ok or err else f"{case['name']}: bad last_stats"
+        return err or _stats_error(case, layer, x.shape[0], top_k)
     x.requires_grad_(True)
     y = layer(x)
     (y.float() * gys[rank].view(y.shape).float().to(device)).sum().backward()
@@ -166,10 +165,39 @@ def _run_case(rank: int, world: int, groups, case: dict, device: torch.device) -
         check_close(f"{name} d/dw2", g2, ref_p[2].grad, None if low_p[2] is None else low_p[2].grad),
         check_close(f"{name} d/drouter", g_router, ref_p[0].grad, None if low_p[0] is None else low_p[0].grad),
     ]
-    if layer.last_stats is None or not 0.0 <= layer.last_stats.lar <= 1.0:
-        checks.append(f"{name}: bad last_stats {layer.last_stats}")
+    checks.append(_stats_error(case, layer, xs[rank].shape[0], top_k))
     errors = [c for c in checks if c]
     return "; ".join(errors) if errors else None
+
+
+def _stats_error(case: dict, layer, tokens: int, top_k: int) -> str | None:
+    """``layer.last_stats`` against counts made here from the routing (``last_topk_ids``) and the
+    placement: every activation counted once, each on a rank that holds its expert (exactly where
+    every expert has one replica), the LAR, and the payload rows of the all-to-all (one per token and
+    rank with de-duplication, one per activation without)."""
+    st, name = layer.last_stats, case["name"]
+    if st is None:
+        return f"{name}: no last_stats"
+    ids = layer.last_topk_ids.reshape(-1, top_k).cpu()  # [T, K]
+    place, ep, rank = layer.placement, layer.groups.ep_size, layer.groups.ep_rank
+    holds = torch.zeros(ep, place.num_experts, dtype=torch.bool)  # holds[r, e]: rank r has a replica of e
+    for r in range(ep):
+        holds[r, [e for e in place.experts_on(r) if e >= 0]] = True
+    pairs, rows = list(st.pairs_sent), list(st.rows_sent)
+    want = {"tokens": (ids.shape[0], tokens), "activations": (sum(pairs), tokens * top_k)}
+    if ids.numel():
+        most = [int(holds[r][ids].sum()) for r in range(ep)]  # activations rank r could serve
+        if any(p > m for p, m in zip(pairs, most)):
+            return f"{name}: pairs_sent {pairs} exceeds what each rank holds {most}"
+        if int(place.logcnt.max()) == 1:  # one replica each: the rank of every activation is known
+            on = holds[:, ids]  # [R, T, K]
+            want["pairs_sent"] = (pairs, on.sum((1, 2)).tolist())
+            if case["dispatcher"] == "alltoall":
+                want["rows_sent"] = (rows, on.any(2).sum(1).tolist() if case["dedup"] else on.sum((1, 2)).tolist())
+    want["lar"] = (st.lar, pairs[rank] / sum(pairs) if sum(pairs) else st.lar)
+    bad = [f"{key} {got} != {exp}" for key, (got, exp) in want.items()
+           if (abs(got - exp) > 1e-12 if isinstance(got, float) else got != exp)]
+    return f"{name}: last_stats: " + ", ".join(bad) if bad else None
 
 
 def _reference_outputs(x64, router64, w13_64, w2_64, cfg, cfg64, dtype):

@@ -47,11 +47,32 @@ def _check_structure(res: dict, seeds: list[int], ours: str, base: str) -> None:
         assert ra["requests_digest"] != rb["requests_digest"]
     cmp = res["comparison"]
     assert cmp["same_requests"] is True
-    for key, flag in (("lar", "lar_higher"), ("a2a_bytes", "a2a_bytes_lower"), ("tpot_p90_s", "tpot_p90_lower")):
-        m = cmp["metrics"][key]
+    assert set(cmp["metrics"]) >= set(BETTER) - {"emulated_expert_s"}
+    for key, m in cmp["metrics"].items():  # every flag recomputed from the medians and the runs
+        direction, flag = BETTER[key]
+        assert m["better"] == direction, key
         assert m["ours"] == res[key] and m["baseline"] == res["baseline"][key]
         assert m["ratio"] == pytest.approx(res[key] / res["baseline"][key])
-        assert cmp[flag] == m["ours_better"] and 0 <= m["seeds_ours_better"] <= len(seeds)
+        assert m["ours_better"] is _better(res[key], res["baseline"][key], direction), key
+        assert cmp[flag] is m["ours_better"], key
+        wins = sum(_better(ro[key], rb[key], direction) for ro, rb in zip(runs["ours"], runs["baseline"]))
+        assert m["seeds_ours_better"] == wins and m["seeds"] == len(seeds), key
+
+
+# which direction is better for each compared metric, and its flag in `comparison` (written out here,
+# not imported: the recipe's table is what is tested)
+BETTER = {"lar": ("higher", "lar_higher"), "a2a_bytes": ("lower", "a2a_bytes_lower"),
+          "tpot_p90_s": ("lower", "tpot_p90_lower"), "tpot_mean_s": ("lower", "tpot_mean_lower"),
+          "throughput_tok_s": ("higher", "throughput_higher"), "ttft_p50_s": ("lower", "ttft_p50_lower"),
+          "ttft_p99_s": ("lower", "ttft_p99_lower"), "imbalance": ("lower", "imbalance_lower"),
+          "emulated_expert_s": ("lower", "emulated_expert_lower")}
+
+
+def _better(ours, base, direction: str) -> bool:
+    """Strictly better; a missing (null) or infinite figure is never better."""
+    if ours is None or base is None or not (np.isfinite(ours) and np.isfinite(base)):
+        return False
+    return bool(ours > base) if direction == "higher" else bool(ours < base)
 
 
 @pytest.mark.timeout(150)
@@ -72,6 +93,7 @@ def test_compare_semantic_vs_vanilla(tmp_path):
     # routing is replayed: LAR depends only on the trace, the plan and the scheduler -> deterministic
     assert all(ro["lar"] > rb["lar"] for ro, rb in zip(res["runs"]["ours"], res["runs"]["baseline"]))
     assert res["lar"] > res["baseline"]["lar"] and res["comparison"]["lar_higher"] is True
+    assert res["a2a_bytes"] < res["baseline"]["a2a_bytes"] and res["comparison"]["a2a_bytes_lower"] is True
 
 
 @pytest.mark.timeout(150)

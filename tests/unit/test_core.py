@@ -105,9 +105,15 @@ def test_default_init_is_seeded_per_expert():
     a = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=3)
     b = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=3,
                       placement=ml.ExpertPlacement.from_phy2log([[3, 2, 1, 0]], 4))
-    assert torch.equal(a.experts.w13[0], b.experts.w13[3])
+    for e in range(cfg.num_experts):  # slot 3 - e of b holds expert e: the same draws as a's slot e
+        assert torch.equal(a.experts.w13[e], b.experts.w13[3 - e])
+        assert torch.equal(a.experts.w2[e], b.experts.w2[3 - e])
     assert torch.equal(a.router.weight, b.router.weight)
-    assert a.experts.w13.detach().std().item() == pytest.approx(cfg.init_std, rel=0.2)
+    # expert e's draws: w13 then w2 from one generator seeded seed * 1_000_003 + e, N(0, init_std)
+    gen = torch.Generator().manual_seed(3 * 1_000_003 + 2)
+    w13 = torch.empty_like(a.experts.w13[2]).normal_(0.0, cfg.init_std, generator=gen)
+    w2 = torch.empty_like(a.experts.w2[2]).normal_(0.0, cfg.init_std, generator=gen)
+    assert torch.equal(a.experts.w13[2], w13) and torch.equal(a.experts.w2[2], w2)
 
 
 # ---------------------------------------------------------------- dispatch pieces

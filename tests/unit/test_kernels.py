@@ -200,13 +200,32 @@ def test_reference_gradcheck():
     assert torch.autograd.gradcheck(lambda s: unpermute_combine_reference(s, index, None), (src,))
 
 
-def test_dispatch_uses_reference_on_cpu(monkeypatch):
+def test_use_triton_decision(monkeypatch):
+    """The Triton path: CUDA tensors only, not with MOELAYERS_DISABLE_TRITON=1, not when a gradient is
+    wanted, not without Triton (a stand-in with ``is_cuda`` decides on CPU too)."""
+    import types
+
+    import moelayers.kernels as kernels
+
+    monkeypatch.setattr(kernels, "HAVE_TRITON", True)
+    cuda = types.SimpleNamespace(is_cuda=True, requires_grad=False)
+    assert kernels.use_triton(cuda)
+    assert not kernels.use_triton(types.SimpleNamespace(is_cuda=False, requires_grad=False))
+    assert not kernels.use_triton(types.SimpleNamespace(is_cuda=True, requires_grad=True))
+    with torch.no_grad():  # no gradient wanted: an input that requires one may still take Triton
+        assert kernels.use_triton(types.SimpleNamespace(is_cuda=True, requires_grad=True))
+    monkeypatch.setenv("MOELAYERS_DISABLE_TRITON", "0")
+    assert kernels.use_triton(cuda)
+    monkeypatch.setenv("MOELAYERS_DISABLE_TRITON", "1")
+    assert not kernels.use_triton(cuda)
+    monkeypatch.delenv("MOELAYERS_DISABLE_TRITON")
+    monkeypatch.setattr(kernels, "HAVE_TRITON", False)
+    assert not kernels.use_triton(cuda)
+
+
+def test_dispatch_uses_reference_on_cpu():
     x = torch.randn(3, 8)
     assert not use_triton(x)
-    if torch.cuda.is_available():
-        assert use_triton(x.cuda())
-        monkeypatch.setenv("MOELAYERS_DISABLE_TRITON", "1")
-        assert not use_triton(x.cuda())
     dest = torch.tensor([[1], [-1], [0]])
     out = permute(x, dest, torch.zeros(2, 8))
     assert torch.equal(out, torch.stack([x[2], x[0]]))

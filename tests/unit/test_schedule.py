@@ -284,10 +284,12 @@ def test_shuffled_collectives_single_process():
     assert torch.equal(chunk[[0, 1, 3]], x[[3, 1, 4]]) and (chunk[2] == 0).all()
     assert torch.equal(shuffled_all_gather(chunk, perm, None), x)
     assert torch.equal(shuffled_all_gather(chunk, perm, None, inverse=inverse_permutation(perm, 5)), x)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="do not fit"):
         shuffled_all_gather(chunk[:3], perm, None)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"partial must be \[T, H\], got \[4\]"):
         shuffled_reduce_scatter(x[0], perm, None)
+    with pytest.raises(ValueError, match=r"perm must be \[R\*C\]"):
+        shuffled_reduce_scatter(x, perm.view(2, 3), None)
 
 
 # ---------------------------------------------------------------------- SemanticMoE, one process

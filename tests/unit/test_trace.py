@@ -211,12 +211,13 @@ def test_select_sequence_split_steps() -> None:
     assert_same(train, trace.select_sequences([0]))
     with pytest.raises(ValueError, match="empty part"):
         trace.split(0.2)  # floor(0.6) = 0
-    with pytest.raises(ValueError):
-        trace.split(1.0)
+    for bad in (1.0, 0.0, -0.5, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"train_fraction must be in \(0, 1\)"):
+            trace.split(bad)
 
     steps = trace.steps(3)
     assert steps == [slice(0, 3), slice(3, 6), slice(6, 7)]
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="tokens_per_step"):
         trace.steps(0)
 
 
