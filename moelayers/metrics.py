@@ -117,10 +117,19 @@ class MoEStats:
     def expert_loads(self) -> torch.Tensor:
         """``[E]`` activations per logical expert (computed on first read from the routing; a layer's
         ``last_stats`` knows its ``E``, other records need :meth:`with_experts`)."""
+        loads = self._resolved_loads()
+        if loads is None:
+            if self._topk_ids is None:
+                raise ValueError("this MoEStats holds no expert loads: it has no routing (a record built from "
+                                 "counts, or reduced/merged from records without loads)")
+            raise ValueError("expert loads need num_experts: use with_experts(num_experts)")
+        return loads
+
+    def _resolved_loads(self) -> torch.Tensor | None:
+        """The expert loads, computed now when the record knows ``E`` (a layer's ``last_stats``),
+        else ``None``: whether a record has loads never depends on what was read before."""
         if self._expert_loads is None and self._num_experts is not None:
             self.with_experts(self._num_experts)
-        if self._expert_loads is None:
-            raise ValueError("expert loads need topk_ids and num_experts: use with_experts(num_experts)")
         return self._expert_loads
 
     def with_experts(self, num_experts: int) -> "MoEStats":
@@ -130,9 +139,15 @@ class MoEStats:
 
     def reduce(self, group=None) -> "MoEStats":
         """Sum over the ranks of ``group`` (a collective; ``None`` = this process alone): global
-        LAR, activations received by each rank, total bytes, summed expert loads."""
+        LAR, activations received by each rank, total bytes, summed expert loads.
+
+        Raises:
+            ValueError: on every rank, when the ranks' records disagree in their number of ranks or
+                of experts, or some hold expert loads and others not (nothing is summed then).
+        """
         r = len(self.pairs_sent)
-        loads = self._expert_loads if self._expert_loads is not None else torch.zeros(0, dtype=torch.int64)
+        loads = self._resolved_loads()
+        loads = loads if loads is not None else torch.zeros(0, dtype=torch.int64)
         pairs = self.pairs_sent
         vec = torch.tensor(pairs + self.rows_sent + self.bytes_sent + [self._local_pairs or 0, self.num_ranks_reduced],
                            dtype=torch.int64)
@@ -140,6 +155,13 @@ class MoEStats:
         if group is not None:  # None: a group of one process, nothing to sum
             backend = dist.get_backend(group)
             dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+            sizes = torch.tensor([r, loads.numel(), -r, -loads.numel()], dtype=torch.int64, device=dev)
+            dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)  # max and -min of both sizes
+            r_max, e_max, r_min, e_min = (v * sign for v, sign in zip(sizes.tolist(), (1, 1, -1, -1)))
+            if (r_min, e_min) != (r_max, e_max):
+                raise ValueError(f"MoEStats.reduce: the ranks' records differ (ranks {r_min}..{r_max}, expert loads "
+                                 f"of {e_min}..{e_max} experts, 0 = none; this rank: {r}, {loads.numel()}); reduce "
+                                 f"records of the same layer kind on every rank")
             vec = vec.to(dev)
             dist.all_reduce(vec, group=group)
             vec = vec.cpu()
@@ -158,7 +180,8 @@ def merge_stats(stats: list[MoEStats]) -> MoEStats:
     sizes = sorted({len(s.pairs_sent) for s in stats})
     if len(sizes) > 1:
         raise ValueError(f"merge_stats: the records are over different numbers of ranks {sizes}")
-    experts = sorted({s._expert_loads.numel() for s in stats if s._expert_loads is not None})
+    resolved = [s._resolved_loads() for s in stats]
+    experts = sorted({loads.numel() for loads in resolved if loads is not None})
     if len(experts) > 1:
         raise ValueError(f"merge_stats: the records' expert loads have different numbers of experts {experts}")
 
@@ -168,7 +191,7 @@ def merge_stats(stats: list[MoEStats]) -> MoEStats:
     pairs = total("pairs_sent")  # materialises each record's _local_pairs
     out = MoEStats(stats[0].rank, pairs, total("rows_sent"), total("bytes_sent"),
                    max(s.num_ranks_reduced for s in stats), sum(s._local_pairs or 0 for s in stats))
-    loads = [s._expert_loads for s in stats if s._expert_loads is not None]
+    loads = [loads for loads in resolved if loads is not None]
     if loads and len(loads) == len(stats):
         out._expert_loads = torch.stack(loads).sum(0)
     return out

@@ -70,3 +70,39 @@ def test_replica_policy_and_dedup_route_as_documented():
         assert out["single"] == (0.5, 6), (rank, out)
         assert out["dedup=True"] == (True, 6, 12), (rank, out)  # one row per token for its 2 activations
         assert out["dedup=False"] == (False, 12, 12), (rank, out)  # one row per activation
+
+
+def _reduce_stats(rank, world):
+    """Rank 0 reads its expert loads before reducing, rank 1 does not; then mismatched records."""
+    import torch
+
+    import moelayers as ml
+    from moelayers.metrics import MoEStats
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world())
+    with torch.no_grad():
+        layer(torch.randn(5 + rank, 8, generator=torch.Generator().manual_seed(rank)))
+    mine = torch.bincount(layer.last_topk_ids.flatten(), minlength=4)
+    if rank == 0:
+        layer.last_stats.expert_loads  # noqa: B018 - a read before the collective must not change it
+    total = layer.last_stats.reduce(layer.groups.ep)
+    out = {"mine": mine.tolist(), "total": total.expert_loads.tolist(), "pairs": total.pairs_sent}
+    other = layer.last_stats if rank == 0 else MoEStats.from_counts(rank, [3, 3], [3, 3], 8)  # no loads
+    try:
+        other.reduce(layer.groups.ep)
+        out["mismatch"] = None
+    except ValueError as e:
+        out["mismatch"] = str(e)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_stats_reduce_does_not_depend_on_what_was_read():
+    """MoEStats.reduce sums the expert loads whether or not a rank read them first (a rank that had
+    read them sent a longer vector: gloo aborted); records that differ raise on every rank."""
+    outs = run_distributed(_reduce_stats, 2)
+    want = [a + b for a, b in zip(outs[0]["mine"], outs[1]["mine"])]
+    for out in outs:
+        assert out["total"] == want and sum(out["pairs"]) == 2 * (5 + 6)
+        assert "the ranks' records differ" in out["mismatch"] and "expert loads of 0..4 experts" in out["mismatch"]

@@ -247,6 +247,17 @@ def test_stats_merge_and_reduce_keep_their_counts():
     assert merge_stats([two, two]).pairs_sent == [10, 6]
     reduced = MoEStats(0, [18, 6], [12, 6], [480, 160], 2, 14)
     assert reduced.reduce(None).num_ranks_reduced == 2
+    with pytest.raises(ValueError, match="holds no expert loads"):
+        reduced.expert_loads
+    # a layer's records keep their expert loads through reduce and merge, read before or not
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single())
+    with torch.no_grad():
+        layer(torch.randn(6, 8, generator=torch.Generator().manual_seed(1)))
+    want = torch.bincount(layer.last_topk_ids.flatten(), minlength=4)
+    st = layer.last_stats
+    assert torch.equal(st.reduce(None).expert_loads, want)
+    assert torch.equal(merge_stats([st, st]).expert_loads, 2 * want)
 
 
 def test_last_stats_expert_loads_on_first_read():
