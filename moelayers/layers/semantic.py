@@ -43,7 +43,6 @@ from moelayers.schedule.token_shuffle import (
     LayerTables,
     PrevRanks,
     Rebatch,
-    rebatch as rebatch_predicted,
     rebatch_history,
     rebatch_tokens,
     shuffled_all_gather,
@@ -216,13 +215,15 @@ class SemanticMoE(MoELayerBase):
 
         Raises:
             TypeError, ValueError: this rank's input, residual, token ids or forced routing are
-                refused; with several TP ranks it first joins their collectives with stand-ins of
-                the same size, so that every TP rank raises (``ValueError`` naming this rank)
-                instead of waiting for it.
+                refused. With several TP ranks they first agree in one small all-reduce (before any
+                other collective): when any rank refused its input, or the ranks hold different
+                numbers of tokens or different token ids, every TP rank raises (the refused rank its
+                own error, the others a ``ValueError`` naming it) instead of crashing or waiting.
         """
         forced, self._forced_ids = self._forced_ids, None  # used by this call only, even one that raises
         if self.mode != "tp":
             raise ValueError("forward_tp needs a layer built with mode='tp' (this one is mode='dp')")
+        refused = None
         try:
             x2, token_ids = self._check_input(attn_partial, token_ids)
             if not isinstance(residual, torch.Tensor) or residual.shape != attn_partial.shape:
@@ -235,9 +236,11 @@ class SemanticMoE(MoELayerBase):
                 raise ValueError(f"forced routing has {forced.shape[0]} rows for {x2.shape[0]} tokens")
             rb = self.rebatch(token_ids, prev_ranks, num_tokens=x2.shape[0])
         except (TypeError, ValueError) as exc:
-            if self.groups.tp_size == 1 or not isinstance(attn_partial, torch.Tensor) or attn_partial.dim() not in (2, 3):
+            if self.groups.tp_size == 1:
                 raise
-            self._refuse_tp_in_step(exc, attn_partial.shape[:-1].numel())  # raises
+            refused = exc
+        if self.groups.tp_size > 1:
+            self._agree_tp(refused, None if refused else x2.shape[0], None if refused else token_ids)
         r, group = self.groups.tp_rank, self.groups.tp
         mine = rb.chunk(r)
         n = rb.valid_rows(r)
@@ -259,17 +262,37 @@ class SemanticMoE(MoELayerBase):
             self.last_context_ranks = self._context_ranks(rb, n)
         return out.view(attn_partial.shape)
 
-    def _refuse_tp_in_step(self, exc: Exception, num_tokens: int) -> None:
-        """Raise ``exc`` for this TP rank's bad input after taking part, with zeros in plain chunks
-        of the same size, in the shuffled reduce-scatter the other ranks run, then in the MoE's
-        exchange with the refusal flag (:meth:`_refuse_in_step`): every TP rank raises, none hangs.
-        The TP ranks must agree on the number of tokens (``num_tokens``)."""
-        dev = self.router.weight.device
-        plain = rebatch_predicted(torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
-                        torch.zeros(num_tokens, device=dev), self.groups.tp_size)
-        zeros = self.router.weight.new_zeros(num_tokens, self.config.hidden_size)
-        shuffled_reduce_scatter(zeros, plain.perm, self.groups.tp)
-        self._refuse_in_step(exc)
+    def _agree_tp(self, refused: Exception | None, num_tokens: int | None, token_ids: torch.Tensor | None) -> None:
+        """One ``MAX`` all-reduce over the TP group of each rank's token count, a position-weighted
+        checksum of its token ids and a refusal flag per rank; raises on every rank when any rank
+        refused its input (``refused``, raised as it is on that rank) or the ranks disagree (the
+        shuffled collectives need the same tokens everywhere: different counts crash them, different
+        ids give wrong outputs silently)."""
+        r, dev = self.groups.tp_size, self.router.weight.device
+        vec = torch.full((4 + r,), -(1 << 62), dtype=torch.int64, device=dev)  # MAX identity for the 4 fields
+        vec[4:] = 0
+        vec[4 + self.groups.tp_rank] = int(refused is not None)
+        if refused is None:
+            check = torch.zeros((), dtype=torch.int64, device=dev)
+            if token_ids is not None and token_ids.numel():
+                ids = token_ids.reshape(-1).to(torch.int64)
+                check = (ids * (torch.arange(ids.numel(), device=ids.device) + 1)).sum().remainder(1 << 61).to(dev)
+            vec[0], vec[1] = num_tokens, -num_tokens
+            vec[2], vec[3] = check, -check
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.groups.tp)
+        v = vec.tolist()
+        bad = [i for i, flag in enumerate(v[4:]) if flag]
+        if refused is not None:
+            raise refused
+        if bad:
+            raise ValueError(f"forward_tp refused the input of TP rank(s) {bad} (see their error); this rank "
+                             f"{self.groups.tp_rank} raises too")
+        if v[0] != -v[1]:
+            raise ValueError(f"forward_tp: the TP ranks hold different numbers of tokens ({-v[1]}..{v[0]}; this rank "
+                             f"{num_tokens}): every TP rank must call it with the same tokens")
+        if v[2] != -v[3]:
+            raise ValueError("forward_tp: the TP ranks hold different token ids: every TP rank must call it with "
+                             "the same tokens (the same token_ids, in the same order)")
 
     def _gather_rows(self, rows: torch.Tensor, rb: Rebatch) -> torch.Tensor:
         """``[T, ...]`` in the original token order from every rank's ``[C, ...]`` chunk rows."""

@@ -284,12 +284,14 @@ def test_semantic_moe_matches_reference(world):
     print(f"world {world}: tp LAR plain chunks {lars[0]:.3f}, oracle plan {lars[1]:.3f}")
 
 
-TP_BAD_INPUTS = ("residual shape", "dtype", "forced rows", "no token ids")
+TP_BAD_INPUTS = ("residual shape", "dtype", "forced rows", "no token ids", "not a tensor", "fewer tokens",
+                 "other token ids")
 
 
 def _tp_bad_input_on_one_rank(rank, world):
-    """forward_tp with a bad input on rank 1: it joins the reduce-scatter and the MoE exchange with
-    stand-ins and raises its own error; rank 0 raises too (none hangs); the next call still works."""
+    """forward_tp with a bad input on rank 1, or with tokens that differ between the ranks: every
+    rank raises (none hangs or crashes the collectives, none returns a wrong output silently); the
+    next call still works."""
     groups = ml.ParallelGroups.from_world(tp=world)
     plan = make_plan(4 * world, world, seed=3)
     cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4 * world, top_k=2, params_dtype=torch.float64)
@@ -304,14 +306,23 @@ def _tp_bad_input_on_one_rank(rank, world):
             res = res[:5] if kind == "residual shape" else res
             forced = forced[:4] if kind == "forced rows" else forced
             tok = None if kind == "no token ids" else tok
+            x = x.tolist() if kind == "not a tensor" else x
+            if kind == "fewer tokens":
+                x, res, tok, forced = x[:8], res[:8], tok[:8], forced[:8]
+            tok = tok.flip(0) if kind == "other token ids" else tok
         layer.force_routing(forced)
         try:
             with torch.no_grad():
                 layer.forward_tp(x, res, norm, token_ids=tok)
             outcome[kind] = "no error"
         except (TypeError, ValueError) as e:
-            refused = "refused the input of expert-parallel rank(s) [1]" in str(e)
-            outcome[kind] = "raised" if refused == (rank == 0) else f"raised the wrong error: {e}"
+            if kind == "fewer tokens":
+                ok = "different numbers of tokens (8..9; this rank " in str(e)
+            elif kind == "other token ids":
+                ok = "different token ids" in str(e)
+            else:
+                ok = ("refused the input of TP rank(s) [1]" in str(e)) == (rank == 0)
+            outcome[kind] = "raised" if ok else f"raised the wrong error: {e}"
         with torch.no_grad():
             out = layer.forward_tp(partials[rank], residual, norm, token_ids=ids)
         if out.shape != (9, H):
