@@ -16,6 +16,7 @@ import numbers
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moelayers.config import MoEConfig
@@ -26,6 +27,9 @@ from moelayers.groups import ParallelGroups
 from moelayers.metrics import MoEStats
 from moelayers.placement import ExpertPlacement
 from moelayers.router import TopKRouter
+
+#: integer dtype of each element size: a weight's bits, summed exactly
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 DISPATCHERS = ("alltoall", "allgather")
 
@@ -144,30 +148,80 @@ class MoELayerBase(nn.Module):
 
     # ------------------------------------------------------------------ weights in logical order
     @torch.no_grad()
-    def load_full_weights(self, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Load logical weights (identical on every rank); all checks happen before any copy.
+    def load_full_weights(self, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+                          verify: bool = True) -> None:
+        """Load logical weights, identical on every rank; all checks happen before any copy.
+
+        Every expert-parallel rank calls it (a collective when ``verify``): the ranks compare an
+        exact per-expert checksum of the weights in one small all-reduce, so that weights that
+        differ between ranks (e.g. drawn with another seed on each) raise instead of giving wrong
+        outputs, and a rank whose weights are refused makes every rank raise instead of leaving
+        them waiting later.
 
         Args:
             router_weight: ``[E, H]``; w13: ``[E, 2F, H]`` (gate rows, then up); w2: ``[E, H, F]``.
+            verify: compare the weights across the expert-parallel ranks (one pass over them and one
+                all-reduce of ``3E + R`` integers; ``False`` skips it).
 
         Raises:
             TypeError: a weight is not a tensor, or has the wrong dtype or device.
-            ValueError: a weight has the wrong shape.
+            ValueError: a weight has the wrong shape; with ``verify``, the weights differ between
+                ranks, or another rank's were refused (nothing is loaded on any rank then).
         """
         cfg = self.config
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size
         dev = self.router.weight.device
-        for name, t, shape in (("router_weight", router_weight, (e, h)), ("w13", w13, (e, 2 * f, h)), ("w2", w2, (e, h, f))):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-            if t.dtype != cfg.params_dtype:
-                raise TypeError(f"{name} has dtype {t.dtype}, the layer's params_dtype is {cfg.params_dtype}: cast it first")
-            if t.device != dev:
-                raise TypeError(f"{name} is on {t.device}, the layer is on {dev}: move it first")
+        weights = (("router_weight", router_weight, (e, h)), ("w13", w13, (e, 2 * f, h)), ("w2", w2, (e, h, f)))
+        refused = None
+        try:
+            for name, t, shape in weights:
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+                if t.dtype != cfg.params_dtype:
+                    raise TypeError(f"{name} has dtype {t.dtype}, the layer's params_dtype is {cfg.params_dtype}: "
+                                    f"cast it first")
+                if t.device != dev:
+                    raise TypeError(f"{name} is on {t.device}, the layer is on {dev}: move it first")
+        except (TypeError, ValueError) as exc:
+            if not verify or self.groups.ep is None:
+                raise
+            refused = exc
+        if verify and self.groups.ep is not None:
+            self._agree_on_weights([t for _, t, _ in weights], refused)
         self.router.weight.copy_(router_weight)
         self.experts.load_full(w13, w2, self.placement, self.groups.ep_rank)
+
+    def _agree_on_weights(self, weights: list[torch.Tensor], refused: Exception | None) -> None:
+        """One ``MAX`` all-reduce over the EP group of ``[E]`` exact checksums per weight (integer sums
+        of each expert's bits) and a refusal flag per rank; raises on every rank when any rank
+        refused its weights (``refused`` itself on that rank) or the checksums differ."""
+        e, r, dev = self.config.num_experts, self.groups.ep_size, self.router.weight.device
+        flags = torch.zeros(r, dtype=torch.int64, device=dev)
+        flags[self.groups.ep_rank] = int(refused is not None)
+        if refused is None:
+            sums = torch.stack([t.contiguous().view(_SAME_SIZE_INT[t.element_size()]).reshape(e, -1)
+                                .sum(1, dtype=torch.int64) for t in weights]).flatten()  # [3E]
+            vec = torch.cat([sums, -sums, flags])  # MAX gives the max and -min of every checksum
+        else:  # a refused rank's checksums count for nothing in MAX
+            lowest = torch.iinfo(torch.int64).min + 1
+            vec = torch.cat([torch.full((6 * e,), lowest, dtype=torch.int64, device=dev), flags])
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.groups.ep)
+        high, low, bad = vec[:3 * e], -vec[3 * e:6 * e], vec[6 * e:]
+        if refused is not None:
+            raise refused
+        bad_ranks = torch.nonzero(bad).flatten().tolist()
+        if bad_ranks:
+            raise ValueError(f"load_full_weights refused the weights of expert-parallel rank(s) {bad_ranks} (see "
+                             f"their error); nothing was loaded on this rank {self.groups.ep_rank} either")
+        differ = (high != low).view(3, e).cpu()
+        if differ.any():
+            named = ", ".join(f"{name} of expert(s) {torch.nonzero(row).flatten().tolist()[:8]}"
+                              for name, row in zip(("router_weight", "w13", "w2"), differ) if row.any())
+            raise ValueError(f"load_full_weights: the weights differ between the expert-parallel ranks ({named}): "
+                             f"load the same logical weights on every rank (e.g. the same checkpoint or seed), "
+                             f"or pass verify=False to skip this check")
 
     def get_extra_state(self) -> dict:
         """What ``state_dict()`` saves beside the weights: the placement, since ``experts.w13`` /

@@ -106,3 +106,50 @@ def test_stats_reduce_does_not_depend_on_what_was_read():
     for out in outs:
         assert out["total"] == want and sum(out["pairs"]) == 2 * (5 + 6)
         assert "the ranks' records differ" in out["mismatch"] and "expert loads of 0..4 experts" in out["mismatch"]
+
+
+def _load_weights_across_ranks(rank, world):
+    """load_full_weights: identical weights load; weights drawn with another seed on each rank, or
+    refused on one rank, raise on every rank and load nothing; verify=False skips the check."""
+    import torch
+
+    import moelayers as ml
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.bfloat16)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), seed=5)
+    before = [t.detach().clone() for t in layer.export_full_weights()]
+
+    def weights(seed):
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randn(s, generator=g).to(torch.bfloat16) for s in ((4, 8), (4, 8, 8), (4, 8, 4))]
+
+    out = {}
+    for kind in ("same", "seed per rank", "one expert differs", "bad shape on rank 1", "verify off"):
+        w = weights(rank if kind in ("seed per rank", "verify off") else 0)
+        if kind == "one expert differs" and rank == 1:
+            w[2][3, 0, 0] += 1.0
+        if kind == "bad shape on rank 1" and rank == 1:
+            w[1] = w[1][:, :-1]
+        try:
+            layer.load_full_weights(*w, verify=kind != "verify off")
+            # export gathers each expert from the rank that holds it: equal to w where ranks agreed
+            out[kind] = "loaded" if kind == "verify off" or torch.equal(layer.export_full_weights()[1], w[1]) \
+                else "loaded other weights"
+        except (TypeError, ValueError) as e:
+            unchanged = all(torch.equal(a, b) for a, b in zip(layer.export_full_weights(), before))
+            out[kind] = (str(e) if unchanged else "partly loaded: " + str(e))
+        before = [t.detach().clone() for t in layer.export_full_weights()]
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_load_full_weights_checks_the_ranks_agree():
+    outs = run_distributed(_load_weights_across_ranks, 2)
+    for rank, out in enumerate(outs):
+        assert out["same"] == "loaded" and out["verify off"] == "loaded", out
+        assert "differ between the expert-parallel ranks (router_weight of expert(s) [0, 1, 2, 3]" in out["seed per rank"]
+        assert "(w2 of expert(s) [3])" in out["one expert differs"]
+        if rank == 1:
+            assert out["bad shape on rank 1"].startswith("w13 must have shape [4, 8, 8], got [4, 7, 8]")
+        else:
+            assert "refused the weights of expert-parallel rank(s) [1]" in out["bad shape on rank 1"]
