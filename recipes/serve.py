@@ -385,10 +385,13 @@ def load_replay_trace(cfg: dict):
                         need="router=replay")
 
 
-def in_sample_requests(cfg: dict, requests: list[Request], trace, layer_uses_plan: bool) -> int:
-    """How many requests replay a sequence the semantic plan (planned from this trace) trained on."""
-    if trace is None or semantic_plan_path(cfg) or not (layer_uses_plan or scheduler_name(cfg["scheduler"]) == "semantic"):
+def in_sample_requests(cfg: dict, requests: list[Request], trace, layer_uses_plan: bool) -> int | None:
+    """How many requests replay a sequence the semantic plan (planned from this trace) trained on;
+    ``None`` (unknown) for a plan file, which does not record the sequences it was planned from."""
+    if trace is None or not (layer_uses_plan or scheduler_name(cfg["scheduler"]) == "semantic"):
         return 0
+    if semantic_plan_path(cfg):
+        return None
     from moelayers.trace import train_sequences
 
     n_train = train_sequences(plan_train_fraction(cfg), trace.num_sequences)  # RoutingTrace.split's rule
@@ -460,7 +463,11 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
         notes += replay_notes
     owner = assign_requests(requests, world, cfg)
     in_sample = in_sample_requests(cfg, requests, trace, plan is not None)
-    if in_sample:
+    if in_sample is None:
+        notes.append(f"the semantic plan is read from {semantic_plan_path(cfg)}: whether requests replay sequences "
+                     f"it was planned on is unknown (in_sample_requests: null); recipes/plan.py plans on the first "
+                     f"trace.train_fraction of the trace's sequences, so set trace.request_offset past them")
+    elif in_sample:
         notes.append(f"{in_sample} of {len(requests)} requests replay sequences the semantic plan was trained on "
                      f"(trace.request_offset={request_offset(cfg)}; held-out from "
                      f"{train_sequences(plan_train_fraction(cfg), trace.num_sequences)})")
@@ -859,6 +866,11 @@ def check_config(d: dict) -> None:
     int_setting(d.get("max_steps"), "max_steps", 1)  # a run of zero steps serves nothing
     check_workload(d["workload"])
     trace = None
+    if router != "replay":
+        unused = [f"trace.{key}={d['trace'][key]}" for key in ("path", "request_offset") if d["trace"].get(key)]
+        if unused:
+            raise ValueError(f"{', '.join(unused)} is read with router=replay only (router={router} routes with "
+                             f"the model's own router): add router=replay, or drop it")
     if router == "replay":
         path = d["trace"].get("path")
         if path and not os.path.isfile(path):

@@ -439,7 +439,7 @@ def test_serve_semantic_plan_sources_and_config_errors(tmp_path):
         requests = serve.make_requests(c, 512, trace)
         owners = serve.get_scheduler(c["scheduler"])(requests, 2, c)
         assert sorted(owners) == [0] * 4 + [1] * 4  # balanced: every 2 requests take both ranks
-        assert serve.in_sample_requests(c, requests, trace, True) == 0  # a plan file: nothing known in-sample
+        assert serve.in_sample_requests(c, requests, trace, True) is None  # a plan file: unknown
     trace = serve.load_replay_trace(cfg)
     requests = serve.make_requests(cfg, 512, trace)
     assert serve.in_sample_requests(cfg, requests, trace, True) == 4  # planned on sequences 0-3 of 8

@@ -346,7 +346,9 @@ def test_serve_workload_checked_before_the_ranks_start():
             ((*lognormal, "+workload.output_len.sigma=nan"), "workload.output_len.sigma must be a finite number >= 0"),
             (("router=replay", "workload.prompt_fraction=7"), fraction + ", got 7"),
             (("router=replay", "workload.prompt_fraction=nan"), fraction + ", got nan"),
-            (("workload.prompt_fraction=0",), fraction + ", got 0")):
+            (("workload.prompt_fraction=0",), fraction + ", got 0"),
+            (("trace.path=/nonexistent.npz",), r"trace.path=/nonexistent.npz is read with router=replay only"),
+            (("trace.request_offset=4",), r"trace.request_offset=4 is read with router=replay only")):
         with pytest.raises(ValueError, match=match):
             serve.check_config(_config(*overrides))
     for overrides in (("workload.rate=null",), ("router=replay", "workload.prompt_fraction=1"),
