@@ -271,6 +271,14 @@ def jsonable(obj: Any) -> Any:
     return str(obj)
 
 
+def remove_stale(out_dir: str | os.PathLike, outputs: tuple[str, ...], written: Any) -> None:
+    """Remove every file of ``outputs`` (all a recipe may write into its run dir) that this run does
+    not write (``written``), so that a reused run dir never mixes two runs' files."""
+    for name in outputs:
+        if name not in written:
+            (Path(out_dir) / name).unlink(missing_ok=True)
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> Path:
     """Write ``jsonable(obj)`` to ``path`` (parents created), indented, atomically (never half a
     file, even if the run dies while writing); returns the path."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from moelayers.files import file_mode
 from moelayers.planning.semantic_eval import even_token_rank, lar_report
+from recipes._common import remove_stale
 
 __all__ = ["DP_MAX_RATIO", "MODES", "even_token_rank", "lar_report", "commit_files"]
 
@@ -55,9 +56,7 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
         for tmp in tmps.values():
             tmp.unlink(missing_ok=True)
         raise
-    for name in stale:
-        if name not in tmps:
-            (out / name).unlink(missing_ok=True)
+    remove_stale(out, stale, tmps)
     for name, tmp in tmps.items():
         os.replace(tmp, out / name)
     return [out / name for name in tmps]

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from recipes._common import shared_execution_kwargs, write_json
+from recipes._common import remove_stale, shared_execution_kwargs, write_json
 
 # metrics reduced to medians over the seeds (plain numbers of a single run's results)
 MEDIAN_KEYS = ("throughput_tok_s", "total_tok_s", "ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "tpot_mean_s",
@@ -50,6 +50,8 @@ COMPARED = (("lar", "higher", "lar_higher"), ("a2a_bytes", "lower", "a2a_bytes_l
             ("ttft_p99_s", "lower", "ttft_p99_lower"), ("imbalance", "lower", "imbalance_lower"),
             ("emulated_expert_s", "lower", "emulated_expert_lower"))
 SIDES = ("ours", "baseline")
+#: every file recipes/serve.py writes into its run dir, single run or comparison (the others are removed)
+OUTPUTS = ("results.json", "rank_load.png", "compare.png")
 #: the fewest seeds whose medians the comparison vouches for (fewer: ``seeds_below_minimum``)
 MIN_SEEDS = 3
 
@@ -344,9 +346,11 @@ def summarize(run_results: list[dict], cfg: dict, out_dir: str, wall_s: float, c
     print_tables(res)
     for warning in res["warnings"]:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
+    plot = cfg.get("plot", True)
+    remove_stale(out_dir, OUTPUTS, ("results.json", "compare.png", "rank_load.png") if plot else ("results.json",))
     path = write_json(os.path.join(out_dir, "results.json"), res)
     print(f"results: {path}  ({len(run_results)} runs, {wall_s:.1f} s)")
-    if cfg.get("plot", True):
+    if plot:
         for name, fn in (("compare.png", plot_compare), ("rank_load.png", plot_rank_load_sides)):
             fn(res, os.path.join(out_dir, name))
             print(f"plot: {os.path.join(out_dir, name)}")

@@ -79,8 +79,8 @@ from omegaconf import DictConfig  # noqa: E402
 
 from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, config_trace, device_for, int_setting, invocation, launch, normalize_flags, percentile, print_table, run_dir, shutdown,
-    to_dict, write_json,
+    LAYER_FLAGS, config_trace, device_for, int_setting, invocation, launch, normalize_flags, percentile, print_table,
+    remove_stale, run_dir, shutdown, to_dict, write_json,
 )
 from recipes._plots import plot_rank_load  # noqa: E402
 
@@ -728,9 +728,11 @@ def summarize(res: dict, out_dir: str) -> None:
         print(f"note: {note}")
     print_table(rows, title=f"serve: layer={res['layer']} router={res['router']} scheduler={res['scheduler']} "
                             f"world={res['world_size']}")
+    plot = res["config"].get("plot", True)
+    remove_stale(out_dir, compare.OUTPUTS, ("results.json", "rank_load.png") if plot else ("results.json",))
     path = write_json(os.path.join(out_dir, "results.json"), res)
     print(f"results: {path}")
-    if res["config"].get("plot", True):
+    if plot:
         png = os.path.join(out_dir, "rank_load.png")
         plot_rank_load(res["rank_load_per_step"], png,
                        f"{res['layer']} ({res['router']}), world {res['world_size']}: received per step")
