@@ -293,7 +293,18 @@ class TinyDecoder(nn.Module):
 
         Returns:
             ``[B, S, V]`` logits.
+
+        Raises:
+            TypeError, ValueError: ``input_ids`` is not a ``[B, S]`` integer tensor (a ``[S]`` one is
+                named as such: add the batch dimension, ``ids[None]``).
         """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point() or input_ids.is_complex() \
+                or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must be an integer tensor, got "
+                            f"{input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}")
+        if input_ids.dim() != 2:
+            hint = ": one sequence of S tokens is input_ids[None] ([1, S])" if input_ids.dim() == 1 else ""
+            raise ValueError(f"input_ids must be [B, S], got {list(input_ids.shape)}{hint}")
         b, s = input_ids.shape
         h = self.embed(input_ids)
         flat_ids = input_ids.reshape(-1)

@@ -127,6 +127,11 @@ def test_bad_ids_and_config_values_are_refused():
     with pytest.raises(TypeError, match="token_ids must be an integer tensor"):
         model.step([StepRequest("r", torch.tensor([3.7, 5.2]))])
     assert model.cache_length("r") == 0
+    with pytest.raises(ValueError, match=r"input_ids must be \[B, S\], got \[20\]: one sequence .* input_ids\[None\]"):
+        model(torch.randint(0, V, (20,)))  # it failed unpacking the shape ("not enough values to unpack")
+    with pytest.raises(TypeError, match="input_ids must be an integer tensor, got torch.float32"):
+        model(torch.rand(2, 5))
+    assert model(torch.randint(0, V, (20,))[None]).shape == (1, 20, V)
     for name, value in (("rope_theta", 0.0), ("rope_theta", float("nan")), ("norm_eps", -1e-6), ("init_std", float("inf"))):
         with pytest.raises(ValueError, match=f"TinyConfig.{name} must be a finite number"):
             TinyConfig(**{name: value})
