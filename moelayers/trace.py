@@ -71,6 +71,20 @@ def _check_range(arr: np.ndarray, hi: int, source: str, field: str, what: str) -
         raise _fail(source, field, f"has {what} out of range [0, {hi}): found {bad}")
 
 
+def _check_distinct(ids: np.ndarray, source: str) -> None:
+    """Each token's ``K`` experts at a layer are distinct (top-k routing never repeats one; a repeat
+    is a damaged trace, e.g. padding written as expert 0)."""
+    if ids.shape[-1] < 2:
+        return
+    srt = np.sort(ids, axis=-1)
+    repeated = (srt[..., 1:] == srt[..., :-1]).any(-1)  # [T, L]
+    if repeated.any():
+        t, layer = (int(i) for i in np.argwhere(repeated)[0])
+        raise _fail(source, "topk_ids", f"repeats an expert within a token's top-k at {int(repeated.sum())} (token, "
+                                        f"layer) pair(s), first token {t} at layer {layer}: {ids[t, layer].tolist()} "
+                                        f"(top-k routing picks K distinct experts)")
+
+
 def train_sequences(train_fraction: float, num_sequences: int) -> int:
     """``floor(train_fraction * num_sequences)``, the training part of :meth:`RoutingTrace.split`, with
     a relative tolerance of 1e-12 for float rounding (``0.29 * 100`` is 28.999999999999996: 29), so
@@ -131,6 +145,7 @@ class RoutingTrace:
         if top_k > num_experts:
             raise _fail(source, "topk_ids", f"has K = {top_k} experts per token, more than num_experts = {num_experts}")
         _check_range(ids, num_experts, source, "topk_ids", "expert ids")
+        _check_distinct(ids, source)
         self._validate_tokens(source, num_tokens)
         self._validate_offsets(source, num_tokens)
         if self.topk_weights is not None:

@@ -184,7 +184,7 @@ def test_step_loads_counts_and_last_partial_step() -> None:
 
 def test_trace_step_loads_and_rank_rows() -> None:
     rng = np.random.default_rng(1)
-    ids = rng.integers(0, 8, size=(10, 2, 2))
+    ids = np.argsort(rng.random((10, 2, 8)), axis=-1)[..., :2]  # 2 distinct experts of 8 per token and layer
     trace = RoutingTrace(ids, np.arange(10), np.array([0, 3, 10]), 8)
     loads = trace_step_loads(trace, 4)
     np.testing.assert_array_equal(loads, step_loads(ids, 8, 4))

@@ -88,6 +88,8 @@ BAD = {
     "K > E": (lambda a: a.update(num_experts=1, topk_ids=np.zeros((7, 2, 2), np.int64)), ValueError, "'topk_ids'.*more than num_experts"),
     "no layers": (lambda a: a.update(topk_ids=np.zeros((7, 0, 2), np.int64), topk_weights=None), ValueError, "'topk_ids'.*L >= 1"),
     "no tokens": (lambda a: a.update(topk_ids=np.zeros((0, 2, 2), np.int64)), ValueError, "'topk_ids'.*no tokens"),
+    "repeated expert": (lambda a: a["topk_ids"].__setitem__((5, 1), [3, 3]), ValueError,
+                        "'topk_ids' repeats an expert within a token's top-k at 1 .* first token 5 at layer 1: \\[3, 3\\]"),
     "num_experts float": (lambda a: a.update(num_experts=4.0), TypeError, "'num_experts'"),
     "num_experts zero": (lambda a: a.update(num_experts=0), ValueError, "'num_experts'"),
     "token length": (lambda a: a.update(token_ids=a["token_ids"][:6]), ValueError, "'token_ids'.*6 tokens"),
