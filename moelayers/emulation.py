@@ -345,6 +345,21 @@ class VariabilitySettings:
             kwargs["curves"] = self.curves(num_ranks)
         return dict(layer_cfg, kwargs=kwargs)
 
+    def describe(self, num_ranks: int) -> str | None:
+        """What the emulation does on the ``num_ranks`` ranks, for a run's notes (``None``: nothing)."""
+        if self.mode == "off":
+            return None
+        if self.mode == "measured":
+            factors = slowdown_preset(self.name, num_ranks)
+            slowed = {r: f for r, f in enumerate(factors) if f != 1.0}
+            if not slowed:
+                return None
+            shown = ", ".join(f"rank {r} x{f:.3f}" for r, f in slowed.items())
+            return f"emulated variability={self.name} (measured mode): expert compute stretched on {shown}"
+        source = self.curves_path or f"the {self.name} preset"
+        return (f"emulated variability={self.name} (curve mode): every rank's expert time padded to "
+                f"{self.time_scale:g} x its latency curve ({source})")
+
     def apply(self, layers: Sequence[nn.Module]) -> list[VariabilityEmulator]:
         """Hook the emulation on every layer (none when ``mode='off'``, or in measured mode when this
         rank's slowdown is 1)."""

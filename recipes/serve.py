@@ -455,7 +455,7 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
     layer_cfg = var.layer_config(cfg["layer"], groups.ep_size)
     plan = semantic_plan(cfg, groups.ep_size, trace) if uses_plan(layer_cfg) else None
     model = build_model(mcfg, layer_cfg, groups, device, int(cfg["seed"]), plan=plan)
-    emulators = var.apply(model.moe_layers)
+    var.apply(model.moe_layers)  # hooks stay on the layers for the whole run
     requests = make_requests(cfg, int(mcfg["vocab_size"]), trace)
     skipped_empty = 0
     if trace is not None:
@@ -550,7 +550,8 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
                     finished += 1
             running = [r for r, _ in batch if not r.done]
     elapsed = time.perf_counter() - t0
-    notes += [f"emulated variability={var.name} ({var.mode} mode) on rank {rank}"] if emulators else []
+    emulated = var.describe(groups.ep_size)
+    notes += [emulated] if emulated else []
     notes += [f"MoE layer {i}: {m.num_replans} re-plan(s)" for i, m in enumerate(layers) if hasattr(m, "num_replans")]
     if bar is not None:
         bar.update(len(requests) - bar.n)

@@ -587,6 +587,13 @@ def test_emulation_presets_with_gem_curves():
     s = VariabilitySettings.from_config({"variability": {"name": "moderate", "curves": {"path": None}},
                                          "emulation": {"mode": "curve", "time_scale": 5}})
     assert (s.name, s.mode, s.time_scale) == ("moderate", "curve", 5.0)
+    assert s.describe(2) == ("emulated variability=moderate (curve mode): every rank's expert time padded to 5 x "
+                             "its latency curve (the moderate preset)")
+    measured = VariabilitySettings.from_config({"variability": "moderate"})
+    assert measured.describe(3) == ("emulated variability=moderate (measured mode): expert compute stretched on "
+                                    "rank 0 x1.136, rank 1 x1.068")  # factors 1/0.88 .. 1.0, evenly spaced
+    assert VariabilitySettings.from_config({"variability": "low"}).describe(4) is None  # nothing slowed
+    assert VariabilitySettings.from_config({"variability": "high", "emulation": {"mode": "off"}}).describe(2) is None
     lc = s.layer_config({"cls": "moelayers.VariabilityAwareMoE", "kwargs": {"window": 4}}, 2)
     assert lc["kwargs"] == {"window": 4, "variability": "moderate"}
     assert s.layer_config({"cls": "moelayers.VanillaMoE", "kwargs": {}}, 2)["kwargs"] == {}
@@ -677,7 +684,8 @@ def test_serve_variability_replans(tmp_path):
     assert proc.returncode == 0, f"serve failed:\n{proc.stdout}\n{proc.stderr}"
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["layer"] == "variability" and res["output_tokens"] > 0 and res["tpot_p90_s"] > 0
-    assert "emulated variability=high (curve mode) on rank 0" in res["notes"]
+    assert ("emulated variability=high (curve mode): every rank's expert time padded to 1 x its latency curve "
+            "(the high preset)") in res["notes"]
     assert "MoE layer 0: 1 re-plan(s)" in res["notes"] and "MoE layer 1: 1 re-plan(s)" in res["notes"]
     assert len(res["replans"]) == 2
     assert [r["step"] for r in res["replans"]] == [8, 8]  # the window holds served steps, not the warm-up
