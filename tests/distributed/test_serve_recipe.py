@@ -375,7 +375,7 @@ def test_plot_rank_load_without_steps(tmp_path):
 def test_serve_scheduler_output_checked(monkeypatch):
     """A custom scheduler must give every request one rank in [0, world): a short list (zip would
     truncate) or a rank outside the world would silently drop requests."""
-    from recipes import serve
+    from recipes import _serve_workload as workload, serve
 
     cfg = _config("workload.num_requests=4")
     requests = serve.make_requests(cfg, 512)
@@ -387,10 +387,10 @@ def test_serve_scheduler_output_checked(monkeypatch):
             ("negative", lambda r, w, c: [-1] * len(r), "gave request 0 rank -1"),
             ("float", lambda r, w, c: [0.0] * len(r), "gave request 0 rank 0.0"),
             ("none", lambda r, w, c: None, "returned None, not a list of ranks")):
-        monkeypatch.setitem(serve.SCHEDULERS, name, fn)
+        monkeypatch.setitem(workload.SCHEDULERS, name, fn)
         with pytest.raises(ValueError, match=f"scheduler '{name}' {match}"):
             serve.assign_requests(requests, 2, dict(cfg, scheduler=name))
-    monkeypatch.setitem(serve.SCHEDULERS, "numpy", lambda r, w, c: np.arange(len(r)) % w)
+    monkeypatch.setitem(workload.SCHEDULERS, "numpy", lambda r, w, c: np.arange(len(r)) % w)
     assert serve.assign_requests(requests, 2, dict(cfg, scheduler="numpy")) == [0, 1, 0, 1]
 
 
