@@ -29,7 +29,8 @@ LAR and all-to-all bytes in the JSON (``baseline``, ``baseline_ms``, ``vs_baseli
 ``baseline_stats``). The baseline executes like ours — the same dispatcher, dedup, NaN check and
 expert backend (``recipes._common.EXECUTION_KWARGS``, recorded as ``baseline_kwargs``) and, with
 ``bench.cuda_graph=true``, the same capacity and CUDA graph — so that only the layer differs. A
-layer that re-plans by itself (``auto_replan``) is timed with it off (the JSON's ``notes`` say so).
+layer that re-plans by itself (``auto_replan``) is timed with it off (the JSON's ``notes`` say so;
+``replans`` counts its moves, 0 when none happened).
 Rank 0 prints a table and writes one JSON per (shape, tokens/rank) into the
 run dir, and copies into ``bench.save_to`` when set, named
 ``{layer}[_graph]_{shape}_t{tokens}_ws{world}_{device}.json``. ``bench.profile=true`` prints a
@@ -386,6 +387,7 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
             "layer_stats": _stats_record(stats),
             "baseline": base_name, "baseline_kwargs": None if base_cfg is None else base_cfg["kwargs"], "baseline_ms": base_ms,
             "vs_baseline": ms / base_ms if base_ms else None, "baseline_stats": _stats_record(base_stats),
+            "replans": getattr(ours, "num_replans", None),  # a self-re-planning layer's moves so far (0: none timed)
         }
         records.append(rec)
         if rank == 0:

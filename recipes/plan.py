@@ -278,6 +278,27 @@ def gem_scores(plans: dict[str, np.ndarray], name: str, train_loads, test_loads,
     }
 
 
+#: fewer train or held-out steps than this: the step scores (score*, gem_vs_*) rest on too few steps
+MIN_STEPS = 8
+
+
+def run_warnings(report: dict) -> list[str]:
+    """What the report's reader must know: too few steps for the step scores (GEM plans from the
+    train steps and is scored on the held-out ones), or a dp schedule that broke the token cap."""
+    out = []
+    steps = {"train": report["train_steps"], "held-out": report["held_out_steps"]}
+    few = {part: n for part, n in steps.items() if n < MIN_STEPS}
+    if few:
+        parts = " and ".join(f"{n} {part}" for part, n in few.items())
+        out.append(f"only {parts} step(s) of trace.tokens_per_step={report['tokens_per_step']} tokens (fewer than "
+                   f"{MIN_STEPS}): the step scores (score*, gem_vs_*) and GEM's plan rest on too few steps to "
+                   f"generalise; use a longer trace or a smaller trace.tokens_per_step")
+    if report["max_ratio_exceeded"]:
+        out.append(f"a rank holds more than {DP_MAX_RATIO} x the mean held-out tokens (token imbalance "
+                   f"{report['token_imbalance']:.3f}): no schedule of these requests in file order stays within it")
+    return out
+
+
 # ------------------------------------------------------------------------------------ the run
 def run(d: dict) -> dict:
     """Plan, evaluate, then write report.json / assignment.npz / curves.npz (/ plan.npz) into ``d['run_dir']``."""
@@ -321,10 +342,9 @@ def run(d: dict) -> dict:
     }
     report["max_ratio_exceeded"] = mode == "dp" and max(report["tokens_per_rank"]) > DP_MAX_RATIO * (
         sum(report["tokens_per_rank"]) / ep) + 1e-9
-    if report["max_ratio_exceeded"]:
-        print(f"warning: a rank holds more than {DP_MAX_RATIO} x the mean held-out tokens (token imbalance "
-              f"{report['token_imbalance']:.3f}): no schedule of these requests in file order stays within it",
-              file=sys.stderr)
+    report["warnings"] = run_warnings(report)
+    for warning in report["warnings"]:
+        print(f"warning: {warning}", file=sys.stderr)
     write_outputs(d["run_dir"], report, plans, name, token_rank, held_out, curves, semantic)
     return report
 

@@ -93,6 +93,40 @@ def test_bench_semantic_against_vanilla_in_one_run(tmp_path):
     for side in ("layer_stats", "baseline_stats"):
         assert 0.0 <= rec[side]["lar"] <= 1.0 and rec[side]["bytes_sent"] > 0
     assert "vanilla ms" in proc.stdout and "LAR baseline" in proc.stdout
+    # Both records recomputed from what the bench replays: the same synthetic trace and held-out
+    # requests (recipes._bench_tools, sized as bench_worker sizes them: 4 x world x tokens, >= 8 x world
+    # sequences), rank r's 64 tokens of the requests the semantic scheduler / round robin gives it;
+    # experts on the plan's ranks for ours, linear (experts r*E/R.. on rank r) for vanilla.
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    from recipes._bench_tools import Replay, semantic_schedules
+    from recipes._common import to_dict
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        d = to_dict(compose("bench", overrides=["bench=cpu_smoke", "parallel.world_size=2", "router=replay",
+                                                "layer=semantic"]))
+    world, tokens, experts = 2, 64, rec["shape"]["E"]
+    pairs = world * tokens * rec["shape"]["K"]  # (token, expert) activations over both ranks
+    replay = Replay(d["trace"], SimpleNamespace(num_experts=experts, top_k=rec["shape"]["K"]), d["seed"],
+                    4 * world * tokens, min_sequences=8 * world)
+    plan, owners = semantic_schedules(replay, world, d["seed"], d["layer"]["plan_train_fraction"], None)
+    remote = {}
+    for side, owner, expert_rank in (("layer_stats", "semantic", plan.expert_rank[replay.layer]),
+                                     ("baseline_stats", "round_robin", np.arange(experts) // (experts // world))):
+        ids = [replay.ids_for(r, tokens, torch.device("cpu"), owners[owner]).numpy() for r in range(world)]
+        where = [expert_rank[i] for i in ids]  # [tokens, K] rank of each activation, per replaying rank
+        local = sum(int((w == r).sum()) for r, w in enumerate(where))
+        assert rec[side]["lar"] == pytest.approx(local / pairs, abs=1e-12), side
+        assert rec[side]["rank_loads"] == np.bincount(np.concatenate(where).ravel(), minlength=world).tolist(), side
+        remote[side] = pairs - local
+    # without dedup every remote activation is one row of the same size, on both sides
+    ours, base = rec["layer_stats"]["bytes_sent"], rec["baseline_stats"]["bytes_sent"]
+    assert ours * remote["baseline_stats"] == base * remote["layer_stats"]
+    assert rec["layer_stats"]["lar"] > rec["baseline_stats"]["lar"]  # the point of the semantic schedule
 
 
 @pytest.mark.timeout(90)
@@ -139,10 +173,12 @@ def test_build_layer_gives_every_layer_the_same_nan_check(check_finite):
 
 @pytest.mark.timeout(120)
 def test_bench_times_variability_without_moving_weights(tmp_path):
-    """A layer that re-plans by itself (VariabilityAwareMoE) is timed with auto_replan off, and says so."""
+    """A layer that re-plans by itself (VariabilityAwareMoE) is timed with auto_replan off, and says so:
+    with a window of 2 steps it would re-plan within the 2 warm-up + 5 timed forwards; none happens."""
     rec = bench_record(tmp_path, "variability_cpu_smoke_t16_ws2_*.json", "layer=variability", "bench.baseline=vanilla",
-                       "bench.tokens_per_rank=[16]")
+                       "bench.tokens_per_rank=[16]", "layer.kwargs.window=2")
     assert rec["notes"] == ["variability: auto_replan off while timing"]
+    assert rec["replans"] == 0
     assert rec["baseline"] == "vanilla" and rec["baseline_kwargs"] == {"dispatcher": "alltoall", "dedup": True}
 
 

@@ -21,7 +21,10 @@ def test_profile_writes_curves(tmp_path):
         rows, lat = d["rows"], d["latency_s"]
         assert rows.tolist() == [1, 16, 32, 48, 64, 96, 128]
         assert lat.shape == (2, len(rows)) and (lat > 0).all()
-        assert d["latency_raw_s"].shape == lat.shape
+        raw = d["latency_raw_s"]
+        assert raw.shape == lat.shape and (raw > 0).all()
+        # each rank's curve is the non-decreasing fit of its own measurements (rank by rank, same order)
+        np.testing.assert_allclose(lat, _profile_module().monotone_fit(raw), rtol=1e-12, atol=0)
     from moelayers.planning.gem import LatencyCurves
 
     assert LatencyCurves.load(out / "curves.npz").num_ranks == 2  # what plan.py curves.path=... reads
@@ -64,6 +67,25 @@ def test_monotone_fit():
     mono = np.array([[1.0, 2.0, 2.0, 5.0], [3.0, 1.0, 4.0, 4.0]])
     np.testing.assert_array_equal(fit(mono)[0], mono[0])
     np.testing.assert_allclose(fit(mono)[1], [2.0, 2.0, 4.0, 4.0])
+
+
+def test_summarize_writes_each_ranks_fit_and_measurements(tmp_path, capsys):
+    """summarize() on made-up measurements that differ per rank: curves.npz holds every rank's own
+    measurements (latency_raw_s) and their non-decreasing fit (latency_s), in rank order."""
+    from moelayers.planning.gem import LatencyCurves
+
+    raw = np.array([[1.0, 3.0, 2.0, 4.0],    # rank 0 dips at 32 rows: 3 and 2 pool to 2.5
+                    [2.0, 2.5, 6.0, 5.0]])   # rank 1 dips at the end: 6 and 5 pool to 5.5
+    res = {"rows": [1, 16, 32, 48], "latency_s": raw.copy(), "device_names": ["gpu-a", "gpu-b"], "seconds": 0.1}
+    path = _profile_module().summarize(res, str(tmp_path))
+    with np.load(path, allow_pickle=False) as d:
+        np.testing.assert_array_equal(d["rows"], [1, 16, 32, 48])
+        np.testing.assert_array_equal(d["latency_raw_s"], raw)
+        np.testing.assert_allclose(d["latency_s"], [[1.0, 2.5, 2.5, 4.0], [2.0, 2.5, 5.5, 5.5]], rtol=1e-12)
+        assert d["device_names"].tolist() == ["gpu-a", "gpu-b"]
+    curves = LatencyCurves.load(path)
+    assert curves.num_ranks == 2
+    assert "4 of 8 samples smoothed" in capsys.readouterr().out  # the two pooled pairs
 
 
 def test_sample_rows():

@@ -209,23 +209,38 @@ def test_placement_from_expert_rank_refuses_float_ranks():
 
 def test_state_dict_carries_the_placement():
     """Expert weights are stored per slot: a checkpoint of a moved layer loads into a freshly built
-    one with the placement it was saved in (it used to load into the wrong experts' slots)."""
+    one with the placement it was saved in (it used to load into the wrong experts' slots).
+
+    The placements are not their own inverses (a cyclic shift, and one with spare slots), so a
+    checkpoint that stored expert -> slot instead of slot -> expert would load other experts."""
     from moelayers.placement import ExpertPlacement
 
     g = torch.Generator().manual_seed(4)
     cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, params_dtype=torch.float64)
-    layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single())
-    layer.load_full_weights(torch.randn(4, 16, generator=g, dtype=torch.float64),
-                            torch.randn(4, 16, 16, generator=g, dtype=torch.float64) / 4,
-                            torch.randn(4, 16, 8, generator=g, dtype=torch.float64) / 3)
+    weights = (torch.randn(4, 16, generator=g, dtype=torch.float64),
+               torch.randn(4, 16, 16, generator=g, dtype=torch.float64) / 4,
+               torch.randn(4, 16, 8, generator=g, dtype=torch.float64) / 3)
     x = torch.randn(8, 16, generator=g, dtype=torch.float64)
+    for slots, table in ((4, [[1, 2, 3, 0]]), (6, [[2, -1, 3, 0, -1, 1]])):
+        linear = ExpertPlacement.linear(4, 1, slots_per_rank=slots)
+        layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), placement=linear)
+        layer.load_full_weights(*weights)
+        with torch.no_grad():
+            want = layer(x)
+            moved = ExpertPlacement.from_phy2log(torch.tensor(table), 4)
+            layer.apply_placement(moved)
+            state = layer.state_dict()
+            assert state["_extra_state"]["phy2log"].tolist() == table  # slot -> expert, as placed
+            fresh = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), placement=linear)
+            fresh.load_state_dict(state)
+            assert fresh.placement == moved and fresh.placement.phy2log.tolist() == table
+            torch.testing.assert_close(fresh(x), want, rtol=1e-12, atol=1e-12)
+            for slot, expert in enumerate(table[0]):  # each slot holds its expert's weights
+                if expert >= 0:
+                    torch.testing.assert_close(fresh.experts.w2[slot], layer.experts.w2[slot], rtol=0, atol=0)
+                    torch.testing.assert_close(fresh.experts.w2[slot], weights[2][expert], rtol=0, atol=0)
+    fresh = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single())
     with torch.no_grad():
-        want = layer(x)
-        layer.apply_placement(ExpertPlacement.from_phy2log(torch.tensor([[3, 2, 1, 0]]), 4))
-        fresh = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single())
-        fresh.load_state_dict(layer.state_dict())
-        assert fresh.placement == layer.placement
-        torch.testing.assert_close(fresh(x), want, rtol=1e-12, atol=1e-12)
         wide = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), placement=ExpertPlacement.linear(4, 1, slots_per_rank=5))
         with pytest.raises(ValueError, match="slots per rank"):
             fresh.load_state_dict(wide.state_dict(), strict=False)

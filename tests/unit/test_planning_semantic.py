@@ -269,6 +269,24 @@ def test_plan_round_trip_and_placement(tmp_path, tp_plan):
         back.check_compatible(16, 8)
 
 
+def test_plan_for_another_number_of_layers_is_refused(tmp_path, tp_plan, synth):
+    """check_compatible compares the plan's layers too: a 6-layer plan is refused for a 4-layer model
+    or trace, naming the file and the field, and so is the held-out evaluation of a 4-layer trace."""
+    path = tmp_path / "semantic.npz"
+    tp_plan.save(path)
+    back = SemanticPlan.load(path)
+    back.check_compatible(16, 4, 6)
+    msg = r"semantic\.npz: semantic plan field 'expert_rank \(layers\)' is 6, but the model/parallel setup needs 4"
+    with pytest.raises(ValueError, match=msg):
+        back.check_compatible(16, 4, 4)
+    held = synth[1]
+    fewer = RoutingTrace(held.topk_ids[:, :4], held.token_ids, held.seq_offsets, held.num_experts,
+                         vocab_size=held.vocab_size)
+    for evaluate in (lambda: evaluate_tp(back, fewer, 64), lambda: evaluate_dp(back, fewer)):
+        with pytest.raises(ValueError, match=msg):
+            evaluate()
+
+
 def test_plan_save_is_atomic(tmp_path, tp_plan, monkeypatch):
     path = tmp_path / "plan.npz"
     path.write_bytes(b"old")
@@ -308,6 +326,34 @@ def test_plan_load_validates(tmp_path, tp_plan):
 
 
 # ------------------------------------------------------------------------------------ evaluation
+def check_traffic(report: dict, held: RoutingTrace, expert_rank: np.ndarray, token_rank: np.ndarray, ranks: int,
+                  linear_token_rank: np.ndarray) -> None:
+    """a2a_bytes_ratio, remote_ratio and expert_imbalance recomputed token by token (not only bounded).
+
+    A token is sent once to every other rank holding at least one of its K experts (de-duplicated
+    sends); the reference is the linear placement with ``linear_token_rank`` (the even spread). The
+    expert imbalance is max / mean of the activations each rank receives, averaged over layers."""
+    linear = np.arange(held.num_experts) // (held.num_experts // ranks)
+
+    def count(layer_rank, tokens):
+        lar, sends, imb = [], 0, []
+        for layer in range(held.num_layers):
+            where = layer_rank(layer)[held.topk_ids[:, layer]]  # [T, K]
+            mine = tokens(layer)
+            lar.append((where == mine[:, None]).mean())
+            sends += sum(len(set(row.tolist()) - {own}) for row, own in zip(where, mine.tolist()))
+            got = np.bincount(where.ravel(), minlength=ranks)
+            imb.append(got.max() / got.mean())
+        return float(np.mean(lar)), sends, float(np.mean(imb))
+
+    lar, sends, imb = count(lambda l: expert_rank[l], lambda l: token_rank[:, l])
+    lar_lin, sends_lin, _ = count(lambda l: linear, lambda l: linear_token_rank)
+    assert report["lar"] == pytest.approx(lar, abs=1e-12) and report["lar_linear"] == pytest.approx(lar_lin, abs=1e-12)
+    assert report["a2a_bytes_ratio"] == pytest.approx(sends / sends_lin, rel=1e-12)
+    assert report["remote_ratio"] == pytest.approx((1 - lar) / (1 - lar_lin), rel=1e-12)
+    assert report["expert_imbalance"] == pytest.approx(imb, rel=1e-12)
+
+
 def test_capacity_assign_and_step_capacity():
     scores = np.array([[0.9, 0.1], [0.8, 0.2], [0.7, 0.3], [0.1, 0.9]])
     np.testing.assert_array_equal(capacity_assign(scores, np.array([[2, 2]])), [0, 0, 1, 1])
@@ -341,6 +387,15 @@ def test_evaluate_tp_invariants(tp_plan, synth, predictor):
     assert report["lar"] == pytest.approx(lar_from_assignment(held, tp_plan.expert_rank, token_rank))
     assert report["lar"] > report["lar_linear"]
     assert report["expert_imbalance"] <= 1.3
+    # linear reference: each batch of tps tokens cut into 4 chunks of tps / 4 in file order
+    pos = np.arange(held.num_tokens) % tps
+    size = np.minimum(tps, held.num_tokens - (np.arange(held.num_tokens) - pos))  # tokens in this one's batch
+    even = np.where(size == tps, pos // (tps // 4), -1)
+    last = even < 0  # the partial batch: 4 chunks differing by at most one, the larger first
+    if last.any():
+        bounds = np.cumsum(size[last][0] // 4 + (np.arange(4) < size[last][0] % 4))
+        even[last] = np.searchsorted(bounds, pos[last], side="right")
+    check_traffic(report, held, tp_plan.expert_rank, token_rank, 4, even)
 
 
 @pytest.mark.parametrize("predictor", ["combined", "alg3"])
@@ -371,6 +426,8 @@ def test_evaluate_dp_invariants(synth):
     assert report["token_imbalance"] == pytest.approx(tokens.max() / tokens.mean())
     assert report["lar"] == pytest.approx(lar_from_assignment(held, plan.expert_rank, token_rank))
     assert report["expert_imbalance"] <= 1.3
+    even = request_schedule(np.zeros((held.num_sequences, 4)), held.seq_lengths, 4)  # no scores: spread evenly
+    check_traffic(report, held, plan.expert_rank, token_rank, 4, np.repeat(even, held.seq_lengths))
     free, free_rank = evaluate_dp(plan, held, mask=False)
     tokens = np.bincount(free_rank[:, 0], minlength=4)
     assert tokens.max() <= 1.3 * tokens.mean() and (free_rank == free_rank[:, :1]).all()
