@@ -134,6 +134,12 @@ class MoEConfig:
         router_dtype: dtype the router logits ``x W^T`` are computed in, at least (``None``: the
             input's dtype). ``torch.float32`` is megatron-core's ``moe_router_dtype='fp32'``: with
             bf16 weights it picks the same experts as megatron's router, near-ties included.
+        rank_in_logits_dtype: rank the experts as megatron-core's router does: sigmoid scores and
+            softmax-before-top-k scores (``norm_topk_prob=False``) rounded to the logits' dtype,
+            softmax-after-top-k (``norm_topk_prob=True``) by the logits themselves; with bf16
+            logits, near-ties become exact ties that ``torch.topk`` breaks, as in megatron.
+            ``False`` (the default, as Hugging Face's routers): scores in float32.
+            ``from_megatron`` sets it; it changes nothing for float32 logits.
     """
 
     hidden_size: int
@@ -146,6 +152,7 @@ class MoEConfig:
     params_dtype: torch.dtype = torch.float32
     init_std: float = 0.02
     router_dtype: torch.dtype | None = None
+    rank_in_logits_dtype: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k"):
@@ -167,8 +174,9 @@ class MoEConfig:
         if self.params_dtype not in PARAMS_DTYPES:
             raise TypeError(f"MoEConfig.params_dtype={self.params_dtype} is not supported: one of "
                             f"{[str(d) for d in PARAMS_DTYPES]} (fp8 weights need scaling factors moelayers does not keep)")
-        if not isinstance(self.norm_topk_prob, bool):
-            raise TypeError(f"MoEConfig.norm_topk_prob must be a bool, got {self.norm_topk_prob!r}")
+        for name in ("norm_topk_prob", "rank_in_logits_dtype"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"MoEConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.init_std, bool) or not isinstance(self.init_std, numbers.Real) \
                 or not math.isfinite(self.init_std) or not self.init_std > 0:
             raise ValueError(f"MoEConfig.init_std must be a finite number > 0, got {self.init_std!r}")
@@ -249,4 +257,5 @@ class MoEConfig:
             params_dtype=params_dtype,
             init_std=float(getattr(tc, "init_method_std", 0.02)),
             router_dtype=router_dtype,
+            rank_in_logits_dtype=True,  # megatron keeps the scores in the logits' dtype for its top-k
         )

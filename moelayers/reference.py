@@ -28,14 +28,21 @@ def swiglu_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch
 
 
 def _routing(logits: torch.Tensor, config: MoEConfig, topk_ids: torch.Tensor | None):
-    """``(ids [T, K], weights [T, K])``: scores in float32 (or float64), top-k unless forced, renormalised if asked."""
-    scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    scores = torch.softmax(scores, dim=-1) if config.score_fn == "softmax" else torch.sigmoid(scores)
+    """``(ids [T, K], weights [T, K])``: scores in float32 (or float64), top-k unless forced, renormalised
+    if asked. ``rank_in_logits_dtype`` (megatron's ranking): softmax renormalised over the top-k ranks the
+    logits themselves; otherwise the scores are rounded to the logits' dtype before the top-k."""
+    work = torch.promote_types(logits.dtype, torch.float32)
+    scores = torch.softmax(logits.to(work), dim=-1) if config.score_fn == "softmax" else torch.sigmoid(logits.to(work))
+    ranked = scores
+    if config.rank_in_logits_dtype:
+        post_softmax = config.score_fn == "softmax" and config.norm_topk_prob
+        ranked = logits if post_softmax else scores.to(logits.dtype)
+        scores = scores if post_softmax else ranked.to(work)
     if topk_ids is None:
-        weights, ids = torch.topk(scores, config.top_k, dim=-1)
+        _, ids = torch.topk(ranked, config.top_k, dim=-1)
     else:
         ids = topk_ids
-        weights = scores.gather(1, ids)
+    weights = scores.gather(1, ids)
     if config.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return ids, weights

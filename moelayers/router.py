@@ -13,34 +13,49 @@ def scores_to_topk(logits: torch.Tensor, config: MoEConfig) -> tuple[torch.Tenso
     """Score router logits and select the top-k experts.
 
     Scoring runs in float32 (float64 for float64 logits) so that near-ties are broken the same way
-    whatever the batch; weights are returned in float32/float64 and cast by the caller.
+    whatever the batch, unless ``config.rank_in_logits_dtype`` asks for megatron's ranking (see
+    :class:`~moelayers.config.MoEConfig`); weights are returned in float32/float64 and cast by the caller.
 
     Args:
         logits: ``[T, E]`` router logits.
-        config: gives ``top_k``, ``score_fn`` and ``norm_topk_prob``.
+        config: gives ``top_k``, ``score_fn``, ``norm_topk_prob`` and ``rank_in_logits_dtype``.
 
     Returns:
         ``(topk_ids [T, K] int64, topk_weights [T, K] float)``.
     """
-    scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if config.score_fn == "softmax":
-        scores = torch.softmax(scores, dim=-1)
-    else:
-        scores = torch.sigmoid(scores)
-    weights, ids = torch.topk(scores, config.top_k, dim=-1)
-    if config.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return ids, weights
+    work = torch.promote_types(logits.dtype, torch.float32)
+    if config.rank_in_logits_dtype and _post_softmax(config):
+        top, ids = torch.topk(logits, config.top_k, dim=-1)  # megatron: top-k of the logits, softmax over them
+        return ids, torch.softmax(top.to(work), dim=-1)
+    weights, ids = torch.topk(_scores(logits, config), config.top_k, dim=-1)
+    return ids, _normalised(weights.to(work), config)
 
 
 def forced_topk_weights(logits: torch.Tensor, topk_ids: torch.Tensor, config: MoEConfig) -> torch.Tensor:
     """Weights for externally chosen experts (trace replay): the scores of ``topk_ids`` under
     this router, normalised as the config says. ``[T, E], [T, K] -> [T, K]``."""
+    work = torch.promote_types(logits.dtype, torch.float32)
+    weights = torch.gather(_scores(logits, config), 1, topk_ids.long())  # any integer ids (a trace may store int16)
+    return _normalised(weights.to(work), config)
+
+
+def _post_softmax(config: MoEConfig) -> bool:
+    """Softmax renormalised over the top-k: megatron's softmax after the top-k (``pre_softmax=False``)."""
+    return config.score_fn == "softmax" and config.norm_topk_prob
+
+
+def _scores(logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """``[T, E]`` softmax or sigmoid scores in float32/float64; with ``config.rank_in_logits_dtype``
+    rounded to the logits' dtype (megatron's ``.type_as(logits)``), except for softmax after the top-k,
+    whose weights megatron computes in float32 from the selected logits."""
     scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
     scores = torch.softmax(scores, dim=-1) if config.score_fn == "softmax" else torch.sigmoid(scores)
-    weights = torch.gather(scores, 1, topk_ids.long())  # any integer ids (a trace may store int16)
+    return scores.to(logits.dtype) if config.rank_in_logits_dtype and not _post_softmax(config) else scores
+
+
+def _normalised(weights: torch.Tensor, config: MoEConfig) -> torch.Tensor:
     if config.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights
 
 

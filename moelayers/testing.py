@@ -70,7 +70,8 @@ def check_close(name: str, y: torch.Tensor, ref64: torch.Tensor, ref_low: torch.
 
 
 def redraw_near_ties(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, draw: Callable[[int], torch.Tensor], *,
-                     margin: float = 0.1, tries: int = 100) -> torch.Tensor:
+                     margin: float = 0.1, tries: int = 100, score_fn: str | None = None,
+                     score_margin: float = 2.0 ** -5) -> torch.Tensor:
     """Test inputs without router near-ties: every token whose ``top_k``-th and next logits lie within
     ``margin`` is replaced by ``draw(n)`` (fresh tokens), until none is left.
 
@@ -79,6 +80,9 @@ def redraw_near_ties(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, d
         router_weight: ``[E, H]`` float64 router weight.
         top_k: experts per token (``>= E``: nothing to tie).
         draw: ``n -> [n, H]`` fresh float64 tokens (e.g. from the generator that drew ``x``).
+        score_fn: with ``'softmax'`` or ``'sigmoid'``, the ``top_k``-th and next *scores* must differ by
+            more than ``score_margin`` relative too: scores rounded to bf16 (``rank_in_logits_dtype``)
+            tie within 2^-8, although their logits lie further apart where the sigmoid saturates.
 
     Returns:
         ``x``.
@@ -89,8 +93,13 @@ def redraw_near_ties(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, d
     if top_k >= router_weight.shape[0] or x.shape[0] == 0:
         return x
     for _ in range(tries):
-        top = (x @ router_weight.t()).topk(top_k + 1, dim=1).values
+        logits = x @ router_weight.t()
+        top = logits.topk(top_k + 1, dim=1).values
         tie = (top[:, -2] - top[:, -1]) < margin
+        if score_fn is not None:
+            scores = torch.softmax(logits, dim=1) if score_fn == "softmax" else torch.sigmoid(logits)
+            s = scores.topk(top_k + 1, dim=1).values
+            tie |= (s[:, -2] - s[:, -1]) < score_margin * s[:, -2]
         if not tie.any():
             return x
         x[tie] = draw(int(tie.sum()))

@@ -58,14 +58,18 @@ def case_list(world: int) -> list[dict]:
         for place in ("permuted", "replicas"):  # fixed-capacity mode (inference only)
             cases.append(dict(place=place, dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True))
         cases.append(dict(place="linear", dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True, zero_tokens=True))
+    # megatron's ranking in bf16 (MoEConfig.rank_in_logits_dtype): sigmoid scores rounded to bf16, softmax by the logits
+    for extra in (dict(sigmoid=True), {}):
+        cases.append(dict(place="permuted", dispatcher="alltoall", dedup=True, dtype=torch.bfloat16, megatron_rank=True,
+                          **extra))
     # fp32 router logits from bf16 weights (MoEConfig.router_dtype; megatron's moe_router_dtype='fp32')
     for disp, dedup in (("alltoall", True), ("allgather", True)):
         cases.append(dict(place="replicas", dispatcher=disp, dedup=dedup, dtype=torch.bfloat16, fp32_router=True))
     cases.append(dict(place="permuted", dispatcher="alltoall", dedup=True, dtype=torch.bfloat16, capacity=True,
                       fp32_router=True))
     for c in cases:
-        flags = [k for k in ("policy", "zero_tokens", "one_expert", "topk_all", "sigmoid", "capacity", "fp32_router")
-                 if c.get(k)]
+        flags = [k for k in ("policy", "zero_tokens", "one_expert", "topk_all", "sigmoid", "capacity", "fp32_router",
+                             "megatron_rank") if c.get(k)]
         c["name"] = f"{c['place']}-{c['dispatcher']}-{'dedup' if c['dedup'] else 'nodedup'}-" \
                     f"{str(c['dtype']).split('.')[-1]}" + "".join(f"-{f}" for f in flags)
     return cases
@@ -98,7 +102,8 @@ def _run_case(rank: int, world: int, groups, case: dict, device: torch.device) -
     dtype = case["dtype"]
     cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=num_experts, top_k=top_k,
                        score_fn="sigmoid" if case.get("sigmoid") else "softmax", params_dtype=dtype,
-                       router_dtype=torch.float32 if case.get("fp32_router") else None)
+                       router_dtype=torch.float32 if case.get("fp32_router") else None,
+                       rank_in_logits_dtype=bool(case.get("megatron_rank")))
     cfg64 = cfg.replace(params_dtype=torch.float64)
     gen = torch.Generator().manual_seed(1234)
     router64 = torch.randn(num_experts, H, generator=gen, dtype=torch.float64) * 0.5
@@ -112,7 +117,8 @@ def _run_case(rank: int, world: int, groups, case: dict, device: torch.device) -
         g = torch.Generator().manual_seed(100 + r)
         draw = (lambda n, g=g: torch.randn(n, H, generator=g, dtype=torch.float64).abs() + 0.1) if case.get("one_expert") \
             else (lambda n, g=g: torch.randn(n, H, generator=g, dtype=torch.float64))
-        xs.append(redraw_near_ties(draw(_tokens(r, case)), router64, top_k, draw))
+        xs.append(redraw_near_ties(draw(_tokens(r, case)), router64, top_k, draw,
+                                   score_fn=cfg.score_fn if case.get("megatron_rank") else None))
     gys = [torch.randn(x.shape, generator=torch.Generator().manual_seed(200 + r), dtype=torch.float64)
            for r, x in enumerate(xs)]
 

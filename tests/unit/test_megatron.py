@@ -179,6 +179,33 @@ def test_from_megatron_mapping(score, pre, topk, norm):
     torch.testing.assert_close(ours, probs, rtol=1e-6, atol=1e-6)  # both score in fp32
 
 
+@pytest.mark.parametrize("score,pre,topk", [("softmax", False, 6), ("softmax", True, 6), ("sigmoid", False, 6),
+                                            ("sigmoid", False, 1)])
+def test_bf16_router_picks_megatrons_experts_ties_included(score, pre, topk):
+    """megatron's default router dtype keeps bf16 scores for its top-k (``.type_as(logits)``): near-ties
+    become exact ties. from_megatron's configs rank the same way (rank_in_logits_dtype), so the router
+    and the reference pick megatron's experts exactly, ties included; float32 ranking picks others."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    cfg = ml.MoEConfig.from_megatron(_tc(moe_router_score_function=score, moe_router_pre_softmax=pre,
+                                         moe_router_topk=topk, num_moe_experts=64, params_dtype=torch.bfloat16))
+    assert cfg.rank_in_logits_dtype and cfg.router_dtype is None
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(4000, 64, generator=g) * 0.5).to(torch.bfloat16)  # fine bf16 spacing: many near-ties
+    probs, routing_map = topk_routing_with_score_function(logits, topk, use_pre_softmax=pre, score_function=score)
+    ids, weights = ml.router.scores_to_topk(logits, cfg)
+    assert torch.equal(routing_map, torch.zeros_like(routing_map).scatter(1, ids, True))
+    torch.testing.assert_close(weights.to(torch.bfloat16), probs.gather(1, ids), rtol=1e-2, atol=1e-3)
+    ref_ids, _ = ml.reference._routing(logits, cfg, None)  # the reference's routing, written apart
+    assert torch.equal(torch.zeros_like(routing_map).scatter(1, ref_ids, True), routing_map)
+    # the test has teeth: some tokens' k-th and next scores are exact bf16 ties, which float32 ranking breaks
+    # by value, picking other experts than megatron
+    fp32_ids, _ = ml.router.scores_to_topk(logits, cfg.replace(rank_in_logits_dtype=False))
+    changed = (torch.zeros_like(routing_map).scatter(1, fp32_ids, True) != routing_map).any(1).sum()
+    if not (score == "softmax" and not pre):  # megatron ranks the logits there: no new ties
+        assert changed > 0
+
+
 def test_fp32_router_picks_megatrons_experts_in_bf16():
     """moe_router_dtype='fp32' -> router_dtype=float32: bf16 inputs and weights, fp32 logits, the same
     experts and weights as megatron's router on them (near-ties included); the bf16 router differs."""
