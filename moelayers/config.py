@@ -34,6 +34,8 @@ MEGATRON_SUPPORTED_VALUES: dict[str, tuple] = {
     "moe_shared_expert_intermediate_size": (None,),  # shared experts
     "moe_latent_size": (None,),
     "glu_linear_offset": (0.0,),
+    "fp8": (None,),                              # fp8 / fp4 matmuls (TransformerEngine) change the outputs
+    "fp4": (None,),
     "activation_func_clamp_value": (None,),
 }
 

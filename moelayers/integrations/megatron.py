@@ -23,10 +23,15 @@ megatron-core 0.16.x without TransformerEngine cannot run its router (``RouterGa
 reads an unbound ``te_general_gemm``); :func:`megatron_moe_layer` binds that name to ``None``, the
 value megatron's own TE-less fallback uses, when it is missing.
 
-Limitations: megatron's distributed checkpointing (``sharded_state_dict``) does not know the
-adapter's expert layout (save/load logical weights with ``export_full_weights`` /
-``load_full_weights`` instead); expert tensor parallelism is not supported by
-:func:`load_megatron_weights`.
+To serve a trained megatron model with our layers, :func:`megatron_weights` reads the logical
+weights back out of megatron's ``MoELayer`` (gathered over its expert-parallel ranks):
+``adapter.load_full_weights(*megatron_weights(megatron_layer))``.
+
+Limitations: megatron's distributed checkpointing (``sharded_state_dict``) of the adapter is refused
+with several expert-parallel ranks (save/load logical weights with ``export_full_weights`` /
+``load_full_weights`` instead); training with tensor and sequence parallelism is refused (inference
+works); expert tensor parallelism is not supported by :func:`load_megatron_weights` /
+:func:`megatron_weights`.
 """
 
 from __future__ import annotations
@@ -224,6 +229,8 @@ class MegatronMoEAdapter(nn.Module):
             layer_kwargs["device"] = _pick_device(config, self.groups)
         self.layer_number, self.is_mtp_layer, self.megatron_name = layer_number, bool(is_mtp_layer), name
         self.layer = layer_cls(self.moe_config, self.groups, **layer_kwargs)
+        if self.groups.ep_size > 1:  # megatron calls module.sharded_state_dict when the module has one
+            self.sharded_state_dict = self._refuse_sharded_state_dict
         for module in self.layer.modules():
             if isinstance(module, GroupedExperts):
                 for p in module.parameters(recurse=False):
@@ -248,15 +255,33 @@ class MegatronMoEAdapter(nn.Module):
         """
         return self.layer.export_full_weights()
 
+    def _refuse_sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> dict:
+        """megatron's distributed checkpointing with several expert-parallel ranks: refused.
+
+        Bound as ``sharded_state_dict`` only when ``groups.ep_size > 1`` (see ``__init__``): with one
+        rank megatron's default for a module without it (every tensor replicated) is right.
+
+        Raises:
+            NotImplementedError: the ranks hold different experts under the same names; megatron's
+                default would mark them replicated, save one rank's and load it on every rank, losing
+                the others' experts silently. Save ``export_full_weights()`` (or each rank's
+                ``state_dict()``) instead.
+        """
+        raise NotImplementedError(
+            f"distributed checkpointing (sharded_state_dict) of {type(self.layer).__name__} in megatron's mlp slot "
+            f"with {self.groups.ep_size} expert-parallel ranks is not supported: each rank holds other experts under "
+            "the same names. Save export_full_weights() (logical order, any layout) or each rank's state_dict() "
+            "instead")
+
     def forward(
         self,
         hidden_states: torch.Tensor,
+        intermediate_tensors: Any = None,
         padding_mask: torch.Tensor | None = None,
         *,
-        intermediate_tensors: Any = None,
         token_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, None]:
-        """megatron's mlp interface.
+        """megatron's mlp interface (``MoELayer.forward``'s positional order).
 
         Args:
             hidden_states: ``[S, B, H]``.
@@ -276,15 +301,26 @@ class MegatronMoEAdapter(nn.Module):
         Raises:
             RuntimeError: training (``self.training`` with grad enabled) while the config turns on
                 megatron's auxiliary or z loss, which moelayers does not add to the router's
-                gradient (:attr:`training_losses`); inference runs as usual.
+                gradient (:attr:`training_losses`), or tensor parallelism with sequence parallelism,
+                where each TP rank routes other tokens and the router's and experts' gradients would
+                need a sum over the TP ranks that megatron does not do for them; inference runs as usual.
         """
-        if self.training_losses and self.training and torch.is_grad_enabled():
+        training = self.training and torch.is_grad_enabled()
+        if self.training_losses and training:
             raise RuntimeError(
                 f"the transformer_config turns on training losses moelayers does not implement: "
                 f"{', '.join(self.training_losses)}; megatron would add them to the router's gradient here, "
                 "moelayers would silently miss them. Set the coefficients to 0 to train, or run inference "
                 "(model.eval() or torch.no_grad())"
             )
+        tp = int(getattr(self.config, "tensor_model_parallel_size", 1) or 1)
+        if training and tp > 1 and getattr(self.config, "sequence_parallel", False):
+            raise RuntimeError(
+                f"training through the adapter with tensor_model_parallel_size={tp} and sequence_parallel=True is "
+                "not supported: each TP rank routes its own tokens, so the router's and experts' gradients are "
+                "partial sums that megatron's gradient reduction does not add up over the TP ranks here (the "
+                "copies would drift apart). Train with sequence_parallel=False or tensor_model_parallel_size=1; "
+                "inference runs as usual")
         if intermediate_tensors is not None:
             raise NotImplementedError("MegatronMoEAdapter does not support partial CUDA-graph capture "
                                       "(intermediate_tensors)")
@@ -341,8 +377,8 @@ def moe_spec(layer_cls: type, **layer_kwargs: Any) -> "ModuleSpec":
 
 def __getattr__(name: str) -> Any:
     """megatron's own MoELayer (the peer) lives in megatron_peer.py, which imports this module:
-    ``load_megatron_weights`` and ``megatron_moe_layer`` are re-exported here lazily."""
-    if name in ("load_megatron_weights", "megatron_moe_layer"):
+    ``load_megatron_weights``, ``megatron_moe_layer`` and ``megatron_weights`` are re-exported here lazily."""
+    if name in ("load_megatron_weights", "megatron_moe_layer", "megatron_weights"):
         from moelayers.integrations import megatron_peer
 
         return getattr(megatron_peer, name)
@@ -351,5 +387,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "HAVE_MEGATRON", "MEGATRON_BUILD_KWARGS", "MegatronMoEAdapter", "groups_for_megatron",
-    "load_megatron_weights", "megatron_moe_layer", "moe_spec",
+    "load_megatron_weights", "megatron_moe_layer", "megatron_weights", "moe_spec",
 ]

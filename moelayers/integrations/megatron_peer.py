@@ -195,6 +195,90 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     dst.copy_(src.to(dtype=dst.dtype, device=dst.device))
 
 
+def _local_experts(layer: Any) -> list[int]:
+    """The logical experts this expert-parallel rank of a megatron ``MoELayer`` holds, in its order."""
+    local = getattr(layer, "local_expert_indices", None)
+    if local is None:
+        from megatron.core import parallel_state as ps
+
+        n = layer.num_local_experts
+        local = range(ps.get_expert_model_parallel_rank() * n, (ps.get_expert_model_parallel_rank() + 1) * n)
+    return [int(i) for i in local]
+
+
+@torch.no_grad()
+def megatron_weights(layer: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logical weights of a megatron-core ``MoELayer``, the inverse of :func:`load_megatron_weights`:
+    to serve a trained megatron model with our layers, ``adapter.load_full_weights(*megatron_weights(meg))``
+    (a collective over megatron's expert-parallel group: every rank gathers every expert).
+
+    Returns:
+        ``(router_weight [E, H], w13 [E, 2F, H], w2 [E, H, F])`` in the layer's dtype and device, the
+        same on every rank.
+
+    Raises:
+        ValueError: the router or the experts carry a non-zero bias (our experts have none), or the
+            layout is not one this reads (expert tensor parallelism is not supported).
+        TypeError: experts other than SequentialMLP, GroupedMLP and TEGroupedMLP.
+    """
+    tc = layer.config
+    e, h = tc.num_moe_experts, tc.hidden_size
+    f = getattr(tc, "moe_ffn_hidden_size", None) or tc.ffn_hidden_size
+    local = _local_experts(layer)
+    n = len(local)
+    biases = [getattr(layer.router, "bias", None)]
+    experts = layer.experts
+    if hasattr(experts, "weight1") and hasattr(experts, "weight2"):  # GroupedMLP
+        if tuple(experts.weight1.shape) != (h, n * 2 * f) or tuple(experts.weight2.shape) != (n * f, h):
+            raise ValueError(f"GroupedMLP weights {list(experts.weight1.shape)}, {list(experts.weight2.shape)} do not "
+                             f"match H={h}, F={f}, {n} local experts (expert tensor parallelism is not supported)")
+        w13 = experts.weight1.view(n, h, 2 * f).transpose(1, 2)
+        w2 = experts.weight2.view(n, f, h).transpose(1, 2)
+    elif hasattr(experts, "local_experts"):  # SequentialMLP
+        w13 = torch.stack([mlp.linear_fc1.weight for mlp in experts.local_experts])
+        w2 = torch.stack([mlp.linear_fc2.weight for mlp in experts.local_experts])
+        biases += [getattr(lin, "bias", None) for mlp in experts.local_experts for lin in (mlp.linear_fc1, mlp.linear_fc2)]
+    elif hasattr(experts, "linear_fc1") and hasattr(experts.linear_fc1, "weight0"):  # TEGroupedMLP
+        w13 = torch.stack([getattr(experts.linear_fc1, f"weight{i}") for i in range(n)])
+        w2 = torch.stack([getattr(experts.linear_fc2, f"weight{i}") for i in range(n)])
+        biases += [getattr(lin, f"bias{i}", None) for i in range(n) for lin in (experts.linear_fc1, experts.linear_fc2)]
+    else:
+        raise TypeError(f"megatron_weights reads SequentialMLP, GroupedMLP and TEGroupedMLP experts, "
+                        f"not {type(experts).__name__}")
+    if tuple(w13.shape) != (n, 2 * f, h) or tuple(w2.shape) != (n, h, f):
+        raise ValueError(f"megatron's experts hold {list(w13.shape)}, {list(w2.shape)}, expected {[n, 2 * f, h]}, "
+                         f"{[n, h, f]} (expert tensor parallelism is not supported)")
+    if any(isinstance(b, torch.Tensor) and b.numel() and bool(b.ne(0).any()) for b in biases):
+        raise ValueError("megatron's router or experts have a non-zero bias: moelayers' experts have none "
+                         "(add_bias_linear=False)")
+    full13 = w13.new_empty(e, 2 * f, h)
+    full2 = w2.new_empty(e, h, f)
+    index = torch.tensor(local, dtype=torch.int64, device=w13.device)
+    group = _expert_group()
+    if group is None:
+        if n != e:
+            raise ValueError(f"this process holds {n} of {e} experts but no expert-parallel group is initialised")
+        return layer.router.weight.detach().clone(), full13.index_copy_(0, index, w13), full2.index_copy_(0, index, w2)
+    world = dist.get_world_size(group)
+    parts = [torch.empty_like(t) for t in (index, w13.contiguous(), w2.contiguous()) for _ in range(world)]
+    for k, t in enumerate((index, w13.contiguous(), w2.contiguous())):
+        dist.all_gather(parts[k * world:(k + 1) * world], t, group=group)
+    index_all = torch.cat(parts[:world])
+    full13.index_copy_(0, index_all, torch.cat(parts[world:2 * world]))
+    full2.index_copy_(0, index_all, torch.cat(parts[2 * world:]))
+    return layer.router.weight.detach().clone(), full13, full2
+
+
+def _expert_group():
+    """megatron's expert-parallel process group, ``None`` for a group of one (or no parallel state)."""
+    from megatron.core import parallel_state as ps
+
+    if not dist.is_initialized() or not ps.model_parallel_is_initialized():
+        return None
+    group = ps.get_expert_model_parallel_group()
+    return group if dist.get_world_size(group) > 1 else None
+
+
 @torch.no_grad()
 def load_megatron_weights(layer: Any, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
     """Load logical weights into a megatron-core ``MoELayer`` (this EP rank's experts and the router).
@@ -220,13 +304,7 @@ def load_megatron_weights(layer: Any, router_weight: torch.Tensor, w13: torch.Te
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if tuple(t.shape) != shape:
             raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    local = getattr(layer, "local_expert_indices", None)
-    if local is None:
-        from megatron.core import parallel_state as ps
-
-        n = layer.num_local_experts
-        local = list(range(ps.get_expert_model_parallel_rank() * n, (ps.get_expert_model_parallel_rank() + 1) * n))
-    local = [int(i) for i in local]
+    local = _local_experts(layer)
     index = torch.tensor(local, dtype=torch.int64, device=w13.device)
     w13_l, w2_l = w13.index_select(0, index), w2.index_select(0, index)
     n = len(local)
@@ -262,4 +340,4 @@ def load_megatron_weights(layer: Any, router_weight: torch.Tensor, w13: torch.Te
                         f"not {type(experts).__name__}")
 
 
-__all__ = ["load_megatron_weights", "megatron_moe_layer"]
+__all__ = ["load_megatron_weights", "megatron_moe_layer", "megatron_weights"]

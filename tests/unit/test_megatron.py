@@ -241,6 +241,7 @@ def test_fp32_router_picks_megatrons_experts_in_bf16():
     (dict(activation_func=F.gelu), "activation_func=F.silu"),
     (dict(add_bias_linear=True), "add_bias_linear=False"),
     (dict(moe_input_jitter_eps=0.5), "moe_input_jitter_eps=0.5"),
+    (dict(fp4="nvfp4"), "fp4='nvfp4'"),
 ])
 def test_from_megatron_refuses_what_it_does_not_implement(setting, match):
     """A setting that changes megatron's output is an error, never silently dropped."""
@@ -278,10 +279,10 @@ def test_adapter_token_ids_layout():
     ids_bs = torch.arange(b * s).view(b, s)  # megatron's input_ids layout
     for pad in (None, torch.zeros(b, s, dtype=torch.bool)):
         with pytest.raises(ValueError, match=r"transpose megatron's \[B, S\] input_ids"):
-            adapter(x, pad, token_ids=ids_bs)
-        adapter(x, pad, token_ids=ids_bs.t())
+            adapter(x, padding_mask=pad, token_ids=ids_bs)
+        adapter(x, padding_mask=pad, token_ids=ids_bs.t())
         assert torch.equal(adapter.layer.last_token_ids, ids_bs.t().reshape(-1))
-        adapter(x, pad, token_ids=ids_bs.t().reshape(-1))  # flat, in hidden_states' order
+        adapter(x, padding_mask=pad, token_ids=ids_bs.t().reshape(-1))  # flat, in hidden_states' order
         assert torch.equal(adapter.layer.last_token_ids, ids_bs.t().reshape(-1))
     with pytest.raises(ValueError, match="token_ids"):
         adapter(x, token_ids=torch.arange(s * b + 1))
@@ -319,6 +320,35 @@ def test_adapter_refuses_to_train_with_training_losses(setting, match):
         y_no_grad, _ = adapter(x)
     y_eval, _ = adapter.eval()(x)
     assert torch.equal(y_no_grad, y_eval)
+
+
+def test_adapter_refuses_to_train_with_sequence_parallel_tensor_parallelism():
+    """With TP > 1 and sequence parallelism each TP rank routes its own tokens: the router's and experts'
+    gradients are partial sums megatron does not add up for the adapter, so training is refused (the
+    copies drifted apart); inference runs. One rank stands in (groups=single): the check reads the config."""
+    tc = _tc(tensor_model_parallel_size=2, sequence_parallel=True)
+    adapter = mi.MegatronMoEAdapter(tc, ml.VanillaMoE, groups=ml.ParallelGroups.single())
+    x = torch.randn(4, 2, H, generator=torch.Generator().manual_seed(6))
+    with pytest.raises(RuntimeError, match="tensor_model_parallel_size=2 and sequence_parallel=True is not supported"):
+        adapter.train()(x)
+    with torch.no_grad():
+        assert adapter.train()(x)[0].shape == x.shape
+    plain = mi.MegatronMoEAdapter(_tc(tensor_model_parallel_size=2), ml.VanillaMoE, groups=ml.ParallelGroups.single())
+    plain.train()(x)[0].sum().backward()  # without sequence parallelism the TP ranks see the same tokens
+
+
+def test_adapter_forward_takes_megatrons_positional_order():
+    """MoELayer.forward(hidden_states, intermediate_tensors=None, padding_mask=None): a positional
+    intermediate_tensors used to be read as the padding mask."""
+    adapter = _build(mi.moe_spec(ml.VanillaMoE), _tc(), "builder")
+    x = torch.randn(4, 2, H, generator=torch.Generator().manual_seed(7))
+    pad = torch.zeros(2, 4, dtype=torch.bool)
+    pad[1, 3] = True
+    with torch.no_grad():
+        y, _ = adapter(x, None, pad)
+        assert torch.equal(y, adapter(x, padding_mask=pad)[0]) and (y[3, 1] == 0).all()
+        with pytest.raises(NotImplementedError, match="intermediate_tensors"):
+            adapter(x, [torch.zeros(1)])
 
 
 def test_from_megatron_accepts_inactive_training_losses():
@@ -456,7 +486,13 @@ def _check_ep_build_module(rank, world):
     """megatron-core 0.16 path: no pg_collection -> parallel_state's groups."""
     from megatron.core.transformer.spec_utils import build_module
 
+    from megatron.core.transformer.utils import sharded_state_dict_default
+
     adapter = build_module(mi.moe_spec(ml.VanillaMoE), config=_tc(expert_model_parallel_size=world))
+    # megatron's distributed checkpointing would mark every rank's experts replicated and keep one
+    # rank's: refused (what megatron's TransformerLayer calls for its mlp)
+    with pytest.raises(NotImplementedError, match=f"with {world} expert-parallel ranks is not supported"):
+        sharded_state_dict_default(adapter, prefix="mlp.")
     return _check_adapter(adapter, rank, world, _weights(10), "ep build_module")
 
 
@@ -530,6 +566,14 @@ def _check_load_sequential(rank, world):
     weights = _weights(13)
     mi.load_megatron_weights(layer, *weights)
     assert torch.equal(layer.router.weight, weights[0])
+    back = mi.megatron_weights(layer)  # the inverse: every expert, gathered from the expert-parallel ranks
+    assert all(torch.equal(a, b) for a, b in zip(back, weights)), "megatron_weights did not give the weights back"
+    with torch.no_grad():
+        layer.experts.local_experts[0].linear_fc1.weight[0, 0] += 1.0  # this rank's first expert changes
+    changed = [int(torch.ne(a, b).any()) for a, b in zip(mi.megatron_weights(layer)[1], weights[1])]
+    assert changed == [1 if e % (E // world) == 0 else 0 for e in range(E)], changed  # every rank's, in its slot
+    with torch.no_grad():
+        layer.experts.local_experts[0].linear_fc1.weight[0, 0] -= 1.0
     x2 = torch.randn(20, H, generator=torch.Generator().manual_seed(7))  # same tokens on every rank
     y, _ = _run_megatron_parts(layer, x2, world)
     return check_close("SequentialMLP", y, _ref64(x2, weights, cfg))
@@ -557,6 +601,7 @@ def _check_load_grouped(rank, world):
     layer = _megatron_layer_cpu(cfg, world, grouped=True)
     weights = tuple(w.bfloat16() for w in _weights(14))
     mi.load_megatron_weights(layer, *weights)
+    assert all(torch.equal(a, b) for a, b in zip(mi.megatron_weights(layer), weights))  # GroupedMLP's transposed layout
     x2 = torch.randn(20, H, generator=torch.Generator().manual_seed(8)).bfloat16()
     y, ids = _run_megatron_parts(layer, x2, world)
     ref64 = _ref64(x2, weights, cfg, topk_ids=ids)  # same experts: compare the expert math only
