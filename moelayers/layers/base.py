@@ -271,7 +271,9 @@ class MoELayerBase(nn.Module):
     def force_routing(self, topk_ids: torch.Tensor) -> None:
         """Use these ``[T, K]`` logical experts (e.g. replayed from a trace) in the next forward;
         weights come from this router's scores of them. Ids outside ``[0, E)`` make that forward
-        raise ``ValueError`` on every rank (after the exchange: no rank hangs).
+        raise ``ValueError`` on every rank (after the exchange: no rank hangs). An id repeated
+        within a row applies that expert twice, as ``moelayers.reference`` does (no check here, to
+        keep replay free of host syncs; ``RoutingTrace`` refuses repeats when a trace is built).
 
         Raises:
             TypeError: ``topk_ids`` is not an integer tensor (bool and float ids are refused).
