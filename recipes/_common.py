@@ -67,6 +67,32 @@ def flag(cfg: dict, key: str, default: bool) -> bool:
 LAYER_FLAGS = ("layer.kwargs.dedup", "layer.kwargs.check_finite", "layer.kwargs.cuda_graph")
 
 
+def merge_curves_path(d: dict) -> str | None:
+    """One spelling of the profiled latency curves for every recipe: ``curves.path=FILE`` (plan.py's)
+    and ``variability.curves.path=FILE`` (serve.py's emulation) name the same file; both are set
+    to it, in place, so that neither recipe ignores the other's spelling.
+
+    Returns:
+        The path, or ``None``.
+
+    Raises:
+        ValueError: both are set, to different files.
+    """
+    top = d.get("curves")
+    top = top.get("path") if isinstance(top, dict) else None
+    var = d.get("variability")
+    nested = var.get("curves") if isinstance(var, dict) else None
+    nested = nested.get("path") if isinstance(nested, dict) else None
+    if top and nested and top != nested:
+        raise ValueError(f"curves.path={top} and variability.curves.path={nested} name different files: give one")
+    path = top or nested
+    if path:
+        d["curves"] = dict(d.get("curves") or {}, path=path)
+        if isinstance(var, dict):
+            var["curves"] = dict(var.get("curves") or {}, path=path)
+    return path
+
+
 def normalize_flags(d: dict, keys: Sequence[str]) -> None:
     """Replace each on/off setting named by a dotted key (``"bench.profile"``) with its bool, in
     place, where it is set (see :func:`flag`); absent keys stay absent.

@@ -92,7 +92,9 @@ import hydra  # noqa: E402
 import numpy as np  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from recipes._common import config_trace, int_setting, invocation, normalize_flags, print_table, run_dir, to_dict, write_json  # noqa: E402
+from recipes._common import (  # noqa: E402
+    config_trace, int_setting, invocation, merge_curves_path, normalize_flags, print_table, run_dir, to_dict, write_json,
+)
 from recipes._plots import plot_plan  # noqa: E402
 from recipes._plan_tools import DP_MAX_RATIO, MODES, commit_files, even_token_rank, lar_report  # noqa: E402
 
@@ -282,6 +284,15 @@ def gem_scores(plans: dict[str, np.ndarray], name: str, train_loads, test_loads,
 MIN_STEPS = 8
 
 
+def max_rank_rows(plans: dict[str, np.ndarray], parts: tuple, num_ranks: int) -> int:
+    """The most rows any rank computes in any step of ``parts`` (``[L, steps, E]`` loads) under any of
+    the placements ``plans`` (``{planner: expert_rank [L, E]}``): where the curves are read."""
+    from moelayers.planning.steps import rank_rows
+
+    return max((int(rank_rows(er[layer], loads[layer], num_ranks).max()) for er in plans.values()
+                for loads in parts if loads.shape[1] for layer in range(er.shape[0])), default=0)
+
+
 def run_warnings(report: dict) -> list[str]:
     """What the report's reader must know: too few steps for the step scores (GEM plans from the
     train steps and is scored on the held-out ones), or a dp schedule that broke the token cap."""
@@ -293,6 +304,11 @@ def run_warnings(report: dict) -> list[str]:
         out.append(f"only {parts} step(s) of trace.tokens_per_step={report['tokens_per_step']} tokens (fewer than "
                    f"{MIN_STEPS}): the step scores (score*, gem_vs_*) and GEM's plan rest on too few steps to "
                    f"generalise; use a longer trace or a smaller trace.tokens_per_step")
+    if report["curves_sampled_up_to"] is not None and report["max_rank_rows"] > report["curves_sampled_up_to"]:
+        out.append(f"a rank computes up to {report['max_rank_rows']} rows in a step, beyond the latency curves' last "
+                   f"sample ({report['curves_sampled_up_to']} rows): the scores there extrapolate the curves' last "
+                   f"segment; profile up to that many rows (recipes/profile.py profile.max_rows=...) or use a smaller "
+                   f"trace.tokens_per_step")
     if report["max_ratio_exceeded"]:
         out.append(f"a rank holds more than {DP_MAX_RATIO} x the mean held-out tokens (token imbalance "
                    f"{report['token_imbalance']:.3f}): no schedule of these requests in file order stays within it")
@@ -342,6 +358,8 @@ def run(d: dict) -> dict:
     }
     report["max_ratio_exceeded"] = mode == "dp" and max(report["tokens_per_rank"]) > DP_MAX_RATIO * (
         sum(report["tokens_per_rank"]) / ep) + 1e-9
+    report["max_rank_rows"] = max_rank_rows(plans, (train_loads, test_loads), ep)
+    report["curves_sampled_up_to"] = curves.sampled_up_to
     report["warnings"] = run_warnings(report)
     for warning in report["warnings"]:
         print(f"warning: {warning}", file=sys.stderr)
@@ -373,6 +391,7 @@ def write_outputs(out_dir: str, report: dict, plans: dict, name: str, token_rank
 def main(cfg: DictConfig) -> None:
     d = to_dict(cfg)
     normalize_flags(d, ("progress", "trace.synthetic"))
+    merge_curves_path(d)  # variability.curves.path (serve.py's spelling) means curves.path here
     for key in ("trace", "curves", "plan"):
         if (d.get(key) or {}).get("path"):
             d[key]["path"] = hydra.utils.to_absolute_path(d[key]["path"])

@@ -78,8 +78,8 @@ from omegaconf import DictConfig  # noqa: E402
 
 from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, device_for, int_setting, invocation, launch, normalize_flags, percentile, print_table,
-    remove_stale, run_dir, shutdown, to_dict, write_json,
+    LAYER_FLAGS, device_for, int_setting, invocation, launch, merge_curves_path, normalize_flags, percentile,
+    print_table, remove_stale, run_dir, shutdown, to_dict, write_json,
 )
 from recipes._plots import plot_rank_load  # noqa: E402
 from recipes._serve_workload import (  # noqa: E402
@@ -112,7 +112,8 @@ def warm_up(model, device: torch.device) -> None:
 
 
 def fit_model_to_trace(model_cfg: dict, trace) -> tuple[dict, list[str]]:
-    """Experts and top-k from the trace; vocabulary grown to cover the trace's ``vocab_size``."""
+    """Experts and top-k from the trace; vocabulary grown to cover the trace's ``vocab_size``; a note
+    when the model's layers and the trace's differ (layer ``i`` replays trace layer ``i mod L``)."""
     m, notes = dict(model_cfg), []
     if trace is None:
         return m, notes
@@ -123,6 +124,9 @@ def fit_model_to_trace(model_cfg: dict, trace) -> tuple[dict, list[str]]:
     if int(m["vocab_size"]) < trace.vocab_size:
         notes.append(f"model.vocab_size {m['vocab_size']} -> {trace.vocab_size} (covers the trace)")
         m["vocab_size"] = trace.vocab_size
+    if int(m["num_layers"]) != trace.num_layers:
+        notes.append(f"model.num_layers {m['num_layers']} with a trace of {trace.num_layers} layer(s): MoE layer i "
+                     f"replays trace layer i mod {trace.num_layers}")
     return m, notes
 
 
@@ -486,7 +490,8 @@ def check_plan_file(d: dict, path: str, trace) -> None:
                          f"data-parallel (mode dp); re-plan with recipes/plan.py planner=semantic mode=dp")
     try:
         if layer_uses_plan:
-            plan.check_compatible(int(mcfg["num_experts"]), ep)
+            # with a replay trace, model layer i takes plan layer i mod P and trace layer i mod L: P = L
+            plan.check_compatible(int(mcfg["num_experts"]), ep, None if trace is None else trace.num_layers)
         if sched_uses_plan:
             plan.check_compatible(None, world)
     except ValueError as e:
@@ -503,8 +508,8 @@ def check_plan_file(d: dict, path: str, trace) -> None:
 
 
 def check_curves_file(d: dict) -> None:
-    """``variability.curves.path``: the profiled latency curves must exist and be for the
-    expert-parallel ranks, whether or not this run uses them (a wrong file given is an error).
+    """``curves.path`` (or ``variability.curves.path``): the profiled latency curves must exist and
+    be for the expert-parallel ranks, whether or not this run uses them (a wrong file is an error).
 
     Raises:
         FileNotFoundError / ValueError: naming the file.
@@ -516,12 +521,12 @@ def check_curves_file(d: dict) -> None:
     if not path:
         return
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"variability.curves.path={path} does not exist")
+        raise FileNotFoundError(f"curves.path={path} (the latency curves) does not exist")
     _, ep = serve_sizes(d)
     try:
         LatencyCurves.load(path).check_ranks(ep)
     except ValueError as e:
-        raise ValueError(f"variability.curves.path={path}: {e}" if str(path) not in str(e) else str(e)) from None
+        raise ValueError(f"curves.path={path}: {e}" if str(path) not in str(e) else str(e)) from None
 
 
 def check_config(d: dict) -> None:
@@ -591,6 +596,8 @@ _TRACE_FILES: dict = {}
 def main(cfg: DictConfig) -> None:
     d = to_dict(cfg)
     normalize_flags(d, ("progress", "plot", "trace.synthetic", *LAYER_FLAGS, "layer.kwargs.auto_replan"))
+    if merge_curves_path(d) and not isinstance(d.get("variability"), dict):  # curves.path: plan.py's spelling
+        d["variability"] = {"name": d.get("variability") or "none", "curves": dict(d["curves"])}
     if d.get("trace", {}).get("path"):
         d["trace"]["path"] = hydra.utils.to_absolute_path(d["trace"]["path"])
     for holder in (d["layer"], d["scheduler"]):
@@ -598,7 +605,7 @@ def main(cfg: DictConfig) -> None:
             holder["plan_path"] = hydra.utils.to_absolute_path(holder["plan_path"])
     var = d.get("variability")
     if isinstance(var, dict) and isinstance(var.get("curves"), dict) and var["curves"].get("path"):
-        var["curves"]["path"] = hydra.utils.to_absolute_path(var["curves"]["path"])
+        var["curves"]["path"] = d["curves"]["path"] = hydra.utils.to_absolute_path(var["curves"]["path"])
     check_config(d)
     d["run_dir"] = run_dir()
     if compare.enabled(d):

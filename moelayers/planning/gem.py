@@ -93,6 +93,12 @@ class LatencyCurves:
         self._spacing = float(gaps[0]) if np.all(gaps == gaps[0]) else None  # uniform grid: index by division
         self._tiled: tuple[np.ndarray, float, float, int] | None = None  # (scale [R], base_s, per_tile_s, tile)
 
+    @property
+    def sampled_up_to(self) -> int | None:
+        """The last sampled row count: beyond it the curves extrapolate their last segment (``None``
+        for analytic tiled curves, exact at any count)."""
+        return None if self._tiled is not None else int(self.rows[-1])
+
     # ------------------------------------------------------------------ constructors
     @classmethod
     def tiled(cls, scale: np.ndarray, *, base_s: float = BASE_S, per_tile_s: float = PER_TILE_S,

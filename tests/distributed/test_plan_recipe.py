@@ -276,6 +276,13 @@ def test_baseline_planners_spread_tokens_evenly(trace_file, tmp_path, planner, m
         assert (want != np.arange(16) // 8).any()
 
 
+def held_out_loads(trace: Path, arrays: dict) -> np.ndarray:
+    """``[L, steps, E]`` expert loads of the held-out part in steps of TPS tokens."""
+    from moelayers.planning.steps import trace_step_loads
+
+    return trace_step_loads(split(trace, float(arrays["train_fraction"]))[1], TPS)
+
+
 def train_loads(trace: Path, arrays: dict) -> np.ndarray:
     """``[L, steps, E]`` expert loads of the train part in steps of TPS tokens (what the planners see)."""
     from moelayers.planning.steps import trace_step_loads
@@ -300,6 +307,12 @@ def test_gem_keeps_its_scores(trace_file, tmp_path):
     check_lar(report, arrays, trace_file)
     assert not (tmp_path / "run" / "plan.npz").exists()
     assert report["train_steps"] >= 8 and report["held_out_steps"] >= 8 and report["warnings"] == []
+    assert report["curves_sampled_up_to"] is None  # the preset's tiled curves: exact at any row count
+    from moelayers.planning.steps import rank_rows  # the busiest rank-step under any saved placement
+
+    peak = max(int(rank_rows(arrays[f"expert_rank_{p}"][l], part[l], 4).max()) for p in ("linear", "eplb", "gem")
+               for part in (train_loads(trace_file, arrays), held_out_loads(trace_file, arrays)) for l in range(4))
+    assert report["max_rank_rows"] == peak
 
 
 def test_few_steps_are_warned_about():
@@ -309,12 +322,19 @@ def test_few_steps_are_warned_about():
     from recipes.plan import MIN_STEPS, run_warnings
 
     base = {"train_steps": MIN_STEPS, "held_out_steps": MIN_STEPS, "tokens_per_step": 2048,
-            "max_ratio_exceeded": False, "token_imbalance": 1.0}
+            "max_ratio_exceeded": False, "token_imbalance": 1.0, "max_rank_rows": 3000, "curves_sampled_up_to": None}
     assert run_warnings(base) == []
     (few,) = run_warnings(dict(base, train_steps=1, held_out_steps=1))
     assert few.startswith("only 1 train and 1 held-out step(s) of trace.tokens_per_step=2048 tokens (fewer than 8)")
     (few,) = run_warnings(dict(base, held_out_steps=3))
     assert few.startswith("only 3 held-out step(s)")
+    assert run_warnings(dict(base, curves_sampled_up_to=3000)) == []
+    (beyond,) = run_warnings(dict(base, curves_sampled_up_to=128))  # profiled to 128 rows, read at 3000
+    from moelayers.planning.gem import LatencyCurves
+
+    assert LatencyCurves(np.array([0, 64, 128]), np.array([[1e-5, 2e-5, 3e-5]])).sampled_up_to == 128
+    assert LatencyCurves.preset("high", 2).sampled_up_to is None
+    assert beyond.startswith("a rank computes up to 3000 rows in a step, beyond the latency curves' last sample (128")
     capped = run_warnings(dict(base, max_ratio_exceeded=True, token_imbalance=1.41))
     assert capped == ["a rank holds more than 1.3 x the mean held-out tokens (token imbalance 1.410): no schedule "
                       "of these requests in file order stays within it"]

@@ -252,12 +252,22 @@ def test_serve_plan_file_checked_before_the_ranks_start(tmp_path):
     trace = tmp_path / "trace.npz"
     _trace_with_empty_sequences(trace, [5, 6, 7, 8])
     replay = ("router=replay", f"trace.path={trace}")
-    serve.check_config(_config(*both, *replay, f"layer.plan_path={plan_file('t4', 4, 2, vocab=100, mode='dp')}"))
+    serve.check_config(_config(*both, *replay,
+                               f"layer.plan_path={plan_file('t4', 4, 2, vocab=100, layers=2, mode='dp')}"))
     with pytest.raises(ValueError, match="'num_experts' is 8, but .* needs 4"):
         serve.check_config(_config(*both, *replay, f"layer.plan_path={ok}"))
     with pytest.raises(ValueError, match="'vocab_size' is 50, smaller than the vocab_size 100 of the replay trace"):
+        serve.check_config(_config(*both, *replay, f"layer.plan_path="
+                                                   f"{plan_file('t4v50', 4, 2, vocab=100 // 2, unseen=2, layers=2, mode='dp')}"))
+    # model layer i replays trace layer i mod L with plan layer i mod P: a plan of other layers than the
+    # trace paired mismatched layers silently (plan.py refused the same pair)
+    with pytest.raises(ValueError, match=r"'expert_rank \(layers\)' is 3, but .* needs 2"):
         serve.check_config(_config(*both, *replay,
-                                   f"layer.plan_path={plan_file('t4v50', 4, 2, vocab=50, unseen=2, mode='dp')}"))
+                                   f"layer.plan_path={plan_file('t4l3', 4, 2, vocab=100, layers=3, mode='dp')}"))
+    from moelayers.trace import load_trace
+
+    _, notes = serve.fit_model_to_trace(dict(_config()["model"], num_layers=3), load_trace(trace))
+    assert "model.num_layers 3 with a trace of 2 layer(s): MoE layer i replays trace layer i mod 2" in notes
 
 
 def test_serve_curves_file_checked_before_the_ranks_start(tmp_path):
@@ -282,6 +292,27 @@ def test_serve_curves_file_checked_before_the_ranks_start(tmp_path):
     np.savez(bad, rows=np.array([1, 2]))
     with pytest.raises(ValueError, match="bad.npz"):
         serve.check_config(_config("layer=vanilla", "variability=high", f"+variability.curves.path={bad}"))
+
+
+def test_curves_path_is_one_setting_for_plan_and_serve(tmp_path):
+    """plan.py's curves.path and serve.py's variability.curves.path name the same file in both recipes:
+    serve.py ran on the preset's curves with curves.path=FILE given (and recorded the file in its
+    config), plan.py on the preset with variability.curves.path=FILE."""
+    from moelayers.planning.gem import LatencyCurves
+    from recipes import serve
+    from recipes._common import merge_curves_path
+
+    c4 = tmp_path / "c4.npz"
+    LatencyCurves.preset("high", 4).save(c4)
+    d = _config("layer=variability", "variability=high", f"curves.path={c4}")
+    assert merge_curves_path(d) == str(c4) and d["variability"]["curves"]["path"] == str(c4)
+    with pytest.raises(ValueError, match="latency curves are for 4 ranks, but the placement has 2"):
+        serve.check_config(d)  # the file is read, not the preset
+    plan_cfg = {"curves": {"path": None}, "variability": {"name": "high", "curves": {"path": str(c4)}}}
+    assert merge_curves_path(plan_cfg) == str(c4) and plan_cfg["curves"]["path"] == str(c4)
+    with pytest.raises(ValueError, match="name different files: give one"):
+        merge_curves_path({"curves": {"path": "a.npz"}, "variability": {"name": "high", "curves": {"path": "b.npz"}}})
+    assert merge_curves_path({"curves": {"path": None}, "variability": {"name": "high"}}) is None
 
 
 def test_serve_replay_window(tmp_path):
