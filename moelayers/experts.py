@@ -7,6 +7,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from moelayers.dispatch.comm import all_gather_flat
 from moelayers.placement import ExpertPlacement
 
 
@@ -160,5 +161,5 @@ def _all_slots(t: torch.Tensor, group) -> torch.Tensor:
         return t
     size = dist.get_world_size(group)
     out = t.new_empty((size * t.shape[0],) + tuple(t.shape[1:]))
-    dist.all_gather_into_tensor(out, t, group=group)
+    all_gather_flat(out, t, group=group)
     return out

@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from moelayers.dispatch.base import LocalPairs, Received, Routes, combine_pairs, local_pairs, raise_if_nonfinite
-from moelayers.dispatch.comm import ReduceScatterRows, RowLayout, packed_all_gather
+from moelayers.dispatch.comm import ReduceScatterRows, RowLayout, all_gather_flat, packed_all_gather
 from moelayers.metrics import MoEStats
 
 
@@ -45,7 +44,7 @@ class AllGatherDispatcher:
         sizes = torch.cat([torch.tensor([t], dtype=torch.int64, device=dev), flag])  # [2]: tokens, bad logits
         if self.group is not None:
             all_sizes = sizes.new_empty(self.num_ranks * 2)
-            dist.all_gather_into_tensor(all_sizes, sizes, group=self.group)
+            all_gather_flat(all_sizes, sizes, group=self.group)
             sizes = all_sizes
         host = sizes.view(-1, 2).tolist()
         raise_if_nonfinite([row[1] for row in host])

@@ -12,6 +12,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+#: the flat collectives under their current names: torch >= 2.13 calls them ``*_single`` and warns on
+#: the old names, which are all that torch 2.11 has (same signatures)
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _ALIGN = 16
 
 
@@ -120,7 +125,7 @@ class AllGatherRows(torch.autograd.Function):
         if group is None:
             return x.clone()
         out = x.new_empty((dist.get_world_size(group) * x.shape[0],) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        all_gather_flat(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
@@ -138,7 +143,7 @@ class ReduceScatterRows(torch.autograd.Function):
             return x.clone()
         size = dist.get_world_size(group)
         out = x.new_empty((x.shape[0] // size,) + tuple(x.shape[1:]))
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=group)
+        reduce_scatter_flat(out, x.contiguous(), group=group)
         return out
 
     @staticmethod
@@ -228,7 +233,7 @@ class PackedAllGather(torch.autograd.Function):
             out = buf
         else:
             out = buf.new_empty(dist.get_world_size(group) * buf.shape[0], buf.shape[1])
-            dist.all_gather_into_tensor(out, buf, group=group)
+            all_gather_flat(out, buf, group=group)
         ctx.group = group
         return _typed_outputs(ctx, layout, out, tensors)
 

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from moelayers.config import MoEConfig
-from moelayers.dispatch.comm import copy_to_group
+from moelayers.dispatch.comm import all_gather_flat, copy_to_group
 from moelayers.groups import ParallelGroups
 from moelayers.kernels import shuffle_rows
 from moelayers.layers.base import MoELayerBase
@@ -301,7 +301,7 @@ class SemanticMoE(MoELayerBase):
         else:
             gathered = rows.new_empty((self.groups.tp_size * rows.shape[0], *rows.shape[1:]))
             if gathered.numel():
-                dist.all_gather_into_tensor(gathered, rows.contiguous(), group=self.groups.tp)
+                all_gather_flat(gathered, rows.contiguous(), group=self.groups.tp)
         return gathered[rb.inverse]
 
     def _context_history(self, rb: Rebatch, n: int, history: torch.Tensor | None) -> torch.Tensor | None:
