@@ -58,9 +58,12 @@ def test_atomic_write_never_changes_the_umask(tmp_path, monkeypatch):
         assert file_mode() == 0o640
         atomic_write(tmp_path / "new.bin", lambda f: f.write(b"x"))
         monkeypatch.undo()
+        os.umask(0o002)  # group-writable: 0o666 & ~umask, not a fixed 0o644
+        atomic_write(tmp_path / "group.bin", lambda f: f.write(b"x"))
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "new.bin").stat().st_mode) == 0o640
+    assert stat.S_IMODE((tmp_path / "group.bin").stat().st_mode) == 0o664
 
 
 def test_atomic_write_keeps_the_permissions_of_an_existing_file(tmp_path):

@@ -13,7 +13,9 @@ from moelayers.planning.eplb import balanced_packing, plan_eplb, plan_eplb_place
 from moelayers.planning.gem import (
     LatencyCurves, check_expert_rank, evaluate, plan_gem, plan_linear, score, score_layers,
 )
-from moelayers.planning.gem_search import predictive_scenarios, robust_objective, search, smoothing_width
+from moelayers.planning.gem_search import (
+    greedy, predictive_scenarios, robust_objective, scenario_count, search, smoothing_width,
+)
 from moelayers.planning.steps import LoadWindow, rank_rows, step_loads, trace_step_loads
 from moelayers.trace import RoutingTrace
 
@@ -473,3 +475,18 @@ def test_refine_stops_when_nothing_can_be_gained() -> None:
     for bad in (float("nan"), -0.1, float("inf")):
         with pytest.raises(ValueError, match="min_gain must be a finite number >= 0"):
             search(np.ones((4, 8)), curves, min_gain=bad)
+
+
+def test_greedy_puts_the_hot_expert_on_the_fast_rank() -> None:
+    """Greedy alone (the swaps and restarts of search hide it): heaviest first, each onto the rank
+    whose choice raises F least; with rank 0 slow, the hot expert goes to rank 1."""
+    out = greedy(np.array([[900.0, 10, 10, 10]]), LatencyCurves.preset("high", 2), 2)
+    assert out[0] == 1 and np.bincount(out, minlength=2).tolist() == [2, 2]
+
+
+def test_robust_searches_predictive_scenarios() -> None:
+    """robust's objective runs on scenario steps with the observed steps' mean (not on the steps)."""
+    loads = np.random.default_rng(0).poisson(50, (7, 10)).astype(np.float64)
+    x, _ = robust_objective(loads, LatencyCurves.preset("high", 2), np.random.default_rng(1))
+    assert x.shape == (scenario_count(10), 10)
+    np.testing.assert_allclose(x.mean(0), loads.mean(0), rtol=1e-9)
