@@ -89,12 +89,24 @@ class ExpertPlacement:
         """One replica per expert; ``expert_rank [E]`` gives each expert's rank.
 
         Experts on a rank fill its slots in ascending id order; ranks with fewer experts than
-        ``slots_per_rank`` (default: the most any rank holds) keep empty slots.
+        ``slots_per_rank`` (default: the most any rank holds) keep empty slots. ``num_ranks``
+        defaults to the highest rank given + 1: pass it when the last ranks may hold no expert.
+
+        Raises:
+            TypeError: non-integer ranks. ValueError: ``expert_rank`` is not 1-D (a plan's ``[L, E]``
+            table gives one placement per layer: pass ``expert_rank[l]``), ranks out of range, or
+            ``num_ranks`` / ``slots_per_rank`` not positive ints.
         """
         er = torch.as_tensor(expert_rank)
         if er.is_floating_point() or er.is_complex() or er.dtype == torch.bool:
             raise TypeError(f"expert_rank must hold integer ranks, got dtype {er.dtype}")
-        er = er.to(torch.int64).flatten().cpu()
+        if er.dim() != 1:
+            raise ValueError(f"expert_rank must be [E] (one layer), got shape {list(er.shape)}: for a per-layer "
+                             f"[L, E] table build one placement per layer from expert_rank[l]")
+        for name, v in (("num_ranks", num_ranks), ("slots_per_rank", slots_per_rank)):
+            if v is not None:
+                _check_positive(**{name: v})
+        er = er.to(torch.int64).cpu()
         if er.numel() == 0:
             raise ValueError("expert_rank is empty")
         ranks = int(er.max()) + 1 if num_ranks is None else num_ranks
@@ -170,6 +182,26 @@ class ExpertPlacement:
             if row.unique().numel() != row.numel():
                 dup = [x for x in row.unique().tolist() if int((row == x).sum()) > 1]
                 raise ValueError(f"placement has duplicate replicas of expert(s) {dup} on rank {r}")
+        if hasattr(self, "log2phy") and not self._tables_agree():
+            raise ValueError("placement tables disagree: phy2log was changed in place after the placement was built "
+                             "(log2phy and logcnt, which route tokens, still describe the old table); build a new "
+                             "ExpertPlacement(phy2log, num_experts) from the edited table")
+
+    def _tables_agree(self) -> bool:
+        """Whether ``log2phy`` / ``logcnt`` (derived once) still describe ``phy2log``."""
+        flat = self.phy2log.flatten()
+        cnt = torch.bincount(flat[flat >= 0], minlength=self.num_experts)
+        if self.logcnt.shape != cnt.shape or not torch.equal(self.logcnt, cnt) or self.log2phy.shape[1] != int(cnt.max()):
+            return False
+        used = self.log2phy >= 0
+        owner = torch.full_like(self.log2phy, -1)
+        owner[used] = flat[self.log2phy[used]]
+        want = torch.arange(self.num_experts)[:, None].expand_as(owner)
+        return bool(torch.equal(owner[used], want[used]))
+
+    def copy(self) -> "ExpertPlacement":
+        """An independent placement with the same tables (layers keep their own copy)."""
+        return ExpertPlacement(self.phy2log, self.num_experts)
 
     def moves_to(self, other: "ExpertPlacement") -> list[SlotMove]:
         """The slots of ``other`` whose expert differs from this placement's, with a source.

@@ -95,7 +95,8 @@ class MoELayerBase(nn.Module):
             raise ValueError("cuda_graph=True needs a fixed capacity (tokens per rank)")
         self.capacity, self.cuda_graph = None if capacity is None else int(capacity), cuda_graph
         self._graphed = None
-        self.config, self.groups, self.placement, self.seed = config, groups, placement, seed
+        # the layer's own copy: a caller editing its placement afterwards cannot desynchronise the layer
+        self.config, self.groups, self.placement, self.seed = config, groups, placement.copy(), seed
         self.replica_policy = replica_policy or LocalFirstPolicy()
         self.dedup = dedup
         self.dispatcher_name = dispatcher
@@ -122,6 +123,7 @@ class MoELayerBase(nn.Module):
             raise ValueError(f"placement is for {placement.num_experts} experts, config has {config.num_experts}")
         if placement.num_ranks != groups.ep_size:
             raise ValueError(f"placement spans {placement.num_ranks} ranks, the expert-parallel group has {groups.ep_size}")
+        placement.validate()  # also catches a phy2log edited in place after the placement was built
 
     def _make_dispatcher(self):
         g, p = self.groups, self.placement
@@ -253,7 +255,7 @@ class MoELayerBase(nn.Module):
         """Serve with ``placement`` from now on (the expert weights are already laid out in it):
         drop the captured graph and rebuild the dispatcher (subclasses drop what they derived)."""
         self.release_graphs()
-        self.placement = placement
+        self.placement = placement.copy()  # the layer's own: the caller may edit or reuse theirs
         self.dispatcher = self._make_dispatcher()
 
     def export_full_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

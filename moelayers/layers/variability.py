@@ -55,7 +55,8 @@ class VariabilityAwareMoE(MoELayerBase):
             (``moelayers.planning.gem.score`` of the loads under the curves) is at least this share
             below the current placement's, e.g. ``0.01``: no weights moved for a 0.1 % gain when
             re-planning every few steps. ``None`` (default): always apply the planner's placement.
-            Scores need a placement with one replica per expert and ``LatencyCurves``.
+            Scores need a placement with one replica per expert and ``LatencyCurves``; with
+            ``min_gain`` set, a re-plan whose gain cannot be scored keeps the placement.
         record_loads: keep the load window (forwards replayed from a CUDA graph too: the graph
             outputs the routing). A move drops the captured graph; the next forward captures anew.
         slowdown: emulated variability (measured mode of :func:`moelayers.emulation.emulate_variability`):
@@ -276,6 +277,8 @@ class VariabilityAwareMoE(MoELayerBase):
         cause = None
         if self.groups.ep_rank == 0:
             try:
+                if not isinstance(loads, torch.Tensor):
+                    raise TypeError(f"loads must be a torch.Tensor [steps, {e}], got {type(loads).__name__}")
                 if loads.dim() != 2 or loads.shape[1] != e or loads.shape[0] < 1:
                     raise ValueError(f"loads must be [steps >= 1, {e}], got {list(loads.shape)}")
                 planner, curves = self.planner, self.latency_curves()
@@ -285,6 +288,9 @@ class VariabilityAwareMoE(MoELayerBase):
                     curves.check_ranks(r)
                 x = loads.cpu().to(torch.float64).numpy()
                 expert_rank = torch.as_tensor(planner(x, curves, restarts=self.restarts, seed=self.plan_seed))
+                if expert_rank.is_floating_point() or expert_rank.is_complex() or expert_rank.dtype == torch.bool:
+                    raise TypeError(f"the planner returned ranks of dtype {expert_rank.dtype}: integer ranks expected "
+                                    f"(they were truncated)")
                 expert_rank = expert_rank.to(torch.int64).reshape(-1).cpu()
                 if expert_rank.numel() != e or int(expert_rank.min()) < 0 or int(expert_rank.max()) >= r:
                     raise ValueError(f"the planner returned {expert_rank.tolist()}: expected [{e}] ranks in [0, {r})")
@@ -298,13 +304,17 @@ class VariabilityAwareMoE(MoELayerBase):
             msg = msg.to(self._comm_device())
             dist.broadcast(msg, src=dist.get_global_rank(self.groups.ep, 0), group=self.groups.ep)
             msg = msg.cpu()
-        if not int(msg[0]):
-            raise PlacementMoveError("re-planning failed on rank 0 (the planner raised or returned a bad plan); "
-                                     "the old placement keeps serving", [0], "plan") from cause
+        if not int(msg[0]):  # every rank learns rank 0's reason (this path is taken by all together)
+            reason = [None if cause is None else f"{type(cause).__name__}: {cause}"]
+            if self.groups.ep is not None:
+                dist.broadcast_object_list(reason, src=dist.get_global_rank(self.groups.ep, 0), group=self.groups.ep)
+            raise PlacementMoveError(f"re-planning failed on rank 0 ({reason[0]}); the old placement keeps serving",
+                                     [0], "plan") from cause
         new = ExpertPlacement.from_expert_rank(msg[1:e + 1], num_ranks=r, slots_per_rank=self.placement.slots_per_rank)
         s_cur, s_new = (None if v != v else v for v in msg[e + 1:].clone().view(torch.float64).tolist())  # NaN: none
         gain = None if s_cur is None or s_new is None or s_cur <= 0 else 1.0 - s_new / s_cur
-        move = new != self.placement and (self.min_gain is None or gain is None or gain >= self.min_gain)
+        # with min_gain, a gain that cannot be scored (a placement with replicas) keeps the placement
+        move = new != self.placement and (self.min_gain is None or (gain is not None and gain >= self.min_gain))
         if move:
             self.apply_placement(new)
             self.num_moves += 1

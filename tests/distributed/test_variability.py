@@ -694,3 +694,35 @@ def test_serve_variability_replans(tmp_path):
     for r in res["replans"]:  # each re-plan records its predicted gain on the window
         assert r["moved"] in (True, False) and r["score_current"] > 0 and r["score_new"] > 0, r
         assert r["gain"] == pytest.approx(1 - r["score_new"] / r["score_current"])
+
+
+def _replan_failures(rank, world):
+    """Every rank learns why rank 0's re-plan failed; float ranks and non-tensor loads are refused;
+    with min_gain, a gain that cannot be scored (replicas) keeps the placement."""
+    from moelayers.layers.moves import PlacementMoveError
+    from moelayers.placement import ExpertPlacement
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    groups = ml.ParallelGroups.from_world()
+    out = {}
+    layer = ml.VariabilityAwareMoE(cfg, groups, planner=lambda x, c, **kw: np.arange(4) % 2 + 0.7)
+    loads = torch.ones(3, 4, dtype=torch.int64)
+    for name, arg in (("float ranks", loads), ("numpy loads", np.ones((3, 4)))):
+        try:
+            layer.replan(loads=arg)
+            out[name] = "no error"
+        except PlacementMoveError as e:
+            out[name] = str(e)
+    replicas = ExpertPlacement.from_phy2log(torch.tensor([[0, 1, 2], [2, 3, 0]]), 4)
+    rep = ml.VariabilityAwareMoE(cfg, groups, placement=replicas, min_gain=0.5)
+    rep.replan(loads=torch.tensor([[90, 5, 3, 2]] * 3))
+    out["replicas"] = (rep.last_replan["gain"], rep.last_replan["moved"], rep.placement == replicas)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_replan_failures_are_explained_on_every_rank():
+    for out in run_distributed(_replan_failures, 2, timeout=90):
+        assert "the planner returned ranks of dtype torch.float64: integer ranks expected" in out["float ranks"]
+        assert "loads must be a torch.Tensor [steps, 4], got ndarray" in out["numpy loads"]
+        assert out["replicas"] == (None, False, True)  # min_gain 0.5 and no score: kept (it moved, dropping replicas)

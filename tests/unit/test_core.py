@@ -205,6 +205,13 @@ def test_checker_catches_a_wrong_output():
 def test_placement_from_expert_rank_refuses_float_ranks():
     with pytest.raises(TypeError, match="integer ranks"):
         ml.ExpertPlacement.from_expert_rank(torch.tensor([0.7, 1.2]), num_ranks=2)
+    with pytest.raises(ValueError, match=r"expert_rank must be \[E\] \(one layer\), got shape \[2, 4\]"):
+        ml.ExpertPlacement.from_expert_rank(torch.tensor([[0, 0, 1, 1], [1, 1, 0, 0]]))  # it made 8 experts
+    for kw in (dict(num_ranks=2.0), dict(slots_per_rank=3.0), dict(num_ranks=0)):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            ml.ExpertPlacement.from_expert_rank(torch.tensor([0, 0, 1, 1]), **kw)
+    assert ml.ExpertPlacement.from_expert_rank(torch.tensor([0, 0, 0, 0]), num_ranks=2).phy2log.tolist() == [
+        [0, 1, 2, 3], [-1, -1, -1, -1]]
 
 
 def test_state_dict_carries_the_placement():
@@ -285,3 +292,31 @@ def test_last_stats_expert_loads_on_first_read():
             layer(torch.randn(6, 8, generator=torch.Generator().manual_seed(2)))
         want = torch.bincount(layer.last_topk_ids.flatten(), minlength=4)
         assert torch.equal(layer.last_stats.expert_loads, want) and int(want.sum()) == 12
+
+
+def test_a_placement_edited_in_place_is_refused_and_layers_keep_their_own():
+    """phy2log edited in place left log2phy (routing) on the old table: apply_placement moved the
+    weights by one table and routed by the other, outputs off by 88 silently."""
+    from moelayers.layers.moves import PlacementRejected
+    from moelayers.placement import ExpertPlacement
+
+    p = ExpertPlacement.linear(4, 1)
+    p.phy2log[0, [0, 1]] = p.phy2log[0, [1, 0]]
+    with pytest.raises(ValueError, match="phy2log was changed in place"):
+        p.validate()
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), seed=1)
+    with pytest.raises(PlacementRejected) as e:
+        layer.apply_placement(p)
+    assert "phy2log was changed in place" in str(e.value.__cause__), e.value
+    with pytest.raises(ValueError, match="phy2log was changed in place"):
+        ml.VanillaMoE(cfg, ml.ParallelGroups.single(), placement=p)
+    mine = ExpertPlacement.from_phy2log(torch.tensor([[3, 2, 1, 0]]), 4)
+    layer.apply_placement(mine)
+    mine.phy2log[0, 0] = 1  # the caller's object; the layer serves its own copy
+    assert layer.placement is not mine and layer.placement.phy2log[0].tolist() == [3, 2, 1, 0]
+    x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        y = layer(x)
+    ref = ml.reference.moe_forward(x, *layer.export_full_weights(), cfg)
+    torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
