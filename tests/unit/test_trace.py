@@ -476,6 +476,7 @@ def test_synthetic_is_valid_and_deterministic() -> None:
     w = a.topk_weights
     np.testing.assert_allclose(w.sum(axis=2), 1.0, rtol=1e-5)
     assert (np.diff(w, axis=2) <= 1e-7).all()  # highest score first
+    assert (np.diff(w, axis=2) < 0).mean() > 0.99 and w[..., 0].mean() > 0.5  # a softmax of scores, not uniform
     fixed = synthetic_trace(3, 2, 8, 2, 100, seq_len=7, seed=0)
     np.testing.assert_array_equal(fixed.seq_offsets, [0, 7, 14, 21])
 
@@ -545,13 +546,18 @@ def test_synthetic_matches_calibration_targets() -> None:
     assert st["distinct_tokens"] == pytest.approx(ts.TARGET_DISTINCT_TOKENS, rel=0.2)
     np.testing.assert_allclose(st["token_topk_recall"][layers], ts.TARGET_TOKEN_RECALL, atol=0.1)
     np.testing.assert_allclose(st["frequent_token_recall"][layers], ts.TARGET_FREQUENT_RECALL, atol=0.1)
-    np.testing.assert_allclose(st["crosslayer_nmi"], ts.TARGET_CROSSLAYER_NMI, atol=0.02)
+    np.testing.assert_allclose(st["crosslayer_nmi"], ts.TARGET_CROSSLAYER_NMI, atol=0.01)
+    # the carry itself, alone (no token, cluster or topic structure): strong carry links the layers
+    alone = dict(token_scale=0, cluster_scale=0, topic_scale=0, expert_skew=0)
+    nmi = [trace_statistics(synthetic_trace(20, 2, 16, 2, 500, seq_len=500, seed=0, crosslayer_carry=c, **alone),
+                            layer_pairs=[(0, 1)])["crosslayer_nmi"][0] for c in (0.9, 0.0)]
+    assert nmi[0] > 0.2 and nmi[1] < 0.02, nmi
     # load skew of one layer varies a lot between draws (real layer-0 CV: 0.56..0.95 over domains):
     # compare the geometric mean over the three layers tightly, single layers loosely
     for name, target in (("load_cv", ts.TARGET_LOAD_CV), ("load_max_mean", ts.TARGET_LOAD_MAX_MEAN)):
         got = np.log(st[name][layers])
         assert got.mean() == pytest.approx(np.log(target).mean(), abs=0.3), name
-        np.testing.assert_allclose(got, np.log(target), atol=1.0, err_msg=name)
+        np.testing.assert_allclose(got, np.log(target), atol=0.8, err_msg=name)
 
 
 # ---- real data ---------------------------------------------------------------------------------
