@@ -219,6 +219,11 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
     cause, plan, staging, moves, digest = None, None, None, [], 0
     try:
         check_new_placement(old, new)
+        in_flight = layer.graphs_in_flight() if hasattr(layer, "graphs_in_flight") else 0
+        if in_flight:  # moving weights in place would break those graphs' backward (a raw autograd error later)
+            raise RuntimeError(f"{in_flight} recorded forward(s) still await their backward, which the move would "
+                               f"break: run the backward first, or call forget_graphs() on every rank if they never "
+                               f"will be back-propagated")
         digest = placement_digest(old, new)
         moves = old.moves_to(new)
         plan = local_plan(moves, old, new, rank)

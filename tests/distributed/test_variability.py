@@ -472,6 +472,14 @@ def test_auto_replan_when_serving_with_autograd_on():
         for _ in range(12):
             y = layer(x)  # the previous output is alive until this returns
     assert layer.num_replans == 0 and layer.graphs_in_flight() == 1
+    # an explicit move while a graph waits for its backward is refused, naming the way out (it went
+    # ahead and the backward failed later with autograd's raw in-place error)
+    from moelayers.layers.moves import PlacementRejected
+
+    with pytest.raises(PlacementRejected) as e:
+        layer.apply_placement(ml.ExpertPlacement.from_phy2log(torch.tensor([[3, 2, 1, 0]]), 4))
+    assert "await their backward" in str(e.value.__cause__) and "forget_graphs()" in str(e.value.__cause__)
+    assert layer.placement == ml.ExpertPlacement.linear(4, 1)
     del y  # dropped without a backward: no longer in flight
     layer(x).sum().item()  # (this output is dropped at once)
     assert layer.num_replans == 1
