@@ -199,6 +199,16 @@ class ExpertPlacement:
         want = torch.arange(self.num_experts)[:, None].expand_as(owner)
         return bool(torch.equal(owner[used], want[used]))
 
+    def digest(self) -> int:
+        """A 62-bit fingerprint of the tables (equal placements, equal digests; cached)."""
+        if getattr(self, "_digest", None) is None:
+            import hashlib
+
+            h = hashlib.blake2b(str((self.num_experts, *self.phy2log.shape)).encode(), digest_size=8)
+            h.update(self.phy2log.contiguous().numpy().tobytes())
+            self._digest = int.from_bytes(h.digest(), "little") >> 2
+        return self._digest
+
     def copy(self) -> "ExpertPlacement":
         """An independent placement with the same tables (layers keep their own copy)."""
         return ExpertPlacement(self.phy2log, self.num_experts)

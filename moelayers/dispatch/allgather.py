@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from moelayers.dispatch.base import LocalPairs, Received, Routes, combine_pairs, local_pairs, raise_if_nonfinite
+from moelayers.dispatch.base import (
+    LocalPairs, Received, Routes, combine_pairs, local_pairs, raise_if_nonfinite, raise_if_placements_differ,
+)
 from moelayers.dispatch.comm import ReduceScatterRows, RowLayout, all_gather_flat, packed_all_gather
 from moelayers.metrics import MoEStats
 
@@ -33,21 +35,24 @@ class AllGatherDispatcher:
         num_slots: physical slots per rank ``S``.
     """
 
-    def __init__(self, group, num_ranks: int, rank: int, num_slots: int):
+    def __init__(self, group, num_ranks: int, rank: int, num_slots: int, *, placement_digest: int = 0):
         self.group, self.num_ranks, self.rank, self.num_slots = group, num_ranks, rank, num_slots
+        self.placement_digest = int(placement_digest)  # gathered with the sizes: the ranks must agree
         self.last_stats: MoEStats | None = None
 
     def dispatch(self, x: torch.Tensor, routes: Routes) -> Received:
         t, k = routes.dest_rank.shape
         dev = x.device
         flag = routes.nonfinite.to(torch.int64).view(1) if routes.nonfinite is not None else torch.zeros(1, dtype=torch.int64, device=dev)
-        sizes = torch.cat([torch.tensor([t], dtype=torch.int64, device=dev), flag])  # [2]: tokens, bad logits
+        head = torch.tensor([t, self.placement_digest], dtype=torch.int64, device=dev)
+        sizes = torch.cat([head, flag])  # [3]: tokens, placement digest, bad logits
         if self.group is not None:
-            all_sizes = sizes.new_empty(self.num_ranks * 2)
+            all_sizes = sizes.new_empty(self.num_ranks * 3)
             all_gather_flat(all_sizes, sizes, group=self.group)
             sizes = all_sizes
-        host = sizes.view(-1, 2).tolist()
-        raise_if_nonfinite([row[1] for row in host])
+        host = sizes.view(-1, 3).tolist()
+        raise_if_nonfinite([row[2] for row in host])
+        raise_if_placements_differ([row[1] for row in host])
         t_max = max(row[0] for row in host)
         pad = t_max - t
         phys = (routes.dest_rank * self.num_slots + routes.dest_slot).to(torch.int32)

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moelayers.dispatch.base import LocalPairs, Received, Routes, combine_pairs, local_pairs, raise_if_nonfinite
+from moelayers.dispatch.base import (
+    LocalPairs, Received, Routes, combine_pairs, local_pairs, raise_if_nonfinite, raise_if_placements_differ,
+)
 from moelayers.dispatch.comm import RowLayout, all_to_all_bytes, packed_all_to_all
 from moelayers.kernels import dispatch_pack, unpermute_combine
 from moelayers.metrics import MoEStats
@@ -53,11 +55,12 @@ class AllToAllDispatcher:
     """
 
     def __init__(self, group, num_ranks: int, rank: int, num_slots: int, *, dedup: bool = True,
-                 capacity: int | None = None):
+                 capacity: int | None = None, placement_digest: int = 0):
         if capacity is not None and (not dedup or capacity < 1):
             raise ValueError(f"capacity mode needs dedup=True and capacity >= 1, got dedup={dedup}, capacity={capacity}")
         self.group, self.num_ranks, self.rank, self.num_slots = group, num_ranks, rank, num_slots
         self.dedup, self.capacity = dedup, capacity
+        self.placement_digest = int(placement_digest)  # exchanged with the counts: the ranks must agree
         self.last_stats: MoEStats | None = None
         self.nonfinite: torch.Tensor | None = None  # capacity mode: [R] every rank's routing flag, read after the forward
         self.overflow: torch.Tensor | None = None  # capacity mode: [R] int32, the ranks that had more tokens
@@ -143,15 +146,17 @@ class AllToAllDispatcher:
         """The one small exchange and the one host sync: split sizes, activation counts and
         each rank's non-finite-logits flag (so that every rank raises together, none hangs)."""
         flag = nonfinite.to(torch.int64).expand(self.num_ranks) if nonfinite is not None else torch.zeros_like(send_rows)
-        counts = torch.stack([send_rows, send_pairs, flag], 1)  # [R, 3]
+        digest = torch.full_like(send_rows, self.placement_digest)
+        counts = torch.stack([send_rows, send_pairs, flag, digest], 1)  # [R, 4]
         recv = torch.empty_like(counts)
         if self.group is None:
             recv.copy_(counts)
         else:
             dist.all_to_all_single(recv, counts, group=self.group)
         host = torch.cat([counts, recv], 1).tolist()
-        raise_if_nonfinite([row[5] for row in host])
-        return [row[0] for row in host], [row[3] for row in host], [row[1] for row in host], sum(row[4] for row in host)
+        raise_if_nonfinite([row[6] for row in host])
+        raise_if_placements_differ([row[7] for row in host])
+        return [row[0] for row in host], [row[4] for row in host], [row[1] for row in host], sum(row[5] for row in host)
 
     def _rows(self, x, routes: Routes, dest_map: torch.Tensor, n_send: int):
         """Differentiable payload rows: tokens, weights and int32 slots in send order."""

@@ -46,6 +46,20 @@ FORCED_OUT_OF_RANGE = 2
 BAD_INPUT = 4  # the layer refused this rank's input; it takes part in the exchange with no tokens
 
 
+def raise_if_placements_differ(digests: list[int]) -> None:
+    """Raise ``ValueError`` on every rank if the expert-parallel ranks serve different placements
+    (their :meth:`~moelayers.placement.ExpertPlacement.digest`, one per rank in rank order), e.g. the
+    ranks loaded checkpoints saved at different moments: routing by one table and weights laid out
+    by another give wrong outputs silently."""
+    if len(set(digests)) > 1:
+        groups: dict[int, list[int]] = {}
+        for r, d in enumerate(digests):
+            groups.setdefault(d, []).append(r)
+        raise ValueError(f"the expert-parallel ranks serve different placements (ranks grouped by placement: "
+                         f"{sorted(groups.values())}): every rank must load the same checkpoint moment or apply "
+                         f"the same placement")
+
+
 def raise_if_nonfinite(flags: list[int]) -> None:
     """Raise ``ValueError`` on every rank if any rank's routing flag (``Routes.nonfinite``, one per
     expert-parallel rank, in rank order) is set."""

@@ -128,9 +128,9 @@ class MoELayerBase(nn.Module):
     def _make_dispatcher(self):
         g, p = self.groups, self.placement
         if self.dispatcher_name == "allgather":
-            return AllGatherDispatcher(g.ep, g.ep_size, g.ep_rank, p.slots_per_rank)
+            return AllGatherDispatcher(g.ep, g.ep_size, g.ep_rank, p.slots_per_rank, placement_digest=p.digest())
         return AllToAllDispatcher(g.ep, g.ep_size, g.ep_rank, p.slots_per_rank, dedup=self.dedup,
-                                  capacity=self.capacity)
+                                  capacity=self.capacity, placement_digest=p.digest())
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
