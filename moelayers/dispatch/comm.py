@@ -17,6 +17,30 @@ import torch.distributed as dist
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
+# splitmix64's constants as signed int64 (torch has no uint64 arithmetic; int64 products wrap alike)
+_MIX = (-7046029254386353131, -4658895280553007687, -7723592293110705685)
+
+
+def fingerprint(values: torch.Tensor, *, chunk: int = 1 << 24) -> torch.Tensor:
+    """Order-sensitive exact fingerprints of the rows of an integer tensor: ``[N, M] -> [N]`` int64.
+
+    Each value is mixed with its position (splitmix64's finaliser) and the row's mixes are summed,
+    wrapping: equal rows give equal fingerprints on any device, while a changed or reordered value
+    changes it (a plain or position-weighted sum misses swaps that cancel). Rows are processed in
+    chunks of about ``chunk`` values to bound the temporary memory.
+    """
+    v = values.reshape(values.shape[0], -1) if values.dim() else values.reshape(1, 1)
+    out = torch.empty(v.shape[0], dtype=torch.int64, device=v.device)
+    pos = torch.arange(v.shape[1], dtype=torch.int64, device=v.device) * _MIX[0]
+    step = max(1, chunk // max(v.shape[1], 1))
+    for lo in range(0, v.shape[0], step):
+        x = v[lo:lo + step].to(torch.int64) + pos
+        x = (x ^ (x >> 30)) * _MIX[1]
+        x = (x ^ (x >> 27)) * _MIX[2]
+        out[lo:lo + step] = (x ^ (x >> 31)).sum(-1)
+    return out
+
+
 _ALIGN = 16
 
 

@@ -240,9 +240,11 @@ class MegatronMoEAdapter(nn.Module):
         """Called by megatron's ``TransformerLayer`` after building the mlp."""
         self.layer_number = layer_number
 
-    def load_full_weights(self, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """``router_weight [E, H]``, ``w13 [E, 2F, H]``, ``w2 [E, H, F]`` (see ``MoELayerBase``)."""
-        self.layer.load_full_weights(router_weight, w13, w2)
+    def load_full_weights(self, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
+                          verify: bool = True) -> None:
+        """``router_weight [E, H]``, ``w13 [E, 2F, H]``, ``w2 [E, H, F]`` (see ``MoELayerBase``; ``verify``
+        compares the weights across the expert-parallel ranks, a collective)."""
+        self.layer.load_full_weights(router_weight, w13, w2, verify=verify)
 
     def export_full_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The wrapped layer's logical weights (see ``MoELayerBase.export_full_weights``).

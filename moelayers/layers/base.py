@@ -22,6 +22,7 @@ from torch import nn
 from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, ReplicaPolicy, Routes
 from moelayers.dispatch.base import BAD_INPUT, raise_if_nonfinite, routes_from_placement
+from moelayers.dispatch.comm import fingerprint
 from moelayers.experts import GroupedExperts, gather_logical, sum_replicas
 from moelayers.groups import ParallelGroups
 from moelayers.metrics import MoEStats
@@ -196,16 +197,17 @@ class MoELayerBase(nn.Module):
         self.experts.load_full(w13, w2, self.placement, self.groups.ep_rank)
 
     def _agree_on_weights(self, weights: list[torch.Tensor], refused: Exception | None) -> None:
-        """One ``MAX`` all-reduce over the EP group of ``[E]`` exact checksums per weight (integer sums
-        of each expert's bits) and a refusal flag per rank; raises on every rank when any rank
-        refused its weights (``refused`` itself on that rank) or the checksums differ."""
+        """One ``MAX`` all-reduce over the EP group of ``[E]`` exact fingerprints per weight (each
+        expert's bits, order-sensitive: :func:`~moelayers.dispatch.comm.fingerprint`) and a refusal
+        flag per rank; raises on every rank when any rank refused its weights (``refused`` itself on
+        that rank) or the fingerprints differ."""
         e, r, dev = self.config.num_experts, self.groups.ep_size, self.router.weight.device
         flags = torch.zeros(r, dtype=torch.int64, device=dev)
         flags[self.groups.ep_rank] = int(refused is not None)
         if refused is None:
-            sums = torch.stack([t.contiguous().view(_SAME_SIZE_INT[t.element_size()]).reshape(e, -1)
-                                .sum(1, dtype=torch.int64) for t in weights]).flatten()  # [3E]
-            vec = torch.cat([sums, -sums, flags])  # MAX gives the max and -min of every checksum
+            sums = torch.stack([fingerprint(t.contiguous().view(_SAME_SIZE_INT[t.element_size()]).reshape(e, -1))
+                                for t in weights]).flatten() >> 1  # [3E]; halved: the negation cannot overflow
+            vec = torch.cat([sums, -sums, flags])  # MAX gives the max and -min of every fingerprint
         else:  # a refused rank's checksums count for nothing in MAX
             lowest = torch.iinfo(torch.int64).min + 1
             vec = torch.cat([torch.full((6 * e,), lowest, dtype=torch.int64, device=dev), flags])
@@ -381,8 +383,10 @@ class MoELayerBase(nn.Module):
                 self._graphed = GraphedForward(padded, c, self.config.hidden_size, x2.dtype, x2.device)
             y, topk_ids = self._graphed(x2, num_valid=t)  # topk_ids: a view of the graph's static output
             counts = self.dispatcher.fixed_counts.clone()
+            # the routing of this forward (a copy: the next replay overwrites the view), for the expert loads
+            # that merge_stats / reduce compute later
             stats = MoEStats.deferred(self.groups.ep_rank, counts[0], counts[1], self.dispatcher.fixed_bytes,
-                                      topk_ids)  # expert loads from the routing view (read them before the next forward)
+                                      topk_ids.clone())
         else:
             xp = torch.nn.functional.pad(x2, (0, 0, 0, c - n))
             fp = None if forced is None else torch.nn.functional.pad(forced, (0, 0, 0, c - n))

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from moelayers.config import MoEConfig
-from moelayers.dispatch.comm import all_gather_flat, copy_to_group
+from moelayers.dispatch.comm import all_gather_flat, copy_to_group, fingerprint
 from moelayers.groups import ParallelGroups
 from moelayers.kernels import shuffle_rows
 from moelayers.layers.base import MoELayerBase
@@ -69,6 +69,10 @@ class SemanticMoE(MoELayerBase):
             token id and the experts of the previous layers), ``'token'`` (the token id alone) or
             ``'alg3'`` (Sem-MoE Algorithm 3 as published: token table vs n-gram of the previous ranks).
             A plan without ``token_logq`` (Algorithm 3 tables only) runs ``'alg3'`` whatever is asked.
+        verify_tp_inputs: ``forward_tp`` with several TP ranks first checks in one small all-reduce
+            (and a host read) that the ranks hold the same tokens and none refused its input.
+            ``False`` saves that per call; every rank must then pass identical, valid inputs (a
+            refused input on one rank leaves the others waiting in the reduce-scatter).
         **kwargs: the rest of :class:`MoELayerBase`'s arguments (dispatcher, device, seed, ...).
 
     Attributes:
@@ -104,8 +108,11 @@ class SemanticMoE(MoELayerBase):
         plan: Any = None,
         layer_idx: int = 0,
         predictor: str = "combined",
+        verify_tp_inputs: bool = True,
         **kwargs: Any,
     ):
+        if not isinstance(verify_tp_inputs, bool):
+            raise TypeError(f"verify_tp_inputs must be a bool, got {verify_tp_inputs!r}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if predictor not in PREDICTORS:
@@ -132,6 +139,7 @@ class SemanticMoE(MoELayerBase):
             predictor_obj = history_predictor
         super().__init__(config, groups, placement=placement, **kwargs)
         self.mode, self.semantic_plan, self.layer_idx, self.predictor = mode, plan, layer_idx, predictor
+        self.verify_tp_inputs = verify_tp_inputs
         if mode == "tp":  # routes only this TP rank's chunk: a partial gradient (see forward_tp)
             self.router.weight.sequence_parallel = True
         self._tables, self._predictor = tables, predictor_obj
@@ -236,10 +244,10 @@ class SemanticMoE(MoELayerBase):
                 raise ValueError(f"forced routing has {forced.shape[0]} rows for {x2.shape[0]} tokens")
             rb = self.rebatch(token_ids, prev_ranks, num_tokens=x2.shape[0])
         except (TypeError, ValueError) as exc:
-            if self.groups.tp_size == 1:
+            if self.groups.tp_size == 1 or not self.verify_tp_inputs:
                 raise
             refused = exc
-        if self.groups.tp_size > 1:
+        if self.groups.tp_size > 1 and self.verify_tp_inputs:
             self._agree_tp(refused, None if refused else x2.shape[0], None if refused else token_ids)
         r, group = self.groups.tp_rank, self.groups.tp
         mine = rb.chunk(r)
@@ -263,8 +271,8 @@ class SemanticMoE(MoELayerBase):
         return out.view(attn_partial.shape)
 
     def _agree_tp(self, refused: Exception | None, num_tokens: int | None, token_ids: torch.Tensor | None) -> None:
-        """One ``MAX`` all-reduce over the TP group of each rank's token count, a position-weighted
-        checksum of its token ids and a refusal flag per rank; raises on every rank when any rank
+        """One ``MAX`` all-reduce over the TP group of each rank's token count, an order-sensitive
+        fingerprint of its token ids and a refusal flag per rank; raises on every rank when any rank
         refused its input (``refused``, raised as it is on that rank) or the ranks disagree (the
         shuffled collectives need the same tokens everywhere: different counts crash them, different
         ids give wrong outputs silently)."""
@@ -275,10 +283,9 @@ class SemanticMoE(MoELayerBase):
         if refused is None:
             check = torch.zeros((), dtype=torch.int64, device=dev)
             if token_ids is not None and token_ids.numel():
-                ids = token_ids.reshape(-1).to(torch.int64)
-                check = (ids * (torch.arange(ids.numel(), device=ids.device) + 1)).sum().remainder(1 << 61).to(dev)
+                check = fingerprint(token_ids.reshape(1, -1))[0].to(dev)
             vec[0], vec[1] = num_tokens, -num_tokens
-            vec[2], vec[3] = check, -check
+            vec[2], vec[3] = check >> 1, -(check >> 1)  # halved: its negation never overflows
         dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.groups.tp)
         v = vec.tolist()
         bad = [i for i, flag in enumerate(v[4:]) if flag]

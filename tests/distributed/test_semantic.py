@@ -285,7 +285,7 @@ def test_semantic_moe_matches_reference(world):
 
 
 TP_BAD_INPUTS = ("residual shape", "dtype", "forced rows", "no token ids", "not a tensor", "fewer tokens",
-                 "other token ids")
+                 "other token ids", "swaps that cancel")
 
 
 def _tp_bad_input_on_one_rank(rank, world):
@@ -310,6 +310,10 @@ def _tp_bad_input_on_one_rank(rank, world):
             if kind == "fewer tokens":
                 x, res, tok, forced = x[:8], res[:8], tok[:8], forced[:8]
             tok = tok.flip(0) if kind == "other token ids" else tok
+        if kind == "swaps that cancel":  # [.., a, b, b, a] against [.., b, a, a, b]: equal position-weighted sums
+            a, b = int(ids[0]), (int(ids[0]) + 1) % int(ids.max() + 1)
+            tok = ids.clone()
+            tok[:4] = torch.tensor([a, b, b, a] if rank == 0 else [b, a, a, b])
         layer.force_routing(forced)
         try:
             with torch.no_grad():
@@ -318,7 +322,7 @@ def _tp_bad_input_on_one_rank(rank, world):
         except (TypeError, ValueError) as e:
             if kind == "fewer tokens":
                 ok = "different numbers of tokens (8..9; this rank " in str(e)
-            elif kind == "other token ids":
+            elif kind in ("other token ids", "swaps that cancel"):
                 ok = "different token ids" in str(e)
             else:
                 ok = ("refused the input of TP rank(s) [1]" in str(e)) == (rank == 0)
@@ -327,13 +331,22 @@ def _tp_bad_input_on_one_rank(rank, world):
             out = layer.forward_tp(partials[rank], residual, norm, token_ids=ids)
         if out.shape != (9, H):
             outcome[kind] = f"the next call gave {list(out.shape)}"
+    # verify_tp_inputs=False skips the agreement: the same output on valid inputs
+    quiet = ml.SemanticMoE.from_plan(plan, 2, cfg, groups, mode="tp", seed=7, verify_tp_inputs=False)
+    with torch.no_grad():
+        same = torch.equal(quiet.forward_tp(partials[rank], residual, norm, token_ids=ids),
+                           layer.forward_tp(partials[rank], residual, norm, token_ids=ids))
+    outcome["verify off"] = "same output" if same else "verify_tp_inputs=False changed the output"
     return outcome
 
 
 @pytest.mark.timeout(120)
 def test_forward_tp_bad_input_on_one_rank_raises_on_every_rank():
-    raised = {kind: "raised" for kind in TP_BAD_INPUTS}
+    raised = {**{kind: "raised" for kind in TP_BAD_INPUTS}, "verify off": "same output"}
     assert run_distributed(_tp_bad_input_on_one_rank, 2, timeout=90) == [raised, raised]
+    with pytest.raises(TypeError, match="verify_tp_inputs must be a bool"):
+        ml.SemanticMoE(ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2),
+                       ml.ParallelGroups.single(), verify_tp_inputs="off")
 
 
 def _tp_training_grads(rank, world):

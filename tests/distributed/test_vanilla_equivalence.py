@@ -124,10 +124,13 @@ def _load_weights_across_ranks(rank, world):
         return [torch.randn(s, generator=g).to(torch.bfloat16) for s in ((4, 8), (4, 8, 8), (4, 8, 4))]
 
     out = {}
-    for kind in ("same", "seed per rank", "one expert differs", "bad shape on rank 1", "verify off"):
+    for kind in ("same", "seed per rank", "one expert differs", "gate and up swapped", "bad shape on rank 1",
+                 "verify off"):
         w = weights(rank if kind in ("seed per rank", "verify off") else 0)
         if kind == "one expert differs" and rank == 1:
             w[2][3, 0, 0] += 1.0
+        if kind == "gate and up swapped" and rank == 1:  # the same values in another order: a sum misses it
+            w[1] = torch.cat([w[1][:, 4:], w[1][:, :4]], 1)
         if kind == "bad shape on rank 1" and rank == 1:
             w[1] = w[1][:, :-1]
         try:
@@ -149,6 +152,7 @@ def test_load_full_weights_checks_the_ranks_agree():
         assert out["same"] == "loaded" and out["verify off"] == "loaded", out
         assert "differ between the expert-parallel ranks (router_weight of expert(s) [0, 1, 2, 3]" in out["seed per rank"]
         assert "(w2 of expert(s) [3])" in out["one expert differs"]
+        assert "(w13 of expert(s) [0, 1, 2, 3])" in out["gate and up swapped"]
         if rank == 1:
             assert out["bad shape on rank 1"].startswith("w13 must have shape [4, 8, 8], got [4, 7, 8]")
         else:

@@ -320,3 +320,17 @@ def test_a_placement_edited_in_place_is_refused_and_layers_keep_their_own():
         y = layer(x)
     ref = ml.reference.moe_forward(x, *layer.export_full_weights(), cfg)
     torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_fingerprint_is_exact_and_order_sensitive():
+    """The cross-rank checks' fingerprint: equal rows agree (whatever the chunking), swaps that a
+    position-weighted sum cannot see are seen, and so is any single changed value."""
+    from moelayers.dispatch.comm import fingerprint
+
+    rows = torch.tensor([[0, 1, 1, 0], [1, 0, 0, 1], [0, 1, 1, 0], [0, 1, 1, 1]])
+    fp = fingerprint(rows)
+    assert fp[0] == fp[2] and len({int(fp[0]), int(fp[1]), int(fp[3])}) == 3
+    assert int((rows[0] * torch.arange(1, 5)).sum()) == int((rows[1] * torch.arange(1, 5)).sum())  # the old check
+    big = torch.randint(-2 ** 15, 2 ** 15, (6, 1000), generator=torch.Generator().manual_seed(0), dtype=torch.int16)
+    assert torch.equal(fingerprint(big), fingerprint(big, chunk=1500))  # two rows per chunk
+    assert fingerprint(big).dtype == torch.int64 and fingerprint(big).shape == (6,)
