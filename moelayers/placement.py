@@ -7,6 +7,7 @@ of truth for "where is expert e"; routers stay in logical order.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 
@@ -202,8 +203,6 @@ class ExpertPlacement:
     def digest(self) -> int:
         """A 62-bit fingerprint of the tables (equal placements, equal digests; cached)."""
         if getattr(self, "_digest", None) is None:
-            import hashlib
-
             h = hashlib.blake2b(str((self.num_experts, *self.phy2log.shape)).encode(), digest_size=8)
             h.update(self.phy2log.contiguous().numpy().tobytes())
             self._digest = int.from_bytes(h.digest(), "little") >> 2

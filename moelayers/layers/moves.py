@@ -103,11 +103,9 @@ def check_new_placement(old: ExpertPlacement, new: Any) -> None:
 
 
 def placement_digest(old: ExpertPlacement, new: ExpertPlacement) -> int:
-    """A 56-bit digest of both placements (equal on every rank iff they were handed the same ones)."""
-    h = hashlib.blake2b(digest_size=7)
-    for p in (old, new):
-        h.update(str((p.num_experts,) + tuple(p.phy2log.shape)).encode())
-        h.update(p.phy2log.contiguous().numpy().tobytes())
+    """A 56-bit digest of both placements (equal on every rank iff they were handed the same ones),
+    from their :meth:`~moelayers.placement.ExpertPlacement.digest`."""
+    h = hashlib.blake2b(f"{old.digest()}:{new.digest()}".encode(), digest_size=7)
     return int.from_bytes(h.digest(), "little")
 
 
