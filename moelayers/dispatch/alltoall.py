@@ -52,6 +52,9 @@ class AllToAllDispatcher:
             ``capacity`` rows to every rank, unused rows flagged by slot ``-1``: no split sizes, no
             host sync, static shapes, so the whole forward can be captured in a CUDA graph. Costs
             bandwidth for rows a rank does not need. ``None`` (default): exact all-to-all-v.
+        placement_digest: :meth:`~moelayers.placement.ExpertPlacement.digest` of the layer's
+            placement, sent with the split sizes (in capacity mode: with the flags of every row) so
+            that ranks serving different placements raise instead of mixing them.
     """
 
     def __init__(self, group, num_ranks: int, rank: int, num_slots: int, *, dedup: bool = True,
@@ -64,6 +67,7 @@ class AllToAllDispatcher:
         self.last_stats: MoEStats | None = None
         self.nonfinite: torch.Tensor | None = None  # capacity mode: [R] every rank's routing flag, read after the forward
         self.overflow: torch.Tensor | None = None  # capacity mode: [R] int32, the ranks that had more tokens
+        self.digests: torch.Tensor | None = None  # capacity mode: [R, 2] int32, every rank's placement digest
 
     # ------------------------------------------------------------------ step 3
     def dispatch(self, x: torch.Tensor, routes: Routes) -> Received:
@@ -105,17 +109,19 @@ class AllToAllDispatcher:
         per_rank = (routes.dest_rank[:, :, None] == ranks).sum(1)  # [T, R] activations; -1 = padding
         dest_map = _fixed_rows(c, r, dev)  # row r*C + t holds token t for rank r
         no = torch.zeros((), dtype=torch.bool, device=dev)
-        flags = torch.stack([no if routes.nonfinite is None else routes.nonfinite,
-                             no if routes.overflow is None else routes.overflow]).to(torch.int32)
-        layout = RowLayout(((x.shape[1], x.dtype), (k, routes.weights.dtype), (k, torch.int32), (2, torch.int32)))
+        flags = torch.cat([torch.stack([no if routes.nonfinite is None else routes.nonfinite,
+                                        no if routes.overflow is None else routes.overflow]).to(torch.int32),
+                           self._digest_halves(dev)])
+        layout = RowLayout(((x.shape[1], x.dtype), (k, routes.weights.dtype), (k, torch.int32), (4, torch.int32)))
         buf = layout.empty(r * c, dev)
         xv, wv, sv, fv = layout.views(buf)
         dispatch_pack(x, dest_map, routes.dest_rank, routes.dest_slot, routes.weights, xv, wv, sv)
-        fv.copy_(flags.expand(r * c, 2))
+        fv.copy_(flags.expand(r * c, 4))
         recv = all_to_all_bytes(buf, r * c, [c] * r, [c] * r, self.group)
         recv_x, recv_w, recv_s, recv_f = layout.views(recv)
         self.nonfinite = recv_f[::c, 0]  # row r * C comes from rank r
-        self.overflow = recv_f[::c, 1]  # row r * C comes from rank r
+        self.overflow = recv_f[::c, 1]
+        self.digests = recv_f[::c, 2:]  # [R, 2]: every rank's placement digest in two 31-bit halves
         pairs = local_pairs(recv_s, self.num_slots, static=True)
         self.fixed_counts = torch.stack([per_rank.sum(0), (per_rank > 0).sum(0)])  # [2, R] on the device
         self.fixed_bytes = [0 if i == self.rank else c * layout.row_bytes for i in range(r)]
@@ -123,6 +129,12 @@ class AllToAllDispatcher:
                                             self.fixed_bytes, routes.topk_ids)
         state = _State(dest_map, [c] * r, [c] * r, recv_w, pairs, x.dtype)
         return Received(recv_x.index_select(0, pairs.pair_row), pairs.slot_counts, state)
+
+    def _digest_halves(self, device: torch.device) -> torch.Tensor:
+        """``[2]`` int32: the placement digest's low and high 31 bits (a fill, so it can be captured)."""
+        d = self.placement_digest
+        return torch.stack([torch.full((), d & _LOW31, dtype=torch.int32, device=device),
+                            torch.full((), (d >> 31) & _LOW31, dtype=torch.int32, device=device)])
 
     def _layout(self, routes: Routes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Send-buffer row of every unit (``-1`` unused), rows and activations per rank."""
@@ -190,6 +202,7 @@ class AllToAllDispatcher:
         return unpermute_combine(back, st.dest_map, None, out_dtype=st.dtype)
 
 
+_LOW31 = (1 << 31) - 1
 _FIXED_ROWS: dict[tuple, torch.Tensor] = {}
 
 

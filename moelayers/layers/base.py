@@ -21,7 +21,7 @@ from torch import nn
 
 from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, ReplicaPolicy, Routes
-from moelayers.dispatch.base import BAD_INPUT, raise_if_nonfinite, routes_from_placement
+from moelayers.dispatch.base import BAD_INPUT, raise_if_nonfinite, raise_if_placements_differ, routes_from_placement
 from moelayers.dispatch.comm import fingerprint
 from moelayers.experts import GroupedExperts, gather_logical, sum_replicas
 from moelayers.groups import ParallelGroups
@@ -402,16 +402,18 @@ class MoELayerBase(nn.Module):
 
     def _raise_on_flags(self, t: int, forced: bool) -> None:
         """Capacity mode: raise on every rank when any rank had NaN/inf logits, forced expert ids out
-        of range or more than ``capacity`` tokens (the flags came with the exchange). One host sync,
-        made when the NaN check is on, the routing was forced or this rank overflowed; with
-        ``check_finite=False`` and the router's own routing only an overflowing rank itself raises."""
+        of range, more than ``capacity`` tokens or another placement (the flags and placement digests
+        came with the exchange). One host sync, made when the NaN check is on, the routing was forced
+        or this rank overflowed; with ``check_finite=False`` and the router's own routing only an
+        overflowing rank itself raises, and the placements are not compared."""
         if not (self.router.check_finite or forced or t > self.capacity or self._bad_input):
             return
         d = self.dispatcher
         r = self.groups.ep_size
-        flags = torch.cat([d.nonfinite.to(torch.int32), d.overflow.to(torch.int32)]).tolist()
+        flags = torch.cat([d.nonfinite.to(torch.int32), d.overflow.to(torch.int32), d.digests.flatten()]).tolist()
         raise_if_nonfinite(flags[:r])
-        bad = [i for i, f in enumerate(flags[r:]) if f]
+        raise_if_placements_differ([lo | (hi << 31) for lo, hi in zip(flags[2 * r::2], flags[2 * r + 1::2])])
+        bad = [i for i, f in enumerate(flags[r:2 * r]) if f]
         if bad:
             here = f" ({t} tokens on this rank)" if t > self.capacity else ""
             raise ValueError(f"more tokens than the layer's capacity of {self.capacity} per rank on expert-parallel "

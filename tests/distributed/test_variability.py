@@ -738,17 +738,19 @@ def test_replan_failures_are_explained_on_every_rank():
 
 def _checkpoints_of_two_moments(rank, world):
     """Rank 0 loads the checkpoint saved before a move, rank 1 the one after: the next forward raises
-    on every rank (it returned outputs off by 75 silently); all-to-all and all-gather alike."""
+    on every rank (it returned outputs off by 75 silently); all-to-all, all-gather and capacity mode
+    alike."""
     from moelayers.placement import ExpertPlacement
 
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
     out = {}
-    for dispatcher in ("alltoall", "allgather"):
-        layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.from_world(), dispatcher=dispatcher, seed=3)
+    for dispatcher, kw in (("alltoall", {}), ("allgather", {}), ("capacity", {"capacity": 8})):
+        kw = dict(kw, dispatcher="alltoall" if dispatcher == "capacity" else dispatcher, seed=3)
+        layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.from_world(), **kw)
         before = layer.state_dict()
         layer.apply_placement(ExpertPlacement.from_phy2log(torch.tensor([[3, 0], [1, 2]]), 4))
         after = layer.state_dict()
-        fresh = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.from_world(), dispatcher=dispatcher, seed=3)
+        fresh = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.from_world(), **kw)
         fresh.load_state_dict(before if rank == 0 else after)
         x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
         try:
@@ -766,6 +768,6 @@ def _checkpoints_of_two_moments(rank, world):
 @pytest.mark.timeout(120)
 def test_ranks_with_checkpoints_of_two_moments_raise():
     for out in run_distributed(_checkpoints_of_two_moments, 2, timeout=90):
-        for dispatcher in ("alltoall", "allgather"):
+        for dispatcher in ("alltoall", "allgather", "capacity"):
             assert "serve different placements (ranks grouped by placement: [[0], [1]])" in out[dispatcher], out
             assert out[dispatcher + " after"] == (5, 8)
