@@ -51,16 +51,34 @@ def megatron_version() -> str | None:
     return str(getattr(mc, "__version__", None) or getattr(getattr(mc, "package_info", None), "__version__", "?"))
 
 
+def peer_mode(want: Any) -> str:
+    """``bench.peer`` as ``'auto'`` | ``'required'`` (``true``/``on``/``required``/``1``) | ``'off'``
+    (``false``/``off``/``none``/``0``).
+
+    Raises:
+        ValueError: any other value (a typo used to mean ``auto``), naming ``bench.peer``.
+    """
+    word = str(want).strip().lower()
+    if word in ("false", "off", "none", "0"):
+        return "off"
+    if word in ("true", "on", "required", "1"):
+        return "required"
+    if word == "auto":
+        return "auto"
+    raise ValueError(f"bench.peer must be auto, true (required) or false, got {want!r}")
+
+
 def build_peer(config, dtype: torch.dtype, device: torch.device, want: str, weights) -> tuple[Any, str | None, str | None]:
     """megatron-core's ``MoELayer`` with ``weights`` loaded: ``(peer or None, peer name or None, note)``.
 
     ``want``: ``auto`` (no peer, with a note, when CUDA or megatron-core is missing or the peer fails to
-    build — a warning with the error is printed) | ``true`` (required: raise instead) | ``false``.
+    build — a warning with the error is printed) | ``true`` (required: raise instead) | ``false``
+    (:func:`peer_mode`).
     """
-    want = str(want).lower()
-    if want in ("false", "off", "none", "0"):
+    mode = peer_mode(want)
+    if mode == "off":
         return None, None, "peer disabled (bench.peer=false)"
-    required = want in ("true", "on", "required", "1")
+    required = mode == "required"
     reason, peer = None, None
     if device.type != "cuda":
         reason = "megatron-core's MoELayer needs CUDA: no peer on CPU"

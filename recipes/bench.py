@@ -33,8 +33,9 @@ layer that re-plans by itself (``auto_replan``) is timed with it off (the JSON's
 ``replans`` counts its moves, 0 when none happened).
 Rank 0 prints a table and writes one JSON per (shape, tokens/rank) into the
 run dir, and copies into ``bench.save_to`` when set, named
-``{layer}[_graph]_{shape}_t{tokens}_ws{world}_{device}.json``. ``bench.profile=true`` prints a
-torch.profiler table of ours' top kernels at one size (and saves a chrome trace in the run dir).
+``{layer}[_graph]_{shape}_t{tokens}_ws{world}[_ep{ep}]_{device}.json`` (``_ep``: ``parallel.ep``
+below the world size). ``bench.profile=true`` prints a torch.profiler table of ours' top kernels at
+one size (and saves a chrome trace in the run dir).
 
 Usage::
 
@@ -56,7 +57,6 @@ import os
 import platform
 import re
 import shlex
-import shutil
 import statistics
 import sys
 from collections.abc import Callable
@@ -90,6 +90,7 @@ from recipes._bench_tools import (  # noqa: E402
     time_forwards,
     peer_forward_with_routing,
     layer_ids,
+    peer_mode,
     routing_agreement,
     check_against_peer,
     check_against_reference,
@@ -214,8 +215,11 @@ def check_config(d: dict) -> None:
     """Check the settings every rank reads, before any rank starts; ``bench.tokens_per_rank`` becomes a list.
 
     ``bench.tokens_per_rank`` (sizes >= 1), ``bench.warmup`` (>= 0), ``bench.iters`` (>= 1),
-    ``bench.baseline`` (:func:`resolve_baseline`) and, with ``router=replay``, ``trace.seq_len``
-    (:func:`recipes._bench_tools.seq_len_bounds`).
+    ``bench.baseline`` (:func:`resolve_baseline`), ``bench.peer`` (:func:`recipes._bench_tools.peer_mode`),
+    ``bench.profile_tokens`` (``null`` or >= 1), ``bench.profile_iters`` and ``bench.profile_rows`` (>= 1),
+    no ``layer.kwargs.capacity`` / ``cuda_graph`` (``bench.cuda_graph`` sets them per size, for ours and
+    the baseline alike), ``parallel.ep`` = the world for a plan-built layer and, with ``router=replay``,
+    ``trace.seq_len`` (:func:`recipes._bench_tools.seq_len_bounds`).
 
     Raises:
         ValueError: a bad value, naming its key.
@@ -225,6 +229,24 @@ def check_config(d: dict) -> None:
     int_setting(b.get("warmup"), "bench.warmup", 0)
     int_setting(b.get("iters"), "bench.iters", 1)
     resolve_baseline(b.get("baseline", "auto"), plan_based=False)
+    peer_mode(b.get("peer", "auto"))
+    if b.get("profile_tokens") is not None:
+        int_setting(b["profile_tokens"], "bench.profile_tokens", 1)
+    for key in ("profile_iters", "profile_rows"):
+        if key in b:
+            int_setting(b[key], f"bench.{key}", 1)
+    layer_kwargs = (d.get("layer") or {}).get("kwargs") or {}
+    for key in ("capacity", "cuda_graph"):
+        # a fixed capacity pads every size to it (t=16 timed as 64 tokens), leaves the baseline exact
+        # and was recorded as mode "eager (exact all-to-all-v)"
+        if layer_kwargs.get(key) is not None and layer_kwargs[key] is not False:
+            raise ValueError(f"layer.kwargs.{key}={layer_kwargs[key]!r}: the bench sets capacity (= tokens/rank) "
+                             "and cuda_graph itself, for ours and the baseline: use bench.cuda_graph=true (CUDA)")
+    ep = (d.get("parallel") or {}).get("ep")
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (d.get("parallel") or {}).get("world_size")
+    if ep is not None and ep != world and uses_plan(d.get("layer") or {}):
+        raise ValueError(f"layer={d['layer'].get('name')} plans and schedules over the whole world: parallel.ep "
+                         f"must be null or the world size ({world}), got {ep}")
     if d.get("_router_name") == "replay":
         seq_len_bounds((d.get("trace") or {}).get("seq_len"))
 
@@ -298,8 +320,16 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
     records = []
     for tokens in tokens_list:
         x = rank_input(tokens, config.hidden_size, seed, rank, device, dtype)
+        if replay is not None:
+            replay.repeated = False  # per size: a small size may fit the trace where a larger one wraps
         forced = replay.ids_for(rank, tokens, device, owners.get("semantic")) if replay is not None else None
         base_forced = replay.ids_for(rank, tokens, device, owners.get("round_robin")) if replay is not None else None
+        repeated = replay is not None and bool(reduce_max([float(replay.repeated)], device)[0])  # every rank
+        if repeated:
+            notes.append(f"tokens/rank={tokens}: the trace holds fewer tokens than the ranks replay, so "
+                         "trace tokens repeat (trace.tokens_repeated)")
+            if rank == 0:
+                print(f"WARNING: {notes[-1]}", flush=True)
         timed, base_timed = ours, base
         if graph:  # fixed capacity = tokens per rank, whole forward replayed from a CUDA graph (both layers)
             timed = make(_graphed_config(cfg["layer"], tokens))
@@ -388,6 +418,8 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
             "baseline": base_name, "baseline_kwargs": None if base_cfg is None else base_cfg["kwargs"], "baseline_ms": base_ms,
             "vs_baseline": ms / base_ms if base_ms else None, "baseline_stats": _stats_record(base_stats),
             "replans": getattr(ours, "num_replans", None),  # a self-re-planning layer's moves so far (0: none timed)
+            "trace": None if replay is None else {"source": replay.source, "layer": replay.layer,
+                                                  "tokens_repeated": repeated},
         }
         records.append(rec)
         if rank == 0:
@@ -417,18 +449,15 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
             print(f"\nprofile: {cfg['layer']['name']} {b['name']} tokens/rank={ptok}, {b.get('profile_iters', 5)} "
                   f"{'eager ' if graph else ''}forwards "
                   f"(rank 0; chrome trace {path})\n{table}", flush=True)
-    repeated = replay is not None and bool(reduce_max([float(replay.repeated)], device)[0])  # a collective: every rank
     if rank != 0:
         return None
     common = {
-        "device_name": device_name(device), "world_size": world, "layer": cfg["layer"]["name"],
+        "device_name": device_name(device), "world_size": world, "ep": groups.ep_size, "layer": cfg["layer"]["name"],
         "shape_name": b["name"],
         "shape": {"H": config.hidden_size, "E": config.num_experts, "K": config.top_k, "F": config.ffn_hidden_size},
         "peer": peer_name, "peer_experts": peer_experts, "peer_note": peer_note, "dtype": str(dtype).replace("torch.", ""),
         "router_dtype": None if config.router_dtype is None else str(config.router_dtype).replace("torch.", ""),
         "warmup": warmup, "iters": iters, "router": router,
-        "trace": None if replay is None else {"source": replay.source, "layer": replay.layer,
-                                              "tokens_repeated": repeated},
         "notes": list(dict.fromkeys(notes)),
         "backend": backend, "torch": torch.__version__, "triton": triton_version(),
         "megatron_core": megatron_version(),
@@ -541,7 +570,8 @@ def print_results(records: list[dict]) -> None:
     bar = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
     fmt = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     r0 = records[0]
-    print(f"\nbench: layer={r0['layer']} vs {r0['peer'] or 'no peer'}; {r0['device_name']}, world {r0['world_size']}, "
+    print(f"\nbench: layer={r0['layer']} vs {r0['peer'] or 'no peer'}; {r0['device_name']}, world {r0['world_size']} "
+          f"(ep {r0['ep']}), "
           f"{r0['dtype']}, median of {r0['iters']} (max over ranks), router={r0['router']}")
     print("\n".join([bar, fmt(head), bar] + [fmt(row) for row in rows] + [bar]), flush=True)
     if r0.get("peer_note"):
@@ -550,7 +580,7 @@ def print_results(records: list[dict]) -> None:
         print(f"note: {note}")
 
 
-HEAD_KEYS = ("device_name", "world_size", "layer", "shape", "tokens_per_rank", "ms", "peer", "peer_ms", "ratio",
+HEAD_KEYS = ("device_name", "world_size", "ep", "layer", "shape", "tokens_per_rank", "ms", "peer", "peer_ms", "ratio",
              "date", "command", "dtype", "iters")
 
 
@@ -566,13 +596,13 @@ def save_records(records: list[dict], out_dir: str, save_to: str | None) -> list
     for r in records:
         slug = device_slug(r["device_name"])
         mode = "_graph" if str(r.get("mode", "")).startswith("cuda_graph") else ""
-        name = f"{r['layer']}{mode}_{r['shape_name']}_t{r['tokens_per_rank']}_ws{r['world_size']}_{slug}.json"
+        # ep < world (parallel.ep) times another layout: a name of its own, not the ep = world run's
+        ep = f"_ep{r['ep']}" if r["ep"] != r["world_size"] else ""
+        name = f"{r['layer']}{mode}_{r['shape_name']}_t{r['tokens_per_rank']}_ws{r['world_size']}{ep}_{slug}.json"
         p = write_json(os.path.join(out_dir, name), r)
         paths.append(str(p))
-        if save_to:
-            os.makedirs(save_to, exist_ok=True)
-            shutil.copyfile(p, os.path.join(save_to, name))
-            paths.append(os.path.join(save_to, name))
+        if save_to:  # written like the run dir's (atomically): a copy cut short would leave half a file there
+            paths.append(str(write_json(os.path.join(save_to, name), r)))
     return paths
 
 

@@ -316,3 +316,84 @@ def test_build_layer_uses_an_explicit_cls():
     layer = build_layer({"name": "vanilla", "cls": "moelayers.VariabilityAwareMoE", "kwargs": {}}, cfg,
                         ml.ParallelGroups.single(), torch.device("cpu"), 0, False)
     assert type(layer) is ml.VariabilityAwareMoE
+
+
+@pytest.mark.timeout(90)
+def test_bench_records_the_expert_parallel_size(tmp_path):
+    """parallel.ep=1 at world 2 (each rank all experts, no exchange) was recorded, named and printed as the
+    ep = world run (``..._ws2_<device>.json``, no ep anywhere): its much lower ms passed for the EP=2 figure."""
+    proc = run_bench(tmp_path, "parallel.ep=1", "bench.tokens_per_rank=[16]")
+    assert proc.returncode == 0, f"bench failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    (f,) = (tmp_path / "run").glob("*.json")
+    assert f.name.startswith("vanilla_cpu_smoke_t16_ws2_ep1_")
+    rec = json.loads(f.read_text())
+    assert rec["ep"] == 1 and rec["world_size"] == 2
+    assert "world 2 (ep 1)" in proc.stdout
+
+
+@pytest.mark.timeout(90)
+def test_bench_flags_repeated_trace_tokens_per_size(tmp_path):
+    """A 32-token trace replayed at 16 and 64 tokens/rank on 2 ranks: only t=64 wraps. tokens_repeated was
+    one flag for the whole run (true in the t=16 record too) and nothing was printed."""
+    from moelayers.trace import save_trace, synthetic_trace
+
+    path = tmp_path / "tiny.npz"
+    save_trace(synthetic_trace(2, 1, 8, 2, 500, seq_len=(16, 16), seed=0), path)
+    proc = run_bench(tmp_path, "router=replay", f"trace.path={path}", "bench.iters=1", "bench.warmup=0")
+    assert proc.returncode == 0, f"bench failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    repeated = {}
+    for f in (tmp_path / "run").glob("*.json"):
+        rec = json.loads(f.read_text())
+        repeated[rec["tokens_per_rank"]] = rec["trace"]["tokens_repeated"]
+    assert repeated == {16: False, 64: True}
+    assert "WARNING: tokens/rank=64: the trace holds fewer tokens" in proc.stdout
+
+
+@pytest.mark.parametrize("override, match", [
+    ("+layer.kwargs.capacity=64", r"layer\.kwargs\.capacity=64: the bench sets capacity"),
+    ("+layer.kwargs.cuda_graph=true", r"layer\.kwargs\.cuda_graph=True: the bench sets"),
+    ("bench.peer=ture", r"bench\.peer must be auto, true \(required\) or false, got 'ture'"),
+    ("bench.profile_tokens=0", r"bench\.profile_tokens must be an integer >= 1, got 0"),
+    ("bench.profile_iters=0", r"bench\.profile_iters must be an integer >= 1, got 0"),
+])
+def test_check_config_refuses_settings_that_were_ignored_or_mislabelled(override, match):
+    """layer.kwargs.capacity=64 padded every size to 64 tokens (t=16 timed 64 rows), left the baseline
+    exact and was recorded as mode 'eager (exact all-to-all-v)'; a typo in bench.peer meant auto;
+    profile_tokens=0 fell back to the largest size and profile_iters=0 printed an empty profile."""
+    from recipes.bench import check_config
+
+    with pytest.raises(ValueError, match=match):
+        check_config(bench_config(override))
+
+
+def test_check_config_refuses_a_plan_built_layer_below_the_world():
+    """layer=semantic plans and schedules over the world: parallel.ep=2 at world 4 planned first, then failed
+    inside every rank with 'the plan is for 4 ranks, the expert-parallel group has 2' (no setting named)."""
+    from recipes.bench import check_config
+
+    d = bench_config("router=replay", "layer=semantic", "parallel.world_size=4", "parallel.ep=2")
+    with pytest.raises(ValueError, match=r"layer=semantic .*parallel\.ep must be null or the world size \(4\), got 2"):
+        check_config(d)
+    check_config(bench_config("router=replay", "layer=semantic", "parallel.world_size=4", "parallel.ep=4"))
+    check_config(bench_config("parallel.world_size=4", "parallel.ep=2"))  # vanilla: any ep
+
+
+def test_save_to_is_written_atomically(tmp_path, monkeypatch):
+    """bench.save_to (e.g. docs/benchmarks) got a plain copy: cut short, it left half a JSON there."""
+    import shutil
+
+    from recipes.bench import save_records
+
+    def cut_short(src, dst, *args, **kwargs):  # the disk fills up half way through the copy
+        Path(dst).write_text(Path(src).read_text()[:10])
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfile", cut_short)
+    rec = {"device_name": "cpu", "layer": "vanilla", "shape_name": "s", "tokens_per_rank": 16, "world_size": 2,
+           "ep": 2, "mode": "eager", "ms": 1.0}
+    try:
+        save_records([rec], str(tmp_path / "run"), str(tmp_path / "saved"))
+    except OSError:
+        pass
+    saved = tmp_path / "saved" / "vanilla_s_t16_ws2_cpu.json"
+    assert not saved.exists() or json.loads(saved.read_text()) == rec  # all or nothing
