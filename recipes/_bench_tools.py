@@ -68,19 +68,25 @@ def peer_mode(want: Any) -> str:
     raise ValueError(f"bench.peer must be auto, true (required) or false, got {want!r}")
 
 
-def build_peer(config, dtype: torch.dtype, device: torch.device, want: str, weights) -> tuple[Any, str | None, str | None]:
+def build_peer(config, dtype: torch.dtype, device: torch.device, want: str, weights,
+               ep: int | None = None) -> tuple[Any, str | None, str | None]:
     """megatron-core's ``MoELayer`` with ``weights`` loaded: ``(peer or None, peer name or None, note)``.
 
-    ``want``: ``auto`` (no peer, with a note, when CUDA or megatron-core is missing or the peer fails to
-    build — a warning with the error is printed) | ``true`` (required: raise instead) | ``false``
-    (:func:`peer_mode`).
+    ``want``: ``auto`` (no peer, with a note, when CUDA or megatron-core is missing, ours runs with
+    an expert-parallel size ``ep`` below the world (the peer spreads its experts over the whole
+    world: another layout) or the peer fails to build — a warning with the error is printed) |
+    ``true`` (required: raise instead) | ``false`` (:func:`peer_mode`).
     """
     mode = peer_mode(want)
     if mode == "off":
         return None, None, "peer disabled (bench.peer=false)"
     required = mode == "required"
     reason, peer = None, None
-    if device.type != "cuda":
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if ep is not None and ep != world:
+        reason = (f"ours runs at parallel.ep={ep} of a world of {world}, megatron-core's MoELayer here at "
+                  f"EP = world: no peer (the two would time different layouts)")
+    elif device.type != "cuda":
         reason = "megatron-core's MoELayer needs CUDA: no peer on CPU"
     elif megatron_version() is None:
         reason = "megatron-core is not installed: no peer"

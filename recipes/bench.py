@@ -305,7 +305,7 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
     # the baseline executes like ours (dispatcher, dedup, NaN check, expert backend): only the layer differs
     base_cfg = None if base_name is None else {"name": base_name, "kwargs": shared_execution_kwargs(cfg["layer"])}
     base = make(base_cfg) if base_cfg is not None else None
-    peer, peer_name, peer_note = build_peer(config, dtype, device, b.get("peer", "auto"), weights)
+    peer, peer_name, peer_note = build_peer(config, dtype, device, b.get("peer", "auto"), weights, groups.ep_size)
     peer_experts = None if peer is None else type(getattr(peer, "experts", peer)).__name__
     if replay is not None:
         peer_note = "; ".join(filter(None, [peer_note, "routing replayed from a trace for ours only; "

@@ -397,3 +397,18 @@ def test_save_to_is_written_atomically(tmp_path, monkeypatch):
         pass
     saved = tmp_path / "saved" / "vanilla_s_t16_ws2_cpu.json"
     assert not saved.exists() or json.loads(saved.read_text()) == rec  # all or nothing
+
+
+def test_no_peer_when_ours_runs_below_the_world():
+    """megatron's MoELayer spreads its experts over the whole world: with parallel.ep below it the two
+    would time different layouts, so the peer is left out (auto) or refused (required), saying why."""
+    import torch
+
+    from recipes._bench_tools import build_peer
+
+    cfg = pytest.importorskip("moelayers").MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    peer, name, note = build_peer(cfg, torch.float32, torch.device("cpu"), "auto", None, ep=2)  # world 1
+    assert peer is None and name is None and "parallel.ep=2 of a world of 1" in note
+    with pytest.raises(RuntimeError, match="bench.peer=true but ours runs at parallel.ep=2"):
+        build_peer(cfg, torch.float32, torch.device("cpu"), "true", None, ep=2)
+    assert "needs CUDA" in build_peer(cfg, torch.float32, torch.device("cpu"), "auto", None, ep=1)[2]
