@@ -4,11 +4,12 @@ Every rank times its own grouped-expert computation (the experts of one rank at 
 on GPUs, GPU time measured over CUDA-graph replays, free of host launch overhead)
 for a range of row counts: densely at tile boundaries (``profile.tile`` rows, the grouped GEMM's M
 tile) up to ``profile.dense_until``, then sparsely (every ``profile.sparse_step`` rows) up to
-``profile.max_rows``; the planner interpolates linearly between samples. Rank 0 gathers the curves
-and writes ``curves.npz`` (``rows [N]``, ``latency_s [R, N]`` — the least-squares non-decreasing fit
-of the measurements, which ``LatencyCurves`` requires —, ``latency_raw_s [R, N]``, ``device_names``)
-atomically into the run dir with a picture of them (``curves.png``: each rank's curve, and its
-latency relative to the fastest rank), and prints the spread between the GPUs. ``curves.npz`` also
+``profile.max_rows``, and at ``profile.max_rows`` itself; the planner interpolates linearly between
+samples. Rank 0 gathers the curves and writes ``curves.npz`` (``rows [N]``, ``latency_s [R, N]`` —
+the least-squares non-decreasing fit of the measurements, which ``LatencyCurves`` requires —,
+``latency_raw_s [R, N]``, ``device_names``) atomically into the run dir with a picture of them
+(``curves.png``: each rank's curve, and its latency relative to the fastest rank; both files or
+neither), and prints the spread between the GPUs. ``curves.npz`` also
 holds ``config``: the resolved config and the command line as a JSON string (the run dir gets no
 ``.hydra/`` and no log file, and a run that fails writes nothing there).
 
@@ -35,34 +36,66 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-from recipes._common import device_for, int_setting, invocation, jsonable, launch, run_dir, shutdown, to_dict  # noqa: E402
+from recipes._common import (  # noqa: E402
+    device_for, int_setting, invocation, jsonable, launch, run_dir, shutdown, to_dict, under_torchrun,
+)
+from recipes._plan_tools import commit_files  # noqa: E402
 from recipes._plots import plot_curves  # noqa: E402
 
 
+MAX_SAMPLES = 100_000  # more row counts than this is a typo (its list alone could exhaust the memory)
+
+
 def sample_rows(tile: int, dense_until: int, sparse_step: int, max_rows: int) -> list[int]:
-    """Row counts to time: every tile boundary up to ``dense_until``, then every ``sparse_step``."""
-    if min(tile, sparse_step, max_rows) < 1 or dense_until < tile or max_rows < tile:
-        raise ValueError(f"bad sampling: need profile.tile, sparse_step, max_rows >= 1 and dense_until, max_rows >= "
-                         f"tile; got tile={tile}, dense_until={dense_until}, sparse_step={sparse_step}, max_rows={max_rows}")
-    rows = list(range(tile, min(dense_until, max_rows) + 1, tile))
-    rows += list(range(rows[-1] + sparse_step, max_rows + 1, sparse_step))
-    return sorted(set([1] + rows))
+    """Row counts to time: 1, every tile boundary up to ``dense_until``, then every ``sparse_step``,
+    and ``max_rows`` itself (the last sample: the curves cover every row count asked for).
+
+    Raises:
+        ValueError: a bad setting (``max_rows < 2`` would give a one-sample curve, which
+            ``LatencyCurves`` refuses), or more than :data:`MAX_SAMPLES` row counts.
+    """
+    if min(tile, sparse_step) < 1 or max_rows < 2 or dense_until < tile or max_rows < tile:
+        raise ValueError(f"bad sampling: need profile.tile, sparse_step >= 1, max_rows >= 2 and dense_until, "
+                         f"max_rows >= tile; got tile={tile}, dense_until={dense_until}, sparse_step={sparse_step}, "
+                         f"max_rows={max_rows}")
+    dense_top = min(dense_until, max_rows) // tile * tile
+    n_sparse = (max_rows - dense_top) // sparse_step
+    count = dense_top // tile + n_sparse + (tile > 1) + (dense_top + n_sparse * sparse_step < max_rows)  # len(result)
+    if count > MAX_SAMPLES:
+        raise ValueError(f"bad sampling: tile={tile}, dense_until={dense_until}, sparse_step={sparse_step}, "
+                         f"max_rows={max_rows} would time {count} row counts (at most {MAX_SAMPLES}); raise "
+                         f"profile.tile or profile.sparse_step, or lower profile.dense_until or profile.max_rows")
+    rows = list(range(tile, dense_top + 1, tile))
+    rows += list(range(dense_top + sparse_step, max_rows + 1, sparse_step))
+    return sorted(set([1, *rows, max_rows]))
 
 
 def check_profile(p: dict) -> list[int]:
     """The row counts to time (:func:`sample_rows`) from the ``profile`` block, its settings checked.
 
     ``tile``, ``dense_until``, ``sparse_step``, ``max_rows`` must be integers (their ranges:
-    :func:`sample_rows`), ``warmup`` an integer >= 0 and ``reps`` an integer >= 1 (with no timed call
-    every latency would be NaN).
+    :func:`sample_rows`), ``warmup`` an integer >= 0, ``reps`` an integer >= 1 (with no timed call
+    every latency would be NaN) and ``shape.hidden_size``, ``shape.ffn_hidden_size``,
+    ``shape.num_experts`` integers >= 1.
 
     Raises:
         ValueError: a bad setting, naming it.
     """
+    shape = p.get("shape") if isinstance(p.get("shape"), dict) else {}
+    for key in ("hidden_size", "ffn_hidden_size", "num_experts"):
+        int_setting(shape.get(key), f"profile.shape.{key}", 1)
     int_setting(p.get("warmup"), "profile.warmup", 0)
     int_setting(p.get("reps"), "profile.reps", 1)
     keys = ("tile", "dense_until", "sparse_step", "max_rows")
     return sample_rows(*(int_setting(p.get(k), f"profile.{k}") for k in keys))
+
+
+def check_world(p: dict, world: int) -> None:
+    """Raise ``ValueError`` unless ``profile.shape.num_experts`` divides over ``world`` ranks."""
+    e = p["shape"]["num_experts"]
+    if e % world:
+        raise ValueError(f"profile.shape.num_experts={e} experts do not divide over {world} ranks (parallel.world_size "
+                         f"or torchrun's --nproc_per_node); use a number of ranks that divides {e}")
 
 
 def _time_rows(experts, x, counts, device, warmup: int, reps: int, inner: int = 10) -> float:
@@ -106,8 +139,7 @@ def profile_worker(rank: int, world: int, cfg: dict) -> dict | None:
     device = device_for(backend)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     h, f, e = int(shape["hidden_size"]), int(shape["ffn_hidden_size"]), int(shape["num_experts"])
-    if e % world:
-        raise ValueError(f"{e} experts do not divide over {world} ranks")
+    check_world(p, world)
     slots = e // world
     experts = GroupedExperts(slots, h, f, dtype=dtype, device=device)
     # the same weights and rows on every rank: the curves then differ only by the GPUs
@@ -200,8 +232,10 @@ def summarize(res: dict, out_dir: str, config: dict | None = None) -> str:
     raw, rows = res["latency_s"], res["rows"]
     lat = monotone_fit(raw)
     path = os.path.join(out_dir, "curves.npz")
-    save_curves(path, rows, lat, res["device_names"], raw, config=config)
-    plot_curves(rows, lat, raw, res["device_names"], os.path.join(out_dir, "curves.png"))
+    commit_files(out_dir, {  # both files or neither: a failed plot must not leave a curves.npz behind
+        "curves.npz": lambda tmp: save_curves(tmp, rows, lat, res["device_names"], raw, config=config),
+        "curves.png": lambda tmp: plot_curves(rows, lat, raw, res["device_names"], tmp),
+    })
     picks = [i for i, n in enumerate(rows) if n in (1, 128, 1024, 4096, 16384)] or [0, len(rows) - 1]
     table = [("rows", *[f"rank {r}" for r in range(lat.shape[0])], "max/min")]
     for i in picks:
@@ -223,6 +257,9 @@ def main(cfg: DictConfig) -> None:
     d = to_dict(cfg)
     d["run_dir"] = run_dir()
     check_profile(d["profile"])  # a bad setting fails here, before any rank starts
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (d.get("parallel") or {}).get("world_size", 1)
+    if isinstance(world, int) and world >= 1:  # else launch() names the bad parallel.world_size
+        check_world(d["profile"], world)
     res = launch(d, profile_worker)
     if res is not None:
         echo = {k: v for k, v in d.items() if k != "run_dir"}

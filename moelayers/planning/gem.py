@@ -43,6 +43,7 @@ PER_TILE_S = 10e-6
 TILE_ROWS = 128
 PRESETS = ("high", "moderate", "low", "none")
 _TILED_MAX_ROWS = 1 << 17  # samples of a tiled curve cover this many rows (the formula is exact beyond)
+_MAX_ROWS = 1 << 53  # sample points at or above this are not exact in float64 (the interpolation's type)
 
 
 class LatencyCurves:
@@ -52,7 +53,7 @@ class LatencyCurves:
     (:meth:`tiled`, :meth:`preset`). Call it on ``rank_rows [..., R]`` to get ``[..., R]`` seconds.
 
     Args:
-        rows: ``[N]`` int sample points, strictly ascending, ``>= 0``, ``N >= 2``.
+        rows: ``[N]`` int sample points, strictly ascending, ``>= 0`` and ``< 2**53``, ``N >= 2``.
         latency_s: ``[R, N]`` seconds per rank at the samples (finite, ``>= 0``, non-decreasing in rows).
         source: names the curves in error messages.
 
@@ -70,12 +71,15 @@ class LatencyCurves:
             raise ValueError(f"{source}: latency curve 'rows' must be integers")
         if rows_a.min() < 0:
             raise ValueError(f"{source}: latency curve 'rows' must be >= 0, found {rows_a.min()}")
+        if rows_a.max() >= _MAX_ROWS:  # int64 overflow, or counts that float64 rounds together
+            raise ValueError(f"{source}: latency curve 'rows' must be < 2**53, found {rows_a.max()}")
         if np.any(np.diff(rows_a) <= 0):
             raise ValueError(f"{source}: latency curve 'rows' must be strictly ascending")
         if lat.ndim != 2 or lat.shape[1] != rows_a.shape[0] or lat.shape[0] < 1:
             raise ValueError(f"{source}: 'latency_s' must be [R, N={rows_a.shape[0]}], got shape {list(lat.shape)}")
         if lat.dtype.kind not in "iuf" or not np.all(np.isfinite(lat)):
             raise ValueError(f"{source}: 'latency_s' must be finite numbers")
+        lat = lat.astype(np.float64)  # unsigned differences would wrap around: a decrease would pass as monotone
         if (lat < 0).any():
             r, n = np.argwhere(lat < 0)[0]
             raise ValueError(f"{source}: negative latency {lat[r, n]:.3g} s on rank {r} at {int(rows_a[n])} rows")
@@ -110,9 +114,9 @@ class LatencyCurves:
         """
         scale = np.asarray(scale, dtype=np.float64).reshape(-1)
         if scale.size < 1 or not np.all(np.isfinite(scale)) or (scale <= 0).any():
-            raise ValueError(f"tiled curves: scale must be [R] positive finite values, got {scale}")
-        if tile < 1 or base_s < 0 or per_tile_s < 0:
-            raise ValueError(f"tiled curves: need tile >= 1, base_s >= 0, per_tile_s >= 0 (got {tile}, {base_s}, {per_tile_s})")
+            raise ValueError(f"{source}: scale must be [R] positive finite values, got {scale}")
+        if not tile >= 1 or not base_s >= 0 or not per_tile_s >= 0:  # NaN fails these too
+            raise ValueError(f"{source}: need tile >= 1, base_s >= 0, per_tile_s >= 0 (got {tile}, {base_s}, {per_tile_s})")
         k = np.arange(max(_TILED_MAX_ROWS // tile, 1) + 1)  # at least one whole tile, however large
         rows = np.unique(np.concatenate([[0], k[1:] * tile - tile + 1, k[1:] * tile]))  # 0, 1, t, t+1, 2t, ...
         lat = scale[:, None] * (base_s + per_tile_s * np.ceil(rows / tile))[None, :]
@@ -166,12 +170,20 @@ class LatencyCurves:
         tile = data["tile"]
         if tile.ndim or tile.dtype.kind not in "iu":
             raise ValueError(f"{path}: 'tile' must be an integer scalar, got {tile!r}")
+        for key in ("base_s", "per_tile_s"):
+            if data[key].ndim or data[key].dtype.kind not in "iuf":
+                raise ValueError(f"{path}: '{key}' must be a real scalar, got {data[key]!r}")
+        if data["scale"].ndim != 1 or data["scale"].dtype.kind not in "iuf":
+            raise ValueError(f"{path}: 'scale' must be [R] real numbers, got shape {list(data['scale'].shape)} "
+                             f"dtype {data['scale'].dtype}")
         tiled = cls.tiled(data["scale"], base_s=float(data["base_s"]), per_tile_s=float(data["per_tile_s"]),
                           tile=int(tile), source=str(path))
-        if tiled.latency_s.shape != curves.latency_s.shape or not np.allclose(tiled.latency_s, curves.latency_s,
-                                                                              rtol=1e-9, atol=0.0):
+        if tiled.latency_s.shape != curves.latency_s.shape:
             raise ValueError(f"{path}: the tiled parameters (scale for {tiled.num_ranks} ranks) disagree with the "
-                             f"samples rows/latency_s ({curves.num_ranks} ranks)")
+                             f"samples rows/latency_s ({curves.num_ranks} ranks, {curves.rows.size} samples)")
+        if not np.allclose(tiled.latency_s, curves.latency_s, rtol=1e-9, atol=0.0):
+            raise ValueError(f"{path}: the tiled parameters (scale, base_s, per_tile_s, tile) disagree with the "
+                             f"samples latency_s")
         return tiled
 
     def save(self, path: str | os.PathLike) -> None:
@@ -220,7 +232,8 @@ class LatencyCurves:
         xc = np.maximum(x, self._x[0])
         num = self._x.size
         if self._spacing is not None:
-            idx = np.minimum((xc - self._x[0]) * (1.0 / self._spacing), num - 2).astype(np.int64)  # clip first: no int overflow
+            # clip first: no int overflow; fmin, not minimum: NaN rows give NaN seconds, not a bad index
+            idx = np.fmin((xc - self._x[0]) * (1.0 / self._spacing), num - 2).astype(np.int64)
         else:
             idx = np.clip(np.searchsorted(self._x, x, side="right") - 1, 0, num - 2)
         flat = idx + r * (num - 1)  # gather from the flattened [R, N-1] tables: faster than 2-D fancy indexing

@@ -38,13 +38,37 @@ def test_profile_writes_curves(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_profile_bad_input_writes_nothing(tmp_path):
+@pytest.mark.parametrize("overrides, message", [
+    (["profile.tile=0"], "bad sampling"),
+    # was a curves file with one sample, which LatencyCurves.load (plan.py curves.path=...) refuses
+    (["profile.tile=1", "profile.dense_until=1", "profile.max_rows=1"], "max_rows >= 2"),
+    # was a ZeroDivisionError from the spawned ranks
+    (["profile.shape.num_experts=0"], "profile.shape.num_experts must be an integer >= 1, got 0"),
+    # was checked on the ranks only, naming neither setting
+    (["parallel.world_size=3"], "profile.shape.num_experts=8 experts do not divide over 3 ranks (parallel.world_size"),
+])
+def test_profile_bad_input_writes_nothing(tmp_path, overrides, message):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "profile.py"), "profile=cpu_smoke",
-                           "profile.tile=0", f"hydra.run.dir={out}"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=50)
-    assert proc.returncode != 0 and "bad sampling" in proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "profile.py"), "profile=cpu_smoke", *overrides,
+                           f"hydra.run.dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=50)
+    assert proc.returncode != 0 and message in proc.stderr
+    assert "distributed run failed" not in proc.stderr  # refused before any rank started
     assert not out.exists() or not list(out.iterdir())
+
+
+def test_summarize_failing_plot_writes_nothing(tmp_path, monkeypatch):
+    """The docstring's promise: a run that fails writes nothing in the run dir (curves.npz was
+    already there when the picture failed)."""
+    mod = _profile_module()
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("no matplotlib")
+
+    monkeypatch.setattr(mod, "plot_curves", boom)
+    res = {"rows": [1, 16], "latency_s": np.array([[1.0, 2.0]]), "device_names": ["cpu"], "seconds": 0.1}
+    with pytest.raises(RuntimeError, match="no matplotlib"):
+        mod.summarize(res, str(tmp_path))
+    assert not list(tmp_path.iterdir())  # neither curves.npz nor a temporary file
 
 
 def _profile_module():
@@ -91,11 +115,27 @@ def test_summarize_writes_each_ranks_fit_and_measurements(tmp_path, capsys):
 def test_sample_rows():
     sample_rows = _profile_module().sample_rows
 
-    assert sample_rows(128, 512, 1024, 3000) == [1, 128, 256, 384, 512, 1536, 2560]
+    assert sample_rows(128, 512, 1024, 3584) == [1, 128, 256, 384, 512, 1536, 2560, 3584]
     with pytest.raises(ValueError, match="bad sampling"):
         sample_rows(0, 512, 1024, 3000)
     with pytest.raises(ValueError, match="bad sampling"):
         sample_rows(128, 512, 1024, 64)  # max_rows below one tile
+
+
+def test_sample_rows_cover_max_rows():
+    """The last sample is max_rows itself (was the last grid point below it: profiling "up to 3000
+    rows", as plan.py's warning suggests, gave curves that end at 2560)."""
+    sample_rows = _profile_module().sample_rows
+
+    assert sample_rows(128, 512, 1024, 3000) == [1, 128, 256, 384, 512, 1536, 2560, 3000]
+    assert sample_rows(16, 64, 32, 100) == [1, 16, 32, 48, 64, 96, 100]  # max_rows not on the grid
+    assert sample_rows(16, 100, 32, 40) == [1, 16, 32, 40]  # dense_until above max_rows
+    assert sample_rows(1, 3, 5, 2) == [1, 2]  # tile 1: the smallest curve LatencyCurves accepts
+    with pytest.raises(ValueError, match="max_rows >= 2"):
+        sample_rows(1, 1, 1, 1)  # one sample: a curves file that LatencyCurves.load refuses
+    # a typo's sample count is refused up front (was a list of 3e8 row counts: a MemoryError, or all the RAM)
+    with pytest.raises(ValueError, match=r"would time 299999941 row counts \(at most 100000\).*profile\.sparse_step"):
+        sample_rows(16, 64, 1, 300_000_000)
 
 
 CPU_SMOKE = {"shape": {"hidden_size": 16, "ffn_hidden_size": 8, "num_experts": 4}, "tile": 16, "dense_until": 32,
@@ -107,13 +147,20 @@ CPU_SMOKE = {"shape": {"hidden_size": 16, "ffn_hidden_size": 8, "num_experts": 4
     ("reps", 2.5, r"profile\.reps must be an integer >= 1"),
     ("warmup", -1, r"profile\.warmup must be an integer >= 0"),
     ("tile", 15.5, r"profile\.tile must be an integer, got 15\.5"),  # not silently 15
+    # the shape was read with int(): 64.5 became 64 and 0 profiled an empty GEMM
+    ("shape.hidden_size", 16.5, r"profile\.shape\.hidden_size must be an integer >= 1, got 16\.5"),
+    ("shape.ffn_hidden_size", 0, r"profile\.shape\.ffn_hidden_size must be an integer >= 1, got 0"),
 ])
 def test_check_profile_refuses_bad_settings(key, value, match):
     check_profile = _profile_module().check_profile
 
     assert check_profile(CPU_SMOKE) == [1, 16, 32, 48]
+    if key.startswith("shape."):
+        bad = {**CPU_SMOKE, "shape": {**CPU_SMOKE["shape"], key.split(".", 1)[1]: value}}
+    else:
+        bad = {**CPU_SMOKE, key: value}
     with pytest.raises(ValueError, match=match):
-        check_profile({**CPU_SMOKE, key: value})
+        check_profile(bad)
 
 
 def test_profile_worker_refuses_nan_latency(monkeypatch):

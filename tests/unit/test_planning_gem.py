@@ -459,6 +459,46 @@ def test_tiled_curves_with_a_tile_larger_than_the_sampled_range():
     np.testing.assert_allclose(curves(np.broadcast_to(rows[:, None], (rows.size, 2)))[:, 0], expected, rtol=1e-12)
 
 
+def test_unsigned_latency_must_still_be_monotone():
+    lat = np.array([[3, 1]], dtype=np.uint8)  # was accepted (3 - 1 wrapped to 254 >= 0), then extrapolated below 0
+    with pytest.raises(ValueError, match="rank 0 is not monotone"):
+        LatencyCurves(np.array([1, 2]), lat)
+    ok = LatencyCurves(np.array([1, 2]), np.array([[1, 3]], dtype=np.uint8))
+    np.testing.assert_allclose(ok.eval_ranks(np.array([0, 2, 10]), 0), [1.0, 3.0, 19.0])
+
+
+def test_rows_beyond_float64_precision_are_rejected():
+    lat = np.array([[1.0, 2.0, 3.0]])
+    with pytest.raises(ValueError, match=r"'rows' must be < 2\*\*53, found 1e\+20"):  # was cast to int64's minimum
+        LatencyCurves(np.array([1.0, 16.0, 1e20]), lat)
+    with pytest.raises(ValueError, match=r"'rows' must be < 2\*\*53"):  # 2**53 + 1 rounds to 2**53: zero-width segment
+        LatencyCurves(np.array([1, 2**53, 2**53 + 1]), lat)
+
+
+def test_nan_rows_give_nan_on_the_uniform_grid_too():
+    uniform = LatencyCurves(np.array([0, 10, 20]), np.array([[0.0, 1.0, 3.0]]))  # was an IndexError (index -2**63)
+    uneven = LatencyCurves(np.array([0, 10, 30]), np.array([[0.0, 1.0, 3.0]]))
+    for curves in (uniform, uneven):
+        got = curves.eval_ranks(np.array([np.nan, 5.0]), 0)
+        assert np.isnan(got[0]) and got[1] == pytest.approx(0.5)
+
+
+def test_bad_tiled_parameters_in_a_file_name_the_file_and_the_field(tmp_path):
+    LatencyCurves.preset("high", 2).save(tmp_path / "good.npz")
+    with np.load(tmp_path / "good.npz") as f:
+        arrays = dict(f)
+    cases = {"base_s": (np.array([1e-5, 2e-5]), r"vector\.npz: 'base_s' must be a real scalar"),  # was a TypeError
+             "per_tile_s": (np.str_("fast"), r"text\.npz: 'per_tile_s' must be a real scalar"),  # no file named
+             "tile": (np.int64(0), r"zero\.npz: need tile >= 1"),  # was "tiled curves: ..."
+             "scale": (-arrays["scale"], r"negative\.npz: scale must be \[R\] positive")}
+    for (key, (value, match)), name in zip(cases.items(), ("vector", "text", "zero", "negative")):
+        np.savez(tmp_path / f"{name}.npz", **{**arrays, key: value})
+        with pytest.raises(ValueError, match=match):
+            LatencyCurves.load(tmp_path / f"{name}.npz")
+    with pytest.raises(ValueError, match=r"base_s >= 0"):  # NaN passed "base_s < 0"; the error named latency_s
+        LatencyCurves.tiled(np.ones(2), base_s=float("nan"))
+
+
 def test_refine_stops_when_nothing_can_be_gained() -> None:
     """With F = 0 (curves through the origin, a window without tokens) no swap gains anything: the
     search stops at once instead of swapping for 1000 E rounds per restart."""
