@@ -16,8 +16,10 @@ key            shape       meaning
 ``latency_s``  ``[R, N]``  float seconds per rank at each sample, finite, ``>= 0``, non-decreasing
 =============  ==========  ==================================================================
 
-Between samples the latency is interpolated linearly, beyond the last sample extrapolated linearly
-from the last two, below the first sample held at the first value. Synthetic ("tiled") curves
+Between samples the latency is interpolated linearly, below the first sample held at the first value,
+and beyond the last sample extrapolated linearly with the least-squares slope of the samples in the
+upper half of the sampled range (at least the last two): a last segment that the profiler's
+non-decreasing fit flattened does not make every row beyond it free. Synthetic ("tiled") curves
 ``C_r(n) = s_r * (base + per_tile * ceil(n / tile))`` are evaluated exactly; their file also holds
 the optional keys ``tile``, ``base_s``, ``per_tile_s`` (scalars) and ``scale [R]``.
 
@@ -90,16 +92,20 @@ class LatencyCurves:
         self.source = source
         self.rows = rows_a.astype(np.int64)
         self.latency_s = lat.astype(np.float64)
-        self._x = self.rows.astype(np.float64)
-        self._slope = np.diff(self.latency_s, axis=1) / np.diff(self._x)  # [R, N-1]
-        self._icept = self.latency_s[:, :-1] - self._slope * self._x[:-1]  # segment k: icept + slope * rows
+        # segments of the evaluation: the N-1 between the samples, then the tail beyond the last sample
+        # (one more grid point one gap further, so a uniform grid stays uniform)
+        x = self.rows.astype(np.float64)
+        self._x = np.append(x, 2 * x[-1] - x[-2])  # [N+1]
+        tail = tail_slope(x, self.latency_s)
+        self._slope = np.concatenate([np.diff(self.latency_s, axis=1) / np.diff(x), tail[:, None]], axis=1)  # [R, N]
+        self._icept = self.latency_s - self._slope * self._x[:-1]  # segment k: icept + slope * rows
         gaps = np.diff(self.rows)
         self._spacing = float(gaps[0]) if np.all(gaps == gaps[0]) else None  # uniform grid: index by division
         self._tiled: tuple[np.ndarray, float, float, int] | None = None  # (scale [R], base_s, per_tile_s, tile)
 
     @property
     def sampled_up_to(self) -> int | None:
-        """The last sampled row count: beyond it the curves extrapolate their last segment (``None``
+        """The last sampled row count: beyond it the curves extrapolate (:func:`tail_slope`; ``None``
         for analytic tiled curves, exact at any count)."""
         return None if self._tiled is not None else int(self.rows[-1])
 
@@ -271,7 +277,7 @@ class LatencyCurves:
     def _antiderivative(self, x: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         """``I_r(x) = integral of C_r from rows[0] to x`` (negative below ``rows[0]``); broadcast shapes."""
         x = np.asarray(x, dtype=np.float64)
-        seg = self.latency_s[:, :-1] + 0.5 * self._slope * np.diff(self._x)  # mean latency per segment
+        seg = self.latency_s + 0.5 * self._slope * np.diff(self._x)  # mean latency per segment (the tail's last)
         cum = np.concatenate([np.zeros((self.num_ranks, 1)), np.cumsum(seg * np.diff(self._x), axis=1)], axis=1)
         idx = np.clip(np.searchsorted(self._x, x, side="right") - 1, 0, self._x.size - 2)
         dx = np.maximum(x, self._x[0]) - self._x[idx]
@@ -288,6 +294,23 @@ class LatencyCurves:
     def __repr__(self) -> str:
         kind = "tiled" if self._tiled is not None else f"{self.rows.size} samples"
         return f"LatencyCurves(R={self.num_ranks}, {kind})"
+
+
+def tail_slope(rows: np.ndarray, latency_s: np.ndarray) -> np.ndarray:
+    """Seconds per row beyond the last sample: ``[R]`` least-squares slopes of each curve over the
+    samples at ``rows >= rows[-1] / 2`` (at least the last two). Non-negative for non-decreasing
+    curves; steadier than the last segment alone, which the monotone fit of noisy measurements
+    may flatten (a dip at the last sample made every row beyond it cost nothing).
+
+    Args:
+        rows: ``[N]`` ascending sample points (float or int), ``N >= 2``.
+        latency_s: ``[R, N]`` seconds.
+    """
+    x = np.asarray(rows, dtype=np.float64)
+    keep = max(int(np.count_nonzero(x >= 0.5 * x[-1])), 2)
+    xs, ys = x[-keep:], latency_s[:, -keep:]
+    dx = xs - xs.mean()
+    return np.maximum(((ys - ys.mean(axis=1, keepdims=True)) * dx).sum(axis=1) / (dx * dx).sum(), 0.0)
 
 
 # ---------------------------------------------------------------------- placements and scores

@@ -530,3 +530,22 @@ def test_robust_searches_predictive_scenarios() -> None:
     x, _ = robust_objective(loads, LatencyCurves.preset("high", 2), np.random.default_rng(1))
     assert x.shape == (scenario_count(10), 10)
     np.testing.assert_allclose(x.mean(0), loads.mean(0), rtol=1e-9)
+
+
+def test_extrapolation_uses_the_tail_slope_not_a_flattened_last_segment():
+    """A dip at the last measurement, flattened by the profiler's non-decreasing fit, made every row
+    beyond the curve cost nothing (139.5 us at 10,000 rows); the tail's least-squares slope keeps
+    rows beyond the samples paying. Straight curves extrapolate exactly as before."""
+    rows = np.array([1, 128, 256, 384, 512])
+    fitted = np.array([[20.0, 60.0, 100.0, 139.75, 139.75], [10.0, 20.0, 30.0, 40.0, 50.0]]) * 1e-6
+    c = LatencyCurves(rows, fitted)
+    # samples in the upper half (256, 384, 512) of rank 0: slope 39.75 us / 256 rows
+    assert c.eval_ranks(np.array([512.0, 768.0]), 0) * 1e6 == pytest.approx([139.75, 139.75 + 39.75])
+    assert c.eval_ranks(np.array([384.0, 448.0]), 0) * 1e6 == pytest.approx([139.75, 139.75])  # between samples: as sampled
+    straight = 50.0 + (np.array([1024.0, 5000.0]) - 512.0) * 10.0 / 128.0
+    assert c.eval_ranks(np.array([1024.0, 5000.0]), 1) * 1e6 == pytest.approx(straight)
+    uneven = LatencyCurves(np.array([0, 10, 30]), np.array([[1.0, 2.0, 2.0]]))  # tail samples 30 (and 10): slope 0
+    assert uneven.eval_ranks(np.array([60.0]), 0) == pytest.approx([2.0])
+    # smoothing integrates the same extended curve: continuous across the last sample
+    s = c.smoothed(64)
+    assert np.all(np.diff(s(np.stack([np.arange(0, 2000, 7.0)] * 2, axis=1)), axis=0) >= -1e-15)
