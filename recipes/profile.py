@@ -10,7 +10,8 @@ the least-squares non-decreasing fit of the measurements, which ``LatencyCurves`
 ``latency_raw_s [R, N]``, ``device_names``) atomically into the run dir with a picture of them
 (``curves.png``: each rank's curve, and its latency relative to the fastest rank; both files or
 neither), and prints the spread between the GPUs. ``curves.npz`` also
-holds ``config``: the resolved config and the command line as a JSON string (the run dir gets no
+holds ``config``: the resolved config, the command line and what was measured (``measured``: the
+dtype, the per-rank shape and the seconds the profile took) as a JSON string (the run dir gets no
 ``.hydra/`` and no log file, and a run that fails writes nothing there).
 
     torchrun --standalone --nproc_per_node=2 recipes/profile.py parallel=gpu      # GPUs
@@ -263,7 +264,8 @@ def main(cfg: DictConfig) -> None:
     res = launch(d, profile_worker)
     if res is not None:
         echo = {k: v for k, v in d.items() if k != "run_dir"}
-        summarize(res, d["run_dir"], config={"config": echo, "command": invocation()})
+        measured = {"dtype": res["dtype"].replace("torch.", ""), "shape": res["shape"], "seconds": res["seconds"]}
+        summarize(res, d["run_dir"], config={"config": echo, "command": invocation(), "measured": measured})
     shutdown()
 
 

@@ -35,6 +35,8 @@ def test_profile_writes_curves(tmp_path):
     with np.load(out / "curves.npz", allow_pickle=False) as d:
         rec = json.loads(str(d["config"]))
     assert rec["command"]["overrides"] == ["profile=cpu_smoke"] and rec["config"]["profile"]["tile"] == 16
+    assert rec["measured"]["dtype"] == "float32" and rec["measured"]["seconds"] > 0  # CPU profiles in float32
+    assert rec["measured"]["shape"]["E"] == rec["config"]["profile"]["shape"]["num_experts"]
 
 
 @pytest.mark.timeout(60)
