@@ -153,6 +153,10 @@ def read_npz(path: str | os.PathLike, what: str) -> dict[str, np.ndarray]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: {what} not found")
+    with open(path, "rb") as f:
+        head = f.read(6)
+    if not head.startswith((b"PK\x03\x04", b"PK\x05\x06", b"\x93NUMPY")):  # np.load takes anything else for a pickle, and says so
+        raise ValueError(f"{path}: not an npz archive (it starts with {head!r}); a {what} is an npz of named arrays")
     try:
         data = np.load(path, allow_pickle=False)
     except _READ_ERRORS as exc:

@@ -194,3 +194,12 @@ def test_placement_file_checks_its_scalars(tmp_path):
     np.savez(tmp_path / "q.npz", phy2log=np.arange(4).reshape(2, 2), num_experts=np.int64(3))
     with pytest.raises(ValueError, match=r"q\.npz: invalid placement"):
         ml.ExpertPlacement.load(tmp_path / "q.npz")
+
+
+def test_read_npz_says_what_a_foreign_file_is_not(tmp_path):
+    """A text or empty file named .npz was reported as 'pickled (object) data' by np.load."""
+    for name, content in (("notes.npz", b"rows,latency\n1,2\n"), ("empty.npz", b""), ("pk.npz", b"PK")):
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ValueError, match=rf"{name}: not an npz archive \(it starts with b'") as info:
+            read_npz(tmp_path / name, "thing")
+        assert "pickle" not in str(info.value)
