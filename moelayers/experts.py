@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from moelayers.dispatch.comm import all_gather_flat
 from moelayers.placement import ExpertPlacement
@@ -34,8 +38,67 @@ def _grouped_mm_supported(x: torch.Tensor, hidden: int, ffn: int) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class ReplicaTie:
+    """Which of this rank's slots hold a replicated expert, for :class:`_TiedReplicas`.
+
+    Attributes:
+        slots: ``[n]`` int64 local slots holding an expert with more than one replica.
+        rows: ``[n]`` int64 that expert's row among the replicated experts.
+        num_rows: replicated experts in the whole placement (every rank's buffer has this many rows).
+        group: the expert-parallel group (``None``: one process).
+    """
+
+    slots: torch.Tensor
+    rows: torch.Tensor
+    num_rows: int
+    group: Any
+
+
+def replica_tie(placement: ExpertPlacement, rank: int, group, device) -> ReplicaTie | None:
+    """The :class:`ReplicaTie` of ``rank`` under ``placement``; ``None`` when no expert is replicated."""
+    replicated = placement.logcnt > 1
+    if not bool(replicated.any()):
+        return None
+    row_of_expert = torch.cumsum(replicated, 0) - 1
+    local = placement.phy2log[rank]
+    held = (local >= 0) & replicated[local.clamp(min=0)]
+    slots = held.nonzero().squeeze(1)
+    return ReplicaTie(slots.to(device), row_of_expert[local[slots]].to(device), int(replicated.sum()), group)
+
+
+class _TiedReplicas(torch.autograd.Function):
+    """Identity on the slot weights ``(w13, w2)``; the backward gives every replica of an expert
+    the sum of its replicas' gradients (one all-reduce over the expert-parallel group of a buffer
+    with a row per replicated expert). Each replica then holds its expert's whole gradient, so an
+    optimizer step moves every replica alike and they stay equal."""
+
+    @staticmethod
+    def forward(ctx, tie: ReplicaTie, w13: torch.Tensor, w2: torch.Tensor):
+        ctx.tie = tie
+        return w13.view_as(w13), w2.view_as(w2)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g13: torch.Tensor | None, g2: torch.Tensor | None):
+        tie = ctx.tie
+        out = []
+        for g in (g13, g2):
+            buf = g.new_zeros((tie.num_rows,) + tuple(g.shape[1:])).index_add_(0, tie.rows, g.index_select(0, tie.slots))
+            out.append(buf)
+        flat = torch.cat([b.reshape(-1) for b in out])
+        if tie.group is not None:
+            dist.all_reduce(flat, group=tie.group)
+        b13, b2 = flat.split([out[0].numel(), out[1].numel()])
+        return (None, g13.index_copy(0, tie.slots, b13.view_as(out[0]).index_select(0, tie.rows)),
+                g2.index_copy(0, tie.slots, b2.view_as(out[1]).index_select(0, tie.rows)))
+
+
 class GroupedExperts(nn.Module):
     """Weights of ``S`` physical slots and their grouped SwiGLU matmul.
+
+    With :meth:`tie_replicas` (the layers call it for their placement), the replicas of an expert
+    get the same gradient: the sum over the replicas, i.e. the expert's whole gradient.
 
     Attributes:
         w13: ``[S, 2F, H]`` gate (first ``F`` rows) and up projections, fused.
@@ -74,6 +137,18 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_slots, hidden_size, ffn_hidden_size, dtype=dtype, device=device))
         for p in (self.w13, self.w2):
             p.allreduce = False  # expert-parallel parameters: not reduced over data parallel ranks
+        self._tie: ReplicaTie | None = None
+
+    def tie_replicas(self, placement: ExpertPlacement, rank: int, group=None) -> None:
+        """Sum the gradients of each expert's replicas in the backward (a collective over ``group``
+        then, on every rank alike); a no-op for placements without replicas."""
+        self._tie = replica_tie(placement, rank, group, self.w13.device)
+
+    def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(w13, w2)``, through the replica tie when autograd records a replicated placement."""
+        if self._tie is not None and torch.is_grad_enabled() and (self.w13.requires_grad or self.w2.requires_grad):
+            return _TiedReplicas.apply(self._tie, self.w13, self.w2)
+        return self.w13, self.w2
 
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:
         return self.backend == "grouped_mm" or (
@@ -99,19 +174,21 @@ class GroupedExperts(nn.Module):
         return self._forward_loop(x, slot_counts)
 
     def _forward_grouped_mm(self, x: torch.Tensor, slot_counts: torch.Tensor) -> torch.Tensor:
+        w13, w2 = self._weights()
         offs = torch.cumsum(slot_counts, 0, dtype=torch.int32)
-        h = torch._grouped_mm(x, self.w13.transpose(-2, -1), offs=offs)
+        h = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)
         gate, up = h.chunk(2, dim=-1)
-        return torch._grouped_mm(F.silu(gate) * up, self.w2.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offs)
 
     def _forward_loop(self, x: torch.Tensor, slot_counts: torch.Tensor) -> torch.Tensor:
+        w13, w2 = self._weights()
         outs, start = [], 0
         for s, n in enumerate(slot_counts.tolist()):
             if n:
-                outs.append(swiglu(x[start : start + n], self.w13[s], self.w2[s]))
+                outs.append(swiglu(x[start : start + n], w13[s], w2[s]))
             start += n
-        if not outs:
-            return x.new_zeros(0, self.hidden_size) + 0 * (self.w13.sum() + self.w2.sum())
+        if not outs:  # keep the weights in the graph: every rank's backward reaches them (and the tie)
+            return x.new_zeros(0, self.hidden_size) + 0 * (w13.sum() + w2.sum())
         return torch.cat(outs)
 
     @torch.no_grad()
@@ -137,21 +214,10 @@ def gather_logical(
     w13: torch.Tensor, w2: torch.Tensor, placement: ExpertPlacement, group=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather per-slot tensors ``[S, ...]`` over ``group`` and pick each logical expert's
-    first replica: ``-> ([E, ...], [E, ...])``. Also used for gradients, where the caller sums
-    replicas instead (see :func:`sum_replicas`)."""
+    first replica: ``-> ([E, ...], [E, ...])`` (weights, and the gradients of tied replicas)."""
     full13, full2 = _all_slots(w13, group), _all_slots(w2, group)
     first = placement.log2phy[:, 0].to(w13.device)
     return full13[first], full2[first]
-
-
-def sum_replicas(per_slot: torch.Tensor, placement: ExpertPlacement, group=None) -> torch.Tensor:
-    """Sum a per-slot tensor ``[S, ...]`` over each logical expert's replicas -> ``[E, ...]``
-    (the gradient of a logical expert is the sum over its replicas)."""
-    full = _all_slots(per_slot, group)
-    experts = placement.phy2log.flatten().to(per_slot.device)
-    keep = experts >= 0
-    out = full.new_zeros((placement.num_experts,) + tuple(per_slot.shape[1:]))
-    return out.index_add_(0, experts[keep], full[keep])
 
 
 def _all_slots(t: torch.Tensor, group) -> torch.Tensor:

@@ -101,7 +101,8 @@ def all_to_all_bytes(buf: torch.Tensor, out_rows: int, in_splits: list[int], out
 
 class PackedAllToAll(torch.autograd.Function):
     """All-to-all-v of several row tensors packed into one payload; backward is the reverse
-    exchange of the packed gradients of the floating fields."""
+    exchange of the packed gradients of the floating fields, itself a ``PackedAllToAll`` (so
+    second-order gradients, ``create_graph=True``, flow through it too)."""
 
     @staticmethod
     def forward(ctx, group, in_splits, out_splits, *tensors):
@@ -114,15 +115,14 @@ class PackedAllToAll(torch.autograd.Function):
     def backward(ctx, *grads):
         layout = ctx.layout
         floats = [i for i, f in enumerate(ctx.float_fields) if f]
-        grad_layout = RowLayout(tuple(layout.fields[i] for i in floats))
         rows = sum(ctx.out_splits)
         parts = [
             grads[i] if grads[i] is not None else torch.zeros(rows, layout.fields[i][0], dtype=layout.fields[i][1],
                                                                device=_device_of(grads))
             for i in floats
         ]
-        back = all_to_all_bytes(grad_layout.pack(parts), sum(ctx.in_splits), ctx.out_splits, ctx.in_splits, ctx.group)
-        views = iter(grad_layout.views(back))
+        # the reverse exchange, recorded by autograd when the backward itself is (create_graph=True)
+        views = iter(PackedAllToAll.apply(ctx.group, ctx.out_splits, ctx.in_splits, *parts))
         result = [next(views) if f else None for f in ctx.float_fields]
         return (None, None, None, *result)
 

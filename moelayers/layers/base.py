@@ -23,7 +23,7 @@ from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, ReplicaPolicy, Routes
 from moelayers.dispatch.base import BAD_INPUT, raise_if_nonfinite, raise_if_placements_differ, routes_from_placement
 from moelayers.dispatch.comm import fingerprint
-from moelayers.experts import GroupedExperts, gather_logical, sum_replicas
+from moelayers.experts import GroupedExperts, gather_logical
 from moelayers.groups import ParallelGroups
 from moelayers.metrics import MoEStats
 from moelayers.placement import ExpertPlacement
@@ -107,6 +107,7 @@ class MoELayerBase(nn.Module):
             placement.slots_per_rank, config.hidden_size, config.ffn_hidden_size,
             dtype=config.params_dtype, device=device, backend=expert_backend,
         )
+        self.experts.tie_replicas(self.placement, groups.ep_rank, groups.ep)
         self.dispatcher = self._make_dispatcher()
         self.last_stats: MoEStats | None = None
         self.last_topk_ids: torch.Tensor | None = None
@@ -258,6 +259,7 @@ class MoELayerBase(nn.Module):
         drop the captured graph and rebuild the dispatcher (subclasses drop what they derived)."""
         self.release_graphs()
         self.placement = placement.copy()  # the layer's own: the caller may edit or reuse theirs
+        self.experts.tie_replicas(self.placement, self.groups.ep_rank, self.groups.ep)
         self.dispatcher = self._make_dispatcher()
 
     def export_full_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -266,10 +268,12 @@ class MoELayerBase(nn.Module):
         return self.router.weight.detach().clone(), w13, w2
 
     def expert_grads_full(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gradients of the logical experts ``([E, 2F, H], [E, H, F])``: sums over replicas."""
+        """Gradients of the logical experts ``([E, 2F, H], [E, H, F])``, gathered over the EP group
+        (a collective). Every replica of an expert holds its whole gradient: the backward sums the
+        replicas' shares into each of them, so a plain optimizer step keeps the replicas equal."""
         g13 = self.experts.w13.grad if self.experts.w13.grad is not None else torch.zeros_like(self.experts.w13)
         g2 = self.experts.w2.grad if self.experts.w2.grad is not None else torch.zeros_like(self.experts.w2)
-        return sum_replicas(g13, self.placement, self.groups.ep), sum_replicas(g2, self.placement, self.groups.ep)
+        return gather_logical(g13, g2, self.placement, self.groups.ep)
 
     # ------------------------------------------------------------------ forward
     def force_routing(self, topk_ids: torch.Tensor) -> None:
@@ -312,6 +316,10 @@ class MoELayerBase(nn.Module):
             if forced is not None and tuple(forced.shape) != (x2.shape[0], self.config.top_k):
                 raise ValueError(f"forced routing has shape {list(forced.shape)}, "
                                  f"expected [{x2.shape[0]}, {self.config.top_k}]")
+            if self.capacity is not None and torch.is_grad_enabled() and (x2.requires_grad
+                                                                          or self.router.weight.requires_grad):
+                raise ValueError("capacity mode is inference-only: run it under torch.no_grad()/inference_mode(), "
+                                 "or build the layer without capacity for training")
         except (TypeError, ValueError) as exc:
             if self.groups.ep_size == 1:
                 raise
@@ -332,10 +340,11 @@ class MoELayerBase(nn.Module):
         empty = self.router.weight.new_empty(0, self.config.hidden_size)
         self._bad_input = True
         try:
-            if self.capacity is not None:
-                self._forward_capacity(empty, None, None)
-            else:
-                self._forward_steps(empty, None, None)
+            with torch.no_grad():  # a stand-in: nothing to differentiate (and capacity mode refuses autograd)
+                if self.capacity is not None:
+                    self._forward_capacity(empty, None, None)
+                else:
+                    self._forward_steps(empty, None, None)
         except ValueError:
             pass  # the exchanged flag: this rank raises its own, more precise error
         finally:

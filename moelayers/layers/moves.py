@@ -222,6 +222,11 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
             raise RuntimeError(f"{in_flight} recorded forward(s) still await their backward, which the move would "
                                f"break: run the backward first, or call forget_graphs() on every rank if they never "
                                f"will be back-propagated")
+        if w13.grad is not None or w2.grad is not None:  # they belong to the experts now in those slots
+            raise RuntimeError("the expert weights hold gradients (a backward ran since the last zero_grad): a move "
+                               "would leave them with the slots, i.e. with other experts; take the optimizer step and "
+                               "zero_grad(set_to_none=True) first (the optimizer's per-slot state, e.g. Adam's "
+                               "moments, does not move either)")
         digest = placement_digest(old, new)
         moves = old.moves_to(new)
         plan = local_plan(moves, old, new, rank)

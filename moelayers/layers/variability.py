@@ -79,9 +79,12 @@ class VariabilityAwareMoE(MoELayerBase):
         >>> layer.apply_placement(placement)    # or move explicitly (every rank, same placement)
 
     Under autograd (training) a due re-plan waits until no recorded graph is alive without its
-    backward (:meth:`graphs_in_flight`). Serving with autograd on keeps the last outputs' graphs
-    alive, so the move keeps waiting: after ``window`` such forwards a ``RuntimeWarning`` says so
-    (serve under ``torch.no_grad()`` / ``torch.inference_mode()``, or call :meth:`forget_graphs`).
+    backward (:meth:`graphs_in_flight`) and the expert weights hold no gradients (a move would
+    leave them with the slots; ``zero_grad(set_to_none=True)`` after the optimizer step clears
+    them, so accumulation over micro-batches is never split by a move). Serving with autograd on
+    keeps the last outputs' graphs alive, so the move keeps waiting: after ``window`` such forwards
+    a ``RuntimeWarning`` says so (serve under ``torch.no_grad()`` / ``torch.inference_mode()``, or
+    call :meth:`forget_graphs`).
     """
 
     def __init__(
@@ -155,8 +158,8 @@ class VariabilityAwareMoE(MoELayerBase):
         Returns:
             ``y`` with the shape of ``x``.
         """
-        if self._replan_pending:  # deferred: re-plan once no recorded graph holds the weights
-            if not self.graphs_in_flight():
+        if self._replan_pending:  # deferred: re-plan once no recorded graph holds the weights, no gradient waits
+            if not self.graphs_in_flight() and not self._holds_grads():
                 self._replan_pending, self._waited = False, 0
                 self.replan()
             else:
@@ -164,8 +167,10 @@ class VariabilityAwareMoE(MoELayerBase):
                 if self._waited == self.window:
                     warnings.warn(
                         f"VariabilityAwareMoE: a due re-plan has waited {self._waited} forwards for autograd graphs "
-                        f"({self.graphs_in_flight()} alive) to be back-propagated or dropped; when serving, run the "
-                        "model under torch.no_grad() or torch.inference_mode() (or call forget_graphs() on every rank)",
+                        f"({self.graphs_in_flight()} alive) to be back-propagated or dropped and for the expert "
+                        f"gradients (held: {self._holds_grads()}) to be cleared by zero_grad(set_to_none=True); when "
+                        "serving, run the model under torch.no_grad() or torch.inference_mode() (or call "
+                        "forget_graphs() on every rank)",
                         RuntimeWarning, stacklevel=2)
         y = super().forward(x, token_ids=token_ids)
         if y.requires_grad:  # autograd saved the weights: a move waits until this graph's backward has run
@@ -173,11 +178,15 @@ class VariabilityAwareMoE(MoELayerBase):
         if self.record_loads:
             self._record(self.last_topk_ids)
             if self._replan_due():
-                if y.requires_grad or self.graphs_in_flight():
+                if y.requires_grad or self.graphs_in_flight() or self._holds_grads():
                     self._replan_pending = True
                 else:
                     self.replan()
         return y
+
+    def _holds_grads(self) -> bool:
+        """Whether the expert weights hold gradients (set by a backward, cleared by ``zero_grad``)."""
+        return self.experts.w13.grad is not None or self.experts.w2.grad is not None
 
     def _watch_graph(self, y: torch.Tensor) -> torch.Tensor:
         """``y`` through an identity autograd node that holds a token: the token is marked done
@@ -342,10 +351,12 @@ class VariabilityAwareMoE(MoELayerBase):
         committed on every rank or on none (see :func:`moelayers.layers.moves.move_expert_weights`).
         Outputs are unchanged: each logical expert's weights move with it; the router stays in
         logical order. At most one layer's expert weights of extra memory (only changing slots).
+        In training, move between optimizer steps: expert weights that hold gradients are refused
+        (``zero_grad(set_to_none=True)`` first), and the optimizer's per-slot state does not move.
 
         Raises:
-            PlacementRejected: bad input on some rank (wrong experts/ranks/slots, invalid, or
-                different placements across ranks); raised on every rank.
+            PlacementRejected: bad input on some rank (wrong experts/ranks/slots, invalid, expert
+                weights holding gradients, or different placements across ranks); raised on every rank.
             PlacementMoveError: a failure while staging on some rank; raised on every rank.
         """
         move_expert_weights(self, placement, fault_hook=self._staging_fault_hook)

@@ -326,6 +326,7 @@ def scenario_auto_replan(rank: int, world: int, device: str) -> dict:
         x = _x(rank, world, 10 + step).to(ctx.dtype).to(ctx.device).requires_grad_(True)
         try:
             train(x).sum().backward()
+            train.zero_grad(set_to_none=True)  # the optimizer step's: a move waits for the gradients to go
         except RuntimeError as e:
             errors.append(f"backward at step {step}: {e}")
             break
@@ -337,7 +338,8 @@ def scenario_auto_replan(rank: int, world: int, device: str) -> dict:
     errors.append(ctx.check("after the deferred re-plan", train, salt=20))
     # gradient accumulation (three forwards, one backward) and pipelined micro-batches (the second
     # forward's graph still alive when the first one's backward is done): the move waits until no
-    # recorded graph holds the weights, and every backward sees the weights its forward saved
+    # recorded graph holds the weights and no gradient waits for the optimizer step, and every
+    # backward sees the weights its forward saved
     for name, pattern, expected in (("accumulation", "FFFB", [0, 0, 0, 0, 1]), ("1F1B", "FFBFBB", [0, 0, 0, 0, 0, 0, 1])):
         acc, graphs, seen = ctx.layer(window=2, auto_replan=True, planner=StubPlanner(world)), [], []
         try:
@@ -348,6 +350,8 @@ def scenario_auto_replan(rank: int, world: int, device: str) -> dict:
                     sum(graphs).backward()
                 else:
                     graphs.pop(0).backward()
+                if step == len(pattern) - 1:
+                    acc.zero_grad(set_to_none=True)  # after the optimizer step
                 seen.append(acc.num_replans)
         except RuntimeError as e:
             errors.append(f"{name}: backward failed: {e}")

@@ -1,0 +1,611 @@
+"""Training paths against the dense float64 reference with autograd, on gloo at world sizes 2 and 4.
+
+What tests/equivalence_cases.py does not cover: every training layer (VanillaMoE, VariabilityAwareMoE,
+SemanticMoE in dp mode and through ``forward_tp``) with uneven replica counts, forced routing, token
+ids, a rank without tokens, every token sent to one rank's experts, 3-D input, bf16 with a float32
+router; gradient accumulation over micro-batches, ``zero_grad``, an optimizer step followed by a
+move (``apply_placement``) or a ``state_dict`` round trip mid-training and the next step's gradients;
+the megatron adapter in training with a padding mask; a second backward of a retained graph; what
+is refused under autograd.
+
+Found here and fixed (each test failed before): second-order gradients through the all-to-all
+dispatcher, a move between backward and optimizer step (now refused), an automatic re-plan between
+accumulated micro-batches (now waits for zero_grad), replicas that drifted apart after a plain
+optimizer step (now tied in the backward), and capacity mode's autograd refusal stranding a rank in
+no_grad.
+
+Each world size spawns its processes once for the bulk of the checks (module-scoped cache, as in
+test_vanilla_equivalence.py); each check is reported as its own test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import moelayers as ml
+from moelayers.layers.moves import PlacementRejected
+from moelayers.testing import check_close, redraw_near_ties, run_distributed
+
+H, F = 16, 8
+DISPATCHERS = (("alltoall", True), ("alltoall", False), ("allgather", True))
+LAYERS = ("vanilla", "variability", "semantic_dp")
+
+
+# ---------------------------------------------------------------------- set-up shared by the ranks
+def _placement(kind: str, e: int, r: int) -> ml.ExpertPlacement:
+    if kind == "linear":
+        return ml.ExpertPlacement.linear(e, r)
+    if kind == "permuted":
+        g = torch.Generator().manual_seed(3)
+        return ml.ExpertPlacement.from_phy2log(torch.randperm(e, generator=g).view(r, -1), e)
+    if kind in ("replicas", "replicas_rolled"):
+        # two spare slots per rank; uneven replica counts: expert 0 on every rank but rank 0's own
+        # block, expert 1 on every other rank, expert e-1 twice; one empty slot on most ranks
+        per = e // r
+        t = torch.full((r, per + 2), -1, dtype=torch.int64)
+        t[:, :per] = torch.arange(e).view(r, per)
+        for q in range(r):
+            extra = [e - 1] if q == 0 else [x for x in ([0, 1] if q % 2 else [0]) if x not in t[q].tolist()]
+            t[q, per:per + len(extra)] = torch.tensor(extra)
+        if kind == "replicas_rolled":  # the same slots per rank, every rank's table moved to the next rank
+            t = torch.roll(t, 1, 0)
+        return ml.ExpertPlacement.from_phy2log(t, e)
+    raise ValueError(kind)
+
+
+def _weights64(e: int, seed: int = 1234):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(e, H, generator=g, dtype=torch.float64) * 0.5,
+            torch.randn(e, 2 * F, H, generator=g, dtype=torch.float64) * H ** -0.5,
+            torch.randn(e, H, F, generator=g, dtype=torch.float64) * F ** -0.5]
+
+
+def _tokens(case: dict, world: int, router64: torch.Tensor, mb: int) -> list[torch.Tensor]:
+    """Every rank's float64 tokens of micro-batch ``mb``, without router near-ties."""
+    xs = []
+    for r in range(world):
+        n = 0 if case.get("zero_rank") == r else 5 + 2 * r + mb
+        g = torch.Generator().manual_seed(100 + 10 * mb + r)
+
+        def draw(k, g=g):
+            return torch.randn(k, H, generator=g, dtype=torch.float64)
+
+        xs.append(redraw_near_ties(draw(n), router64, 2, draw))
+    return xs
+
+
+def _forced(case: dict, world: int, e: int, n: int, r: int, mb: int) -> torch.Tensor | None:
+    kind = case.get("forced")
+    if kind is None:
+        return None
+    g = torch.Generator().manual_seed(500 + 10 * mb + r)
+    pool = e // world if kind == "one_rank" else e  # one_rank: experts 0..e/R-1, all on rank 0 (linear)
+    if n == 0:
+        return torch.zeros(0, 2, dtype=torch.int64)
+    return torch.stack([torch.randperm(pool, generator=g)[:2] for _ in range(n)])
+
+
+def _build(case: dict, cfg: ml.MoEConfig, groups: ml.ParallelGroups, world: int, place: str | None = None):
+    kw = dict(placement=_placement(place or case.get("place", "linear"), cfg.num_experts, world),
+              dispatcher=case["disp"], dedup=case["dedup"])
+    if case["layer"] == "vanilla":
+        return ml.VanillaMoE(cfg, groups, **kw)
+    if case["layer"] == "variability":
+        return ml.VariabilityAwareMoE(cfg, groups, **kw)
+    return ml.SemanticMoE(cfg, groups, mode="dp", **kw)
+
+
+def _grads(layer) -> list[torch.Tensor]:
+    """``[d router (summed over the ranks, as data parallelism does), d w13, d w2]`` in logical order."""
+    g_router = layer.router.weight.grad.detach().clone()
+    dist.all_reduce(g_router, group=layer.groups.ep)
+    return [g_router, *layer.expert_grads_full()]
+
+
+def _reference(cfg64, params, xs, fids, gys, dtype, cfg):
+    """Float64 reference loss ``sum_r <moe(x_r), gy_r>`` backward into ``params``; returns this
+    micro-batch's outputs and input gradients (float64, and in ``dtype`` for bf16's tolerance)."""
+    def run(ref_dtype, ps, c):
+        xr = [x.to(ref_dtype).clone().requires_grad_(True) for x in xs]
+        ys = [ml.reference.moe_forward(x, *ps, c, topk_ids=f) for x, f in zip(xr, fids)]
+        sum((y.double() * gy).sum() for y, gy in zip(ys, gys)).backward()
+        return ys, [x.grad if x.grad is not None else torch.zeros_like(x) for x in xr]
+
+    return run(torch.float64, params[0], cfg64), (run(dtype, params[1], cfg) if params[1] is not None else None)
+
+
+def _train_case(rank: int, world: int, groups, case: dict) -> str | None:
+    """Forward and backward over ``mbs`` micro-batches (gradients accumulate), then optionally an
+    SGD step, a move or a state_dict round trip and another step; every output, input gradient and
+    accumulated weight gradient against the float64 reference."""
+    e, dtype = 4 * world, case.get("dtype", torch.float64)
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=e, top_k=2, params_dtype=dtype,
+                       router_dtype=torch.float32 if case.get("fp32_router") else None)
+    cfg64 = cfg.replace(params_dtype=torch.float64, router_dtype=None)
+    low = dtype not in (torch.float32, torch.float64)
+    layer = _build(case, cfg, groups, world)
+    w64 = _weights64(e)
+    layer.load_full_weights(*(w.to(dtype) for w in w64))
+    errors, lr, name = [], 0.5, case["name"]
+    for step in range(case.get("steps", 1)):
+        p64 = [w.clone().requires_grad_(True) for w in w64]
+        plow = [w.to(dtype).requires_grad_(True) for w in w64] if low else None
+        for mb in range(case.get("mbs", 1)):
+            m = step * case.get("mbs", 1) + mb
+            xs = _tokens(case, world, w64[0], m)
+            fids = [_forced(case, world, e, x.shape[0], r, m) for r, x in enumerate(xs)]
+            gys = [torch.randn(x.shape, generator=torch.Generator().manual_seed(900 + 10 * m + r), dtype=torch.float64)
+                   for r, x in enumerate(xs)]
+            x = xs[rank].to(dtype).clone()
+            if case.get("shape3d"):
+                x = x.view(-1, 1, H)  # [S, B=1, H]
+            x.requires_grad_(True)
+            if fids[rank] is not None:
+                layer.force_routing(fids[rank])
+            token_ids = torch.arange(x.shape[0]).view(x.shape[:-1]) if case.get("token_ids") else None
+            y = layer(x, token_ids=token_ids)
+            (y.double() * gys[rank].view(y.shape)).sum().backward()
+            (ys, gxs), lowref = _reference(cfg64, (p64, plow), xs, fids, gys, dtype, cfg)
+            tag = f"{name} step {step} micro-batch {mb}"
+            errors.append(check_close(f"{tag} output", y.reshape(-1, H), ys[rank], lowref[0][rank] if low else None))
+            errors.append(check_close(f"{tag} d/dx", x.grad.reshape(-1, H), gxs[rank], lowref[1][rank] if low else None))
+        got = _grads(layer)
+        for what, g, ref, ref_low in zip(("d/drouter", "d/dw13", "d/dw2"), got, p64, plow or [None] * 3):
+            errors.append(check_close(f"{name} step {step} accumulated {what}", g, ref.grad,
+                                      None if ref_low is None else ref_low.grad))
+        if step + 1 == case.get("steps", 1):
+            break
+        # an SGD step on the logical gradients: the router's summed over the ranks, every replica
+        # slot given its expert's gradient summed over the replicas (expert_grads_full)
+        with torch.no_grad():
+            layer.router.weight.grad.copy_(got[0])
+            slots = layer.placement.phy2log[layer.groups.ep_rank]
+            full = slots >= 0
+            layer.experts.w13.grad[full] = got[1][slots[full]]
+            layer.experts.w2.grad[full] = got[2][slots[full]]
+        opt = torch.optim.SGD(layer.parameters(), lr=lr)
+        opt.step()
+        opt.zero_grad()
+        if any(g is not None for g in (layer.router.weight.grad, layer.experts.w13.grad)) \
+                or any(float(g.abs().max()) != 0.0 for g in layer.expert_grads_full()):
+            errors.append(f"{name}: zero_grad left gradients behind")
+        w64 = [(w - lr * p.grad).detach() for w, p in zip(w64, p64)]
+        for what, got_w, want in zip(("router", "w13", "w2"), layer.export_full_weights(), w64):
+            errors.append(check_close(f"{name} step {step} updated {what}", got_w, want))
+        if case.get("move"):  # GEM's move between optimizer steps
+            layer.apply_placement(_placement(case["move"], e, world))
+        if case.get("reload"):  # checkpoint mid-training, loaded into a layer built with another placement
+            state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in layer.state_dict().items()}
+            layer = _build(case, cfg, groups, world, place=case["reload"])
+            layer.load_state_dict(state)
+            if layer.placement.phy2log.tolist() != _placement(case.get("place", "linear"), e, world).phy2log.tolist():
+                errors.append(f"{name}: the placement did not travel with the state_dict")
+    errors = [m for m in errors if m]
+    return "; ".join(errors) if errors else None
+
+
+def train_cases() -> list[dict]:
+    cases = []
+    for layer in LAYERS:
+        for disp, dedup in DISPATCHERS:
+            base = dict(layer=layer, disp=disp, dedup=dedup)
+            cases += [
+                dict(base, place="replicas", forced="any", token_ids=True, mbs=2),
+                dict(base, place="replicas", zero_rank=1, shape3d=True, dtype=torch.float32, token_ids=True),
+                dict(base, place="linear", forced="one_rank", zero_rank=0, mbs=2),
+                dict(base, place="replicas", dtype=torch.bfloat16, fp32_router=True, forced="any", shape3d=True),
+            ]
+        cases.append(dict(layer=layer, disp="alltoall", dedup=True, place="permuted", steps=2, mbs=2,
+                          reload="linear"))
+        cases.append(dict(layer=layer, disp="allgather", dedup=True, place="replicas", steps=2, reload="replicas_rolled"))
+    for disp, dedup in DISPATCHERS:
+        cases.append(dict(layer="variability", disp=disp, dedup=dedup, place="linear", steps=3, mbs=2, move="permuted"))
+        cases.append(dict(layer="variability", disp=disp, dedup=dedup, place="replicas", steps=2,
+                          move="replicas_rolled", forced="any"))
+    for c in cases:
+        flags = [k for k in ("forced", "token_ids", "zero_rank", "shape3d", "fp32_router", "mbs", "steps", "move",
+                             "reload") if k in c]
+        c["name"] = (f"{c['layer']}-{c['disp']}-{'dedup' if c['dedup'] else 'nodedup'}-{c['place']}-"
+                     f"{str(c.get('dtype', torch.float64)).split('.')[-1]}"
+                     + "".join(f"-{k}={c[k]}" if not isinstance(c[k], bool) else f"-{k}" for k in flags))
+    return cases
+
+
+# ---------------------------------------------------------------------- attention-TP (forward_tp)
+def _tp_case(rank: int, world: int, case: dict) -> str | None:
+    """``SemanticMoE.forward_tp`` with a plan (shuffled chunks), replicas and forced routing, two
+    micro-batches: the gradients of attn_partial, residual, norm and router (partial sums, after
+    allreduce_partial_grads) and of the experts against ``h + moe(norm(h))``."""
+    from moelayers.dispatch.comm import allreduce_partial_grads
+    from moelayers.models.tiny import RMSNorm
+    from tests.distributed.test_semantic import make_plan
+
+    e, t, mbs = 4 * world, case["t"], 2
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=e, top_k=2, params_dtype=torch.float64)
+    groups = ml.ParallelGroups.from_world(tp=world)
+    layer = ml.SemanticMoE.from_plan(make_plan(e, world, seed=3), 2, cfg, groups, mode="tp",
+                                     placement=_placement(case["place"], e, world), dispatcher=case["disp"],
+                                     dedup=case["dedup"])
+    w64 = _weights64(e)
+    layer.load_full_weights(*w64)
+    g = torch.Generator().manual_seed(17 + t)
+    partials = [torch.randn(t, H, generator=g, dtype=torch.float64) for _ in range(world)]
+    residual = torch.randn(t, H, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 48, (t,), generator=g)
+    gy = torch.randn(t, H, generator=g, dtype=torch.float64)
+    nw = 1.0 + 0.1 * torch.randn(H, generator=g, dtype=torch.float64)
+    forced = torch.stack([torch.randperm(e, generator=g)[:2] for _ in range(t)]) if case.get("forced") else None
+    norm, norm64 = RMSNorm(H, dtype=torch.float64), RMSNorm(H, dtype=torch.float64)
+    with torch.no_grad():
+        norm.weight.copy_(nw)
+        norm64.weight.copy_(nw)
+    norm.weight.sequence_parallel = True  # used on this rank's chunk only
+    for _ in range(mbs):
+        p = partials[rank].clone().requires_grad_(True)
+        res = residual.clone().requires_grad_(True)
+        if forced is not None:
+            layer.force_routing(forced)
+        y = layer.forward_tp(p, res, norm, token_ids=ids)
+        (y * gy).sum().backward()
+    allreduce_partial_grads(layer, groups.tp)
+    allreduce_partial_grads(norm, groups.tp)
+    pr = [q.clone().requires_grad_(True) for q in partials]
+    rr = residual.clone().requires_grad_(True)
+    params = [w.clone().requires_grad_(True) for w in w64]
+    h = rr + sum(pr)
+    ref = h + ml.reference.moe_forward(norm64(h), *params, cfg, topk_ids=forced)
+    (mbs * (ref * gy)).sum().backward()
+    g13, g2 = layer.expert_grads_full()
+    name = case["name"]
+    errors = [check_close(f"{name} output", y, ref),
+              check_close(f"{name} d/d attn_partial", p.grad, pr[rank].grad / mbs),
+              check_close(f"{name} d/d residual", res.grad, rr.grad / mbs),
+              check_close(f"{name} d/d norm (accumulated)", norm.weight.grad, norm64.weight.grad),
+              check_close(f"{name} d/drouter (accumulated)", layer.router.weight.grad, params[0].grad),
+              check_close(f"{name} d/dw13 (accumulated)", g13, params[1].grad),
+              check_close(f"{name} d/dw2 (accumulated)", g2, params[2].grad)]
+    errors = [m for m in errors if m]
+    return "; ".join(errors) if errors else None
+
+
+def tp_cases() -> list[dict]:
+    cases = []
+    for disp, dedup in DISPATCHERS:
+        cases.append(dict(disp=disp, dedup=dedup, place="replicas", forced=True, t=9))
+        cases.append(dict(disp=disp, dedup=dedup, place="permuted", t=1))  # chunks without tokens on most ranks
+    for c in cases:
+        c["name"] = f"tp-{c['disp']}-{'dedup' if c['dedup'] else 'nodedup'}-{c['place']}-T{c['t']}" + \
+            ("-forced" if c.get("forced") else "")
+    return cases
+
+
+# ---------------------------------------------------------------------- moves, replicas and optimizer steps
+def _move_refuses_pending_grads(rank: int, world: int, groups) -> str | None:
+    """apply_placement between backward and optimizer.step would leave the gradients with the slots
+    (other experts): refused on every rank, nothing moved; after zero_grad(set_to_none=True) it moves
+    and the next backward's gradients match the reference."""
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4 * world, top_k=2, params_dtype=torch.float64)
+    layer = ml.VariabilityAwareMoE(cfg, groups)
+    w64 = _weights64(cfg.num_experts)
+    layer.load_full_weights(*w64)
+    xs = _tokens({}, world, w64[0], 0)
+    (layer(xs[rank].clone()) ** 2).sum().backward()
+    before = [g.clone() for g in _grads(layer)]
+    target = _placement("permuted", cfg.num_experts, world)
+    try:
+        layer.apply_placement(target)
+        return "a move with pending gradients was not refused"
+    except PlacementRejected as exc:
+        if exc.failing_ranks != list(range(world)) or "hold gradients" not in str(exc.__cause__):
+            return f"unclear refusal: {exc} / {exc.__cause__}"
+    errors = [] if layer.placement == ml.ExpertPlacement.linear(cfg.num_experts, world) else ["the placement changed"]
+    errors += [check_close(f"after the refusal: {n}", a, b) for n, a, b in zip(("d/drouter", "d/dw13", "d/dw2"),
+                                                                               _grads(layer), before)]
+    layer.zero_grad(set_to_none=True)
+    layer.apply_placement(target)
+    p64 = [w.clone().requires_grad_(True) for w in w64]
+    (layer(xs[rank].clone()) ** 2).sum().backward()
+    sum((ml.reference.moe_forward(x, *p64, cfg) ** 2).sum() for x in xs).backward()
+    errors += [check_close(f"after the move: {n}", a, b.grad) for n, a, b in zip(("d/drouter", "d/dw13", "d/dw2"),
+                                                                                 _grads(layer), p64)]
+    return "; ".join(m for m in errors if m) or None
+
+
+def _auto_replan_accumulation(rank: int, world: int, groups) -> str | None:
+    """auto_replan with gradient accumulation (forward + backward per micro-batch): the due re-plan
+    waits while the expert weights hold gradients, so the accumulated gradients equal the
+    reference's; after zero_grad the next forward moves."""
+    e = 4 * world
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=e, top_k=2, params_dtype=torch.float64)
+    target = _placement("permuted", e, world)
+    layer = ml.VariabilityAwareMoE(cfg, groups, window=1, auto_replan=True,
+                                   planner=lambda loads, curves, **kw: target.expert_rank().numpy())
+    w64 = _weights64(e)
+    layer.load_full_weights(*w64)
+    p64 = [w.clone().requires_grad_(True) for w in w64]
+    for mb in range(2):
+        xs = _tokens({}, world, w64[0], mb)
+        (layer(xs[rank].clone()) ** 2).sum().backward()
+        sum((ml.reference.moe_forward(x, *p64, cfg) ** 2).sum() for x in xs).backward()
+    errors = [] if layer.num_moves == 0 else [f"moved between accumulated micro-batches ({layer.num_moves})"]
+    errors += [check_close(f"accumulated {n}", a, b.grad) for n, a, b in zip(("d/drouter", "d/dw13", "d/dw2"),
+                                                                            _grads(layer), p64)]
+    layer.zero_grad(set_to_none=True)
+    x = _tokens({}, world, w64[0], 2)[rank]
+    with torch.no_grad():
+        y = layer(x)
+    if layer.num_moves != 1 or not torch.equal(layer.placement.expert_rank(), target.expert_rank()):
+        errors.append(f"no move after zero_grad (moves {layer.num_moves})")
+    errors.append(check_close("forward after the move", y, ml.reference.moe_forward(x, *w64, cfg)))
+    return "; ".join(m for m in errors if m) or None
+
+
+def _replicas_after_plain_step(rank: int, world: int, groups) -> str | None:
+    """A plain optimizer step on layer.parameters() (router gradient summed over the ranks, as DDP
+    does): the replicas of an expert must stay equal, and the layer must compute the SGD-updated
+    reference."""
+    e = 4 * world
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=e, top_k=2, params_dtype=torch.float64)
+    place = _placement("replicas", e, world)
+    layer = ml.VanillaMoE(cfg, groups, placement=place)
+    w64 = _weights64(e)
+    layer.load_full_weights(*w64)
+    p64 = [w.clone().requires_grad_(True) for w in w64]
+    xs = _tokens({}, world, w64[0], 0)
+    (layer(xs[rank].clone()) ** 2).sum().backward()
+    sum((ml.reference.moe_forward(x, *p64, cfg) ** 2).sum() for x in xs).backward()
+    dist.all_reduce(layer.router.weight.grad, group=groups.ep)
+    torch.optim.SGD(layer.parameters(), lr=0.5).step()
+    w_new = [(w - 0.5 * p.grad).detach() for w, p in zip(w64, p64)]
+    errors = []
+    slots = [layer.experts.w13.detach().clone() for _ in range(world)]
+    dist.all_gather(slots, layer.experts.w13.detach().contiguous(), group=groups.ep)
+    every = torch.cat(slots)  # [R * S, 2F, H]
+    for ex in range(e):
+        copies = [every[int(s)] for s in place.log2phy[ex] if int(s) >= 0]
+        spread = max(float((c - copies[0]).abs().max()) for c in copies)
+        if spread > 1e-12:
+            errors.append(f"expert {ex}: its {len(copies)} replicas differ by {spread:.3e} after the step")
+    errors += [check_close(f"export_full_weights {n}", a, b)
+               for n, a, b in zip(("router", "w13", "w2"), layer.export_full_weights(), w_new)]
+    x = _tokens({}, world, w64[0], 1)[rank]
+    with torch.no_grad():
+        errors.append(check_close("next forward", layer(x), ml.reference.moe_forward(x, *w_new, cfg)))
+    return "; ".join(m for m in errors if m) or None
+
+
+def _double_backward(rank: int, world: int, groups, disp: str) -> str | None:
+    """Second-order gradients (a gradient penalty through create_graph=True) against the reference."""
+    e = 4 * world
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=e, top_k=2, params_dtype=torch.float64)
+    w64 = _weights64(e)
+    xs = _tokens({}, world, w64[0], 0)
+    xr = [x.clone().requires_grad_(True) for x in xs]
+    gxs = torch.autograd.grad(sum((ml.reference.moe_forward(x, *w64, cfg) ** 2).sum() for x in xr), xr,
+                              create_graph=True)
+    (gxs[rank] ** 2).sum().backward()
+    layer = ml.VanillaMoE(cfg, groups, dispatcher=disp)
+    layer.load_full_weights(*w64)
+    x = xs[rank].clone().requires_grad_(True)
+    (gx,) = torch.autograd.grad((layer(x) ** 2).sum(), x, create_graph=True)
+    first = check_close(f"{disp} first-order d/dx", gx.detach(), gxs[rank].detach())
+    (gx ** 2).sum().backward()
+    return first or check_close(f"{disp} second-order d/dx", x.grad, xr[rank].grad)
+
+
+def _retain_graph_twice(rank: int, world: int, groups) -> str | None:
+    """A retained graph back-propagated twice doubles every gradient (each dispatcher)."""
+    e = 4 * world
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=e, top_k=2, params_dtype=torch.float64)
+    errors = []
+    for disp, dedup in DISPATCHERS:
+        layer = ml.VanillaMoE(cfg, groups, dispatcher=disp, dedup=dedup, placement=_placement("replicas", e, world))
+        layer.load_full_weights(*_weights64(e))
+        x = _tokens({}, world, _weights64(e)[0], 0)[rank].clone().requires_grad_(True)
+        loss = (layer(x) ** 2).sum()
+        loss.backward(retain_graph=True)
+        once = [x.grad.clone(), *(g.clone() for g in _grads(layer))]
+        loss.backward()
+        twice = [x.grad, *_grads(layer)]
+        errors += [check_close(f"{disp}-{dedup} twice {n}", b, 2 * a)
+                   for n, a, b in zip(("d/dx", "d/drouter", "d/dw13", "d/dw2"), once, twice)]
+    return "; ".join(m for m in errors if m) or None
+
+
+def _capacity_refused(rank: int, world: int, groups) -> str | None:
+    """Capacity mode under autograd: the same clear ValueError on every rank, and the layer still
+    serves under no_grad afterwards (nobody is left in a collective)."""
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4 * world, top_k=2)
+    layer = ml.VanillaMoE(cfg, groups, capacity=8)
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(rank))
+    try:
+        layer(x.requires_grad_(True))
+        return "capacity mode ran under autograd"
+    except ValueError as exc:
+        if "inference-only" not in str(exc) or "without capacity for training" not in str(exc):
+            return f"unclear refusal: {exc}"
+    with torch.no_grad():
+        y = layer(x)
+    return None if y.shape == x.shape else f"no_grad forward after the refusal gave {list(y.shape)}"
+
+
+def _all_checks(rank: int, world: int) -> dict[str, str | None]:
+    groups = ml.ParallelGroups.from_world()
+    out: dict[str, str | None] = {}
+    for case in train_cases():
+        out[case["name"]] = _train_case(rank, world, groups, case)
+    for case in tp_cases():
+        out[case["name"]] = _tp_case(rank, world, case)
+    out["retain_graph_twice"] = _retain_graph_twice(rank, world, groups)
+    out["capacity_refused"] = _capacity_refused(rank, world, groups)
+    out["move_refuses_pending_grads"] = _move_refuses_pending_grads(rank, world, groups)
+    out["auto_replan_accumulation"] = _auto_replan_accumulation(rank, world, groups)
+    out["replicas_after_plain_step"] = _replicas_after_plain_step(rank, world, groups)
+    for disp in ("alltoall", "allgather"):
+        out[f"double_backward:{disp}"] = _double_backward(rank, world, groups, disp)
+    return out
+
+
+WORLD_SIZES = (2, 4)
+_results: dict[int, list[dict]] = {}
+
+
+def results_for(world: int) -> list[dict]:
+    if world not in _results:
+        _results[world] = run_distributed(_all_checks, world, timeout=400)
+    return _results[world]
+
+
+def _assert_ok(world: int, key: str) -> None:
+    for rank, res in enumerate(results_for(world)):
+        assert key in res, f"{key} did not run on rank {rank}"
+        assert res[key] is None, f"world {world}, rank {rank}: {res[key]}"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("case", [c["name"] for c in train_cases()])
+def test_training_matches_reference(world, case):
+    _assert_ok(world, case)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("case", [c["name"] for c in tp_cases()])
+def test_forward_tp_training_matches_reference(world, case):
+    _assert_ok(world, case)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_retained_graph_backward_twice_doubles_gradients(world):
+    _assert_ok(world, "retain_graph_twice")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_capacity_mode_refuses_autograd_on_every_rank(world):
+    _assert_ok(world, "capacity_refused")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_double_backward_allgather(world):
+    _assert_ok(world, "double_backward:allgather")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_double_backward_alltoall(world):
+    _assert_ok(world, "double_backward:alltoall")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_apply_placement_refuses_pending_gradients(world):
+    _assert_ok(world, "move_refuses_pending_grads")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_auto_replan_waits_for_accumulated_gradients(world):
+    _assert_ok(world, "auto_replan_accumulation")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_replicas_stay_equal_after_a_plain_optimizer_step(world):
+    _assert_ok(world, "replicas_after_plain_step")
+
+
+# ---------------------------------------------------------------------- capacity refusal, ranks in different grad modes
+def _capacity_mixed_grad_modes(rank: int, world: int) -> str:
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4 * world, top_k=2)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), capacity=8)
+    try:
+        with torch.set_grad_enabled(rank != 0):  # rank 0 evaluates under no_grad, the others train
+            layer(torch.randn(5, H))
+        return "ran"
+    except ValueError as exc:
+        return f"ValueError: {exc}"
+    except RuntimeError as exc:  # e.g. gloo: connection closed by the peer that raised and exited
+        return f"RuntimeError: {str(exc)[:200]}"
+
+
+@pytest.mark.timeout(120)
+def test_capacity_refusal_reaches_a_rank_in_no_grad():
+    for rank, res in enumerate(run_distributed(_capacity_mixed_grad_modes, 2, timeout=60)):
+        assert res.startswith("ValueError:"), f"rank {rank}: {res}"
+
+
+# ---------------------------------------------------------------------- megatron adapter in training
+def _adapter_training(rank: int, world: int) -> dict[str, str | None]:
+    """MegatronMoEAdapter.train() with a padding mask (NaN in padded rows, one rank all padding):
+    gradients of the input, router and experts against the reference on the real tokens."""
+    import warnings
+
+    import torch.nn.functional as tnf
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from moelayers.integrations import megatron as mi
+
+    warnings.simplefilter("ignore")
+    e = 4 * world
+    tc = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, ffn_hidden_size=F, num_moe_experts=e,
+                           moe_router_topk=2, moe_ffn_hidden_size=F, gated_linear_unit=True, activation_func=tnf.silu,
+                           add_bias_linear=False, use_cpu_initialization=True, hidden_dropout=0.0)
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(e, H, generator=g), 0.3 * torch.randn(e, 2 * F, H, generator=g),
+         0.3 * torch.randn(e, H, F, generator=g))
+
+    def sample(r, all_pad):
+        s, b = 4 + r, 2
+        x = torch.randn(s, b, H, generator=torch.Generator().manual_seed(100 + r))
+        pad = torch.zeros(b, s, dtype=torch.bool)  # megatron's [B, S], True = padding
+        pad[r % b, s - 1 - r:] = True
+        if all_pad == r:
+            pad[:] = True
+        return x, pad, torch.randn(s, b, H, generator=torch.Generator().manual_seed(300 + r))
+
+    out = {}
+    for name, layer_cls, kw, all_pad in (
+            ("vanilla-alltoall-replicas", ml.VanillaMoE, dict(placement=_placement("replicas", e, world)), None),
+            ("vanilla-allgather-rank1-all-padding", ml.VanillaMoE, dict(dispatcher="allgather"), 1),
+            ("variability-alltoall-rank0-all-padding", ml.VariabilityAwareMoE, {}, 0)):
+        adapter = mi.MegatronMoEAdapter(tc, layer_cls, groups=ml.ParallelGroups.from_world(), **kw).train()
+        adapter.load_full_weights(*w)
+        samples = [sample(r, all_pad) for r in range(world)]
+        x, pad, gy = samples[rank]
+        x = x.clone()
+        x[pad.t()] = float("nan")  # garbage in padded positions must not reach anything
+        x.requires_grad_(True)
+        y, _ = adapter(x, padding_mask=pad)
+        (y.double() * gy).sum().backward()
+        params = [t.double().requires_grad_(True) for t in w]
+        cfg64 = adapter.moe_config.replace(params_dtype=torch.float64)
+        loss, mine = 0, None
+        for r, (xr, pr, gr) in enumerate(samples):
+            keep = ~pr.t().reshape(-1)
+            xk = xr.reshape(-1, H)[keep].double().requires_grad_(True)
+            loss = loss + (ml.reference.moe_forward(xk, *params, cfg64) * gr.reshape(-1, H)[keep]).sum()
+            if r == rank:
+                mine = (xk, keep)
+        loss.backward()
+        xk, keep = mine
+        gx = torch.zeros(keep.numel(), H, dtype=torch.float64)
+        if xk.grad is not None:
+            gx[keep] = xk.grad
+        got = _grads(adapter.layer)
+        errors = [check_close(f"{name} d/dx", x.grad.reshape(-1, H), gx)]
+        errors += [check_close(f"{name} {n}", a, b.grad) for n, a, b in zip(("d/drouter", "d/dw13", "d/dw2"), got, params)]
+        out[name] = "; ".join(m for m in errors if m) or None
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_megatron_adapter_training_with_padding_mask():
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    for rank, res in enumerate(run_distributed(_adapter_training, 2, timeout=200)):
+        assert len(res) == 3 and all(v is None for v in res.values()), f"rank {rank}: {res}"
