@@ -217,7 +217,7 @@ def check_config(d: dict) -> None:
     ``bench.tokens_per_rank`` (sizes >= 1), ``bench.warmup`` (>= 0), ``bench.iters`` (>= 1),
     ``bench.baseline`` (:func:`resolve_baseline`), ``bench.peer`` (:func:`recipes._bench_tools.peer_mode`),
     ``bench.profile_tokens`` (``null`` or >= 1), ``bench.profile_iters`` and ``bench.profile_rows`` (>= 1),
-    no ``layer.kwargs.capacity`` / ``cuda_graph`` (``bench.cuda_graph`` sets them per size, for ours and
+    no ``layer.kwargs.mode=tp``, no ``layer.kwargs.capacity`` / ``cuda_graph`` (``bench.cuda_graph`` sets them per size, for ours and
     the baseline alike), ``parallel.ep`` = the world for a plan-built layer and, with ``router=replay``,
     ``trace.seq_len`` (:func:`recipes._bench_tools.seq_len_bounds`).
 
@@ -236,6 +236,9 @@ def check_config(d: dict) -> None:
         if key in b:
             int_setting(b[key], f"bench.{key}", 1)
     layer_kwargs = (d.get("layer") or {}).get("kwargs") or {}
+    if layer_kwargs.get("mode") == "tp":  # forward_tp takes attention partials, a norm and a residual
+        raise ValueError("bench.py times the layer's forward (attention data-parallel): use layer.kwargs.mode=dp; "
+                         "mode=tp runs through forward_tp inside an attention-TP model")
     for key in ("capacity", "cuda_graph"):
         # a fixed capacity pads every size to it (t=16 timed as 64 tokens), leaves the baseline exact
         # and was recorded as mode "eager (exact all-to-all-v)"

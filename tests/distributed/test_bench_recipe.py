@@ -355,6 +355,7 @@ def test_bench_flags_repeated_trace_tokens_per_size(tmp_path):
     ("bench.peer=ture", r"bench\.peer must be auto, true \(required\) or false, got 'ture'"),
     ("bench.profile_tokens=0", r"bench\.profile_tokens must be an integer >= 1, got 0"),
     ("bench.profile_iters=0", r"bench\.profile_iters must be an integer >= 1, got 0"),
+    ("+layer.kwargs.mode=tp", r"use layer\.kwargs\.mode=dp; mode=tp runs through forward_tp"),
 ])
 def test_check_config_refuses_settings_that_were_ignored_or_mislabelled(override, match):
     """layer.kwargs.capacity=64 padded every size to 64 tokens (t=16 timed 64 rows), left the baseline
