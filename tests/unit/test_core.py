@@ -334,3 +334,74 @@ def test_fingerprint_is_exact_and_order_sensitive():
     big = torch.randint(-2 ** 15, 2 ** 15, (6, 1000), generator=torch.Generator().manual_seed(0), dtype=torch.int16)
     assert torch.equal(fingerprint(big), fingerprint(big, chunk=1500))  # two rows per chunk
     assert fingerprint(big).dtype == torch.int64 and fingerprint(big).shape == (6,)
+
+
+# ---------------------------------------------------------------- strict placement and stats checks
+def test_placement_constructors_refuse_bad_tables():
+    with pytest.raises(ValueError, match="non-empty"):
+        ml.ExpertPlacement(torch.zeros((2, 0), dtype=torch.int64), 1)
+    with pytest.raises(ValueError, match="num_experts must be a positive int, got 0"):
+        ml.ExpertPlacement([[-1]], 0)
+    with pytest.raises(ValueError, match=r"outside \[-1, 4\): \[-2\]"):
+        ml.ExpertPlacement.from_phy2log([[0, 1, -2], [2, 3, -1]], 4)
+    with pytest.raises(ValueError, match=r"slots_per_rank \(3\) < experts per rank \(4\)"):
+        ml.ExpertPlacement.linear(8, 2, slots_per_rank=3)
+    with pytest.raises(ValueError, match=r"ranks outside \[0, 2\)"):
+        ml.ExpertPlacement.from_expert_rank([0, -1, 1], num_ranks=2)
+    with pytest.raises(ValueError, match=r"slots_per_rank \(2\) is less than the 3 experts on one rank"):
+        ml.ExpertPlacement.from_expert_rank([0, 0, 0, 1], slots_per_rank=2)
+
+
+def test_expert_rank_is_the_rank_of_the_first_replica():
+    p = ml.ExpertPlacement.from_phy2log([[0, 1, 3], [2, 3, 0]], 4)  # log2phy [[0, 5], [1, -1], [3, -1], [2, 4]]
+    assert p.expert_rank().tolist() == [0, 0, 1, 0]
+
+
+def test_digest_tells_tables_of_other_shapes_apart():
+    one, two = ml.ExpertPlacement.linear(4, 1), ml.ExpertPlacement.linear(4, 2)  # same ids in slot order
+    assert one.digest() != two.digest()
+    assert two.digest() == ml.ExpertPlacement.from_phy2log([[0, 1], [2, 3]], 4).digest()
+
+
+def test_moves_take_a_local_source_else_round_robin():
+    a = ml.ExpertPlacement.from_phy2log([[0, 1], [2, 0]], 3)
+    b = ml.ExpertPlacement.from_phy2log([[0, 1], [0, 2]], 3)
+    # expert 0 for rank 1 comes from rank 1's own slot 1, not from rank 0
+    assert [(m.dst_rank, m.dst_slot, m.expert, m.src_rank, m.src_slot) for m in a.moves_to(b)] == [
+        (1, 0, 0, 1, 1), (1, 1, 2, 1, 0)]
+    a = ml.ExpertPlacement.from_phy2log([[0, 1], [0, 1], [2, 3], [2, 3]], 4)
+    b = ml.ExpertPlacement.from_phy2log([[0, 1], [0, 1], [0, 3], [0, 2]], 4)
+    # expert 0 is wanted twice away from its replicas: once from each; expert 2 from rank 3 itself
+    assert [(m.dst_rank, m.dst_slot, m.expert, m.src_rank, m.src_slot) for m in a.moves_to(b)] == [
+        (2, 0, 0, 0, 0), (3, 0, 0, 1, 0), (3, 1, 2, 3, 0)]
+
+
+def test_stats_of_a_rank_other_than_0_and_of_nothing():
+    from moelayers.metrics import MoEStats, imbalance, local_activation_rate
+
+    st = MoEStats.from_counts(1, [3, 5, 2], [2, 4, 1], 16)
+    assert st.bytes_sent == [32, 0, 16] and st.pairs_sent == [3, 5, 2] and st.rows_sent == [2, 4, 1]
+    assert st.lar == 0.5
+    assert MoEStats.from_counts(1, [0, 0], [0, 0], 16).lar == 0.0
+    assert local_activation_rate(torch.zeros(0, dtype=torch.int64), torch.zeros((0, 2), dtype=torch.int64)) == 0.0
+    assert imbalance([0, 0, 0]) == 1.0 and imbalance([]) == 1.0
+
+
+def test_stats_reduce_and_merge_keep_each_count_in_its_place():
+    from moelayers.metrics import MoEStats, merge_stats
+
+    a, b = MoEStats.from_counts(1, [3, 5, 2], [2, 4, 1], 16), MoEStats.from_counts(1, [2, 1, 1], [1, 1, 1], 16)
+    r = a.reduce(None)
+    assert (r.pairs_sent, r.rows_sent, r.bytes_sent, r.lar) == ([3, 5, 2], [2, 4, 1], [32, 0, 16], 0.5)
+    m = merge_stats([a, b])  # two steps of one rank: still one rank's records
+    assert (m.pairs_sent, m.rows_sent, m.num_ranks_reduced) == ([5, 6, 3], [3, 5, 2], 1)
+    assert m.lar == pytest.approx(6 / 14)
+    two = MoEStats(0, [18, 6], [12, 6], [480, 160], 2, 14)
+    assert merge_stats([two, two]).num_ranks_reduced == 2
+    ids = torch.tensor([[0, 2], [2, 1]])
+    with_loads = MoEStats.from_counts(0, [4], [2], 8, topk_ids=ids).with_experts(3)
+    assert merge_stats([with_loads, with_loads]).expert_loads.tolist() == [2, 2, 4]
+    with pytest.raises(ValueError, match="holds no expert loads"):
+        merge_stats([with_loads, MoEStats.from_counts(0, [4], [2], 8)]).expert_loads
+    with pytest.raises(ValueError, match=r"different numbers of experts \[3, 4\]"):
+        merge_stats([with_loads, MoEStats.from_counts(0, [4], [2], 8, topk_ids=ids).with_experts(4)])
