@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass, fields
@@ -119,6 +120,38 @@ def _megatron_params_dtype(tc: Any) -> torch.dtype:
     return params
 
 
+@functools.lru_cache(maxsize=1)
+def megatron_rounds_scores() -> bool:
+    """Whether the installed megatron-core ranks sigmoid and softmax-before-top-k scores rounded to
+    the logits' dtype (0.16: ``.type_as(logits)`` before its top-k) or in float32 (0.19).
+
+    Asked of megatron's own routing function, not of its version number: each probe holds two rows
+    of bf16 logits whose float32 scores are strictly ordered one way in the first row and the other
+    way in the second, but equal once rounded to bf16. Ranked in float32 the two rows pick mirrored
+    experts; rounded they are the same exact tie, which ``torch.topk`` breaks alike in both rows.
+
+    Raises:
+        RuntimeError: the two score functions disagree (a megatron-core this code does not know).
+    """
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    answers = []
+    for score_function, pre, row, k in (("sigmoid", False, [0.86328125, 0.8671875], 1),  # 0.70335 < 0.70416
+                                        ("softmax", True, [0.0, 2.0 ** -10, -4.0], 1)):  # 0.49522 < 0.49571
+        first = torch.tensor(row, dtype=torch.bfloat16)
+        mirrored = first.clone()
+        mirrored[:2] = first[:2].flip(0)
+        out = topk_routing_with_score_function(torch.stack([first, mirrored]), k, use_pre_softmax=pre,
+                                               score_function=score_function)
+        picked = out[1].int().argmax(1).tolist()  # (probs, routing_map [2, E])
+        answers.append(picked != [1, 0])
+    if answers[0] != answers[1]:
+        raise RuntimeError("this megatron-core rounds its sigmoid and softmax scores differently before the top-k "
+                           f"(sigmoid rounded: {answers[0]}, softmax rounded: {answers[1]}); moelayers cannot match "
+                           "its ranking: use moe_router_dtype='fp32'")
+    return answers[0]
+
+
 @dataclass
 class MoEConfig:
     """Shape and routing of one MoE block.
@@ -136,12 +169,16 @@ class MoEConfig:
         router_dtype: dtype the router logits ``x W^T`` are computed in, at least (``None``: the
             input's dtype). ``torch.float32`` is megatron-core's ``moe_router_dtype='fp32'``: with
             bf16 weights it picks the same experts as megatron's router, near-ties included.
-        rank_in_logits_dtype: rank the experts as megatron-core's router does: sigmoid scores and
-            softmax-before-top-k scores (``norm_topk_prob=False``) rounded to the logits' dtype,
-            softmax-after-top-k (``norm_topk_prob=True``) by the logits themselves; with bf16
-            logits, near-ties become exact ties that ``torch.topk`` breaks, as in megatron.
-            ``False`` (the default, as Hugging Face's routers): scores in float32.
-            ``from_megatron`` sets it; it changes nothing for float32 logits.
+        rank_in_logits_dtype: round sigmoid scores and softmax-before-top-k scores
+            (``norm_topk_prob=False``) to the logits' dtype before the top-k, as megatron-core's
+            router does up to 0.16 (from 0.19 it ranks them in float32): with bf16 logits, near-ties
+            become exact ties that ``torch.topk`` breaks, as in megatron. ``False`` (the default, as
+            Hugging Face's routers): scores in float32.
+        rank_post_softmax_by_logits: softmax-after-top-k (``norm_topk_prob=True``) ranks the
+            logits themselves, as megatron-core does, instead of their float32 softmax (the same
+            order up to how ``torch.topk`` breaks exact ties).
+            ``from_megatron`` sets both as the installed megatron-core ranks; neither changes
+            anything for float32 logits.
     """
 
     hidden_size: int
@@ -155,6 +192,7 @@ class MoEConfig:
     init_std: float = 0.02
     router_dtype: torch.dtype | None = None
     rank_in_logits_dtype: bool = False
+    rank_post_softmax_by_logits: bool = False
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k"):
@@ -176,7 +214,7 @@ class MoEConfig:
         if self.params_dtype not in PARAMS_DTYPES:
             raise TypeError(f"MoEConfig.params_dtype={self.params_dtype} is not supported: one of "
                             f"{[str(d) for d in PARAMS_DTYPES]} (fp8 weights need scaling factors moelayers does not keep)")
-        for name in ("norm_topk_prob", "rank_in_logits_dtype"):
+        for name in ("norm_topk_prob", "rank_in_logits_dtype", "rank_post_softmax_by_logits"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"MoEConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if isinstance(self.init_std, bool) or not isinstance(self.init_std, numbers.Real) \
@@ -259,5 +297,7 @@ class MoEConfig:
             params_dtype=params_dtype,
             init_std=float(getattr(tc, "init_method_std", 0.02)),
             router_dtype=router_dtype,
-            rank_in_logits_dtype=True,  # megatron keeps the scores in the logits' dtype for its top-k
+            # megatron's top-k: scores in the logits' dtype up to 0.16, float32 from 0.19 (asked of its code)
+            rank_in_logits_dtype=megatron_rounds_scores(),
+            rank_post_softmax_by_logits=True,
         )

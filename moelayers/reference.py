@@ -29,15 +29,18 @@ def swiglu_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch
 
 def _routing(logits: torch.Tensor, config: MoEConfig, topk_ids: torch.Tensor | None):
     """``(ids [T, K], weights [T, K])``: scores in float32 (or float64), top-k unless forced, renormalised
-    if asked. ``rank_in_logits_dtype`` (megatron's ranking): softmax renormalised over the top-k ranks the
-    logits themselves; otherwise the scores are rounded to the logits' dtype before the top-k."""
+    if asked. megatron's ranking: with ``rank_post_softmax_by_logits`` a softmax renormalised over the
+    top-k ranks the logits themselves; with ``rank_in_logits_dtype`` the other scores are rounded to the
+    logits' dtype before the top-k."""
     work = torch.promote_types(logits.dtype, torch.float32)
     scores = torch.softmax(logits.to(work), dim=-1) if config.score_fn == "softmax" else torch.sigmoid(logits.to(work))
     ranked = scores
-    if config.rank_in_logits_dtype:
-        post_softmax = config.score_fn == "softmax" and config.norm_topk_prob
-        ranked = logits if post_softmax else scores.to(logits.dtype)
-        scores = scores if post_softmax else ranked.to(work)
+    post_softmax = config.score_fn == "softmax" and config.norm_topk_prob
+    if post_softmax and config.rank_post_softmax_by_logits:
+        ranked = logits
+    elif not post_softmax and config.rank_in_logits_dtype:
+        ranked = scores.to(logits.dtype)
+        scores = ranked.to(work)
     if topk_ids is None:
         _, ids = torch.topk(ranked, config.top_k, dim=-1)
     else:

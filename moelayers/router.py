@@ -13,18 +13,19 @@ def scores_to_topk(logits: torch.Tensor, config: MoEConfig) -> tuple[torch.Tenso
     """Score router logits and select the top-k experts.
 
     Scoring runs in float32 (float64 for float64 logits) so that near-ties are broken the same way
-    whatever the batch, unless ``config.rank_in_logits_dtype`` asks for megatron's ranking (see
-    :class:`~moelayers.config.MoEConfig`); weights are returned in float32/float64 and cast by the caller.
+    whatever the batch, unless ``config.rank_in_logits_dtype`` / ``rank_post_softmax_by_logits`` ask
+    for megatron's ranking (see :class:`~moelayers.config.MoEConfig`); weights are returned in
+    float32/float64 and cast by the caller.
 
     Args:
         logits: ``[T, E]`` router logits.
-        config: gives ``top_k``, ``score_fn``, ``norm_topk_prob`` and ``rank_in_logits_dtype``.
+        config: gives ``top_k``, ``score_fn``, ``norm_topk_prob`` and the ranking flags.
 
     Returns:
         ``(topk_ids [T, K] int64, topk_weights [T, K] float)``.
     """
     work = torch.promote_types(logits.dtype, torch.float32)
-    if config.rank_in_logits_dtype and _post_softmax(config):
+    if config.rank_post_softmax_by_logits and _post_softmax(config):
         top, ids = torch.topk(logits, config.top_k, dim=-1)  # megatron: top-k of the logits, softmax over them
         return ids, torch.softmax(top.to(work), dim=-1)
     weights, ids = torch.topk(_scores(logits, config), config.top_k, dim=-1)
@@ -46,8 +47,8 @@ def _post_softmax(config: MoEConfig) -> bool:
 
 def _scores(logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:
     """``[T, E]`` softmax or sigmoid scores in float32/float64; with ``config.rank_in_logits_dtype``
-    rounded to the logits' dtype (megatron's ``.type_as(logits)``), except for softmax after the top-k,
-    whose weights megatron computes in float32 from the selected logits."""
+    rounded to the logits' dtype (megatron-core 0.16's ``.type_as(logits)``), except for softmax after
+    the top-k, whose weights megatron computes in float32 from the selected logits."""
     scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
     scores = torch.softmax(scores, dim=-1) if config.score_fn == "softmax" else torch.sigmoid(scores)
     return scores.to(logits.dtype) if config.rank_in_logits_dtype and not _post_softmax(config) else scores

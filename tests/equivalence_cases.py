@@ -58,7 +58,7 @@ def case_list(world: int) -> list[dict]:
         for place in ("permuted", "replicas"):  # fixed-capacity mode (inference only)
             cases.append(dict(place=place, dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True))
         cases.append(dict(place="linear", dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True, zero_tokens=True))
-    # megatron's ranking in bf16 (MoEConfig.rank_in_logits_dtype): sigmoid scores rounded to bf16, softmax by the logits
+    # megatron-core 0.16's ranking in bf16 (MoEConfig.rank_in_logits_dtype, rank_post_softmax_by_logits): sigmoid scores rounded to bf16, softmax by the logits
     for extra in (dict(sigmoid=True), {}):
         cases.append(dict(place="permuted", dispatcher="alltoall", dedup=True, dtype=torch.bfloat16, megatron_rank=True,
                           **extra))
@@ -103,7 +103,8 @@ def _run_case(rank: int, world: int, groups, case: dict, device: torch.device) -
     cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=num_experts, top_k=top_k,
                        score_fn="sigmoid" if case.get("sigmoid") else "softmax", params_dtype=dtype,
                        router_dtype=torch.float32 if case.get("fp32_router") else None,
-                       rank_in_logits_dtype=bool(case.get("megatron_rank")))
+                       rank_in_logits_dtype=bool(case.get("megatron_rank")),
+                       rank_post_softmax_by_logits=bool(case.get("megatron_rank")))
     cfg64 = cfg.replace(params_dtype=torch.float64)
     gen = torch.Generator().manual_seed(1234)
     router64 = torch.randn(num_experts, H, generator=gen, dtype=torch.float64) * 0.5

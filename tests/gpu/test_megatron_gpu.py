@@ -57,6 +57,7 @@ def _compare(rank: int, world: int) -> dict:
     import megatron.core
 
     import moelayers as ml
+    from moelayers.config import megatron_rounds_scores
     from moelayers.integrations import megatron as mi
     from moelayers.testing import check_close, max_error, tolerance
 
@@ -69,7 +70,8 @@ def _compare(rank: int, world: int) -> dict:
     for case, (score_fn, router_dtype) in CASES.items():
         cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=FF, num_experts=E, top_k=K, score_fn=score_fn,
                            norm_topk_prob=True, params_dtype=torch.bfloat16, router_dtype=router_dtype,
-                           rank_in_logits_dtype=True)  # megatron's ranking (what from_megatron gives)
+                           rank_in_logits_dtype=megatron_rounds_scores(),  # megatron's ranking (from_megatron's)
+                           rank_post_softmax_by_logits=True)
         meg = mi.megatron_moe_layer(cfg, dtype=torch.bfloat16, device=dev)
         mi.load_megatron_weights(meg, *dev_weights)
         groups = mi.groups_for_megatron()  # megatron's parallel_state, initialised by megatron_moe_layer

@@ -182,14 +182,19 @@ def test_from_megatron_mapping(score, pre, topk, norm):
 @pytest.mark.parametrize("score,pre,topk", [("softmax", False, 6), ("softmax", True, 6), ("sigmoid", False, 6),
                                             ("sigmoid", False, 1)])
 def test_bf16_router_picks_megatrons_experts_ties_included(score, pre, topk):
-    """megatron's default router dtype keeps bf16 scores for its top-k (``.type_as(logits)``): near-ties
-    become exact ties. from_megatron's configs rank the same way (rank_in_logits_dtype), so the router
-    and the reference pick megatron's experts exactly, ties included; float32 ranking picks others."""
+    """megatron-core 0.16's default router dtype keeps bf16 scores for its top-k (``.type_as(logits)``):
+    near-ties become exact ties (0.19 ranks them in float32). from_megatron's configs rank as the
+    installed megatron does (rank_in_logits_dtype, rank_post_softmax_by_logits), so the router and the
+    reference pick megatron's experts exactly, ties included; where megatron rounds, float32 ranking
+    picks others."""
     from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    from moelayers.config import megatron_rounds_scores
 
     cfg = ml.MoEConfig.from_megatron(_tc(moe_router_score_function=score, moe_router_pre_softmax=pre,
                                          moe_router_topk=topk, num_moe_experts=64, params_dtype=torch.bfloat16))
-    assert cfg.rank_in_logits_dtype and cfg.router_dtype is None
+    assert cfg.rank_in_logits_dtype == megatron_rounds_scores() and cfg.rank_post_softmax_by_logits
+    assert cfg.router_dtype is None
     g = torch.Generator().manual_seed(5)
     logits = (torch.randn(4000, 64, generator=g) * 0.5).to(torch.bfloat16)  # fine bf16 spacing: many near-ties
     probs, routing_map = topk_routing_with_score_function(logits, topk, use_pre_softmax=pre, score_function=score)
@@ -202,8 +207,42 @@ def test_bf16_router_picks_megatrons_experts_ties_included(score, pre, topk):
     # by value, picking other experts than megatron
     fp32_ids, _ = ml.router.scores_to_topk(logits, cfg.replace(rank_in_logits_dtype=False))
     changed = (torch.zeros_like(routing_map).scatter(1, fp32_ids, True) != routing_map).any(1).sum()
-    if not (score == "softmax" and not pre):  # megatron ranks the logits there: no new ties
+    if megatron_rounds_scores() and not (score == "softmax" and not pre):  # post-softmax ranks the logits: no new ties
         assert changed > 0
+    elif not megatron_rounds_scores():
+        assert changed == 0
+
+
+def test_the_ranking_probe_asks_megatrons_routing_function(monkeypatch):
+    """from_megatron follows the installed megatron-core's top-k: scores rounded to the logits' dtype
+    (0.16) or ranked in float32 (0.19, where a bf16 router picked another expert than megatron's on the
+    GPU for 1 of 64 tokens); found by calling megatron's routing function, whatever its version says."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from moelayers import config as config_module
+
+    def routing(rounds_sigmoid, rounds_softmax):
+        def fake(logits, topk, use_pre_softmax=False, score_function="softmax", **_):
+            scores = torch.sigmoid(logits.float()) if score_function == "sigmoid" else torch.softmax(logits.float(), -1)
+            if rounds_sigmoid if score_function == "sigmoid" else rounds_softmax:
+                scores = scores.type_as(logits)
+            _, ids = torch.topk(scores, topk, dim=1)
+            return scores, torch.zeros_like(logits, dtype=torch.bool).scatter(1, ids, True)
+        return fake
+
+    try:
+        for sig, soft, want in ((True, True, True), (False, False, False), (True, False, RuntimeError)):
+            config_module.megatron_rounds_scores.cache_clear()
+            monkeypatch.setattr(moe_utils, "topk_routing_with_score_function", routing(sig, soft))
+            if want is RuntimeError:
+                with pytest.raises(RuntimeError, match="rounds its sigmoid and softmax scores differently"):
+                    config_module.megatron_rounds_scores()
+            else:
+                assert config_module.megatron_rounds_scores() is want
+                assert ml.MoEConfig.from_megatron(_tc(params_dtype=torch.bfloat16)).rank_in_logits_dtype is want
+    finally:
+        monkeypatch.undo()
+        config_module.megatron_rounds_scores.cache_clear()
 
 
 def test_fp32_router_picks_megatrons_experts_in_bf16():
