@@ -13,6 +13,7 @@ scoring and expert modules (SequentialMLP, and GroupedMLP with a torch stand-in 
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import traceback
 import warnings
@@ -630,6 +631,8 @@ def _torch_gmm(a, b, batch_sizes, trans_b=False):
 def _check_load_grouped(rank, world):
     from types import SimpleNamespace
 
+    if not HAVE_GROUPED_MLP:
+        return None  # skipped by the test
     from megatron.core.transformer.moe import grouped_gemm_util as gg
 
     if not gg.grouped_gemm_is_available():  # run megatron's GroupedMLP code with a torch gmm
@@ -693,8 +696,13 @@ def dist_results():
     return run_distributed(_dist_checks, 2, timeout=180)
 
 
+HAVE_GROUPED_MLP = importlib.util.find_spec("megatron.core.transformer.moe.grouped_gemm_util") is not None
+
+
 @pytest.mark.parametrize("check", list(DIST_CHECKS))
 def test_two_process_gloo(dist_results, check):
+    if check == "load_grouped" and not HAVE_GROUPED_MLP:
+        pytest.skip("this megatron-core has no legacy GroupedMLP (removed by 0.19: TEGroupedMLP needs TransformerEngine)")
     for rank, res in enumerate(dist_results):
         assert res[check] is None, f"rank {rank}: {res[check]}"
 
