@@ -478,46 +478,23 @@ def test_forward_tp_training_matches_reference(world, case):
     _assert_ok(world, case)
 
 
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_retained_graph_backward_twice_doubles_gradients(world):
-    _assert_ok(world, "retain_graph_twice")
+# each a check of _all_checks: (what must hold)
+SINGLE_CHECKS = {
+    "retain_graph_twice": "a retained graph back-propagated twice doubles every gradient",
+    "capacity_refused": "capacity mode refuses autograd with the same clear error on every rank",
+    "double_backward:allgather": "second-order gradients through the all-gather dispatcher",
+    "double_backward:alltoall": "second-order gradients through the all-to-all dispatcher",
+    "move_refuses_pending_grads": "apply_placement refuses expert weights that hold gradients",
+    "auto_replan_accumulation": "an automatic re-plan waits for the accumulated gradients to be cleared",
+    "replicas_after_plain_step": "replicas stay equal after a plain optimizer step",
+}
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_capacity_mode_refuses_autograd_on_every_rank(world):
-    _assert_ok(world, "capacity_refused")
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_double_backward_allgather(world):
-    _assert_ok(world, "double_backward:allgather")
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_double_backward_alltoall(world):
-    _assert_ok(world, "double_backward:alltoall")
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_apply_placement_refuses_pending_gradients(world):
-    _assert_ok(world, "move_refuses_pending_grads")
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_auto_replan_waits_for_accumulated_gradients(world):
-    _assert_ok(world, "auto_replan_accumulation")
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", WORLD_SIZES)
-def test_replicas_stay_equal_after_a_plain_optimizer_step(world):
-    _assert_ok(world, "replicas_after_plain_step")
+@pytest.mark.parametrize("check", list(SINGLE_CHECKS))
+def test_training_check(world, check):
+    _assert_ok(world, check)
 
 
 # ---------------------------------------------------------------------- capacity refusal, ranks in different grad modes
