@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from moelayers.dispatch.comm import all_gather_flat
 from moelayers.placement import ExpertPlacement
@@ -69,9 +68,8 @@ def replica_tie(placement: ExpertPlacement, rank: int, group, device) -> Replica
 
 class _TiedReplicas(torch.autograd.Function):
     """Identity on the slot weights ``(w13, w2)``; the backward gives every replica of an expert
-    the sum of its replicas' gradients (one all-reduce over the expert-parallel group of a buffer
-    with a row per replicated expert). Each replica then holds its expert's whole gradient, so an
-    optimizer step moves every replica alike and they stay equal."""
+    the sum of its replicas' gradients (:class:`_SumReplicas`). Each replica then holds its
+    expert's whole gradient, so an optimizer step moves every replica alike and they stay equal."""
 
     @staticmethod
     def forward(ctx, tie: ReplicaTie, w13: torch.Tensor, w2: torch.Tensor):
@@ -79,19 +77,32 @@ class _TiedReplicas(torch.autograd.Function):
         return w13.view_as(w13), w2.view_as(w2)
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx, g13: torch.Tensor | None, g2: torch.Tensor | None):
-        tie = ctx.tie
-        out = []
-        for g in (g13, g2):
-            buf = g.new_zeros((tie.num_rows,) + tuple(g.shape[1:])).index_add_(0, tie.rows, g.index_select(0, tie.slots))
-            out.append(buf)
-        flat = torch.cat([b.reshape(-1) for b in out])
+    def backward(ctx, g13: torch.Tensor, g2: torch.Tensor):
+        return (None, *_SumReplicas.apply(ctx.tie, g13, g2))
+
+
+class _SumReplicas(torch.autograd.Function):
+    """``(g13 [S, ...], g2 [S, ...])`` -> the same with each replicated expert's slots replaced by
+    the sum over all its replicas (one all-reduce over the expert-parallel group of a buffer with a
+    row per replicated expert). The map is its own adjoint, so its backward is itself: second-order
+    gradients through tied replicas work."""
+
+    @staticmethod
+    def forward(ctx, tie: ReplicaTie, g13: torch.Tensor, g2: torch.Tensor):
+        ctx.tie = tie
+        slots, rows = tie.slots.to(g13.device), tie.rows.to(g13.device)  # the layer may have moved devices
+        bufs = [g.new_zeros((tie.num_rows,) + tuple(g.shape[1:])).index_add_(0, rows, g.index_select(0, slots))
+                for g in (g13, g2)]
+        flat = torch.cat([b.reshape(-1) for b in bufs])
         if tie.group is not None:
             dist.all_reduce(flat, group=tie.group)
-        b13, b2 = flat.split([out[0].numel(), out[1].numel()])
-        return (None, g13.index_copy(0, tie.slots, b13.view_as(out[0]).index_select(0, tie.rows)),
-                g2.index_copy(0, tie.slots, b2.view_as(out[1]).index_select(0, tie.rows)))
+        b13, b2 = flat.split([bufs[0].numel(), bufs[1].numel()])
+        return (g13.index_copy(0, slots, b13.view_as(bufs[0]).index_select(0, rows)),
+                g2.index_copy(0, slots, b2.view_as(bufs[1]).index_select(0, rows)))
+
+    @staticmethod
+    def backward(ctx, gg13: torch.Tensor, gg2: torch.Tensor):
+        return (None, *_SumReplicas.apply(ctx.tie, gg13, gg2))
 
 
 class GroupedExperts(nn.Module):

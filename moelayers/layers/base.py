@@ -316,8 +316,7 @@ class MoELayerBase(nn.Module):
             if forced is not None and tuple(forced.shape) != (x2.shape[0], self.config.top_k):
                 raise ValueError(f"forced routing has shape {list(forced.shape)}, "
                                  f"expected [{x2.shape[0]}, {self.config.top_k}]")
-            if self.capacity is not None and torch.is_grad_enabled() and (x2.requires_grad
-                                                                          or self.router.weight.requires_grad):
+            if self.capacity is not None and self._records_autograd(x2):
                 raise ValueError("capacity mode is inference-only: run it under torch.no_grad()/inference_mode(), "
                                  "or build the layer without capacity for training")
         except (TypeError, ValueError) as exc:
@@ -331,6 +330,12 @@ class MoELayerBase(nn.Module):
         self.last_stats = self.dispatcher.last_stats
         self.last_stats._num_experts = self.config.num_experts
         return y.view(x.shape)
+
+    def _records_autograd(self, x2: torch.Tensor) -> bool:
+        """Whether autograd would record a forward on ``x2``: the input or any weight (router or
+        experts: a frozen router with trainable experts too) requires grad, with grad enabled."""
+        return torch.is_grad_enabled() and (x2.requires_grad or self.router.weight.requires_grad
+                                            or self.experts.w13.requires_grad or self.experts.w2.requires_grad)
 
     def _refuse_in_step(self, exc: Exception) -> None:
         """Raise ``exc`` for this rank's bad input, but only after taking part in the forward's
@@ -376,7 +381,7 @@ class MoELayerBase(nn.Module):
             token_ids = None if token_ids is None else token_ids[:c]
         n = x2.shape[0]
         graphed = (self.cuda_graph and x2.is_cuda and forced is None and not self._bad_input
-                   and not (torch.is_grad_enabled() and (x2.requires_grad or self.router.weight.requires_grad)))
+                   and not self._records_autograd(x2))
         if self.cuda_graph and not graphed and x2.is_cuda and forced is not None:
             raise ValueError("cuda_graph layers do not take forced routing; build the layer with cuda_graph=False")
         if graphed and not self.experts.sync_free(x2):

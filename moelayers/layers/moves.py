@@ -102,6 +102,15 @@ def check_new_placement(old: ExpertPlacement, new: Any) -> None:
     new.validate()
 
 
+def holds_gradients(*weights: torch.Tensor) -> bool:
+    """Whether these weights hold gradients a move would leave behind in their slots: ``.grad`` set
+    (a backward since the last ``zero_grad(set_to_none=True)``) or a nonzero ``main_grad``
+    (megatron's DDP accumulates there and clears ``.grad``; one host sync to read it)."""
+    if any(w.grad is not None for w in weights):
+        return True
+    return any(getattr(w, "main_grad", None) is not None and bool(w.main_grad.any()) for w in weights)
+
+
 def placement_digest(old: ExpertPlacement, new: ExpertPlacement) -> int:
     """A 56-bit digest of both placements (equal on every rank iff they were handed the same ones),
     from their :meth:`~moelayers.placement.ExpertPlacement.digest`."""
@@ -222,11 +231,11 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
             raise RuntimeError(f"{in_flight} recorded forward(s) still await their backward, which the move would "
                                f"break: run the backward first, or call forget_graphs() on every rank if they never "
                                f"will be back-propagated")
-        if w13.grad is not None or w2.grad is not None:  # they belong to the experts now in those slots
+        if holds_gradients(w13, w2):  # they belong to the experts now in those slots
             raise RuntimeError("the expert weights hold gradients (a backward ran since the last zero_grad): a move "
                                "would leave them with the slots, i.e. with other experts; take the optimizer step and "
-                               "zero_grad(set_to_none=True) first (the optimizer's per-slot state, e.g. Adam's "
-                               "moments, does not move either)")
+                               "zero_grad(set_to_none=True) first (megatron's DDP: zero_grad_buffer()); the "
+                               "optimizer's per-slot state (Adam's moments, fp32 master weights) does not move either")
         digest = placement_digest(old, new)
         moves = old.moves_to(new)
         plan = local_plan(moves, old, new, rank)

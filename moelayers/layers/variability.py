@@ -26,7 +26,7 @@ import torch.distributed as dist
 from moelayers.config import MoEConfig
 from moelayers.groups import ParallelGroups
 from moelayers.layers.base import MoELayerBase
-from moelayers.layers.moves import PlacementMoveError, Staging, move_expert_weights
+from moelayers.layers.moves import PlacementMoveError, Staging, holds_gradients, move_expert_weights
 from moelayers.placement import ExpertPlacement
 
 Planner = Callable[..., Any]  # (loads [steps, E], curves, *, restarts, seed) -> expert_rank [E]
@@ -159,7 +159,9 @@ class VariabilityAwareMoE(MoELayerBase):
             ``y`` with the shape of ``x``.
         """
         if self._replan_pending:  # deferred: re-plan once no recorded graph holds the weights, no gradient waits
-            if not self.graphs_in_flight() and not self._holds_grads():
+            alive = self.graphs_in_flight()
+            held = not alive and self._holds_grads()
+            if not alive and not held:
                 self._replan_pending, self._waited = False, 0
                 self.replan()
             else:
@@ -167,10 +169,9 @@ class VariabilityAwareMoE(MoELayerBase):
                 if self._waited == self.window:
                     warnings.warn(
                         f"VariabilityAwareMoE: a due re-plan has waited {self._waited} forwards for autograd graphs "
-                        f"({self.graphs_in_flight()} alive) to be back-propagated or dropped and for the expert "
-                        f"gradients (held: {self._holds_grads()}) to be cleared by zero_grad(set_to_none=True); when "
-                        "serving, run the model under torch.no_grad() or torch.inference_mode() (or call "
-                        "forget_graphs() on every rank)",
+                        f"({alive} alive) to be back-propagated or dropped and for the expert gradients (held: "
+                        f"{held}) to be cleared by zero_grad(set_to_none=True); when serving, run the model under "
+                        "torch.no_grad() or torch.inference_mode() (or call forget_graphs() on every rank)",
                         RuntimeWarning, stacklevel=2)
         y = super().forward(x, token_ids=token_ids)
         if y.requires_grad:  # autograd saved the weights: a move waits until this graph's backward has run
@@ -185,8 +186,16 @@ class VariabilityAwareMoE(MoELayerBase):
         return y
 
     def _holds_grads(self) -> bool:
-        """Whether the expert weights hold gradients (set by a backward, cleared by ``zero_grad``)."""
-        return self.experts.w13.grad is not None or self.experts.w2.grad is not None
+        """Whether the expert weights hold gradients (:func:`~moelayers.layers.moves.holds_gradients`),
+        the same answer on every rank: megatron's ``main_grad`` holds zeros on a rank whose experts got
+        no rows, so with it the ranks agree in one small all-reduce."""
+        w13, w2 = self.experts.w13, self.experts.w2
+        held = holds_gradients(w13, w2)
+        if self.groups.ep is not None and any(getattr(w, "main_grad", None) is not None for w in (w13, w2)):
+            flag = torch.tensor([int(held)], device=self._comm_device())
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.ep)
+            held = bool(flag.item())
+        return held
 
     def _watch_graph(self, y: torch.Tensor) -> torch.Tensor:
         """``y`` through an identity autograd node that holds a token: the token is marked done
@@ -352,7 +361,8 @@ class VariabilityAwareMoE(MoELayerBase):
         Outputs are unchanged: each logical expert's weights move with it; the router stays in
         logical order. At most one layer's expert weights of extra memory (only changing slots).
         In training, move between optimizer steps: expert weights that hold gradients are refused
-        (``zero_grad(set_to_none=True)`` first), and the optimizer's per-slot state does not move.
+        (``zero_grad(set_to_none=True)`` first; megatron's DDP: a zero ``main_grad``), and the
+        optimizer's per-slot state (Adam's moments, fp32 master weights) does not move.
 
         Raises:
             PlacementRejected: bad input on some rank (wrong experts/ranks/slots, invalid, expert

@@ -395,6 +395,47 @@ def _double_backward(rank: int, world: int, groups, disp: str) -> str | None:
     return first or check_close(f"{disp} second-order d/dx", x.grad, xr[rank].grad)
 
 
+def _second_order_through_tied_replicas(rank: int, world: int, groups) -> str | None:
+    """A Hessian-vector product through the expert weights of a placement with replicas (the tie's
+    backward is differentiable: it was @once_differentiable and raised): every replica holds its
+    expert's second-order gradient, equal to the reference's."""
+    from moelayers.experts import gather_logical
+
+    e = 4 * world
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=e, top_k=2, params_dtype=torch.float64)
+    place = _placement("replicas", e, world)
+    layer = ml.VanillaMoE(cfg, groups, placement=place)
+    w64 = _weights64(e)
+    layer.load_full_weights(*w64)
+    xs = _tokens({}, world, w64[0], 0)
+    v = torch.randn(e, H, F, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    # v on each expert's first replica only: sum over slots of <g_slot, v_slot> = sum over experts of <g_e, v_e>
+    slots = place.slots_per_rank
+    first = place.log2phy[:, 0]
+    v_slots = torch.zeros(slots, H, F, dtype=torch.float64)
+    for s_local, ex in enumerate(place.phy2log[rank].tolist()):
+        if ex >= 0 and int(first[ex]) == rank * slots + s_local:
+            v_slots[s_local] = v[ex]
+    w13, w2 = layer.experts.w13, layer.experts.w2
+    g13, g2 = torch.autograd.grad((layer(xs[rank].clone()) ** 2).sum(), [w13, w2], create_graph=True)
+    (hvp,) = torch.autograd.grad((g2 * v_slots).sum(), [w13])
+    p64 = [w.clone().requires_grad_(True) for w in w64]
+    loss = sum((ml.reference.moe_forward(x, *p64, cfg) ** 2).sum() for x in xs)
+    r13, r2 = torch.autograd.grad(loss, p64[1:], create_graph=True)
+    (ref,) = torch.autograd.grad((r2 * v).sum(), [p64[1]])
+    got, _ = gather_logical(hvp, hvp[:, :1], place, groups.ep)
+    errors = [check_close("Hessian-vector product d/dw13 <d/dw2, v>", got, ref)]
+    every = [torch.zeros_like(hvp) for _ in range(world)]
+    dist.all_gather(every, hvp.detach().contiguous(), group=groups.ep)
+    every = torch.cat(every)
+    for ex in range(e):
+        copies = [every[int(s)] for s in place.log2phy[ex] if int(s) >= 0]
+        if max(float((c - copies[0]).abs().max()) for c in copies) > 1e-12:
+            errors.append(f"expert {ex}: its replicas hold different second-order gradients")
+            break
+    return "; ".join(m for m in errors if m) or None
+
+
 def _retain_graph_twice(rank: int, world: int, groups) -> str | None:
     """A retained graph back-propagated twice doubles every gradient (each dispatcher)."""
     e = 4 * world
@@ -443,6 +484,7 @@ def _all_checks(rank: int, world: int) -> dict[str, str | None]:
     out["move_refuses_pending_grads"] = _move_refuses_pending_grads(rank, world, groups)
     out["auto_replan_accumulation"] = _auto_replan_accumulation(rank, world, groups)
     out["replicas_after_plain_step"] = _replicas_after_plain_step(rank, world, groups)
+    out["second_order_tied_replicas"] = _second_order_through_tied_replicas(rank, world, groups)
     for disp in ("alltoall", "allgather"):
         out[f"double_backward:{disp}"] = _double_backward(rank, world, groups, disp)
     return out
@@ -487,6 +529,7 @@ SINGLE_CHECKS = {
     "move_refuses_pending_grads": "apply_placement refuses expert weights that hold gradients",
     "auto_replan_accumulation": "an automatic re-plan waits for the accumulated gradients to be cleared",
     "replicas_after_plain_step": "replicas stay equal after a plain optimizer step",
+    "second_order_tied_replicas": "a Hessian-vector product through tied replicas",
 }
 
 

@@ -337,6 +337,13 @@ def test_capacity_errors():
         m(torch.randn(5, 16))
     with pytest.raises(ValueError, match="inference-only"):
         m(torch.randn(3, 16, requires_grad=True))
+    # a frozen router with trainable experts is training too (it was run, and with cuda_graph=True
+    # captured: every replay then reused the captured autograd graph)
+    m.router.weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="inference-only"):
+        m(torch.randn(3, 16))
+    with torch.no_grad():
+        assert m(torch.randn(3, 16)).shape == (3, 16)
 
 
 def test_token_ids_must_be_laid_out_like_x():

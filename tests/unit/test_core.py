@@ -405,3 +405,34 @@ def test_stats_reduce_and_merge_keep_each_count_in_its_place():
         merge_stats([with_loads, MoEStats.from_counts(0, [4], [2], 8)]).expert_loads
     with pytest.raises(ValueError, match=r"different numbers of experts \[3, 4\]"):
         merge_stats([with_loads, MoEStats.from_counts(0, [4], [2], 8, topk_ids=ids).with_experts(4)])
+
+
+def test_moves_wait_for_megatron_main_grad():
+    """megatron's DDP accumulates into param.main_grad and clears .grad: a move between accumulated
+    micro-batches (explicit or automatic) moved the weights away from the gradients in main_grad."""
+    from moelayers.layers.moves import PlacementRejected
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    target = ml.ExpertPlacement.from_phy2log(torch.tensor([[3, 2, 1, 0]]), 4)
+    layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), window=1, auto_replan=True,
+                                   planner=lambda loads, curves, **kw: target.expert_rank().numpy())
+    w13, w2 = layer.experts.w13, layer.experts.w2
+    for w in (w13, w2):
+        w.main_grad = torch.zeros_like(w)
+    x = torch.randn(6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):  # micro-batches, accumulated as megatron's DDP hook does
+        layer(x).sum().backward()
+        for w in (w13, w2):
+            w.main_grad += w.grad
+            w.grad = None
+    assert layer.num_replans == 0  # the re-plan due after the first micro-batch waits
+    with pytest.raises(PlacementRejected) as info:
+        layer.apply_placement(target)
+    assert "hold gradients" in str(info.value.__cause__) and "zero_grad_buffer" in str(info.value.__cause__)
+    for w in (w13, w2):
+        w.main_grad.zero_()  # megatron's zero_grad_buffer() after the optimizer step
+    with torch.no_grad():
+        layer(x)
+    assert layer.num_replans == 1  # (one rank: the planned expert -> rank map is the current one)
+    layer.apply_placement(target)  # and an explicit move goes ahead
+    assert layer.placement == target
