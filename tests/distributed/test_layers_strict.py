@@ -1,0 +1,150 @@
+"""Strict two-rank checks (gloo): tied replicas get their expert's whole gradient, and placement
+moves across ranks are all-or-nothing. One spawn runs every check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moelayers as ml
+from moelayers.testing import run_distributed
+
+H, FF, E = 8, 4, 4
+OLD = [[0, 1, 2], [3, 0, -1]]  # expert 0 on both ranks, rank 1's slot 2 empty
+
+
+def _cfg():
+    return ml.MoEConfig(hidden_size=H, ffn_hidden_size=FF, num_experts=E, top_k=2, params_dtype=torch.float64)
+
+
+def _full_weights():
+    g = torch.Generator().manual_seed(11)
+    return (torch.randn(E, H, generator=g, dtype=torch.float64), 0.3 * torch.randn(E, 2 * FF, H, generator=g, dtype=torch.float64),
+            0.3 * torch.randn(E, H, FF, generator=g, dtype=torch.float64))
+
+
+def _data(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(12, H, generator=g, dtype=torch.float64)
+    dy = torch.randn(12, H, generator=g, dtype=torch.float64)
+    ids = torch.tensor([[0, 1], [0, 3], [2, 0], [3, 1]] * 3)  # expert 0 on every rank's tokens
+    return x, dy, ids
+
+
+def _layer(groups, phy2log=OLD):
+    layer = ml.VanillaMoE(_cfg(), groups, placement=ml.ExpertPlacement.from_phy2log(torch.tensor(phy2log), E))
+    layer.load_full_weights(*_full_weights())
+    return layer
+
+
+def _tie_check(rank, world, groups):
+    errors = []
+    layer = _layer(groups)
+    x, dy, ids = _data(rank)
+    layer.force_routing(ids)
+    (layer(x) * dy).sum().backward()
+    # reference: the experts' gradient over every rank's tokens
+    r, w13, w2 = (t.clone().requires_grad_(True) for t in _full_weights())
+    total = 0
+    for q in range(world):
+        xq, dyq, idsq = _data(q)
+        total = total + (ml.reference.moe_forward(xq, r, w13, w2, _cfg(), topk_ids=idsq) * dyq).sum()
+    total.backward()
+    for s, e in enumerate(OLD[rank]):
+        g13, g2 = layer.experts.w13.grad[s], layer.experts.w2.grad[s]
+        want13 = w13.grad[e] if e >= 0 else torch.zeros_like(g13)
+        want2 = w2.grad[e] if e >= 0 else torch.zeros_like(g2)
+        if not (torch.allclose(g13, want13, atol=1e-10) and torch.allclose(g2, want2, atol=1e-10)):
+            errors.append(f"tie: slot {s} (expert {e}) gradient differs from the expert's whole gradient")
+    f13, f2 = layer.expert_grads_full()
+    if not (torch.allclose(f13, w13.grad, atol=1e-10) and torch.allclose(f2, w2.grad, atol=1e-10)):
+        errors.append("tie: expert_grads_full differs from the reference")
+    return errors
+
+
+def _move_checks(rank, world, groups):
+    from moelayers.layers.moves import PlacementMoveError, PlacementRejected, move_expert_weights
+
+    errors = []
+    cfg = _cfg()
+    layer = _layer(groups)
+    x, _, _ = _data(rank)
+    with torch.no_grad():
+        y0 = layer(x)
+    before13, before2 = layer.experts.w13.detach().clone(), layer.experts.w2.detach().clone()
+    old = layer.placement.copy()
+    new = ml.ExpertPlacement.from_phy2log(torch.tensor([[3, 0, -1], [1, 2, 0]]), E)
+
+    def unchanged(what):
+        if layer.placement != old or not torch.equal(layer.experts.w13, before13) \
+                or not torch.equal(layer.experts.w2, before2):
+            errors.append(f"{what}: the aborted move changed the placement or the weights")
+
+    # the ranks were handed different placements: rejected on both, before any transfer
+    mine = new if rank == 0 else ml.ExpertPlacement.from_phy2log(torch.tensor([[3, 1, -1], [0, 2, 1]]), E)
+    try:
+        move_expert_weights(layer, mine)
+        errors.append("different placements: no error")
+    except PlacementRejected as e:
+        if e.failing_ranks != []:
+            errors.append(f"different placements: failing ranks {e.failing_ranks}")
+    unchanged("different placements")
+
+    # a failure while staging on rank 1 only: nothing is committed anywhere
+    def hook(staging):
+        if rank == 1:
+            raise RuntimeError("injected")
+
+    try:
+        move_expert_weights(layer, new, fault_hook=hook)
+        errors.append("staging fault: no error")
+    except PlacementRejected:
+        errors.append("staging fault: reported as a rejection")
+    except PlacementMoveError as e:
+        if e.failing_ranks != [1] or e.stage != "staging":
+            errors.append(f"staging fault: failing ranks {e.failing_ranks}, stage {e.stage}")
+    unchanged("staging fault")
+
+    # the real move: every slot holds its new expert's weights, the emptied slot is zeroed, outputs unchanged
+    move_expert_weights(layer, new)
+    _, w13, w2 = _full_weights()
+    for s, e in enumerate(new.phy2log[rank].tolist()):
+        want13 = w13[e] if e >= 0 else torch.zeros_like(w13[0])
+        want2 = w2[e] if e >= 0 else torch.zeros_like(w2[0])
+        if not (torch.equal(layer.experts.w13[s], want13) and torch.equal(layer.experts.w2[s], want2)):
+            errors.append(f"move: slot {s} does not hold expert {e}")
+    with torch.no_grad():
+        y1 = layer(x)
+    if not torch.allclose(y1, y0, atol=1e-12):
+        errors.append("move: outputs changed")
+    ref = ml.reference.moe_forward(x, *_full_weights(), cfg)
+    if not torch.allclose(y1, ref, atol=1e-10):
+        errors.append("move: outputs differ from the reference")
+    return errors
+
+
+def _all_checks(rank, world):
+    groups = ml.ParallelGroups.from_world()
+    return {"tie": _tie_check(rank, world, groups), "moves": _move_checks(rank, world, groups)}
+
+
+_results: list = []
+
+
+def _results_once():
+    """Spawn once for every check; a failed run is reported by each check without spawning again."""
+    if not _results:
+        try:
+            _results.append(run_distributed(_all_checks, 2, timeout=110))
+        except RuntimeError as e:
+            _results.append(e)
+    if isinstance(_results[0], Exception):
+        raise _results[0]
+    return _results[0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("check", ["tie", "moves"])
+def test_two_ranks(check):
+    for rank, res in enumerate(_results_once()):
+        assert res[check] == [], f"rank {rank}: {res[check]}"

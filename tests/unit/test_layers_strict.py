@@ -1,0 +1,381 @@
+"""Strict single-process checks of the router, the reference, the config, the experts' replica tie,
+the dispatch helpers and the layers' placement moves (each pins behaviour a user relies on)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import moelayers as ml
+from moelayers import reference
+from moelayers.dispatch.base import NONFINITE_LOGITS
+from moelayers.router import forced_topk_weights, scores_to_topk
+
+H, FF = 8, 4
+
+
+def _cfg(**kw):
+    base = dict(hidden_size=H, ffn_hidden_size=FF, num_experts=6, top_k=2)
+    base.update(kw)
+    return ml.MoEConfig(**base)
+
+
+# ---------------------------------------------------------------- router
+@pytest.mark.parametrize("rank_post", [False, True])
+def test_router_weights_are_computed_in_float32_for_bf16_logits(rank_post):
+    """scores_to_topk returns float32 weights for bf16 logits (softmax over the selected logits in float32)."""
+    cfg = _cfg(num_experts=8, top_k=3, rank_post_softmax_by_logits=rank_post)
+    logits = (torch.randn(64, 8, generator=torch.Generator().manual_seed(0)) * 3).to(torch.bfloat16)
+    ids, w = scores_to_topk(logits, cfg)
+    assert w.dtype == torch.float32 and ids.dtype == torch.int64
+    want = torch.softmax(logits.float().gather(1, ids), dim=-1)
+    torch.testing.assert_close(w, want, rtol=1e-6, atol=1e-7)
+
+
+def test_router_flags_nonfinite_logits_with_forced_ids_and_bad_ids_without_check_finite():
+    """NaN logits are an error with replayed (forced) routing too; forced ids outside [0, E) are an
+    error whatever check_finite says."""
+    cfg = _cfg(num_experts=4, top_k=2)
+    r = ml.TopKRouter(cfg)
+    torch.nn.init.normal_(r.weight)
+    x = torch.randn(3, H)
+    ok_ids = torch.tensor([[0, 1], [2, 3], [3, 0]])
+    r(x, ok_ids)  # fine
+    bad_x = x.clone()
+    bad_x[1, 2] = float("nan")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        r(bad_x, ok_ids)
+    r(bad_x, ok_ids, defer_check=True)
+    assert int(r.last_nonfinite) & NONFINITE_LOGITS
+    quiet = ml.TopKRouter(cfg, check_finite=False)
+    quiet.weight.data.copy_(r.weight.data)
+    quiet(bad_x, ok_ids)  # NaN logits not checked
+    with pytest.raises(ValueError, match="outside"):
+        quiet(x, torch.tensor([[0, 1], [2, 4], [3, 0]]))
+    with pytest.raises(ValueError, match="outside"):
+        quiet(x, torch.tensor([[0, 1], [2, -1], [3, 0]]))
+    # a layer with forced routing refuses NaN input too
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single())
+    layer.force_routing(ok_ids)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        layer(bad_x)
+
+
+ROUTING_FLAGS = list(itertools.product(("softmax", "sigmoid"), (True, False), (True, False), (True, False)))
+
+
+@pytest.mark.parametrize("score_fn,norm,in_dtype,post_logits", ROUTING_FLAGS)
+def test_router_and_reference_agree_on_bf16_logits(score_fn, norm, in_dtype, post_logits):
+    """The layers' router and the independent reference pick the same experts with the same float32
+    weights for every combination of ranking flags (softmax after the top-k is never rounded)."""
+    cfg = _cfg(num_experts=16, top_k=4, score_fn=score_fn, norm_topk_prob=norm, rank_in_logits_dtype=in_dtype,
+               rank_post_softmax_by_logits=post_logits)
+    logits = (torch.randn(500, 16, generator=torch.Generator().manual_seed(1)) * 0.5).to(torch.bfloat16)
+    ids, w = scores_to_topk(logits, cfg)
+    rids, rw = reference._routing(logits, cfg, None)
+    assert torch.equal(ids, rids)
+    torch.testing.assert_close(w, rw, rtol=1e-6, atol=1e-7)
+    # forced routing (trace replay): the weights of given ids, as the reference computes them
+    forced = torch.randint(0, 16, (500, 4), generator=torch.Generator().manual_seed(2))
+    fw = forced_topk_weights(logits, forced, cfg)
+    _, rfw = reference._routing(logits, cfg, forced)
+    assert fw.dtype == torch.float32
+    torch.testing.assert_close(fw, rfw, rtol=1e-6, atol=1e-7)
+
+
+def _layer_and_reference_grads(cfg, placement=None, forced=None, seed=0):
+    """Gradients of <y, g> w.r.t. x and every weight: the single-process layer and the reference."""
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), placement=placement, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        layer.router.weight.normal_(0, 1, generator=gen)
+        layer.experts.w13.normal_(0, 0.3, generator=gen)
+        layer.experts.w2.normal_(0, 0.3, generator=gen)
+        if placement is not None:  # replicas of an expert hold the same weights
+            r, w13, w2 = layer.export_full_weights()
+            layer.load_full_weights(r, w13, w2)
+    x = torch.randn(24, H, dtype=cfg.params_dtype, generator=gen, requires_grad=True)
+    g = torch.randn(24, H, dtype=cfg.params_dtype, generator=gen)
+    if forced is not None:
+        layer.force_routing(forced)
+    y = layer(x)
+    (y * g).sum().backward()
+    r, w13, w2 = (t.detach().clone().requires_grad_(True) for t in layer.export_full_weights())
+    xr = x.detach().clone().requires_grad_(True)
+    yr = reference.moe_forward(xr, r, w13, w2, cfg, topk_ids=forced)
+    (yr * g).sum().backward()
+    return layer, x, y, yr, (xr.grad, r.grad, w13.grad, w2.grad)
+
+
+@pytest.mark.parametrize("score_fn,norm", [("softmax", True), ("sigmoid", True), ("softmax", False)])
+def test_router_weight_gradient_matches_the_reference(score_fn, norm):
+    """The router weight's gradient flows through the renormalised top-k weights (sum included)."""
+    cfg = _cfg(score_fn=score_fn, norm_topk_prob=norm, params_dtype=torch.float64)
+    layer, x, y, yr, (gx, gr, g13, g2) = _layer_and_reference_grads(cfg)
+    torch.testing.assert_close(y, yr)
+    torch.testing.assert_close(x.grad, gx)
+    torch.testing.assert_close(layer.router.weight.grad, gr)
+    full13, full2 = layer.expert_grads_full()
+    torch.testing.assert_close(full13, g13)
+    torch.testing.assert_close(full2, g2)
+
+
+def test_reference_refuses_negative_forced_ids():
+    cfg = _cfg(num_experts=4, top_k=2, params_dtype=torch.float64)
+    x = torch.randn(3, H, dtype=torch.float64)
+    w = (torch.randn(4, H, dtype=torch.float64), torch.randn(4, 2 * FF, H, dtype=torch.float64),
+         torch.randn(4, H, FF, dtype=torch.float64))
+    for bad in ([[0, 1], [2, -1], [3, 0]], [[0, 1], [2, 4], [3, 0]]):
+        with pytest.raises(ValueError, match=r"must be in \[0, 4\)"):
+            reference.moe_forward(x, *w, cfg, topk_ids=torch.tensor(bad))
+
+
+def test_reference_computes_router_logits_in_router_dtype():
+    """router_dtype=float32 with bf16 inputs and weights: the reference routes by float32 logits
+    (near-ties that bf16 logits break otherwise included)."""
+    e = 64
+    cfg = _cfg(num_experts=e, top_k=4, params_dtype=torch.bfloat16, router_dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2000, H, generator=g).to(torch.bfloat16)
+    r = torch.randn(e, H, generator=g).to(torch.bfloat16)
+    w13 = (0.3 * torch.randn(e, 2 * FF, H, generator=g)).to(torch.bfloat16)
+    w2 = (0.3 * torch.randn(e, H, FF, generator=g)).to(torch.bfloat16)
+    ids32 = torch.softmax(x.float() @ r.float().t(), -1).topk(4, -1).indices
+    ids16 = torch.softmax((x @ r.t()).float(), -1).topk(4, -1).indices
+    assert not torch.equal(ids32.sort(1).values, ids16.sort(1).values)  # the check has teeth
+    y = reference.moe_forward(x, r, w13, w2, cfg)
+    assert torch.equal(y, reference.moe_forward(x, r, w13, w2, cfg, topk_ids=ids32))
+    with torch.no_grad():
+        layer_ids, _ = _router_with(cfg, r)(x)
+    assert torch.equal(layer_ids, ids32)
+
+
+def _router_with(cfg, weight):
+    router = ml.TopKRouter(cfg)
+    with torch.no_grad():
+        router.weight.copy_(weight)
+    return router
+
+
+# ---------------------------------------------------------------- config
+def test_config_boundaries_and_logits_dtype():
+    for kw in (dict(init_std=0.0), dict(hidden_size=0), dict(top_k=0), dict(top_k=7)):
+        with pytest.raises(ValueError):
+            _cfg(**kw)
+    assert _cfg(top_k=6).top_k == 6
+    assert _cfg(router_dtype=torch.float32).logits_dtype(torch.float64) is torch.float64
+    assert _cfg(router_dtype=torch.float32).logits_dtype(torch.bfloat16) is torch.float32
+    assert _cfg().logits_dtype(torch.bfloat16) is torch.bfloat16
+
+
+def _tc(**kw):
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    base = dict(num_moe_experts=4, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                hidden_size=H, ffn_hidden_size=FF, moe_router_topk=2, moe_router_score_function="softmax")
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def test_from_megatron_normalisation_and_training_losses():
+    from moelayers.config import megatron_training_losses
+
+    assert ml.MoEConfig.from_megatron(_tc(moe_router_score_function="sigmoid", moe_router_topk=1)).norm_topk_prob is False
+    assert ml.MoEConfig.from_megatron(_tc(moe_router_score_function="sigmoid")).norm_topk_prob is True
+    assert ml.MoEConfig.from_megatron(_tc(moe_router_pre_softmax=True)).norm_topk_prob is False
+    assert ml.MoEConfig.from_megatron(_tc()).rank_post_softmax_by_logits is True
+    assert ml.MoEConfig.from_megatron(_tc(moe_ffn_hidden_size=6)).ffn_hidden_size == 6
+    listed = _tc(moe_router_load_balancing_type=["seq_aux_loss", "aux_loss"], moe_aux_loss_coeff=[0.0, 0.1],
+                 moe_z_loss_coeff=0.0)
+    got = megatron_training_losses(listed)
+    assert len(got) == 1 and "'aux_loss'" in got[0]
+    assert megatron_training_losses(_tc(moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0,
+                                        moe_z_loss_coeff=0.0)) == []
+    assert megatron_training_losses(_tc(moe_z_loss_coeff=1e-3)) == ["moe_z_loss_coeff=0.001"]
+
+
+# ---------------------------------------------------------------- experts: the replica tie
+def test_replica_tie_tables():
+    """replica_tie: the local slots of replicated experts and their rows among the replicated experts."""
+    from moelayers.experts import replica_tie
+
+    p = ml.ExpertPlacement.from_phy2log(torch.tensor([[0, 1, 3, -1], [2, 3, 0, 4]]), 5)  # 0 and 3 replicated
+    t0 = replica_tie(p, 0, None, "cpu")
+    assert t0.slots.tolist() == [0, 2] and t0.rows.tolist() == [0, 1] and t0.num_rows == 2
+    t1 = replica_tie(p, 1, None, "cpu")
+    assert t1.slots.tolist() == [1, 2] and t1.rows.tolist() == [1, 0] and t1.num_rows == 2
+    assert replica_tie(ml.ExpertPlacement.linear(4, 2), 0, None, "cpu") is None
+
+
+# ---------------------------------------------------------------- dispatch/base: replicas, pairs, flags
+def test_local_first_policy_prefers_the_local_replica_else_spreads_by_token_and_rank():
+    from moelayers.dispatch.base import LocalFirstPolicy, routes_from_placement
+
+    p = ml.ExpertPlacement.from_phy2log(torch.tensor([[0, 1], [0, 2], [3, -1]]), 4)  # expert 0 in slots 0 and 2
+    ids = torch.tensor([[0, 1], [0, 3], [0, 2], [0, 1]])
+    pol = LocalFirstPolicy()
+    assert pol(ids, p, 0).tolist() == [[0, 1], [0, 4], [0, 3], [0, 1]]  # rank 0 holds expert 0: slot 0
+    assert pol(ids, p, 1).tolist() == [[2, 1], [2, 4], [2, 3], [2, 1]]  # rank 1 holds it in slot 2
+    assert pol(ids, p, 2).tolist() == [[0, 1], [2, 4], [0, 3], [2, 1]]  # remote: (t + rank) % 2 -> 0, 1, 0, 1
+    p3 = ml.ExpertPlacement.from_phy2log(torch.tensor([[0, 1], [0, 2], [0, 3]]), 4)  # three replicas, none on rank 3?
+    ids3 = torch.tensor([[1, 0]] * 6)
+    # rank 1 holds expert 0 (slot 2) and not expert 1 (slot 1 on rank 0 only)
+    assert pol(ids3, p3, 1).tolist() == [[1, 2]] * 6
+    r = routes_from_placement(ids, torch.ones(4, 2), p, 2, pol)
+    assert r.dest_rank.tolist() == [[0, 0], [1, 2], [0, 1], [1, 0]]
+    assert r.dest_slot.tolist() == [[0, 1], [0, 0], [0, 1], [0, 1]]
+    # one replica per expert: the first replica, whatever the rank
+    lin = ml.ExpertPlacement.linear(4, 2)
+    assert pol(ids, lin, 1).tolist() == ids.tolist()
+
+
+def test_local_first_policy_spreads_remote_load_evenly_over_three_replicas():
+    from moelayers.dispatch.base import LocalFirstPolicy
+
+    p = ml.ExpertPlacement.from_phy2log(torch.tensor([[0, 1], [0, 2], [1, 3], [0, 3]]), 4)
+    ids = torch.tensor([[0, 3]] * 6)
+    got = LocalFirstPolicy()(ids, p, 2)[:, 0].tolist()
+    # expert 0's replicas are slots 0, 2, 6; rank 2 has none: token t takes replica (t + 2) % 3
+    assert got == [6, 0, 2, 6, 0, 2]
+
+
+def test_local_pairs_static_and_with_known_count():
+    from moelayers.dispatch.base import local_pairs
+
+    slots = torch.tensor([[2, -1], [0, 2], [-1, -1], [1, 0]])
+    st = local_pairs(slots, 3, static=True)
+    assert st.slot_counts.tolist() == [2, 1, 2]
+    assert st.index.tolist() == [[3, -1], [0, 4], [-1, -1], [2, 1]]
+    assert st.pair_row.tolist()[:5] == [1, 3, 3, 0, 1] and len(st.pair_row) == 8
+    known = local_pairs(slots, 3, num_pairs=5)
+    assert known.pair_row.tolist() == [1, 3, 3, 0, 1] and known.index.tolist() == st.index.tolist()
+    # slot 0 is a slot like any other (only -1 means none)
+    z = local_pairs(torch.tensor([[0], [0], [-1]]), 1)
+    assert z.slot_counts.tolist() == [2] and z.pair_row.tolist() == [0, 1] and z.index.tolist() == [[0], [1], [-1]]
+
+
+def test_raise_if_placements_differ_and_nonfinite_flags():
+    from moelayers.dispatch.base import (BAD_INPUT, FORCED_OUT_OF_RANGE, NONFINITE_LOGITS, raise_if_nonfinite,
+                                         raise_if_placements_differ)
+
+    raise_if_placements_differ([7, 7, 7])
+    with pytest.raises(ValueError, match=r"\[\[0\], \[1\]\]"):
+        raise_if_placements_differ([7, 8])
+    with pytest.raises(ValueError, match=r"\[\[0, 2\], \[1\]\]"):
+        raise_if_placements_differ([3, 9, 3])
+    raise_if_nonfinite([0, 0])
+    with pytest.raises(ValueError, match=r"NaN or inf \(on expert-parallel rank\(s\) \[1\]\)"):
+        raise_if_nonfinite([0, NONFINITE_LOGITS])
+    with pytest.raises(ValueError, match=r"outside \[0, num_experts\) on expert-parallel rank\(s\) \[0\]"):
+        raise_if_nonfinite([FORCED_OUT_OF_RANGE | NONFINITE_LOGITS, NONFINITE_LOGITS])
+    with pytest.raises(ValueError, match=r"refused the input of expert-parallel rank\(s\) \[1\]"):
+        raise_if_nonfinite([FORCED_OUT_OF_RANGE, BAD_INPUT])
+
+
+# ---------------------------------------------------------------- layers/moves (one process)
+def _moved_layer():
+    cfg = _cfg(num_experts=3, top_k=2, params_dtype=torch.float64)
+    old = ml.ExpertPlacement.from_phy2log(torch.tensor([[0, 1, 2, -1]]), 3)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), placement=old, seed=4)
+    return cfg, old, layer
+
+
+def test_single_process_move_commits_each_expert_with_its_weights_and_zeroes_emptied_slots():
+    from moelayers.layers.moves import move_expert_weights
+
+    cfg, old, layer = _moved_layer()
+    x = torch.randn(10, H, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    y0 = layer(x)
+    r, w13, w2 = layer.export_full_weights()
+    new = ml.ExpertPlacement.from_phy2log(torch.tensor([[-1, 2, 0, 1]]), 3)  # slot 0 (expert 0) is emptied
+    moves = move_expert_weights(layer, new)
+    assert moves == old.moves_to(new) and len(moves) == 3
+    assert layer.placement == new
+    for slot, e in ((1, 2), (2, 0), (3, 1)):
+        assert torch.equal(layer.experts.w13[slot], w13[e]) and torch.equal(layer.experts.w2[slot], w2[e])
+    assert torch.count_nonzero(layer.experts.w13[0]) == 0 and torch.count_nonzero(layer.experts.w2[0]) == 0
+    torch.testing.assert_close(layer(x), y0)
+
+
+def test_single_process_move_rejects_bad_placements_before_touching_weights():
+    from moelayers.layers.moves import PlacementRejected, move_expert_weights
+
+    cfg, old, layer = _moved_layer()
+    before = layer.experts.w13.detach().clone()
+    bad = [ml.ExpertPlacement.from_phy2log(torch.tensor([[0, 1, 2]]), 3),            # other slots per rank
+           ml.ExpertPlacement.from_phy2log(torch.tensor([[0, 1, 2, 3]]), 4),         # other experts
+           "not a placement"]
+    edited = ml.ExpertPlacement.from_phy2log(torch.tensor([[2, 1, 0, -1]]), 3)
+    edited.phy2log[0, 0] = 1  # edited in place: expert 2 lost, 1 twice on one rank
+    bad.append(edited)
+    for new in bad:
+        with pytest.raises(PlacementRejected):
+            move_expert_weights(layer, new)
+        assert layer.placement == old and torch.equal(layer.experts.w13, before)
+    layer(torch.randn(4, H, dtype=torch.float64)).sum().backward()
+    with pytest.raises(PlacementRejected) as info:
+        move_expert_weights(layer, ml.ExpertPlacement.from_phy2log(torch.tensor([[2, 1, 0, -1]]), 3))
+    assert "gradients" in str(info.value.__cause__) and layer.placement == old
+
+
+# ---------------------------------------------------------------- layers/semantic (one process)
+def _plan(num_experts=4, num_ranks=1, mode="tp", layers=4, vocab=16):
+    from moelayers.planning.semantic import SemanticPlan
+
+    g = torch.Generator().manual_seed(0)
+    er = torch.stack([(torch.arange(num_experts) % num_ranks)[torch.randperm(num_experts, generator=g)]
+                      for _ in range(layers)])
+    tr = torch.randint(0, num_ranks, (layers, vocab), generator=g)
+    tc = torch.rand(layers, vocab, generator=g) * 0.9 + 0.05
+    nr = torch.randint(0, num_ranks, (layers, num_ranks, num_ranks), generator=g)
+    nc = torch.rand(layers, num_ranks, num_ranks, generator=g)
+    nc[:2] = 0.0  # layers 0 and 1 have no n-gram confidence; layer 2's n-gram reads layer 0's ranks
+    return SemanticPlan(er.numpy(), tr.numpy(), tc.numpy(), nr.numpy(), nc.numpy(), num_ranks, num_experts, vocab,
+                        mode)
+
+
+def test_semantic_layer_checks_its_plan_mode_and_inputs():
+    cfg = _cfg(num_experts=4, top_k=2, params_dtype=torch.float64)
+    single = ml.ParallelGroups.single()
+    with pytest.raises(ValueError, match="the plan is for 4 experts, the layer has 6"):
+        ml.SemanticMoE(_cfg(num_experts=6), single, plan=_plan())
+    with pytest.raises(ValueError, match="mode must be one of"):
+        ml.SemanticMoE(cfg, single, mode="ep")
+    assert ml.SemanticMoE.from_plan(_plan(mode="tp"), 0, cfg, single).mode == "tp"
+    odd = _plan(mode="dp")
+    odd.mode = "ep"  # a plan-like object of another mode: the layer falls back to 'dp'
+    assert ml.SemanticMoE.from_plan(odd, 0, cfg, single).mode == "dp"
+    assert ml.SemanticMoE.from_plan(_plan(mode="dp"), 0, cfg, single).mode == "dp"
+    dp = ml.SemanticMoE(cfg, single, mode="dp")
+    x = torch.randn(5, H, dtype=torch.float64)
+    with pytest.raises(ValueError, match="mode='tp'"):
+        dp.forward_tp(x, x, lambda h: h, token_ids=None)
+    tp = ml.SemanticMoE.from_plan(_plan(), 0, cfg, single, mode="tp", predictor="alg3")
+    with pytest.raises(ValueError, match="needs token_ids"):
+        tp.forward_tp(x, x, lambda h: h, token_ids=None)
+
+
+def test_semantic_forward_tp_one_rank_matches_the_reference_and_keeps_the_context():
+    cfg = _cfg(num_experts=4, top_k=2, params_dtype=torch.float64)
+    layer = ml.SemanticMoE.from_plan(_plan(), 0, cfg, ml.ParallelGroups.single(), mode="tp", predictor="alg3", seed=3)
+    assert layer.gather_context  # layer 2's n-gram has confidence: the next layers need this layer's ranks
+    g = torch.Generator().manual_seed(5)
+    part, res = torch.randn(7, H, dtype=torch.float64, generator=g), torch.randn(7, H, dtype=torch.float64, generator=g)
+    ids = torch.randint(0, 16, (7,), generator=g)
+    with torch.no_grad():
+        out = layer.forward_tp(part, res, torch.tanh, token_ids=ids)
+    h = res + part
+    torch.testing.assert_close(out, h + reference.moe_forward(torch.tanh(h), *layer.export_full_weights(), cfg))
+    assert layer.last_context_ranks is not None and layer.last_context_ranks.tolist() == [0] * 7
+    assert layer.last_ranks.tolist() == [0] * 7
+    hist = ml.SemanticMoE.from_plan(_plan(), 1, cfg, ml.ParallelGroups.single(), mode="tp", predictor="alg3")
+    assert hist.gather_context  # layer 2 reads layer 0's ranks, layer 3's n-gram layer 1's
+    last = ml.SemanticMoE.from_plan(_plan(), 3, cfg, ml.ParallelGroups.single(), mode="tp", predictor="alg3")
+    assert not last.gather_context
+    with torch.no_grad():
+        last.forward_tp(part, res, torch.tanh, token_ids=ids)
+    assert last.last_context_ranks is None
