@@ -342,32 +342,44 @@ def _auto_replan_accumulation(rank: int, world: int, groups) -> str | None:
     return "; ".join(m for m in errors if m) or None
 
 
-def _replicas_after_plain_step(rank: int, world: int, groups) -> str | None:
-    """A plain optimizer step on layer.parameters() (router gradient summed over the ranks, as DDP
-    does): the replicas of an expert must stay equal, and the layer must compute the SGD-updated
-    reference."""
+def _replicated_layer(world: int, groups):
+    """``(cfg, placement, layer, weights, every rank's tokens)``: a float64 VanillaMoE on the
+    uneven-replica placement, loaded with :func:`_weights64`."""
     e = 4 * world
     cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=e, top_k=2, params_dtype=torch.float64)
     place = _placement("replicas", e, world)
     layer = ml.VanillaMoE(cfg, groups, placement=place)
     w64 = _weights64(e)
     layer.load_full_weights(*w64)
+    return cfg, place, layer, w64, _tokens({}, world, w64[0], 0)
+
+
+def _replicas_differ(per_slot: torch.Tensor, place, groups, what: str) -> list[str]:
+    """Errors for the experts whose replicas hold different values of ``per_slot [S, ...]`` (gathered)."""
+    every = [torch.zeros_like(per_slot) for _ in range(place.num_ranks)]
+    dist.all_gather(every, per_slot.detach().contiguous(), group=groups.ep)
+    every = torch.cat(every)  # [R * S, ...]
+    errors = []
+    for ex in range(place.num_experts):
+        copies = [every[int(s)] for s in place.log2phy[ex] if int(s) >= 0]
+        spread = max(float((c - copies[0]).abs().max()) for c in copies)
+        if spread > 1e-12:
+            errors.append(f"expert {ex}: its {len(copies)} replicas' {what} differ by {spread:.3e}")
+    return errors
+
+
+def _replicas_after_plain_step(rank: int, world: int, groups) -> str | None:
+    """A plain optimizer step on layer.parameters() (router gradient summed over the ranks, as DDP
+    does): the replicas of an expert must stay equal, and the layer must compute the SGD-updated
+    reference."""
+    cfg, place, layer, w64, xs = _replicated_layer(world, groups)
     p64 = [w.clone().requires_grad_(True) for w in w64]
-    xs = _tokens({}, world, w64[0], 0)
     (layer(xs[rank].clone()) ** 2).sum().backward()
     sum((ml.reference.moe_forward(x, *p64, cfg) ** 2).sum() for x in xs).backward()
     dist.all_reduce(layer.router.weight.grad, group=groups.ep)
     torch.optim.SGD(layer.parameters(), lr=0.5).step()
     w_new = [(w - 0.5 * p.grad).detach() for w, p in zip(w64, p64)]
-    errors = []
-    slots = [layer.experts.w13.detach().clone() for _ in range(world)]
-    dist.all_gather(slots, layer.experts.w13.detach().contiguous(), group=groups.ep)
-    every = torch.cat(slots)  # [R * S, 2F, H]
-    for ex in range(e):
-        copies = [every[int(s)] for s in place.log2phy[ex] if int(s) >= 0]
-        spread = max(float((c - copies[0]).abs().max()) for c in copies)
-        if spread > 1e-12:
-            errors.append(f"expert {ex}: its {len(copies)} replicas differ by {spread:.3e} after the step")
+    errors = _replicas_differ(layer.experts.w13, place, groups, "weights after the step")
     errors += [check_close(f"export_full_weights {n}", a, b)
                for n, a, b in zip(("router", "w13", "w2"), layer.export_full_weights(), w_new)]
     x = _tokens({}, world, w64[0], 1)[rank]
@@ -402,12 +414,7 @@ def _second_order_through_tied_replicas(rank: int, world: int, groups) -> str | 
     from moelayers.experts import gather_logical
 
     e = 4 * world
-    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=e, top_k=2, params_dtype=torch.float64)
-    place = _placement("replicas", e, world)
-    layer = ml.VanillaMoE(cfg, groups, placement=place)
-    w64 = _weights64(e)
-    layer.load_full_weights(*w64)
-    xs = _tokens({}, world, w64[0], 0)
+    cfg, place, layer, w64, xs = _replicated_layer(world, groups)
     v = torch.randn(e, H, F, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     # v on each expert's first replica only: sum over slots of <g_slot, v_slot> = sum over experts of <g_e, v_e>
     slots = place.slots_per_rank
@@ -425,14 +432,7 @@ def _second_order_through_tied_replicas(rank: int, world: int, groups) -> str | 
     (ref,) = torch.autograd.grad((r2 * v).sum(), [p64[1]])
     got, _ = gather_logical(hvp, hvp[:, :1], place, groups.ep)
     errors = [check_close("Hessian-vector product d/dw13 <d/dw2, v>", got, ref)]
-    every = [torch.zeros_like(hvp) for _ in range(world)]
-    dist.all_gather(every, hvp.detach().contiguous(), group=groups.ep)
-    every = torch.cat(every)
-    for ex in range(e):
-        copies = [every[int(s)] for s in place.log2phy[ex] if int(s) >= 0]
-        if max(float((c - copies[0]).abs().max()) for c in copies) > 1e-12:
-            errors.append(f"expert {ex}: its replicas hold different second-order gradients")
-            break
+    errors += _replicas_differ(hvp, place, groups, "second-order gradients")
     return "; ".join(m for m in errors if m) or None
 
 
