@@ -21,8 +21,11 @@ Every run reports, on the held-out part, for the configured ``mode``:
   layers before ``l`` (:func:`moelayers.planning.semantic_eval.evaluate_tp`), the other planners cut
   each batch into ``ep`` chunks in file order. ``mode=dp`` (attention-DP): a sequence is one request
   and keeps one rank for all layers; the semantic planner's request scheduler (Algorithm 2) picks it
-  from the request's token ids, requests in file order, the other planners go round robin; no rank
-  holds more than 1.3 × the mean tokens (:mod:`recipes._plan_tools`) where the held-out requests
+  from the request's token ids, requests in file order, every ``ep`` consecutive requests of a mask
+  cycle on ``ep`` different ranks (``planner.dp_schedule=greedy``, the default: each request in turn
+  takes its best unmasked rank; ``joint``: the requests of a cycle get their ranks together, the
+  largest total vote, as ``SemanticScheduler.assign_batch`` does for a batch known up front), the
+  other planners go round robin; no rank holds more than 1.3 × the mean tokens (:mod:`recipes._plan_tools`) where the held-out requests
   allow it (``max_ratio_exceeded`` in the report, and a warning, where they do not);
 * GEM's **step-latency scores** of the linear, EPLB and GEM placements (and the chosen one) on the
   same held-out steps (seconds summed over steps and layers; :func:`moelayers.planning.gem.evaluate`).
@@ -101,6 +104,7 @@ from recipes._plan_tools import DP_MAX_RATIO, MODES, commit_files, even_token_ra
 OUTPUTS = ("assignment.npz", "curves.npz", "plan.png", "plan.npz", "report.json")  # every file a run may write
 BASELINES = ("linear", "eplb", "gem")  # always planned: GEM's scores compare against them
 PLANNERS = (*BASELINES, "semantic")
+DP_SCHEDULES = ("joint", "greedy")  # planner.dp_schedule: how the request scheduler takes a mask cycle
 
 
 # ------------------------------------------------------------------------------------ inputs
@@ -124,7 +128,19 @@ def check_config(d: dict) -> tuple[str, int, str, int, float]:
         raise ValueError(f"plan.path is a semantic plan file: it needs planner=semantic, got planner={name}")
     if name == "semantic" and not path:
         semantic_settings(d["planner"])  # a bad solver setting fails here, before the trace is read
+    if name == "semantic":
+        dp_schedule(d["planner"])
     return name, ep, mode, tps, frac
+
+
+def dp_schedule(planner: dict) -> str:
+    """``planner.dp_schedule``: ``greedy`` (one by one in file order, Algorithm 2 as published: a
+    request's rank depends on the requests before it only) or ``joint`` (each mask cycle's requests
+    assigned together, for batches known up front); ``ValueError`` naming the key otherwise."""
+    value = planner.get("dp_schedule", "greedy")
+    if value not in DP_SCHEDULES:
+        raise ValueError(f"planner.dp_schedule must be one of {list(DP_SCHEDULES)}, got {value!r}")
+    return value
 
 
 def semantic_settings(planner: dict) -> dict:
@@ -256,7 +272,7 @@ def assign_tokens(plan, held_out, ep: int, mode: str, tps: int, d: dict, *, bar:
         token_rank = assign_tp(plan, held_out, tps, predictor=str(d["planner"].get("predictor", "combined")),
                                progress=bar)
     else:
-        token_rank = assign_dp(plan, held_out, max_ratio=DP_MAX_RATIO)
+        token_rank = assign_dp(plan, held_out, max_ratio=DP_MAX_RATIO, joint=dp_schedule(d["planner"]) == "joint")
     return np.asarray(token_rank, dtype=np.int64), even
 
 
@@ -348,6 +364,7 @@ def run(d: dict) -> dict:
         **gem_scores(plans, name, train_loads, test_loads, curves),
         "gem_method": str(d["planner"].get("method", "robust")) if name == "gem" else "robust",
         "plan": plan_source if name == "semantic" else None,
+        "dp_schedule": dp_schedule(d["planner"]) if name == "semantic" and mode == "dp" else None,
         "num_layers": trace.num_layers, "num_experts": trace.num_experts, "top_k": trace.top_k,
         "vocab_size": trace.vocab_size, "held_out_tokens": held_out.num_tokens,
         "held_out_sequences": held_out.num_sequences, "train_steps": int(train_loads.shape[1]),

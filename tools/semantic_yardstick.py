@@ -57,7 +57,9 @@ REGIMES: dict[str, dict] = {
     "tiny-res": dict(tiny=dict(init_std=0.05, embed_std=1.0)),  # embedding-dominated residual stream
 }
 CASES = {"tp4": ("tp", 4, {}), "tp8": ("tp", 8, {}), "dp4": ("dp", 4, {}),
-         "dp4-cap": ("dp", 4, {"mask": False})}  # dp scheduled by the 1.3 x mean cap alone (no rank mask)
+         "dp4-cap": ("dp", 4, {"mask": False}),  # dp scheduled by the 1.3 x mean cap alone (no rank mask)
+         "dp4-joint": ("dp", 4, {"joint": True}),  # each mask cycle's requests assigned together
+         "dp8-joint": ("dp", 8, {"joint": True})}
 
 
 # ------------------------------------------------------------------------------------ traces

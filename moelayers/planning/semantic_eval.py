@@ -22,9 +22,11 @@ most confident tokens and the overflow goes to ranks with room, least confident 
 
 ``evaluate_dp`` (attention-DP, Sem-MoE Algorithm 2): a sequence is one request and keeps one rank
 for all layers; requests in file order are scored by their tokens' votes (``token_conf`` on
-``token_rank``), each takes its best unmasked rank which is then masked (the mask resets when all
-ranks are taken); no rank holds more than ``max_ratio`` (1.3) × the mean tokens per rank, unless a
-request finds no rank with room left for it (it then goes to the least-loaded rank; the report's
+``token_rank``), each takes an unmasked rank which is then masked (the mask resets when all ranks
+are taken, so every cycle of ``R`` requests covers the ranks): by default each request in turn its
+best unmasked rank (as published), or with ``joint`` the requests of a cycle get their ranks
+together, the largest total vote (:func:`request_schedule`); no rank holds more than ``max_ratio``
+(1.3) × the mean tokens per rank, unless a request finds no rank with room left for it (it then goes to the least-loaded rank; the report's
 ``token_imbalance`` shows it; the schedule closes a rank to a request when the requests still to
 come would no longer pack under the cap, so this happens only where no packing exists or
 first-fit decreasing misses it).
@@ -45,13 +47,16 @@ import numpy as np
 
 from moelayers.planning.semantic import SemanticPlan, check_token_ids, majority_rank, rank_counts
 
-__all__ = ["even_token_rank", "assignment_metrics", "lar_report", "capacity_assign", "price_balance", "balanced_assign", "step_capacity", "request_schedule", "schedule_one", "lar_from_assignment",
+__all__ = ["even_token_rank", "assignment_metrics", "lar_report", "capacity_assign", "price_balance", "balanced_assign", "step_capacity", "request_schedule", "schedule_requests", "schedule_one", "best_matching", "lar_from_assignment",
            "linear_expert_rank", "tp_scores", "assign_tp", "assign_dp", "evaluate_tp", "evaluate_dp", "evaluate",
            "PREDICTORS"]
 
 PREDICTORS = ("combined", "alg3", "token")
 
 
+# request_schedule(joint=True): votes a request gives up per token per unit of (rank load / mean - 1);
+# 3 keeps the token balance of the one-by-one order (measured on synthetic and tiny-model traces, EP4/EP8)
+JOINT_BALANCE = 3.0
 PRICE_ITERS, PRICE_STEP, PRICE_DECAY = 30, 1.0, 0.85  # price_balance schedule (scores in nats)
 
 
@@ -163,39 +168,153 @@ def step_capacity(num_tokens: int, tokens_per_step: int, num_ranks: int) -> tupl
 
 
 def request_schedule(scores: np.ndarray, lengths: np.ndarray, num_ranks: int, *, max_ratio: float = 1.3,
-                     mask: bool = True, lookahead: bool = True) -> np.ndarray:
+                     mask: bool = True, lookahead: bool = True, joint: bool = False,
+                     balance: float = JOINT_BALANCE) -> np.ndarray:
     """Sem-MoE Algorithm 2: requests in order, each to its best unmasked rank, then mask it.
 
-    The mask resets once every rank is taken. A rank is closed to a request that would take it
-    above ``max_ratio * total_tokens / R`` or, with ``lookahead``, after which the requests still
-    to come would not pack under that cap; if every unmasked rank is closed the request takes the
-    best open masked rank, and if none is open (a request longer than the room anywhere) the
-    least-loaded rank.
+    The mask resets once every rank is taken, so every mask cycle (``R`` consecutive requests from
+    an empty mask) covers all ranks. With ``joint`` the requests of a cycle are given
+    their ranks together, the assignment with the largest total score (:func:`best_matching`),
+    instead of greedily in order, where the last request of a cycle takes whatever rank is left.
+    A rank is closed to a request that would take it above ``max_ratio * total_tokens / R`` or,
+    with ``lookahead``, after which the requests still to come would not pack under that cap; a
+    cycle whose best assignment breaks either falls back to the greedy order
+    (:func:`schedule_one`): if every unmasked rank is closed the request takes the best open masked
+    rank, and if none is open (a request longer than the room anywhere) the least-loaded rank.
 
     Args:
         scores: ``[S, R]`` preference of each request for each rank (ties: the lower rank).
         lengths: ``[S]`` tokens per request.
         mask: ``False``: no mask, the ``max_ratio`` cap alone balances (each request takes its best
-            open rank).
+            open rank; ``joint`` does not apply).
         lookahead: close a rank to a request when the requests still to come would no longer
             pack under the cap (first-fit decreasing, :func:`packs`). The default: the held-out
             evaluation knows every length, and the report promises no rank above the cap.
             ``False`` is exactly what the online ``SemanticScheduler`` does given
-            ``total_tokens`` (both call :func:`schedule_one`): it cannot know the lengths to come,
-            and late long requests may take a rank above the cap.
+            ``total_tokens`` (both call :func:`schedule_requests`): it cannot know the lengths to
+            come, and late long requests may take a rank above the cap.
+        joint: assign each mask cycle's requests together (a batch known up front; a request's rank
+            then depends on the later requests of its cycle too). ``False`` (default): one by one,
+            as published, each rank depending on the requests before it only.
+        balance: with ``joint``, a request's score on a rank is lowered by ``balance`` × its tokens ×
+            (the rank's tokens / the mean - 1), so that long requests lean away from loaded ranks
+            (without it, the long requests, whose votes are largest, all win the most wanted rank).
+
+    Returns:
+        ``[S]`` int64 rank per request.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    cap = max_ratio * lengths.sum() / num_ranks
+    return schedule_requests(scores, lengths, np.zeros(num_ranks, dtype=np.int64), np.zeros(num_ranks, dtype=bool),
+                             cap, mask=mask, lookahead=lookahead, joint=joint, balance=balance)
+
+
+def schedule_requests(scores: np.ndarray, lengths: np.ndarray, load: np.ndarray, masked: np.ndarray, cap: float, *,
+                      mask: bool = True, lookahead: bool = False, joint: bool = False,
+                      balance: float = JOINT_BALANCE) -> np.ndarray:
+    """Requests in order onto ranks with a running ``load [R]`` (tokens) and ``masked [R]`` (both
+    updated in place): :func:`request_schedule` from any state (the online ``SemanticScheduler``).
+
+    Args:
+        scores: ``[S, R]`` preference of each request for each rank.
+        lengths: ``[S]`` tokens per request.
+        cap: no rank above this many tokens (``np.inf``: no cap).
+        mask, lookahead, joint, balance: as in :func:`request_schedule`; ``lookahead`` looks at the
+            requests of this call only.
 
     Returns:
         ``[S]`` int64 rank per request.
     """
     sc = np.asarray(scores, dtype=np.float64)
     lengths = np.asarray(lengths, dtype=np.int64)
-    cap = max_ratio * lengths.sum() / num_ranks
-    load = np.zeros(num_ranks, dtype=np.int64)
-    masked = np.zeros(num_ranks, dtype=bool)
     out = np.empty(sc.shape[0], dtype=np.int64)
-    for s in range(sc.shape[0]):
+    s = 0
+    while s < sc.shape[0]:
+        if joint and mask:
+            k = min(int((~masked).sum()), sc.shape[0] - s)
+            rest = np.sort(lengths[s + k:])[::-1] if lookahead else None
+            ranks = _joint_cycle(sc[s:s + k], lengths[s:s + k], load, masked, cap, rest, balance)
+            if ranks is not None:
+                out[s:s + k] = ranks
+                s += k
+                continue
         rest = np.sort(lengths[s + 1:])[::-1] if lookahead else None
         out[s] = schedule_one(sc[s], int(lengths[s]), load, masked, cap, mask=mask, remaining=rest)
+        s += 1
+    return out
+
+
+def _joint_cycle(scores: np.ndarray, lengths: np.ndarray, load: np.ndarray, masked: np.ndarray, cap: float,
+                 remaining: np.ndarray | None, balance: float) -> np.ndarray | None:
+    """The ``k`` requests of ``scores [k, R]`` onto ``k`` distinct unmasked ranks, largest total
+    score less ``balance × tokens × (rank load / mean load - 1)``, each within ``cap`` (and the
+    ``remaining`` lengths still packable); commits to ``load`` and ``masked`` and returns the ranks,
+    or ``None`` (nothing changed) where no such assignment is the best one."""
+    free = np.flatnonzero(~masked)
+    fits = load[free][None, :] + lengths[:, None] <= cap
+    if not fits.any(1).all():
+        return None
+    mean = load.mean()
+    w = scores[:, free] - (balance * lengths[:, None] * (load[free][None, :] / mean - 1.0) if mean > 0 else 0.0)
+    penalty = np.abs(w).sum() + 1.0  # a closed rank loses against any open one
+    cols = best_matching(np.where(fits, w, w - penalty))
+    if not fits[np.arange(cols.size), cols].all():
+        return None
+    ranks = free[cols]
+    new_load = load + np.bincount(ranks, weights=lengths, minlength=load.size).astype(load.dtype)
+    if remaining is not None and not packs(cap - new_load.astype(np.float64), remaining):
+        return None
+    load[:] = new_load
+    masked[ranks] = True
+    if masked.all():
+        masked[:] = False
+    return ranks
+
+
+def best_matching(weights: np.ndarray) -> np.ndarray:
+    """Rows onto distinct columns with the largest total weight (the Hungarian method, O(k² n)).
+
+    Args:
+        weights: ``[k, n]`` finite, ``k <= n``.
+
+    Returns:
+        ``[k]`` int64 column of each row. Among equal totals the result is deterministic; a single
+        row takes its first best column.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    k, n = w.shape
+    if k > n:
+        raise ValueError(f"best_matching needs rows <= columns, got {k} x {n}")
+    cost = np.concatenate([np.zeros((1, n)), w.max() - w]) if k else np.zeros((1, n))  # row 0: the dummy
+    u, v = np.zeros(k + 1), np.zeros(n + 1)
+    row_of = np.zeros(n + 1, dtype=np.int64)  # column j (1-based) -> matched row (1-based), 0: free
+    way = np.zeros(n + 1, dtype=np.int64)
+    for i in range(1, k + 1):
+        row_of[0], j0 = i, 0
+        slack = np.full(n + 1, np.inf)
+        used = np.zeros(n + 1, dtype=bool)
+        while True:  # grow an alternating tree from row i until it reaches a free column
+            used[j0] = True
+            cur = cost[row_of[j0]] - u[row_of[j0]] - v[1:]
+            better = ~used[1:] & (cur < slack[1:])
+            slack[1:][better] = cur[better]
+            way[1:][better] = j0
+            cand = np.where(used[1:], np.inf, slack[1:])
+            j1 = int(np.argmin(cand)) + 1
+            delta = cand[j1 - 1]
+            u[row_of[used]] += delta
+            v[used] -= delta
+            slack[1:][~used[1:]] -= delta
+            j0 = j1
+            if row_of[j0] == 0:
+                break
+        while j0:  # flip the augmenting path
+            j1 = way[j0]
+            row_of[j0] = row_of[j1]
+            j0 = j1
+    out = np.empty(k, dtype=np.int64)
+    cols = np.flatnonzero(row_of[1:])
+    out[row_of[1:][cols] - 1] = cols
     return out
 
 
@@ -302,7 +421,7 @@ def even_token_rank(trace, num_ranks: int, mode: str, tokens_per_step: int = 204
     if mode != "dp":
         raise ValueError(f"mode must be 'tp' or 'dp', got {mode!r}")
     lengths = trace.seq_lengths
-    req = request_schedule(np.zeros((lengths.size, num_ranks)), lengths, num_ranks, max_ratio=max_ratio)
+    req = request_schedule(np.zeros((lengths.size, num_ranks)), lengths, num_ranks, max_ratio=max_ratio, joint=False)
     return np.repeat(req, lengths).astype(np.int64)
 
 
@@ -450,7 +569,8 @@ def evaluate_tp(plan: SemanticPlan, heldout_trace, tokens_per_step: int = 2048, 
     return report, out
 
 
-def assign_dp(plan: SemanticPlan, heldout_trace, *, max_ratio: float = 1.3, mask: bool = True) -> np.ndarray:
+def assign_dp(plan: SemanticPlan, heldout_trace, *, max_ratio: float = 1.3, mask: bool = True,
+              joint: bool = False) -> np.ndarray:
     """Attention-DP token ranks of :func:`evaluate_dp`, without the metrics: ``token_rank [T, L]`` int64."""
     ids = _check(plan, heldout_trace)
     r = plan.num_ranks
@@ -458,11 +578,12 @@ def assign_dp(plan: SemanticPlan, heldout_trace, *, max_ratio: float = 1.3, mask
     seq = np.repeat(np.arange(lengths.size), lengths)
     votes = np.bincount(seq * r + plan.token_rank[0][ids], weights=plan.token_conf[0][ids].astype(np.float64),
                         minlength=lengths.size * r).reshape(-1, r)
-    req = request_schedule(votes, lengths, r, max_ratio=max_ratio, mask=mask)
+    req = request_schedule(votes, lengths, r, max_ratio=max_ratio, mask=mask, joint=joint)
     return np.repeat(req[seq][:, None], heldout_trace.num_layers, axis=1)
 
 
-def evaluate_dp(plan: SemanticPlan, heldout_trace, *, max_ratio: float = 1.3, mask: bool = True) -> tuple[dict, np.ndarray]:
+def evaluate_dp(plan: SemanticPlan, heldout_trace, *, max_ratio: float = 1.3, mask: bool = True,
+                joint: bool = False) -> tuple[dict, np.ndarray]:
     """Held-out evaluation in attention-DP mode (Algorithm 2, see the module docstring).
 
     Votes use the plan's layer-0 ``token_rank`` / ``token_conf`` rows (identical over layers in a
@@ -470,17 +591,19 @@ def evaluate_dp(plan: SemanticPlan, heldout_trace, *, max_ratio: float = 1.3, ma
     ``recipes/serve.py``, which splits a sequence into a prompt and teacher-forced output, votes
     on the prompt alone). The ``max_ratio`` cap applies to the final tokens per rank: a rank is closed to a
     request that would take it above ``max_ratio * T / R``. ``mask=False`` schedules by the cap
-    alone (see :func:`request_schedule`; not what the online scheduler does today).
+    alone (see :func:`request_schedule`; not what the online scheduler does today). ``joint``: each
+    mask cycle's requests are assigned together (``SemanticScheduler.assign_batch``); ``False``
+    (default): one by one (``SemanticScheduler.assign``).
 
     Returns:
         ``(report, token_rank [T, L] int64)``, each token's rank the rank of its request.
     """
-    tr = assign_dp(plan, heldout_trace, max_ratio=max_ratio, mask=mask)
+    tr = assign_dp(plan, heldout_trace, max_ratio=max_ratio, mask=mask, joint=joint)
     r = plan.num_ranks
     linear_tr = even_token_rank(heldout_trace, r, "dp", max_ratio=max_ratio)
     report = {"mode": "dp", "ep": r, "num_tokens": int(heldout_trace.num_tokens),
               "num_layers": heldout_trace.num_layers, **lar_report(heldout_trace, plan.expert_rank, tr, linear_tr, r),
-              "max_ratio": float(max_ratio), "mask": bool(mask)}
+              "max_ratio": float(max_ratio), "mask": bool(mask), "joint": bool(mask and joint)}
     return report, tr
 
 

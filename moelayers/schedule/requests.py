@@ -9,24 +9,34 @@ number of requests per rank balanced::
     rank      = argmax of score over the ranks not yet masked (ties: lowest rank)
     mask[rank] = True; all ranks masked -> clear the mask
 
-so every ``R`` consecutive requests go to ``R`` different ranks (affinity with balanced load).
+so every mask cycle (``R`` consecutive requests from an empty mask) goes to ``R`` different ranks
+(affinity with balanced load). :meth:`SemanticScheduler.assign` takes one request at a time, in the
+paper's order; :meth:`SemanticScheduler.assign_batch` takes a batch of requests known together (a
+batch of rollout prompts) and gives the requests of each mask cycle their ranks jointly, the
+assignment with the largest total vote (less a token-balance term;
+``moelayers.planning.semantic_eval.request_schedule(joint=True)``), so that the last request of a
+cycle is not left with whatever rank its predecessors did not want (about +0.014 local activation
+rate at EP4 on held-out synthetic traces, docs/planning.md).
+
 Given the tokens it will schedule in all (``total_tokens``), it also closes a rank to a request that
 would take it above ``max_ratio`` times the mean (1.3), as the held-out evaluation of
-``recipes/plan.py mode=dp`` does (both run ``moelayers.planning.semantic_eval.schedule_one``), with
-one difference: the evaluation knows the lengths still to come and keeps room for the longest
+``recipes/plan.py mode=dp`` does (both run ``moelayers.planning.semantic_eval.schedule_requests``),
+with one difference: the evaluation knows the lengths still to come and keeps room for them
 (``request_schedule(lookahead=True)``); online they are unknown, so a long late request can take a
-rank above the cap. ``request_schedule(..., lookahead=False)`` is this scheduler exactly.
-Both schedulers share one interface: ``assign(token_ids) -> rank``.
+rank above the cap. ``request_schedule(..., lookahead=False)`` is a sequence of ``assign`` calls
+exactly, and with ``joint=True`` ``assign_batch`` on all the requests at once.
+Both schedulers share one interface: ``assign(token_ids) -> rank`` and ``assign_batch(requests) -> ranks``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from moelayers.planning.semantic_eval import schedule_one
+from moelayers.planning.semantic_eval import schedule_requests
 
 
 class RequestScheduler(Protocol):
@@ -36,6 +46,9 @@ class RequestScheduler(Protocol):
 
     def assign(self, token_ids: Any) -> int:
         """The rank for a request with these (prompt) token ids."""
+
+    def assign_batch(self, requests: Sequence[Any]) -> list[int]:
+        """The ranks for requests arriving together, in order."""
 
 
 def _token_array(token_ids: Any) -> np.ndarray:
@@ -68,6 +81,10 @@ class RoundRobinScheduler:
         r = self._next
         self._next = (r + 1) % self.num_ranks
         return r
+
+    def assign_batch(self, requests: Sequence[Any]) -> list[int]:
+        """The next ``len(requests)`` ranks in turn."""
+        return [self.assign() for _ in requests]
 
     def reset(self) -> None:
         self._next = 0
@@ -149,9 +166,29 @@ class SemanticScheduler:
         full mask). ``num_tokens``: the request's tokens for the cap (default: ``len(token_ids)``)."""
         ids = _token_array(token_ids)
         n = ids.size if num_tokens is None else int(num_tokens)
-        rank = schedule_one(self.scores(ids), n, self.token_loads, self.mask, self.cap)  # ties: lowest rank
-        self.loads[rank] += 1
-        return rank
+        return self._schedule(self.scores(ids)[None], np.array([n]), joint=False)[0]  # ties: lowest rank
+
+    def assign_batch(self, requests: Sequence[Any], *, joint: bool = True) -> list[int]:
+        """Ranks for requests known together (e.g. a batch of rollout prompts), in order.
+
+        Args:
+            requests: each request's (prompt) token ids.
+            joint: the requests of each mask cycle get their ranks together, the largest total vote
+                (see the module docstring); ``False``: the same as :meth:`assign` on each in turn.
+
+        Returns:
+            The rank of each request.
+        """
+        ids = [_token_array(q) for q in requests]
+        if not ids:
+            return []
+        scores = np.stack([self.scores(q) for q in ids])  # every id checked before anything is assigned
+        return self._schedule(scores, np.array([q.size for q in ids], dtype=np.int64), joint=joint)
+
+    def _schedule(self, scores: np.ndarray, lengths: np.ndarray, *, joint: bool) -> list[int]:
+        ranks = schedule_requests(scores, lengths, self.token_loads, self.mask, self.cap, joint=joint)
+        self.loads += np.bincount(ranks, minlength=self.num_ranks)
+        return [int(r) for r in ranks]
 
     def reset(self) -> None:
         """Forget the mask and the loads."""

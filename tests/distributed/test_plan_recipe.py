@@ -212,7 +212,31 @@ def test_semantic_report_and_assignment(semantic_runs, trace_file, mode):
         assert report["token_imbalance"] == pytest.approx(1.0, abs=4 / arrays["token_rank"].shape[0])
     else:
         check_dp_requests(arrays["token_rank"], arrays["seq_offsets"], 4)
+        assert report["dp_schedule"] == "greedy"
     assert report["max_ratio_exceeded"] is False
+
+
+def test_semantic_dp_schedule_joint(semantic_runs, trace_file, tmp_path):
+    """planner.dp_schedule=joint gives each mask cycle of held-out requests its ranks together
+    (``assign_dp(joint=True)``) from the run's plan file: every cycle still covers the ranks, and the
+    schedule differs from the default one by one (Algorithm 2 as published, ``assign_dp``)."""
+    from moelayers.planning.semantic import SemanticPlan
+    from moelayers.planning.semantic_eval import assign_dp
+    from moelayers.trace import load_trace
+
+    run_dir, default, default_arrays = semantic_runs["dp"]
+    report, arrays = run_plan(tmp_path / "run", trace_file, "planner=semantic", "parallel.ep=4", "mode=dp",
+                              f"plan.path={run_dir / 'plan.npz'}", "planner.dp_schedule=joint")
+    assert report["dp_schedule"] == "joint"
+    req = check_dp_requests(arrays["token_rank"], arrays["seq_offsets"], 4)
+    # every mask cycle covers the ranks (here the 1.3x cap never sends a cycle back to one by one)
+    assert all(sorted(req[s:s + 4]) == [0, 1, 2, 3] for s in range(0, req.size - req.size % 4, 4))
+    held = load_trace(trace_file).split(0.5)[1]
+    plan = SemanticPlan.load(run_dir / "plan.npz")
+    np.testing.assert_array_equal(arrays["token_rank"], assign_dp(plan, held, joint=True))
+    np.testing.assert_array_equal(default_arrays["token_rank"], assign_dp(plan, held))
+    assert (arrays["token_rank"] != default_arrays["token_rank"]).any()
+    check_lar(report, arrays, trace_file)
 
 
 @pytest.mark.parametrize("mode", ["tp", "dp"])
@@ -468,6 +492,7 @@ def test_config_errors(trace_file, tmp_path):
     ("planner.sample=0", r"planner\.sample must be an integer >= 1.*got 0"),
     ("planner.history=-1", r"planner\.history must be an integer >= 0.*got -1"),
     ("planner.rho=0", r"planner\.rho must be a number in \(0, 1\].*got 0"),
+    ("planner.dp_schedule=best", r"planner\.dp_schedule must be one of \['joint', 'greedy'\], got 'best'"),
 ])
 def test_bad_semantic_settings_fail_before_planning(trace_file, tmp_path, monkeypatch, override, match):
     """A bad solver setting is refused by the config check, naming its key, before the trace is read."""

@@ -623,3 +623,58 @@ def test_sparse_rows_products_equal_the_dense_ones():
     w, g = rng.standard_normal((12, 4)), rng.standard_normal((50, 4))
     np.testing.assert_allclose(_SparseRows(dense) @ w, dense @ w, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(_SparseRows(dense).rmatmul_t(g), dense.T @ g, rtol=1e-6, atol=1e-6)
+
+
+def test_best_matching_is_the_best_assignment():
+    """Against every assignment of rows to distinct columns (ties, negative weights, fewer rows than columns)."""
+    import itertools
+
+    from moelayers.planning.semantic_eval import best_matching
+
+    rng = np.random.default_rng(0)
+    for case in range(400):
+        n = int(rng.integers(1, 7))
+        k = int(rng.integers(0, n + 1))
+        w = rng.integers(-2, 3, (k, n)).astype(float) if case % 2 else rng.normal(size=(k, n))
+        got = best_matching(w)
+        assert got.shape == (k,) and len(set(got.tolist())) == k and ((0 <= got) & (got < n)).all()
+        best = max(sum(w[i, p[i]] for i in range(k)) for p in itertools.permutations(range(n), k))
+        assert w[np.arange(k), got].sum() == pytest.approx(best, abs=1e-9), (w, got)
+    assert best_matching(np.array([[1.0, 3.0, 3.0]])).tolist() == [1]  # one row: its first best column
+    with pytest.raises(ValueError, match="rows <= columns"):
+        best_matching(np.zeros((3, 2)))
+
+
+def test_joint_schedule_covers_every_cycle_and_beats_one_by_one_within_it():
+    """From an empty mask every cycle of R requests takes R distinct ranks, within the 1.3x cap; with
+    no balance term each cycle's total vote is the best over all orders of its ranks, and from the same
+    state never below the one-by-one choice."""
+    import itertools
+
+    from moelayers.planning.semantic_eval import schedule_requests
+
+    rng = np.random.default_rng(1)
+    for r in (2, 3, 4):
+        scores, lengths = rng.random((12 * r, r)) * 10, rng.integers(1, 20, 12 * r)
+        got = request_schedule(scores, lengths, r, joint=True)
+        assert all(sorted(got[s:s + r]) == list(range(r)) for s in range(0, got.size, r))
+        tokens = np.bincount(got, weights=lengths, minlength=r)
+        assert tokens.max() <= 1.3 * lengths.sum() / r
+        for s in range(0, scores.shape[0], r):
+            cyc = scores[s:s + r]
+            joint = schedule_requests(cyc, lengths[s:s + r], np.zeros(r, np.int64), np.zeros(r, bool), np.inf,
+                                      joint=True, balance=0.0)
+            greedy = schedule_requests(cyc, lengths[s:s + r], np.zeros(r, np.int64), np.zeros(r, bool), np.inf)
+            best = max(cyc[np.arange(r), list(p)].sum() for p in itertools.permutations(range(r)))
+            assert cyc[np.arange(r), joint].sum() == pytest.approx(best)
+            assert cyc[np.arange(r), joint].sum() >= cyc[np.arange(r), greedy].sum() - 1e-12
+
+
+def test_joint_schedule_balance_keeps_long_requests_apart():
+    """Every request prefers rank 0, the long ones most: without the balance term the long requests
+    all win rank 0; with it the tokens stay near even."""
+    lengths = np.tile([40, 1], 30)
+    scores = np.stack([lengths * 0.5, np.zeros(60)], 1)
+    skewed = np.bincount(request_schedule(scores, lengths, 2, joint=True, balance=0.0, max_ratio=10.0), weights=lengths)
+    even = np.bincount(request_schedule(scores, lengths, 2, joint=True, max_ratio=10.0), weights=lengths)
+    assert skewed.tolist() == [1200, 30] and even.max() / even.mean() < 1.1

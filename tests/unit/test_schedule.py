@@ -82,6 +82,8 @@ def test_semantic_scheduler_token_cap_is_the_evaluations():
         online = SemanticScheduler(plan, total_tokens=int(lengths.sum()))
         scores = np.stack([online.scores(q) for q in reqs])
         assert [online.assign(q) for q in reqs] == request_schedule(scores, lengths, r, lookahead=False).tolist()
+        batch = SemanticScheduler(plan, total_tokens=int(lengths.sum()))
+        assert batch.assign_batch(reqs) == request_schedule(scores, lengths, r, lookahead=False, joint=True).tolist()
     for _ in range(100):  # heavy-tailed lengths, where a look-ahead would change the schedule
         plan = _plan_for_requests(num_ranks=3)
         reqs = [rng.integers(0, 12, size=int(rng.choice([3, 5, 40, 120]))) for _ in range(12)]
@@ -89,10 +91,38 @@ def test_semantic_scheduler_token_cap_is_the_evaluations():
         online = SemanticScheduler(plan, total_tokens=int(lengths.sum()))
         scores = np.stack([online.scores(q) for q in reqs])
         assert [online.assign(q) for q in reqs] == request_schedule(scores, lengths, 3, lookahead=False).tolist()
+        batch = SemanticScheduler(plan, total_tokens=int(lengths.sum()))
+        assert batch.assign_batch(reqs) == request_schedule(scores, lengths, 3, lookahead=False, joint=True).tolist()
     with pytest.raises(ValueError, match="total_tokens"):
         SemanticScheduler(plan, total_tokens=-1)
     with pytest.raises(ValueError, match="max_ratio"):
         SemanticScheduler(plan, total_tokens=10, max_ratio=0.5)
+
+
+def test_assign_batch_gives_a_mask_cycle_the_best_total_vote():
+    """A cycle of requests is assigned jointly: the one that cares most gets the contested rank, the
+    one that cares less its second choice (one by one, the first request would take the rank that
+    the second needs)."""
+    plan = _plan_for_requests(num_ranks=2)
+    reqs = [[0, 2, 1], [0, 2, 4]]  # votes [2, 1] and [3, 0]: one by one 0 then 1 (total 2), jointly 1, 0 (total 4)
+    assert [SemanticScheduler(plan).assign(q) for q in reqs] == [0, 0]  # a fresh scheduler each: both want 0
+    one_by_one = SemanticScheduler(plan)
+    assert [one_by_one.assign(q) for q in reqs] == [0, 1]
+    joint = SemanticScheduler(plan)
+    assert joint.assign_batch(reqs) == [1, 0]
+    assert joint.loads.tolist() == [1, 1] and joint.token_loads.tolist() == [3, 3] and not joint.mask.any()
+    assert joint.assign_batch(reqs, joint=False) == [0, 1]  # the same as assign in turn
+    assert joint.assign_batch([]) == []
+    # a batch that starts mid-cycle fills the unmasked ranks first: rank 0 is masked, so [0, 2, 4] takes 1
+    mid = SemanticScheduler(plan)
+    assert mid.assign([0]) == 0 and mid.assign_batch([[0, 2, 4], [0, 2, 1]]) == [1, 0]
+    # a bad id anywhere in the batch: an error before anything is assigned
+    bad = SemanticScheduler(plan)
+    with pytest.raises(ValueError, match="outside the plan's vocabulary"):
+        bad.assign_batch([[0, 1], [99]])
+    assert bad.loads.sum() == 0 and bad.token_loads.sum() == 0 and not bad.mask.any()
+    rr = RoundRobinScheduler(3)
+    assert rr.assign_batch([[1], [2], [3], [4]]) == [0, 1, 2, 0]
 
 
 def test_semantic_scheduler_token_ids_outside_the_plans_vocabulary():
