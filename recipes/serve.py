@@ -273,7 +273,7 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
     if bar is not None:
         bar.update(len(requests) - bar.n)
         bar.close()
-    res = _gather_results(cfg, rank, world, groups.ep_size, requests, mine, acc, load_rows, steps, out_tokens,
+    res = _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, steps, out_tokens,
                           prompt_tokens, elapsed, mcfg, notes, device)
     if res is not None:
         res["replans"] = replans
@@ -309,7 +309,7 @@ def compare_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
 
 
 
-def _gather_results(cfg, rank, world, ep_size, requests, mine, acc, load_rows, steps, out_tokens, prompt_tokens,
+def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, steps, out_tokens, prompt_tokens,
                     elapsed, mcfg, notes, device) -> dict | None:
     """Reduce the counters over ranks; rank 0 builds the results dict.
 
@@ -320,6 +320,7 @@ def _gather_results(cfg, rank, world, ep_size, requests, mine, acc, load_rows, s
     from moelayers.metrics import MoEStats, imbalance
 
     world_group = dist.group.WORLD if world > 1 else None
+    ep_size = groups.ep_size
     if acc is None:  # no step ran anywhere (no requests)
         acc = MoEStats(0, [0] * ep_size, [0] * ep_size, [0] * ep_size, 1, 0)
     remote_rows = sum(acc.rows_sent) - acc.rows_sent[acc.rank]  # rows this rank sent to other ranks
@@ -328,9 +329,20 @@ def _gather_results(cfg, rank, world, ep_size, requests, mine, acc, load_rows, s
     loads = (torch.tensor(load_rows, dtype=torch.int64) if load_rows
              else torch.zeros(0, num_layers, ep_size, dtype=torch.int64))  # [steps, L, R]
     loads = loads.to(device)
+    # the rows each rank of this rank's expert-parallel group computed ([steps, L, R]), gathered from
+    # every rank of the world with its EP rank: the emulated time of one group is not that of the sum
+    group_loads = loads.clone()
+    if ep_size > 1:
+        dist.all_reduce(group_loads, group=groups.ep)
+    ep_ranks = [groups.ep_rank]
     counts = torch.tensor([out_tokens, prompt_tokens, remote_rows], dtype=torch.int64, device=device)
     t_end = torch.tensor([elapsed], dtype=torch.float64, device=device)
     if world > 1:
+        every = [torch.empty_like(group_loads) for _ in range(world)]
+        dist.all_gather(every, group_loads)
+        group_loads = torch.stack(every)
+        ep_ranks = [None] * world
+        dist.all_gather_object(ep_ranks, groups.ep_rank)
         dist.all_reduce(loads)
         dist.all_reduce(counts)
         dist.all_reduce(t_end, op=dist.ReduceOp.MAX)
@@ -377,7 +389,7 @@ def _gather_results(cfg, rank, world, ep_size, requests, mine, acc, load_rows, s
         "steps": steps, "elapsed_s": elapsed, "seed": cfg["seed"], "requests_digest": requests_digest(requests),
         "model": mcfg, "notes": notes, "config": echo,
         "requests": reqs, "rank_load_per_step": loads.tolist(),
-        **emulated_expert_time(cfg, layer_loads),
+        **emulated_expert_time(cfg, group_loads.cpu().reshape(-1, *layer_loads.shape), ep_ranks),
     }
 
 
@@ -405,21 +417,32 @@ def latency_summary(reqs: list[dict]) -> dict:
             "truncated": finished < len(reqs)}
 
 
-def emulated_expert_time(cfg: dict, layer_loads: torch.Tensor) -> dict:
-    """In ``emulation.mode=curve``, the expert time the emulation imposed, from the recorded loads
-    ``[steps, L, R]``: each (step, layer) costs ``time_scale * max_r C_r(rows_r)`` (the slowest rank
-    holds the others in the combine all-to-all). ``emulated_expert_s`` is the sum over steps and layers
-    (the critical path of step 4, GEM's objective as served), ``emulated_expert_rank_s [R]`` each
-    rank's own padded time. Empty for other modes."""
+def emulated_expert_time(cfg: dict, group_loads: torch.Tensor, ep_ranks: list[int]) -> dict:
+    """In ``emulation.mode=curve``, the expert time the emulation imposed, from the recorded loads.
+
+    Each (step, layer) costs an expert-parallel group ``time_scale * max_r C_r(rows_r)`` over its
+    ranks (the slowest holds the others in the combine all-to-all); a step of the world lasts as long
+    as its slowest group (the ranks agree on every step). ``emulated_expert_s`` is the sum over steps
+    of that maximum (the critical path of step 4, GEM's objective as served; with one group, the sum
+    over steps and layers of the slowest rank), ``emulated_expert_rank_s [W]`` each rank's own padded
+    time, in world rank order. Empty for other modes.
+
+    Args:
+        cfg: the run's config (``emulation``, ``variability``, ``curves``).
+        group_loads: ``[W, steps, L, R]`` the rows of every rank of each world rank's EP group.
+        ep_ranks: ``[W]`` each world rank's rank in its EP group (its curve).
+    """
     from moelayers.emulation import VariabilitySettings
 
     var = VariabilitySettings.from_config(cfg)
-    if var.mode != "curve" or layer_loads.numel() == 0:
+    if var.mode != "curve" or group_loads.numel() == 0:
         return {}
-    curves = var.curves(int(layer_loads.shape[-1]))
-    per_rank = var.time_scale * np.asarray(curves(layer_loads.to(torch.float64).numpy()), dtype=np.float64)
-    return {"emulated_expert_s": float(per_rank.max(-1).sum()),
-            "emulated_expert_rank_s": per_rank.sum((0, 1)).tolist()}
+    curves = var.curves(int(group_loads.shape[-1]))
+    per_rank = var.time_scale * np.asarray(curves(group_loads.to(torch.float64).numpy()), dtype=np.float64)
+    group_step = per_rank.max(-1).sum(-1)  # [W, steps]: a world rank's group, step by step
+    own = per_rank[np.arange(len(ep_ranks)), ..., np.asarray(ep_ranks)]  # [W, steps, L]
+    return {"emulated_expert_s": float(group_step.max(0).sum()),
+            "emulated_expert_rank_s": own.sum((1, 2)).tolist()}
 
 
 # ---------------------------------------------------------------------- output

@@ -485,3 +485,48 @@ def test_warm_up_records_nothing_and_replans_nothing():
         warm_up(model, torch.device("cpu"))
         assert [(m.num_replans, m.steps, m.record_loads) for m in model.moe_layers] == [(0, 0, True)] * 2
         assert [m.placement for m in model.moe_layers] == before
+
+
+def _emulation_probe_worker(rank, world, cfg):
+    """serve_worker with the curve emulation's imposed times recorded from the first served step on."""
+    import moelayers.emulation as emulation
+    import recipes.serve as serve
+
+    imposed, curve_latency, warm_up = [], emulation.curve_latency, serve.warm_up
+
+    def probe(curves, r, n, rows):
+        out = curve_latency(curves, r, n, rows)
+        imposed.append(out)
+        return out
+
+    def warm_then_forget(*args):
+        warm_up(*args)
+        imposed.clear()
+
+    emulation.curve_latency, serve.warm_up = probe, warm_then_forget
+    try:
+        res = serve.serve_worker(rank, world, cfg)
+    finally:
+        emulation.curve_latency, serve.warm_up = curve_latency, warm_up
+    return res, imposed
+
+
+@pytest.mark.timeout(240)
+def test_emulated_expert_time_with_several_expert_parallel_groups(tmp_path):
+    """world 4, parallel.ep=2: each EP group's rows are costed on their own (not the sum of the two
+    groups' rows through a tiled curve), emulated_expert_s is the critical path the hooks imposed
+    (every step as long as its slowest rank, layer by layer) and emulated_expert_rank_s each world
+    rank's own imposed time."""
+    from recipes._common import LAYER_FLAGS, normalize_flags
+
+    d = _config("parallel=cpu4", "parallel.ep=2", "layer=variability", "variability=high", "emulation.mode=curve",
+                "emulation.time_scale=1", "router=replay", "workload.num_requests=12", "trace.seq_len=[150,300]",
+                "layer.kwargs.auto_replan=false", "progress=false", "model.num_layers=1")
+    normalize_flags(d, ("progress", "plot", "trace.synthetic", *LAYER_FLAGS, "layer.kwargs.auto_replan"))
+    d["run_dir"] = str(tmp_path)
+    out = run_distributed(_emulation_probe_worker, 4, d, timeout=200)
+    res = out[0][0]
+    imposed = np.array([times for _, times in out])  # [W, steps] (one MoE layer)
+    assert imposed.shape == (4, res["steps"])
+    np.testing.assert_allclose(res["emulated_expert_rank_s"], imposed.sum(1), rtol=1e-9)
+    assert res["emulated_expert_s"] == pytest.approx(imposed.max(0).sum(), rel=1e-9)
