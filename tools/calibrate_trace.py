@@ -277,7 +277,7 @@ def _fmt(value) -> str:
 
 
 def constant_lines(real: dict[str, Stats], knobs: dict | None) -> list[str]:
-    """The constants block of ``moelayers/trace_synthetic.py``, as printed by ``--constants``."""
+    """The constants block of ``moelayers/trace_synthetic.py``, as `main` prints it (at the end of every run)."""
     o, m = real["olmoe"], real["mixtral"]
     lines = [f"TARGET_{name.upper()} = {_fmt(getattr(o, key))}" for name, key in (
         ("zipf_exponent", "zipf_exponent"), ("top_token_share", "top_token_share"),

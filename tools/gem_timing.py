@@ -38,8 +38,10 @@ def time_model(method: str, sequences: int, num_ranks: int = 8) -> tuple[float, 
 
 def time_layer(method: str, num_experts: int = 256, num_ranks: int = 8, steps: int = 16) -> float:
     """Seconds to plan one layer of ``num_experts`` from a ``steps``-step window."""
-    trace = synthetic_trace(24, 1, num_experts, 8, 32000, seed=0, expert_skew=0.5)
+    trace = synthetic_trace(2 * steps + 8, 1, num_experts, 8, 32000, seed=0, expert_skew=0.5)
     loads = trace_step_loads(trace, 2048)[0][:steps]
+    if loads.shape[0] != steps:  # a window of fewer steps would be timed under this one's name
+        raise RuntimeError(f"the synthetic trace has only {loads.shape[0]} full steps, {steps} asked")
     curves = LatencyCurves.preset("high", num_ranks)
     t0 = time.perf_counter()
     plan_gem(loads, curves, method=method)

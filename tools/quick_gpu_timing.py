@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 import moelayers as ml
 
+SHAPES = {"qwen3": (2048, 768, 128, 8), "deepseek": (2048, 1408, 64, 6)}  # hidden, ffn, experts, top-k
+
 
 def _host_overheads(rank):
     """Per-op host costs on this machine: tiny elementwise op, tiny all-to-all, device sync."""
@@ -63,16 +65,17 @@ def _stage_times(layer, x, rank):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--stages", action="store_true")
-    ap.add_argument("--tokens", type=int, nargs="+", default=[256, 4096])
-    ap.add_argument("--shape", default="qwen3")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", action="store_true", help="print a torch.profiler table")
+    ap.add_argument("--stages", action="store_true", help="time the forward's stages")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[256, 4096], help="tokens per rank")
+    ap.add_argument("--shape", default="qwen3", choices=list(SHAPES),
+                    help="qwen3: Qwen3-30B-A3B's MoE layer; deepseek: DeepSeek-V2-Lite's")
     args = ap.parse_args()
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    h, f, e, k = (2048, 768, 128, 8) if args.shape == "qwen3" else (2048, 1408, 64, 6)
+    h, f, e, k = SHAPES[args.shape]
     cfg = ml.MoEConfig(hidden_size=h, ffn_hidden_size=f, num_experts=e, top_k=k, params_dtype=torch.bfloat16)
     groups = ml.ParallelGroups.from_world()
     _host_overheads(rank)
