@@ -2,7 +2,8 @@
 """Offline expert placement from a routing trace, evaluated on held-out sequences (DESIGN.md §6).
 
 The trace's first ``floor(trace.train_fraction * S)`` sequences train the planner, the rest are
-held out. ``planner=linear|eplb|gem|semantic`` plans every layer on the train part:
+held out (:func:`moelayers.trace.train_sequences`: the floor forgives float rounding, so
+``0.29 * 100`` trains 29). ``planner=linear|eplb|gem|semantic`` plans every layer on the train part:
 
 * ``linear``: experts ``r*E/R .. (r+1)*E/R - 1`` on rank ``r``;
 * ``eplb``: DeepSeek's EPLB balanced packing by mean load (:mod:`moelayers.planning.eplb`, no replicas);
@@ -25,7 +26,8 @@ Every run reports, on the held-out part, for the configured ``mode``:
   cycle on ``ep`` different ranks (``planner.dp_schedule=greedy``, the default: each request in turn
   takes its best unmasked rank; ``joint``: the requests of a cycle get their ranks together, the
   largest total vote, as ``SemanticScheduler.assign_batch`` does for a batch known up front), the
-  other planners go round robin; no rank holds more than 1.3 × the mean tokens (:mod:`recipes._plan_tools`) where the held-out requests
+  other planners go round robin (a rank the 1.3× cap closes to a request is skipped: the schedule
+  of no votes); no rank holds more than 1.3 × the mean tokens (:mod:`recipes._plan_tools`) where the held-out requests
   allow it (``max_ratio_exceeded`` in the report, and a warning, where they do not);
 * GEM's **step-latency scores** of the linear, EPLB and GEM placements (and the chosen one) on the
   same held-out steps (seconds summed over steps and layers; :func:`moelayers.planning.gem.evaluate`).

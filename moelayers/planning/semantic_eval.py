@@ -33,7 +33,7 @@ first-fit decreasing misses it).
 
 Report keys: ``lar`` (local activation rate: share of (token, layer, k) activations whose expert
 lives on the token's rank at that layer), ``lar_linear`` (linear placement; tp: tokens in file
-order chunks, dp: requests round robin), ``lar_per_layer``, ``token_imbalance`` (max / mean
+order chunks, dp: requests round robin, skipping a rank the cap closes), ``lar_per_layer``, ``token_imbalance`` (max / mean
 tokens per rank; in tp mode 1.0 up to the last, partial batch, whose counts differ by at most one), ``expert_imbalance`` (max / mean activations received per rank, mean over
 layers; ``expert_imbalance_max`` over layers), ``a2a_bytes_ratio`` (tokens sent to remote ranks,
 de-duplicated — a token goes once to each remote rank holding any of its experts — relative to
@@ -407,7 +407,9 @@ def even_token_rank(trace, num_ranks: int, mode: str, tokens_per_step: int = 204
         num_ranks: ``R``.
         mode: ``'tp'`` (each batch of ``tokens_per_step`` cut into ``R`` chunks in file order, the last
             partial batch's chunks differing by at most one) or ``'dp'`` (requests round robin in file
-            order, at most ``max_ratio`` × the mean tokens per rank).
+            order, at most ``max_ratio`` × the mean tokens per rank: :func:`request_schedule` with no
+            votes, so a rank that the cap, with its look-ahead, closes to a request is skipped; where
+            no schedule keeps the cap, the least-loaded rank).
         tokens_per_step: batch size (tp; divisible by ``R``).
 
     Returns:
