@@ -50,6 +50,8 @@ def _check_int_scalar(value: Any, source: str, field: str) -> int:
         raise _fail(source, field, f"must be an integer, got dtype {arr.dtype}", TypeError)
     if int(arr) < 1:
         raise _fail(source, field, f"must be >= 1, got {int(arr)}")
+    if int(arr) > np.iinfo(np.int64).max:  # e.g. a uint64 scalar: to_arrays / save_trace store it as int64
+        raise _fail(source, field, f"must be <= {np.iinfo(np.int64).max} (stored as int64), got {int(arr)}")
     return int(arr)
 
 

@@ -89,6 +89,8 @@ LOGIT_TAIL = 3.0  # token/cluster logits ~ Exp(1) ** 3: a few strongly preferred
 CONTEXT_TAIL = 1.0  # topic/sequence logits ~ Exp(1) (chosen, not fitted)
 
 MAX_EXPERTS = 4096  # the sampler packs expert ids into the low 12 bits of float32 keys
+MAX_VOCAB_SIZE = 2**31  # the token sampler shuffles the whole vocabulary (8 bytes and one draw per id)
+MAX_SCALE = 1e30  # scales and expert_skew above this could overflow the float32 scores (max ~3.4e38)
 FREQUENT_MIN_COUNT = 100  # "frequent token": seen at least this often
 ZIPF_FIT_MIN_COUNT = 5  # the Zipf fit uses tokens seen at least this often
 REFERENCE_DEPTHS = (0, 7, 15)  # layers of the 16-layer OLMoE the targets were measured at
@@ -312,14 +314,40 @@ def _carry_context(rng: np.random.Generator, context: np.ndarray | None, carry: 
     return context
 
 
-def _sequence_lengths(rng: np.random.Generator, num_sequences: int, seq_len: int | tuple[int, int]) -> np.ndarray:
-    if isinstance(seq_len, (int, np.integer)):
-        lo = hi = int(seq_len)
+def _is_int(value: object) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _seq_len_bounds(seq_len: int | tuple[int, int]) -> tuple[int, int]:
+    """``(lo, hi)`` of ``seq_len``: an int ``n`` is ``(n, n)``; a pair (tuple, list or 1-D integer array)
+    of ints is ``(lo, hi)``. Floats, bools, strings and other lengths are refused, not truncated."""
+    if _is_int(seq_len):
+        pair = [seq_len, seq_len]
+    elif (isinstance(seq_len, Sequence) and not isinstance(seq_len, (str, bytes))) \
+            or (isinstance(seq_len, np.ndarray) and seq_len.ndim == 1):
+        pair = list(seq_len)
     else:
-        lo, hi = (int(v) for v in seq_len)
-    if not 1 <= lo <= hi:
-        raise ValueError(f"synthetic_trace: seq_len must be an int >= 1 or a (lo, hi) range with 1 <= lo <= hi, got {seq_len!r}")
+        pair = []
+    if len(pair) != 2 or not all(_is_int(v) for v in pair) or not 1 <= pair[0] <= pair[1]:
+        raise ValueError(f"synthetic_trace: seq_len must be an int >= 1 or a (lo, hi) pair of ints with "
+                         f"1 <= lo <= hi, got {seq_len!r}")
+    return int(pair[0]), int(pair[1])
+
+
+def _sequence_lengths(rng: np.random.Generator, num_sequences: int, lo: int, hi: int) -> np.ndarray:
     return rng.integers(lo, hi + 1, size=num_sequences, dtype=np.int64)
+
+
+def _make_rng(seed: int | None) -> np.random.Generator:
+    """``numpy.random.default_rng(seed)``, refusing what it refuses (and bools) with an error naming ``seed``."""
+    if isinstance(seed, (bool, np.bool_)):
+        raise ValueError(f"synthetic_trace: seed must be a non-negative int or None, got {seed!r}")
+    try:
+        return np.random.default_rng(seed)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"synthetic_trace: seed must be a non-negative int or None (anything "
+                         f"numpy.random.default_rng accepts), got {seed!r} ({exc})") from None
 
 
 def _sample_tokens(
@@ -367,6 +395,9 @@ def _check_generator_args(num_sequences: int, num_layers: int, num_experts: int,
         raise ValueError(f"synthetic_trace: top_k ({top_k}) must not exceed num_experts ({num_experts})")
     if num_experts > MAX_EXPERTS:
         raise ValueError(f"synthetic_trace: num_experts must be <= {MAX_EXPERTS} (ids are packed into float32 sort keys), got {num_experts}")
+    if vocab_size > MAX_VOCAB_SIZE:
+        raise ValueError(f"synthetic_trace: vocab_size must be <= {MAX_VOCAB_SIZE} (2**31): the token sampler shuffles "
+                         f"the whole vocabulary (8 bytes and one random draw per id), got {vocab_size}")
 
 
 def _check_token_law(zipf_exponent: float, zipf_offset: float, active_vocab: int, topic_vocab_jitter: float) -> None:
@@ -390,11 +421,15 @@ def _check_knobs(knobs: dict[str, np.ndarray], logit_tail: float, context_tail: 
     for name, values in knobs.items():
         if not (np.isfinite(values).all() and (values >= 0).all()):
             raise ValueError(f"synthetic_trace: {name} must be finite and >= 0, got {values}")
+        if (values > MAX_SCALE).any():  # finite in float64 but would overflow the float32 scores (NaN routing)
+            raise ValueError(f"synthetic_trace: {name} must be <= {MAX_SCALE:g} (larger values overflow the float32 "
+                             f"routing scores), got {values}")
     if (knobs["crosslayer_carry"] >= 1).any():
         raise ValueError(f"synthetic_trace: crosslayer_carry must be < 1, got {knobs['crosslayer_carry']}")
     for name, tail in (("logit_tail", logit_tail), ("context_tail", context_tail)):
-        if not 0.25 <= tail <= 4:
-            raise ValueError(f"synthetic_trace: {name} must be in [0.25, 4], got {tail}")
+        if isinstance(tail, (bool, np.bool_)) or not isinstance(tail, (int, float, np.integer, np.floating)) \
+                or not 0.25 <= tail <= 4:
+            raise ValueError(f"synthetic_trace: {name} must be a number in [0.25, 4], got {tail!r}")
 
 
 def synthetic_trace(
@@ -433,9 +468,12 @@ def synthetic_trace(
         num_layers: ``L`` MoE layers.
         num_experts: ``E`` experts per layer (at most ``MAX_EXPERTS``).
         top_k: ``K`` experts per token.
-        vocab_size: token ids lie in ``[0, vocab_size)``.
-        seq_len: tokens per sequence, fixed or uniform in ``[lo, hi]``.
-        seed: seed of ``numpy.random.default_rng``.
+        vocab_size: token ids lie in ``[0, vocab_size)`` (at most ``MAX_VOCAB_SIZE`` = 2**31: the
+            token sampler shuffles the whole vocabulary).
+        seq_len: tokens per sequence: an int ``n >= 1`` (fixed), or a ``(lo, hi)`` pair of ints (tuple,
+            list or 1-D integer array) with ``1 <= lo <= hi``: uniform in ``[lo, hi]``.
+        seed: seed of ``numpy.random.default_rng``: a non-negative int, or ``None`` for fresh entropy
+            (anything else ``default_rng`` accepts works too).
         num_topics: sequence ``s`` has topic ``s % num_topics``.
         num_clusters: token clusters; default one per expert.
         zipf_exponent, zipf_offset, active_vocab, topic_vocab_jitter: the token frequency law.
@@ -446,8 +484,11 @@ def synthetic_trace(
         expert_skew: std of the per-expert logit bias (load skew).
         crosslayer_carry: AR(1) coefficient, in ``[0, 1)``, of the context noise from one layer
             to the next (column by column): the choice at ``l`` depends on the choice at ``l - 1``.
-        logit_tail: token and cluster logits are ``Exp(1) ** logit_tail`` (scaled to unit std).
-        context_tail: topic and sequence logits are ``Exp(1) ** context_tail``.
+            The scales and ``expert_skew`` must be finite, ``>= 0`` and at most ``MAX_SCALE`` = 1e30
+            (larger ones would overflow the float32 scores).
+        logit_tail: token and cluster logits are ``Exp(1) ** logit_tail`` (scaled to unit std); a
+            number in ``[0.25, 4]``.
+        context_tail: topic and sequence logits are ``Exp(1) ** context_tail``; in ``[0.25, 4]``.
         with_weights: also return ``topk_weights``, the softmax of the chosen experts' scores
             over the ``K``.
 
@@ -462,9 +503,10 @@ def synthetic_trace(
         ("sequence_scale", sequence_scale), ("expert_skew", expert_skew), ("crosslayer_carry", crosslayer_carry))}
     _check_knobs(knobs, logit_tail, context_tail)
     _check_token_law(zipf_exponent, zipf_offset, active_vocab, topic_vocab_jitter)
+    lo, hi = _seq_len_bounds(seq_len)
 
-    rng = np.random.default_rng(seed)
-    lengths = _sequence_lengths(rng, num_sequences, seq_len)
+    rng = _make_rng(seed)
+    lengths = _sequence_lengths(rng, num_sequences, lo, hi)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     token_seq = np.repeat(np.arange(num_sequences), lengths)
     token_topic = token_seq % num_topics

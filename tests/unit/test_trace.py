@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -97,6 +98,11 @@ BAD = {
     "token >= vocab": (lambda a: a.update(vocab_size=9), ValueError, "'token_ids'.*found 9"),
     "token negative": (lambda a: a["token_ids"].__setitem__(0, -3), ValueError, "'token_ids'.*found -3"),
     "vocab zero": (lambda a: a.update(vocab_size=0), ValueError, "'vocab_size'"),
+    # >= 2**63 (uint64) used to validate and load, then fail to save (OverflowError casting to int64)
+    "num_experts over int64": (lambda a: a.update(num_experts=np.uint64(2**64 - 1)), ValueError,
+                               "'num_experts' must be <= 9223372036854775807"),
+    "vocab over int64": (lambda a: a.update(vocab_size=np.uint64(2**63 + 10)), ValueError,
+                         "'vocab_size' must be <= 9223372036854775807"),
     "offsets start": (lambda a: a.update(seq_offsets=np.array([1, 3, 7])), ValueError, "'seq_offsets'.*start at 0"),
     "offsets end": (lambda a: a.update(seq_offsets=np.array([0, 3, 6])), ValueError, "'seq_offsets'.*end at T = 7"),
     "offsets decrease": (lambda a: a.update(seq_offsets=np.array([0, 4, 3, 7])), ValueError, "'seq_offsets'.*non-decreasing"),
@@ -511,6 +517,68 @@ def test_synthetic_rejects_a_bad_token_law(knob: str, value: float) -> None:
         synthetic_trace(2, 1, 4, 1, 100, seq_len=50, **{knob: value})
     with pytest.raises(ValueError, match="over-/underflows"):
         synthetic_trace(2, 1, 4, 1, 100, seq_len=50, zipf_exponent=1e6)
+
+
+@pytest.mark.parametrize("seq_len", [8.0, "8", (3,), (1, 2, 3), (2.7, 3.9), (2.0, 4.0), np.array([3.0, 6.0]),
+                                     True, (True, 3), None, 0, (4, 3)], ids=repr)
+def test_synthetic_rejects_a_bad_seq_len(seq_len) -> None:
+    """Floats, strings, bools and 1- or 3-tuples used to raise raw TypeError / unpacking errors, or were
+    truncated silently ((2.7, 3.9) gave sequences of 2 tokens), or taken as 1 (True)."""
+    with pytest.raises(ValueError, match=r"synthetic_trace: seq_len must be an int >= 1 or a \(lo, hi\) pair of ints"):
+        synthetic_trace(4, 1, 8, 2, 50, seq_len=seq_len)
+
+
+def test_synthetic_accepts_every_documented_seq_len() -> None:
+    assert synthetic_trace(3, 1, 8, 2, 50, seq_len=7).seq_lengths.tolist() == [7, 7, 7]
+    assert synthetic_trace(3, 1, 8, 2, 50, seq_len=np.int64(7)).seq_lengths.tolist() == [7, 7, 7]
+    ref = synthetic_trace(6, 1, 8, 2, 50, seq_len=(3, 9), seed=2)
+    assert ((ref.seq_lengths >= 3) & (ref.seq_lengths <= 9)).all()
+    for same in ([3, 9], np.array([3, 9]), (np.int64(3), np.int32(9))):
+        assert_same(ref, synthetic_trace(6, 1, 8, 2, 50, seq_len=same, seed=2))
+
+
+@pytest.mark.parametrize("knob, value", [
+    ("seed", -1), ("seed", 1.5), ("seed", "3"), ("seed", True),
+    ("logit_tail", "3"), ("logit_tail", [1.0, 2.0]), ("logit_tail", True), ("context_tail", "1"),
+    ("logit_tail", 5.0), ("context_tail", float("nan")),
+])
+def test_synthetic_rejects_a_bad_seed_or_tail(knob: str, value) -> None:
+    """seed=-1 and logit_tail="3" used to fail with raw numpy / comparison errors not naming the argument."""
+    with pytest.raises(ValueError, match=f"synthetic_trace: {knob} must be"):
+        synthetic_trace(2, 1, 8, 2, 50, seq_len=4, **{knob: value})
+
+
+def test_synthetic_seed_may_be_none_or_a_numpy_int() -> None:
+    assert synthetic_trace(2, 1, 8, 2, 50, seq_len=4, seed=None).num_tokens == 8
+    assert_same(synthetic_trace(2, 1, 8, 2, 50, seq_len=4, seed=np.uint64(5)), synthetic_trace(2, 1, 8, 2, 50, seq_len=4, seed=5))
+
+
+@pytest.mark.parametrize("knob, value", [
+    ("token_scale", 1e40), ("cluster_scale", (1.0, 1.0, 1e39)), ("topic_scale", 1e38), ("sequence_scale", 1e31),
+    ("expert_skew", 3e38),
+])
+def test_synthetic_rejects_a_scale_that_overflows_float32(knob: str, value) -> None:
+    """Finite in float64 but inf in float32: used to give NaN scores, a meaningless trace and only RuntimeWarnings."""
+    with pytest.raises(ValueError, match=f"synthetic_trace: {knob} must be <= 1e\\+30"):
+        synthetic_trace(4, 2, 8, 2, 50, seq_len=8, **{knob: value})
+
+
+def test_synthetic_largest_scales_stay_finite() -> None:
+    big = dict(token_scale=ts.MAX_SCALE, cluster_scale=ts.MAX_SCALE, topic_scale=ts.MAX_SCALE,
+               sequence_scale=ts.MAX_SCALE, expert_skew=ts.MAX_SCALE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow / invalid-value RuntimeWarning
+        for tail in (0.25, 4.0):
+            trace = synthetic_trace(8, 2, 16, 4, 500, seq_len=64, seed=1, logit_tail=tail, context_tail=tail,
+                                    with_weights=True, **big)
+            assert np.isfinite(trace.topk_weights).all()
+            assert len({tuple(r) for r in trace.topk_ids[:, 0].tolist()}) > 10  # not a NaN-collapsed routing
+
+
+def test_synthetic_refuses_a_vocabulary_too_large_to_shuffle() -> None:
+    """vocab_size=2**40 used to raise MemoryError (the sampler permutes the whole vocabulary)."""
+    with pytest.raises(ValueError, match="synthetic_trace: vocab_size must be <= 2147483648"):
+        synthetic_trace(2, 1, 8, 2, 2**40, seq_len=4)
 
 
 def _table_recalls(train: RoutingTrace, test: RoutingTrace, layer: int, min_count: int = 1) -> tuple[float, float]:
