@@ -39,7 +39,7 @@ one size (and saves a chrome trace in the run dir).
 
 Usage::
 
-    python recipes/bench.py bench=cpu_smoke                                   # 2 gloo processes, CPU
+    python recipes/bench.py                                                   # 2 gloo processes, CPU (bench=cpu_smoke)
     python recipes/bench.py bench=cpu_smoke parallel.world_size=4 router=replay
     python recipes/bench.py bench=cpu_smoke router=replay layer=semantic        # vs VanillaMoE, same run
     torchrun --standalone --nproc_per_node=8 recipes/bench.py parallel=gpu bench=qwen3_30b_a3b \\

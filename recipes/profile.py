@@ -14,8 +14,8 @@ holds ``config``: the resolved config, the command line and what was measured (`
 dtype, the per-rank shape and the seconds the profile took) as a JSON string (the run dir gets no
 ``.hydra/`` and no log file, and a run that fails writes nothing there).
 
-    torchrun --standalone --nproc_per_node=2 recipes/profile.py parallel=gpu      # GPUs
-    python recipes/profile.py profile=cpu_smoke                                   # 2 gloo processes, tiny shape
+    torchrun --standalone --nproc_per_node=2 recipes/profile.py parallel=gpu profile=qwen3_30b_a3b   # GPUs
+    python recipes/profile.py                                   # 2 gloo processes, tiny shape (profile=cpu_smoke)
 """
 
 from __future__ import annotations

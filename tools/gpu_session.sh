@@ -42,7 +42,7 @@ done
 tar czf "$OUT/bench_json.tgz" docs/benchmarks/*.json 2>/dev/null || true
 if [ "${PROFILE:-1}" = 1 ]; then  # GEM latency curves of every GPU
   timeout -s KILL "${PROFILE_TIMEOUT:-200}" torchrun --standalone --nproc_per_node="$NGPU" recipes/profile.py \
-    parallel=gpu hydra.run.dir=/tmp/runs/profile 2>&1 | grep -vE "Warning|warnings.warn|W1122" > "$OUT/profile.log"
+    parallel=gpu profile=qwen3_30b_a3b hydra.run.dir=/tmp/runs/profile 2>&1 | grep -vE "Warning|warnings.warn|W1122" > "$OUT/profile.log"
   cp /tmp/runs/profile/curves.npz "$OUT/curves_ws${NGPU}.npz" 2>/dev/null || true
   cp /tmp/runs/profile/curves.png "$OUT/curves_ws${NGPU}.png" 2>/dev/null || true
 fi

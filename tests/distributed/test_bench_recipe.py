@@ -13,12 +13,13 @@ KEYS = ("device_name", "world_size", "layer", "shape", "tokens_per_rank", "ms", 
         "date", "command", "dtype", "iters", "torch", "triton")
 
 
-def run_bench(tmp_path: Path, *overrides: str, shape: str = "cpu_smoke") -> subprocess.CompletedProcess:
+def run_bench(tmp_path: Path, *overrides: str, shape: str | None = "cpu_smoke") -> subprocess.CompletedProcess:
+    """recipes/bench.py on 2 gloo processes (``shape=None``: the default shape, no ``bench=`` override)."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None), env.pop("RANK", None), env.pop("LOCAL_RANK", None)  # not a torchrun child
-    cmd = [sys.executable, str(ROOT / "recipes" / "bench.py"), f"bench={shape}", "parallel.world_size=2",
-           f"hydra.run.dir={tmp_path / 'run'}", *overrides]
+    cmd = [sys.executable, str(ROOT / "recipes" / "bench.py"), *([f"bench={shape}"] if shape else []),
+           "parallel.world_size=2", f"hydra.run.dir={tmp_path / 'run'}", *overrides]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
 
 
@@ -28,6 +29,14 @@ def bench_record(tmp_path: Path, pattern: str, *overrides: str) -> dict:
     assert proc.returncode == 0, f"bench failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     (f,) = (tmp_path / "run").glob(pattern)
     return json.loads(f.read_text())
+
+
+@pytest.mark.timeout(90)
+def test_bench_defaults_run_on_cpu(tmp_path):
+    """`python recipes/bench.py` with no shape runs on CPU (DESIGN.md: the recipes' defaults do)."""
+    proc = run_bench(tmp_path, shape=None)
+    assert proc.returncode == 0, f"bench failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert len(list((tmp_path / "run").glob("vanilla_cpu_smoke_t*_ws2_*.json"))) == 2
 
 
 @pytest.mark.timeout(90)

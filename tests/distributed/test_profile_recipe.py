@@ -13,9 +13,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.timeout(180)
 def test_profile_writes_curves(tmp_path):
+    """`python recipes/profile.py` with its defaults: the cpu_smoke shape on 2 gloo processes."""
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "profile.py"), "profile=cpu_smoke",
-                           f"hydra.run.dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=170)
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "profile.py"), f"hydra.run.dir={out}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with np.load(out / "curves.npz", allow_pickle=False) as d:
         rows, lat = d["rows"], d["latency_s"]
@@ -34,7 +35,8 @@ def test_profile_writes_curves(tmp_path):
     assert {p.name for p in out.iterdir()} == {"curves.npz", "curves.png"}
     with np.load(out / "curves.npz", allow_pickle=False) as d:
         rec = json.loads(str(d["config"]))
-    assert rec["command"]["overrides"] == ["profile=cpu_smoke"] and rec["config"]["profile"]["tile"] == 16
+    assert rec["command"]["overrides"] == [] and rec["config"]["profile"]["name"] == "cpu_smoke"
+    assert rec["config"]["profile"]["tile"] == 16
     assert rec["measured"]["dtype"] == "float32" and rec["measured"]["seconds"] > 0  # CPU profiles in float32
     assert rec["measured"]["shape"]["E"] == rec["config"]["profile"]["shape"]["num_experts"]
 
