@@ -162,6 +162,42 @@ def _padding_to_sb(padding_mask: torch.Tensor, s: int, b: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------- adapter
+@torch.no_grad()
+def megatron_init(layer: nn.Module, config: Any) -> bool:
+    """Initialise ``layer``'s router and experts with megatron's ``init_method`` (router weight
+    ``[E, H]``, each expert's ``w13 [2F, H]``) and ``output_layer_init_method`` (each ``w2 [H, F]``),
+    as megatron initialises its own MoE weights.
+
+    The initialisers draw from the default generator of the weights' device; each logical expert
+    (and the router) draws under its own seed (from ``layer.seed``) inside ``torch.random.fork_rng``,
+    so every replica of an expert, on any rank, gets the same values and the caller's random state is
+    left as it was. Empty slots stay zero.
+
+    Returns:
+        ``False`` (nothing changed) when ``config.perform_initialization`` is false or it has no
+        ``init_method``.
+    """
+    init = getattr(config, "init_method", None)
+    if init is None or not getattr(config, "perform_initialization", True):
+        return False
+    out_init = getattr(config, "output_layer_init_method", None) or init
+    w13, w2, router = layer.experts.w13, layer.experts.w2, layer.router.weight
+    dev = w13.device
+    base = layer.seed * 1_000_003
+    with torch.random.fork_rng(devices=[dev] if dev.type != "cpu" else [], device_type=dev.type):
+        torch.manual_seed(base + layer.config.num_experts)
+        init(router)
+        for s, e in enumerate(layer.placement.experts_on(layer.groups.ep_rank)):
+            if e < 0:
+                w13[s].zero_()
+                w2[s].zero_()
+                continue
+            torch.manual_seed(base + e)
+            init(w13[s])
+            out_init(w2[s])
+    return True
+
+
 class MegatronMoEAdapter(nn.Module):
     """A moelayers layer in megatron-core's mlp slot.
 
@@ -183,9 +219,11 @@ class MegatronMoEAdapter(nn.Module):
 
     Default device: the current CUDA device with NCCL groups (or a single process on a CUDA
     machine without ``use_cpu_initialization``), else CPU; pass ``device=`` in the spec to override.
-    Weights: the layer's own default initialisation, ``N(0, init_method_std)`` per logical expert
-    from seeded generators (megatron's ``init_method`` distribution; replicas and ranks agree;
-    megatron's ``1/sqrt(2 num_layers)`` scaling of output layers is not applied), then usually
+    Weights: megatron's own initialisers (:func:`megatron_init`): ``config.init_method`` for the
+    router and each expert's ``w13``, ``config.output_layer_init_method`` for its ``w2`` (by
+    default ``N(0, init_method_std)`` and ``N(0, init_method_std / sqrt(2 num_layers))``), each
+    logical expert from its own seed so that replicas and ranks agree; with
+    ``perform_initialization=False`` the layer keeps its own default initialisation. Then usually
     :meth:`load_full_weights`. Expert parameters carry ``allreduce = False`` (megatron's DDP reduces
     them over the expert-data-parallel group only).
     """
@@ -229,6 +267,7 @@ class MegatronMoEAdapter(nn.Module):
             layer_kwargs["device"] = _pick_device(config, self.groups)
         self.layer_number, self.is_mtp_layer, self.megatron_name = layer_number, bool(is_mtp_layer), name
         self.layer = layer_cls(self.moe_config, self.groups, **layer_kwargs)
+        megatron_init(self.layer, config)
         if self.groups.ep_size > 1:  # megatron calls module.sharded_state_dict when the module has one
             self.sharded_state_dict = self._refuse_sharded_state_dict
         for module in self.layer.modules():
@@ -389,5 +428,5 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "HAVE_MEGATRON", "MEGATRON_BUILD_KWARGS", "MegatronMoEAdapter", "groups_for_megatron",
-    "load_megatron_weights", "megatron_moe_layer", "megatron_weights", "moe_spec",
+    "load_megatron_weights", "megatron_init", "megatron_moe_layer", "megatron_weights", "moe_spec",
 ]

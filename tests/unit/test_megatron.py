@@ -83,6 +83,34 @@ def test_spec_builds_and_matches_reference(style):
     assert err is None, err
 
 
+def test_spec_layers_use_megatrons_init_methods():
+    """A layer built from a spec is initialised by megatron's init_method (router, w13) and
+    output_layer_init_method (w2), each logical expert alike wherever it lives; the caller's random
+    state is untouched; perform_initialization=False keeps the layer's own init."""
+    spec = mi.moe_spec(ml.VanillaMoE)
+    marked = _build(spec, _tc(init_method=lambda w: w.fill_(0.5), output_layer_init_method=lambda w: w.fill_(-0.25)),
+                    "builder")
+    assert (marked.layer.router.weight == 0.5).all()
+    assert (marked.layer.experts.w13 == 0.5).all() and (marked.layer.experts.w2 == -0.25).all()
+    # megatron's defaults: N(0, std) and N(0, std / sqrt(2 num_layers)); the same expert under any placement
+    state = torch.get_rng_state()
+    std, layers = 0.2, 8
+    tc = _tc(init_method_std=std, num_layers=layers, num_moe_experts=16, moe_ffn_hidden_size=64, hidden_size=64,
+             ffn_hidden_size=64)
+    a = _build(spec, tc, "builder")
+    assert torch.equal(torch.get_rng_state(), state)
+    perm = ml.ExpertPlacement(torch.arange(16).flip(0)[None], 16)  # slot s holds expert 15 - s
+    b = _build(mi.moe_spec(ml.VanillaMoE, placement=perm), tc, "builder")
+    assert torch.equal(a.layer.experts.w13, b.layer.experts.w13.flip(0))
+    assert torch.equal(a.layer.experts.w2, b.layer.experts.w2.flip(0))
+    assert torch.equal(a.layer.router.weight, b.layer.router.weight)
+    assert abs(a.layer.experts.w13.std().item() / std - 1) < 0.02
+    assert abs(a.layer.experts.w2.std().item() / (std / (2 * layers) ** 0.5) - 1) < 0.02
+    own = _build(spec, _tc(perform_initialization=False, init_method_std=std), "builder")
+    ref = ml.VanillaMoE(ml.MoEConfig.from_megatron(_tc(init_method_std=std)), ml.ParallelGroups.single())
+    assert torch.equal(own.layer.experts.w13, ref.experts.w13) and torch.equal(own.layer.router.weight, ref.router.weight)
+
+
 def test_padding_mask():
     adapter = _build(mi.moe_spec(ml.VanillaMoE), _tc(), "build_module")
     weights = _weights(2)
