@@ -370,6 +370,8 @@ class TraceRecorder:
     a ``[T, L, K]`` trace: rather than losing its tokens silently, ``model(...)`` raises
     ``RuntimeError`` naming the layers that did not run (that forward is dropped; recording can go
     on). Both are detected by hooks on ``model`` itself, so call ``model``, not a submodule.
+    Attention-TP layers (``SemanticMoE(mode='tp')``, run through ``forward_tp``) are refused: each
+    rank routes a shuffled chunk of the tokens; record the model with ``mode='dp'`` layers instead.
 
     Sequences: ``tag(seq_ids)`` before a forward gives each of its ``T`` tokens a sequence key
     (any hashable); an untagged forward is one new sequence. Tokens of a sequence keep the order
@@ -409,6 +411,11 @@ class TraceRecorder:
         named = [(n, m) for n, m in self.model.named_modules() if getattr(m, "moe_layer_marker", False) is True]
         if not named:
             raise ValueError(f"no MoE layers (modules with moe_layer_marker = True) found in {type(self.model).__name__}")
+        tp = [n for n, m in named if getattr(m, "mode", None) == "tp"]
+        if tp:  # forward_tp runs each rank's shuffled chunk: no forward hook sees the layer's tokens in order
+            raise ValueError(f"TraceRecorder cannot record attention-TP layers ({tp[0]!r}: SemanticMoE mode='tp', "
+                             "run through forward_tp); record the same model with attention-DP layers "
+                             "(mode='dp'): the same weights and inputs route the same (up to rounding)")
         self._names, self.layers = [n for n, _ in named], [m for _, m in named]
         try:
             self._handles.append(self.model.register_forward_pre_hook(self._on_model_forward))

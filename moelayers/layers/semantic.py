@@ -191,7 +191,8 @@ class SemanticMoE(MoELayerBase):
             token_ids = torch.zeros(num_tokens or 0, dtype=torch.int64, device=self.router.weight.device)
         ids = token_ids.reshape(-1)
         if self._predictor is not None:
-            return rebatch_history(ids, self.tables(ids.device), self.groups.tp_size, _history_of(prev_ranks, ids))
+            history = _history_of(prev_ranks, ids, num_experts=self.config.num_experts)
+            return rebatch_history(ids, self.tables(ids.device), self.groups.tp_size, history)
         return rebatch_tokens(ids, self.tables(ids.device), self.groups.tp_size, prev_ranks)
 
     def forward_tp(self, attn_partial: torch.Tensor, residual: torch.Tensor,
@@ -234,6 +235,8 @@ class SemanticMoE(MoELayerBase):
         refused = None
         try:
             x2, token_ids = self._check_input(attn_partial, token_ids)
+            if token_ids is not None and token_ids.dtype in _WIDE_UNSIGNED:  # index_select has no kernel for them
+                token_ids = token_ids.to(torch.int64)  # (ids above 2**63 wrap negative: outside the vocabulary either way)
             if not isinstance(residual, torch.Tensor) or residual.shape != attn_partial.shape:
                 raise ValueError(f"residual must have the shape of attn_partial {list(attn_partial.shape)}, "
                                  f"got {list(getattr(residual, 'shape', []))}")
@@ -248,7 +251,8 @@ class SemanticMoE(MoELayerBase):
                 raise
             refused = exc
         if self.groups.tp_size > 1 and self.verify_tp_inputs:
-            self._agree_tp(refused, None if refused else x2.shape[0], None if refused else token_ids)
+            self._agree_tp(refused, None if refused else x2.shape[0], None if refused else token_ids,
+                           None if refused else prev_ranks)
         r, group = self.groups.tp_rank, self.groups.tp
         mine = rb.chunk(r)
         n = rb.valid_rows(r)
@@ -270,25 +274,27 @@ class SemanticMoE(MoELayerBase):
             self.last_context_ranks = self._context_ranks(rb, n)
         return out.view(attn_partial.shape)
 
-    def _agree_tp(self, refused: Exception | None, num_tokens: int | None, token_ids: torch.Tensor | None) -> None:
-        """One ``MAX`` all-reduce over the TP group of each rank's token count, an order-sensitive
-        fingerprint of its token ids and a refusal flag per rank; raises on every rank when any rank
-        refused its input (``refused``, raised as it is on that rank) or the ranks disagree (the
-        shuffled collectives need the same tokens everywhere: different counts crash them, different
-        ids give wrong outputs silently)."""
+    def _agree_tp(self, refused: Exception | None, num_tokens: int | None, token_ids: torch.Tensor | None,
+                  prev_ranks: PrevRanks = None) -> None:
+        """One ``MAX`` all-reduce over the TP group of each rank's token count, order-sensitive
+        fingerprints of its token ids and of its context (``prev_ranks``) and a refusal flag per rank;
+        raises on every rank when any rank refused its input (``refused``, raised as it is on that
+        rank) or the ranks disagree (the shuffled collectives need the same tokens, in the same
+        order, everywhere: different counts crash them, different ids or contexts give wrong outputs
+        silently)."""
         r, dev = self.groups.tp_size, self.router.weight.device
-        vec = torch.full((4 + r,), -(1 << 62), dtype=torch.int64, device=dev)  # MAX identity for the 4 fields
-        vec[4:] = 0
-        vec[4 + self.groups.tp_rank] = int(refused is not None)
+        vec = torch.full((6 + r,), -(1 << 62), dtype=torch.int64, device=dev)  # MAX identity for the 6 fields
+        vec[6:] = 0
+        vec[6 + self.groups.tp_rank] = int(refused is not None)
         if refused is None:
-            check = torch.zeros((), dtype=torch.int64, device=dev)
-            if token_ids is not None and token_ids.numel():
-                check = fingerprint(token_ids.reshape(1, -1))[0].to(dev)
+            ids = _fingerprint_of([] if token_ids is None else [token_ids], dev)
+            ctx = _fingerprint_of(_context_tensors(prev_ranks), dev)
             vec[0], vec[1] = num_tokens, -num_tokens
-            vec[2], vec[3] = check >> 1, -(check >> 1)  # halved: its negation never overflows
+            vec[2], vec[3] = ids >> 1, -(ids >> 1)  # halved: the negation never overflows
+            vec[4], vec[5] = ctx >> 1, -(ctx >> 1)
         dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.groups.tp)
         v = vec.tolist()
-        bad = [i for i, flag in enumerate(v[4:]) if flag]
+        bad = [i for i, flag in enumerate(v[6:]) if flag]
         if refused is not None:
             raise refused
         if bad:
@@ -300,6 +306,9 @@ class SemanticMoE(MoELayerBase):
         if v[2] != -v[3]:
             raise ValueError("forward_tp: the TP ranks hold different token ids: every TP rank must call it with "
                              "the same tokens (the same token_ids, in the same order)")
+        if v[4] != -v[5]:
+            raise ValueError("forward_tp: the TP ranks hold different prev_ranks (the earlier layers' context): "
+                             "every TP rank must pass the same (their last_context_ranks)")
 
     def _gather_rows(self, rows: torch.Tensor, rb: Rebatch) -> torch.Tensor:
         """``[T, ...]`` in the original token order from every rank's ``[C, ...]`` chunk rows."""
@@ -345,8 +354,30 @@ class SemanticMoE(MoELayerBase):
         return f"mode={self.mode}, layer_idx={self.layer_idx}, " + super().extra_repr()
 
 
-def _history_of(prev: PrevRanks, token_ids: torch.Tensor | None) -> torch.Tensor | None:
-    """The ``[D', T, K]`` expert history in ``prev`` (a pair whose second entry is it, or itself), else ``None``."""
+_WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
+
+
+def _context_tensors(prev: PrevRanks) -> list[torch.Tensor]:
+    """The tensors of a ``prev_ranks`` context (a tensor, or a pair of tensors / ``None``)."""
+    parts = list(prev) if isinstance(prev, (tuple, list)) else [prev]
+    return [p for p in parts if isinstance(p, torch.Tensor)]
+
+
+def _fingerprint_of(tensors: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
+    """One order-sensitive int64 fingerprint of the values and shapes of ``tensors`` (0-d, on ``dev``)."""
+    out = torch.zeros((), dtype=torch.int64, device=dev)
+    for i, t in enumerate(tensors):
+        shape = torch.tensor([i, *t.shape], dtype=torch.int64, device=dev)
+        out = out + fingerprint(shape.reshape(1, -1))[0]
+        if t.numel():
+            out = out * 3 + fingerprint(t.reshape(1, -1).to(dev, torch.int64))[0]
+    return out
+
+
+def _history_of(prev: PrevRanks, token_ids: torch.Tensor | None, *, num_experts: int | None = None
+                ) -> torch.Tensor | None:
+    """The ``[D', T, K]`` expert history in ``prev`` (a pair whose second entry is it, or itself), else
+    ``None``; with ``num_experts``, its ids are checked to lie in ``[0, num_experts)`` (one host sync)."""
     if isinstance(prev, (tuple, list)) and len(prev) == 2:
         prev = prev[1]
     if not isinstance(prev, torch.Tensor) or prev.dim() != 3:
@@ -354,6 +385,13 @@ def _history_of(prev: PrevRanks, token_ids: torch.Tensor | None) -> torch.Tensor
     t = -1 if token_ids is None else token_ids.numel()
     if prev.shape[1] != t:
         raise ValueError(f"the expert history must be [D', T={t}, K], got {list(prev.shape)}")
+    if num_experts is not None and prev.numel():
+        if prev.dtype.is_floating_point or prev.dtype.is_complex or prev.dtype == torch.bool:
+            raise TypeError(f"the expert history must hold integer expert ids, got dtype {prev.dtype}")
+        lo, hi = int(prev.min()), int(prev.max())
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"the expert history holds expert id {lo if lo < 0 else hi}, outside [0, {num_experts}) "
+                             "(the experts of the earlier layers: their last_context_ranks)")
     return prev
 
 

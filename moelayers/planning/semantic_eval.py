@@ -499,7 +499,7 @@ def tp_scores(plan: SemanticPlan, trace, layer: int, predictor: str = "combined"
 
     ``combined`` and ``token`` give float32 log-scores (:meth:`SemanticPlan.rank_scores`, with and
     without the experts of the previous layers); ``alg3`` gives the chosen source's confidence on
-    its rank and 0 elsewhere.
+    its rank and -1 elsewhere.
     """
     ids = check_token_ids(trace.token_ids, plan.vocab_size, "token_ids")
     r, l = plan.num_ranks, layer
@@ -516,8 +516,8 @@ def tp_scores(plan: SemanticPlan, trace, layer: int, predictor: str = "combined"
         a_rank, a_conf = plan.ngram_rank[l][ctx2, ctx1], plan.ngram_conf[l][ctx2, ctx1].astype(np.float64)
         use_a = a_conf > conf
         rank_, conf = np.where(use_a, a_rank, rank_), np.where(use_a, a_conf, conf)
-    out = np.zeros((ids.size, r))
-    out[np.arange(ids.size), rank_] = conf
+    out = np.full((ids.size, r), -1.0)  # below any confidence: a token with confidence 0 still asks for its rank
+    out[np.arange(ids.size), rank_] = conf  # first, as online (``rebatch``); the overflow fills in rank order
     return out
 
 

@@ -30,6 +30,7 @@ Both schedulers share one interface: ``assign(token_ids) -> rank`` and ``assign_
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -121,8 +122,9 @@ class SemanticScheduler:
         if tr.ndim != 2 or tc.shape != tr.shape:
             raise ValueError(f"plan.token_rank/token_conf must both be [L, V], "
                              f"got {list(tr.shape)} and {list(tc.shape)}")
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < tr.shape[0]:
+        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, numbers.Integral) or not 0 <= layer < tr.shape[0]:
             raise ValueError(f"layer {layer!r} is out of range for a plan of {tr.shape[0]} layers")
+        layer = int(layer)
         self.num_ranks = int(plan.num_ranks)
         if num_ranks is not None and num_ranks != self.num_ranks:
             raise ValueError(f"the plan is for {self.num_ranks} ranks, the scheduler serves {num_ranks}")

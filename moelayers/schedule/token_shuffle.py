@@ -31,10 +31,12 @@ atomics), so every TP rank, given the same tokens, computes the same rebatch wit
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -87,8 +89,9 @@ class LayerTables:
         if nr.shape != (num_layers, r, r) or nc.shape != nr.shape:
             raise ValueError(f"plan.ngram_rank/ngram_conf must both be [L, R, R] = [{num_layers}, {r}, {r}], "
                              f"got {list(nr.shape)} and {list(nc.shape)}")
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, numbers.Integral) or not 0 <= layer < num_layers:
             raise ValueError(f"layer {layer!r} is out of range for a plan of {num_layers} layers")
+        layer = int(layer)
         return cls(tr[layer].clone(), tc[layer].clone(), nr[layer].clone(), nc[layer].clone())
 
     def to(self, device: torch.device | str) -> "LayerTables":
@@ -506,8 +509,9 @@ def shuffled_all_gather(chunk: torch.Tensor, perm: torch.Tensor, group, *,
         raise ValueError(f"chunk [C, H] and perm [R*C] (R = {r}) do not fit: {list(chunk.shape)}, {list(perm.shape)}")
     if inverse is None:
         inverse = inverse_permutation(perm, int((perm >= 0).sum()))
-    if group is None or chunk.numel() == 0:
-        gathered = chunk if group is None else chunk.new_zeros(perm.numel(), chunk.shape[1])
+    if group is None or chunk.numel() == 0:  # no rows anywhere (every rank holds the same tokens): no collective
+        gathered = chunk if group is None else chunk.new_zeros(perm.numel(), chunk.shape[1]) + chunk.sum()
+        # (+ the empty chunk's sum, 0: the output stays in the autograd graph, as with rows)
     else:
         gathered = (GatherRowsSplitGrad if replicated_grad else AllGatherRows).apply(group, chunk)
     return shuffle_rows(gathered, inverse)

@@ -73,3 +73,72 @@ def test_history_predictor_online_equals_offline(world, predictor):
     assert not failures, "\n".join(failures)
     for r, (_, ranks) in enumerate(results[1:], 1):
         assert all((a == b).all() for a, b in zip(ranks, results[0][1])), f"rank {r} assigned differently"
+
+
+def _context_and_id_checks(rank: int, world: int) -> dict[str, str]:
+    """forward_tp on 2 ranks: an expert history with an id outside [0, E) on rank 1 (used to escape
+    the refusal handling as an IndexError and leave rank 0 waiting in the agreement), histories
+    that differ between the ranks (used to give wrong outputs silently), uint64 token ids (used to
+    crash in index_select), a numpy integer layer index, and a batch of 0 tokens (its output used to
+    leave the autograd graph)."""
+    plan, groups = _plan(world), ml.ParallelGroups.from_world(tp=world)
+    e = 4 * world
+    moe = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=e, top_k=2, params_dtype=torch.float64)
+    layer = ml.SemanticMoE.from_plan(plan, np.int64(2), moe, groups, mode="tp", seed=3)
+    norm = lambda x: x  # noqa: E731
+    g = torch.Generator().manual_seed(0)
+    partials = [torch.randn(9, H, generator=g, dtype=torch.float64) for _ in range(world)]
+    residual = torch.randn(9, H, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, V, (9,), generator=g)
+    hist = torch.randint(0, e, (2, 9, 2), generator=g)
+    out = {}
+    with torch.no_grad():
+        want = layer.forward_tp(partials[rank], residual, norm, token_ids=ids, prev_ranks=(None, hist))
+    for kind in ("history id >= E", "negative history id", "other histories"):
+        bad = hist.clone()
+        if rank == 1:
+            if kind == "other histories":
+                bad[0, 0, 0] = (bad[0, 0, 0] + 1) % e
+            else:
+                bad[0, 0, 0] = e + 3 if kind == "history id >= E" else -1
+        try:
+            with torch.no_grad():
+                layer.forward_tp(partials[rank], residual, norm, token_ids=ids, prev_ranks=(None, bad))
+            out[kind] = "no error"
+        except ValueError as exc:
+            msg = str(exc)
+            if kind == "other histories":
+                ok = "different prev_ranks" in msg
+            else:
+                ok = ("outside [0, " in msg) if rank == 1 else ("refused the input of TP rank(s) [1]" in msg)
+            out[kind] = "raised" if ok else f"wrong error: {msg}"
+    with torch.no_grad():
+        got = layer.forward_tp(partials[rank], residual, norm, token_ids=ids.to(torch.uint64), prev_ranks=(None, hist))
+    out["uint64 ids"] = "same" if torch.equal(got, want) else "differs"
+    x0 = torch.zeros(0, H, dtype=torch.float64, requires_grad=True)
+    y0 = layer.forward_tp(x0, torch.zeros(0, H, dtype=torch.float64), norm, token_ids=ids[:0],
+                          prev_ranks=(None, hist[:, :0]))
+    out["0 tokens"] = "in the graph" if y0.requires_grad else "detached"
+    y0.sum().backward()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_forward_tp_checks_the_context_and_takes_any_integer_ids():
+    want = {"history id >= E": "raised", "negative history id": "raised", "other histories": "raised",
+            "uint64 ids": "same", "0 tokens": "in the graph"}
+    assert run_distributed(_context_and_id_checks, 2, timeout=90) == [want, want]
+
+
+def test_trace_recorder_refuses_attention_tp_layers():
+    """TraceRecorder records forward() calls; attention-TP layers run forward_tp on shuffled chunks."""
+    from moelayers.models import TinyConfig, TinyDecoder
+    from moelayers.trace import TraceRecorder
+
+    moe = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2)
+    cfg = TinyConfig(vocab_size=V, hidden_size=H, num_layers=2, num_heads=4)
+    single = ml.ParallelGroups.single()
+    model = TinyDecoder(cfg, lambda i: ml.SemanticMoE(moe, single, mode="tp"), attention="tp", groups=single)
+    with pytest.raises(ValueError, match="cannot record attention-TP layers.*mode='dp'"):
+        with TraceRecorder(model):
+            pass

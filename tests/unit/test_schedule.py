@@ -1,12 +1,16 @@
 """moelayers.schedule (request scheduler, token rebatch, shuffled collectives) and SemanticMoE in one
 process."""
 
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 import moelayers as ml
 from moelayers.planning.semantic_eval import evaluate_tp
+from moelayers.planning.semantic import SemanticPlan
 from moelayers.planning.semantic_solvers import plan_semantic
 from moelayers.schedule import (
     LayerTables,
@@ -276,6 +280,35 @@ def test_online_rebatch_equals_offline_evaluation(fitted, tps):
             for q in range(4):  # chunk q: its tokens in token order, then at most one dummy
                 chunk = rb.chunk(q)
                 assert torch.equal(chunk[: rb.valid_rows(q)], torch.nonzero(rb.rank == q).flatten())
+
+
+@pytest.mark.parametrize("tps", [256, 64])
+def test_online_alg3_rebatch_equals_offline_with_unsure_tokens(fitted, tps):
+    """Algorithm 3 (token table or n-gram, the more confident) online from the token ids and the
+    previous two layers' ranks equals the held-out evaluation's, also for tokens whose confidence is
+    0 (they still ask for their rank first, least sure; the evaluation used to send them to rank 0)."""
+    from moelayers.planning.semantic import majority_rank
+
+    plan, held = fitted
+    path = Path(tempfile.mkdtemp()) / "p.npz"
+    plan.save(path)
+    plan = SemanticPlan.load(path)  # a copy to edit
+    plan.token_logq = plan.history_pmi = plan.history_weight = None  # Algorithm 3 tables only
+    plan.token_conf[:, ::3] = 0.0  # a third of the vocabulary: no confidence
+    plan.ngram_conf[:, :, ::2] = 0.0
+    _, offline = evaluate_tp(plan, held, tps)
+    zero = plan.token_conf[0][held.token_ids] == 0
+    assert zero.mean() > 0.2
+    for start in range(0, held.num_tokens, tps):
+        rows = np.arange(start, min(start + tps, held.num_tokens))
+        ids = torch.as_tensor(held.token_ids[rows])
+        for layer in range(held.num_layers):
+            prev = None
+            if layer >= 2:
+                prev = torch.as_tensor(np.stack([majority_rank(held.topk_ids[rows, layer - d], plan.expert_rank[layer - d], 4)
+                                                 for d in (2, 1)]))
+            rb = rebatch_tokens(ids, LayerTables.from_plan(plan, layer), 4, prev)
+            np.testing.assert_array_equal(rb.rank.numpy(), offline[rows, layer], err_msg=f"batch {start}, layer {layer}")
 
 
 def test_capacity_ranks_ties_and_overflow():
