@@ -163,15 +163,16 @@ def _padding_to_sb(padding_mask: torch.Tensor, s: int, b: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------- adapter
 @torch.no_grad()
-def megatron_init(layer: nn.Module, config: Any) -> bool:
+def megatron_init(layer: nn.Module, config: Any, layer_number: int | None = None) -> bool:
     """Initialise ``layer``'s router and experts with megatron's ``init_method`` (router weight
     ``[E, H]``, each expert's ``w13 [2F, H]``) and ``output_layer_init_method`` (each ``w2 [H, F]``),
     as megatron initialises its own MoE weights.
 
     The initialisers draw from the default generator of the weights' device; each logical expert
-    (and the router) draws under its own seed (from ``layer.seed``) inside ``torch.random.fork_rng``,
-    so every replica of an expert, on any rank, gets the same values and the caller's random state is
-    left as it was. Empty slots stay zero.
+    (and the router) draws under its own seed (from ``layer.seed`` and ``layer_number``) with that
+    generator's state saved and restored around it, so every replica of an expert, on any rank, gets
+    the same values, layers of different numbers get different ones, and no generator of the caller
+    (of this or any other device) is left changed. Empty slots stay zero.
 
     Returns:
         ``False`` (nothing changed) when ``config.perform_initialization`` is false or it has no
@@ -183,16 +184,25 @@ def megatron_init(layer: nn.Module, config: Any) -> bool:
     out_init = getattr(config, "output_layer_init_method", None) or init
     w13, w2, router = layer.experts.w13, layer.experts.w2, layer.router.weight
     dev = w13.device
-    base = layer.seed * 1_000_003
-    with torch.random.fork_rng(devices=[dev] if dev.type != "cpu" else [], device_type=dev.type):
-        torch.manual_seed(base + layer.config.num_experts)
+    base = (layer.seed + 7919 * (layer_number or 0)) * 1_000_003
+    module = None if dev.type == "cpu" else torch.get_device_module(dev.type)
+
+    def seed(value: int) -> None:  # the weights' device only (torch.manual_seed would reseed every GPU)
+        if module is None:
+            torch.random.default_generator.manual_seed(value)
+        else:
+            with module.device(dev):
+                module.manual_seed(value)
+
+    with torch.random.fork_rng(devices=[dev] if module is not None else [], device_type=dev.type):
+        seed(base + layer.config.num_experts)
         init(router)
         for s, e in enumerate(layer.placement.experts_on(layer.groups.ep_rank)):
             if e < 0:
                 w13[s].zero_()
                 w2[s].zero_()
                 continue
-            torch.manual_seed(base + e)
+            seed(base + e)
             init(w13[s])
             out_init(w2[s])
     return True
@@ -267,7 +277,7 @@ class MegatronMoEAdapter(nn.Module):
             layer_kwargs["device"] = _pick_device(config, self.groups)
         self.layer_number, self.is_mtp_layer, self.megatron_name = layer_number, bool(is_mtp_layer), name
         self.layer = layer_cls(self.moe_config, self.groups, **layer_kwargs)
-        megatron_init(self.layer, config)
+        megatron_init(self.layer, config, layer_number)
         if self.groups.ep_size > 1:  # megatron calls module.sharded_state_dict when the module has one
             self.sharded_state_dict = self._refuse_sharded_state_dict
         for module in self.layer.modules():
@@ -276,7 +286,11 @@ class MegatronMoEAdapter(nn.Module):
                     p.allreduce = False
 
     def set_layer_number(self, layer_number: int) -> None:
-        """Called by megatron's ``TransformerLayer`` after building the mlp."""
+        """Called by megatron's ``TransformerLayer`` right after building the mlp: the initial weights
+        are drawn again for this layer number (:func:`megatron_init`), so that the layers of one spec
+        do not all start alike (load trained weights after building the model, as usual)."""
+        if layer_number != self.layer_number:
+            megatron_init(self.layer, self.config, layer_number)
         self.layer_number = layer_number
 
     def load_full_weights(self, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,

@@ -83,7 +83,7 @@ def test_spec_builds_and_matches_reference(style):
     assert err is None, err
 
 
-def test_spec_layers_use_megatrons_init_methods():
+def test_spec_layers_use_megatrons_init_methods(monkeypatch):
     """A layer built from a spec is initialised by megatron's init_method (router, w13) and
     output_layer_init_method (w2), each logical expert alike wherever it lives; the caller's random
     state is untouched; perform_initialization=False keeps the layer's own init."""
@@ -106,6 +106,16 @@ def test_spec_layers_use_megatrons_init_methods():
     assert torch.equal(a.layer.router.weight, b.layer.router.weight)
     assert abs(a.layer.experts.w13.std().item() / std - 1) < 0.02
     assert abs(a.layer.experts.w2.std().item() / (std / (2 * layers) ** 0.5) - 1) < 0.02
+    # the GPUs' generators are left alone (torch.manual_seed would reseed them all)
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: pytest.fail("reseeded every GPU"))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: pytest.fail("reseeded a GPU"))
+    c = _build(spec, tc, "builder")
+    assert torch.equal(c.layer.experts.w13, a.layer.experts.w13)
+    # megatron numbers its layers after building them: each number starts from other weights
+    c.set_layer_number(2)
+    assert not torch.equal(c.layer.experts.w13, a.layer.experts.w13)
+    a.set_layer_number(2)
+    assert torch.equal(c.layer.experts.w13, a.layer.experts.w13) and a.layer_number == 2
     own = _build(spec, _tc(perform_initialization=False, init_method_std=std), "builder")
     ref = ml.VanillaMoE(ml.MoEConfig.from_megatron(_tc(init_method_std=std)), ml.ParallelGroups.single())
     assert torch.equal(own.layer.experts.w13, ref.experts.w13) and torch.equal(own.layer.router.weight, ref.router.weight)
