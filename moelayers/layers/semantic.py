@@ -357,19 +357,24 @@ class SemanticMoE(MoELayerBase):
 _WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
 
 
-def _context_tensors(prev: PrevRanks) -> list[torch.Tensor]:
-    """The tensors of a ``prev_ranks`` context (a tensor, or a pair of tensors / ``None``)."""
-    parts = list(prev) if isinstance(prev, (tuple, list)) else [prev]
-    return [p for p in parts if isinstance(p, torch.Tensor)]
+def _context_tensors(prev: PrevRanks) -> list[torch.Tensor | None]:
+    """A ``prev_ranks`` context as a list that tells its forms apart: ``[]`` for ``None``, ``[t]`` for
+    a tensor alone, ``[a, b]`` for a pair (each a tensor or ``None``; arrays and lists as tensors)."""
+    if prev is None:
+        return []
+    if isinstance(prev, (tuple, list)) and len(prev) == 2 and not isinstance(prev[0], (int, float)):
+        return [None if p is None else torch.as_tensor(p) for p in prev]
+    return [torch.as_tensor(prev)]
 
 
-def _fingerprint_of(tensors: list[torch.Tensor], dev: torch.device) -> torch.Tensor:
-    """One order-sensitive int64 fingerprint of the values and shapes of ``tensors`` (0-d, on ``dev``)."""
-    out = torch.zeros((), dtype=torch.int64, device=dev)
+def _fingerprint_of(tensors: list[torch.Tensor | None], dev: torch.device) -> torch.Tensor:
+    """One order-sensitive int64 fingerprint of how many entries ``tensors`` has and of each entry's
+    presence, shape and values (0-d, on ``dev``)."""
+    out = fingerprint(torch.tensor([[len(tensors)]], dtype=torch.int64, device=dev))[0]
     for i, t in enumerate(tensors):
-        shape = torch.tensor([i, *t.shape], dtype=torch.int64, device=dev)
-        out = out + fingerprint(shape.reshape(1, -1))[0]
-        if t.numel():
+        head = [i, -1] if t is None else [i, t.dim(), *t.shape]
+        out = out * 3 + fingerprint(torch.tensor([head], dtype=torch.int64, device=dev))[0]
+        if t is not None and t.numel():
             out = out * 3 + fingerprint(t.reshape(1, -1).to(dev, torch.int64))[0]
     return out
 
@@ -388,7 +393,8 @@ def _history_of(prev: PrevRanks, token_ids: torch.Tensor | None, *, num_experts:
     if num_experts is not None and prev.numel():
         if prev.dtype.is_floating_point or prev.dtype.is_complex or prev.dtype == torch.bool:
             raise TypeError(f"the expert history must hold integer expert ids, got dtype {prev.dtype}")
-        lo, hi = int(prev.min()), int(prev.max())
+        ids = prev.to(torch.int64)  # min/max have no kernel for uint16/32/64 (ids >= 2**63 turn negative: refused)
+        lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"the expert history holds expert id {lo if lo < 0 else hi}, outside [0, {num_experts}) "
                              "(the experts of the earlier layers: their last_context_ranks)")

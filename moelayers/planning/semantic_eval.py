@@ -177,10 +177,12 @@ def request_schedule(scores: np.ndarray, lengths: np.ndarray, num_ranks: int, *,
     their ranks together, the assignment with the largest total score (:func:`best_matching`),
     instead of greedily in order, where the last request of a cycle takes whatever rank is left.
     A rank is closed to a request that would take it above ``max_ratio * total_tokens / R`` or,
-    with ``lookahead``, after which the requests still to come would not pack under that cap; a
-    cycle whose best assignment breaks either falls back to the greedy order
-    (:func:`schedule_one`): if every unmasked rank is closed the request takes the best open masked
-    rank, and if none is open (a request longer than the room anywhere) the least-loaded rank.
+    with ``lookahead``, after which the requests still to come would not pack under that cap. Where
+    the best joint assignment of a cycle breaks either (or a score is not finite), the cycle's first
+    request is placed on its own (:func:`schedule_one`) and the joint assignment is tried again for
+    the rest of the cycle. On its own, a request takes its best open unmasked rank; if every unmasked
+    rank is closed, the best open masked rank, and if none is open (a request longer than the room
+    anywhere) the least-loaded rank.
 
     Args:
         scores: ``[S, R]`` preference of each request for each rank (ties: the lower rank).
@@ -252,7 +254,7 @@ def _joint_cycle(scores: np.ndarray, lengths: np.ndarray, load: np.ndarray, mask
     or ``None`` (nothing changed) where no such assignment is the best one."""
     free = np.flatnonzero(~masked)
     fits = load[free][None, :] + lengths[:, None] <= cap
-    if not fits.any(1).all():
+    if not fits.any(1).all() or not np.isfinite(scores[:, free]).all():  # inf / NaN votes: one by one
         return None
     mean = load.mean()
     w = scores[:, free] - (balance * lengths[:, None] * (load[free][None, :] / mean - 1.0) if mean > 0 else 0.0)
@@ -261,7 +263,8 @@ def _joint_cycle(scores: np.ndarray, lengths: np.ndarray, load: np.ndarray, mask
     if not fits[np.arange(cols.size), cols].all():
         return None
     ranks = free[cols]
-    new_load = load + np.bincount(ranks, weights=lengths, minlength=load.size).astype(load.dtype)
+    new_load = load.copy()
+    np.add.at(new_load, ranks, lengths.astype(load.dtype))  # exact integer counts
     if remaining is not None and not packs(cap - new_load.astype(np.float64), remaining):
         return None
     load[:] = new_load

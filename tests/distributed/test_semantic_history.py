@@ -94,20 +94,25 @@ def _context_and_id_checks(rank: int, world: int) -> dict[str, str]:
     out = {}
     with torch.no_grad():
         want = layer.forward_tp(partials[rank], residual, norm, token_ids=ids, prev_ranks=(None, hist))
-    for kind in ("history id >= E", "negative history id", "other histories"):
+    for kind in ("history id >= E", "negative history id", "other histories", "pair swapped", "alone vs pair"):
         bad = hist.clone()
+        ctx = (None, bad)
         if rank == 1:
             if kind == "other histories":
                 bad[0, 0, 0] = (bad[0, 0, 0] + 1) % e
+            elif kind == "pair swapped":  # (h, None): the same tensor in the other place
+                ctx = (bad, None)
+            elif kind == "alone vs pair":
+                ctx = bad
             else:
                 bad[0, 0, 0] = e + 3 if kind == "history id >= E" else -1
         try:
             with torch.no_grad():
-                layer.forward_tp(partials[rank], residual, norm, token_ids=ids, prev_ranks=(None, bad))
+                layer.forward_tp(partials[rank], residual, norm, token_ids=ids, prev_ranks=ctx)
             out[kind] = "no error"
         except ValueError as exc:
             msg = str(exc)
-            if kind == "other histories":
+            if kind in ("other histories", "pair swapped", "alone vs pair"):
                 ok = "different prev_ranks" in msg
             else:
                 ok = ("outside [0, " in msg) if rank == 1 else ("refused the input of TP rank(s) [1]" in msg)
@@ -115,6 +120,10 @@ def _context_and_id_checks(rank: int, world: int) -> dict[str, str]:
     with torch.no_grad():
         got = layer.forward_tp(partials[rank], residual, norm, token_ids=ids.to(torch.uint64), prev_ranks=(None, hist))
     out["uint64 ids"] = "same" if torch.equal(got, want) else "differs"
+    with torch.no_grad():  # an unsigned history on one rank (min/max have no uint16 kernel: used to escape the agreement)
+        small = hist.to(torch.uint16) if rank == 1 else hist
+        got = layer.forward_tp(partials[rank], residual, norm, token_ids=ids, prev_ranks=(None, small))
+    out["uint16 history"] = "same" if torch.equal(got, want) else "differs"
     x0 = torch.zeros(0, H, dtype=torch.float64, requires_grad=True)
     y0 = layer.forward_tp(x0, torch.zeros(0, H, dtype=torch.float64), norm, token_ids=ids[:0],
                           prev_ranks=(None, hist[:, :0]))
@@ -126,7 +135,8 @@ def _context_and_id_checks(rank: int, world: int) -> dict[str, str]:
 @pytest.mark.timeout(120)
 def test_forward_tp_checks_the_context_and_takes_any_integer_ids():
     want = {"history id >= E": "raised", "negative history id": "raised", "other histories": "raised",
-            "uint64 ids": "same", "0 tokens": "in the graph"}
+            "pair swapped": "raised", "alone vs pair": "raised", "uint64 ids": "same", "uint16 history": "same",
+            "0 tokens": "in the graph"}
     assert run_distributed(_context_and_id_checks, 2, timeout=90) == [want, want]
 
 

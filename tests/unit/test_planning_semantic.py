@@ -678,3 +678,19 @@ def test_joint_schedule_balance_keeps_long_requests_apart():
     skewed = np.bincount(request_schedule(scores, lengths, 2, joint=True, balance=0.0, max_ratio=10.0), weights=lengths)
     even = np.bincount(request_schedule(scores, lengths, 2, joint=True, max_ratio=10.0), weights=lengths)
     assert skewed.tolist() == [1200, 30] and even.max() / even.mean() < 1.1
+
+
+def test_joint_schedule_non_finite_votes_and_exact_loads():
+    """Infinite votes (a plan with infinite confidences) send the joint schedule back to one by one
+    (the matching would compare inf - inf); loads stay exact integers at any length."""
+    from moelayers.planning.semantic_eval import schedule_requests
+
+    scores = np.zeros((4, 4))
+    scores[0, 1], scores[1, 2], scores[2, 3], scores[3, 3] = 1.0, 1.0, 1.0, np.inf
+    one = request_schedule(scores, np.ones(4, np.int64), 4, max_ratio=10.0)
+    joint = request_schedule(scores, np.ones(4, np.int64), 4, max_ratio=10.0, joint=True)
+    assert one.tolist() == [1, 2, 3, 0] and joint.tolist() == one.tolist()
+    lengths = np.array([2**53 + 1, 2**53 + 3], dtype=np.int64)
+    load = np.zeros(2, np.int64)
+    schedule_requests(np.array([[1.0, 0.0], [0.0, 1.0]]), lengths, load, np.zeros(2, bool), np.inf, joint=True)
+    assert load.tolist() == [2**53 + 1, 2**53 + 3]
