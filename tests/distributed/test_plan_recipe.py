@@ -210,10 +210,17 @@ def test_semantic_report_and_assignment(semantic_runs, trace_file, mode):
     if mode == "tp":
         check_tp_batches(arrays["token_rank"], 4)
         assert report["token_imbalance"] == pytest.approx(1.0, abs=4 / arrays["token_rank"].shape[0])
+        assert report["dp_schedule"] is None
     else:
         check_dp_requests(arrays["token_rank"], arrays["seq_offsets"], 4)
         assert report["dp_schedule"] == "greedy"
     assert report["max_ratio_exceeded"] is False
+
+
+def test_dp_schedule_setting():
+    import recipes.plan as recipe
+
+    assert recipe.dp_schedule({}) == "greedy" and recipe.dp_schedule({"dp_schedule": "joint"}) == "joint"
 
 
 def test_semantic_dp_schedule_joint(semantic_runs, trace_file, tmp_path):

@@ -105,7 +105,7 @@ def _context_and_id_checks(rank: int, world: int) -> dict[str, str]:
             elif kind == "alone vs pair":
                 ctx = bad
             else:
-                bad[0, 0, 0] = e + 3 if kind == "history id >= E" else -1
+                bad[0, 0, 0] = e if kind == "history id >= E" else -1
         try:
             with torch.no_grad():
                 layer.forward_tp(partials[rank], residual, norm, token_ids=ids, prev_ranks=ctx)
@@ -117,9 +117,10 @@ def _context_and_id_checks(rank: int, world: int) -> dict[str, str]:
             else:
                 ok = ("outside [0, " in msg) if rank == 1 else ("refused the input of TP rank(s) [1]" in msg)
             out[kind] = "raised" if ok else f"wrong error: {msg}"
-    with torch.no_grad():
-        got = layer.forward_tp(partials[rank], residual, norm, token_ids=ids.to(torch.uint64), prev_ranks=(None, hist))
-    out["uint64 ids"] = "same" if torch.equal(got, want) else "differs"
+    for dtype in (torch.uint16, torch.uint32, torch.uint64):
+        with torch.no_grad():
+            got = layer.forward_tp(partials[rank], residual, norm, token_ids=ids.to(dtype), prev_ranks=(None, hist))
+        out["uint64 ids"] = out.get("uint64 ids", "same") if torch.equal(got, want) else f"{dtype} differs"
     with torch.no_grad():  # an unsigned history on one rank (min/max have no uint16 kernel: used to escape the agreement)
         small = hist.to(torch.uint16) if rank == 1 else hist
         got = layer.forward_tp(partials[rank], residual, norm, token_ids=ids, prev_ranks=(None, small))
@@ -152,3 +153,10 @@ def test_trace_recorder_refuses_attention_tp_layers():
     with pytest.raises(ValueError, match="cannot record attention-TP layers.*mode='dp'"):
         with TraceRecorder(model):
             pass
+
+
+def test_expert_history_must_hold_integer_ids():
+    from moelayers.layers.semantic import _history_of
+
+    with pytest.raises(TypeError, match="integer expert ids"):
+        _history_of(torch.zeros(1, 3, 2), torch.zeros(3), num_experts=4)

@@ -530,3 +530,15 @@ def test_emulated_expert_time_with_several_expert_parallel_groups(tmp_path):
     assert imposed.shape == (4, res["steps"])
     np.testing.assert_allclose(res["emulated_expert_rank_s"], imposed.sum(1), rtol=1e-9)
     assert res["emulated_expert_s"] == pytest.approx(imposed.max(0).sum(), rel=1e-9)
+
+
+def test_emulated_expert_time_takes_the_slowest_rank_layer_by_layer():
+    """Each layer waits for its own slowest rank: layer 0 for rank 0 (400 rows), layer 1 for rank 1."""
+    import recipes.serve as serve
+
+    d = _config("layer=variability", "variability=high", "emulation.mode=curve", "emulation.time_scale=1")
+    loads = torch.tensor([[[[400, 0], [0, 400]]]])  # [W=1, steps=1, L=2, R=2]
+    got = serve.emulated_expert_time(d, loads, [0])
+    slow = 1 / 0.88  # the high preset's rank 0; C(n) = s (20 us + 10 us ceil(n / 128))
+    assert got["emulated_expert_s"] == pytest.approx(60e-6 * slow + 60e-6)
+    assert got["emulated_expert_rank_s"] == pytest.approx([(60e-6 + 20e-6) * slow])

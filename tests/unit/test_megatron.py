@@ -104,6 +104,8 @@ def test_spec_layers_use_megatrons_init_methods(monkeypatch):
     assert torch.equal(a.layer.experts.w13, b.layer.experts.w13.flip(0))
     assert torch.equal(a.layer.experts.w2, b.layer.experts.w2.flip(0))
     assert torch.equal(a.layer.router.weight, b.layer.router.weight)
+    n = a.layer.router.weight.numel()  # the router draws under its own seed, not expert 0's
+    assert not torch.equal(a.layer.router.weight.flatten(), a.layer.experts.w13[0].flatten()[:n])
     assert abs(a.layer.experts.w13.std().item() / std - 1) < 0.02
     assert abs(a.layer.experts.w2.std().item() / (std / (2 * layers) ** 0.5) - 1) < 0.02
     # the GPUs' generators are left alone (torch.manual_seed would reseed them all)

@@ -440,6 +440,8 @@ def test_evaluate_dp_invariants(synth):
     assert report["expert_imbalance"] <= 1.3
     even = request_schedule(np.zeros((held.num_sequences, 4)), held.seq_lengths, 4)  # no scores: spread evenly
     check_traffic(report, held, plan.expert_rank, token_rank, 4, np.repeat(even, held.seq_lengths))
+    assert report["joint"] is False and evaluate_dp(plan, held, joint=True)[0]["joint"] is True
+    assert evaluate_dp(plan, held, mask=False, joint=True)[0]["joint"] is False  # no mask, no cycles
     free, free_rank = evaluate_dp(plan, held, mask=False)
     tokens = np.bincount(free_rank[:, 0], minlength=4)
     assert tokens.max() <= 1.3 * tokens.mean() and (free_rank == free_rank[:, :1]).all()
@@ -581,8 +583,10 @@ def test_request_schedule_keeps_every_remaining_request_packable():
         if not any(np.bincount(a, weights=lengths, minlength=r).max() <= cap
                    for a in itertools.product(range(r), repeat=s)):
             continue
-        tokens = np.bincount(request_schedule(rng.random((s, r)), lengths, r), weights=lengths, minlength=r)
-        assert tokens.max() <= cap + 1e-9, (lengths, tokens)
+        scores = rng.random((s, r))
+        for joint in (False, True):  # the joint cycles keep the cap and its look-ahead too
+            tokens = np.bincount(request_schedule(scores, lengths, r, joint=joint), weights=lengths, minlength=r)
+            assert tokens.max() <= cap + 1e-9, (joint, lengths, tokens)
 
 
 _PLAN_HASH = """
@@ -694,3 +698,21 @@ def test_joint_schedule_non_finite_votes_and_exact_loads():
     load = np.zeros(2, np.int64)
     schedule_requests(np.array([[1.0, 0.0], [0.0, 1.0]]), lengths, load, np.zeros(2, bool), np.inf, joint=True)
     assert load.tolist() == [2**53 + 1, 2**53 + 3]
+
+
+def test_joint_schedule_details():
+    """The joint cycle's cap check (a closed rank loses to any open one, a rank exactly at the cap is
+    open), ties (the lowest rank), no mask (no cycles: joint does not apply), the report's flag."""
+    from moelayers.planning.semantic_eval import best_matching, schedule_requests
+
+    def run(scores, lengths, load, cap):
+        return schedule_requests(np.array(scores, float), np.array(lengths), np.array(load), np.zeros(3, bool), cap,
+                                 joint=True, balance=0.0).tolist()
+
+    assert run([[2, 3, 2], [3, 2, 1], [2, 2, 3]], [3, 9, 8], [9, 2, 1], 12.0) == [0, 1, 2]
+    assert run([[0, 1, 2], [0, 2, 3], [2, 2, 1]], [3, 6, 7], [9, 2, 3], 16.0) == [2, 1, 0]
+    assert best_matching(np.zeros((2, 2))).tolist() == [0, 1]
+    assert request_schedule(np.zeros((4, 2)), np.ones(4, np.int64), 2, joint=True).tolist() == [0, 1, 0, 1]
+    free = request_schedule(np.tile([[1.0, 0.0]], (6, 1)), np.ones(6, np.int64), 2, mask=False, joint=True,
+                            max_ratio=10.0)
+    assert free.tolist() == [0] * 6

@@ -126,7 +126,12 @@ def test_assign_batch_gives_a_mask_cycle_the_best_total_vote():
         bad.assign_batch([[0, 1], [99]])
     assert bad.loads.sum() == 0 and bad.token_loads.sum() == 0 and not bad.mask.any()
     rr = RoundRobinScheduler(3)
-    assert rr.assign_batch([[1], [2], [3], [4]]) == [0, 1, 2, 0]
+    assert rr.assign_batch([[1], [2], [3], [4]]) == [0, 1, 2, 0] and rr.assign() == 1  # the turn moved on
+    counted = SemanticScheduler(plan)
+    counted.assign([0], num_tokens=8)  # a prompt of 8 tokens, voting with its first
+    assert counted.token_loads.sum() == 8
+    by_numpy = SemanticScheduler(plan, layer=np.int64(0))
+    assert by_numpy.assign_batch(reqs) == SemanticScheduler(plan, layer=0).assign_batch(reqs)
 
 
 def test_semantic_scheduler_token_ids_outside_the_plans_vocabulary():

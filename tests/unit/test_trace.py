@@ -101,6 +101,8 @@ BAD = {
     # >= 2**63 (uint64) used to validate and load, then fail to save (OverflowError casting to int64)
     "num_experts over int64": (lambda a: a.update(num_experts=np.uint64(2**64 - 1)), ValueError,
                                "'num_experts' must be <= 9223372036854775807"),
+    "vocab at 2**63": (lambda a: a.update(vocab_size=np.uint64(2**63)), ValueError,
+                       "'vocab_size' must be <= 9223372036854775807"),
     "vocab over int64": (lambda a: a.update(vocab_size=np.uint64(2**63 + 10)), ValueError,
                          "'vocab_size' must be <= 9223372036854775807"),
     "offsets start": (lambda a: a.update(seq_offsets=np.array([1, 3, 7])), ValueError, "'seq_offsets'.*start at 0"),
@@ -579,6 +581,9 @@ def test_synthetic_refuses_a_vocabulary_too_large_to_shuffle() -> None:
     """vocab_size=2**40 used to raise MemoryError (the sampler permutes the whole vocabulary)."""
     with pytest.raises(ValueError, match="synthetic_trace: vocab_size must be <= 2147483648"):
         synthetic_trace(2, 1, 8, 2, 2**40, seq_len=4)
+    with pytest.raises(ValueError, match="vocab_size must be <= 2147483648"):
+        ts._check_generator_args(2, 1, 8, 2, 2**31 + 1, 4, 8)
+    ts._check_generator_args(2, 1, 8, 2, 2**31, 4, 8)  # the limit itself is allowed
 
 
 def _table_recalls(train: RoutingTrace, test: RoutingTrace, layer: int, min_count: int = 1) -> tuple[float, float]:
