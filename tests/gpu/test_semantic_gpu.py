@@ -1,5 +1,6 @@
 """SemanticMoE on GPUs: the shuffle kernels natively on CUDA vs their references, the rebatch on CUDA
-vs CPU, and the distributed semantic suite (dp and tp modes, tiny decoder) over NCCL on 1 and 2 GPUs."""
+vs CPU, and the distributed semantic suite (dp and tp modes, tiny decoder) over NCCL on 1, 2 and 4 GPUs
+(the 4-GPU case where the machine has them)."""
 
 import pytest
 import torch
@@ -60,9 +61,9 @@ def test_rebatch_cuda_equals_cpu(T, R):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", (1, 2))
+@pytest.mark.parametrize("world", (1, 2, 4))
 def test_semantic_moe_matches_reference_nccl(world):
-    """World 1 runs every case's code path on CUDA (a single chunk); world 2 shuffles across GPUs."""
+    """World 1 runs every case's code path on CUDA (a single chunk); worlds 2 and 4 shuffle across GPUs."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     check_results(run_distributed(run_semantic_cases, world, "cuda", backend="nccl", timeout=500))

@@ -1,4 +1,4 @@
-"""VariabilityAwareMoE on 2 GPUs with NCCL: the scenarios of tests/distributed/test_variability.py
+"""VariabilityAwareMoE on 2 GPUs (and 4 where the machine has them) with NCCL: the scenarios of tests/distributed/test_variability.py
 (moves, bad input, staging fault, recorder + replan, auto replan), a move of a CUDA-graph layer,
 and the measured (CUDA-event) variability emulation."""
 
@@ -15,20 +15,22 @@ from tests.distributed.test_variability import SCENARIOS, Ctx, StubPlanner, _per
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 needs_two = pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 WORLD = 2
-_results: dict[str, list[dict]] = {}
+_results: dict[int, list[dict]] = {}
 
 
-def _results_nccl() -> list[dict]:
-    if "nccl" not in _results:
-        _results["nccl"] = run_distributed(run_scenarios, WORLD, "cuda", backend="nccl", timeout=300)
-    return _results["nccl"]
+def _results_nccl(world: int) -> list[dict]:
+    if world not in _results:
+        _results[world] = run_distributed(run_scenarios, world, "cuda", backend="nccl", timeout=300)
+    return _results[world]
 
 
-@needs_two
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", (2, 4))
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_variability_layer_nccl(name):
-    check_results(_results_nccl(), name, WORLD)
+def test_variability_layer_nccl(world, name):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    check_results(_results_nccl(world), name, world)
 
 
 def _graph_worker(rank: int, world: int) -> list[str]:
