@@ -22,7 +22,7 @@ from moelayers.models.tiny import RMSNorm
 from moelayers.planning.semantic import SemanticPlan, majority_rank
 from moelayers.router import scores_to_topk
 from moelayers.schedule import shuffled_all_gather, shuffled_reduce_scatter
-from moelayers.testing import check_close, run_distributed
+from moelayers.testing import check_close, redraw_near_ties, run_distributed
 
 H, F, V, L = 32, 16, 48, 3
 
@@ -191,7 +191,9 @@ def _run_dp_case(rank, world, groups, dtype, device):
     w64 = weights64(e, seed=21)
     layer.load_full_weights(*(w.to(dtype).to(device) for w in w64))
     g = torch.Generator().manual_seed(50 + rank)
-    x64 = torch.randn(5 + 2 * rank, H, generator=g, dtype=torch.float64)
+    draw = lambda n: torch.randn(n, H, generator=g, dtype=torch.float64).to(dtype).double()  # noqa: E731
+    # no router near-ties: a GPU's bf16 logits may break one otherwise than the CPU bf16 reference
+    x64 = redraw_near_ties(draw(5 + 2 * rank), w64[0], 2, draw, score_fn=cfg.score_fn)
     ids = torch.randint(0, V + 5, (x64.shape[0],), generator=g)
     with torch.no_grad():
         y = layer(x64.to(dtype).to(device), token_ids=ids.to(device))

@@ -47,6 +47,23 @@ def _weights():
     return tuple(w.bfloat16() for w in (router, w13, w2))
 
 
+def _inputs(rank: int, router: torch.Tensor) -> torch.Tensor:
+    """``[S, B, H]`` bf16 inputs of ``rank`` without router near-ties under either score function: a
+    near-tie may be broken one way by the GPU's bf16 logits and the other by the CPU bf16 reference."""
+    from moelayers.testing import redraw_near_ties
+
+    g = torch.Generator().manual_seed(100 + rank)
+    draw = lambda n: torch.randn(n, H, generator=g).bfloat16().double()  # noqa: E731
+    x, r64 = draw(S * B), router.double()
+    for _ in range(20):
+        before = x.clone()
+        for score_fn in ("softmax", "sigmoid"):
+            redraw_near_ties(x, r64, K, draw, score_fn=score_fn)
+        if torch.equal(x, before):
+            return x.view(S, B, H).bfloat16()
+    raise RuntimeError("inputs without near-ties under both score functions not found")
+
+
 def _compare(rank: int, world: int) -> dict:
     """Runs on every rank: megatron vs VanillaMoE vs adapter, for each score function."""
     import warnings
@@ -64,7 +81,7 @@ def _compare(rank: int, world: int) -> dict:
     dev = torch.device("cuda", torch.cuda.current_device())
     weights = _weights()
     dev_weights = tuple(w.to(dev) for w in weights)
-    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(100 + rank)).bfloat16()
+    x = _inputs(rank, weights[0])
     out = {"megatron_core": getattr(megatron.core, "__version__", "?"), "torch": torch.__version__,
            "device": torch.cuda.get_device_name(dev)}
     for case, (score_fn, router_dtype) in CASES.items():
