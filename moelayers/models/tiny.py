@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -125,6 +126,48 @@ def _tp_heads(cfg: TinyConfig, attention: str, groups) -> tuple[int, int] | None
     return r * per, (r + 1) * per
 
 
+def _checked_slot(cfg: TinyConfig, index: int, moe: Any, attention: str) -> nn.Module:
+    """Block ``index``'s MoE slot from the factory, refused at construction where it cannot serve:
+    not a module, a layer config of another dtype or width, or no attention-TP path under ``'tp'``."""
+    if not isinstance(moe, nn.Module):
+        raise TypeError(f"moe_factory({index}) returned {type(moe).__name__}, not an nn.Module")
+    mcfg = getattr(moe, "config", None)
+    if mcfg is not None and hasattr(mcfg, "params_dtype") and hasattr(mcfg, "hidden_size"):
+        if mcfg.hidden_size != cfg.hidden_size:
+            raise ValueError(f"moe_factory({index}): the MoE layer's hidden_size {mcfg.hidden_size} is not the "
+                             f"model's {cfg.hidden_size}")
+        if mcfg.params_dtype != cfg.dtype:
+            raise ValueError(f"moe_factory({index}): the MoE layer computes in {mcfg.params_dtype}, the model in "
+                             f"{cfg.dtype} (TinyConfig.dtype must match params_dtype)")
+    if attention == "tp" and (not hasattr(moe, "forward_tp") or getattr(moe, "mode", "tp") != "tp"):
+        raise ValueError(f"attention='tp' needs MoE slots with forward_tp (e.g. SemanticMoE(mode='tp')); "
+                         f"block {index} holds {type(moe).__name__}"
+                         + (f"(mode={moe.mode!r})" if hasattr(moe, "mode") else ""))
+    return moe
+
+
+def _step_request(index: int, item: Any) -> "StepRequest":
+    """A batch item of :meth:`TinyDecoder.step` as a ``StepRequest`` (a clear error where it is none)."""
+    if isinstance(item, StepRequest):
+        req = item
+    elif isinstance(item, (tuple, list)) and len(item) == 2:
+        req = StepRequest(item[0], item[1])
+    else:
+        shape = f" of shape {list(item.shape)}" if isinstance(item, torch.Tensor) else ""
+        raise TypeError(f"batch item {index}: expected a StepRequest or (request_id, token_ids), got "
+                        f"{type(item).__name__}{shape}")
+    if isinstance(req.request_id, torch.Tensor):  # hashes by identity: its cache could never be found again
+        raise TypeError(f"batch item {index}: request_id must be hashable by value (a str or int), got a tensor")
+    return req
+
+
+def _check_vocab(ids: torch.Tensor, vocab_size: int, name: str) -> None:
+    """``ValueError`` naming the first id outside ``[0, vocab_size)``."""
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        bad = ids[(ids < 0) | (ids >= vocab_size)].reshape(-1)[0]
+        raise ValueError(f"{name}: token id {int(bad)} outside [0, vocab_size={vocab_size})")
+
+
 def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Rotary embedding (rotate-half form). ``x [..., n, hd]``, ``positions [n]`` -> same shape."""
     hd = x.shape[-1]
@@ -169,7 +212,7 @@ class CausalSelfAttention(nn.Module):
         pos = torch.arange(s, device=x.device)
         q, k = _rope(q, pos, self.cfg.rope_theta), _rope(k, pos, self.cfg.rope_theta)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(o.transpose(1, 2).reshape(b, s, -1))
+        return self.out(o.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))  # explicit: b*s may be 0
 
     def forward_cached(self, x: torch.Tensor, cache: KVCache | None) -> tuple[torch.Tensor, KVCache]:
         """One request's new tokens against its cache.
@@ -246,10 +289,8 @@ class TinyDecoder(nn.Module):
         self.cfg = cfg
         self.attention, heads = attention, _tp_heads(cfg, attention, groups)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=cfg.dtype, device=device)
-        self.blocks = nn.ModuleList(Block(cfg, moe_factory(i), device=device, heads=heads)
-                                    for i in range(cfg.num_layers))
-        if attention == "tp" and not all(hasattr(b.moe, "forward_tp") for b in self.blocks):
-            raise ValueError("attention='tp' needs MoE slots with forward_tp (e.g. SemanticMoE(mode='tp'))")
+        self.blocks = nn.ModuleList(Block(cfg, _checked_slot(cfg, i, moe_factory(i), attention), device=device,
+                                          heads=heads) for i in range(cfg.num_layers))
         self.tp_group = groups.tp if attention == "tp" else None
         if attention == "tp":  # applied by forward_tp to this rank's chunk: partial gradients
             for b in self.blocks:
@@ -296,7 +337,8 @@ class TinyDecoder(nn.Module):
 
         Raises:
             TypeError, ValueError: ``input_ids`` is not a ``[B, S]`` integer tensor (a ``[S]`` one is
-                named as such: add the batch dimension, ``ids[None]``).
+                named as such: add the batch dimension, ``ids[None]``), or holds an id outside
+                ``[0, vocab_size)``.
         """
         if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point() or input_ids.is_complex() \
                 or input_ids.dtype == torch.bool:
@@ -306,18 +348,20 @@ class TinyDecoder(nn.Module):
             hint = ": one sequence of S tokens is input_ids[None] ([1, S])" if input_ids.dim() == 1 else ""
             raise ValueError(f"input_ids must be [B, S], got {list(input_ids.shape)}{hint}")
         b, s = input_ids.shape
-        h = self.embed(input_ids)
+        input_ids = input_ids.to(torch.int64)  # nn.Embedding takes int32/int64 only
+        _check_vocab(input_ids, self.cfg.vocab_size, "input_ids")
+        h, w = self.embed(input_ids), self.cfg.hidden_size  # explicit widths: b * s may be 0
         flat_ids = input_ids.reshape(-1)
         history: list = []
         for blk in self.blocks:
             if self.attention == "tp":
                 x = copy_to_group(blk.norm1(h), self.tp_group)  # this rank's heads: a partial input gradient
-                partial = blk.attn(x).reshape(b * s, -1)
-                h = self._moe_tp(blk, partial, h.reshape(b * s, -1), flat_ids, history).view(b, s, -1)
+                partial = blk.attn(x).reshape(b * s, w)
+                h = self._moe_tp(blk, partial, h.reshape(b * s, w), flat_ids, history).view(b, s, w)
                 continue
             h = h + blk.attn(blk.norm1(h))
-            m = blk.moe(blk.norm2(h).reshape(b * s, -1), token_ids=flat_ids)
-            h = h + m.view(b, s, -1)
+            m = blk.moe(blk.norm2(h).reshape(b * s, w), token_ids=flat_ids)
+            h = h + m.view(b, s, w)
         return self.lm_head(self.norm(h))
 
     @staticmethod
@@ -352,18 +396,28 @@ class TinyDecoder(nn.Module):
 
         Returns:
             ``{request_id: logits [V]}``: next-token logits after each request's last token.
+
+        Raises:
+            TypeError, ValueError: an item that is not a ``StepRequest`` or a ``(request_id,
+                token_ids)`` pair, a tensor request id, token ids that are not an integer ``[n]``
+                tensor with ``n >= 1`` and every id in ``[0, vocab_size)``, or a request twice.
+                Raised on this rank before any collective: the other ranks are not told.
         """
-        items = [b if isinstance(b, StepRequest) else StepRequest(b[0], b[1]) for b in batch]
+        items = [_step_request(i, b) for i, b in enumerate(batch)]
         dev = self.embed.weight.device
         for it in items:
             t = it.token_ids
             if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
                 raise TypeError(f"request {it.request_id!r}: token_ids must be an integer tensor, got "
                                 f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+            if t.dim() > 1:
+                raise ValueError(f"request {it.request_id!r}: token_ids must be [n], got {list(t.shape)} "
+                                 "(one request per batch item)")
         ids = [it.token_ids.reshape(-1).to(device=dev, dtype=torch.int64) for it in items]
         for it, t in zip(items, ids):
             if t.numel() == 0:
                 raise ValueError(f"request {it.request_id!r} has no tokens in this step")
+            _check_vocab(t, self.cfg.vocab_size, f"request {it.request_id!r}: token_ids")
         if len({it.request_id for it in items}) != len(items):
             raise ValueError("a request appears twice in one step: give it one chunk per step")
         lens = [t.numel() for t in ids]

@@ -137,6 +137,70 @@ def test_bad_ids_and_config_values_are_refused():
             TinyConfig(**{name: value})
 
 
+def test_empty_batches_narrow_ids_and_out_of_vocabulary_ids():
+    """forward() crashed on [B, 0] and [0, S] (an ambiguous reshape of 0 elements) and on uint8/int16
+    ids (nn.Embedding takes int32/int64 only), which step() cast; an id outside the vocabulary was
+    nn.Embedding's bare 'index out of range in self' in both paths."""
+    model = make_model()
+    with torch.no_grad():
+        assert model(torch.zeros(2, 0, dtype=torch.int64)).shape == (2, 0, V)
+        assert model(torch.zeros(0, 5, dtype=torch.int64)).shape == (0, 5, V)
+        ids = torch.randint(0, V, (2, 6))
+        want = model(ids)
+        for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32):
+            assert torch.equal(model(ids.to(dtype)), want), dtype
+        for bad in (V, -1):
+            with pytest.raises(ValueError, match=rf"input_ids: token id {bad} outside \[0, vocab_size={V}\)"):
+                model(torch.tensor([[1, bad, 2]]))
+            with pytest.raises(ValueError, match=rf"request 'r': token_ids: token id {bad} outside"):
+                model.step([("r", torch.tensor([1, bad]))])
+        assert model.caches == {}
+
+
+def test_malformed_step_items_are_refused():
+    """A [2, 3] tensor was taken as one 6-token prompt, a bare id tensor as (ids[0], ids[1]) (a
+    request keyed by a tensor, a cache nobody could find again), a 1-tuple as a bare IndexError."""
+    model = make_model()
+    with torch.no_grad():
+        with pytest.raises(ValueError, match=r"request 'r': token_ids must be \[n\], got \[2, 3\]"):
+            model.step([("r", torch.arange(6).view(2, 3))])
+        with pytest.raises(TypeError, match="batch item 0: expected a StepRequest or \\(request_id, token_ids\\), "
+                                            "got Tensor of shape \\[3\\]"):
+            model.step([torch.tensor([7, 8, 9])])
+        with pytest.raises(TypeError, match="batch item 1: expected"):
+            model.step([("a", torch.tensor([1])), ("r2",)])
+        with pytest.raises(TypeError, match="request_id must be hashable by value"):
+            model.step([(torch.tensor(3), torch.tensor([1, 2]))])
+        assert model.caches == {}
+        model.step([["a", torch.tensor(5)]])  # a list pair and a 0-d tensor (one token) are fine
+        assert model.cache_length("a") == 1
+
+
+def test_moe_slots_that_cannot_serve_are_refused_at_construction():
+    """These used to build and fail at the first forward (or, for a dp-mode SemanticMoE under
+    attention='tp', pass the forward_tp check)."""
+    cfg = TinyConfig(vocab_size=V, hidden_size=H, num_layers=2, num_heads=4, dtype=torch.float64)
+    moe = ml.MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=E, top_k=K, params_dtype=torch.float64)
+    single = ml.ParallelGroups.single()
+    with pytest.raises(TypeError, match=r"moe_factory\(0\) returned NoneType, not an nn.Module"):
+        TinyDecoder(cfg, lambda i: None)
+    with pytest.raises(ValueError, match=r"moe_factory\(0\): the MoE layer computes in torch.float32, the model in torch.float64"):
+        TinyDecoder(cfg, lambda i: ml.VanillaMoE(moe.replace(params_dtype=torch.float32), single))
+    with pytest.raises(ValueError, match=r"moe_factory\(0\): the MoE layer's hidden_size 16 is not the model's 32"):
+        TinyDecoder(cfg, lambda i: ml.VanillaMoE(moe.replace(hidden_size=16), single))
+    with pytest.raises(ValueError, match="attention='tp' needs MoE slots with forward_tp .* block 0 holds VanillaMoE"):
+        TinyDecoder(cfg, lambda i: ml.VanillaMoE(moe, single), attention="tp", groups=single)
+    from tests.distributed.test_semantic import make_plan
+
+    plan = make_plan(E, 1, mode="dp", vocab=V)
+    with pytest.raises(ValueError, match=r"block 0 holds SemanticMoE\(mode='dp'\)"):
+        TinyDecoder(cfg, lambda i: ml.SemanticMoE.from_plan(plan, i, moe, single), attention="tp", groups=single)
+    tp_plan = make_plan(E, 1, mode="tp", vocab=V)
+    model = TinyDecoder(cfg, lambda i: ml.SemanticMoE.from_plan(tp_plan, i, moe, single), attention="tp", groups=single)
+    with torch.no_grad():
+        assert model(torch.randint(0, V, (2, 5))).shape == (2, 5, V)
+
+
 def test_check_close_refuses_a_coarser_low_precision_reference():
     """A bf16 ref_low for a float16 output loosened the tolerance enough to pass a 2 % error."""
     ref64 = torch.linspace(-1, 1, 64, dtype=torch.float64).reshape(8, 8)
