@@ -51,7 +51,7 @@ def time_layer(method: str, num_experts: int = 256, num_ranks: int = 8, steps: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--method", default="robust", choices=["plain", "robust"])
-    ap.add_argument("--sequences", type=int, nargs="*", default=[100])
+    ap.add_argument("--sequences", type=int, nargs="+", default=[100])
     args = ap.parse_args()
     for seqs in args.sequences:
         sec, steps = time_model(args.method, seqs)

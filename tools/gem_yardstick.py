@@ -194,24 +194,27 @@ def _print_rows(setting: str, res: dict) -> None:
 
 
 def _mean_results(runs: list[dict]) -> dict:
-    """Average ``{method: {key: value}}`` over runs (seeds)."""
-    return {m: {k: float(np.mean([run[m][k] for run in runs if k in run[m]])) for k in runs[0][m]}
-            for m in runs[0]}
+    """Average ``{method: {key: value}}`` over runs (seeds); a key that some runs lack (``capture``)
+    is averaged over the runs that have it."""
+    keys = {m: dict.fromkeys(k for run in runs for k in run[m]) for m in runs[0]}
+    return {m: {k: float(np.mean([run[m][k] for run in runs if k in run[m]])) for k in keys[m]} for m in runs[0]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", help="routing trace npz (instead of the synthetic regimes)")
-    ap.add_argument("--regimes", nargs="*", default=list(REGIMES), choices=list(REGIMES))
-    ap.add_argument("--settings", nargs="*", default=["ep4-high", "ep4-low", "ep8-high"], choices=list(SETTINGS))
-    ap.add_argument("--methods", nargs="*", default=list(METHODS), choices=list(METHODS))
+    ap.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=list(REGIMES))
+    ap.add_argument("--settings", nargs="+", default=["ep4-high", "ep4-low", "ep8-high"], choices=list(SETTINGS))
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--layers", type=int, default=0, help="plan only this many evenly spaced layers (0: all)")
     ap.add_argument("--tokens-per-step", type=int, default=2048)
-    ap.add_argument("--seeds", type=int, nargs="*", default=[0], help="synthetic trace seeds (results averaged)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="synthetic trace seeds (results averaged)")
     ap.add_argument("--cache", default="/tmp/gem_yardstick")
     ap.add_argument("--opt", nargs="*", default=[], help="robust options key=value (JSON values)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
+    if args.trace and any(a == "--seeds" or a.startswith("--seeds=") for a in sys.argv[1:]):
+        ap.error("--seeds draws synthetic traces; with --trace the one trace is evaluated once")
     options = _parse_options(args.opt)
 
     names = [Path(args.trace).name] if args.trace else args.regimes

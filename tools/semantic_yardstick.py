@@ -211,9 +211,9 @@ def summarize(before: Path, after: Path) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--regimes", nargs="*", default=list(REGIMES), choices=list(REGIMES))
-    ap.add_argument("--cases", nargs="*", default=["tp4", "tp8", "dp4"], choices=list(CASES))
-    ap.add_argument("--methods", nargs="*", default=["greedy", "ours"], choices=["greedy", "ours"])
+    ap.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=list(REGIMES))
+    ap.add_argument("--cases", nargs="+", default=["tp4", "tp8", "dp4"], choices=list(CASES))
+    ap.add_argument("--methods", nargs="+", default=["greedy", "ours"], choices=["greedy", "ours"])
     ap.add_argument("--cache", type=Path, default=Path("/tmp/sem_traces"))
     ap.add_argument("--plan-kw", default="{}", help="extra plan_semantic keywords, a JSON object")
     ap.add_argument("--json", type=Path, help="append one JSON line per result here")
