@@ -254,8 +254,9 @@ class LatencyCurves:
         ``C~_r(n) = (1 / w) * integral of C_r over [n - w/2, n + w/2]``: the expected latency when the
         rows are only known to within ``+- w/2`` (a tiled curve averaged over one tile becomes a
         straight line). Computed exactly from the piecewise-linear samples (piecewise quadratic
-        antiderivative), on a uniform grid of ``max(1, w / 8)`` rows up to the last sample; beyond
-        it the smoothed curve continues linearly, as every curve does.
+        antiderivative), on a uniform grid of ``max(1, w / 8)`` rows up to half a window past the
+        last sample; beyond that every window lies on the linear tail, whose average is the tail
+        itself, so the smoothed curve continues with this curve's tail slope.
 
         Args:
             width: window ``w`` in rows, ``> 0``.
@@ -267,12 +268,15 @@ class LatencyCurves:
             raise ValueError(f"smoothing width must be a positive number of rows, got {width}")
         half = 0.5 * float(width)
         step = max(1, int(width // 8))
-        top = max(int(self.rows[0]) + step, int(self.rows[-1] - half))  # windows inside the samples
+        top = int(np.ceil(self.rows[-1] + half))  # from here on every window lies on the linear tail
         grid = np.arange(int(self.rows[0]), top + step, step, dtype=np.int64)
         ranks = np.arange(self.num_ranks)[:, None]
         hi, lo = self._antiderivative(grid + half, ranks), self._antiderivative(grid - half, ranks)
         lat = np.maximum.accumulate((hi - lo) / width, axis=1)  # guard monotonicity against rounding
-        return LatencyCurves(grid, lat, source=f"{self!r} smoothed over {width:.4g} rows")
+        out = LatencyCurves(grid, lat, source=f"{self!r} smoothed over {width:.4g} rows")
+        out._slope[:, -1] = self._slope[:, -1]  # the tail: this curve's slope, not one fitted to the window
+        out._icept[:, -1] = out.latency_s[:, -1] - out._slope[:, -1] * out._x[-2]
+        return out
 
     def _antiderivative(self, x: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         """``I_r(x) = integral of C_r from rows[0] to x`` (negative below ``rows[0]``); broadcast shapes."""

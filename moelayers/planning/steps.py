@@ -155,10 +155,14 @@ class LoadWindow:
         self._steps.append(c.astype(np.int64, copy=True))
 
     def push_topk(self, topk_ids: Sequence[np.ndarray] | np.ndarray) -> None:
-        """Add one step from the routing of each layer: ``[L]`` arrays ``[T, K]`` (or ``[T, L, K]``)."""
-        ids = topk_ids if isinstance(topk_ids, np.ndarray) and topk_ids.ndim == 3 else None
+        """Add one step from the routing of each layer: ``[L]`` arrays ``[T, K]`` (or one ``[T, L, K]``
+        array); numpy arrays or torch tensors (on any device)."""
+        def host(a):  # a torch tensor (any device) as numpy; planning/ does not import torch
+            return np.asarray(a.detach().cpu() if hasattr(a, "detach") else a)
+
+        ids = host(topk_ids) if getattr(topk_ids, "ndim", None) == 3 else None
         per_layer = [ids[:, i, :] for i in range(ids.shape[1])] if ids is not None else list(topk_ids)
-        flat = [np.asarray(t).ravel() for t in per_layer]
+        flat = [host(t).ravel() for t in per_layer]
         for i, t in enumerate(flat):
             if t.dtype.kind not in "iu":
                 raise TypeError(f"LoadWindow.push_topk: layer {i} expert ids must be integers, got dtype {t.dtype}")

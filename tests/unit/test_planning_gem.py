@@ -7,6 +7,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from moelayers.placement import ExpertPlacement
 from moelayers.planning.eplb import balanced_packing, plan_eplb, plan_eplb_placement, replicate_experts
@@ -85,6 +86,15 @@ def test_smoothed_curves_average_over_the_window() -> None:
         window = np.linspace(x - width / 2, x + width / 2, 100_001)
         assert sampled.smoothed(width).eval_ranks(np.array(x), 0) == pytest.approx(
             sampled.eval_ranks(window, 0).mean(), rel=2e-3)
+    # a profile-like curve whose last segment is steep: the grid used to stop half a window before the
+    # last sample and the tail took the slope of the smoothed samples (35 % low at 1,000 rows)
+    profile = LatencyCurves(np.array([1, 16, 32, 48, 64, 96, 128]),
+                            np.array([[60.0, 167.0, 167.0, 167.0, 170.0, 176.0, 274.0]]) * US)
+    width = 100.0
+    smooth = profile.smoothed(width)
+    for x in (40.0, 100.0, 120.0, 178.0, 200.0, 400.0, 1000.0, 1e5):
+        window = np.linspace(x - width / 2, x + width / 2, 200_001)
+        assert smooth.eval_ranks(np.array(x), 0) == pytest.approx(profile.eval_ranks(window, 0).mean(), rel=3e-3), x
     with pytest.raises(ValueError, match="positive number of rows"):
         curves.smoothed(0.0)
 
@@ -209,6 +219,11 @@ def test_load_window_keeps_the_last_steps() -> None:
     assert len(win) == 3 and win.loads().shape == (2, 3, 4)
     np.testing.assert_array_equal(win.loads()[0, :, 0], [2, 3, 4])
     win.push_topk(np.array([[[0, 1], [2, 3]], [[0, 0], [1, 1]]]))  # [T=2, L=2, K=2]
+    np.testing.assert_array_equal(win.loads()[:, -1], [[3, 1, 0, 0], [0, 2, 1, 1]])
+    # the same routing as a torch tensor (the layers' last_topk_ids): it was split by token, not layer
+    win.push_topk(torch.tensor([[[0, 1], [2, 3]], [[0, 0], [1, 1]]]))
+    np.testing.assert_array_equal(win.loads()[:, -1], [[3, 1, 0, 0], [0, 2, 1, 1]])
+    win.push_topk([torch.tensor([[0, 1], [0, 0]]), torch.tensor([[2, 3], [1, 1]])])
     np.testing.assert_array_equal(win.loads()[:, -1], [[3, 1, 0, 0], [0, 2, 1, 1]])
     with pytest.raises(ValueError, match="counts must be"):
         win.push(np.zeros(4))
