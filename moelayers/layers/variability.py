@@ -16,6 +16,7 @@ the result, so every rank applies the same placement.
 
 from __future__ import annotations
 
+import numbers
 import warnings
 import weakref
 from typing import Any, Callable
@@ -37,12 +38,17 @@ class VariabilityAwareMoE(MoELayerBase):
 
     Args:
         config, groups, placement: as every layer (placement default: linear).
-        curves: latency curves of the ranks (``moelayers.planning.gem.LatencyCurves``); default
-            ``LatencyCurves.preset(variability, ep_size)``, built on first use.
-        variability: preset for the default curves: ``'high' | 'moderate' | 'low' | 'none'``.
+        curves: latency curves of the ranks (``moelayers.planning.gem.LatencyCurves`` for
+            ``ep_size`` ranks, checked here); default ``LatencyCurves.preset(variability, ep_size)``,
+            built on first use.
+        variability: preset for the default curves: ``'high' | 'moderate' | 'low' | 'none'`` (given
+            ``curves`` take its place).
         window: steps of expert loads kept for planning.
         auto_replan: re-plan once when the window first fills, then every ``replan_every`` steps
-            (if set), at the end of that forward. When autograd records the forward (the input or
+            (if set), at the end of that forward. An automatic re-plan that fails (the planner, or
+            an aborted move: every rank learns it together) does not cost the forward its output: a
+            ``RuntimeWarning`` says why, the old placement keeps serving, and the re-plan is tried
+            again ``window`` steps later. When autograd records the forward (the input or
             the weights require grad), the re-plan waits for the start of the next forward instead:
             moving weights in place would break the backward of the graph that saved them. (The
             optimizer state of the moved slots does not move with them: re-planning is meant for
@@ -50,7 +56,7 @@ class VariabilityAwareMoE(MoELayerBase):
         replan_every: steps between automatic re-plans after the first (needs ``auto_replan``).
         planner: ``planner(loads [steps, E], curves, *, restarts, seed) -> expert_rank [E]``, run on
             rank 0 only (default: ``moelayers.planning.gem.plan_gem``).
-        restarts, plan_seed: passed to the planner as ``restarts`` and ``seed``.
+        restarts, plan_seed: passed to the planner as ``restarts`` and ``seed`` (an int ``>= 0``).
         min_gain: move only when the new placement's predicted time on the planning window
             (``moelayers.planning.gem.score`` of the loads under the curves) is at least this share
             below the current placement's, e.g. ``0.01``: no weights moved for a 0.1 % gain when
@@ -125,10 +131,17 @@ class VariabilityAwareMoE(MoELayerBase):
             raise ValueError(f"min_gain must be None or a number in [0, 1), got {min_gain!r}")
         if planner is not None and not callable(planner):
             raise TypeError(f"planner must be callable, got {type(planner).__name__}")
+        if isinstance(plan_seed, bool) or not isinstance(plan_seed, numbers.Integral) or plan_seed < 0:
+            raise ValueError(f"plan_seed must be an int >= 0, got {plan_seed!r}")
+        if curves is not None and hasattr(curves, "check_ranks"):  # LatencyCurves: here, not at the first re-plan
+            curves.check_ranks(groups.ep_size)
+        factor = _slowdown_factor(slowdown, groups) if slowdown is not None else None  # on every rank, before any collective
         super().__init__(config, groups, placement=placement, **kwargs)
         self.curves, self.variability = curves, variability
         self.window, self.replan_every, self.auto_replan = window, replan_every, auto_replan
-        self.planner, self.restarts, self.plan_seed = planner, restarts, plan_seed
+        self.planner, self.restarts, self.plan_seed = planner, restarts, int(plan_seed)
+        self._curves_given = curves is not None
+        self._retry_at: int | None = None  # step of the next try after a failed automatic re-plan
         self.min_gain = None if min_gain is None else float(min_gain)
         self.record_loads = record_loads
         self.steps, self.num_replans, self.num_moves = 0, 0, 0
@@ -139,14 +152,10 @@ class VariabilityAwareMoE(MoELayerBase):
                                                    device=self.router.weight.device), persistent=False)
         self._staging_fault_hook: Callable[[Staging], None] | None = None
         self.emulator = None
-        if slowdown is not None:
+        if factor is not None:
             from moelayers.emulation import emulate_variability
 
-            if isinstance(slowdown, (list, tuple)):
-                if len(slowdown) != groups.ep_size:
-                    raise ValueError(f"slowdown has {len(slowdown)} factors for {groups.ep_size} ranks")
-                slowdown = slowdown[groups.ep_rank]
-            self.emulator = emulate_variability(self, float(slowdown))
+            self.emulator = emulate_variability(self, factor)
 
     # ------------------------------------------------------------------ forward + load recording
     def forward(self, x: torch.Tensor, *, token_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,7 +172,7 @@ class VariabilityAwareMoE(MoELayerBase):
             held = not alive and self._holds_grads()
             if not alive and not held:
                 self._replan_pending, self._waited = False, 0
-                self.replan()
+                self._auto_replan()
             else:
                 self._waited += 1
                 if self._waited == self.window:
@@ -182,8 +191,19 @@ class VariabilityAwareMoE(MoELayerBase):
                 if y.requires_grad or self.graphs_in_flight() or self._holds_grads():
                     self._replan_pending = True
                 else:
-                    self.replan()
+                    self._auto_replan()
         return y
+
+    def _auto_replan(self) -> None:
+        """:meth:`replan`, where a failure (raised on every rank together) warns instead of costing
+        the forward its output, and schedules another try ``window`` steps later."""
+        try:
+            self.replan()
+            self._retry_at = None
+        except PlacementMoveError as exc:
+            self._retry_at = self.steps + self.window
+            warnings.warn(f"VariabilityAwareMoE: the automatic re-plan failed ({exc}); tried again in "
+                          f"{self.window} steps", RuntimeWarning, stacklevel=3)
 
     def _holds_grads(self) -> bool:
         """Whether the expert weights hold gradients (:func:`~moelayers.layers.moves.holds_gradients`),
@@ -234,7 +254,7 @@ class VariabilityAwareMoE(MoELayerBase):
     def _replan_due(self) -> bool:
         if not self.auto_replan or self.steps < self.window:
             return False
-        if self.steps == self.window:
+        if self.steps == self.window or self.steps == self._retry_at:
             return True
         return self.replan_every is not None and (self.steps - self.window) % self.replan_every == 0
 
@@ -243,7 +263,7 @@ class VariabilityAwareMoE(MoELayerBase):
         not serve real requests; the next re-plan is due when the window has filled again."""
         self._loads.zero_()
         self.steps = 0
-        self._replan_pending = False
+        self._replan_pending, self._retry_at = False, None
 
     def window_loads(self) -> torch.Tensor:
         """This rank's recorded loads ``[min(steps, window), E]`` (int64, CPU), oldest step first."""
@@ -377,8 +397,25 @@ class VariabilityAwareMoE(MoELayerBase):
         return torch.device("cpu")
 
     def extra_repr(self) -> str:
-        return (super().extra_repr() + f", variability={self.variability}, window={self.window}, "
+        curves = f"curves={self.curves!r}" if self._curves_given else f"variability={self.variability}"
+        return (super().extra_repr() + f", {curves}, window={self.window}, "
                 f"auto_replan={self.auto_replan}, replan_every={self.replan_every}, min_gain={self.min_gain}")
+
+
+def _slowdown_factor(slowdown: Any, groups: ParallelGroups) -> float:
+    """This rank's emulated slowdown from one factor or one per expert-parallel rank (a list, tuple,
+    array or tensor), every factor checked on every rank: a bad one refused by its own rank only
+    would leave the others waiting in the next collective."""
+    from moelayers.emulation import _finite
+
+    if isinstance(slowdown, (list, tuple)) or getattr(slowdown, "ndim", 0) >= 1:
+        factors = [float(f) if isinstance(f, torch.Tensor) else f for f in list(slowdown)]
+        if len(factors) != groups.ep_size:
+            raise ValueError(f"slowdown has {len(factors)} factors for {groups.ep_size} ranks")
+        for rank, f in enumerate(factors):
+            _finite(f, f"slowdown factor of rank {rank}", 1.0, inclusive=True)
+        slowdown = factors[groups.ep_rank]
+    return _finite(slowdown, "slowdown factor", 1.0, inclusive=True)
 
 
 class _GraphToken:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -319,6 +320,23 @@ def scenario_auto_replan(rank: int, world: int, device: str) -> dict:
         seen.append(layer.num_replans)
     if seen != [0, 0, 1, 1, 2, 2, 3]:
         errors.append(f"re-plans after each step {seen}, expected [0, 0, 1, 1, 2, 2, 3]")
+    # a failing automatic re-plan used to raise out of the forward that filled the window (its output
+    # lost) and, without replan_every, was never tried again: now it warns, the forward returns its
+    # (correct) output on the old placement, and the re-plan is tried again a window later
+    flaky = ctx.layer(window=2, auto_replan=True, planner=StubPlanner(world, fail=True))
+    start, warned = flaky.placement, []
+    for step in range(5):
+        if step == 3:
+            flaky.planner = StubPlanner(world)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            errors.append(ctx.check(f"flaky step {step}", flaky, salt=30 + step))
+        warned += [step for w in caught if "automatic re-plan failed" in str(w.message) and "planner exploded" in str(w.message)]
+        if step == 2 and flaky.placement != start:
+            errors.append("a failed automatic re-plan changed the placement")
+    if warned != [1] or flaky.num_replans != 1:
+        errors.append(f"failed automatic re-plan: warnings at steps {warned} (expected [1]), "
+                      f"{flaky.num_replans} re-plans after the retry (expected 1)")
     # under autograd a due re-plan waits for the next forward: the backward of the step that filled
     # the window still sees the weights it saved
     train, seen = ctx.layer(window=2, auto_replan=True, planner=StubPlanner(world)), []
@@ -504,6 +522,26 @@ def test_constructor_checks():
     for bad in (-0.1, 1.0, "0.1", True):
         with pytest.raises(ValueError, match="min_gain"):
             ml.VariabilityAwareMoE(cfg, g, min_gain=bad)
+    # these used to pass and fail at the first re-plan, from inside a forward
+    for bad in (-1, 1.5, "0", True):
+        with pytest.raises(ValueError, match="plan_seed must be an int >= 0"):
+            ml.VariabilityAwareMoE(cfg, g, plan_seed=bad)
+    assert ml.VariabilityAwareMoE(cfg, g, plan_seed=np.int64(3)).plan_seed == 3
+    from moelayers.planning.gem import LatencyCurves
+
+    with pytest.raises(ValueError, match="latency curves are for 2 ranks, but the placement has 1"):
+        ml.VariabilityAwareMoE(cfg, g, curves=LatencyCurves.preset("high", 2))
+    # every rank checks every rank's slowdown factor (rank 0 went on into a collective while rank 1 raised)
+    from types import SimpleNamespace
+
+    from moelayers.layers.variability import _slowdown_factor
+
+    for factors in ([1.0, 0.5], np.array([1.0, np.nan]), torch.tensor([1.0, 0.9])):
+        with pytest.raises(ValueError, match="slowdown factor of rank 1 must be a finite number >= 1"):
+            _slowdown_factor(factors, SimpleNamespace(ep_size=2, ep_rank=0))
+    assert _slowdown_factor(np.array([1.0, 1.25]), SimpleNamespace(ep_size=2, ep_rank=1)) == 1.25
+    given = ml.VariabilityAwareMoE(cfg, g, curves=LatencyCurves.preset("high", 1), variability="high")
+    assert "curves=LatencyCurves(R=1, tiled)" in repr(given) and "variability=" not in repr(given)
 
 
 def test_replan_records_predicted_scores_in_one_process():
