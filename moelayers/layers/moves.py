@@ -16,7 +16,12 @@
 So a placement is either applied on every rank or on none: never a mix. Memory: staging holds only
 the slots that change on this rank, at most one layer's expert weights (``S`` slots). Sends read
 the live slots directly (each slot is a contiguous ``[2F, H]`` / ``[H, F]`` block), without copies.
-The death of a process is out of scope (a dead peer makes the collectives fail or time out).
+The death of a process is out of scope (a dead peer makes the collectives fail or time out), and
+so is a transport that fails on one rank: the point-to-point operations are built while preparing
+(a failure there is voted on before any traffic), and a failure after they are posted (a copy, the
+fault hook, an error reported by a transfer) is voted on in step 4, but a rank whose
+``batch_isend_irecv`` raises before posting leaves its peers waiting for its transfers, like a
+dead peer.
 """
 
 from __future__ import annotations
@@ -157,16 +162,13 @@ def _vote(group, size: int, rank: int, ok: bool, digest: int, device: torch.devi
     return failing, agree
 
 
-def _exchange(plan: _Plan, staging: Staging, w13: torch.Tensor, w2: torch.Tensor, group) -> None:
-    """Fill ``staging``: same-rank copies, then one batch of isend/irecv (ordered by move index on
-    both sides, tags = move index, so gloo and NCCL match the same pairs)."""
-    for row, src in plan.local:
-        staging.w13[row].copy_(w13[src])
-        staging.w2[row].copy_(w2[src])
+def _p2p_ops(plan: _Plan, staging: Staging, w13: torch.Tensor, w2: torch.Tensor, group) -> list:
+    """The isend/irecv of this rank's moves, ordered by move index on both sides (tags = move
+    index, so gloo and NCCL match the same pairs); built while preparing, before the first vote."""
     if group is None:
         if plan.recv or plan.send:
             raise RuntimeError("a single-process layer cannot move weights between ranks")
-        return
+        return []
     ops = []
     events = [(i, "recv", row, peer) for row, peer, i in plan.recv]
     events += [(i, "send", slot, peer) for slot, peer, i in plan.send]
@@ -178,8 +180,19 @@ def _exchange(plan: _Plan, staging: Staging, w13: torch.Tensor, w2: torch.Tensor
         else:
             ops.append(dist.P2POp(dist.isend, w13[idx], gpeer, group, tag=2 * i))
             ops.append(dist.P2POp(dist.isend, w2[idx], gpeer, group, tag=2 * i + 1))
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
+    return ops
+
+
+def _exchange(plan: _Plan, staging: Staging, ops: list, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    """Fill ``staging``: post the point-to-point batch, make the same-rank copies meanwhile, then
+    wait for every transfer, even when a copy failed (a peer must not be left waiting on this rank)."""
+    reqs = dist.batch_isend_irecv(ops) if ops else []
+    try:
+        for row, src in plan.local:
+            staging.w13[row].copy_(w13[src])
+            staging.w2[row].copy_(w2[src])
+    finally:
+        for req in reqs:
             req.wait()
 
 
@@ -223,7 +236,7 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
     device = _comm_device(group, w13.device)
 
     # 1 prepare (everything that can fail locally happens before the first vote)
-    cause, plan, staging, moves, digest = None, None, None, [], 0
+    cause, plan, staging, moves, digest, ops = None, None, None, [], 0, []
     try:
         check_new_placement(old, new)
         in_flight = layer.graphs_in_flight() if hasattr(layer, "graphs_in_flight") else 0
@@ -242,6 +255,7 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
         n = len(plan.slots)
         staging = Staging(rank, plan.slots, w13.new_empty((n,) + tuple(w13.shape[1:])),
                           w2.new_empty((n,) + tuple(w2.shape[1:])))
+        ops = _p2p_ops(plan, staging, w13, w2, group)
     except Exception as e:  # noqa: BLE001 - reported through the vote, re-raised below as the cause
         cause = e
     # 2 vote before any point-to-point traffic
@@ -250,10 +264,10 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
         _fail("validate", failing, old, cause)
     # 3 stage: every rank takes part; 4 fault hook, second vote
     try:
-        _exchange(plan, staging, w13, w2, group)
+        _exchange(plan, staging, ops, w13, w2)
         if fault_hook is not None:
             fault_hook(staging)
-    except Exception as e:  # noqa: BLE001 - reported through the vote (a failed transfer must not strand peers)
+    except Exception as e:  # noqa: BLE001 - reported through the vote (see the module docstring for what is not)
         cause = e
     failing, _ = _vote(group, size, rank, cause is None, digest, device)
     if failing:
