@@ -132,7 +132,20 @@ def check_config(d: dict) -> tuple[str, int, str, int, float]:
         semantic_settings(d["planner"])  # a bad solver setting fails here, before the trace is read
     if name == "semantic":
         dp_schedule(d["planner"])
+    int_setting(d.get("seed", 0), "seed", 0)
+    if name == "gem":
+        gem_settings(d["planner"])
     return name, ep, mode, tps, frac
+
+
+def gem_settings(planner: dict) -> tuple[int, str]:
+    """``(planner.restarts, planner.method)`` of ``planner=gem``, or ``ValueError`` naming the key."""
+    from moelayers.planning.gem_search import METHODS
+
+    method = planner.get("method", "robust")
+    if method not in METHODS:
+        raise ValueError(f"planner.method must be one of {list(METHODS)}, got {method!r}")
+    return int_setting(planner.get("restarts", 8), "planner.restarts", 1), method
 
 
 def dp_schedule(planner: dict) -> str:
@@ -228,9 +241,8 @@ def plan_layer(name: str, loads, curves, num_ranks: int, d: dict):
         return plan_linear(loads.shape[1], num_ranks)
     if name == "eplb":
         return plan_eplb(loads, num_ranks)
-    p = d["planner"] if d["planner"]["name"] == "gem" else {}
-    return plan_gem(loads, curves, restarts=int(p.get("restarts", 8)), seed=int(d["seed"]),
-                    method=str(p.get("method", "robust")))
+    restarts, method = gem_settings(d["planner"] if d["planner"]["name"] == "gem" else {})
+    return plan_gem(loads, curves, restarts=restarts, seed=int_setting(d["seed"], "seed", 0), method=method)
 
 
 def plan_all(name: str, train_loads, curves, num_ranks: int, d: dict, *, bar: bool) -> tuple[np.ndarray, float]:

@@ -509,6 +509,19 @@ def test_bad_semantic_settings_fail_before_planning(trace_file, tmp_path, monkey
     expect_failure(trace_file, tmp_path, {}, match, override)
 
 
+@pytest.mark.parametrize("override, match", [
+    ("planner.restarts=2.5", r"planner\.restarts must be an integer >= 1, got 2\.5"),  # planned with 2
+    ("planner.restarts=true", r"planner\.restarts must be an integer >= 1, got True"),  # planned with 1
+    ("planner.method=exact", r"planner\.method must be one of \['plain', 'robust'\], got 'exact'"),
+    ("seed=1.5", r"seed must be an integer >= 0, got 1\.5"),  # planned with seed 1
+])
+def test_bad_gem_settings_fail_before_planning(trace_file, tmp_path, monkeypatch, override, match):
+    import recipes.plan as recipe
+
+    monkeypatch.setattr(recipe, "load_plan_trace", lambda d: pytest.fail("the trace was read"))
+    expect_failure(trace_file, tmp_path, {}, match, "planner=gem", override)
+
+
 def test_a_reused_run_dir_holds_one_run(trace_file, tmp_path):
     """A gem run into the dir of a semantic run removes the semantic plan it does not write."""
     run_plan(tmp_path / "run", trace_file, "planner=semantic", "parallel.ep=2")
