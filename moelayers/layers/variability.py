@@ -60,7 +60,8 @@ class VariabilityAwareMoE(MoELayerBase):
         min_gain: move only when the new placement's predicted time on the planning window
             (``moelayers.planning.gem.score`` of the loads under the curves) is at least this share
             below the current placement's, e.g. ``0.01``: no weights moved for a 0.1 % gain when
-            re-planning every few steps. ``None`` (default): always apply the planner's placement.
+            re-planning every few steps. ``None`` (default): always apply the planner's placement
+            (a placement with every expert on the rank that holds it now moves nothing).
             Scores need a placement with one replica per expert and ``LatencyCurves``; with
             ``min_gain`` set, a re-plan whose gain cannot be scored keeps the placement.
         record_loads: keep the load window (forwards replayed from a CUDA graph too: the graph
@@ -352,7 +353,9 @@ class VariabilityAwareMoE(MoELayerBase):
         s_cur, s_new = (None if v != v else v for v in msg[e + 1:].clone().view(torch.float64).tolist())  # NaN: none
         gain = None if s_cur is None or s_new is None or s_cur <= 0 else 1.0 - s_new / s_cur
         # with min_gain, a gain that cannot be scored (a placement with replicas) keeps the placement
-        move = new != self.placement and (self.min_gain is None or (gain is not None and gain >= self.min_gain))
+        # the same experts on the same ranks in another slot order is no move worth paying for
+        same_ranks = self.placement.max_replicas == 1 and torch.equal(self.placement.expert_rank(), new.expert_rank())
+        move = not same_ranks and (self.min_gain is None or (gain is not None and gain >= self.min_gain))
         if move:
             self.apply_placement(new)
             self.num_moves += 1

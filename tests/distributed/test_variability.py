@@ -559,6 +559,14 @@ def test_replan_records_predicted_scores_in_one_process():
     assert layer.last_replan == {"score_current": None, "score_new": None, "gain": None, "moved": False}
 
 
+def test_a_replan_to_the_same_ranks_in_another_slot_order_moves_nothing():
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2)
+    start = ml.ExpertPlacement.from_phy2log(torch.tensor([[1, 0, 3, 2]]), 4)  # from_expert_rank would sort them
+    layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), placement=start, variability="high")
+    layer.replan(loads=torch.tensor([[5, 1, 1, 1]]))
+    assert layer.placement == start and layer.num_moves == 0 and layer.last_replan["moved"] is False
+
+
 # ---------------------------------------------------------------------- emulation (one process)
 def test_slowdown_presets():
     from moelayers.emulation import slowdown_preset
