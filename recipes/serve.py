@@ -9,7 +9,9 @@ zero tokens — and stop when an all-reduce says every rank is done.
 
 Measured: per request TTFT (arrival to first token) and TPOT (mean gap between output tokens),
 output throughput, LAR and imbalance of the MoE layers (summed over layers and steps, reduced over
-ranks), activations received per rank per step. A run that ``max_steps`` ends before every request
+ranks), activations received per rank per step (``rank_loads``, ``rank_load_per_step``; one entry
+per world rank, also with ``parallel.ep`` below the world, where each rank computes its own EP
+group's share; ``imbalance`` is their max/mean). A run that ``max_steps`` ends before every request
 finished says so: ``truncated`` true, ``unserved_requests`` (no first token) and a note; its TTFT
 figures count unserved requests as infinite (``inf`` in the table, ``null`` in results.json), as
 they waited longer than the run (:func:`latency_summary`). Rank 0 prints a summary table and writes
@@ -81,6 +83,7 @@ from recipes._common import (  # noqa: E402
     LAYER_FLAGS, device_for, int_setting, invocation, launch, merge_curves_path, normalize_flags, percentile,
     print_table, remove_stale, run_dir, shutdown, to_dict, write_json,
 )
+from recipes._bench_tools import seq_len_bounds  # noqa: E402
 from recipes._plots import plot_rank_load  # noqa: E402
 from recipes._serve_workload import (  # noqa: E402
     Request, assign_requests, check_workload, get_scheduler, in_sample_requests, load_replay_trace, make_requests,
@@ -343,9 +346,10 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
         group_loads = torch.stack(every)
         ep_ranks = [None] * world
         dist.all_gather_object(ep_ranks, groups.ep_rank)
-        dist.all_reduce(loads)
         dist.all_reduce(counts)
         dist.all_reduce(t_end, op=dist.ReduceOp.MAX)
+    else:
+        group_loads = group_loads[None]
     per_req = [{"id": r.rid, "rank": rank, "arrival_s": r.arrival, "prompt_len": len(r.prompt),
                 "output_len": r.generated, "finished": r.done,
                 "ttft_s": r.token_times[0] - r.arrival if r.token_times else float("nan"),
@@ -367,8 +371,12 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
                          f"of {len(reqs)} request(s) unfinished" + (
                              f", {unserved} without a first token (their TTFT counts as inf in the TTFT figures, "
                              f"null in results.json)" if unserved else "")]
-    layer_loads = loads.cpu()  # [steps, L, R] activations received per MoE layer and rank
-    loads = layer_loads.sum(1)  # [steps, R]
+    group_loads = group_loads.cpu()  # [W, steps, L, R]: each world rank's EP group, per EP rank
+    # activations received per step, MoE layer and *world* rank (with parallel.ep < world the EP
+    # groups are told apart: summing them by EP rank hid one group's hot spots behind another's)
+    layer_loads = torch.stack([group_loads[w, :, :, ep_ranks[w]] for w in range(world)], dim=-1)  # [steps, L, W]
+    loads = layer_loads.sum(1)  # [steps, W]
+    rank_loads = [int(v) for v in layer_loads.sum((0, 1)).tolist()]
     step_imb = [imbalance(row) for row in loads.tolist() if sum(row) > 0]
     elapsed = float(t_end[0])
     out_total, prompt_total, remote_total = (int(v) for v in counts.cpu().tolist())
@@ -378,9 +386,9 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
         "throughput_tok_s": out_total / elapsed if elapsed > 0 else 0.0,
         "total_tok_s": (out_total + prompt_total) / elapsed if elapsed > 0 else 0.0,
         **latency,
-        "lar": total.lar, "imbalance": total.imbalance,
+        "lar": total.lar, "imbalance": imbalance(rank_loads),
         "imbalance_step_mean": float(np.mean(step_imb)) if step_imb else 1.0,
-        "rank_loads": total.rank_loads, "bytes_sent": sum(total.bytes_sent), "rows_sent": sum(total.rows_sent),
+        "rank_loads": rank_loads, "bytes_sent": sum(total.bytes_sent), "rows_sent": sum(total.rows_sent),
         "a2a_bytes": sum(total.bytes_sent) + combine_bytes, "a2a_dispatch_bytes": sum(total.bytes_sent),
         "a2a_combine_bytes": combine_bytes, "a2a_rows": remote_total,
         "world_size": world, "layer": cfg["layer"]["name"], "router": cfg["router"]["name"],
@@ -389,7 +397,7 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
         "steps": steps, "elapsed_s": elapsed, "seed": cfg["seed"], "requests_digest": requests_digest(requests),
         "model": mcfg, "notes": notes, "config": echo,
         "requests": reqs, "rank_load_per_step": loads.tolist(),
-        **emulated_expert_time(cfg, group_loads.cpu().reshape(-1, *layer_loads.shape), ep_ranks),
+        **emulated_expert_time(cfg, group_loads, ep_ranks),
     }
 
 
@@ -483,7 +491,12 @@ def serve_sizes(d: dict) -> tuple[int, int]:
 
     par = d.get("parallel") or {}
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else int(par.get("world_size", 1))
-    return world, int(par.get("ep") or world)
+    if par.get("ep") is None:
+        return world, world
+    ep = int_setting(par["ep"], "parallel.ep", 1)
+    if world % ep:
+        raise ValueError(f"parallel.ep={ep} must divide the world size {world} (the expert-parallel groups split it)")
+    return world, ep
 
 
 def _plan_path_key(d: dict) -> str:
@@ -557,6 +570,11 @@ def check_config(d: dict) -> None:
     from moelayers.emulation import VariabilitySettings
 
     get_scheduler(d["scheduler"])
+    world, ep = serve_sizes(d)
+    int_setting(d.get("seed", 0), "seed", 0)
+    if scheduler_name(d["scheduler"]) == "semantic" and ep != world:
+        raise ValueError(f"scheduler=semantic sends each request to the rank that holds its tokens' experts, by a plan "
+                         f"over every rank: parallel.ep must be null or the world size ({world}), got {ep}")
     plan_path = None
     if scheduler_name(d["scheduler"]) == "semantic" or uses_plan(d["layer"]):
         plan_path = semantic_plan_path(d)
@@ -591,11 +609,22 @@ def check_config(d: dict) -> None:
             raise ValueError("router=replay needs trace.path=FILE (or trace.synthetic=true)")
         offset, num_seq = d["trace"].get("request_offset") or 0, d["trace"].get("num_sequences")
         int_setting(offset, "trace.request_offset", 0)
+        if num_seq is not None:
+            int_setting(num_seq, "trace.num_sequences", 1)
+            if path:
+                raise ValueError(f"trace.num_sequences={num_seq} sizes the synthetic trace; with trace.path the file's "
+                                 "sequences are replayed (workload.num_requests and trace.request_offset pick them)")
         if not path and num_seq and int(num_seq) <= offset:
             raise ValueError(f"trace.request_offset={offset} leaves no sequence of trace.num_sequences={num_seq}")
+        if not path:
+            seq_len_bounds(d["trace"].get("seq_len"), (16, 48))
         if path:
             trace = _load_trace_file(path)
             replay_sequences(d, trace)  # no request left: an error naming the file
+    experts = trace.num_experts if trace is not None else d["model"]["num_experts"]
+    if experts % ep:
+        source = f"trace.path={d['trace']['path']} has" if trace is not None else "model.num_experts:"
+        raise ValueError(f"{source} {experts} experts per layer, which do not split over parallel.ep={ep} ranks")
     if plan_path:
         check_plan_file(d, plan_path, trace)
 
@@ -634,7 +663,12 @@ def main(cfg: DictConfig) -> None:
     if compare.enabled(d):
         runs = compare.run_configs(d, os.path.join(os.path.dirname(_HERE), "conf"))
         for run in runs[:2]:  # ours and the baseline
-            check_config(run)
+            try:
+                check_config(run)
+            except (ValueError, FileNotFoundError) as e:
+                if run["_side"] != "baseline":
+                    raise
+                raise type(e)(f"compare.layer / compare.scheduler (the baseline's side): {e}") from None
         warning = compare.seeds_warning(d)
         if warning:
             print(f"warning: {warning}", file=sys.stderr, flush=True)

@@ -217,6 +217,45 @@ def test_serve_bad_input_writes_nothing_in_the_run_dir(tmp_path):
     assert (reused / "results.json").read_text() == '{"earlier": true}\n'
 
 
+@pytest.mark.parametrize("overrides, match", [
+    (("parallel.world_size=4", "parallel.ep=3"), r"parallel\.ep=3 must divide the world size 4"),
+    (("parallel.ep=0",), r"parallel\.ep must be an integer >= 1, got 0"),
+    (("seed=-1",), r"seed must be an integer >= 0, got -1"),  # numpy's bare "expected non-negative integer"
+    (("router=replay", "trace.seq_len=[48,16]"), r"trace\.seq_len \[lo, hi\] needs lo <= hi"),
+    (("router=replay", "trace.num_sequences=2.5"), r"trace\.num_sequences must be an integer >= 1, got 2\.5"),
+    (("model.num_experts=7",), r"model\.num_experts: 7 experts per layer, which do not split over parallel\.ep=2"),
+    # the scheduler planned over 4 ranks, the layers over 2: LAR below round robin's, silently
+    (("parallel.world_size=4", "parallel.ep=2", "layer=semantic", "scheduler=semantic", "router=replay"),
+     r"scheduler=semantic .* parallel\.ep must be null or the world size \(4\), got 2"),
+])
+def test_serve_config_mistakes_are_named_before_the_ranks_start(overrides, match):
+    """These used to pass check_config and fail inside every spawned rank (or not at all)."""
+    from recipes import serve
+
+    with pytest.raises(ValueError, match=match):
+        serve.check_config(_config(*overrides))
+
+
+def test_serve_trace_file_checks(tmp_path):
+    """A trace file whose experts do not split over the EP ranks, and trace.num_sequences (which
+    sizes the synthetic trace only) beside a file, are refused naming the setting."""
+    from moelayers.trace import RoutingTrace, save_trace
+    from recipes import serve
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "e3.npz"
+    save_trace(RoutingTrace(np.stack([rng.permutation(3)[:2] for _ in range(40)]).reshape(20, 2, 2).astype(np.int64),
+                            rng.integers(0, 100, size=20).astype(np.int64), np.array([0, 10, 20]), 3,
+                            vocab_size=100), path)
+    with pytest.raises(ValueError, match=rf"trace\.path={path} has 3 experts per layer, which do not split over "
+                                         r"parallel\.ep=2 ranks"):
+        serve.check_config(_config("router=replay", f"trace.path={path}"))
+    serve.check_config(_config("router=replay", f"trace.path={path}", "parallel.world_size=1"))
+    with pytest.raises(ValueError, match=r"trace\.num_sequences=4 sizes the synthetic trace; with trace\.path"):
+        serve.check_config(_config("router=replay", f"trace.path={path}", "parallel.world_size=1",
+                                   "trace.num_sequences=4"))
+
+
 def test_serve_plan_file_checked_before_the_ranks_start(tmp_path):
     """layer.plan_path / scheduler.plan_path: experts, ranks, mode dp and the vocabulary, checked in
     check_config with the file named (not inside the spawned ranks)."""
@@ -492,23 +531,25 @@ def _emulation_probe_worker(rank, world, cfg):
     import moelayers.emulation as emulation
     import recipes.serve as serve
 
-    imposed, curve_latency, warm_up = [], emulation.curve_latency, serve.warm_up
+    imposed, computed, curve_latency, warm_up = [], [], emulation.curve_latency, serve.warm_up
 
     def probe(curves, r, n, rows):
         out = curve_latency(curves, r, n, rows)
         imposed.append(out)
+        computed.append(int(rows))
         return out
 
     def warm_then_forget(*args):
         warm_up(*args)
         imposed.clear()
+        computed.clear()
 
     emulation.curve_latency, serve.warm_up = probe, warm_then_forget
     try:
         res = serve.serve_worker(rank, world, cfg)
     finally:
         emulation.curve_latency, serve.warm_up = curve_latency, warm_up
-    return res, imposed
+    return res, imposed, computed
 
 
 @pytest.mark.timeout(240)
@@ -526,10 +567,16 @@ def test_emulated_expert_time_with_several_expert_parallel_groups(tmp_path):
     d["run_dir"] = str(tmp_path)
     out = run_distributed(_emulation_probe_worker, 4, d, timeout=200)
     res = out[0][0]
-    imposed = np.array([times for _, times in out])  # [W, steps] (one MoE layer)
+    imposed = np.array([times for _, times, _ in out])  # [W, steps] (one MoE layer)
     assert imposed.shape == (4, res["steps"])
     np.testing.assert_allclose(res["emulated_expert_rank_s"], imposed.sum(1), rtol=1e-9)
     assert res["emulated_expert_s"] == pytest.approx(imposed.max(0).sum(), rel=1e-9)
+    # the rows each world rank computed: rank_loads and rank_load_per_step held one entry per EP rank,
+    # summed over the two groups (an imbalance of the group sums, not of the ranks)
+    rows = np.array([r for _, _, r in out])  # [W, steps]
+    assert res["rank_load_per_step"] == rows.T.tolist()
+    assert res["rank_loads"] == rows.sum(1).tolist()
+    assert res["imbalance"] == pytest.approx(rows.sum(1).max() / rows.sum(1).mean())
 
 
 def test_emulated_expert_time_takes_the_slowest_rank_layer_by_layer():
