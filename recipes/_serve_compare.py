@@ -42,7 +42,8 @@ from recipes._common import remove_stale, shared_execution_kwargs, write_json
 MEDIAN_KEYS = ("throughput_tok_s", "total_tok_s", "ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "tpot_mean_s",
                "tpot_p90_s", "lar", "imbalance", "imbalance_step_mean", "bytes_sent", "rows_sent", "a2a_bytes",
                "a2a_dispatch_bytes", "a2a_combine_bytes", "a2a_rows", "num_requests", "finished_requests",
-               "in_sample_requests", "output_tokens", "prompt_tokens", "steps", "elapsed_s", "emulated_expert_s")
+               "in_sample_requests", "output_tokens", "prompt_tokens", "steps", "elapsed_s", "emulated_expert_s",
+               "unserved_requests")
 # (metric, which direction is better, flag in `comparison`)
 COMPARED = (("lar", "higher", "lar_higher"), ("a2a_bytes", "lower", "a2a_bytes_lower"),
             ("tpot_p90_s", "lower", "tpot_p90_lower"), ("tpot_mean_s", "lower", "tpot_mean_lower"),
@@ -75,9 +76,9 @@ def seeds(cfg: dict) -> list[int]:
             raise ValueError(f"compare.seeds must be >= 1 (or a list of seeds), got {spec}")
         return [int(cfg["seed"]) + i for i in range(spec)]
     if (isinstance(spec, (list, tuple)) and spec and len(set(spec)) == len(spec)
-            and all(isinstance(s, int) and not isinstance(s, bool) for s in spec)):
+            and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in spec)):
         return [int(s) for s in spec]
-    raise ValueError(f"compare.seeds must be a positive int or a list of distinct ints, got {spec!r}")
+    raise ValueError(f"compare.seeds must be a positive int or a list of distinct ints >= 0, got {spec!r}")
 
 
 def seeds_warning(cfg_or_seeds: dict | list[int]) -> str | None:
@@ -89,8 +90,9 @@ def seeds_warning(cfg_or_seeds: dict | list[int]) -> str | None:
             f"over seeds; the comparison is indicative only (results.json: seeds_below_minimum=true)")
 
 
-def baseline_layer(spec: Any, conf_dir: str) -> dict:
-    """The baseline's layer config: a name of ``conf/layer/NAME.yaml``, or a dict like one.
+def baseline_layer(spec: Any, conf_dir: str, key: str = "compare.layer") -> dict:
+    """The baseline's layer config: a name of ``conf/layer/NAME.yaml``, or a dict like one (``key``:
+    the setting that named it, for the errors).
 
     Raises:
         ValueError / FileNotFoundError: an unknown name or a dict without ``name`` and ``cls``.
@@ -99,13 +101,13 @@ def baseline_layer(spec: Any, conf_dir: str) -> dict:
         path = os.path.join(conf_dir, "layer", f"{spec}.yaml")
         if not os.path.isfile(path):
             names = sorted(f[:-5] for f in os.listdir(os.path.join(conf_dir, "layer")) if f.endswith(".yaml"))
-            raise FileNotFoundError(f"compare.layer={spec!r}: no {path}; one of {names}, or a dict with name, cls")
+            raise FileNotFoundError(f"{key}={spec!r}: no {path}; one of {names}, or a dict with name, cls")
         from omegaconf import OmegaConf
 
         return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     if isinstance(spec, dict) and spec.get("name") and spec.get("cls"):
         return copy.deepcopy(spec)
-    raise ValueError(f"compare.layer must be a layer name (conf/layer) or a dict with name and cls, got {spec!r}")
+    raise ValueError(f"{key} must be a layer name (conf/layer) or a dict with name and cls, got {spec!r}")
 
 
 def pin_semantic_plan(sched: Any, cfg: dict) -> Any:
@@ -166,6 +168,7 @@ def side_summary(runs: list[dict]) -> dict:
     out = medians(runs)
     out.update({k: first[k] for k in ("world_size", "layer", "router", "scheduler", "model")})
     out["seeds"] = [r["seed"] for r in runs]
+    out["truncated"] = any(r.get("truncated", False) for r in runs)  # some run ended before every request finished
     out["notes"] = list(dict.fromkeys(n for r in runs for n in r["notes"]))
     return out
 

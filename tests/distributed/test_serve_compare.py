@@ -131,7 +131,7 @@ def test_compare_config_errors(tmp_path):
                                                         ("ours", 7), ("baseline", 7)]
     assert all("compare" not in r for r in runs)
     assert runs[1]["layer"]["cls"] == "moelayers.VanillaMoE" and runs[1]["scheduler"] == "round_robin"
-    for bad in (0, [], [1, 1], "3", True):
+    for bad in (0, [], [1, 1], "3", True, [-1, 0]):  # a negative seed failed in numpy, inside every rank
         with pytest.raises(ValueError, match="compare.seeds"):
             compare.seeds(dict(cfg, compare={"layer": "vanilla", "seeds": bad}))
     # fewer than 3 seeds: allowed (quick checks, the tests above) but warned about and flagged
@@ -180,3 +180,9 @@ def test_compare_results_flag_fewer_than_three_seeds():
                                     command={"argv": ["serve.py"], "overrides": []})
         assert res["seeds"] == seeds and res["seeds_below_minimum"] is below
         assert len(res["warnings"]) == below and res["command"]["argv"] == ["serve.py"]
+    # a comparison cut short says so in both summaries, with the unserved requests (they were missing there)
+    runs = [dict(run(side, s), truncated=(side, s) == ("baseline", 1), unserved_requests=float(s))
+            for s in (0, 1, 2) for side in compare.SIDES]
+    res = compare.build_results(runs, cfg, 1.0)
+    assert res["truncated"] is False and res["baseline"]["truncated"] is True
+    assert res["unserved_requests"] == res["baseline"]["unserved_requests"] == 1.0
