@@ -161,6 +161,33 @@ def build_layer(layer_cfg: dict, config, groups, device: torch.device, seed: int
     return builder(config, groups, device=device, seed=seed, **kwargs, **extra)
 
 
+def baseline_config(name: str, ours: dict) -> dict:
+    """``bench.baseline``'s layer config: a registered name (:data:`LAYERS`), else ``conf/layer/NAME.yaml``
+    (its ``cls`` and kwargs). It executes like ours (dispatcher, dedup, NaN check, expert backend):
+    only the layer differs.
+
+    Raises:
+        ValueError: neither registered nor in ``conf/layer``, or a plan-built layer (a baseline is
+            built without a plan).
+    """
+    if name in LAYERS:
+        layer = {"name": name, "kwargs": {}}
+    else:
+        from recipes._serve_compare import baseline_layer
+
+        conf = os.path.join(os.path.dirname(_HERE), "conf")
+        if not os.path.isfile(os.path.join(conf, "layer", f"{name}.yaml")):
+            names = sorted({*LAYERS, *(f[:-5] for f in os.listdir(os.path.join(conf, "layer")) if f.endswith(".yaml"))})
+            raise ValueError(f"bench.baseline={name!r}: neither a registered layer nor conf/layer/{name}.yaml; "
+                                    f"one of {names}")
+        layer = baseline_layer(name, conf, key="bench.baseline")
+        if uses_plan(layer):
+            raise ValueError(f"bench.baseline={name} is built from a semantic plan, which a baseline does not get: "
+                             "compare with a layer that needs none (e.g. bench.baseline=vanilla), or time it as ours")
+    layer["kwargs"] = {**(layer.get("kwargs") or {}), **shared_execution_kwargs(ours)}
+    return layer
+
+
 def _graphed_config(layer_cfg: dict, tokens: int) -> dict:
     """``layer_cfg`` with ``capacity = tokens`` and ``cuda_graph = True``."""
     return {**layer_cfg, "kwargs": {**(layer_cfg.get("kwargs") or {}), "capacity": tokens, "cuda_graph": True}}
@@ -228,7 +255,9 @@ def check_config(d: dict) -> None:
     b["tokens_per_rank"] = tokens_per_rank(b)
     int_setting(b.get("warmup"), "bench.warmup", 0)
     int_setting(b.get("iters"), "bench.iters", 1)
-    resolve_baseline(b.get("baseline", "auto"), plan_based=False)
+    base_name = resolve_baseline(b.get("baseline", "auto"), plan_based=True)  # auto: the one a plan-built layer gets
+    if base_name is not None:
+        baseline_config(base_name, (d.get("layer") or {}))
     peer_mode(b.get("peer", "auto"))
     if b.get("profile_tokens") is not None:
         int_setting(b["profile_tokens"], "bench.profile_tokens", 1)
@@ -247,6 +276,8 @@ def check_config(d: dict) -> None:
                              "and cuda_graph itself, for ours and the baseline: use bench.cuda_graph=true (CUDA)")
     ep = (d.get("parallel") or {}).get("ep")
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (d.get("parallel") or {}).get("world_size")
+    if ep is not None and world is not None and world % int_setting(ep, "parallel.ep", 1):
+        raise ValueError(f"parallel.ep={ep} must divide the world size {world} (the expert-parallel groups split it)")
     if ep is not None and ep != world and uses_plan(d.get("layer") or {}):
         raise ValueError(f"layer={d['layer'].get('name')} plans and schedules over the whole world: parallel.ep "
                          f"must be null or the world size ({world}), got {ep}")
@@ -305,8 +336,7 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
 
     ours = make(cfg["layer"], **plan_kw)
     base_name = resolve_baseline(b.get("baseline", "auto"), plan is not None)
-    # the baseline executes like ours (dispatcher, dedup, NaN check, expert backend): only the layer differs
-    base_cfg = None if base_name is None else {"name": base_name, "kwargs": shared_execution_kwargs(cfg["layer"])}
+    base_cfg = None if base_name is None else baseline_config(base_name, cfg["layer"])
     base = make(base_cfg) if base_cfg is not None else None
     peer, peer_name, peer_note = build_peer(config, dtype, device, b.get("peer", "auto"), weights, groups.ep_size)
     peer_experts = None if peer is None else type(getattr(peer, "experts", peer)).__name__

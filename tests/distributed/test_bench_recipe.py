@@ -365,6 +365,9 @@ def test_bench_flags_repeated_trace_tokens_per_size(tmp_path):
     ("bench.profile_tokens=0", r"bench\.profile_tokens must be an integer >= 1, got 0"),
     ("bench.profile_iters=0", r"bench\.profile_iters must be an integer >= 1, got 0"),
     ("+layer.kwargs.mode=tp", r"use layer\.kwargs\.mode=dp; mode=tp runs through forward_tp"),
+    ("bench.baseline=bogus", r"bench\.baseline='bogus': neither a registered layer nor conf/layer/bogus\.yaml"),
+    ("bench.baseline=semantic", r"bench\.baseline=semantic is built from a semantic plan"),
+    ("parallel.ep=3", r"parallel\.ep=3 must divide the world size 2"),  # failed inside every rank
 ])
 def test_check_config_refuses_settings_that_were_ignored_or_mislabelled(override, match):
     """layer.kwargs.capacity=64 padded every size to 64 tokens (t=16 timed 64 rows), left the baseline
@@ -374,6 +377,18 @@ def test_check_config_refuses_settings_that_were_ignored_or_mislabelled(override
 
     with pytest.raises(ValueError, match=match):
         check_config(bench_config(override))
+
+
+def test_a_baseline_named_by_its_layer_config():
+    """bench.baseline=variability failed in every rank ('unknown layer', only vanilla was registered):
+    a conf/layer name gives the baseline its class and kwargs, with ours' execution kwargs."""
+    from recipes.bench import baseline_config, check_config
+
+    check_config(bench_config("bench.baseline=variability"))
+    base = baseline_config("variability", {"name": "vanilla", "kwargs": {"dispatcher": "allgather", "dedup": False}})
+    assert base["cls"] == "moelayers.VariabilityAwareMoE" and base["kwargs"]["window"] == 16
+    assert base["kwargs"]["dispatcher"] == "allgather" and base["kwargs"]["dedup"] is False
+    assert baseline_config("vanilla", {"kwargs": {}}) == {"name": "vanilla", "kwargs": {}}
 
 
 def test_check_config_refuses_a_plan_built_layer_below_the_world():
