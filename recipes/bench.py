@@ -25,7 +25,8 @@ trace shaped like the benchmark) through ``layer.force_routing``; the peer keeps
 mode) on the trace's first half of sequences, or loads ``layer.plan_path``, and each rank replays the
 held-out requests the semantic scheduler gives it; ``bench.baseline`` (``auto``: ``vanilla`` for such a
 layer) is timed in the same run on the same held-out requests dealt round robin, with both layers'
-LAR and all-to-all bytes in the JSON (``baseline``, ``baseline_ms``, ``vs_baseline``,
+LAR and dispatch bytes (the all-to-all's first half: ``MoEStats.bytes_sent``; serve.py's
+``a2a_bytes`` adds the combine) in the JSON (``baseline``, ``baseline_ms``, ``vs_baseline``,
 ``baseline_stats``). The baseline executes like ours — the same dispatcher, dedup, NaN check and
 expert backend (``recipes._common.EXECUTION_KWARGS``, recorded as ``baseline_kwargs``) and, with
 ``bench.cuda_graph=true``, the same capacity and CUDA graph — so that only the layer differs. A
@@ -461,7 +462,7 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
             print(f"timed t={tokens}: ours {ms:.3f} ms, peer {peer_s} ms, ratio {ratio}", flush=True)
             if base is not None:
                 print(f"timed t={tokens}: baseline {base_name} {base_ms:.3f} ms (ours/baseline {ms / base_ms:.3f}); "
-                      f"LAR ours {stats.lar:.3f} vs {base_stats.lar:.3f}, all-to-all bytes ours "
+                      f"LAR ours {stats.lar:.3f} vs {base_stats.lar:.3f}, dispatch bytes ours "
                       f"{sum(stats.bytes_sent)} vs {sum(base_stats.bytes_sent)}", flush=True)
     weights = None  # free them before profiling (make() is not called after this)
     if b.get("profile", False):
