@@ -318,6 +318,8 @@ class VariabilityAwareMoE(MoELayerBase):
             try:
                 if not isinstance(loads, torch.Tensor):
                     raise TypeError(f"loads must be a torch.Tensor [steps, {e}], got {type(loads).__name__}")
+                if loads.dtype == torch.bool or loads.is_complex():
+                    raise TypeError(f"loads must be numbers of rows [steps, {e}], got dtype {loads.dtype}")
                 if loads.dim() != 2 or loads.shape[1] != e or loads.shape[0] < 1:
                     raise ValueError(f"loads must be [steps >= 1, {e}], got {list(loads.shape)}")
                 planner, curves = self.planner, self.latency_curves()

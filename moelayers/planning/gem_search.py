@@ -292,7 +292,13 @@ def search(loads: np.ndarray, curves: LatencyCurves, *, restarts: int = 8, seed:
 
     Returns:
         ``expert_rank [E]`` int64, ``E / R`` experts per rank.
+
+    Raises:
+        ValueError: no steps, non-numeric, negative or non-finite loads, ``E`` not divisible by ``R``,
+            or a bad option.
     """
+    from moelayers.planning.gem import _check_loads
+
     if method not in METHODS:
         raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
     if isinstance(restarts, bool) or not isinstance(restarts, (int, np.integer)) or restarts < 1:
@@ -301,7 +307,10 @@ def search(loads: np.ndarray, curves: LatencyCurves, *, restarts: int = 8, seed:
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
                 or not np.isfinite(value) or value < 0:
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-    x = np.asarray(loads, dtype=np.float64)
+    x = _check_loads(loads).astype(np.float64)
+    if x.shape[1] % curves.num_ranks:
+        raise ValueError(f"num_experts ({x.shape[1]}) must be divisible by the number of ranks ({curves.num_ranks}) "
+                         "of the curves")
     per_rank = x.shape[1] // curves.num_ranks
     rng = np.random.default_rng(seed)
     if method == "robust":

@@ -765,7 +765,8 @@ def _replan_failures(rank, world):
     out = {}
     layer = ml.VariabilityAwareMoE(cfg, groups, planner=lambda x, c, **kw: np.arange(4) % 2 + 0.7)
     loads = torch.ones(3, 4, dtype=torch.int64)
-    for name, arg in (("float ranks", loads), ("numpy loads", np.ones((3, 4)))):
+    for name, arg in (("float ranks", loads), ("numpy loads", np.ones((3, 4))),
+                      ("bool loads", torch.ones(3, 4, dtype=torch.bool))):
         try:
             layer.replan(loads=arg)
             out[name] = "no error"
@@ -783,6 +784,7 @@ def test_replan_failures_are_explained_on_every_rank():
     for out in run_distributed(_replan_failures, 2, timeout=90):
         assert "the planner returned ranks of dtype torch.float64: integer ranks expected" in out["float ranks"]
         assert "loads must be a torch.Tensor [steps, 4], got ndarray" in out["numpy loads"]
+        assert "loads must be numbers of rows [steps, 4], got dtype torch.bool" in out["bool loads"]  # were 0/1 rows
         assert out["replicas"] == (None, False, True)  # min_gain 0.5 and no score: kept (it moved, dropping replicas)
 
 
