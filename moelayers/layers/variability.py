@@ -298,8 +298,9 @@ class VariabilityAwareMoE(MoELayerBase):
         """Plan a placement on rank 0, broadcast it and apply it on every rank (a collective).
 
         Args:
-            loads: ``[steps, E]`` global expert loads (identical on every rank); default: the
-                recorded window summed over ranks.
+            loads: ``[steps, E]`` global expert loads; default: the recorded window summed over
+                ranks (a collective). Pass them on every rank or on none: rank 0's are planned on,
+                and a rank without them joins the window's all-reduce, which the others skip.
 
         Returns:
             The placement now serving (the same on every rank).
