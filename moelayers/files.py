@@ -23,7 +23,10 @@ __all__ = ["atomic_write", "file_mode", "read_npz"]
 
 # What a damaged zip member or .npy header raises while it is read (an encrypted member: RuntimeError,
 # an unknown compression method: NotImplementedError).
-_READ_ERRORS = (zipfile.BadZipFile, zlib.error, ValueError, OSError, EOFError, RuntimeError, NotImplementedError)
+_READ_ERRORS = (zipfile.BadZipFile, zlib.error, ValueError, OSError, EOFError, RuntimeError, NotImplementedError,
+                MemoryError)
+#: deflate expands at most about 1032:1; a member claiming more than this per compressed byte lies
+_MAX_DEFLATE_RATIO = 1100
 
 
 def _proc_umask() -> int | None:
@@ -82,23 +85,31 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
     Args:
         path: destination; its folder must exist.
         write: writes the content to the binary file object it is given.
-        fsync: flush the content to disk before the rename (for files that must survive a crash).
+        fsync: flush the content to disk before the rename, and the folder after it (for files
+            that must survive a crash).
 
     Returns:
         ``path`` as a ``Path``.
 
     Raises:
         FileNotFoundError: the folder does not exist.
+        IsADirectoryError: ``path`` is a folder (refused before anything is written).
+        OSError: the folder is not writable and the like, naming ``path`` (not the temporary file).
     """
     path = Path(path)
     dest = Path(os.path.realpath(path)) if path.is_symlink() else path
     if not dest.parent.is_dir():
         raise FileNotFoundError(f"{path}: directory {dest.parent} does not exist")
+    if dest.is_dir():
+        raise IsADirectoryError(f"{path} is a directory: cannot write a file there")
     try:
         mode = os.stat(dest).st_mode & 0o777
     except FileNotFoundError:
         mode = None
-    fd, tmp = _create_temp(dest.parent)
+    try:
+        fd, tmp = _create_temp(dest.parent)
+    except OSError as e:
+        raise _naming(e, path) from e
     try:
         with os.fdopen(fd, "wb") as f:
             if mode is not None:
@@ -107,11 +118,37 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
-        os.replace(tmp, dest)
+        try:
+            os.replace(tmp, dest)
+        except OSError as e:
+            raise _naming(e, path) from e
+        if fsync:  # the rename itself lives in the folder
+            _fsync_folder(dest.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Flush ``folder``'s entries to disk (where the platform can: not on Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _naming(error: OSError, path: Path) -> OSError:
+    """``error`` told about ``path`` (the caller's file) instead of the temporary file beside it."""
+    if error.errno is None:
+        return error
+    return type(error)(error.errno, f"{path}: cannot write ({error.strerror})")
 
 
 def _read_member(zf: zipfile.ZipFile, name: str) -> np.ndarray:
@@ -126,12 +163,21 @@ def _read_member(zf: zipfile.ZipFile, name: str) -> np.ndarray:
         header_size = f.tell()
     if dtype.hasobject:
         raise ValueError("holds pickled Python objects")
+    info = zf.getinfo(name)
     expected = header_size + int(np.prod(shape, dtype=object)) * dtype.itemsize
-    if expected != zf.getinfo(name).file_size:
+    if expected != info.file_size:
         raise ValueError(f"its header claims shape {shape} of {dtype} ({expected} bytes with the header) "
-                         f"but the member holds {zf.getinfo(name).file_size} bytes")
+                         f"but the member holds {info.file_size} bytes")
+    # the zip's size field is as easy to damage as the header: bound it by the bytes really stored
+    stored = info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size
+    deflated = (info.compress_type == zipfile.ZIP_DEFLATED
+                and info.file_size > _MAX_DEFLATE_RATIO * info.compress_size + 1024)
+    if stored or deflated:
+        raise ValueError(f"it claims {info.file_size} bytes from {info.compress_size} stored bytes, "
+                         "more than its compression can give")
     with zf.open(name) as f:
-        return np.lib.format.read_array(f, allow_pickle=False)
+        arr = np.lib.format.read_array(f, allow_pickle=False)
+    return arr if arr.dtype.isnative else arr.astype(arr.dtype.newbyteorder("="))  # torch takes native order only
 
 
 def read_npz(path: str | os.PathLike, what: str) -> dict[str, np.ndarray]:
@@ -146,13 +192,19 @@ def read_npz(path: str | os.PathLike, what: str) -> dict[str, np.ndarray]:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
+        IsADirectoryError: ``path`` is a folder.
+        PermissionError: ``path`` may not be read (names it).
         ValueError: not a readable npz archive (a ``.npy`` file, a damaged zip or ``.npy`` header,
-            pickled objects, a member that is not a ``.npy`` array), naming ``path`` (and the
-            member).
+            sizes the stored bytes cannot hold, pickled objects, a member that is not a ``.npy``
+            array, not a regular file), naming ``path`` (and the member).
     """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"{path}: {what} not found")
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory, not a {what}")
+    if not path.is_file():
+        raise ValueError(f"{path} is not a regular file (a pipe or a device?), not a {what}")
     with open(path, "rb") as f:
         head = f.read(6)
     if not head.startswith((b"PK\x03\x04", b"PK\x05\x06", b"\x93NUMPY")):  # np.load takes anything else for a pickle, and says so

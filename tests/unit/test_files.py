@@ -203,3 +203,92 @@ def test_read_npz_says_what_a_foreign_file_is_not(tmp_path):
         with pytest.raises(ValueError, match=rf"{name}: not an npz archive \(it starts with b'") as info:
             read_npz(tmp_path / name, "thing")
         assert "pickle" not in str(info.value)
+
+
+def _zip64_stored(name: str, data: bytes, claimed_size: int) -> bytes:
+    """A zip of one stored member whose zip64 sizes claim ``claimed_size`` bytes uncompressed."""
+    import struct
+    import zlib
+
+    fname, crc = name.encode(), zlib.crc32(data)
+    extra = struct.pack("<HHQQ", 1, 16, claimed_size, len(data))
+    local = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45, 0, 0, 0, 0x21, crc, 0xFFFFFFFF, 0xFFFFFFFF,
+                        len(fname), len(extra)) + fname + extra
+    central = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45, 0, 0, 0, 0x21, crc, 0xFFFFFFFF, 0xFFFFFFFF,
+                          len(fname), len(extra), 0, 0, 0, 0, 0) + fname + extra
+    body = local + data
+    return body + central + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 1, 1, len(central), len(body), 0)
+
+
+def test_read_npz_refuses_sizes_the_stored_bytes_cannot_hold(tmp_path):
+    """A 300-byte file whose zip entry and .npy header agree on 2 TiB: a bare MemoryError naming no file."""
+    n = 2 ** 41
+    header = "{'descr': '|i1', 'fortran_order': False, 'shape': (%d,), }" % n
+    header = header.encode("latin1")
+    header += b" " * (64 - (10 + len(header) + 1) % 64) + b"\n"
+    npy = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header
+    path = tmp_path / "placement.npz"
+    path.write_bytes(_zip64_stored("phy2log.npy", npy + b"\x00" * 8, len(npy) + n))
+    with pytest.raises(ValueError, match=r"placement\.npz: .*claims 2199023255\d+ bytes from \d+ stored bytes"):
+        ml.ExpertPlacement.load(path)
+
+
+def test_paths_that_are_not_files(tmp_path):
+    """A folder or a pipe was 'not found'; atomic_write into a folder named its temporary file, after
+    writing everything."""
+    with pytest.raises(IsADirectoryError, match=rf"{tmp_path} is a directory, not a placement file"):
+        ml.ExpertPlacement.load(tmp_path)
+    fifo = tmp_path / "pipe.npz"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="is not a regular file"):
+        read_npz(fifo, "latency curve file")
+    (tmp_path / "out.npz").mkdir()
+    written = []
+    with pytest.raises(IsADirectoryError, match=r"out\.npz is a directory"):
+        atomic_write(tmp_path / "out.npz", written.append)
+    assert written == [] and sorted(p.name for p in tmp_path.iterdir()) == ["out.npz", "pipe.npz"]
+
+
+def test_atomic_write_names_the_destination_on_os_errors(tmp_path, monkeypatch):
+    import moelayers.files as files
+
+    def denied(folder):
+        raise PermissionError(13, "Permission denied", str(folder / ".tmp-0123"))
+
+    monkeypatch.setattr(files, "_create_temp", denied)
+    with pytest.raises(PermissionError, match=rf"{tmp_path / 'new.npz'}: cannot write \(Permission denied\)"):
+        ml.ExpertPlacement.linear(4, 2).save(tmp_path / "new.npz")
+
+
+def test_placements_of_many_experts_and_big_endian_tables(tmp_path):
+    """num_experts beyond the slots was refused only after allocating E (500 MiB at 10**7, an
+    allocator error at 2**40); a big-endian table (numpy on such a host) did not load."""
+    import time
+
+    np.savez(tmp_path / "huge.npz", phy2log=np.arange(4).reshape(2, 2), num_experts=np.int64(2 ** 40))
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"huge\.npz: invalid placement \(a placement of \(2, 2\) = 4 slots cannot hold"):
+        ml.ExpertPlacement.load(tmp_path / "huge.npz")
+    assert time.perf_counter() - t0 < 1.0
+    np.savez(tmp_path / "be.npz", phy2log=np.arange(4).reshape(2, 2).astype(">i8"), num_experts=np.int64(4))
+    assert ml.ExpertPlacement.load(tmp_path / "be.npz") == ml.ExpertPlacement.linear(4, 2)
+    for bad in (3.0, True):
+        with pytest.raises(ValueError, match="slots_per_rank must be a positive int"):
+            ml.ExpertPlacement.linear(2, 2, slots_per_rank=bad)
+    p = ml.ExpertPlacement.linear(4, 2)
+    with pytest.raises(ValueError, match=r"rank must be an int in \[0, 2\), got -1"):
+        p.experts_on(-1)  # answered for the last rank
+    with pytest.raises(TypeError, match="moves_to needs an ExpertPlacement, got NoneType"):
+        p.moves_to(None)
+
+
+def test_eplb_arguments_are_checked():
+    from moelayers.planning.eplb import balanced_packing, plan_eplb
+
+    for bad in (True, 2.0, 1.5, -1):
+        with pytest.raises(ValueError, match="num_replicas must be an int >= 0"):
+            plan_eplb(np.ones((2, 4)), 2, num_replicas=bad)
+    with pytest.raises(ValueError, match="weights must be"):
+        balanced_packing(np.array([1.0, np.nan, 2.0, 3.0]), 2)
+    with pytest.raises(ValueError, match=r"item_group must be \[N=4\]"):
+        balanced_packing(np.ones(4), 2, item_group=np.array([0, 1]))
