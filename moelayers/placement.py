@@ -46,6 +46,9 @@ class ExpertPlacement:
             raise ValueError(f"phy2log must be a non-empty [num_ranks, slots_per_rank] table, got shape {tuple(p.shape)}")
         if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or num_experts < 1:
             raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+        if num_experts > p.numel():  # before anything of size E is allocated (a damaged file may claim 2**40)
+            raise ValueError(f"a placement of {tuple(p.shape)} = {p.numel()} slots cannot hold num_experts={num_experts} "
+                             "experts: every expert needs a slot")
         self.phy2log = p.to(torch.int64).cpu().clone()
         self.num_experts = int(num_experts)
         self.validate()
@@ -71,6 +74,8 @@ class ExpertPlacement:
             ValueError: if ``num_experts`` is not divisible by ``num_ranks``.
         """
         _check_positive(num_ranks=num_ranks, num_experts=num_experts)
+        if slots_per_rank is not None:
+            _check_positive(slots_per_rank=slots_per_rank)
         if num_experts % num_ranks:
             raise ValueError(
                 f"linear placement needs num_experts ({num_experts}) divisible by num_ranks ({num_ranks})"
@@ -143,6 +148,8 @@ class ExpertPlacement:
 
     def experts_on(self, rank: int) -> list[int]:
         """Logical experts in ``rank``'s slots (``-1`` for empty), slot order."""
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < self.num_ranks:
+            raise ValueError(f"rank must be an int in [0, {self.num_ranks}), got {rank!r}")
         return self.phy2log[rank].tolist()
 
     def expert_rank(self) -> torch.Tensor:
@@ -176,7 +183,7 @@ class ExpertPlacement:
         present = torch.zeros(e, dtype=torch.bool)
         present[p[p >= 0]] = True
         if not present.all():
-            missing = torch.nonzero(~present).flatten().tolist()
+            missing = torch.nonzero(~present).flatten()[:16].tolist()
             raise ValueError(f"placement is missing expert(s) {missing[:16]}: every expert needs at least one replica")
         for r in range(p.shape[0]):
             row = p[r][p[r] >= 0]
@@ -218,6 +225,8 @@ class ExpertPlacement:
         The source is a slot holding that expert now: on the destination rank itself if
         possible, else spread round-robin over the current replicas.
         """
+        if not isinstance(other, ExpertPlacement):
+            raise TypeError(f"moves_to needs an ExpertPlacement, got {type(other).__name__}")
         if (other.num_experts, other.num_ranks, other.slots_per_rank) != (
             self.num_experts, self.num_ranks, self.slots_per_rank
         ):

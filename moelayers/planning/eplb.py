@@ -53,6 +53,13 @@ def balanced_packing(weights: np.ndarray, num_packs: int, *, item_group: np.ndar
     """
     w = np.asarray(weights, dtype=np.float64)
     num = w.size
+    if w.ndim != 1 or not np.all(np.isfinite(w)) or (w < 0).any():
+        raise ValueError(f"balanced_packing: weights must be [N] finite numbers >= 0, got shape {list(w.shape)}"
+                         + ("" if w.ndim != 1 else f" with min {w.min() if num else None}"))
+    if item_group is not None and np.shape(item_group) != (num,):
+        raise ValueError(f"balanced_packing: item_group must be [N={num}], got shape {list(np.shape(item_group))}")
+    if isinstance(num_packs, bool) or not isinstance(num_packs, (int, np.integer)):
+        raise ValueError(f"balanced_packing: num_packs must be an int, got {num_packs!r}")
     if num_packs < 1 or num % num_packs:
         raise ValueError(f"balanced_packing: {num} items do not split evenly into {num_packs} packs")
     cap = num // num_packs
@@ -160,8 +167,8 @@ def plan_eplb(loads: np.ndarray, num_ranks: int, *, num_replicas: int = 0) -> np
     num_e = w.size
     if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
         raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
-    if num_replicas < 0:
-        raise ValueError(f"num_replicas must be >= 0, got {num_replicas}")
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, (int, np.integer)) or num_replicas < 0:
+        raise ValueError(f"num_replicas must be an int >= 0, got {num_replicas!r}")
     num_phy = num_e + int(num_replicas)
     if num_phy % num_ranks:
         raise ValueError(f"E + num_replicas ({num_phy}) must be divisible by num_ranks ({num_ranks})")

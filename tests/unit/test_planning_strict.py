@@ -200,7 +200,7 @@ def test_plan_eplb_rejects_bad_arguments() -> None:
     loads = np.ones((3, 4))
     with pytest.raises(ValueError, match="finite and >= 0"):
         plan_eplb(np.array([1.0, -1.0, 2.0, 3.0]), 2)
-    with pytest.raises(ValueError, match="num_replicas must be >= 0, got -1"):
+    with pytest.raises(ValueError, match="num_replicas must be an int >= 0, got -1"):
         plan_eplb(np.ones(5), 2, num_replicas=-1)
     for bad in (True, 0, 2.0):
         with pytest.raises(ValueError, match="num_ranks must be a positive int"):
