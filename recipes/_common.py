@@ -224,9 +224,7 @@ def launch(cfg: Any, fn: Callable[[int, int, dict], Any]) -> Any:
         return result  # the caller writes its outputs, then calls shutdown()
     from moelayers.testing import run_distributed
 
-    world = int(par.get("world_size", 1))
-    if world < 1:
-        raise ValueError(f"parallel.world_size must be >= 1, got {world}")
+    world = int_setting(par.get("world_size", 1), "parallel.world_size", 1)  # 1.9 is not 1
     backend = resolve_backend(par.get("backend"), torchrun=False)
     results = run_distributed(fn, world, d, backend=backend, timeout=float(par.get("timeout_s", 600)))
     return results[0]

@@ -30,7 +30,9 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
 
     Every writer first writes a temporary file in ``out_dir``; only when all succeeded are they moved
     to their names with ``os.replace``, in the given order (put the file that marks a finished run
-    last). On failure the temporary files are removed and nothing is moved.
+    last). On failure the temporary files are removed and nothing is moved; an output name taken by
+    a folder is refused before anything is written. (A failure of ``os.replace`` itself, e.g. a disk
+    error mid-way, leaves the files moved before it, never a temporary file.)
 
     Args:
         out_dir: destination folder (created if missing).
@@ -43,6 +45,9 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    folders = [name for name in writers if (out / name).is_dir()]
+    if folders:  # found before anything is written, not when the first files have been moved in
+        raise IsADirectoryError(f"{out}: {', '.join(folders)} is a directory: cannot write the run's files there")
     mode = file_mode()
     tmps: dict[str, Path] = {}
     try:
@@ -56,7 +61,11 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
         for tmp in tmps.values():
             tmp.unlink(missing_ok=True)
         raise
-    remove_stale(out, stale, tmps)
-    for name, tmp in tmps.items():
-        os.replace(tmp, out / name)
+    try:
+        remove_stale(out, stale, tmps)
+        for name, tmp in tmps.items():
+            os.replace(tmp, out / name)
+    finally:  # a failed move leaves no temporary file behind
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
     return [out / name for name in tmps]

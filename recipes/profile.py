@@ -38,7 +38,7 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
-    device_for, int_setting, invocation, jsonable, launch, run_dir, shutdown, to_dict, under_torchrun,
+    device_for, flag, int_setting, invocation, jsonable, launch, run_dir, shutdown, to_dict, under_torchrun,
 )
 from recipes._plan_tools import commit_files  # noqa: E402
 from recipes._plots import plot_curves  # noqa: E402
@@ -144,7 +144,7 @@ def profile_worker(rank: int, world: int, cfg: dict) -> dict | None:
     slots = e // world
     experts = GroupedExperts(slots, h, f, dtype=dtype, device=device)
     # the same weights and rows on every rank: the curves then differ only by the GPUs
-    gen = torch.Generator(device=device).manual_seed(int(cfg.get("seed", 0)))
+    gen = torch.Generator(device=device).manual_seed(int_setting(cfg.get("seed", 0), "seed", 0))
     with torch.no_grad():
         experts.w13.normal_(0, 0.02, generator=gen)
         experts.w2.normal_(0, 0.02, generator=gen)
@@ -153,7 +153,7 @@ def profile_worker(rank: int, world: int, cfg: dict) -> dict | None:
     reps, warmup = int(p["reps"]), int(p["warmup"])
     lat = []
     bar = None
-    if rank == 0:
+    if rank == 0 and flag(cfg, "progress", True):
         from tqdm import tqdm
         bar = tqdm(total=len(rows), desc="profiling row counts", unit="pt")
     t_start = time.perf_counter()
@@ -258,9 +258,10 @@ def main(cfg: DictConfig) -> None:
     d = to_dict(cfg)
     d["run_dir"] = run_dir()
     check_profile(d["profile"])  # a bad setting fails here, before any rank starts
+    int_setting(d.get("seed", 0), "seed", 0)
+    flag(d, "progress", True)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (d.get("parallel") or {}).get("world_size", 1)
-    if isinstance(world, int) and world >= 1:  # else launch() names the bad parallel.world_size
-        check_world(d["profile"], world)
+    check_world(d["profile"], int_setting(world, "parallel.world_size", 1))
     res = launch(d, profile_worker)
     if res is not None:
         echo = {k: v for k, v in d.items() if k != "run_dir"}

@@ -50,6 +50,10 @@ def test_profile_writes_curves(tmp_path):
     (["profile.shape.num_experts=0"], "profile.shape.num_experts must be an integer >= 1, got 0"),
     # was checked on the ranks only, naming neither setting
     (["parallel.world_size=3"], "profile.shape.num_experts=8 experts do not divide over 3 ranks (parallel.world_size"),
+    # these ran: 1.9 ranks profiled 1, seed 1.5 seeded 1, while the config recorded 1.9 and 1.5
+    (["parallel.world_size=1.9"], "parallel.world_size must be an integer >= 1, got 1.9"),
+    (["seed=1.5"], "seed must be an integer >= 0, got 1.5"),
+    (["progress=maybe"], "progress"),
 ])
 def test_profile_bad_input_writes_nothing(tmp_path, overrides, message):
     out = tmp_path / "run"
@@ -173,3 +177,35 @@ def test_profile_worker_refuses_nan_latency(monkeypatch):
     monkeypatch.setattr(mod, "_time_rows", lambda *args, **kwargs: float("nan"))
     with pytest.raises(RuntimeError, match="not a positive number"):
         mod.profile_worker(0, 1, {"profile": CPU_SMOKE, "seed": 0})
+
+
+def test_commit_files_refuses_a_folder_in_the_way_and_leaves_no_temporary_file(tmp_path):
+    """A folder named like an output was found after curves.npz had been moved in, and the other
+    temporary files stayed behind."""
+    from recipes._plan_tools import commit_files
+
+    (tmp_path / "curves.png").mkdir()
+    writers = {"curves.npz": lambda p: p.write_bytes(b"npz"), "curves.png": lambda p: p.write_bytes(b"png")}
+    with pytest.raises(IsADirectoryError, match="curves.png is a directory"):
+        commit_files(tmp_path, writers)
+    assert [p.name for p in tmp_path.iterdir()] == ["curves.png"]
+
+    import recipes._plan_tools as tools
+
+    real = tools.os.replace
+    calls = []
+
+    def fail_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real(src, dst)
+
+    (tmp_path / "curves.png").rmdir()
+    tools.os.replace = fail_second
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            commit_files(tmp_path, writers)
+    finally:
+        tools.os.replace = real
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.npz"]  # no .tmp file left
