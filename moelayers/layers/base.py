@@ -87,7 +87,9 @@ class MoELayerBase(nn.Module):
         placement = placement or ExpertPlacement.linear(config.num_experts, groups.ep_size)
         self._check_placement(placement, config, groups)
         if dispatcher not in DISPATCHERS:
-            raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}")
+            hint = ("; DeepEP's dispatcher is not part of this version of moelayers (its all-to-all dispatcher "
+                    "serves the same layouts)") if str(dispatcher).lower().replace("_", "") == "deepep" else ""
+            raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}{hint}")
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or capacity < 1):
             raise ValueError(f"capacity must be None or an int >= 1 (tokens per rank), got {capacity!r}")
         if capacity is not None and (dispatcher != "alltoall" or not dedup):
@@ -96,7 +98,9 @@ class MoELayerBase(nn.Module):
             raise ValueError("cuda_graph=True needs a fixed capacity (tokens per rank)")
         self.capacity, self.cuda_graph = None if capacity is None else int(capacity), cuda_graph
         self._graphed = None
-        # the layer's own copy: a caller editing its placement afterwards cannot desynchronise the layer
+        # the layer's own copies: a caller editing its placement or config afterwards cannot
+        # desynchronise the layer (replace() validates again)
+        config = config.replace()
         self.config, self.groups, self.placement, self.seed = config, groups, placement.copy(), seed
         self.replica_policy = replica_policy or LocalFirstPolicy()
         self.dedup = dedup
@@ -227,6 +231,53 @@ class MoELayerBase(nn.Module):
             raise ValueError(f"load_full_weights: the weights differ between the expert-parallel ranks ({named}): "
                              f"load the same logical weights on every rank (e.g. the same checkpoint or seed), "
                              f"or pass verify=False to skip this check")
+
+    # ------------------------------------------------------------------ module protocol
+    def _apply(self, fn, recurse: bool = True):
+        """``.to(dtype)`` / ``.half()`` / ``.bfloat16()`` / ``.double()`` after construction: the layer
+        computes in its weights' new dtype (``config.params_dtype`` follows; a captured CUDA graph,
+        recorded for the old dtype, is dropped)."""
+        from moelayers.config import PARAMS_DTYPES
+
+        out = super()._apply(fn, recurse)
+        dtype = self.router.weight.dtype
+        if dtype != self.config.params_dtype:
+            if dtype not in PARAMS_DTYPES:
+                raise TypeError(f"{type(self).__name__} computes in one of {[str(d) for d in PARAMS_DTYPES]}, "
+                                f"not {dtype}")
+            self.config = self.config.replace(params_dtype=dtype)
+            self.router.config = self.config
+            self.release_graphs()
+        return out
+
+    def __deepcopy__(self, memo: dict) -> "MoELayerBase":
+        """A copy with its own weights and state that shares the process groups (handles, which
+        cannot be copied; the dispatcher and the replica ties hold them too) and drops a captured
+        CUDA graph (the copy captures its own)."""
+        import copy
+
+        for group in (self.groups.ep, self.groups.tp, self.groups.dp):
+            if group is not None:
+                memo[id(group)] = group
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = None if key == "_graphed" else copy.deepcopy(value, memo)
+        return new
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        """A strict load that lacks some of this layer's keys fails before anything of the layer is
+        loaded: the placement (extra state) and the expert weights go together, and adopting one
+        without the other would leave a layer that serves wrong outputs if the error is caught."""
+        if strict:
+            lacking = [prefix + k for k in self.state_dict(keep_vars=True) if prefix + k not in state_dict]
+            if lacking:
+                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: missing key(s) "
+                                   f"{lacking}; nothing of this MoE layer was loaded (its weights are laid out in "
+                                   f"the checkpoint's placement, which comes with them)")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def get_extra_state(self) -> dict:
         """What ``state_dict()`` saves beside the weights: the placement, since ``experts.w13`` /

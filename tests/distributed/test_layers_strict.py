@@ -123,9 +123,30 @@ def _move_checks(rank, world, groups):
     return errors
 
 
+def _deepcopy_check(rank, world, groups):
+    """copy.deepcopy failed on the process groups ('cannot pickle ProcessGroup'): the copy now shares
+    them and owns its weights; it serves the reference's outputs, and training it leaves the original."""
+    import copy
+
+    layer = _layer(groups)
+    twin = copy.deepcopy(layer)
+    errors = []
+    if twin.groups.ep is not layer.groups.ep or twin.dispatcher.group is not layer.dispatcher.group:
+        errors.append("deepcopy: the copy does not share the process groups")
+    x, dy, _ = _data(rank)
+    with torch.no_grad():
+        if not torch.allclose(twin(x), ml.reference.moe_forward(x, *_full_weights(), _cfg()), atol=1e-10):
+            errors.append("deepcopy: the copy's outputs differ from the reference")
+        twin.experts.w13.add_(1.0)
+        if not torch.equal(layer.export_full_weights()[1], _full_weights()[1]):
+            errors.append("deepcopy: editing the copy's weights changed the original's")
+    return errors
+
+
 def _all_checks(rank, world):
     groups = ml.ParallelGroups.from_world()
-    return {"tie": _tie_check(rank, world, groups), "moves": _move_checks(rank, world, groups)}
+    return {"tie": _tie_check(rank, world, groups), "moves": _move_checks(rank, world, groups),
+            "deepcopy": _deepcopy_check(rank, world, groups)}
 
 
 _results: list = []
@@ -144,7 +165,7 @@ def _results_once():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("check", ["tie", "moves"])
+@pytest.mark.parametrize("check", ["tie", "moves", "deepcopy"])
 def test_two_ranks(check):
     for rank, res in enumerate(_results_once()):
         assert res[check] == [], f"rank {rank}: {res[check]}"

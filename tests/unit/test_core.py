@@ -436,3 +436,66 @@ def test_moves_wait_for_megatron_main_grad():
     assert layer.num_replans == 1  # (one rank: the planned expert -> rank map is the current one)
     layer.apply_placement(target)  # and an explicit move goes ahead
     assert layer.placement == target
+
+
+@pytest.mark.parametrize("cls", ["VanillaMoE", "VariabilityAwareMoE"])
+@pytest.mark.parametrize("cast", [torch.float64, torch.float16, torch.bfloat16])
+def test_a_layer_cast_after_construction_computes_in_its_new_dtype(cls, cast):
+    """.half() / .to(dtype) left the layer checking inputs against its construction dtype, and a
+    float32 input crashed in the router; load_full_weights refused the layer's own export."""
+    from moelayers.reference import moe_forward
+
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, init_std=0.3)
+    layer = getattr(ml, cls)(cfg, ml.ParallelGroups.single(), seed=1).to(cast)
+    assert layer.config.params_dtype == cast and layer.router.config is layer.config
+    assert cfg.params_dtype == torch.float32  # the caller's config is not touched
+    x = torch.randn(9, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    from moelayers.testing import redraw_near_ties
+
+    x = redraw_near_ties(x, layer.router.weight.double(), 2, lambda n: torch.randn(n, 16, dtype=torch.float64))
+    with torch.no_grad():
+        y = layer(x.to(cast))
+    weights = layer.export_full_weights()
+    ref = moe_forward(x, *(w.double() for w in weights), cfg.replace(params_dtype=torch.float64))
+    low = None if cast == torch.float64 else moe_forward(x.to(cast), *weights, cfg.replace(params_dtype=cast))
+    assert check_close(f"{cls} cast to {cast}", y, ref, low) is None
+    layer.load_full_weights(*weights)
+    with pytest.raises(TypeError, match=f"x has dtype torch.float32, the layer computes in {cast}"):
+        layer(x.float())
+
+
+def test_deepcopy_and_config_copies():
+    """The layer keeps its own config (an edit of the caller's broke it silently); a deep copy owns
+    its weights (at world >= 2 it failed on the process groups: tests/distributed/test_layers_strict.py)."""
+    import copy
+
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=2)
+    cfg.top_k = 100
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        y = layer(x)
+        twin = copy.deepcopy(layer)
+        assert torch.equal(twin(x), y) and twin.experts.w13.data_ptr() != layer.experts.w13.data_ptr()
+    with pytest.raises(ValueError, match="DeepEP's dispatcher is not part of this version"):
+        ml.VanillaMoE(ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2),
+                      ml.ParallelGroups.single(), dispatcher="deepep")
+    with pytest.raises(TypeError, match="router_dtype must be None or one of"):
+        ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, router_dtype=torch.float8_e4m3fn)
+
+
+def test_a_strict_load_missing_keys_loads_nothing_of_the_layer():
+    """set_extra_state adopted the checkpoint's placement before the missing weight was noticed: a
+    caller catching the error kept a layer serving expert 2's w2 as expert 0's."""
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=8, top_k=2)
+    src = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=3,
+                        placement=ml.ExpertPlacement.from_phy2log(torch.tensor([[2, 3, 0, 1, 6, 7, 4, 5]]), 8))
+    dst = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=4)
+    before = [t.clone() for t in dst.export_full_weights()]
+    state = {k: v for k, v in src.state_dict().items() if k != "experts.w2"}
+    with pytest.raises(RuntimeError, match=r"missing key\(s\) \['experts.w2'\]; nothing of this MoE layer was loaded"):
+        dst.load_state_dict(state)
+    assert dst.placement == ml.ExpertPlacement.linear(8, 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, dst.export_full_weights()))
+    dst.load_state_dict(src.state_dict())
+    assert dst.placement == src.placement
