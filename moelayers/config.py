@@ -38,6 +38,9 @@ MEGATRON_SUPPORTED_VALUES: dict[str, tuple] = {
     "fp8": (None,),                              # fp8 / fp4 matmuls (TransformerEngine) change the outputs
     "fp4": (None,),
     "activation_func_clamp_value": (None,),
+    # megatron's RouterReplay (RL: replay rollout routing in training) has no hook into our router;
+    # replay routing with the layer's force_routing instead
+    "moe_enable_routing_replay": (False,),
 }
 
 
@@ -220,9 +223,9 @@ class MoEConfig:
         if isinstance(self.init_std, bool) or not isinstance(self.init_std, numbers.Real) \
                 or not math.isfinite(self.init_std) or not self.init_std > 0:
             raise ValueError(f"MoEConfig.init_std must be a finite number > 0, got {self.init_std!r}")
-        if self.router_dtype is not None and (not isinstance(self.router_dtype, torch.dtype)
-                                              or not self.router_dtype.is_floating_point):
-            raise TypeError(f"MoEConfig.router_dtype must be None or a floating torch.dtype, got {self.router_dtype!r}")
+        if self.router_dtype is not None and self.router_dtype not in PARAMS_DTYPES:  # fp8 cannot be promoted
+            raise TypeError(f"MoEConfig.router_dtype must be None or one of {[str(d) for d in PARAMS_DTYPES]} "
+                            f"(megatron's moe_router_dtype: fp32 or fp64), got {self.router_dtype!r}")
 
     def logits_dtype(self, x_dtype: torch.dtype) -> torch.dtype:
         """The dtype router logits are computed in for inputs of ``x_dtype``."""

@@ -322,6 +322,8 @@ def test_fp32_router_picks_megatrons_experts_in_bf16():
     (dict(add_bias_linear=True), "add_bias_linear=False"),
     (dict(moe_input_jitter_eps=0.5), "moe_input_jitter_eps=0.5"),
     (dict(fp4="nvfp4"), "fp4='nvfp4'"),
+    # megatron's RouterReplay could not reach our router: the layer kept routing by its own scores
+    (dict(moe_enable_routing_replay=True), "moe_enable_routing_replay=True"),
 ])
 def test_from_megatron_refuses_what_it_does_not_implement(setting, match):
     """A setting that changes megatron's output is an error, never silently dropped."""
