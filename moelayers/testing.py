@@ -10,6 +10,7 @@ The tolerance rule of DESIGN.md §1, against a float64 reference ``ref64``:
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 from typing import Any, Callable
@@ -123,7 +124,9 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         result = fn(rank, world, *args)
-        queue.put((rank, "ok", result))
+        # pickled here, not in the queue's feeder thread: a result that cannot be pickled (a process
+        # group, say) is this rank's error, not "died without reporting"
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report every failure, never hang the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -186,7 +189,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
         for _ in range(world_size):
             rank, status, payload = _next_report(queue, procs, results, timeout)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break  # other ranks may be stuck in a collective with the failed one

@@ -372,6 +372,21 @@ def test_run_distributed_fails_fast_when_a_rank_dies():
     assert time.monotonic() - start < 30
 
 
+def _returns_a_lock(rank, world):
+    import threading
+
+    return threading.Lock() if rank == 1 else rank
+
+
+@pytest.mark.timeout(60)
+def test_run_distributed_names_a_result_that_cannot_be_sent_back():
+    """It said 'rank(s) [...] died without reporting (exit codes 0)': the result was pickled in the
+    queue's feeder thread, after the worker's error handling."""
+    with pytest.raises(RuntimeError, match=r"(?s)--- rank 1 ---.*cannot pickle '_thread.lock' object"):
+        run_distributed(_returns_a_lock, 2, timeout=50)
+    assert run_distributed(_returns_a_lock, 1, timeout=50) == [0]
+
+
 def test_router_and_reference_check_forced_ids():
     """Standalone, the router and the dense reference refuse forced ids of the wrong shape (a
     [T * K] or [K, T] tensor used to broadcast or reshape into a wrong routing) or range."""
