@@ -200,10 +200,11 @@ class MoEConfig:
     def __post_init__(self) -> None:
         for name in ("hidden_size", "ffn_hidden_size", "num_experts", "top_k"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise TypeError(f"MoEConfig.{name} must be an int, got {type(value).__name__}")
             if value < 1:
                 raise ValueError(f"MoEConfig.{name} must be >= 1, got {value}")
+            object.__setattr__(self, name, int(value))  # numpy ints (sizes read from files) as plain ints
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"MoEConfig.top_k ({self.top_k}) must not exceed num_experts ({self.num_experts})"
@@ -267,6 +268,9 @@ class MoEConfig:
         import torch.nn.functional as F
 
         tc = transformer_config
+        if isinstance(tc, dict):
+            raise TypeError("from_megatron takes megatron-core's TransformerConfig (an object with its fields), "
+                            "not a dict: build one with TransformerConfig(**fields)")
         if getattr(tc, "num_moe_experts", None) is None:
             raise ValueError("transformer_config.num_moe_experts is not set: not an MoE config")
         if not getattr(tc, "gated_linear_unit", False) or getattr(tc, "activation_func", F.silu) is not F.silu:

@@ -176,6 +176,8 @@ class MoELayerBase(nn.Module):
             ValueError: a weight has the wrong shape; with ``verify``, the weights differ between
                 ranks, or another rank's were refused (nothing is loaded on any rank then).
         """
+        if not isinstance(verify, bool):  # a config's string "no" would be truthy
+            raise TypeError(f"verify must be a bool, got {verify!r}")
         cfg = self.config
         e, h, f = cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size
         dev = self.router.weight.device

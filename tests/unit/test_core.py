@@ -482,6 +482,14 @@ def test_deepcopy_and_config_copies():
                       ml.ParallelGroups.single(), dispatcher="deepep")
     with pytest.raises(TypeError, match="router_dtype must be None or one of"):
         ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, router_dtype=torch.float8_e4m3fn)
+    import numpy as np
+
+    sized = ml.MoEConfig(hidden_size=np.int64(16), ffn_hidden_size=8, num_experts=np.int32(4), top_k=2)  # from a file
+    assert type(sized.hidden_size) is int and sized.num_experts == 4
+    with pytest.raises(TypeError, match="verify must be a bool, got 'no'"):
+        layer.load_full_weights(*layer.export_full_weights(), verify="no")
+    with pytest.raises(TypeError, match="not a dict"):
+        ml.MoEConfig.from_megatron({"num_moe_experts": 8})
 
 
 def test_a_strict_load_missing_keys_loads_nothing_of_the_layer():
