@@ -24,7 +24,7 @@ import torch.distributed as dist
 from moelayers.dispatch.base import (
     LocalPairs, Received, Routes, combine_pairs, local_pairs, raise_if_nonfinite, raise_if_placements_differ,
 )
-from moelayers.dispatch.comm import RowLayout, all_to_all_bytes, packed_all_to_all
+from moelayers.dispatch.comm import ROW_ALIGN, RowLayout, all_to_all_bytes, packed_all_to_all
 from moelayers.kernels import dispatch_pack, unpermute_combine
 from moelayers.metrics import MoEStats
 
@@ -193,7 +193,10 @@ class AllToAllDispatcher:
     def combine(self, expert_output: torch.Tensor, received: Received) -> torch.Tensor:
         st: _State = received.state
         row_out = combine_pairs(expert_output, st.pairs, st.recv_weights, st.dtype)
-        if torch.is_grad_enabled() and row_out.requires_grad:
+        # the rows' size on the wire must not depend on this rank's autograd state (a peer may record
+        # a graph where this one does not): raw rows only where they are already the packed size
+        packed_size = (row_out.shape[1] * row_out.element_size()) % ROW_ALIGN == 0
+        if (torch.is_grad_enabled() and row_out.requires_grad) or not packed_size:
             (back,) = packed_all_to_all([row_out], st.out_splits, st.in_splits, self.group)
         else:  # inference: exchange the rows' bytes as they are, no packing copy
             raw = all_to_all_bytes(row_out.contiguous().view(torch.uint8), sum(st.in_splits),

@@ -41,7 +41,7 @@ def fingerprint(values: torch.Tensor, *, chunk: int = 1 << 24) -> torch.Tensor:
     return out
 
 
-_ALIGN = 16
+ROW_ALIGN = 16  # packed rows are padded to a multiple of this many bytes
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class RowLayout:
     def row_bytes(self) -> int:
         (width, dtype), last = self.fields[-1], self.offsets[-1]
         end = last + width * _itemsize(dtype)
-        return -(-end // _ALIGN) * _ALIGN
+        return -(-end // ROW_ALIGN) * ROW_ALIGN
 
     def empty(self, rows: int, device: torch.device) -> torch.Tensor:
         return torch.empty(rows, self.row_bytes, dtype=torch.uint8, device=device)

@@ -332,7 +332,8 @@ class MoELayerBase(nn.Module):
     def force_routing(self, topk_ids: torch.Tensor) -> None:
         """Use these ``[T, K]`` logical experts (e.g. replayed from a trace) in the next forward;
         weights come from this router's scores of them. Ids outside ``[0, E)`` make that forward
-        raise ``ValueError`` on every rank (after the exchange: no rank hangs). An id repeated
+        raise ``ValueError`` on every rank (after the exchange: no rank hangs; in capacity mode with
+        ``check_finite=False``, on every rank that forced its routing, see :meth:`forward`). An id repeated
         within a row applies that expert twice, as ``moelayers.reference`` does (no check here, to
         keep replay free of host syncs; ``RoutingTrace`` refuses repeats when a trace is built).
 
@@ -361,7 +362,11 @@ class MoELayerBase(nn.Module):
                 takes part in the forward's exchange with no tokens, so the other ranks raise
                 ``ValueError`` too instead of waiting for it (see :meth:`_refuse_in_step`).
             ValueError: NaN/inf router logits (``check_finite``) or forced ids outside ``[0, E)`` on
-                any rank; more tokens than ``capacity`` on any rank.
+                any rank; more tokens than ``capacity`` on any rank. In capacity mode (``capacity``
+                set, the CUDA-graph path) the flags are read without a host sync only on ranks that
+                need them: with ``check_finite=False``, a rank that neither forced its routing nor
+                overflowed nor was refused returns its output while the others raise (every rank
+                that forces routing, as trace replay does, raises together).
         """
         forced, self._forced_ids = self._forced_ids, None  # used by this forward only, even one that raises
         try:

@@ -169,3 +169,22 @@ def _results_once():
 def test_two_ranks(check):
     for rank, res in enumerate(_results_once()):
         assert res[check] == [], f"rank {rank}: {res[check]}"
+
+
+def _mixed_autograd(rank, world):
+    """A frozen layer where only rank 0's input requires grad: the combine sent padded rows from one
+    rank and raw rows from the other (H * itemsize = 24 bytes, not a multiple of 16), and gloo killed
+    the process."""
+    cfg = ml.MoEConfig(hidden_size=3, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), seed=5).requires_grad_(False)
+    x = torch.randn(3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)).requires_grad_(rank == 0)
+    y = layer(x)  # (a backward would be a collective too: rank 1 records no graph to run it)
+    ref = ml.reference.moe_forward(x.detach(), *layer.export_full_weights(), cfg)
+    return float((y.detach() - ref).abs().max()), y.requires_grad
+
+
+@pytest.mark.timeout(90)
+def test_ranks_that_differ_in_autograd_exchange_rows_of_one_size():
+    out = run_distributed(_mixed_autograd, 2, timeout=60)
+    assert [grad for _, grad in out] == [True, False]
+    assert max(err for err, _ in out) < 1e-12
