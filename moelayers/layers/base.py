@@ -377,6 +377,8 @@ class MoELayerBase(nn.Module):
             if self.capacity is not None and self._records_autograd(x2):
                 raise ValueError("capacity mode is inference-only: run it under torch.no_grad()/inference_mode(), "
                                  "or build the layer without capacity for training")
+            if self.cuda_graph and x2.is_cuda and forced is not None:  # here: the other ranks learn it in the exchange
+                raise ValueError("cuda_graph layers do not take forced routing; build the layer with cuda_graph=False")
         except (TypeError, ValueError) as exc:
             if self.groups.ep_size == 1:
                 raise
@@ -440,8 +442,6 @@ class MoELayerBase(nn.Module):
         n = x2.shape[0]
         graphed = (self.cuda_graph and x2.is_cuda and forced is None and not self._bad_input
                    and not self._records_autograd(x2))
-        if self.cuda_graph and not graphed and x2.is_cuda and forced is not None:
-            raise ValueError("cuda_graph layers do not take forced routing; build the layer with cuda_graph=False")
         if graphed and not self.experts.sync_free(x2):
             raise ValueError("cuda_graph=True needs the grouped-GEMM experts (torch._grouped_mm: bf16 on Hopper-class "
                              f"GPUs); these are {x2.dtype} on {x2.device}: use cuda_graph=False")

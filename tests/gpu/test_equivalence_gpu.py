@@ -56,3 +56,33 @@ def test_graphed_layer_overflow_raises_and_recovers():
     low = ml.reference.moe_forward(x[:10], *layer.export_full_weights(), cfg, topk_ids=ids)
     assert check_close("graph after overflow", y, ref, low) is None
     layer.release_graphs()
+
+
+def _forced_on_one_graphed_rank(rank: int, world: int) -> str:
+    """Rank 0 forces routing on a CUDA-graph layer, rank 1 does not: rank 0 used to raise before the
+    exchange and leave rank 1 waiting in it; now both raise."""
+    import moelayers as ml
+
+    cfg = ml.MoEConfig(hidden_size=256, ffn_hidden_size=128, num_experts=8, top_k=2, params_dtype=torch.bfloat16)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), device=dev, capacity=16, cuda_graph=True)
+    x = torch.randn(8, 256, device=dev, generator=torch.Generator(device=dev).manual_seed(rank)).to(torch.bfloat16)
+    try:
+        with torch.no_grad():
+            layer(x)  # capture on both
+            if rank == 0:
+                layer.force_routing(torch.zeros(8, 2, dtype=torch.int64, device=dev))
+            layer(x)
+        return "no error"
+    except ValueError as e:
+        return str(e)
+    finally:
+        layer.release_graphs()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_forced_routing_on_one_graphed_rank_raises_on_both():
+    out = run_distributed(_forced_on_one_graphed_rank, 2, backend="nccl", timeout=240)
+    assert "cuda_graph layers do not take forced routing" in out[0]
+    assert out[1] != "no error", out
