@@ -174,11 +174,13 @@ class GroupedExperts(nn.Module):
         """Apply slot ``s``'s expert to its contiguous block of rows.
 
         Args:
-            x: ``[N, H]`` rows sorted by slot; ``N == slot_counts.sum()``.
+            x: ``[N, H]`` rows sorted by slot; the first ``slot_counts.sum()`` are counted (capacity
+                mode pads ``x`` past them).
             slot_counts: ``[S]`` int rows per slot (on ``x.device``).
 
         Returns:
-            ``[N, H]``.
+            The counted rows' outputs first: ``[slot_counts.sum(), H]`` from the loop, ``[N, H]``
+            from the grouped GEMM (whose rows past the counted ones are not defined).
         """
         if self.uses_grouped_mm(x):
             return self._forward_grouped_mm(x, slot_counts)

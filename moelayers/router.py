@@ -96,9 +96,13 @@ class TopKRouter(nn.Module):
             ``(topk_ids [T, K] int64, topk_weights [T, K] in x.dtype)``.
 
         Raises:
+            TypeError: ``forced_ids`` is not an integer tensor (a float id would be truncated).
             ValueError: ``forced_ids`` is not ``[T, K]``; without ``defer_check``, NaN/inf logits
                 (``check_finite``) or forced ids outside ``[0, E)``.
         """
+        if forced_ids is not None and (forced_ids.is_floating_point() or forced_ids.is_complex()
+                                       or forced_ids.dtype == torch.bool):
+            raise TypeError(f"forced_ids must be integer expert ids, got {forced_ids.dtype}")
         if forced_ids is not None and tuple(forced_ids.shape) != (x.shape[0], self.config.top_k):
             raise ValueError(f"forced_ids must be [T, K] = [{x.shape[0]}, {self.config.top_k}], "
                              f"got {list(forced_ids.shape)}")

@@ -330,7 +330,8 @@ class MoELayerBase(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def force_routing(self, topk_ids: torch.Tensor) -> None:
-        """Use these ``[T, K]`` logical experts (e.g. replayed from a trace) in the next forward;
+        """Use these ``[T, K]`` (or, for ``[S, B, H]`` input, ``[S, B, K]``) logical experts (e.g.
+        replayed from a trace) in the next forward;
         weights come from this router's scores of them. Ids outside ``[0, E)`` make that forward
         raise ``ValueError`` on every rank (after the exchange: no rank hangs; in capacity mode with
         ``check_finite=False``, on every rank that forced its routing, see :meth:`forward`). An id repeated
@@ -371,6 +372,8 @@ class MoELayerBase(nn.Module):
         forced, self._forced_ids = self._forced_ids, None  # used by this forward only, even one that raises
         try:
             x2, token_ids = self._check_input(x, token_ids)
+            if forced is not None and forced.dim() == 3 and x.dim() == 3 and forced.shape[:2] == x.shape[:2]:
+                forced = forced.reshape(-1, forced.shape[-1])  # [S, B, K] for [S, B, H], as the reference takes
             if forced is not None and tuple(forced.shape) != (x2.shape[0], self.config.top_k):
                 raise ValueError(f"forced routing has shape {list(forced.shape)}, "
                                  f"expected [{x2.shape[0]}, {self.config.top_k}]")

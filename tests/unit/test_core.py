@@ -507,3 +507,20 @@ def test_a_strict_load_missing_keys_loads_nothing_of_the_layer():
     assert all(torch.equal(a, b) for a, b in zip(before, dst.export_full_weights()))
     dst.load_state_dict(src.state_dict())
     assert dst.placement == src.placement
+
+
+def test_forced_routing_laid_out_like_the_input():
+    """[S, B, K] forced ids for [S, B, H] input (as moe_forward takes them) were refused; the router
+    on its own truncated float ids (1.9 became expert 1)."""
+    from moelayers.reference import moe_forward
+
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, params_dtype=torch.float64)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=6)
+    x = torch.randn(3, 2, 16, dtype=torch.float64)
+    ids = torch.tensor([[[0, 1], [2, 3]], [[1, 2], [0, 3]], [[3, 1], [2, 0]]])
+    with torch.no_grad():
+        layer.force_routing(ids)
+        y = layer(x)
+    assert check_close("[S, B, K] forced", y, moe_forward(x, *layer.export_full_weights(), cfg, topk_ids=ids)) is None
+    with pytest.raises(TypeError, match="forced_ids must be integer expert ids, got torch.float32"):
+        layer.router(x[0], torch.full((2, 2), 1.9))
