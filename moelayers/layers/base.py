@@ -241,12 +241,14 @@ class MoELayerBase(nn.Module):
         recorded for the old dtype, is dropped)."""
         from moelayers.config import PARAMS_DTYPES
 
+        weight = self.router.weight
+        target = fn(torch.empty(0, dtype=weight.dtype, device=weight.device)).dtype  # before anything is cast
+        if target not in PARAMS_DTYPES:
+            raise TypeError(f"{type(self).__name__} computes in one of {[str(d) for d in PARAMS_DTYPES]}, "
+                            f"not {target}: the layer was left as it was")
         out = super()._apply(fn, recurse)
         dtype = self.router.weight.dtype
         if dtype != self.config.params_dtype:
-            if dtype not in PARAMS_DTYPES:
-                raise TypeError(f"{type(self).__name__} computes in one of {[str(d) for d in PARAMS_DTYPES]}, "
-                                f"not {dtype}")
             self.config = self.config.replace(params_dtype=dtype)
             self.router.config = self.config
             self.release_graphs()

@@ -1,6 +1,7 @@
 """Unit tests of the core pieces on one process."""
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -462,6 +463,9 @@ def test_a_layer_cast_after_construction_computes_in_its_new_dtype(cls, cast):
     layer.load_full_weights(*weights)
     with pytest.raises(TypeError, match=f"x has dtype torch.float32, the layer computes in {cast}"):
         layer(x.float())
+    with pytest.raises(TypeError, match="not torch.float8_e4m3fn: the layer was left as it was"):
+        layer.to(torch.float8_e4m3fn)  # refused after the weights were cast, the config left behind
+    assert layer.router.weight.dtype == layer.experts.w13.dtype == layer.config.params_dtype == cast
 
 
 def test_deepcopy_and_config_copies():
@@ -524,3 +528,26 @@ def test_forced_routing_laid_out_like_the_input():
     assert check_close("[S, B, K] forced", y, moe_forward(x, *layer.export_full_weights(), cfg, topk_ids=ids)) is None
     with pytest.raises(TypeError, match="forced_ids must be integer expert ids, got torch.float32"):
         layer.router(x[0], torch.full((2, 2), 1.9))
+
+
+def test_exchange_waits_for_posted_transfers_even_when_a_local_copy_fails(monkeypatch):
+    """A failing same-rank copy must not leave this rank's isend/irecv un-awaited (its peers would
+    wait for it forever): every request is waited on, then the copy's error propagates to the vote."""
+    from moelayers.layers import moves
+
+    waited = []
+
+    class Req:
+        def __init__(self, i):
+            self.i = i
+
+        def wait(self):
+            waited.append(self.i)
+
+    monkeypatch.setattr(moves.dist, "batch_isend_irecv", lambda ops: [Req(i) for i in range(len(ops))])
+    staging = SimpleNamespace(w13=torch.empty(1, 4, 3), w2=torch.empty(1, 3, 2))
+    w13, w2 = torch.randn(2, 5, 3), torch.randn(2, 3, 2)  # w13 rows of another shape: the copy fails
+    plan = SimpleNamespace(local=[(0, 1)])
+    with pytest.raises(RuntimeError):
+        moves._exchange(plan, staging, ["op0", "op1"], w13, w2)
+    assert waited == [0, 1]
