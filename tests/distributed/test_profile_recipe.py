@@ -1,6 +1,8 @@
 """recipes/profile.py end to end on CPU (2 gloo processes, tiny shape): a loadable curves file."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -209,3 +211,26 @@ def test_commit_files_refuses_a_folder_in_the_way_and_leaves_no_temporary_file(t
     finally:
         tools.os.replace = real
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.npz"]  # no .tmp file left
+
+
+@pytest.mark.timeout(180)
+def test_profile_progress_false_draws_no_bar(tmp_path):
+    """progress=false is read (a bad value fails in main) and rank 0 draws no tqdm bar."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "profile.py"), "progress=false",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=170)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "profiling row counts" not in proc.stderr
+
+
+@pytest.mark.parametrize("bad", [1.9, 0, "2x"])
+def test_launch_refuses_a_world_size_that_is_not_a_positive_integer(bad, tmp_path):
+    """launch() took parallel.world_size=1.9 as 1 (int()) and 0 reached run_distributed."""
+    from recipes._common import launch
+
+    def never(rank, world, cfg):  # pragma: no cover - must not be reached
+        raise AssertionError("launched")
+
+    with pytest.raises(ValueError, match=r"parallel\.world_size must be an integer >= 1, got " + re.escape(repr(bad))):
+        launch({"parallel": {"world_size": bad}, "run_dir": str(tmp_path)}, never)

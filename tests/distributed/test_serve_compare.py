@@ -186,3 +186,16 @@ def test_compare_results_flag_fewer_than_three_seeds():
     res = compare.build_results(runs, cfg, 1.0)
     assert res["truncated"] is False and res["baseline"]["truncated"] is True
     assert res["unserved_requests"] == res["baseline"]["unserved_requests"] == 1.0
+
+
+@pytest.mark.timeout(60)
+def test_a_baseline_side_config_error_names_the_compare_setting(tmp_path):
+    """compare.layer=semantic without a plan fails in check_config on the baseline's side: the error
+    names the compare block (it read like an error in our own layer=... setting), before any rank starts."""
+    cmd = [sys.executable, str(SERVE), "parallel.world_size=2", "compare.layer=semantic", "compare.seeds=1",
+           "progress=false", "plot=false", f"hydra.run.dir={tmp_path}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=50)
+    assert proc.returncode != 0
+    assert "ValueError: compare.layer / compare.scheduler (the baseline's side): layer=semantic" in proc.stderr
+    assert not (tmp_path / "results.json").exists()

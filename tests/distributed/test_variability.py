@@ -823,3 +823,75 @@ def test_ranks_with_checkpoints_of_two_moments_raise():
         for dispatcher in ("alltoall", "allgather", "capacity"):
             assert "serve different placements (ranks grouped by placement: [[0], [1]])" in out[dispatcher], out
             assert out[dispatcher + " after"] == (5, 8)
+
+
+class _Flaky:
+    """A planner that fails its first ``fails`` calls and records the layer's step at each call."""
+
+    def __init__(self, layer_ref, fails):
+        self.layer_ref, self.fails, self.steps = layer_ref, fails, []
+
+    def __call__(self, loads, curves, *, restarts, seed):
+        self.steps.append(self.layer_ref[0].steps)
+        if len(self.steps) <= self.fails:
+            raise RuntimeError("planner exploded")
+        return np.zeros(np.asarray(loads).shape[1], dtype=np.int64)
+
+
+def _flaky_layer(window, fails):
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    ref = []
+    planner = _Flaky(ref, fails)
+    layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), window=window, auto_replan=True, planner=planner)
+    ref.append(layer)
+    return layer, planner
+
+
+def test_a_failed_automatic_replan_is_retried_exactly_a_window_later():
+    """The retry of a failed automatic re-plan comes `window` steps after the failure, not later."""
+    layer, planner = _flaky_layer(window=3, fails=1)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for _ in range(9):
+            layer(x)
+    assert planner.steps == [3, 6]  # failed when the window filled, retried 3 steps later, then done
+    assert layer.num_replans == 1
+    assert sum("automatic re-plan failed" in str(w.message) for w in caught) == 1
+
+
+def test_a_failed_deferred_replan_under_autograd_warns_instead_of_raising():
+    """Training: the due re-plan runs at the start of the next forward; a failing planner there warns
+    (RuntimeWarning) and the forward still returns its output and its backward runs."""
+    layer, planner = _flaky_layer(window=2, fails=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step)).requires_grad_(True)
+            layer(x).sum().backward()  # must not raise at step 2 (the deferred re-plan)
+            layer.zero_grad(set_to_none=True)
+            assert x.grad is not None
+    assert planner.steps[0] == 2 and layer.num_replans == 0
+    assert any("automatic re-plan failed" in str(w.message) and "planner exploded" in str(w.message) for w in caught)
+
+
+def _replicas_dropped(rank, world):
+    from moelayers.placement import ExpertPlacement
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    replicas = ExpertPlacement.from_phy2log(torch.tensor([[0, 1, 2], [2, 3, 0]]), 4)
+    first = replicas.expert_rank().numpy()  # [0, 0, 0, 1]: where each expert's first replica lives
+    layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.from_world(), placement=replicas,
+                                   planner=lambda loads, curves, **kw: first.copy())
+    layer.replan(loads=torch.tensor([[90, 5, 3, 2]] * 3))
+    return layer.last_replan["moved"], layer.placement.max_replicas
+
+
+@pytest.mark.timeout(90)
+def test_a_replan_from_a_placement_with_replicas_to_its_first_replicas_ranks_still_moves():
+    """'Same experts on the same ranks' (no move) holds for one replica per expert only: a placement with
+    replicas re-planned to its first replicas' ranks drops the replicas, so it moves (min_gain None)."""
+    from moelayers.testing import run_distributed
+
+    for moved, max_replicas in run_distributed(_replicas_dropped, 2, timeout=60):
+        assert moved is True and max_replicas == 1

@@ -445,3 +445,16 @@ def test_explicit_grouped_mm_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="16-byte aligned"):
         ml.VanillaMoE(cfg.replace(params_dtype=torch.float32, ffn_hidden_size=6), ml.ParallelGroups.single(),
                       expert_backend="grouped_mm")
+
+
+@pytest.mark.parametrize("ids", [torch.ones(3, 2, dtype=torch.bool), torch.full((3, 2), 1.9),
+                                 torch.ones(3, 2, dtype=torch.complex64)])
+def test_router_refuses_forced_ids_that_are_not_integers(ids):
+    """Standalone, the router refuses bool / float / complex forced ids (a bool True became expert 1,
+    a float 1.9 was truncated to 1) before their shape is looked at."""
+    from moelayers.router import TopKRouter
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    router = TopKRouter(cfg)
+    with pytest.raises(TypeError, match=rf"forced_ids must be integer expert ids, got {ids.dtype}"):
+        router(torch.randn(3, 8), ids)

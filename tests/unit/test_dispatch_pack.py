@@ -64,3 +64,14 @@ def test_dispatch_pack_refuses_strided_or_misshapen_outputs():
         dispatch_pack_triton(x, dest_map, dest_rank, dest_slot, weights, **{**good, "s_out": torch.zeros(n, 3)})
     with pytest.raises(ValueError, match=r"must be \[T=9, K\]"):
         dispatch_pack_triton(x, dest_map, dest_rank[:4], dest_slot, weights, **good)
+
+
+def test_packed_rows_are_padded_to_16_bytes():
+    """Packed rows are a multiple of ROW_ALIGN = 16 bytes (the vectorised pack kernels and the combine's
+    raw-row shortcut, which is taken only where H * itemsize is already a multiple of it, rely on it)."""
+    from moelayers.dispatch.comm import ROW_ALIGN, RowLayout
+
+    assert ROW_ALIGN == 16
+    assert RowLayout(((3, torch.float64),)).row_bytes == 32  # 24 bytes of data
+    assert RowLayout(((4, torch.float32), (2, torch.float32), (2, torch.int32))).row_bytes == 32
+    assert RowLayout(((5, torch.bfloat16), (1, torch.int32))).row_bytes == 16

@@ -3,7 +3,9 @@
 import io
 import os
 import stat
+import struct
 import zipfile
+import zlib
 
 import numpy as np
 import pytest
@@ -205,30 +207,12 @@ def test_read_npz_says_what_a_foreign_file_is_not(tmp_path):
         assert "pickle" not in str(info.value)
 
 
-def _zip64_stored(name: str, data: bytes, claimed_size: int) -> bytes:
-    """A zip of one stored member whose zip64 sizes claim ``claimed_size`` bytes uncompressed."""
-    import struct
-    import zlib
-
-    fname, crc = name.encode(), zlib.crc32(data)
-    extra = struct.pack("<HHQQ", 1, 16, claimed_size, len(data))
-    local = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45, 0, 0, 0, 0x21, crc, 0xFFFFFFFF, 0xFFFFFFFF,
-                        len(fname), len(extra)) + fname + extra
-    central = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45, 0, 0, 0, 0x21, crc, 0xFFFFFFFF, 0xFFFFFFFF,
-                          len(fname), len(extra), 0, 0, 0, 0, 0) + fname + extra
-    body = local + data
-    return body + central + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 1, 1, len(central), len(body), 0)
-
-
 def test_read_npz_refuses_sizes_the_stored_bytes_cannot_hold(tmp_path):
     """A 300-byte file whose zip entry and .npy header agree on 2 TiB: a bare MemoryError naming no file."""
     n = 2 ** 41
-    header = "{'descr': '|i1', 'fortran_order': False, 'shape': (%d,), }" % n
-    header = header.encode("latin1")
-    header += b" " * (64 - (10 + len(header) + 1) % 64) + b"\n"
-    npy = b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header
+    npy = _npy_header(n)
     path = tmp_path / "placement.npz"
-    path.write_bytes(_zip64_stored("phy2log.npy", npy + b"\x00" * 8, len(npy) + n))
+    path.write_bytes(_zip64_member("phy2log.npy", npy + b"\x00" * 8, len(npy) + n, method=0))
     with pytest.raises(ValueError, match=r"placement\.npz: .*claims 2199023255\d+ bytes from \d+ stored bytes"):
         ml.ExpertPlacement.load(path)
 
@@ -292,3 +276,107 @@ def test_eplb_arguments_are_checked():
         balanced_packing(np.array([1.0, np.nan, 2.0, 3.0]), 2)
     with pytest.raises(ValueError, match=r"item_group must be \[N=4\]"):
         balanced_packing(np.ones(4), 2, item_group=np.array([0, 1]))
+
+
+def _zip64_member(name: str, data: bytes, claimed_size: int, method: int) -> bytes:
+    """A zip of one member (method 0: stored, 8: deflated; ``data`` already compressed) whose zip64
+    sizes claim ``claimed_size`` bytes uncompressed."""
+    fname, crc = name.encode(), zlib.crc32(data) if method == 0 else 0  # a deflated one is never read to its end
+    extra = struct.pack("<HHQQ", 1, 16, claimed_size, len(data))
+    local = struct.pack("<IHHHHHIIIHH", 0x04034B50, 45, 0, method, 0, 0x21, crc, 0xFFFFFFFF, 0xFFFFFFFF,
+                        len(fname), len(extra)) + fname + extra
+    central = struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45, 0, method, 0, 0x21, crc, 0xFFFFFFFF, 0xFFFFFFFF,
+                          len(fname), len(extra), 0, 0, 0, 0, 0) + fname + extra
+    body = local + data
+    return body + central + struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 1, 1, len(central), len(body), 0)
+
+
+def _npy_header(n: int) -> bytes:
+    header = ("{'descr': '|i1', 'fortran_order': False, 'shape': (%d,), }" % n).encode("latin1")
+    header += b" " * (64 - (10 + len(header) + 1) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header
+
+
+def _deflated_npz(path, ratio: float) -> None:
+    """An npz of one deflated member whose zip entry and .npy header agree on ``ratio`` times its
+    compressed size (real deflate gives at most about 1032:1)."""
+    n = 10 ** 6
+    for _ in range(3):  # the compressed size depends (barely) on the claimed size written in the header
+        comp = zlib.compressobj(9, zlib.DEFLATED, -15)
+        raw = comp.compress(_npy_header(n) + b"\x00" * 4096) + comp.flush()
+        n = int(ratio * len(raw)) + 1024 - len(_npy_header(n))
+    path.write_bytes(_zip64_member("phy2log.npy", raw, len(_npy_header(n)) + n, method=8))
+
+
+@pytest.mark.parametrize("ratio", [1500.0, 2.0 ** 41 / 100])
+def test_read_npz_refuses_a_deflated_member_claiming_more_than_deflate_can_give(tmp_path, ratio):
+    """The deflate bound (_MAX_DEFLATE_RATIO = 1100, about 1032:1 in real deflate): a deflated member
+    whose zip entry and .npy header agree on 1500x (or 2 TiB from ~100 bytes) its compressed size is
+    refused by its sizes, before numpy allocates and inflates it."""
+    path = tmp_path / "placement.npz"
+    _deflated_npz(path, ratio)
+    with pytest.raises(ValueError, match=r"placement\.npz: .*claims \d+ bytes from \d+ stored bytes, "
+                                         r"more than its compression can give"):
+        ml.ExpertPlacement.load(path)
+
+
+def test_read_npz_names_the_file_when_numpy_runs_out_of_memory(tmp_path, monkeypatch):
+    """A member within the size bounds that still cannot be allocated: a ValueError naming the file
+    and member, not a bare MemoryError."""
+    ml.ExpertPlacement.linear(4, 2).save(tmp_path / "p.npz")
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate 1.00 TiB")
+
+    monkeypatch.setattr(np.lib.format, "read_array", no_memory)
+    with pytest.raises(ValueError, match=r"p\.npz: cannot read member 'phy2log\.npy'.*Unable to allocate"):
+        read_npz(tmp_path / "p.npz", "placement file")
+
+
+def test_atomic_write_fsyncs_the_folder_after_the_rename(tmp_path, monkeypatch):
+    """fsync=True flushes the file and then the folder holding the rename; fsync=False flushes nothing."""
+    kinds = []
+    real = os.fsync
+
+    def spy(fd):
+        kinds.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    atomic_write(tmp_path / "a.bin", lambda f: f.write(b"x"), fsync=True)
+    assert kinds == ["file", "dir"]
+    kinds.clear()
+    atomic_write(tmp_path / "b.bin", lambda f: f.write(b"x"))
+    assert kinds == []
+
+
+def test_atomic_write_names_the_destination_when_the_rename_fails(tmp_path, monkeypatch):
+    """A failing os.replace names the caller's file (not the temporary one) and leaves no temporary file."""
+    def refused(src, dst):
+        raise PermissionError(13, "Permission denied", str(src))
+
+    monkeypatch.setattr(os, "replace", refused)
+    with pytest.raises(PermissionError, match=rf"{tmp_path / 'new.npz'}: cannot write \(Permission denied\)"):
+        ml.ExpertPlacement.linear(4, 2).save(tmp_path / "new.npz")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_experts_on_refuses_a_rank_past_the_last():
+    """experts_on(num_ranks) is refused like experts_on(-1) (the upper bound of [0, R))."""
+    p = ml.ExpertPlacement.linear(4, 2)
+    assert p.experts_on(1) == [2, 3]
+    for bad in (2, 3, True, 1.0):
+        with pytest.raises(ValueError, match=rf"rank must be an int in \[0, 2\), got {bad!r}"):
+            p.experts_on(bad)
+
+
+def test_balanced_packing_refuses_negative_weights_and_non_int_pack_counts():
+    """Negative weights packed 'lighter than empty'; num_packs=2.0 / True passed the divisibility test."""
+    from moelayers.planning.eplb import balanced_packing
+
+    with pytest.raises(ValueError, match=r"weights must be \[N\] finite numbers >= 0, got shape \[4\] with min -1\.0"):
+        balanced_packing(np.array([1.0, -1.0, 2.0, 3.0]), 2)
+    for bad in (2.0, True, "2"):
+        with pytest.raises(ValueError, match=rf"num_packs must be an int, got {bad!r}"):
+            balanced_packing(np.ones(4), bad)
+    balanced_packing(np.ones(4), np.int64(2))  # numpy ints are fine

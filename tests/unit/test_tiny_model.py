@@ -208,3 +208,15 @@ def test_check_close_refuses_a_coarser_low_precision_reference():
     assert check_close("y", y, ref64, ref64.half()) is not None
     with pytest.raises(ValueError, match="ref_low must be the reference computed in y's dtype"):
         check_close("y", y, ref64, ref64.bfloat16())
+
+
+def test_step_items_of_three_or_more_fields_are_refused():
+    """A (request_id, token_ids, extra) item was taken as a pair, silently dropping the third field."""
+    model = make_model()
+    with torch.no_grad():
+        with pytest.raises(TypeError, match=r"batch item 0: expected a StepRequest or \(request_id, token_ids\), "
+                                            r"got tuple"):
+            model.step([("a", torch.tensor([1, 2]), torch.tensor([3]))])
+        with pytest.raises(TypeError, match="batch item 1: expected"):
+            model.step([("b", torch.tensor([1])), ["c", torch.tensor([1]), None]])
+    assert model.caches == {}
