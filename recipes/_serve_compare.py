@@ -101,7 +101,8 @@ def baseline_layer(spec: Any, conf_dir: str, key: str = "compare.layer") -> dict
         path = os.path.join(conf_dir, "layer", f"{spec}.yaml")
         if not os.path.isfile(path):
             names = sorted(f[:-5] for f in os.listdir(os.path.join(conf_dir, "layer")) if f.endswith(".yaml"))
-            raise FileNotFoundError(f"{key}={spec!r}: no {path}; one of {names}, or a dict with name, cls")
+            also = ", or a dict with name, cls" if key == "compare.layer" else ""  # bench.baseline takes names only
+            raise FileNotFoundError(f"{key}={spec!r}: no {path}; one of {names}{also}")
         from omegaconf import OmegaConf
 
         return OmegaConf.to_container(OmegaConf.load(path), resolve=True)

@@ -176,12 +176,10 @@ def baseline_config(name: str, ours: dict) -> dict:
     else:
         from recipes._serve_compare import baseline_layer
 
-        conf = os.path.join(os.path.dirname(_HERE), "conf")
-        if not os.path.isfile(os.path.join(conf, "layer", f"{name}.yaml")):
-            names = sorted({*LAYERS, *(f[:-5] for f in os.listdir(os.path.join(conf, "layer")) if f.endswith(".yaml"))})
-            raise ValueError(f"bench.baseline={name!r}: neither a registered layer nor conf/layer/{name}.yaml; "
-                                    f"one of {names}")
-        layer = baseline_layer(name, conf, key="bench.baseline")
+        try:
+            layer = baseline_layer(name, os.path.join(os.path.dirname(_HERE), "conf"), key="bench.baseline")
+        except FileNotFoundError as e:  # its message lists the conf/layer names
+            raise ValueError(f"{e} (registered: {sorted(LAYERS)})") from None
         if uses_plan(layer):
             raise ValueError(f"bench.baseline={name} is built from a semantic plan, which a baseline does not get: "
                              "compare with a layer that needs none (e.g. bench.baseline=vanilla), or time it as ours")
