@@ -467,7 +467,9 @@ def test_plan_speed_scaled_down():
     elapsed = time.perf_counter() - start
     assert plan.expert_rank.shape == (8, 32)
     # 8 layers x 32 experts x 3k vocab x ~20k tokens; the full-size budget is 60 s for 26 x 64 x 20k
-    assert elapsed < 15, f"plan_semantic took {elapsed:.1f} s"
+    # (measured in docs/planning.md). A regression guard: about 4 s on the usual 2-core machine, 16 s
+    # on the 4x slower one of 2026-11-26, where the 15 s bound failed a fresh-clone run
+    assert elapsed < 30, f"plan_semantic took {elapsed:.1f} s"
 
 
 def _price_balance_every_item(scores, capacity, group, iters=30, step=1.0, decay=0.85):
