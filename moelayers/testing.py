@@ -160,18 +160,56 @@ def _next_report(queue, procs: list, reported: dict, timeout: float) -> tuple[in
                 raise RuntimeError(f"distributed run timed out after {timeout:.0f} s (a rank hung or died)") from None
 
 
+#: variables that change all the time and that nothing reads at import: no reason to restart the fork server
+_VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
+
+#: ``os.environ`` as the fork server of :func:`_start_context` saw it when it started (None: not started by us)
+_forkserver_env: dict[str, str] | None = None
+
+
+def _start_context(backend: str):
+    """How :func:`run_distributed` starts its ranks.
+
+    Spawning a fresh interpreter costs an ``import torch`` per rank (3 s on a slow 2-core machine,
+    most of a short test). For ``gloo`` ranks on POSIX we fork them instead from multiprocessing's
+    fork server, which has imported torch once (and nothing that reads the environment at import,
+    such as triton). A forked rank inherits the server's environment, not ours, so the server is
+    restarted whenever ``os.environ`` has changed since it started, and ranks are spawned where
+    that is not possible. ``nccl`` ranks are always spawned (CUDA is initialised in them alone), and
+    ``MOELAYERS_SPAWN_RANKS=1`` spawns every rank.
+    """
+    global _forkserver_env
+    spawn = mp.get_context("spawn")
+    if (backend != "gloo" or os.environ.get("MOELAYERS_SPAWN_RANKS") == "1"
+            or "forkserver" not in mp.get_all_start_methods()):
+        return spawn
+    import multiprocessing.forkserver as forkserver
+
+    env = {k: v for k, v in os.environ.items() if k not in _VOLATILE_ENV}
+    if _forkserver_env != env:
+        server = getattr(forkserver, "_forkserver", None)
+        if not hasattr(server, "_stop"):  # another Python: no way to restart the server with our environment
+            return spawn
+        server._stop()  # a server started by someone else (or with an older environment) is not ours
+        _forkserver_env = env
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])
+    return ctx
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
                     timeout: float = 240.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes.
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes.
 
-    ``fn`` must be importable (module level). Returns the per-rank results in rank order. With
-    ``backend='nccl'`` the ranks run Triton natively even if this process runs it under the
-    interpreter (``TRITON_INTERPRET`` is not passed on: CPU kernel tests set it at import).
+    ``fn`` must be importable (module level). Returns the per-rank results in rank order. The ranks
+    see this process's environment as it is at the call (see :func:`_start_context` for how they
+    start). With ``backend='nccl'`` the ranks run Triton natively even if this process runs it under
+    the interpreter (``TRITON_INTERPRET`` is not passed on: CPU kernel tests set it at import).
 
     Raises:
         RuntimeError: with every failing rank's traceback, or on timeout (a hang fails, it does not stall).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _start_context(backend)
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue), daemon=True)

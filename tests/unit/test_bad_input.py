@@ -387,6 +387,39 @@ def test_run_distributed_names_a_result_that_cannot_be_sent_back():
     assert run_distributed(_returns_a_lock, 1, timeout=50) == [0]
 
 
+def _env_and_parent(rank, world, name):
+    return os.environ.get(name), os.getppid()
+
+
+@pytest.mark.timeout(120)
+def test_run_distributed_ranks_see_the_environment_of_the_call(monkeypatch):
+    """gloo ranks fork from a fork server that imported torch once; it inherits the environment it
+    started with, so a changed variable must restart it (a rank would otherwise import triton
+    with a stale TRITON_INTERPRET), while an unchanged one reuses it."""
+    from moelayers import testing
+
+    if testing._start_context("gloo").get_start_method() != "forkserver":
+        pytest.skip("no fork server on this platform")
+    monkeypatch.setenv("MOELAYERS_TEST_VAR", "one")
+    first = run_distributed(_env_and_parent, 2, "MOELAYERS_TEST_VAR", timeout=100)
+    again = run_distributed(_env_and_parent, 2, "MOELAYERS_TEST_VAR", timeout=100)
+    monkeypatch.setenv("MOELAYERS_TEST_VAR", "two")
+    changed = run_distributed(_env_and_parent, 2, "MOELAYERS_TEST_VAR", timeout=100)
+    assert [v for v, _ in first + again] == ["one"] * 4 and [v for v, _ in changed] == ["two"] * 2
+    servers = {name: {p for _, p in res} for name, res in (("first", first), ("again", again), ("changed", changed))}
+    assert all(len(p) == 1 for p in servers.values()), servers  # every rank of a call forked by one server
+    assert servers["first"] == servers["again"] != servers["changed"], servers
+    assert servers["first"] != {os.getpid()}  # forked by the server, not by this process
+
+
+def test_run_distributed_spawns_nccl_ranks_and_on_request(monkeypatch):
+    from moelayers import testing
+
+    assert testing._start_context("nccl").get_start_method() == "spawn"  # CUDA initialised in the rank alone
+    monkeypatch.setenv("MOELAYERS_SPAWN_RANKS", "1")
+    assert testing._start_context("gloo").get_start_method() == "spawn"
+
+
 def test_router_and_reference_check_forced_ids():
     """Standalone, the router and the dense reference refuse forced ids of the wrong shape (a
     [T * K] or [K, T] tensor used to broadcast or reshape into a wrong routing) or range."""
