@@ -137,8 +137,14 @@ def refine(expert_rank: np.ndarray, x: np.ndarray, curves: LatencyCurves, *, min
            max_rounds: int | None = None) -> tuple[np.ndarray, float]:
     """Best-swap refinement until the best swap gains less than ``min_gain * F``.
 
+    The experts are kept in *slots* ordered by rank (slot ``k`` on rank ``k // m``, ``m = E / R``), so
+    that ``A`` (module docstring) is a ``[R, m, R, m, S]`` array of rank blocks: a round scores the
+    swaps of each pair of ranks ``a < b`` once, from the blocks ``(a, b)`` and ``(b, a)``, and a
+    swap exchanges two slots' experts (the other ranks' columns of ``A`` trade places) and
+    recomputes the rows of the two ranks. Ties go to the lowest ``(i, j)`` in expert order.
+
     Args:
-        expert_rank: ``[E]`` starting placement.
+        expert_rank: ``[E]`` starting placement, ``E / R`` experts on every rank.
         x: ``[S, E]`` objective steps.
         curves: ``R`` latency curves.
         min_gain: relative gain below which the search stops.
@@ -147,38 +153,57 @@ def refine(expert_rank: np.ndarray, x: np.ndarray, curves: LatencyCurves, *, min
 
     Returns:
         ``(expert_rank [E], F)``.
+
+    Raises:
+        ValueError: ``expert_rank`` does not hold ``E / R`` experts on each of the ``R`` ranks.
     """
     er = np.array(expert_rank, dtype=np.int64)
     num_s, num_e = x.shape
     num_r = curves.num_ranks
+    m = num_e // num_r
+    if er.shape != (num_e,) or num_e % num_r or not np.array_equal(np.bincount(er, minlength=num_r), np.full(num_r, m)):
+        raise ValueError(f"refine needs E / R = {num_e} / {num_r} experts on every rank, got "
+                         f"{np.bincount(er.ravel(), minlength=num_r).tolist() if er.size and er.min() >= 0 else er}")
     xt = np.ascontiguousarray(x.T)  # [E, S]
+    slot = np.argsort(er, kind="stable")  # slot -> expert, rank blocks of m
+    slot_rank = np.repeat(np.arange(num_r), m)
     rows = np.zeros((num_r, num_s))
     np.add.at(rows, er, xt)
     lat = curves.eval_ranks(rows.T, np.arange(num_r))  # [S, R]
-    # A[i, j, s]: latency of i's rank if i is swapped for j
-    A = curves.eval_ranks((rows[er] - xt)[:, None, :] + xt[None, :, :], er[:, None, None])
+    xs = xt[slot]
+    # A[k, l, s]: latency of slot k's rank if its expert is swapped for slot l's
+    A = curves.eval_ranks((rows[slot_rank] - xs)[:, None, :] + xs[None, :, :], slot_rank[:, None, None])
+    blocks = A.reshape(num_r, m, num_r, m, num_s)
+    pa, pb = np.triu_indices(num_r, 1)
+    pair_of = np.full((num_r, num_r), -1)
+    pair_of[pa, pb] = np.arange(pa.size)
     f = float(lat.max(axis=1).sum())
     max_rounds = 1000 * num_e if max_rounds is None else max_rounds
-    for _ in range(max_rounds):
-        others = _others_max(lat)[er][:, er]  # [E, E, S]
-        new = np.maximum(A, A.transpose(1, 0, 2))
-        np.maximum(new, others, out=new)
-        tot = new.sum(axis=2)
-        tot[er[:, None] == er[None, :]] = np.inf
-        flat = int(np.argmin(tot))
-        i, j = divmod(flat, num_e)
-        if not f - tot[i, j] > max(min_gain * f, 0.0):  # a swap must gain something (F = 0: nothing to gain)
+    for _ in range(max_rounds if pa.size else 0):  # one rank: nothing to swap
+        # tot[p, u, v]: F after swapping the u-th expert of rank pa[p] with the v-th of rank pb[p]
+        new = np.maximum(blocks[pa, :, pb], blocks[pb, :, pa].transpose(0, 2, 1, 3))  # [P, m, m, S]
+        np.maximum(new, _others_max(lat)[pa, pb][:, None, None, :], out=new)
+        tot = new.sum(axis=3)
+        best = tot.min()
+        if not f - best > max(min_gain * f, 0.0):  # a swap must gain something (F = 0: nothing to gain)
             break
-        a, b = er[i], er[j]
+        # ties go to the lowest (i, j) in expert order, as a scan of all pairs of experts would find them
+        p, u, v = np.unravel_index(np.flatnonzero(tot.ravel() == best), tot.shape)
+        k, l = pa[p] * m + u, pb[p] * m + v
+        c = np.argmin(np.minimum(slot[k], slot[l]) * num_e + np.maximum(slot[k], slot[l]))
+        a, b, k, l = int(pa[p[c]]), int(pb[p[c]]), int(k[c]), int(l[c])
+        i, j = slot[k], slot[l]
         rows[a] += xt[j] - xt[i]
         rows[b] += xt[i] - xt[j]
         er[i], er[j] = b, a
+        slot[k], slot[l] = j, i
         lat[:, a] = curves.eval_ranks(rows[a], a)
         lat[:, b] = curves.eval_ranks(rows[b], b)
         f = float(lat.max(axis=1).sum())
-        moved = np.flatnonzero((er == a) | (er == b))
-        A[moved] = curves.eval_ranks((rows[er[moved]] - xt[moved])[:, None, :] + xt[None, :, :],
-                                     er[moved][:, None, None])
+        A[:, [k, l]] = A[:, [l, k]]  # the other ranks' rows: slots k and l traded experts
+        xs = xt[slot]
+        for r in (a, b):
+            A[r * m:(r + 1) * m] = curves.eval_ranks((rows[r] - xs[r * m:(r + 1) * m])[:, None, :] + xs[None, :, :], r)
     return er, f
 
 

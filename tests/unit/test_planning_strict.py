@@ -73,6 +73,52 @@ def test_refine_ends_in_a_local_optimum_with_the_exact_objective() -> None:
                 assert gem_search.objective(sw, x, curves) >= f * (1 - 1e-12), (seed, i, j)
 
 
+def _refine_by_scanning_all_swaps(er: np.ndarray, x: np.ndarray, curves: LatencyCurves,
+                                  min_gain: float) -> tuple[np.ndarray, float]:
+    """The readable reference of ``gem_search.refine``: every round scores each swap of two experts
+    on different ranks with the full objective and applies the best (ties: the first (i, j))."""
+    er = er.copy()
+    f = gem_search.objective(er, x, curves)
+    while True:
+        best, best_er = np.inf, None
+        for i, j in itertools.combinations(range(er.size), 2):
+            if er[i] != er[j]:
+                sw = er.copy()
+                sw[i], sw[j] = er[j], er[i]
+                g = gem_search.objective(sw, x, curves)
+                if g < best:
+                    best, best_er = g, sw
+        if best_er is None or not f - best > max(min_gain * f, 0.0):
+            return er, f
+        er, f = best_er, best
+
+
+def test_refine_makes_the_swaps_of_a_scan_over_all_pairs() -> None:
+    """The incremental, rank-blocked refinement applies exactly the swaps of the reference above, in
+    the same order (integer loads: every latency is computed from the same exact row count)."""
+    rng = np.random.default_rng(11)
+    for case in range(40):
+        num_r, m, num_s = int(rng.integers(2, 5)), int(rng.integers(1, 5)), int(rng.integers(1, 7))
+        curves = LatencyCurves.preset(("high", "moderate", "low")[case % 3], num_r)
+        if case % 2:
+            curves = curves.smoothed(float(rng.uniform(10, 400)))
+        x = rng.integers(0, 300, size=(num_s, num_r * m)).astype(np.float64)
+        start = rng.permutation(np.arange(num_r * m) // m)
+        for min_gain in (0.0, 1e-3):
+            got = gem_search.refine(start, x, curves, min_gain=min_gain)
+            want = _refine_by_scanning_all_swaps(start, x, curves, min_gain)
+            np.testing.assert_array_equal(got[0], want[0], err_msg=f"case {case}")
+            assert got[1] == want[1], case
+
+
+def test_refine_needs_equal_experts_per_rank() -> None:
+    x = np.ones((2, 4))
+    with pytest.raises(ValueError, match=r"E / R = 4 / 2 experts on every rank, got \[3, 1\]"):
+        gem_search.refine(np.array([0, 0, 0, 1]), x, identity_curves(2))
+    er, f = gem_search.refine(np.zeros(4, dtype=np.int64), x, identity_curves(1))  # one rank: nothing to swap
+    assert er.tolist() == [0, 0, 0, 0] and f == 8.0
+
+
 def test_refine_only_applies_swaps_that_gain_min_gain() -> None:
     """One step, identity curves: rank 0 holds 100 + 90 rows, rank 1 holds 10 + 0 (F = 190). The best
     swap (100 <-> 10, or 90 <-> 0) gives F = 100, a gain of 47 %: applied for min_gain 0.4, not for 0.5."""
