@@ -86,3 +86,16 @@ def test_forced_routing_on_one_graphed_rank_raises_on_both():
     out = run_distributed(_forced_on_one_graphed_rank, 2, backend="nccl", timeout=240)
     assert "cuda_graph layers do not take forced routing" in out[0]
     assert out[1] != "no error", out
+
+
+def _default_device_under_nccl(rank: int, world: int) -> str:
+    import moelayers as ml
+
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+    return str(ml.VanillaMoE(cfg, ml.ParallelGroups.from_world()).router.weight.device)
+
+
+@pytest.mark.timeout(300)
+def test_one_nccl_rank_builds_the_layer_on_its_gpu():
+    """torchrun --nproc_per_node=1 with NCCL: the layer used to land on the CPU (no EP group of one)."""
+    assert run_distributed(_default_device_under_nccl, 1, backend="nccl", timeout=240) == ["cuda:0"]

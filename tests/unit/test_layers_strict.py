@@ -379,3 +379,19 @@ def test_semantic_forward_tp_one_rank_matches_the_reference_and_keeps_the_contex
     with torch.no_grad():
         last.forward_tp(part, res, torch.tanh, token_ids=ids)
     assert last.last_context_ranks is None
+
+
+def test_default_device_follows_the_default_group_for_one_expert_rank(monkeypatch):
+    """With one expert-parallel rank there is no EP group; the layer used to land on the CPU even
+    under torchrun with NCCL (its docstring: CUDA when NCCL is used). Now the default group decides."""
+    import torch.distributed as dist
+
+    from moelayers.layers.base import _default_device
+
+    assert _default_device(ml.ParallelGroups.single()) == torch.device("cpu")  # no process group
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl" if group is None else "gloo")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert _default_device(ml.ParallelGroups.single()) == torch.device("cuda", 3)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert _default_device(ml.ParallelGroups.single()) == torch.device("cpu")
