@@ -94,23 +94,37 @@ class RankModel:
 class _SparseRows:
     """A mostly-zero ``[n, F]`` matrix (the history one-hot) as its non-zeros, for products summed in
     a fixed order: BLAS splits the sums of a dense product by thread count, so a plan would depend
-    on the number of threads; ``np.bincount`` adds in index order."""
+    on the number of threads. Here each output entry adds its terms one by one in index order, in
+    float64 (``np.bincount``; row by row where every row has as many non-zeros, as a history has)."""
 
     def __init__(self, dense: np.ndarray) -> None:
         self.shape = dense.shape
-        self.rows, self.cols = np.nonzero(dense)
+        self.rows, self.cols = np.nonzero(dense)  # row-major: each row's non-zeros are contiguous, in column order
         self.vals = dense[self.rows, self.cols].astype(np.float64)
+        self.ones = bool(np.all(self.vals == 1.0))  # a one-hot: no products to form
+        per_row = np.bincount(self.rows, minlength=self.shape[0])
+        self.per_row = int(per_row[0]) if per_row.size and np.all(per_row == per_row[0]) else None
 
     def __matmul__(self, w: np.ndarray) -> np.ndarray:
         """``dense @ w`` for ``w [F, R]``: ``[n, R]`` float64."""
-        n = self.shape[0]
-        out = [np.bincount(self.rows, weights=self.vals * w[self.cols, j], minlength=n) for j in range(w.shape[1])]
+        n, r = self.shape[0], w.shape[1]
+        w64 = np.asarray(w, dtype=np.float64)
+        if self.per_row is not None:  # the k-th non-zero of every row at once, k in order
+            cols = self.cols.reshape(n, self.per_row)
+            vals = None if self.ones else self.vals.reshape(n, self.per_row, 1)
+            out = np.zeros((n, r))
+            for k in range(self.per_row):
+                out += w64[cols[:, k]] if vals is None else vals[:, k] * w64[cols[:, k]]
+            return out
+        out = [np.bincount(self.rows, weights=self.vals * w64[self.cols, j], minlength=n) for j in range(r)]
         return np.stack(out, axis=1) if out else np.zeros((n, 0))
 
     def rmatmul_t(self, g: np.ndarray) -> np.ndarray:
         """``dense.T @ g`` for ``g [n, R]``: ``[F, R]`` float64."""
         f = self.shape[1]
-        out = [np.bincount(self.cols, weights=self.vals * g[self.rows, j], minlength=f) for j in range(g.shape[1])]
+        g64 = np.asarray(g, dtype=np.float64)
+        out = [np.bincount(self.cols, weights=g64[self.rows, j] if self.ones else self.vals * g64[self.rows, j],
+                           minlength=f) for j in range(g.shape[1])]
         return np.stack(out, axis=1) if out else np.zeros((f, 0))
 
 

@@ -718,3 +718,30 @@ def test_joint_schedule_details():
     free = request_schedule(np.tile([[1.0, 0.0]], (6, 1)), np.ones(6, np.int64), 2, mask=False, joint=True,
                             max_ratio=10.0)
     assert free.tolist() == [0] * 6
+
+
+def test_sparse_rows_products_row_by_row_equal_the_general_sums():
+    """The history one-hot has as many non-zeros in every row; its product adds them row by row.
+    It must give the general path's sums bit for bit (the plans stay as they were) and the dense
+    product's values, with and without weights other than one."""
+    from moelayers.planning.semantic_predict import _SparseRows
+
+    rng = np.random.default_rng(3)
+    for case in range(24):
+        n, f, r = int(rng.integers(1, 40)), int(rng.integers(1, 30)), int(rng.integers(1, 6))
+        q = int(rng.integers(0, f + 1))
+        dense = np.zeros((n, f), dtype=np.float32)
+        for i in range(n):
+            dense[i, rng.choice(f, q, replace=False)] = 1.0
+        if case % 2:
+            dense *= rng.standard_normal((n, f)).astype(np.float32)
+        w = rng.standard_normal((f, r)).astype(np.float32)
+        fast = _SparseRows(dense)
+        assert fast.per_row == q or case % 2  # weighted rows keep their non-zeros (a 0 weight is rare)
+        general = _SparseRows(dense)
+        general.per_row = None
+        np.testing.assert_array_equal(fast @ w, general @ w)
+        np.testing.assert_allclose(fast @ w, dense.astype(np.float64) @ w.astype(np.float64), rtol=1e-12, atol=1e-12)
+    ragged = np.array([[1, 0, 1], [0, 1, 0]], dtype=np.float32)
+    assert _SparseRows(ragged).per_row is None
+    np.testing.assert_array_equal(_SparseRows(ragged) @ np.eye(3), ragged)
