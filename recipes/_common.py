@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -334,7 +335,12 @@ def config_trace(tc: dict, *, num_sequences: int, num_layers: int, num_experts: 
         return load_trace(tc["path"])
     if not tc.get("synthetic", False):
         raise ValueError(f"{need} needs trace.path=FILE (or trace.synthetic=true)")
-    seq_len = tc.get("seq_len") or seq_len
-    seq_len = tuple(int(v) for v in seq_len) if isinstance(seq_len, (list, tuple)) else int(seq_len)
-    return synthetic_trace(int(num_sequences), int(num_layers), int(num_experts), int(top_k), int(vocab_size),
-                           seq_len=seq_len, seed=int(seed))
+    shape = {"num_sequences": num_sequences, "num_layers": num_layers, "num_experts": num_experts, "top_k": top_k,
+             "vocab_size": vocab_size, "seed": seed}
+    shape = {k: int_setting(int(v) if isinstance(v, np.integer) else v, f"the synthetic trace's {k}")
+             for k, v in shape.items()}  # 4.9 sequences is an error, not 4
+    if tc.get("seq_len") is not None:  # 0 or [] is the setting, refused by the generator, not "use the default"
+        seq_len = tc["seq_len"]
+    seq_len = tuple(seq_len) if isinstance(seq_len, list) else seq_len  # the generator checks the values
+    return synthetic_trace(shape["num_sequences"], shape["num_layers"], shape["num_experts"], shape["top_k"],
+                           shape["vocab_size"], seq_len=seq_len, seed=shape["seed"])

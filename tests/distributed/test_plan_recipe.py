@@ -540,3 +540,22 @@ def test_a_failed_write_leaves_nothing(trace_file, tmp_path, monkeypatch):
     monkeypatch.setattr(recipe, "write_json", boom)
     expect_failure(trace_file, tmp_path, {}, "disk full", exc=OSError)
     assert not list((tmp_path / "run").iterdir())  # no temporary files left either
+
+
+@pytest.mark.parametrize("override, match", [
+    ({"num_sequences": 4.9}, r"the synthetic trace's num_sequences must be an integer, got 4\.9"),  # was 4
+    ({"top_k": 2.5}, r"the synthetic trace's top_k must be an integer, got 2\.5"),  # was 2
+    ({"seq_len": [8.9, 8.9]}, r"seq_len must be an int >= 1 or a \(lo, hi\) pair"),  # was [8, 8]
+    ({"seq_len": 0}, r"seq_len must be an int >= 1 or a \(lo, hi\) pair.*got 0"),  # was the default [256, 2048]
+    ({"seq_len": []}, r"seq_len must be an int >= 1 or a \(lo, hi\) pair"),
+])
+def test_synthetic_trace_settings_are_not_truncated_or_replaced(override, match):
+    from recipes.plan import load_plan_trace
+
+    tc = dict(path=None, synthetic=True, num_sequences=4, num_layers=1, num_experts=8, top_k=2, vocab_size=100,
+              seq_len=[8, 8])
+    assert load_plan_trace({"trace": tc, "seed": 0}).num_sequences == 4
+    with pytest.raises(ValueError, match=match):
+        load_plan_trace({"trace": {**tc, **override}, "seed": 0})
+    tc["num_sequences"] = np.int64(3)  # a numpy integer is an integer
+    assert load_plan_trace({"trace": tc, "seed": 0}).num_sequences == 3
