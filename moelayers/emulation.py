@@ -300,9 +300,12 @@ class VariabilitySettings:
             name, path = var.get("name") or "none", _curves_path(var)
         else:
             raise ValueError(f"variability must be a preset name or a dict with `name`, got {var!r}")
-        emu = cfg.get("emulation") or {}
+        emu = cfg.get("emulation")
+        if emu is False or emu == "off":  # `emulation: off` (YAML 1.1 reads off as False): no emulation
+            emu = {"mode": "off"}
+        emu = {} if emu is None else emu
         if not isinstance(emu, dict):
-            raise ValueError(f"emulation must be a dict (mode, time_scale, wait), got {emu!r}")
+            raise ValueError(f"emulation must be a dict (mode, time_scale, wait) or off, got {emu!r}")
         unknown = set(emu) - {"mode", "time_scale", "wait"}
         if unknown:
             raise ValueError(f"unknown emulation key(s) {sorted(unknown)}: use mode, time_scale, wait")

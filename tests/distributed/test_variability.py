@@ -895,3 +895,16 @@ def test_a_replan_from_a_placement_with_replicas_to_its_first_replicas_ranks_sti
 
     for moved, max_replicas in run_distributed(_replicas_dropped, 2, timeout=60):
         assert moved is True and max_replicas == 1
+
+
+def test_emulation_off_turns_the_emulation_off():
+    """`emulation: off` (YAML reads it as False) used to become {} and so the default measured mode:
+    rank 0 slowed down although the user switched the emulation off."""
+    from moelayers.emulation import VariabilitySettings
+
+    for emu in (False, "off", {"mode": False}, {"mode": "off"}):
+        s = VariabilitySettings.from_config({"variability": "high", "emulation": emu})
+        assert s.mode == "off" and s.describe(2) is None, emu
+    assert VariabilitySettings.from_config({"variability": "high", "emulation": None}).mode == "measured"
+    with pytest.raises(ValueError, match="emulation must be a dict"):
+        VariabilitySettings.from_config({"variability": "high", "emulation": "on"})
