@@ -43,16 +43,20 @@ def _fail(source: str, field: str, problem: str, exc: type[Exception] = ValueErr
 
 
 def _check_int_scalar(value: Any, source: str, field: str) -> int:
-    arr = np.asarray(value)
-    if arr.ndim != 0:
-        raise _fail(source, field, f"must be a scalar, got shape {list(arr.shape)}")
-    if arr.dtype.kind not in "iu" or isinstance(value, bool):
-        raise _fail(source, field, f"must be an integer, got dtype {arr.dtype}", TypeError)
-    if int(arr) < 1:
-        raise _fail(source, field, f"must be >= 1, got {int(arr)}")
-    if int(arr) > np.iinfo(np.int64).max:  # e.g. a uint64 scalar: to_arrays / save_trace store it as int64
-        raise _fail(source, field, f"must be <= {np.iinfo(np.int64).max} (stored as int64), got {int(arr)}")
-    return int(arr)
+    if isinstance(value, int) and not isinstance(value, bool):  # any size: np.asarray(2**70) has dtype object
+        number = value
+    else:
+        arr = np.asarray(value)
+        if arr.ndim != 0:
+            raise _fail(source, field, f"must be a scalar, got shape {list(arr.shape)}")
+        if arr.dtype.kind not in "iu" or isinstance(value, bool):
+            raise _fail(source, field, f"must be an integer, got dtype {arr.dtype}", TypeError)
+        number = int(arr)
+    if number < 1:
+        raise _fail(source, field, f"must be >= 1, got {number}")
+    if number > np.iinfo(np.int64).max:  # e.g. a uint64 scalar: to_arrays / save_trace store it as int64
+        raise _fail(source, field, f"must be <= {np.iinfo(np.int64).max} (stored as int64), got {number}")
+    return number
 
 
 def _check_int_array(arr: np.ndarray, source: str, field: str, ndim: int) -> None:
@@ -180,9 +184,9 @@ class RoutingTrace:
             raise _fail(source, "seq_offsets", f"must start at 0, got {int(off[0])}")
         if off[-1] != num_tokens:
             raise _fail(source, "seq_offsets", f"must end at T = {num_tokens}, got {int(off[-1])}")
-        steps = np.diff(off.astype(np.int64))  # signed: unsigned differences would wrap around
-        if (steps < 0).any():
-            first = int(np.flatnonzero(steps < 0)[0])
+        decreasing = off[1:] < off[:-1]  # compared in off's own dtype: no cast, no unsigned wrap-around
+        if decreasing.any():
+            first = int(np.flatnonzero(decreasing)[0])
             raise _fail(source, "seq_offsets", f"must be non-decreasing: entry {first + 1} ({int(off[first + 1])}) < entry {first} ({int(off[first])})")
 
     # ---- shape -------------------------------------------------------------------------------
@@ -386,12 +390,21 @@ class TraceRecorder:
         trace = rec.result
 
     Args:
-        model: module containing the MoE layers.
+        model: module containing the MoE layers (or a MoE layer itself).
         vocab_size: stored in the trace; default ``max(token_ids) + 1``.
         num_experts: experts per layer; default the layers' ``config.num_experts``.
+
+    Raises:
+        TypeError: ``vocab_size`` or ``num_experts`` is given but is not an integer.
+        ValueError: ``vocab_size`` or ``num_experts`` is given but is not in ``[1, 2**63)``.
     """
 
     def __init__(self, model: nn.Module, vocab_size: int | None = None, *, num_experts: int | None = None) -> None:
+        # checked now, not when the trace is built after (maybe hours of) recording
+        if vocab_size is not None:
+            vocab_size = _check_int_scalar(vocab_size, "TraceRecorder", "vocab_size")
+        if num_experts is not None:
+            num_experts = _check_int_scalar(num_experts, "TraceRecorder", "num_experts")
         self.model, self.vocab_size, self.num_experts = model, vocab_size, num_experts
         self.layers: list[nn.Module] = []
         self._names: list[str] = []
@@ -419,9 +432,12 @@ class TraceRecorder:
         self._names, self.layers = [n for n, _ in named], [m for _, m in named]
         try:
             self._handles.append(self.model.register_forward_pre_hook(self._on_model_forward))
-            self._handles.append(self.model.register_forward_hook(self._on_model_return))
             for index, layer in enumerate(self.layers):
                 self._handles.append(layer.register_forward_hook(self._make_hook(index)))
+            # after the layer hooks: when the model is itself a MoE layer, its forward hooks run in
+            # registration order, and the layer must be recorded (with the pending tag) before the
+            # model-return hook checks the forward and clears the tag
+            self._handles.append(self.model.register_forward_hook(self._on_model_return))
         except BaseException:
             self._remove_hooks()
             raise
@@ -450,6 +466,11 @@ class TraceRecorder:
 
         Args:
             seq_ids: ``[T]`` one hashable key per token (list, 1-D tensor or 1-D array).
+
+        Raises:
+            RuntimeError: outside the with-block, twice without a forward, or mid-forward.
+            ValueError: ``seq_ids`` is a tensor or array that is not 1-D.
+            TypeError: a key of ``seq_ids`` is not hashable.
         """
         if not self._active:
             raise RuntimeError("tag() is only valid inside the TraceRecorder's with-block")
@@ -463,7 +484,14 @@ class TraceRecorder:
             if seq_ids.ndim != 1:
                 raise ValueError(f"tag() needs a 1-D tensor of sequence keys, got shape {list(seq_ids.shape)}")
             seq_ids = seq_ids.tolist()
-        self._pending_tag = list(seq_ids)
+        keys = list(seq_ids)
+        for position, key in enumerate(keys):  # refused now, not when the trace is built after recording
+            try:
+                hash(key)
+            except TypeError:
+                raise TypeError(f"tag(): seq_ids[{position}] = {key!r} is not hashable ({type(key).__name__}); "
+                                "each token's sequence key must be hashable (e.g. an int, str or tuple)") from None
+        self._pending_tag = keys
 
     def _on_model_forward(self, module: nn.Module, args: Any) -> None:
         if self._in_forward:  # the last model forward raised part-way (and nothing was tagged since)
@@ -524,9 +552,9 @@ class TraceRecorder:
         tok = getattr(module, "last_token_ids", None)
         if tok is not None and (not isinstance(tok, torch.Tensor) or tuple(tok.shape) != (ids.shape[0],)):
             raise ValueError(f"TraceRecorder: {self._where(index)} last_token_ids must be None or a [{ids.shape[0]}] tensor, got {getattr(tok, 'shape', type(tok).__name__)}")
-        self._current.append((
-            ids.detach().to("cpu", torch.int64).numpy(),
-            None if tok is None else tok.detach().to("cpu", torch.int64).numpy(),
+        self._current.append((  # copies: for CPU int64 tensors .to() alone is a view of the caller's buffer
+            ids.detach().to("cpu", torch.int64, copy=True).numpy(),
+            None if tok is None else tok.detach().to("cpu", torch.int64, copy=True).numpy(),
         ))
         if len(self._current) == len(self.layers):
             self._finish_forward()

@@ -669,3 +669,82 @@ def test_split_rounds_float_products_but_not_fractions_below_a_boundary() -> Non
 
     assert train_sequences(0.29, 100) == 29 and train_sequences(0.7, 10) == 7 and train_sequences(0.5, 7) == 3
     assert train_sequences(0.37499999995, 8) == 2 and train_sequences(0.1249999999, 8) == 0
+
+
+# ---- recorder: buffers, a layer as the model, early argument checks ------------------------------
+class StaticBufferMoE(FakeMoE):
+    """Writes its routing into one persistent ``last_topk_ids`` buffer (like a captured graph's outputs)."""
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        ids = self.route(token_ids)
+        if self.last_topk_ids is None or self.last_topk_ids.shape != ids.shape:
+            self.last_topk_ids = torch.empty_like(ids)
+        self.last_topk_ids.copy_(ids)
+        self.last_token_ids = token_ids
+        return x + 1
+
+
+def test_recorder_copies_buffers_the_caller_reuses() -> None:
+    """A decode loop that writes each step's tokens into one CPU int64 buffer (and a layer that keeps
+    its routing in one buffer): every recorded forward keeps its own token and expert ids."""
+    layer = StaticBufferMoE(8, 2, salt=1)
+    buf = torch.zeros(2, dtype=torch.int64)
+    with TraceRecorder(layer, vocab_size=50) as rec:
+        for step in range(3):
+            buf.copy_(torch.tensor([10 * step + 1, 10 * step + 2]))
+            layer(torch.zeros(2, 4), token_ids=buf)
+    tokens = [1, 2, 11, 12, 21, 22]
+    np.testing.assert_array_equal(rec.result.token_ids, tokens)
+    np.testing.assert_array_equal(rec.result.topk_ids[:, 0], layer.route(torch.tensor(tokens)).numpy())
+
+
+def test_recorder_of_a_moe_layer_itself_keeps_tags() -> None:
+    """TraceRecorder(layer): the layer's tokens are recorded under the pending tag before the model's
+    return hook (on the same module) clears it."""
+    layer = FakeMoE(8, 2, salt=1)
+    with TraceRecorder(layer, vocab_size=50) as rec:
+        rec.tag(["a", "a"])
+        layer(torch.zeros(2, 4), token_ids=torch.tensor([1, 2]))
+        rec.tag(["b"])
+        layer(torch.zeros(1, 4), token_ids=torch.tensor([3]))
+        rec.tag(["a"])
+        layer(torch.zeros(1, 4), token_ids=torch.tensor([4]))
+        layer(torch.zeros(1, 4), token_ids=torch.tensor([5]))  # untagged: its own sequence
+    trace = rec.result
+    np.testing.assert_array_equal(trace.token_ids, [1, 2, 4, 3, 5])
+    np.testing.assert_array_equal(trace.seq_offsets, [0, 3, 4, 5])
+    np.testing.assert_array_equal(trace.topk_ids[:, 0], layer.route(torch.tensor([1, 2, 4, 3, 5])).numpy())
+    assert no_hooks(layer)
+
+
+def test_recorder_refuses_bad_arguments_before_recording() -> None:
+    """vocab_size / num_experts and unhashable tag keys are refused when given, not at ``result``."""
+    model = FakeModel()
+    for kw, exc, match in ((dict(vocab_size=0), ValueError, "'vocab_size' must be >= 1, got 0"),
+                           (dict(num_experts=-3), ValueError, "'num_experts' must be >= 1, got -3"),
+                           (dict(vocab_size=2.5), TypeError, "'vocab_size' must be an integer"),
+                           (dict(num_experts=True), TypeError, "'num_experts' must be an integer")):
+        with pytest.raises(exc, match=match):
+            TraceRecorder(model, **kw)
+    assert no_hooks(model)
+    rec = TraceRecorder(model, np.int64(50), num_experts=np.uint8(8))  # numpy integers are fine
+    with rec:
+        with pytest.raises(TypeError, match=r"tag\(\): seq_ids\[1\] = \[1\] is not hashable \(list\)"):
+            rec.tag(["a", [1]])
+        rec.tag(["a", "a"])  # the refused tag left nothing pending
+        model(torch.tensor([1, 2]))
+    np.testing.assert_array_equal(rec.result.seq_offsets, [0, 2])
+    assert rec.result.vocab_size == 50 and rec.result.num_experts == 8
+
+
+def test_validation_messages_for_unsigned_offsets_and_huge_ints() -> None:
+    """uint64 offsets are compared as given (no wrap-around to a false entry); a Python int beyond
+    int64 is an integer that is too large, not a non-integer."""
+    ids, tok = np.array([[[0, 1]], [[2, 3]]]), np.array([3, 4])
+    with pytest.raises(ValueError, match=r"non-decreasing: entry 2 \(2\) < entry 1 \(9223372036854775813\)"):
+        RoutingTrace(ids, tok, np.array([0, 2**63 + 5, 2], dtype=np.uint64), 4)
+    for kw in (dict(vocab_size=2**70), dict(num_experts=2**70)):
+        with pytest.raises(ValueError, match=r"must be <= 9223372036854775807 \(stored as int64\), got 1180591620717411303424"):
+            RoutingTrace(ids, tok, np.array([0, 2]), **(dict(num_experts=4) | kw))
+    with pytest.raises(ValueError, match="must be >= 1"):
+        RoutingTrace(ids, tok, np.array([0, 2]), 4, vocab_size=-(2**70))
