@@ -38,8 +38,8 @@ def step_loads(topk_ids: np.ndarray, num_experts: int, tokens_per_step: int = DE
     """Expert loads per step of one layer's routing.
 
     Args:
-        topk_ids: ``[T, K]`` integer expert ids of ``T`` tokens in order (or ``[T, L, K]`` for
-            ``L`` layers at once).
+        topk_ids: ``[T, K]`` integer (signed or unsigned) expert ids of ``T`` tokens in order (or
+            ``[T, L, K]`` for ``L`` layers at once).
         num_experts: ``E``.
         tokens_per_step: tokens per step; the last step may be shorter.
         offset: tokens ``[0, offset)`` form a first, shorter step and the regular steps start at
@@ -50,10 +50,13 @@ def step_loads(topk_ids: np.ndarray, num_experts: int, tokens_per_step: int = DE
         ``[steps, E]`` int64 (``[L, steps, E]`` for a 3-D input): rows of each expert per step.
 
     Raises:
+        TypeError: ``topk_ids`` does not have an integer dtype.
         ValueError: no tokens, bad ``tokens_per_step``/``offset`` or expert ids out of range.
     """
     tps = _check_tokens_per_step(tokens_per_step)
     ids = np.asarray(topk_ids)
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"step_loads: topk_ids must have an integer dtype, got {ids.dtype}")
     if ids.ndim == 2:
         return step_loads(ids[:, None, :], num_experts, tps, offset=offset)[0]
     if ids.ndim != 3:
@@ -61,10 +64,13 @@ def step_loads(topk_ids: np.ndarray, num_experts: int, tokens_per_step: int = DE
     num_t, num_l, _ = ids.shape
     if num_t == 0:
         raise ValueError("step_loads: empty routing (no tokens), there are no steps to plan from")
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)):
+        raise ValueError(f"offset must be an int, got {offset!r}")
     if not 0 <= int(offset) < tps:
         raise ValueError(f"offset must be in [0, tokens_per_step={tps}), got {offset}")
     if ids.size and (ids.min() < 0 or ids.max() >= num_experts):
         raise ValueError(f"topk_ids has expert ids outside [0, {num_experts})")
+    ids = ids.astype(np.int64, copy=False)  # uint64 + int64 would promote to float64
     step = (np.arange(num_t, dtype=np.int64) + (tps - int(offset)) % tps) // tps
     num_steps = int(step[-1]) + 1
     out = np.empty((num_l, num_steps, num_experts), dtype=np.int64)
@@ -101,13 +107,20 @@ def rank_rows(expert_rank: np.ndarray, loads: np.ndarray, num_ranks: int) -> np.
 
     Returns:
         ``[..., R]``: int64 for integer loads (summed in int64: no wrap-around), float64 for float loads.
+
+    Raises:
+        TypeError: ``expert_rank`` does not have an integer dtype (a rank of 1.9 is not truncated to 1).
+        ValueError: ``expert_rank`` has the wrong shape or ranks outside ``[0, num_ranks)``.
     """
-    er = np.asarray(expert_rank, dtype=np.int64)
+    er = np.asarray(expert_rank)
     loads = np.asarray(loads)
     if er.ndim != 1 or er.shape[0] != loads.shape[-1]:
         raise ValueError(f"expert_rank has shape {list(er.shape)}, expected [{loads.shape[-1]}] (one rank per expert)")
+    if er.size and er.dtype.kind not in "iu":
+        raise TypeError(f"rank_rows: expert_rank must have an integer dtype, got {er.dtype}")
     if er.size and (er.min() < 0 or er.max() >= num_ranks):
         raise ValueError(f"expert_rank has ranks outside [0, {num_ranks})")
+    er = er.astype(np.int64, copy=False)
     acc = np.float64 if loads.dtype.kind == "f" else np.int64
     onehot = np.zeros((er.size, num_ranks), dtype=acc)
     onehot[np.arange(er.size), er] = 1
@@ -156,13 +169,26 @@ class LoadWindow:
 
     def push_topk(self, topk_ids: Sequence[np.ndarray] | np.ndarray) -> None:
         """Add one step from the routing of each layer: ``[L]`` arrays ``[T, K]`` (or one ``[T, L, K]``
-        array); numpy arrays or torch tensors (on any device)."""
+        array); numpy arrays or torch tensors (on any device).
+
+        Raises:
+            ValueError: a single array that is not ``[T, L, K]`` (one layer's ``[T, K]`` would be read
+                as ``T`` layers), a layer's array that is not ``[T, K]``, or expert ids out of range.
+            TypeError: expert ids that are not integers.
+        """
         def host(a):  # a torch tensor (any device) as numpy; planning/ does not import torch
             return np.asarray(a.detach().cpu() if hasattr(a, "detach") else a)
 
-        ids = host(topk_ids) if getattr(topk_ids, "ndim", None) == 3 else None
-        per_layer = [ids[:, i, :] for i in range(ids.shape[1])] if ids is not None else list(topk_ids)
-        flat = [host(t).ravel() for t in per_layer]
+        ndim = getattr(topk_ids, "ndim", None)
+        if ndim is not None and ndim != 3:
+            raise ValueError(f"LoadWindow.push_topk: topk_ids must be one [T, L, K] array or a list of L [T, K] "
+                             f"arrays, got one array of shape {list(topk_ids.shape)} (for one layer pass [topk_ids])")
+        ids = host(topk_ids) if ndim == 3 else None
+        per_layer = [ids[:, i, :] for i in range(ids.shape[1])] if ids is not None else [host(t) for t in topk_ids]
+        for i, t in enumerate(per_layer):
+            if t.ndim != 2:
+                raise ValueError(f"LoadWindow.push_topk: layer {i} routing must be a [T, K] array, got shape {list(t.shape)}")
+        flat = [t.ravel() for t in per_layer]
         for i, t in enumerate(flat):
             if t.dtype.kind not in "iu":
                 raise TypeError(f"LoadWindow.push_topk: layer {i} expert ids must be integers, got dtype {t.dtype}")

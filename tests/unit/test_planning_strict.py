@@ -292,3 +292,48 @@ def test_load_window_copies_refuses_negatives_and_clears() -> None:
         args = dict(num_layers=1, num_experts=3, window=2) | kw
         with pytest.raises(ValueError, match="must be a positive int"):
             LoadWindow(**args)
+
+
+# ---------------------------------------------------------------------- input checks of the step loads
+def test_step_loads_checks_the_id_dtype_and_accepts_unsigned_ids() -> None:
+    ids = np.array([[0, 1], [2, 3], [3, 0]])
+    expected = step_loads(ids, 4, 2)
+    for dtype in (np.int32, np.uint8, np.uint64):
+        np.testing.assert_array_equal(step_loads(ids.astype(dtype), 4, 2), expected)
+    np.testing.assert_array_equal(step_loads(ids[:, None, :].astype(np.uint64), 4, 2), expected[None])
+    for bad in (ids.astype(np.float64), ids.astype(bool)):
+        with pytest.raises(TypeError, match=f"topk_ids must have an integer dtype, got {bad.dtype}"):
+            step_loads(bad, 4, 2)
+    with pytest.raises(ValueError, match=r"expert ids outside \[0, 4\)"):
+        step_loads(np.array([[0, 2**63 + 1]], dtype=np.uint64), 4, 2)  # not wrapped to a negative id
+
+
+def test_step_loads_refuses_a_fractional_offset() -> None:
+    ids = np.array([[0], [1], [2], [3]])
+    for bad in (2.7, 2.0, True):
+        with pytest.raises(ValueError, match=f"offset must be an int, got {bad!r}"):
+            step_loads(ids, 4, 4, offset=bad)
+    np.testing.assert_array_equal(step_loads(ids, 4, 4, offset=np.int64(2)), step_loads(ids, 4, 4, offset=2))
+
+
+def test_rank_rows_refuses_fractional_ranks() -> None:
+    loads = np.array([[1, 2, 3, 4]])
+    for bad in (np.array([0.0, 1.9, 1.2, 0.5]), np.array([0.0, 1.0, 1.0, 0.0])):
+        with pytest.raises(TypeError, match="expert_rank must have an integer dtype, got float64"):
+            rank_rows(bad, loads, 2)
+    np.testing.assert_array_equal(rank_rows(np.array([0, 1, 1, 0], dtype=np.uint8), loads, 2), [[5, 5]])
+
+
+def test_load_window_push_topk_refuses_one_layer_walked_as_layers() -> None:
+    """One layer's ``[T, K]`` routing with ``T == L`` must not be read as ``T`` layers."""
+    import torch
+
+    win = LoadWindow(num_layers=2, num_experts=4)
+    for bad in (np.array([[0, 1], [2, 3]]), torch.tensor([[0, 1], [2, 3]]), np.array([0, 1])):
+        with pytest.raises(ValueError, match=r"one \[T, L, K\] array or a list of L \[T, K\] arrays"):
+            win.push_topk(bad)
+    with pytest.raises(ValueError, match=r"layer 0 routing must be a \[T, K\] array, got shape \[2\]"):
+        win.push_topk([np.array([0, 1]), np.array([2, 3])])
+    assert len(win) == 0
+    win.push_topk([np.array([[0, 1]], dtype=np.int32), torch.tensor([[2, 3]])])
+    np.testing.assert_array_equal(win.loads()[:, -1], [[1, 1, 0, 0], [0, 0, 1, 1]])
