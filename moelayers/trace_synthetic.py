@@ -374,7 +374,18 @@ def _sample_tokens(
 
 
 def _depth_values(value: float | Sequence[float], num_layers: int, name: str) -> np.ndarray:
-    """``[L]`` knob values: a scalar, or values at the relative depths of REFERENCE_DEPTHS."""
+    """``[L]`` knob values: a scalar, or values at the relative depths of REFERENCE_DEPTHS.
+
+    Raises:
+        ValueError: ``value`` (or an entry of it) is not a finite real number (a string or a bool is
+            not one), or a sequence of the wrong length; the message names the knob ``name``.
+    """
+    entries = [value] if np.ndim(value) == 0 else list(np.ravel(np.asarray(value, dtype=object)))
+    for v in entries:
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)) \
+                or not np.isfinite(v):
+            raise ValueError(f"synthetic_trace: {name} must be a finite number or {len(REFERENCE_DEPTHS)} of them, "
+                             f"got {value!r}")
     if np.ndim(value) == 0:
         return np.full(num_layers, float(value))
     values = np.asarray(value, dtype=np.float64)

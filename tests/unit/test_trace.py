@@ -748,3 +748,15 @@ def test_validation_messages_for_unsigned_offsets_and_huge_ints() -> None:
             RoutingTrace(ids, tok, np.array([0, 2]), **(dict(num_experts=4) | kw))
     with pytest.raises(ValueError, match="must be >= 1"):
         RoutingTrace(ids, tok, np.array([0, 2]), 4, vocab_size=-(2**70))
+
+
+@pytest.mark.parametrize("knob, value", [
+    ("token_scale", "2"), ("expert_skew", True), ("crosslayer_carry", None), ("topic_scale", [1, 2, "x"]),
+    ("cluster_scale", float("nan")), ("sequence_scale", [1.0, np.inf, 1.0]),
+])
+def test_synthetic_depth_knobs_must_be_numbers(knob, value):
+    """The depth knobs went through float() unchecked: '2' and True were accepted, None and 'x'
+    raised numpy's errors without the knob's name."""
+    with pytest.raises(ValueError, match=rf"synthetic_trace: {knob} must be a finite number or 3 of them"):
+        synthetic_trace(2, 2, 8, 2, 50, seq_len=4, **{knob: value})
+    synthetic_trace(2, 2, 8, 2, 50, seq_len=4, **{knob: np.float32(0.5) if knob != "topic_scale" else [1, 2, 3]})
