@@ -260,9 +260,11 @@ class MoEConfig:
             ValueError: not an MoE config, or a setting that would change what megatron's layer
                 computes and that moelayers does not implement (it is never silently dropped):
                 see :data:`MEGATRON_SUPPORTED_VALUES`, non-SwiGLU experts, linear biases, a
-                ``params_dtype`` outside :data:`PARAMS_DTYPES` (fp8), or ``params_dtype``
-                contradicting ``bf16`` / ``fp16``. The auxiliary / z loss coefficients do not change
-                the output and are accepted here; the megatron adapter refuses to *train* with them
+                ``params_dtype`` outside :data:`PARAMS_DTYPES` (fp8), ``params_dtype`` contradicting
+                ``bf16`` / ``fp16``, or a ``moe_router_dtype`` below ``params_dtype`` (``'fp32'`` with
+                float64 parameters: megatron would compute the logits in float32, moelayers'
+                ``router_dtype`` only raises their precision). The auxiliary / z loss coefficients do
+                not change the output and are accepted here; the megatron adapter refuses to *train* with them
                 (:func:`megatron_training_losses`).
         """
         import torch.nn.functional as F
@@ -294,6 +296,12 @@ class MoEConfig:
         if router_name not in ROUTER_DTYPES:
             raise ValueError(f"transformer_config.moe_router_dtype={router_name!r}: one of {sorted(ROUTER_DTYPES, key=str)}")
         router_dtype = ROUTER_DTYPES[router_name]
+        if router_dtype is not None and torch.promote_types(params_dtype, router_dtype) != router_dtype:
+            raise ValueError(
+                f"transformer_config.moe_router_dtype={router_name!r} with params_dtype={params_dtype} is not supported: "
+                f"megatron computes the router logits in {router_dtype} (below the parameters' dtype), while moelayers' "
+                f"router_dtype only raises the logits' precision (they would stay {params_dtype}), so near-ties would "
+                "pick other experts than megatron's. Set moe_router_dtype=None (or 'fp64') with float64 parameters")
         return cls(
             hidden_size=int(tc.hidden_size),
             ffn_hidden_size=int(ffn),

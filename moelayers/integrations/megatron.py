@@ -29,8 +29,8 @@ weights back out of megatron's ``MoELayer`` (gathered over its expert-parallel r
 
 Limitations: megatron's distributed checkpointing (``sharded_state_dict``) of the adapter is refused
 with several expert-parallel ranks (save/load logical weights with ``export_full_weights`` /
-``load_full_weights`` instead); training with tensor and sequence parallelism is refused (inference
-works); expert tensor parallelism is not supported by :func:`load_megatron_weights` /
+``load_full_weights`` instead); training with tensor and sequence parallelism, or with tensor
+parallelism and several expert-parallel ranks, is refused (inference works); expert tensor parallelism is not supported by :func:`load_megatron_weights` /
 :func:`megatron_weights`.
 """
 
@@ -353,12 +353,24 @@ class MegatronMoEAdapter(nn.Module):
         Returns:
             ``(output [S, B, H], None)``: no bias.
 
+        Forced routing (``self.layer.force_routing(ids)``, e.g. trace replay) is laid out like
+        ``hidden_states``: ``[S, B, K]`` or ``[S * B, K]``; with a ``padding_mask`` the padded rows
+        are dropped from it as from ``hidden_states``.
+
         Raises:
             RuntimeError: training (``self.training`` with grad enabled) while the config turns on
                 megatron's auxiliary or z loss, which moelayers does not add to the router's
-                gradient (:attr:`training_losses`), or tensor parallelism with sequence parallelism,
+                gradient (:attr:`training_losses`); tensor parallelism with sequence parallelism,
                 where each TP rank routes other tokens and the router's and experts' gradients would
-                need a sum over the TP ranks that megatron does not do for them; inference runs as usual.
+                need a sum over the TP ranks that megatron does not do for them; or tensor
+                parallelism without sequence parallelism and several expert-parallel ranks, where
+                every TP rank sends the same tokens to the experts and their gradients would be
+                counted once per TP rank (megatron's ``MoELayer`` refuses to train with TP > 1
+                without sequence parallelism). Inference runs as usual.
+            TypeError, ValueError: ``hidden_states``, ``padding_mask``, ``token_ids`` or the forced
+                routing are refused. With several expert-parallel ranks this rank first takes part
+                in the layer's exchange with no tokens, so the other ranks raise ``ValueError`` too
+                instead of waiting for it (the layer's ``_refuse_in_step``).
         """
         training = self.training and torch.is_grad_enabled()
         if self.training_losses and training:
@@ -376,28 +388,70 @@ class MegatronMoEAdapter(nn.Module):
                 "partial sums that megatron's gradient reduction does not add up over the TP ranks here (the "
                 "copies would drift apart). Train with sequence_parallel=False or tensor_model_parallel_size=1; "
                 "inference runs as usual")
+        if training and tp > 1 and not getattr(self.config, "sequence_parallel", False) and self.groups.ep_size > 1:
+            raise RuntimeError(
+                f"training through the adapter with tensor_model_parallel_size={tp}, sequence_parallel=False and "
+                f"{self.groups.ep_size} expert-parallel ranks is not supported: the TP ranks hold the same tokens and "
+                "each sends them to the experts, so the experts' gradients would count every token once per TP rank "
+                "(megatron's own MoELayer refuses to train with tensor parallelism without sequence parallelism). "
+                "Train with tensor_model_parallel_size=1 or expert_model_parallel_size=1; inference runs as usual")
         if intermediate_tensors is not None:
             raise NotImplementedError("MegatronMoEAdapter does not support partial CUDA-graph capture "
                                       "(intermediate_tensors)")
-        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
-            raise ValueError("hidden_states must be an [S, B, H] tensor")
-        s, b, h = hidden_states.shape
-        if token_ids is not None:
-            if not isinstance(token_ids, torch.Tensor):
-                raise TypeError(f"token_ids must be a tensor, got {type(token_ids).__name__}")
-            if token_ids.numel() != s * b or (token_ids.dim() > 1 and tuple(token_ids.shape) != (s, b)):
-                raise ValueError(f"token_ids must be [S, B] = [{s}, {b}] like hidden_states (or flat [{s * b}]), got "
-                                 f"{list(token_ids.shape)}: transpose megatron's [B, S] input_ids first")
-            token_ids = token_ids.reshape(-1)
+        try:
+            if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+                raise ValueError("hidden_states must be an [S, B, H] tensor")
+            s, b, h = hidden_states.shape
+            if token_ids is not None:
+                if not isinstance(token_ids, torch.Tensor):
+                    raise TypeError(f"token_ids must be a tensor, got {type(token_ids).__name__}")
+                if token_ids.numel() != s * b or (token_ids.dim() > 1 and tuple(token_ids.shape) != (s, b)):
+                    raise ValueError(f"token_ids must be [S, B] = [{s}, {b}] like hidden_states (or flat [{s * b}]), "
+                                     f"got {list(token_ids.shape)}: transpose megatron's [B, S] input_ids first")
+                token_ids = token_ids.reshape(-1)
+            if padding_mask is not None:
+                keep = ~_padding_to_sb(padding_mask, s, b).reshape(-1).to(hidden_states.device)
+                idx = keep.nonzero().squeeze(1)
+                forced = self._forced_rows(s, b, idx)
+        except (TypeError, ValueError) as exc:
+            self._refuse(exc)  # raises
         if padding_mask is None:
             return self.layer(hidden_states, token_ids=token_ids), None
-        keep = ~_padding_to_sb(padding_mask, s, b).reshape(-1).to(hidden_states.device)
         x2 = hidden_states.reshape(s * b, h)
-        idx = keep.nonzero().squeeze(1)
         ids = None if token_ids is None else token_ids.index_select(0, idx.to(token_ids.device))
+        if forced is not None:
+            self.layer.force_routing(forced)
         y_kept = self.layer(x2.index_select(0, idx), token_ids=ids)  # every rank calls: collectives
         y = x2.new_zeros(s * b, h).index_copy(0, idx, y_kept)
         return y.view(s, b, h), None
+
+    def _forced_rows(self, s: int, b: int, idx: torch.Tensor) -> torch.Tensor | None:
+        """The layer's pending forced routing (``[S, B, K]`` or ``[S * B, K]``, laid out like
+        ``hidden_states``) as ``[S * B, K]`` rows, keeping the rows ``idx`` of the unpadded tokens;
+        ``None`` when no routing is forced. The caller forces the result again.
+
+        Raises:
+            ValueError: the forced routing is not laid out like ``hidden_states``.
+        """
+        forced = self.layer._forced_ids
+        if forced is None:
+            return None
+        if forced.dim() == 3 and tuple(forced.shape[:2]) == (s, b):
+            forced = forced.reshape(s * b, forced.shape[-1])
+        if forced.dim() != 2 or forced.shape[0] != s * b:
+            raise ValueError(f"forced routing has shape {list(forced.shape)}; with a padding_mask it must be laid out "
+                             f"like hidden_states: [S, B, K] = [{s}, {b}, K] or [S * B, K] = [{s * b}, K]")
+        return forced.index_select(0, idx.to(forced.device))
+
+    def _refuse(self, exc: Exception) -> None:
+        """Raise ``exc`` for this rank's input refused by the adapter; with several expert-parallel
+        ranks only after taking part in the layer's exchange (``_refuse_in_step``), so that the other
+        ranks raise too instead of waiting for this one. Pending forced routing is dropped, as the
+        layer drops it in a forward that raises."""
+        self.layer._forced_ids = None
+        if self.groups.ep_size > 1:
+            self.layer._refuse_in_step(exc)  # raises
+        raise exc
 
     def extra_repr(self) -> str:
         return f"layer_number={self.layer_number}, is_mtp_layer={self.is_mtp_layer}"

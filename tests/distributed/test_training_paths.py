@@ -629,3 +629,125 @@ def test_megatron_adapter_training_with_padding_mask():
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     for rank, res in enumerate(run_distributed(_adapter_training, 2, timeout=200)):
         assert len(res) == 3 and all(v is None for v in res.values()), f"rank {rank}: {res}"
+
+
+# ---------------------------------------------------------------------- megatron adapter: one rank's bad input
+def _adapter_bad_input(rank: int, world: int) -> dict[str, str]:
+    """Expert-parallel ranks, one of which hands the adapter input it refuses (padding mask, token ids,
+    hidden states, forced routing with a padding mask): every rank must raise (none waits in the layer's
+    exchange), and the ranks must still be in step for the next forward."""
+    import warnings
+
+    import torch.nn.functional as tnf
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from moelayers.integrations import megatron as mi
+
+    warnings.simplefilter("ignore")
+    e, s, b = 4 * world, 4, 2
+    tc = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, ffn_hidden_size=F, num_moe_experts=e,
+                           moe_router_topk=2, moe_ffn_hidden_size=F, gated_linear_unit=True, activation_func=tnf.silu,
+                           add_bias_linear=False, use_cpu_initialization=True, hidden_dropout=0.0)
+    adapter = mi.MegatronMoEAdapter(tc, ml.VanillaMoE, groups=ml.ParallelGroups.from_world()).eval()
+    x = torch.randn(s, b, H, generator=torch.Generator().manual_seed(40 + rank))
+    pad = torch.zeros(b, s, dtype=torch.bool)
+    pad[1, 3] = True
+    bad = rank == 0
+    cases = {
+        "padding_mask shape": lambda: adapter(x, padding_mask=torch.zeros(b, s + bad, dtype=torch.bool)),
+        "padding_mask dtype": lambda: adapter(x, padding_mask=pad.float() if bad else pad),
+        "token_ids": lambda: adapter(x, token_ids=torch.zeros(s * b + bad, dtype=torch.long)),
+        "token_ids with padding_mask": lambda: adapter(x, padding_mask=pad,
+                                                       token_ids=torch.zeros(s * b + bad, dtype=torch.long)),
+        "hidden_states": lambda: adapter(x.reshape(s * b, H) if bad else x),
+        "forced routing with padding_mask": lambda: (
+            adapter.layer.force_routing(torch.zeros(s * b - bad, 2, dtype=torch.long)), adapter(x, padding_mask=pad)),
+    }
+    out = {}
+    with torch.no_grad():
+        for name, call in cases.items():
+            try:
+                call()
+                out[name] = "ran"
+            except (TypeError, ValueError) as exc:
+                out[name] = f"{type(exc).__name__}: {exc}"
+            y, _ = adapter(x, padding_mask=pad)  # the ranks are still in step
+            if not torch.isfinite(y).all():
+                out[name] += " (then a non-finite output)"
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_megatron_adapter_bad_input_raises_on_every_rank():
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    res = run_distributed(_adapter_bad_input, 2, timeout=120)
+    assert len(res[0]) == 6, res
+    for name, msg in res[0].items():  # the rank with the bad input: its own error
+        assert msg.startswith(("ValueError", "TypeError")) and "expert-parallel rank(s)" not in msg, f"{name}: {msg}"
+    for name, msg in res[1].items():  # the other rank: told in the exchange
+        assert msg.startswith("ValueError") and "expert-parallel rank(s) [0]" in msg, f"{name}: {msg}"
+
+
+# ---------------------------------------------------------------------- megatron adapter: TP without SP and EP
+def _adapter_tp_ep_training(rank: int, world: int) -> dict[str, str | None]:
+    """megatron TP=2 without sequence parallelism: the TP ranks hold the same tokens. With EP=2 (the EP
+    group is the TP group) each expert would get every token once per TP rank, doubling its gradient:
+    training is refused on every rank, inference matches the reference. With EP=1 training is right."""
+    import warnings
+
+    import torch._dynamo
+    import torch.nn.functional as tnf
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from moelayers.integrations import megatron as mi
+
+    warnings.simplefilter("ignore")
+    torch._dynamo.config.disable = True
+    e = 4
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(e, H, generator=g), 0.3 * torch.randn(e, 2 * F, H, generator=g),
+         0.3 * torch.randn(e, H, F, generator=g))
+    x = torch.randn(5, 2, H, generator=torch.Generator().manual_seed(1))  # the same tokens on both TP ranks
+    out = {}
+    for ep in (2, 1):
+        ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=ep,
+                                     expert_tensor_parallel_size=1)
+        tc = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, ffn_hidden_size=F,
+                               num_moe_experts=e, moe_router_topk=2, moe_ffn_hidden_size=F, gated_linear_unit=True,
+                               activation_func=tnf.silu, add_bias_linear=False, use_cpu_initialization=True,
+                               hidden_dropout=0.0, tensor_model_parallel_size=2, expert_model_parallel_size=ep,
+                               expert_tensor_parallel_size=1, sequence_parallel=False)
+        adapter = build_module(mi.moe_spec(ml.VanillaMoE), config=tc).train()
+        adapter.load_full_weights(*w)
+        params = [t.double().requires_grad_(True) for t in w]
+        ref = ml.reference.moe_forward(x.reshape(-1, H).double(), *params,
+                                       adapter.moe_config.replace(params_dtype=torch.float64))
+        errors = []
+        if ep > 1:
+            try:
+                adapter(x)
+                errors.append("training with TP=2, EP=2 without sequence parallelism ran")
+            except RuntimeError as exc:
+                if "sequence_parallel=False and 2 expert-parallel ranks is not supported" not in str(exc):
+                    errors.append(f"unexpected error: {exc}")
+            with torch.no_grad():
+                errors.append(check_close("TP=2 EP=2 inference", adapter(x)[0].reshape(-1, H), ref.detach()))
+        else:
+            y, _ = adapter(x)
+            y.pow(2).sum().backward()
+            ref.pow(2).sum().backward()
+            got = [adapter.layer.router.weight.grad, *adapter.layer.expert_grads_full()]  # each rank's own
+            errors += [check_close(f"TP=2 EP=1 {n}", a, p.grad)
+                       for n, a, p in zip(("d/drouter", "d/dw13", "d/dw2"), got, params)]
+        out[f"ep={ep}"] = "; ".join(m for m in errors if m) or None
+        ps.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_megatron_adapter_refuses_training_with_tp_without_sp_and_ep():
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    for rank, res in enumerate(run_distributed(_adapter_tp_ep_training, 2, timeout=200)):
+        assert res == {"ep=2": None, "ep=1": None}, f"rank {rank}: {res}"

@@ -770,3 +770,53 @@ def test_each_integration_module_imports_first(module):
                            "from moelayers.integrations.megatron import megatron_moe_layer, load_megatron_weights"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_forced_routing_with_padding_mask():
+    """Forced routing (trace replay) laid out like hidden_states, [S, B, K] or [S * B, K], with a padding
+    mask: the padded rows are dropped from it as from the tokens; an all-False mask is no mask. A forced
+    routing of another layout is refused, and dropped (the next forward routes by itself)."""
+    adapter = _build(mi.moe_spec(ml.VanillaMoE), _tc(), "build_module")
+    weights = _weights(4)
+    adapter.load_full_weights(*weights)
+    s, b = 4, 3
+    x = torch.randn(s, b, H, generator=torch.Generator().manual_seed(8))
+    g = torch.Generator().manual_seed(9)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(s * b)]).view(s, b, K)
+    adapter.layer.force_routing(ids)
+    y_plain, _ = adapter(x)
+    for forced in (ids, ids.reshape(-1, K)):
+        adapter.layer.force_routing(forced)
+        assert torch.equal(adapter(x, padding_mask=torch.zeros(b, s, dtype=torch.bool))[0], y_plain)
+    pad = torch.zeros(b, s, dtype=torch.bool)
+    pad[1, 3] = True
+    pad[2, 1:] = True
+    keep = ~pad.t().reshape(-1)
+    x_pad = x.clone()
+    x_pad[pad.t()] = float("nan")
+    ref = _ref64(x.reshape(-1, H)[keep], weights, adapter.moe_config, topk_ids=ids.reshape(-1, K)[keep])
+    for forced in (ids, ids.reshape(-1, K)):
+        adapter.layer.force_routing(forced)
+        y, _ = adapter(x_pad, padding_mask=pad)
+        y2 = y.reshape(-1, H)
+        assert torch.equal(adapter.layer.last_topk_ids, ids.reshape(-1, K)[keep])
+        assert torch.equal(y2[~keep], torch.zeros_like(y2[~keep]))
+        err = check_close("forced + padded", y2[keep], ref)
+        assert err is None, err
+    adapter.layer.force_routing(ids.reshape(-1, K)[keep])  # already without the padded rows: ambiguous, refused
+    with pytest.raises(ValueError, match="forced routing has shape"):
+        adapter(x_pad, padding_mask=pad)
+    adapter(x_pad, padding_mask=pad)  # the refused routing was dropped: routed by the router
+    assert not torch.equal(adapter.layer.last_topk_ids, ids.reshape(-1, K)[keep])
+
+
+def test_from_megatron_refuses_router_dtype_below_params_dtype():
+    """params_dtype=float64 with moe_router_dtype='fp32': megatron computes the logits in float32, moelayers'
+    router_dtype only raises precision (they would stay float64), so near-ties would pick other experts:
+    refused. A router dtype at or above the parameters' dtype is accepted."""
+    with pytest.raises(ValueError, match="moe_router_dtype='fp32' with params_dtype=torch.float64"):
+        ml.MoEConfig.from_megatron(_tc(params_dtype=torch.float64, moe_router_dtype="fp32"))
+    for params, router, want in ((torch.float64, "fp64", torch.float64), (torch.float64, None, None),
+                                 (torch.float32, "fp32", torch.float32), (torch.bfloat16, "fp64", torch.float64)):
+        cfg = ml.MoEConfig.from_megatron(_tc(params_dtype=params, moe_router_dtype=router))
+        assert cfg.router_dtype is want and cfg.logits_dtype(params) is (want or params)
