@@ -19,6 +19,9 @@ class ParallelGroups:
     """Expert-parallel (``ep``), tensor-parallel (``tp``) and data-parallel (``dp``) groups.
 
     A ``None`` group means a group of one process (this rank alone); collectives are skipped.
+    ``backend`` is the default process group's backend when the groups were built over it
+    (:meth:`from_world`), so that a layer on a world of one NCCL rank, whose groups are all
+    ``None``, still defaults to the GPU; ``None`` otherwise (:meth:`single`: CPU by default).
     """
 
     ep: ProcessGroup
@@ -32,6 +35,7 @@ class ParallelGroups:
     dp_rank: int
     world_size: int
     rank: int
+    backend: str | None = None
 
     def __post_init__(self) -> None:
         """Check that sizes, ranks and groups agree (a mismatch would only show up later, as a
@@ -63,6 +67,8 @@ class ParallelGroups:
             if (actual_size, actual_rank) != (size, rank):
                 raise ValueError(f"ParallelGroups.{name} has {actual_size} ranks and this process is its rank "
                                  f"{actual_rank}, but {name}_size={size}, {name}_rank={rank}")
+        if self.backend is not None and not isinstance(self.backend, str):
+            raise ValueError(f"ParallelGroups.backend must be a backend name or None, got {self.backend!r}")
         for name in ("ep", "tp"):
             if self.world_size % getattr(self, f"{name}_size"):
                 raise ValueError(f"ParallelGroups.{name}_size={getattr(self, f'{name}_size')} does not divide "
@@ -105,7 +111,7 @@ class ParallelGroups:
             ep_size=ep, ep_rank=rank % ep,
             tp_size=tp, tp_rank=rank % tp,
             dp_size=dp, dp_rank=rank // tp,
-            world_size=world, rank=rank,
+            world_size=world, rank=rank, backend=str(dist.get_backend()),
         )
 
     @classmethod

@@ -46,7 +46,7 @@ class MoELayerBase(nn.Module):
         dedup: all-to-all only: send a token once per destination rank.
         replica_policy: picks a replica per (token, expert) (default :class:`LocalFirstPolicy`).
         device: where the weights live (default: CUDA's current device when the expert-parallel
-            group, or with one expert-parallel rank the default process group, uses NCCL; else CPU).
+            group uses NCCL, or with one expert-parallel rank when ``groups.backend`` is NCCL; else CPU).
         seed: the default initialisation draws each logical expert from its own generator seeded
             by ``(seed, expert id)``, so that replicas agree and every rank builds the same model.
         check_finite: raise on NaN/inf router logits.
@@ -544,16 +544,11 @@ class MoELayerBase(nn.Module):
 
 
 def _default_device(groups: ParallelGroups) -> torch.device:
-    """CUDA's current device when the expert-parallel group uses NCCL, or, for an expert-parallel
-    group of one (no group), when the initialised default process group does; else CPU."""
+    """CUDA's current device when the expert-parallel group uses NCCL, or, with one expert-parallel
+    rank (no group), when the groups were built over an NCCL world (``groups.backend``); else CPU."""
     import torch.distributed as dist
 
-    if groups.ep is not None:
-        backend = dist.get_backend(groups.ep)
-    elif dist.is_available() and dist.is_initialized():
-        backend = dist.get_backend()  # torchrun --nproc_per_node=1 with NCCL: the layer goes on the GPU too
-    else:
-        backend = None
-    if backend == "nccl":
+    backend = dist.get_backend(groups.ep) if groups.ep is not None else groups.backend
+    if backend == "nccl":  # torchrun --nproc_per_node=1 with NCCL and from_world(): the GPU too
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

@@ -381,17 +381,30 @@ def test_semantic_forward_tp_one_rank_matches_the_reference_and_keeps_the_contex
     assert last.last_context_ranks is None
 
 
-def test_default_device_follows_the_default_group_for_one_expert_rank(monkeypatch):
-    """With one expert-parallel rank there is no EP group; the layer used to land on the CPU even
-    under torchrun with NCCL (its docstring: CUDA when NCCL is used). Now the default group decides."""
-    import torch.distributed as dist
+def test_default_device_follows_the_world_for_one_expert_rank(monkeypatch):
+    """With one expert-parallel rank there is no EP group; a layer on from_world() of a one-rank NCCL
+    world used to land on the CPU (its docstring: CUDA when NCCL is used). The groups now carry the
+    world's backend; single() (a reference layer inside a distributed job, say) stays on the CPU."""
+    import dataclasses
 
     from moelayers.layers.base import _default_device
 
-    assert _default_device(ml.ParallelGroups.single()) == torch.device("cpu")  # no process group
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl" if group is None else "gloo")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    assert _default_device(ml.ParallelGroups.single()) == torch.device("cuda", 3)
-    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
     assert _default_device(ml.ParallelGroups.single()) == torch.device("cpu")
+    one_nccl_rank = dataclasses.replace(ml.ParallelGroups.single(), backend="nccl")  # what from_world() builds
+    assert _default_device(one_nccl_rank) == torch.device("cuda", 3)
+    assert _default_device(dataclasses.replace(one_nccl_rank, backend="gloo")) == torch.device("cpu")
+    with pytest.raises(ValueError, match="backend must be a backend name or None"):
+        dataclasses.replace(one_nccl_rank, backend=1)
+
+
+def _groups_backend_and_layer_device(rank, world):
+    groups = ml.ParallelGroups.from_world()
+    return groups.backend, str(ml.VanillaMoE(_cfg(), groups).router.weight.device)
+
+
+@pytest.mark.timeout(120)
+def test_from_world_records_the_backend():
+    from moelayers.testing import run_distributed
+
+    assert run_distributed(_groups_backend_and_layer_device, 1, timeout=100) == [("gloo", "cpu")]
