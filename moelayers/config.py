@@ -19,7 +19,7 @@ PARAMS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: megatron-core TransformerConfig fields that change an MoE layer's output, and the only values moelayers
 #: implements; ``MoEConfig.from_megatron`` refuses any other value.
 MEGATRON_SUPPORTED_VALUES: dict[str, tuple] = {
-    "moe_router_topk_scaling_factor": (None, 1.0),
+    "moe_router_topk_scaling_factor": (None, 1.0, 0.0),  # megatron scales only `if scaling_factor:`
     # sinkhorn changes the weights; the auxiliary losses only matter in training (see
     # ``megatron_training_losses``); a list combines several aux-loss types: each entry must be one of these
     "moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),

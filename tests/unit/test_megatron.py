@@ -820,3 +820,17 @@ def test_from_megatron_refuses_router_dtype_below_params_dtype():
                                  (torch.float32, "fp32", torch.float32), (torch.bfloat16, "fp64", torch.float64)):
         cfg = ml.MoEConfig.from_megatron(_tc(params_dtype=params, moe_router_dtype=router))
         assert cfg.router_dtype is want and cfg.logits_dtype(params) is (want or params)
+
+
+def test_from_megatron_takes_a_zero_topk_scaling_factor_as_none():
+    """megatron scales the top-k probabilities only `if scaling_factor:`: 0.0 is no scaling, not a
+    setting to refuse; any other factor still is."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    logits = torch.randn(6, E)
+    zero, _ = topk_routing_with_score_function(logits, K, use_pre_softmax=False, scaling_factor=0.0)
+    none, _ = topk_routing_with_score_function(logits, K, use_pre_softmax=False, scaling_factor=None)
+    assert torch.equal(zero, none)
+    assert ml.MoEConfig.from_megatron(_tc(moe_router_topk_scaling_factor=0.0)) == ml.MoEConfig.from_megatron(_tc())
+    with pytest.raises(ValueError, match=re.escape("moe_router_topk_scaling_factor=2.5")):
+        ml.MoEConfig.from_megatron(_tc(moe_router_topk_scaling_factor=2.5))
