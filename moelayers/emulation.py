@@ -54,8 +54,9 @@ def slowdown_preset(name: str, num_ranks: int) -> list[float]:
     """
     if name not in VARIABILITY_PRESETS:
         raise ValueError(f"variability must be one of {VARIABILITY_PRESETS}, got {name!r}")
-    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
         raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+    num_ranks = int(num_ranks)  # a numpy integer too, as LatencyCurves.preset takes
     if name == "high":
         return [HIGH_SLOWDOWN] + [1.0] * (num_ranks - 1)
     if name == "moderate":

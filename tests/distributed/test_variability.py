@@ -908,3 +908,11 @@ def test_emulation_off_turns_the_emulation_off():
     assert VariabilitySettings.from_config({"variability": "high", "emulation": None}).mode == "measured"
     with pytest.raises(ValueError, match="emulation must be a dict"):
         VariabilitySettings.from_config({"variability": "high", "emulation": "on"})
+
+
+def test_slowdown_preset_takes_numpy_ints():
+    from moelayers.emulation import slowdown_preset
+
+    assert slowdown_preset("high", np.int64(3)) == slowdown_preset("high", 3) == [slowdown_preset("high", 1)[0], 1.0, 1.0]
+    with pytest.raises(ValueError, match="num_ranks must be a positive int"):
+        slowdown_preset("high", 2.0)
