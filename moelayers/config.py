@@ -8,6 +8,7 @@ import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 import torch
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -219,8 +220,9 @@ class MoEConfig:
             raise TypeError(f"MoEConfig.params_dtype={self.params_dtype} is not supported: one of "
                             f"{[str(d) for d in PARAMS_DTYPES]} (fp8 weights need scaling factors moelayers does not keep)")
         for name in ("norm_topk_prob", "rank_in_logits_dtype", "rank_post_softmax_by_logits"):
-            if not isinstance(getattr(self, name), bool):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise TypeError(f"MoEConfig.{name} must be a bool, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, bool(getattr(self, name)))  # a numpy bool (read from a file) as a bool
         if isinstance(self.init_std, bool) or not isinstance(self.init_std, numbers.Real) \
                 or not math.isfinite(self.init_std) or not self.init_std > 0:
             raise ValueError(f"MoEConfig.init_std must be a finite number > 0, got {self.init_std!r}")

@@ -491,3 +491,17 @@ def test_router_refuses_forced_ids_that_are_not_integers(ids):
     router = TopKRouter(cfg)
     with pytest.raises(TypeError, match=rf"forced_ids must be integer expert ids, got {ids.dtype}"):
         router(torch.randn(3, 8), ids)
+
+
+def test_config_flags_take_numpy_bools():
+    """A flag read from an npz or a numpy array is a numpy bool: taken (stored as a bool), where it
+    was refused; a string still is."""
+    import numpy as np
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, norm_topk_prob=np.bool_(False),
+                       rank_in_logits_dtype=np.bool_(True))
+    assert cfg.norm_topk_prob is False and cfg.rank_in_logits_dtype is True
+    assert cfg == ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, norm_topk_prob=False,
+                               rank_in_logits_dtype=True)
+    with pytest.raises(TypeError, match="norm_topk_prob must be a bool, got 'no'"):
+        ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, norm_topk_prob="no")
