@@ -119,9 +119,11 @@ class SemanticMoE(MoELayerBase):
             raise ValueError(f"predictor must be one of {PREDICTORS}, got {predictor!r}")
         if not isinstance(groups, ParallelGroups):
             raise TypeError(f"groups must be a ParallelGroups, got {type(groups).__name__}")
-        if mode == "tp" and (groups.tp_size != groups.ep_size or groups.tp_rank != groups.ep_rank):
-            raise ValueError(f"mode='tp' runs the MoE expert-parallel over the TP group (tp = ep), got "
-                             f"tp={groups.tp_size}, ep={groups.ep_size}: use ParallelGroups.from_world(tp=world)")
+        if mode == "tp" and (groups.tp_size != groups.ep_size or groups.tp_rank != groups.ep_rank
+                             or not _same_group(groups.tp, groups.ep)):
+            raise ValueError(f"mode='tp' runs the MoE expert-parallel over the TP group (tp = ep, the same ranks), got "
+                             f"tp={groups.tp_size} ranks {_group_ranks(groups.tp)}, ep={groups.ep_size} ranks "
+                             f"{_group_ranks(groups.ep)}: use ParallelGroups.from_world(tp=world)")
         tables, predictor_obj, self.gather_context = None, None, False
         if plan is not None:
             _check_plan(plan, config, groups)
@@ -243,6 +245,8 @@ class SemanticMoE(MoELayerBase):
             if residual.dtype != x2.dtype or residual.device != x2.device:
                 raise TypeError(f"residual is {residual.dtype} on {residual.device}, "
                                 f"attn_partial {x2.dtype} on {x2.device}")
+            if forced is not None and forced.dim() == 3 and attn_partial.dim() == 3:
+                forced = forced.reshape(-1, forced.shape[-1])  # [S, B, K] for [S, B, H], as forward() takes it
             if forced is not None and forced.shape[0] != x2.shape[0]:
                 raise ValueError(f"forced routing has {forced.shape[0]} rows for {x2.shape[0]} tokens")
             rb = self.rebatch(token_ids, prev_ranks, num_tokens=x2.shape[0])
@@ -260,10 +264,11 @@ class SemanticMoE(MoELayerBase):
         res = copy_to_group(residual.reshape(x2.shape), group)  # each rank uses its rows: grads summed
         h = shuffle_rows(res, mine) + reduced                                    # dummy rows: zeros
         rows = mine[:n]
+        hv = h[:n]
+        z = norm(hv)  # before the chunk's routing is forced: a norm that raises leaves nothing forced
         if forced is not None:  # replayed routing of all T tokens: keep this chunk's rows
             self._forced_ids = forced.index_select(0, rows.to(forced.device))
-        hv = h[:n]
-        y = self.forward(norm(hv), token_ids=None if token_ids is None else token_ids.index_select(0, rows))
+        y = self.forward(z, token_ids=None if token_ids is None else token_ids.index_select(0, rows))
         out_chunk = torch.cat([hv + y, h[n:]])
         out = shuffled_all_gather(out_chunk, rb.perm, group, inverse=rb.inverse, replicated_grad=True)
         self.last_ranks, self.last_rebatch = rb.rank, rb
@@ -379,12 +384,29 @@ def _fingerprint_of(tensors: list[torch.Tensor | None], dev: torch.device) -> to
     return out
 
 
+def _group_ranks(group) -> list[int] | None:
+    """The global ranks of ``group`` (``None`` for a group of one)."""
+    import torch.distributed as dist
+
+    return None if group is None else dist.get_process_group_ranks(group)
+
+
+def _same_group(a, b) -> bool:
+    """Whether two process groups (``None``: this rank alone) hold the same ranks."""
+    if a is None or b is None:
+        return a is None and b is None
+    return a is b or _group_ranks(a) == _group_ranks(b)
+
+
 def _history_of(prev: PrevRanks, token_ids: torch.Tensor | None, *, num_experts: int | None = None
                 ) -> torch.Tensor | None:
     """The ``[D', T, K]`` expert history in ``prev`` (a pair whose second entry is it, or itself), else
     ``None``; with ``num_experts``, its ids are checked to lie in ``[0, num_experts)`` (one host sync)."""
     if isinstance(prev, (tuple, list)) and len(prev) == 2:
         prev = prev[1]
+        if isinstance(prev, torch.Tensor) and prev.dim() not in (1, 3):  # e.g. last_topk_ids [T, K]: not ignored
+            raise ValueError(f"the second entry of prev_ranks must be the ranks at layer l-1 [T] or the expert "
+                             f"history [D', T, K], got shape {list(prev.shape)} (one layer's [T, K] ids: add [None])")
     if not isinstance(prev, torch.Tensor) or prev.dim() != 3:
         return None
     t = -1 if token_ids is None else token_ids.numel()

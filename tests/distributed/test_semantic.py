@@ -505,3 +505,22 @@ def test_scheduled_requests_match_reference(world, joint):
     assert all(o == owners[0] for o in owners)  # every rank schedules alike
     assert sorted(set(owners[0])) == list(range(world))
     assert [err for _, err in results if err] == []
+
+
+def _tp_mode_with_other_ep_ranks(rank, world):
+    tps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    eps = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # megatron-style: EP strided over the TP groups
+    groups = ml.ParallelGroups.from_groups(ep=eps[rank % 2], tp=tps[rank // 2])
+    try:
+        ml.SemanticMoE(ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2), groups, mode="tp")
+        return "accepted"
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.timeout(120)
+def test_tp_mode_needs_the_same_ranks_in_tp_and_ep():
+    """tp = ep was checked by size and rank: ranks 0 and 3 accepted TP [0, 1] with EP [0, 2] (and then
+    waited in the first collective) while ranks 1 and 2 refused with 'got tp=2, ep=2'."""
+    for rank, msg in enumerate(run_distributed(_tp_mode_with_other_ep_ranks, 4, timeout=100)):
+        assert "the same ranks" in msg and f"tp=2 ranks [{rank // 2 * 2}, {rank // 2 * 2 + 1}]" in msg, (rank, msg)

@@ -436,3 +436,62 @@ def test_predictors_refuse_float_token_ids():
         with pytest.raises(TypeError, match=r"token_ids must be a \[T\] integer tensor"):
             rebatch_history(ids, predictor, 2)
     assert predictor.scores(torch.tensor([2, 1])).shape == (2, 2)
+
+
+def test_forward_tp_takes_forced_routing_laid_out_like_the_input():
+    """force_routing takes [S, B, K] for [S, B, H] input; forward_tp compared S with T and refused it."""
+    layer, cfg, w64 = _layer("tp")
+    g = torch.Generator().manual_seed(0)
+    partial, residual = (torch.randn(3, 3, H, generator=g, dtype=torch.float64) for _ in range(2))
+    first = torch.randint(0, 8, (3, 3), generator=g)
+    forced = torch.stack([first, (first + 3) % 8], -1)  # [S, B, K]
+    norm = _norm(torch.float64)
+    layer.force_routing(forced)
+    out = layer.forward_tp(partial, residual, norm, token_ids=torch.arange(9).view(3, 3))
+    h = (residual + partial).view(-1, H)
+    ref = h + ml.reference.moe_forward(norm(h), *w64, cfg, topk_ids=forced.view(-1, 2))
+    assert (out.view(-1, H) - ref).abs().max() < 1e-9
+
+
+def test_forward_tp_forces_nothing_after_a_norm_that_raises():
+    """The chunk's forced rows were set before norm() ran: a norm that raised left them for the next call."""
+    layer, cfg, w64 = _layer("tp")
+    g = torch.Generator().manual_seed(0)
+    partial, residual = (torch.randn(9, H, generator=g, dtype=torch.float64) for _ in range(2))
+    norm = _norm(torch.float64)
+
+    def bad_norm(x):
+        raise RuntimeError("norm failed")
+
+    layer.force_routing(torch.tensor([[0, 1]] * 9))
+    with pytest.raises(RuntimeError, match="norm failed"):
+        layer.forward_tp(partial, residual, bad_norm, token_ids=torch.arange(9))
+    out = layer.forward_tp(partial, residual, norm, token_ids=torch.arange(9))  # routed by the router
+    h = residual + partial
+    assert (out - (h + ml.reference.moe_forward(norm(h), *w64, cfg))).abs().max() < 1e-9
+
+
+def test_an_expert_history_that_is_not_three_dimensional_is_refused():
+    """A pair's second entry is the ranks at layer l-1 [T] or the history [D', T, K]; one layer's
+    [T, K] ids were silently read as no history at all."""
+    from moelayers.layers.semantic import _history_of
+
+    ids = torch.arange(4)
+    with pytest.raises(ValueError, match=r"expert history \[D', T, K\], got shape \[4, 2\]"):
+        _history_of((None, torch.zeros(4, 2, dtype=torch.int64)), ids)
+    assert _history_of((None, torch.zeros(4, dtype=torch.int64)), ids) is None  # ranks at l-1: no history
+    assert _history_of((None, torch.zeros(1, 4, 2, dtype=torch.int64)), ids).shape == (1, 4, 2)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(num_tokens=-100), r"num_tokens must be None or an int >= 0, got -100"),  # lifted the cap
+    (dict(num_tokens=2.7), r"num_tokens must be None or an int >= 0, got 2\.7"),  # was 2
+])
+def test_scheduler_checks_the_request_token_count(kw, match):
+    s = SemanticScheduler(_plan_for_requests(), total_tokens=20)
+    with pytest.raises(ValueError, match=match):
+        s.assign([0], **kw)
+    for bad in (float("inf"), float("nan"), True):
+        with pytest.raises(ValueError, match="total_tokens must be None or an int >= 0"):
+            SemanticScheduler(_plan_for_requests(), total_tokens=bad)
+    assert s.assign([0], num_tokens=np.int64(3)) in (0, 1)
