@@ -30,6 +30,7 @@ Both schedulers share one interface: ``assign(token_ids) -> rank`` and ``assign_
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -133,8 +134,10 @@ class SemanticScheduler:
         self.token_conf[(self.token_rank < 0) | (self.token_rank >= self.num_ranks)] = 0.0
         self.vocab_size = self.token_rank.shape[0]
         self.source = getattr(plan, "source", None)  # the plan's file, for errors
-        if total_tokens is not None and (isinstance(total_tokens, bool) or int(total_tokens) != total_tokens
-                                         or total_tokens < 0):
+        if total_tokens is not None and (isinstance(total_tokens, (bool, np.bool_))
+                                         or not isinstance(total_tokens, numbers.Real)
+                                         or not math.isfinite(total_tokens) or int(total_tokens) != total_tokens
+                                         or total_tokens < 0):  # inf and nan: this error, not int()'s
             raise ValueError(f"total_tokens must be None or an int >= 0, got {total_tokens!r}")
         if not max_ratio >= 1.0:
             raise ValueError(f"max_ratio must be >= 1, got {max_ratio!r}")
@@ -167,6 +170,9 @@ class SemanticScheduler:
         """The best unmasked rank for this request (within the token cap); masks it (and clears a
         full mask). ``num_tokens``: the request's tokens for the cap (default: ``len(token_ids)``)."""
         ids = _token_array(token_ids)
+        if num_tokens is not None and (isinstance(num_tokens, (bool, np.bool_))
+                                       or not isinstance(num_tokens, numbers.Integral) or num_tokens < 0):
+            raise ValueError(f"num_tokens must be None or an int >= 0, got {num_tokens!r}")  # -100 lifted the cap
         n = ids.size if num_tokens is None else int(num_tokens)
         return self._schedule(self.scores(ids)[None], np.array([n]), joint=False)[0]  # ties: lowest rank
 
