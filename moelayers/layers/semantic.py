@@ -386,8 +386,6 @@ def _fingerprint_of(tensors: list[torch.Tensor | None], dev: torch.device) -> to
 
 def _group_ranks(group) -> list[int] | None:
     """The global ranks of ``group`` (``None`` for a group of one)."""
-    import torch.distributed as dist
-
     return None if group is None else dist.get_process_group_ranks(group)
 
 
