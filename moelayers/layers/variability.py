@@ -147,6 +147,7 @@ class VariabilityAwareMoE(MoELayerBase):
         self.record_loads = record_loads
         self.steps, self.num_replans, self.num_moves = 0, 0, 0
         self._replan_pending, self._waited = False, 0  # forwards a due re-plan has waited for graphs
+        self._in_forward = False  # inside forward(): a refusal there has run the deferred re-plan already
         self._in_flight: list[weakref.ref] = []  # one per forward autograd recorded (see _watch_graph)
         self.last_replan: dict | None = None
         self.register_buffer("_loads", torch.zeros(window, config.num_experts, dtype=torch.int64,
@@ -168,22 +169,12 @@ class VariabilityAwareMoE(MoELayerBase):
         Returns:
             ``y`` with the shape of ``x``.
         """
-        if self._replan_pending:  # deferred: re-plan once no recorded graph holds the weights, no gradient waits
-            alive = self.graphs_in_flight()
-            held = not alive and self._holds_grads()
-            if not alive and not held:
-                self._replan_pending, self._waited = False, 0
-                self._auto_replan()
-            else:
-                self._waited += 1
-                if self._waited == self.window:
-                    warnings.warn(
-                        f"VariabilityAwareMoE: a due re-plan has waited {self._waited} forwards for autograd graphs "
-                        f"({alive} alive) to be back-propagated or dropped and for the expert gradients (held: "
-                        f"{held}) to be cleared by zero_grad(set_to_none=True); when serving, run the model under "
-                        "torch.no_grad() or torch.inference_mode() (or call forget_graphs() on every rank)",
-                        RuntimeWarning, stacklevel=2)
-        y = super().forward(x, token_ids=token_ids)
+        self._run_pending_replan()
+        self._in_forward = True
+        try:
+            y = super().forward(x, token_ids=token_ids)
+        finally:
+            self._in_forward = False
         if y.requires_grad:  # autograd saved the weights: a move waits until this graph's backward has run
             y = self._watch_graph(y)
         if self.record_loads:
@@ -194,6 +185,33 @@ class VariabilityAwareMoE(MoELayerBase):
                 else:
                     self._auto_replan()
         return y
+
+    def _run_pending_replan(self) -> None:
+        """Run a deferred re-plan (a collective) once no recorded graph holds the weights and no
+        gradient waits; every forward starts with it, refused ones included."""
+        if not self._replan_pending:
+            return
+        alive = self.graphs_in_flight()
+        held = not alive and self._holds_grads()
+        if not alive and not held:
+            self._replan_pending, self._waited = False, 0
+            self._auto_replan()
+        else:
+            self._waited += 1
+            if self._waited == self.window:
+                warnings.warn(
+                    f"VariabilityAwareMoE: a due re-plan has waited {self._waited} forwards for autograd graphs "
+                    f"({alive} alive) to be back-propagated or dropped and for the expert gradients (held: "
+                    f"{held}) to be cleared by zero_grad(set_to_none=True); when serving, run the model under "
+                    "torch.no_grad() or torch.inference_mode() (or call forget_graphs() on every rank)",
+                    RuntimeWarning, stacklevel=3)
+
+    def _refuse_in_step(self, exc: Exception) -> None:
+        """The base refusal; called from outside :meth:`forward` (the megatron adapter refusing its
+        own input), it first runs a deferred re-plan, as the other ranks' forwards do."""
+        if not self._in_forward:
+            self._run_pending_replan()
+        super()._refuse_in_step(exc)
 
     def _auto_replan(self) -> None:
         """:meth:`replan`, where a failure (raised on every rank together) warns instead of costing

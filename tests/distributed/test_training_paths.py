@@ -688,6 +688,50 @@ def test_megatron_adapter_bad_input_raises_on_every_rank():
         assert msg.startswith("ValueError") and "expert-parallel rank(s) [0]" in msg, f"{name}: {msg}"
 
 
+def _adapter_bad_input_with_a_deferred_replan(rank: int, world: int) -> dict:
+    """A VariabilityAwareMoE whose due re-plan waited for autograd graphs: the next forward runs it
+    first, on every rank, also where the adapter refuses this rank's input before calling the layer
+    (the refusal used to skip it, and the ranks' collectives no longer matched: a hang)."""
+    import warnings
+
+    import torch.nn.functional as tnf
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from moelayers.integrations import megatron as mi
+
+    warnings.simplefilter("ignore")
+    e, s, b = 4 * world, 4, 2
+    tc = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, ffn_hidden_size=F, num_moe_experts=e,
+                           moe_router_topk=2, moe_ffn_hidden_size=F, gated_linear_unit=True, activation_func=tnf.silu,
+                           add_bias_linear=False, use_cpu_initialization=True, hidden_dropout=0.0)
+    adapter = mi.MegatronMoEAdapter(tc, ml.VariabilityAwareMoE, groups=ml.ParallelGroups.from_world(), window=2,
+                                    auto_replan=True)
+    x = torch.randn(s, b, H, generator=torch.Generator().manual_seed(40 + rank))
+    graphs = [adapter(x.clone().requires_grad_(True))[0] for _ in range(2)]  # alive: the due re-plan waits
+    out = {"pending": adapter.layer._replan_pending}
+    del graphs
+    try:
+        adapter(x, token_ids=torch.zeros(s * b + (rank == 0), dtype=torch.long))
+        out["bad"] = "ran"
+    except ValueError as exc:
+        out["bad"] = str(exc)
+    out["replans"] = adapter.layer.num_replans
+    with torch.no_grad():
+        y, _ = adapter(x)  # the ranks are still in step
+    out["finite"] = bool(torch.isfinite(y).all())
+    out["phy2log"] = adapter.layer.placement.phy2log.tolist()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_megatron_adapter_refusal_runs_a_deferred_replan_first():
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    res = run_distributed(_adapter_bad_input_with_a_deferred_replan, 2, timeout=120)
+    assert "token_ids must be" in res[0]["bad"] and "expert-parallel rank(s) [0]" in res[1]["bad"], res
+    for r in res:
+        assert r["pending"] and r["replans"] == 1 and r["finite"] and r["phy2log"] == res[0]["phy2log"], res
+
+
 # ---------------------------------------------------------------------- megatron adapter: TP without SP and EP
 def _adapter_tp_ep_training(rank: int, world: int) -> dict[str, str | None]:
     """megatron TP=2 without sequence parallelism: the TP ranks hold the same tokens. With EP=2 (the EP
