@@ -31,7 +31,7 @@ LAR and dispatch bytes (the all-to-all's first half: ``MoEStats.bytes_sent``; se
 expert backend (``recipes._common.EXECUTION_KWARGS``, recorded as ``baseline_kwargs``) and, with
 ``bench.cuda_graph=true``, the same capacity and CUDA graph — so that only the layer differs. A
 layer that re-plans by itself (``auto_replan``) is timed with it off (the JSON's ``notes`` say so;
-``replans`` counts its moves, 0 when none happened).
+``replans`` counts its re-plans so far, whether or not they moved weights: 0 when none happened).
 Rank 0 prints a table and writes one JSON per (shape, tokens/rank) into the
 run dir, and copies into ``bench.save_to`` when set, named
 ``{layer}[_graph]_{shape}_t{tokens}_ws{world}[_ep{ep}]_{device}.json`` (``_ep``: ``parallel.ep``
@@ -449,7 +449,7 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
             "layer_stats": _stats_record(stats),
             "baseline": base_name, "baseline_kwargs": None if base_cfg is None else base_cfg["kwargs"], "baseline_ms": base_ms,
             "vs_baseline": ms / base_ms if base_ms else None, "baseline_stats": _stats_record(base_stats),
-            "replans": getattr(ours, "num_replans", None),  # a self-re-planning layer's moves so far (0: none timed)
+            "replans": getattr(ours, "num_replans", None),  # a self-re-planning layer's re-plans so far (0: none timed)
             "trace": None if replay is None else {"source": replay.source, "layer": replay.layer,
                                                   "tokens_repeated": repeated},
         }

@@ -44,7 +44,9 @@ class PlacementMoveError(RuntimeError):
     Attributes:
         failing_ranks: expert-parallel ranks that reported a failure (empty when the ranks were
             handed different placements).
-        stage: ``'validate'`` (before any transfer) or ``'staging'`` (after the exchange).
+        stage: ``'validate'`` (before any transfer), ``'staging'`` (after the exchange) or
+            ``'plan'`` (:meth:`VariabilityAwareMoE.replan`: the planner failed on rank 0, before any
+            transfer; ``failing_ranks == [0]``).
     """
 
     def __init__(self, message: str, failing_ranks: list[int], stage: str):

@@ -118,10 +118,10 @@ class VariabilityAwareMoE(MoELayerBase):
         if variability not in VARIABILITY_PRESETS:
             raise ValueError(f"variability must be one of {VARIABILITY_PRESETS}, got {variability!r}")
         for name, v in (("window", window), ("restarts", restarts)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if replan_every is not None:
-            if isinstance(replan_every, bool) or not isinstance(replan_every, int) or replan_every < 1:
+            if isinstance(replan_every, bool) or not isinstance(replan_every, numbers.Integral) or replan_every < 1:
                 raise ValueError(f"replan_every must be a positive int or None, got {replan_every!r}")
             if not auto_replan:
                 raise ValueError("replan_every needs auto_replan=True")
@@ -139,8 +139,9 @@ class VariabilityAwareMoE(MoELayerBase):
         factor = _slowdown_factor(slowdown, groups) if slowdown is not None else None  # on every rank, before any collective
         super().__init__(config, groups, placement=placement, **kwargs)
         self.curves, self.variability = curves, variability
-        self.window, self.replan_every, self.auto_replan = window, replan_every, auto_replan
-        self.planner, self.restarts, self.plan_seed = planner, restarts, int(plan_seed)
+        self.window, self.auto_replan = int(window), auto_replan
+        self.replan_every = None if replan_every is None else int(replan_every)
+        self.planner, self.restarts, self.plan_seed = planner, int(restarts), int(plan_seed)
         self._curves_given = curves is not None
         self._retry_at: int | None = None  # step of the next try after a failed automatic re-plan
         self.min_gain = None if min_gain is None else float(min_gain)
@@ -153,8 +154,8 @@ class VariabilityAwareMoE(MoELayerBase):
         self.register_buffer("_loads", torch.zeros(window, config.num_experts, dtype=torch.int64,
                                                    device=self.router.weight.device), persistent=False)
         self._staging_fault_hook: Callable[[Staging], None] | None = None
-        self.emulator = None
-        if factor is not None:
+        self.emulator = None  # a rank at full speed (factor 1.0) gets none: nothing to stretch, no timing syncs
+        if factor is not None and factor != 1.0:
             from moelayers.emulation import emulate_variability
 
             self.emulator = emulate_variability(self, factor)
@@ -282,7 +283,7 @@ class VariabilityAwareMoE(MoELayerBase):
         not serve real requests; the next re-plan is due when the window has filled again."""
         self._loads.zero_()
         self.steps = 0
-        self._replan_pending, self._retry_at = False, None
+        self._replan_pending, self._retry_at, self._waited = False, None, 0
 
     def window_loads(self) -> torch.Tensor:
         """This rank's recorded loads ``[min(steps, window), E]`` (int64, CPU), oldest step first."""

@@ -508,6 +508,15 @@ def test_auto_replan_when_serving_with_autograd_on():
     for _ in range(8):
         layer(x)
     assert layer.graphs_in_flight() == 0
+    # reset_loads() while a move waits: the next waiting move is warned about again (the wait count
+    # survived the reset, was already past the window and never equalled it again: no warning)
+    layer.reset_loads()
+    with pytest.warns(RuntimeWarning, match="waited 4 forwards for autograd graphs"):
+        keep = [layer(x) for _ in range(10)]  # the window fills at the 4th; the move waits from there on
+    assert layer._replan_pending and layer.num_replans == 1
+    layer.reset_loads()
+    with pytest.warns(RuntimeWarning, match="waited 4 forwards for autograd graphs"):
+        keep += [layer(x) for _ in range(8)]
 
 
 def test_constructor_checks():
@@ -527,6 +536,9 @@ def test_constructor_checks():
         with pytest.raises(ValueError, match="plan_seed must be an int >= 0"):
             ml.VariabilityAwareMoE(cfg, g, plan_seed=bad)
     assert ml.VariabilityAwareMoE(cfg, g, plan_seed=np.int64(3)).plan_seed == 3
+    ints = ml.VariabilityAwareMoE(cfg, g, window=np.int64(3), restarts=np.int32(2), auto_replan=True,
+                                  replan_every=np.int64(5))  # numpy ints, as plan_seed takes them
+    assert (ints.window, ints.restarts, ints.replan_every) == (3, 2, 5) and type(ints.window) is int
     from moelayers.planning.gem import LatencyCurves
 
     with pytest.raises(ValueError, match="latency curves are for 2 ranks, but the placement has 1"):
@@ -606,6 +618,8 @@ def test_measured_emulation_stretches_expert_compute(monkeypatch):
     with torch.no_grad():
         assert torch.equal(gem(x), y_ref)
     assert gem.emulator.calls == 1 and gem.emulator.added_s == pytest.approx(0.5 * gem.emulator.compute_s, rel=1e-6)
+    # a rank at full speed is not emulated at all (it timed its expert compute, a sync per forward on GPUs)
+    assert ml.VariabilityAwareMoE(gem.config, ml.ParallelGroups.single(), slowdown=1.0).emulator is None
 
 
 def test_curve_emulation_pads_to_curve_latency():
