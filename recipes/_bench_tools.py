@@ -162,12 +162,17 @@ class Replay:
 
         trace_cfg = {"synthetic": True, **trace_cfg}
         lo, hi = seq_len_bounds(trace_cfg.get("seq_len"))
-        tr = config_trace(trace_cfg, num_sequences=max(min_sequences, -(-need_tokens // ((lo + hi) // 2))), num_layers=1,
+        num_seq = max(min_sequences, -(-need_tokens // ((lo + hi) // 2)))
+        if trace_cfg.get("num_sequences") is not None:  # the same synthetic routing whatever the sizes timed
+            num_seq = int_setting(trace_cfg["num_sequences"], "trace.num_sequences", min_sequences)
+        tr = config_trace(trace_cfg, num_sequences=num_seq, num_layers=1,
                           num_experts=config.num_experts, top_k=config.top_k,
                           vocab_size=trace_cfg.get("vocab_size", 4096), seed=seed, seq_len=(lo, hi),
                           need="router=replay")
         path = trace_cfg.get("path")
-        self.source = str(path) if path else f"synthetic_trace(seed={seed}, seq_len=({lo}, {hi}))"
+        # the synthetic routing depends on the number of sequences too (by default: from the largest size timed)
+        self.source = (str(path) if path else
+                       f"synthetic_trace(seed={seed}, seq_len=({lo}, {hi}), num_sequences={num_seq})")
         if tr.num_experts != config.num_experts or tr.top_k != config.top_k:
             raise ValueError(f"trace {self.source} has E={tr.num_experts}, K={tr.top_k}; the benchmark shape "
                              f"has E={config.num_experts}, K={config.top_k}")

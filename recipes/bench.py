@@ -245,7 +245,8 @@ def check_config(d: dict) -> None:
     ``bench.profile_tokens`` (``null`` or >= 1), ``bench.profile_iters`` and ``bench.profile_rows`` (>= 1),
     no ``layer.kwargs.mode=tp``, no ``layer.kwargs.capacity`` / ``cuda_graph`` (``bench.cuda_graph`` sets them per size, for ours and
     the baseline alike), ``parallel.ep`` = the world for a plan-built layer and, with ``router=replay``,
-    ``trace.seq_len`` (:func:`recipes._bench_tools.seq_len_bounds`).
+    ``trace.seq_len`` (:func:`recipes._bench_tools.seq_len_bounds`) and ``trace.num_sequences`` (>= 1, not with
+    ``trace.path``).
 
     Raises:
         ValueError: a bad value, naming its key.
@@ -281,7 +282,12 @@ def check_config(d: dict) -> None:
         raise ValueError(f"layer={d['layer'].get('name')} plans and schedules over the whole world: parallel.ep "
                          f"must be null or the world size ({world}), got {ep}")
     if d.get("_router_name") == "replay":
-        seq_len_bounds((d.get("trace") or {}).get("seq_len"))
+        tc = d.get("trace") or {}
+        seq_len_bounds(tc.get("seq_len"))
+        if tc.get("num_sequences") is not None:
+            if tc.get("path"):
+                raise ValueError("trace.num_sequences sizes the synthetic trace: it has no meaning with trace.path")
+            int_setting(tc["num_sequences"], "trace.num_sequences", 1)
 
 
 # ---------------------------------------------------------------------- the worker
@@ -445,7 +451,8 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
             "peer_ms_per_rank": gather_scalar(med_peer, device) if peer is not None else None,
             "ms_min": reduce_max([min(t_ours)], device)[0],
             "tokens_per_rank": tokens, "check": check,
-            "mode": f"cuda_graph (capacity={tokens})" if graph else "eager (exact all-to-all-v)",
+            "mode": f"cuda_graph (capacity={tokens})" if graph else _eager_mode(ours),
+            "layer_kwargs": (cfg["layer"].get("kwargs") or {}),
             "layer_stats": _stats_record(stats),
             "baseline": base_name, "baseline_kwargs": None if base_cfg is None else base_cfg["kwargs"], "baseline_ms": base_ms,
             "vs_baseline": ms / base_ms if base_ms else None, "baseline_stats": _stats_record(base_stats),
@@ -623,11 +630,22 @@ def order_record(r: dict, date: str, command: str) -> dict:
     return {**{k: r[k] for k in HEAD_KEYS}, **{k: v for k, v in r.items() if k not in HEAD_KEYS}}
 
 
+def _eager_mode(layer) -> str:
+    """The record's ``mode`` of an eager run: the dispatcher that moved the tokens."""
+    name, dedup = getattr(layer, "dispatcher_name", "alltoall"), getattr(layer, "dedup", True)
+    if name == "allgather":
+        return "eager (all-gather)"
+    return "eager (exact all-to-all-v)" if dedup else "eager (exact all-to-all-v, no de-duplication)"
+
+
 def save_records(records: list[dict], out_dir: str, save_to: str | None) -> list[str]:
     paths = []
     for r in records:
         slug = device_slug(r["device_name"])
         mode = "_graph" if str(r.get("mode", "")).startswith("cuda_graph") else ""
+        # another dispatcher (or no de-duplication) is another measurement: a name of its own, not the default run's
+        mode += {"eager (all-gather)": "_allgather",
+                 "eager (exact all-to-all-v, no de-duplication)": "_nodedup"}.get(str(r.get("mode")), "")
         # ep < world (parallel.ep) times another layout: a name of its own, not the ep = world run's
         ep = f"_ep{r['ep']}" if r["ep"] != r["world_size"] else ""
         name = f"{r['layer']}{mode}_{r['shape_name']}_t{r['tokens_per_rank']}_ws{r['world_size']}{ep}_{slug}.json"

@@ -106,8 +106,9 @@ def warm_up(model, device: torch.device) -> None:
         m.record_loads = False
     try:
         with torch.no_grad():
-            model.step([StepRequest("warmup", torch.tensor([0, 1, 2, 3], dtype=torch.int64, device=device))])
-            model.step([StepRequest("warmup", torch.tensor([4], dtype=torch.int64, device=device))])
+            ids = torch.arange(5, dtype=torch.int64, device=device) % model.cfg.vocab_size  # any vocabulary
+            model.step([StepRequest("warmup", ids[:4])])
+            model.step([StepRequest("warmup", ids[4:])])
             model.release("warmup")
     finally:
         for m, on in recording:
@@ -490,7 +491,8 @@ def serve_sizes(d: dict) -> tuple[int, int]:
     from recipes._common import under_torchrun
 
     par = d.get("parallel") or {}
-    world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else int(par.get("world_size", 1))
+    world = (int(os.environ["WORLD_SIZE"]) if under_torchrun()
+             else int_setting(par.get("world_size", 1), "parallel.world_size", 1))
     if par.get("ep") is None:
         return world, world
     ep = int_setting(par["ep"], "parallel.ep", 1)

@@ -92,7 +92,7 @@ def test_bench_semantic_against_vanilla_in_one_run(tmp_path):
     enough held-out requests for every rank. The baseline executes like ours (here without dedup)."""
     proc = run_bench(tmp_path, "router=replay", "layer=semantic", "bench.tokens_per_rank=[64]", "layer.kwargs.dedup=false")
     assert proc.returncode == 0, f"bench failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    (f,) = (tmp_path / "run").glob("semantic_cpu_smoke_t64_ws2_*.json")
+    (f,) = (tmp_path / "run").glob("semantic_nodedup_cpu_smoke_t64_ws2_*.json")  # dedup off: a name of its own
     rec = json.loads(f.read_text())
     assert rec["layer"] == "semantic" and rec["baseline"] == "vanilla" and rec["router"] == "replay"
     assert rec["baseline_kwargs"] == {"dispatcher": "alltoall", "dedup": False}
@@ -252,6 +252,46 @@ def test_replay_takes_one_sequence_length(seq_len):
     replay = Replay({"seq_len": seq_len}, config, seed=0, need_tokens=256)
     assert (replay.trace.seq_lengths == 64).all() and replay.trace.num_tokens >= 256
     assert replay.ids_for(1, 16, torch.device("cpu")).shape == (16, 2)
+
+
+def test_replay_names_its_synthetic_trace_and_can_fix_its_size():
+    """The synthetic trace's routing depends on its number of sequences, which follows the largest
+    size timed: the label names it, and trace.num_sequences fixes it (the same routing at t=16 whether
+    or not t=4096 is timed too; before, both runs carried the same label and replayed other routing)."""
+    import torch
+
+    from moelayers import MoEConfig
+    from recipes._bench_tools import Replay
+    from recipes.bench import check_config
+
+    config = MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=8, top_k=2, params_dtype=torch.float32)
+    small, large = (Replay({}, config, seed=0, need_tokens=n) for n in (32, 32 * 1024))
+    assert small.source != large.source and "num_sequences=2)" in small.source
+    fixed = [Replay({"num_sequences": 12}, config, seed=0, need_tokens=n) for n in (32, 32 * 1024)]
+    assert fixed[0].source == fixed[1].source and "num_sequences=12)" in fixed[0].source
+    assert torch.equal(fixed[0].ids, fixed[1].ids)
+    with pytest.raises(ValueError, match="trace.num_sequences must be an integer >= 8"):
+        Replay({"num_sequences": 4}, config, seed=0, need_tokens=32, min_sequences=8)
+    with pytest.raises(ValueError, match="trace.num_sequences sizes the synthetic trace"):
+        check_config(bench_config("router=replay", "trace.path=x.npz", "trace.num_sequences=4"))
+    with pytest.raises(ValueError, match="trace.num_sequences must be an integer >= 1"):
+        check_config(bench_config("router=replay", "trace.num_sequences=0"))
+
+
+def test_records_name_the_dispatcher(tmp_path):
+    """An all-gather (or non-de-duplicated) run was recorded as 'eager (exact all-to-all-v)' under the
+    default run's file name, so bench.save_to replaced the all-to-all record with it."""
+    from types import SimpleNamespace
+
+    from recipes.bench import _eager_mode, save_records
+
+    modes = [_eager_mode(SimpleNamespace(dispatcher_name=d, dedup=dd))
+             for d, dd in (("alltoall", True), ("allgather", True), ("alltoall", False))]
+    assert modes == ["eager (exact all-to-all-v)", "eager (all-gather)", "eager (exact all-to-all-v, no de-duplication)"]
+    rec = {"device_name": "cpu", "layer": "vanilla", "shape_name": "s", "tokens_per_rank": 16, "world_size": 2, "ep": 2}
+    names = [Path(save_records([{**rec, "mode": m}], str(tmp_path), None)[0]).name for m in modes]
+    assert names == ["vanilla_s_t16_ws2_cpu.json", "vanilla_allgather_s_t16_ws2_cpu.json",
+                     "vanilla_nodedup_s_t16_ws2_cpu.json"]
 
 
 @pytest.mark.timeout(90)

@@ -524,6 +524,19 @@ def test_warm_up_records_nothing_and_replans_nothing():
         warm_up(model, torch.device("cpu"))
         assert [(m.num_replans, m.steps, m.record_loads) for m in model.moe_layers] == [(0, 0, True)] * 2
         assert [m.placement for m in model.moe_layers] == before
+    # a vocabulary below 5: the warm-up's hard-coded ids 0..4 used to fail every rank before serving
+    model = TinyDecoder(TinyConfig(vocab_size=2, hidden_size=32, num_layers=1, num_heads=4),
+                        lambda i: ml.VanillaMoE(moe, ml.ParallelGroups.single(), seed=i))
+    warm_up(model, torch.device("cpu"))
+
+
+def test_serve_sizes_refuses_a_world_of_zero():
+    """parallel.world_size=0 crashed in check_config with a ZeroDivisionError, before launch's check."""
+    from recipes.serve import serve_sizes
+
+    with pytest.raises(ValueError, match="parallel.world_size must be an integer >= 1, got 0"):
+        serve_sizes({"parallel": {"world_size": 0, "ep": None}})
+    assert serve_sizes({"parallel": {"world_size": 4, "ep": 2}}) == (4, 2)
 
 
 def _emulation_probe_worker(rank, world, cfg):
