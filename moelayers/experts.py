@@ -135,20 +135,32 @@ class GroupedExperts(nn.Module):
         super().__init__()
         if backend not in ("auto", "grouped_mm", "loop"):
             raise ValueError(f"backend must be 'auto', 'grouped_mm' or 'loop', got {backend!r}")
-        if backend == "grouped_mm":  # asked for explicitly: refuse here what it cannot run, not in the forward
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            if not hasattr(torch, "_grouped_mm") or dtype not in GROUPED_MM_DTYPES \
-                    or (hidden_size * itemsize) % 16 or (ffn_hidden_size * itemsize) % 16:
-                raise ValueError(f"backend='grouped_mm' needs torch._grouped_mm, a dtype in "
-                                 f"{[str(d) for d in GROUPED_MM_DTYPES]} and 16-byte aligned rows (H={hidden_size}, "
-                                 f"F={ffn_hidden_size} in {dtype}): use backend='auto' or 'loop'")
         self.num_slots, self.hidden_size, self.ffn_hidden_size = num_slots, hidden_size, ffn_hidden_size
         self.backend = backend
+        self.check_dtype(dtype)  # asked for grouped_mm explicitly: refuse here what it cannot run, not in the forward
         self.w13 = nn.Parameter(torch.empty(num_slots, 2 * ffn_hidden_size, hidden_size, dtype=dtype, device=device))
         self.w2 = nn.Parameter(torch.empty(num_slots, hidden_size, ffn_hidden_size, dtype=dtype, device=device))
         for p in (self.w13, self.w2):
             p.allreduce = False  # expert-parallel parameters: not reduced over data parallel ranks
         self._tie: ReplicaTie | None = None
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Raise ``ValueError`` if ``backend='grouped_mm'`` cannot compute in ``dtype`` (no
+        ``torch._grouped_mm``, a dtype outside ``GROUPED_MM_DTYPES`` or rows not 16-byte aligned):
+        at construction and before a cast (``.double()``), not in the forward."""
+        if self.backend != "grouped_mm":
+            return
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if not hasattr(torch, "_grouped_mm") or dtype not in GROUPED_MM_DTYPES \
+                or (self.hidden_size * itemsize) % 16 or (self.ffn_hidden_size * itemsize) % 16:
+            raise ValueError(f"backend='grouped_mm' needs torch._grouped_mm, a dtype in "
+                             f"{[str(d) for d in GROUPED_MM_DTYPES]} and 16-byte aligned rows (H={self.hidden_size}, "
+                             f"F={self.ffn_hidden_size} in {dtype}): use backend='auto' or 'loop'")
+
+    def _apply(self, fn, recurse: bool = True):
+        """A cast (``.double()``) to a dtype the ``grouped_mm`` backend cannot run is refused."""
+        self.check_dtype(fn(torch.empty(0, dtype=self.w13.dtype, device=self.w13.device)).dtype)
+        return super()._apply(fn, recurse)
 
     def tie_replicas(self, placement: ExpertPlacement, rank: int, group=None) -> None:
         """Sum the gradients of each expert's replicas in the backward (a collective over ``group``

@@ -247,6 +247,10 @@ class MoELayerBase(nn.Module):
         if target not in PARAMS_DTYPES:
             raise TypeError(f"{type(self).__name__} computes in one of {[str(d) for d in PARAMS_DTYPES]}, "
                             f"not {target}: the layer was left as it was")
+        try:  # before the router is cast: the experts' own check would leave the layer half cast
+            self.experts.check_dtype(target)
+        except ValueError as exc:
+            raise TypeError(f"{exc}; the layer was left as it was") from None
         out = super()._apply(fn, recurse)
         dtype = self.router.weight.dtype
         if dtype != self.config.params_dtype:

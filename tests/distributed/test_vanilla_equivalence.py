@@ -161,21 +161,27 @@ def test_load_full_weights_checks_the_ranks_agree():
 
 def _allgather_stats_with_unequal_tokens(rank, world):
     """The all-gather dispatcher pads every rank to the largest token count: what it sends is
-    ``t_max`` rows to each other rank, whatever this rank holds."""
+    ``t_max`` rows to each other rank, whatever this rank holds, of which its own tokens' rows are
+    counted as ``rows_sent`` (as capacity mode leaves its padding rows out; a rank with no tokens
+    said it had sent ``t_max`` token rows)."""
     import torch
 
     import moelayers as ml
 
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=3)
     layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), dispatcher="allgather", seed=1)
-    with torch.no_grad():
-        layer(torch.randn(5 if rank == 0 else 3, 8, generator=torch.Generator().manual_seed(rank)))
-    s = layer.last_stats
-    return s.rows_sent, s.bytes_sent, 64  # a row: 8 hidden + 3 weights (float32) + 3 slots (int32) = 56 B, 16-aligned
+    out = []
+    for tokens in ((5, 3), (4, 0)):
+        with torch.no_grad():
+            layer(torch.randn(tokens[rank], 8, generator=torch.Generator().manual_seed(rank)))
+        s = layer.last_stats
+        out.append((s.rows_sent, s.bytes_sent))
+    return out, 64  # a row: 8 hidden + 3 weights (float32) + 3 slots (int32) = 56 B, 16-aligned
 
 
 @pytest.mark.timeout(120)
-def test_allgather_stats_count_the_padded_rows():
-    for rank, (rows, sent, row) in enumerate(run_distributed(_allgather_stats_with_unequal_tokens, 2)):
-        assert rows == [5, 5], (rank, rows)
-        assert sent == [0 if r == rank else 5 * row for r in range(2)], (rank, sent, row)
+def test_allgather_stats_count_the_padded_rows_in_bytes_only():
+    for rank, (runs, row) in enumerate(run_distributed(_allgather_stats_with_unequal_tokens, 2)):
+        for tokens, (rows, sent) in zip(((5, 3), (4, 0)), runs):
+            assert rows == [tokens[rank]] * 2, (rank, tokens, rows)
+            assert sent == [0 if r == rank else max(tokens) * row for r in range(2)], (rank, tokens, sent, row)

@@ -468,6 +468,23 @@ def test_a_layer_cast_after_construction_computes_in_its_new_dtype(cls, cast):
     assert layer.router.weight.dtype == layer.experts.w13.dtype == layer.config.params_dtype == cast
 
 
+def test_a_cast_the_grouped_mm_backend_cannot_run_is_refused():
+    """backend='grouped_mm' refuses float64 at construction; .double() used to pass and the next
+    forward failed inside torch._grouped_mm."""
+    from moelayers.experts import GroupedExperts
+
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), expert_backend="grouped_mm")
+    with pytest.raises(TypeError, match=r"backend='grouped_mm' needs .*float64.*the layer was left as it was"):
+        layer.double()
+    assert layer.router.weight.dtype == layer.experts.w13.dtype == layer.config.params_dtype == torch.float32
+    experts = GroupedExperts(4, 16, 8, backend="grouped_mm")
+    with pytest.raises(ValueError, match="backend='grouped_mm' needs"):
+        experts.double()
+    assert experts.w13.dtype == torch.float32
+    assert ml.VanillaMoE(cfg, ml.ParallelGroups.single()).double().config.params_dtype == torch.float64  # auto: fine
+
+
 def test_deepcopy_and_config_copies():
     """The layer keeps its own config (an edit of the caller's broke it silently); a deep copy owns
     its weights (at world >= 2 it failed on the process groups: tests/distributed/test_layers_strict.py)."""
