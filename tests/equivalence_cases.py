@@ -131,7 +131,7 @@ def _run_case(rank: int, world: int, groups, case: dict, device: torch.device) -
     layer.load_full_weights(router64.to(dtype).to(device), w13_64.to(dtype).to(device), w2_64.to(dtype).to(device))
 
     # layer forward and backward on this rank's tokens
-    x = xs[rank].to(dtype).to(device)
+    x = xs[rank].to(dtype).to(device).clone()  # its own leaf, also in float64 (where .to() returns xs[rank] itself)
     if case.get("shape3d") and x.shape[0] % 3 == 0:
         x = x.view(3, -1, H)
     if case.get("capacity"):  # inference only: outputs, then a second call to exercise graph replay
