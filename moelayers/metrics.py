@@ -44,11 +44,11 @@ class MoEStats:
         pairs_sent: ``[R]`` (token, expert) activations this rank sent to each rank (its own
             entry = activations served locally).
         rows_sent: ``[R]`` payload rows holding tokens for each rank (after de-duplication; in
-            capacity mode and with the all-gather dispatcher the padding rows are sent too but not
-            counted here).
+            capacity mode the padding rows are sent too but not counted here). The all-gather
+            dispatcher counts its rows on the wire instead: this rank's block padded to the largest
+            rank's token count, the same ``t_max`` rows to every rank (also with no tokens here).
         bytes_sent: ``[R]`` payload bytes sent to each other rank (0 for itself; in capacity mode
-            every row of the fixed buffer, ``capacity`` rows per rank; with the all-gather
-            dispatcher the rows padded to the largest rank's token count).
+            every row of the fixed buffer, ``capacity`` rows per rank; all-gather: the padded block).
         num_ranks_reduced: how many ranks' stats were summed into this record.
     """
 

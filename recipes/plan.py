@@ -38,9 +38,12 @@ files moved into place, ``report.json`` last):
 * ``report.json``: ``planner``, ``ep``, ``mode``, ``lar``, ``lar_linear`` (linear placement, tokens
   spread evenly), ``token_imbalance`` (max/mean tokens per rank; dp: ``max_ratio_exceeded`` when
   above 1.3), ``expert_imbalance`` (max/mean
-  activations received per rank, mean over layers), ``a2a_bytes_ratio`` (de-duplicated all-to-all
-  sends relative to linear), ``solve_seconds`` (the chosen planner, all layers; 0 for a loaded plan),
-  per-layer LARs; GEM: ``score`` (chosen planner), ``score_linear``, ``score_eplb``, ``score_gem``
+  activations received per rank, mean over layers; ``expert_imbalance_max`` the worst layer's,
+  ``expert_imbalance_linear`` linear's), ``a2a_bytes_ratio`` (de-duplicated all-to-all
+  sends relative to linear), ``remote_ratio`` (remote activations relative to linear, without
+  de-duplication: ``(1 - lar) / (1 - lar_linear)``), ``tokens_per_rank`` (held-out tokens of each
+  rank), ``solve_seconds`` (the chosen planner, all layers; 0 for a loaded plan), per-layer LARs,
+  ``warnings`` (also printed); GEM: ``score`` (chosen planner), ``score_linear``, ``score_eplb``, ``score_gem``
   (``score_semantic``), ``gem_vs_linear`` / ``gem_vs_eplb`` (relative reductions of the GEM score:
   0.08 = 8 % lower), ``vs_linear`` / ``vs_eplb`` (the same for the chosen planner), ``train_score*``,
   ``per_layer`` scores; the resolved ``config`` and ``command`` (``argv``, Hydra ``overrides``;

@@ -66,11 +66,11 @@ class AllGatherDispatcher:
         pairs_sent = torch.zeros(self.num_ranks, dtype=torch.int64, device=dev)
         pairs_sent.scatter_add_(0, routes.dest_rank.flatten(), torch.ones_like(routes.dest_rank.flatten()))
         row_bytes = RowLayout(((x.shape[1], x.dtype), (k, ws.dtype), (k, torch.int32))).row_bytes
-        # every rank gets this rank's t tokens, in t_max rows: the padding costs bytes but holds no token
-        pairs_host = pairs_sent.tolist()
-        self.last_stats = MoEStats(self.rank, pairs_host, [t] * self.num_ranks,
-                                   [0 if r == self.rank else t_max * row_bytes for r in range(self.num_ranks)],
-                                   1, pairs_host[self.rank], routes.topk_ids)
+        # every rank gets this rank's block of t_max rows (t tokens, then padding), and the reduce-scatter
+        # brings as many back: the rows on the wire, as MoEStats documents for this dispatcher
+        self.last_stats = MoEStats.from_counts(
+            self.rank, pairs_sent.tolist(), [t_max] * self.num_ranks, row_bytes, routes.topk_ids
+        )
         return Received(all_x.index_select(0, pairs.pair_row), pairs.slot_counts, _State(t, all_w, pairs, x.dtype))
 
     def combine(self, expert_output: torch.Tensor, received: Received) -> torch.Tensor:

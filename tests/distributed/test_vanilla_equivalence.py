@@ -161,9 +161,9 @@ def test_load_full_weights_checks_the_ranks_agree():
 
 def _allgather_stats_with_unequal_tokens(rank, world):
     """The all-gather dispatcher pads every rank to the largest token count: what it sends is
-    ``t_max`` rows to each other rank, whatever this rank holds, of which its own tokens' rows are
-    counted as ``rows_sent`` (as capacity mode leaves its padding rows out; a rank with no tokens
-    said it had sent ``t_max`` token rows)."""
+    ``t_max`` rows to each other rank, whatever this rank holds (none too), and ``rows_sent`` counts
+    them as documented (serve.py's ``a2a_rows`` and combine bytes follow: the reduce-scatter moves
+    as many back)."""
     import torch
 
     import moelayers as ml
@@ -180,8 +180,8 @@ def _allgather_stats_with_unequal_tokens(rank, world):
 
 
 @pytest.mark.timeout(120)
-def test_allgather_stats_count_the_padded_rows_in_bytes_only():
+def test_allgather_stats_count_the_padded_rows():
     for rank, (runs, row) in enumerate(run_distributed(_allgather_stats_with_unequal_tokens, 2)):
         for tokens, (rows, sent) in zip(((5, 3), (4, 0)), runs):
-            assert rows == [tokens[rank]] * 2, (rank, tokens, rows)
+            assert rows == [max(tokens)] * 2, (rank, tokens, rows)
             assert sent == [0 if r == rank else max(tokens) * row for r in range(2)], (rank, tokens, sent, row)
