@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +29,10 @@ from moelayers.groups import ParallelGroups
 from moelayers.metrics import MoEStats
 from moelayers.placement import ExpertPlacement
 from moelayers.router import TopKRouter
+
+#: parameter attributes a deep copy leaves out: gradient buffers a data-parallel wrapper attaches
+#: (megatron's ``main_grad``), which the copy's own wrapper allocates
+_GRAD_BUFFERS = frozenset({"main_grad", "grad_added_to_main_grad"})
 
 #: integer dtype of each element size: a weight's bits, summed exactly
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -103,6 +108,7 @@ class MoELayerBase(nn.Module):
         # desynchronise the layer (replace() validates again)
         config = config.replace()
         self.config, self.groups, self.placement, self.seed = config, groups, placement.copy(), seed
+        self._state_phy2log = self.placement.phy2log.clone()  # what state_dict() saves (see get_extra_state)
         self.replica_policy = replica_policy or LocalFirstPolicy()
         self.dedup = dedup
         self.dispatcher_name = dispatcher
@@ -251,13 +257,18 @@ class MoELayerBase(nn.Module):
             self.experts.check_dtype(target)
         except ValueError as exc:
             raise TypeError(f"{exc}; the layer was left as it was") from None
+        storage = [(p.device, p.data_ptr()) for p in self.parameters()]
         out = super()._apply(fn, recurse)
         dtype = self.router.weight.dtype
         if dtype != self.config.params_dtype:
             self.config = self.config.replace(params_dtype=dtype)
             self.router.config = self.config
-            self.release_graphs()
+        if dtype != self.config.params_dtype or storage != [(p.device, p.data_ptr()) for p in self.parameters()]:
+            self.release_graphs()  # a captured graph reads the old weights' addresses (.cpu() / .cuda() moves)
         return out
+
+    #: attributes a deep copy starts afresh (factories) instead of copying: a captured CUDA graph
+    _fresh_on_copy: dict[str, Callable[[], Any]] = {"_graphed": lambda: None}
 
     def __deepcopy__(self, memo: dict) -> "MoELayerBase":
         """A copy with its own weights and state that shares the process groups (handles, which
@@ -271,28 +282,50 @@ class MoELayerBase(nn.Module):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for key, value in self.__dict__.items():
-            new.__dict__[key] = None if key == "_graphed" else copy.deepcopy(value, memo)
+            fresh = self._fresh_on_copy.get(key)
+            new.__dict__[key] = fresh() if fresh is not None else copy.deepcopy(value, memo)
+        for old_p, new_p in zip(self.parameters(), new.parameters()):  # torch copies a Parameter without its
+            for name, value in vars(old_p).items():                  # attributes (allreduce, sequence_parallel)
+                if name not in _GRAD_BUFFERS and not hasattr(new_p, name):
+                    setattr(new_p, name, copy.deepcopy(value, memo))
         return new
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
-        """A strict load that lacks some of this layer's keys fails before anything of the layer is
-        loaded: the placement (extra state) and the expert weights go together, and adopting one
-        without the other would leave a layer that serves wrong outputs if the error is caught."""
+        """A strict load that lacks some of this layer's keys, or any load whose weights do not fit
+        this layer's shapes, fails before anything of the layer is loaded: the placement (extra
+        state) and the expert weights go together, and adopting one without the other would leave a
+        layer that serves wrong outputs if the error is caught."""
+        own = self.state_dict(keep_vars=True)
         if strict:
-            lacking = [prefix + k for k in self.state_dict(keep_vars=True) if prefix + k not in state_dict]
+            lacking = [prefix + k for k in own if prefix + k not in state_dict]
             if lacking:
                 raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: missing key(s) "
                                    f"{lacking}; nothing of this MoE layer was loaded (its weights are laid out in "
                                    f"the checkpoint's placement, which comes with them)")
+        misfit = [f"{prefix + k}: {list(state_dict[prefix + k].shape)} in the checkpoint, {list(v.shape)} here"
+                  for k, v in own.items() if isinstance(v, torch.Tensor) and isinstance(state_dict.get(prefix + k),
+                                                                                       torch.Tensor)
+                  and state_dict[prefix + k].shape != v.shape]
+        if misfit:  # torch would load the placement (extra state) first and raise about the sizes at the end
+            if prefix + "_extra_state" in state_dict:  # the reason in the placement's terms, where it has one
+                self._saved_placement(state_dict[prefix + "_extra_state"])
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: size mismatch for "
+                               f"{'; '.join(misfit)}; nothing of this MoE layer was loaded")
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
     def get_extra_state(self) -> dict:
         """What ``state_dict()`` saves beside the weights: the placement, since ``experts.w13`` /
         ``experts.w2`` hold one row per *slot* of it (a moved or re-planned layer's rows would load
-        into another expert's slot of a freshly built layer)."""
-        return {"phy2log": self.placement.phy2log.clone(), "num_experts": self.placement.num_experts}
+        into another expert's slot of a freshly built layer), and the expert-parallel rank that
+        holds those slots.
+
+        Like the weights of a ``state_dict()`` (views of the live parameters), its ``phy2log``
+        follows the layer: a move commits the weights in place and updates it in place, so a state
+        dict taken before the move pairs the new weights with the new placement, not the old one."""
+        return {"phy2log": self._state_phy2log, "num_experts": self.placement.num_experts,
+                "ep_rank": self.groups.ep_rank}
 
     def set_extra_state(self, state: Any) -> None:
         """Adopt the placement a checkpoint was saved in (``load_state_dict`` calls it with the
@@ -302,23 +335,36 @@ class MoELayerBase(nn.Module):
             ValueError: ``state`` is not a saved placement, or one this layer cannot take (other
                 experts, ranks or slots per rank).
         """
-        if not isinstance(state, dict) or set(state) != {"phy2log", "num_experts"}:
+        saved = self._saved_placement(state)
+        if saved != self.placement:
+            self._adopt_placement(saved)
+
+    def _saved_placement(self, state: Any) -> ExpertPlacement:
+        """The placement of a checkpoint's extra state, checked for this layer (``set_extra_state``)."""
+        if not isinstance(state, dict) or not {"phy2log", "num_experts"} <= set(state) <= {"phy2log", "num_experts",
+                                                                                           "ep_rank"}:
             raise ValueError(f"the checkpoint's extra state of this MoE layer must be its placement "
-                             f"{{phy2log, num_experts}}, got {type(state).__name__}")
+                             f"{{phy2log, num_experts[, ep_rank]}}, got {type(state).__name__}")
+        if state.get("ep_rank", self.groups.ep_rank) != self.groups.ep_rank:  # (older checkpoints lack it)
+            raise ValueError(f"this checkpoint holds the expert slots of expert-parallel rank {state['ep_rank']}, "
+                             f"this layer is rank {self.groups.ep_rank}: every rank loads the file its own rank saved")
         saved = ExpertPlacement(state["phy2log"], state["num_experts"])
-        if saved == self.placement:
-            return
-        self._check_placement(saved, self.config, self.groups)
-        if saved.slots_per_rank != self.placement.slots_per_rank:
-            raise ValueError(f"the checkpoint's placement has {saved.slots_per_rank} slots per rank, this layer "
-                             f"{self.placement.slots_per_rank}: build it with placement= of that shape")
-        self._adopt_placement(saved)
+        if saved != self.placement:
+            self._check_placement(saved, self.config, self.groups)
+            if saved.slots_per_rank != self.placement.slots_per_rank:
+                raise ValueError(f"the checkpoint's placement has {saved.slots_per_rank} slots per rank, this layer "
+                                 f"{self.placement.slots_per_rank}: build it with placement= of that shape")
+        return saved
 
     def _adopt_placement(self, placement: ExpertPlacement) -> None:
         """Serve with ``placement`` from now on (the expert weights are already laid out in it):
         drop the captured graph and rebuild the dispatcher (subclasses drop what they derived)."""
         self.release_graphs()
         self.placement = placement.copy()  # the layer's own: the caller may edit or reuse theirs
+        if self._state_phy2log.shape == self.placement.phy2log.shape:  # in place: see get_extra_state
+            self._state_phy2log.copy_(self.placement.phy2log)
+        else:
+            self._state_phy2log = self.placement.phy2log.clone()
         self.experts.tie_replicas(self.placement, self.groups.ep_rank, self.groups.ep)
         self.dispatcher = self._make_dispatcher()
 

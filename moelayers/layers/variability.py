@@ -94,6 +94,9 @@ class VariabilityAwareMoE(MoELayerBase):
     call :meth:`forget_graphs`).
     """
 
+    #: a deep copy watches none of the original's autograd graphs (its weights are in none of them)
+    _fresh_on_copy = {**MoELayerBase._fresh_on_copy, "_in_flight": list}
+
     def __init__(
         self,
         config: MoEConfig,

@@ -806,6 +806,8 @@ def _checkpoints_of_two_moments(rank, world):
     """Rank 0 loads the checkpoint saved before a move, rank 1 the one after: the next forward raises
     on every rank (it returned outputs off by 75 silently); all-to-all, all-gather and capacity mode
     alike."""
+    import copy
+
     from moelayers.placement import ExpertPlacement
 
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
@@ -813,7 +815,7 @@ def _checkpoints_of_two_moments(rank, world):
     for dispatcher, kw in (("alltoall", {}), ("allgather", {}), ("capacity", {"capacity": 8})):
         kw = dict(kw, dispatcher="alltoall" if dispatcher == "capacity" else dispatcher, seed=3)
         layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.from_world(), **kw)
-        before = layer.state_dict()
+        before = copy.deepcopy(layer.state_dict())  # saved: a state_dict() itself follows the move
         layer.apply_placement(ExpertPlacement.from_phy2log(torch.tensor([[3, 0], [1, 2]]), 4))
         after = layer.state_dict()
         fresh = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.from_world(), **kw)

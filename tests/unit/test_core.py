@@ -530,6 +530,61 @@ def test_a_strict_load_missing_keys_loads_nothing_of_the_layer():
     assert dst.placement == src.placement
 
 
+def test_layer_state_stays_whole():
+    """Found by a review of layer state; each case failed before its fix:
+    a size mismatch adopted the checkpoint's placement before torch raised about the sizes; a state
+    dict taken before a move paired the moved weights (views) with the old placement; a deep copy lost
+    the parameters' flags (allreduce=False: megatron's DDP would all-reduce the experts) and watched
+    the original's autograd graphs; a device move kept a captured graph of the old weights; a rank
+    loading another rank's file was not told."""
+    import copy
+
+    from moelayers.placement import ExpertPlacement
+
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, params_dtype=torch.float64)
+    g = ml.ParallelGroups.single()
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    src = ml.VariabilityAwareMoE(cfg, g, seed=1, placement=ExpertPlacement.from_phy2log(torch.tensor([[3, 2, 1, 0]]), 4))
+    dst = ml.VanillaMoE(cfg.replace(ffn_hidden_size=12), g, seed=2)
+    with pytest.raises(RuntimeError, match=r"size mismatch for experts.w13: \[4, 16, 16\] in the checkpoint, "
+                                           r"\[4, 24, 16\] here.*nothing of this MoE layer was loaded"):
+        dst.load_state_dict(src.state_dict())
+    assert dst.placement == ExpertPlacement.linear(4, 1)
+
+    snapshot = src.state_dict()
+    with torch.no_grad():
+        src.apply_placement(ExpertPlacement.from_phy2log(torch.tensor([[1, 2, 3, 0]]), 4))
+        fresh = ml.VanillaMoE(cfg, g, seed=5)
+        fresh.load_state_dict(snapshot)
+        assert fresh.placement == src.placement
+        torch.testing.assert_close(fresh(x), src(x), rtol=0, atol=0)
+
+    twin = copy.deepcopy(src)
+    assert twin.experts.w13.allreduce is False and twin.experts.w2.allreduce is False
+    src.experts.w13.main_grad = torch.zeros(1)  # a DDP wrapper's buffer: the copy's wrapper makes its own
+    assert not hasattr(copy.deepcopy(src).experts.w13, "main_grad")
+    y = src(x)  # autograd records: the original watches this graph, the copy must not
+    assert src.graphs_in_flight() == 1 and copy.deepcopy(src).graphs_in_flight() == 0
+    del y
+
+    class _Graph:
+        released = False
+
+        def release(self):
+            self.released = True
+
+    src._graphed = graph = _Graph()
+    src._apply(lambda t: t.clone())  # new storage on the same device, as .cpu() / .cuda() round trips give
+    assert graph.released and src._graphed is None
+
+    other = src.state_dict()
+    other["_extra_state"] = dict(other["_extra_state"], ep_rank=1)
+    with pytest.raises(ValueError, match="expert slots of expert-parallel rank 1, this layer is rank 0"):
+        fresh.load_state_dict(other)
+    del other["_extra_state"]["ep_rank"]  # a checkpoint from before ep_rank was saved
+    fresh.load_state_dict(other)
+
+
 def test_forced_routing_laid_out_like_the_input():
     """[S, B, K] forced ids for [S, B, H] input (as moe_forward takes them) were refused; the router
     on its own truncated float ids (1.9 became expert 1)."""
