@@ -125,6 +125,8 @@ class MoELayerBase(nn.Module):
         self.last_token_ids: torch.Tensor | None = None
         self._forced_ids: torch.Tensor | None = None
         self._bad_input = False  # this forward stands in for a refused input (see _refuse_in_step)
+        self._flags_before_load: dict[str, dict] = {}
+        self.register_load_state_dict_post_hook(MoELayerBase._after_load)
         self.reset_parameters()
 
     # ------------------------------------------------------------------ construction helpers
@@ -149,6 +151,8 @@ class MoELayerBase(nn.Module):
     def reset_parameters(self) -> None:
         """Default init: ``N(0, init_std)``, each logical expert from its own seeded generator."""
         cfg, dev = self.config, self.router.weight.device
+        if dev.type == "meta":  # shapes only (deferred init): call again after to_empty(device=...)
+            return
         gen = torch.Generator(device=dev)
         gen.manual_seed(self.seed * 1_000_003 + cfg.num_experts)
         self.router.weight.normal_(0.0, cfg.init_std, generator=gen)
@@ -312,8 +316,37 @@ class MoELayerBase(nn.Module):
                 self._saved_placement(state_dict[prefix + "_extra_state"])
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: size mismatch for "
                                f"{'; '.join(misfit)}; nothing of this MoE layer was loaded")
+        # load_state_dict(assign=True) puts the checkpoint's tensors in place of the parameters: their
+        # flags (allreduce, sequence_parallel) are put back, and the dtype followed, in _after_load
+        self._flags_before_load = {name: dict(vars(p)) for name, p in self.named_parameters()}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+
+    def _after_load(self, incompatible_keys: Any) -> None:
+        """After ``load_state_dict``: parameters replaced by ``assign=True`` get their flags back;
+        the layer computes in their dtype (``config.params_dtype`` follows, as after ``.to(dtype)``)
+        and drops a captured graph of the old tensors."""
+        from moelayers.config import PARAMS_DTYPES
+
+        flags, self._flags_before_load = self._flags_before_load, {}
+        replaced = False
+        for name, p in self.named_parameters():
+            for key, value in flags.get(name, {}).items():
+                if key not in _GRAD_BUFFERS and not hasattr(p, key):
+                    setattr(p, key, value)
+                    replaced = True
+        dtypes = {p.dtype for p in self.parameters()}
+        if len(dtypes) > 1 or not dtypes <= set(PARAMS_DTYPES):
+            raise TypeError(f"{type(self).__name__}: the loaded parameters have dtypes {sorted(map(str, dtypes))}; "
+                            f"the layer computes in one of {[str(d) for d in PARAMS_DTYPES]}, the same for all")
+        dtype = dtypes.pop()
+        if dtype != self.config.params_dtype:
+            self.experts.check_dtype(dtype)
+            self.config = self.config.replace(params_dtype=dtype)
+            self.router.config = self.config
+            replaced = True
+        if replaced:
+            self.release_graphs()
 
     def get_extra_state(self) -> dict:
         """What ``state_dict()`` saves beside the weights: the placement, since ``experts.w13`` /
@@ -594,10 +627,14 @@ class MoELayerBase(nn.Module):
 
 
 def _default_device(groups: ParallelGroups) -> torch.device:
-    """CUDA's current device when the expert-parallel group uses NCCL, or, with one expert-parallel
+    """torch's default device where it is set (``with torch.device("meta")``, ``set_default_device``);
+    else CUDA's current device when the expert-parallel group uses NCCL, or, with one expert-parallel
     rank (no group), when the groups were built over an NCCL world (``groups.backend``); else CPU."""
     import torch.distributed as dist
 
+    chosen = torch.get_default_device()
+    if chosen.type != "cpu":
+        return chosen
     backend = dist.get_backend(groups.ep) if groups.ep is not None else groups.backend
     if backend == "nccl":  # torchrun --nproc_per_node=1 with NCCL and from_world(): the GPU too
         return torch.device("cuda", torch.cuda.current_device())

@@ -585,6 +585,39 @@ def test_layer_state_stays_whole():
     fresh.load_state_dict(other)
 
 
+@pytest.mark.parametrize("cls", ["VanillaMoE", "VariabilityAwareMoE"])
+def test_deferred_init_on_the_meta_device(cls):
+    """A model built under ``with torch.device("meta")`` (deferred init), then materialised by
+    ``load_state_dict(assign=True)`` or by ``to_empty`` + ``reset_parameters``. The placement's tables
+    were built on the meta device (no data: the constructor raised), and ``assign=True`` with a
+    checkpoint of another dtype left ``config.params_dtype`` behind and the experts' ``allreduce``
+    flag lost."""
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+    g = ml.ParallelGroups.single()
+    src = getattr(ml, cls)(cfg, g, seed=1)
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(0))
+    with torch.device("meta"):
+        lazy = getattr(ml, cls)(cfg, g, seed=1)
+    assert lazy.router.weight.device.type == "meta" and lazy.placement.phy2log.device.type == "cpu"
+    lazy.load_state_dict(src.state_dict(), assign=True)
+    assert lazy.experts.w13.device.type == "cpu" and lazy.experts.w13.allreduce is False
+    with torch.no_grad():
+        assert torch.equal(lazy(x), src(x))
+    with torch.device("meta"):
+        lazy = getattr(ml, cls)(cfg, g, seed=1)
+    lazy.to_empty(device="cpu")
+    lazy.reset_parameters()
+    with torch.no_grad():
+        assert torch.equal(lazy(x), src(x))
+    wide = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+            for k, v in src.state_dict().items()}
+    other = getattr(ml, cls)(cfg, g, seed=2)
+    other.load_state_dict(wide, assign=True)
+    assert other.config.params_dtype == torch.float64 and other.experts.w2.allreduce is False
+    with torch.no_grad():
+        torch.testing.assert_close(other(x.double()), src(x).double(), rtol=1e-5, atol=1e-6)
+
+
 def test_forced_routing_laid_out_like_the_input():
     """[S, B, K] forced ids for [S, B, H] input (as moe_forward takes them) were refused; the router
     on its own truncated float ids (1.9 became expert 1)."""
