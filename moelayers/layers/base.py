@@ -267,8 +267,8 @@ class MoELayerBase(nn.Module):
         if dtype != self.config.params_dtype:
             self.config = self.config.replace(params_dtype=dtype)
             self.router.config = self.config
-        if dtype != self.config.params_dtype or storage != [(p.device, p.data_ptr()) for p in self.parameters()]:
-            self.release_graphs()  # a captured graph reads the old weights' addresses (.cpu() / .cuda() moves)
+        if storage != [(p.device, p.data_ptr()) for p in self.parameters()]:
+            self.release_graphs()  # new weights (another dtype, .cpu() / .cuda()): a captured graph reads the old ones
         return out
 
     #: attributes a deep copy starts afresh (factories) instead of copying: a captured CUDA graph

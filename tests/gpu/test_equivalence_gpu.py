@@ -58,6 +58,39 @@ def test_graphed_layer_overflow_raises_and_recovers():
     layer.release_graphs()
 
 
+def test_graphed_layer_after_a_device_round_trip_and_deferred_init():
+    """A captured graph read the old weights' addresses after ``.cpu()`` / ``.cuda()`` (it was kept:
+    only a dtype change dropped it); a layer built under ``torch.device("meta")`` and materialised on
+    the GPU serves like one built there."""
+    import moelayers as ml
+    from moelayers.testing import check_close
+
+    cfg = ml.MoEConfig(hidden_size=256, ffn_hidden_size=128, num_experts=8, top_k=2, params_dtype=torch.bfloat16)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device="cuda", capacity=16, cuda_graph=True, seed=3)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(10, 256, device="cuda", generator=gen).to(torch.bfloat16)
+    with torch.no_grad():
+        layer(x)  # capture
+        layer.cpu()
+        layer.cuda()
+        torch.cuda.empty_cache()
+        torch.empty(1 << 26, device="cuda").fill_(float("nan"))  # reuse the freed memory
+        y = layer(x)
+    ids = layer.last_topk_ids.clone()
+    w = layer.export_full_weights()
+    ref = ml.reference.moe_forward(x.double(), *(t.double() for t in w), cfg.replace(params_dtype=torch.float64),
+                                   topk_ids=ids)
+    assert check_close("graph after .cpu().cuda()", y, ref, ml.reference.moe_forward(x, *w, cfg, topk_ids=ids)) is None
+    with torch.device("meta"):
+        lazy = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), capacity=16, cuda_graph=True, seed=3)
+    lazy.to_empty(device="cuda")
+    lazy.reset_parameters()
+    with torch.no_grad():
+        assert torch.equal(lazy(x), y)
+    layer.release_graphs()
+    lazy.release_graphs()
+
+
 def _forced_on_one_graphed_rank(rank: int, world: int) -> str:
     """Rank 0 forces routing on a CUDA-graph layer, rank 1 does not: rank 0 used to raise before the
     exchange and leave rank 1 waiting in it; now both raise."""
