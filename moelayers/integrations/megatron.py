@@ -366,7 +366,9 @@ class MegatronMoEAdapter(nn.Module):
                 parallelism without sequence parallelism and several expert-parallel ranks, where
                 every TP rank sends the same tokens to the experts and their gradients would be
                 counted once per TP rank (megatron's ``MoELayer`` refuses to train with TP > 1
-                without sequence parallelism). Inference runs as usual.
+                without sequence parallelism), and the same with one expert-parallel rank when
+                ``expert_tensor_parallel_size`` differs from the TP size (megatron's DDP sums the
+                experts' identical gradients over the TP ranks then). Inference runs as usual.
             TypeError, ValueError: ``hidden_states``, ``padding_mask``, ``token_ids`` or the forced
                 routing are refused. With several expert-parallel ranks this rank first takes part
                 in the layer's exchange with no tokens, so the other ranks raise ``ValueError`` too
@@ -395,6 +397,15 @@ class MegatronMoEAdapter(nn.Module):
                 "each sends them to the experts, so the experts' gradients would count every token once per TP rank "
                 "(megatron's own MoELayer refuses to train with tensor parallelism without sequence parallelism). "
                 "Train with tensor_model_parallel_size=1 or expert_model_parallel_size=1; inference runs as usual")
+        etp = int(getattr(self.config, "expert_tensor_parallel_size", None) or tp)  # megatron's default: tp
+        if training and tp > 1 and not getattr(self.config, "sequence_parallel", False) and etp != tp:
+            raise RuntimeError(
+                f"training through the adapter with tensor_model_parallel_size={tp}, sequence_parallel=False and "
+                f"expert_tensor_parallel_size={etp} is not supported: every TP rank computes the experts' whole "
+                f"gradient from the same tokens, and megatron's DDP sums the expert gradients over the expert-data-"
+                f"parallel group, which then holds the TP ranks: they would count {tp // max(etp, 1)} times. Train with "
+                f"expert_tensor_parallel_size={tp} (megatron's default) or tensor_model_parallel_size=1; inference "
+                "runs as usual")
         if intermediate_tensors is not None:
             raise NotImplementedError("MegatronMoEAdapter does not support partial CUDA-graph capture "
                                       "(intermediate_tensors)")

@@ -736,7 +736,9 @@ def test_megatron_adapter_refusal_runs_a_deferred_replan_first():
 def _adapter_tp_ep_training(rank: int, world: int) -> dict[str, str | None]:
     """megatron TP=2 without sequence parallelism: the TP ranks hold the same tokens. With EP=2 (the EP
     group is the TP group) each expert would get every token once per TP rank, doubling its gradient:
-    training is refused on every rank, inference matches the reference. With EP=1 training is right."""
+    training is refused on every rank, inference matches the reference. With EP=1 and expert TP 1 the
+    expert-data-parallel group holds both TP ranks, and megatron's DDP would sum their identical expert
+    gradients (2x, found through megatron's DDP): refused too. With EP=1 and expert TP 2 training is right."""
     import warnings
 
     import torch._dynamo
@@ -755,29 +757,31 @@ def _adapter_tp_ep_training(rank: int, world: int) -> dict[str, str | None]:
          0.3 * torch.randn(e, H, F, generator=g))
     x = torch.randn(5, 2, H, generator=torch.Generator().manual_seed(1))  # the same tokens on both TP ranks
     out = {}
-    for ep in (2, 1):
+    for ep, etp in ((2, 1), (1, 1), (1, 2)):
         ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=ep,
-                                     expert_tensor_parallel_size=1)
+                                     expert_tensor_parallel_size=etp)
         tc = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, ffn_hidden_size=F,
                                num_moe_experts=e, moe_router_topk=2, moe_ffn_hidden_size=F, gated_linear_unit=True,
                                activation_func=tnf.silu, add_bias_linear=False, use_cpu_initialization=True,
                                hidden_dropout=0.0, tensor_model_parallel_size=2, expert_model_parallel_size=ep,
-                               expert_tensor_parallel_size=1, sequence_parallel=False)
+                               expert_tensor_parallel_size=etp, sequence_parallel=False)
         adapter = build_module(mi.moe_spec(ml.VanillaMoE), config=tc).train()
         adapter.load_full_weights(*w)
         params = [t.double().requires_grad_(True) for t in w]
         ref = ml.reference.moe_forward(x.reshape(-1, H).double(), *params,
                                        adapter.moe_config.replace(params_dtype=torch.float64))
         errors = []
-        if ep > 1:
+        if ep > 1 or etp == 1:
+            why = ("sequence_parallel=False and 2 expert-parallel ranks is not supported" if ep > 1 else
+                   "expert_tensor_parallel_size=1 is not supported")
             try:
                 adapter(x)
-                errors.append("training with TP=2, EP=2 without sequence parallelism ran")
+                errors.append(f"training with TP=2, EP={ep}, ETP={etp} without sequence parallelism ran")
             except RuntimeError as exc:
-                if "sequence_parallel=False and 2 expert-parallel ranks is not supported" not in str(exc):
+                if why not in str(exc):
                     errors.append(f"unexpected error: {exc}")
             with torch.no_grad():
-                errors.append(check_close("TP=2 EP=2 inference", adapter(x)[0].reshape(-1, H), ref.detach()))
+                errors.append(check_close(f"TP=2 EP={ep} inference", adapter(x)[0].reshape(-1, H), ref.detach()))
         else:
             y, _ = adapter(x)
             y.pow(2).sum().backward()
@@ -785,7 +789,7 @@ def _adapter_tp_ep_training(rank: int, world: int) -> dict[str, str | None]:
             got = [adapter.layer.router.weight.grad, *adapter.layer.expert_grads_full()]  # each rank's own
             errors += [check_close(f"TP=2 EP=1 {n}", a, p.grad)
                        for n, a, p in zip(("d/drouter", "d/dw13", "d/dw2"), got, params)]
-        out[f"ep={ep}"] = "; ".join(m for m in errors if m) or None
+        out[f"ep={ep} etp={etp}"] = "; ".join(m for m in errors if m) or None
         ps.destroy_model_parallel()
     return out
 
@@ -794,4 +798,4 @@ def _adapter_tp_ep_training(rank: int, world: int) -> dict[str, str | None]:
 def test_megatron_adapter_refuses_training_with_tp_without_sp_and_ep():
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     for rank, res in enumerate(run_distributed(_adapter_tp_ep_training, 2, timeout=200)):
-        assert res == {"ep=2": None, "ep=1": None}, f"rank {rank}: {res}"
+        assert res == {"ep=2 etp=1": None, "ep=1 etp=1": None, "ep=1 etp=2": None}, f"rank {rank}: {res}"
