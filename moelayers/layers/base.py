@@ -296,17 +296,18 @@ class MoELayerBase(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
-        """A strict load that lacks some of this layer's keys, or any load whose weights do not fit
-        this layer's shapes, fails before anything of the layer is loaded: the placement (extra
-        state) and the expert weights go together, and adopting one without the other would leave a
-        layer that serves wrong outputs if the error is caught."""
+        """A load that holds some but not all of this layer's keys, or whose weights do not fit this
+        layer's shapes, fails before anything of the layer is loaded: the placement (extra state)
+        and the expert weights go together, and adopting one without the other would leave a layer
+        that serves wrong outputs if the error is caught. A load with none of its keys (``strict=False``
+        on a partial checkpoint) leaves the layer as it is; torch lists the keys as missing.
+        (torch passes ``strict=True`` here whatever the caller asked, so the keys decide.)"""
         own = self.state_dict(keep_vars=True)
-        if strict:
-            lacking = [prefix + k for k in own if prefix + k not in state_dict]
-            if lacking:
-                raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: missing key(s) "
-                                   f"{lacking}; nothing of this MoE layer was loaded (its weights are laid out in "
-                                   f"the checkpoint's placement, which comes with them)")
+        lacking = [prefix + k for k in own if prefix + k not in state_dict]
+        if lacking and len(lacking) < len(own):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: missing key(s) "
+                               f"{lacking}; nothing of this MoE layer was loaded (its weights are laid out in "
+                               f"the checkpoint's placement, which comes with them)")
         misfit = [f"{prefix + k}: {list(state_dict[prefix + k].shape)} in the checkpoint, {list(v.shape)} here"
                   for k, v in own.items() if isinstance(v, torch.Tensor) and isinstance(state_dict.get(prefix + k),
                                                                                        torch.Tensor)

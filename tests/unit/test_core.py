@@ -528,6 +528,16 @@ def test_a_strict_load_missing_keys_loads_nothing_of_the_layer():
     assert all(torch.equal(a, b) for a, b in zip(before, dst.export_full_weights()))
     dst.load_state_dict(src.state_dict())
     assert dst.placement == src.placement
+    # strict=False with none of the layer's keys (a partial checkpoint of the rest of the model): the
+    # layer is left as it is and its keys are listed as missing. torch hands every module strict=True,
+    # so this raised whatever the caller asked.
+    model = torch.nn.ModuleDict({"proj": torch.nn.Linear(16, 16), "moe": dst})
+    before = [t.clone() for t in dst.export_full_weights()]
+    res = model.load_state_dict({"proj.weight": torch.zeros(16, 16), "proj.bias": torch.zeros(16)}, strict=False)
+    assert res.missing_keys == ["moe._extra_state", "moe.router.weight", "moe.experts.w13", "moe.experts.w2"]
+    assert all(torch.equal(a, b) for a, b in zip(before, dst.export_full_weights())) and dst.placement == src.placement
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"moe._extra_state\""):
+        model.load_state_dict({"proj.weight": torch.zeros(16, 16), "proj.bias": torch.zeros(16)})
 
 
 def test_layer_state_stays_whole():
