@@ -321,6 +321,7 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
     ranks, hidden state + routing metadata, ``MoEStats.bytes_sent``) plus ``a2a_combine_bytes`` (one
     hidden-state row back per such row) = ``a2a_bytes``, summed over ranks, MoE layers and steps.
     """
+    from moelayers.dispatch.base import partial_sum_dtype
     from moelayers.metrics import MoEStats, imbalance
 
     world_group = dist.group.WORLD if world > 1 else None
@@ -381,7 +382,8 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
     step_imb = [imbalance(row) for row in loads.tolist() if sum(row) > 0]
     elapsed = float(t_end[0])
     out_total, prompt_total, remote_total = (int(v) for v in counts.cpu().tolist())
-    combine_bytes = remote_total * int(mcfg["hidden_size"]) * DTYPES[mcfg.get("dtype", "float32")].itemsize
+    row_dtype = partial_sum_dtype(DTYPES[mcfg.get("dtype", "float32")])  # float16 layers send float32 subtotals
+    combine_bytes = remote_total * int(mcfg["hidden_size"]) * row_dtype.itemsize
     echo = {k: v for k, v in cfg.items() if k != "run_dir" and not k.startswith("_")}
     return {
         "throughput_tok_s": out_total / elapsed if elapsed > 0 else 0.0,

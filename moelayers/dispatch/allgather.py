@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from moelayers.dispatch.base import (
-    LocalPairs, Received, Routes, combine_pairs, local_pairs, raise_if_nonfinite, raise_if_placements_differ,
+    LocalPairs, Received, Routes, combine_pairs, local_pairs, partial_sum_dtype, raise_if_nonfinite,
+    raise_if_placements_differ,
 )
 from moelayers.dispatch.comm import ReduceScatterRows, RowLayout, all_gather_flat, packed_all_gather
 from moelayers.metrics import MoEStats
@@ -75,5 +76,5 @@ class AllGatherDispatcher:
 
     def combine(self, expert_output: torch.Tensor, received: Received) -> torch.Tensor:
         st: _State = received.state
-        partial = combine_pairs(expert_output, st.pairs, st.weights, st.dtype)
-        return ReduceScatterRows.apply(self.group, partial)[: st.num_tokens]
+        partial = combine_pairs(expert_output, st.pairs, st.weights, partial_sum_dtype(st.dtype))
+        return ReduceScatterRows.apply(self.group, partial)[: st.num_tokens].to(st.dtype)

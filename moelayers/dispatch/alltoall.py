@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from moelayers.dispatch.base import (
-    LocalPairs, Received, Routes, combine_pairs, local_pairs, raise_if_nonfinite, raise_if_placements_differ,
+    LocalPairs, Received, Routes, combine_pairs, local_pairs, partial_sum_dtype, raise_if_nonfinite,
+    raise_if_placements_differ,
 )
 from moelayers.dispatch.comm import ROW_ALIGN, RowLayout, all_to_all_bytes, packed_all_to_all
 from moelayers.kernels import dispatch_pack, unpermute_combine
@@ -192,7 +193,8 @@ class AllToAllDispatcher:
     # ------------------------------------------------------------------ step 5
     def combine(self, expert_output: torch.Tensor, received: Received) -> torch.Tensor:
         st: _State = received.state
-        row_out = combine_pairs(expert_output, st.pairs, st.recv_weights, st.dtype)
+        wire = partial_sum_dtype(st.dtype)  # the rows are partial sums over this rank's experts
+        row_out = combine_pairs(expert_output, st.pairs, st.recv_weights, wire)
         # the rows' size on the wire must not depend on this rank's autograd state (a peer may record
         # a graph where this one does not): raw rows only where they are already the packed size
         packed_size = (row_out.shape[1] * row_out.element_size()) % ROW_ALIGN == 0
@@ -201,7 +203,7 @@ class AllToAllDispatcher:
         else:  # inference: exchange the rows' bytes as they are, no packing copy
             raw = all_to_all_bytes(row_out.contiguous().view(torch.uint8), sum(st.in_splits),
                                    st.out_splits, st.in_splits, self.group)
-            back = raw.view(st.dtype)
+            back = raw.view(wire)
         return unpermute_combine(back, st.dest_map, None, out_dtype=st.dtype)
 
 

@@ -176,6 +176,13 @@ def local_pairs(slots: torch.Tensor, num_slots: int, num_pairs: int | None = Non
     return LocalPairs(sel // j, counts[:num_slots], index.view(n, j))
 
 
+def partial_sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of the per-rank partial sums a combine sends back: float32 for float16 layers (a
+    rank's subtotal of a token can exceed float16's range, 65504, where the other ranks' outputs
+    cancel it: the output was ``inf`` at two ranks and finite at one), else the layer's dtype."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
 def combine_pairs(expert_output: torch.Tensor, pairs: LocalPairs, weights: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """Weighted sum of each row's pair outputs: ``[P, H] -> [N, H]``."""
     return unpermute_combine(expert_output, pairs.index, weights, out_dtype=out_dtype)

@@ -185,3 +185,44 @@ def test_allgather_stats_count_the_padded_rows():
         for tokens, (rows, sent) in zip(((5, 3), (4, 0)), runs):
             assert rows == [max(tokens)] * 2, (rank, tokens, rows)
             assert sent == [0 if r == rank else max(tokens) * row for r in range(2)], (rank, tokens, sent, row)
+
+
+def _fp16_partial_sums(rank, world, dispatcher):
+    """One token whose four experts (all weights exactly 1: sigmoid scores, no renormalisation) give
+    -25000, -25000, +40000, +40000: at EP2 each rank's subtotal is +-50000 or +80000, past float16's
+    65504 for one of them, though the total, 30000, is not. The subtotals went back in float16: inf."""
+    import torch
+
+    import moelayers as ml
+
+    h, f, e = 8, 1, 4
+    outs = [-25000.0, -25000.0, 40000.0, 40000.0]
+    router = torch.zeros(e, h, dtype=torch.float64)
+    router[:, 0] = 20.0  # sigmoid(20) rounds to 1
+    w13 = torch.zeros(e, 2 * f, h, dtype=torch.float64)
+    w13[:, 0, 0], w13[:, 1, 0] = 16.0, 50.0
+    w2 = torch.zeros(e, h, f, dtype=torch.float64)
+    silu16 = torch.nn.functional.silu(torch.tensor(16.0, dtype=torch.float64)).item()
+    for i, o in enumerate(outs):
+        w2[i, 0, 0] = o / (silu16 * 50.0)
+    x = torch.zeros(2, h, dtype=torch.float64)
+    x[:, 0] = 1.0
+    cfg = ml.MoEConfig(hidden_size=h, ffn_hidden_size=f, num_experts=e, top_k=4, score_fn="sigmoid",
+                       norm_topk_prob=False, params_dtype=torch.float16)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), dispatcher=dispatcher)
+    layer.load_full_weights(*(t.half() for t in (router, w13, w2)))
+    with torch.no_grad():
+        y = layer(x.half())
+    ref = ml.reference.moe_forward(x, *(t.half().double() for t in (router, w13, w2)),
+                                   cfg.replace(params_dtype=torch.float64))
+    return y.double(), ref
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_float16_partial_sums_do_not_overflow(dispatcher):
+    import torch
+
+    for rank, (y, ref) in enumerate(run_distributed(_fp16_partial_sums, 2, dispatcher, timeout=90)):
+        assert torch.isfinite(y).all(), (rank, y[:, 0])
+        torch.testing.assert_close(y, ref, rtol=2e-3, atol=1e-3)

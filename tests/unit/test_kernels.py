@@ -176,6 +176,10 @@ def test_unpermute_combine_out_dtype_and_empty_src():
     assert tri.dtype == ref.dtype == torch.float32
     torch.testing.assert_close(tri.double(), _naive_combine(src, index, weight), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(ref, tri)
+    # float32 partial sums back into a float16 layer's output (the combine of float16 layers)
+    half = unpermute_combine_triton(src.float(), index, None, out_dtype=torch.float16)
+    assert half.dtype == torch.float16
+    torch.testing.assert_close(half, unpermute_combine_reference(src.float(), index, None, out_dtype=torch.float16))
     empty = torch.empty(0, 24)
     none = torch.full((4, 2), -1)
     for fn in (unpermute_combine_triton, unpermute_combine_reference):
