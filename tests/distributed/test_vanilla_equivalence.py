@@ -187,7 +187,7 @@ def test_allgather_stats_count_the_padded_rows():
             assert sent == [0 if r == rank else max(tokens) * row for r in range(2)], (rank, tokens, sent, row)
 
 
-def _fp16_partial_sums(rank, world, dispatcher):
+def _fp16_partial_sums(rank, world, dispatcher, device="cpu"):
     """One token whose four experts (all weights exactly 1: sigmoid scores, no renormalisation) give
     -25000, -25000, +40000, +40000: at EP2 each rank's subtotal is +-50000 or +80000, past float16's
     65504 for one of them, though the total, 30000, is not. The subtotals went back in float16: inf."""
@@ -209,10 +209,10 @@ def _fp16_partial_sums(rank, world, dispatcher):
     x[:, 0] = 1.0
     cfg = ml.MoEConfig(hidden_size=h, ffn_hidden_size=f, num_experts=e, top_k=4, score_fn="sigmoid",
                        norm_topk_prob=False, params_dtype=torch.float16)
-    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), dispatcher=dispatcher)
-    layer.load_full_weights(*(t.half() for t in (router, w13, w2)))
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), dispatcher=dispatcher, device=device)
+    layer.load_full_weights(*(t.half().to(device) for t in (router, w13, w2)))
     with torch.no_grad():
-        y = layer(x.half())
+        y = layer(x.half().to(device)).cpu()
     ref = ml.reference.moe_forward(x, *(t.half().double() for t in (router, w13, w2)),
                                    cfg.replace(params_dtype=torch.float64))
     return y.double(), ref

@@ -91,6 +91,20 @@ def test_graphed_layer_after_a_device_round_trip_and_deferred_init():
     lazy.release_graphs()
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_float16_partial_sums_do_not_overflow_nccl(dispatcher):
+    """tests/distributed/test_vanilla_equivalence.py's float16 case on 2 GPUs (the Triton combine
+    reads float32 partial sums into a float16 output there)."""
+    from tests.distributed.test_vanilla_equivalence import _fp16_partial_sums
+
+    for rank, (y, ref) in enumerate(run_distributed(_fp16_partial_sums, 2, dispatcher, "cuda", backend="nccl",
+                                                    timeout=240)):
+        assert torch.isfinite(y).all(), (rank, y[:, 0])
+        torch.testing.assert_close(y, ref, rtol=2e-3, atol=1e-3)
+
+
 def _forced_on_one_graphed_rank(rank: int, world: int) -> str:
     """Rank 0 forces routing on a CUDA-graph layer, rank 1 does not: rank 0 used to raise before the
     exchange and leave rank 1 waiting in it; now both raise."""
