@@ -245,10 +245,12 @@ class SemanticMoE(MoELayerBase):
             if residual.dtype != x2.dtype or residual.device != x2.device:
                 raise TypeError(f"residual is {residual.dtype} on {residual.device}, "
                                 f"attn_partial {x2.dtype} on {x2.device}")
-            if forced is not None and forced.dim() == 3 and attn_partial.dim() == 3:
+            if (forced is not None and forced.dim() == 3 and attn_partial.dim() == 3
+                    and forced.shape[:2] == attn_partial.shape[:2]):
                 forced = forced.reshape(-1, forced.shape[-1])  # [S, B, K] for [S, B, H], as forward() takes it
-            if forced is not None and forced.shape[0] != x2.shape[0]:
-                raise ValueError(f"forced routing has {forced.shape[0]} rows for {x2.shape[0]} tokens")
+            if forced is not None and tuple(forced.shape) != (x2.shape[0], self.config.top_k):
+                raise ValueError(f"forced routing has shape {list(forced.shape)}, expected "
+                                 f"[{x2.shape[0]}, {self.config.top_k}] (or [S, B, K] laid out like attn_partial)")
             rb = self.rebatch(token_ids, prev_ranks, num_tokens=x2.shape[0])
         except (TypeError, ValueError) as exc:
             if self.groups.tp_size == 1 or not self.verify_tp_inputs:

@@ -451,6 +451,12 @@ def test_forward_tp_takes_forced_routing_laid_out_like_the_input():
     h = (residual + partial).view(-1, H)
     ref = h + ml.reference.moe_forward(norm(h), *w64, cfg, topk_ids=forced.view(-1, 2))
     assert (out.view(-1, H) - ref).abs().max() < 1e-9
+    # [B, S, K] for [S, B, H] has the right number of rows but pairs token (s, b) with row b * S + s:
+    # refused, as forward() refuses it (it was used silently)
+    partial, residual = (torch.randn(3, 2, H, generator=g, dtype=torch.float64) for _ in range(2))
+    layer.force_routing(torch.zeros(2, 3, 2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"forced routing has shape \[2, 3, 2\], expected \[6, 2\]"):
+        layer.forward_tp(partial, residual, norm, token_ids=torch.arange(6).view(3, 2))
 
 
 def test_forward_tp_forces_nothing_after_a_norm_that_raises():
