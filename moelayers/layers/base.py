@@ -125,7 +125,7 @@ class MoELayerBase(nn.Module):
         self.last_token_ids: torch.Tensor | None = None
         self._forced_ids: torch.Tensor | None = None
         self._bad_input = False  # this forward stands in for a refused input (see _refuse_in_step)
-        self._flags_before_load: dict[str, dict] = {}
+        self._flags_before_load: dict[str, tuple[int, dict]] = {}  # name -> (storage, flags), see _after_load
         self.register_load_state_dict_post_hook(MoELayerBase._after_load)
         self.reset_parameters()
 
@@ -319,7 +319,7 @@ class MoELayerBase(nn.Module):
                                f"{'; '.join(misfit)}; nothing of this MoE layer was loaded")
         # load_state_dict(assign=True) puts the checkpoint's tensors in place of the parameters: their
         # flags (allreduce, sequence_parallel) are put back, and the dtype followed, in _after_load
-        self._flags_before_load = {name: dict(vars(p)) for name, p in self.named_parameters()}
+        self._flags_before_load = {name: (p.data_ptr(), dict(vars(p))) for name, p in self.named_parameters()}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
@@ -329,13 +329,16 @@ class MoELayerBase(nn.Module):
         and drops a captured graph of the old tensors."""
         from moelayers.config import PARAMS_DTYPES
 
-        flags, self._flags_before_load = self._flags_before_load, {}
+        before, self._flags_before_load = self._flags_before_load, {}
         replaced = False
         for name, p in self.named_parameters():
-            for key, value in flags.get(name, {}).items():
+            if name not in before:
+                continue
+            ptr, flags = before[name]
+            replaced |= p.data_ptr() != ptr
+            for key, value in flags.items():
                 if key not in _GRAD_BUFFERS and not hasattr(p, key):
                     setattr(p, key, value)
-                    replaced = True
         dtypes = {p.dtype for p in self.parameters()}
         if len(dtypes) > 1 or not dtypes <= set(PARAMS_DTYPES):
             raise TypeError(f"{type(self).__name__}: the loaded parameters have dtypes {sorted(map(str, dtypes))}; "

@@ -586,6 +586,11 @@ def test_layer_state_stays_whole():
     src._graphed = graph = _Graph()
     src._apply(lambda t: t.clone())  # new storage on the same device, as .cpu() / .cuda() round trips give
     assert graph.released and src._graphed is None
+    src._graphed = graph = _Graph()
+    src.load_state_dict(src.state_dict())  # copied in place: the graph still reads the right weights
+    assert not graph.released
+    src.load_state_dict(copy.deepcopy(src.state_dict()), assign=True)  # new tensors: the graph goes
+    assert graph.released and src._graphed is None
 
     other = src.state_dict()
     other["_extra_state"] = dict(other["_extra_state"], ep_rank=1)
