@@ -18,7 +18,7 @@ import torch
 from moelayers.files import atomic_write, read_npz
 
 
-def _on_host(fn):
+def on_host(fn):
     """Build a placement's tables on the CPU whatever the default device (a model built under
     ``with torch.device("meta")`` or ``torch.set_default_device("cuda")``): they are host tables;
     :meth:`ExpertPlacement.device_tables` copies them where the routing needs them."""
@@ -50,7 +50,7 @@ class ExpertPlacement:
         logcnt: ``[E]`` int64, replicas per expert.
     """
 
-    @_on_host
+    @on_host
     def __init__(self, phy2log: torch.Tensor | np.ndarray, num_experts: int):
         p = torch.as_tensor(phy2log)
         if p.dtype.is_floating_point or p.dtype == torch.bool or p.dtype.is_complex:
@@ -80,7 +80,7 @@ class ExpertPlacement:
 
     # ---------------------------------------------------------------- constructors
     @classmethod
-    @_on_host
+    @on_host
     def linear(cls, num_experts: int, num_ranks: int, slots_per_rank: int | None = None) -> "ExpertPlacement":
         """Experts ``r*E/R .. (r+1)*E/R - 1`` on rank ``r``; extra slots (if any) empty.
 
@@ -103,7 +103,7 @@ class ExpertPlacement:
         return cls(table, num_experts)
 
     @classmethod
-    @_on_host
+    @on_host
     def from_expert_rank(
         cls, expert_rank: torch.Tensor | np.ndarray, num_ranks: int | None = None, slots_per_rank: int | None = None
     ) -> "ExpertPlacement":
@@ -167,7 +167,7 @@ class ExpertPlacement:
             raise ValueError(f"rank must be an int in [0, {self.num_ranks}), got {rank!r}")
         return self.phy2log[rank].tolist()
 
-    @_on_host
+    @on_host
     def expert_rank(self) -> torch.Tensor:
         """``[E]`` rank of each expert's first replica."""
         return self.log2phy[:, 0] // self.slots_per_rank
@@ -189,7 +189,7 @@ class ExpertPlacement:
         return self._device_cache[key]
 
     # ---------------------------------------------------------------- checks and moves
-    @_on_host
+    @on_host
     def validate(self) -> None:
         """Raise ``ValueError`` unless every expert has a replica, ids are in range and no rank
         holds two replicas of one expert."""
@@ -212,7 +212,7 @@ class ExpertPlacement:
                              "(log2phy and logcnt, which route tokens, still describe the old table); build a new "
                              "ExpertPlacement(phy2log, num_experts) from the edited table")
 
-    @_on_host
+    @on_host
     def _tables_agree(self) -> bool:
         """Whether ``log2phy`` / ``logcnt`` (derived once) still describe ``phy2log``."""
         flat = self.phy2log.flatten()
@@ -237,7 +237,7 @@ class ExpertPlacement:
         """An independent placement with the same tables (layers keep their own copy)."""
         return ExpertPlacement(self.phy2log, self.num_experts)
 
-    @_on_host
+    @on_host
     def moves_to(self, other: "ExpertPlacement") -> list[SlotMove]:
         """The slots of ``other`` whose expert differs from this placement's, with a source.
 

@@ -268,8 +268,21 @@ class MoELayerBase(nn.Module):
             self.config = self.config.replace(params_dtype=dtype)
             self.router.config = self.config
         if storage != [(p.device, p.data_ptr()) for p in self.parameters()]:
-            self.release_graphs()  # new weights (another dtype, .cpu() / .cuda()): a captured graph reads the old ones
+            self._new_storage()  # another dtype, .cpu() / .cuda(), to_empty() of a meta-built layer
         return out
+
+    def _new_storage(self) -> None:
+        """The parameters got new tensors: drop a captured graph (it reads the old ones), rebuild the
+        replica tie on their device and give buffers still on the meta device (a layer built under
+        ``torch.device("meta")`` and loaded with ``assign=True``) real zeros beside the weights."""
+        self.release_graphs()
+        self.experts.tie_replicas(self.placement, self.groups.ep_rank, self.groups.ep)
+        device = self.router.weight.device
+        if device.type != "meta":
+            for module in self.modules():
+                for name, buf in module._buffers.items():
+                    if buf is not None and buf.is_meta:
+                        module._buffers[name] = torch.zeros_like(buf, device=device)
 
     #: attributes a deep copy starts afresh (factories) instead of copying: a captured CUDA graph
     _fresh_on_copy: dict[str, Callable[[], Any]] = {"_graphed": lambda: None}
@@ -317,18 +330,35 @@ class MoELayerBase(nn.Module):
                 self._saved_placement(state_dict[prefix + "_extra_state"])
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: size mismatch for "
                                f"{'; '.join(misfit)}; nothing of this MoE layer was loaded")
+        if local_metadata.get("assign_to_params_buffers", False):  # the checkpoint's tensors become the weights
+            self._check_assigned_dtypes([state_dict[prefix + k] for k, v in own.items()
+                                         if isinstance(v, nn.Parameter) and prefix + k in state_dict])
         # load_state_dict(assign=True) puts the checkpoint's tensors in place of the parameters: their
         # flags (allreduce, sequence_parallel) are put back, and the dtype followed, in _after_load
         self._flags_before_load = {name: (p.data_ptr(), dict(vars(p))) for name, p in self.named_parameters()}
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
+    def _check_assigned_dtypes(self, tensors: list[torch.Tensor]) -> None:
+        """``load_state_dict(assign=True)`` makes ``tensors`` the parameters: one dtype the layer can
+        compute in, or a ``TypeError`` before anything is loaded."""
+        from moelayers.config import PARAMS_DTYPES
+
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) > 1 or not dtypes <= set(PARAMS_DTYPES):
+            raise TypeError(f"{type(self).__name__}: load_state_dict(assign=True) would give the parameters dtypes "
+                            f"{sorted(map(str, dtypes))}; the layer computes in one of "
+                            f"{[str(d) for d in PARAMS_DTYPES]}, the same for all: nothing of this MoE layer was loaded")
+        if dtypes:
+            try:
+                self.experts.check_dtype(next(iter(dtypes)))
+            except ValueError as exc:
+                raise TypeError(f"{exc}; nothing of this MoE layer was loaded") from None
+
     def _after_load(self, incompatible_keys: Any) -> None:
         """After ``load_state_dict``: parameters replaced by ``assign=True`` get their flags back;
         the layer computes in their dtype (``config.params_dtype`` follows, as after ``.to(dtype)``)
-        and drops a captured graph of the old tensors."""
-        from moelayers.config import PARAMS_DTYPES
-
+        and drops what referred to the old tensors (:meth:`_new_storage`)."""
         before, self._flags_before_load = self._flags_before_load, {}
         replaced = False
         for name, p in self.named_parameters():
@@ -339,18 +369,12 @@ class MoELayerBase(nn.Module):
             for key, value in flags.items():
                 if key not in _GRAD_BUFFERS and not hasattr(p, key):
                     setattr(p, key, value)
-        dtypes = {p.dtype for p in self.parameters()}
-        if len(dtypes) > 1 or not dtypes <= set(PARAMS_DTYPES):
-            raise TypeError(f"{type(self).__name__}: the loaded parameters have dtypes {sorted(map(str, dtypes))}; "
-                            f"the layer computes in one of {[str(d) for d in PARAMS_DTYPES]}, the same for all")
-        dtype = dtypes.pop()
+        dtype = self.router.weight.dtype  # one for all: _check_assigned_dtypes refused the rest up front
         if dtype != self.config.params_dtype:
-            self.experts.check_dtype(dtype)
             self.config = self.config.replace(params_dtype=dtype)
             self.router.config = self.config
-            replaced = True
         if replaced:
-            self.release_graphs()
+            self._new_storage()
 
     def get_extra_state(self) -> dict:
         """What ``state_dict()`` saves beside the weights: the placement, since ``experts.w13`` /

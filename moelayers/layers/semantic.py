@@ -36,7 +36,7 @@ from moelayers.dispatch.comm import all_gather_flat, copy_to_group, fingerprint
 from moelayers.groups import ParallelGroups
 from moelayers.kernels import shuffle_rows
 from moelayers.layers.base import MoELayerBase
-from moelayers.placement import ExpertPlacement
+from moelayers.placement import ExpertPlacement, on_host
 from moelayers.planning.semantic_eval import PREDICTORS
 from moelayers.schedule.token_shuffle import (
     HistoryPredictor,
@@ -124,22 +124,13 @@ class SemanticMoE(MoELayerBase):
             raise ValueError(f"mode='tp' runs the MoE expert-parallel over the TP group (tp = ep, the same ranks), got "
                              f"tp={groups.tp_size} ranks {_group_ranks(groups.tp)}, ep={groups.ep_size} ranks "
                              f"{_group_ranks(groups.ep)}: use ParallelGroups.from_world(tp=world)")
-        tables, predictor_obj, self.gather_context = None, None, False
+        tables, predictor_obj, gather_context = None, None, False
         if plan is not None:
             _check_plan(plan, config, groups)
-            tables = LayerTables.from_plan(plan, layer_idx)  # also checks layer_idx and the table shapes
+            tables, predictor_obj, gather_context = _plan_tables(plan, layer_idx, mode, predictor)  # checks layer_idx
             placement = placement or plan.placement(layer_idx)
-            history_predictor = None
-            if mode == "tp" and predictor != "alg3":
-                history_predictor = HistoryPredictor.from_plan(plan, layer_idx, history=predictor == "combined")
-            if history_predictor is None:  # Algorithm 3: the next layers' n-grams read this layer's ranks
-                later = torch.as_tensor(plan.ngram_conf)[layer_idx + 1:layer_idx + 3]
-            else:  # the next layers' predictors read this layer's experts (unless none uses history)
-                hist = getattr(plan, "history_pmi", None) if predictor == "combined" else None
-                later = torch.zeros(0) if hist is None else torch.as_tensor(hist)[layer_idx + 1:layer_idx + 1 + hist.shape[1]]
-            self.gather_context = mode == "tp" and bool((later != 0).any())
-            predictor_obj = history_predictor
         super().__init__(config, groups, placement=placement, **kwargs)
+        self.gather_context = gather_context
         self.mode, self.semantic_plan, self.layer_idx, self.predictor = mode, plan, layer_idx, predictor
         self.verify_tp_inputs = verify_tp_inputs
         if mode == "tp":  # routes only this TP rank's chunk: a partial gradient (see forward_tp)
@@ -421,6 +412,22 @@ def _history_of(prev: PrevRanks, token_ids: torch.Tensor | None, *, num_experts:
             raise ValueError(f"the expert history holds expert id {lo if lo < 0 else hi}, outside [0, {num_experts}) "
                              "(the experts of the earlier layers: their last_context_ranks)")
     return prev
+
+
+@on_host  # host tables whatever the default device (a model built under torch.device("meta"))
+def _plan_tables(plan: Any, layer_idx: int, mode: str, predictor: str):
+    """``(tables, history predictor or None, gather_context)`` of layer ``layer_idx`` of ``plan``:
+    :meth:`SemanticMoE.tables` copies them to the device the routing runs on."""
+    tables = LayerTables.from_plan(plan, layer_idx)  # also checks layer_idx and the table shapes
+    history_predictor = None
+    if mode == "tp" and predictor != "alg3":
+        history_predictor = HistoryPredictor.from_plan(plan, layer_idx, history=predictor == "combined")
+    if history_predictor is None:  # Algorithm 3: the next layers' n-grams read this layer's ranks
+        later = torch.as_tensor(plan.ngram_conf)[layer_idx + 1:layer_idx + 3]
+    else:  # the next layers' predictors read this layer's experts (unless none uses history)
+        hist = getattr(plan, "history_pmi", None) if predictor == "combined" else None
+        later = torch.zeros(0) if hist is None else torch.as_tensor(hist)[layer_idx + 1:layer_idx + 1 + hist.shape[1]]
+    return tables, history_predictor, mode == "tp" and bool((later != 0).any())
 
 
 def _check_plan(plan: Any, config: MoEConfig, groups: ParallelGroups) -> None:

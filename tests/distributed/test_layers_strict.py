@@ -188,3 +188,34 @@ def test_ranks_that_differ_in_autograd_exchange_rows_of_one_size():
     out = run_distributed(_mixed_autograd, 2, timeout=60)
     assert [grad for _, grad in out] == [True, False]
     assert max(err for err, _ in out) < 1e-12
+
+
+def _meta_built_replicas(rank, world, materialise):
+    """A replicated placement built under torch.device("meta"): the replica tie (the backward's sum
+    over an expert's replicas) was built on the meta device, and the first backward failed."""
+    import torch
+
+    import moelayers as ml
+
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+    g = ml.ParallelGroups.from_world()
+    placement = ml.ExpertPlacement.from_phy2log(torch.tensor([[0, 1, 2], [2, 3, 0]]), 4)  # experts 0, 2 twice
+    dense = ml.VanillaMoE(cfg, g, placement=placement, seed=1)
+    with torch.device("meta"):
+        lazy = ml.VanillaMoE(cfg, g, placement=placement, seed=1)
+    if materialise == "assign":
+        lazy.load_state_dict(dense.state_dict(), assign=True)
+    else:
+        lazy.to_empty(device="cpu")
+        lazy.reset_parameters()
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(rank))
+    lazy(x).sum().backward()
+    dense(x).sum().backward()
+    return [torch.equal(a.grad, b.grad) for a, b in zip(lazy.parameters(), dense.parameters())]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("materialise", ["to_empty", "assign"])
+def test_a_meta_built_layer_with_replicas_trains(materialise):
+    for rank, same in enumerate(run_distributed(_meta_built_replicas, 2, materialise, timeout=90)):
+        assert all(same), (rank, same)

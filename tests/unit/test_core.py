@@ -624,6 +624,20 @@ def test_deferred_init_on_the_meta_device(cls):
     lazy.reset_parameters()
     with torch.no_grad():
         assert torch.equal(lazy(x), src(x))
+    if cls == "VariabilityAwareMoE":  # its load window (a buffer no checkpoint holds) left on the meta device
+        with torch.device("meta"):
+            lazy = ml.VariabilityAwareMoE(cfg, g, seed=1, window=2, auto_replan=True)
+        lazy.load_state_dict(src.state_dict(), assign=True)
+        with torch.no_grad():
+            for _ in range(3):  # the window fills and the re-plan reads it
+                lazy(x)
+        assert lazy.num_replans == 1 and not lazy._loads.is_meta
+    # a dtype the layer cannot take, refused before anything is loaded (it was half loaded)
+    mixed = {k: (v.double() if k == "router.weight" else v) for k, v in src.state_dict().items()}
+    other = getattr(ml, cls)(cfg, g, seed=2)
+    with pytest.raises(TypeError, match="would give the parameters dtypes.*nothing of this MoE layer was loaded"):
+        other.load_state_dict(mixed, assign=True)
+    assert other.router.weight.dtype == other.config.params_dtype == torch.float32
     wide = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
             for k, v in src.state_dict().items()}
     other = getattr(ml, cls)(cfg, g, seed=2)

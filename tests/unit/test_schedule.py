@@ -370,6 +370,26 @@ def _layer(mode, dtype=torch.float64, e=8, plan_seed=0, **kw):
     return layer, cfg, w64
 
 
+@pytest.mark.parametrize("mode", ["dp", "tp"])
+def test_semantic_moe_from_a_plan_under_the_meta_device(mode):
+    """Deferred init: the plan's token tables were built on the meta device (no data: the
+    constructor raised); they are host tables, and the layer then serves like one built on the CPU."""
+    layer, cfg, w64 = _layer(mode)
+    plan = make_plan(8, 1, seed=0, mode=mode)
+    with torch.device("meta"):
+        lazy = ml.SemanticMoE.from_plan(plan, 2, cfg, ml.ParallelGroups.single())
+    assert lazy.router.weight.is_meta
+    lazy.load_state_dict(layer.state_dict(), assign=True)
+    x = torch.randn(9, H, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    ids = torch.arange(9)
+    with torch.no_grad():
+        if mode == "dp":
+            assert torch.equal(lazy(x, token_ids=ids), layer(x, token_ids=ids))
+        else:
+            norm = _norm(torch.float64)
+            assert torch.equal(lazy.forward_tp(x, x, norm, token_ids=ids), layer.forward_tp(x, x, norm, token_ids=ids))
+
+
 def test_semantic_moe_single_process_dp_and_tp():
     layer, cfg, w64 = _layer("dp")
     assert layer.mode == "dp"
