@@ -100,6 +100,7 @@ import hydra  # noqa: E402
 import numpy as np  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from moelayers.planning.steps import MIN_STEPS  # noqa: E402
 from recipes._common import (  # noqa: E402
     config_trace, int_setting, invocation, merge_curves_path, normalize_flags, print_table, run_dir, to_dict, write_json,
 )
@@ -313,8 +314,6 @@ def gem_scores(plans: dict[str, np.ndarray], name: str, train_loads, test_loads,
     }
 
 
-#: fewer train or held-out steps than this: the step scores (score*, gem_vs_*) rest on too few steps
-MIN_STEPS = 8
 
 
 def max_rank_rows(plans: dict[str, np.ndarray], parts: tuple, num_ranks: int) -> int:

@@ -50,8 +50,9 @@ sys.path.insert(0, str(REPO))
 
 from moelayers.planning.eplb import plan_eplb  # noqa: E402
 from moelayers.planning.gem import LatencyCurves, plan_gem, plan_linear, score_layers  # noqa: E402
-from moelayers.planning.steps import trace_step_loads  # noqa: E402
-from moelayers.trace import RoutingTrace, load_trace, save_trace, synthetic_trace  # noqa: E402
+from moelayers.planning.steps import MIN_STEPS, trace_step_loads  # noqa: E402
+from moelayers.trace import RoutingTrace, load_trace, synthetic_trace  # noqa: E402
+from _trace_cache import cached_trace  # noqa: E402  (tools/ is the script's directory)
 
 SETTINGS = {"ep4-high": (4, "high"), "ep4-low": (4, "low"), "ep8-high": (8, "high"),
             "ep8-low": (8, "low"), "ep4-moderate": (4, "moderate")}
@@ -101,14 +102,12 @@ def with_repetitive_sequences(trace: RoutingTrace, rng: np.random.Generator, sha
 def regime_trace(name: str, cache: Path, seed: int = 0) -> tuple[RoutingTrace, RoutingTrace]:
     """``(train, held_out)`` traces of a synthetic regime (26 layers, 64 experts, top-6)."""
     kwargs, order = REGIMES[name]
-    path = cache / f"{name}_s{seed}.npz"
-    if path.is_file():
-        trace = load_trace(path)
-    else:
+
+    def make() -> RoutingTrace:
         kw = dict(kwargs)
-        trace = synthetic_trace(kw.pop("num_sequences"), 26, 64, 6, 32000, seed=seed, **kw)
-        cache.mkdir(parents=True, exist_ok=True)
-        save_trace(trace, path)
+        return synthetic_trace(kw.pop("num_sequences"), 26, 64, 6, 32000, seed=seed, **kw)
+
+    trace = cached_trace(cache, f"{name}_s{seed}", {"regime": kwargs, "seed": seed}, make)
     if order == "spiky":
         trace = with_repetitive_sequences(trace, np.random.default_rng(seed + 1000))
     if order in ("split", "spiky"):
@@ -175,10 +174,16 @@ def evaluate_setting(train: np.ndarray, held: np.ndarray, num_ranks: int, variab
     return out
 
 
+#: the robust search's options (``moelayers.planning.gem_search.search``) that ``--opt`` may set
+OPTIONS = ("noise", "min_gain", "scenarios", "restarts")
+
+
 def _parse_options(items: list[str]) -> dict:
     opts = {}
     for item in items:
         key, _, value = item.partition("=")
+        if key not in OPTIONS:
+            raise SystemExit(f"--opt {item!r}: unknown option {key!r}; the robust search takes {', '.join(OPTIONS)}")
         try:
             opts[key] = json.loads(value)
         except json.JSONDecodeError:
@@ -210,7 +215,8 @@ def main() -> None:
     ap.add_argument("--tokens-per-step", type=int, default=2048)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="synthetic trace seeds (results averaged)")
     ap.add_argument("--cache", default="/tmp/gem_yardstick")
-    ap.add_argument("--opt", nargs="*", default=[], help="robust options key=value (JSON values)")
+    ap.add_argument("--opt", nargs="*", default=[],
+                    help=f"robust search options key=value (JSON values); keys: {', '.join(OPTIONS)}")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     if args.trace and any(a == "--seeds" or a.startswith("--seeds=") for a in sys.argv[1:]):
@@ -234,6 +240,9 @@ def main() -> None:
                 train, held = train[pick], held[pick]
             loads = train.sum(axis=1)
             skew = float((loads.max(axis=1) / loads.mean(axis=1)).mean())
+            if min(train.shape[1], held.shape[1]) < MIN_STEPS:
+                print(f"warning: {train.shape[1]} train and {held.shape[1]} held-out steps of {args.tokens_per_step} "
+                      f"tokens (fewer than plan.py's minimum of {MIN_STEPS}): these figures rest on too few steps")
             print(f"\n== {name} (seed {seed}): train {train.shape[1]} steps, held-out {held.shape[1]} steps, "
                   f"{train.shape[0]} layers, load max/mean {skew:.2f}")
             print(f"{'setting':<10} {'method':<7} {'vs_linear':>9} {'vs_eplb':>8} {'train_vs_lin':>12} "

@@ -40,7 +40,9 @@ import numpy as np
 from moelayers.planning.semantic import SemanticPlan, build_token_table
 from moelayers.planning.semantic_eval import evaluate, evaluate_tp
 from moelayers.planning.semantic_solvers import plan_semantic
-from moelayers.trace import RoutingTrace, load_trace, save_trace, synthetic_trace
+from moelayers.trace import RoutingTrace, synthetic_trace
+
+from _trace_cache import cached_trace  # tools/ is the script's directory
 
 LAYERS, EXPERTS, TOP_K, VOCAB = 26, 64, 6, 102400
 REGIMES: dict[str, dict] = {
@@ -65,19 +67,15 @@ CASES = {"tp4": ("tp", 4, {}), "tp8": ("tp", 8, {}), "dp4": ("dp", 4, {}),
 # ------------------------------------------------------------------------------------ traces
 def make_trace(name: str, cache: Path) -> RoutingTrace:
     """The regime's trace, from ``cache`` or generated (and written there)."""
-    path = cache / f"{name}.npz"
-    if path.is_file():
-        return load_trace(path)
-    kw = dict(REGIMES[name])
-    if "tiny" in kw:
-        trace = tiny_model_trace(**kw["tiny"])
-    else:
+    def make() -> RoutingTrace:
+        kw = dict(REGIMES[name])
+        if "tiny" in kw:
+            return tiny_model_trace(**kw["tiny"])
         num_s = kw.pop("num_sequences", 1000)
         seq_len = kw.pop("seq_len", (64, 512))
-        trace = synthetic_trace(num_s, LAYERS, EXPERTS, TOP_K, VOCAB, seq_len=seq_len, seed=1, **kw)
-    cache.mkdir(parents=True, exist_ok=True)
-    save_trace(trace, path)
-    return trace
+        return synthetic_trace(num_s, LAYERS, EXPERTS, TOP_K, VOCAB, seq_len=seq_len, seed=1, **kw)
+
+    return cached_trace(cache, name, {"regime": REGIMES[name], "shape": (LAYERS, EXPERTS, TOP_K, VOCAB)}, make)
 
 
 def tiny_model_trace(num_sequences: int = 600, seed: int = 0, *, init_std: float = 0.5,

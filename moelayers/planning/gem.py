@@ -18,8 +18,9 @@ key            shape       meaning
 
 Between samples the latency is interpolated linearly, below the first sample held at the first value,
 and beyond the last sample extrapolated linearly with the least-squares slope of the samples in the
-upper half of the sampled range (at least the last two): a last segment that the profiler's
-non-decreasing fit flattened does not make every row beyond it free. Synthetic ("tiled") curves
+upper half of the sampled range (at least the last two), or of all the samples where the upper half is
+flat: a last segment, or an upper half, that the profiler's non-decreasing fit flattened does not make
+every row beyond it free. Synthetic ("tiled") curves
 ``C_r(n) = s_r * (base + per_tile * ceil(n / tile))`` are evaluated exactly; their file also holds
 the optional keys ``tile``, ``base_s``, ``per_tile_s`` (scalars) and ``scale [R]``.
 
@@ -304,17 +305,26 @@ def tail_slope(rows: np.ndarray, latency_s: np.ndarray) -> np.ndarray:
     """Seconds per row beyond the last sample: ``[R]`` least-squares slopes of each curve over the
     samples at ``rows >= rows[-1] / 2`` (at least the last two). Non-negative for non-decreasing
     curves; steadier than the last segment alone, which the monotone fit of noisy measurements
-    may flatten (a dip at the last sample made every row beyond it cost nothing).
+    may flatten (a dip at the last sample made every row beyond it cost nothing). Where those
+    samples are flat (a coarse profile whose fit pooled its few upper samples into one block), the
+    least-squares slope of all the samples; zero only for a curve that is flat throughout.
 
     Args:
         rows: ``[N]`` ascending sample points (float or int), ``N >= 2``.
         latency_s: ``[R, N]`` seconds.
     """
     x = np.asarray(rows, dtype=np.float64)
+    y = np.asarray(latency_s, dtype=np.float64)
     keep = max(int(np.count_nonzero(x >= 0.5 * x[-1])), 2)
-    xs, ys = x[-keep:], latency_s[:, -keep:]
-    dx = xs - xs.mean()
-    return np.maximum(((ys - ys.mean(axis=1, keepdims=True)) * dx).sum(axis=1) / (dx * dx).sum(), 0.0)
+    upper = _ls_slope(x[-keep:], y[:, -keep:])
+    # a few upper samples that the monotone fit pooled into one flat block: the whole curve's slope
+    return np.where(upper > 0, upper, _ls_slope(x, y))
+
+
+def _ls_slope(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """``[R]`` non-negative least-squares slopes of ``y [R, N]`` over ``x [N]``."""
+    dx = x - x.mean()
+    return np.maximum(((y - y.mean(axis=1, keepdims=True)) * dx).sum(axis=1) / (dx * dx).sum(), 0.0)
 
 
 # ---------------------------------------------------------------------- placements and scores

@@ -25,6 +25,8 @@ __all__ = [
 
 DEFAULT_TOKENS_PER_STEP = 2048
 DEFAULT_WINDOW = 16
+#: fewer train or held-out steps than this: step scores (GEM's ``score*``, ``gem_vs_*``) rest on too few steps
+MIN_STEPS = 8
 
 
 def _check_tokens_per_step(tokens_per_step: int) -> int:

@@ -67,7 +67,8 @@ def test_presets_follow_the_formula() -> None:
 def test_sampled_curves_interpolate_hold_and_extrapolate() -> None:
     curves = LatencyCurves(np.array([10, 20, 40]), np.array([[1.0, 2.0, 2.0], [0.0, 1.0, 5.0]]))
     x = np.array([0, 10, 15, 30, 60])
-    np.testing.assert_allclose(curves.eval_ranks(x, 0), [1.0, 1.0, 1.5, 2.0, 2.0])
+    # rank 0's upper half (20, 40) is flat: beyond 40 rows, the whole curve's slope (2/70 per row)
+    np.testing.assert_allclose(curves.eval_ranks(x, 0), [1.0, 1.0, 1.5, 2.0, 2.0 + 20 * 2 / 70])
     np.testing.assert_allclose(curves.eval_ranks(x, 1), [0.0, 0.0, 0.5, 3.0, 9.0])
     uniform = LatencyCurves(np.array([0, 10, 20]), np.array([[0.0, 1.0, 3.0]]))  # the uniform-grid fast path
     np.testing.assert_allclose(uniform.eval_ranks(np.array([0, 5, 10, 15, 30, -3]), 0), [0, 0.5, 1, 2, 5, 0])
@@ -556,6 +557,20 @@ def test_robust_searches_predictive_scenarios() -> None:
     np.testing.assert_allclose(x.mean(0), loads.mean(0), rtol=1e-9)
 
 
+def test_extrapolation_of_a_coarse_profile_whose_upper_half_was_pooled():
+    """profile=cpu_smoke samples 1-128 rows; one dip at 96 rows made the monotone fit pool the whole
+    upper half (64, 96, 128) into one flat block, so 6,144 rows cost what 128 did and every placement
+    scored the same (gem_vs_linear 0). The whole curve's slope now prices the rows beyond it."""
+    from recipes.profile import monotone_fit, sample_rows
+
+    rows = np.asarray(sample_rows(16, 64, 32, 128))
+    fit = monotone_fit(np.array([[10, 20, 30, 40, 52, 48, 50]], dtype=float) * 1e-6)
+    assert np.ptp(fit[0, rows >= 64]) == 0  # the pooled block
+    c = LatencyCurves(rows, fit)
+    far = c.eval_ranks(np.array([128.0, 1024.0, 6144.0]), 0)
+    assert far[0] == pytest.approx(50e-6) and far[2] > far[1] > 2 * far[0]
+
+
 def test_extrapolation_uses_the_tail_slope_not_a_flattened_last_segment():
     """A dip at the last measurement, flattened by the profiler's non-decreasing fit, made every row
     beyond the curve cost nothing (139.5 us at 10,000 rows); the tail's least-squares slope keeps
@@ -568,8 +583,10 @@ def test_extrapolation_uses_the_tail_slope_not_a_flattened_last_segment():
     assert c.eval_ranks(np.array([384.0, 448.0]), 0) * 1e6 == pytest.approx([139.75, 139.75])  # between samples: as sampled
     straight = 50.0 + (np.array([1024.0, 5000.0]) - 512.0) * 10.0 / 128.0
     assert c.eval_ranks(np.array([1024.0, 5000.0]), 1) * 1e6 == pytest.approx(straight)
-    uneven = LatencyCurves(np.array([0, 10, 30]), np.array([[1.0, 2.0, 2.0]]))  # tail samples 30 (and 10): slope 0
-    assert uneven.eval_ranks(np.array([60.0]), 0) == pytest.approx([2.0])
+    # a flat upper half (samples 10 and 30) takes the whole curve's least-squares slope, 2/70 per row
+    uneven = LatencyCurves(np.array([0, 10, 30]), np.array([[1.0, 2.0, 2.0]]))
+    assert uneven.eval_ranks(np.array([60.0]), 0) == pytest.approx([2.0 + 30 * 2 / 70])
+    assert LatencyCurves(np.array([0, 10]), np.array([[3.0, 3.0]])).eval_ranks(np.array([99.0]), 0) == pytest.approx([3.0])
     # smoothing integrates the same extended curve: continuous across the last sample
     s = c.smoothed(64)
     assert np.all(np.diff(s(np.stack([np.arange(0, 2000, 7.0)] * 2, axis=1)), axis=0) >= -1e-15)
