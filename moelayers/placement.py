@@ -188,6 +188,14 @@ class ExpertPlacement:
             self._device_cache[key] = self.log2phy[:, 0].contiguous().to(device)
         return self._device_cache[key]
 
+    def first_replica_location(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([E] rank, [E] local slot)`` of each expert's first replica on ``device``, cached."""
+        key = ("first_location", torch.device(device))
+        if key not in self._device_cache:
+            phys = self.log2phy[:, 0]
+            self._device_cache[key] = ((phys // self.slots_per_rank).to(device), (phys % self.slots_per_rank).to(device))
+        return self._device_cache[key]
+
     # ---------------------------------------------------------------- checks and moves
     @on_host
     def validate(self) -> None:

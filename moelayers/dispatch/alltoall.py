@@ -26,7 +26,7 @@ from moelayers.dispatch.base import (
     raise_if_placements_differ,
 )
 from moelayers.dispatch.comm import ROW_ALIGN, RowLayout, all_to_all_bytes, packed_all_to_all
-from moelayers.kernels import dispatch_pack, unpermute_combine
+from moelayers.kernels import dispatch_pack, send_layout, unpermute_combine
 from moelayers.metrics import MoEStats
 
 
@@ -74,8 +74,8 @@ class AllToAllDispatcher:
     def dispatch(self, x: torch.Tensor, routes: Routes) -> Received:
         if self.capacity is not None:
             return self._dispatch_fixed(x, routes)
-        dest_map, send_rows, send_pairs = self._layout(routes)
-        in_splits, out_splits, pairs_sent, recv_pairs = self._exchange_counts(send_rows, send_pairs, routes.nonfinite)
+        dest_map, header = self._layout(routes)
+        in_splits, out_splits, pairs_sent, recv_pairs = self._exchange_counts(header)
 
         j = routes.dest_rank.shape[1] if self.dedup else 1
         layout = RowLayout(((x.shape[1], x.dtype), (j, routes.weights.dtype), (j, torch.int32)))
@@ -137,36 +137,29 @@ class AllToAllDispatcher:
         return torch.stack([torch.full((), d & _LOW31, dtype=torch.int32, device=device),
                             torch.full((), (d >> 31) & _LOW31, dtype=torch.int32, device=device)])
 
-    def _layout(self, routes: Routes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Send-buffer row of every unit (``-1`` unused), rows and activations per rank."""
+    def _layout(self, routes: Routes) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send-buffer row of every unit (``-1`` unused) and the ``[R, 4]`` header the ranks
+        exchange: rows and activations per rank, the routing flag and the placement digest."""
+        dest_map, header = send_layout(routes.dest_rank, self.num_ranks, routes.nonfinite, self.placement_digest)
+        if self.dedup:
+            return dest_map, header
+        # one row per (token, k), ordered by rank: as many rows as activations
         t, k = routes.dest_rank.shape
-        dev = routes.dest_rank.device
-        per_rank = torch.zeros(t, self.num_ranks, dtype=torch.int64, device=dev)
-        per_rank.scatter_add_(1, routes.dest_rank, _ones(dev).expand(t, k))  # activations per (token, rank)
-        send_pairs = per_rank.sum(0)
-        if not self.dedup:  # one row per (token, k), ordered by rank
-            order = torch.argsort(routes.dest_rank.flatten(), stable=True)
-            dest_map = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=dev))
-            return dest_map.view(t, k), send_pairs, send_pairs
-        hit = per_rank > 0
-        running = torch.cumsum(hit, 0)  # [T, R]: rows for rank r among tokens <= t
-        send_rows = hit.sum(0)
-        first_row = torch.cumsum(send_rows, 0) - send_rows  # rows ordered by (rank, token)
-        dest_map = torch.where(hit, running - 1 + first_row, -1)
-        return dest_map, send_rows, send_pairs
+        order = torch.argsort(routes.dest_rank.flatten(), stable=True)
+        dest_map = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        header[:, 0] = header[:, 1]
+        return dest_map.view(t, k), header
 
-    def _exchange_counts(self, send_rows, send_pairs, nonfinite):
-        """The one small exchange and the one host sync: split sizes, activation counts and
-        each rank's non-finite-logits flag (so that every rank raises together, none hangs)."""
-        flag = nonfinite.to(torch.int64).expand(self.num_ranks) if nonfinite is not None else torch.zeros_like(send_rows)
-        digest = torch.full_like(send_rows, self.placement_digest)
-        counts = torch.stack([send_rows, send_pairs, flag, digest], 1)  # [R, 4]
-        recv = torch.empty_like(counts)
+    def _exchange_counts(self, header: torch.Tensor):
+        """The one small exchange and the one host sync: every rank's header (split sizes,
+        activation counts, non-finite-logits flag and placement digest), so that every rank raises
+        together on bad routing or mixed placements, and none hangs."""
+        recv = torch.empty_like(header)
         if self.group is None:
-            recv.copy_(counts)
+            recv.copy_(header)
         else:
-            dist.all_to_all_single(recv, counts, group=self.group)
-        host = torch.cat([counts, recv], 1).tolist()
+            dist.all_to_all_single(recv, header, group=self.group)
+        host = torch.cat([header, recv], 1).tolist()
         raise_if_nonfinite([row[6] for row in host])
         raise_if_placements_differ([row[7] for row in host])
         return [row[0] for row in host], [row[4] for row in host], [row[1] for row in host], sum(row[5] for row in host)
@@ -219,12 +212,3 @@ def _fixed_rows(capacity: int, num_ranks: int, device: torch.device) -> torch.Te
         _FIXED_ROWS[key] = t + capacity * torch.arange(num_ranks, device=device)[None, :]
     return _FIXED_ROWS[key]
 
-
-_ONES: dict[torch.device, torch.Tensor] = {}
-
-
-def _ones(device: torch.device) -> torch.Tensor:
-    """A cached one-element int64 tensor of ones, expanded (no copy) where a ones-tensor is needed."""
-    if device not in _ONES:
-        _ONES[device] = torch.ones(1, dtype=torch.int64, device=device)
-    return _ONES[device]

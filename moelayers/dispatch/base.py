@@ -129,6 +129,9 @@ def routes_from_placement(
     topk_ids: torch.Tensor, weights: torch.Tensor, placement: ExpertPlacement, rank: int, policy: ReplicaPolicy
 ) -> Routes:
     """Step 2 for placement-driven layers: logical ids -> chosen replica -> (rank, local slot)."""
+    if placement.max_replicas == 1 and type(policy) is LocalFirstPolicy:  # one replica each: two table lookups
+        rank_of, slot_of = placement.first_replica_location(topk_ids.device)
+        return Routes(topk_ids, weights, rank_of[topk_ids], slot_of[topk_ids])
     phys = policy(topk_ids, placement, rank)
     dest_rank = torch.div(phys, placement.slots_per_rank, rounding_mode="floor")
     return Routes(topk_ids, weights, dest_rank, phys - dest_rank * placement.slots_per_rank)

@@ -86,7 +86,7 @@ class RowLayout:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+    return dtype.itemsize
 
 
 def all_to_all_bytes(buf: torch.Tensor, out_rows: int, in_splits: list[int], out_splits: list[int], group) -> torch.Tensor:

@@ -62,6 +62,7 @@ from moelayers.kernels.unpermute_combine import (  # noqa: E402
     unpermute_combine_reference,
     unpermute_combine_triton,
 )
+from moelayers.kernels.send_layout import send_layout, send_layout_reference, send_layout_triton  # noqa: E402
 from moelayers.kernels.shuffle import (  # noqa: E402
     bucket_positions,
     bucket_positions_reference,
@@ -84,6 +85,9 @@ __all__ = [
     "dispatch_pack",
     "dispatch_pack_reference",
     "dispatch_pack_triton",
+    "send_layout",
+    "send_layout_reference",
+    "send_layout_triton",
     "shuffle_rows",
     "shuffle_rows_reference",
     "shuffle_rows_triton",

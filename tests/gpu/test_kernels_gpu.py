@@ -64,3 +64,18 @@ def test_empty_and_all_invalid_cuda():
     assert permute_triton(x, torch.empty(0, 2, dtype=torch.long, device="cuda"), out) is out
     y = unpermute_combine_triton(torch.empty(0, 64, device="cuda"), torch.full((3, 2), -1, device="cuda"), None)
     assert y.shape == (3, 64) and (y == 0).all()
+
+
+@pytest.mark.parametrize("t,k,r", [(0, 2, 2), (1, 1, 1), (256, 8, 2), (4096, 8, 4), (4096, 6, 8), (1000, 8, 64)])
+@pytest.mark.parametrize("flag", [None, "bool", "int"])
+def test_send_layout_cuda(t, k, r, flag):
+    from moelayers.kernels import send_layout, send_layout_reference, send_layout_triton
+    from tests.unit.test_send_layout import _ranks
+
+    dest_rank = _ranks(t, k, r, seed=t + r).cuda()
+    f = {None: None, "bool": torch.tensor(True, device="cuda"), "int": torch.tensor(6, dtype=torch.int32, device="cuda")}[flag]
+    digest = (1 << 62) - 7
+    assert use_triton(dest_rank)
+    got, want = send_layout_triton(dest_rank, r, f, digest), send_layout_reference(dest_rank, r, f, digest)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(send_layout(dest_rank.int(), r, f, digest), want))

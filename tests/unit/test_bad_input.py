@@ -106,6 +106,22 @@ def test_nan_inf_router_logits(bad):
         m(x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_nonfinite_check_of_the_router(dtype):
+    """The router's check flags exactly the logits with a NaN or an inf (either sign, or both, whose
+    sum would be NaN anyway), and not large finite logits whose sum overflows."""
+    from moelayers.router import _any_nonfinite
+
+    big = torch.finfo(dtype).max
+    finite = torch.tensor([[big, big, -big], [1.0, -0.0, 3.0]], dtype=dtype)
+    assert not _any_nonfinite(finite) and not _any_nonfinite(finite[:0])
+    for bad in ([float("nan")], [float("inf")], [float("-inf")], [float("inf"), float("-inf")]):
+        logits = finite.clone()
+        logits[1, : len(bad)] = torch.tensor(bad, dtype=dtype)
+        assert _any_nonfinite(logits), bad
+    assert _any_nonfinite(torch.tensor([float("inf")], dtype=dtype, requires_grad=dtype != torch.bfloat16))
+
+
 def test_forced_routing_shape():
     m = layer()
     m.force_routing(torch.zeros(3, 2, dtype=torch.int64))

@@ -356,6 +356,8 @@ def test_placement_constructors_refuse_bad_tables():
 def test_expert_rank_is_the_rank_of_the_first_replica():
     p = ml.ExpertPlacement.from_phy2log([[0, 1, 3], [2, 3, 0]], 4)  # log2phy [[0, 5], [1, -1], [3, -1], [2, 4]]
     assert p.expert_rank().tolist() == [0, 0, 1, 0]
+    rank, slot = p.first_replica_location("cpu")  # the lookup tables of placement-driven routing
+    assert rank.tolist() == [0, 0, 1, 0] and slot.tolist() == [0, 1, 0, 2]
 
 
 def test_digest_tells_tables_of_other_shapes_apart():
