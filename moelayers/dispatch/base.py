@@ -27,7 +27,8 @@ class Routes:
         dest_slot: ``[T, K]`` int64 local slot of the chosen replica on ``dest_rank``.
         nonfinite: optional 0-dim int device flag of bad routing on this rank: ``NONFINITE_LOGITS``
             (router logits with NaN/inf) | ``FORCED_OUT_OF_RANGE`` (forced expert ids outside
-            ``[0, E)``) | ``BAD_INPUT`` (the layer refused this rank's input and sends no tokens);
+            ``[0, E)``) | ``BAD_INPUT`` (the layer refused this rank's input and sends no tokens) |
+            ``BAD_REPLICA`` (a custom replica policy picked a slot without the routed expert);
             dispatchers exchange it with their split sizes (no extra sync) and every rank raises.
         overflow: capacity mode: optional 0-dim device flag, true when this rank had more tokens
             than the capacity (it sends the first ``capacity``); exchanged like ``nonfinite``.
@@ -44,20 +45,31 @@ class Routes:
 NONFINITE_LOGITS = 1  # bits of Routes.nonfinite
 FORCED_OUT_OF_RANGE = 2
 BAD_INPUT = 4  # the layer refused this rank's input; it takes part in the exchange with no tokens
+BAD_REPLICA = 8  # a replica policy picked a slot that does not hold the routed expert
+
+
+def merge_flags(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+    """The union of two routing flags (0-dim bool or int device tensors, ``None`` = unset)."""
+    if a is None or b is None:
+        return b if a is None else a
+    return a.to(torch.int32) | b.to(torch.int32)
 
 
 def raise_if_placements_differ(digests: list[int]) -> None:
     """Raise ``ValueError`` on every rank if the expert-parallel ranks serve different placements
-    (their :meth:`~moelayers.placement.ExpertPlacement.digest`, one per rank in rank order), e.g. the
-    ranks loaded checkpoints saved at different moments: routing by one table and weights laid out
-    by another give wrong outputs silently."""
+    or payload settings (the layer's digest of its placement's
+    :meth:`~moelayers.placement.ExpertPlacement.digest` and of its dispatcher, dedup, capacity,
+    num_experts, top_k and hidden_size, one per rank in rank order), e.g. the ranks loaded
+    checkpoints saved at different moments: routing by one table and weights laid out by another
+    give wrong outputs silently."""
     if len(set(digests)) > 1:
         groups: dict[int, list[int]] = {}
         for r, d in enumerate(digests):
             groups.setdefault(d, []).append(r)
-        raise ValueError(f"the expert-parallel ranks serve different placements (ranks grouped by placement: "
-                         f"{sorted(groups.values())}): every rank must load the same checkpoint moment or apply "
-                         f"the same placement")
+        raise ValueError(f"the expert-parallel ranks serve different placements or layer settings (ranks grouped "
+                         f"by them: {sorted(groups.values())}): every rank must load the same checkpoint moment or "
+                         f"apply the same placement, and build the layer with the same dispatcher, dedup, capacity, "
+                         f"num_experts, top_k and hidden_size")
 
 
 def raise_if_nonfinite(flags: list[int]) -> None:
@@ -71,6 +83,11 @@ def raise_if_nonfinite(flags: list[int]) -> None:
     if forced:
         raise ValueError(f"forced routing (force_routing) holds expert ids outside [0, num_experts) on "
                          f"expert-parallel rank(s) {forced}: a trace of another model?")
+    replica = [r for r, f in enumerate(flags) if int(f) & BAD_REPLICA]
+    if replica:
+        raise ValueError(f"the replica policy picked physical slots that do not hold the routed expert on "
+                         f"expert-parallel rank(s) {replica}: a policy must return, for every (token, k), one of "
+                         f"the slots that placement.log2phy lists for topk_ids[t, k]")
     bad = [r for r, f in enumerate(flags) if int(f) & NONFINITE_LOGITS]
     if bad:
         raise ValueError(f"router logits contain NaN or inf (on expert-parallel rank(s) {bad}): "
@@ -133,8 +150,28 @@ def routes_from_placement(
         rank_of, slot_of = placement.first_replica_location(topk_ids.device)
         return Routes(topk_ids, weights, rank_of[topk_ids], slot_of[topk_ids])
     phys = policy(topk_ids, placement, rank)
+    flag = None
+    if type(policy) is not LocalFirstPolicy:
+        phys, flag = _checked_picks(policy, phys, topk_ids, placement)
     dest_rank = torch.div(phys, placement.slots_per_rank, rounding_mode="floor")
-    return Routes(topk_ids, weights, dest_rank, phys - dest_rank * placement.slots_per_rank)
+    return Routes(topk_ids, weights, dest_rank, phys - dest_rank * placement.slots_per_rank, nonfinite=flag)
+
+
+def _checked_picks(policy, phys, topk_ids, placement: ExpertPlacement) -> tuple[torch.Tensor, torch.Tensor]:
+    """A custom policy's picks, checked on the device (no sync): ``(phys clamped into the slots, so
+    that the exchange completes, 0-dim int32 flag: BAD_REPLICA where a pick does not hold the
+    routed expert)``. A pick of the wrong shape or dtype is a ``TypeError`` / ``ValueError`` here."""
+    if not isinstance(phys, torch.Tensor) or phys.is_floating_point() or phys.is_complex() or phys.dtype == torch.bool:
+        raise TypeError(f"replica policy {type(policy).__name__} must return integer physical slots, got "
+                        f"{getattr(phys, 'dtype', type(phys).__name__)}")
+    if phys.shape != topk_ids.shape:
+        raise ValueError(f"replica policy {type(policy).__name__} must return [T, K] = {list(topk_ids.shape)} "
+                         f"physical slots, got {list(phys.shape)}")
+    phy2log = placement.device_tables(phys.device)[0].flatten()
+    inside = (phys >= 0) & (phys < phy2log.numel())
+    phys = phys.to(torch.int64).clamp(0, phy2log.numel() - 1)
+    wrong = (~inside | (phy2log[phys] != topk_ids)).any()
+    return phys, wrong.to(torch.int32) * BAD_REPLICA
 
 
 @dataclass

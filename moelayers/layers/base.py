@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,10 @@ from torch import nn
 
 from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, ReplicaPolicy, Routes
-from moelayers.dispatch.base import BAD_INPUT, raise_if_nonfinite, raise_if_placements_differ, routes_from_placement
+from moelayers.dispatch.base import (
+    BAD_INPUT, merge_flags, raise_if_nonfinite, raise_if_placements_differ,
+    routes_from_placement,
+)
 from moelayers.dispatch.comm import fingerprint
 from moelayers.experts import GroupedExperts, gather_logical
 from moelayers.groups import ParallelGroups
@@ -109,6 +113,9 @@ class MoELayerBase(nn.Module):
         config = config.replace()
         self.config, self.groups, self.placement, self.seed = config, groups, placement.copy(), seed
         self._state_phy2log = self.placement.phy2log.clone()  # what state_dict() saves (see get_extra_state)
+        if replica_policy is not None and not callable(replica_policy):
+            raise TypeError(f"replica_policy must be callable (topk_ids, placement, rank) -> physical slots, "
+                            f"got {type(replica_policy).__name__}")
         self.replica_policy = replica_policy or LocalFirstPolicy()
         self.dedup = dedup
         self.dispatcher_name = dispatcher
@@ -143,9 +150,18 @@ class MoELayerBase(nn.Module):
     def _make_dispatcher(self):
         g, p = self.groups, self.placement
         if self.dispatcher_name == "allgather":
-            return AllGatherDispatcher(g.ep, g.ep_size, g.ep_rank, p.slots_per_rank, placement_digest=p.digest())
+            return AllGatherDispatcher(g.ep, g.ep_size, g.ep_rank, p.slots_per_rank, placement_digest=self._digest())
         return AllToAllDispatcher(g.ep, g.ep_size, g.ep_rank, p.slots_per_rank, dedup=self.dedup,
-                                  capacity=self.capacity, placement_digest=p.digest())
+                                  capacity=self.capacity, placement_digest=self._digest())
+
+    def _digest(self) -> int:
+        """62-bit digest the ranks compare with every exchange: the placement and the settings that
+        decide how the payload is laid out (a rank built with another ``dedup`` or ``top_k`` read
+        the others' rows with its own layout and failed on an out-of-range index, or worse)."""
+        c = self.config
+        settings = (self.placement.digest(), self.dispatcher_name, self.dedup, self.capacity, c.num_experts, c.top_k,
+                    c.hidden_size)
+        return int.from_bytes(hashlib.blake2b(repr(settings).encode(), digest_size=8).digest(), "little") >> 2
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -537,10 +553,9 @@ class MoELayerBase(nn.Module):
         """The five steps on ``x2 [T, H]``; with ``num_valid``, rows from there on are padding."""
         topk_ids, topk_weights = self.router(x2, forced, defer_check=True)  # 1 route
         routes = self.plan(topk_ids, topk_weights, token_ids)             # 2 plan
-        routes.nonfinite = self.router.last_nonfinite
+        routes.nonfinite = merge_flags(routes.nonfinite, self.router.last_nonfinite)
         if self._bad_input:
-            flag = torch.tensor(BAD_INPUT, dtype=torch.int32, device=x2.device)
-            routes.nonfinite = flag if routes.nonfinite is None else flag | routes.nonfinite.to(torch.int32)
+            routes.nonfinite = merge_flags(routes.nonfinite, torch.tensor(BAD_INPUT, dtype=torch.int32, device=x2.device))
         if num_valid is not None:  # capacity mode: rows from num_valid on are padding
             padding = self._arange(x2.shape[0], x2.device) >= num_valid
             routes.dest_rank = routes.dest_rank.masked_fill(padding[:, None], -1)
@@ -592,10 +607,11 @@ class MoELayerBase(nn.Module):
     def _raise_on_flags(self, t: int, forced: bool) -> None:
         """Capacity mode: raise on every rank when any rank had NaN/inf logits, forced expert ids out
         of range, more than ``capacity`` tokens or another placement (the flags and placement digests
-        came with the exchange). One host sync, made when the NaN check is on, the routing was forced
-        or this rank overflowed; with ``check_finite=False`` and the router's own routing only an
+        came with the exchange). One host sync, made when the NaN check is on, the routing was forced,
+        the replica policy is a custom one or this rank overflowed; with ``check_finite=False`` and the router's own routing only an
         overflowing rank itself raises, and the placements are not compared."""
-        if not (self.router.check_finite or forced or t > self.capacity or self._bad_input):
+        if not (self.router.check_finite or forced or t > self.capacity or self._bad_input
+                or type(self.replica_policy) is not LocalFirstPolicy):
             return
         d = self.dispatcher
         r = self.groups.ep_size

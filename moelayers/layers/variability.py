@@ -137,6 +137,10 @@ class VariabilityAwareMoE(MoELayerBase):
             raise TypeError(f"planner must be callable, got {type(planner).__name__}")
         if isinstance(plan_seed, bool) or not isinstance(plan_seed, numbers.Integral) or plan_seed < 0:
             raise ValueError(f"plan_seed must be an int >= 0, got {plan_seed!r}")
+        if auto_replan and planner is None and config.num_experts % groups.ep_size:
+            raise ValueError(f"auto_replan with the default GEM planner needs num_experts ({config.num_experts}) "
+                             f"divisible by the expert-parallel ranks ({groups.ep_size}): it places equal experts "
+                             f"per rank, so every re-plan would fail; pass a planner that handles it")
         if curves is not None and hasattr(curves, "check_ranks"):  # LatencyCurves: here, not at the first re-plan
             curves.check_ranks(groups.ep_size)
         factor = _slowdown_factor(slowdown, groups) if slowdown is not None else None  # on every rank, before any collective

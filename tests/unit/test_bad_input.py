@@ -217,6 +217,49 @@ def test_groups_that_do_not_match_the_world():
         assert errors == []
 
 
+def _indivisible_auto_replan(rank, world):
+    """3 experts over 2 ranks (a placement with an empty slot) with auto_replan: GEM places equal
+    experts per rank, so every due re-plan failed and warned, forever; now refused when built."""
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=3, top_k=1)
+    place = ml.ExpertPlacement.from_phy2log(torch.tensor([[0, 1], [2, -1]]), 3)
+    groups = ml.ParallelGroups.from_world()
+    try:
+        ml.VariabilityAwareMoE(cfg, groups, placement=place, window=2, auto_replan=True)
+        return "no error"
+    except ValueError as e:
+        assert "divisible" in str(e), str(e)
+    ml.VariabilityAwareMoE(cfg, groups, placement=place, window=2)  # serving without re-plans is fine
+    return "raised"
+
+
+@pytest.mark.timeout(120)
+def test_auto_replan_needs_experts_divisible_by_the_ranks():
+    assert run_distributed(_indivisible_auto_replan, 2) == ["raised", "raised"]
+
+
+def _settings_differ(rank, world, what):
+    """Ranks built with another dedup or top_k read each other's payload rows with their own
+    layout: an out-of-range index decoded from the payload's bytes, or a gloo reset. The digest the
+    ranks exchange now covers those settings."""
+    k = 3 if what == "top_k" and rank == 1 else 2
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=8, top_k=k)
+    kw = dict(dedup=rank == 0) if what == "dedup" else {}
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), seed=0, **kw)
+    try:
+        with torch.no_grad():
+            layer(torch.randn(5 + rank, 16))
+    except ValueError as e:
+        assert "different placements or layer settings (ranks grouped by them: [[0], [1]])" in str(e), str(e)
+        return "raised"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("what", ["dedup", "top_k"])
+def test_ranks_with_other_payload_settings_raise(what):
+    assert run_distributed(_settings_differ, 2, what) == ["raised", "raised"]
+
+
 def _nan_on_one_rank(rank, world, dispatcher):
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
     kwargs = dict(capacity=6) if dispatcher == "capacity" else dict(dispatcher=dispatcher)
@@ -239,6 +282,63 @@ def _nan_on_one_rank(rank, world, dispatcher):
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "capacity"])
 def test_nan_on_one_rank_raises_on_every_rank(dispatcher):
     assert run_distributed(_nan_on_one_rank, 2, dispatcher) == ["raised", "raised"]
+
+
+class _PickSlot:
+    """A replica policy that returns ``phys`` for every (token, k) on rank ``on_rank`` (``"next"``:
+    the first replica of the next expert), and the right replicas elsewhere."""
+
+    def __init__(self, phys, on_rank):
+        self.phys, self.on_rank = phys, on_rank
+
+    def __call__(self, topk_ids, placement, rank):
+        if rank != self.on_rank:
+            return placement.first_replica(topk_ids.device)[topk_ids]
+        if self.phys == "next":
+            return placement.first_replica(topk_ids.device)[(topk_ids + 1) % placement.num_experts]
+        return torch.full_like(topk_ids, self.phys)
+
+
+def _bad_replica_picks(rank, world, dispatcher):
+    """A custom policy's picks that do not hold the routed expert (another expert's slot, an empty
+    spare slot, a slot past the placement) were used as they were: wrong outputs, no error."""
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    spr = 4 // world + 1  # one empty spare slot per rank
+    place = ml.ExpertPlacement.linear(4, world, slots_per_rank=spr)
+    kwargs = dict(capacity=6, check_finite=False) if dispatcher == "capacity" else dict(dispatcher=dispatcher)
+    out = []
+    for phys in ("next", spr - 1, world * spr + 3, -2):
+        m = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world() if world > 1 else ml.ParallelGroups.single(),
+                          placement=place, replica_policy=_PickSlot(phys, world - 1), **kwargs)
+        try:
+            with torch.no_grad():
+                m(torch.randn(5, 8))
+            out.append(f"{phys}: no error")
+        except ValueError as e:
+            out.append("raised" if f"rank(s) [{world - 1}]" in str(e) and "replica policy" in str(e) else str(e))
+    good = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world() if world > 1 else ml.ParallelGroups.single(),
+                         placement=place, replica_policy=_PickSlot(None, -1), **kwargs)
+    with torch.no_grad():
+        good(torch.randn(5, 8))  # a custom policy that picks right replicas serves
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "capacity"])
+def test_bad_replica_picks_raise_on_every_rank(dispatcher):
+    assert _bad_replica_picks(0, 1, dispatcher) == ["raised"] * 4
+    assert run_distributed(_bad_replica_picks, 2, dispatcher) == [["raised"] * 4] * 2
+
+
+def test_replica_policy_must_be_callable_and_return_slots():
+    with pytest.raises(TypeError, match="replica_policy must be callable"):
+        layer(replica_policy="local")
+    m = layer(replica_policy=lambda ids, placement, rank: ids.float())
+    with pytest.raises(TypeError, match="integer physical slots"):
+        m(torch.randn(3, 16))
+    m = layer(replica_policy=lambda ids, placement, rank: ids[:, :1])
+    with pytest.raises(ValueError, match=r"must return \[T, K\]"):
+        m(torch.randn(3, 16))
 
 
 def _overflow_on_one_rank(rank, world, check_finite):
