@@ -121,6 +121,8 @@ def main():
                     torch.cuda.synchronize()
                 if rank == 0:
                     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25), flush=True)
+            layer.release_graphs()  # a captured graph holds NCCL work: release it before the group goes
+    dist.barrier()
     dist.destroy_process_group()
 
 
