@@ -339,7 +339,7 @@ def run_warnings(report: dict) -> list[str]:
     if report["curves_sampled_up_to"] is not None and report["max_rank_rows"] > report["curves_sampled_up_to"]:
         out.append(f"a rank computes up to {report['max_rank_rows']} rows in a step, beyond the latency curves' last "
                    f"sample ({report['curves_sampled_up_to']} rows): the scores there extrapolate the curves (the "
-                   f"slope of their upper half); profile up to that many rows (recipes/profile.py profile.max_rows=...) or use a smaller "
+                   f"slope of their upper half, of the whole curve where that half is flat); profile up to that many rows (recipes/profile.py profile.max_rows=...) or use a smaller "
                    f"trace.tokens_per_step")
     if report["max_ratio_exceeded"]:
         out.append(f"a rank holds more than {DP_MAX_RATIO} x the mean held-out tokens (token imbalance "

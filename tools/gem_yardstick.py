@@ -57,6 +57,8 @@ from _trace_cache import cached_trace  # noqa: E402  (tools/ is the script's dir
 SETTINGS = {"ep4-high": (4, "high"), "ep4-low": (4, "low"), "ep8-high": (8, "high"),
             "ep8-low": (8, "low"), "ep4-moderate": (4, "moderate")}
 METHODS = ("plain", "robust", "oracle")
+#: the regimes' trace shape: layers, experts, top-k, vocabulary
+SHAPE = (26, 64, 6, 32000)
 
 # name -> (synthetic_trace keyword arguments, sequence order):
 # "split"  file order (topics interleave: sequence s has topic s % num_topics);
@@ -105,9 +107,9 @@ def regime_trace(name: str, cache: Path, seed: int = 0) -> tuple[RoutingTrace, R
 
     def make() -> RoutingTrace:
         kw = dict(kwargs)
-        return synthetic_trace(kw.pop("num_sequences"), 26, 64, 6, 32000, seed=seed, **kw)
+        return synthetic_trace(kw.pop("num_sequences"), *SHAPE, seed=seed, **kw)
 
-    trace = cached_trace(cache, f"{name}_s{seed}", {"regime": kwargs, "seed": seed}, make)
+    trace = cached_trace(cache, f"{name}_s{seed}", {"regime": kwargs, "seed": seed, "shape": SHAPE}, make)
     if order == "spiky":
         trace = with_repetitive_sequences(trace, np.random.default_rng(seed + 1000))
     if order in ("split", "spiky"):

@@ -318,7 +318,9 @@ def tail_slope(rows: np.ndarray, latency_s: np.ndarray) -> np.ndarray:
     keep = max(int(np.count_nonzero(x >= 0.5 * x[-1])), 2)
     upper = _ls_slope(x[-keep:], y[:, -keep:])
     # a few upper samples that the monotone fit pooled into one flat block: the whole curve's slope
-    return np.where(upper > 0, upper, _ls_slope(x, y))
+    # (flatness read from the samples: the slope of a flat block rounds to +1e-38 as often as to 0)
+    flat = np.ptp(y[:, -keep:], axis=1) == 0
+    return np.where(flat | (upper <= 0), _ls_slope(x, y), upper)
 
 
 def _ls_slope(x: np.ndarray, y: np.ndarray) -> np.ndarray:

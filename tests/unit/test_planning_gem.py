@@ -569,6 +569,11 @@ def test_extrapolation_of_a_coarse_profile_whose_upper_half_was_pooled():
     c = LatencyCurves(rows, fit)
     far = c.eval_ranks(np.array([128.0, 1024.0, 6144.0]), 0)
     assert far[0] == pytest.approx(50e-6) and far[2] > far[1] > 2 * far[0]
+    # an asymmetric upper half (64, 96, 120): its flat block's slope rounds to +6e-38, not 0
+    rows = np.asarray(sample_rows(16, 64, 32, 120))
+    fit = monotone_fit(np.array([[10.0, 20.0, 30.0, 40.0, 50.7, 48.5, 49.6]]) * 1e-6)
+    far = LatencyCurves(rows, fit).eval_ranks(np.array([120.0, 6144.0]), 0)
+    assert far[1] > 10 * far[0]
 
 
 def test_extrapolation_uses_the_tail_slope_not_a_flattened_last_segment():
