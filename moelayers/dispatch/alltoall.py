@@ -53,9 +53,10 @@ class AllToAllDispatcher:
             ``capacity`` rows to every rank, unused rows flagged by slot ``-1``: no split sizes, no
             host sync, static shapes, so the whole forward can be captured in a CUDA graph. Costs
             bandwidth for rows a rank does not need. ``None`` (default): exact all-to-all-v.
-        placement_digest: :meth:`~moelayers.placement.ExpertPlacement.digest` of the layer's
-            placement, sent with the split sizes (in capacity mode: with the flags of every row) so
-            that ranks serving different placements raise instead of mixing them.
+        placement_digest: the layer's 62-bit digest of its placement
+            (:meth:`~moelayers.placement.ExpertPlacement.digest`) and payload settings, sent with the
+            split sizes (in capacity mode: with the flags of every row) so that ranks serving
+            different placements or settings raise instead of mixing them.
     """
 
     def __init__(self, group, num_ranks: int, rank: int, num_slots: int, *, dedup: bool = True,

@@ -7,6 +7,7 @@ back, weighted and summed, in the caller's token order.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -160,13 +161,17 @@ def routes_from_placement(
 def _checked_picks(policy, phys, topk_ids, placement: ExpertPlacement) -> tuple[torch.Tensor, torch.Tensor]:
     """A custom policy's picks, checked on the device (no sync): ``(phys clamped into the slots, so
     that the exchange completes, 0-dim int32 flag: BAD_REPLICA where a pick does not hold the
-    routed expert)``. A pick of the wrong shape or dtype is a ``TypeError`` / ``ValueError`` here."""
+    routed expert)``. Picks that are not an integer ``[T, K]`` tensor are flagged the same way,
+    with a warning on this rank saying what came back (raising here would leave the other ranks
+    waiting in the exchange)."""
+    problem = None
     if not isinstance(phys, torch.Tensor) or phys.is_floating_point() or phys.is_complex() or phys.dtype == torch.bool:
-        raise TypeError(f"replica policy {type(policy).__name__} must return integer physical slots, got "
-                        f"{getattr(phys, 'dtype', type(phys).__name__)}")
-    if phys.shape != topk_ids.shape:
-        raise ValueError(f"replica policy {type(policy).__name__} must return [T, K] = {list(topk_ids.shape)} "
-                         f"physical slots, got {list(phys.shape)}")
+        problem = f"integer physical slots, got {getattr(phys, 'dtype', type(phys).__name__)}"
+    elif phys.shape != topk_ids.shape:
+        problem = f"[T, K] = {list(topk_ids.shape)} physical slots, got {list(phys.shape)}"
+    if problem is not None:
+        warnings.warn(f"replica policy {type(policy).__name__} must return {problem}", RuntimeWarning, stacklevel=3)
+        phys = torch.full_like(topk_ids, -1)  # flagged below: every rank raises after the exchange
     phy2log = placement.device_tables(phys.device)[0].flatten()
     inside = (phys >= 0) & (phys < phy2log.numel())
     phys = phys.to(torch.int64).clamp(0, phy2log.numel() - 1)

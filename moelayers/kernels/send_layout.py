@@ -12,9 +12,10 @@ ranks, a token goes once to every rank holding any of its experts, rows ordered 
 
 The Triton kernel does it in one launch where the torch reference takes a dozen ops: the eager
 forward is host-bound at small batches (docs/benchmarks.md), and these ops stand between the
-router and that sync. It is one program walking the tokens in blocks twice (counts, then rows),
-so its device time grows with ``T × R``; at the sizes it serves (thousands of tokens, up to 64
-ranks) that is a few microseconds to tens of them.
+router and that sync. It is one program walking the tokens in blocks of ``8192 / R`` twice
+(counts, then rows), so its device time grows with ``T × R``: :func:`send_layout` takes it up to
+``T × R = 2^17`` (16 blocks a pass: 4,096 tokens at 32 ranks, 16,384 at 8) and the reference
+beyond, where the batch is large enough for the host to matter less.
 """
 
 from __future__ import annotations
@@ -125,10 +126,16 @@ def send_layout_triton(
     return dest_map, header
 
 
+#: the largest ``T × R`` (``R`` rounded up to a power of two) that :func:`send_layout` gives the kernel
+TRITON_MAX_UNITS = 1 << 17
+
+
 def send_layout(
     dest_rank: torch.Tensor, num_ranks: int, flag: torch.Tensor | None = None, digest: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The send layout: the Triton kernel on CUDA, else the torch reference."""
-    if use_triton(dest_rank):
+    """The send layout: the Triton kernel on CUDA up to ``TRITON_MAX_UNITS`` (token, rank) units,
+    else the torch reference."""
+    units = dest_rank.shape[0] * (1 << max(num_ranks - 1, 0).bit_length())
+    if use_triton(dest_rank) and units <= TRITON_MAX_UNITS:
         return send_layout_triton(dest_rank, num_ranks, flag, digest)
     return send_layout_reference(dest_rank, num_ranks, flag, digest)

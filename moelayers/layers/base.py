@@ -159,8 +159,8 @@ class MoELayerBase(nn.Module):
         decide how the payload is laid out (a rank built with another ``dedup`` or ``top_k`` read
         the others' rows with its own layout and failed on an out-of-range index, or worse)."""
         c = self.config
-        settings = (self.placement.digest(), self.dispatcher_name, self.dedup, self.capacity, c.num_experts, c.top_k,
-                    c.hidden_size)
+        payload = (self.dedup, self.capacity) if self.dispatcher_name == "alltoall" else ()  # all-gather: neither
+        settings = (self.placement.digest(), self.dispatcher_name, *payload, c.num_experts, c.top_k, c.hidden_size)
         return int.from_bytes(hashlib.blake2b(repr(settings).encode(), digest_size=8).digest(), "little") >> 2
 
     @torch.no_grad()

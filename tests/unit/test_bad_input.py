@@ -1,6 +1,7 @@
 """Bad input gets a clear ValueError/TypeError naming the problem, and nothing half-applied."""
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -243,7 +244,9 @@ def _settings_differ(rank, world, what):
     ranks exchange now covers those settings."""
     k = 3 if what == "top_k" and rank == 1 else 2
     cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=8, top_k=k)
-    kw = dict(dedup=rank == 0) if what == "dedup" else {}
+    kw = dict(dedup=rank == 0) if what.endswith("dedup") else {}
+    if what.startswith("allgather"):
+        kw["dispatcher"] = "allgather"  # which ignores dedup: its ranks serve together
     layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), seed=0, **kw)
     try:
         with torch.no_grad():
@@ -255,9 +258,10 @@ def _settings_differ(rank, world, what):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("what", ["dedup", "top_k"])
+@pytest.mark.parametrize("what", ["dedup", "top_k", "allgather-dedup"])
 def test_ranks_with_other_payload_settings_raise(what):
-    assert run_distributed(_settings_differ, 2, what) == ["raised", "raised"]
+    want = "no error" if what == "allgather-dedup" else "raised"
+    assert run_distributed(_settings_differ, 2, what) == [want, want]
 
 
 def _nan_on_one_rank(rank, world, dispatcher):
@@ -296,6 +300,9 @@ class _PickSlot:
             return placement.first_replica(topk_ids.device)[topk_ids]
         if self.phys == "next":
             return placement.first_replica(topk_ids.device)[(topk_ids + 1) % placement.num_experts]
+        if self.phys in ("float", "short"):  # not [T, K] integer slots: the others used to hang in the exchange
+            right = placement.first_replica(topk_ids.device)[topk_ids]
+            return right.float() if self.phys == "float" else right[:, :1]
         return torch.full_like(topk_ids, self.phys)
 
 
@@ -307,11 +314,12 @@ def _bad_replica_picks(rank, world, dispatcher):
     place = ml.ExpertPlacement.linear(4, world, slots_per_rank=spr)
     kwargs = dict(capacity=6, check_finite=False) if dispatcher == "capacity" else dict(dispatcher=dispatcher)
     out = []
-    for phys in ("next", spr - 1, world * spr + 3, -2):
+    for phys in ("next", spr - 1, world * spr + 3, -2, "float", "short"):
         m = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world() if world > 1 else ml.ParallelGroups.single(),
                           placement=place, replica_policy=_PickSlot(phys, world - 1), **kwargs)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # the rank with float or short picks says what came back
                 m(torch.randn(5, 8))
             out.append(f"{phys}: no error")
         except ValueError as e:
@@ -326,18 +334,18 @@ def _bad_replica_picks(rank, world, dispatcher):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "capacity"])
 def test_bad_replica_picks_raise_on_every_rank(dispatcher):
-    assert _bad_replica_picks(0, 1, dispatcher) == ["raised"] * 4
-    assert run_distributed(_bad_replica_picks, 2, dispatcher) == [["raised"] * 4] * 2
+    assert _bad_replica_picks(0, 1, dispatcher) == ["raised"] * 6
+    assert run_distributed(_bad_replica_picks, 2, dispatcher) == [["raised"] * 6] * 2
 
 
 def test_replica_policy_must_be_callable_and_return_slots():
     with pytest.raises(TypeError, match="replica_policy must be callable"):
         layer(replica_policy="local")
     m = layer(replica_policy=lambda ids, placement, rank: ids.float())
-    with pytest.raises(TypeError, match="integer physical slots"):
+    with pytest.warns(RuntimeWarning, match="integer physical slots"), pytest.raises(ValueError, match="replica policy"):
         m(torch.randn(3, 16))
     m = layer(replica_policy=lambda ids, placement, rank: ids[:, :1])
-    with pytest.raises(ValueError, match=r"must return \[T, K\]"):
+    with pytest.warns(RuntimeWarning, match=r"must return \[T, K\]"), pytest.raises(ValueError, match="replica policy"):
         m(torch.randn(3, 16))
 
 

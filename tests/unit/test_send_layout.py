@@ -77,3 +77,16 @@ def test_send_layout_refuses_bad_input(fn):
         fn(good, 2, torch.zeros(2, dtype=torch.bool))
     with pytest.raises(ValueError, match="digest"):
         fn(good, 2, None, -1)
+
+
+def test_send_layout_gives_the_kernel_bounded_work(monkeypatch):
+    """The kernel is one program walking the tokens twice: beyond TRITON_MAX_UNITS (token, rank)
+    units the dispatcher takes the reference."""
+    mod = importlib.import_module("moelayers.kernels.send_layout")
+    calls = []
+    monkeypatch.setattr(mod, "use_triton", lambda t: True)
+    monkeypatch.setattr(mod, "send_layout_triton", lambda *a: calls.append("triton") or send_layout_reference(*a))
+    for t, r, kernel in [(4096, 32, True), (4097, 32, False), (2048, 64, True), (2048, 65, False), (0, 8, True)]:
+        calls.clear()
+        mod.send_layout(_ranks(t, 2, r, 0), r)
+        assert calls == (["triton"] if kernel else []), (t, r)
