@@ -175,7 +175,9 @@ def side_summary(runs: list[dict]) -> dict:
 
 
 def _better(ours: float, base: float, direction: str) -> bool:
-    if not (math.isfinite(ours) and math.isfinite(base)):
+    """Whether ``ours`` beats ``base``; never on NaN (an inf, e.g. the TTFT of a request a truncated
+    run never served, compares as it is: finite beats it)."""
+    if math.isnan(ours) or math.isnan(base):
         return False
     return ours > base if direction == "higher" else ours < base
 

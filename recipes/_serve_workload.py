@@ -180,7 +180,10 @@ def round_robin(requests: list[Request], world_size: int, cfg: dict) -> list[int
 def semantic(requests: list[Request], world_size: int, cfg: dict) -> list[int]:
     """Sem-MoE Algorithm 2 (:class:`moelayers.schedule.SemanticScheduler`): each request, in arrival
     order, to the unmasked rank its prompt's tokens vote for; every ``world_size`` requests cover all
-    ranks, and no rank gets more than 1.3x the mean prompt tokens (the requests are known up front)."""
+    ranks, and a rank is closed to a request that would take it above 1.3x the mean prompt tokens
+    (the total is known up front). Requests are taken one by one, as a live server takes them
+    (``assign``, no look-ahead), so a long late request can still take a rank above the cap where no
+    rank has room for it."""
     from moelayers.schedule import SemanticScheduler
 
     sched = SemanticScheduler(semantic_plan(cfg, world_size), num_ranks=world_size,
@@ -248,9 +251,22 @@ def semantic_plan_path(cfg: dict) -> str | None:
 
 
 def plan_train_fraction(cfg: dict) -> float:
-    """``scheduler.plan_train_fraction`` (dict form), else ``layer.plan_train_fraction``, else 0.5."""
+    """``scheduler.plan_train_fraction`` (dict form), else ``layer.plan_train_fraction``, else 0.5.
+
+    Raises:
+        ValueError: not a number in (0, 1).
+    """
     value = _plan_setting(cfg, "plan_train_fraction")
-    return 0.5 if value is None else float(value)
+    if value is None:
+        return 0.5
+    try:
+        frac = float(value)
+    except (TypeError, ValueError):
+        frac = math.nan
+    if isinstance(value, bool) or not 0.0 < frac < 1.0:
+        raise ValueError(f"plan_train_fraction (layer.plan_train_fraction or scheduler.plan_train_fraction) must be a "
+                         f"number in (0, 1), the share of the replay trace's sequences the plan is built on; got {value!r}")
+    return frac
 
 
 def _plan_setting(cfg: dict, key: str):

@@ -569,6 +569,19 @@ def check_curves_file(d: dict) -> None:
         raise ValueError(f"curves.path={path}: {e}" if str(path) not in str(e) else str(e)) from None
 
 
+def check_plan_split(d: dict) -> None:
+    """A plan built on the replay trace's first part: ``plan_train_fraction`` must split it (checked
+    here, not inside the ranks)."""
+    frac = plan_train_fraction(d)
+    trace = load_replay_trace(d)
+    try:
+        trace.split(frac)
+    except ValueError as e:
+        raise ValueError(f"the semantic plan is built on the replay trace's first {frac} of its sequences: {e}; "
+                         f"replay a longer trace (trace.num_sequences / workload.num_requests) or set "
+                         f"layer.plan_train_fraction") from None
+
+
 def check_config(d: dict) -> None:
     """Fail fast in the launching process on config mistakes (before any rank starts)."""
     from moelayers.emulation import VariabilitySettings
@@ -587,6 +600,8 @@ def check_config(d: dict) -> None:
         if not plan_path and d["router"]["name"] != "replay":
             raise ValueError("layer=semantic / scheduler=semantic need a plan: layer.plan_path=FILE, "
                              "scheduler={name:semantic,plan_path:FILE}, or router=replay (planned on the trace)")
+        if not plan_path:
+            check_plan_split(d)
     if (d["layer"].get("kwargs") or {}).get("mode") == "tp":
         raise ValueError("serve.py runs attention data-parallel: use the layer's mode=dp (layer.kwargs.mode=dp)")
     VariabilitySettings.from_config(d)  # variability / emulation keys (optional)

@@ -342,7 +342,9 @@ def schedule_one(scores: np.ndarray, length: int, load: np.ndarray, masked: np.n
     """One request of :func:`request_schedule` (also the online ``SemanticScheduler.assign``).
 
     The best rank among those unmasked that stay within ``cap`` tokens with this request, else
-    among all that stay within it, else the least-loaded rank; ties: the lowest rank. Updates
+    among all that stay within it, else (a request no rank can take within the cap, e.g. a long
+    prompt among fewer requests than ranks) the best of the least-loaded ranks, unmasked ones
+    first; ties: the lowest rank. Updates
     ``load [R]`` (tokens) and ``masked [R]`` in place (the mask clears once every rank is taken).
     With ``remaining`` (``request_schedule(lookahead=True)``, offline: the lengths still to come,
     descending) a rank only stays within ``cap`` if the remaining requests still pack under the cap
@@ -364,8 +366,10 @@ def schedule_one(scores: np.ndarray, length: int, load: np.ndarray, masked: np.n
                 continue  # no unmasked rank keeps the rest packable: try the masked ones too
             r = r if keep is None else keep
         break
-    else:
-        r = int(np.argmin(load))
+    else:  # over the cap wherever it goes: the least load, then the mask and the votes decide
+        least = load == load.min()
+        r = next(int(c) for c in np.lexsort((np.arange(scores.size), -np.asarray(scores, np.float64), masked))
+                 if least[c])
     load[r] += length
     masked[r] = mask
     if masked.all():
@@ -598,7 +602,9 @@ def evaluate_dp(plan: SemanticPlan, heldout_trace, *, max_ratio: float = 1.3, ma
     request that would take it above ``max_ratio * T / R``. ``mask=False`` schedules by the cap
     alone (see :func:`request_schedule`; not what the online scheduler does today). ``joint``: each
     mask cycle's requests are assigned together (``SemanticScheduler.assign_batch``); ``False``
-    (default): one by one (``SemanticScheduler.assign``).
+    (default): one by one, ``SemanticScheduler.assign``'s choices plus a look-ahead that keeps the
+    remaining requests packable under the cap (``request_schedule(lookahead=True)``; an online
+    server cannot look ahead, and where the cap binds the two can differ).
 
     Returns:
         ``(report, token_rank [T, L] int64)``, each token's rank the rank of its request.

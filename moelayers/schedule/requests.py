@@ -73,9 +73,9 @@ class RoundRobinScheduler:
     """
 
     def __init__(self, num_ranks: int):
-        if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        if isinstance(num_ranks, (bool, np.bool_)) or not isinstance(num_ranks, numbers.Integral) or num_ranks < 1:
             raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
-        self.num_ranks = num_ranks
+        self.num_ranks = int(num_ranks)
         self._next = 0
 
     def assign(self, token_ids: Any = None) -> int:
@@ -127,6 +127,9 @@ class SemanticScheduler:
             raise ValueError(f"layer {layer!r} is out of range for a plan of {tr.shape[0]} layers")
         layer = int(layer)
         self.num_ranks = int(plan.num_ranks)
+        if num_ranks is not None and (isinstance(num_ranks, (bool, np.bool_))
+                                      or not isinstance(num_ranks, numbers.Integral)):
+            raise ValueError(f"num_ranks must be None or an int, got {num_ranks!r}")
         if num_ranks is not None and num_ranks != self.num_ranks:
             raise ValueError(f"the plan is for {self.num_ranks} ranks, the scheduler serves {num_ranks}")
         self.token_rank = tr[layer].astype(np.int64)

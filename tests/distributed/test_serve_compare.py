@@ -188,6 +188,16 @@ def test_compare_results_flag_fewer_than_three_seeds():
     assert res["unserved_requests"] == res["baseline"]["unserved_requests"] == 1.0
 
 
+def test_a_finite_value_beats_an_infinite_one():
+    """A truncated run's unserved requests have an infinite TTFT: a side that served everyone was
+    never counted better than such a baseline. NaN (no value) still counts for neither."""
+    from recipes._serve_compare import _better
+
+    inf, nan = float("inf"), float("nan")
+    assert _better(0.05, inf, "lower") and not _better(inf, 0.05, "lower") and not _better(inf, inf, "lower")
+    assert _better(inf, 1.0, "higher") and not _better(nan, 1.0, "lower") and not _better(1.0, nan, "higher")
+
+
 @pytest.mark.timeout(60)
 def test_a_baseline_side_config_error_names_the_compare_setting(tmp_path):
     """compare.layer=semantic without a plan fails in check_config on the baseline's side: the error

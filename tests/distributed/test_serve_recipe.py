@@ -197,6 +197,20 @@ def _trace_with_empty_sequences(path: Path, lengths: list[int]):
     return trace
 
 
+def test_plan_split_is_checked_before_the_ranks_start():
+    """A replay trace too short to split for the plan, or a plan_train_fraction outside (0, 1),
+    failed inside the spawned ranks (a RuntimeError that named no setting)."""
+    from recipes.serve import check_config
+
+    semantic = ("layer=semantic", "scheduler=semantic", "router=replay")
+    check_config(_config(*semantic, "workload.num_requests=4"))
+    with pytest.raises(ValueError, match="first 0.5 of its sequences.*empty part.*workload.num_requests"):
+        check_config(_config(*semantic, "workload.num_requests=1"))
+    for bad in ("1.0", "0", "abc", "true"):
+        with pytest.raises(ValueError, match=r"plan_train_fraction .* must be a number in \(0, 1\)"):
+            check_config(_config(*semantic, "workload.num_requests=4", f"layer.plan_train_fraction={bad}"))
+
+
 @pytest.mark.timeout(90)
 def test_serve_bad_input_writes_nothing_in_the_run_dir(tmp_path):
     """A run refused on bad input leaves the run dir as it was: no .hydra/, no serve.log, and a

@@ -43,6 +43,28 @@ def test_round_robin():
     assert [s.assign([1, 2]) for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
     s.reset()
     assert s.assign(None) == 0
+    assert RoundRobinScheduler(np.int64(2)).num_ranks == 2  # numpy ints, as SemanticScheduler takes them
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="positive int"):
+            RoundRobinScheduler(bad)
+    with pytest.raises(ValueError, match="None or an int"):
+        SemanticScheduler(_plan_for_requests(num_ranks=2), num_ranks=2.0)
+    assert SemanticScheduler(_plan_for_requests(num_ranks=2), num_ranks=np.int64(2)).num_ranks == 2
+
+
+def test_a_request_over_the_cap_everywhere_still_goes_where_it_votes():
+    """Fewer requests than ranks, one long prompt: no rank can take it within 1.3x the mean, so it
+    went to the least-loaded rank with the lowest index (rank 0) whatever it voted. Among the
+    least-loaded ranks its votes (unmasked ranks first) now decide."""
+    plan = make_plan(8, 4, vocab=12, unseen=2)
+    plan.token_rank[0], plan.token_conf[0] = np.arange(12) % 4, 1.0  # token v votes for rank v % 4
+    for batch in (False, True):
+        s = SemanticScheduler(plan, total_tokens=30)  # cap 9.75
+        reqs = [[3] * 20, [2] * 10]  # each over the cap, voting rank 3 and rank 2
+        got = s.assign_batch(reqs) if batch else [s.assign(q) for q in reqs]
+        assert got == [3, 2], (batch, got)
+    s = SemanticScheduler(plan, total_tokens=12)  # cap 3.9: rank 1 is least loaded after the first two
+    assert [s.assign(q) for q in ([1] * 2, [0] * 2, [1] * 8)] == [1, 0, 2]
     with pytest.raises(ValueError):
         RoundRobinScheduler(0)
 
