@@ -24,14 +24,16 @@ __all__ = ["balanced_packing", "replicate_experts", "plan_eplb", "plan_eplb_plac
 
 def _mean_loads(loads: np.ndarray) -> np.ndarray:
     w = np.asarray(loads, dtype=np.float64)
-    if w.ndim == 2:
-        if w.shape[0] == 0:
-            raise ValueError("loads has no steps (empty trace): nothing to plan")
-        w = w.sum(axis=0)
-    if w.ndim != 1 or w.size == 0:
+    if w.ndim == 2 and w.shape[0] == 0:
+        raise ValueError("loads has no steps (empty trace): nothing to plan")
+    if w.ndim not in (1, 2) or w.size == 0:
         raise ValueError(f"loads must be [E] or [steps, E], got shape {list(np.shape(loads))}")
-    if not np.all(np.isfinite(w)) or (w < 0).any():
+    if not np.all(np.isfinite(w)) or (w < 0).any():  # every step's, before the sum hides one
         raise ValueError("loads must be finite and >= 0")
+    if w.ndim == 2:
+        w = w.sum(axis=0)
+        if not np.all(np.isfinite(w)):
+            raise ValueError("loads overflow float64 when summed over the steps")
     return w
 
 

@@ -34,6 +34,7 @@ import os
 import numpy as np
 
 from moelayers.files import atomic_write, read_npz
+from moelayers.placement import _check_positive
 from moelayers.planning.steps import DEFAULT_TOKENS_PER_STEP, rank_rows, trace_step_loads
 
 __all__ = [
@@ -107,7 +108,7 @@ class LatencyCurves:
     @property
     def sampled_up_to(self) -> int | None:
         """The last sampled row count: beyond it the curves extrapolate (:func:`tail_slope`; ``None``
-        for analytic tiled curves, exact at any count)."""
+        for analytic tiled curves, exact for any count below 2^53)."""
         return None if self._tiled is not None else int(self.rows[-1])
 
     # ------------------------------------------------------------------ constructors
@@ -232,7 +233,7 @@ class LatencyCurves:
         r = np.asarray(ranks, dtype=np.int64)
         if self._tiled is not None:
             scale, base_s, per_tile_s, tile = self._tiled
-            out = np.ceil(x * (1.0 / tile) - 1e-9)
+            out = np.ceil(x / tile)  # exact for integer rows below 2^53 (a correctly rounded quotient)
             out *= per_tile_s
             out += base_s
             return out * scale[r]
@@ -415,7 +416,8 @@ def evaluate(trace, expert_rank: np.ndarray, curves: LatencyCurves,
 
 def plan_linear(num_experts: int, num_ranks: int) -> np.ndarray:
     """Linear placement: experts ``r*E/R .. (r+1)*E/R - 1`` on rank ``r``; ``[E]`` int64."""
-    if num_ranks < 1 or num_experts % num_ranks:
+    _check_positive(num_experts=num_experts, num_ranks=num_ranks)
+    if num_experts % num_ranks:
         raise ValueError(f"num_experts ({num_experts}) must be divisible by num_ranks ({num_ranks})")
     return np.arange(num_experts, dtype=np.int64) // (num_experts // num_ranks)
 

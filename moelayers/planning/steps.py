@@ -108,11 +108,12 @@ def rank_rows(expert_rank: np.ndarray, loads: np.ndarray, num_ranks: int) -> np.
         num_ranks: ``R``.
 
     Returns:
-        ``[..., R]``: int64 for integer loads (summed in int64: no wrap-around), float64 for float loads.
+        ``[..., R]``: int64 for integer loads (summed in int64: no int32 wrap-around), float64 for float loads.
 
     Raises:
         TypeError: ``expert_rank`` does not have an integer dtype (a rank of 1.9 is not truncated to 1).
-        ValueError: ``expert_rank`` has the wrong shape or ranks outside ``[0, num_ranks)``.
+        ValueError: ``expert_rank`` has the wrong shape or ranks outside ``[0, num_ranks)``; integer
+            loads so large that a rank's sum could pass int64 (``E × max load >= 2^63``).
     """
     er = np.asarray(expert_rank)
     loads = np.asarray(loads)
@@ -124,6 +125,9 @@ def rank_rows(expert_rank: np.ndarray, loads: np.ndarray, num_ranks: int) -> np.
         raise ValueError(f"expert_rank has ranks outside [0, {num_ranks})")
     er = er.astype(np.int64, copy=False)
     acc = np.float64 if loads.dtype.kind == "f" else np.int64
+    if acc is np.int64 and loads.size and int(loads.max()) > (2**63 - 1) // max(er.size, 1):
+        raise ValueError(f"loads up to {int(loads.max())} over {er.size} experts could pass int64 when summed: "
+                         f"pass them as float64")
     onehot = np.zeros((er.size, num_ranks), dtype=acc)
     onehot[np.arange(er.size), er] = 1
     return loads.astype(acc, copy=False) @ onehot

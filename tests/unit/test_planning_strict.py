@@ -337,3 +337,29 @@ def test_load_window_push_topk_refuses_one_layer_walked_as_layers() -> None:
     assert len(win) == 0
     win.push_topk([np.array([[0, 1]], dtype=np.int32), torch.tensor([[2, 3]])])
     np.testing.assert_array_equal(win.loads()[:, -1], [[1, 1, 0, 0], [0, 0, 1, 1]])
+
+
+def test_planners_refuse_what_their_docstrings_refuse() -> None:
+    """Found by a property sweep: EPLB summed the steps before checking them (a negative step hid
+    behind a positive one; two finite steps of 1e308 were called non-finite), rank_rows wrapped
+    around int64, plan_linear took 2.0 ranks and returned floats, and a tiled curve counted
+    ceil(1 / 2e9) tiles as 0."""
+    from moelayers.planning.gem import plan_linear
+
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        plan_eplb(np.array([[-5, 2, 1, 1], [6, 0, 1, 1]]), 2)
+    with pytest.raises(ValueError, match="overflow"):
+        plan_eplb(np.full((2, 4), 1e308), 2)
+    with pytest.raises(ValueError, match="could pass int64"):
+        rank_rows(np.array([0, 0]), np.array([[2**62, 2**62]]), 1)
+    with pytest.raises(ValueError, match="could pass int64"):
+        rank_rows(np.array([0]), np.array([[2**63 + 5]], dtype=np.uint64), 1)
+    assert rank_rows(np.array([0, 1]), np.array([[2**61, 3]]), 2).tolist() == [[2**61, 3]]
+    for bad in (2.0, True, 0, -1):
+        with pytest.raises(ValueError, match="positive int"):
+            plan_linear(4, bad)
+    assert plan_linear(np.int64(4), 2).dtype == np.int64
+    big = LatencyCurves.tiled(np.ones(1), base_s=0.0, per_tile_s=1.0, tile=2_000_000_000)
+    n = 96 * 86281385168082 + 1  # below 2^53: ceil(n / 96) = 86281385168083
+    assert big.eval_ranks(np.array([1.0]), 0)[0] == 1.0
+    assert LatencyCurves.tiled(np.ones(1), base_s=0.0, per_tile_s=1.0, tile=96).eval_ranks(np.array([float(n)]), 0)[0] == 86281385168083
