@@ -120,6 +120,9 @@ class GroupedExperts(nn.Module):
         hidden_size: ``H``; ffn_hidden_size: ``F``.
         backend: ``'auto'`` (``torch._grouped_mm`` where supported, else the loop),
             ``'grouped_mm'`` or ``'loop'`` (the readable reference: one matmul per slot).
+        init_std, seed: built on its own, every weight starts at ``N(0, init_std)`` from a generator
+            seeded with ``seed`` (torch's global generator is left alone); the layers draw their own
+            weights per logical expert (``init=False`` here).
     """
 
     def __init__(
@@ -131,6 +134,9 @@ class GroupedExperts(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         backend: str = "auto",
+        init_std: float = 0.02,
+        seed: int = 0,
+        init: bool = True,
     ):
         super().__init__()
         if backend not in ("auto", "grouped_mm", "loop"):
@@ -143,6 +149,11 @@ class GroupedExperts(nn.Module):
         for p in (self.w13, self.w2):
             p.allreduce = False  # expert-parallel parameters: not reduced over data parallel ranks
         self._tie: ReplicaTie | None = None
+        if init and self.w13.device.type != "meta":
+            gen = torch.Generator(device=self.w13.device).manual_seed(seed)
+            with torch.no_grad():
+                self.w13.normal_(0.0, init_std, generator=gen)
+                self.w2.normal_(0.0, init_std, generator=gen)
 
     def check_dtype(self, dtype: torch.dtype) -> None:
         """Raise ``ValueError`` if ``backend='grouped_mm'`` cannot compute in ``dtype`` (no

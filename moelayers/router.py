@@ -70,6 +70,9 @@ def _normalised(weights: torch.Tensor, config: MoEConfig) -> torch.Tensor:
 class TopKRouter(nn.Module):
     """Linear gate ``[E, H]`` (no bias) followed by :func:`scores_to_topk`.
 
+    Built on its own, the gate starts at ``N(0, config.init_std)`` from a generator seeded with
+    ``seed`` (torch's global generator is left alone); the layers draw their own weights.
+
     Args:
         config: the MoE block.
         check_finite: raise ``ValueError`` on NaN/inf logits. Standalone this costs a device sync;
@@ -79,13 +82,23 @@ class TopKRouter(nn.Module):
             into range so that the exchange completes, then every rank raises).
     """
 
-    def __init__(self, config: MoEConfig, *, device: torch.device | str | None = None, check_finite: bool = True):
+    def __init__(self, config: MoEConfig, *, device: torch.device | str | None = None, check_finite: bool = True,
+                 seed: int = 0, init: bool = True):
         super().__init__()
         self.config = config
         self.check_finite = check_finite
         self.weight = nn.Parameter(
             torch.empty(config.num_experts, config.hidden_size, dtype=config.params_dtype, device=device)
         )
+        if init:
+            self.reset_parameters(seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """``weight ~ N(0, config.init_std)`` from a generator seeded with ``seed`` (not on meta)."""
+        if self.weight.device.type != "meta":
+            gen = torch.Generator(device=self.weight.device).manual_seed(seed)
+            self.weight.normal_(0.0, self.config.init_std, generator=gen)
 
     def forward(
         self, x: torch.Tensor, forced_ids: torch.Tensor | None = None, *, defer_check: bool = False

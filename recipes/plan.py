@@ -249,13 +249,15 @@ def plan_layer(name: str, loads, curves, num_ranks: int, d: dict):
     return plan_gem(loads, curves, restarts=restarts, seed=int_setting(d["seed"], "seed", 0), method=method)
 
 
-def plan_all(name: str, train_loads, curves, num_ranks: int, d: dict, *, bar: bool) -> tuple[np.ndarray, float]:
+def plan_all(name: str, train_loads, curves, num_ranks: int, d: dict, *, bar: bool,
+             baseline: bool = False) -> tuple[np.ndarray, float]:
     """Plan every layer: ``train_loads [L, steps, E]`` -> (``expert_rank [L, E]``, seconds)."""
     layers = range(train_loads.shape[0])
     if bar:
         from tqdm import tqdm
 
-        layers = tqdm(layers, desc=f"plan {name} ep{num_ranks}", unit="layer", file=sys.stderr)
+        desc = f"plan {name} ep{num_ranks}" + (" (baseline)" if baseline else "")
+        layers = tqdm(layers, desc=desc, unit="layer", file=sys.stderr)
     t0 = time.perf_counter()
     out = np.stack([plan_layer(name, train_loads[i], curves, num_ranks, d) for i in layers]).astype(np.int64)
     return out, time.perf_counter() - t0
@@ -367,7 +369,9 @@ def run(d: dict) -> dict:
     if name == "semantic":  # the chosen planner first (timed, with the bar)
         semantic, solve, plan_source = plan_semantic_from_config(d, trace, train, held_out, ep, mode, bar=bar)
     for planner in sorted(BASELINES, key=lambda p: p != name):
-        plans[planner], seconds = plan_all(planner, train_loads, curves, ep, d, bar=bar and planner == name)
+        # a bar for the chosen planner and for GEM's baseline, which takes seconds per layer too
+        plans[planner], seconds = plan_all(planner, train_loads, curves, ep, d, bar=bar and planner in (name, "gem"),
+                                           baseline=planner != name)
         solve = seconds if planner == name else solve
     if semantic is not None:
         plans["semantic"] = semantic.expert_rank

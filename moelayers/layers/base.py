@@ -120,10 +120,10 @@ class MoELayerBase(nn.Module):
         self.dedup = dedup
         self.dispatcher_name = dispatcher
         device = torch.device(device) if device is not None else _default_device(groups)
-        self.router = TopKRouter(config, device=device, check_finite=check_finite)
+        self.router = TopKRouter(config, device=device, check_finite=check_finite, init=False)  # reset_parameters draws
         self.experts = GroupedExperts(
             placement.slots_per_rank, config.hidden_size, config.ffn_hidden_size,
-            dtype=config.params_dtype, device=device, backend=expert_backend,
+            dtype=config.params_dtype, device=device, backend=expert_backend, init=False,
         )
         self.experts.tie_replicas(self.placement, groups.ep_rank, groups.ep)
         self.dispatcher = self._make_dispatcher()

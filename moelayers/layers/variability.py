@@ -347,6 +347,9 @@ class VariabilityAwareMoE(MoELayerBase):
                     raise TypeError(f"loads must be a torch.Tensor [steps, {e}], got {type(loads).__name__}")
                 if loads.dtype == torch.bool or loads.is_complex():
                     raise TypeError(f"loads must be numbers of rows [steps, {e}], got dtype {loads.dtype}")
+                if loads.dim() == 2 and loads.shape[1] == e and loads.shape[0] == 0:
+                    raise ValueError("no expert loads recorded yet (the load window is empty): run forwards "
+                                     "first, or pass loads=[steps, E]")
                 if loads.dim() != 2 or loads.shape[1] != e or loads.shape[0] < 1:
                     raise ValueError(f"loads must be [steps >= 1, {e}], got {list(loads.shape)}")
                 planner, curves = self.planner, self.latency_curves()

@@ -687,3 +687,29 @@ def test_exchange_waits_for_posted_transfers_even_when_a_local_copy_fails(monkey
     with pytest.raises(RuntimeError):
         moves._exchange(plan, staging, ["op0", "op1"], w13, w2)
     assert waited == [0, 1]
+
+
+def test_router_and_experts_built_on_their_own_are_initialised():
+    """Both are public: on their own they held torch.empty's garbage (the router's first call raised
+    'router logits contain NaN or inf'). They start at N(0, init_std) from their own seeded
+    generator, leaving torch's global generator alone; inside a layer, the layer draws."""
+    cfg = ml.MoEConfig(hidden_size=64, ffn_hidden_size=32, num_experts=8, top_k=2, init_std=0.05)
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    r, ex = ml.TopKRouter(cfg), ml.GroupedExperts(4, 64, 32, init_std=0.05)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    for w in (r.weight, ex.w13, ex.w2):
+        assert torch.isfinite(w).all() and abs(w.std().item() - 0.05) < 0.01
+    assert torch.equal(r.weight, ml.TopKRouter(cfg).weight) and not torch.equal(r.weight, ml.TopKRouter(cfg, seed=1).weight)
+    ids, _ = r(torch.randn(6, 64))
+    assert ids.shape == (6, 2)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=3)
+    same = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=3)
+    assert torch.equal(layer.router.weight, same.router.weight) and not torch.equal(layer.router.weight, r.weight)
+
+
+def test_replan_before_any_forward_says_the_window_is_empty():
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=8, top_k=2)
+    v = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), variability="high")
+    with pytest.raises(Exception, match="no expert loads recorded yet"):
+        v.replan()
