@@ -180,6 +180,21 @@ def _read_member(zf: zipfile.ZipFile, name: str) -> np.ndarray:
     return arr if arr.dtype.isnative else arr.astype(arr.dtype.newbyteorder("="))  # torch takes native order only
 
 
+def _entries_recorded(path: Path) -> int | None:
+    """The member count of the zip's end-of-central-directory record (``None``: no such record in
+    the last 64 KiB, or a zip64 archive, whose 16-bit field does not hold the count)."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - (1 << 16) - 22))
+        tail = f.read()
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or at + 22 > len(tail):
+        return None
+    count = int.from_bytes(tail[at + 10:at + 12], "little")
+    return None if count == 0xFFFF else count
+
+
 def read_npz(path: str | os.PathLike, what: str) -> dict[str, np.ndarray]:
     """Every array of the npz archive at ``path`` (``allow_pickle=False``).
 
@@ -217,6 +232,10 @@ def read_npz(path: str | os.PathLike, what: str) -> dict[str, np.ndarray]:
         raise ValueError(f"{path}: not an npz archive but a single array (a {what} is an npz of named arrays)")
     arrays = {}
     with data:
+        listed, recorded = len(data.zip.infolist()), _entries_recorded(path)
+        if recorded is not None and listed != recorded:  # zipfile stops listing at a damaged entry, silently
+            raise ValueError(f"{path}: damaged zip directory: it lists {listed} of the {recorded} members its end "
+                             f"record counts (optional fields would go missing); not a readable npz {what}")
         for name in data.zip.namelist():
             try:
                 arrays[name.removesuffix(".npy")] = _read_member(data.zip, name)

@@ -359,6 +359,12 @@ class _Untagged:
         return f"<untagged forward {self.index}>"
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward (where activation checkpointing re-runs forwards)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
 class TraceRecorder:
     """Record routing from a running model as a :class:`RoutingTrace`.
 
@@ -373,7 +379,10 @@ class TraceRecorder:
     *returns* without running every MoE layer (a skipped or conditional layer) cannot be stored in
     a ``[T, L, K]`` trace: rather than losing its tokens silently, ``model(...)`` raises
     ``RuntimeError`` naming the layers that did not run (that forward is dropped; recording can go
-    on). Both are detected by hooks on ``model`` itself, so call ``model``, not a submodule.
+    on). Both are detected by hooks on ``model`` itself, so call ``model``, not a submodule; a
+    decoding step that runs the layers without ``model.forward`` (``TinyDecoder.step``) and raised
+    part-way is dropped when the next forward or ``tag()`` comes. Forwards that autograd re-runs
+    during a backward (activation checkpointing) are not recorded again.
     Attention-TP layers (``SemanticMoE(mode='tp')``, run through ``forward_tp``) are refused: each
     rank routes a shuffled chunk of the tokens; record the model with ``mode='dp'`` layers instead.
 
@@ -474,7 +483,7 @@ class TraceRecorder:
         """
         if not self._active:
             raise RuntimeError("tag() is only valid inside the TraceRecorder's with-block")
-        if self._in_forward:  # the last model forward raised part-way: it is not recorded
+        if self._in_forward or self._current:  # the last forward raised part-way: it is not recorded
             self._drop_broken_forward()
         if self._pending_tag is not None:
             raise RuntimeError("tag() called twice without a model forward in between")
@@ -494,11 +503,15 @@ class TraceRecorder:
         self._pending_tag = keys
 
     def _on_model_forward(self, module: nn.Module, args: Any) -> None:
+        if _in_backward():  # activation checkpointing re-runs the forward: recorded once already
+            return
         if self._in_forward:  # the last model forward raised part-way (and nothing was tagged since)
             self._drop_broken_forward()
         self._in_forward = True
 
     def _on_model_return(self, module: nn.Module, args: Any, output: Any) -> None:
+        if _in_backward():
+            return
         if not self._current:  # every MoE layer recorded (or none ran: nothing to record)
             self._pending_tag, self._in_forward = None, False
             return
@@ -524,6 +537,8 @@ class TraceRecorder:
         return f"MoE layer {index} ('{self._names[index]}')"
 
     def _on_layer(self, index: int, module: nn.Module) -> None:
+        if _in_backward():
+            return
         try:
             self._record_layer(index, module)
         except BaseException:
@@ -531,11 +546,8 @@ class TraceRecorder:
             raise
 
     def _record_layer(self, index: int, module: nn.Module) -> None:
-        if index == 0 and self._current:
-            raise RuntimeError(
-                f"TraceRecorder: a new forward started before the previous one finished "
-                f"(only {len(self._current)} of {len(self.layers)} MoE layers ran)"
-            )
+        if index == 0 and self._current:  # a step that ran the layers itself raised part-way: dropped (warned at the end)
+            self._drop_broken_forward()
         if index != len(self._current):
             raise RuntimeError(
                 f"TraceRecorder: {self._where(index)} ran when layer {len(self._current)} was expected; "

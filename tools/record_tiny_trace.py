@@ -38,6 +38,9 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    out = Path(args.out)
+    if out.is_dir() or not out.parent.is_dir():  # before the recording (minutes), not after it
+        raise SystemExit(f"--out {out}: {'a directory' if out.is_dir() else 'its directory does not exist'}")
     torch.set_num_threads(1)
     tokens = synthetic_trace(args.sequences, 1, 8, 2, args.vocab, seq_len=(256, 2048), seed=args.seed)
     cfg = TinyConfig(vocab_size=args.vocab, hidden_size=64, num_layers=args.layers, num_heads=4)

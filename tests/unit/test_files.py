@@ -380,3 +380,20 @@ def test_balanced_packing_refuses_negative_weights_and_non_int_pack_counts():
         with pytest.raises(ValueError, match=rf"num_packs must be an int, got {bad!r}"):
             balanced_packing(np.ones(4), bad)
     balanced_packing(np.ones(4), np.int64(2))  # numpy ints are fine
+
+
+def test_a_damaged_zip_directory_is_refused_not_read_short(tmp_path):
+    """A damaged central-directory entry (here its comment length) made zipfile stop listing members
+    early: load_trace returned the trace without its weights and with another vocab_size, no error."""
+    from moelayers.trace import RoutingTrace, load_trace, save_trace
+
+    t = RoutingTrace(np.array([[[0, 1]], [[2, 3]]]), np.array([5, 7]), np.array([0, 2]), 4,
+                     topk_weights=np.full((2, 1, 2), 0.5, np.float32), vocab_size=1000)
+    save_trace(t, tmp_path / "t.npz")
+    raw = bytearray((tmp_path / "t.npz").read_bytes())
+    entries = [i for i in range(len(raw)) if raw[i:i + 4] == b"PK\x01\x02"]
+    struct.pack_into("<H", raw, entries[3] + 32, 0xFFFF)
+    (tmp_path / "damaged.npz").write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"damaged\.npz: damaged zip directory: it lists 4 of the 6 members"):
+        load_trace(tmp_path / "damaged.npz")
+    assert load_trace(tmp_path / "t.npz").vocab_size == 1000

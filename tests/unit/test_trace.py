@@ -14,6 +14,8 @@ import pytest
 import torch
 from torch import nn
 
+import moelayers as ml
+
 from moelayers import trace_synthetic as ts
 from moelayers.trace import RoutingTrace, TraceRecorder, load_trace, save_trace, synthetic_trace, trace_statistics
 
@@ -760,3 +762,53 @@ def test_synthetic_depth_knobs_must_be_numbers(knob, value):
     with pytest.raises(ValueError, match=rf"synthetic_trace: {knob} must be a finite number or 3 of them"):
         synthetic_trace(2, 2, 8, 2, 50, seq_len=4, **{knob: value})
     synthetic_trace(2, 2, 8, 2, 50, seq_len=4, **{knob: np.float32(0.5) if knob != "topic_scale" else [1, 2, 3]})
+
+
+@pytest.mark.parametrize("per_layer,reentrant", [(False, True), (True, True), (False, False)])
+def test_recorder_ignores_forwards_rerun_by_activation_checkpointing(per_layer, reentrant):
+    """The backward of a checkpointed model re-runs the MoE layers' forwards: they were stored a
+    second time (whole-model, reentrant), made backward() raise (per layer), or left a half forward
+    pending that broke the next tag() (non-reentrant)."""
+    from torch.utils.checkpoint import checkpoint
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=16, num_experts=4, top_k=2)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=1)
+            self.b = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=2)
+
+        def forward(self, x, tok):
+            if per_layer:
+                x = checkpoint(lambda y: self.a(y, token_ids=tok), x, use_reentrant=reentrant)
+                return checkpoint(lambda y: self.b(y, token_ids=tok), x, use_reentrant=reentrant)
+            return checkpoint(lambda y: self.b(self.a(y, token_ids=tok), token_ids=tok), x, use_reentrant=reentrant)
+
+    m = Model()
+    with TraceRecorder(m, vocab_size=10) as rec:
+        rec.tag(["r", "r"])
+        m(torch.randn(2, 8, requires_grad=True), torch.tensor([1, 2])).sum().backward()
+        rec.tag(["s"])
+        m(torch.randn(1, 8, requires_grad=True), torch.tensor([3])).sum().backward()
+    assert rec.result.token_ids.tolist() == [1, 2, 3] and rec.result.seq_offsets.tolist() == [0, 2, 3]
+
+
+def test_recorder_drops_a_decoding_step_that_raised_part_way():
+    """TinyDecoder.step runs the layers without model.forward: after a step that raised in its
+    second block, every tag() raised and the next valid step was refused and lost."""
+    from moelayers.models.tiny import TinyConfig, TinyDecoder
+
+    moe = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=8, top_k=2)
+    model = TinyDecoder(TinyConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2),
+                        lambda i: ml.VanillaMoE(moe, ml.ParallelGroups.single(), seed=i))
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="dropped 1 incomplete"), \
+            TraceRecorder(model, vocab_size=50) as rec:
+        rec.tag(["a", "a"])
+        model.step([("a", torch.tensor([1, 2]))])
+        with pytest.raises(ValueError):  # block 1 refuses its forced ids
+            model.step([("b", torch.tensor([3]))], forced_topk=[None, torch.tensor([[0, 99]])])
+        model.step([("c", torch.tensor([4]))])  # untagged, after the failure
+        rec.tag(["d"])
+        model.step([("d", torch.tensor([5]))])
+    assert rec.result.token_ids.tolist() == [1, 2, 4, 5]
