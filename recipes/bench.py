@@ -34,8 +34,10 @@ layer that re-plans by itself (``auto_replan``) is timed with it off (the JSON's
 ``replans`` counts its re-plans so far, whether or not they moved weights: 0 when none happened).
 Rank 0 prints a table and writes one JSON per (shape, tokens/rank) into the
 run dir, and copies into ``bench.save_to`` when set, named
-``{layer}[_graph]_{shape}_t{tokens}_ws{world}[_ep{ep}]_{device}.json`` (``_ep``: ``parallel.ep``
-below the world size). ``bench.profile=true`` prints a torch.profiler table of ours' top kernels at
+``{layer}[_graph|_allgather|_nodedup]_{shape}_t{tokens}_ws{world}[_ep{ep}][_{dtype}][_router-{dtype}][_replay]_{device}.json``
+(``_ep``: ``parallel.ep`` below the world size; ``_{dtype}``: another dtype than the device's default,
+bf16 on CUDA and float32 on CPU; ``_router-``: ``bench.router_dtype``; ``_replay``: VanillaMoE on
+replayed routing), so that no configuration's record overwrites another's. ``bench.profile=true`` prints a torch.profiler table of ours' top kernels at
 one size (and saves a chrome trace in the run dir).
 
 Usage::
@@ -253,6 +255,18 @@ def check_config(d: dict) -> None:
     """
     b = d["bench"]
     b["tokens_per_rank"] = tokens_per_rank(b)
+    dtype, router_dtype = resolve_dtype(b.get("dtype"), torch.device("cpu")), resolve_router_dtype(b)
+    if router_dtype is not None and b.get("dtype") not in (None, "auto") and router_dtype.itemsize < dtype.itemsize:
+        raise ValueError(f"bench.router_dtype={b['router_dtype']} is narrower than bench.dtype={b['dtype']}: the logits "
+                         f"would be {dtype} (ours) but {router_dtype} (megatron's); leave bench.router_dtype null")
+    check = b.get("check") or {}
+    int_setting(check.get("ref_rows", 1), "bench.check.ref_rows", 1)  # 0 rows checked nothing and passed
+    try:
+        tol_ok = check.get("tol") is None or float(check["tol"]) >= 0
+    except (TypeError, ValueError):
+        tol_ok = False
+    if not tol_ok:
+        raise ValueError(f"bench.check.tol must be null or a number >= 0, got {check.get('tol')!r}")
     int_setting(b.get("warmup"), "bench.warmup", 0)
     int_setting(b.get("iters"), "bench.iters", 1)
     base_name = resolve_baseline(b.get("baseline", "auto"), plan_based=True)  # auto: the one a plan-built layer gets
@@ -648,6 +662,12 @@ def save_records(records: list[dict], out_dir: str, save_to: str | None) -> list
                  "eager (exact all-to-all-v, no de-duplication)": "_nodedup"}.get(str(r.get("mode")), "")
         # ep < world (parallel.ep) times another layout: a name of its own, not the ep = world run's
         ep = f"_ep{r['ep']}" if r["ep"] != r["world_size"] else ""
+        # so do another dtype than the device's default, a router scoring in another dtype and replayed
+        # routing: one configuration's record must not overwrite another's in bench.save_to
+        default = "bfloat16" if r.get("backend") == "nccl" else "float32"
+        ep += f"_{r['dtype']}" if r.get("dtype", default) != default else ""
+        ep += f"_router-{r['router_dtype']}" if r.get("router_dtype") else ""
+        ep += "_replay" if r.get("router") == "replay" and r["layer"] == "vanilla" else ""
         name = f"{r['layer']}{mode}_{r['shape_name']}_t{r['tokens_per_rank']}_ws{r['world_size']}{ep}_{slug}.json"
         p = write_json(os.path.join(out_dir, name), r)
         paths.append(str(p))
@@ -670,6 +690,10 @@ def main(cfg: DictConfig) -> None:
     torchrun = under_torchrun()
     backend = resolve_backend((d.get("parallel") or {}).get("backend"), torchrun=torchrun)
     check_shape_fits(b, torch.device("cuda") if backend == "nccl" else torch.device("cpu"))
+    if backend != "nccl" and b.get("cuda_graph"):  # here, not in every rank after the layers are built
+        raise ValueError("bench.cuda_graph=true needs CUDA (parallel=gpu)")
+    if backend != "nccl" and peer_mode(b.get("peer", "auto")) == "required":
+        raise ValueError("bench.peer=true but megatron-core's MoELayer needs CUDA (parallel=gpu): no peer on CPU")
     command = command_line()
     records = launch(d, bench_worker)
     if not records:

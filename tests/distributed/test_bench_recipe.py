@@ -292,6 +292,30 @@ def test_records_name_the_dispatcher(tmp_path):
     names = [Path(save_records([{**rec, "mode": m}], str(tmp_path), None)[0]).name for m in modes]
     assert names == ["vanilla_s_t16_ws2_cpu.json", "vanilla_allgather_s_t16_ws2_cpu.json",
                      "vanilla_nodedup_s_t16_ws2_cpu.json"]
+    # another dtype, router dtype or replayed routing overwrote the default run's record too
+    gpu = {**rec, "mode": modes[0], "backend": "nccl", "dtype": "bfloat16", "router": "learned", "router_dtype": None}
+    variants = [gpu, {**gpu, "dtype": "float32"}, {**gpu, "router_dtype": "float32"}, {**gpu, "router": "replay"},
+                {**rec, "mode": modes[0], "backend": "gloo", "dtype": "float32"}]
+    names = [Path(save_records([r], str(tmp_path), None)[0]).name for r in variants]
+    assert names == ["vanilla_s_t16_ws2_cpu.json", "vanilla_s_t16_ws2_float32_cpu.json",
+                     "vanilla_s_t16_ws2_router-float32_cpu.json", "vanilla_s_t16_ws2_replay_cpu.json",
+                     "vanilla_s_t16_ws2_cpu.json"]
+
+
+def test_check_config_refuses_dtypes_and_checks_that_would_fail_in_the_ranks():
+    """Found by a sweep: these failed inside every rank after the layers were built (or, for
+    ref_rows=0, passed a correctness check of no rows)."""
+    from recipes.bench import check_config
+
+    for override, match in [("bench.dtype=fp32", r"bench\.dtype must be auto or one of"),
+                            ("bench.router_dtype=float32", r"bench\.router_dtype='float32'"),
+                            ("bench.check.ref_rows=0", r"bench\.check\.ref_rows must be an integer >= 1"),
+                            ("bench.check.tol=abc", r"bench\.check\.tol must be null or a number >= 0")]:
+        with pytest.raises(ValueError, match=match):
+            check_config(bench_config(override))
+    with pytest.raises(ValueError, match="narrower than bench.dtype=float64"):
+        check_config(bench_config("bench.dtype=float64", "bench.router_dtype=fp32"))
+    check_config(bench_config("bench.dtype=float32", "bench.router_dtype=fp64"))
 
 
 @pytest.mark.timeout(90)
