@@ -91,11 +91,13 @@ class TopKRouter(nn.Module):
             torch.empty(config.num_experts, config.hidden_size, dtype=config.params_dtype, device=device)
         )
         if init:
-            self.reset_parameters(seed)
+            self._init_weight(seed)
 
     @torch.no_grad()
-    def reset_parameters(self, seed: int = 0) -> None:
-        """``weight ~ N(0, config.init_std)`` from a generator seeded with ``seed`` (not on meta)."""
+    def _init_weight(self, seed: int) -> None:
+        """``weight ~ N(0, config.init_std)`` from a generator seeded with ``seed`` (not on meta).
+        Not ``reset_parameters``: deferred-init tools call that on every submodule, and inside a
+        layer the layer's own ``reset_parameters`` decides the router's weights."""
         if self.weight.device.type != "meta":
             gen = torch.Generator(device=self.weight.device).manual_seed(seed)
             self.weight.normal_(0.0, self.config.init_std, generator=gen)

@@ -706,6 +706,16 @@ def test_router_and_experts_built_on_their_own_are_initialised():
     layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=3)
     same = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=3)
     assert torch.equal(layer.router.weight, same.router.weight) and not torch.equal(layer.router.weight, r.weight)
+    # deferred init the way FSDP-style tools do it, reset_parameters() on every module that has one:
+    # the layer's seeded draw decides, no submodule redraws its own
+    with torch.device("meta"):
+        lazy = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=3)
+    lazy.to_empty(device="cpu")
+    for m in lazy.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    assert all(torch.equal(a, b) for a, b in zip(lazy.state_dict().values(), layer.state_dict().values())
+               if isinstance(a, torch.Tensor))
 
 
 def test_replan_before_any_forward_says_the_window_is_empty():
