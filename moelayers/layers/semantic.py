@@ -119,8 +119,7 @@ class SemanticMoE(MoELayerBase):
             raise ValueError(f"predictor must be one of {PREDICTORS}, got {predictor!r}")
         if not isinstance(groups, ParallelGroups):
             raise TypeError(f"groups must be a ParallelGroups, got {type(groups).__name__}")
-        if mode == "tp" and (groups.tp_size != groups.ep_size or groups.tp_rank != groups.ep_rank
-                             or not _same_group(groups.tp, groups.ep)):
+        if mode == "tp" and not _tp_groups_fit(groups):
             raise ValueError(f"mode='tp' runs the MoE expert-parallel over the TP group (tp = ep, the same ranks), got "
                              f"tp={groups.tp_size} ranks {_group_ranks(groups.tp)}, ep={groups.ep_size} ranks "
                              f"{_group_ranks(groups.ep)}: use ParallelGroups.from_world(tp=world)")
@@ -157,6 +156,12 @@ class SemanticMoE(MoELayerBase):
         if mode is None:
             mode = getattr(plan, "mode", "dp")
             mode = mode if mode in MODES else "dp"
+            if mode == "tp" and isinstance(groups, ParallelGroups) and not _tp_groups_fit(groups):
+                raise ValueError(f"the plan was made for mode='tp' (plan.mode; SemanticMoE.from_plan takes it when no "
+                                 f"mode is given), which runs the MoE over the TP group, but the groups have "
+                                 f"tp={groups.tp_size}, ep={groups.ep_size}: pass mode='dp' to serve this plan's "
+                                 f"placement with attention-DP, or build the groups with "
+                                 f"ParallelGroups.from_world(tp=world)")
         return cls(config, groups, mode=mode, plan=plan, layer_idx=layer_idx, **kwargs)
 
     # ------------------------------------------------------------------ attention-TP
@@ -259,6 +264,10 @@ class SemanticMoE(MoELayerBase):
         rows = mine[:n]
         hv = h[:n]
         z = norm(hv)  # before the chunk's routing is forced: a norm that raises leaves nothing forced
+        if not isinstance(z, torch.Tensor) or z.shape != hv.shape or z.dtype != hv.dtype:
+            got = f"{list(z.shape)} {z.dtype}" if isinstance(z, torch.Tensor) else type(z).__name__
+            raise ValueError(f"norm must return a tensor shaped and typed like its input ({list(hv.shape)} "
+                             f"{hv.dtype}, this rank's rows after the reduce-scatter), got {got}")
         if forced is not None:  # replayed routing of all T tokens: keep this chunk's rows
             self._forced_ids = forced.index_select(0, rows.to(forced.device))
         y = self.forward(z, token_ids=None if token_ids is None else token_ids.index_select(0, rows))
@@ -380,6 +389,12 @@ def _fingerprint_of(tensors: list[torch.Tensor | None], dev: torch.device) -> to
 def _group_ranks(group) -> list[int] | None:
     """The global ranks of ``group`` (``None`` for a group of one)."""
     return None if group is None else dist.get_process_group_ranks(group)
+
+
+def _tp_groups_fit(groups: ParallelGroups) -> bool:
+    """Whether ``mode='tp'`` can run on ``groups``: the MoE's EP group is the attention's TP group."""
+    return (groups.tp_size == groups.ep_size and groups.tp_rank == groups.ep_rank
+            and _same_group(groups.tp, groups.ep))
 
 
 def _same_group(a, b) -> bool:

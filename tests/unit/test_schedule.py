@@ -459,6 +459,9 @@ def test_semantic_moe_errors():
         object.__setattr__(fake, name, value)
     with pytest.raises(ValueError, match="tp = ep"):
         ml.SemanticMoE(cfg, fake, mode="tp")
+    # a tp plan's mode is taken when none is given: the message said "mode='tp'", which the caller never passed
+    with pytest.raises(ValueError, match=r"plan was made for mode='tp' \(plan.mode.*pass mode='dp'"):
+        ml.SemanticMoE.from_plan(make_plan(8, 2, mode="tp"), 0, cfg, fake)
     layer = ml.SemanticMoE.from_plan(make_plan(8, 1, mode="tp"), 0, cfg, single)
     x = torch.randn(4, H)
     with pytest.raises(ValueError, match="token_ids"):
@@ -517,6 +520,16 @@ def test_forward_tp_forces_nothing_after_a_norm_that_raises():
     out = layer.forward_tp(partial, residual, norm, token_ids=torch.arange(9))  # routed by the router
     h = residual + partial
     assert (out - (h + ml.reference.moe_forward(norm(h), *w64, cfg))).abs().max() < 1e-9
+
+
+@pytest.mark.parametrize("bad", ["dtype", "shape", "type"])
+def test_forward_tp_names_a_norm_that_returns_another_dtype_or_shape(bad):
+    """The norm's output went to forward() unchecked, whose message then blamed an ``x`` the caller never passed."""
+    layer, cfg, w64 = _layer("tp")
+    partial, residual = (torch.randn(6, H, dtype=torch.float64) for _ in range(2))
+    norm = {"dtype": lambda z: z.float(), "shape": lambda z: z[:, : H // 2], "type": lambda z: z.tolist()}[bad]
+    with pytest.raises(ValueError, match=rf"norm must return a tensor shaped and typed like its input \(\[6, {H}\]"):
+        layer.forward_tp(partial, residual, norm, token_ids=torch.arange(6))
 
 
 def test_an_expert_history_that_is_not_three_dimensional_is_refused():
