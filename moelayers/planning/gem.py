@@ -256,8 +256,8 @@ class LatencyCurves:
         ``C~_r(n) = (1 / w) * integral of C_r over [n - w/2, n + w/2]``: the expected latency when the
         rows are only known to within ``+- w/2`` (a tiled curve averaged over one tile becomes a
         straight line). Computed exactly from the piecewise-linear samples (piecewise quadratic
-        antiderivative), on a uniform grid of ``max(1, w / 8)`` rows up to half a window past the
-        last sample; beyond that every window lies on the linear tail, whose average is the tail
+        antiderivative), on a uniform grid of ``max(1, w / 8)`` rows from half a window before the
+        first sample (or 0) to half a window past the last; beyond that every window lies on the linear tail, whose average is the tail
         itself, so the smoothed curve continues with this curve's tail slope.
 
         Args:
@@ -271,7 +271,10 @@ class LatencyCurves:
         half = 0.5 * float(width)
         step = max(1, int(width // 8))
         top = int(np.ceil(self.rows[-1] + half))  # from here on every window lies on the linear tail
-        grid = np.arange(int(self.rows[0]), top + step, step, dtype=np.int64)
+        # from half a window below the first sample: below that every window lies where the curve is
+        # held at its first value, whose average is that value (the smoothed curve is held there too)
+        start = max(0, int(np.floor(self.rows[0] - half)))
+        grid = np.arange(start, top + step, step, dtype=np.int64)
         ranks = np.arange(self.num_ranks)[:, None]
         hi, lo = self._antiderivative(grid + half, ranks), self._antiderivative(grid - half, ranks)
         lat = np.maximum.accumulate((hi - lo) / width, axis=1)  # guard monotonicity against rounding

@@ -96,6 +96,13 @@ def test_smoothed_curves_average_over_the_window() -> None:
     for x in (40.0, 100.0, 120.0, 178.0, 200.0, 400.0, 1000.0, 1e5):
         window = np.linspace(x - width / 2, x + width / 2, 200_001)
         assert smooth.eval_ranks(np.array(x), 0) == pytest.approx(profile.eval_ranks(window, 0).mean(), rel=3e-3), x
+    # a first sample above 0 rows: the grid started there, so every row below it read the average
+    # around the first sample (1.25 ms at 0 rows, where the whole window lies on the held 1 ms)
+    late = LatencyCurves(np.array([128, 256]), np.array([[1.0, 2.0]]) * 1e-3)
+    width = 256.0
+    for x in (0.0, 64.0, 128.0, 300.0):
+        window = np.linspace(x - width / 2, x + width / 2, 200_001)
+        assert late.smoothed(width).eval_ranks(np.array(x), 0) == pytest.approx(late.eval_ranks(window, 0).mean(), rel=1e-3), x
     with pytest.raises(ValueError, match="positive number of rows"):
         curves.smoothed(0.0)
 
