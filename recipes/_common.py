@@ -65,7 +65,8 @@ def flag(cfg: dict, key: str, default: bool) -> bool:
 
 
 #: the on/off layer kwargs a recipe's ``layer.kwargs`` may set (read with :func:`flag`)
-LAYER_FLAGS = ("layer.kwargs.dedup", "layer.kwargs.check_finite", "layer.kwargs.cuda_graph")
+LAYER_FLAGS = ("layer.kwargs.dedup", "layer.kwargs.check_finite", "layer.kwargs.cuda_graph",
+               "layer.kwargs.auto_replan", "layer.kwargs.record_loads")  # the last two: VariabilityAwareMoE
 
 
 def merge_curves_path(d: dict) -> str | None:

@@ -666,7 +666,7 @@ _TRACE_FILES: dict = {}
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     d = to_dict(cfg)
-    normalize_flags(d, ("progress", "plot", "trace.synthetic", *LAYER_FLAGS, "layer.kwargs.auto_replan"))
+    normalize_flags(d, ("progress", "plot", "trace.synthetic", *LAYER_FLAGS))
     if merge_curves_path(d) and not isinstance(d.get("variability"), dict):  # curves.path: plan.py's spelling
         d["variability"] = {"name": d.get("variability") or "none", "curves": dict(d["curves"])}
     if d.get("trace", {}).get("path"):

@@ -118,6 +118,9 @@ class VariabilityAwareMoE(MoELayerBase):
     ):
         from moelayers.emulation import VARIABILITY_PRESETS
 
+        for name, value in (("auto_replan", auto_replan), ("record_loads", record_loads)):
+            if not isinstance(value, bool):  # a config's string 'off' would be truthy
+                raise TypeError(f"{name} must be a bool, got {value!r}")
         if variability not in VARIABILITY_PRESETS:
             raise ValueError(f"variability must be one of {VARIABILITY_PRESETS}, got {variability!r}")
         for name, v in (("window", window), ("restarts", restarts)):

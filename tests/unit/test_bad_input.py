@@ -238,6 +238,20 @@ def test_auto_replan_needs_experts_divisible_by_the_ranks():
     assert run_distributed(_indivisible_auto_replan, 2) == ["raised", "raised"]
 
 
+@pytest.mark.parametrize("name", ["auto_replan", "record_loads"])
+def test_variability_flags_must_be_bools(name):
+    """A config's 'off' string is truthy: record_loads='off' recorded and re-planned (serve.py's
+    layer.kwargs.record_loads=off ran with it on)."""
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+    with pytest.raises(TypeError, match=f"{name} must be a bool, got 'off'"):
+        ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), window=2, **{name: "off"})
+    from recipes._common import LAYER_FLAGS, normalize_flags
+
+    d = {"layer": {"kwargs": {name: "off"}}}
+    normalize_flags(d, LAYER_FLAGS)  # what serve.py and bench.py do with the config
+    assert d["layer"]["kwargs"][name] is False
+
+
 def _settings_differ(rank, world, what):
     """Ranks built with another dedup or top_k read each other's payload rows with their own
     layout: an out-of-range index decoded from the payload's bytes, or a gloo reset. The digest the
