@@ -237,7 +237,7 @@ def summarize(res: dict, out_dir: str, config: dict | None = None) -> str:
         "curves.npz": lambda tmp: save_curves(tmp, rows, lat, res["device_names"], raw, config=config),
         "curves.png": lambda tmp: plot_curves(rows, lat, raw, res["device_names"], tmp),
     })
-    picks = [i for i, n in enumerate(rows) if n in (1, 128, 1024, 4096, 16384)] or [0, len(rows) - 1]
+    picks = sorted({0, len(rows) - 1, *(i for i, n in enumerate(rows) if n in (128, 1024, 4096, 16384))})
     table = [("rows", *[f"rank {r}" for r in range(lat.shape[0])], "max/min")]
     for i in picks:
         col = lat[:, i]
@@ -262,6 +262,11 @@ def main(cfg: DictConfig) -> None:
     flag(d, "progress", True)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (d.get("parallel") or {}).get("world_size", 1)
     check_world(d["profile"], int_setting(world, "parallel.world_size", 1))
+    ep = (d.get("parallel") or {}).get("ep")
+    if ep is not None and int_setting(ep, "parallel.ep", 1) != world:
+        raise ValueError(f"parallel.ep={ep}: profile.py times every rank of the world, one curve each, and plan.py "
+                         f"needs one curve per expert-parallel rank; run it with {ep} ranks (parallel.world_size or "
+                         f"torchrun's --nproc_per_node) on the GPUs of that EP group, or leave parallel.ep unset")
     res = launch(d, profile_worker)
     if res is not None:
         echo = {k: v for k, v in d.items() if k != "run_dir"}

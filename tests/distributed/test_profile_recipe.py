@@ -56,6 +56,8 @@ def test_profile_writes_curves(tmp_path):
     (["parallel.world_size=1.9"], "parallel.world_size must be an integer >= 1, got 1.9"),
     (["seed=1.5"], "seed must be an integer >= 0, got 1.5"),
     (["progress=maybe"], "progress"),
+    # profiled 4 ranks' curves silently: plan.py with parallel.ep=2 needs 2
+    (["parallel.world_size=4", "parallel.ep=2"], "parallel.ep=2: profile.py times every rank of the world"),
 ])
 def test_profile_bad_input_writes_nothing(tmp_path, overrides, message):
     out = tmp_path / "run"
@@ -119,7 +121,12 @@ def test_summarize_writes_each_ranks_fit_and_measurements(tmp_path, capsys):
         assert d["device_names"].tolist() == ["gpu-a", "gpu-b"]
     curves = LatencyCurves.load(path)
     assert curves.num_ranks == 2
-    assert "4 of 8 samples smoothed" in capsys.readouterr().out  # the two pooled pairs
+    out = capsys.readouterr().out
+    assert "4 of 8 samples smoothed" in out  # the two pooled pairs
+    # the table shows the first and the last sample (it showed the 1-row sample alone when no other
+    # sample fell on 128, 1024, 4096 or 16384 rows)
+    table = [line.split()[0] for line in out.splitlines()[1:] if line.strip() and line.split()[0].isdigit()]
+    assert table == ["1", "48"], out
 
 
 def test_sample_rows():
