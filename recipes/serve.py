@@ -273,14 +273,13 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
     elapsed = time.perf_counter() - t0
     emulated = var.describe(groups.ep_size)
     notes += [emulated] if emulated else []
-    notes += [f"MoE layer {i}: {m.num_replans} re-plan(s)" for i, m in enumerate(layers) if hasattr(m, "num_replans")]
     if bar is not None:
         bar.update(len(requests) - bar.n)
         bar.close()
+    counted = [(i, m.num_replans) for i, m in enumerate(layers) if hasattr(m, "num_replans")]
     res = _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, steps, out_tokens,
-                          prompt_tokens, elapsed, mcfg, notes, device)
+                          prompt_tokens, elapsed, mcfg, notes, device, (replans, counted))
     if res is not None:
-        res["replans"] = replans
         res["in_sample_requests"] = in_sample
         if trace is not None:
             res["skipped_empty_sequences"] = skipped_empty
@@ -314,8 +313,12 @@ def compare_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
 
 
 def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, steps, out_tokens, prompt_tokens,
-                    elapsed, mcfg, notes, device) -> dict | None:
+                    elapsed, mcfg, notes, device, replanning=((), ())) -> dict | None:
     """Reduce the counters over ranks; rank 0 builds the results dict.
+
+    ``replanning``: this rank's ``(replans, [(layer, count)])``. Every expert-parallel group re-plans
+    from its own loads: ``replans`` and the notes hold those of every group (``ep_group``: the
+    group's index, world ranks ``ep_group * ep .. + ep - 1``), each taken from the group's EP rank 0.
 
     All-to-all volume: ``a2a_dispatch_bytes`` (= ``bytes_sent``: de-duplicated payload rows to other
     ranks, hidden state + routing metadata, ``MoEStats.bytes_sent``) plus ``a2a_combine_bytes`` (one
@@ -358,14 +361,21 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
                 "tpot_s": (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1)
                 if len(r.token_times) > 1 else float("nan"),
                 "finish_s": r.token_times[-1] if r.token_times else float("nan")} for r in mine]
+    mine_replans = replanning if groups.ep_rank == 0 else None  # one record per EP group
     gathered = [None] * world
     if world > 1:
-        dist.all_gather_object(gathered, per_req)
+        dist.all_gather_object(gathered, (per_req, mine_replans))
     else:
-        gathered = [per_req]
+        gathered = [(per_req, mine_replans)]
     if rank != 0:
         return None
-    reqs = sorted((q for part in gathered for q in part), key=lambda q: q["id"])
+    reqs = sorted((q for part, _ in gathered for q in part), key=lambda q: q["id"])
+    groups_replans = [(w // ep_size, rp) for w, (_, rp) in enumerate(gathered) if rp is not None]
+    replans = sorted(({**r, "ep_group": g} for g, (rp, _) in groups_replans for r in rp),
+                     key=lambda r: (r["step"], r["ep_group"], r["layer"]))
+    several = len(groups_replans) > 1
+    notes = notes + [f"MoE layer {i}" + (f" of EP group {g}" if several else "") + f": {n} re-plan(s)"
+                     for g, (_, counted) in groups_replans for i, n in counted]
     latency = latency_summary(reqs)
     if latency["truncated"]:
         unserved = latency["unserved_requests"]
@@ -398,7 +408,7 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
         "scheduler": cfg["scheduler"], "num_requests": len(reqs), "output_tokens": out_total,
         "prompt_tokens": prompt_total,
         "steps": steps, "elapsed_s": elapsed, "seed": cfg["seed"], "requests_digest": requests_digest(requests),
-        "model": mcfg, "notes": notes, "config": echo,
+        "model": mcfg, "notes": notes, "config": echo, "replans": replans,
         "requests": reqs, "rank_load_per_step": loads.tolist(),
         **emulated_expert_time(cfg, group_loads, ep_ranks),
     }

@@ -766,6 +766,31 @@ def test_serve_variability_replans(tmp_path):
     for r in res["replans"]:  # each re-plan records its predicted gain on the window
         assert r["moved"] in (True, False) and r["score_current"] > 0 and r["score_new"] > 0, r
         assert r["gain"] == pytest.approx(1 - r["score_new"] / r["score_current"])
+        assert r["ep_group"] == 0
+
+
+@pytest.mark.timeout(200)
+def test_serve_reports_the_replans_of_every_ep_group(tmp_path):
+    """With parallel.ep below the world size every EP group re-plans from its own loads; results.json
+    and the notes held world rank 0's group only."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(root / "recipes" / "serve.py"), "layer=variability", "variability=high",
+           "parallel=cpu4", "parallel.ep=2", "router=replay", "workload.num_requests=16", "layer.kwargs.window=4",
+           "progress=false", "plot=false", f"hydra.run.dir={tmp_path}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=190)
+    assert proc.returncode == 0, f"serve failed:\n{proc.stdout}\n{proc.stderr}"
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert sorted({r["ep_group"] for r in res["replans"]}) == [0, 1], res["replans"]
+    for g in (0, 1):
+        for layer in (0, 1):
+            assert f"MoE layer {layer} of EP group {g}: 1 re-plan(s)" in res["notes"], res["notes"]
+    assert len(res["replans"]) == 4
 
 
 def _replan_failures(rank, world):
