@@ -742,6 +742,10 @@ def test_sparse_rows_products_row_by_row_equal_the_general_sums():
         general.per_row = None
         np.testing.assert_array_equal(fast @ w, general @ w)
         np.testing.assert_allclose(fast @ w, dense.astype(np.float64) @ w.astype(np.float64), rtol=1e-12, atol=1e-12)
+        # the transposed product (one bincount over col * R + j) adds in row order, as per-column bincounts do
+        g = rng.standard_normal((n, r))
+        by_column = [np.bincount(fast.cols, weights=fast.vals * g[fast.rows, j], minlength=f) for j in range(r)]
+        np.testing.assert_array_equal(fast.rmatmul_t(g), np.stack(by_column, axis=1))
     ragged = np.array([[1, 0, 1], [0, 1, 0]], dtype=np.float32)
     assert _SparseRows(ragged).per_row is None
     np.testing.assert_array_equal(_SparseRows(ragged) @ np.eye(3), ragged)
