@@ -86,7 +86,11 @@ def dispatch_pack_reference(
         x: ``[T, H]`` tokens; dest_map: ``[T, R]`` payload row per (token, rank), ``-1`` = none.
         dest_rank, dest_slot: ``[T, K]`` destination of each (token, k); weights: ``[T, K]``.
         x_out: ``[N, H]``, w_out: ``[N, K]``, s_out: ``[N, K]`` int32 outputs (views allowed).
+
+    Raises:
+        ValueError, TypeError: as :func:`dispatch_pack_triton` (the same checks on every path).
     """
+    _check(x, dest_map, dest_rank, dest_slot, weights, x_out, w_out, s_out)
     tok, rank = (dest_map >= 0).nonzero(as_tuple=True)
     rows = dest_map[tok, rank]
     mine = dest_rank[tok] == rank[:, None]
@@ -108,9 +112,12 @@ def dispatch_pack_triton(
     require_triton()
     _check(x, dest_map, dest_rank, dest_slot, weights, x_out, w_out, s_out)
     t, h = x.shape
+    k = dest_rank.shape[1]
     if t == 0:
         return
-    k = dest_rank.shape[1]
+    if h == 0 or k == 0:  # no row or no metadata to write: blocks of size 0 do not compile
+        dispatch_pack_reference(x, dest_map, dest_rank, dest_slot, weights, x_out, w_out, s_out)
+        return
     x = x if x.stride(1) == 1 else x.contiguous()
     dest_map, dest_rank, dest_slot, weights = (a.contiguous() for a in (dest_map, dest_rank, dest_slot, weights))
     block_h = min(1024, triton.next_power_of_2(h))

@@ -128,14 +128,16 @@ def send_layout_triton(
 
 #: the largest ``T × R`` (``R`` rounded up to a power of two) that :func:`send_layout` gives the kernel
 TRITON_MAX_UNITS = 1 << 17
+#: and the most ranks (its tile is at least 16 tokens by the ranks; Triton allows 2^20 elements)
+TRITON_MAX_RANKS = 1 << 12
 
 
 def send_layout(
     dest_rank: torch.Tensor, num_ranks: int, flag: torch.Tensor | None = None, digest: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The send layout: the Triton kernel on CUDA up to ``TRITON_MAX_UNITS`` (token, rank) units,
-    else the torch reference."""
+    """The send layout: the Triton kernel on CUDA up to ``TRITON_MAX_UNITS`` (token, rank) units
+    and ``TRITON_MAX_RANKS`` ranks, else the torch reference."""
     units = dest_rank.shape[0] * (1 << max(num_ranks - 1, 0).bit_length())
-    if use_triton(dest_rank) and units <= TRITON_MAX_UNITS:
+    if use_triton(dest_rank) and units <= TRITON_MAX_UNITS and num_ranks <= TRITON_MAX_RANKS:
         return send_layout_triton(dest_rank, num_ranks, flag, digest)
     return send_layout_reference(dest_rank, num_ranks, flag, digest)

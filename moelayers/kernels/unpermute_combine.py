@@ -82,7 +82,7 @@ def unpermute_combine_reference(
     if weight is not None:
         w = torch.where(valid, weight.to(acc), weight.new_zeros((), dtype=acc))
         rows = rows * w.unsqueeze(-1)
-    out = rows.sum(dim=1) if index.shape[1] > 0 else rows.new_zeros(T, H)
+    out = rows.sum(dim=1)  # J = 0: zeros, still in the autograd graph of src and weight
     return out.to(out_dtype or src.dtype)
 
 

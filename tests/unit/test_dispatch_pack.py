@@ -66,6 +66,35 @@ def test_dispatch_pack_refuses_strided_or_misshapen_outputs():
         dispatch_pack_triton(x, dest_map, dest_rank[:4], dest_slot, weights, **good)
 
 
+@pytest.mark.parametrize("fn", [dispatch_pack_reference, dispatch_pack_triton])
+def test_both_paths_check_the_contract(fn):
+    """The reference (every CPU forward) skipped the checks: a dest_map of 3 rows for 4 tokens packed
+    part of the rows without a word, and bad dtypes failed deep in torch or not at all."""
+    if fn is dispatch_pack_triton and (not HAVE_TRITON or not _interpreted()):
+        pytest.skip("triton missing or not interpreted")
+    x, dest_map, dest_rank, dest_slot, weights, n = _case(4, 8, 2, 3, torch.float32, 5)
+    good = dict(x_out=torch.zeros(n, 8), w_out=torch.zeros(n, 2), s_out=torch.zeros(n, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"expected x \[T, H\] and dest_map \[T, R\]"):
+        fn(x, dest_map[:3], dest_rank, dest_slot, weights, **good)
+    with pytest.raises(TypeError, match="dest_rank must be int32 or int64"):
+        fn(x, dest_map, dest_rank.float(), dest_slot, weights, **good)
+    with pytest.raises(ValueError, match="x_out must have unit stride"):
+        fn(x, dest_map, dest_rank, dest_slot, weights, **{**good, "x_out": torch.zeros(n, 16)[:, ::2]})
+
+
+@pytest.mark.skipif(not HAVE_TRITON or not _interpreted(), reason="triton missing or not interpreted")
+@pytest.mark.parametrize("h,k", [(0, 2), (4, 0)])
+def test_dispatch_pack_kernel_takes_empty_rows_or_metadata(h, k):
+    """Blocks of size 0 do not compile: H = 0 raised ZeroDivisionError, K = 0 a Triton error."""
+    x, dest_map, dest_rank, dest_slot, weights, n = _case(5, max(h, 1), max(k, 1), 2, torch.float32, 1)
+    x, dest_rank, dest_slot, weights = x[:, :h], dest_rank[:, :k], dest_slot[:, :k], weights[:, :k]
+    outs = [(torch.full((n, h), 7.0), torch.full((n, k), 7.0), torch.full((n, k), 7, dtype=torch.int32)) for _ in range(2)]
+    dispatch_pack_reference(x, dest_map, dest_rank, dest_slot, weights, *outs[0])
+    dispatch_pack_triton(x, dest_map, dest_rank, dest_slot, weights, *outs[1])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 def test_packed_rows_are_padded_to_16_bytes():
     """Packed rows are a multiple of ROW_ALIGN = 16 bytes (the vectorised pack kernels and the combine's
     raw-row shortcut, which is taken only where H * itemsize is already a multiple of it, rely on it)."""

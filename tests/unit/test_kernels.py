@@ -187,6 +187,16 @@ def test_unpermute_combine_out_dtype_and_empty_src():
         assert out.shape == (4, 24) and (out == 0).all()
 
 
+def test_unpermute_combine_without_entries_keeps_the_graph():
+    """J = 0 returned fresh zeros, cut off from src and weight: backward raised "does not require grad"."""
+    src = torch.randn(3, 4, requires_grad=True)
+    weight = torch.rand(2, 0, requires_grad=True)
+    out = unpermute_combine(src, torch.zeros(2, 0, dtype=torch.int64), weight)
+    assert out.shape == (2, 4) and out.requires_grad
+    out.sum().backward()
+    assert (src.grad == 0).all()
+
+
 def test_reference_gradcheck():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(4, 5, dtype=torch.float64, generator=gen, requires_grad=True)

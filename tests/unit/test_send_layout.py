@@ -86,7 +86,10 @@ def test_send_layout_gives_the_kernel_bounded_work(monkeypatch):
     calls = []
     monkeypatch.setattr(mod, "use_triton", lambda t: True)
     monkeypatch.setattr(mod, "send_layout_triton", lambda *a: calls.append("triton") or send_layout_reference(*a))
-    for t, r, kernel in [(4096, 32, True), (4097, 32, False), (2048, 64, True), (2048, 65, False), (0, 8, True)]:
+    # (1, 5000): within the units, but the kernel's tile (>= 16 tokens by the ranks) would pass
+    # Triton's 2^20 elements at 65,536 ranks: TRITON_MAX_RANKS
+    for t, r, kernel in [(4096, 32, True), (4097, 32, False), (2048, 64, True), (2048, 65, False), (0, 8, True),
+                         (1, 4096, True), (1, 5000, False)]:
         calls.clear()
         mod.send_layout(_ranks(t, 2, r, 0), r)
         assert calls == (["triton"] if kernel else []), (t, r)
