@@ -30,6 +30,9 @@ placements of all layers are solved against the same clusters (:func:`solve_dp`)
 from __future__ import annotations
 
 import math
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -463,6 +466,8 @@ SETTINGS = {
     "max_requests": (lambda v: _integer(v) and v >= 1, "an integer >= 1 (requests clustered in dp mode)"),
     "predictor_sample": (lambda v: _integer(v) and v >= 1, "an integer >= 1 (profiled tokens the tp predictor "
                                                            "is fitted on)"),
+    "threads": (lambda v: v is None or (_integer(v) and v >= 1), "None or an integer >= 1 (threads fitting the tp "
+                                                                 "predictor; None: the usable CPUs, at most 4)"),
 }
 
 
@@ -500,7 +505,8 @@ def _check_args(trace, ep: int, mode: str, **settings) -> None:
 def plan_semantic(train_trace, ep: int, mode: str = "tp", *, solver: str = "alternating", theta: float = 0.1,
                   seed: int = 0, progress: bool = True, embeddings: np.ndarray | None = None, history: int = 8,
                   sample: int = 8192, beta: float = 1.1, rho: float = 0.2, slack: float = 1.1,
-                  smoothing: float = 2.0, max_requests: int = 4096, predictor_sample: int = 16384) -> SemanticPlan:
+                  smoothing: float = 2.0, max_requests: int = 4096, predictor_sample: int = 16384,
+                  threads: int | None = None) -> SemanticPlan:
     """Semantic plan from a (training) routing trace. Deterministic for a ``seed``.
 
     Args:
@@ -523,6 +529,9 @@ def plan_semantic(train_trace, ep: int, mode: str = "tp", *, solver: str = "alte
         smoothing: pseudo-occurrences of the layer distribution in ``Pr(rank | token)``.
         max_requests: requests clustered in dp mode (a seeded subset; all are used for the tables).
         predictor_sample: profiled tokens the tp predictor is fitted on (a seeded sample).
+        threads: tp: the layers' predictors are fitted on this many threads while the main thread
+            places the next layers (default: the usable CPUs, at most 4). The plan is the same for
+            any number: each fit is deterministic and the random draws stay on the main thread.
 
     Returns:
         :class:`~moelayers.planning.semantic.SemanticPlan`.
@@ -531,7 +540,8 @@ def plan_semantic(train_trace, ep: int, mode: str = "tp", *, solver: str = "alte
         ValueError: a bad ``ep`` or ``mode``, or a solver setting out of range (:func:`check_settings`), named.
     """
     _check_args(train_trace, ep, mode, solver=solver, theta=theta, history=history, sample=sample, beta=beta, rho=rho,
-                slack=slack, smoothing=smoothing, max_requests=max_requests, predictor_sample=predictor_sample)
+                slack=slack, smoothing=smoothing, max_requests=max_requests, predictor_sample=predictor_sample,
+                threads=threads)
     rng = np.random.default_rng(seed)
     v = train_trace.vocab_size
     seen = np.bincount(train_trace.token_ids, minlength=v) > 0
@@ -539,7 +549,8 @@ def plan_semantic(train_trace, ep: int, mode: str = "tp", *, solver: str = "alte
     fn = _plan_tp if mode == "tp" else _plan_dp
     return fn(train_trace, int(ep), rng, src, solver=solver, theta=float(theta), seed=int(seed), progress=progress,
               history=int(history), sample=int(sample), beta=beta, rho=rho, slack=slack, smoothing=smoothing,
-              max_requests=int(max_requests), predictor_sample=int(predictor_sample))
+              max_requests=int(max_requests), predictor_sample=int(predictor_sample),
+              threads=_fit_threads() if threads is None else int(threads))
 
 
 def _sequence_pairs(tr) -> tuple[np.ndarray, np.ndarray]:
@@ -550,8 +561,17 @@ def _sequence_pairs(tr) -> tuple[np.ndarray, np.ndarray]:
     return pair, np.bincount(pair)
 
 
+def _fit_threads() -> int:
+    """The usable CPUs, at most 4 (the default ``threads`` of :func:`plan_semantic`)."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = os.cpu_count() or 1
+    return max(1, min(4, usable))
+
+
 def _plan_tp(tr, r: int, rng, src, *, solver, theta, seed, progress, history, sample, beta, rho, slack, smoothing,
-             predictor_sample, **_) -> SemanticPlan:
+             predictor_sample, threads, **_) -> SemanticPlan:
     num_t, num_l, k = tr.topk_ids.shape
     num_e, v, ids = tr.num_experts, tr.vocab_size, tr.token_ids
     sub = np.sort(rng.choice(num_t, size=min(num_t, sample), replace=False))
@@ -567,27 +587,46 @@ def _plan_tp(tr, r: int, rng, src, *, solver, theta, seed, progress, history, sa
     token_logq = np.empty((num_l, v, r), np.float16)
     hist_w = np.zeros((num_l, history, num_e, r), np.float32)
     objective = np.empty(num_l)
-    for l in _progress(range(num_l), progress, f"semantic plan (tp, {solver}, EP{r})"):
-        table = build_token_table(ids, tr.topk_ids[:, l], num_e, v)
-        load = table.expert_load.astype(np.float64)
-        obj = LayerObjective(tr.topk_ids[sub, l], r, theta=theta, beta=beta)
-        if solver == "alternating":
-            er, j = solve_alternating(obj, _coactivation(tr.topk_ids[co, l].astype(np.int64), num_e), load, rng, slack=slack)
-        else:
-            er, j = solve_cem(obj, load, rng, rho=rho, slack=slack)
-        expert_rank[l], objective[l] = er, j
-        q = token_rank_probs(table, er, r, smoothing=smoothing, source=src)
-        token_rank[l] = np.argmax(q, axis=1)
-        token_conf[l] = q.max(1)
-        # the online predictor, fitted on a sample whose token rows leave their own sequence out
-        counts = rank_counts(tr.topk_ids[:, l], er, r)
-        pair_counts = np.stack([np.bincount(pair, weights=counts[:, j], minlength=pair_freq.size) for j in range(r)], 1)
-        rows, rest = leave_sequence_out(q[ids[fit]], table.token_freq[ids[fit]], pair_counts[pair[fit]],
-                                        pair_freq[pair[fit]], k, smoothing)
-        hist = history_onehot(tr.topk_ids[fit], l, history, num_e)
-        model = fit_rank_model(rows, frequency_bucket(rest), hist, counts[fit] / k)
-        token_logq[l] = model.token_scores(np.log(np.maximum(q, 1e-9)), vocab_bucket)  # q = 0 where no expert of a rank was used
+
+    def fit_layer(l: int, q: np.ndarray, rows: np.ndarray, bucket: np.ndarray, hist: np.ndarray, target: np.ndarray):
+        model = fit_rank_model(rows, bucket, hist, target)
+        # q = 0 where no expert of a rank was used
+        token_logq[l] = model.token_scores(np.log(np.maximum(q, 1e-9)), vocab_bucket)
         hist_w[l] = model.w.reshape(history, num_e, r)
+
+    # the fits (most of the time: numpy releases the GIL) run beside the placements of the next
+    # layers; at most `threads` wait, so that their inputs do not pile up
+    pool, pending = ThreadPoolExecutor(max_workers=threads), deque()
+    try:
+        for l in _progress(range(num_l), progress, f"semantic plan (tp, {solver}, EP{r})"):
+            table = build_token_table(ids, tr.topk_ids[:, l], num_e, v)
+            load = table.expert_load.astype(np.float64)
+            obj = LayerObjective(tr.topk_ids[sub, l], r, theta=theta, beta=beta)
+            if solver == "alternating":
+                coact = _coactivation(tr.topk_ids[co, l].astype(np.int64), num_e)
+                er, j = solve_alternating(obj, coact, load, rng, slack=slack)
+            else:
+                er, j = solve_cem(obj, load, rng, rho=rho, slack=slack)
+            expert_rank[l], objective[l] = er, j
+            q = token_rank_probs(table, er, r, smoothing=smoothing, source=src)
+            token_rank[l] = np.argmax(q, axis=1)
+            token_conf[l] = q.max(1)
+            # the online predictor, fitted on a sample whose token rows leave their own sequence out
+            counts = rank_counts(tr.topk_ids[:, l], er, r)
+            pair_counts = np.stack([np.bincount(pair, weights=counts[:, j], minlength=pair_freq.size)
+                                    for j in range(r)], 1)
+            rows, rest = leave_sequence_out(q[ids[fit]], table.token_freq[ids[fit]], pair_counts[pair[fit]],
+                                            pair_freq[pair[fit]], k, smoothing)
+            hist = history_onehot(tr.topk_ids[fit], l, history, num_e)
+            if len(pending) >= threads:
+                pending.popleft().result()
+            pending.append(pool.submit(fit_layer, l, q, rows, frequency_bucket(rest), hist, counts[fit] / k))
+        while pending:
+            pending.popleft().result()  # raises a fit's exception here
+    finally:
+        for job in pending:
+            job.cancel()
+        pool.shutdown(wait=True)
     ngram_rank, ngram_conf = ngram_tables(tr.topk_ids[big], expert_rank, r)
     return SemanticPlan(expert_rank, token_rank, token_conf, ngram_rank, ngram_conf, r, num_e, v, "tp",
                         token_logq=token_logq, history_pmi=hist_w if history else None,

@@ -541,7 +541,7 @@ def test_plan_semantic_refuses_zero_smoothing():
 @pytest.mark.parametrize("setting, value", [
     ("slack", float("nan")), ("slack", 0.5), ("beta", float("nan")), ("beta", 0.9), ("beta", float("inf")),
     ("rho", 0.0), ("rho", 1.5), ("theta", float("nan")), ("sample", 0), ("sample", 2.7), ("history", -1),
-    ("max_requests", 0), ("predictor_sample", True), ("solver", "sgd"),
+    ("max_requests", 0), ("predictor_sample", True), ("solver", "sgd"), ("threads", 0), ("threads", 1.5),
 ])
 def test_plan_semantic_refuses_bad_settings_naming_them(setting, value):
     """Every solver setting is checked for type, range and finiteness before planning: ``slack=nan``
@@ -592,11 +592,11 @@ def test_request_schedule_keeps_every_remaining_request_packable():
 
 
 _PLAN_HASH = """
-import hashlib, numpy as np
+import hashlib, os, numpy as np
 from moelayers.trace import synthetic_trace
 from moelayers.planning.semantic_solvers import plan_semantic
 train, _ = synthetic_trace(80, 6, 32, 4, 3000, seq_len=(64, 400), seed=7).split(0.5)
-p = plan_semantic(train, 4, "tp", progress=False)
+p = plan_semantic(train, 4, "tp", progress=False, threads=int(os.environ["PLAN_THREADS"]))
 h = hashlib.sha256()
 for a in (p.expert_rank, p.token_rank, p.token_logq, p.history_pmi):
     h.update(np.ascontiguousarray(a).tobytes())
@@ -608,13 +608,15 @@ print(h.hexdigest())
 def test_semantic_plan_does_not_depend_on_the_thread_count():
     """The tp predictor's fit summed its one-hot products through BLAS, whose split of the sums
     follows the thread count: this plan differed between 1 and 2 threads (0.40274 vs 0.40276 LAR
-    on a similar trace). The products now add in index order."""
+    on a similar trace). The products now add in index order. The layers' fits also run on
+    ``threads`` threads beside the placements: any number gives the same plan."""
     import subprocess
     import sys
 
     digests = set()
-    for threads in ("1", "2"):
-        env = dict(os.environ, OMP_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+    for threads, fits in (("1", "1"), ("2", "3")):
+        env = dict(os.environ, OMP_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads, MKL_NUM_THREADS=threads,
+                   PLAN_THREADS=fits)
         proc = subprocess.run([sys.executable, "-c", _PLAN_HASH], env=env, capture_output=True, text=True, timeout=200)
         assert proc.returncode == 0, proc.stderr
         digests.add(proc.stdout.strip())
