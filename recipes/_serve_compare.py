@@ -263,7 +263,7 @@ def print_tables(res: dict) -> None:
             rows.append([seed, f"{side} ({r['layer']})", r["throughput_tok_s"], r["ttft_p99_s"], r["tpot_mean_s"],
                          r["tpot_p90_s"], r["lar"], r["a2a_bytes"], len(r.get("replans") or [])])
     print_grid(["seed", "side", "out tok/s", "TTFT p99", "TPOT mean", "TPOT p90", "LAR", "a2a bytes",
-                "re-plans (all layers)"], rows, title="runs")
+                "re-plans (all layers, all EP groups)"], rows, title="runs")
     cmp_metrics = res["comparison"]["metrics"]
     rows = []
     for label, key in TABLE_ROWS:

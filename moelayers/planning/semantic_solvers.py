@@ -426,12 +426,14 @@ def _cem_linear(aff: np.ndarray, load: np.ndarray, r: int, rng: np.random.Genera
 
 
 # ------------------------------------------------------------------------------------ entry point
-def _progress(iterable, enabled: bool, desc: str):
+def _progress(iterable, enabled: bool, desc: str, total: int | None = None):
+    """A tqdm bar over ``iterable`` (or, with ``iterable=None``, one updated by hand up to ``total``);
+    disabled: ``iterable`` itself (``None``)."""
     if not enabled:
         return iterable
     from tqdm.auto import tqdm
 
-    return tqdm(iterable, desc=desc, leave=False)
+    return tqdm(iterable, desc=desc, leave=False, total=total)
 
 
 def _coactivation(acts: np.ndarray, num_e: int) -> np.ndarray:
@@ -595,10 +597,17 @@ def _plan_tp(tr, r: int, rng, src, *, solver, theta, seed, progress, history, sa
         hist_w[l] = model.w.reshape(history, num_e, r)
 
     # the fits (most of the time: numpy releases the GIL) run beside the placements of the next
-    # layers; at most `threads` wait, so that their inputs do not pile up
+    # layers; at most `threads` wait, so that their inputs do not pile up. The bar counts fitted layers.
     pool, pending = ThreadPoolExecutor(max_workers=threads), deque()
+    bar = _progress(None, progress, f"semantic plan (tp, {solver}, EP{r})", total=num_l)
+
+    def finish_one() -> None:
+        pending.popleft().result()  # raises a fit's exception here
+        if bar is not None:
+            bar.update(1)
+
     try:
-        for l in _progress(range(num_l), progress, f"semantic plan (tp, {solver}, EP{r})"):
+        for l in range(num_l):
             table = build_token_table(ids, tr.topk_ids[:, l], num_e, v)
             load = table.expert_load.astype(np.float64)
             obj = LayerObjective(tr.topk_ids[sub, l], r, theta=theta, beta=beta)
@@ -619,14 +628,16 @@ def _plan_tp(tr, r: int, rng, src, *, solver, theta, seed, progress, history, sa
                                             pair_freq[pair[fit]], k, smoothing)
             hist = history_onehot(tr.topk_ids[fit], l, history, num_e)
             if len(pending) >= threads:
-                pending.popleft().result()
+                finish_one()
             pending.append(pool.submit(fit_layer, l, q, rows, frequency_bucket(rest), hist, counts[fit] / k))
         while pending:
-            pending.popleft().result()  # raises a fit's exception here
+            finish_one()
     finally:
         for job in pending:
             job.cancel()
         pool.shutdown(wait=True)
+        if bar is not None:
+            bar.close()
     ngram_rank, ngram_conf = ngram_tables(tr.topk_ids[big], expert_rank, r)
     return SemanticPlan(expert_rank, token_rank, token_conf, ngram_rank, ngram_conf, r, num_e, v, "tp",
                         token_logq=token_logq, history_pmi=hist_w if history else None,

@@ -93,6 +93,18 @@ def test_dispatch_pack_kernel_takes_empty_rows_or_metadata(h, k):
     dispatch_pack_triton(x, dest_map, dest_rank, dest_slot, weights, *outs[1])
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+    # by hand: every used row holds its token's slots and weights for that rank (-1 / 0 elsewhere)
+    want_s, want_w = torch.full((n, k), 7, dtype=torch.int32), torch.full((n, k), 7.0)
+    want_x = torch.full((n, h), 7.0)
+    for t in range(5):
+        for r in range(2):
+            row = int(dest_map[t, r])
+            if row >= 0:
+                want_x[row] = x[t]
+                mine = dest_rank[t] == r
+                want_s[row] = torch.where(mine, dest_slot[t], -1).to(torch.int32)
+                want_w[row] = torch.where(mine, weights[t], 0.0)
+    assert torch.equal(outs[1][0], want_x) and torch.equal(outs[1][1], want_w) and torch.equal(outs[1][2], want_s)
 
 
 def test_packed_rows_are_padded_to_16_bytes():

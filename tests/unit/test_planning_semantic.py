@@ -623,6 +623,42 @@ def test_semantic_plan_does_not_depend_on_the_thread_count():
     assert len(digests) == 1, digests
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_tp_progress_bar_counts_fitted_layers(monkeypatch, threads):
+    """The bar wrapped the placement loop only, and closed while the last predictor fits (a third of
+    the solve) still ran; it now counts layers whose fit is done."""
+    import tqdm.auto
+
+    import moelayers.planning.semantic_solvers as solvers
+
+    fitted, seen = [], []
+
+    class Bar:
+        def __init__(self, iterable=None, total=None, **_):
+            assert iterable is None and total == 5
+            self.n = 0
+
+        def update(self, n):
+            self.n += n
+            seen.append((self.n, len(fitted)))
+
+        def close(self):
+            seen.append(("closed", len(fitted)))
+
+    real_fit = solvers.fit_rank_model
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    def fit(*args, **kwargs):
+        model = real_fit(*args, **kwargs)
+        fitted.append(1)
+        return model
+
+    monkeypatch.setattr(solvers, "fit_rank_model", fit)
+    train = synthetic_trace(40, 5, 16, 2, 500, seq_len=(16, 64), seed=2)
+    plan_semantic(train, 4, "tp", progress=True, threads=threads)
+    assert [n for n, _ in seen[:-1]] == [1, 2, 3, 4, 5] and seen[-1] == ("closed", 5)
+    assert all(done >= n for n, done in seen[:-1])  # a layer counts once its fit has finished
+
+
 def test_sparse_rows_products_equal_the_dense_ones():
     from moelayers.planning.semantic_predict import _SparseRows
 
