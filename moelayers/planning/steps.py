@@ -72,12 +72,12 @@ def step_loads(topk_ids: np.ndarray, num_experts: int, tokens_per_step: int = DE
         raise ValueError(f"offset must be in [0, tokens_per_step={tps}), got {offset}")
     if ids.size and (ids.min() < 0 or ids.max() >= num_experts):
         raise ValueError(f"topk_ids has expert ids outside [0, {num_experts})")
-    ids = ids.astype(np.int64, copy=False)  # uint64 + int64 would promote to float64
     step = (np.arange(num_t, dtype=np.int64) + (tps - int(offset)) % tps) // tps
     num_steps = int(step[-1]) + 1
     out = np.empty((num_l, num_steps, num_experts), dtype=np.int64)
-    for layer in range(num_l):
-        flat = (step[:, None] * num_experts + ids[:, layer, :]).ravel()
+    for layer in range(num_l):  # int64 one layer at a time: a compact file's ids, not all of them (memory)
+        ids_l = ids[:, layer, :].astype(np.int64)  # uint64 + int64 would promote to float64
+        flat = (step[:, None] * num_experts + ids_l).ravel()
         out[layer] = np.bincount(flat, minlength=num_steps * num_experts).reshape(num_steps, num_experts)
     return out
 

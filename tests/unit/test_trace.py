@@ -812,3 +812,33 @@ def test_recorder_drops_a_decoding_step_that_raised_part_way():
         rec.tag(["d"])
         model.step([("d", torch.tensor([5]))])
     assert rec.result.token_ids.tolist() == [1, 2, 4, 5]
+
+
+def test_split_does_not_check_its_parts_again_and_step_loads_keep_compact_ids(monkeypatch) -> None:
+    """Planning a 3M-token trace ran the trace checks three times (load, then both halves of the
+    split: 7 s each), and step_loads made an int64 copy of every layer's ids at once (the run's
+    memory peak, twice the size of an int16 file)."""
+    import tracemalloc
+
+    import moelayers.trace as trace_mod
+    from moelayers.planning.steps import trace_step_loads
+
+    trace = synthetic_trace(60, 16, 16, 4, 500, seq_len=(200, 400), seed=3)
+    trace.topk_ids = trace.topk_ids.astype(np.int16)
+    calls = []
+    real = trace_mod._check_distinct
+    monkeypatch.setattr(trace_mod, "_check_distinct", lambda *a: calls.append(1) or real(*a))
+    train, held = trace.split(0.5)
+    assert calls == [] and train.topk_ids.dtype == np.int16
+    np.testing.assert_array_equal(np.concatenate([train.topk_ids, held.topk_ids]), trace.topk_ids)
+    assert train.vocab_size == trace.vocab_size and held.num_experts == 16 and train.token_ids.dtype == np.int64
+    tracemalloc.start()
+    try:
+        loads = trace_step_loads(trace, 512)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < trace.topk_ids.size * 8 / 2, peak  # an int64 copy of every layer's ids would be the whole size
+    from moelayers.planning.steps import step_loads
+
+    np.testing.assert_array_equal(loads, step_loads(trace.topk_ids.astype(np.int64), 16, 512))
