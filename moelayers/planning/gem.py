@@ -257,8 +257,9 @@ class LatencyCurves:
         rows are only known to within ``+- w/2`` (a tiled curve averaged over one tile becomes a
         straight line). Computed exactly from the piecewise-linear samples (piecewise quadratic
         antiderivative), on a uniform grid of ``max(1, w / 8)`` rows from half a window before the
-        first sample (or 0) to half a window past the last; beyond that every window lies on the linear tail, whose average is the tail
-        itself, so the smoothed curve continues with this curve's tail slope.
+        first sample (or 0) to half a window past the last; beyond that every window lies on the
+        linear tail, whose average is the tail itself, so the smoothed curve continues with this
+        curve's tail slope.
 
         Args:
             width: window ``w`` in rows, ``> 0``.
