@@ -374,6 +374,16 @@ def _in_backward() -> bool:
     return current is not None and current() != -1
 
 
+def _shared_layer_paths(model: nn.Module) -> list[str]:
+    """The paths under which the first MoE module reachable more than once in ``model`` is registered
+    (``[]`` when each MoE module has one path)."""
+    paths: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if getattr(module, "moe_layer_marker", False) is True:
+            paths.setdefault(id(module), []).append(name or "<model>")
+    return next((p for p in paths.values() if len(p) > 1), [])
+
+
 class TraceRecorder:
     """Record routing from a running model as a :class:`RoutingTrace`.
 
@@ -394,6 +404,8 @@ class TraceRecorder:
     during a backward (activation checkpointing) are not recorded again.
     Attention-TP layers (``SemanticMoE(mode='tp')``, run through ``forward_tp``) are refused: each
     rank routes a shuffled chunk of the tokens; record the model with ``mode='dp'`` layers instead.
+    So is one MoE module used as several layers (one instance under two names): its uses in a
+    forward could not be told apart.
 
     Sequences: ``tag(seq_ids)`` before a forward gives each of its ``T`` tokens a sequence key
     (any hashable); an untagged forward is one new sequence. Tokens of a sequence keep the order
@@ -442,6 +454,11 @@ class TraceRecorder:
         named = [(n, m) for n, m in self.model.named_modules() if getattr(m, "moe_layer_marker", False) is True]
         if not named:
             raise ValueError(f"no MoE layers (modules with moe_layer_marker = True) found in {type(self.model).__name__}")
+        shared = _shared_layer_paths(self.model)
+        if shared:  # its hook would fire once per use: the second use would look like a new forward
+            raise ValueError(f"TraceRecorder needs one MoE module per layer; one module is used as "
+                             f"{' and '.join(map(repr, shared))} (named_modules() lists it once). Give each "
+                             "layer its own module (the weights may be copies)")
         tp = [n for n, m in named if getattr(m, "mode", None) == "tp"]
         if tp:  # forward_tp runs each rank's shuffled chunk: no forward hook sees the layer's tokens in order
             raise ValueError(f"TraceRecorder cannot record attention-TP layers ({tp[0]!r}: SemanticMoE mode='tp', "

@@ -17,6 +17,7 @@ from torch import nn
 import moelayers as ml
 
 from moelayers import trace_synthetic as ts
+from moelayers.models.tiny import TinyConfig, TinyDecoder
 from moelayers.trace import RoutingTrace, TraceRecorder, load_trace, save_trace, synthetic_trace, trace_statistics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -423,6 +424,18 @@ def test_recorder_errors() -> None:
     with pytest.raises(ValueError, match="no token ids"):
         with TraceRecorder(model):
             model(torch.tensor([1, 2]))
+    assert no_hooks(model)
+
+
+def test_recorder_refuses_a_moe_module_used_by_two_layers() -> None:
+    """A module under two names is one entry of named_modules(): its second use in a forward would
+    be stored as a new sequence and the layer dimension lost, so the recorder refuses it."""
+    moe = ml.MoEConfig(hidden_size=32, ffn_hidden_size=16, num_experts=8, top_k=2)
+    shared = ml.VanillaMoE(moe, ml.ParallelGroups.single(), seed=0)
+    model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4), lambda i: shared)
+    with pytest.raises(ValueError, match=r"one module is used as 'blocks\.0\.moe' and 'blocks\.1\.moe'"):
+        with TraceRecorder(model):
+            pass
     assert no_hooks(model)
 
 
