@@ -270,9 +270,15 @@ def plan_train_fraction(cfg: dict) -> float:
 
 
 def _plan_setting(cfg: dict, key: str):
+    """``scheduler.KEY`` (dict form), else ``layer.KEY``; both set to different values is an error
+    (one plan serves both, so one of them would be ignored)."""
     sched = cfg["scheduler"]
     value = sched.get(key) if isinstance(sched, dict) else None
-    return value if value is not None else cfg["layer"].get(key)
+    other = cfg["layer"].get(key)
+    if value is not None and other is not None and value != other:
+        raise ValueError(f"scheduler.{key}={value} and layer.{key}={other} differ: the layer and the scheduler "
+                         f"share one semantic plan, so give {key} once (either place)")
+    return value if value is not None else other
 
 
 def semantic_plan(cfg: dict, num_ranks: int, trace=None):

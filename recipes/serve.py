@@ -53,8 +53,8 @@ emulation imposed on the critical path (:func:`emulated_expert_time`).
 
 ``scheduler`` is a name (``round_robin``, ``semantic``, ``module:function``) or a dict
 ``scheduler={name:semantic,plan_path:FILE}``. ``layer=semantic`` and ``scheduler=semantic`` share one
-``SemanticPlan``: ``scheduler.plan_path``, else ``layer.plan_path``, else one planned (mode dp) on the
-replay trace's first half of sequences (``layer.plan_train_fraction``).
+``SemanticPlan``: ``scheduler.plan_path``, else ``layer.plan_path`` (both, with different values, is an
+error), else one planned (mode dp) on the replay trace's first half of sequences (``layer.plan_train_fraction``).
 """
 
 from __future__ import annotations

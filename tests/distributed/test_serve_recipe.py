@@ -301,6 +301,12 @@ def test_serve_plan_file_checked_before_the_ranks_start(tmp_path):
     serve.check_config(_config("layer=semantic", f"layer.plan_path={tmp_path / 'v500.npz'}"))  # no token ids read
     with pytest.raises(ValueError, match="'num_experts' is 16"):
         serve.check_config(_config("layer=semantic", f"layer.plan_path={tmp_path / 'e16.npz'}"))
+    # one plan serves the layer and the scheduler: two different paths would leave one unread (unchecked)
+    with pytest.raises(ValueError, match="scheduler.plan_path=.*ok.npz and layer.plan_path=.*missing.npz differ"):
+        serve.check_config(_config("layer=semantic", "scheduler={name:round_robin,plan_path:" + str(ok) + "}",
+                                   f"layer.plan_path={tmp_path / 'missing.npz'}"))
+    serve.check_config(_config(*both[:1], "scheduler={name:semantic,plan_path:" + str(ok) + "}",
+                               f"layer.plan_path={ok}"))
     # replay: the requests' tokens come from the trace (vocab 100), the experts too (4)
     trace = tmp_path / "trace.npz"
     _trace_with_empty_sequences(trace, [5, 6, 7, 8])
