@@ -54,8 +54,10 @@ class MoELayerBase(nn.Module):
         dispatcher: ``'alltoall'`` (default) or ``'allgather'``.
         dedup: all-to-all only: send a token once per destination rank.
         replica_policy: picks a replica per (token, expert) (default :class:`LocalFirstPolicy`).
-        device: where the weights live (default: CUDA's current device when the expert-parallel
-            group uses NCCL, or with one expert-parallel rank when ``groups.backend`` is NCCL; else CPU).
+        device: where the weights live (default: torch's default device where one is set
+            (``torch.set_default_device``, ``with torch.device(...)``); else CUDA's current device when
+            the expert-parallel group uses NCCL, or with one expert-parallel rank when
+            ``groups.backend`` is NCCL; else CPU).
         seed: the default initialisation draws each logical expert from its own generator seeded
             by ``(seed, expert id)``, so that replicas agree and every rank builds the same model.
         check_finite: raise on NaN/inf router logits.
@@ -196,7 +198,8 @@ class MoELayerBase(nn.Module):
         Args:
             router_weight: ``[E, H]``; w13: ``[E, 2F, H]`` (gate rows, then up); w2: ``[E, H, F]``.
             verify: compare the weights across the expert-parallel ranks (one pass over them and one
-                all-reduce of ``3E + R`` integers; ``False`` skips it).
+                all-reduce of ``6E + R`` integers: the max and minus the min of ``3E``
+                fingerprints, and one refusal flag per rank; ``False`` skips it).
 
         Raises:
             TypeError: a weight is not a tensor, or has the wrong dtype or device.
