@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import OmegaConf
 
 __all__ = [
     "launch", "under_torchrun", "resolve_backend", "device_for", "run_dir", "invocation", "to_dict", "print_table",
@@ -35,6 +36,17 @@ __all__ = [
 #: baseline ours' values, so that only the layer differs (dispatcher, de-duplication, NaN check,
 #: expert GEMM backend).
 EXECUTION_KWARGS = ("dispatcher", "dedup", "check_finite", "expert_backend")
+
+
+def _recipe_doc() -> str:
+    """The running recipe's docstring: ``--help`` shows it above Hydra's config listing (the primary
+    configs set ``hydra.help.header: ${recipe_doc:}``)."""
+    doc = getattr(sys.modules.get("__main__"), "__doc__", None)
+    return (doc or "A moelayers recipe (recipes/).").strip() + "\n"
+
+
+if not OmegaConf.has_resolver("recipe_doc"):
+    OmegaConf.register_new_resolver("recipe_doc", _recipe_doc)
 
 
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")

@@ -1,0 +1,25 @@
+"""``python recipes/X.py --help`` shows the recipe's own docstring above Hydra's config listing."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("recipe", ["serve", "plan", "bench", "profile"])
+def test_help_shows_the_recipe_docstring(recipe):
+    path = ROOT / "recipes" / f"{recipe}.py"
+    first_line = ast.get_docstring(ast.parse(path.read_text())).splitlines()[0]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, str(path), "--help"], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(first_line), out.stdout[:300]
+    assert "== Config ==" in out.stdout and "is powered by Hydra" not in out.stdout
