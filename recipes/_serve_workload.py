@@ -9,6 +9,7 @@ import hashlib
 import importlib
 import json
 import math
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -275,7 +276,9 @@ def _plan_setting(cfg: dict, key: str):
     sched = cfg["scheduler"]
     value = sched.get(key) if isinstance(sched, dict) else None
     other = cfg["layer"].get(key)
-    if value is not None and other is not None and value != other:
+    same = (os.path.realpath(str(value)) == os.path.realpath(str(other)) if key == "plan_path"
+            else value == other)
+    if value is not None and other is not None and not same:
         raise ValueError(f"scheduler.{key}={value} and layer.{key}={other} differ: the layer and the scheduler "
                          f"share one semantic plan, so give {key} once (either place)")
     return value if value is not None else other

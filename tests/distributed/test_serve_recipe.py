@@ -306,7 +306,7 @@ def test_serve_plan_file_checked_before_the_ranks_start(tmp_path):
         serve.check_config(_config("layer=semantic", "scheduler={name:round_robin,plan_path:" + str(ok) + "}",
                                    f"layer.plan_path={tmp_path / 'missing.npz'}"))
     serve.check_config(_config(*both[:1], "scheduler={name:semantic,plan_path:" + str(ok) + "}",
-                               f"layer.plan_path={ok}"))
+                               f"layer.plan_path={tmp_path / 'sub' / '..' / 'ok.npz'}"))  # the same file
     # replay: the requests' tokens come from the trace (vocab 100), the experts too (4)
     trace = tmp_path / "trace.npz"
     _trace_with_empty_sequences(trace, [5, 6, 7, 8])
