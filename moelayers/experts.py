@@ -25,13 +25,20 @@ def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor
 GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+#: compute capability majors where ``torch._grouped_mm`` runs bf16 in its CUTLASS kernel (sm90,
+#: sm100); elsewhere, and in other dtypes, it falls back to a loop that reads the offsets on the host
+GROUPED_MM_FAST_MAJORS = (9, 10)
+
+
 def _grouped_mm_supported(x: torch.Tensor, hidden: int, ffn: int) -> bool:
-    """``torch._grouped_mm`` runs bf16 on Hopper-class GPUs; rows must be 16-byte aligned."""
+    """Whether ``torch._grouped_mm`` takes its fast path on ``x``: bf16 on a Hopper- or
+    Blackwell-class GPU (``GROUPED_MM_FAST_MAJORS``), rows 16-byte aligned. That path is also
+    free of host syncs (CUDA-graph capturable); the fallback is neither fast nor sync-free."""
     return (
         hasattr(torch, "_grouped_mm")
         and x.is_cuda
         and x.dtype == torch.bfloat16
-        and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        and torch.cuda.get_device_capability(x.device)[0] in GROUPED_MM_FAST_MAJORS
         and hidden % 8 == 0
         and ffn % 8 == 0
     )
@@ -190,8 +197,10 @@ class GroupedExperts(nn.Module):
         )
 
     def sync_free(self, x: torch.Tensor) -> bool:
-        """Whether ``forward`` on inputs like ``x`` runs without a host sync (CUDA-graph capturable)."""
-        return self.uses_grouped_mm(x)
+        """Whether ``forward`` on inputs like ``x`` runs without a host sync (CUDA-graph capturable):
+        ``torch._grouped_mm`` on its fast path (the loop reads the slot counts on the host, and so
+        does ``_grouped_mm``'s fallback for other dtypes or GPUs, even with ``backend='grouped_mm'``)."""
+        return self.backend != "loop" and _grouped_mm_supported(x, self.hidden_size, self.ffn_hidden_size)
 
     def forward(self, x: torch.Tensor, slot_counts: torch.Tensor) -> torch.Tensor:
         """Apply slot ``s``'s expert to its contiguous block of rows.

@@ -552,12 +552,16 @@ class MoELayerBase(nn.Module):
             self._bad_input = False
         raise exc
 
-    def _forward_steps(self, x2, token_ids, forced, num_valid=None):
-        """The five steps on ``x2 [T, H]``; with ``num_valid``, rows from there on are padding."""
+    def _forward_steps(self, x2, token_ids, forced, num_valid=None, flag=None):
+        """The five steps on ``x2 [T, H]``; with ``num_valid``, rows from there on are padding.
+        ``flag``: a ``[]`` int32 device tensor merged into the routing flags (the CUDA graph's input
+        that says whether this rank refused its input); without it, ``_bad_input`` says so."""
         topk_ids, topk_weights = self.router(x2, forced, defer_check=True)  # 1 route
         routes = self.plan(topk_ids, topk_weights, token_ids)             # 2 plan
         routes.nonfinite = merge_flags(routes.nonfinite, self.router.last_nonfinite)
-        if self._bad_input:
+        if flag is not None:
+            routes.nonfinite = merge_flags(routes.nonfinite, flag)
+        elif self._bad_input:
             routes.nonfinite = merge_flags(routes.nonfinite, torch.tensor(BAD_INPUT, dtype=torch.int32, device=x2.device))
         if num_valid is not None:  # capacity mode: rows from num_valid on are padding
             padding = self._arange(x2.shape[0], x2.device) >= num_valid
@@ -575,20 +579,23 @@ class MoELayerBase(nn.Module):
             forced = None if forced is None else forced[:c]
             token_ids = None if token_ids is None else token_ids[:c]
         n = x2.shape[0]
-        graphed = (self.cuda_graph and x2.is_cuda and forced is None and not self._bad_input
-                   and not self._records_autograd(x2))
+        # a refusal (_bad_input) replays the graph too, with its flag set: capture (warm-up forwards)
+        # and replay run the same collectives on every rank, whichever rank refused its input
+        graphed = self.cuda_graph and x2.is_cuda and forced is None and not self._records_autograd(x2)
         if graphed and not self.experts.sync_free(x2):
-            raise ValueError("cuda_graph=True needs the grouped-GEMM experts (torch._grouped_mm: bf16 on Hopper-class "
-                             f"GPUs); these are {x2.dtype} on {x2.device}: use cuda_graph=False")
+            raise ValueError("cuda_graph=True needs the grouped-GEMM experts without host syncs (torch._grouped_mm's "
+                             "fast path: bf16 on compute capability 9.x or 10.x, H and F multiples of 8, expert_backend "
+                             f"not 'loop'); these are {x2.dtype} on {x2.device}: use cuda_graph=False")
         if graphed:
             if self._graphed is None:
                 from moelayers.layers.graphs import GraphedForward
 
-                def padded(xp, num_valid):
-                    return self._forward_steps(xp, None, None, num_valid)  # (y, topk_ids)
+                def padded(xp, num_valid, flag):
+                    return self._forward_steps(xp, None, None, num_valid, flag)  # (y, topk_ids)
 
                 self._graphed = GraphedForward(padded, c, self.config.hidden_size, x2.dtype, x2.device)
-            y, topk_ids = self._graphed(x2, num_valid=t)  # topk_ids: a view of the graph's static output
+            # topk_ids: a view of the graph's static output
+            y, topk_ids = self._graphed(x2, num_valid=t, flag=BAD_INPUT if self._bad_input else 0)
             counts = self.dispatcher.fixed_counts.clone()
             # the routing of this forward (a copy: the next replay overwrites the view), for the expert loads
             # that merge_stats / reduce compute later

@@ -13,8 +13,8 @@ import torch
 
 
 class GraphedForward:
-    """Captures ``fn(x_static [C, H], num_valid [] int64) -> (y [C, H], aux [C, ...])`` on first use
-    and replays it.
+    """Captures ``fn(x_static [C, H], num_valid [] int64, flag [] int32) -> (y [C, H], aux [C, ...])``
+    on first use and replays it.
 
     Args:
         fn: the padded forward; must be free of host syncs and shape changes.
@@ -27,37 +27,47 @@ class GraphedForward:
         self.fn, self.capacity, self.warmup = fn, capacity, warmup
         self.x = torch.zeros(capacity, hidden, dtype=dtype, device=device)
         self.num_valid = torch.zeros((), dtype=torch.int64, device=device)
+        self.flag = torch.zeros((), dtype=torch.int32, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.y: torch.Tensor | None = None
         self.aux: torch.Tensor | None = None
 
     def _capture(self) -> None:
-        side = torch.cuda.Stream(device=self.x.device)
-        side.wait_stream(torch.cuda.current_stream(self.x.device))
+        device = self.x.device
+        side = torch.cuda.Stream(device=device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(self.warmup):
-                self.fn(self.x, self.num_valid)
-        torch.cuda.current_stream(self.x.device).wait_stream(side)
+                self.fn(self.x, self.num_valid, self.flag)
+        torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.y, self.aux = self.fn(self.x, self.num_valid)
+        # a capture stream of the activations' device: torch's default one is made once per process,
+        # on whichever device was current then
+        with torch.cuda.graph(graph, stream=torch.cuda.Stream(device=device)):
+            self.y, self.aux = self.fn(self.x, self.num_valid, self.flag)
         self.graph = graph
 
-    def __call__(self, x: torch.Tensor, num_valid: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, num_valid: int | None = None, flag: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, H]`` with ``T <= C`` -> ``(y [T, H], aux [T, ...])``.
 
         ``num_valid``: what ``fn`` sees as the valid rows (default ``T``; more than ``C`` flags an
-        overflow). ``y`` is a copy; ``aux`` (e.g. the routing) is a view of the static output, valid
-        until the next replay (no extra kernel on the latency path)."""
+        overflow). ``flag``: a routing flag ``fn`` passes on to the other ranks (e.g. ``BAD_INPUT``
+        for a refused input: the refusal replays the same graph, so every rank runs the same
+        collectives). ``y`` is a copy; ``aux`` (e.g. the routing) is a view of the static output,
+        valid until the next replay (no extra kernel on the latency path). Capture and replay run
+        with the activations' device current, whichever device was current before."""
         t = x.shape[0]
-        self.x[:t].copy_(x)
-        if t < self.capacity:
-            self.x[t:].zero_()
-        self.num_valid.fill_(t if num_valid is None else num_valid)
-        if self.graph is None:
-            self._capture()
-        self.graph.replay()
-        return self.y[:t].clone(), self.aux[:t]
+        with torch.cuda.device(self.x.device):
+            self.x[:t].copy_(x)
+            if t < self.capacity:
+                self.x[t:].zero_()
+            self.num_valid.fill_(t if num_valid is None else num_valid)
+            self.flag.fill_(flag)
+            if self.graph is None:
+                self._capture()
+            self.graph.replay()
+            return self.y[:t].clone(), self.aux[:t]
 
     def release(self) -> None:
         """Drop the captured graph and its static outputs, once its work is done.

@@ -135,6 +135,118 @@ def test_forced_routing_on_one_graphed_rank_raises_on_both():
     assert out[1] != "no error", out
 
 
+def _refusals_on_a_graphed_layer(rank: int, world: int) -> dict:
+    """Rank 0's input is refused on a CUDA-graph layer (1) on its very first forward, before any
+    capture, and (3) after the capture; rank 1's is fine both times. Each time both ranks must raise
+    (the refusal used to run the eager exchange while rank 1 captured: different collectives, rank 1
+    left waiting), and (2, 4) the next good forward on both must serve the reference's output with
+    the statistics of an eager layer (after a refusal, the flags and counts read stayed the eager
+    forward's: rank 0 raised again on every later forward)."""
+    import moelayers as ml
+    from moelayers.testing import check_close
+
+    cfg = ml.MoEConfig(hidden_size=256, ffn_hidden_size=128, num_experts=8, top_k=2, params_dtype=torch.bfloat16)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    groups = ml.ParallelGroups.from_world()
+    layer = ml.VanillaMoE(cfg, groups, device=dev, capacity=16, cuda_graph=True, seed=5)
+    eager = ml.VanillaMoE(cfg, groups, device=dev, capacity=16, cuda_graph=False, seed=5)
+    x = torch.randn(8, 256, device=dev, generator=torch.Generator(device=dev).manual_seed(rank)).to(torch.bfloat16)
+    out = {}
+
+    def attempt(step, bad):
+        try:
+            layer(bad if rank == 0 else x)
+            out[step] = "no error"
+        except (TypeError, ValueError) as e:
+            out[step] = str(e)
+
+    def good(step):
+        y = layer(x)
+        ids = layer.last_topk_ids.clone()
+        w = layer.export_full_weights()
+        ref = ml.reference.moe_forward(x.double(), *(t.double() for t in w), cfg.replace(params_dtype=torch.float64),
+                                       topk_ids=ids)
+        out[step] = check_close(f"step {step}", y, ref, ml.reference.moe_forward(x, *w, cfg, topk_ids=ids))
+        eager(x)
+        out[f"{step} stats"] = (layer.last_stats.pairs_sent == eager.last_stats.pairs_sent
+                                and layer.last_stats.rows_sent == eager.last_stats.rows_sent)
+
+    try:
+        with torch.no_grad():
+            attempt(1, x.float())          # refused before any capture
+            good(2)
+            good("2b")
+            attempt(3, x[:, :128])         # refused after the capture
+            good(4)
+        return out
+    finally:
+        layer.release_graphs()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_refused_input_on_one_graphed_rank_before_and_after_capture():
+    out = run_distributed(_refusals_on_a_graphed_layer, 2, backend="nccl", timeout=240)
+    assert "x has dtype torch.float32" in out[0][1], out[0]
+    for step in (1, 3):
+        assert "the layer refused the input of expert-parallel rank(s) [0]" in out[1][step], (step, out[1])
+    for rank, res in enumerate(out):
+        for step in (2, "2b", 4):
+            assert res[step] is None, (rank, step, res[step])
+            assert res[f"{step} stats"], (rank, step)
+
+
+def test_graph_layer_needs_the_fast_grouped_mm():
+    """torch._grouped_mm reads its offsets on the host outside its fast path (float32 here): the
+    capture used to fail inside CUDA with "operation not permitted when stream is capturing"."""
+    import moelayers as ml
+
+    cfg = ml.MoEConfig(hidden_size=256, ffn_hidden_size=128, num_experts=8, top_k=2, params_dtype=torch.float32)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device="cuda", capacity=16, cuda_graph=True,
+                          expert_backend="grouped_mm")
+    assert not layer.experts.sync_free(torch.zeros(1, 256, device="cuda"))
+    with torch.no_grad(), pytest.raises(ValueError, match="cuda_graph=True needs the grouped-GEMM experts"):
+        layer(torch.randn(4, 256, device="cuda"))
+    with torch.no_grad():  # eager, the fallback serves
+        eager = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device="cuda", capacity=16,
+                              expert_backend="grouped_mm")
+        x = torch.randn(4, 256, device="cuda")
+        y = eager(x)
+        ref = ml.reference.moe_forward(x, *eager.export_full_weights(), cfg, topk_ids=eager.last_topk_ids)
+        torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("triton", ["on", "off"])
+def test_layer_on_a_device_that_is_not_current(triton, monkeypatch):
+    """A layer on cuda:1 while cuda:0 is current: Triton launched its kernels on the current device
+    (an error), and the CUDA graph was captured on the current device's stream (its kernels on
+    cuda:1 not recorded)."""
+    import moelayers as ml
+    from moelayers.testing import check_close
+
+    if triton == "off":
+        monkeypatch.setenv("MOELAYERS_DISABLE_TRITON", "1")
+    torch.cuda.set_device(0)
+    cfg = ml.MoEConfig(hidden_size=256, ffn_hidden_size=128, num_experts=8, top_k=2, params_dtype=torch.bfloat16)
+    gen = torch.Generator(device="cuda:1").manual_seed(0)
+    for kwargs in ({}, {"capacity": 16}, {"capacity": 16, "cuda_graph": True}):
+        layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device="cuda:1", seed=2, **kwargs)
+        try:
+            with torch.no_grad():
+                for _ in range(3):  # capture, then replays of other inputs
+                    x = torch.randn(10, 256, device="cuda:1", generator=gen).to(torch.bfloat16)
+                    y = layer(x)
+                    ids, w = layer.last_topk_ids.clone(), layer.export_full_weights()
+                    ref = ml.reference.moe_forward(x.double(), *(t.double() for t in w),
+                                                   cfg.replace(params_dtype=torch.float64), topk_ids=ids)
+                    assert check_close(f"{kwargs} on cuda:1", y, ref,
+                                       ml.reference.moe_forward(x, *w, cfg, topk_ids=ids)) is None
+            assert torch.cuda.current_device() == 0
+        finally:
+            layer.release_graphs()
+
+
 def _default_device_under_nccl(rank: int, world: int) -> str:
     import moelayers as ml
 

@@ -530,7 +530,7 @@ def test_graphed_forward_release(monkeypatch):
         calls.append((args, kwargs))
 
     monkeypatch.setattr(torch.cuda, "synchronize", fake_synchronize)
-    graphed = GraphedForward(lambda x, n: (x, x), capacity=4, hidden=H, dtype=torch.float32, device=torch.device("cpu"))
+    graphed = GraphedForward(lambda x, n, f: (x, x), capacity=4, hidden=H, dtype=torch.float32, device=torch.device("cpu"))
     graphed.release()
     assert calls == []
     graphed.graph, graphed.y, graphed.aux = object(), graphed.x, graphed.x  # as after a capture
