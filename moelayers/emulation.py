@@ -145,8 +145,10 @@ class VariabilityEmulator:
         x = args[0]
         if self.mode == "measured" and x.is_cuda:
             self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
+            self._start.record(torch.cuda.current_stream(x.device))  # x's device, whichever is current
         else:
+            if x.is_cuda:  # curve mode: the clock starts when the work queued before the compute is done
+                torch.cuda.current_stream(x.device).synchronize()
             self._start = time.perf_counter()
 
     def _post(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
@@ -154,7 +156,7 @@ class VariabilityEmulator:
         if self.mode == "measured":
             if x.is_cuda:
                 end = torch.cuda.Event(enable_timing=True)
-                end.record()
+                end.record(torch.cuda.current_stream(x.device))
                 end.synchronize()
                 elapsed = self._start.elapsed_time(end) / 1e3
             else:

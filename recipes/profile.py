@@ -103,7 +103,10 @@ def _time_rows(experts, x, counts, device, warmup: int, reps: int, inner: int = 
     """Median seconds of one grouped-expert call on ``x``.
 
     On CUDA, ``inner`` calls are captured in a CUDA graph and its replays timed with events, so the
-    figure is GPU time, not the host's launch overhead (which a lone call would measure).
+    figure is GPU time, not the host's launch overhead (which a lone call would measure). Experts
+    that read their slot counts on the host (the loop backend, or ``torch._grouped_mm`` off its fast
+    path: another dtype, a GPU other than sm90/sm100) cannot be captured: their ``inner`` calls are
+    timed eagerly between the same events, host syncs included, as they run when serving.
     """
     for _ in range(warmup):
         experts(x, counts)
@@ -115,20 +118,27 @@ def _time_rows(experts, x, counts, device, warmup: int, reps: int, inner: int = 
             times.append(time.perf_counter() - t0)
         return float(np.median(times))
     torch.cuda.synchronize(device)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def calls():
         for _ in range(inner):
             experts(x, counts)
-    graph.replay()
+
+    graph = None
+    if experts.sync_free(x):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            calls()
+    run = graph.replay if graph is not None else calls
+    run()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        run()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / inner)
-    del graph
+    del graph, run
     return float(np.median(times))
 
 

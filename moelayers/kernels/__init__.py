@@ -12,6 +12,7 @@ to force the references everywhere. CPU tests run the kernels under ``TRITON_INT
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -42,6 +43,13 @@ def use_triton(t: torch.Tensor) -> bool:
     if os.environ.get("MOELAYERS_DISABLE_TRITON") == "1":
         return False
     return not (torch.is_grad_enabled() and t.requires_grad)
+
+
+def on_device_of(t: torch.Tensor):
+    """Context for a kernel launch on ``t``: Triton launches on the *current* CUDA device, so a
+    tensor on another one (a layer on ``cuda:1`` while ``cuda:0`` is current) makes its device
+    current; a no-op for CPU tensors (the interpreter)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def require_triton() -> None:
@@ -76,6 +84,7 @@ __all__ = [
     "HAVE_TRITON",
     "use_triton",
     "require_triton",
+    "on_device_of",
     "permute",
     "permute_reference",
     "permute_triton",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from moelayers.kernels import HAVE_TRITON, require_triton, use_triton
+from moelayers.kernels import HAVE_TRITON, on_device_of, require_triton, use_triton
 
 if HAVE_TRITON:
     import triton
@@ -122,11 +122,12 @@ def dispatch_pack_triton(
     dest_map, dest_rank, dest_slot, weights = (a.contiguous() for a in (dest_map, dest_rank, dest_slot, weights))
     block_h = min(1024, triton.next_power_of_2(h))
     grid = (t, triton.cdiv(h, block_h))
-    _dispatch_pack_kernel[grid](
-        x, dest_map, dest_rank, dest_slot, weights, x_out, s_out, w_out,
-        h, dest_map.shape[1], k, x.stride(0), x_out.stride(0), s_out.stride(0), w_out.stride(0),
-        BLOCK_H=block_h, BLOCK_K=triton.next_power_of_2(k),
-    )
+    with on_device_of(x):
+        _dispatch_pack_kernel[grid](
+            x, dest_map, dest_rank, dest_slot, weights, x_out, s_out, w_out,
+            h, dest_map.shape[1], k, x.stride(0), x_out.stride(0), s_out.stride(0), w_out.stride(0),
+            BLOCK_H=block_h, BLOCK_K=triton.next_power_of_2(k),
+        )
 
 
 def dispatch_pack(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from moelayers.kernels import HAVE_TRITON, require_triton, use_triton
+from moelayers.kernels import HAVE_TRITON, on_device_of, require_triton, use_triton
 
 if HAVE_TRITON:
     import triton
@@ -99,10 +99,11 @@ def permute_triton(x: torch.Tensor, dest_map: torch.Tensor, out: torch.Tensor) -
     dest_map = dest_map.contiguous()
     block_h = min(1024, triton.next_power_of_2(H))
     grid = (T, triton.cdiv(H, block_h))
-    _permute_kernel[grid](
-        x, dest_map, out, H, dest_map.shape[1], x.stride(0), dest_map.stride(0), out.stride(0),
-        BLOCK_H=block_h,
-    )
+    with on_device_of(x):
+        _permute_kernel[grid](
+            x, dest_map, out, H, dest_map.shape[1], x.stride(0), dest_map.stride(0), out.stride(0),
+            BLOCK_H=block_h,
+        )
     return out
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from moelayers.kernels import HAVE_TRITON, require_triton, use_triton
+from moelayers.kernels import HAVE_TRITON, on_device_of, require_triton, use_triton
 
 if HAVE_TRITON:
     import triton
@@ -119,10 +119,11 @@ def send_layout_triton(
     header = torch.empty(num_ranks, 4, dtype=torch.int64, device=dest_rank.device)
     block_r = triton.next_power_of_2(num_ranks)
     block_t = max(16, min(triton.next_power_of_2(max(t, 1)), 8192 // block_r))
-    _send_layout_kernel[(1,)](
-        dest_rank, dest_map, header, dest_rank if flag is None else flag, digest, t, k, num_ranks,
-        HAS_FLAG=flag is not None, BLOCK_T=block_t, BLOCK_R=block_r,
-    )
+    with on_device_of(dest_rank):
+        _send_layout_kernel[(1,)](
+            dest_rank, dest_map, header, dest_rank if flag is None else flag, digest, t, k, num_ranks,
+            HAS_FLAG=flag is not None, BLOCK_T=block_t, BLOCK_R=block_r,
+        )
     return dest_map, header
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from moelayers.kernels import HAVE_TRITON, require_triton, use_triton
+from moelayers.kernels import HAVE_TRITON, on_device_of, require_triton, use_triton
 
 # Above this many tokens the O(T^2) pairwise kernel loses to a sort: the dispatcher uses the reference.
 BUCKET_TRITON_MAX_TOKENS = 16384
@@ -122,7 +122,8 @@ def shuffle_rows_triton(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor 
     x = x if x.stride(1) == 1 else x.contiguous()
     index = index.contiguous()
     block_h = min(1024, triton.next_power_of_2(h))
-    _shuffle_rows_kernel[(n, triton.cdiv(h, block_h))](x, index, out, h, x.stride(0), out.stride(0), BLOCK_H=block_h)
+    with on_device_of(x):
+        _shuffle_rows_kernel[(n, triton.cdiv(h, block_h))](x, index, out, h, x.stride(0), out.stride(0), BLOCK_H=block_h)
     return out
 
 
@@ -181,7 +182,8 @@ def bucket_positions_triton(pred: torch.Tensor, conf: torch.Tensor) -> torch.Ten
     if t == 0:
         return pos
     block_i, block_j = 64, 64
-    _bucket_positions_kernel[(triton.cdiv(t, block_i),)](pred, conf, pos, t, BLOCK_I=block_i, BLOCK_J=block_j)
+    with on_device_of(pred):
+        _bucket_positions_kernel[(triton.cdiv(t, block_i),)](pred, conf, pos, t, BLOCK_I=block_i, BLOCK_J=block_j)
     return pos
 
 

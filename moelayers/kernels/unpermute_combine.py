@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from moelayers.kernels import HAVE_TRITON, require_triton, use_triton
+from moelayers.kernels import HAVE_TRITON, on_device_of, require_triton, use_triton
 
 if HAVE_TRITON:
     import triton
@@ -116,13 +116,14 @@ def unpermute_combine_triton(
     weight = weight.contiguous() if weight is not None else None
     block_h = min(1024, triton.next_power_of_2(H))
     grid = (T, triton.cdiv(H, block_h))
-    _unpermute_combine_kernel[grid](
-        src, index, weight if weight is not None else index, out, H, J,
-        src.stride(0), index.stride(0), J, out.stride(0),
-        HAS_WEIGHT=weight is not None,
-        ACC=tl.float64 if src.dtype == torch.float64 else tl.float32,
-        BLOCK_H=block_h,
-    )
+    with on_device_of(src):
+        _unpermute_combine_kernel[grid](
+            src, index, weight if weight is not None else index, out, H, J,
+            src.stride(0), index.stride(0), J, out.stride(0),
+            HAS_WEIGHT=weight is not None,
+            ACC=tl.float64 if src.dtype == torch.float64 else tl.float32,
+            BLOCK_H=block_h,
+        )
     return out
 
 

@@ -86,6 +86,47 @@ def test_cuda_graph_layer_records_loads_and_replans():
     layer.release_graphs()
 
 
+def test_curve_emulation_starts_its_clock_after_the_queued_work():
+    """Curve mode pads the compute to the curve's latency; on CUDA its clock started while work
+    queued before the compute (here a 50+ ms sleep kernel) was still running, which the padding then
+    counted as compute: nothing was added."""
+    from moelayers.emulation import emulate_variability
+    from moelayers.planning.gem import LatencyCurves
+
+    cfg = ml.MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=8, top_k=2, params_dtype=torch.bfloat16)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device="cuda")
+    x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+    curves = LatencyCurves.preset("none", 1)
+    target = 0.02
+    emu = emulate_variability(layer, mode="curve", curves=curves, time_scale=target / curves(np.array([32]))[0],
+                              wait="sleep")
+    with torch.no_grad():
+        layer(x)  # warm
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(1e8))  # ~50-70 ms on the GPU, queued before the forward
+        layer(x)
+    assert emu.last_rows == 32
+    assert emu.last_added_s > 0.5 * target, emu.last_added_s
+    emu.remove()
+
+
+def test_profile_times_experts_that_a_cuda_graph_cannot_capture():
+    """recipes/profile.py captured every expert call in a CUDA graph: the loop backend (any GPU
+    other than sm90/sm100, or H, F not multiples of 8) reads its counts on the host and failed."""
+    from moelayers import GroupedExperts
+    from recipes.profile import _time_rows
+
+    dev = torch.device("cuda")
+    x = torch.randn(256, 256, device=dev, dtype=torch.bfloat16)
+    counts = torch.full((4,), 64, dtype=torch.int64, device=dev)
+    with torch.inference_mode():
+        for backend in ("loop", "auto"):
+            experts = GroupedExperts(4, 256, 128, backend=backend, dtype=torch.bfloat16, device=dev)
+            assert experts.sync_free(x) is (backend == "auto")
+            seconds = _time_rows(experts, x, counts, dev, warmup=1, reps=3)
+            assert 0 < seconds < 1, (backend, seconds)
+
+
 def test_measured_emulation_on_cuda(monkeypatch):
     import moelayers.emulation as emulation
 
