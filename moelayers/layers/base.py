@@ -30,6 +30,7 @@ from moelayers.dispatch.base import (
 from moelayers.dispatch.comm import fingerprint
 from moelayers.experts import GroupedExperts, gather_logical
 from moelayers.groups import ParallelGroups
+from moelayers.kernels import HAVE_TRITON, TRITON_INSTALL_HINT, use_triton
 from moelayers.metrics import MoEStats
 from moelayers.placement import ExpertPlacement
 from moelayers.router import TopKRouter
@@ -586,6 +587,11 @@ class MoELayerBase(nn.Module):
             raise ValueError("cuda_graph=True needs the grouped-GEMM experts without host syncs (torch._grouped_mm's "
                              "fast path: bf16 on compute capability 9.x or 10.x, H and F multiples of 8, expert_backend "
                              f"not 'loop'); these are {x2.dtype} on {x2.device}: use cuda_graph=False")
+        if graphed and not use_triton(x2):
+            raise ValueError("cuda_graph=True needs the Triton kernels (their torch references read counts on the "
+                             "host, which a CUDA graph cannot capture), and " + (
+                                 "MOELAYERS_DISABLE_TRITON=1 turns them off" if HAVE_TRITON else TRITON_INSTALL_HINT)
+                             + ": use cuda_graph=False")
         if graphed:
             if self._graphed is None:
                 from moelayers.layers.graphs import GraphedForward
