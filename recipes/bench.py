@@ -334,7 +334,8 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
         need = world * max(tokens_list) * (4 if plan_based else 1)
         replay = Replay(cfg.get("trace") or {}, config, seed, need, min_sequences=8 * world if plan_based else 2)
         if plan_based:
-            plan, owners = semantic_schedules(replay, world, seed, float(cfg["layer"].get("plan_train_fraction", 0.5)),
+            frac = cfg["layer"].get("plan_train_fraction")  # null in conf/layer/semantic.yaml: 0.5
+            plan, owners = semantic_schedules(replay, world, seed, 0.5 if frac is None else float(frac),
                                               cfg["layer"].get("plan_path"))
     elif router != "learned":
         raise ValueError(f"router must be learned or replay, got {router!r}")

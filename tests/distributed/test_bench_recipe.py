@@ -122,7 +122,8 @@ def test_bench_semantic_against_vanilla_in_one_run(tmp_path):
     pairs = world * tokens * rec["shape"]["K"]  # (token, expert) activations over both ranks
     replay = Replay(d["trace"], SimpleNamespace(num_experts=experts, top_k=rec["shape"]["K"]), d["seed"],
                     4 * world * tokens, min_sequences=8 * world)
-    plan, owners = semantic_schedules(replay, world, d["seed"], d["layer"]["plan_train_fraction"], None)
+    assert d["layer"]["plan_train_fraction"] is None  # the recipe's default then: 0.5
+    plan, owners = semantic_schedules(replay, world, d["seed"], 0.5, None)
     remote = {}
     for side, owner, expert_rank in (("layer_stats", "semantic", plan.expert_rank[replay.layer]),
                                      ("baseline_stats", "round_robin", np.arange(experts) // (experts // world))):

@@ -163,6 +163,13 @@ def test_compare_baseline_executes_like_ours_and_reads_our_plan():
     cfg["compare"] = {"layer": "vanilla", "scheduler": {"name": "semantic", "plan_path": "other.npz"}, "seeds": 1}
     base = next(r for r in compare.run_configs(cfg, conf) if r["_side"] == "baseline")
     assert base["scheduler"] == {"name": "semantic", "plan_path": "other.npz", "plan_train_fraction": 0.25}
+    # ours' scheduler reads the plan settings; a named semantic baseline layer (its config's null
+    # defaults) agrees with the pinned values instead of contradicting them
+    from recipes._serve_workload import plan_train_fraction
+
+    cfg = {"seed": 0, "layer": {"name": "vanilla", "cls": "moelayers.VanillaMoE"},
+           "scheduler": {"name": "semantic", "plan_train_fraction": 0.3}, "compare": {"layer": "semantic", "seeds": 1}}
+    assert [plan_train_fraction(r) for r in compare.run_configs(cfg, conf)] == [0.3, 0.3]
 
 
 def test_compare_results_flag_fewer_than_three_seeds():

@@ -209,6 +209,12 @@ def test_plan_split_is_checked_before_the_ranks_start():
     for bad in ("1.0", "0", "abc", "true"):
         with pytest.raises(ValueError, match=r"plan_train_fraction .* must be a number in \(0, 1\)"):
             check_config(_config(*semantic, "workload.num_requests=4", f"layer.plan_train_fraction={bad}"))
+    # given once, in the scheduler: the layer's config default (null) does not contradict it
+    check_config(_config("layer=semantic", "scheduler={name:semantic,plan_train_fraction:0.3}", "router=replay",
+                         "workload.num_requests=4"))
+    with pytest.raises(ValueError, match="scheduler.plan_train_fraction=0.3 and layer.plan_train_fraction=0.4 differ"):
+        check_config(_config("layer=semantic", "scheduler={name:semantic,plan_train_fraction:0.3}", "router=replay",
+                             "workload.num_requests=4", "layer.plan_train_fraction=0.4"))
 
 
 @pytest.mark.timeout(90)
