@@ -30,15 +30,16 @@ GROUPED_MM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GROUPED_MM_FAST_MAJORS = (9, 10)
 
 
-def _grouped_mm_supported(x: torch.Tensor, hidden: int, ffn: int) -> bool:
-    """Whether ``torch._grouped_mm`` takes its fast path on ``x``: bf16 on a Hopper- or
-    Blackwell-class GPU (``GROUPED_MM_FAST_MAJORS``), rows 16-byte aligned. That path is also
-    free of host syncs (CUDA-graph capturable); the fallback is neither fast nor sync-free."""
+def _grouped_mm_supported(x: torch.Tensor, hidden: int, ffn: int, *, fast_path: bool = False) -> bool:
+    """Whether ``backend='auto'`` runs ``torch._grouped_mm`` on ``x``: bf16 on a GPU of compute
+    capability 9.0 or later, rows 16-byte aligned. ``fast_path``: only where it runs its CUTLASS
+    kernel (``GROUPED_MM_FAST_MAJORS``), which is also free of host syncs (CUDA-graph capturable)."""
+    major = torch.cuda.get_device_capability(x.device)[0] if x.is_cuda else 0
     return (
         hasattr(torch, "_grouped_mm")
         and x.is_cuda
         and x.dtype == torch.bfloat16
-        and torch.cuda.get_device_capability(x.device)[0] in GROUPED_MM_FAST_MAJORS
+        and (major in GROUPED_MM_FAST_MAJORS if fast_path else major >= 9)
         and hidden % 8 == 0
         and ffn % 8 == 0
     )
@@ -200,7 +201,8 @@ class GroupedExperts(nn.Module):
         """Whether ``forward`` on inputs like ``x`` runs without a host sync (CUDA-graph capturable):
         ``torch._grouped_mm`` on its fast path (the loop reads the slot counts on the host, and so
         does ``_grouped_mm``'s fallback for other dtypes or GPUs, even with ``backend='grouped_mm'``)."""
-        return self.backend != "loop" and _grouped_mm_supported(x, self.hidden_size, self.ffn_hidden_size)
+        return self.backend != "loop" and _grouped_mm_supported(x, self.hidden_size, self.ffn_hidden_size,
+                                                                fast_path=True)
 
     def forward(self, x: torch.Tensor, slot_counts: torch.Tensor) -> torch.Tensor:
         """Apply slot ``s``'s expert to its contiguous block of rows.

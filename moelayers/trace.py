@@ -456,9 +456,10 @@ class TraceRecorder:
             raise ValueError(f"no MoE layers (modules with moe_layer_marker = True) found in {type(self.model).__name__}")
         shared = _shared_layer_paths(self.model)
         if shared:  # its hook would fire once per use: the second use would look like a new forward
-            raise ValueError(f"TraceRecorder needs one MoE module per layer; one module is used as "
-                             f"{' and '.join(map(repr, shared))} (named_modules() lists it once). Give each "
-                             "layer its own module (the weights may be copies)")
+            raise ValueError(f"TraceRecorder needs one MoE module per layer; one module is registered as "
+                             f"{' and '.join(map(repr, shared))}: as layers sharing it, its second run in a forward "
+                             "would be recorded as a new sequence. Give each layer its own module (the weights "
+                             "may be copies); an alias of a layer belongs outside the module tree (a plain list)")
         tp = [n for n, m in named if getattr(m, "mode", None) == "tp"]
         if tp:  # forward_tp runs each rank's shuffled chunk: no forward hook sees the layer's tokens in order
             raise ValueError(f"TraceRecorder cannot record attention-TP layers ({tp[0]!r}: SemanticMoE mode='tp', "

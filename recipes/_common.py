@@ -42,7 +42,8 @@ def _recipe_doc() -> str:
     """The running recipe's docstring: ``--help`` shows it above Hydra's config listing (the primary
     configs set ``hydra.help.header: ${recipe_doc:}``)."""
     doc = getattr(sys.modules.get("__main__"), "__doc__", None)
-    return (doc or "A moelayers recipe (recipes/).").strip() + "\n"
+    # Hydra fills the help template with string.Template: a "$" of the docstring must be "$$"
+    return (doc or "A moelayers recipe (recipes/).").strip().replace("$", "$$") + "\n"
 
 
 if not OmegaConf.has_resolver("recipe_doc"):

@@ -1,7 +1,9 @@
 """Per-GPU latency curves of the grouped experts (GEM), for ``recipes/plan.py curves.path=FILE``.
 
 Every rank times its own grouped-expert computation (the experts of one rank at the chosen shape;
-on GPUs, GPU time measured over CUDA-graph replays, free of host launch overhead)
+on GPUs, GPU time measured over CUDA-graph replays, free of host launch overhead, where the
+experts can be captured: ``torch._grouped_mm``'s fast path, bf16 on sm90/sm100; otherwise eager
+calls between CUDA events, their host syncs included — ``measured.timing`` says which, per rank)
 for a range of row counts: densely at tile boundaries (``profile.tile`` rows, the grouped GEMM's M
 tile) up to ``profile.dense_until``, then sparsely (every ``profile.sparse_step`` rows) up to
 ``profile.max_rows``, and at ``profile.max_rows`` itself; the planner interpolates linearly between
@@ -183,19 +185,22 @@ def profile_worker(rank: int, world: int, cfg: dict) -> dict | None:
         dist.all_gather(everyone, local)
     else:
         everyone = [local]
+    timing = ("perf_counter" if device.type != "cuda" else
+              "cuda_graph" if experts.sync_free(x_all) else "cuda_events_eager")  # as _time_rows chose
     names = [None] * world
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     if world > 1:
-        dist.all_gather_object(names, name)
+        dist.all_gather_object(names, (name, timing))
     else:
-        names = [name]
+        names = [(name, timing)]
+    names, timings = [n for n, _ in names], [t for _, t in names]
     if rank != 0:
         return None
     latency = torch.stack(everyone).cpu().numpy()
     if (~np.isfinite(latency) | (latency <= 0)).any():
         raise RuntimeError("a measured latency is not a positive number: the timer failed")
     return {"rows": rows, "latency_s": latency, "device_names": names, "seconds": time.perf_counter() - t_start,
-            "shape": {"H": h, "F": f, "E": e, "slots_per_rank": slots}, "dtype": str(dtype)}
+            "shape": {"H": h, "F": f, "E": e, "slots_per_rank": slots}, "dtype": str(dtype), "timing": timings}
 
 
 def monotone_fit(latency_s: np.ndarray) -> np.ndarray:
@@ -280,7 +285,11 @@ def main(cfg: DictConfig) -> None:
     res = launch(d, profile_worker)
     if res is not None:
         echo = {k: v for k, v in d.items() if k != "run_dir"}
-        measured = {"dtype": res["dtype"].replace("torch.", ""), "shape": res["shape"], "seconds": res["seconds"]}
+        measured = {"dtype": res["dtype"].replace("torch.", ""), "shape": res["shape"], "seconds": res["seconds"],
+                    "timing": res["timing"]}
+        if len(set(res["timing"])) > 1:
+            print(f"warning: the ranks were timed differently ({res['timing']}): eager timing includes host syncs "
+                  "that a CUDA graph leaves out, so the spread between those GPUs is partly the method's")
         summarize(res, d["run_dir"], config={"config": echo, "command": invocation(), "measured": measured})
     shutdown()
 

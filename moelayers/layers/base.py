@@ -66,7 +66,12 @@ class MoELayerBase(nn.Module):
         capacity: all-to-all only: fixed tokens per rank per forward (inputs are padded to it;
             more is a ``ValueError``). Static shapes, no host sync; see ``AllToAllDispatcher``.
         cuda_graph: with ``capacity``, on CUDA and without autograd, capture the whole forward in a
-            CUDA graph on first use and replay it (every rank must take this path together).
+            CUDA graph on first use and replay it (every rank must take this path together). Needs
+            what a capture allows, checked on every rank before the first one: the experts on
+            ``torch._grouped_mm``'s fast path (bf16 on compute capability 9.x/10.x, ``H`` and ``F``
+            multiples of 8, ``expert_backend`` not ``'loop'``) and the Triton kernels (installed, not
+            disabled by ``MOELAYERS_DISABLE_TRITON=1``); otherwise the forward raises ``ValueError``.
+            ``last_topk_ids`` is then a view of the graph's output, valid until the next forward.
 
     Default initialisation: router and expert weights ``~ N(0, config.init_std)``.
     """
@@ -583,17 +588,9 @@ class MoELayerBase(nn.Module):
         # a refusal (_bad_input) replays the graph too, with its flag set: capture (warm-up forwards)
         # and replay run the same collectives on every rank, whichever rank refused its input
         graphed = self.cuda_graph and x2.is_cuda and forced is None and not self._records_autograd(x2)
-        if graphed and not self.experts.sync_free(x2):
-            raise ValueError("cuda_graph=True needs the grouped-GEMM experts without host syncs (torch._grouped_mm's "
-                             "fast path: bf16 on compute capability 9.x or 10.x, H and F multiples of 8, expert_backend "
-                             f"not 'loop'); these are {x2.dtype} on {x2.device}: use cuda_graph=False")
-        if graphed and not use_triton(x2):
-            raise ValueError("cuda_graph=True needs the Triton kernels (their torch references read counts on the "
-                             "host, which a CUDA graph cannot capture), and " + (
-                                 "MOELAYERS_DISABLE_TRITON=1 turns them off" if HAVE_TRITON else TRITON_INSTALL_HINT)
-                             + ": use cuda_graph=False")
         if graphed:
             if self._graphed is None:
+                self._check_capturable(x2)
                 from moelayers.layers.graphs import GraphedForward
 
                 def padded(xp, num_valid, flag):
@@ -615,10 +612,35 @@ class MoELayerBase(nn.Module):
             y, topk_ids = y[:n], topk_ids[:n]
             stats = self.dispatcher.last_stats
             stats._topk_ids = topk_ids
-        self._raise_on_flags(t, forced is not None)  # a refused forward leaves the last good one's records
+        # a refused forward leaves the last good one's stats; on the graph path last_topk_ids is a view
+        # of the graph's output, which every replay (a refusal's too) overwrites
+        self._raise_on_flags(t, forced is not None)
         stats._num_experts = self.config.num_experts
         self.last_stats, self.last_topk_ids, self.last_token_ids = stats, topk_ids, token_ids
         return y
+
+    def _check_capturable(self, x2: torch.Tensor) -> None:
+        """Before the first capture: raise ``ValueError`` on every expert-parallel rank when any of
+        them cannot capture its forward (one small all-reduce, once per capture): a rank raising
+        alone would leave the others waiting in the capture's collectives."""
+        problem = None
+        if not self.experts.sync_free(x2):
+            problem = ("cuda_graph=True needs the grouped-GEMM experts without host syncs (torch._grouped_mm's fast "
+                       "path: bf16 on compute capability 9.x or 10.x, H and F multiples of 8, expert_backend not "
+                       f"'loop'); these are {x2.dtype} on {x2.device}: use cuda_graph=False")
+        elif not use_triton(x2):
+            problem = ("cuda_graph=True needs the Triton kernels (their torch references read counts on the host, "
+                       "which a CUDA graph cannot capture), and " + (
+                           "MOELAYERS_DISABLE_TRITON=1 turns them off" if HAVE_TRITON
+                           else TRITON_INSTALL_HINT.rstrip(".")) + "; or use cuda_graph=False")
+        if self.groups.ep_size > 1:
+            vote = torch.tensor([int(problem is not None)], dtype=torch.int32, device=x2.device)
+            dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.groups.ep)
+            if problem is None and vote.item():
+                problem = ("cuda_graph=True: another expert-parallel rank cannot capture the CUDA graph (see its "
+                           "error); every rank must meet the same conditions (GPU, dtype, Triton)")
+        if problem is not None:
+            raise ValueError(problem)
 
     def _raise_on_flags(self, t: int, forced: bool) -> None:
         """Capacity mode: raise on every rank when any rank had NaN/inf logits, forced expert ids out

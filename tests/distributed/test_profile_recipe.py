@@ -41,6 +41,7 @@ def test_profile_writes_curves(tmp_path):
     assert rec["config"]["profile"]["tile"] == 16
     assert rec["measured"]["dtype"] == "float32" and rec["measured"]["seconds"] > 0  # CPU profiles in float32
     assert rec["measured"]["shape"]["E"] == rec["config"]["profile"]["shape"]["num_experts"]
+    assert rec["measured"]["timing"] == ["perf_counter", "perf_counter"]  # how each rank was timed
 
 
 @pytest.mark.timeout(60)

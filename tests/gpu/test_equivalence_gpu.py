@@ -196,6 +196,37 @@ def test_refused_input_on_one_graphed_rank_before_and_after_capture():
             assert res[f"{step} stats"], (rank, step)
 
 
+def _graph_conditions_differ(rank: int, world: int) -> str:
+    """Rank 1 has the Triton kernels switched off: it cannot capture, rank 0 can."""
+    import os
+
+    import moelayers as ml
+
+    if rank == 1:
+        os.environ["MOELAYERS_DISABLE_TRITON"] = "1"
+    cfg = ml.MoEConfig(hidden_size=256, ffn_hidden_size=128, num_experts=8, top_k=2, params_dtype=torch.bfloat16)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), device=dev, capacity=16, cuda_graph=True)
+    try:
+        with torch.no_grad():
+            layer(torch.randn(8, 256, device=dev).to(torch.bfloat16))
+        return "no error"
+    except ValueError as e:
+        return str(e)
+    finally:
+        layer.release_graphs()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_rank_that_cannot_capture_makes_every_rank_raise():
+    """The capture conditions were checked on each rank alone: the rank that failed them raised while
+    the other went into the capture's collectives and waited for it."""
+    out = run_distributed(_graph_conditions_differ, 2, backend="nccl", timeout=240)
+    assert "another expert-parallel rank cannot capture the CUDA graph" in out[0], out
+    assert "MOELAYERS_DISABLE_TRITON=1 turns them off" in out[1], out
+
+
 def test_graph_layer_needs_the_fast_grouped_mm():
     """torch._grouped_mm reads its offsets on the host outside its fast path (float32 here): the
     capture used to fail inside CUDA with "operation not permitted when stream is capturing"."""

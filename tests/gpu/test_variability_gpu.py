@@ -94,7 +94,8 @@ def test_curve_emulation_starts_its_clock_after_the_queued_work():
     from moelayers.planning.gem import LatencyCurves
 
     cfg = ml.MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=8, top_k=2, params_dtype=torch.bfloat16)
-    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device="cuda")
+    # capacity: no host sync before the experts (the eager dispatcher's count exchange would wait out the sleep)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device="cuda", capacity=16)
     x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
     curves = LatencyCurves.preset("none", 1)
     target = 0.02
@@ -122,7 +123,7 @@ def test_profile_times_experts_that_a_cuda_graph_cannot_capture():
     with torch.inference_mode():
         for backend in ("loop", "auto"):
             experts = GroupedExperts(4, 256, 128, backend=backend, dtype=torch.bfloat16, device=dev)
-            assert experts.sync_free(x) is (backend == "auto")
+            assert experts.sync_free(x) is (backend == "auto" and torch.cuda.get_device_capability()[0] in (9, 10))
             seconds = _time_rows(experts, x, counts, dev, warmup=1, reps=3)
             assert 0 < seconds < 1, (backend, seconds)
 

@@ -23,3 +23,14 @@ def test_help_shows_the_recipe_docstring(recipe):
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(first_line), out.stdout[:300]
     assert "== Config ==" in out.stdout and "is powered by Hydra" not in out.stdout
+
+
+def test_a_dollar_in_the_docstring_survives_hydras_template(monkeypatch):
+    """Hydra fills the help template with string.Template: a bare "$" there raised ValueError."""
+    import string
+    import types
+
+    from recipes._common import _recipe_doc
+
+    monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__doc__="Costs $5 per $HOST.\n"))
+    assert string.Template(_recipe_doc() + "$CONFIG").substitute(CONFIG="cfg") == "Costs $5 per $HOST.\ncfg"

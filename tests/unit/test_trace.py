@@ -433,7 +433,7 @@ def test_recorder_refuses_a_moe_module_used_by_two_layers() -> None:
     moe = ml.MoEConfig(hidden_size=32, ffn_hidden_size=16, num_experts=8, top_k=2)
     shared = ml.VanillaMoE(moe, ml.ParallelGroups.single(), seed=0)
     model = TinyDecoder(TinyConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4), lambda i: shared)
-    with pytest.raises(ValueError, match=r"one module is used as 'blocks\.0\.moe' and 'blocks\.1\.moe'"):
+    with pytest.raises(ValueError, match=r"one module is registered as 'blocks\.0\.moe' and 'blocks\.1\.moe'"):
         with TraceRecorder(model):
             pass
     assert no_hooks(model)
