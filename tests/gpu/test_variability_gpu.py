@@ -89,23 +89,25 @@ def test_cuda_graph_layer_records_loads_and_replans():
 def test_curve_emulation_starts_its_clock_after_the_queued_work():
     """Curve mode pads the compute to the curve's latency; on CUDA its clock started while work
     queued before the compute (here a 50+ ms sleep kernel) was still running, which the padding then
-    counted as compute: nothing was added."""
+    counted as compute: nothing was added. (In a layer's forward a host sync before the experts
+    often hid it; the experts called directly, on the sync-free grouped GEMM, do not.)"""
     from moelayers.emulation import emulate_variability
     from moelayers.planning.gem import LatencyCurves
 
     cfg = ml.MoEConfig(hidden_size=256, ffn_hidden_size=512, num_experts=8, top_k=2, params_dtype=torch.bfloat16)
-    # capacity: no host sync before the experts (the eager dispatcher's count exchange would wait out the sleep)
-    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device="cuda", capacity=16)
-    x = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device="cuda")
+    x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16)
+    counts = torch.full((8,), 4, dtype=torch.int64, device="cuda")
+    assert layer.experts.sync_free(x)
     curves = LatencyCurves.preset("none", 1)
     target = 0.02
     emu = emulate_variability(layer, mode="curve", curves=curves, time_scale=target / curves(np.array([32]))[0],
                               wait="sleep")
     with torch.no_grad():
-        layer(x)  # warm
+        layer.experts(x, counts)  # warm
         torch.cuda.synchronize()
-        torch.cuda._sleep(int(1e8))  # ~50-70 ms on the GPU, queued before the forward
-        layer(x)
+        torch.cuda._sleep(int(1e8))  # ~50-70 ms on the GPU, queued before the compute
+        layer.experts(x, counts)
     assert emu.last_rows == 32
     assert emu.last_added_s > 0.5 * target, emu.last_added_s
     emu.remove()
