@@ -105,26 +105,37 @@ def test_float16_partial_sums_do_not_overflow_nccl(dispatcher):
         torch.testing.assert_close(y, ref, rtol=2e-3, atol=1e-3)
 
 
-def _forced_on_one_graphed_rank(rank: int, world: int) -> str:
-    """Rank 0 forces routing on a CUDA-graph layer, rank 1 does not: rank 0 used to raise before the
-    exchange and leave rank 1 waiting in it; now both raise."""
+def _error_of_graphed_forwards(forwards) -> str:
+    """``forwards(layer, x, dev)`` on a 2-rank CUDA-graph layer (bf16, capacity 16) and this rank's
+    random ``x [8, 256]``, under no_grad: ``"no error"`` or the ``ValueError``'s message."""
     import moelayers as ml
 
     cfg = ml.MoEConfig(hidden_size=256, ffn_hidden_size=128, num_experts=8, top_k=2, params_dtype=torch.bfloat16)
     dev = torch.device("cuda", torch.cuda.current_device())
     layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), device=dev, capacity=16, cuda_graph=True)
+    rank = torch.distributed.get_rank()
     x = torch.randn(8, 256, device=dev, generator=torch.Generator(device=dev).manual_seed(rank)).to(torch.bfloat16)
     try:
         with torch.no_grad():
-            layer(x)  # capture on both
-            if rank == 0:
-                layer.force_routing(torch.zeros(8, 2, dtype=torch.int64, device=dev))
-            layer(x)
+            forwards(layer, x, dev)
         return "no error"
     except ValueError as e:
         return str(e)
     finally:
         layer.release_graphs()
+
+
+def _forced_on_one_graphed_rank(rank: int, world: int) -> str:
+    """Rank 0 forces routing on a CUDA-graph layer, rank 1 does not: rank 0 used to raise before the
+    exchange and leave rank 1 waiting in it; now both raise."""
+
+    def forwards(layer, x, dev):
+        layer(x)  # capture on both
+        if rank == 0:
+            layer.force_routing(torch.zeros(8, 2, dtype=torch.int64, device=dev))
+        layer(x)
+
+    return _error_of_graphed_forwards(forwards)
 
 
 @pytest.mark.timeout(300)
@@ -200,21 +211,9 @@ def _graph_conditions_differ(rank: int, world: int) -> str:
     """Rank 1 has the Triton kernels switched off: it cannot capture, rank 0 can."""
     import os
 
-    import moelayers as ml
-
     if rank == 1:
         os.environ["MOELAYERS_DISABLE_TRITON"] = "1"
-    cfg = ml.MoEConfig(hidden_size=256, ffn_hidden_size=128, num_experts=8, top_k=2, params_dtype=torch.bfloat16)
-    dev = torch.device("cuda", torch.cuda.current_device())
-    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), device=dev, capacity=16, cuda_graph=True)
-    try:
-        with torch.no_grad():
-            layer(torch.randn(8, 256, device=dev).to(torch.bfloat16))
-        return "no error"
-    except ValueError as e:
-        return str(e)
-    finally:
-        layer.release_graphs()
+    return _error_of_graphed_forwards(lambda layer, x, dev: layer(x))
 
 
 @pytest.mark.timeout(300)
