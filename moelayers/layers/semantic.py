@@ -248,6 +248,10 @@ class SemanticMoE(MoELayerBase):
                 raise ValueError(f"forced routing has shape {list(forced.shape)}, expected "
                                  f"[{x2.shape[0]}, {self.config.top_k}] (or [S, B, K] laid out like attn_partial)")
             rb = self.rebatch(token_ids, prev_ranks, num_tokens=x2.shape[0])
+            if self.capacity is not None and rb.chunk_size > self.capacity:  # known alike on every TP rank
+                raise ValueError(f"forward_tp: {x2.shape[0]} tokens over {rb.num_ranks} TP rank(s) make chunks of "
+                                 f"{rb.chunk_size} rows, more than the layer's capacity of {self.capacity}: split "
+                                 "the batch or build the layer with a larger capacity")
         except (TypeError, ValueError) as exc:
             if self.groups.tp_size == 1 or not self.verify_tp_inputs:
                 raise

@@ -351,6 +351,40 @@ def test_forward_tp_bad_input_on_one_rank_raises_on_every_rank():
                        ml.ParallelGroups.single(), verify_tp_inputs="off")
 
 
+def _tp_chunks_over_capacity(rank, world):
+    """forward_tp with ``capacity`` and chunks larger than it: with check_finite=False only the rank
+    whose chunk overflowed learned it (the others returned from the MoE into the all-gather and
+    waited there). Every rank now raises before any collective, and the next call serves."""
+    groups = ml.ParallelGroups.from_world(tp=world)
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4 * world, top_k=2, params_dtype=torch.float64)
+    norm = _norm(torch.float64)
+    outcome = {}
+    for verify in (True, False):
+        layer = ml.SemanticMoE(cfg, groups, mode="tp", seed=3, capacity=3, check_finite=False,
+                               verify_tp_inputs=verify)
+        for t in (3 * world + 1, 3 * world):  # chunks of 4 rows (on some ranks), then exactly 3
+            gen = torch.Generator().manual_seed(t)
+            partials = [torch.randn(t, H, generator=gen, dtype=torch.float64) for _ in range(world)]
+            residual = torch.randn(t, H, generator=gen, dtype=torch.float64)
+            try:
+                with torch.no_grad():
+                    y = layer.forward_tp(partials[rank], residual, norm, token_ids=None)
+            except ValueError as e:
+                outcome[(verify, t)] = "raised" if "more than the layer's capacity of 3" in str(e) else str(e)
+                continue
+            h = residual + sum(partials)
+            ref = h + ml.reference.moe_forward(norm(h), *layer.export_full_weights(), cfg)
+            outcome[(verify, t)] = "exact" if torch.allclose(y, ref, rtol=1e-10, atol=1e-12) else "wrong output"
+    return outcome
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_forward_tp_chunks_over_capacity_raise_on_every_rank(world):
+    expected = {(v, t): ("raised" if t > 3 * world else "exact") for v in (True, False) for t in (3 * world + 1, 3 * world)}
+    assert run_distributed(_tp_chunks_over_capacity, world, timeout=90) == [expected] * world
+
+
 def _tp_training_grads(rank, world):
     """Attention-TP TinyDecoder with SemanticMoE(mode='tp') against the one-process model: the same
     loss, and every gradient equal to the reference's (this rank's heads of the attention; the
