@@ -506,7 +506,8 @@ class MoELayerBase(nn.Module):
                 set, the CUDA-graph path) the flags are read without a host sync only on ranks that
                 need them: with ``check_finite=False``, a rank that neither forced its routing nor
                 overflowed nor was refused returns its output while the others raise (every rank
-                that forces routing, as trace replay does, raises together).
+                that forces routing, as trace replay does, raises together; a
+                ``VariabilityAwareMoE`` recording loads always reads the flags: all its ranks raise).
         """
         forced, self._forced_ids = self._forced_ids, None  # used by this forward only, even one that raises
         try:
@@ -642,6 +643,12 @@ class MoELayerBase(nn.Module):
         if problem is not None:
             raise ValueError(problem)
 
+    def _flags_read_always(self) -> bool:
+        """Whether every capacity-mode forward reads the exchanged flags (one host sync), whatever
+        ``check_finite`` says: a layer that runs collectives of its own after the forward must not
+        have one rank raise while the others go on into them (``VariabilityAwareMoE``)."""
+        return False
+
     def _raise_on_flags(self, t: int, forced: bool) -> None:
         """Capacity mode: raise on every rank when any rank had NaN/inf logits, forced expert ids out
         of range, more than ``capacity`` tokens or another placement (the flags and placement digests
@@ -649,7 +656,7 @@ class MoELayerBase(nn.Module):
         the replica policy is a custom one or this rank overflowed; with ``check_finite=False`` and the router's own routing only an
         overflowing rank itself raises, and the placements are not compared."""
         if not (self.router.check_finite or forced or t > self.capacity or self._bad_input
-                or type(self.replica_policy) is not LocalFirstPolicy):
+                or type(self.replica_policy) is not LocalFirstPolicy or self._flags_read_always()):
             return
         d = self.dispatcher
         r = self.groups.ep_size

@@ -197,6 +197,12 @@ class VariabilityAwareMoE(MoELayerBase):
                     self._auto_replan()
         return y
 
+    def _flags_read_always(self) -> bool:
+        """Recording loads, the ranks must stay in step (the window's steps and the re-plans are
+        collectives): a forward one rank refuses or overflows raises on every rank, also with
+        ``capacity`` and ``check_finite=False``."""
+        return self.record_loads
+
     def _run_pending_replan(self) -> None:
         """Run a deferred re-plan (a collective) once no recorded graph holds the weights and no
         gradient waits; every forward starts with it, refused ones included."""

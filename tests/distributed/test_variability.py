@@ -957,3 +957,38 @@ def test_slowdown_preset_takes_numpy_ints():
     assert slowdown_preset("high", np.int64(3)) == slowdown_preset("high", 3) == [slowdown_preset("high", 1)[0], 1.0, 1.0]
     with pytest.raises(ValueError, match="num_ranks must be a positive int"):
         slowdown_preset("high", 2.0)
+
+
+def _capacity_overflow_on_one_rank(rank, world):
+    """capacity, check_finite=False, auto_replan: the last rank sends one token too many at step 1.
+    Only that rank raised (the flags were not read elsewhere), so its step count fell behind and
+    the ranks entered the re-plan's collectives at different forwards: a hang. Now every rank
+    raises, the windows stay in step, and the re-plans keep the output exact."""
+    e, c = _num_experts(world), 8
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=e, top_k=2, params_dtype=torch.float64)
+    layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.from_world(), capacity=c, check_finite=False, window=2,
+                                   auto_replan=True, replan_every=1, variability="high")
+    weights = _weights(e)
+    layer.load_full_weights(*weights)
+    log = []
+    for step in range(6):
+        x = torch.randn(c + (step == 1 and rank == world - 1), H, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(10 * step + rank))
+        try:
+            with torch.no_grad():
+                y = layer(x)
+        except ValueError as err:
+            log.append("raised" if "capacity of 8" in str(err) else str(err))
+            continue
+        ref = ml.reference.moe_forward(x, *weights, cfg, topk_ids=layer.last_topk_ids)
+        log.append("exact" if torch.allclose(y, ref, rtol=1e-10, atol=1e-12) else "wrong output")
+    return log, layer.steps, layer.num_replans
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4])
+def test_an_overflow_on_one_rank_keeps_the_recording_ranks_in_step(world):
+    out = run_distributed(_capacity_overflow_on_one_rank, world, timeout=90)
+    for log, steps, replans in out:
+        assert log == ["exact", "raised", "exact", "exact", "exact", "exact"], log
+        assert (steps, replans) == out[0][1:] and replans > 0
