@@ -215,6 +215,9 @@ def semantic_schedules(replay: Replay, world: int, seed: int, train_fraction: fl
     tr = replay.trace
     if plan_path:
         plan = SemanticPlan.load(plan_path)
+        if plan.mode != "dp":
+            raise ValueError(f"{plan_path}: semantic plan field 'mode' is {plan.mode!r}; bench.py times the "
+                             "attention-DP layer (mode dp)")
         held = tr
     else:
         train, held = tr.split(train_fraction)

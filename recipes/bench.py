@@ -34,10 +34,14 @@ layer that re-plans by itself (``auto_replan``) is timed with it off (the JSON's
 ``replans`` counts its re-plans so far, whether or not they moved weights: 0 when none happened).
 Rank 0 prints a table and writes one JSON per (shape, tokens/rank) into the
 run dir, and copies into ``bench.save_to`` when set, named
-``{layer}[_graph|_allgather|_nodedup]_{shape}_t{tokens}_ws{world}[_ep{ep}][_{dtype}][_router-{dtype}][_replay]_{device}.json``
+``{layer}[_graph|_allgather|_nodedup]_{shape}_t{tokens}_ws{world}[_ep{ep}][_{dtype}][_router-{dtype}][_replay]``
+``[_trace-{file}][_plan-{file}][_checkfinite][_{expert_backend}][_vs-{baseline}]_{device}.json``
 (``_ep``: ``parallel.ep`` below the world size; ``_{dtype}``: another dtype than the device's default,
-bf16 on CUDA and float32 on CPU; ``_router-``: ``bench.router_dtype``; ``_replay``: VanillaMoE on
-replayed routing), so that no configuration's record overwrites another's. ``bench.profile=true`` prints a torch.profiler table of ours' top kernels at
+bf16 on CUDA and float32 on CPU; ``_router-``: ``bench.router_dtype``; ``_replay``: replayed routing
+on a layer that is not plan-built (those always replay); ``_trace-``/``_plan-``: the stems of
+``trace.path`` / ``layer.plan_path``; ``_checkfinite``: ``bench.check_finite=true``; an expert backend
+other than ``auto``; ``_vs-``: a baseline other than the layer's default, ``vanilla`` for a plan-built
+layer and none otherwise), so that no configuration's record overwrites another's. ``bench.profile=true`` prints a torch.profiler table of ours' top kernels at
 one size (and saves a chrome trace in the run dir).
 
 Usage::
@@ -236,7 +240,10 @@ def tokens_per_rank(b: dict) -> list[int]:
     sizes = list(value) if isinstance(value, (list, tuple)) else [value]
     if not sizes:
         raise ValueError("bench.tokens_per_rank must name at least one size")
-    return [int_setting(t, "bench.tokens_per_rank", 1) for t in sizes]
+    sizes = [int_setting(t, "bench.tokens_per_rank", 1) for t in sizes]
+    if len(set(sizes)) != len(sizes):  # the second run of a size would overwrite the first one's record
+        raise ValueError(f"bench.tokens_per_rank={sizes} names a size twice")
+    return sizes
 
 
 def check_config(d: dict) -> None:
@@ -295,6 +302,11 @@ def check_config(d: dict) -> None:
     if ep is not None and ep != world and uses_plan(d.get("layer") or {}):
         raise ValueError(f"layer={d['layer'].get('name')} plans and schedules over the whole world: parallel.ep "
                          f"must be null or the world size ({world}), got {ep}")
+    save_to = d["bench"].get("save_to")
+    if save_to and os.path.exists(save_to) and not os.path.isdir(save_to):
+        raise ValueError(f"bench.save_to={save_to} is a file: it must be a directory (made when missing)")
+    if uses_plan(d.get("layer") or {}):
+        _check_plan_settings(d, world)
     if d.get("_router_name") == "replay":
         tc = d.get("trace") or {}
         seq_len_bounds(tc.get("seq_len"))
@@ -302,6 +314,41 @@ def check_config(d: dict) -> None:
             if tc.get("path"):
                 raise ValueError("trace.num_sequences sizes the synthetic trace: it has no meaning with trace.path")
             int_setting(tc["num_sequences"], "trace.num_sequences", 1)
+        if tc.get("path") and not os.path.isfile(tc["path"]):
+            raise FileNotFoundError(f"trace.path={tc['path']} does not exist")
+
+
+def _check_plan_settings(d: dict, world: int | None) -> None:
+    """A plan-built layer (``layer=semantic``): ``router=replay``, ``layer.plan_train_fraction`` in
+    (0, 1) or null, and ``layer.plan_path``'s plan made for attention-DP (mode dp), the shape's
+    experts and the world's ranks (the file named in every error)."""
+    layer = d["layer"]
+    if d.get("_router_name") != "replay":
+        raise ValueError(f"layer={layer.get('name')} places experts from a semantic plan of real routing: "
+                         "use router=replay (trace.path=FILE, or the synthetic trace)")
+    frac = layer.get("plan_train_fraction")
+    try:
+        frac_ok = frac is None or (not isinstance(frac, bool) and 0.0 < float(frac) < 1.0)
+    except (TypeError, ValueError):
+        frac_ok = False
+    if not frac_ok:
+        raise ValueError(f"layer.plan_train_fraction must be null (0.5) or a number in (0, 1), the share of the "
+                         f"replay trace's sequences the plan is built on; got {frac!r}")
+    path = layer.get("plan_path")
+    if not path:
+        return
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"layer.plan_path={path} does not exist")
+    from moelayers.planning.semantic import SemanticPlan
+
+    plan = SemanticPlan.load(path)
+    if plan.mode != "dp":
+        raise ValueError(f"layer.plan_path={path}: semantic plan field 'mode' is {plan.mode!r}, but bench.py times "
+                         "the attention-DP layer (mode dp); re-plan with recipes/plan.py planner=semantic mode=dp")
+    try:
+        plan.check_compatible(int(d["bench"]["shape"]["num_experts"]), world)
+    except ValueError as e:
+        raise ValueError(f"layer.plan_path={path}: {e}" if str(path) not in str(e) else str(e)) from None
 
 
 # ---------------------------------------------------------------------- the worker
@@ -345,6 +392,14 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
     check_finite = bool(b.get("check_finite", False))
     plan_kw = {} if plan is None else {"plan": plan, "plan_layer": replay.layer}
     notes = []
+    plan_path = cfg["layer"].get("plan_path") if plan is not None else None
+    if plan_path:
+        notes.append(f"the plan is read from {plan_path}: every sequence of the trace is replayed, and whether the "
+                     "plan was trained on them is not known here (without layer.plan_path the run plans on the "
+                     "first part and replays only the rest)")
+    if groups.ep_size != world:
+        notes.append(f"parallel.ep={groups.ep_size} < world {world}: layer_stats and baseline_stats are of rank 0's "
+                     "expert-parallel group")
 
     def make(layer_cfg: dict, **extra) -> torch.nn.Module:
         layer = build_layer(layer_cfg, config, groups, device, seed, check_finite, **extra)
@@ -378,11 +433,12 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
         forced = replay.ids_for(rank, tokens, device, owners.get("semantic")) if replay is not None else None
         base_forced = replay.ids_for(rank, tokens, device, owners.get("round_robin")) if replay is not None else None
         repeated = replay is not None and bool(reduce_max([float(replay.repeated)], device)[0])  # every rank
+        size_notes = []  # this size's record only
         if repeated:
-            notes.append(f"tokens/rank={tokens}: the trace holds fewer tokens than the ranks replay, so "
-                         "trace tokens repeat (trace.tokens_repeated)")
+            size_notes.append(f"tokens/rank={tokens}: the trace holds fewer tokens than the ranks replay, so "
+                              "trace tokens repeat (trace.tokens_repeated)")
             if rank == 0:
-                print(f"WARNING: {notes[-1]}", flush=True)
+                print(f"WARNING: {size_notes[-1]}", flush=True)
         timed, base_timed = ours, base
         if graph:  # fixed capacity = tokens per rank, whole forward replayed from a CUDA graph (both layers)
             timed = make(_graphed_config(cfg["layer"], tokens))
@@ -473,7 +529,9 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
             "vs_baseline": ms / base_ms if base_ms else None, "baseline_stats": _stats_record(base_stats),
             "replans": getattr(ours, "num_replans", None),  # a self-re-planning layer's re-plans so far (0: none timed)
             "trace": None if replay is None else {"source": replay.source, "layer": replay.layer,
-                                                  "tokens_repeated": repeated},
+                                                  "tokens_repeated": repeated, "path": cfg["trace"].get("path")},
+            "check_finite": check_finite, "plan_based": plan is not None, "plan_path": plan_path,
+            "_size_notes": size_notes,
         }
         records.append(rec)
         if rank == 0:
@@ -516,7 +574,8 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
         "backend": backend, "torch": torch.__version__, "triton": triton_version(),
         "megatron_core": megatron_version(),
     }
-    return [{**common, **r} for r in records]
+    return [{**common, **{k: v for k, v in r.items() if k != "_size_notes"},
+             "notes": list(dict.fromkeys(common["notes"] + r["_size_notes"]))} for r in records]
 
 
 def _stats_record(stats) -> dict | None:
@@ -654,7 +713,7 @@ def _eager_mode(layer) -> str:
 
 
 def save_records(records: list[dict], out_dir: str, save_to: str | None) -> list[str]:
-    paths = []
+    paths, names = [], []
     for r in records:
         slug = device_slug(r["device_name"])
         mode = "_graph" if str(r.get("mode", "")).startswith("cuda_graph") else ""
@@ -668,13 +727,35 @@ def save_records(records: list[dict], out_dir: str, save_to: str | None) -> list
         default = "bfloat16" if r.get("backend") == "nccl" else "float32"
         ep += f"_{r['dtype']}" if r.get("dtype", default) != default else ""
         ep += f"_router-{r['router_dtype']}" if r.get("router_dtype") else ""
-        ep += "_replay" if r.get("router") == "replay" and r["layer"] == "vanilla" else ""
+        ep += _setting_suffix(r)
         name = f"{r['layer']}{mode}_{r['shape_name']}_t{r['tokens_per_rank']}_ws{r['world_size']}{ep}_{slug}.json"
-        p = write_json(os.path.join(out_dir, name), r)
-        paths.append(str(p))
-        if save_to:  # written like the run dir's (atomically): a copy cut short would leave half a file there
-            paths.append(str(write_json(os.path.join(save_to, name), r)))
+        paths.append(str(write_json(os.path.join(out_dir, name), r)))
+        names.append(name)
+    if save_to:  # after every record is in the run dir; each written atomically, as there
+        paths += [str(write_json(os.path.join(save_to, name), r)) for name, r in zip(names, records)]
     return paths
+
+
+def _file_tag(path: str) -> str:
+    """A file's stem as a name part: letters, digits, ``.``, ``_``, ``-`` only."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.splitext(os.path.basename(str(path)))[0]).strip("-") or "file"
+
+
+def _setting_suffix(r: dict) -> str:
+    """The record name's parts for settings that change the measurement but not the layer's name:
+    replayed routing (a plan-built layer always replays), a trace file, a plan file, the NaN check,
+    an expert backend other than ``auto`` and a baseline other than the layer's default one."""
+    tag = "_replay" if r.get("router") == "replay" and not r.get("plan_based") else ""
+    if (r.get("trace") or {}).get("path"):
+        tag += f"_trace-{_file_tag(r['trace']['path'])}"
+    if r.get("plan_path"):
+        tag += f"_plan-{_file_tag(r['plan_path'])}"
+    tag += "_checkfinite" if r.get("check_finite") else ""
+    backend = (r.get("layer_kwargs") or {}).get("expert_backend")
+    tag += f"_{backend}" if backend not in (None, "auto") else ""
+    if r.get("baseline") != ("vanilla" if r.get("plan_based") else None):
+        tag += f"_vs-{r.get('baseline') or 'none'}"
+    return tag
 
 
 @hydra.main(config_path="../conf", config_name="bench", version_base="1.3")

@@ -415,11 +415,13 @@ def test_bench_flags_repeated_trace_tokens_per_size(tmp_path):
     save_trace(synthetic_trace(2, 1, 8, 2, 500, seq_len=(16, 16), seed=0), path)
     proc = run_bench(tmp_path, "router=replay", f"trace.path={path}", "bench.iters=1", "bench.warmup=0")
     assert proc.returncode == 0, f"bench failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    repeated = {}
+    repeated, noted = {}, {}
     for f in (tmp_path / "run").glob("*.json"):
         rec = json.loads(f.read_text())
         repeated[rec["tokens_per_rank"]] = rec["trace"]["tokens_repeated"]
+        noted[rec["tokens_per_rank"]] = any("trace tokens repeat" in n for n in rec["notes"])
     assert repeated == {16: False, 64: True}
+    assert noted == {16: False, 64: True}  # the t=64 note was in the t=16 record too
     assert "WARNING: tokens/rank=64: the trace holds fewer tokens" in proc.stdout
 
 
@@ -502,3 +504,60 @@ def test_no_peer_when_ours_runs_below_the_world():
     with pytest.raises(RuntimeError, match="bench.peer=true but ours runs at parallel.ep=2"):
         build_peer(cfg, torch.float32, torch.device("cpu"), "true", None, ep=2)
     assert "needs CUDA" in build_peer(cfg, torch.float32, torch.device("cpu"), "auto", None, ep=1)[2]
+
+
+def test_record_names_tell_every_setting_that_changes_the_measurement(tmp_path):
+    """Found by a sweep: replayed routing on a layer other than vanilla, a trace file, a plan file,
+    the NaN check, the expert backend and the baseline left the file name alone, so bench.save_to
+    replaced one configuration's record with another's."""
+    from recipes.bench import save_records
+
+    rec = {"device_name": "cpu", "shape_name": "s", "tokens_per_rank": 16, "world_size": 2, "ep": 2,
+           "mode": "eager (exact all-to-all-v)", "backend": "gloo", "dtype": "float32", "router": "learned"}
+    variants = [
+        {**rec, "layer": "variability"},
+        {**rec, "layer": "variability", "router": "replay"},
+        {**rec, "layer": "vanilla", "router": "replay", "trace": {"path": "/x/my trace.npz"}},
+        {**rec, "layer": "semantic", "router": "replay", "plan_based": True, "baseline": "vanilla"},
+        {**rec, "layer": "semantic", "router": "replay", "plan_based": True, "baseline": "vanilla",
+         "plan_path": "/x/plan_dp.npz"},
+        {**rec, "layer": "semantic", "router": "replay", "plan_based": True, "baseline": None},
+        {**rec, "layer": "vanilla", "check_finite": True},
+        {**rec, "layer": "vanilla", "layer_kwargs": {"expert_backend": "loop"}},
+        {**rec, "layer": "vanilla", "baseline": "variability"},
+    ]
+    names = [Path(save_records([r], str(tmp_path), None)[0]).name for r in variants]
+    assert names == ["variability_s_t16_ws2_cpu.json", "variability_s_t16_ws2_replay_cpu.json",
+                     "vanilla_s_t16_ws2_replay_trace-my-trace_cpu.json", "semantic_s_t16_ws2_cpu.json",
+                     "semantic_s_t16_ws2_plan-plan_dp_cpu.json", "semantic_s_t16_ws2_vs-none_cpu.json",
+                     "vanilla_s_t16_ws2_checkfinite_cpu.json", "vanilla_s_t16_ws2_loop_cpu.json",
+                     "vanilla_s_t16_ws2_vs-variability_cpu.json"]
+
+
+def test_check_config_checks_plan_files_save_to_and_sizes(tmp_path):
+    """Found by a sweep: a tp plan was timed as dp without a word; a missing plan or trace file, a plan
+    for other ranks, a bad plan_train_fraction failed inside every rank; bench.save_to naming a file
+    failed after the run (losing records); a size given twice overwrote its own record."""
+    from recipes.bench import check_config
+    from tests.distributed.test_semantic import make_plan
+
+    semantic = ("router=replay", "layer=semantic")
+    for name, kwargs in (("tp", {"mode": "tp"}), ("r4", {"mode": "dp"}), ("ok", {"mode": "dp"})):
+        make_plan(8, 4 if name == "r4" else 2, vocab=64, **kwargs).save(tmp_path / f"{name}.npz")
+    check_config(bench_config(*semantic, f"layer.plan_path={tmp_path / 'ok.npz'}"))
+    for override, exc, match in (
+            (f"layer.plan_path={tmp_path / 'tp.npz'}", ValueError, r"tp\.npz: semantic plan field 'mode' is 'tp'"),
+            (f"layer.plan_path={tmp_path / 'r4.npz'}", ValueError, r"r4\.npz.*'num_ranks' is 4"),
+            (f"layer.plan_path={tmp_path / 'no.npz'}", FileNotFoundError, r"layer\.plan_path=.*no\.npz does not exist"),
+            ("layer.plan_train_fraction=1.0", ValueError, r"layer\.plan_train_fraction must be null \(0\.5\) or a number"),
+            (f"trace.path={tmp_path / 'no_trace.npz'}", FileNotFoundError, r"trace\.path=.*no_trace\.npz does not exist")):
+        with pytest.raises(exc, match=match):
+            check_config(bench_config(*semantic, override))
+    with pytest.raises(ValueError, match="use router=replay"):
+        check_config(bench_config("layer=semantic"))
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ValueError, match=r"bench\.save_to=.*afile is a file"):
+        check_config(bench_config(f"bench.save_to={tmp_path / 'afile'}"))
+    with pytest.raises(ValueError, match=r"names a size twice"):
+        check_config(bench_config("bench.tokens_per_rank=[7,7]"))
+
