@@ -524,7 +524,7 @@ def tp_scores(plan: SemanticPlan, trace, layer: int, predictor: str = "combined"
         use_a = a_conf > conf
         rank_, conf = np.where(use_a, a_rank, rank_), np.where(use_a, a_conf, conf)
     out = np.full((ids.size, r), -1.0)  # below any confidence: a token with confidence 0 still asks for its rank
-    out[np.arange(ids.size), rank_] = conf  # first, as online (``rebatch``); the overflow fills in rank order
+    out[np.arange(ids.size), rank_] = conf  # as online (``rebatch_tokens``); the overflow fills in rank order
     return out
 
 

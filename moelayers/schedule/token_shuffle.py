@@ -434,7 +434,14 @@ def rebatch(pred: torch.Tensor, conf: torch.Tensor, num_ranks: int) -> Rebatch:
 
 def rebatch_tokens(token_ids: torch.Tensor, tables: LayerTables | None, num_ranks: int,
                    prev_ranks: PrevRanks = None) -> Rebatch:
-    """:func:`predict_ranks` then :func:`rebatch`; without tables, plain equal chunks in token order."""
+    """:func:`predict_ranks`, then equal chunks as the held-out evaluation makes them (``tp_scores``
+    with ``predictor='alg3'``: each token's confidence on its predicted rank, -1 elsewhere, into
+    :func:`capacity_ranks`); without tables, plain equal chunks in token order.
+
+    :func:`rebatch` (overflow in token order) gives the same ranks whenever every rank has room;
+    with fewer tokens than ranks a token predicted for a rank without room goes first to the lowest
+    rank with room, as the evaluation does.
+    """
     if tables is None:
         t = token_ids.numel()
         return rebatch(torch.full((t,), -1, dtype=torch.int64, device=token_ids.device),
@@ -442,7 +449,12 @@ def rebatch_tokens(token_ids: torch.Tensor, tables: LayerTables | None, num_rank
     if tables.num_ranks != num_ranks:
         raise ValueError(f"the plan's tables are for {tables.num_ranks} ranks, the group has {num_ranks}")
     pred, conf = predict_ranks(token_ids.reshape(-1), tables, prev_ranks)
-    return rebatch(pred, conf, num_ranks)
+    t = pred.numel()
+    scores = torch.full((t, num_ranks), -1.0, dtype=torch.float32, device=pred.device)
+    has = (pred >= 0) & (pred < num_ranks)
+    scores[has.nonzero().squeeze(1), pred[has]] = conf[has].to(torch.float32)
+    rank = capacity_ranks(scores, even_capacity(t, num_ranks, pred.device))
+    return rebatch_ranks(rank, num_ranks, pred, conf)
 
 
 def inverse_permutation(perm: torch.Tensor, num_tokens: int) -> torch.Tensor:

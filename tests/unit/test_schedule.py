@@ -338,6 +338,33 @@ def test_online_alg3_rebatch_equals_offline_with_unsure_tokens(fitted, tps):
             np.testing.assert_array_equal(rb.rank.numpy(), offline[rows, layer], err_msg=f"batch {start}, layer {layer}")
 
 
+def test_online_alg3_rebatch_equals_offline_in_batches_smaller_than_the_ranks(fitted):
+    """With fewer tokens than ranks some rank has no room: online, a token predicted for it went
+    with the overflow in token order; the evaluation sends it first to the lowest rank with room."""
+    from moelayers.planning.semantic import majority_rank
+    from moelayers.trace import RoutingTrace
+
+    plan, held = fitted
+    path = Path(tempfile.mkdtemp()) / "p.npz"
+    plan.save(path)
+    plan = SemanticPlan.load(path)
+    plan.token_logq = plan.history_pmi = plan.history_weight = None  # Algorithm 3 tables only
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        t = int(rng.integers(1, 9))
+        rows = rng.integers(0, held.num_tokens, t)
+        part = RoutingTrace(held.topk_ids[rows], held.token_ids[rows], np.array([0, t]), held.num_experts,
+                            vocab_size=held.vocab_size)
+        _, offline = evaluate_tp(plan, part, 4 * -(-t // 4))  # one batch of t tokens
+        for layer in range(part.num_layers):
+            prev = None
+            if layer >= 2:
+                prev = torch.as_tensor(np.stack([majority_rank(part.topk_ids[:, layer - d], plan.expert_rank[layer - d], 4)
+                                                 for d in (2, 1)]))
+            rb = rebatch_tokens(torch.as_tensor(part.token_ids), LayerTables.from_plan(plan, layer), 4, prev)
+            np.testing.assert_array_equal(rb.rank.numpy(), offline[:, layer], err_msg=f"trial {trial}, layer {layer}")
+
+
 def test_capacity_ranks_ties_and_overflow():
     scores = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 0.5], [0.2, 0.1], [0.0, 1.0]])
     # rank 0 holds 2: the two highest 1.0s win, ties to the earlier token; token 2 overflows, token 3 too
