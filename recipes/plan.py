@@ -35,7 +35,8 @@ Every run reports, on the held-out part, for the configured ``mode``:
 Writes into the Hydra run dir (``hydra.run.dir=...``), only after everything succeeded (temporary
 files moved into place, ``report.json`` last):
 
-* ``report.json``: ``planner``, ``ep``, ``mode``, ``lar``, ``lar_linear`` (linear placement, tokens
+* ``report.json``: ``planner``, ``ep``, ``mode``, ``predictor`` (the semantic planner in tp mode: the
+  token predictor that ran, ``alg3`` for a plan with Algorithm 3 tables only; else null), ``lar``, ``lar_linear`` (linear placement, tokens
   spread evenly), ``token_imbalance`` (max/mean tokens per rank; dp: ``max_ratio_exceeded`` when
   above 1.3), ``expert_imbalance`` (max/mean
   activations received per rank, mean over layers; ``expert_imbalance_max`` the worst layer's,
@@ -100,6 +101,7 @@ import hydra  # noqa: E402
 import numpy as np  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
+from moelayers.planning.semantic_eval import PREDICTORS  # noqa: E402
 from moelayers.planning.steps import MIN_STEPS  # noqa: E402
 from recipes._common import (  # noqa: E402
     config_trace, int_setting, invocation, merge_curves_path, normalize_flags, print_table, run_dir, to_dict, write_json,
@@ -136,6 +138,9 @@ def check_config(d: dict) -> tuple[str, int, str, int, float]:
         semantic_settings(d["planner"])  # a bad solver setting fails here, before the trace is read
     if name == "semantic":
         dp_schedule(d["planner"])
+        predictor = d["planner"].get("predictor", "combined")
+        if predictor not in PREDICTORS:  # checked here, not after the solve
+            raise ValueError(f"planner.predictor must be one of {list(PREDICTORS)}, got {predictor!r}")
     int_setting(d.get("seed", 0), "seed", 0)
     if name == "gem":
         gem_settings(d["planner"])
@@ -379,6 +384,9 @@ def run(d: dict) -> dict:
 
     report = {
         "planner": name, "ep": ep, "mode": mode,
+        # the token predictor that ran (tp): a plan with Algorithm 3 tables only runs alg3 whatever is asked
+        "predictor": (None if semantic is None or mode != "tp" else
+                      "alg3" if semantic.token_logq is None else str(d["planner"].get("predictor", "combined"))),
         **lar_report(held_out, plans[name], token_rank, even, ep),
         "solve_seconds": solve, "variability": variability,
         **gem_scores(plans, name, train_loads, test_loads, curves),

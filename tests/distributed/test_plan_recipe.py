@@ -200,6 +200,7 @@ def test_semantic_report_and_assignment(semantic_runs, trace_file, mode):
     run_dir, report, arrays = semantic_runs[mode]
     assert not [k for k in LAR_KEYS + GEM_KEYS if k not in report]
     assert (report["planner"], report["ep"], report["mode"]) == ("semantic", 4, mode)
+    assert report["predictor"] == ("combined" if mode == "tp" else None)  # the one that ran
     check_lar(report, arrays, trace_file)
     assert report["lar"] > report["lar_linear"]  # co-clustering beats linear on a clustered trace
     assert report["a2a_bytes_ratio"] < 1.0 and report["remote_ratio"] < 1.0
@@ -500,6 +501,8 @@ def test_config_errors(trace_file, tmp_path):
     ("planner.history=-1", r"planner\.history must be an integer >= 0.*got -1"),
     ("planner.rho=0", r"planner\.rho must be a number in \(0, 1\].*got 0"),
     ("planner.dp_schedule=best", r"planner\.dp_schedule must be one of \['joint', 'greedy'\], got 'best'"),
+    # failed in assign_tp after the whole solve, or (mode=dp) was ignored
+    ("planner.predictor=foo", r"planner\.predictor must be one of \['combined', 'alg3', 'token'\], got 'foo'"),
 ])
 def test_bad_semantic_settings_fail_before_planning(trace_file, tmp_path, monkeypatch, override, match):
     """A bad solver setting is refused by the config check, naming its key, before the trace is read."""
