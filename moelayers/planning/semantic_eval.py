@@ -377,22 +377,31 @@ def schedule_one(scores: np.ndarray, length: int, load: np.ndarray, masked: np.n
     return r
 
 
-def lar_from_assignment(trace, expert_rank: np.ndarray, token_rank: np.ndarray) -> float:
+def lar_from_assignment(trace, expert_rank: np.ndarray, token_rank: np.ndarray, num_ranks: int | None = None) -> float:
     """Local activation rate of an assignment, averaged over layers.
 
     Args:
         trace: :class:`~moelayers.trace.RoutingTrace` with ``T`` tokens, ``L`` layers.
         expert_rank: ``[L, E]`` rank of each expert per layer.
         token_rank: ``[T, L]`` rank of each token per layer.
+        num_ranks: ``R``, when known: every rank must be in ``[0, R)`` (else only ``>= 0``).
 
     Returns:
         Share of (token, layer, k) activations whose expert's rank equals the token's rank.
+
+    Raises:
+        ValueError: shapes off, or a rank out of range (it would count as remote, silently).
     """
     er = np.asarray(expert_rank, dtype=np.int64)
     tr = np.asarray(token_rank, dtype=np.int64)
     if er.shape != (trace.num_layers, trace.num_experts) or tr.shape != (trace.num_tokens, trace.num_layers):
         raise ValueError(f"expert_rank must be [L, E] = {[trace.num_layers, trace.num_experts]} and token_rank "
                          f"[T, L] = {[trace.num_tokens, trace.num_layers]}; got {list(er.shape)}, {list(tr.shape)}")
+    top = np.inf if num_ranks is None else num_ranks
+    for name, a in (("expert_rank", er), ("token_rank", tr)):
+        if a.size and (a.min() < 0 or a.max() >= top):
+            bound = "be >= 0" if num_ranks is None else f"be in [0, {num_ranks})"
+            raise ValueError(f"{name} holds ranks in [{a.min()}, {a.max()}]: they must {bound}")
     return float(np.mean([_layer_local(trace.topk_ids[:, l], er[l], tr[:, l]).mean() for l in range(trace.num_layers)]))
 
 

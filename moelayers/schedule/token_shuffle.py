@@ -197,6 +197,9 @@ class HistoryPredictor:
         logq = getattr(plan, "token_logq", None)
         if logq is None:
             return None
+        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, numbers.Integral) \
+                or not 0 <= layer < len(logq):  # -1 read the last layer's table with no history
+            raise ValueError(f"layer {layer!r} is out of range for a plan of {len(logq)} layers")
         logq = torch.as_tensor(logq[layer])
         hist = getattr(plan, "history_pmi", None) if history else None
         if hist is None:

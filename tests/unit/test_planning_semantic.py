@@ -396,7 +396,13 @@ def test_evaluate_tp_invariants(tp_plan, synth, predictor):
         assert (counts[:-1] == tps // 4).all()  # every full batch: exactly tps / R per rank
         assert counts[-1].max() - counts[-1].min() <= 1 and counts[-1].sum() == (step == step.max()).sum()
     assert report["token_imbalance"] == pytest.approx(1.0, abs=0.01)
-    assert report["lar"] == pytest.approx(lar_from_assignment(held, tp_plan.expert_rank, token_rank))
+    assert report["lar"] == pytest.approx(lar_from_assignment(held, tp_plan.expert_rank, token_rank, 4))
+    # a rank out of range counted as remote (LAR 0.0 for token_rank = R), silently
+    for er, tr, match in ((tp_plan.expert_rank, token_rank + 4, r"token_rank .* must be in \[0, 4\)"),
+                          (tp_plan.expert_rank, token_rank - 4, r"token_rank .* must be >= 0"),
+                          (tp_plan.expert_rank + 4, token_rank, r"expert_rank .* must be in \[0, 4\)")):
+        with pytest.raises(ValueError, match=match):
+            lar_from_assignment(held, er, tr, None if "must be >= 0" in match else 4)
     assert report["lar"] > report["lar_linear"]
     assert report["expert_imbalance"] <= 1.3
     # linear reference: each batch of tps tokens cut into 4 chunks of tps / 4 in file order

@@ -338,6 +338,14 @@ def test_online_alg3_rebatch_equals_offline_with_unsure_tokens(fitted, tps):
             np.testing.assert_array_equal(rb.rank.numpy(), offline[rows, layer], err_msg=f"batch {start}, layer {layer}")
 
 
+def test_history_predictor_refuses_a_layer_outside_the_plan(fitted):
+    """layer=-1 read the last layer's table with no history (depth -1); layer=L an IndexError."""
+    plan, _ = fitted
+    for layer in (-1, plan.num_layers, True):
+        with pytest.raises(ValueError, match=f"layer {layer!r} is out of range for a plan of {plan.num_layers}"):
+            HistoryPredictor.from_plan(plan, layer)
+
+
 def test_online_alg3_rebatch_equals_offline_in_batches_smaller_than_the_ranks(fitted):
     """With fewer tokens than ranks some rank has no room: online, a token predicted for it went
     with the overflow in token order; the evaluation sends it first to the lowest rank with room."""
