@@ -204,8 +204,22 @@ def request_schedule(scores: np.ndarray, lengths: np.ndarray, num_ranks: int, *,
 
     Returns:
         ``[S]`` int64 rank per request.
+
+    Raises:
+        ValueError: ``scores`` not ``[S, R]`` for the ``S`` lengths and ``num_ranks``, a negative
+            length, or ``max_ratio`` not a number >= 1.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
+    shape = np.shape(scores)
+    if lengths.ndim != 1 or shape != (lengths.size, num_ranks):
+        raise ValueError(f"scores must be [S, R] = [{lengths.size if lengths.ndim == 1 else '?'}, {num_ranks}] "
+                         f"(one row per request length, one column per rank), got {list(shape)} for lengths "
+                         f"{list(lengths.shape)}")
+    if lengths.size and lengths.min() < 0:
+        raise ValueError(f"request lengths must be >= 0, got {lengths.min()}")
+    if isinstance(max_ratio, bool) or not isinstance(max_ratio, (int, float, np.integer, np.floating)) \
+            or not max_ratio >= 1.0:  # nan fails too
+        raise ValueError(f"max_ratio must be a number >= 1 (the token cap per rank, times the mean), got {max_ratio!r}")
     cap = max_ratio * lengths.sum() / num_ranks
     return schedule_requests(scores, lengths, np.zeros(num_ranks, dtype=np.int64), np.zeros(num_ranks, dtype=bool),
                              cap, mask=mask, lookahead=lookahead, joint=joint, balance=balance)

@@ -793,3 +793,18 @@ def test_sparse_rows_products_row_by_row_equal_the_general_sums():
     ragged = np.array([[1, 0, 1], [0, 1, 0]], dtype=np.float32)
     assert _SparseRows(ragged).per_row is None
     np.testing.assert_array_equal(_SparseRows(ragged) @ np.eye(3), ragged)
+
+
+def test_request_schedule_refuses_inputs_that_do_not_fit():
+    """Found by a sweep: scores of another length or width failed with an IndexError deep inside,
+    and max_ratio=nan or 0 was accepted (and echoed into evaluate_dp's report)."""
+    scores, lengths = np.zeros((3, 2)), np.array([4, 5, 6])
+    assert request_schedule(scores, lengths, 2).shape == (3,)
+    for bad_scores, bad_lengths, r, kw, match in (
+            (scores[:2], lengths, 2, {}, r"scores must be \[S, R\] = \[3, 2\]"),
+            (scores, lengths, 3, {}, r"scores must be \[S, R\] = \[3, 3\]"),
+            (scores, -lengths, 2, {}, "request lengths must be >= 0"),
+            (scores, lengths, 2, {"max_ratio": float("nan")}, "max_ratio must be a number >= 1"),
+            (scores, lengths, 2, {"max_ratio": 0}, "max_ratio must be a number >= 1")):
+        with pytest.raises(ValueError, match=match):
+            request_schedule(bad_scores, bad_lengths, r, **kw)
