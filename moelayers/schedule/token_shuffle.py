@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -437,13 +437,12 @@ def rebatch(pred: torch.Tensor, conf: torch.Tensor, num_ranks: int) -> Rebatch:
 
 def rebatch_tokens(token_ids: torch.Tensor, tables: LayerTables | None, num_ranks: int,
                    prev_ranks: PrevRanks = None) -> Rebatch:
-    """:func:`predict_ranks`, then equal chunks as the held-out evaluation makes them (``tp_scores``
-    with ``predictor='alg3'``: each token's confidence on its predicted rank, -1 elsewhere, into
-    :func:`capacity_ranks`); without tables, plain equal chunks in token order.
-
-    :func:`rebatch` (overflow in token order) gives the same ranks whenever every rank has room;
-    with fewer tokens than ranks a token predicted for a rank without room goes first to the lowest
-    rank with room, as the evaluation does.
+    """:func:`predict_ranks`, then :func:`rebatch` into equal chunks, with the ranks the held-out
+    evaluation gives (``tp_scores`` with ``predictor='alg3'`` into ``capacity_assign``): a token
+    whose predicted rank has no room (fewer tokens than ranks) or that has no prediction asks for
+    rank 0, below any confidence, as a token asks there for the lowest rank with room in the
+    evaluation; the overflow then fills the ranks with room in rank order. Without tables, plain
+    equal chunks in token order. The result keeps the predictions (``pred``/``conf``) as made.
     """
     if tables is None:
         t = token_ids.numel()
@@ -452,12 +451,11 @@ def rebatch_tokens(token_ids: torch.Tensor, tables: LayerTables | None, num_rank
     if tables.num_ranks != num_ranks:
         raise ValueError(f"the plan's tables are for {tables.num_ranks} ranks, the group has {num_ranks}")
     pred, conf = predict_ranks(token_ids.reshape(-1), tables, prev_ranks)
-    t = pred.numel()
-    scores = torch.full((t, num_ranks), -1.0, dtype=torch.float32, device=pred.device)
-    has = (pred >= 0) & (pred < num_ranks)
-    scores[has.nonzero().squeeze(1), pred[has]] = conf[has].to(torch.float32)
-    rank = capacity_ranks(scores, even_capacity(t, num_ranks, pred.device))
-    return rebatch_ranks(rank, num_ranks, pred, conf)
+    cap = even_capacity(pred.numel(), num_ranks, pred.device)
+    asks = (pred >= 0) & (pred < num_ranks)
+    asks &= cap[torch.where(asks, pred, 0)] > 0
+    out = rebatch(torch.where(asks, pred, 0), torch.where(asks, conf.to(torch.float32), -1.0), num_ranks)
+    return replace(out, pred=pred, conf=conf.to(torch.float32))
 
 
 def inverse_permutation(perm: torch.Tensor, num_tokens: int) -> torch.Tensor:
