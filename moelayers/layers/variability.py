@@ -66,6 +66,9 @@ class VariabilityAwareMoE(MoELayerBase):
             ``min_gain`` set, a re-plan whose gain cannot be scored keeps the placement.
         record_loads: keep the load window (forwards replayed from a CUDA graph too: the graph
             outputs the routing). A move drops the captured graph; the next forward captures anew.
+            With ``capacity``, each forward then reads the exchanged flags (one host sync, even with
+            ``check_finite=False``), so that a forward one rank refuses raises on every rank and the
+            windows stay in step.
         slowdown: emulated variability (measured mode of :func:`moelayers.emulation.emulate_variability`):
             this rank's factor ``s >= 1``, or one factor per expert-parallel rank ``[R]``; ``None``: none.
             It slows the hardware down; the planner still uses ``curves``.

@@ -23,7 +23,7 @@ from moelayers.schedule import (
     shuffled_all_gather,
     shuffled_reduce_scatter,
 )
-from moelayers.schedule.token_shuffle import HistoryPredictor, capacity_ranks, rebatch_history
+from moelayers.schedule.token_shuffle import HistoryPredictor, capacity_ranks, even_capacity, rebatch_history
 from moelayers.trace import synthetic_trace
 from moelayers.testing import check_close
 from tests.distributed.test_semantic import H, _norm, make_plan, weights64
@@ -371,6 +371,26 @@ def test_online_alg3_rebatch_equals_offline_in_batches_smaller_than_the_ranks(fi
                                                  for d in (2, 1)]))
             rb = rebatch_tokens(torch.as_tensor(part.token_ids), LayerTables.from_plan(plan, layer), 4, prev)
             np.testing.assert_array_equal(rb.rank.numpy(), offline[:, layer], err_msg=f"trial {trial}, layer {layer}")
+
+
+def test_rebatch_tokens_gives_the_ranks_of_capacity_ranks():
+    """The one-pass online rebatch equals capacity_ranks on the evaluation's scores (confidence on the
+    predicted rank, -1 elsewhere), with ties, T < R and ids outside the table (no prediction)."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(400):
+        r = int(torch.randint(1, 9, (1,), generator=g))
+        t = int(torch.randint(0, 30, (1,), generator=g))
+        v = 20
+        tables = LayerTables(torch.randint(0, r, (v,), generator=g), torch.randint(0, 4, (v,), generator=g) / 4.0,
+                             torch.zeros(r, r, dtype=torch.int64), torch.zeros(r, r))
+        ids = torch.randint(0, v + 5, (t,), generator=g)  # ids >= v: no prediction
+        rb = rebatch_tokens(ids, tables, r)
+        pred, conf = rb.pred, rb.conf
+        scores = torch.full((t, r), -1.0)
+        has = pred >= 0
+        scores[has.nonzero().squeeze(1), pred[has]] = conf[has]
+        assert torch.equal(rb.rank, capacity_ranks(scores, even_capacity(t, r))), (r, t)
+        assert torch.bincount(rb.rank, minlength=r).tolist() == even_capacity(t, r).tolist()
 
 
 def test_capacity_ranks_ties_and_overflow():
