@@ -218,7 +218,7 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
     replans_seen = [getattr(m, "num_replans", 0) for m in model.moe_layers]
     replans = []
     pending, waiting, running = deque(mine), deque(), []
-    acc, load_rows, step_tokens = None, [], []
+    acc, load_rows, step_tokens, combine_rows = None, [], [], 0
     finished, steps, out_tokens, prompt_tokens = 0, 0, 0, 0
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -253,6 +253,7 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
             prompt_tokens += sum(len(r.prompt) for r in new)
             per_layer = [layer.last_stats for layer in layers]
             acc = merge_stats(per_layer if acc is None else [acc] + per_layer)
+            combine_rows += sum(_combine_rows(layer, s) for layer, s in zip(layers, per_layer))
             load_rows.append([list(s.pairs_sent) for s in per_layer])  # [L, R] activations sent to each rank
             for i, m in enumerate(layers):
                 if getattr(m, "num_replans", 0) != replans_seen[i]:
@@ -278,7 +279,7 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
         bar.close()
     counted = [(i, m.num_replans) for i, m in enumerate(layers) if hasattr(m, "num_replans")]
     res = _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, steps, out_tokens,
-                          prompt_tokens, elapsed, mcfg, notes, device, (replans, counted))
+                          prompt_tokens, elapsed, mcfg, notes, device, (replans, counted), combine_rows)
     if res is not None:
         res["in_sample_requests"] = in_sample
         if trace is not None:
@@ -312,8 +313,18 @@ def compare_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
 
 
 
+def _combine_rows(layer, stats) -> int:
+    """Hidden-state rows one forward's combine sent to other ranks: one per remote dispatch row, or
+    with ``capacity`` the whole fixed buffer (``C`` rows to every other rank, padding included, as
+    ``bytes_sent`` counts the dispatch)."""
+    cap = getattr(layer, "capacity", None)
+    if cap is not None:
+        return int(cap) * (len(stats.rows_sent) - 1)
+    return sum(stats.rows_sent) - stats.rows_sent[stats.rank]
+
+
 def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, steps, out_tokens, prompt_tokens,
-                    elapsed, mcfg, notes, device, replanning=((), ())) -> dict | None:
+                    elapsed, mcfg, notes, device, replanning=((), ()), combine_rows=0) -> dict | None:
     """Reduce the counters over ranks; rank 0 builds the results dict.
 
     ``replanning``: this rank's ``(replans, [(layer, count)])``. Every expert-parallel group re-plans
@@ -322,7 +333,8 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
 
     All-to-all volume: ``a2a_dispatch_bytes`` (= ``bytes_sent``: de-duplicated payload rows to other
     ranks, hidden state + routing metadata, ``MoEStats.bytes_sent``) plus ``a2a_combine_bytes`` (one
-    hidden-state row back per such row) = ``a2a_bytes``, summed over ranks, MoE layers and steps.
+    hidden-state row back per such row; with ``capacity`` the fixed buffers both ways, padding
+    included: :func:`_combine_rows`) = ``a2a_bytes``, summed over ranks, MoE layers and steps.
     """
     from moelayers.dispatch.base import partial_sum_dtype
     from moelayers.metrics import MoEStats, imbalance
@@ -343,7 +355,7 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
     if ep_size > 1:
         dist.all_reduce(group_loads, group=groups.ep)
     ep_ranks = [groups.ep_rank]
-    counts = torch.tensor([out_tokens, prompt_tokens, remote_rows], dtype=torch.int64, device=device)
+    counts = torch.tensor([out_tokens, prompt_tokens, remote_rows, combine_rows], dtype=torch.int64, device=device)
     t_end = torch.tensor([elapsed], dtype=torch.float64, device=device)
     if world > 1:
         every = [torch.empty_like(group_loads) for _ in range(world)]
@@ -391,9 +403,9 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
     rank_loads = [int(v) for v in layer_loads.sum((0, 1)).tolist()]
     step_imb = [imbalance(row) for row in loads.tolist() if sum(row) > 0]
     elapsed = float(t_end[0])
-    out_total, prompt_total, remote_total = (int(v) for v in counts.cpu().tolist())
+    out_total, prompt_total, remote_total, combine_total = (int(v) for v in counts.cpu().tolist())
     row_dtype = partial_sum_dtype(DTYPES[mcfg.get("dtype", "float32")])  # float16 layers send float32 subtotals
-    combine_bytes = remote_total * int(mcfg["hidden_size"]) * row_dtype.itemsize
+    combine_bytes = combine_total * int(mcfg["hidden_size"]) * row_dtype.itemsize
     echo = {k: v for k, v in cfg.items() if k != "run_dir" and not k.startswith("_")}
     return {
         "throughput_tok_s": out_total / elapsed if elapsed > 0 else 0.0,

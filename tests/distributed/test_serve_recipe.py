@@ -628,3 +628,14 @@ def test_emulated_expert_time_takes_the_slowest_rank_layer_by_layer():
     slow = 1 / 0.88  # the high preset's rank 0; C(n) = s (20 us + 10 us ceil(n / 128))
     assert got["emulated_expert_s"] == pytest.approx(60e-6 * slow + 60e-6)
     assert got["emulated_expert_rank_s"] == pytest.approx([(60e-6 + 20e-6) * slow])
+
+
+def test_serve_counts_the_padded_combine_of_capacity_layers(tmp_path):
+    """With capacity the combine sends the whole fixed buffer back (C rows to every other rank), as
+    the dispatch does (bytes_sent counted it): a2a_combine_bytes counted only the real rows, about a
+    hundredth of what moved."""
+    res = _serve(tmp_path / "run", "workload.num_requests=4", "+layer.kwargs.capacity=512")
+    h, layers, steps = res["config"]["model"]["hidden_size"], res["config"]["model"]["num_layers"], res["steps"]
+    per_forward = 512 * (2 - 1) * h * 4  # float32 rows to the one other rank
+    assert res["a2a_combine_bytes"] == 2 * steps * layers * per_forward  # both ranks, every layer and step
+    assert res["a2a_bytes"] == res["a2a_dispatch_bytes"] + res["a2a_combine_bytes"]
