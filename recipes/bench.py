@@ -39,10 +39,11 @@ run dir, and copies into ``bench.save_to`` when set, named
 (``_ep``: ``parallel.ep`` below the world size; ``_{dtype}``: another dtype than the device's default,
 bf16 on CUDA and float32 on CPU; ``_router-``: ``bench.router_dtype``; ``_replay``: replayed routing
 on a layer that is not plan-built (those always replay); ``_trace-``/``_plan-``: the stems of
-``trace.path`` / ``layer.plan_path``; ``_checkfinite``: ``bench.check_finite=true``; an expert backend
-other than ``auto``; ``_vs-``: a baseline other than the layer's default, ``vanilla`` for a plan-built
-layer and none otherwise), so that no configuration's record overwrites another's. ``bench.profile=true`` prints a torch.profiler table of ours' top kernels at
-one size (and saves a chrome trace in the run dir).
+``trace.path`` / ``layer.plan_path`` and a short hash of their absolute paths; ``_checkfinite``:
+``bench.check_finite=true``; an expert backend other than ``auto``; ``_vs-``: a baseline other than
+the layer's default, ``vanilla`` for a plan-built layer and none otherwise), so that no
+configuration's record overwrites another's. ``bench.profile=true`` prints a torch.profiler table of
+ours' top kernels at one size (and saves a chrome trace in the run dir).
 
 Usage::
 
@@ -58,6 +59,7 @@ Usage::
 from __future__ import annotations
 
 import datetime
+import hashlib
 import importlib
 import inspect
 import os
@@ -346,7 +348,7 @@ def _check_plan_settings(d: dict, world: int | None) -> None:
         raise ValueError(f"layer.plan_path={path}: semantic plan field 'mode' is {plan.mode!r}, but bench.py times "
                          "the attention-DP layer (mode dp); re-plan with recipes/plan.py planner=semantic mode=dp")
     try:
-        plan.check_compatible(int(d["bench"]["shape"]["num_experts"]), world)
+        plan.check_compatible(int(d["bench"]["shape"]["num_experts"]) if "shape" in d["bench"] else None, world)
     except ValueError as e:
         raise ValueError(f"layer.plan_path={path}: {e}" if str(path) not in str(e) else str(e)) from None
 
@@ -737,8 +739,10 @@ def save_records(records: list[dict], out_dir: str, save_to: str | None) -> list
 
 
 def _file_tag(path: str) -> str:
-    """A file's stem as a name part: letters, digits, ``.``, ``_``, ``-`` only."""
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.splitext(os.path.basename(str(path)))[0]).strip("-") or "file"
+    """A file as a name part: its stem (letters, digits, ``.``, ``_``, ``-`` only) and 6 hex digits of
+    its absolute path's hash, so that two files of one stem in other folders keep two records."""
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.splitext(os.path.basename(str(path)))[0]).strip("-") or "file"
+    return f"{stem}-{hashlib.sha1(os.path.abspath(str(path)).encode()).hexdigest()[:6]}"
 
 
 def _setting_suffix(r: dict) -> str:

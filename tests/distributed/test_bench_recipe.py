@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -527,11 +528,16 @@ def test_record_names_tell_every_setting_that_changes_the_measurement(tmp_path):
         {**rec, "layer": "vanilla", "baseline": "variability"},
     ]
     names = [Path(save_records([r], str(tmp_path), None)[0]).name for r in variants]
+    names = [re.sub(r"-[0-9a-f]{6}_", "-HASH_", n) for n in names]  # the file's path hash
     assert names == ["variability_s_t16_ws2_cpu.json", "variability_s_t16_ws2_replay_cpu.json",
-                     "vanilla_s_t16_ws2_replay_trace-my-trace_cpu.json", "semantic_s_t16_ws2_cpu.json",
-                     "semantic_s_t16_ws2_plan-plan_dp_cpu.json", "semantic_s_t16_ws2_vs-none_cpu.json",
+                     "vanilla_s_t16_ws2_replay_trace-my-trace-HASH_cpu.json", "semantic_s_t16_ws2_cpu.json",
+                     "semantic_s_t16_ws2_plan-plan_dp-HASH_cpu.json", "semantic_s_t16_ws2_vs-none_cpu.json",
                      "vanilla_s_t16_ws2_checkfinite_cpu.json", "vanilla_s_t16_ws2_loop_cpu.json",
                      "vanilla_s_t16_ws2_vs-variability_cpu.json"]
+    # two plans of one stem in other folders: two records
+    two = [Path(save_records([{**variants[4], "plan_path": f"/{d}/plan_dp.npz"}], str(tmp_path), None)[0]).name
+           for d in ("a", "b")]
+    assert two[0] != two[1]
 
 
 def test_check_config_checks_plan_files_save_to_and_sizes(tmp_path):
