@@ -70,10 +70,14 @@ MIXTRAL_LOAD_CV = (0.1115, 0.0785, 0.1957)
 # TARGET_PAIR_UNION_RATIO); the routing knobs by a Broyden fit of 14 knobs to 14 residuals (recall,
 # cross-domain recall, load CV and max/mean at layers 0/7/15, NMI of (0, 7) and (7, 15)) on a
 # 16-layer, 64-expert, top-8, vocab-50,280 trace with 2 topics of 102 x 2048 tokens. Triples are
-# values at layers 0/7/15 of 16 (relative depth 0, 7/15, 1), interpolated in between. Fitted
-# synthetic statistics (targets in brackets): recall 0.598/0.714/0.784 (0.583/0.703/0.744);
-# cross-domain recall 0.283/0.377/0.374 (0.289/0.409/0.406); NMI 0.030/0.062 (0.031/0.069);
-# load max/mean 5.13/5.26/5.47 (5.13/5.19/4.42); load CV 0.74/0.95/1.02 (0.68/0.98/1.01).
+# values at layers 0/7/15 of 16 (relative depth 0, 7/15, 1), interpolated in between. The fit
+# draws one trace, seed 0 (common random numbers). Its statistics (targets in brackets): recall
+# 0.598/0.714/0.784 (0.583/0.703/0.744); cross-domain recall 0.283/0.377/0.374 (0.289/0.409/0.406);
+# NMI 0.030/0.062 (0.031/0.069); load max/mean 5.13/5.26/5.47 (5.13/5.19/4.42); load CV
+# 0.74/0.95/1.02 (0.68/0.98/1.01). Other seeds scatter widely around them (a helper's check of seeds
+# 0-5, 2026-11-27: mean load max/mean 4.28/6.14/6.59, std about 0.8; load CV 0.66/1.14/1.18, std
+# about 0.12; recall 0.589/0.726/0.804; cross-domain recall 0.305/0.436/0.444): one seed's draw
+# is one sample of the skew, not its mean, which is why the yardsticks run several seeds.
 NUM_TOPICS = 4  # topics (~ text domains) per trace; the real data has 4 domains with token data
 ZIPF_EXPONENT = 1.151  # Zipf-Mandelbrot rank exponent of token frequencies
 ZIPF_OFFSET = 3.3  # Zipf-Mandelbrot rank offset (flattens the head: top token ~4.8%)
@@ -196,7 +200,9 @@ def trace_statistics(
     layer_pairs: Sequence[tuple[int, int]] | None = None,
     frequent_min_count: int = FREQUENT_MIN_COUNT,
 ) -> dict:
-    """The calibration statistics of a trace (comparable with the ``TARGET_*`` constants).
+    """The calibration statistics of a trace (comparable with the ``TARGET_*`` constants on one
+    topic of about 102 x 2048 tokens: the targets are per domain; a whole multi-topic trace has more
+    distinct tokens and a lower NMI).
 
     Args:
         trace: any routing trace.

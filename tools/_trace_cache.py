@@ -14,16 +14,16 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import moelayers
 from moelayers.trace import RoutingTrace, load_trace, save_trace
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def cached_trace(cache: Path, stem: str, arguments: dict, make: Callable[[], RoutingTrace]) -> RoutingTrace:
     """``cache/<stem>_<key>.npz`` if it exists, else ``make()`` written there; ``key`` hashes
     ``arguments`` (JSON), the source of every module of the package and the file ``make`` is in."""
     h = hashlib.blake2b(json.dumps(arguments, sort_keys=True, default=repr).encode(), digest_size=6)
-    for source in [*sorted((REPO / "moelayers").rglob("*.py")), Path(inspect.getsourcefile(make))]:
+    package = Path(moelayers.__file__).parent  # the one imported (PYTHONPATH may name another tree)
+    for source in [*sorted(package.rglob("*.py")), Path(inspect.getsourcefile(make))]:
         h.update(source.read_bytes())
     path = Path(cache) / f"{stem}_{h.hexdigest()}.npz"
     if path.is_file():

@@ -298,8 +298,12 @@ def main() -> None:
     parser.add_argument("--counts", type=Path, default=DEFAULT_COUNTS)
     parser.add_argument("--compare", action="store_true", help="also print the current generator's statistics")
     parser.add_argument("--fit", action="store_true", help="fit the generator defaults to the OLMoE statistics")
-    parser.add_argument("--rounds", type=int, default=12, help="Broyden rounds of the routing fit")
+    parser.add_argument("--rounds", type=int, default=12, help="Broyden rounds of the routing fit (>= 0)")
     args = parser.parse_args()
+    if args.rounds < 0:
+        parser.error(f"--rounds must be >= 0, got {args.rounds}")
+    if not args.counts.is_dir():
+        parser.error(f"--counts {args.counts} is not a directory of routing counts (the real OLMoE/Mixtral counts)")
     real = {name: real_stats(args.counts / file) for name, file in FILES.items()}
     for name, stats in real.items():
         stats.show(f"real {name}")

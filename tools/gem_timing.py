@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _args import positive_int  # noqa: E402  (tools/ is the script's directory)
 from moelayers.planning.gem import LatencyCurves, plan_gem  # noqa: E402
 from moelayers.planning.steps import trace_step_loads  # noqa: E402
 from moelayers.trace import synthetic_trace  # noqa: E402
@@ -51,8 +52,10 @@ def time_layer(method: str, num_experts: int = 256, num_ranks: int = 8, steps: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--method", default="robust", choices=["plain", "robust"])
-    ap.add_argument("--sequences", type=int, nargs="+", default=[100])
+    ap.add_argument("--sequences", type=positive_int, nargs="+", default=[100])
     args = ap.parse_args()
+    if min(args.sequences) < 2:
+        ap.error(f"--sequences must be >= 2 (half of them train, half are held out), got {args.sequences}")
     for seqs in args.sequences:
         sec, steps = time_model(args.method, seqs)
         print(f"{args.method}: 26 layers x 64 experts, EP8, {steps} train steps: {sec:.2f} s (limit 30 s)")

@@ -52,7 +52,8 @@ from moelayers.planning.eplb import plan_eplb  # noqa: E402
 from moelayers.planning.gem import LatencyCurves, plan_gem, plan_linear, score_layers  # noqa: E402
 from moelayers.planning.steps import MIN_STEPS, trace_step_loads  # noqa: E402
 from moelayers.trace import RoutingTrace, load_trace, synthetic_trace  # noqa: E402
-from _trace_cache import cached_trace  # noqa: E402  (tools/ is the script's directory)
+from _args import nonnegative_int, positive_int  # noqa: E402  (tools/ is the script's directory)
+from _trace_cache import cached_trace  # noqa: E402
 
 SETTINGS = {"ep4-high": (4, "high"), "ep4-low": (4, "low"), "ep8-high": (8, "high"),
             "ep8-low": (8, "low"), "ep4-moderate": (4, "moderate")}
@@ -213,14 +214,16 @@ def main() -> None:
     ap.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=list(REGIMES))
     ap.add_argument("--settings", nargs="+", default=["ep4-high", "ep4-low", "ep8-high"], choices=list(SETTINGS))
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    ap.add_argument("--layers", type=int, default=0, help="plan only this many evenly spaced layers (0: all)")
-    ap.add_argument("--tokens-per-step", type=int, default=2048)
+    ap.add_argument("--layers", type=nonnegative_int, default=0, help="plan only this many evenly spaced layers (0: all)")
+    ap.add_argument("--tokens-per-step", type=positive_int, default=2048)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="synthetic trace seeds (results averaged)")
     ap.add_argument("--cache", default="/tmp/gem_yardstick")
     ap.add_argument("--opt", nargs="*", default=[],
                     help=f"robust search options key=value (JSON values); keys: {', '.join(OPTIONS)}")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
+    if args.trace and not Path(args.trace).is_file():
+        ap.error(f"--trace {args.trace} does not exist")
     if args.trace and any(a == "--seeds" or a.startswith("--seeds=") for a in sys.argv[1:]):
         ap.error("--seeds draws synthetic traces; with --trace the one trace is evaluated once")
     options = _parse_options(args.opt)

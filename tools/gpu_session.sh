@@ -5,7 +5,7 @@
 # and a tarball of the bench JSON go to $OUT (a handful of files, as the device tool brings back).
 #   OUT=/tmp/out bash tools/gpu_session.sh                                   # all GPUs, everything
 #   OUT=/tmp/out SHAPES=" " PROFILE=0 bash tools/gpu_session.sh              # tests + semantic bench only
-# Knobs: SKIP_TESTS=1, SHAPES, MODES, EXTRA_LAYERS (" ": none), PROFILE=0, *_TIMEOUT (seconds).
+# Knobs: SKIP_TESTS=1, SHAPES, MODES, EXTRA_LAYERS (" ": none), PROFILE=0, *_TIMEOUT (seconds), NGPU (default: all).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1

@@ -72,6 +72,11 @@ def main():
     ap.add_argument("--shape", default="qwen3", choices=list(SHAPES),
                     help="qwen3: Qwen3-30B-A3B's MoE layer; deepseek: DeepSeek-V2-Lite's")
     args = ap.parse_args()
+    if min(args.tokens) < 1:
+        ap.error(f"--tokens must be integers >= 1, got {args.tokens}")
+    if not torch.cuda.is_available() or "RANK" not in os.environ:
+        ap.error("needs CUDA GPUs, launched by torchrun (e.g. torchrun --standalone --nproc_per_node=2 "
+                 "tools/quick_gpu_timing.py)")
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))

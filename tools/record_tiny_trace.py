@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import moelayers as ml  # noqa: E402
+from _args import positive_int  # noqa: E402  (tools/ is the script's directory)
 from moelayers.models.tiny import TinyConfig, TinyDecoder  # noqa: E402
 from moelayers.trace import TraceRecorder, save_trace, synthetic_trace  # noqa: E402
 
@@ -31,13 +32,15 @@ from moelayers.trace import TraceRecorder, save_trace, synthetic_trace  # noqa: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--sequences", type=int, default=100)
-    ap.add_argument("--layers", type=int, default=26)
-    ap.add_argument("--experts", type=int, default=64)
-    ap.add_argument("--top-k", type=int, default=6)
-    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--sequences", type=positive_int, default=100)
+    ap.add_argument("--layers", type=positive_int, default=26)
+    ap.add_argument("--experts", type=positive_int, default=64)
+    ap.add_argument("--top-k", type=positive_int, default=6)
+    ap.add_argument("--vocab", type=positive_int, default=8192)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.top_k > args.experts:
+        ap.error(f"--top-k {args.top_k} is more than --experts {args.experts}")
     out = Path(args.out)
     if out.is_dir() or not out.parent.is_dir():  # before the recording (minutes), not after it
         raise SystemExit(f"--out {out}: {'a directory' if out.is_dir() else 'its directory does not exist'}")

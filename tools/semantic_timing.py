@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _args import positive_int  # noqa: E402  (tools/ is the script's directory)
 from moelayers.planning.semantic_solvers import plan_semantic  # noqa: E402
 from moelayers.trace import synthetic_trace  # noqa: E402
 
@@ -35,9 +36,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--modes", nargs="+", default=["tp", "dp"], choices=["tp", "dp"])
-    ap.add_argument("--sequences", type=int, default=1000)
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--sequences", type=positive_int, default=1000)
+    ap.add_argument("--threads", type=positive_int, default=None)
     args = ap.parse_args()
+    if args.sequences < 2:
+        ap.error(f"--sequences must be >= 2 (half of them train), got {args.sequences}")
     for name in args.shapes:
         layers, experts, top_k, vocab, limit = SHAPES[name]
         trace = synthetic_trace(args.sequences, layers, experts, top_k, vocab, seq_len=(64, 512), seed=1)

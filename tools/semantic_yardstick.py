@@ -31,6 +31,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import time
 from pathlib import Path
@@ -221,7 +222,15 @@ def main() -> None:
     if args.summarize:
         print(summarize(*args.summarize))
         return
-    plan_kw = json.loads(args.plan_kw)
+    try:
+        plan_kw = json.loads(args.plan_kw)
+    except json.JSONDecodeError as e:
+        ap.error(f"--plan-kw is not JSON: {e}")
+    if not isinstance(plan_kw, dict):
+        ap.error(f"--plan-kw must be a JSON object of plan_semantic keywords, got {args.plan_kw}")
+    known = set(inspect.signature(plan_semantic).parameters) - {"train_trace", "ep", "mode", "progress"}
+    if set(plan_kw) - known:  # before any trace is built
+        ap.error(f"--plan-kw: plan_semantic takes no {sorted(set(plan_kw) - known)}; it takes {sorted(known)}")
     for name in args.regimes:
         trace = make_trace(name, args.cache)
         # the generator cycles topics (sequence s has topic s % 4): shuffle the order, as in a real

@@ -657,7 +657,13 @@ def _calibration_tool():
     return module
 
 
-@pytest.mark.skipif(not REAL_COUNTS.is_dir(), reason=f"real routing counts not present at {REAL_COUNTS}")
+def _real_counts_present() -> bool:
+    """Both count files, not just their folder (an empty or partial copy skips too)."""
+    names = ("olmoe_routing_counts_layers0_7_15.npz", "mistral_routing_counts_layers0_7_15.npz")
+    return all((REAL_COUNTS / name).is_file() for name in names)
+
+
+@pytest.mark.skipif(not _real_counts_present(), reason=f"real routing counts not present at {REAL_COUNTS}")
 def test_calibration_constants_match_real_counts() -> None:
     tool = _calibration_tool()
     olmoe = tool.real_stats(REAL_COUNTS / tool.FILES["olmoe"])

@@ -1,0 +1,36 @@
+"""The developer tools refuse bad arguments with a usage error before any work (found by a sweep:
+library tracebacks, some after building a trace)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+from _args import nonnegative_int, positive_int  # noqa: E402
+
+
+def test_int_types():
+    assert positive_int("3") == 3 and nonnegative_int("0") == 0
+    for fn, bad in ((positive_int, "0"), (positive_int, "x"), (nonnegative_int, "-1")):
+        with pytest.raises(argparse.ArgumentTypeError, match="must be an integer >="):
+            fn(bad)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["tools/gem_yardstick.py", "--layers", "-1"], "argument --layers: must be an integer >= 0"),
+    (["tools/gem_timing.py", "--sequences", "1"], "--sequences must be >= 2"),
+    (["tools/semantic_yardstick.py", "--plan-kw", '{"foo": 1}'], "plan_semantic takes no ['foo']"),
+    (["tools/calibrate_trace.py", "--counts", "/no/such/dir"], "is not a directory of routing counts"),
+])
+def test_tools_refuse_bad_arguments(argv, message):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and message in out.stderr, out.stderr[-1000:]
