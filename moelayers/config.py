@@ -26,7 +26,9 @@ MEGATRON_SUPPORTED_VALUES: dict[str, tuple] = {
     "moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
     "moe_router_enable_expert_bias": (False,),   # the bias shifts which experts are chosen
     # group-limited routing; megatron ignores moe_router_num_groups while moe_router_group_topk is
-    # unset (None or 0), and so does from_megatron
+    # unset (None or 0), and so does from_megatron. Its deprecated moe_router_topk_limited_devices
+    # becomes those two in megatron's __post_init__: named here, so the error names what was set
+    "moe_router_topk_limited_devices": (None, 0),
     "moe_router_num_groups": (None,),
     "moe_router_group_topk": (None, 0),
     "moe_expert_capacity_factor": (None,),       # token dropping

@@ -343,7 +343,9 @@ class MegatronMoEAdapter(nn.Module):
             padding_mask: optional ``[B, S]`` bool, True = padding (megatron's convention; an
                 ``[S, B]`` mask is accepted when ``S != B``). Padded tokens are dropped before the
                 layer -- never routed, never sent -- and their output rows are zero, so they
-                cannot change the output of real tokens (nor the layer's statistics).
+                cannot change the output of real tokens (nor the layer's statistics). megatron-core's
+                own ``MoELayer`` (0.16) still routes and computes padded tokens (it reads the mask
+                for its auxiliary losses only): compare the two on real tokens only.
             intermediate_tensors: megatron's partial CUDA-graph capture; must be ``None``.
             token_ids: optional token ids (for layers that use them): ``[S, B]`` like
                 ``hidden_states``, or ``[S * B]`` in its flattened order. megatron's ``[B, S]``

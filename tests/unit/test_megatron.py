@@ -316,6 +316,8 @@ def test_fp32_router_picks_megatrons_experts_in_bf16():
     (dict(moe_router_load_balancing_type="sinkhorn"), "moe_router_load_balancing_type='sinkhorn'"),
     (dict(moe_router_enable_expert_bias=True, moe_router_score_function="sigmoid"), "moe_router_enable_expert_bias=True"),
     (dict(moe_router_num_groups=2, moe_router_group_topk=1), "moe_router_num_groups=2"),
+    # deprecated, rewritten into num_groups / group_topk by megatron: the error named only those
+    (dict(moe_router_topk_limited_devices=1, expert_model_parallel_size=1), "moe_router_topk_limited_devices=1"),
     (dict(moe_expert_capacity_factor=1.0), "moe_expert_capacity_factor=1.0"),
     (dict(moe_shared_expert_intermediate_size=16), "moe_shared_expert_intermediate_size=16"),
     (dict(activation_func=F.gelu), "activation_func=F.silu"),
