@@ -87,8 +87,9 @@ def raise_if_nonfinite(flags: list[int]) -> None:
     replica = [r for r, f in enumerate(flags) if int(f) & BAD_REPLICA]
     if replica:
         raise ValueError(f"the replica policy picked physical slots that do not hold the routed expert on "
-                         f"expert-parallel rank(s) {replica}: a policy must return, for every (token, k), one of "
-                         f"the slots that placement.log2phy lists for topk_ids[t, k]")
+                         f"expert-parallel rank(s) {replica} (or raised, or returned no [T, K] integer tensor "
+                         f"there: a RuntimeWarning on that rank says which): a policy must return, for every "
+                         f"(token, k), one of the slots that placement.log2phy lists for topk_ids[t, k]")
     bad = [r for r, f in enumerate(flags) if int(f) & NONFINITE_LOGITS]
     if bad:
         raise ValueError(f"router logits contain NaN or inf (on expert-parallel rank(s) {bad}): "
@@ -150,9 +151,14 @@ def routes_from_placement(
     if placement.max_replicas == 1 and type(policy) is LocalFirstPolicy:  # one replica each: two table lookups
         rank_of, slot_of = placement.first_replica_location(topk_ids.device)
         return Routes(topk_ids, weights, rank_of[topk_ids], slot_of[topk_ids])
-    phys = policy(topk_ids, placement, rank)
     flag = None
-    if type(policy) is not LocalFirstPolicy:
+    if type(policy) is LocalFirstPolicy:
+        phys = policy(topk_ids, placement, rank)
+    else:
+        try:  # a custom policy raising here alone would leave the other ranks waiting in the exchange
+            phys = policy(topk_ids, placement, rank)
+        except Exception as exc:  # noqa: BLE001 -- reported on this rank, flagged to every rank
+            phys = exc
         phys, flag = _checked_picks(policy, phys, topk_ids, placement)
     dest_rank = torch.div(phys, placement.slots_per_rank, rounding_mode="floor")
     return Routes(topk_ids, weights, dest_rank, phys - dest_rank * placement.slots_per_rank, nonfinite=flag)
@@ -161,18 +167,24 @@ def routes_from_placement(
 def _checked_picks(policy, phys, topk_ids, placement: ExpertPlacement) -> tuple[torch.Tensor, torch.Tensor]:
     """A custom policy's picks, checked on the device (no sync): ``(phys clamped into the slots, so
     that the exchange completes, 0-dim int32 flag: BAD_REPLICA where a pick does not hold the
-    routed expert)``. Picks that are not an integer ``[T, K]`` tensor are flagged the same way,
-    with a warning on this rank saying what came back (raising here would leave the other ranks
-    waiting in the exchange)."""
+    routed expert)``. A policy that raised (``phys`` is the exception) or returned anything but an
+    integer, strided ``[T, K]`` tensor on ``topk_ids``' device is flagged the same way, with a
+    warning on this rank saying what happened (raising here would leave the other ranks waiting in
+    the exchange)."""
     problem = None
-    if not isinstance(phys, torch.Tensor) or phys.is_floating_point() or phys.is_complex() or phys.dtype == torch.bool:
+    if isinstance(phys, Exception):
+        problem = f"picks, but raised {type(phys).__name__}: {phys}"
+    elif not isinstance(phys, torch.Tensor) or phys.is_floating_point() or phys.is_complex() \
+            or phys.dtype == torch.bool:
         problem = f"integer physical slots, got {getattr(phys, 'dtype', type(phys).__name__)}"
     elif phys.shape != topk_ids.shape:
         problem = f"[T, K] = {list(topk_ids.shape)} physical slots, got {list(phys.shape)}"
+    elif phys.device != topk_ids.device or phys.layout != torch.strided:
+        problem = f"a strided tensor on {topk_ids.device}, got {phys.layout} on {phys.device}"
     if problem is not None:
         warnings.warn(f"replica policy {type(policy).__name__} must return {problem}", RuntimeWarning, stacklevel=3)
         phys = torch.full_like(topk_ids, -1)  # flagged below: every rank raises after the exchange
-    phy2log = placement.device_tables(phys.device)[0].flatten()
+    phy2log = placement.device_tables(topk_ids.device)[0].flatten()
     inside = (phys >= 0) & (phys < phy2log.numel())
     phys = phys.to(torch.int64).clamp(0, phy2log.numel() - 1)
     wrong = (~inside | (phy2log[phys] != topk_ids)).any()

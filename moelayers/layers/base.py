@@ -124,7 +124,7 @@ class MoELayerBase(nn.Module):
         if replica_policy is not None and not callable(replica_policy):
             raise TypeError(f"replica_policy must be callable (topk_ids, placement, rank) -> physical slots, "
                             f"got {type(replica_policy).__name__}")
-        self.replica_policy = replica_policy or LocalFirstPolicy()
+        self.replica_policy = replica_policy if replica_policy is not None else LocalFirstPolicy()
         self.dedup = dedup
         self.dispatcher_name = dispatcher
         device = torch.device(device) if device is not None else _default_device(groups)

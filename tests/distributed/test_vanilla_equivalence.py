@@ -5,7 +5,9 @@ tests/equivalence_cases.py; each case is then reported as its own test.
 """
 
 import pytest
+import torch
 
+import moelayers as ml
 from moelayers.testing import run_distributed
 from tests.equivalence_cases import case_list, run_cases
 
@@ -226,3 +228,47 @@ def test_float16_partial_sums_do_not_overflow(dispatcher):
     for rank, (y, ref) in enumerate(run_distributed(_fp16_partial_sums, 2, dispatcher, timeout=90)):
         assert torch.isfinite(y).all(), (rank, y[:, 0])
         torch.testing.assert_close(y, ref, rtol=2e-3, atol=1e-3)
+
+
+class _PolicyFailingOnce:
+    """Valid picks, except that rank 1's first call raises (a lookup bug, say)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, topk_ids, placement, rank):
+        self.calls += 1
+        if rank == 1 and self.calls == 1:
+            raise KeyError("no replica table for this batch")
+        return placement.first_replica(topk_ids.device)[topk_ids]
+
+
+def _policy_raising_on_one_rank(rank, world, kwargs):
+    """Rank 1's policy raised alone: the other ranks waited in the exchange, or paired their next
+    forward with it (a forward out of step). Now every rank raises, and the next forwards serve."""
+    import warnings
+
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, params_dtype=torch.float64)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), replica_policy=_PolicyFailingOnce(), **kwargs)
+    weights = layer.export_full_weights()
+    log = []
+    for step in range(3):
+        x = torch.randn(5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * step + rank))
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            try:
+                y = layer(x)
+            except ValueError as e:
+                said = any("raised KeyError" in str(w.message) for w in caught)
+                log.append(("raised", said) if "replica policy" in str(e) else str(e))
+                continue
+        ref = ml.reference.moe_forward(x, *weights, cfg, topk_ids=layer.last_topk_ids)
+        log.append("exact" if torch.allclose(y, ref, rtol=1e-10, atol=1e-12) else "wrong output")
+    return log
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kwargs", [{}, {"dispatcher": "allgather"}, {"capacity": 8}], ids=["alltoall", "allgather", "capacity"])
+def test_a_replica_policy_raising_on_one_rank_raises_on_every_rank(kwargs):
+    out = run_distributed(_policy_raising_on_one_rank, 2, kwargs, timeout=60)
+    assert out == [[("raised", False), "exact", "exact"], [("raised", True), "exact", "exact"]]

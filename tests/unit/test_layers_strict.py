@@ -408,3 +408,21 @@ def test_from_world_records_the_backend():
     from moelayers.testing import run_distributed
 
     assert run_distributed(_groups_backend_and_layer_device, 1, timeout=100) == [("gloo", "cpu")]
+
+
+def test_a_policy_that_is_falsy_is_still_the_layer_policy():
+    """`replica_policy or LocalFirstPolicy()` replaced a policy object that evaluates as false (an
+    empty container, `__len__` 0) by the default one, silently."""
+
+    class Picks(list):  # empty: falsy
+        def __call__(self, topk_ids, placement, rank):
+            self.append(1)
+            return placement.first_replica(topk_ids.device)[topk_ids]
+
+    policy = Picks()
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), replica_policy=policy)
+    assert layer.replica_policy is policy
+    with torch.no_grad():
+        layer(torch.randn(3, 16))
+    assert policy == [1]
