@@ -122,7 +122,16 @@ class Dispatcher(Protocol):
 
 
 class ReplicaPolicy(Protocol):
-    """Chooses one physical replica per (token, expert): ``-> [T, K]`` physical slot ids."""
+    """Chooses one physical replica per (token, expert): ``-> [T, K]`` physical slot ids.
+
+    Contract: a physical slot id is ``rank * placement.slots_per_rank + slot`` and must be one that
+    ``placement.log2phy`` lists for ``topk_ids[t, k]``; the picks are an integer, strided tensor on
+    ``topk_ids``' device. A policy must not edit its inputs or the placement's cached tables, and
+    should pick the same slots when called again on the same ids (activation checkpointing
+    recomputes the forward). With ``capacity`` it sees the padded rows too; with ``cuda_graph`` it
+    runs once, at capture. Picks that break the contract, or a policy that raises, make every
+    expert-parallel rank raise after the exchange (a ``RuntimeWarning`` on the rank says which).
+    """
 
     def __call__(self, topk_ids: torch.Tensor, placement: ExpertPlacement, rank: int) -> torch.Tensor: ...
 
