@@ -255,7 +255,7 @@ def check_config(d: dict) -> None:
     ``bench.baseline`` (:func:`resolve_baseline`), ``bench.peer`` (:func:`recipes._bench_tools.peer_mode`),
     ``bench.profile_tokens`` (``null`` or >= 1), ``bench.profile_iters`` and ``bench.profile_rows`` (>= 1),
     no ``layer.kwargs.mode=tp``, no ``layer.kwargs.capacity`` / ``cuda_graph`` (``bench.cuda_graph`` sets them per size, for ours and
-    the baseline alike), ``parallel.ep`` = the world for a plan-built layer and, with ``router=replay``,
+    the baseline alike), no ``layer.kwargs.check_finite`` other than ``bench.check_finite``, ``parallel.ep`` = the world for a plan-built layer and, with ``router=replay``,
     ``trace.seq_len`` (:func:`recipes._bench_tools.seq_len_bounds`) and ``trace.num_sequences`` (>= 1, not with
     ``trace.path``).
 
@@ -297,6 +297,11 @@ def check_config(d: dict) -> None:
         if layer_kwargs.get(key) is not None and layer_kwargs[key] is not False:
             raise ValueError(f"layer.kwargs.{key}={layer_kwargs[key]!r}: the bench sets capacity (= tokens/rank) "
                              "and cuda_graph itself, for ours and the baseline: use bench.cuda_graph=true (CUDA)")
+    if "check_finite" in layer_kwargs and layer_kwargs["check_finite"] != bool(b.get("check_finite", False)):
+        # build_layer lets the layer's kwargs win: the record and its name would say bench.check_finite's
+        raise ValueError(f"layer.kwargs.check_finite={layer_kwargs['check_finite']!r} differs from "
+                         f"bench.check_finite={b.get('check_finite', False)!r}: the bench sets the NaN check for ours "
+                         "and the baseline alike and names the record by it: use bench.check_finite")
     ep = (d.get("parallel") or {}).get("ep")
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (d.get("parallel") or {}).get("world_size")
     if ep is not None and world is not None and world % int_setting(ep, "parallel.ep", 1):

@@ -25,8 +25,8 @@ class LastReplicaPolicy:
         return torch.gather(log2phy[topk_ids], 2, (logcnt[topk_ids] - 1)[..., None]).squeeze(-1)
 
 
-def placements(kind: str, num_experts: int, ranks: int) -> ml.ExpertPlacement:
-    g = torch.Generator().manual_seed(7)
+def placements(kind: str, num_experts: int, ranks: int, seed: int = 7) -> ml.ExpertPlacement:
+    g = torch.Generator().manual_seed(seed)
     if kind == "linear":
         return ml.ExpertPlacement.linear(num_experts, ranks)
     if kind == "permuted":
@@ -58,6 +58,10 @@ def case_list(world: int) -> list[dict]:
         for place in ("permuted", "replicas"):  # fixed-capacity mode (inference only)
             cases.append(dict(place=place, dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True))
         cases.append(dict(place="linear", dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True, zero_tokens=True))
+        # apply_placement (a transactional move) before the forward and backward, and between two
+        # fixed-capacity forwards (the captured graph is dropped and captured again on CUDA)
+        cases.append(dict(place="replicas", dispatcher="alltoall", dedup=True, dtype=dtype, moved=True))
+        cases.append(dict(place="permuted", dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True, moved=True))
     # megatron-core 0.16's ranking in bf16 (MoEConfig.rank_in_logits_dtype, rank_post_softmax_by_logits): sigmoid scores rounded to bf16, softmax by the logits
     for extra in (dict(sigmoid=True), {}):
         cases.append(dict(place="permuted", dispatcher="alltoall", dedup=True, dtype=torch.bfloat16, megatron_rank=True,
@@ -69,7 +73,7 @@ def case_list(world: int) -> list[dict]:
                       fp32_router=True))
     for c in cases:
         flags = [k for k in ("policy", "zero_tokens", "one_expert", "topk_all", "sigmoid", "capacity", "fp32_router",
-                             "megatron_rank") if c.get(k)]
+                             "megatron_rank", "moved") if c.get(k)]
         c["name"] = f"{c['place']}-{c['dispatcher']}-{'dedup' if c['dedup'] else 'nodedup'}-" \
                     f"{str(c['dtype']).split('.')[-1]}" + "".join(f"-{f}" for f in flags)
     return cases
@@ -134,14 +138,22 @@ def _run_case(rank: int, world: int, groups, case: dict, device: torch.device) -
     x = xs[rank].to(dtype).to(device).clone()  # its own leaf, also in float64 (where .to() returns xs[rank] itself)
     if case.get("shape3d") and x.shape[0] % 3 == 0:
         x = x.view(3, -1, H)
+    moved = placements(case["place"], num_experts, groups.ep_size, seed=8) if case.get("moved") else None
     if case.get("capacity"):  # inference only: outputs, then a second call to exercise graph replay
         with torch.inference_mode():
             layer(x.flip(0))
+        if moved is not None:
+            layer.apply_placement(moved)
+            assert layer.placement == moved != placements(case["place"], num_experts, groups.ep_size)
+        with torch.inference_mode():
             y = layer(x)
         ref_y, low_y = _reference_outputs(xs[rank], router64, w13_64, w2_64, cfg, cfg64, dtype)
         err = check_close(f"{case['name']} output", y.reshape(ref_y.shape), ref_y, low_y)
         layer.release_graphs()
         return err or _stats_error(case, layer, x.shape[0], top_k)
+    if moved is not None:
+        layer.apply_placement(moved)
+        assert layer.placement == moved != placements(case["place"], num_experts, groups.ep_size)
     x.requires_grad_(True)
     y = layer(x)
     (y.float() * gys[rank].view(y.shape).float().to(device)).sum().backward()

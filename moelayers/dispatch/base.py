@@ -126,8 +126,8 @@ class ReplicaPolicy(Protocol):
 
     Contract: a physical slot id is ``rank * placement.slots_per_rank + slot`` and must be one that
     ``placement.log2phy`` lists for ``topk_ids[t, k]``; the picks are an integer, strided tensor on
-    ``topk_ids``' device. A policy must not edit its inputs or the placement's cached tables, and
-    should pick the same slots when called again on the same ids (activation checkpointing
+    ``topk_ids``' device. A custom policy gets its own copy of ``topk_ids`` (edits to it change no
+    routing); it must not edit the placement or its cached tables, and should pick the same slots when called again on the same ids (activation checkpointing
     recomputes the forward). With ``capacity`` it sees the padded rows too; with ``cuda_graph`` it
     runs once, at capture. Picks that break the contract, or a policy that raises, make every
     expert-parallel rank raise after the exchange (a ``RuntimeWarning`` on the rank says which).
@@ -165,7 +165,9 @@ def routes_from_placement(
         phys = policy(topk_ids, placement, rank)
     else:
         try:  # a custom policy raising here alone would leave the other ranks waiting in the exchange
-            phys = policy(topk_ids, placement, rank)
+            # its own copy of the ids: one edited in place would route the tokens to other experts,
+            # and the picks would be checked against the edited ids
+            phys = policy(topk_ids.clone(), placement, rank)
         except Exception as exc:  # noqa: BLE001 -- reported on this rank, flagged to every rank
             phys = exc
         phys, flag = _checked_picks(policy, phys, topk_ids, placement)

@@ -31,6 +31,7 @@ from moelayers.dispatch.comm import fingerprint
 from moelayers.experts import GroupedExperts, gather_logical
 from moelayers.groups import ParallelGroups
 from moelayers.kernels import HAVE_TRITON, TRITON_INSTALL_HINT, use_triton
+from moelayers.layers.moves import Staging, move_expert_weights
 from moelayers.metrics import MoEStats
 from moelayers.placement import ExpertPlacement
 from moelayers.router import TopKRouter
@@ -141,6 +142,7 @@ class MoELayerBase(nn.Module):
         self._forced_ids: torch.Tensor | None = None
         self._bad_input = False  # this forward stands in for a refused input (see _refuse_in_step)
         self._flags_before_load: dict[str, tuple[int, dict]] = {}  # name -> (storage, flags), see _after_load
+        self._staging_fault_hook: Callable[[Staging], None] | None = None  # tests: a fault while moving weights
         self.register_load_state_dict_post_hook(MoELayerBase._after_load)
         self.reset_parameters()
 
@@ -453,6 +455,25 @@ class MoELayerBase(nn.Module):
             self._state_phy2log = self.placement.phy2log.clone()
         self.experts.tie_replicas(self.placement, self.groups.ep_rank, self.groups.ep)
         self.dispatcher = self._make_dispatcher()
+
+    def apply_placement(self, placement: ExpertPlacement) -> None:
+        """Move expert weights to ``placement`` while serving (a collective over ``groups.ep``: every
+        rank calls it with the same placement).
+
+        Transactional: validated and voted on before any transfer, staged, voted on again, then
+        committed on every rank or on none (see :func:`moelayers.layers.moves.move_expert_weights`).
+        Outputs are unchanged: each logical expert's weights move with it; the router stays in
+        logical order. At most one layer's expert weights of extra memory (only changing slots).
+        In training, move between optimizer steps: expert weights that hold gradients are refused
+        (``zero_grad(set_to_none=True)`` first; megatron's DDP: a zero ``main_grad``), and the
+        optimizer's per-slot state (Adam's moments, fp32 master weights) does not move.
+
+        Raises:
+            PlacementRejected: bad input on some rank (wrong experts/ranks/slots, invalid, expert
+                weights holding gradients, or different placements across ranks); raised on every rank.
+            PlacementMoveError: a failure while staging on some rank; raised on every rank.
+        """
+        move_expert_weights(self, placement, fault_hook=self._staging_fault_hook)
 
     def export_full_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(router_weight [E, H], w13 [E, 2F, H], w2 [E, H, F])`` gathered over the EP group."""

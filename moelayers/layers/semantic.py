@@ -26,6 +26,7 @@ dense reference ``h + moe_forward(norm(h))``, ``h = residual + sum_tp attn_parti
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -140,6 +141,7 @@ class SemanticMoE(MoELayerBase):
         self.last_context_ranks: torch.Tensor | None = None
         self.last_rebatch: Rebatch | None = None
         self._expert_rank_on: torch.Tensor | None = None  # [E] placement.expert_rank() on the device
+        self._warn_if_off_plan()
 
     @classmethod
     def from_plan(cls, plan: Any, layer_idx: int, config: MoEConfig, groups: ParallelGroups, *,
@@ -360,12 +362,33 @@ class SemanticMoE(MoELayerBase):
     def _adopt_placement(self, placement) -> None:
         super()._adopt_placement(placement)
         self._expert_rank_on = None  # derived from the old placement
+        self._warn_if_off_plan()
+
+    def _warn_if_off_plan(self) -> None:
+        """Warn when the layer serves other experts on some rank than its plan places there (a
+        checkpoint saved in another placement, e.g. a ``VanillaMoE``'s linear one, adopted by
+        ``load_state_dict``; a move; ``placement=``): outputs are unchanged, but the plan's token
+        tables send tokens to the ranks of the plan's experts, so most activations turn remote."""
+        if self.semantic_plan is None:
+            return
+        planned = self.semantic_plan.placement(self.layer_idx)
+        if _experts_per_rank(planned) != _experts_per_rank(self.placement):
+            warnings.warn(f"SemanticMoE layer {self.layer_idx} serves another expert placement than its plan's (a "
+                          "checkpoint saved in another placement, a move, or placement=): outputs are unchanged, but "
+                          "the plan sends tokens to the ranks of its own placement, so the local activation rate "
+                          "drops. To serve the plan's placement, move the weights there on every rank: "
+                          "layer.apply_placement(layer.semantic_plan.placement(layer.layer_idx))", stacklevel=3)
 
     def extra_repr(self) -> str:
         return f"mode={self.mode}, layer_idx={self.layer_idx}, " + super().extra_repr()
 
 
 _WIDE_UNSIGNED = (torch.uint16, torch.uint32, torch.uint64)
+
+
+def _experts_per_rank(placement: ExpertPlacement) -> list[frozenset[int]]:
+    """The experts each rank holds, whatever the slot order."""
+    return [frozenset(row[row >= 0].tolist()) for row in placement.phy2log]
 
 
 def _context_tensors(prev: PrevRanks) -> list[torch.Tensor | None]:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from moelayers.config import MoEConfig
 from moelayers.groups import ParallelGroups
 from moelayers.layers.base import MoELayerBase
-from moelayers.layers.moves import PlacementMoveError, Staging, holds_gradients, move_expert_weights
+from moelayers.layers.moves import PlacementMoveError, holds_gradients
 from moelayers.placement import ExpertPlacement
 
 Planner = Callable[..., Any]  # (loads [steps, E], curves, *, restarts, seed) -> expert_rank [E]
@@ -166,7 +166,6 @@ class VariabilityAwareMoE(MoELayerBase):
         self.last_replan: dict | None = None
         self.register_buffer("_loads", torch.zeros(window, config.num_experts, dtype=torch.int64,
                                                    device=self.router.weight.device), persistent=False)
-        self._staging_fault_hook: Callable[[Staging], None] | None = None
         self.emulator = None  # a rank at full speed (factor 1.0) gets none: nothing to stretch, no timing syncs
         if factor is not None and factor != 1.0:
             from moelayers.emulation import emulate_variability
@@ -418,25 +417,6 @@ class VariabilityAwareMoE(MoELayerBase):
             return score(self.placement.expert_rank().numpy(), loads, curves), score(expert_rank.numpy(), loads, curves)
         except ValueError:  # e.g. loads the curves cannot score: no prediction, the plan still stands
             return float("nan"), float("nan")
-
-    # ------------------------------------------------------------------ moves
-    def apply_placement(self, placement: ExpertPlacement) -> None:
-        """Move expert weights to ``placement`` while serving (a collective over ``groups.ep``).
-
-        Transactional: validated and voted on before any transfer, staged, voted on again, then
-        committed on every rank or on none (see :func:`moelayers.layers.moves.move_expert_weights`).
-        Outputs are unchanged: each logical expert's weights move with it; the router stays in
-        logical order. At most one layer's expert weights of extra memory (only changing slots).
-        In training, move between optimizer steps: expert weights that hold gradients are refused
-        (``zero_grad(set_to_none=True)`` first; megatron's DDP: a zero ``main_grad``), and the
-        optimizer's per-slot state (Adam's moments, fp32 master weights) does not move.
-
-        Raises:
-            PlacementRejected: bad input on some rank (wrong experts/ranks/slots, invalid, expert
-                weights holding gradients, or different placements across ranks); raised on every rank.
-            PlacementMoveError: a failure while staging on some rank; raised on every rank.
-        """
-        move_expert_weights(self, placement, fault_hook=self._staging_fault_hook)
 
     def _comm_device(self) -> torch.device:
         if self.groups.ep is not None and dist.get_backend(self.groups.ep) == "nccl":

@@ -436,6 +436,8 @@ def test_bench_flags_repeated_trace_tokens_per_size(tmp_path):
     ("bench.baseline=bogus", r"bench\.baseline='bogus': no .*conf/layer/bogus\.yaml; one of \['semantic', 'vanilla', 'variability'\].*\(registered: \['vanilla'\]\)"),
     ("bench.baseline=semantic", r"bench\.baseline=semantic is built from a semantic plan"),
     ("parallel.ep=3", r"parallel\.ep=3 must divide the world size 2"),  # failed inside every rank
+    # the layer's kwarg won in build_layer while the record and its name said bench.check_finite's
+    ("+layer.kwargs.check_finite=true", r"layer\.kwargs\.check_finite=True differs from bench\.check_finite=False"),
 ])
 def test_check_config_refuses_settings_that_were_ignored_or_mislabelled(override, match):
     """layer.kwargs.capacity=64 padded every size to 64 tokens (t=16 timed 64 rows), left the baseline
@@ -445,6 +447,13 @@ def test_check_config_refuses_settings_that_were_ignored_or_mislabelled(override
 
     with pytest.raises(ValueError, match=match):
         check_config(bench_config(override))
+
+
+def test_check_config_takes_a_layer_nan_check_that_agrees():
+    from recipes.bench import check_config
+
+    check_config(bench_config("+layer.kwargs.check_finite=true", "bench.check_finite=true"))
+    check_config(bench_config("+layer.kwargs.check_finite=false"))
 
 
 def test_a_baseline_named_by_its_layer_config():

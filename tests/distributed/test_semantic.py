@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -200,7 +201,34 @@ def _run_dp_case(rank, world, groups, dtype, device):
     ref = ml.reference.moe_forward(x64, *w64, cfg.replace(params_dtype=torch.float64))
     low = None if dtype != torch.bfloat16 else ml.reference.moe_forward(x64.to(dtype), *(w.to(dtype) for w in w64), cfg)
     errs.append(check_close(f"dp-{dtype} output", y.cpu(), ref, low))
+    errs += _vanilla_checkpoint_into_plan(layer, plan, cfg, groups, device, w64, x64, ids, ref, low)
     return [e for e in errs if e]
+
+
+def _vanilla_checkpoint_into_plan(planned, plan, cfg, groups, device, w64, x64, ids, ref, low) -> list[str]:
+    """A VanillaMoE's checkpoint (linear placement) loaded into a plan-built layer: served in the
+    checkpoint's placement with a warning naming the way back, then moved to the plan's placement
+    (``apply_placement``, a collective) without one; the output equals the reference throughout."""
+    dtype, errs = cfg.params_dtype, []
+    vanilla = ml.VanillaMoE(cfg, groups, device=device, seed=8)
+    vanilla.load_full_weights(*(w.to(dtype).to(device) for w in w64))
+    layer = ml.SemanticMoE.from_plan(plan, 1, cfg, groups, device=device, seed=9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layer.load_state_dict(vanilla.state_dict())
+    if layer.placement != vanilla.placement or not any("apply_placement" in str(w.message) for w in caught):
+        errs.append("a linear checkpoint in a plan-built layer: not adopted, or adopted without a warning")
+    for step in ("checkpoint", "moved"):
+        if step == "moved":
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # back on the plan: no warning
+                layer.apply_placement(plan.placement(1))
+            if layer.placement != planned.placement:
+                errs.append("apply_placement(plan.placement(1)) did not give the plan's placement")
+        with torch.no_grad():
+            y = layer(x64.to(dtype).to(device), token_ids=ids.to(device))
+        errs.append(check_close(f"dp-{dtype} output, {step}", y.cpu(), ref, low))
+    return errs
 
 
 # ---------------------------------------------------------------------- tiny decoder, attention-TP

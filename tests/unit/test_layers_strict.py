@@ -426,3 +426,19 @@ def test_a_policy_that_is_falsy_is_still_the_layer_policy():
     with torch.no_grad():
         layer(torch.randn(3, 16))
     assert policy == [1]
+
+
+def test_a_policy_editing_the_expert_ids_in_place_is_refused():
+    """A custom policy that rewrote ``topk_ids`` in place sent the tokens to the experts it wrote, and
+    its picks were checked against the rewritten ids: a silently wrong output. It gets a copy now,
+    so its picks are checked against the router's ids."""
+
+    def to_expert_0(topk_ids, placement, rank):
+        topk_ids[:, 0] = 0  # every token's first choice "becomes" expert 0, and its slot is picked
+        return placement.first_replica(topk_ids.device)[topk_ids]
+
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, params_dtype=torch.float64)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), replica_policy=to_expert_0, seed=2)
+    x = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), pytest.raises(ValueError, match="replica policy"):
+        layer(x)
