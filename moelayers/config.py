@@ -172,8 +172,8 @@ class MoEConfig:
         activation: expert activation; only ``'swiglu'`` (``silu(gate) * up``).
         params_dtype: dtype of all weights (router and experts).
         init_std: standard deviation of the default normal initialisation.
-        router_dtype: dtype the router logits ``x W^T`` are computed in, at least (``None``: the
-            input's dtype). ``torch.float32`` is megatron-core's ``moe_router_dtype='fp32'``: with
+        router_dtype: dtype the router logits ``x W^T`` are computed in, at least, under
+            ``torch.autocast`` too (``None``: the input's dtype). ``torch.float32`` is megatron-core's ``moe_router_dtype='fp32'``: with
             bf16 weights it picks the same experts as megatron's router, near-ties included.
         rank_in_logits_dtype: round sigmoid scores and softmax-before-top-k scores
             (``norm_topk_prob=False``) to the logits' dtype before the top-k, as megatron-core's

@@ -6,10 +6,13 @@ SwiGLU expert are written out here, so that a bug in the layers' versions cannot
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from moelayers.config import MoEConfig
+from moelayers.router import autocast_on
 
 
 def swiglu_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -79,7 +82,8 @@ def moe_forward(
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     dtype = config.logits_dtype(x.dtype)
-    logits = x2.to(dtype) @ router_weight.to(dtype).t()
+    with torch.autocast(x.device.type, enabled=False) if autocast_on(x) else contextlib.nullcontext():
+        logits = x2.to(dtype) @ router_weight.to(dtype).t()  # in the dtype promised, as the router
     forced = None
     if topk_ids is not None:
         k = config.top_k

@@ -67,6 +67,14 @@ def _normalised(weights: torch.Tensor, config: MoEConfig) -> torch.Tensor:
     return weights
 
 
+def autocast_on(x: torch.Tensor) -> bool:
+    """Whether ``torch.autocast`` is on for ``x``'s device. The router then computes without it: autocast
+    would round the logits to its own dtype (bf16) whatever ``MoEConfig.router_dtype`` says, and
+    near-ties would pick other experts than the logits of the promised dtype."""
+    kind = x.device.type
+    return torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+
+
 class TopKRouter(nn.Module):
     """Linear gate ``[E, H]`` (no bias) followed by :func:`scores_to_topk`.
 
@@ -128,6 +136,9 @@ class TopKRouter(nn.Module):
         if forced_ids is not None and tuple(forced_ids.shape) != (x.shape[0], self.config.top_k):
             raise ValueError(f"forced_ids must be [T, K] = [{x.shape[0]}, {self.config.top_k}], "
                              f"got {list(forced_ids.shape)}")
+        if autocast_on(x):  # the logits in the dtype promised (router_dtype, else x's), not autocast's
+            with torch.autocast(x.device.type, enabled=False):
+                return self.forward(x, forced_ids, defer_check=defer_check)
         if self.config.router_dtype is None:  # the default: no extra calls on the latency path
             logits = x @ self.weight.t()
         else:

@@ -34,7 +34,7 @@ from moelayers.kernels import HAVE_TRITON, TRITON_INSTALL_HINT, use_triton
 from moelayers.layers.moves import Staging, move_expert_weights
 from moelayers.metrics import MoEStats
 from moelayers.placement import ExpertPlacement
-from moelayers.router import TopKRouter
+from moelayers.router import TopKRouter, autocast_on
 
 #: parameter attributes a deep copy leaves out: gradient buffers a data-parallel wrapper attaches
 #: (megatron's ``main_grad``), which the copy's own wrapper allocates
@@ -79,6 +79,9 @@ class MoELayerBase(nn.Module):
 
     moe_layer_marker = True  # found by moelayers.trace.TraceRecorder
 
+    # normal tensors even when built under torch.inference_mode(): the layer updates its weights, tables
+    # and buffers in place (moves, loads, load recording) outside it too
+    @torch.inference_mode(False)
     def __init__(
         self,
         config: MoEConfig,
@@ -511,7 +514,8 @@ class MoELayerBase(nn.Module):
         """MoE forward.
 
         Args:
-            x: ``[T, H]`` or ``[S, B, H]`` hidden states in ``params_dtype`` on the layer's device.
+            x: ``[T, H]`` or ``[S, B, H]`` hidden states in ``params_dtype`` on the layer's device
+                (or in autocast's dtype while ``torch.autocast`` is on: cast to ``params_dtype``).
             token_ids: optional ``[T]`` (or ``[S, B]``) token ids, flattened like ``x``.
 
         Returns:
@@ -710,16 +714,16 @@ class MoELayerBase(nn.Module):
         """Step 2: a physical slot per (token, k). The base maps through ``self.placement``."""
         return routes_from_placement(topk_ids, topk_weights, self.placement, self.groups.ep_rank, self.replica_policy)
 
-    def _check_input(self, x: torch.Tensor, token_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _check_input(self, x: torch.Tensor, token_ids: torch.Tensor | None, name: str = "x"
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         cfg = self.config
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() not in (2, 3) or x.shape[-1] != cfg.hidden_size:
-            raise ValueError(f"x must be [T, {cfg.hidden_size}] or [S, B, {cfg.hidden_size}], got {list(x.shape)}")
-        if x.dtype != cfg.params_dtype:
-            raise TypeError(f"x has dtype {x.dtype}, the layer computes in {cfg.params_dtype}")
+            raise ValueError(f"{name} must be [T, {cfg.hidden_size}] or [S, B, {cfg.hidden_size}], got {list(x.shape)}")
+        x = self._from_autocast(x, name)
         if x.device != self.router.weight.device:
-            raise TypeError(f"x is on {x.device}, the layer is on {self.router.weight.device}")
+            raise TypeError(f"{name} is on {x.device}, the layer is on {self.router.weight.device}")
         x2 = x.reshape(-1, cfg.hidden_size)
         if token_ids is not None:
             if not isinstance(token_ids, torch.Tensor) or token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
@@ -730,6 +734,26 @@ class MoELayerBase(nn.Module):
                                  "hidden states would pair tokens with the wrong rows)")
             token_ids = token_ids.reshape(-1)
         return x2, token_ids
+
+    def _from_autocast(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """``x`` in ``params_dtype``: as it is, or cast from autocast's dtype while ``torch.autocast`` is
+        on (the output of an ``nn.Linear`` before the layer, which autocast computed in bf16).
+
+        Raises:
+            TypeError: any other dtype."""
+        want = self.config.params_dtype
+        held = {self.router.weight.dtype, self.experts.w13.dtype, self.experts.w2.dtype}
+        if held != {want}:  # e.g. layer.experts.to(bf16): only the layer's own .to() keeps the config in step
+            raise TypeError(f"the layer's weights are {sorted(map(str, held))} but its config says {want}: cast the "
+                            "whole layer (layer.to(dtype)), not one of its submodules")
+        if x.dtype == want:
+            return x
+        if autocast_on(x):
+            if x.dtype == torch.get_autocast_dtype(x.device.type):
+                return x.to(want)
+            raise TypeError(f"{name} has dtype {x.dtype}, the layer computes in {want} (and takes "
+                            f"{torch.get_autocast_dtype(x.device.type)} under the torch.autocast that is on)")
+        raise TypeError(f"{name} has dtype {x.dtype}, the layer computes in {want}")
 
     def extra_repr(self) -> str:
         c = self.config

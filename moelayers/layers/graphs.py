@@ -22,6 +22,8 @@ class GraphedForward:
         warmup: eager iterations on a side stream before capture (compiles kernels, warms NCCL).
     """
 
+    # normal static inputs even when captured under torch.inference_mode(): replays outside it copy into them
+    @torch.inference_mode(False)
     def __init__(self, fn: Callable, capacity: int, hidden: int, dtype: torch.dtype, device: torch.device,
                  warmup: int = 3):
         self.fn, self.capacity, self.warmup = fn, capacity, warmup

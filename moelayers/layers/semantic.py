@@ -99,6 +99,8 @@ class SemanticMoE(MoELayerBase):
         >>> h = layer.forward_tp(attn_partial, h, norm, token_ids=ids, prev_ranks=(r1, r2))
     """
 
+    # normal tensors even when built under torch.inference_mode() (see MoELayerBase.__init__)
+    @torch.inference_mode(False)
     def __init__(
         self,
         config: MoEConfig,
@@ -234,12 +236,13 @@ class SemanticMoE(MoELayerBase):
             raise ValueError("forward_tp needs a layer built with mode='tp' (this one is mode='dp')")
         refused = None
         try:
-            x2, token_ids = self._check_input(attn_partial, token_ids)
+            x2, token_ids = self._check_input(attn_partial, token_ids, "attn_partial")
             if token_ids is not None and token_ids.dtype in _WIDE_UNSIGNED:  # index_select has no kernel for them
                 token_ids = token_ids.to(torch.int64)  # (ids above 2**63 wrap negative: outside the vocabulary either way)
             if not isinstance(residual, torch.Tensor) or residual.shape != attn_partial.shape:
                 raise ValueError(f"residual must have the shape of attn_partial {list(attn_partial.shape)}, "
                                  f"got {list(getattr(residual, 'shape', []))}")
+            residual = self._from_autocast(residual, "residual")
             if residual.dtype != x2.dtype or residual.device != x2.device:
                 raise TypeError(f"residual is {residual.dtype} on {residual.device}, "
                                 f"attn_partial {x2.dtype} on {x2.device}")

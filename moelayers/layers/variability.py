@@ -100,6 +100,8 @@ class VariabilityAwareMoE(MoELayerBase):
     #: a deep copy watches none of the original's autograd graphs (its weights are in none of them)
     _fresh_on_copy = {**MoELayerBase._fresh_on_copy, "_in_flight": list}
 
+    # normal tensors even when built under torch.inference_mode() (see MoELayerBase.__init__)
+    @torch.inference_mode(False)
     def __init__(
         self,
         config: MoEConfig,

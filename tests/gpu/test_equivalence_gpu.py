@@ -91,6 +91,21 @@ def test_graphed_layer_after_a_device_round_trip_and_deferred_init():
     lazy.release_graphs()
 
 
+def test_graph_captured_under_inference_mode_replays_outside_it():
+    """The graph's static inputs were made at the first forward: under torch.inference_mode() they were
+    inference tensors, and a replay under torch.no_grad() failed copying the input into them."""
+    import moelayers as ml
+
+    cfg = ml.MoEConfig(hidden_size=256, ffn_hidden_size=128, num_experts=8, top_k=2, params_dtype=torch.bfloat16)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device="cuda", capacity=16, cuda_graph=True, seed=3)
+    x = torch.randn(10, 256, device="cuda", generator=torch.Generator(device="cuda").manual_seed(0)).to(torch.bfloat16)
+    with torch.inference_mode():
+        y = layer(x)  # capture
+    with torch.no_grad():
+        assert torch.equal(layer(x), y)
+    layer.release_graphs()
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])

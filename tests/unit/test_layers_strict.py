@@ -442,3 +442,77 @@ def test_a_policy_editing_the_expert_ids_in_place_is_refused():
     x = torch.randn(8, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), pytest.raises(ValueError, match="replica policy"):
         layer(x)
+
+
+@pytest.mark.parametrize("cls", ["VanillaMoE", "SemanticMoE", "VariabilityAwareMoE"])
+def test_a_layer_built_under_inference_mode_serves_and_trains_outside_it(cls):
+    """Built under torch.inference_mode(), the layer's tensors were inference tensors: the first
+    forward of a VariabilityAwareMoE outside it failed recording its loads ("Inplace update to
+    inference tensor outside InferenceMode"), and loading weights or moving experts failed on
+    every layer."""
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+    kwargs = dict(window=2) if cls == "VariabilityAwareMoE" else {}
+    with torch.inference_mode():
+        layer = getattr(ml, cls)(cfg, ml.ParallelGroups.single(), seed=3, **kwargs)
+    router_w, w13, w2 = layer.export_full_weights()
+    layer.load_full_weights(router_w, w13.flip(0).contiguous(), w2.flip(0).contiguous())
+    layer.apply_placement(ml.ExpertPlacement.from_phy2log(torch.tensor([[3, 2, 1, 0]]), 4))
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        y = layer(x)
+    layer(x).sum().backward()
+    torch.testing.assert_close(y, ml.reference.moe_forward(x, router_w, w13.flip(0), w2.flip(0), cfg))
+    assert layer.experts.w13.grad is not None
+
+
+@pytest.mark.parametrize("router_dtype", [None, torch.float32])
+def test_the_router_picks_the_same_experts_under_autocast(router_dtype):
+    """Under torch.autocast(bf16) the logits were computed in bf16 whatever router_dtype said (fp32
+    input and weights): 10 of 4,096 tokens went to other experts than without autocast."""
+    cfg = ml.MoEConfig(hidden_size=64, ffn_hidden_size=32, num_experts=16, top_k=4, router_dtype=router_dtype)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=0)
+    x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ids, weights = layer.router(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ids_ac, weights_ac = layer.router(x)
+            layer(x[:64])
+            ref = ml.reference.moe_forward(x[:64], *layer.export_full_weights(), cfg, topk_ids=None)
+    assert torch.equal(ids_ac, ids) and torch.equal(weights_ac, weights)
+    assert torch.equal(layer.last_topk_ids, ids[:64])
+    assert ref.dtype == torch.float32
+
+
+def test_under_autocast_the_layer_takes_the_autocast_dtype():
+    """An nn.Linear under torch.autocast(bf16) hands the next module bf16: the fp32 layer refused it
+    (and forward_tp named attn_partial "x"); it now takes it as the fp32 values it holds."""
+    from moelayers.models.tiny import RMSNorm
+
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=1)
+    tp = ml.SemanticMoE(cfg, ml.ParallelGroups.single(), mode="tp", seed=1)
+    norm = RMSNorm(16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(layer(x), layer(x.float()))
+        residual = torch.randn(6, 16, generator=torch.Generator().manual_seed(1))
+        y = tp.forward_tp(x, residual, norm, token_ids=None)
+        assert torch.equal(y, tp.forward_tp(x.float(), residual, norm, token_ids=None))
+        with pytest.raises(TypeError, match=r"attn_partial has dtype torch.float16, the layer computes in "
+                                            r"torch.float32 \(and takes torch.bfloat16 under the torch.autocast"):
+            tp.forward_tp(x.half(), residual, norm, token_ids=None)
+    with pytest.raises(TypeError, match=r"x has dtype torch.bfloat16, the layer computes in torch.float32$"):
+        layer(x)  # no autocast: refused as before
+
+
+def test_a_submodule_cast_alone_is_named():
+    """layer.experts.to(bf16) left config.params_dtype at fp32: fp32 input failed inside a matmul
+    ("expected m1 and m2 to have the same dtype") and bf16 input was refused as not fp32."""
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=1)
+    layer.experts.to(torch.bfloat16)
+    with pytest.raises(TypeError, match=r"weights are \['torch.bfloat16', 'torch.float32'\] but its config says "
+                                        r"torch.float32: cast the whole layer"):
+        layer(torch.randn(3, 16))
+    layer.to(torch.bfloat16)
+    assert layer(torch.randn(3, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16
