@@ -123,7 +123,7 @@ class MoEStats:
         if loads is None:
             if self._topk_ids is None:
                 raise ValueError("this MoEStats holds no expert loads: it has no routing (a record built from "
-                                 "counts, or reduced/merged from records without loads)")
+                                 "counts, or reduced/merged from records of which one had no loads)")
             raise ValueError("expert loads need num_experts: use with_experts(num_experts)")
         return loads
 
@@ -175,7 +175,8 @@ class MoEStats:
 
 
 def merge_stats(stats: list[MoEStats]) -> MoEStats:
-    """Host-side sum of several records (e.g. over steps or layers)."""
+    """Host-side sum of several records (e.g. over steps or layers). The sum has expert loads only
+    when every record has them (a sum over some of them would undercount the others' activations)."""
     if not stats:
         raise ValueError("merge_stats needs at least one MoEStats")
     r = len(stats[0].pairs_sent)
