@@ -344,8 +344,9 @@ class MoELayerBase(nn.Module):
         and the expert weights go together, and adopting one without the other would leave a layer
         that serves wrong outputs if the error is caught. A load with none of its keys (``strict=False``
         on a partial checkpoint) leaves the layer as it is; torch lists the keys as missing.
-        (torch passes ``strict=True`` here whatever the caller asked, so the keys decide.)"""
-        own = self.state_dict(keep_vars=True)
+        (torch passes ``strict=True`` here whatever the caller asked, so the keys decide.) The keys of a
+        replica policy that is an ``nn.Module`` are the policy's own: torch loads them as any submodule's."""
+        own = {k: v for k, v in self.state_dict(keep_vars=True).items() if not k.startswith("replica_policy.")}
         lacking = [prefix + k for k in own if prefix + k not in state_dict]
         if lacking and len(lacking) < len(own):
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: missing key(s) "

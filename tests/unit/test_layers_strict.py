@@ -516,3 +516,26 @@ def test_a_submodule_cast_alone_is_named():
         layer(torch.randn(3, 16))
     layer.to(torch.bfloat16)
     assert layer(torch.randn(3, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16
+
+
+def test_a_policy_module_with_state_loads_like_any_submodule():
+    """A replica policy that is an nn.Module with a buffer: a checkpoint of a layer with the default
+    policy was refused whole, even with strict=False, "missing key(s) ['replica_policy.count']; nothing
+    of this MoE layer was loaded (its weights are laid out in the checkpoint's placement ...)"."""
+
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("count", torch.zeros((), dtype=torch.int64))
+
+        def forward(self, topk_ids, placement, rank):
+            return placement.first_replica(topk_ids.device)[topk_ids]
+
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+    plain = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=1)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), replica_policy=Counting(), seed=2)
+    result = layer.load_state_dict(plain.state_dict(), strict=False)
+    assert result.missing_keys == ["replica_policy.count"]
+    assert torch.equal(layer.experts.w13, plain.experts.w13)
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "replica_policy.count"'):
+        layer.load_state_dict(plain.state_dict())
