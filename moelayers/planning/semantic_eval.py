@@ -244,24 +244,30 @@ def schedule_requests(scores: np.ndarray, lengths: np.ndarray, load: np.ndarray,
     sc = np.asarray(scores, dtype=np.float64)
     lengths = np.asarray(lengths, dtype=np.int64)
     out = np.empty(sc.shape[0], dtype=np.int64)
+    # the look-ahead's sum and longest length of every suffix, once (sorting each suffix made the
+    # schedule quadratic in the requests)
+    suffix_sum = np.concatenate([np.cumsum(lengths[::-1])[::-1], [0]])
+    suffix_max = np.concatenate([np.maximum.accumulate(lengths[::-1])[::-1], [0]]) if lengths.size else [0]
+
+    def pending(i: int) -> Pending | None:
+        return Pending(lengths[i:], int(suffix_sum[i]), int(suffix_max[i])) if lookahead else None
+
     s = 0
     while s < sc.shape[0]:
         if joint and mask:
             k = min(int((~masked).sum()), sc.shape[0] - s)
-            rest = np.sort(lengths[s + k:])[::-1] if lookahead else None
-            ranks = _joint_cycle(sc[s:s + k], lengths[s:s + k], load, masked, cap, rest, balance)
+            ranks = _joint_cycle(sc[s:s + k], lengths[s:s + k], load, masked, cap, pending(s + k), balance)
             if ranks is not None:
                 out[s:s + k] = ranks
                 s += k
                 continue
-        rest = np.sort(lengths[s + 1:])[::-1] if lookahead else None
-        out[s] = schedule_one(sc[s], int(lengths[s]), load, masked, cap, mask=mask, remaining=rest)
+        out[s] = schedule_one(sc[s], int(lengths[s]), load, masked, cap, mask=mask, remaining=pending(s + 1))
         s += 1
     return out
 
 
 def _joint_cycle(scores: np.ndarray, lengths: np.ndarray, load: np.ndarray, masked: np.ndarray, cap: float,
-                 remaining: np.ndarray | None, balance: float) -> np.ndarray | None:
+                 remaining: Pending | None, balance: float) -> np.ndarray | None:
     """The ``k`` requests of ``scores [k, R]`` onto ``k`` distinct unmasked ranks, largest total
     score less ``balance × tokens × (rank load / mean load - 1)``, each within ``cap`` (and the
     ``remaining`` lengths still packable); commits to ``load`` and ``masked`` and returns the ranks,
@@ -335,15 +341,39 @@ def best_matching(weights: np.ndarray) -> np.ndarray:
     return out
 
 
-def packs(room: np.ndarray, lengths_desc: np.ndarray) -> bool:
-    """Whether requests of ``lengths_desc`` (descending) fit into ranks with ``room [R]`` tokens
-    left, by first-fit decreasing (a sufficient test; exact when it says yes)."""
-    if lengths_desc.size == 0:
+class Pending:
+    """Request lengths still to come (the look-ahead): their sum, the longest, and the lengths in
+    descending order, sorted on first use (most checks of :func:`packs` need the sum alone)."""
+
+    __slots__ = ("lengths", "total", "longest", "_desc")
+
+    def __init__(self, lengths: np.ndarray, total: int | None = None, longest: int | None = None):
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.total = int(self.lengths.sum()) if total is None else total
+        self.longest = (int(self.lengths.max()) if self.lengths.size else 0) if longest is None else longest
+        self._desc: np.ndarray | None = None
+
+    @property
+    def size(self) -> int:
+        return self.lengths.size
+
+    def descending(self) -> np.ndarray:
+        if self._desc is None:
+            self._desc = np.sort(self.lengths)[::-1]
+        return self._desc
+
+
+def packs(room: np.ndarray, pending: "Pending | np.ndarray") -> bool:
+    """Whether the ``pending`` request lengths fit into ranks with ``room [R]`` tokens left, by
+    first-fit decreasing (a sufficient test; exact when it says yes)."""
+    if not isinstance(pending, Pending):
+        pending = Pending(pending)
+    if pending.size == 0:
         return True
-    if room.sum() - room.size * (lengths_desc[0] - 1) >= lengths_desc.sum():
+    if room.sum() - room.size * (pending.longest - 1) >= pending.total:
         return True  # any fit succeeds: each rank wastes less than the longest request
     room = room.astype(np.float64)
-    for n in lengths_desc:
+    for n in pending.descending():
         fit = np.flatnonzero(room >= n)
         if fit.size == 0:
             return False
@@ -352,7 +382,7 @@ def packs(room: np.ndarray, lengths_desc: np.ndarray) -> bool:
 
 
 def schedule_one(scores: np.ndarray, length: int, load: np.ndarray, masked: np.ndarray, cap: float, *,
-                 mask: bool = True, remaining: np.ndarray | None = None) -> int:
+                 mask: bool = True, remaining: Pending | np.ndarray | None = None) -> int:
     """One request of :func:`request_schedule` (also the online ``SemanticScheduler.assign``).
 
     The best rank among those unmasked that stay within ``cap`` tokens with this request, else
@@ -360,9 +390,9 @@ def schedule_one(scores: np.ndarray, length: int, load: np.ndarray, masked: np.n
     prompt among fewer requests than ranks) the best of the least-loaded ranks, unmasked ones
     first; ties: the lowest rank. Updates
     ``load [R]`` (tokens) and ``masked [R]`` in place (the mask clears once every rank is taken).
-    With ``remaining`` (``request_schedule(lookahead=True)``, offline: the lengths still to come,
-    descending) a rank only stays within ``cap`` if the remaining requests still pack under the cap
-    afterwards (:func:`packs`), when some rank allows that.
+    With ``remaining`` (``request_schedule(lookahead=True)``, offline: the lengths still to come, a
+    :class:`Pending` or an array) a rank only stays within ``cap`` if the remaining requests still
+    pack under the cap afterwards (:func:`packs`), when some rank allows that.
 
     Returns:
         The rank.
