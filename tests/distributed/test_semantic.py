@@ -73,6 +73,8 @@ TP_CASES = [
     dict(name="tp-f32-unseen", dtype=torch.float32, tokens=lambda r: 2 * r - 1, unseen=True),
     dict(name="tp-f32-noplan", dtype=torch.float32, tokens=lambda r: r - 1, noplan=True),  # T < R
     dict(name="tp-f32-zero", dtype=torch.float32, tokens=lambda r: 0),
+    # fixed capacity (a CUDA graph on GPUs in bf16): a first forward on other tokens captures, the second replays
+    dict(name="tp-bf16-capacity", dtype=torch.bfloat16, tokens=lambda r: 4 * r + 1, prev=True, capacity=True),
 ]
 
 
@@ -100,14 +102,20 @@ def _run_tp_case(rank, world, groups, case, device, outs):
     partials, residual, ids, prev = _tp_inputs(case, world, t, plan)
     cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=e, top_k=2, params_dtype=dtype)
     kw = dict(device=device, seed=7)
+    if case.get("capacity"):  # chunks of ceil(t / world) = 5 rows
+        kw.update(capacity=6, cuda_graph=device.type == "cuda" and dtype == torch.bfloat16)
     layer = (ml.SemanticMoE(cfg, groups, mode="tp", **kw) if plan is None
              else ml.SemanticMoE.from_plan(plan, 2, cfg, groups, mode="tp", **kw))
     w64 = weights64(e)
     layer.load_full_weights(*(w.to(dtype).to(device) for w in w64))
     n64, norm = _norm(torch.float64), _norm(dtype, device)
     with torch.no_grad():
+        if case.get("capacity"):
+            layer.forward_tp(partials[rank].flip(0).to(dtype).to(device), residual.flip(0).to(dtype).to(device), norm,
+                             token_ids=ids.flip(0).to(device), prev_ranks=prev.flip(1).to(device))
         out = layer.forward_tp(partials[rank].to(dtype).to(device), residual.to(dtype).to(device), norm,
                                token_ids=ids.to(device), prev_ranks=None if prev is None else prev.to(device))
+        layer.release_graphs()
         h64 = residual + sum(partials)
         ref = h64 + ml.reference.moe_forward(n64(h64), *w64, cfg.replace(params_dtype=torch.float64))
         low = None
