@@ -328,6 +328,7 @@ class MegatronMoEAdapter(nn.Module):
             "the same names. Save export_full_weights() (logical order, any layout) or each rank's state_dict() "
             "instead")
 
+    @torch.compiler.disable  # eager under torch.compile, as MoELayerBase.forward
     def forward(
         self,
         hidden_states: torch.Tensor,

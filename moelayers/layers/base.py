@@ -511,6 +511,10 @@ class MoELayerBase(nn.Module):
                             f"{topk_ids.dtype if isinstance(topk_ids, torch.Tensor) else type(topk_ids).__name__}")
         self._forced_ids = topk_ids
 
+    # eager under torch.compile (one graph break, the model around it compiles): host syncs and
+    # data-dependent shapes made 16-23 breaks and a recompile per load pattern, and inductor lost the
+    # writes into the all-to-all buffer (views of another dtype): garbage on the wire
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor, *, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """MoE forward.
 

@@ -197,6 +197,7 @@ class SemanticMoE(MoELayerBase):
             return rebatch_history(ids, self.tables(ids.device), self.groups.tp_size, history)
         return rebatch_tokens(ids, self.tables(ids.device), self.groups.tp_size, prev_ranks)
 
+    @torch.compiler.disable  # eager under torch.compile, as MoELayerBase.forward
     def forward_tp(self, attn_partial: torch.Tensor, residual: torch.Tensor,
                    norm: Callable[[torch.Tensor], torch.Tensor], *, token_ids: torch.Tensor | None,
                    prev_ranks: PrevRanks = None) -> torch.Tensor:

@@ -175,6 +175,7 @@ class VariabilityAwareMoE(MoELayerBase):
             self.emulator = emulate_variability(self, factor)
 
     # ------------------------------------------------------------------ forward + load recording
+    @torch.compiler.disable  # eager under torch.compile, as MoELayerBase.forward (its step count made a recompile per step)
     def forward(self, x: torch.Tensor, *, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The base forward, then record this step's expert loads (and re-plan when due).
 
