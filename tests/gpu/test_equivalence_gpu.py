@@ -307,3 +307,27 @@ def _default_device_under_nccl(rank: int, world: int) -> str:
 def test_one_nccl_rank_builds_the_layer_on_its_gpu():
     """torchrun --nproc_per_node=1 with NCCL: the layer used to land on the CPU (no EP group of one)."""
     assert run_distributed(_default_device_under_nccl, 1, backend="nccl", timeout=240) == ["cuda:0"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "cuda_graph"])
+def test_compiled_model_matches_eager_on_cuda(graphed):
+    """A model compiled with inductor around our layer (run eagerly, see tests/unit/test_compile.py),
+    on CUDA in bf16, also around a CUDA-graph layer."""
+    import moelayers as ml
+    from tests.unit.test_compile import H, Block
+
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=4, top_k=2, params_dtype=torch.bfloat16)
+    kwargs = dict(capacity=16, cuda_graph=True) if graphed else {}
+    model = Block(ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device="cuda", seed=1, **kwargs))
+    model.inp.to("cuda", torch.bfloat16)
+    model.out.to("cuda", torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for t in (5, 9, 13):
+            x = torch.randn(t, H, device="cuda", generator=gen).to(torch.bfloat16)
+            torch.testing.assert_close(compiled(x), model(x))
+    model.moe.release_graphs()
+    torch._dynamo.reset()
