@@ -368,7 +368,7 @@ class _Untagged:
         return f"<untagged forward {self.index}>"
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """Whether autograd is running a backward (where activation checkpointing re-runs forwards)."""
     current = getattr(torch._C, "_current_graph_task_id", None)
     return current is not None and current() != -1
@@ -530,14 +530,14 @@ class TraceRecorder:
         self._pending_tag = keys
 
     def _on_model_forward(self, module: nn.Module, args: Any) -> None:
-        if _in_backward():  # activation checkpointing re-runs the forward: recorded once already
+        if in_backward():  # activation checkpointing re-runs the forward: recorded once already
             return
         if self._in_forward:  # the last model forward raised part-way (and nothing was tagged since)
             self._drop_broken_forward()
         self._in_forward = True
 
     def _on_model_return(self, module: nn.Module, args: Any, output: Any) -> None:
-        if _in_backward():
+        if in_backward():
             return
         if not self._current:  # every MoE layer recorded (or none ran: nothing to record)
             self._pending_tag, self._in_forward = None, False
@@ -564,7 +564,7 @@ class TraceRecorder:
         return f"MoE layer {index} ('{self._names[index]}')"
 
     def _on_layer(self, index: int, module: nn.Module) -> None:
-        if _in_backward():
+        if in_backward():
             return
         try:
             self._record_layer(index, module)

@@ -35,6 +35,7 @@ from moelayers.layers.moves import Staging, move_expert_weights
 from moelayers.metrics import MoEStats
 from moelayers.placement import ExpertPlacement
 from moelayers.router import TopKRouter, autocast_on
+from moelayers.trace import in_backward
 
 #: parameter attributes a deep copy leaves out: gradient buffers a data-parallel wrapper attaches
 #: (megatron's ``main_grad``), which the copy's own wrapper allocates
@@ -44,6 +45,22 @@ _GRAD_BUFFERS = frozenset({"main_grad", "grad_added_to_main_grad"})
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 DISPATCHERS = ("alltoall", "allgather")
+
+
+def expert_parameter_names(model: nn.Module) -> list[str]:
+    """The names (as ``model.named_parameters()`` gives them) of the expert weights of every moelayers
+    layer in ``model``: what torch's ``DistributedDataParallel`` must leave alone when it runs over
+    the expert-parallel ranks, each of which holds other experts under the same names::
+
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ml.expert_parameter_names(model))
+        model = DDP(model)
+
+    Without it DDP copies rank 0's experts over every rank when it is built and averages the
+    gradients of different experts, silently. DDP averages the other gradients over the ranks
+    (the gradient of the ranks' mean loss); an expert's gradient is already the sum over every
+    rank's tokens, so divide the expert gradients by the number of ranks to match."""
+    return [f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
+            if isinstance(module, MoELayerBase) for name in ("experts.w13", "experts.w2")]
 
 
 class MoELayerBase(nn.Module):
@@ -143,6 +160,7 @@ class MoELayerBase(nn.Module):
         self.last_topk_ids: torch.Tensor | None = None
         self.last_token_ids: torch.Tensor | None = None
         self._forced_ids: torch.Tensor | None = None
+        self._forced_before = False  # the last forward outside a backward forced its routing
         self._bad_input = False  # this forward stands in for a refused input (see _refuse_in_step)
         self._flags_before_load: dict[str, tuple[int, dict]] = {}  # name -> (storage, flags), see _after_load
         self._staging_fault_hook: Callable[[Staging], None] | None = None  # tests: a fault while moving weights
@@ -336,6 +354,24 @@ class MoELayerBase(nn.Module):
                 if name not in _GRAD_BUFFERS and not hasattr(new_p, name):
                     setattr(new_p, name, copy.deepcopy(value, memo))
         return new
+
+    def __getstate__(self) -> dict:
+        """What pickling (``torch.save(model)``) keeps: the layer without a captured CUDA graph or
+        other per-process state (``_fresh_on_copy``).
+
+        Raises:
+            TypeError: the layer runs over process groups, which are handles of this process: save
+                its ``state_dict()`` (every rank its own file) and build the layer again to load it.
+        """
+        if any(g is not None for g in (self.groups.ep, self.groups.tp, self.groups.dp)):
+            raise TypeError(f"a {type(self).__name__} over process groups cannot be pickled (torch.save of a whole "
+                            "model): the groups are handles of this process. Save model.state_dict() on every "
+                            "rank and load it into a model built again")
+        state = self.__dict__.copy()
+        for key, fresh in self._fresh_on_copy.items():
+            if key in state:
+                state[key] = fresh()
+        return state
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
@@ -540,7 +576,15 @@ class MoELayerBase(nn.Module):
                 ``VariabilityAwareMoE`` recording loads always reads the flags: all its ranks raise).
         """
         forced, self._forced_ids = self._forced_ids, None  # used by this forward only, even one that raises
+        recompute = in_backward()  # activation checkpointing re-running a forward inside the backward
         try:
+            if recompute and forced is None and self._forced_before:
+                raise ValueError("a forward with forced routing (force_routing) is being recomputed by activation "
+                                 "checkpointing, which does not know the forced ids: the recomputation would route "
+                                 "by the router, with gradients of other experts. Keep the MoE layer outside the "
+                                 "checkpointed region when forcing its routing")
+            if not recompute:
+                self._forced_before = forced is not None
             x2, token_ids = self._check_input(x, token_ids)
             if forced is not None and forced.dim() == 3 and x.dim() == 3 and forced.shape[:2] == x.shape[:2]:
                 forced = forced.reshape(-1, forced.shape[-1])  # [S, B, K] for [S, B, H], as the reference takes
@@ -559,9 +603,10 @@ class MoELayerBase(nn.Module):
         if self.capacity is not None:
             return self._forward_capacity(x2, token_ids, forced).view(x.shape)
         y, topk_ids = self._forward_steps(x2, token_ids, forced)
-        self.last_topk_ids, self.last_token_ids = topk_ids, token_ids
-        self.last_stats = self.dispatcher.last_stats
-        self.last_stats._num_experts = self.config.num_experts
+        if not recompute:  # the record of the forward the caller ran, not of its recomputation
+            self.last_topk_ids, self.last_token_ids = topk_ids, token_ids
+            self.last_stats = self.dispatcher.last_stats
+            self.last_stats._num_experts = self.config.num_experts
         return y.view(x.shape)
 
     def _records_autograd(self, x2: torch.Tensor) -> bool:

@@ -29,6 +29,7 @@ from moelayers.groups import ParallelGroups
 from moelayers.layers.base import MoELayerBase
 from moelayers.layers.moves import PlacementMoveError, holds_gradients
 from moelayers.placement import ExpertPlacement
+from moelayers.trace import in_backward
 
 Planner = Callable[..., Any]  # (loads [steps, E], curves, *, restarts, seed) -> expert_rank [E]
 
@@ -185,6 +186,8 @@ class VariabilityAwareMoE(MoELayerBase):
         Returns:
             ``y`` with the shape of ``x``.
         """
+        if in_backward():  # activation checkpointing recomputing a forward: its step is recorded, and no
+            return super().forward(x, token_ids=token_ids)  # move may run inside the backward
         self._run_pending_replan()
         self._in_forward = True
         try:

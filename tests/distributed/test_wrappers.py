@@ -1,0 +1,142 @@
+"""Our layers inside the wrappers users put around training models: activation checkpointing,
+torch's DistributedDataParallel, pickling (``torch.save`` of a whole model). Each test failed before
+the fix its docstring names."""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import moelayers as ml
+from moelayers.testing import run_distributed
+
+H = 16
+
+
+def _cfg(**kw) -> ml.MoEConfig:
+    return ml.MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=8, top_k=2, params_dtype=torch.float64, **kw)
+
+
+def _variability_steps(rank: int, world: int, wrap: str) -> list:
+    """Three training steps of a re-planning VariabilityAwareMoE, checkpointed or not: its step count,
+    pending re-plan and moves after each."""
+    layer = ml.VariabilityAwareMoE(_cfg(), ml.ParallelGroups.from_world(), window=2, auto_replan=True,
+                                   variability="high", seed=1)
+    g, out = torch.Generator().manual_seed(rank), []
+    for _ in range(3):
+        layer.zero_grad(set_to_none=True)
+        x = torch.randn(6 + 5 * rank, H, generator=g, dtype=torch.float64, requires_grad=True)
+        y = layer(x) if wrap == "none" else checkpoint(layer, x, use_reentrant=wrap == "reentrant")
+        y.pow(2).sum().backward()
+        out.append((layer.steps, layer._replan_pending, layer.num_replans, layer.num_moves))
+    return out
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("wrap", ["reentrant", "non_reentrant"])
+def test_checkpointing_a_variability_layer_records_each_step_once(wrap):
+    """Recomputed in the backward, the forward recorded the step's loads again (steps 2, 4, 6; an early
+    re-plan that moved weights) or, non-reentrant, ran the deferred re-plan -- a collective weight move --
+    inside the backward, which then failed torch's recomputation check."""
+    plain = run_distributed(_variability_steps, 2, "none", timeout=150)
+    assert [s[0] for s in plain[0]] == [1, 2, 3]
+    wrapped = run_distributed(_variability_steps, 2, wrap, timeout=150)
+    if wrap == "non_reentrant":
+        assert wrapped == plain
+    else:  # the first pass runs under no_grad, as a serving forward: the due re-plan runs at once, not deferred
+        for ranks in (wrapped, plain):
+            assert [[s[0] for s in steps] for steps in ranks] == [[1, 2, 3]] * 2
+        assert [steps[-1] for steps in wrapped] == [steps[-1] for steps in plain]
+
+
+def _forced_under_checkpoint(rank: int, world: int, reentrant: bool) -> str:
+    groups = ml.ParallelGroups.from_world() if world > 1 else ml.ParallelGroups.single()
+    layer = ml.VanillaMoE(_cfg(), groups, seed=1)
+    x = torch.randn(5, H, dtype=torch.float64, requires_grad=True)
+    layer.force_routing(torch.tensor([[0, 7], [1, 6], [2, 5], [3, 4], [4, 3]]))
+    y = checkpoint(layer, x, use_reentrant=reentrant)
+    try:
+        y.sum().backward()
+    except Exception as exc:  # noqa: BLE001 -- the message is the result
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_forced_routing_under_checkpointing_is_refused_on_every_rank(world, reentrant):
+    """The recomputation does not know the forced ids: it routed by the router, and the gradients went to
+    other experts silently (reentrant) or the backward failed torch's recomputation check."""
+    for msg in run_distributed(_forced_under_checkpoint, world, reentrant, timeout=150):
+        assert "is being recomputed by activation checkpointing" in msg, msg
+
+
+def test_a_layer_pickles_after_a_training_forward():
+    """A VariabilityAwareMoE that had run a forward under autograd held weak references (its graphs in
+    flight): torch.save(model) failed with "cannot pickle 'weakref.ReferenceType' object"."""
+    layer = ml.VariabilityAwareMoE(_cfg(), ml.ParallelGroups.single(), window=2, seed=1)
+    x = torch.randn(5, H, dtype=torch.float64)
+    layer(x.requires_grad_()).sum().backward()
+    buf = io.BytesIO()
+    torch.save(layer, buf)
+    buf.seek(0)
+    copy = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(copy(x), layer(x))
+
+
+def _pickle_over_groups(rank: int, world: int) -> str:
+    layer = ml.VanillaMoE(_cfg(), ml.ParallelGroups.from_world(), seed=1)
+    try:
+        pickle.dumps(layer)
+    except TypeError as exc:
+        return str(exc)
+    return "pickled"
+
+
+@pytest.mark.timeout(120)
+def test_pickling_a_layer_over_process_groups_says_what_to_do():
+    """It failed deep inside pickle: "cannot pickle 'ProcessGroup' object"."""
+    for msg in run_distributed(_pickle_over_groups, 2, timeout=100):
+        assert "cannot be pickled" in msg and "state_dict()" in msg, msg
+
+
+def _ddp(rank: int, world: int) -> list[str]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from moelayers.testing import check_close
+
+    torch.manual_seed(0)  # the same weights on every rank, as a model built alike
+    w64 = (torch.randn(8, H, dtype=torch.float64) * 0.5, torch.randn(8, 16, H, dtype=torch.float64) * H ** -0.5,
+           torch.randn(8, H, 8, dtype=torch.float64) * 8 ** -0.5)
+    model = torch.nn.Sequential(ml.VanillaMoE(_cfg(), ml.ParallelGroups.from_world(), seed=1))
+    model[0].load_full_weights(*w64)
+    torch.distributed.barrier()
+    DDP._set_params_and_buffers_to_ignore_for_model(model, ml.expert_parameter_names(model))
+    ddp = DDP(model)
+    xs = [torch.randn(4 + r, H, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    ddp(xs[rank]).pow(2).sum().backward()
+    g13, g2 = model[0].expert_grads_full()
+    errs = [check_close("experts after DDP", model[0].export_full_weights()[1], w64[1], None)]
+    params = [w.clone().requires_grad_() for w in w64]
+    loss = sum(ml.reference.moe_forward(x, *params, _cfg()).pow(2).sum() for x in xs) / world  # DDP: the mean
+    loss.backward()
+    errs.append(check_close("router grad", model[0].router.weight.grad, params[0].grad, None))
+    errs.append(check_close("w13 grad / world", g13 / world, params[1].grad, None))
+    errs.append(check_close("w2 grad / world", g2 / world, params[2].grad, None))
+    return [e for e in errs if e]
+
+
+@pytest.mark.timeout(180)
+def test_ddp_over_the_expert_parallel_ranks_with_the_experts_left_alone():
+    """Plain DDP copied rank 0's experts over rank 1's and averaged different experts' gradients,
+    silently: ``expert_parameter_names`` names what DDP must ignore, and the docstring the 1/world
+    factor of the expert gradients (checked here against the reference's mean loss)."""
+    assert run_distributed(_ddp, 2, timeout=150) == [[], []]
+    model = torch.nn.Sequential(torch.nn.Linear(H, H), ml.VanillaMoE(_cfg(), ml.ParallelGroups.single()))
+    assert ml.expert_parameter_names(model) == ["1.experts.w13", "1.experts.w2"]
