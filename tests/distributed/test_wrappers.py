@@ -21,15 +21,16 @@ def _cfg(**kw) -> ml.MoEConfig:
     return ml.MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=8, top_k=2, params_dtype=torch.float64, **kw)
 
 
-def _variability_steps(rank: int, world: int, wrap: str) -> list:
+def _variability_steps(rank: int, world: int, wrap: str, device: str = "cpu") -> list:
     """Three training steps of a re-planning VariabilityAwareMoE, checkpointed or not: its step count,
-    pending re-plan and moves after each."""
+    pending re-plan and moves after each (the GPU suite runs it under NCCL)."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
     layer = ml.VariabilityAwareMoE(_cfg(), ml.ParallelGroups.from_world(), window=2, auto_replan=True,
-                                   variability="high", seed=1)
+                                   variability="high", seed=1, device=dev)
     g, out = torch.Generator().manual_seed(rank), []
     for _ in range(3):
         layer.zero_grad(set_to_none=True)
-        x = torch.randn(6 + 5 * rank, H, generator=g, dtype=torch.float64, requires_grad=True)
+        x = torch.randn(6 + 5 * rank, H, generator=g, dtype=torch.float64).to(dev).requires_grad_()
         y = layer(x) if wrap == "none" else checkpoint(layer, x, use_reentrant=wrap == "reentrant")
         y.pow(2).sum().backward()
         out.append((layer.steps, layer._replan_pending, layer.num_replans, layer.num_moves))

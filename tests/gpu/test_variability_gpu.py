@@ -150,3 +150,18 @@ def test_measured_emulation_on_cuda(monkeypatch):
     assert waits == [emu.added_s]  # the forward really waited
     emu.remove()
     assert np.isfinite(emu.added_s)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("wrap", ["reentrant", "non_reentrant"])
+def test_checkpointing_a_variability_layer_nccl(wrap):
+    """tests/distributed/test_wrappers.py on 2 GPUs: the backward's recomputation (on autograd's device
+    thread) records no second step and runs no re-plan."""
+    from tests.distributed.test_wrappers import _variability_steps
+
+    plain = run_distributed(_variability_steps, 2, "none", "cuda", backend="nccl", timeout=240)
+    wrapped = run_distributed(_variability_steps, 2, wrap, "cuda", backend="nccl", timeout=240)
+    for ranks in (plain, wrapped):
+        assert [[s[0] for s in steps] for steps in ranks] == [[1, 2, 3]] * 2
+    assert [steps[-1] for steps in wrapped] == [steps[-1] for steps in plain]
