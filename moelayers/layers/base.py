@@ -32,6 +32,7 @@ from moelayers.experts import GroupedExperts, gather_logical
 from moelayers.groups import ParallelGroups
 from moelayers.kernels import HAVE_TRITON, TRITON_INSTALL_HINT, use_triton
 from moelayers.layers.moves import Staging, move_expert_weights
+from moelayers.layers.replay import ForcedForRecompute
 from moelayers.metrics import MoEStats
 from moelayers.placement import ExpertPlacement
 from moelayers.router import TopKRouter, autocast_on
@@ -161,6 +162,7 @@ class MoELayerBase(nn.Module):
         self.last_token_ids: torch.Tensor | None = None
         self._forced_ids: torch.Tensor | None = None
         self._forced_before = False  # the last forward outside a backward forced its routing
+        self._forced_for_recompute = ForcedForRecompute()  # for activation checkpointing (layers/replay.py)
         self._bad_input = False  # this forward stands in for a refused input (see _refuse_in_step)
         self._flags_before_load: dict[str, tuple[int, dict]] = {}  # name -> (storage, flags), see _after_load
         self._staging_fault_hook: Callable[[Staging], None] | None = None  # tests: a fault while moving weights
@@ -333,7 +335,8 @@ class MoELayerBase(nn.Module):
                         module._buffers[name] = torch.zeros_like(buf, device=device)
 
     #: attributes a deep copy starts afresh (factories) instead of copying: a captured CUDA graph
-    _fresh_on_copy: dict[str, Callable[[], Any]] = {"_graphed": lambda: None}
+    _fresh_on_copy: dict[str, Callable[[], Any]] = {"_graphed": lambda: None,
+                                                    "_forced_for_recompute": ForcedForRecompute}
 
     def __deepcopy__(self, memo: dict) -> "MoELayerBase":
         """A copy with its own weights and state that shares the process groups (handles, which
@@ -578,13 +581,19 @@ class MoELayerBase(nn.Module):
         forced, self._forced_ids = self._forced_ids, None  # used by this forward only, even one that raises
         recompute = in_backward()  # activation checkpointing re-running a forward inside the backward
         try:
-            if recompute and forced is None and self._forced_before:
-                raise ValueError("a forward with forced routing (force_routing) is being recomputed by activation "
-                                 "checkpointing, which does not know the forced ids: the recomputation would route "
-                                 "by the router, with gradients of other experts. Keep the MoE layer outside the "
-                                 "checkpointed region when forcing its routing")
+            if recompute and forced is None:  # the forced ids of the forward being recomputed, by its input
+                forced = self._forced_for_recompute.find(x)
+                if forced is None and self._forced_before:
+                    raise ValueError("a forward with forced routing (force_routing) is being recomputed by activation "
+                                     "checkpointing from another input tensor than it was given (e.g. one computed "
+                                     "inside the checkpointed region, or forward_tp's chunk), so its forced ids "
+                                     "cannot be found: the recomputation would route by the router, with gradients "
+                                     "of other experts. Checkpoint a function that hands the layer its input as "
+                                     "given, or keep the layer outside the checkpointed region")
             if not recompute:
                 self._forced_before = forced is not None
+                if forced is not None:
+                    self._forced_for_recompute.keep(x, forced)
             x2, token_ids = self._check_input(x, token_ids)
             if forced is not None and forced.dim() == 3 and x.dim() == 3 and forced.shape[:2] == x.shape[:2]:
                 forced = forced.reshape(-1, forced.shape[-1])  # [S, B, K] for [S, B, H], as the reference takes

@@ -37,44 +37,88 @@ def _variability_steps(rank: int, world: int, wrap: str, device: str = "cpu") ->
     return out
 
 
+def _variability_modes(rank: int, world: int) -> dict:
+    return {wrap: _variability_steps(rank, world, wrap) for wrap in ("none", "reentrant", "non_reentrant")}
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("wrap", ["reentrant", "non_reentrant"])
-def test_checkpointing_a_variability_layer_records_each_step_once(wrap):
+def test_checkpointing_a_variability_layer_records_each_step_once():
     """Recomputed in the backward, the forward recorded the step's loads again (steps 2, 4, 6; an early
     re-plan that moved weights) or, non-reentrant, ran the deferred re-plan -- a collective weight move --
     inside the backward, which then failed torch's recomputation check."""
-    plain = run_distributed(_variability_steps, 2, "none", timeout=150)
+    ranks = run_distributed(_variability_modes, 2, timeout=150)
+    plain = [r["none"] for r in ranks]
     assert [s[0] for s in plain[0]] == [1, 2, 3]
-    wrapped = run_distributed(_variability_steps, 2, wrap, timeout=150)
-    if wrap == "non_reentrant":
-        assert wrapped == plain
-    else:  # the first pass runs under no_grad, as a serving forward: the due re-plan runs at once, not deferred
-        for ranks in (wrapped, plain):
-            assert [[s[0] for s in steps] for steps in ranks] == [[1, 2, 3]] * 2
-        assert [steps[-1] for steps in wrapped] == [steps[-1] for steps in plain]
+    assert [r["non_reentrant"] for r in ranks] == plain
+    # reentrant: the first pass runs under no_grad, as a serving forward: the due re-plan runs at once
+    wrapped = [r["reentrant"] for r in ranks]
+    assert [[s[0] for s in steps] for steps in wrapped] == [[1, 2, 3]] * 2
+    assert [steps[-1] for steps in wrapped] == [steps[-1] for steps in plain]
 
 
-def _forced_under_checkpoint(rank: int, world: int, reentrant: bool) -> str:
+def _forced_under_checkpoint(rank: int, world: int, reentrant: bool) -> list:
+    """Forced routing (replayed from a rollout) in a checkpointed layer: the recomputation finds the
+    forced ids by the layer's input; a layer whose input is made inside the checkpointed region
+    cannot be matched, and is refused."""
     groups = ml.ParallelGroups.from_world() if world > 1 else ml.ParallelGroups.single()
     layer = ml.VanillaMoE(_cfg(), groups, seed=1)
-    x = torch.randn(5, H, dtype=torch.float64, requires_grad=True)
-    layer.force_routing(torch.tensor([[0, 7], [1, 6], [2, 5], [3, 4], [4, 3]]))
-    y = checkpoint(layer, x, use_reentrant=reentrant)
+    ids = torch.tensor([[0, 7], [1, 6], [2, 5], [3, 4], [4, 3]]).roll(rank, 0)
+    x = torch.randn(5, H, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    grads = []
+    for wrap in (False, True):
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        layer.force_routing(ids)
+        y = checkpoint(layer, xi, use_reentrant=reentrant) if wrap else layer(xi)
+        y.pow(2).sum().backward()
+        grads.append([xi.grad, layer.router.weight.grad, *layer.expert_grads_full()])
+    same = all(torch.equal(a, b) for a, b in zip(*grads))
+    del xi, y  # their entries go with them
+    layer.zero_grad(set_to_none=True)
+    layer.force_routing(ids)
+    y = checkpoint(lambda t: layer(t * 2.0), x.clone().requires_grad_(), use_reentrant=reentrant)
     try:
         y.sum().backward()
-    except Exception as exc:  # noqa: BLE001 -- the message is the result
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
+        refused = "no error"
+    except ValueError as exc:
+        refused = str(exc)
+    del y
+    return [same, refused, len(layer._forced_for_recompute)]
+
+
+def _forced_both_modes(rank: int, world: int) -> list:
+    return [_forced_under_checkpoint(rank, world, reentrant) for reentrant in (True, False)]
 
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("reentrant", [True, False])
-def test_forced_routing_under_checkpointing_is_refused_on_every_rank(world, reentrant):
-    """The recomputation does not know the forced ids: it routed by the router, and the gradients went to
-    other experts silently (reentrant) or the backward failed torch's recomputation check."""
-    for msg in run_distributed(_forced_under_checkpoint, world, reentrant, timeout=150):
-        assert "is being recomputed by activation checkpointing" in msg, msg
+def test_forced_routing_under_checkpointing(world):
+    """The recomputation did not know the forced ids: it routed by the router, and the gradients went to
+    other experts silently (reentrant) or the backward failed torch's recomputation check. Now it
+    recomputes the forced routing (gradients identical to the unwrapped layer's), refuses on every
+    rank where the input cannot be matched, and keeps nothing once the inputs are freed."""
+    for same, refused, kept in sum(run_distributed(_forced_both_modes, world, timeout=150), []):
+        assert same
+        assert "from another input tensor than it was given" in refused, refused
+        assert kept == 0
+
+
+def test_forced_ids_kept_for_recomputation_are_checked():
+    from moelayers.layers.replay import ForcedForRecompute
+
+    kept, x, ids = ForcedForRecompute(), torch.randn(4, H), torch.zeros(4, 2, dtype=torch.int64)
+    kept.keep(x, ids)
+    assert kept.find(x.detach()) is ids and kept.find(x[:2]) is None and kept.find(x.clone()) is None
+    kept.keep(x, ids + 1)
+    with pytest.raises(ValueError, match="routed twice with different forced ids"):
+        kept.find(x)
+    kept, ids = ForcedForRecompute(), torch.zeros(4, 2, dtype=torch.int64)
+    kept.keep(x, ids)
+    ids[0, 0] = 3
+    with pytest.raises(ValueError, match="modified in place"):
+        kept.find(x)
+    del x
+    assert len(kept) == 0
 
 
 def test_a_layer_pickles_after_a_training_forward():
