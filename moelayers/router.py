@@ -72,7 +72,13 @@ def autocast_on(x: torch.Tensor) -> bool:
     would round the logits to its own dtype (bf16) whatever ``MoEConfig.router_dtype`` says, and
     near-ties would pick other experts than the logits of the promised dtype."""
     kind = x.device.type
-    return torch.amp.is_autocast_available(kind) and torch.is_autocast_enabled(kind)
+    available = _AUTOCAST_AVAILABLE.get(kind)
+    if available is None:
+        available = _AUTOCAST_AVAILABLE[kind] = torch.amp.is_autocast_available(kind)
+    return available and torch.is_autocast_enabled(kind)
+
+
+_AUTOCAST_AVAILABLE: dict[str, bool] = {}  # device type -> whether autocast exists for it (a fixed fact)
 
 
 class TopKRouter(nn.Module):

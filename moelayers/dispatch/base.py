@@ -7,12 +7,12 @@ back, weighted and summed, in the caller's token order.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
+from moelayers._warnings import warn_caller
 from moelayers.kernels import unpermute_combine
 from moelayers.placement import ExpertPlacement
 
@@ -193,7 +193,7 @@ def _checked_picks(policy, phys, topk_ids, placement: ExpertPlacement) -> tuple[
     elif phys.device != topk_ids.device or phys.layout != torch.strided:
         problem = f"a strided tensor on {topk_ids.device}, got {phys.layout} on {phys.device}"
     if problem is not None:
-        warnings.warn(f"replica policy {type(policy).__name__} must return {problem}", RuntimeWarning, stacklevel=3)
+        warn_caller(f"replica policy {type(policy).__name__} must return {problem}", RuntimeWarning)
         phys = torch.full_like(topk_ids, -1)  # flagged below: every rank raises after the exchange
     phy2log = placement.device_tables(topk_ids.device)[0].flatten()
     inside = (phys >= 0) & (phys < phy2log.numel())

@@ -48,20 +48,26 @@ _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 DISPATCHERS = ("alltoall", "allgather")
 
 
-def expert_parameter_names(model: nn.Module) -> list[str]:
-    """The names (as ``model.named_parameters()`` gives them) of the expert weights of every moelayers
-    layer in ``model``: what torch's ``DistributedDataParallel`` must leave alone when it runs over
-    the expert-parallel ranks, each of which holds other experts under the same names::
+def rank_local_names(model: nn.Module) -> list[str]:
+    """The names (as ``model.named_parameters()`` / ``named_buffers()`` give them) of what differs
+    between the expert-parallel ranks in every moelayers layer of ``model``: its expert weights and
+    its buffers (e.g. a ``VariabilityAwareMoE``'s load window). torch's ``DistributedDataParallel``
+    over those ranks must leave them alone::
 
-        DDP._set_params_and_buffers_to_ignore_for_model(model, ml.expert_parameter_names(model))
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ml.rank_local_names(model))
         model = DDP(model)
 
-    Without it DDP copies rank 0's experts over every rank when it is built and averages the
-    gradients of different experts, silently. DDP averages the other gradients over the ranks
-    (the gradient of the ranks' mean loss); an expert's gradient is already the sum over every
-    rank's tokens, so divide the expert gradients by the number of ranks to match."""
-    return [f"{prefix}.{name}" if prefix else name for prefix, module in model.named_modules()
-            if isinstance(module, MoELayerBase) for name in ("experts.w13", "experts.w2")]
+    Without it DDP copies rank 0's experts and buffers over every rank when it is built (the buffers
+    before every forward) and averages the gradients of different experts, silently. DDP averages
+    the other gradients over the ranks (the gradient of the ranks' mean loss); an expert's gradient
+    is already the sum over every rank's tokens, so divide the expert gradients by the number of
+    ranks to match."""
+    names = []
+    for prefix, module in model.named_modules():
+        if isinstance(module, MoELayerBase):
+            head = f"{prefix}." if prefix else ""
+            names += [f"{head}experts.w13", f"{head}experts.w2"] + [head + n for n, _ in module.named_buffers()]
+    return names
 
 
 class MoELayerBase(nn.Module):
@@ -801,12 +807,12 @@ class MoELayerBase(nn.Module):
         Raises:
             TypeError: any other dtype."""
         want = self.config.params_dtype
+        if x.dtype == want:  # the latency path: nothing else read
+            return x
         held = {self.router.weight.dtype, self.experts.w13.dtype, self.experts.w2.dtype}
         if held != {want}:  # e.g. layer.experts.to(bf16): only the layer's own .to() keeps the config in step
             raise TypeError(f"the layer's weights are {sorted(map(str, held))} but its config says {want}: cast the "
                             "whole layer (layer.to(dtype)), not one of its submodules")
-        if x.dtype == want:
-            return x
         if autocast_on(x):
             if x.dtype == torch.get_autocast_dtype(x.device.type):
                 return x.to(want)

@@ -26,12 +26,12 @@ dense reference ``h + moe_forward(norm(h))``, ``h = residual + sum_tp attn_parti
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from moelayers._warnings import warn_caller
 from moelayers.config import MoEConfig
 from moelayers.dispatch.comm import all_gather_flat, copy_to_group, fingerprint
 from moelayers.groups import ParallelGroups
@@ -49,6 +49,7 @@ from moelayers.schedule.token_shuffle import (
     shuffled_all_gather,
     shuffled_reduce_scatter,
 )
+from moelayers.trace import in_backward
 
 MODES = ("dp", "tp")
 
@@ -283,6 +284,8 @@ class SemanticMoE(MoELayerBase):
         y = self.forward(z, token_ids=None if token_ids is None else token_ids.index_select(0, rows))
         out_chunk = torch.cat([hv + y, h[n:]])
         out = shuffled_all_gather(out_chunk, rb.perm, group, inverse=rb.inverse, replicated_grad=True)
+        if in_backward():  # activation checkpointing recomputing: the record stays the caller's forward's
+            return out.view(attn_partial.shape)
         self.last_ranks, self.last_rebatch = rb.rank, rb
         self.last_context_ranks = None
         if self.gather_context and self._predictor is not None:
@@ -377,11 +380,11 @@ class SemanticMoE(MoELayerBase):
             return
         planned = self.semantic_plan.placement(self.layer_idx)
         if _experts_per_rank(planned) != _experts_per_rank(self.placement):
-            warnings.warn(f"SemanticMoE layer {self.layer_idx} serves another expert placement than its plan's (a "
+            warn_caller(f"SemanticMoE layer {self.layer_idx} serves another expert placement than its plan's (a "
                           "checkpoint saved in another placement, a move, or placement=): outputs are unchanged, but "
                           "the plan sends tokens to the ranks of its own placement, so the local activation rate "
                           "drops. To serve the plan's placement, move the weights there on every rank: "
-                          "layer.apply_placement(layer.semantic_plan.placement(layer.layer_idx))", stacklevel=3)
+                          "layer.apply_placement(layer.semantic_plan.placement(layer.layer_idx))")
 
     def extra_repr(self) -> str:
         return f"mode={self.mode}, layer_idx={self.layer_idx}, " + super().extra_repr()

@@ -17,13 +17,13 @@ the result, so every rank applies the same placement.
 from __future__ import annotations
 
 import numbers
-import warnings
 import weakref
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from moelayers._warnings import warn_caller
 from moelayers.config import MoEConfig
 from moelayers.groups import ParallelGroups
 from moelayers.layers.base import MoELayerBase
@@ -224,17 +224,17 @@ class VariabilityAwareMoE(MoELayerBase):
         else:
             self._waited += 1
             if self._waited == self.window:
-                warnings.warn(
+                warn_caller(
                     f"VariabilityAwareMoE: a due re-plan has waited {self._waited} forwards for autograd graphs "
                     f"({alive} alive) to be back-propagated or dropped and for the expert gradients (held: "
                     f"{held}) to be cleared by zero_grad(set_to_none=True); when serving, run the model under "
                     "torch.no_grad() or torch.inference_mode() (or call forget_graphs() on every rank)",
-                    RuntimeWarning, stacklevel=3)
+                    RuntimeWarning)
 
     def _refuse_in_step(self, exc: Exception) -> None:
         """The base refusal; called from outside :meth:`forward` (the megatron adapter refusing its
         own input), it first runs a deferred re-plan, as the other ranks' forwards do."""
-        if not self._in_forward:
+        if not self._in_forward and not in_backward():  # (a refused recomputation: no move inside a backward)
             self._run_pending_replan()
         super()._refuse_in_step(exc)
 
@@ -246,8 +246,8 @@ class VariabilityAwareMoE(MoELayerBase):
             self._retry_at = None
         except PlacementMoveError as exc:
             self._retry_at = self.steps + self.window
-            warnings.warn(f"VariabilityAwareMoE: the automatic re-plan failed ({exc}); tried again in "
-                          f"{self.window} steps", RuntimeWarning, stacklevel=3)
+            warn_caller(f"VariabilityAwareMoE: the automatic re-plan failed ({exc}); tried again in "
+                        f"{self.window} steps", RuntimeWarning)
 
     def _holds_grads(self) -> bool:
         """Whether the expert weights hold gradients (:func:`~moelayers.layers.moves.holds_gradients`),

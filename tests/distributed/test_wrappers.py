@@ -121,6 +121,24 @@ def test_forced_ids_kept_for_recomputation_are_checked():
     assert len(kept) == 0
 
 
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_forward_tp_keeps_the_record_of_the_callers_forward(reentrant):
+    """Recomputing micro-batch 1's forward_tp after micro-batch 2's forward built its context from the
+    layer's last routing, micro-batch 2's: the backward failed (other token counts) or replaced the
+    record (last_rebatch, last_context_ranks) with the recomputation's."""
+    from moelayers.models.tiny import RMSNorm
+
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=4, top_k=2)
+    layer = ml.SemanticMoE(cfg, ml.ParallelGroups.single(), mode="tp", seed=1)
+    layer.gather_context = True  # (set by a plan whose later layers read this layer's ranks)
+    norm = RMSNorm(H)
+    outs = [checkpoint(lambda a, r: layer.forward_tp(a, r, norm, token_ids=None), torch.randn(t, H, requires_grad=True),
+                       torch.randn(t, H), use_reentrant=reentrant) for t in (6, 10)]
+    record = layer.last_rebatch, layer.last_context_ranks
+    outs[0].sum().backward()
+    assert layer.last_rebatch is record[0] and layer.last_context_ranks is record[1]
+
+
 def test_a_layer_pickles_after_a_training_forward():
     """A VariabilityAwareMoE that had run a forward under autograd held weak references (its graphs in
     flight): torch.save(model) failed with "cannot pickle 'weakref.ReferenceType' object"."""
@@ -162,10 +180,18 @@ def _ddp(rank: int, world: int) -> list[str]:
     model = torch.nn.Sequential(ml.VanillaMoE(_cfg(), ml.ParallelGroups.from_world(), seed=1))
     model[0].load_full_weights(*w64)
     torch.distributed.barrier()
-    DDP._set_params_and_buffers_to_ignore_for_model(model, ml.expert_parameter_names(model))
+    DDP._set_params_and_buffers_to_ignore_for_model(model, ml.rank_local_names(model))
     ddp = DDP(model)
     xs = [torch.randn(4 + r, H, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     ddp(xs[rank]).pow(2).sum().backward()
+    # a rank-local buffer: each rank's load window keeps its own counts (DDP broadcast rank 0's before every forward)
+    loads = torch.nn.Sequential(ml.VariabilityAwareMoE(_cfg(), ml.ParallelGroups.from_world(), window=4, seed=1))
+    DDP._set_params_and_buffers_to_ignore_for_model(loads, ml.rank_local_names(loads))
+    ddp_loads = DDP(loads)
+    for _ in range(2):
+        with torch.no_grad():
+            ddp_loads(xs[rank])
+    mine = torch.bincount(loads[0].last_topk_ids.flatten(), minlength=8)
     g13, g2 = model[0].expert_grads_full()
     errs = [check_close("experts after DDP", model[0].export_full_weights()[1], w64[1], None)]
     params = [w.clone().requires_grad_() for w in w64]
@@ -174,14 +200,18 @@ def _ddp(rank: int, world: int) -> list[str]:
     errs.append(check_close("router grad", model[0].router.weight.grad, params[0].grad, None))
     errs.append(check_close("w13 grad / world", g13 / world, params[1].grad, None))
     errs.append(check_close("w2 grad / world", g2 / world, params[2].grad, None))
+    if not torch.equal(loads[0].window_loads()[1], mine):
+        errs.append(f"the load window holds {loads[0].window_loads()[1].tolist()}, this rank routed {mine.tolist()}")
     return [e for e in errs if e]
 
 
 @pytest.mark.timeout(180)
 def test_ddp_over_the_expert_parallel_ranks_with_the_experts_left_alone():
     """Plain DDP copied rank 0's experts over rank 1's and averaged different experts' gradients,
-    silently: ``expert_parameter_names`` names what DDP must ignore, and the docstring the 1/world
+    silently: ``rank_local_names`` names what DDP must ignore, and the docstring the 1/world
     factor of the expert gradients (checked here against the reference's mean loss)."""
     assert run_distributed(_ddp, 2, timeout=150) == [[], []]
     model = torch.nn.Sequential(torch.nn.Linear(H, H), ml.VanillaMoE(_cfg(), ml.ParallelGroups.single()))
-    assert ml.expert_parameter_names(model) == ["1.experts.w13", "1.experts.w2"]
+    assert ml.rank_local_names(model) == ["1.experts.w13", "1.experts.w2"]
+    model = torch.nn.ModuleDict({"moe": ml.VariabilityAwareMoE(_cfg(), ml.ParallelGroups.single())})
+    assert ml.rank_local_names(model) == ["moe.experts.w13", "moe.experts.w2", "moe._loads"]

@@ -506,14 +506,15 @@ def test_under_autocast_the_layer_takes_the_autocast_dtype():
 
 
 def test_a_submodule_cast_alone_is_named():
-    """layer.experts.to(bf16) left config.params_dtype at fp32: fp32 input failed inside a matmul
-    ("expected m1 and m2 to have the same dtype") and bf16 input was refused as not fp32."""
+    """layer.experts.to(bf16) left config.params_dtype at fp32: bf16 input was refused as not fp32.
+    (fp32 input, the config's dtype, is not checked against the weights on the latency path: it fails
+    inside a matmul, "expected m1 and m2 to have the same dtype".)"""
     cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
     layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=1)
     layer.experts.to(torch.bfloat16)
     with pytest.raises(TypeError, match=r"weights are \['torch.bfloat16', 'torch.float32'\] but its config says "
                                         r"torch.float32: cast the whole layer"):
-        layer(torch.randn(3, 16))
+        layer(torch.randn(3, 16, dtype=torch.bfloat16))
     layer.to(torch.bfloat16)
     assert layer(torch.randn(3, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16
 
@@ -539,3 +540,13 @@ def test_a_policy_module_with_state_loads_like_any_submodule():
     assert torch.equal(layer.experts.w13, plain.experts.w13)
     with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "replica_policy.count"'):
         layer.load_state_dict(plain.state_dict())
+
+
+def test_a_layer_warning_names_the_callers_line():
+    """Warnings raised inside the forward named a line of torch's (the forward runs under
+    torch.compiler.disable and other wrappers): they now name the first line outside moelayers and torch."""
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), replica_policy=lambda ids, placement, rank: ids.float())
+    with pytest.warns(RuntimeWarning, match="integer physical slots") as caught, pytest.raises(ValueError):
+        layer(torch.randn(3, 16))
+    assert [w.filename for w in caught] == [__file__]
