@@ -218,7 +218,7 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
     replans_seen = [getattr(m, "num_replans", 0) for m in model.moe_layers]
     replans = []
     pending, waiting, running = deque(mine), deque(), []
-    acc, load_rows, step_tokens, combine_rows = None, [], [], 0
+    acc, load_rows, combine_rows = None, [], 0
     finished, steps, out_tokens, prompt_tokens = 0, 0, 0, 0
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -249,7 +249,6 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
                 torch.cuda.synchronize(device)
             t = time.perf_counter() - t0
             steps += 1
-            step_tokens.append(n_tok)
             prompt_tokens += sum(len(r.prompt) for r in new)
             per_layer = [layer.last_stats for layer in layers]
             acc = merge_stats(per_layer if acc is None else [acc] + per_layer)

@@ -166,6 +166,7 @@ class VariabilityAwareMoE(MoELayerBase):
         self._replan_pending, self._waited = False, 0  # forwards a due re-plan has waited for graphs
         self._in_forward = False  # inside forward(): a refusal there has run the deferred re-plan already
         self._in_flight: list[weakref.ref] = []  # one per forward autograd recorded (see _watch_graph)
+        self._prune_at = 16  # _in_flight's length at which _watch_graph drops the finished graphs
         self.last_replan: dict | None = None
         self.register_buffer("_loads", torch.zeros(window, config.num_experts, dtype=torch.int64,
                                                    device=self.router.weight.device), persistent=False)
@@ -266,6 +267,8 @@ class VariabilityAwareMoE(MoELayerBase):
         when the backward reaches ``y``, and freed with the node when the graph is dropped without
         one (serving without ``torch.no_grad``); :meth:`graphs_in_flight` counts the others."""
         token = _GraphToken()
+        if len(self._in_flight) >= self._prune_at:  # drop finished graphs' references now and then: training
+            self._prune_at = 2 * self.graphs_in_flight() + 16  # forwards added one each for good (O(1) amortised)
         self._in_flight.append(weakref.ref(token))
         return _WatchGraph.apply(y, token)
 

@@ -102,7 +102,9 @@ class SemanticScheduler:
         num_ranks: the attention-DP ranks; must equal ``plan.num_ranks`` if given.
         total_tokens: the tokens of all the requests to schedule (when known, e.g. a batch of
             rollouts): a rank is then closed to a request that would take it above
-            ``max_ratio * total_tokens / R`` tokens. ``None``: no token cap (the mask alone balances).
+            ``max_ratio * total_tokens / R`` tokens. ``None``: no token cap (the mask alone balances);
+            a server taking requests as they come leaves it ``None``, since the cap counts every token
+            assigned since the scheduler was made (finished requests are never taken off).
         max_ratio: the cap's multiple of the mean tokens per rank.
 
     Attributes:
