@@ -48,6 +48,7 @@ from torch import nn
 from moelayers.config import MoEConfig, megatron_training_losses
 from moelayers.experts import GroupedExperts
 from moelayers.groups import ParallelGroups
+from moelayers.trace import in_backward
 
 try:
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -426,7 +427,9 @@ class MegatronMoEAdapter(nn.Module):
             if padding_mask is not None:
                 keep = ~_padding_to_sb(padding_mask, s, b).reshape(-1).to(hidden_states.device)
                 idx = keep.nonzero().squeeze(1)
-                forced = self._forced_rows(s, b, idx)
+                # (a recomputation leaves the ids forced for the next forward where they are: the layer
+                # then finds no routing for the unpadded rows it gets, and refuses if it ever forced)
+                forced = None if in_backward() else self._forced_rows(s, b, idx)
         except (TypeError, ValueError) as exc:
             self._refuse(exc)  # raises
         if padding_mask is None:
@@ -462,7 +465,8 @@ class MegatronMoEAdapter(nn.Module):
         ranks only after taking part in the layer's exchange (``_refuse_in_step``), so that the other
         ranks raise too instead of waiting for this one. Pending forced routing is dropped, as the
         layer drops it in a forward that raises."""
-        self.layer._forced_ids = None
+        if not in_backward():
+            self.layer._forced_ids = None
         if self.groups.ep_size > 1:
             self.layer._refuse_in_step(exc)  # raises
         raise exc

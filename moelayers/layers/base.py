@@ -167,7 +167,6 @@ class MoELayerBase(nn.Module):
         self.last_topk_ids: torch.Tensor | None = None
         self.last_token_ids: torch.Tensor | None = None
         self._forced_ids: torch.Tensor | None = None
-        self._forced_before = False  # the last forward outside a backward forced its routing
         self._forced_for_recompute = ForcedForRecompute()  # for activation checkpointing (layers/replay.py)
         self._bad_input = False  # this forward stands in for a refused input (see _refuse_in_step)
         self._flags_before_load: dict[str, tuple[int, dict]] = {}  # name -> (storage, flags), see _after_load
@@ -584,23 +583,24 @@ class MoELayerBase(nn.Module):
                 that forces routing, as trace replay does, raises together; a
                 ``VariabilityAwareMoE`` recording loads always reads the flags: all its ranks raise).
         """
-        forced, self._forced_ids = self._forced_ids, None  # used by this forward only, even one that raises
         recompute = in_backward()  # activation checkpointing re-running a forward inside the backward
+        forced = None
+        if not recompute:  # (a recomputation leaves ids forced for the next forward where they are)
+            forced, self._forced_ids = self._forced_ids, None  # used by this forward only, even one that raises
         try:
-            if recompute and forced is None:  # the forced ids of the forward being recomputed, by its input
-                forced = self._forced_for_recompute.find(x)
-                if forced is None and self._forced_before:
-                    raise ValueError("a forward with forced routing (force_routing) is being recomputed by activation "
-                                     "checkpointing from another input tensor than it was given (e.g. one computed "
-                                     "inside the checkpointed region, or forward_tp's chunk), so its forced ids "
-                                     "cannot be found: the recomputation would route by the router, with gradients "
-                                     "of other experts. Checkpoint a function that hands the layer its input as "
-                                     "given, or keep the layer outside the checkpointed region")
-            if not recompute:
-                self._forced_before = forced is not None
-                if forced is not None:
-                    self._forced_for_recompute.keep(x, forced)
             x2, token_ids = self._check_input(x, token_ids)
+            if recompute:  # routed as the forward it recomputes, found by its input
+                found, forced = self._forced_for_recompute.find(x)
+                if not found and self._forced_for_recompute.active:
+                    raise ValueError(
+                        "activation checkpointing is recomputing a forward of a layer that has forced its routing "
+                        "(force_routing), from an input the layer was not given (a tensor made inside the "
+                        "checkpointed region, forward_tp's chunk, the megatron adapter's unpadded rows), so whether "
+                        "and how that forward was forced cannot be told, and routing it by the router could give "
+                        "other experts' gradients. Checkpoint a function that hands the layer its input as given, "
+                        "or keep the layer outside the checkpointed region")
+            if not recompute and self.capacity is None:  # (capacity mode is inference-only: never recomputed)
+                self._forced_for_recompute.keep(x, forced)
             if forced is not None and forced.dim() == 3 and x.dim() == 3 and forced.shape[:2] == x.shape[:2]:
                 forced = forced.reshape(-1, forced.shape[-1])  # [S, B, K] for [S, B, H], as the reference takes
             if forced is not None and tuple(forced.shape) != (x2.shape[0], self.config.top_k):

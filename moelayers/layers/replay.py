@@ -2,10 +2,12 @@
 checkpointing can recompute.
 
 A checkpointed forward runs again inside the backward, where the forced ids it used are gone (each
-``force_routing`` call serves one forward). :class:`ForcedForRecompute` keeps them beside a weak
-reference to the forward's input, and the recomputation, which gets that input again (the same
-tensor, or a detached view of its storage under ``use_reentrant=True``), finds them by it. An
-entry goes with its input, so nothing accumulates over serving steps.
+``force_routing`` call serves one forward). Once a layer has forced its routing, every forward it
+runs keeps an entry beside a weak reference to its input: the forced ids (a copy), or ``None``
+where the router routed. The recomputation, which gets that input again (the same tensor, or a
+detached view of its storage under ``use_reentrant=True``), finds the entry by the input's storage,
+shape and strides; the latest forward on an input wins. An entry goes with its input, so nothing
+accumulates over serving steps.
 """
 
 from __future__ import annotations
@@ -14,42 +16,45 @@ import weakref
 
 import torch
 
+Key = tuple[torch.device, int, tuple[int, ...], tuple[int, ...]]
+
+
+def _key(x: torch.Tensor) -> Key:
+    return x.device, x.data_ptr(), tuple(x.shape), x.stride()
+
 
 class ForcedForRecompute:
-    """The forced ids of recent forwards, by their input tensor (held weakly)."""
+    """The routing of a layer's recent forwards, by their input tensor (held weakly).
+
+    Attributes:
+        active: a forward has forced its routing: from then on every forward keeps an entry.
+    """
 
     def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref, torch.Tensor, int]] = {}
-        self._count = 0
+        self._entries: dict[Key, tuple[weakref.ref, torch.Tensor | None]] = {}
+        self.active = False
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def keep(self, x: torch.Tensor, forced: torch.Tensor) -> None:
-        """Remember that the forward of input ``x`` was routed by ``forced`` (until ``x`` is freed)."""
-        self._count += 1
-        key, entries = self._count, self._entries
-        entries[key] = (weakref.ref(x, lambda _ref, key=key: entries.pop(key, None)), forced, forced._version)
+    def keep(self, x: torch.Tensor, forced: torch.Tensor | None) -> None:
+        """Remember how the forward of input ``x`` was routed (``forced`` ids, or ``None``: by the
+        router), until ``x`` is freed. Nothing is kept before the first forced forward."""
+        if forced is None and not self.active:
+            return
+        self.active = True
+        key, entries = _key(x), self._entries
 
-    def find(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The forced ids of the forward whose input had ``x``'s storage, shape and strides, or ``None``.
+        def drop(ref: weakref.ref, key: Key = key) -> None:
+            if key in entries and entries[key][0] is ref:  # not a later forward's entry on the same storage
+                del entries[key]
 
-        Raises:
-            ValueError: several live forwards had that input with different forced ids (the same
-                tensor routed twice): which one is being recomputed cannot be told; or the forced ids
-                were modified in place since their forward.
-        """
-        found = []
-        for ref, forced, version in list(self._entries.values()):
-            y = ref()
-            if (y is not None and y.device == x.device and y.data_ptr() == x.data_ptr() and y.shape == x.shape
-                    and y.stride() == x.stride()):
-                if forced._version != version:  # a buffer of ids reused for the next forward, say
-                    raise ValueError("the forced ids (force_routing) of a forward that activation checkpointing "
-                                     "recomputes were modified in place since: pass each forward its own tensor")
-                found.append(forced)
-        if len(found) > 1 and any(f is not found[0] and not torch.equal(f, found[0]) for f in found[1:]):
-            raise ValueError("activation checkpointing recomputes a forward whose input was routed twice with "
-                             "different forced ids (force_routing): which of them it recomputes cannot be told; "
-                             "give each forward its own input tensor")
-        return found[0] if found else None
+        entries[key] = (weakref.ref(x, drop), None if forced is None else forced.clone())
+
+    def find(self, x: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+        """``(found, forced)``: the routing of the latest forward whose input had ``x``'s storage,
+        shape and strides (``forced`` ids, or ``None`` where the router routed)."""
+        entry = self._entries.get(_key(x))
+        if entry is None or entry[0]() is None:
+            return False, None
+        return True, entry[1]

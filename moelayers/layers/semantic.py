@@ -233,7 +233,9 @@ class SemanticMoE(MoELayerBase):
                 numbers of tokens or different token ids, every TP rank raises (the refused rank its
                 own error, the others a ``ValueError`` naming it) instead of crashing or waiting.
         """
-        forced, self._forced_ids = self._forced_ids, None  # used by this call only, even one that raises
+        forced = None
+        if not in_backward():  # (a recomputation leaves ids forced for the next call where they are)
+            forced, self._forced_ids = self._forced_ids, None  # used by this call only, even one that raises
         if self.mode != "tp":
             raise ValueError("forward_tp needs a layer built with mode='tp' (this one is mode='dp')")
         refused = None

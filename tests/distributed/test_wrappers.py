@@ -99,26 +99,92 @@ def test_forced_routing_under_checkpointing(world):
     rank where the input cannot be matched, and keeps nothing once the inputs are freed."""
     for same, refused, kept in sum(run_distributed(_forced_both_modes, world, timeout=150), []):
         assert same
-        assert "from another input tensor than it was given" in refused, refused
+        assert "from an input the layer was not given" in refused, refused
         assert kept == 0
 
 
-def test_forced_ids_kept_for_recomputation_are_checked():
+def test_routing_kept_for_recomputation():
     from moelayers.layers.replay import ForcedForRecompute
 
     kept, x, ids = ForcedForRecompute(), torch.randn(4, H), torch.zeros(4, 2, dtype=torch.int64)
+    kept.keep(x, None)
+    assert len(kept) == 0 and not kept.active  # nothing before the first forced forward
     kept.keep(x, ids)
-    assert kept.find(x.detach()) is ids and kept.find(x[:2]) is None and kept.find(x.clone()) is None
-    kept.keep(x, ids + 1)
-    with pytest.raises(ValueError, match="routed twice with different forced ids"):
-        kept.find(x)
-    kept, ids = ForcedForRecompute(), torch.zeros(4, 2, dtype=torch.int64)
-    kept.keep(x, ids)
-    ids[0, 0] = 3
-    with pytest.raises(ValueError, match="modified in place"):
-        kept.find(x)
+    ids[0, 0] = 3  # a buffer of ids refilled for the next forward: the entry holds its own copy
+    found, forced = kept.find(x.detach())
+    assert found and forced.sum() == 0
+    assert kept.find(x[:2]) == (False, None) and kept.find(x.clone()) == (False, None)
+    kept.keep(x, None)  # the latest forward on an input wins (here: routed by the router)
+    assert kept.find(x) == (True, None)
     del x
-    assert len(kept) == 0
+    assert len(kept) == 0 and kept.active
+
+
+def _forced_and_unforced_micro_batches(rank: int, world: int) -> dict:
+    """What the review of the first version found: (1) a forced micro-batch whose input is made
+    inside the checkpointed region, then an unforced one, then one backward: the first was
+    recomputed by the router (the refusal looked at the last forward only); (2) an input routed
+    forced under no_grad (a rollout) and then trained on unforced: its recomputation replayed the
+    rollout's ids; (3) ids forced for the next micro-batch before the backward of the previous one
+    were taken by its recomputation; (4) forced ids that are rows of one tensor filled per
+    micro-batch were refused as modified in place."""
+    layer = ml.VanillaMoE(_cfg(), ml.ParallelGroups.from_world(), seed=1)
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(5)])
+    xs = [torch.randn(5, H, dtype=torch.float64, generator=g) for _ in range(2)]
+    out = {}
+    for reentrant in (True, False):
+        def ckpt(fn, t):
+            return checkpoint(fn, t, use_reentrant=reentrant)
+
+        layer.force_routing(ids)  # (1)
+        y1 = ckpt(lambda t: layer(t * 2.0), xs[0].clone().requires_grad_())
+        y2 = ckpt(layer, xs[1].clone().requires_grad_())
+        try:
+            (y1.sum() + y2.sum()).backward()
+            out[(1, reentrant)] = "no error"
+        except ValueError as exc:
+            out[(1, reentrant)] = "refused" if "from an input the layer was not given" in str(exc) else str(exc)
+        grads = []  # (2): the unwrapped layer's gradients, then the checkpointed one's after a forced rollout
+        for wrap in (False, True):
+            layer.zero_grad(set_to_none=True)
+            x = xs[0].clone()
+            with torch.no_grad():
+                layer.force_routing(ids)
+                layer(x)
+            y = ckpt(layer, x.requires_grad_()) if wrap else layer(x.requires_grad_())
+            y.pow(2).sum().backward()
+            grads.append([x.grad, layer.router.weight.grad, *layer.expert_grads_full()])
+        out[(2, reentrant)] = all(torch.equal(a, b) for a, b in zip(*grads))
+        x = xs[0].clone().requires_grad_()  # (3)
+        layer.force_routing(ids)
+        y = ckpt(layer, x)
+        layer.force_routing(ids.flip(0))  # for the next forward
+        y.sum().backward()
+        layer(xs[1])
+        out[(3, reentrant)] = torch.equal(layer.last_topk_ids, ids.flip(0))
+        all_ids = torch.zeros(2, 5, 2, dtype=torch.int64)  # (4)
+        ys = []
+        for i in range(2):
+            all_ids[i] = ids.roll(i, 0)
+            layer.force_routing(all_ids[i])
+            ys.append(ckpt(layer, xs[i].clone().requires_grad_()))
+        try:
+            sum(y.sum() for y in ys).backward()
+            out[(4, reentrant)] = "ok"
+        except ValueError as exc:
+            out[(4, reentrant)] = str(exc)
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_forced_and_unforced_micro_batches_under_checkpointing():
+    for out in run_distributed(_forced_and_unforced_micro_batches, 2, timeout=150):
+        for reentrant in (True, False):
+            assert out[(1, reentrant)] == "refused", out
+            assert out[(2, reentrant)] is True, out
+            assert out[(3, reentrant)] is True, out
+            assert out[(4, reentrant)] == "ok", out
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
