@@ -599,7 +599,8 @@ class MoELayerBase(nn.Module):
                         "and how that forward was forced cannot be told, and routing it by the router could give "
                         "other experts' gradients. Checkpoint a function that hands the layer its input as given, "
                         "or keep the layer outside the checkpointed region")
-            if not recompute and self.capacity is None:  # (capacity mode is inference-only: never recomputed)
+            # (capacity mode and inference mode forwards are never recomputed)
+            if not recompute and self.capacity is None and not torch.is_inference_mode_enabled():
                 self._forced_for_recompute.keep(x, forced)
             if forced is not None and forced.dim() == 3 and x.dim() == 3 and forced.shape[:2] == x.shape[:2]:
                 forced = forced.reshape(-1, forced.shape[-1])  # [S, B, K] for [S, B, H], as the reference takes

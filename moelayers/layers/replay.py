@@ -7,7 +7,8 @@ runs keeps an entry beside a weak reference to its input: the forced ids (a copy
 where the router routed. The recomputation, which gets that input again (the same tensor, or a
 detached view of its storage under ``use_reentrant=True``), finds the entry by the input's storage,
 shape and strides; the latest forward on an input wins. An entry goes with its input, so nothing
-accumulates over serving steps.
+accumulates over serving steps, and forwards under ``torch.inference_mode()`` (never recomputed)
+keep none.
 """
 
 from __future__ import annotations
