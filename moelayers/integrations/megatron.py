@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moelayers._compile import eager_under_compile
 from moelayers.config import MoEConfig, megatron_training_losses
 from moelayers.experts import GroupedExperts
 from moelayers.groups import ParallelGroups
@@ -329,7 +330,7 @@ class MegatronMoEAdapter(nn.Module):
             "the same names. Save export_full_weights() (logical order, any layout) or each rank's state_dict() "
             "instead")
 
-    @torch.compiler.disable  # eager under torch.compile, as MoELayerBase.forward
+    @eager_under_compile  # eager under torch.compile, as MoELayerBase.forward
     def forward(
         self,
         hidden_states: torch.Tensor,

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moelayers._compile import eager_under_compile
 from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, ReplicaPolicy, Routes
 from moelayers.dispatch.base import (
@@ -558,7 +559,7 @@ class MoELayerBase(nn.Module):
     # eager under torch.compile (one graph break, the model around it compiles): host syncs and
     # data-dependent shapes made 16-23 breaks and a recompile per load pattern, and inductor lost the
     # writes into the all-to-all buffer (views of another dtype): garbage on the wire
-    @torch.compiler.disable
+    @eager_under_compile
     def forward(self, x: torch.Tensor, *, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """MoE forward.
 

@@ -31,6 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from moelayers._compile import eager_under_compile
 from moelayers._warnings import warn_caller
 from moelayers.config import MoEConfig
 from moelayers.dispatch.comm import all_gather_flat, copy_to_group, fingerprint
@@ -198,7 +199,7 @@ class SemanticMoE(MoELayerBase):
             return rebatch_history(ids, self.tables(ids.device), self.groups.tp_size, history)
         return rebatch_tokens(ids, self.tables(ids.device), self.groups.tp_size, prev_ranks)
 
-    @torch.compiler.disable  # eager under torch.compile, as MoELayerBase.forward
+    @eager_under_compile  # eager under torch.compile, as MoELayerBase.forward
     def forward_tp(self, attn_partial: torch.Tensor, residual: torch.Tensor,
                    norm: Callable[[torch.Tensor], torch.Tensor], *, token_ids: torch.Tensor | None,
                    prev_ranks: PrevRanks = None) -> torch.Tensor:

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from moelayers._compile import eager_under_compile
 from moelayers._warnings import warn_caller
 from moelayers.config import MoEConfig
 from moelayers.groups import ParallelGroups
@@ -177,7 +178,7 @@ class VariabilityAwareMoE(MoELayerBase):
             self.emulator = emulate_variability(self, factor)
 
     # ------------------------------------------------------------------ forward + load recording
-    @torch.compiler.disable  # eager under torch.compile, as MoELayerBase.forward (its step count made a recompile per step)
+    @eager_under_compile  # eager under torch.compile, as MoELayerBase.forward (its step count made a recompile per step)
     def forward(self, x: torch.Tensor, *, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The base forward, then record this step's expert loads (and re-plan when due).
 
