@@ -600,9 +600,12 @@ class MoELayerBase(nn.Module):
                         "and how that forward was forced cannot be told, and routing it by the router could give "
                         "other experts' gradients. Checkpoint a function that hands the layer its input as given, "
                         "or keep the layer outside the checkpointed region")
-            # (capacity mode and inference mode forwards are never recomputed)
-            if not recompute and self.capacity is None and not torch.is_inference_mode_enabled():
+            # what checkpointing may recompute: a forward recording autograd, or a reentrant checkpoint's
+            # first pass (under no_grad, on an input that requires grad); never capacity mode
+            if not recompute and self.capacity is None and (torch.is_grad_enabled() or x.requires_grad):
                 self._forced_for_recompute.keep(x, forced)
+            elif forced is not None:  # (e.g. forced on an input made under no_grad in a reentrant checkpoint)
+                self._forced_for_recompute.active = True
             if forced is not None and forced.dim() == 3 and x.dim() == 3 and forced.shape[:2] == x.shape[:2]:
                 forced = forced.reshape(-1, forced.shape[-1])  # [S, B, K] for [S, B, H], as the reference takes
             if forced is not None and tuple(forced.shape) != (x2.shape[0], self.config.top_k):

@@ -6,9 +6,11 @@ A checkpointed forward runs again inside the backward, where the forced ids it u
 runs keeps an entry beside a weak reference to its input: the forced ids (a copy), or ``None``
 where the router routed. The recomputation, which gets that input again (the same tensor, or a
 detached view of its storage under ``use_reentrant=True``), finds the entry by the input's storage,
-shape and strides; the latest forward on an input wins. An entry goes with its input, so nothing
-accumulates over serving steps, and forwards under ``torch.inference_mode()`` (never recomputed)
-keep none.
+shape and strides. Only forwards that checkpointing may recompute keep one: with grad enabled, or
+on an input that requires grad (a reentrant checkpoint's first pass runs under ``no_grad``), so
+serving and rollout forwards keep none. An input that such forwards routed in different ways is
+ambiguous: its recomputation raises rather than guess. An entry goes with its input, so nothing
+accumulates over training steps either.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import weakref
 import torch
 
 Key = tuple[torch.device, int, tuple[int, ...], tuple[int, ...]]
+AMBIGUOUS = object()  # an input routed in different ways by forwards that are all alive
 
 
 def _key(x: torch.Tensor) -> Key:
@@ -28,7 +31,8 @@ class ForcedForRecompute:
     """The routing of a layer's recent forwards, by their input tensor (held weakly).
 
     Attributes:
-        active: a forward has forced its routing: from then on every forward keeps an entry.
+        active: a forward has forced its routing (set by the layer also when it keeps no entry):
+            from then on a recomputation whose input has no entry is refused.
     """
 
     def __init__(self) -> None:
@@ -50,12 +54,33 @@ class ForcedForRecompute:
             if key in entries and entries[key][0] is ref:  # not a later forward's entry on the same storage
                 del entries[key]
 
-        entries[key] = (weakref.ref(x, drop), None if forced is None else forced.clone())
+        routing = None if forced is None else forced.clone()
+        old = entries.get(key)
+        if old is not None and old[0]() is not None and not _same_routing(old[1], routing):
+            routing = AMBIGUOUS  # (the same storage routed again, otherwise: which forward is recomputed?)
+        entries[key] = (weakref.ref(x, drop), routing)
 
     def find(self, x: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
-        """``(found, forced)``: the routing of the latest forward whose input had ``x``'s storage,
-        shape and strides (``forced`` ids, or ``None`` where the router routed)."""
+        """``(found, forced)``: the routing of the forwards whose input had ``x``'s storage, shape
+        and strides (``forced`` ids, or ``None`` where the router routed).
+
+        Raises:
+            ValueError: forwards routed that input in different ways.
+        """
         entry = self._entries.get(_key(x))
         if entry is None or entry[0]() is None:
             return False, None
+        if entry[1] is AMBIGUOUS:
+            raise ValueError("activation checkpointing is recomputing a forward whose input this layer routed in "
+                             "different ways (force_routing with other ids, or none), e.g. under no_grad first: "
+                             "which routing the recomputed forward had cannot be told. Give each forward its own "
+                             "input tensor, or run the other forwards under torch.inference_mode()")
         return True, entry[1]
+
+
+def _same_routing(a: object, b: torch.Tensor | None) -> bool:
+    if a is AMBIGUOUS:
+        return False
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and a.device == b.device and bool(torch.equal(a, b))

@@ -114,8 +114,11 @@ def test_routing_kept_for_recomputation():
     found, forced = kept.find(x.detach())
     assert found and forced.sum() == 0
     assert kept.find(x[:2]) == (False, None) and kept.find(x.clone()) == (False, None)
-    kept.keep(x, None)  # the latest forward on an input wins (here: routed by the router)
-    assert kept.find(x) == (True, None)
+    kept.keep(x, ids.clone().zero_())  # the same routing again: still known
+    assert kept.find(x)[0]
+    kept.keep(x, None)  # routed otherwise while the first is alive: which one is recomputed?
+    with pytest.raises(ValueError, match="routed in different ways"):
+        kept.find(x)
     del x
     assert len(kept) == 0 and kept.active
 
@@ -124,8 +127,9 @@ def _forced_and_unforced_micro_batches(rank: int, world: int) -> dict:
     """What the review of the first version found: (1) a forced micro-batch whose input is made
     inside the checkpointed region, then an unforced one, then one backward: the first was
     recomputed by the router (the refusal looked at the last forward only); (2) an input routed
-    forced under no_grad (a rollout) and then trained on unforced: its recomputation replayed the
-    rollout's ids; (3) ids forced for the next micro-batch before the backward of the previous one
+    forced in a rollout and then trained on unforced: its recomputation replayed the rollout's ids
+    (now a rollout, under inference_mode or no_grad, keeps nothing, and the training forward is
+    recomputed by the router; two training forwards routing one input differently are refused); (3) ids forced for the next micro-batch before the backward of the previous one
     were taken by its recomputation; (4) forced ids that are rows of one tensor filled per
     micro-batch were refused as modified in place."""
     layer = ml.VanillaMoE(_cfg(), ml.ParallelGroups.from_world(), seed=1)
@@ -149,13 +153,32 @@ def _forced_and_unforced_micro_batches(rank: int, world: int) -> dict:
         for wrap in (False, True):
             layer.zero_grad(set_to_none=True)
             x = xs[0].clone()
-            with torch.no_grad():
+            with torch.inference_mode():
                 layer.force_routing(ids)
                 layer(x)
             y = ckpt(layer, x.requires_grad_()) if wrap else layer(x.requires_grad_())
             y.pow(2).sum().backward()
             grads.append([x.grad, layer.router.weight.grad, *layer.expert_grads_full()])
         out[(2, reentrant)] = all(torch.equal(a, b) for a, b in zip(*grads))
+        grads = []  # (2) with the rollout under no_grad
+        for wrap in (False, True):
+            layer.zero_grad(set_to_none=True)
+            x = xs[0].clone()
+            with torch.no_grad():
+                layer.force_routing(ids)
+                layer(x)
+            y = ckpt(layer, x.requires_grad_()) if wrap else layer(x.requires_grad_())
+            y.pow(2).sum().backward()
+            grads.append([x.grad, layer.router.weight.grad, *layer.expert_grads_full()])
+        out[(2, reentrant)] &= all(torch.equal(a, b) for a, b in zip(*grads))
+        x = xs[0].clone().requires_grad_()  # (5) one input, two checkpointed training forwards, other routing
+        layer.force_routing(ids)
+        y = ckpt(layer, x) + ckpt(layer, x)
+        try:
+            y.sum().backward()
+            out[(5, reentrant)] = "no error"
+        except ValueError as exc:
+            out[(5, reentrant)] = "refused" if "routed in different ways" in str(exc) else str(exc)
         x = xs[0].clone().requires_grad_()  # (3)
         layer.force_routing(ids)
         y = ckpt(layer, x)
@@ -185,6 +208,7 @@ def test_forced_and_unforced_micro_batches_under_checkpointing():
             assert out[(2, reentrant)] is True, out
             assert out[(3, reentrant)] is True, out
             assert out[(4, reentrant)] == "ok", out
+            assert out[(5, reentrant)] == "refused", out
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
