@@ -149,28 +149,21 @@ def _forced_and_unforced_micro_batches(rank: int, world: int) -> dict:
             out[(1, reentrant)] = "no error"
         except ValueError as exc:
             out[(1, reentrant)] = "refused" if "from an input the layer was not given" in str(exc) else str(exc)
-        grads = []  # (2): the unwrapped layer's gradients, then the checkpointed one's after a forced rollout
-        for wrap in (False, True):
-            layer.zero_grad(set_to_none=True)
-            x = xs[0].clone()
-            with torch.inference_mode():
-                layer.force_routing(ids)
-                layer(x)
-            y = ckpt(layer, x.requires_grad_()) if wrap else layer(x.requires_grad_())
-            y.pow(2).sum().backward()
-            grads.append([x.grad, layer.router.weight.grad, *layer.expert_grads_full()])
-        out[(2, reentrant)] = all(torch.equal(a, b) for a, b in zip(*grads))
-        grads = []  # (2) with the rollout under no_grad
-        for wrap in (False, True):
-            layer.zero_grad(set_to_none=True)
-            x = xs[0].clone()
-            with torch.no_grad():
-                layer.force_routing(ids)
-                layer(x)
-            y = ckpt(layer, x.requires_grad_()) if wrap else layer(x.requires_grad_())
-            y.pow(2).sum().backward()
-            grads.append([x.grad, layer.router.weight.grad, *layer.expert_grads_full()])
-        out[(2, reentrant)] &= all(torch.equal(a, b) for a, b in zip(*grads))
+        def same_grads_after_rollout(rollout_mode) -> bool:
+            """(2): the unwrapped layer's gradients, then the checkpointed one's, after a forced rollout."""
+            grads = []
+            for wrap in (False, True):
+                layer.zero_grad(set_to_none=True)
+                x = xs[0].clone()
+                with rollout_mode():
+                    layer.force_routing(ids)
+                    layer(x)
+                y = ckpt(layer, x.requires_grad_()) if wrap else layer(x.requires_grad_())
+                y.pow(2).sum().backward()
+                grads.append([x.grad, layer.router.weight.grad, *layer.expert_grads_full()])
+            return all(torch.equal(a, b) for a, b in zip(*grads))
+
+        out[(2, reentrant)] = same_grads_after_rollout(torch.inference_mode) and same_grads_after_rollout(torch.no_grad)
         x = xs[0].clone().requires_grad_()  # (5) one input, two checkpointed training forwards, other routing
         layer.force_routing(ids)
         y = ckpt(layer, x) + ckpt(layer, x)
