@@ -280,6 +280,10 @@ class MegatronMoEAdapter(nn.Module):
         self.layer_number, self.is_mtp_layer, self.megatron_name = layer_number, bool(is_mtp_layer), name
         self.layer = layer_cls(self.moe_config, self.groups, **layer_kwargs)
         megatron_init(self.layer, config, layer_number)
+        #: megatron's selective recompute of the MoE layer (``recompute_granularity='selective'`` with
+        #: ``'moe'`` in ``recompute_modules``): training forwards are checkpointed, as megatron's ``MoELayer``
+        self.recompute = (getattr(config, "recompute_granularity", None) == "selective"
+                          and "moe" in (getattr(config, "recompute_modules", None) or ()))
         if self.groups.ep_size > 1:  # megatron calls module.sharded_state_dict when the module has one
             self.sharded_state_dict = self._refuse_sharded_state_dict
         for module in self.layer.modules():
@@ -360,7 +364,11 @@ class MegatronMoEAdapter(nn.Module):
 
         Forced routing (``self.layer.force_routing(ids)``, e.g. trace replay) is laid out like
         ``hidden_states``: ``[S, B, K]`` or ``[S * B, K]``; with a ``padding_mask`` the padded rows
-        are dropped from it as from ``hidden_states``.
+        are dropped from it as from ``hidden_states``. Activation checkpointing that hands the
+        adapter the same ``hidden_states`` again recomputes the forward with the routing it had
+        (padding mask or not), as does megatron's selective recompute of the MoE layer
+        (``recompute_granularity='selective'``, ``'moe'`` in ``recompute_modules``), which the
+        adapter applies itself to forwards with grad enabled (:attr:`recompute`).
 
         Raises:
             RuntimeError: training (``self.training`` with grad enabled) while the config turns on
@@ -414,6 +422,18 @@ class MegatronMoEAdapter(nn.Module):
         if intermediate_tensors is not None:
             raise NotImplementedError("MegatronMoEAdapter does not support partial CUDA-graph capture "
                                       "(intermediate_tensors)")
+        if self.recompute and torch.is_grad_enabled() and not in_backward() and self.layer.capacity is None:
+            # megatron's MoELayer checkpoints itself likewise (its moe_layer_recompute); torch's non-reentrant
+            # checkpoint runs on CPU too (megatron's saves CUDA RNG states), and the layer draws no random numbers
+            y = torch.utils.checkpoint.checkpoint(self._forward, hidden_states, padding_mask, token_ids,
+                                                  use_reentrant=False)
+        else:
+            y = self._forward(hidden_states, padding_mask, token_ids)
+        return y, None
+
+    def _forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None,
+                 token_ids: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`forward` after the training checks: validates, drops padded rows, runs the layer."""
         try:
             if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
                 raise ValueError("hidden_states must be an [S, B, H] tensor")
@@ -428,20 +448,25 @@ class MegatronMoEAdapter(nn.Module):
             if padding_mask is not None:
                 keep = ~_padding_to_sb(padding_mask, s, b).reshape(-1).to(hidden_states.device)
                 idx = keep.nonzero().squeeze(1)
-                # (a recomputation leaves the ids forced for the next forward where they are: the layer
-                # then finds no routing for the unpadded rows it gets, and refuses if it ever forced)
+                # (a recomputation leaves the ids forced for the next forward where they are)
                 forced = None if in_backward() else self._forced_rows(s, b, idx)
         except (TypeError, ValueError) as exc:
             self._refuse(exc)  # raises
         if padding_mask is None:
-            return self.layer(hidden_states, token_ids=token_ids), None
+            return self.layer(hidden_states, token_ids=token_ids)
         x2 = hidden_states.reshape(s * b, h)
         ids = None if token_ids is None else token_ids.index_select(0, idx.to(token_ids.device))
         if forced is not None:
             self.layer.force_routing(forced)
-        y_kept = self.layer(x2.index_select(0, idx), token_ids=ids)  # every rank calls: collectives
-        y = x2.new_zeros(s * b, h).index_copy(0, idx, y_kept)
-        return y.view(s, b, h), None
+        rows = x2.index_select(0, idx)
+        # activation checkpointing recomputes this forward from hidden_states (the rows are new tensors):
+        # the layer keys its routing by them, so that a forced routing is recomputed as it was
+        self.layer._replay_key = hidden_states
+        try:
+            y_kept = self.layer(rows, token_ids=ids)  # every rank calls: collectives
+        finally:
+            self.layer._replay_key = None
+        return x2.new_zeros(s * b, h).index_copy(0, idx, y_kept).view(s, b, h)
 
     def _forced_rows(self, s: int, b: int, idx: torch.Tensor) -> torch.Tensor | None:
         """The layer's pending forced routing (``[S, B, K]`` or ``[S * B, K]``, laid out like

@@ -169,6 +169,9 @@ class MoELayerBase(nn.Module):
         self.last_token_ids: torch.Tensor | None = None
         self._forced_ids: torch.Tensor | None = None
         self._forced_for_recompute = ForcedForRecompute()  # for activation checkpointing (layers/replay.py)
+        # the tensor a wrapper was given, to key the next forward's routing by for checkpointing when the
+        # layer's own input is made from it in the wrapper (the megatron adapter's unpadded rows)
+        self._replay_key: torch.Tensor | None = None
         self._bad_input = False  # this forward stands in for a refused input (see _refuse_in_step)
         self._flags_before_load: dict[str, tuple[int, dict]] = {}  # name -> (storage, flags), see _after_load
         self._staging_fault_hook: Callable[[Staging], None] | None = None  # tests: a fault while moving weights
@@ -588,22 +591,24 @@ class MoELayerBase(nn.Module):
         forced = None
         if not recompute:  # (a recomputation leaves ids forced for the next forward where they are)
             forced, self._forced_ids = self._forced_ids, None  # used by this forward only, even one that raises
+        key, self._replay_key = (x if self._replay_key is None else self._replay_key), None
         try:
             x2, token_ids = self._check_input(x, token_ids)
             if recompute:  # routed as the forward it recomputes, found by its input
-                found, forced = self._forced_for_recompute.find(x)
+                found, forced = self._forced_for_recompute.find(key)
                 if not found and self._forced_for_recompute.active:
                     raise ValueError(
                         "activation checkpointing is recomputing a forward of a layer that has forced its routing "
                         "(force_routing), from an input the layer was not given (a tensor made inside the "
-                        "checkpointed region, forward_tp's chunk, the megatron adapter's unpadded rows), so whether "
+                        "checkpointed region, forward_tp's chunk), so whether "
                         "and how that forward was forced cannot be told, and routing it by the router could give "
                         "other experts' gradients. Checkpoint a function that hands the layer its input as given, "
-                        "or keep the layer outside the checkpointed region")
+                        "or keep the layer outside the checkpointed region (with megatron-core: "
+                        "recompute_granularity='selective' with 'moe' in recompute_modules, not 'full')")
             # what checkpointing may recompute: a forward recording autograd, or a reentrant checkpoint's
             # first pass (under no_grad, on an input that requires grad); never capacity mode
-            if not recompute and self.capacity is None and (torch.is_grad_enabled() or x.requires_grad):
-                self._forced_for_recompute.keep(x, forced)
+            if not recompute and self.capacity is None and (torch.is_grad_enabled() or key.requires_grad):
+                self._forced_for_recompute.keep(key, forced)
             elif forced is not None:  # (e.g. forced on an input made under no_grad in a reentrant checkpoint)
                 self._forced_for_recompute.active = True
             if forced is not None and forced.dim() == 3 and x.dim() == 3 and forced.shape[:2] == x.shape[:2]:

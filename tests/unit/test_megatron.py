@@ -614,6 +614,39 @@ def _check_transformer_layer(rank, world):
     return check_close("TransformerLayer", h2[keep], ref)
 
 
+def _check_transformer_layer_moe_recompute(rank, world):
+    """megatron's TransformerLayer with the selective recompute of its MoE layer, over the expert-parallel
+    ranks (the all-to-all runs again in the backward), a padding mask and forced routing: the gradients
+    of the layer without recompute."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    spec = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        mlp=mi.moe_spec(ml.VanillaMoE), mlp_bda=get_bias_dropout_add))
+    layers = [build_module(spec, config=_tc(expert_model_parallel_size=world, **kw), layer_number=1)
+              for kw in ({}, dict(recompute_granularity="selective", recompute_modules=["moe"]))]
+    assert [layer.mlp.recompute for layer in layers] == [False, True]
+    layers[1].load_state_dict(layers[0].state_dict())
+    calls = []
+    layers[1].mlp.layer.register_forward_pre_hook(lambda *_: calls.append(1))
+    x, pad = _padded_tokens(rank)
+    s, b = x.shape[:2]
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(s * b)]).view(s, b, K)
+    grads = []
+    for layer in layers:
+        xg = x.clone().requires_grad_()
+        layer.mlp.layer.force_routing(ids)
+        out = layer(xg, attention_mask=None, padding_mask=pad)
+        (out[0] if isinstance(out, tuple) else out).pow(2).sum().backward()
+        assert torch.equal(layer.mlp.layer.last_topk_ids, ids.reshape(-1, K)[~pad.t().reshape(-1)])
+        grads.append([xg.grad, *layer.mlp.layer.expert_grads_full(), layer.mlp.layer.router.weight.grad])
+    assert len(calls) == 2, calls  # the forward, and its recomputation in the backward
+    bad = [i for i, (a, c) in enumerate(zip(*grads)) if not torch.equal(a, c)]
+    return f"gradients differ with the MoE layer recomputed: {bad}" if bad else None
+
+
 def _megatron_layer_cpu(cfg, world, grouped):
     """megatron_moe_layer's builder on CPU with the all-gather dispatcher (all-to-all needs CUDA)."""
     layer = mpeer._build_megatron_moe(cfg, dtype=cfg.params_dtype, device="cpu", dispatcher="allgather", grouped=grouped)
@@ -714,6 +747,7 @@ DIST_CHECKS = {
     "ep_build_module": _check_ep_build_module,
     "ep_pg_collection": _check_ep_pg_collection,
     "transformer_layer": _check_transformer_layer,
+    "transformer_layer_moe_recompute": _check_transformer_layer_moe_recompute,
     "load_sequential": _check_load_sequential,
     "load_grouped": _check_load_grouped,
 }
@@ -836,3 +870,65 @@ def test_from_megatron_takes_a_zero_topk_scaling_factor_as_none():
     assert ml.MoEConfig.from_megatron(_tc(moe_router_topk_scaling_factor=0.0)) == ml.MoEConfig.from_megatron(_tc())
     with pytest.raises(ValueError, match=re.escape("moe_router_topk_scaling_factor=2.5")):
         ml.MoEConfig.from_megatron(_tc(moe_router_topk_scaling_factor=2.5))
+
+
+def _padded_case(seed: int = 4):
+    s, b = 4, 3
+    x = torch.randn(s, b, H, generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(s * b)]).view(s, b, K)
+    pad = torch.zeros(b, s, dtype=torch.bool)
+    pad[1, 3] = True
+    pad[2, 1:] = True
+    return x, ids, pad
+
+
+def _forced_padded_grads(adapter, x, ids, pad, wrap=None) -> list[torch.Tensor]:
+    """Gradients of a forced forward with a padding mask, the adapter called through ``wrap``."""
+    adapter.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    adapter.layer.force_routing(ids)
+    fn = lambda h: adapter(h, padding_mask=pad)[0]  # noqa: E731
+    y = fn(x) if wrap is None else wrap(fn, x)
+    y.pow(2).sum().backward()
+    return [x.grad, adapter.layer.router.weight.grad, *adapter.layer.expert_grads_full()]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_adapter_recomputes_forced_routing_with_a_padding_mask(reentrant):
+    """With a padding mask the layer gets the unpadded rows, a new tensor in every forward, so the
+    recomputation of a forced forward could not find its routing: the backward raised ValueError. The
+    adapter now keys the routing by its hidden_states: the gradients are the unwrapped adapter's."""
+    from torch.utils.checkpoint import checkpoint
+
+    adapter = _build(mi.moe_spec(ml.VanillaMoE), _tc(), "build_module")
+    adapter.load_full_weights(*_weights(4))
+    x, ids, pad = _padded_case()
+    want = _forced_padded_grads(adapter, x, ids, pad)
+    got = _forced_padded_grads(adapter, x, ids, pad, lambda fn, t: checkpoint(fn, t, use_reentrant=reentrant))
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    routed = _forced_padded_grads(adapter, x, ids.roll(1, 0), pad)  # (the forced ids matter)
+    assert not torch.equal(routed[1], want[1])
+
+
+def test_adapter_applies_megatron_selective_moe_recompute():
+    """recompute_granularity='selective' with 'moe' in recompute_modules checkpoints megatron's MoELayer;
+    the adapter ignored it (no recompute, the memory the user had turned it on to save). It now
+    checkpoints its training forwards, forced routing and padding mask included, with the gradients of
+    the plain adapter; inference and no_grad forwards run once."""
+    plain = _build(mi.moe_spec(ml.VanillaMoE), _tc(), "build_module")
+    adapter = _build(mi.moe_spec(ml.VanillaMoE), _tc(recompute_granularity="selective", recompute_modules=["moe"]),
+                     "build_module")
+    assert adapter.recompute and not plain.recompute
+    for a in (plain, adapter):
+        a.load_full_weights(*_weights(4))
+    calls = []
+    adapter.layer.register_forward_pre_hook(lambda *_: calls.append(1))
+    x, ids, pad = _padded_case()
+    want = _forced_padded_grads(plain, x, ids, pad)
+    got = _forced_padded_grads(adapter, x, ids, pad)
+    assert len(calls) == 2  # the forward, and its recomputation in the backward
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    with torch.no_grad():
+        y = adapter(x, padding_mask=pad)[0]
+    assert len(calls) == 3 and torch.equal(y, plain(x, padding_mask=pad)[0])
