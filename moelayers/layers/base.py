@@ -606,11 +606,10 @@ class MoELayerBase(nn.Module):
                         "or keep the layer outside the checkpointed region (with megatron-core: "
                         "recompute_granularity='selective' with 'moe' in recompute_modules, not 'full')")
             # what checkpointing may recompute: a forward recording autograd, or a reentrant checkpoint's
-            # first pass (under no_grad, on an input that requires grad); never capacity mode
-            if not recompute and self.capacity is None and (torch.is_grad_enabled() or key.requires_grad):
-                self._forced_for_recompute.keep(key, forced)
-            elif forced is not None:  # (e.g. forced on an input made under no_grad in a reentrant checkpoint)
-                self._forced_for_recompute.active = True
+            # first pass (under no_grad, on an input that requires grad); never capacity mode. Kept once the
+            # forward has run: a refused one has nothing to recompute, and would make its input ambiguous
+            recomputable = not recompute and self.capacity is None and (torch.is_grad_enabled() or key.requires_grad)
+            routed_as = forced
             if forced is not None and forced.dim() == 3 and x.dim() == 3 and forced.shape[:2] == x.shape[:2]:
                 forced = forced.reshape(-1, forced.shape[-1])  # [S, B, K] for [S, B, H], as the reference takes
             if forced is not None and tuple(forced.shape) != (x2.shape[0], self.config.top_k):
@@ -628,6 +627,10 @@ class MoELayerBase(nn.Module):
         if self.capacity is not None:
             return self._forward_capacity(x2, token_ids, forced).view(x.shape)
         y, topk_ids = self._forward_steps(x2, token_ids, forced)
+        if recomputable:
+            self._forced_for_recompute.keep(key, routed_as)
+        elif routed_as is not None and not recompute:  # (e.g. forced on an input made under no_grad in a
+            self._forced_for_recompute.active = True   # reentrant checkpoint: its recomputation is refused)
         if not recompute:  # the record of the forward the caller ran, not of its recomputation
             self.last_topk_ids, self.last_token_ids = topk_ids, token_ids
             self.last_stats = self.dispatcher.last_stats

@@ -277,11 +277,16 @@ class SemanticMoE(MoELayerBase):
         h = shuffle_rows(res, mine) + reduced                                    # dummy rows: zeros
         rows = mine[:n]
         hv = h[:n]
-        z = norm(hv)  # before the chunk's routing is forced: a norm that raises leaves nothing forced
-        if not isinstance(z, torch.Tensor) or z.shape != hv.shape or z.dtype != hv.dtype:
-            got = f"{list(z.shape)} {z.dtype}" if isinstance(z, torch.Tensor) else type(z).__name__
-            raise ValueError(f"norm must return a tensor shaped and typed like its input ({list(hv.shape)} "
-                             f"{hv.dtype}, this rank's rows after the reduce-scatter), got {got}")
+        try:  # before the chunk's routing is forced: a norm that raises leaves nothing forced
+            z = norm(hv)
+            if not isinstance(z, torch.Tensor) or z.shape != hv.shape or z.dtype != hv.dtype:
+                got = f"{list(z.shape)} {z.dtype}" if isinstance(z, torch.Tensor) else type(z).__name__
+                raise ValueError(f"norm must return a tensor shaped and typed like its input ({list(hv.shape)} "
+                                 f"{hv.dtype}, this rank's rows after the reduce-scatter), got {got}")
+        except Exception as exc:  # the caller's norm failed on this rank: the others wait in the layer's exchange
+            if self.groups.ep_size == 1:
+                raise
+            self._refuse_in_step(exc)  # raises, after telling the other ranks
         if forced is not None:  # replayed routing of all T tokens: keep this chunk's rows
             self._forced_ids = forced.index_select(0, rows.to(forced.device))
         y = self.forward(z, token_ids=None if token_ids is None else token_ids.index_select(0, rows))

@@ -123,6 +123,31 @@ def test_routing_kept_for_recomputation():
     assert len(kept) == 0 and kept.active
 
 
+def test_a_refused_forced_forward_leaves_nothing_to_recompute():
+    """A forward refused for its forced ids (wrong rows) kept their routing for its input: retried on that
+    input under checkpointing, the backward raised "routed in different ways"."""
+    layer = ml.VanillaMoE(_cfg(), ml.ParallelGroups.single(), seed=1)
+    x = torch.randn(5, H, dtype=torch.float64, requires_grad=True)
+    ids = torch.zeros(5, 2, dtype=torch.int64)
+    ids[:, 1] = 3
+    layer.force_routing(ids[:4])
+    with pytest.raises(ValueError, match="forced routing has shape"):
+        layer(x)
+    assert len(layer._forced_for_recompute) == 0 and not layer._forced_for_recompute.active
+    for forced in (ids, None):  # retried on that input, forced or not (a new input for the other)
+        x = x if forced is not None else x.detach().clone().requires_grad_()
+        grads = []
+        for wrap in (False, True):
+            x.grad = None
+            layer.zero_grad(set_to_none=True)
+            if forced is not None:
+                layer.force_routing(forced)
+            y = checkpoint(layer, x, use_reentrant=False) if wrap else layer(x)
+            y.pow(2).sum().backward()
+            grads.append([x.grad, layer.router.weight.grad, *layer.expert_grads_full()])
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def _forced_and_unforced_micro_batches(rank: int, world: int) -> dict:
     """What the review of the first version found: (1) a forced micro-batch whose input is made
     inside the checkpointed region, then an unforced one, then one backward: the first was
