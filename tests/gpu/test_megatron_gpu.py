@@ -176,3 +176,49 @@ def test_megatron_equality_multi_gpu(world, record_property):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     _check(run_distributed(_compare, world, backend="nccl", timeout=500), world, record_property)
+
+
+def _adapter_recompute(rank: int, world: int) -> str | None:
+    """The adapter with megatron's selective MoE recompute on CUDA over NCCL: a forced forward with a
+    padding mask, its all-to-all run again in the backward; the gradients of the adapter without it."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch._dynamo.config.disable = True
+    import dataclasses
+
+    import moelayers as ml
+    from moelayers.integrations import megatron as mi
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=FF, num_experts=E, top_k=K, params_dtype=torch.bfloat16)
+    meg = mi.megatron_moe_layer(cfg, dtype=torch.bfloat16, device=dev)  # initialises parallel_state
+    weights = tuple(w.to(dev) for w in _weights())
+    adapters = []
+    for recompute in ((), ("moe",)):
+        tc = dataclasses.replace(meg.config, recompute_granularity="selective" if recompute else None,
+                                 recompute_modules=list(recompute))
+        adapters.append(mi.moe_spec(ml.VanillaMoE)(config=tc, pg_collection=None, is_mtp_layer=False, name="mlp"))
+        adapters[-1].load_full_weights(*weights)
+    assert [a.recompute for a in adapters] == [False, True]
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(S, B, H, generator=g).bfloat16().to(dev)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(S * B)]).view(S, B, K).to(dev)
+    pad = torch.zeros(B, S, dtype=torch.bool, device=dev)
+    pad[rank % B, S - 3:] = True
+    grads = []
+    for adapter in adapters:
+        xg = x.clone().requires_grad_()
+        adapter.layer.force_routing(ids)
+        adapter(xg, padding_mask=pad)[0].float().pow(2).sum().backward()
+        grads.append([xg.grad, adapter.layer.router.weight.grad, *adapter.layer.expert_grads_full()])
+    bad = [i for i, (a, b) in enumerate(zip(*grads)) if not torch.equal(a, b)]
+    return f"rank {rank}: gradients {bad} differ with the MoE layer recomputed" if bad else None
+
+
+@pytest.mark.timeout(300)
+def test_adapter_selective_moe_recompute_nccl():
+    from moelayers.testing import run_distributed
+
+    world = min(2, torch.cuda.device_count())
+    assert run_distributed(_adapter_recompute, world, backend="nccl", timeout=240) == [None] * world
