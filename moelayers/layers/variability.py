@@ -250,6 +250,9 @@ class VariabilityAwareMoE(MoELayerBase):
             self._retry_at = self.steps + self.window
             warn_caller(f"VariabilityAwareMoE: the automatic re-plan failed ({exc}); tried again in "
                         f"{self.window} steps", RuntimeWarning)
+        except BaseException:  # interrupted (KeyboardInterrupt): tried again as after a failure
+            self._retry_at = self.steps + self.window
+            raise
 
     def _holds_grads(self) -> bool:
         """Whether the expert weights hold gradients (:func:`~moelayers.layers.moves.holds_gradients`),

@@ -901,6 +901,29 @@ def test_a_failed_automatic_replan_is_retried_exactly_a_window_later():
     assert sum("automatic re-plan failed" in str(w.message) for w in caught) == 1
 
 
+def test_an_interrupted_automatic_replan_is_retried_a_window_later():
+    """A KeyboardInterrupt in the planner reaches the caller, and the re-plan was never tried again."""
+    layer, _ = _flaky_layer(window=3, fails=0)
+    calls = []
+
+    def interrupted_once(loads, curves, **kw):
+        calls.append(layer.steps)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return np.zeros(np.asarray(loads).shape[1], dtype=np.int64)
+
+    layer.planner = interrupted_once
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for step in range(1, 8):
+            if step == 3:
+                with pytest.raises(KeyboardInterrupt):
+                    layer(x)
+            else:
+                layer(x)
+    assert calls == [3, 6] and layer.num_replans == 1
+
+
 def test_a_failed_deferred_replan_under_autograd_warns_instead_of_raising():
     """Training: the due re-plan runs at the start of the next forward; a failing planner there warns
     (RuntimeWarning) and the forward still returns its output and its backward runs."""
