@@ -377,7 +377,7 @@ def test_recorder_untagged_and_tagged() -> None:
     np.testing.assert_array_equal(trace.token_ids, tokens)
     np.testing.assert_array_equal(trace.seq_offsets, [0, 3, 6, 8, 10, 11])
     np.testing.assert_array_equal(trace.topk_ids, expected_ids(model, tokens))
-    assert trace.num_experts == 8 and trace.vocab_size == 50 and trace.topk_ids.dtype == np.int64
+    assert trace.num_experts == 8 and trace.vocab_size == 50 and trace.topk_ids.dtype == np.int16
     assert no_hooks(model)
 
 
