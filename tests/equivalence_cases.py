@@ -71,11 +71,19 @@ def case_list(world: int) -> list[dict]:
         cases.append(dict(place="replicas", dispatcher=disp, dedup=dedup, dtype=torch.bfloat16, fp32_router=True))
     cases.append(dict(place="permuted", dispatcher="alltoall", dedup=True, dtype=torch.bfloat16, capacity=True,
                       fp32_router=True))
+    if world >= 4:  # expert-parallel groups smaller than the world (data parallel x expert parallel)
+        sub = world // 2
+        cases += [dict(place="permuted", dispatcher="alltoall", dedup=True, dtype=torch.float32, ep=sub),
+                  dict(place="replicas", dispatcher="allgather", dedup=True, dtype=torch.float32, ep=sub),
+                  dict(place="replicas", dispatcher="alltoall", dedup=True, dtype=torch.bfloat16, ep=sub, moved=True),
+                  dict(place="permuted", dispatcher="alltoall", dedup=True, dtype=torch.float32, ep=sub, capacity=True,
+                       moved=True)]
     for c in cases:
         flags = [k for k in ("policy", "zero_tokens", "one_expert", "topk_all", "sigmoid", "capacity", "fp32_router",
                              "megatron_rank", "moved") if c.get(k)]
         c["name"] = f"{c['place']}-{c['dispatcher']}-{'dedup' if c['dedup'] else 'nodedup'}-" \
-                    f"{str(c['dtype']).split('.')[-1]}" + "".join(f"-{f}" for f in flags)
+                    f"{str(c['dtype']).split('.')[-1]}" + "".join(f"-{f}" for f in flags) \
+                    + (f"-ep{c['ep']}" if c.get("ep") else "")
     return cases
 
 
@@ -87,12 +95,16 @@ def _tokens(rank: int, case: dict) -> int:
 
 def run_cases(rank: int, world: int, device: str = "cpu", names: list[str] | None = None) -> dict[str, str | None]:
     groups = ml.ParallelGroups.from_world() if world > 1 else ml.ParallelGroups.single()
+    sub_groups = {}  # ep size -> groups, made the first time a case needs them (by every rank alike)
     results = {}
     for case in case_list(world):
         if names is not None and case["name"] not in names:
             continue
+        if case.get("ep") and case["ep"] not in sub_groups:
+            sub_groups[case["ep"]] = ml.ParallelGroups.from_world(ep=case["ep"])
         try:
-            results[case["name"]] = _run_case(rank, world, groups, case, torch.device(device))
+            results[case["name"]] = _run_case(rank, world, sub_groups[case["ep"]] if case.get("ep") else groups, case,
+                                              torch.device(device))
         except Exception as e:  # a failing case must not desynchronise the others
             results[case["name"]] = f"{case['name']}: raised {type(e).__name__}: {e}"
             if world > 1:
@@ -162,13 +174,15 @@ def _run_case(rank: int, world: int, groups, case: dict, device: torch.device) -
     if groups.ep is not None:
         dist.all_reduce(g_router, group=groups.ep)
 
-    # references on all ranks' tokens, float64 and the layer's dtype
+    # references on the tokens of all ranks of this rank's expert-parallel group, float64 and the layer's dtype
+    members = dist.get_process_group_ranks(groups.ep) if groups.ep is not None else [rank]
+
     def reference(ref_dtype):
         params = [t.to(ref_dtype).clone().requires_grad_(True) for t in (router64, w13_64, w2_64)]
         x_all = [xi.to(ref_dtype).clone().requires_grad_(True) for xi in xs]
         c = cfg64 if ref_dtype == torch.float64 else cfg
         outs = [ml.reference.moe_forward(xi, *params, c) for xi in x_all]
-        loss = sum((o.double() * gy).sum() for o, gy in zip(outs, gys))
+        loss = sum((outs[r].double() * gys[r]).sum() for r in members)
         loss.backward()
         gx = x_all[rank].grad if x_all[rank].grad is not None else torch.zeros_like(x_all[rank])
         return outs[rank], gx, params

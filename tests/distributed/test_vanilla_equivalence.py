@@ -30,6 +30,16 @@ def test_vanilla_matches_reference(world, case):
         assert res[case] is None, f"world {world}, rank {rank}: {res[case]}"
 
 
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("case", [c["name"] for c in case_list(4) if c.get("ep")])
+def test_vanilla_matches_reference_in_expert_parallel_groups_smaller_than_the_world(case):
+    """World 4 as two expert-parallel groups of 2 ranks (data parallel x expert parallel): each group's
+    experts see the tokens of its own ranks only."""
+    for rank, res in enumerate(results_for(4)):
+        assert case in res, f"case {case} did not run on rank {rank}"
+        assert res[case] is None, f"world 4, rank {rank}: {res[case]}"
+
+
 def _routing_choices(rank, world):
     """What the equivalence cases cannot see (outputs are equal whichever replica or path is used):
     the replica policy keeps tokens local, spreads remote ones over the replicas, and de-duplication
