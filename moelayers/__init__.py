@@ -13,7 +13,7 @@ from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, Routes
 from moelayers.experts import GroupedExperts
 from moelayers.groups import ParallelGroups
-from moelayers.layers import MoELayerBase, VanillaMoE, VariabilityAwareMoE, rank_local_names
+from moelayers.layers import MoELayerBase, VanillaMoE, VariabilityAwareMoE, rank_local_names, reduce_expert_grads
 from moelayers.layers import SemanticMoE
 from moelayers.metrics import MoEStats
 from moelayers.placement import ExpertPlacement, SlotMove
@@ -25,5 +25,5 @@ __all__ = [
     "AllGatherDispatcher", "AllToAllDispatcher", "ExpertPlacement", "GroupedExperts", "LocalFirstPolicy",
     "MoEConfig", "MoELayerBase", "MoEStats", "ParallelGroups", "Routes", "SlotMove", "TopKRouter", "VanillaMoE",
     "VariabilityAwareMoE", "metrics", "reference", "trace",
-    "SemanticMoE", "rank_local_names",
+    "SemanticMoE", "rank_local_names", "reduce_expert_grads",
 ]

@@ -1,7 +1,9 @@
 """`ParallelGroups`: the process groups an MoE layer talks over.
 
 The world is ``dp x tp``; TP groups are consecutive ranks; the expert-parallel group spans the
-world unless told otherwise (consecutive blocks of ``ep`` ranks). Works on gloo and NCCL alike.
+world unless told otherwise (consecutive blocks of ``ep`` ranks; then the ranks at the same place
+of every block hold the same experts: the expert-data-parallel group ``edp``). Works on gloo and
+NCCL alike.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ class ParallelGroups:
     ``backend`` is the default process group's backend when the groups were built over it
     (:meth:`from_world`), so that a layer on a world of one NCCL rank, whose groups are all
     ``None``, still defaults to the GPU; ``None`` otherwise (:meth:`single`: CPU by default).
+
+    ``edp`` (expert data parallel): with expert-parallel groups smaller than the world, the ranks
+    that hold the same experts, one from each expert-parallel group (``world_size // ep_size``
+    ranks); ``None`` when the expert-parallel group is the world, or when not known
+    (:meth:`from_groups` without it, :meth:`from_megatron`: megatron's DDP reduces the expert
+    gradients itself). :func:`moelayers.reduce_expert_grads` uses it under torch DDP.
     """
 
     ep: ProcessGroup
@@ -36,6 +44,7 @@ class ParallelGroups:
     world_size: int
     rank: int
     backend: str | None = None
+    edp: ProcessGroup = None
 
     def __post_init__(self) -> None:
         """Check that sizes, ranks and groups agree (a mismatch would only show up later, as a
@@ -69,6 +78,12 @@ class ParallelGroups:
                                  f"{actual_rank}, but {name}_size={size}, {name}_rank={rank}")
         if self.backend is not None and not isinstance(self.backend, str):
             raise ValueError(f"ParallelGroups.backend must be a backend name or None, got {self.backend!r}")
+        if self.edp is not None:
+            if not dist.is_available() or not dist.is_initialized():
+                raise ValueError("ParallelGroups.edp is a process group but torch.distributed is not initialised")
+            if dist.get_world_size(self.edp) * self.ep_size != self.world_size:
+                raise ValueError(f"ParallelGroups.edp has {dist.get_world_size(self.edp)} ranks; expected world_size "
+                                 f"// ep_size = {self.world_size // self.ep_size} (one from each expert-parallel group)")
         for name in ("ep", "tp"):
             if self.world_size % getattr(self, f"{name}_size"):
                 raise ValueError(f"ParallelGroups.{name}_size={getattr(self, f'{name}_size')} does not divide "
@@ -106,17 +121,19 @@ class ParallelGroups:
         ep_group = _blocks(world, ep)
         tp_group = _blocks(world, tp)
         dp_group = _strided(world, tp)
+        edp_group = _strided(world, ep)  # the same place in every expert-parallel block: the same experts
         return cls(
             ep=ep_group, tp=tp_group, dp=dp_group,
             ep_size=ep, ep_rank=rank % ep,
             tp_size=tp, tp_rank=rank % tp,
             dp_size=dp, dp_rank=rank // tp,
-            world_size=world, rank=rank, backend=str(dist.get_backend()),
+            world_size=world, rank=rank, backend=str(dist.get_backend()), edp=edp_group,
         )
 
     @classmethod
-    def from_groups(cls, ep: ProcessGroup, tp: ProcessGroup = None, dp: ProcessGroup = None) -> "ParallelGroups":
-        """Wrap existing process groups (any may be ``None`` for a group of one)."""
+    def from_groups(cls, ep: ProcessGroup, tp: ProcessGroup = None, dp: ProcessGroup = None,
+                    edp: ProcessGroup = None) -> "ParallelGroups":
+        """Wrap existing process groups (any may be ``None`` for a group of one; ``edp``: see the class)."""
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
 
@@ -128,7 +145,7 @@ class ParallelGroups:
         (es, er), (ts, tr), (ds, dr) = size_rank(ep), size_rank(tp), size_rank(dp)
         if world % es or world % ts:
             raise ValueError(f"group sizes ep={es}, tp={ts} do not divide the world size {world}")
-        return cls(ep, tp, dp, es, er, ts, tr, ds, dr, world, rank)
+        return cls(ep, tp, dp, es, er, ts, tr, ds, dr, world, rank, edp=edp)
 
     @classmethod
     def from_megatron(cls, pg_collection: Any = None) -> "ParallelGroups":

@@ -32,7 +32,7 @@ from moelayers.dispatch.comm import fingerprint
 from moelayers.experts import GroupedExperts, gather_logical
 from moelayers.groups import ParallelGroups
 from moelayers.kernels import HAVE_TRITON, TRITON_INSTALL_HINT, use_triton
-from moelayers.layers.moves import Staging, move_expert_weights
+from moelayers.layers.moves import Staging, _comm_device, move_expert_weights
 from moelayers.layers.replay import ForcedForRecompute
 from moelayers.metrics import MoEStats
 from moelayers.placement import ExpertPlacement
@@ -61,14 +61,61 @@ def rank_local_names(model: nn.Module) -> list[str]:
     Without it DDP copies rank 0's experts and buffers over every rank when it is built (the buffers
     before every forward) and averages the gradients of different experts, silently. DDP averages
     the other gradients over the ranks (the gradient of the ranks' mean loss); an expert's gradient
-    is already the sum over every rank's tokens, so divide the expert gradients by the number of
-    ranks to match."""
+    is the sum over the tokens of its expert-parallel group only: :func:`reduce_expert_grads` after
+    the backward makes it the same mean (megatron's DDP does both itself)."""
     names = []
     for prefix, module in model.named_modules():
         if isinstance(module, MoELayerBase):
             head = f"{prefix}." if prefix else ""
             names += [f"{head}experts.w13", f"{head}experts.w2"] + [head + n for n, _ in module.named_buffers()]
     return names
+
+
+def reduce_expert_grads(model: nn.Module) -> None:
+    """After the backward of ``model`` under torch DDP over the whole world, leaving
+    :func:`rank_local_names` alone: give each moelayers layer's expert weights the gradient DDP
+    gives the others, that of the mean loss over the world's ranks.
+
+    An expert's gradient is the sum over the tokens its expert-parallel group sent it. With groups
+    smaller than the world it is first summed over the ranks that hold the same experts (the
+    groups' ``edp``, one rank of each expert-parallel group), then divided by the world size. Call
+    it on every rank (a collective over the world). The expert-parallel groups must serve the same
+    placement (a ``VariabilityAwareMoE`` that re-planned in each group on its own loads does not).
+
+    Raises:
+        ValueError: expert-parallel groups smaller than the world without their ``edp`` group
+            (``ParallelGroups.from_world`` builds it; pass it to ``from_groups``), or groups that
+            serve different placements (checked on every rank: all raise).
+    """
+    layers = [m for m in model.modules() if isinstance(m, MoELayerBase)]
+    for layer in layers:
+        g = layer.groups
+        if g.ep_size < g.world_size and g.edp is None:
+            raise ValueError(f"{type(layer).__name__} has expert-parallel groups of {g.ep_size} of {g.world_size} ranks "
+                             "but no expert-data-parallel group (ParallelGroups.edp): build the groups with "
+                             "ParallelGroups.from_world(ep=...), or pass edp= to ParallelGroups.from_groups")
+    edp_layers = [layer for layer in layers if layer.groups.edp is not None]
+    if edp_layers:  # one check for all layers, over the world, so that every rank raises together
+        digests = torch.tensor([layer.placement.digest() for layer in edp_layers], dtype=torch.int64)
+        both = torch.cat([digests, -digests]).to(_comm_device(dist.group.WORLD, edp_layers[0].router.weight.device))
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        n = len(edp_layers)
+        differ = [type(layer).__name__ for i, layer in enumerate(edp_layers) if both[i] != -both[n + i]]
+        if differ:
+            raise ValueError(f"the expert-parallel groups serve different placements in {len(differ)} layer(s) "
+                             f"({differ[0]} first): a slot holds other experts from one group to the next, so their "
+                             "gradients cannot be summed. Keep one placement in every group (apply_placement with the same "
+                             "placement on every rank) while training")
+    for layer in layers:
+        g = layer.groups
+        for p in (layer.experts.w13, layer.experts.w2):
+            if not p.requires_grad:
+                continue
+            if p.grad is None:  # (no rows reached this rank's experts) the other ranks of its edp group wait for it
+                p.grad = torch.zeros_like(p)
+            if g.edp is not None:
+                dist.all_reduce(p.grad, group=g.edp)
+            p.grad.div_(g.world_size)
 
 
 class MoELayerBase(nn.Module):

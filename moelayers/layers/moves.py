@@ -202,7 +202,7 @@ def _fail(stage: str, failing: list[int], old: ExpertPlacement, cause: BaseExcep
     """Raise the abort error (identical text on every rank; this rank's own failure as the cause)."""
     if failing:
         what = "rejected the new placement" if stage == "validate" else "failed while staging the weights"
-        msg = (f"placement change aborted on every rank: rank(s) {failing} {what}; the old placement "
+        msg = (f"placement change aborted on every rank: expert-parallel rank(s) {failing} {what}; the old placement "
                f"({old!r}) keeps serving and no weights changed")
     else:
         msg = ("placement change aborted on every rank: the ranks were handed different placements "

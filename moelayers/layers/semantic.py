@@ -60,7 +60,8 @@ class SemanticMoE(MoELayerBase):
 
     Args:
         config, groups: as every layer. ``mode='tp'`` needs the expert-parallel group to be the
-            tensor-parallel group (``ParallelGroups.from_world(tp=world)``: ``tp = ep = world``).
+            tensor-parallel group (``ParallelGroups.from_world(ep=n, tp=n)``: the same ``n`` ranks;
+            ``n = world`` for one group).
         placement: default ``plan.placement(layer_idx)`` with a plan, else linear.
         mode: ``'dp'`` (attention data-parallel) or ``'tp'`` (attention tensor-parallel).
         plan: a ``SemanticPlan`` (duck-typed: ``expert_rank``, ``token_rank``, ``token_conf``,
@@ -127,7 +128,7 @@ class SemanticMoE(MoELayerBase):
         if mode == "tp" and not _tp_groups_fit(groups):
             raise ValueError(f"mode='tp' runs the MoE expert-parallel over the TP group (tp = ep, the same ranks), got "
                              f"tp={groups.tp_size} ranks {_group_ranks(groups.tp)}, ep={groups.ep_size} ranks "
-                             f"{_group_ranks(groups.ep)}: use ParallelGroups.from_world(tp=world)")
+                             f"{_group_ranks(groups.ep)}: use ParallelGroups.from_world(ep=n, tp=n) (n = world for one group)")
         tables, predictor_obj, gather_context = None, None, False
         if plan is not None:
             _check_plan(plan, config, groups)
@@ -167,7 +168,7 @@ class SemanticMoE(MoELayerBase):
                                  f"mode is given), which runs the MoE over the TP group, but the groups have "
                                  f"tp={groups.tp_size}, ep={groups.ep_size}: pass mode='dp' to serve this plan's "
                                  f"placement with attention-DP, or build the groups with "
-                                 f"ParallelGroups.from_world(tp=world)")
+                                 f"ParallelGroups.from_world(ep=n, tp=n)")
         return cls(config, groups, mode=mode, plan=plan, layer_idx=layer_idx, **kwargs)
 
     # ------------------------------------------------------------------ attention-TP

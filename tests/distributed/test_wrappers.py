@@ -277,7 +277,7 @@ def test_pickling_a_layer_over_process_groups_says_what_to_do():
         assert "cannot be pickled" in msg and "state_dict()" in msg, msg
 
 
-def _ddp(rank: int, world: int) -> list[str]:
+def _ddp(rank: int, world: int, ep: int | None = None) -> list[str]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from moelayers.testing import check_close
@@ -285,15 +285,17 @@ def _ddp(rank: int, world: int) -> list[str]:
     torch.manual_seed(0)  # the same weights on every rank, as a model built alike
     w64 = (torch.randn(8, H, dtype=torch.float64) * 0.5, torch.randn(8, 16, H, dtype=torch.float64) * H ** -0.5,
            torch.randn(8, H, 8, dtype=torch.float64) * 8 ** -0.5)
-    model = torch.nn.Sequential(ml.VanillaMoE(_cfg(), ml.ParallelGroups.from_world(), seed=1))
+    groups = ml.ParallelGroups.from_world(ep=ep)
+    model = torch.nn.Sequential(ml.VanillaMoE(_cfg(), groups, seed=1))
     model[0].load_full_weights(*w64)
     torch.distributed.barrier()
     DDP._set_params_and_buffers_to_ignore_for_model(model, ml.rank_local_names(model))
     ddp = DDP(model)
     xs = [torch.randn(4 + r, H, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     ddp(xs[rank]).pow(2).sum().backward()
+    ml.reduce_expert_grads(model)
     # a rank-local buffer: each rank's load window keeps its own counts (DDP broadcast rank 0's before every forward)
-    loads = torch.nn.Sequential(ml.VariabilityAwareMoE(_cfg(), ml.ParallelGroups.from_world(), window=4, seed=1))
+    loads = torch.nn.Sequential(ml.VariabilityAwareMoE(_cfg(), groups, window=4, seed=1))
     DDP._set_params_and_buffers_to_ignore_for_model(loads, ml.rank_local_names(loads))
     ddp_loads = DDP(loads)
     for _ in range(2):
@@ -306,19 +308,32 @@ def _ddp(rank: int, world: int) -> list[str]:
     loss = sum(ml.reference.moe_forward(x, *params, _cfg()).pow(2).sum() for x in xs) / world  # DDP: the mean
     loss.backward()
     errs.append(check_close("router grad", model[0].router.weight.grad, params[0].grad, None))
-    errs.append(check_close("w13 grad / world", g13 / world, params[1].grad, None))
-    errs.append(check_close("w2 grad / world", g2 / world, params[2].grad, None))
+    errs.append(check_close("w13 grad", g13, params[1].grad, None))
+    errs.append(check_close("w2 grad", g2, params[2].grad, None))
     if not torch.equal(loads[0].window_loads()[1], mine):
         errs.append(f"the load window holds {loads[0].window_loads()[1].tolist()}, this rank routed {mine.tolist()}")
+    if groups.edp is not None:  # groups that serve different placements: refused on every rank
+        model.zero_grad(set_to_none=True)
+        if rank >= groups.ep_size:  # the second group alone (a collective over its ranks)
+            model[0].apply_placement(ml.ExpertPlacement.from_phy2log(model[0].placement.phy2log.flip(0), 8))
+        try:
+            ml.reduce_expert_grads(model)
+            errs.append("different placements: no error")
+        except ValueError as exc:
+            if "serve different placements" not in str(exc):
+                errs.append(str(exc))
     return [e for e in errs if e]
 
 
 @pytest.mark.timeout(180)
 def test_ddp_over_the_expert_parallel_ranks_with_the_experts_left_alone():
     """Plain DDP copied rank 0's experts over rank 1's and averaged different experts' gradients,
-    silently: ``rank_local_names`` names what DDP must ignore, and the docstring the 1/world
-    factor of the expert gradients (checked here against the reference's mean loss)."""
+    silently: ``rank_local_names`` names what DDP must ignore, and ``reduce_expert_grads`` makes the
+    expert gradients those of the mean loss over the world (checked against the reference's)."""
     assert run_distributed(_ddp, 2, timeout=150) == [[], []]
+    # two expert-parallel groups of 2 in a world of 4: the README's division alone left each group with its
+    # own tokens' gradient (the copies of an expert drifted apart); reduce_expert_grads sums over the groups
+    assert run_distributed(_ddp, 4, 2, timeout=150) == [[]] * 4
     model = torch.nn.Sequential(torch.nn.Linear(H, H), ml.VanillaMoE(_cfg(), ml.ParallelGroups.single()))
     assert ml.rank_local_names(model) == ["1.experts.w13", "1.experts.w2"]
     model = torch.nn.ModuleDict({"moe": ml.VariabilityAwareMoE(_cfg(), ml.ParallelGroups.single())})

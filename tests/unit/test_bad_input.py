@@ -5,6 +5,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import moelayers as ml
 from moelayers.testing import run_distributed
@@ -208,6 +209,23 @@ def _groups_mismatch(rank, world):
         errors.append("3 experts over 2 ranks: no error")
     except ValueError as e:
         if "divisible" not in str(e):
+            errors.append(f"unclear: {e}")
+    # the expert-data-parallel group: one rank of each expert-parallel group
+    if dist.get_process_group_ranks(groups.edp) != [rank % 2, rank % 2 + 2]:
+        errors.append(f"edp holds {dist.get_process_group_ranks(groups.edp)}")
+    try:
+        ml.ParallelGroups.from_groups(groups.ep, edp=dist.group.WORLD)
+        errors.append("an edp group of 4 ranks with ep=2 in a world of 4: no error")
+    except ValueError as e:
+        if "expected world_size // ep_size = 2" not in str(e):
+            errors.append(f"unclear: {e}")
+    layer = ml.VanillaMoE(ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=1),
+                          ml.ParallelGroups.from_groups(groups.ep))
+    try:
+        ml.reduce_expert_grads(layer)
+        errors.append("reduce_expert_grads without edp: no error")
+    except ValueError as e:
+        if "no expert-data-parallel group" not in str(e):
             errors.append(f"unclear: {e}")
     return errors
 
