@@ -277,37 +277,39 @@ def test_pickling_a_layer_over_process_groups_says_what_to_do():
         assert "cannot be pickled" in msg and "state_dict()" in msg, msg
 
 
-def _ddp(rank: int, world: int, ep: int | None = None) -> list[str]:
+def _ddp(rank: int, world: int, ep: int | None = None, device: str = "cpu") -> list[str]:
+    """Also run on GPUs (tests/gpu/test_equivalence_gpu.py), with ``device='cuda'`` over NCCL."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from moelayers.testing import check_close
 
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     torch.manual_seed(0)  # the same weights on every rank, as a model built alike
     w64 = (torch.randn(8, H, dtype=torch.float64) * 0.5, torch.randn(8, 16, H, dtype=torch.float64) * H ** -0.5,
            torch.randn(8, H, 8, dtype=torch.float64) * 8 ** -0.5)
     groups = ml.ParallelGroups.from_world(ep=ep)
-    model = torch.nn.Sequential(ml.VanillaMoE(_cfg(), groups, seed=1))
-    model[0].load_full_weights(*w64)
+    model = torch.nn.Sequential(ml.VanillaMoE(_cfg(), groups, seed=1, device=dev))
+    model[0].load_full_weights(*(w.to(dev) for w in w64))
     torch.distributed.barrier()
     DDP._set_params_and_buffers_to_ignore_for_model(model, ml.rank_local_names(model))
     ddp = DDP(model)
     xs = [torch.randn(4 + r, H, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in range(world)]
-    ddp(xs[rank]).pow(2).sum().backward()
+    ddp(xs[rank].to(dev)).pow(2).sum().backward()
     ml.reduce_expert_grads(model)
     # a rank-local buffer: each rank's load window keeps its own counts (DDP broadcast rank 0's before every forward)
-    loads = torch.nn.Sequential(ml.VariabilityAwareMoE(_cfg(), groups, window=4, seed=1))
+    loads = torch.nn.Sequential(ml.VariabilityAwareMoE(_cfg(), groups, window=4, seed=1, device=dev))
     DDP._set_params_and_buffers_to_ignore_for_model(loads, ml.rank_local_names(loads))
     ddp_loads = DDP(loads)
     for _ in range(2):
         with torch.no_grad():
-            ddp_loads(xs[rank])
-    mine = torch.bincount(loads[0].last_topk_ids.flatten(), minlength=8)
-    g13, g2 = model[0].expert_grads_full()
-    errs = [check_close("experts after DDP", model[0].export_full_weights()[1], w64[1], None)]
+            ddp_loads(xs[rank].to(dev))
+    mine = torch.bincount(loads[0].last_topk_ids.flatten().cpu(), minlength=8)
+    g13, g2 = (g.cpu() for g in model[0].expert_grads_full())
+    errs = [check_close("experts after DDP", model[0].export_full_weights()[1].cpu(), w64[1], None)]
     params = [w.clone().requires_grad_() for w in w64]
     loss = sum(ml.reference.moe_forward(x, *params, _cfg()).pow(2).sum() for x in xs) / world  # DDP: the mean
     loss.backward()
-    errs.append(check_close("router grad", model[0].router.weight.grad, params[0].grad, None))
+    errs.append(check_close("router grad", model[0].router.weight.grad.cpu(), params[0].grad, None))
     errs.append(check_close("w13 grad", g13, params[1].grad, None))
     errs.append(check_close("w2 grad", g2, params[2].grad, None))
     if not torch.equal(loads[0].window_loads()[1], mine):

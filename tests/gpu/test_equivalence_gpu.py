@@ -45,6 +45,19 @@ def test_vanilla_matches_reference_in_expert_parallel_groups_smaller_than_the_wo
         assert res[case] is None, f"world 4, rank {rank}: {res[case]}"
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,ep", [(2, None), (4, 2)])
+def test_ddp_with_reduce_expert_grads_gpu(world, ep):
+    """torch DDP over NCCL with the experts left to ml.reduce_expert_grads (expert-parallel groups of the
+    world, or two groups of 2 GPUs): the gradients of the reference's mean loss."""
+    from moelayers.testing import run_distributed
+    from tests.distributed.test_wrappers import _ddp
+
+    if world not in _world_sizes():
+        pytest.skip(f"needs {world} GPUs")
+    assert run_distributed(_ddp, world, ep, "cuda", backend="nccl", timeout=240) == [[]] * world
+
+
 def test_graphed_layer_overflow_raises_and_recovers():
     """More tokens than the capacity on the graph path: a clear error (the flag travels through the
     captured exchange), and the graph keeps serving correct outputs afterwards."""
