@@ -111,8 +111,10 @@ def reduce_expert_grads(model: nn.Module) -> None:
         for p in (layer.experts.w13, layer.experts.w2):
             if not p.requires_grad:
                 continue
-            if p.grad is None:  # (no rows reached this rank's experts) the other ranks of its edp group wait for it
-                p.grad = torch.zeros_like(p)
+            if p.grad is None:  # no rows reached this rank's experts
+                if g.edp is None:
+                    continue
+                p.grad = torch.zeros_like(p)  # the other ranks of its edp group wait for its sum
             if g.edp is not None:
                 dist.all_reduce(p.grad, group=g.edp)
             p.grad.div_(g.world_size)
