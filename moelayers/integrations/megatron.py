@@ -283,7 +283,8 @@ class MegatronMoEAdapter(nn.Module):
         #: megatron's selective recompute of the MoE layer (``recompute_granularity='selective'`` with
         #: ``'moe'`` in ``recompute_modules``): training forwards are checkpointed, as megatron's ``MoELayer``
         self.recompute = (getattr(config, "recompute_granularity", None) == "selective"
-                          and "moe" in (getattr(config, "recompute_modules", None) or ()))
+                          and "moe" in (getattr(config, "recompute_modules", None) or ())
+                          and getattr(config, "cuda_graph_impl", None) != "local")  # (as megatron's MoELayer)
         if self.groups.ep_size > 1:  # megatron calls module.sharded_state_dict when the module has one
             self.sharded_state_dict = self._refuse_sharded_state_dict
         for module in self.layer.modules():

@@ -28,7 +28,7 @@ from moelayers.dispatch.base import (
     BAD_INPUT, merge_flags, raise_if_nonfinite, raise_if_placements_differ,
     routes_from_placement,
 )
-from moelayers.dispatch.comm import fingerprint
+from moelayers.dispatch.comm import all_gather_flat, fingerprint
 from moelayers.experts import GroupedExperts, gather_logical
 from moelayers.groups import ParallelGroups
 from moelayers.kernels import HAVE_TRITON, TRITON_INSTALL_HINT, use_triton
@@ -72,34 +72,60 @@ def rank_local_names(model: nn.Module) -> list[str]:
 
 
 def reduce_expert_grads(model: nn.Module) -> None:
-    """After the backward of ``model`` under torch DDP over the whole world, leaving
-    :func:`rank_local_names` alone: give each moelayers layer's expert weights the gradient DDP
-    gives the others, that of the mean loss over the world's ranks.
+    """After the last backward before an optimizer step of ``model`` under torch DDP over the whole
+    world, leaving :func:`rank_local_names` alone: give each moelayers layer's expert weights the
+    gradient DDP gives the others, that of the mean loss over the world's ranks.
 
     An expert's gradient is the sum over the tokens its expert-parallel group sent it. With groups
     smaller than the world it is first summed over the ranks that hold the same experts (the
     groups' ``edp``, one rank of each expert-parallel group), then divided by the world size. Call
-    it on every rank (a collective over the world). The expert-parallel groups must serve the same
-    placement (a ``VariabilityAwareMoE`` that re-planned in each group on its own loads does not).
+    it on every rank (a collective over the world), once per optimizer step: with gradient
+    accumulation (``DDP.no_sync()``), after the last micro-batch's backward. The expert-parallel
+    groups must serve the same placement (a ``VariabilityAwareMoE`` that re-planned in each group
+    on its own loads does not).
 
     Raises:
-        ValueError: expert-parallel groups smaller than the world without their ``edp`` group
-            (``ParallelGroups.from_world`` builds it; pass it to ``from_groups``), or groups that
-            serve different placements (checked on every rank: all raise).
+        ValueError: layers with tensor parallelism (the TP ranks share their batch, which DDP over
+            the world would count ``tp`` times); expert-parallel groups smaller than the world without
+            their ``edp`` group (``ParallelGroups.from_world`` builds it; pass it to
+            ``from_groups``), or an ``edp`` group that does not hold one rank of each expert-parallel
+            group at this rank's place, or groups that serve different placements (these three
+            checked on every rank: all raise); a second call on gradients it has reduced already.
     """
     layers = [m for m in model.modules() if isinstance(m, MoELayerBase)]
     for layer in layers:
-        g = layer.groups
+        g, name = layer.groups, type(layer).__name__
+        if g.tp_size > 1:
+            raise ValueError(f"reduce_expert_grads is for torch DDP over ranks with a batch each; this {name} has "
+                             f"{g.tp_size} tensor-parallel ranks, which share their batch")
         if g.ep_size < g.world_size and g.edp is None:
-            raise ValueError(f"{type(layer).__name__} has expert-parallel groups of {g.ep_size} of {g.world_size} ranks "
+            raise ValueError(f"{name} has expert-parallel groups of {g.ep_size} of {g.world_size} ranks "
                              "but no expert-data-parallel group (ParallelGroups.edp): build the groups with "
                              "ParallelGroups.from_world(ep=...), or pass edp= to ParallelGroups.from_groups")
+        for p in (layer.experts.w13, layer.experts.w2):
+            if p.grad is not None and getattr(layer, "_reduced_grads", {}).get(id(p)) == (id(p.grad), p.grad._version):
+                raise ValueError(f"reduce_expert_grads: the expert gradients of this {name} were reduced already "
+                                 "(call it once per optimizer step, after the last backward)")
     edp_layers = [layer for layer in layers if layer.groups.edp is not None]
     if edp_layers:  # one check for all layers, over the world, so that every rank raises together
+        dev = _comm_device(dist.group.WORLD, edp_layers[0].router.weight.device)
+        wrong_edp = []
+        for layer in edp_layers:  # every member at this rank's place (ep_rank), each from another expert-parallel group
+            g = layer.groups
+            first = min(dist.get_process_group_ranks(g.ep)) if g.ep is not None else g.rank
+            mine = torch.tensor([g.ep_rank, first], dtype=torch.int64, device=dev)
+            got = torch.empty(2 * dist.get_world_size(g.edp), dtype=torch.int64, device=dev)
+            all_gather_flat(got, mine, group=g.edp)  # (gloo takes flat tensors)
+            got = got.view(-1, 2).cpu()
+            wrong_edp.append(int(bool((got[:, 0] != g.ep_rank).any()) or got[:, 1].unique().numel() != got.shape[0]))
         digests = torch.tensor([layer.placement.digest() for layer in edp_layers], dtype=torch.int64)
-        both = torch.cat([digests, -digests]).to(_comm_device(dist.group.WORLD, edp_layers[0].router.weight.device))
+        both = torch.cat([digests, -digests, torch.tensor(wrong_edp)]).to(dev)
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
         n = len(edp_layers)
+        if int(both[2 * n:].max()):
+            raise ValueError("ParallelGroups.edp must hold the ranks at the same place (ep_rank) of every "
+                             "expert-parallel group, one each: a rank's group does not (ParallelGroups.from_world "
+                             "builds it)")
         differ = [type(layer).__name__ for i, layer in enumerate(edp_layers) if both[i] != -both[n + i]]
         if differ:
             raise ValueError(f"the expert-parallel groups serve different placements in {len(differ)} layer(s) "
@@ -108,6 +134,7 @@ def reduce_expert_grads(model: nn.Module) -> None:
                              "placement on every rank) while training")
     for layer in layers:
         g = layer.groups
+        layer._reduced_grads = {}
         for p in (layer.experts.w13, layer.experts.w2):
             if not p.requires_grad:
                 continue
@@ -118,6 +145,7 @@ def reduce_expert_grads(model: nn.Module) -> None:
             if g.edp is not None:
                 dist.all_reduce(p.grad, group=g.edp)
             p.grad.div_(g.world_size)
+            layer._reduced_grads[id(p)] = (id(p.grad), p.grad._version)
 
 
 class MoELayerBase(nn.Module):

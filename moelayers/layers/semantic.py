@@ -182,6 +182,12 @@ class SemanticMoE(MoELayerBase):
             self._tables_on[device] = table.to(device)
         return self._tables_on[device]
 
+    def _flags_read_always(self) -> bool:
+        """In ``tp`` mode :meth:`forward_tp` runs an all-gather after the MoE: a forward one rank
+        refuses (its ``norm`` failed) raises on every rank, also with ``capacity`` and
+        ``check_finite=False``, instead of leaving the others in the all-gather."""
+        return self.mode == "tp"
+
     def rebatch(self, token_ids: torch.Tensor | None, prev_ranks: PrevRanks = None, *,
                 num_tokens: int | None = None) -> Rebatch:
         """The token order of :meth:`forward_tp` (deterministic: the same on every TP rank).

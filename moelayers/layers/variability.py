@@ -250,7 +250,8 @@ class VariabilityAwareMoE(MoELayerBase):
             self._retry_at = self.steps + self.window
             warn_caller(f"VariabilityAwareMoE: the automatic re-plan failed ({exc}); tried again in "
                         f"{self.window} steps", RuntimeWarning)
-        except BaseException:  # interrupted (KeyboardInterrupt): tried again as after a failure
+        except BaseException:  # anything else (KeyboardInterrupt, a planner's bug) reaches the caller, and the
+            # re-plan is tried again a window later as after a failure (it was never tried again)
             self._retry_at = self.steps + self.window
             raise
 

@@ -394,33 +394,38 @@ def _tp_norm_fails_on_one_rank(rank, world):
     waited in the layer's exchange forever. Now every rank raises and the next call is exact."""
     groups = ml.ParallelGroups.from_world(tp=world)
     cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4 * world, top_k=2, params_dtype=torch.float64)
-    layer = ml.SemanticMoE(cfg, groups, mode="tp", seed=3)
     norm = _norm(torch.float64)
     gen = torch.Generator().manual_seed(4)
     partials = [torch.randn(9, H, generator=gen, dtype=torch.float64) for _ in range(world)]
     residual = torch.randn(9, H, generator=gen, dtype=torch.float64)
     failing = {"raises": lambda h: 1 / 0, "float32": lambda h: norm(h).float()}
     outcome = {}
-    for kind, bad in failing.items():
-        try:
-            with torch.no_grad():
-                layer.forward_tp(partials[rank], residual, bad if rank == 1 else norm, token_ids=None)
-            outcome[kind] = "no error"
-        except (ZeroDivisionError, ValueError) as e:
-            outcome[kind] = type(e).__name__
-    with torch.no_grad():
-        y = layer.forward_tp(partials[rank], residual, norm, token_ids=None)
-    h = residual + sum(partials)
-    ref = h + ml.reference.moe_forward(norm(h), *layer.export_full_weights(), cfg)
-    outcome["next"] = "exact" if torch.allclose(y, ref, rtol=1e-10, atol=1e-12) else "wrong output"
+    # (with capacity and check_finite=False the other rank read no flags: it went on into the all-gather)
+    for name, kw in (("eager", {}), ("capacity", dict(capacity=16, check_finite=False))):
+        layer = ml.SemanticMoE(cfg, groups, mode="tp", seed=3, **kw)
+        for kind, bad in failing.items():
+            try:
+                with torch.no_grad():
+                    layer.forward_tp(partials[rank], residual, bad if rank == 1 else norm, token_ids=None)
+                outcome[name, kind] = "no error"
+            except (ZeroDivisionError, ValueError) as e:
+                outcome[name, kind] = type(e).__name__
+        with torch.no_grad():
+            y = layer.forward_tp(partials[rank], residual, norm, token_ids=None)
+        h = residual + sum(partials)
+        ref = h + ml.reference.moe_forward(norm(h), *layer.export_full_weights(), cfg)
+        outcome[name, "next"] = "exact" if torch.allclose(y, ref, rtol=1e-10, atol=1e-12) else "wrong output"
     return outcome
 
 
 @pytest.mark.timeout(120)
 def test_forward_tp_norm_failing_on_one_rank_raises_on_every_rank():
     out = run_distributed(_tp_norm_fails_on_one_rank, 2, timeout=60)
-    assert out[1] == {"raises": "ZeroDivisionError", "float32": "ValueError", "next": "exact"}, out
-    assert out[0] == {"raises": "ValueError", "float32": "ValueError", "next": "exact"}, out
+    for name in ("eager", "capacity"):
+        assert {k: out[1][name, k] for k in ("raises", "float32", "next")} == \
+            {"raises": "ZeroDivisionError", "float32": "ValueError", "next": "exact"}, out
+        assert {k: out[0][name, k] for k in ("raises", "float32", "next")} == \
+            {"raises": "ValueError", "float32": "ValueError", "next": "exact"}, out
 
 
 def _tp_chunks_over_capacity(rank, world):

@@ -296,6 +296,11 @@ def _ddp(rank: int, world: int, ep: int | None = None, device: str = "cpu") -> l
     xs = [torch.randn(4 + r, H, dtype=torch.float64, generator=torch.Generator().manual_seed(r)) for r in range(world)]
     ddp(xs[rank].to(dev)).pow(2).sum().backward()
     ml.reduce_expert_grads(model)
+    try:  # twice: the sum and the division again
+        ml.reduce_expert_grads(model)
+        twice = "a second call: no error"
+    except ValueError as exc:
+        twice = None if "reduced already" in str(exc) else str(exc)
     # a rank-local buffer: each rank's load window keeps its own counts (DDP broadcast rank 0's before every forward)
     loads = torch.nn.Sequential(ml.VariabilityAwareMoE(_cfg(), groups, window=4, seed=1, device=dev))
     DDP._set_params_and_buffers_to_ignore_for_model(loads, ml.rank_local_names(loads))
@@ -305,7 +310,7 @@ def _ddp(rank: int, world: int, ep: int | None = None, device: str = "cpu") -> l
             ddp_loads(xs[rank].to(dev))
     mine = torch.bincount(loads[0].last_topk_ids.flatten().cpu(), minlength=8)
     g13, g2 = (g.cpu() for g in model[0].expert_grads_full())
-    errs = [check_close("experts after DDP", model[0].export_full_weights()[1].cpu(), w64[1], None)]
+    errs = [twice, check_close("experts after DDP", model[0].export_full_weights()[1].cpu(), w64[1], None)]
     params = [w.clone().requires_grad_() for w in w64]
     loss = sum(ml.reference.moe_forward(x, *params, _cfg()).pow(2).sum() for x in xs) / world  # DDP: the mean
     loss.backward()

@@ -219,14 +219,18 @@ def _groups_mismatch(rank, world):
     except ValueError as e:
         if "expected world_size // ep_size = 2" not in str(e):
             errors.append(f"unclear: {e}")
-    layer = ml.VanillaMoE(ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=1),
-                          ml.ParallelGroups.from_groups(groups.ep))
-    try:
-        ml.reduce_expert_grads(layer)
-        errors.append("reduce_expert_grads without edp: no error")
-    except ValueError as e:
-        if "no expert-data-parallel group" not in str(e):
-            errors.append(f"unclear: {e}")
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=1)
+    for what, layer_groups, match in (
+            ("without edp", ml.ParallelGroups.from_groups(groups.ep), "no expert-data-parallel group"),
+            # the right size, the wrong ranks: the expert-parallel group itself (summed different experts' gradients)
+            ("edp = ep", ml.ParallelGroups.from_groups(groups.ep, edp=groups.ep), "must hold the ranks at the same place"),
+            ("tp", ml.ParallelGroups.from_world(tp=2), "tensor-parallel ranks")):
+        try:
+            ml.reduce_expert_grads(ml.VanillaMoE(cfg, layer_groups))
+            errors.append(f"reduce_expert_grads {what}: no error")
+        except ValueError as e:
+            if match not in str(e):
+                errors.append(f"unclear: {e}")
     return errors
 
 
