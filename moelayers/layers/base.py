@@ -90,7 +90,9 @@ def reduce_expert_grads(model: nn.Module) -> None:
             their ``edp`` group (``ParallelGroups.from_world`` builds it; pass it to
             ``from_groups``), or an ``edp`` group that does not hold one rank of each expert-parallel
             group at this rank's place, or groups that serve different placements (these three
-            checked on every rank: all raise); a second call on gradients it has reduced already.
+            checked on every rank: all raise); a second call with no backward since the first
+            (a call after each micro-batch's backward counts the earlier micro-batches again, which
+            it cannot tell from a new step's gradients: call it once, after the last).
     """
     layers = [m for m in model.modules() if isinstance(m, MoELayerBase)]
     for layer in layers:
@@ -130,8 +132,9 @@ def reduce_expert_grads(model: nn.Module) -> None:
         if differ:
             raise ValueError(f"the expert-parallel groups serve different placements in {len(differ)} layer(s) "
                              f"({differ[0]} first): a slot holds other experts from one group to the next, so their "
-                             "gradients cannot be summed. Keep one placement in every group (apply_placement with the same "
-                             "placement on every rank) while training")
+                             "gradients cannot be summed. Keep one placement in every group while training: apply_placement "
+                             "with the same placement on every rank (a VariabilityAwareMoE re-plans each group on its own "
+                             "loads: auto_replan=False, or replan(loads=...) with the same loads in every group)")
     for layer in layers:
         g = layer.groups
         layer._reduced_grads = {}
@@ -146,6 +149,13 @@ def reduce_expert_grads(model: nn.Module) -> None:
                 dist.all_reduce(p.grad, group=g.edp)
             p.grad.div_(g.world_size)
             layer._reduced_grads[id(p)] = (id(p.grad), p.grad._version)
+
+
+def _check_forced_type(topk_ids: Any) -> None:
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype == torch.bool or topk_ids.is_floating_point() \
+            or topk_ids.is_complex():
+        raise TypeError(f"forced routing must be an integer tensor of expert ids, got "
+                        f"{topk_ids.dtype if isinstance(topk_ids, torch.Tensor) else type(topk_ids).__name__}")
 
 
 class MoELayerBase(nn.Module):
@@ -630,23 +640,25 @@ class MoELayerBase(nn.Module):
         Raises:
             TypeError: ``topk_ids`` is not an integer tensor (bool and float ids are refused).
         """
-        if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype == torch.bool or topk_ids.is_floating_point() \
-                or topk_ids.is_complex():
-            raise TypeError(f"forced routing must be an integer tensor of expert ids, got "
-                            f"{topk_ids.dtype if isinstance(topk_ids, torch.Tensor) else type(topk_ids).__name__}")
+        _check_forced_type(topk_ids)
         self._forced_ids = topk_ids
 
     # eager under torch.compile (one graph break, the model around it compiles): host syncs and
     # data-dependent shapes made 16-23 breaks and a recompile per load pattern, and inductor lost the
     # writes into the all-to-all buffer (views of another dtype): garbage on the wire
     @eager_under_compile
-    def forward(self, x: torch.Tensor, *, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, token_ids: torch.Tensor | None = None,
+                topk_ids: torch.Tensor | None = None) -> torch.Tensor:
         """MoE forward.
 
         Args:
             x: ``[T, H]`` or ``[S, B, H]`` hidden states in ``params_dtype`` on the layer's device
                 (or in autocast's dtype while ``torch.autocast`` is on: cast to ``params_dtype``).
             token_ids: optional ``[T]`` (or ``[S, B]``) token ids, flattened like ``x``.
+            topk_ids: optional forced routing of this forward (as :meth:`force_routing`, but an
+                argument: activation checkpointing hands it to the recomputation with ``x``, so a
+                checkpointed block may make the layer's input itself). Not with ids pending from
+                :meth:`force_routing`.
 
         Returns:
             ``y`` with the shape of ``x``.
@@ -665,13 +677,18 @@ class MoELayerBase(nn.Module):
                 ``VariabilityAwareMoE`` recording loads always reads the flags: all its ranks raise).
         """
         recompute = in_backward()  # activation checkpointing re-running a forward inside the backward
-        forced = None
+        pending = None
         if not recompute:  # (a recomputation leaves ids forced for the next forward where they are)
-            forced, self._forced_ids = self._forced_ids, None  # used by this forward only, even one that raises
+            pending, self._forced_ids = self._forced_ids, None  # used by this forward only, even one that raises
         key, self._replay_key = (x if self._replay_key is None else self._replay_key), None
+        forced = pending if topk_ids is None else topk_ids
         try:
+            if topk_ids is not None:
+                _check_forced_type(topk_ids)
+                if pending is not None:
+                    raise ValueError("topk_ids given to a forward for which force_routing ids are pending: pass one")
             x2, token_ids = self._check_input(x, token_ids)
-            if recompute:  # routed as the forward it recomputes, found by its input
+            if recompute and topk_ids is None:  # routed as the forward it recomputes, found by its input
                 found, forced = self._forced_for_recompute.find(key)
                 if not found and self._forced_for_recompute.active:
                     raise ValueError(
@@ -679,13 +696,15 @@ class MoELayerBase(nn.Module):
                         "(force_routing), from an input the layer was not given (a tensor made inside the "
                         "checkpointed region, forward_tp's chunk), so whether "
                         "and how that forward was forced cannot be told, and routing it by the router could give "
-                        "other experts' gradients. Checkpoint a function that hands the layer its input as given, "
+                        "other experts' gradients. Pass the ids in the checkpointed function, layer(x, topk_ids=ids), "
+                        "checkpoint a function that hands the layer its input as given, "
                         "or keep the layer outside the checkpointed region (with megatron-core: "
                         "recompute_granularity='selective' with 'moe' in recompute_modules, not 'full')")
             # what checkpointing may recompute: a forward recording autograd, or a reentrant checkpoint's
             # first pass (under no_grad, on an input that requires grad); never capacity mode. Kept once the
             # forward has run: a refused one has nothing to recompute, and would make its input ambiguous
-            recomputable = not recompute and self.capacity is None and (torch.is_grad_enabled() or key.requires_grad)
+            recomputable = (not recompute and topk_ids is None and self.capacity is None
+                            and (torch.is_grad_enabled() or key.requires_grad))
             routed_as = forced
             if forced is not None and forced.dim() == 3 and x.dim() == 3 and forced.shape[:2] == x.shape[:2]:
                 forced = forced.reshape(-1, forced.shape[-1])  # [S, B, K] for [S, B, H], as the reference takes
@@ -703,13 +722,13 @@ class MoELayerBase(nn.Module):
             self._refuse_in_step(exc)  # raises
         if self.capacity is not None:
             return self._forward_capacity(x2, token_ids, forced).view(x.shape)
-        y, topk_ids = self._forward_steps(x2, token_ids, forced)
+        y, routed = self._forward_steps(x2, token_ids, forced)
         if recomputable:
             self._forced_for_recompute.keep(key, routed_as)
-        elif routed_as is not None and not recompute:  # (e.g. forced on an input made under no_grad in a
-            self._forced_for_recompute.active = True   # reentrant checkpoint: its recomputation is refused)
+        elif routed_as is not None and not recompute and topk_ids is None:  # (e.g. forced on an input made under
+            self._forced_for_recompute.active = True  # no_grad in a reentrant checkpoint: its recomputation is refused)
         if not recompute:  # the record of the forward the caller ran, not of its recomputation
-            self.last_topk_ids, self.last_token_ids = topk_ids, token_ids
+            self.last_topk_ids, self.last_token_ids = routed, token_ids
             self.last_stats = self.dispatcher.last_stats
             self.last_stats._num_experts = self.config.num_experts
         return y.view(x.shape)

@@ -179,21 +179,23 @@ class VariabilityAwareMoE(MoELayerBase):
 
     # ------------------------------------------------------------------ forward + load recording
     @eager_under_compile  # eager under torch.compile, as MoELayerBase.forward (its step count made a recompile per step)
-    def forward(self, x: torch.Tensor, *, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, token_ids: torch.Tensor | None = None,
+                topk_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The base forward, then record this step's expert loads (and re-plan when due).
 
         Args:
-            x: ``[T, H]`` or ``[S, B, H]``; token_ids: optional ``[T]`` / ``[S, B]``.
+            x: ``[T, H]`` or ``[S, B, H]``; token_ids: optional ``[T]`` / ``[S, B]``; topk_ids:
+                optional forced routing (see :meth:`MoELayerBase.forward`).
 
         Returns:
             ``y`` with the shape of ``x``.
         """
         if in_backward():  # activation checkpointing recomputing a forward: its step is recorded, and no
-            return super().forward(x, token_ids=token_ids)  # move may run inside the backward
+            return super().forward(x, token_ids=token_ids, topk_ids=topk_ids)  # move may run inside the backward
         self._run_pending_replan()
         self._in_forward = True
         try:
-            y = super().forward(x, token_ids=token_ids)
+            y = super().forward(x, token_ids=token_ids, topk_ids=topk_ids)
         finally:
             self._in_forward = False
         if y.requires_grad:  # autograd saved the weights: a move waits until this graph's backward has run
@@ -350,17 +352,24 @@ class VariabilityAwareMoE(MoELayerBase):
 
         Args:
             loads: ``[steps, E]`` global expert loads; default: the recorded window summed over
-                ranks (a collective). Pass them on every rank or on none: rank 0's are planned on,
-                and a rank without them joins the window's all-reduce, which the others skip.
+                ranks (a collective). Pass them on every rank or on none (rank 0's are planned on).
 
         Returns:
             The placement now serving (the same on every rank).
 
         Raises:
+            ValueError: ``loads`` passed on some ranks only (raised on every rank; a rank without
+                them would wait in the window's all-reduce).
             PlacementMoveError: the planner failed on rank 0 (raised on every rank), or the move
                 was aborted; the old placement keeps serving.
         """
         e, r = self.config.num_experts, self.groups.ep_size
+        if self.groups.ep is not None:  # one small all-reduce: were the loads passed on every rank, or on none?
+            given = torch.tensor([int(loads is None), int(loads is not None)], device=self._comm_device())
+            dist.all_reduce(given, op=dist.ReduceOp.MAX, group=self.groups.ep)
+            if int(given.sum()) == 2:
+                raise ValueError("replan: loads were passed on some expert-parallel ranks only; pass them on every "
+                                 "rank (rank 0's are planned on) or on none (the recorded window)")
         if loads is None:
             loads = self.global_window_loads()
         # rank 0 -> all: [ok, expert_rank (E), score_current, score_new (float64 bits)]

@@ -1025,3 +1025,21 @@ def test_graphs_watched_in_training_do_not_accumulate():
     for _ in range(300):
         layer(torch.randn(5, 8)).sum().backward()
     assert len(layer._in_flight) <= 32 and layer.graphs_in_flight() == 0
+
+
+def _loads_on_one_rank(rank, world):
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.from_world(), window=2)
+    try:
+        layer.replan(loads=torch.tensor([[9, 1, 1, 1]] * 2) if rank == 0 else None)
+        out = "no error"
+    except ValueError as exc:
+        out = "refused" if "passed on some expert-parallel ranks only" in str(exc) else str(exc)
+    layer.replan(loads=torch.tensor([[9, 1, 1, 1]] * 2))  # on every rank: planned
+    return out, layer.num_replans
+
+
+@pytest.mark.timeout(120)
+def test_replan_with_loads_on_some_ranks_only_raises_on_every_rank():
+    """Rank 0 passed loads, rank 1 did not: rank 1 waited in the window's all-reduce forever."""
+    assert run_distributed(_loads_on_one_rank, 2, timeout=60) == [("refused", 1)] * 2

@@ -83,7 +83,19 @@ def _forced_under_checkpoint(rank: int, world: int, reentrant: bool) -> list:
     except ValueError as exc:
         refused = str(exc)
     del y
-    return [same, refused, len(layer._forced_for_recompute)]
+    # the ids as an argument: a block that makes the layer's input inside the checkpointed region (as a
+    # transformer block does: norm, then the MoE) recomputes with them, where force_routing is refused
+    block = lambda t, i: layer(torch.tanh(t) * 2.0, topk_ids=i)  # noqa: E731
+    grads = []
+    for wrap in (False, True):
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        y = checkpoint(block, xi, ids, use_reentrant=reentrant) if wrap else block(xi, ids)
+        y.pow(2).sum().backward()
+        grads.append([xi.grad, layer.router.weight.grad, *layer.expert_grads_full()])
+        assert torch.equal(layer.last_topk_ids, ids)
+    block_same = all(torch.equal(a, b) for a, b in zip(*grads))
+    return [same and block_same, refused, len(layer._forced_for_recompute)]
 
 
 def _forced_both_modes(rank: int, world: int) -> list:
@@ -121,6 +133,27 @@ def test_routing_kept_for_recomputation():
         kept.find(x)
     del x
     assert len(kept) == 0 and kept.active
+
+
+def test_topk_ids_argument():
+    """Forced routing as an argument of the forward: used by that forward only, not with ids pending from
+    force_routing, an integer tensor."""
+    layer = ml.VanillaMoE(_cfg(), ml.ParallelGroups.single(), seed=1)
+    x = torch.randn(5, H, dtype=torch.float64)
+    ids = torch.tensor([[0, 7], [1, 6], [2, 5], [3, 4], [4, 3]])
+    y = layer(x, topk_ids=ids)
+    assert torch.equal(layer.last_topk_ids, ids)
+    ref = ml.reference.moe_forward(x, *layer.export_full_weights(), _cfg(), topk_ids=ids)
+    assert torch.allclose(y, ref, rtol=1e-12, atol=1e-12)
+    layer(x)
+    assert not torch.equal(layer.last_topk_ids, ids)  # the next forward routes by itself
+    layer.force_routing(ids)
+    with pytest.raises(ValueError, match="force_routing ids are pending"):
+        layer(x, topk_ids=ids)
+    with pytest.raises(TypeError, match="integer tensor"):
+        layer(x, topk_ids=ids.double())
+    layer(x)
+    assert not torch.equal(layer.last_topk_ids, ids)  # both dropped by the refused forward
 
 
 def test_a_refused_forced_forward_leaves_nothing_to_recompute():
