@@ -282,9 +282,13 @@ class MegatronMoEAdapter(nn.Module):
         megatron_init(self.layer, config, layer_number)
         #: megatron's selective recompute of the MoE layer (``recompute_granularity='selective'`` with
         #: ``'moe'`` in ``recompute_modules``): training forwards are checkpointed, as megatron's ``MoELayer``
-        self.recompute = (getattr(config, "recompute_granularity", None) == "selective"
-                          and "moe" in (getattr(config, "recompute_modules", None) or ())
-                          and getattr(config, "cuda_graph_impl", None) != "local")  # (as megatron's MoELayer)
+        modules = getattr(config, "recompute_modules", None) or ()
+        selective = getattr(config, "recompute_granularity", None) == "selective"
+        self.recompute = selective and "moe" in modules and getattr(config, "cuda_graph_impl", None) != "local"
+        if selective and "moe_act" in modules and not self.recompute:
+            warnings.warn("MegatronMoEAdapter: recompute_modules 'moe_act' (megatron's recompute of its experts' "
+                          "activation) does not apply to moelayers' experts, which keep their activations; 'moe' "
+                          "recomputes the whole layer", stacklevel=2)
         if self.groups.ep_size > 1:  # megatron calls module.sharded_state_dict when the module has one
             self.sharded_state_dict = self._refuse_sharded_state_dict
         for module in self.layer.modules():
@@ -423,6 +427,13 @@ class MegatronMoEAdapter(nn.Module):
         if intermediate_tensors is not None:
             raise NotImplementedError("MegatronMoEAdapter does not support partial CUDA-graph capture "
                                       "(intermediate_tensors)")
+        if (self.layer._forced_ids is not None and not in_backward()
+                and getattr(self.config, "recompute_granularity", None) == "full" and _in_megatron_checkpoint()):
+            self._refuse(ValueError(
+                "forced routing under megatron's full recompute (recompute_granularity='full'): the recomputation "
+                "re-runs this layer on a tensor made inside the recomputed transformer layer, where the forced ids "
+                "cannot be found again. Use recompute_granularity='selective' with 'moe' in recompute_modules (the "
+                "adapter checkpoints the MoE itself, forced routing included)"))
         if self.recompute and torch.is_grad_enabled() and not in_backward() and self.layer.capacity is None:
             # megatron's MoELayer checkpoints itself likewise (its moe_layer_recompute); torch's non-reentrant
             # checkpoint runs on CPU too (megatron's saves CUDA RNG states), and the layer draws no random numbers
@@ -500,6 +511,15 @@ class MegatronMoEAdapter(nn.Module):
 
     def extra_repr(self) -> str:
         return f"layer_number={self.layer_number}, is_mtp_layer={self.is_mtp_layer}"
+
+
+def _in_megatron_checkpoint() -> bool:
+    """Whether megatron's own activation checkpointing (``tensor_parallel.checkpoint``) is running."""
+    try:
+        from megatron.core.tensor_parallel.random import is_checkpointing
+    except ImportError:  # pragma: no cover - another megatron-core layout
+        return False
+    return bool(is_checkpointing())
 
 
 def moe_spec(layer_cls: type, **layer_kwargs: Any) -> "ModuleSpec":

@@ -2,9 +2,9 @@
 checkpointing can recompute.
 
 A checkpointed forward runs again inside the backward, where the forced ids it used are gone (each
-``force_routing`` call serves one forward). Once a layer has forced its routing, every forward it
-runs keeps an entry beside a weak reference to its input: the forced ids (a copy), or ``None``
-where the router routed. The recomputation, which gets that input again (the same tensor, or a
+``force_routing`` call serves one forward). Every forward keeps an entry beside a weak reference
+to its input: the forced ids (a copy), or ``None`` where the router routed (an unforced forward
+before the first forced one may be recomputed after it). The recomputation, which gets that input again (the same tensor, or a
 detached view of its storage under ``use_reentrant=True``), finds the entry by the input's storage,
 shape and strides. Only forwards that checkpointing may recompute keep one: with grad enabled, or
 on an input that requires grad (a reentrant checkpoint's first pass runs under ``no_grad``), so
@@ -44,10 +44,10 @@ class ForcedForRecompute:
 
     def keep(self, x: torch.Tensor, forced: torch.Tensor | None) -> None:
         """Remember how the forward of input ``x`` was routed (``forced`` ids, or ``None``: by the
-        router), until ``x`` is freed. Nothing is kept before the first forced forward."""
-        if forced is None and not self.active:
-            return
-        self.active = True
+        router), until ``x`` is freed. Unforced forwards are kept too (a weak reference each): a
+        forward that runs before the first forced one may be recomputed after it (several micro-batches'
+        forwards before their backwards, as pipeline schedules run them)."""
+        self.active = self.active or forced is not None
         key, entries = _key(x), self._entries
 
         def drop(ref: weakref.ref, key: Key = key) -> None:

@@ -120,7 +120,12 @@ def test_routing_kept_for_recomputation():
 
     kept, x, ids = ForcedForRecompute(), torch.randn(4, H), torch.zeros(4, 2, dtype=torch.int64)
     kept.keep(x, None)
-    assert len(kept) == 0 and not kept.active  # nothing before the first forced forward
+    assert len(kept) == 1 and not kept.active  # kept, but not yet a reason to refuse a recomputation
+    assert kept.find(x) == (True, None)
+    kept.keep(x, ids)  # the same input routed otherwise
+    with pytest.raises(ValueError, match="routed in different ways"):
+        kept.find(x)
+    x = torch.randn(4, H)
     kept.keep(x, ids)
     ids[0, 0] = 3  # a buffer of ids refilled for the next forward: the entry holds its own copy
     found, forced = kept.find(x.detach())
@@ -133,6 +138,25 @@ def test_routing_kept_for_recomputation():
         kept.find(x)
     del x
     assert len(kept) == 0 and kept.active
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_an_unforced_forward_before_the_first_forced_one_recomputes(reentrant):
+    """Micro-batches' forwards before their backwards (pipeline schedules, or summed losses): an unforced
+    forward kept nothing before the layer's first forced one, so its recomputation was refused."""
+    ids = torch.tensor([[0, 7], [1, 6], [2, 5], [3, 4], [4, 3]])
+    xs = [torch.randn(5, H, dtype=torch.float64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    grads = []
+    for wrap in (True, False):
+        layer = ml.VanillaMoE(_cfg(), ml.ParallelGroups.single(), seed=1)  # one that has never forced its routing
+        ins = [x.clone().requires_grad_() for x in xs]
+        run = (lambda t: checkpoint(layer, t, use_reentrant=reentrant)) if wrap else layer
+        y0 = run(ins[0])
+        layer.force_routing(ids)
+        y1 = run(ins[1])
+        (y0.pow(2).sum() + y1.pow(2).sum()).backward()
+        grads.append([ins[0].grad, ins[1].grad, layer.router.weight.grad, *layer.expert_grads_full()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 def test_topk_ids_argument():

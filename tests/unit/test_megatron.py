@@ -932,3 +932,26 @@ def test_adapter_applies_megatron_selective_moe_recompute():
     with torch.no_grad():
         y = adapter(x, padding_mask=pad)[0]
     assert len(calls) == 3 and torch.equal(y, plain(x, padding_mask=pad)[0])
+
+
+def test_forced_routing_under_megatrons_full_recompute_is_refused_in_the_forward(monkeypatch):
+    """recompute_granularity='full' re-runs the whole transformer layer, whose MoE input is made inside it:
+    the forced ids cannot be found again, and the backward raised, after the whole forward. The adapter now
+    refuses in the forward, naming the selective recompute that works; unforced forwards run."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    adapter = _build(mi.moe_spec(ml.VanillaMoE), _tc(recompute_granularity="full", recompute_method="uniform",
+                                                     recompute_num_layers=1), "build_module")
+    x, ids, pad = _padded_case()
+    monkeypatch.setattr(mrandom, "IS_CHECKPOINTING", True)  # inside megatron's CheckpointFunction (CUDA-only here)
+    adapter.layer.force_routing(ids)
+    with pytest.raises(ValueError, match="recompute_granularity='selective' with 'moe'"):
+        adapter(x, padding_mask=pad)
+    adapter(x, padding_mask=pad)  # the refused ids were dropped; routed by the router
+    monkeypatch.setattr(mrandom, "IS_CHECKPOINTING", False)
+    adapter.layer.force_routing(ids)
+    adapter(x)  # outside a megatron checkpoint: forced as usual
+    assert torch.equal(adapter.layer.last_topk_ids, ids.reshape(-1, K))
+    with pytest.warns(UserWarning, match="'moe_act'"):
+        _build(mi.moe_spec(ml.VanillaMoE), _tc(recompute_granularity="selective", recompute_modules=["moe_act"],
+                                               moe_grouped_gemm=True), "build_module")
