@@ -285,7 +285,7 @@ class MegatronMoEAdapter(nn.Module):
         modules = getattr(config, "recompute_modules", None) or ()
         selective = getattr(config, "recompute_granularity", None) == "selective"
         self.recompute = selective and "moe" in modules and getattr(config, "cuda_graph_impl", None) != "local"
-        if selective and "moe_act" in modules and not self.recompute:
+        if selective and "moe_act" in modules and "moe" not in modules:
             warnings.warn("MegatronMoEAdapter: recompute_modules 'moe_act' (megatron's recompute of its experts' "
                           "activation) does not apply to moelayers' experts, which keep their activations; 'moe' "
                           "recomputes the whole layer", stacklevel=2)
@@ -427,7 +427,7 @@ class MegatronMoEAdapter(nn.Module):
         if intermediate_tensors is not None:
             raise NotImplementedError("MegatronMoEAdapter does not support partial CUDA-graph capture "
                                       "(intermediate_tensors)")
-        if (self.layer._forced_ids is not None and not in_backward()
+        if (self.layer._forced_ids is not None and self.training and not in_backward()  # megatron: training only
                 and getattr(self.config, "recompute_granularity", None) == "full" and _in_megatron_checkpoint()):
             self._refuse(ValueError(
                 "forced routing under megatron's full recompute (recompute_granularity='full'): the recomputation "
@@ -514,7 +514,9 @@ class MegatronMoEAdapter(nn.Module):
 
 
 def _in_megatron_checkpoint() -> bool:
-    """Whether megatron's own activation checkpointing (``tensor_parallel.checkpoint``) is running."""
+    """Whether megatron's own activation checkpointing (``tensor_parallel.checkpoint``) is running, as far
+    as this megatron-core says (``is_checkpointing``; without it, or under TransformerEngine's
+    checkpoint, the recomputation's own error in the backward remains)."""
     try:
         from megatron.core.tensor_parallel.random import is_checkpointing
     except ImportError:  # pragma: no cover - another megatron-core layout

@@ -657,8 +657,8 @@ class MoELayerBase(nn.Module):
             token_ids: optional ``[T]`` (or ``[S, B]``) token ids, flattened like ``x``.
             topk_ids: optional forced routing of this forward (as :meth:`force_routing`, but an
                 argument: activation checkpointing hands it to the recomputation with ``x``, so a
-                checkpointed block may make the layer's input itself). Not with ids pending from
-                :meth:`force_routing`.
+                checkpointed block may make the layer's input itself; like ``x``, it must not be
+                changed in place before the backward). Not with ids pending from :meth:`force_routing`.
 
         Returns:
             ``y`` with the shape of ``x``.
@@ -725,8 +725,9 @@ class MoELayerBase(nn.Module):
         y, routed = self._forward_steps(x2, token_ids, forced)
         if recomputable:
             self._forced_for_recompute.keep(key, routed_as)
-        elif routed_as is not None and not recompute and topk_ids is None:  # (e.g. forced on an input made under
-            self._forced_for_recompute.active = True  # no_grad in a reentrant checkpoint: its recomputation is refused)
+        elif (routed_as is not None and not recompute and topk_ids is None  # (e.g. forced on an input made under
+              and not torch.is_inference_mode_enabled()):  # no_grad in a reentrant checkpoint: its recomputation is
+            self._forced_for_recompute.active = True  # refused; a rollout under inference_mode is none)
         if not recompute:  # the record of the forward the caller ran, not of its recomputation
             self.last_topk_ids, self.last_token_ids = routed, token_ids
             self.last_stats = self.dispatcher.last_stats

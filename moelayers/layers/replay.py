@@ -3,8 +3,8 @@ checkpointing can recompute.
 
 A checkpointed forward runs again inside the backward, where the forced ids it used are gone (each
 ``force_routing`` call serves one forward). Every forward keeps an entry beside a weak reference
-to its input: the forced ids (a copy), or ``None`` where the router routed (an unforced forward
-before the first forced one may be recomputed after it). The recomputation, which gets that input again (the same tensor, or a
+to its input: the forced ids (a copy), or ``None`` where the router routed (provisionally before
+the layer's first forced forward: one may be recomputed after it). The recomputation, which gets that input again (the same tensor, or a
 detached view of its storage under ``use_reentrant=True``), finds the entry by the input's storage,
 shape and strides. Only forwards that checkpointing may recompute keep one: with grad enabled, or
 on an input that requires grad (a reentrant checkpoint's first pass runs under ``no_grad``), so
@@ -36,7 +36,8 @@ class ForcedForRecompute:
     """
 
     def __init__(self) -> None:
-        self._entries: dict[Key, tuple[weakref.ref, torch.Tensor | None]] = {}
+        # key -> (weak reference to the input, routing, provisional: an unforced forward before the first forced one)
+        self._entries: dict[Key, tuple[weakref.ref, object, bool]] = {}
         self.active = False
 
     def __len__(self) -> int:
@@ -44,9 +45,14 @@ class ForcedForRecompute:
 
     def keep(self, x: torch.Tensor, forced: torch.Tensor | None) -> None:
         """Remember how the forward of input ``x`` was routed (``forced`` ids, or ``None``: by the
-        router), until ``x`` is freed. Unforced forwards are kept too (a weak reference each): a
-        forward that runs before the first forced one may be recomputed after it (several micro-batches'
-        forwards before their backwards, as pipeline schedules run them)."""
+        router), until ``x`` is freed.
+
+        Unforced forwards before the layer's first forced one are kept provisionally: one may be
+        recomputed after it (several micro-batches' forwards before their backwards, as pipeline
+        schedules run them), but a forced forward on the same input replaces the entry rather than
+        making it ambiguous (an earlier router forward on a tensor that is trained on with forced
+        routing, e.g. a reference forward or a finished step, was fine before and stays so)."""
+        provisional = forced is None and not self.active
         self.active = self.active or forced is not None
         key, entries = _key(x), self._entries
 
@@ -56,9 +62,9 @@ class ForcedForRecompute:
 
         routing = None if forced is None else forced.clone()
         old = entries.get(key)
-        if old is not None and old[0]() is not None and not _same_routing(old[1], routing):
+        if old is not None and old[0]() is not None and not old[2] and not _same_routing(old[1], routing):
             routing = AMBIGUOUS  # (the same storage routed again, otherwise: which forward is recomputed?)
-        entries[key] = (weakref.ref(x, drop), routing)
+        entries[key] = (weakref.ref(x, drop), routing, provisional)
 
     def find(self, x: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
         """``(found, forced)``: the routing of the forwards whose input had ``x``'s storage, shape

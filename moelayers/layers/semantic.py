@@ -37,7 +37,7 @@ from moelayers.config import MoEConfig
 from moelayers.dispatch.comm import all_gather_flat, copy_to_group, fingerprint
 from moelayers.groups import ParallelGroups
 from moelayers.kernels import shuffle_rows
-from moelayers.layers.base import MoELayerBase
+from moelayers.layers.base import MoELayerBase, _check_forced_type
 from moelayers.placement import ExpertPlacement, on_host
 from moelayers.planning.semantic_eval import PREDICTORS
 from moelayers.schedule.token_shuffle import (
@@ -209,7 +209,7 @@ class SemanticMoE(MoELayerBase):
     @eager_under_compile  # eager under torch.compile, as MoELayerBase.forward
     def forward_tp(self, attn_partial: torch.Tensor, residual: torch.Tensor,
                    norm: Callable[[torch.Tensor], torch.Tensor], *, token_ids: torch.Tensor | None,
-                   prev_ranks: PrevRanks = None) -> torch.Tensor:
+                   prev_ranks: PrevRanks = None, topk_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``h + moe(norm(h))`` with ``h = residual + sum_tp attn_partial``, through the shuffled
         reduce-scatter / all-gather (every TP rank calls it with the same tokens).
 
@@ -223,6 +223,9 @@ class SemanticMoE(MoELayerBase):
                 ``[D', T, K]`` expert ids at layers ``l-1, l-2, ...`` (a ``[D', T, K]`` tensor alone
                 is accepted too; ``None`` = no history). Algorithm 3: the tokens' ranks at layers
                 ``l-2`` and ``l-1`` (``[2, T]`` or a pair, ``None``/``-1`` = unknown).
+            topk_ids: optional forced routing of all ``T`` tokens (``[T, K]`` or ``[S, B, K]``), as
+                :meth:`force_routing` but an argument, which activation checkpointing hands to the
+                recomputation (a recomputed ``forward_tp`` cannot find ids forced the other way).
 
         Returns:
             ``[T, H]`` (shape of ``attn_partial``), original token order, on every TP rank.
@@ -241,13 +244,18 @@ class SemanticMoE(MoELayerBase):
                 numbers of tokens or different token ids, every TP rank raises (the refused rank its
                 own error, the others a ``ValueError`` naming it) instead of crashing or waiting.
         """
-        forced = None
+        pending = None
         if not in_backward():  # (a recomputation leaves ids forced for the next call where they are)
-            forced, self._forced_ids = self._forced_ids, None  # used by this call only, even one that raises
+            pending, self._forced_ids = self._forced_ids, None  # used by this call only, even one that raises
+        forced = pending if topk_ids is None else topk_ids
         if self.mode != "tp":
             raise ValueError("forward_tp needs a layer built with mode='tp' (this one is mode='dp')")
         refused = None
         try:
+            if topk_ids is not None:
+                _check_forced_type(topk_ids)
+                if pending is not None:
+                    raise ValueError("topk_ids given to a forward_tp for which force_routing ids are pending: pass one")
             x2, token_ids = self._check_input(attn_partial, token_ids, "attn_partial")
             if token_ids is not None and token_ids.dtype in _WIDE_UNSIGNED:  # index_select has no kernel for them
                 token_ids = token_ids.to(torch.int64)  # (ids above 2**63 wrap negative: outside the vocabulary either way)
@@ -294,9 +302,10 @@ class SemanticMoE(MoELayerBase):
             if self.groups.ep_size == 1:
                 raise
             self._refuse_in_step(exc)  # raises, after telling the other ranks
-        if forced is not None:  # replayed routing of all T tokens: keep this chunk's rows
-            self._forced_ids = forced.index_select(0, rows.to(forced.device))
-        y = self.forward(z, token_ids=None if token_ids is None else token_ids.index_select(0, rows))
+        chunk_ids = None if forced is None else forced.index_select(0, rows.to(forced.device))  # this chunk's rows
+        if topk_ids is None and chunk_ids is not None:  # (force_routing's: the layer keeps it for recomputation)
+            self._forced_ids, chunk_ids = chunk_ids, None
+        y = self.forward(z, token_ids=None if token_ids is None else token_ids.index_select(0, rows), topk_ids=chunk_ids)
         out_chunk = torch.cat([hv + y, h[n:]])
         out = shuffled_all_gather(out_chunk, rb.perm, group, inverse=rb.inverse, replicated_grad=True)
         if in_backward():  # activation checkpointing recomputing: the record stays the caller's forward's

@@ -120,11 +120,10 @@ def test_routing_kept_for_recomputation():
 
     kept, x, ids = ForcedForRecompute(), torch.randn(4, H), torch.zeros(4, 2, dtype=torch.int64)
     kept.keep(x, None)
-    assert len(kept) == 1 and not kept.active  # kept, but not yet a reason to refuse a recomputation
+    assert len(kept) == 1 and not kept.active  # kept provisionally: before the layer's first forced forward
     assert kept.find(x) == (True, None)
-    kept.keep(x, ids)  # the same input routed otherwise
-    with pytest.raises(ValueError, match="routed in different ways"):
-        kept.find(x)
+    kept.keep(x, ids)  # the same input forced: replaces the provisional entry (not ambiguous)
+    assert torch.equal(kept.find(x)[1], ids) and kept.active
     x = torch.randn(4, H)
     kept.keep(x, ids)
     ids[0, 0] = 3  # a buffer of ids refilled for the next forward: the entry holds its own copy
@@ -157,6 +156,25 @@ def test_an_unforced_forward_before_the_first_forced_one_recomputes(reentrant):
         (y0.pow(2).sum() + y1.pow(2).sum()).backward()
         grads.append([ins[0].grad, ins[1].grad, layer.router.weight.grad, *layer.expert_grads_full()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_router_forward_then_a_forced_one_on_the_same_input():
+    """A reference forward by the router, then the same input trained with forced routing (its own
+    routing replayed) under checkpointing: the kept unforced entry made the input ambiguous. Also: a
+    forced rollout under inference_mode made the layer refuse every later recomputation it could not
+    match, for good."""
+    layer = ml.VanillaMoE(_cfg(), ml.ParallelGroups.single(), seed=1)
+    x = torch.randn(5, H, dtype=torch.float64, requires_grad=True)
+    layer(x)
+    ids = layer.last_topk_ids.clone()
+    layer.force_routing(ids)
+    checkpoint(layer, x, use_reentrant=False).sum().backward()
+    fresh = ml.VanillaMoE(_cfg(), ml.ParallelGroups.single(), seed=1)
+    with torch.inference_mode():
+        fresh.force_routing(ids)
+        fresh(x.detach())
+    assert not fresh._forced_for_recompute.active
+    checkpoint(lambda t: fresh(torch.tanh(t)), x, use_reentrant=False).sum().backward()  # input made inside
 
 
 def test_topk_ids_argument():
@@ -302,6 +320,30 @@ def test_checkpointed_forward_tp_keeps_the_record_of_the_callers_forward(reentra
     record = layer.last_rebatch, layer.last_context_ranks
     outs[0].sum().backward()
     assert layer.last_rebatch is record[0] and layer.last_context_ranks is record[1]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_forward_tp_with_topk_ids(reentrant):
+    """forward_tp's forced routing as an argument: a checkpointed forward_tp recomputes with it (forced by
+    force_routing, the recomputation cannot find the chunk's routing and is refused)."""
+    from moelayers.models.tiny import RMSNorm
+
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=4, top_k=2, params_dtype=torch.float64)
+    layer = ml.SemanticMoE(cfg, ml.ParallelGroups.single(), mode="tp", seed=1)
+    norm = RMSNorm(H).double()
+    g = torch.Generator().manual_seed(3)
+    a, r = torch.randn(6, H, dtype=torch.float64, generator=g), torch.randn(6, H, dtype=torch.float64, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(6)])
+    fn = lambda t, i: layer.forward_tp(t, r, norm, token_ids=None, topk_ids=i)  # noqa: E731
+    grads = []
+    for wrap in (False, True):
+        layer.zero_grad(set_to_none=True)
+        t = a.clone().requires_grad_()
+        y = checkpoint(fn, t, ids, use_reentrant=reentrant) if wrap else fn(t, ids)
+        y.pow(2).sum().backward()
+        assert torch.equal(layer.last_topk_ids, ids[layer.last_rebatch.perm[layer.last_rebatch.perm >= 0]])
+        grads.append([t.grad, layer.router.weight.grad, *layer.expert_grads_full()])
+    assert all(torch.equal(x, y) for x, y in zip(*grads))
 
 
 def test_a_layer_pickles_after_a_training_forward():

@@ -940,6 +940,8 @@ def test_forced_routing_under_megatrons_full_recompute_is_refused_in_the_forward
     refuses in the forward, naming the selective recompute that works; unforced forwards run."""
     from megatron.core.tensor_parallel import random as mrandom
 
+    if not hasattr(mrandom, "is_checkpointing"):
+        pytest.skip("this megatron-core does not flag its checkpointing (the backward's error remains)")
     adapter = _build(mi.moe_spec(ml.VanillaMoE), _tc(recompute_granularity="full", recompute_method="uniform",
                                                      recompute_num_layers=1), "build_module")
     x, ids, pad = _padded_case()
