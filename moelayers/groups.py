@@ -2,8 +2,8 @@
 
 The world is ``dp x tp``; TP groups are consecutive ranks; the expert-parallel group spans the
 world unless told otherwise (consecutive blocks of ``ep`` ranks; then the ranks at the same place
-of every block hold the same experts: the expert-data-parallel group ``edp``). Works on gloo and
-NCCL alike.
+of every block hold the same experts while the blocks serve the same placement: the
+expert-data-parallel group ``edp``). Works on gloo and NCCL alike.
 """
 
 from __future__ import annotations

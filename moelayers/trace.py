@@ -622,7 +622,7 @@ class TraceRecorder:
         """Build the trace of all forwards recorded so far.
 
         Returns:
-            RoutingTrace with ``topk_ids [T, L, K]`` (int16; see :class:`RoutingTrace`) over all recorded tokens.
+            RoutingTrace with ``topk_ids [T, L, K]`` (int16, int32 beyond 32,768 experts; see :class:`RoutingTrace`) over all recorded tokens.
 
         Raises:
             ValueError: nothing recorded, ``num_experts`` unknown, or inconsistent ``K``.

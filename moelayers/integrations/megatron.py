@@ -280,10 +280,11 @@ class MegatronMoEAdapter(nn.Module):
         self.layer_number, self.is_mtp_layer, self.megatron_name = layer_number, bool(is_mtp_layer), name
         self.layer = layer_cls(self.moe_config, self.groups, **layer_kwargs)
         megatron_init(self.layer, config, layer_number)
-        #: megatron's selective recompute of the MoE layer (``recompute_granularity='selective'`` with
-        #: ``'moe'`` in ``recompute_modules``): training forwards are checkpointed, as megatron's ``MoELayer``
         modules = getattr(config, "recompute_modules", None) or ()
         selective = getattr(config, "recompute_granularity", None) == "selective"
+        #: megatron's selective recompute of the MoE layer (``recompute_granularity='selective'``, ``'moe'``
+        #: in ``recompute_modules``, not with ``cuda_graph_impl='local'``): forwards with grad enabled are
+        #: checkpointed, as megatron's ``MoELayer`` checkpoints its own
         self.recompute = selective and "moe" in modules and getattr(config, "cuda_graph_impl", None) != "local"
         if selective and "moe_act" in modules and "moe" not in modules:
             warnings.warn("MegatronMoEAdapter: recompute_modules 'moe_act' (megatron's recompute of its experts' "

@@ -132,9 +132,10 @@ def reduce_expert_grads(model: nn.Module) -> None:
         if differ:
             raise ValueError(f"the expert-parallel groups serve different placements in {len(differ)} layer(s) "
                              f"({differ[0]} first): a slot holds other experts from one group to the next, so their "
-                             "gradients cannot be summed. Keep one placement in every group while training: apply_placement "
-                             "with the same placement on every rank (a VariabilityAwareMoE re-plans each group on its own "
-                             "loads: auto_replan=False, or replan(loads=...) with the same loads in every group)")
+                             "gradients cannot be summed. Keep one placement in every group while training: "
+                             "apply_placement with the same placement on every rank (a VariabilityAwareMoE re-plans each "
+                             "group on its own loads: auto_replan=False, or replan(loads=...) with the same loads in "
+                             "every group)")
     for layer in layers:
         g = layer.groups
         layer._reduced_grads = {}
@@ -665,7 +666,8 @@ class MoELayerBase(nn.Module):
 
         Raises:
             TypeError, ValueError: input of the wrong shape, dtype or device, token ids or forced
-                routing not laid out like ``x``. With several expert-parallel ranks this rank first
+                routing not laid out like ``x``, ``topk_ids`` given while ``force_routing`` ids are
+                pending. With several expert-parallel ranks this rank first
                 takes part in the forward's exchange with no tokens, so the other ranks raise
                 ``ValueError`` too instead of waiting for it (see :meth:`_refuse_in_step`).
             ValueError: NaN/inf router logits (``check_finite``) or forced ids outside ``[0, E)`` on

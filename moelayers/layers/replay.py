@@ -2,15 +2,17 @@
 checkpointing can recompute.
 
 A checkpointed forward runs again inside the backward, where the forced ids it used are gone (each
-``force_routing`` call serves one forward). Every forward keeps an entry beside a weak reference
-to its input: the forced ids (a copy), or ``None`` where the router routed (provisionally before
-the layer's first forced forward: one may be recomputed after it). The recomputation, which gets that input again (the same tensor, or a
-detached view of its storage under ``use_reentrant=True``), finds the entry by the input's storage,
-shape and strides. Only forwards that checkpointing may recompute keep one: with grad enabled, or
-on an input that requires grad (a reentrant checkpoint's first pass runs under ``no_grad``), so
-serving and rollout forwards keep none. An input that such forwards routed in different ways is
-ambiguous: its recomputation raises rather than guess. An entry goes with its input, so nothing
-accumulates over training steps either.
+``force_routing`` call serves one forward). Each forward that checkpointing may recompute (grad
+enabled, or an input that requires grad, as in a reentrant checkpoint's first pass under
+``no_grad``; not capacity mode, and not a forward given ``topk_ids=``, which hands its ids to the
+recomputation itself) keeps an entry beside a weak reference to its input: the forced ids (a
+copy), or ``None`` where the router routed. Serving and rollout forwards keep none. The
+recomputation, which gets that input again (the same tensor, or a detached view of its storage
+under ``use_reentrant=True``), finds the entry by the input's storage, shape and strides. Entries
+of router-routed forwards made before the layer's first forced forward are provisional: a forced
+forward on the same input replaces them. Otherwise an input that such forwards routed in
+different ways is ambiguous: its recomputation raises rather than guess. An entry goes with its
+input, so nothing accumulates over training steps either.
 """
 
 from __future__ import annotations

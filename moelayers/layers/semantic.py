@@ -239,10 +239,13 @@ class SemanticMoE(MoELayerBase):
 
         Raises:
             TypeError, ValueError: this rank's input, residual, token ids or forced routing are
-                refused. With several TP ranks they first agree in one small all-reduce (before any
-                other collective): when any rank refused its input, or the ranks hold different
-                numbers of tokens or different token ids, every TP rank raises (the refused rank its
-                own error, the others a ``ValueError`` naming it) instead of crashing or waiting.
+                refused (also ``topk_ids`` given while ``force_routing`` ids are pending). With
+                several TP ranks they first agree in one small all-reduce (before any other
+                collective): when any rank refused its input, or the ranks hold different numbers of
+                tokens or different token ids, every TP rank raises (the refused rank its own error,
+                the others a ``ValueError`` naming it) instead of crashing or waiting.
+            Exception: ``norm`` raising (or returning another shape or dtype) on one rank: that rank
+                raises its error, the others ``ValueError``, after the layer's exchange.
         """
         pending = None
         if not in_backward():  # (a recomputation leaves ids forced for the next call where they are)
