@@ -56,6 +56,21 @@ def test_checkpointing_a_variability_layer_records_each_step_once():
     assert [steps[-1] for steps in wrapped] == [steps[-1] for steps in plain]
 
 
+def _same_grads_checkpointed(layer, fn, x, *args, reentrant: bool, routed=lambda: True) -> bool:
+    """``fn(x, *args)`` plain, then under ``checkpoint``, each followed by a backward: the same input,
+    router and expert gradients, and ``routed()`` true after both."""
+    grads = []
+    for wrap in (False, True):
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        y = checkpoint(fn, xi, *args, use_reentrant=reentrant) if wrap else fn(xi, *args)
+        y.pow(2).sum().backward()
+        if not routed():
+            return False
+        grads.append([xi.grad, layer.router.weight.grad, *layer.expert_grads_full()])
+    return all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def _forced_under_checkpoint(rank: int, world: int, reentrant: bool) -> list:
     """Forced routing (replayed from a rollout) in a checkpointed layer: the recomputation finds the
     forced ids by the layer's input; a layer whose input is made inside the checkpointed region
@@ -86,15 +101,8 @@ def _forced_under_checkpoint(rank: int, world: int, reentrant: bool) -> list:
     # the ids as an argument: a block that makes the layer's input inside the checkpointed region (as a
     # transformer block does: norm, then the MoE) recomputes with them, where force_routing is refused
     block = lambda t, i: layer(torch.tanh(t) * 2.0, topk_ids=i)  # noqa: E731
-    grads = []
-    for wrap in (False, True):
-        layer.zero_grad(set_to_none=True)
-        xi = x.clone().requires_grad_()
-        y = checkpoint(block, xi, ids, use_reentrant=reentrant) if wrap else block(xi, ids)
-        y.pow(2).sum().backward()
-        grads.append([xi.grad, layer.router.weight.grad, *layer.expert_grads_full()])
-        assert torch.equal(layer.last_topk_ids, ids)
-    block_same = all(torch.equal(a, b) for a, b in zip(*grads))
+    block_same = _same_grads_checkpointed(layer, block, x, ids, reentrant=reentrant,
+                                          routed=lambda: torch.equal(layer.last_topk_ids, ids))
     return [same and block_same, refused, len(layer._forced_for_recompute)]
 
 
@@ -335,15 +343,9 @@ def test_checkpointed_forward_tp_with_topk_ids(reentrant):
     a, r = torch.randn(6, H, dtype=torch.float64, generator=g), torch.randn(6, H, dtype=torch.float64, generator=g)
     ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(6)])
     fn = lambda t, i: layer.forward_tp(t, r, norm, token_ids=None, topk_ids=i)  # noqa: E731
-    grads = []
-    for wrap in (False, True):
-        layer.zero_grad(set_to_none=True)
-        t = a.clone().requires_grad_()
-        y = checkpoint(fn, t, ids, use_reentrant=reentrant) if wrap else fn(t, ids)
-        y.pow(2).sum().backward()
-        assert torch.equal(layer.last_topk_ids, ids[layer.last_rebatch.perm[layer.last_rebatch.perm >= 0]])
-        grads.append([t.grad, layer.router.weight.grad, *layer.expert_grads_full()])
-    assert all(torch.equal(x, y) for x, y in zip(*grads))
+    perm = lambda: layer.last_rebatch.perm[layer.last_rebatch.perm >= 0]  # noqa: E731  (tokens in chunk order)
+    assert _same_grads_checkpointed(layer, fn, a, ids, reentrant=reentrant,
+                                    routed=lambda: torch.equal(layer.last_topk_ids, ids[perm()]))
 
 
 def test_a_layer_pickles_after_a_training_forward():
