@@ -198,13 +198,15 @@ def _start_context(backend: str):
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-                    timeout: float = 240.0) -> list[Any]:
+                    timeout: float = 240.0, daemon: bool = True) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes.
 
     ``fn`` must be importable (module level). Returns the per-rank results in rank order. The ranks
     see this process's environment as it is at the call (see :func:`_start_context` for how they
     start). With ``backend='nccl'`` the ranks run Triton natively even if this process runs it under
     the interpreter (``TRITON_INTERPRET`` is not passed on: CPU kernel tests set it at import).
+    ``daemon=False`` for ranks that start processes of their own (megatron's checkpoint writer does);
+    the ranks are killed at the end either way.
 
     Raises:
         RuntimeError: with every failing rank's traceback, or on timeout (a hang fails, it does not stall).
@@ -212,7 +214,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
     ctx = _start_context(backend)
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue), daemon=daemon)
              for r in range(world_size)]
     interpret = os.environ.pop("TRITON_INTERPRET", None) if backend == "nccl" else None
     try:

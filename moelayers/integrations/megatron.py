@@ -27,11 +27,13 @@ To serve a trained megatron model with our layers, :func:`megatron_weights` read
 weights back out of megatron's ``MoELayer`` (gathered over its expert-parallel ranks):
 ``adapter.load_full_weights(*megatron_weights(megatron_layer))``.
 
-Limitations: megatron's distributed checkpointing (``sharded_state_dict``) of the adapter is refused
-with several expert-parallel ranks (save/load logical weights with ``export_full_weights`` /
-``load_full_weights`` instead); training with tensor and sequence parallelism, or with tensor
-parallelism and several expert-parallel ranks, is refused (inference works); expert tensor parallelism is not supported by :func:`load_megatron_weights` /
-:func:`megatron_weights`.
+megatron's distributed checkpointing (``sharded_state_dict``) stores the experts in logical order,
+so a checkpoint loads into any placement and expert-parallel size
+(:mod:`moelayers.integrations.megatron_ckpt`).
+
+Limitations: training with tensor and sequence parallelism, or with tensor parallelism and several
+expert-parallel ranks, is refused (inference works); expert tensor parallelism is not supported by
+:func:`load_megatron_weights` / :func:`megatron_weights`.
 """
 
 from __future__ import annotations
@@ -290,8 +292,7 @@ class MegatronMoEAdapter(nn.Module):
             warnings.warn("MegatronMoEAdapter: recompute_modules 'moe_act' (megatron's recompute of its experts' "
                           "activation) does not apply to moelayers' experts, which keep their activations; 'moe' "
                           "recomputes the whole layer", stacklevel=2)
-        if self.groups.ep_size > 1:  # megatron calls module.sharded_state_dict when the module has one
-            self.sharded_state_dict = self._refuse_sharded_state_dict
+        self._pg_collection_expt_dp = getattr(pg_collection, "expt_dp", None)
         for module in self.layer.modules():
             if isinstance(module, GroupedExperts):
                 for p in module.parameters(recurse=False):
@@ -322,23 +323,25 @@ class MegatronMoEAdapter(nn.Module):
         """
         return self.layer.export_full_weights()
 
-    def _refuse_sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> dict:
-        """megatron's distributed checkpointing with several expert-parallel ranks: refused.
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> dict:
+        """megatron's distributed checkpointing of the wrapped layer, in logical expert order.
 
-        Bound as ``sharded_state_dict`` only when ``groups.ep_size > 1`` (see ``__init__``): with one
-        rank megatron's default for a module without it (every tensor replicated) is right.
+        Expert rows are saved as one ``[E, ...]`` tensor per weight, whatever the placement and the
+        number of expert-parallel ranks, so the checkpoint loads into any placement and any
+        expert-parallel size; the layer keeps its own placement (see
+        :mod:`moelayers.integrations.megatron_ckpt`). megatron's ``TransformerLayer`` calls it for its
+        mlp; optimizers find the expert weights by parameter.
 
-        Raises:
-            NotImplementedError: the ranks hold different experts under the same names; megatron's
-                default would mark them replicated, save one rank's and load it on every rank, losing
-                the others' experts silently. Save ``export_full_weights()`` (or each rank's
-                ``state_dict()``) instead.
+        Args:
+            prefix: key prefix (e.g. ``'decoder.layers.0.mlp.'``).
+            sharded_offsets: megatron's offsets of the enclosing modules.
+            metadata: megatron's sharded-state-dict metadata.
         """
-        raise NotImplementedError(
-            f"distributed checkpointing (sharded_state_dict) of {type(self.layer).__name__} in megatron's mlp slot "
-            f"with {self.groups.ep_size} expert-parallel ranks is not supported: each rank holds other experts under "
-            "the same names. Save export_full_weights() (logical order, any layout) or each rank's state_dict() "
-            "instead")
+        from moelayers.integrations.megatron_ckpt import expert_replica_group, layer_sharded_state_dict
+
+        group = expert_replica_group(self.groups, self._pg_collection_expt_dp)
+        return layer_sharded_state_dict(self.layer, f"{prefix}layer.", sharded_offsets, metadata,
+                                        expert_dp_group=group)
 
     @eager_under_compile  # eager under torch.compile, as MoELayerBase.forward
     def forward(

@@ -1,0 +1,135 @@
+"""megatron-core distributed checkpointing (``sharded_state_dict``) of a moelayers layer.
+
+A layer's ``experts.w13 [S, 2F, H]`` and ``experts.w2 [S, H, F]`` hold one row per *slot* of its
+placement, and every expert-parallel rank holds other slots. The checkpoint stores them in logical
+expert order instead: ``experts.w13`` is one global ``[E, 2F, H]`` tensor (``w2``: ``[E, H, F]``)
+of which every slot contributes the row of its expert, as megatron's own ``SequentialMLP`` does with
+its experts. So a checkpoint loads into any placement and any number of expert-parallel ranks
+(semantic or variability-aware placements, replicas, EP 8 saved and EP 2 loaded): each rank reads
+the experts its own slots hold. The placement itself is not saved; the loading layer keeps its own.
+
+Who saves what (``replica_id``, megatron's (PP, TP, DP) convention, main replica = all zeros):
+
+- expert rows: the ranks that hold the same slots (megatron's expert-data-parallel group) are DP
+  replicas; a placement's second and later copies of an expert are replicas along the first axis;
+  empty slots (``-1``) are neither saved nor loaded (they load as zeros);
+- the router and anything else of the layer: replicated over tensor- and data-parallel ranks, as
+  megatron's default for a module without ``sharded_state_dict``;
+- the placement (``_extra_state``): not saved (a ``LocalNonpersistentObject``): the load hands the
+  layer its own placement back, which is the one the loaded rows were read for.
+
+The expert tensors are ``ShardedTensorFactory`` objects over the whole parameter, so megatron's
+optimizers find them by parameter (``optimizer.sharded_state_dict``) and save Adam's moments and
+the fp32 master weights in the same logical layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moelayers.groups import ParallelGroups
+
+EXPERT_KEYS = ("experts.w13", "experts.w2")
+
+
+def expert_replica_group(groups: ParallelGroups, expt_dp=None):
+    """The ranks that hold the same expert slots as this one (expert data parallel), or ``None`` for one.
+
+    ``groups.edp`` if set; else ``expt_dp`` (a megatron-core >= 0.19 ``pg_collection.expt_dp``); else
+    megatron's initialised ``parallel_state`` expert-data-parallel group; else ``None`` when the
+    expert-parallel group is the whole world (no rank shares slots with another).
+
+    Raises:
+        ValueError: several ranks could hold the same slots and none of the above says which.
+    """
+    if groups.edp is not None:
+        return groups.edp
+    if expt_dp is not None:
+        return expt_dp
+    try:
+        from megatron.core import parallel_state as ps
+    except ImportError:  # pragma: no cover - megatron-core is a dependency
+        ps = None
+    if ps is not None and ps.model_parallel_is_initialized():
+        return ps.get_expert_data_parallel_group()
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == groups.ep_size:
+        return None
+    raise ValueError(
+        f"sharded_state_dict: {dist.get_world_size()} ranks, {groups.ep_size} expert-parallel: which ranks hold "
+        "the same experts is unknown (neither ParallelGroups.edp, a pg_collection's expt_dp nor megatron's "
+        "parallel_state): build the groups with edp (ParallelGroups.from_world builds it)")
+
+
+def _group_rank(group) -> int:
+    return 0 if group is None or not dist.is_initialized() else dist.get_rank(group)
+
+
+def slot_copies(phy2log: torch.Tensor, rank: int) -> list[tuple[int, int]]:
+    """``(expert, copy)`` of each slot of ``rank``: ``copy`` counts the expert's slots before this one
+    in global slot order (0 for the first, the main replica); ``(-1, 0)`` for an empty slot."""
+    flat = phy2log.flatten().tolist()
+    per_rank = phy2log.shape[1]
+    seen: dict[int, int] = {}
+    out = []
+    for g, e in enumerate(flat):
+        copy = seen.get(e, 0)
+        seen[e] = copy + 1
+        if g // per_rank == rank:
+            out.append((e, copy) if e >= 0 else (-1, 0))
+    return out
+
+
+def layer_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, metadata: dict | None, *,
+                             expert_dp_group) -> dict:
+    """megatron's ``sharded_state_dict`` of a moelayers layer (see the module docstring).
+
+    Args:
+        layer: a :class:`~moelayers.layers.base.MoELayerBase`.
+        prefix: the layer's key prefix (e.g. ``'decoder.layers.3.mlp.layer.'``).
+        sharded_offsets: megatron's offsets already applied by the enclosing modules (prepended).
+        metadata: megatron's sharded-state-dict metadata (its ``dp_cp_group`` is used for the router).
+        expert_dp_group: :func:`expert_replica_group`.
+
+    Returns:
+        ``{state-dict key: ShardedTensor | ShardedTensorFactory | ShardedObject | LocalNonpersistentObject}``,
+        the keys of ``layer.state_dict(prefix=prefix)``.
+    """
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor, ShardedTensorFactory
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    state = layer.state_dict(prefix="", keep_vars=True)
+    rest = {k: v for k, v in state.items() if k not in EXPERT_KEYS and k != "_extra_state"}
+    out = make_sharded_tensors_for_checkpoint(rest, prefix, {}, sharded_offsets, tp_group=layer.groups.tp,
+                                              dp_cp_group=metadata["dp_cp_group"])
+    out[f"{prefix}_extra_state"] = LocalNonpersistentObject(state["_extra_state"])
+
+    placement = layer.placement
+    slots = slot_copies(placement.phy2log, layer.groups.ep_rank)
+    num_experts, axis = placement.num_experts, len(sharded_offsets)
+
+    def build(key: str, data: torch.Tensor, replica_id, flattened_range) -> list:
+        if flattened_range is not None:
+            raise ValueError(f"{key}: flattened (distributed-optimizer 'fully_sharded_model_space') shards of moelayers "
+                             "experts are not supported: use distrib_optim_sharding_type 'dp_reshardable' or "
+                             "'fully_reshardable'")
+        pp, tp, dp = replica_id if isinstance(replica_id, tuple) else (replica_id, 0, 0)
+        return [ShardedTensor.from_rank_offsets(key, data[s], *sharded_offsets, (axis, e, num_experts),
+                                                replica_id=(pp + copy, tp, dp), prepend_axis_num=axis + 1)
+                for s, (e, copy) in enumerate(slots) if e >= 0]
+
+    def merger(param: torch.Tensor):
+        def merge(loaded: list[torch.Tensor]) -> torch.Tensor:
+            rows = iter(loaded)
+            like = loaded[0] if loaded else param
+            return torch.stack([next(rows) if e >= 0 else torch.zeros(param.shape[1:], dtype=like.dtype,
+                                                                       device=like.device)
+                                for e, _ in slots])
+        return merge
+
+    dp_rank = _group_rank(expert_dp_group)
+    for name in EXPERT_KEYS:
+        key, param = f"{prefix}{name}", state[name]
+        out[key] = ShardedTensorFactory(key, param, build, merger(param), replica_id=(0, 0, dp_rank))
+    return out
