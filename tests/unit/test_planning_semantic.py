@@ -808,3 +808,50 @@ def test_request_schedule_refuses_inputs_that_do_not_fit():
             (scores, lengths, 2, {"max_ratio": 0}, "max_ratio must be a number >= 1")):
         with pytest.raises(ValueError, match=match):
             request_schedule(bad_scores, bad_lengths, r, **kw)
+
+
+def _capacity_assign_plainly(scores, capacity, group):
+    """``capacity_assign`` written plainly: every unplaced item's candidates sorted in every round."""
+    s = np.nan_to_num(np.asarray(scores, dtype=np.float32), nan=-3e38, neginf=-3e38, posinf=3e38)
+    n, r = s.shape
+    room = np.array(capacity, dtype=np.int64).reshape(-1)
+    out, todo = np.full(n, -1, dtype=np.int64), np.arange(n)
+    while todo.size:
+        cand = np.where(room.reshape(-1, r)[group[todo]] > 0, s[todo], -np.inf)
+        choice = np.argmax(cand, axis=1)
+        key = group[todo] * r + choice
+        order = np.lexsort((-cand[np.arange(todo.size), choice], key))
+        ks = key[order]
+        ok = np.arange(ks.size) - np.searchsorted(ks, ks, side="left") < room[ks]
+        out[todo[order[ok]]] = choice[order[ok]]
+        room -= np.bincount(ks[ok], minlength=room.size)
+        todo = np.sort(todo[order[~ok]])
+    return out
+
+
+@pytest.mark.parametrize("ranks", [2, 8])
+def test_price_balance_batch_path_and_capacity_assign_match_the_plain_loops(ranks):
+    """Batches in order take price_balance's batch path; shuffled, the same items take the general loop
+    (per item, the same arithmetic: the same prices). Ties, +-inf, a short last batch, capacity rows
+    without items, one group; capacity_assign against its plain round loop."""
+    rng = np.random.default_rng(ranks)
+    for case in range(12):
+        n, tps = int(rng.integers(1, 700)), ranks * int(rng.integers(1, 40))
+        scores = (rng.standard_normal((n, ranks)) * 2).astype(np.float32)
+        if case % 3 == 1:
+            scores = rng.integers(-2, 3, size=(n, ranks)).astype(np.float32)  # ties
+        if case % 3 == 2:
+            scores[rng.random((n, ranks)) < 0.2] = -np.inf
+            scores[rng.random((n, ranks)) < 0.05] = np.inf
+        step, cap = step_capacity(n, tps if case % 4 else n * ranks, ranks)  # case % 4 == 0: one group
+        if case % 5 == 0:
+            cap = np.vstack([cap + 1, np.full((2, ranks), 3)])
+        perm = rng.permutation(n)
+        got = price_balance(scores, cap, step)
+        shuffled = np.empty_like(got)
+        shuffled[perm] = price_balance(scores[perm], cap, step[perm])
+        np.testing.assert_array_equal(got.view(np.int32), shuffled.view(np.int32))
+        if case % 4:
+            np.testing.assert_array_equal(got, _price_balance_every_item(scores, cap, step))
+        for s in (scores, got):
+            np.testing.assert_array_equal(capacity_assign(s, cap, step), _capacity_assign_plainly(s, cap, step))
