@@ -388,13 +388,27 @@ def _shared_layer_paths(model: nn.Module) -> list[str]:
     return next((p for p in paths.values() if len(p) > 1), [])
 
 
+def _narrow(ids: np.ndarray) -> np.ndarray:
+    """``ids`` in the narrowest of int16 / int32 / int64 that holds its values exactly (a recording keeps
+    every token's ``[L, K]`` expert ids until the trace is built: int16 takes a quarter of int64's memory)."""
+    if ids.size == 0:
+        return ids.astype(np.int16)
+    lo, hi = int(ids.min()), int(ids.max())
+    for dtype in (np.int16, np.int32):
+        info = np.iinfo(dtype)
+        if info.min <= lo and hi <= info.max:
+            return ids.astype(dtype)
+    return ids
+
+
 class TraceRecorder:
     """Record routing from a running model as a :class:`RoutingTrace`.
 
     MoE layers are the modules of ``model.modules()`` with ``moe_layer_marker = True``, in that
     order (= layer order). After each of their forwards the recorder copies ``last_topk_ids``
-    (``[T, K]`` int64) and ``last_token_ids`` (``[T]`` int64) to CPU. A *model forward* is one run
-    of all MoE layers in order; every layer must see the same ``T``.
+    (``[T, K]``, kept as int16 where the ids fit: about ``2 L K`` bytes a token until the trace is
+    built) and ``last_token_ids`` (``[T]`` int64) to CPU; sequence keys are kept as int codes. A
+    *model forward* is one run of all MoE layers in order; every layer must see the same ``T``.
 
     Incomplete forwards: a model forward that *raises* part-way (some MoE layers recorded, later
     ones not, the exception caught by the caller) is dropped with its tag; at the end of the
@@ -450,7 +464,9 @@ class TraceRecorder:
         self._in_forward = False  # a model forward started and has not recorded all its MoE layers yet
         self._dropped = 0  # forwards dropped after some (not all) of their MoE layers were recorded
         self._current: list[tuple[np.ndarray, np.ndarray | None]] = []
-        self._forwards: list[tuple[np.ndarray, np.ndarray, list[Hashable]]] = []  # ids [T,L,K], tokens [T], keys
+        # per complete forward: expert ids [T, L, K] (narrowed, see _narrow), token ids [T], sequence codes [T]
+        self._forwards: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._codes: dict[Hashable, int] = {}  # sequence key -> code, in order of first appearance
 
     def __enter__(self) -> TraceRecorder:
         if self._active or self._finished:
@@ -596,7 +612,7 @@ class TraceRecorder:
         if tok is not None and (not isinstance(tok, torch.Tensor) or tuple(tok.shape) != (ids.shape[0],)):
             raise ValueError(f"TraceRecorder: {self._where(index)} last_token_ids must be None or a [{ids.shape[0]}] tensor, got {getattr(tok, 'shape', type(tok).__name__)}")
         self._current.append((  # copies: for CPU int64 tensors .to() alone is a view of the caller's buffer
-            ids.detach().to("cpu", torch.int64, copy=True).numpy(),
+            _narrow(ids.detach().to("cpu", torch.int64, copy=True).numpy()),
             None if tok is None else tok.detach().to("cpu", torch.int64, copy=True).numpy(),
         ))
         if len(self._current) == len(self.layers):
@@ -616,7 +632,9 @@ class TraceRecorder:
             keys = [_Untagged(len(self._forwards))] * num_tokens
         elif len(keys) != num_tokens:
             raise ValueError(f"TraceRecorder: tag() gave {len(keys)} sequence keys but forward {len(self._forwards)} had T = {num_tokens} tokens")
-        self._forwards.append((np.stack([ids for ids, _ in layers], axis=1), given[0][1], keys))
+        codes = np.fromiter((self._codes.setdefault(k, len(self._codes)) for k in keys), dtype=np.int64,
+                            count=num_tokens)
+        self._forwards.append((np.stack([ids for ids, _ in layers], axis=1), given[0][1], codes))
 
     def trace(self) -> RoutingTrace:
         """Build the trace of all forwards recorded so far.
@@ -635,12 +653,11 @@ class TraceRecorder:
         top_ks = {ids.shape[2] for ids, _, _ in self._forwards}
         if len(top_ks) != 1:
             raise ValueError(f"TraceRecorder: forwards used different top-k values {sorted(top_ks)}")
-        codes: dict[Hashable, int] = {}
-        seq = np.fromiter((codes.setdefault(k, len(codes)) for _, _, keys in self._forwards for k in keys), dtype=np.int64)
+        seq = np.concatenate([f[2] for f in self._forwards])
         order = np.argsort(seq, kind="stable")  # by first appearance, then seen order
         ids = np.concatenate([f[0] for f in self._forwards])[order]
         tokens = np.concatenate([f[1] for f in self._forwards])[order]
-        offsets = np.concatenate([[0], np.cumsum(np.bincount(seq, minlength=len(codes)))]).astype(np.int64)
+        offsets = np.concatenate([[0], np.cumsum(np.bincount(seq, minlength=len(self._codes)))]).astype(np.int64)
         return RoutingTrace(ids, tokens, offsets, self._resolve_num_experts(), vocab_size=self.vocab_size)
 
     def _resolve_num_experts(self) -> int:

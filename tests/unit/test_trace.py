@@ -861,3 +861,22 @@ def test_split_does_not_check_its_parts_again_and_step_loads_keep_compact_ids(mo
     from moelayers.planning.steps import step_loads
 
     np.testing.assert_array_equal(loads, step_loads(trace.topk_ids.astype(np.int64), 16, 512))
+
+
+@pytest.mark.parametrize("num_experts", [8, 40_000])
+def test_recorder_keeps_narrow_ids_while_recording(num_experts) -> None:
+    """A long recording holds every token's [L, K] expert ids until the trace is built: int16 where the
+    ids fit (a quarter of int64's memory), wider where they do not, the values exact either way."""
+    model = FakeModel()
+    for layer in (model.moe_a, model.moe_b):
+        layer.num_experts = layer.config.num_experts = num_experts
+        layer.salt = 999 if num_experts > 32_768 else layer.salt  # token 35 -> experts 35,000 and 35,001
+    tokens = [[3, 35, 17], [1, 2]]
+    with TraceRecorder(model, vocab_size=50) as rec:
+        for forward in tokens:
+            model(torch.tensor(forward))
+    held = [ids for ids, _, _ in rec._forwards]
+    wide = np.int16 if num_experts <= 32_768 else np.int32
+    assert [a.dtype for a in held] == [wide, np.int16], [a.dtype for a in held]
+    expected = np.concatenate([expected_ids(model, f) for f in tokens])
+    np.testing.assert_array_equal(rec.result.topk_ids, expected)
