@@ -292,7 +292,7 @@ class MegatronMoEAdapter(nn.Module):
             warnings.warn("MegatronMoEAdapter: recompute_modules 'moe_act' (megatron's recompute of its experts' "
                           "activation) does not apply to moelayers' experts, which keep their activations; 'moe' "
                           "recomputes the whole layer", stacklevel=2)
-        self._pg_collection_expt_dp = getattr(pg_collection, "expt_dp", None)
+        self._expert_groups = (getattr(pg_collection, "expt_tp", None), getattr(pg_collection, "expt_dp", None))
         for module in self.layer.modules():
             if isinstance(module, GroupedExperts):
                 for p in module.parameters(recurse=False):
@@ -337,11 +337,10 @@ class MegatronMoEAdapter(nn.Module):
             sharded_offsets: megatron's offsets of the enclosing modules.
             metadata: megatron's sharded-state-dict metadata.
         """
-        from moelayers.integrations.megatron_ckpt import expert_replica_group, layer_sharded_state_dict
+        from moelayers.integrations.megatron_ckpt import expert_replica_coords, layer_sharded_state_dict
 
-        group = expert_replica_group(self.groups, self._pg_collection_expt_dp)
         return layer_sharded_state_dict(self.layer, f"{prefix}layer.", sharded_offsets, metadata,
-                                        expert_dp_group=group)
+                                        expert_replica=expert_replica_coords(self.groups, *self._expert_groups))
 
     @eager_under_compile  # eager under torch.compile, as MoELayerBase.forward
     def forward(

@@ -10,7 +10,8 @@ the experts its own slots hold. The placement itself is not saved; the loading l
 
 Who saves what (``replica_id``, megatron's (PP, TP, DP) convention, main replica = all zeros):
 
-- expert rows: the ranks that hold the same slots (megatron's expert-data-parallel group) are DP
+- expert rows: the ranks that hold the same slots (megatron's expert-tensor- times expert-data-
+  parallel ranks: moelayers keeps whole experts on every tensor-parallel rank) are TP and DP
   replicas; a placement's second and later copies of an expert are replicas along the first axis;
   empty slots (``-1``) are neither saved nor loaded (they load as zeros);
 - the router and anything else of the layer: replicated over tensor- and data-parallel ranks, as
@@ -33,32 +34,34 @@ from moelayers.groups import ParallelGroups
 EXPERT_KEYS = ("experts.w13", "experts.w2")
 
 
-def expert_replica_group(groups: ParallelGroups, expt_dp=None):
-    """The ranks that hold the same expert slots as this one (expert data parallel), or ``None`` for one.
+def expert_replica_coords(groups: ParallelGroups, expt_tp=None, expt_dp=None) -> tuple[int, int]:
+    """This rank's place ``(tp, dp)`` among the ranks that hold the same expert slots as it does.
 
-    ``groups.edp`` if set; else ``expt_dp`` (a megatron-core >= 0.19 ``pg_collection.expt_dp``); else
-    megatron's initialised ``parallel_state`` expert-data-parallel group; else ``None`` when the
-    expert-parallel group is the whole world (no rank shares slots with another).
+    moelayers keeps whole experts on every rank, so with megatron those ranks are its expert-tensor-
+    parallel (``expt_tp``, by default as large as tensor parallelism) times expert-data-parallel
+    (``expt_dp``) ranks. Taken from ``groups.edp`` if set (``(0, rank in edp)``); else the given
+    groups (a megatron-core >= 0.19 ``pg_collection``'s); else megatron's initialised
+    ``parallel_state``; else ``(0, 0)`` when the expert-parallel group is the whole world.
 
     Raises:
         ValueError: several ranks could hold the same slots and none of the above says which.
     """
     if groups.edp is not None:
-        return groups.edp
-    if expt_dp is not None:
-        return expt_dp
+        return 0, _group_rank(groups.edp)
+    if expt_tp is not None or expt_dp is not None:
+        return _group_rank(expt_tp), _group_rank(expt_dp)
     try:
         from megatron.core import parallel_state as ps
     except ImportError:  # pragma: no cover - megatron-core is a dependency
         ps = None
     if ps is not None and ps.model_parallel_is_initialized():
-        return ps.get_expert_data_parallel_group()
+        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_data_parallel_rank()
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == groups.ep_size:
-        return None
+        return 0, 0
     raise ValueError(
         f"sharded_state_dict: {dist.get_world_size()} ranks, {groups.ep_size} expert-parallel: which ranks hold "
-        "the same experts is unknown (neither ParallelGroups.edp, a pg_collection's expt_dp nor megatron's "
-        "parallel_state): build the groups with edp (ParallelGroups.from_world builds it)")
+        "the same experts is unknown (neither ParallelGroups.edp, a pg_collection's expt_tp/expt_dp nor "
+        "megatron's parallel_state): build the groups with edp (ParallelGroups.from_world builds it)")
 
 
 def _group_rank(group) -> int:
@@ -81,7 +84,7 @@ def slot_copies(phy2log: torch.Tensor, rank: int) -> list[tuple[int, int]]:
 
 
 def layer_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, metadata: dict | None, *,
-                             expert_dp_group) -> dict:
+                             expert_replica: tuple[int, int]) -> dict:
     """megatron's ``sharded_state_dict`` of a moelayers layer (see the module docstring).
 
     Args:
@@ -89,7 +92,7 @@ def layer_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, metadat
         prefix: the layer's key prefix (e.g. ``'decoder.layers.3.mlp.layer.'``).
         sharded_offsets: megatron's offsets already applied by the enclosing modules (prepended).
         metadata: megatron's sharded-state-dict metadata (its ``dp_cp_group`` is used for the router).
-        expert_dp_group: :func:`expert_replica_group`.
+        expert_replica: :func:`expert_replica_coords`.
 
     Returns:
         ``{state-dict key: ShardedTensor | ShardedTensorFactory | ShardedObject | LocalNonpersistentObject}``,
@@ -128,8 +131,7 @@ def layer_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, metadat
                                 for e, _ in slots])
         return merge
 
-    dp_rank = _group_rank(expert_dp_group)
     for name in EXPERT_KEYS:
         key, param = f"{prefix}{name}", state[name]
-        out[key] = ShardedTensorFactory(key, param, build, merger(param), replica_id=(0, 0, dp_rank))
+        out[key] = ShardedTensorFactory(key, param, build, merger(param), replica_id=(0, *expert_replica))
     return out

@@ -798,13 +798,14 @@ def _replicated_placement(world: int) -> ml.ExpertPlacement:
     return ml.ExpertPlacement(order.view(world, per), E)
 
 
-def _adapter_with_adam(world: int, placement=None):
-    """An EP=``world`` adapter and a torch Adam over it whose state is a function of the weights
-    (``exp_avg = 2 w``, ``exp_avg_sq = w²``), so that it can be checked in any placement."""
+def _adapter_with_adam(world: int, placement=None, tp: int = 1):
+    """An EP=``world`` (TP=``tp``) adapter and a torch Adam over it whose state is a function of the
+    weights (``exp_avg = 2 w``, ``exp_avg_sq = w²``), so that it can be checked in any placement."""
     from megatron.core.transformer.spec_utils import build_module
 
     kw = {} if placement is None else {"placement": placement}
-    adapter = build_module(mi.moe_spec(ml.VanillaMoE, **kw), config=_tc(expert_model_parallel_size=world))
+    tc = _tc(expert_model_parallel_size=world, tensor_model_parallel_size=tp)
+    adapter = build_module(mi.moe_spec(ml.VanillaMoE, **kw), config=tc)
     opt = torch.optim.Adam(adapter.parameters())
     for p in adapter.parameters():
         opt.state[p] = {"step": torch.tensor(3.0), "exp_avg": 2 * p.detach(), "exp_avg_sq": p.detach() ** 2}
@@ -840,8 +841,8 @@ def _load_and_check(adapter, opt, ckpt_dir, weights) -> None:
 
 def _sharded_checkpoint_round_trip(rank, world, root):
     """Save the adapter and its optimizer state with megatron's distributed checkpointing at EP=2 in the
-    linear and in a replicated placement; load each into another placement at EP=2 and at EP=1 (DP=2).
-    Flat shards (the distributed optimizer's 'fully_sharded_model_space') are refused clearly."""
+    linear and in a replicated placement; load each into another placement at EP=2 and at EP=1 (DP=2);
+    save and load at TP=2 (megatron's expert TP = 2 too: replicas of whole experts). Flat shards (the distributed optimizer's 'fully_sharded_model_space') are refused clearly."""
     import os
 
     warnings.filterwarnings("ignore")
@@ -874,6 +875,19 @@ def _sharded_checkpoint_round_trip(rank, world, root):
     ps.initialize_model_parallel(expert_model_parallel_size=1)  # every rank holds every expert
     for name in saved_in:
         _load_and_check(*_adapter_with_adam(1), f"{root}/{name}", weights)
+    ps.destroy_model_parallel()
+    # tensor parallelism (expert TP = TP by default): both ranks hold whole experts, one saves them
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    adapter, opt = _adapter_with_adam(1, tp=world)
+    adapter.load_full_weights(*weights)
+    for p in adapter.parameters():
+        opt.state[p].update(exp_avg=2 * p.detach(), exp_avg_sq=p.detach() ** 2)
+    os.makedirs(f"{root}/tp", exist_ok=True)
+    dist_checkpointing.save(_sharded(adapter, opt), f"{root}/tp")
+    _load_and_check(*_adapter_with_adam(1, tp=world), f"{root}/linear", weights)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(expert_model_parallel_size=world)
+    _load_and_check(*_adapter_with_adam(world, reversed_), f"{root}/tp", weights)
     ps.destroy_model_parallel()
 
 
