@@ -21,7 +21,8 @@ Who saves what (``replica_id``, megatron's (PP, TP, DP) convention, main replica
 
 The expert tensors are ``ShardedTensorFactory`` objects over the whole parameter, so megatron's
 optimizers find them by parameter (``optimizer.sharded_state_dict``) and save Adam's moments and
-the fp32 master weights in the same logical layout.
+the fp32 master weights in the same logical layout. The distributed optimizer's
+``fully_sharded_model_space`` format asks the factories for flat slices, which are refused.
 """
 
 from __future__ import annotations
