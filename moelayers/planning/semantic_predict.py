@@ -27,6 +27,7 @@ __all__ = ["FREQUENCY_EDGES", "frequency_bucket", "leave_sequence_out", "history
            "fit_rank_model", "minimize_lbfgs"]
 
 FREQUENCY_EDGES = (1, 2, 4, 8, 32, 128)  # profile occurrences: buckets [0], [1], [2, 3], [4, 7], ..., [128, inf)
+_ROW_BLOCK = 2048  # rows per block of _SparseRows products (a block's [rows, R] float64 stays in cache)
 
 
 def frequency_bucket(count: np.ndarray) -> np.ndarray:
@@ -98,9 +99,14 @@ class _SparseRows:
     float64 (``np.bincount``; row by row where every row has as many non-zeros, as a history has)."""
 
     def __init__(self, dense: np.ndarray) -> None:
-        self.shape = dense.shape
-        self.rows, self.cols = np.nonzero(dense)  # row-major: each row's non-zeros are contiguous, in column order
-        self.vals = dense[self.rows, self.cols].astype(np.float64)
+        # row-major: each row's non-zeros are contiguous, in column order (as np.nonzero's, but
+        # contiguous arrays: np.nonzero's are strided views, which every bincount would copy)
+        flat = np.flatnonzero(dense)
+        f = max(dense.shape[1], 1)
+        self._setup(dense.shape, flat // f, flat % f, np.ravel(dense)[flat].astype(np.float64))
+
+    def _setup(self, shape: tuple[int, int], rows: np.ndarray, cols: np.ndarray, vals: np.ndarray) -> None:
+        self.shape, self.rows, self.cols, self.vals = tuple(shape), rows, cols, vals
         self.ones = bool(np.all(self.vals == 1.0))  # a one-hot: no products to form
         per_row = np.bincount(self.rows, minlength=self.shape[0])
         self.per_row = int(per_row[0]) if per_row.size and np.all(per_row == per_row[0]) else None
@@ -109,27 +115,59 @@ class _SparseRows:
                         if self.per_row is not None else None)
         self._flat: tuple[int, np.ndarray] | None = None  # (R, [nnz * R] bins col * R + j) of rmatmul_t
 
+    @classmethod
+    def history(cls, topk_ids: np.ndarray, layer: int, depth: int, num_experts: int) -> _SparseRows:
+        """``_SparseRows(history_onehot(topk_ids, layer, depth, num_experts))`` without the dense matrix:
+        the same non-zeros in the same order (each row: block by block, each block's experts ascending)."""
+        n, k = topk_ids.shape[0], topk_ids.shape[2]
+        d = min(depth, layer)
+        shape = (n, depth * num_experts)
+        if n == 0 or k == 0 or d == 0:
+            return cls(history_onehot(topk_ids, layer, depth, num_experts))
+        blocks = np.sort(topk_ids[:, layer - d:layer][:, ::-1], axis=2).astype(np.int64)  # [n, d, K]: l-1, l-2, ...
+        if blocks[:, :, 0].min() < 0 or blocks[:, :, -1].max() >= num_experts or (blocks[:, :, 1:] == blocks[:, :, :-1]).any():
+            return cls(history_onehot(topk_ids, layer, depth, num_experts))  # repeated or bad ids: as the dense does
+        blocks += (np.arange(d, dtype=np.int64) * num_experts)[:, None]
+        self = cls.__new__(cls)
+        self._setup(shape, np.repeat(np.arange(n, dtype=np.int64), d * k), blocks.reshape(-1), np.ones(n * d * k))
+        return self
+
     def __matmul__(self, w: np.ndarray) -> np.ndarray:
         """``dense @ w`` for ``w [F, R]``: ``[n, R]`` float64."""
         n, r = self.shape[0], w.shape[1]
         w64 = np.asarray(w, dtype=np.float64)
         if self.per_row is not None:  # the k-th non-zero of every row at once, k in order
-            vals = None if self.ones else self.vals.reshape(n, self.per_row, 1)
-            out, term = np.zeros((n, r)), np.empty((n, r))
-            for k in range(self.per_row):
-                np.take(w64, self._cols_k[k], axis=0, out=term)
-                out += term if vals is None else vals[:, k] * term
+            vals = None if self.ones else self.vals.reshape(n, self.per_row)
+            out, term = np.zeros((n, r)), np.empty((min(n, _ROW_BLOCK), r))
+            # by blocks of rows, so that the block's sum and the gathered terms stay in cache (each
+            # entry still adds its terms in k order, one by one, starting from 0)
+            for lo in range(0, n, _ROW_BLOCK):
+                o = out[lo:lo + _ROW_BLOCK]
+                t = term[:o.shape[0]]
+                for k in range(self.per_row):
+                    np.take(w64, self._cols_k[k, lo:lo + _ROW_BLOCK], axis=0, out=t)
+                    o += t if vals is None else vals[lo:lo + _ROW_BLOCK, k, None] * t
             return out
         out = [np.bincount(self.rows, weights=self.vals * w64[self.cols, j], minlength=n) for j in range(r)]
         return np.stack(out, axis=1) if out else np.zeros((n, 0))
 
     def rmatmul_t(self, g: np.ndarray) -> np.ndarray:
-        """``dense.T @ g`` for ``g [n, R]``: ``[F, R]`` float64 (one ``bincount`` over bins ``col * R + j``:
-        each entry adds its rows' terms in row order, as one ``bincount`` per column ``j`` did)."""
+        """``dense.T @ g`` for ``g [n, R]``: ``[F, R]`` float64: each entry adds its rows' terms one by
+        one in row order, starting from 0 (``bincount``)."""
         f, r = self.shape[1], g.shape[1]
+        g64 = np.asarray(g, dtype=np.float64)
+        if self.per_row is not None:  # rows = [0]*P + [1]*P + ...: one bincount per column j over the
+            gt = np.ascontiguousarray(g64.T)  # non-zeros (cache-sized arrays, no [nnz, R] temporaries)
+            out = np.empty((f, r))
+            for j in range(r):
+                terms = np.repeat(gt[j], self.per_row)
+                if not self.ones:
+                    terms *= self.vals
+                out[:, j] = np.bincount(self.cols, weights=terms, minlength=f)
+            return out
         if self._flat is None or self._flat[0] != r:
             self._flat = (r, (self.cols[:, None] * r + np.arange(r)).ravel())
-        terms = np.take(np.asarray(g, dtype=np.float64), self.rows, axis=0)  # [nnz, R]
+        terms = np.take(g64, self.rows, axis=0)  # [nnz, R]
         if not self.ones:
             terms *= self.vals[:, None]
         return np.bincount(self._flat[1], weights=terms.ravel(), minlength=f * r).reshape(f, r)
@@ -146,7 +184,8 @@ def fit_rank_model(log_rows: np.ndarray, bucket: np.ndarray, hist: np.ndarray, t
     Args:
         log_rows: ``[n, R]`` leave-sequence-out ``log Pr(rank | token)``.
         bucket: ``[n]`` frequency bucket of each row (``< len(FREQUENCY_EDGES) + 1``).
-        hist: ``[n, D*E]`` :func:`history_onehot` of the tokens (``D = 0``: token table only).
+        hist: ``[n, D*E]`` :func:`history_onehot` of the tokens (``D = 0``: token table only), or the
+            same as ``_SparseRows.history`` (no dense matrix).
         target: ``[n, R]`` share of each token's activations on each rank (rows sum to 1).
         l2: ridge weight of the history table.
         maxiter: L-BFGS iterations.
@@ -169,7 +208,8 @@ def _rank_loss(log_rows: np.ndarray, bucket: np.ndarray, hist: np.ndarray, targe
     n, r = target.shape
     nb, nf = len(FREQUENCY_EDGES) + 1, hist.shape[1]
     lq, y = np.asarray(log_rows, np.float32), np.asarray(target, np.float32)
-    sparse = _SparseRows(hist)  # products in a fixed order: the fit does not depend on the thread count
+    # products in a fixed order: the fit does not depend on the thread count
+    sparse = hist if isinstance(hist, _SparseRows) else _SparseRows(hist)
 
     def loss_grad(x: np.ndarray) -> tuple[float, np.ndarray]:
         a, c, w = x[:nb], x[nb:nb + r], x[nb + r:].reshape(nf, r)

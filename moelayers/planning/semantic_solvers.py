@@ -40,7 +40,7 @@ from moelayers.planning.semantic import (
     SemanticPlan, build_token_table, nearest_seen_tokens, ngram_tables, rank_counts, token_rank_probs,
 )
 from moelayers.planning.semantic_eval import capacity_assign, request_schedule
-from moelayers.planning.semantic_predict import fit_rank_model, frequency_bucket, history_onehot, leave_sequence_out
+from moelayers.planning.semantic_predict import _SparseRows, fit_rank_model, frequency_bucket, leave_sequence_out
 
 __all__ = ["load_cap", "assign_experts", "coactivation_clusters", "LayerObjective", "solve_alternating", "solve_cem",
            "solve_dp", "plan_semantic", "SOLVERS", "SETTINGS", "check_settings"]
@@ -128,16 +128,23 @@ def _swap_improve(er: np.ndarray, gain_cols, load: np.ndarray, r: int, cap: floa
     """
     num_e = er.size
     idx = np.arange(num_e)
-    for _ in range(max_swaps):
+    pair2 = None if pair is None else 2 * pair
+    load_row = load[None, :]
+    for _ in range(max_swaps):  # the same numbers as (g + g.T - cur_i - cur_j - 2 pair), in place
         g = gain_cols(er)
         cur = g[idx, idx]
-        delta = g + g.T - cur[:, None] - cur[None, :]
-        if pair is not None:
-            delta -= 2 * pair
+        delta = g + g.T
+        delta -= cur[:, None]
+        delta -= cur[None, :]
+        if pair2 is not None:
+            delta -= pair2
         rl = np.bincount(er, weights=load, minlength=r)
-        new_i = rl[er][:, None] - load[:, None] + load[None, :]  # load of i's rank after the swap
-        bad = (er[:, None] == er[None, :]) | (new_i > cap) | (new_i.T > cap)
-        delta[bad] = -np.inf
+        new_i = (rl[er] - load)[:, None] + load_row  # load of i's rank after the swap
+        over = new_i > cap
+        bad = er[:, None] == er[None, :]
+        bad |= over
+        bad |= over.T
+        np.copyto(delta, -np.inf, where=bad)
         best = int(np.argmax(delta))
         i, j = divmod(best, num_e)
         if not delta[i, j] > 1e-9 * (abs(cur).sum() + 1e-12):
@@ -581,6 +588,7 @@ def _plan_tp(tr, r: int, rng, src, *, solver, theta, seed, progress, history, sa
     co = big[:: max(1, big.size // 50_000)]
     fit = np.sort(rng.choice(num_t, size=min(num_t, predictor_sample), replace=False))
     pair, pair_freq = _sequence_pairs(tr)
+    fit_topk = tr.topk_ids[fit]
     borrowed = ~(np.bincount(ids, minlength=v) > 0) & (src >= 0) if src is not None else np.zeros(v, bool)
     vocab_bucket = frequency_bucket(np.where(borrowed, 1, np.bincount(ids, minlength=v)))  # borrowed rows: least trusted
     expert_rank = np.empty((num_l, num_e), np.int64)
@@ -626,7 +634,7 @@ def _plan_tp(tr, r: int, rng, src, *, solver, theta, seed, progress, history, sa
                                     for j in range(r)], 1)
             rows, rest = leave_sequence_out(q[ids[fit]], table.token_freq[ids[fit]], pair_counts[pair[fit]],
                                             pair_freq[pair[fit]], k, smoothing)
-            hist = history_onehot(tr.topk_ids[fit], l, history, num_e)
+            hist = _SparseRows.history(fit_topk, l, history, num_e)  # history_onehot's non-zeros
             if len(pending) >= threads:
                 finish_one()
             pending.append(pool.submit(fit_layer, l, q, rows, frequency_bucket(rest), hist, counts[fit] / k))

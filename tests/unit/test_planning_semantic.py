@@ -855,3 +855,55 @@ def test_price_balance_batch_path_and_capacity_assign_match_the_plain_loops(rank
             np.testing.assert_array_equal(got, _price_balance_every_item(scores, cap, step))
         for s in (scores, got):
             np.testing.assert_array_equal(capacity_assign(s, cap, step), _capacity_assign_plainly(s, cap, step))
+
+
+def test_sparse_rows_blocked_products_add_in_the_original_order():
+    """The products go by blocks of rows (and the transposed one column by column); with more rows than
+    a block, one-hot or weighted, they must equal the unblocked sums bit for bit: k by k over all rows,
+    and one bincount over bins ``col * R + j`` (the plans stay as they were)."""
+    from moelayers.planning.semantic_predict import _ROW_BLOCK, _SparseRows
+
+    rng = np.random.default_rng(5)
+    n, f, r, q = 2 * _ROW_BLOCK + 77, 40, 8, 6
+    dense = np.zeros((n, f), dtype=np.float32)
+    for i in range(n):
+        dense[i, rng.choice(f, q, replace=False)] = 1.0
+    for weighted in (False, True):
+        if weighted:
+            dense[dense != 0] = rng.standard_normal(n * q).astype(np.float32) + 3.0
+        sp = _SparseRows(dense)
+        rows, cols = np.nonzero(dense)
+        np.testing.assert_array_equal(sp.rows, rows)
+        np.testing.assert_array_equal(sp.cols, cols)
+        assert sp.per_row == q and sp.ones is not weighted
+        w = (rng.standard_normal((f, r)) * 10.0 ** rng.integers(-6, 3, size=(f, r))).astype(np.float32)
+        g = (rng.standard_normal((n, r)) * 10.0 ** rng.integers(-6, 3, size=(n, r))).astype(np.float32)
+        vals = dense[rows, cols].astype(np.float64).reshape(n, q)
+        want = np.zeros((n, r))
+        for k in range(q):
+            want += vals[:, k, None] * w.astype(np.float64)[cols.reshape(n, q)[:, k]]
+        np.testing.assert_array_equal(sp @ w, want)
+        terms = g.astype(np.float64)[rows] * vals.reshape(-1, 1)
+        flat = np.bincount((cols[:, None] * r + np.arange(r)).ravel(), weights=terms.ravel(), minlength=f * r)
+        np.testing.assert_array_equal(sp.rmatmul_t(g), flat.reshape(f, r))
+
+
+def test_sparse_history_equals_the_sparse_dense_one_hot():
+    """``_SparseRows.history`` (what the tp planner fits on) holds the non-zeros of ``history_onehot``, in
+    the same order: every layer (the first ``depth`` have fewer blocks), unsorted and repeated experts."""
+    from moelayers.planning.semantic_predict import _SparseRows
+
+    rng = np.random.default_rng(7)
+    topk = np.stack([rng.permuted(np.tile(np.arange(12), (50, 1)), axis=1)[:, :3] for _ in range(6)], 1)  # [50, 6, 3]
+    repeated = topk.copy()
+    repeated[::7, :, 1] = repeated[::7, :, 0]
+    for ids in (topk.astype(np.int16), topk, repeated):
+        for layer in range(6):
+            for depth in (0, 1, 4):
+                dense = _SparseRows(history_onehot(ids, layer, depth, 12))
+                sparse = _SparseRows.history(ids, layer, depth, 12)
+                assert sparse.shape == dense.shape and sparse.per_row == dense.per_row and sparse.ones
+                for name in ("rows", "cols", "vals"):
+                    np.testing.assert_array_equal(getattr(sparse, name), getattr(dense, name))
+                if dense.per_row is not None:
+                    np.testing.assert_array_equal(sparse._cols_k, dense._cols_k)
