@@ -17,7 +17,8 @@ Who saves what (``replica_id``, megatron's (PP, TP, DP) convention, main replica
 - the router and anything else of the layer: replicated over tensor- and data-parallel ranks, as
   megatron's default for a module without ``sharded_state_dict``;
 - the placement (``_extra_state``): not saved (a ``LocalNonpersistentObject``): the load hands the
-  layer its own placement back, which is the one the loaded rows were read for.
+  layer its placement of when ``sharded_state_dict()`` was taken back, which is the one the loaded
+  rows were read for. A move between taking it and megatron's save or load is refused there.
 
 The expert tensors are ``ShardedTensorFactory`` objects over the whole parameter, so megatron's
 optimizers find them by parameter (``optimizer.sharded_state_dict``) and save Adam's moments and
@@ -40,25 +41,27 @@ def expert_replica_coords(groups: ParallelGroups, expt_tp=None, expt_dp=None) ->
 
     moelayers keeps whole experts on every rank, so with megatron those ranks are its expert-tensor-
     parallel (``expt_tp``, by default as large as tensor parallelism) times expert-data-parallel
-    (``expt_dp``) ranks. Taken from ``groups.edp`` if set (``(0, rank in edp)``); else the given
-    groups (a megatron-core >= 0.19 ``pg_collection``'s); else megatron's initialised
-    ``parallel_state``; else ``(0, 0)`` when the expert-parallel group is the whole world.
+    (``expt_dp``) ranks. Taken from ``groups.edp`` if set (``(0, rank in edp)``); else, axis by axis,
+    the given group (a megatron-core >= 0.19 ``pg_collection``'s) or megatron's initialised
+    ``parallel_state``; else ``0`` when the expert-parallel group is the whole world.
 
     Raises:
         ValueError: several ranks could hold the same slots and none of the above says which.
     """
     if groups.edp is not None:
         return 0, _group_rank(groups.edp)
-    if expt_tp is not None or expt_dp is not None:
-        return _group_rank(expt_tp), _group_rank(expt_dp)
     try:
         from megatron.core import parallel_state as ps
     except ImportError:  # pragma: no cover - megatron-core is a dependency
         ps = None
-    if ps is not None and ps.model_parallel_is_initialized():
-        return ps.get_expert_tensor_parallel_rank(), ps.get_expert_data_parallel_rank()
+    megatron = ps is not None and ps.model_parallel_is_initialized()
+    # per axis: a given group, else megatron's parallel_state
+    tp = _group_rank(expt_tp) if expt_tp is not None else ps.get_expert_tensor_parallel_rank() if megatron else None
+    dp = _group_rank(expt_dp) if expt_dp is not None else ps.get_expert_data_parallel_rank() if megatron else None
+    if tp is not None and dp is not None:
+        return tp, dp
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == groups.ep_size:
-        return 0, 0
+        return tp or 0, dp or 0
     raise ValueError(
         f"sharded_state_dict: {dist.get_world_size()} ranks, {groups.ep_size} expert-parallel: which ranks hold "
         "the same experts is unknown (neither ParallelGroups.edp, a pg_collection's expt_tp/expt_dp nor "
@@ -107,13 +110,20 @@ def layer_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, metadat
     rest = {k: v for k, v in state.items() if k not in EXPERT_KEYS and k != "_extra_state"}
     out = make_sharded_tensors_for_checkpoint(rest, prefix, {}, sharded_offsets, tp_group=layer.groups.tp,
                                               dp_cp_group=metadata["dp_cp_group"])
-    out[f"{prefix}_extra_state"] = LocalNonpersistentObject(state["_extra_state"])
-
-    placement = layer.placement
+    # the layout the factories describe is the placement now; megatron builds them later (in save or
+    # load), from the live parameter: a move in between is refused there, and a load hands the layer
+    # this placement back with the rows read for it (a copy: a later move updates the live one)
+    placement = layer.placement.copy()
+    out[f"{prefix}_extra_state"] = LocalNonpersistentObject({**state["_extra_state"],
+                                                             "phy2log": placement.phy2log.clone()})
     slots = slot_copies(placement.phy2log, layer.groups.ep_rank)
     num_experts, axis = placement.num_experts, len(sharded_offsets)
 
     def build(key: str, data: torch.Tensor, replica_id, flattened_range) -> list:
+        if layer.placement != placement:
+            raise RuntimeError(f"{key}: the layer's placement changed after sharded_state_dict() was taken (a move, "
+                               "apply_placement or a re-plan): its expert rows no longer match it; take "
+                               "sharded_state_dict() again")
         if flattened_range is not None:
             raise ValueError(f"{key}: flattened (distributed-optimizer 'fully_sharded_model_space') shards of moelayers "
                              "experts are not supported: use distrib_optim_sharding_type 'dp_reshardable' or "

@@ -80,10 +80,10 @@ def capacity_assign(scores: np.ndarray, capacity: np.ndarray, group: np.ndarray 
     with np.errstate(over="ignore"):  # finite: a rank with room (even one scored -inf) beats a full one
         s = np.nan_to_num(np.asarray(scores, dtype=np.float32), nan=-3e38, neginf=-3e38, posinf=3e38)
     n, r = s.shape
-    grp = np.zeros(n, np.int64) if group is None else np.asarray(group, dtype=np.int64)
     room = np.array(capacity, dtype=np.int64).reshape(-1)
     if room.size % r:
         raise ValueError(f"capacity must be [G, R={r}], got {np.shape(capacity)}")
+    grp = _groups(group, n, room.size // r)
     if (np.bincount(grp, minlength=room.size // r) > room.reshape(-1, r).sum(1)).any():
         raise ValueError("capacity_assign: a group has more items than its total capacity")
     out = np.full(n, -1, dtype=np.int64)
@@ -129,8 +129,8 @@ def price_balance(scores: np.ndarray, capacity: np.ndarray, group: np.ndarray | 
     """
     s = np.asarray(scores, dtype=np.float32).astype(np.float64)
     n, r = s.shape
-    grp = np.zeros(n, np.int64) if group is None else np.asarray(group, dtype=np.int64)
     cap = np.asarray(capacity, dtype=np.float64).reshape(-1, r)
+    grp = _groups(group, n, cap.shape[0])
     per = np.maximum(cap.mean(1, keepdims=True), 1.0)
     price = np.zeros_like(cap)
     b = _batch_size(grp)
@@ -157,6 +157,19 @@ def price_balance(scores: np.ndarray, capacity: np.ndarray, group: np.ndarray | 
         if live.size == 0:
             break
     return (s - price[grp]).astype(np.float32)
+
+
+def _groups(group: np.ndarray | None, n: int, num_groups: int) -> np.ndarray:
+    """``group`` as ``[n]`` int64 in ``[0, num_groups)`` (all 0 if ``None``), or a ``ValueError``."""
+    if group is None:
+        return np.zeros(n, np.int64)
+    grp = np.asarray(group, dtype=np.int64)
+    if grp.shape != (n,):
+        raise ValueError(f"group must be [n={n}] (one group per item), got shape {list(grp.shape)}")
+    if n and (grp.min() < 0 or grp.max() >= num_groups):
+        raise ValueError(f"group ids must lie in [0, {num_groups}) (capacity has {num_groups} rows), got "
+                         f"{int(grp.min())}..{int(grp.max())}")
+    return grp
 
 
 def _batch_size(grp: np.ndarray) -> int:

@@ -842,7 +842,9 @@ def _load_and_check(adapter, opt, ckpt_dir, weights) -> None:
 def _sharded_checkpoint_round_trip(rank, world, root):
     """Save the adapter and its optimizer state with megatron's distributed checkpointing at EP=2 in the
     linear and in a replicated placement; load each into another placement at EP=2 and at EP=1 (DP=2);
-    save and load at TP=2 (megatron's expert TP = 2 too: replicas of whole experts). Flat shards (the distributed optimizer's 'fully_sharded_model_space') are refused clearly."""
+    save and load at TP=2 (megatron's expert TP = 2 too: replicas of whole experts); a move after the
+    sharded state dict was taken (refused at the save; between a load and ``load_state_dict``, the
+    rows keep the placement they were read for). Flat shards (the distributed optimizer's 'fully_sharded_model_space') are refused clearly."""
     import os
 
     warnings.filterwarnings("ignore")
@@ -871,6 +873,22 @@ def _sharded_checkpoint_round_trip(rank, world, root):
     for name in saved_in:
         for placement in (reversed_, _replicated_placement(world)):
             _load_and_check(*_adapter_with_adam(world, placement), f"{root}/{name}", weights)
+    # a move after sharded_state_dict() was taken: the rows no longer match it, refused at the save
+    adapter, opt = _adapter_with_adam(world)
+    adapter.load_full_weights(*weights)
+    taken = _sharded(adapter, opt)
+    adapter.layer.apply_placement(reversed_)
+    os.makedirs(f"{root}/moved", exist_ok=True)
+    with pytest.raises(RuntimeError, match="placement changed after sharded_state_dict"):
+        dist_checkpointing.save(taken, f"{root}/moved")
+    # ... and between a load and load_state_dict: the rows come with the placement they were read for
+    adapter, opt = _adapter_with_adam(world)
+    linear = adapter.layer.placement.copy()
+    loaded = dist_checkpointing.load(_sharded(adapter, opt), f"{root}/linear")
+    adapter.layer.apply_placement(reversed_)
+    adapter.load_state_dict({k[len("mlp."):]: v for k, v in loaded["model"].items()})
+    assert adapter.layer.placement == linear
+    assert all(torch.equal(a, b) for a, b in zip(adapter.export_full_weights(), weights))
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(expert_model_parallel_size=1)  # every rank holds every expert
     for name in saved_in:

@@ -907,3 +907,14 @@ def test_sparse_history_equals_the_sparse_dense_one_hot():
                     np.testing.assert_array_equal(getattr(sparse, name), getattr(dense, name))
                 if dense.per_row is not None:
                     np.testing.assert_array_equal(sparse._cols_k, dense._cols_k)
+
+
+def test_balancing_refuses_group_ids_without_a_capacity_row():
+    """More batches than capacity rows (or a negative or misshapen group) is a clear error, not numpy's."""
+    scores, cap = np.zeros((10, 2), np.float32), np.full((2, 2), 3)
+    for group, match in ((np.arange(10) // 4, r"group ids must lie in \[0, 2\)"),
+                         (np.arange(10) // 4 - 1, r"group ids must lie in \[0, 2\)"),
+                         (np.zeros((2, 5), np.int64), r"group must be \[n=10\]")):
+        for balance in (price_balance, capacity_assign):
+            with pytest.raises(ValueError, match=match):
+                balance(scores, cap, group)
