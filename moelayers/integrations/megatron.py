@@ -292,6 +292,10 @@ class MegatronMoEAdapter(nn.Module):
             warnings.warn("MegatronMoEAdapter: recompute_modules 'moe_act' (megatron's recompute of its experts' "
                           "activation) does not apply to moelayers' experts, which keep their activations; 'moe' "
                           "recomputes the whole layer", stacklevel=2)
+        if getattr(config, "moe_token_dispatcher_type", None) == "flex" or getattr(config, "moe_enable_deepep", False):
+            warnings.warn(f"MegatronMoEAdapter: megatron's flex token dispatcher (DeepEP) is not used: the layer "
+                          f"exchanges tokens with moelayers' {self.layer.dispatcher_name!r} dispatcher (moe_spec("
+                          "..., dispatcher=...)); the output is the same", stacklevel=2)
         self._expert_groups = (getattr(pg_collection, "expt_tp", None), getattr(pg_collection, "expt_dp", None))
         for module in self.layer.modules():
             if isinstance(module, GroupedExperts):

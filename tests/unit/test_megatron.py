@@ -914,6 +914,19 @@ def test_sharded_checkpoint_loads_in_any_placement_and_expert_parallel_size(tmp_
     run_distributed(_sharded_checkpoint_round_trip, 2, str(tmp_path), timeout=240, daemon=False)
 
 
+@pytest.mark.parametrize("setting", [{"moe_token_dispatcher_type": "flex"},
+                                     {"moe_token_dispatcher_type": "flex", "moe_enable_deepep": True}])
+def test_adapter_says_megatrons_flex_dispatcher_is_not_used(setting):
+    """A config asking for megatron's flex dispatcher (DeepEP) gets ours, which changes no output: said once."""
+    with pytest.warns(UserWarning, match="flex token dispatcher \\(DeepEP\\) is not used.*'alltoall'"):
+        adapter = _build(mi.moe_spec(ml.VanillaMoE), _tc(**setting), "build_module")
+    assert adapter.layer.dispatcher_name == "alltoall"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _build(mi.moe_spec(ml.VanillaMoE), _tc(moe_token_dispatcher_type="alltoall"), "build_module")
+    assert not [w for w in caught if "dispatcher" in str(w.message)], [str(w.message) for w in caught]
+
+
 def test_router_gemm_fix_without_te():
     """megatron-core 0.16.x without TE: RouterGatingLinearFunction reads an unbound te_general_gemm."""
     from megatron.core.transformer.moe import moe_utils
