@@ -201,12 +201,22 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
                     timeout: float = 240.0, daemon: bool = True) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes.
 
-    ``fn`` must be importable (module level). Returns the per-rank results in rank order. The ranks
-    see this process's environment as it is at the call (see :func:`_start_context` for how they
-    start). With ``backend='nccl'`` the ranks run Triton natively even if this process runs it under
-    the interpreter (``TRITON_INTERPRET`` is not passed on: CPU kernel tests set it at import).
-    ``daemon=False`` for ranks that start processes of their own (megatron's checkpoint writer does);
-    the ranks are killed at the end either way.
+    The ranks see this process's environment as it is at the call (see :func:`_start_context` for
+    how they start). With ``backend='nccl'`` the ranks run Triton natively even if this process runs
+    it under the interpreter (``TRITON_INTERPRET`` is not passed on: CPU kernel tests set it at import).
+
+    Args:
+        fn: importable (module level) ``fn(rank, world_size, *args)``; its result must pickle.
+        world_size: number of ranks.
+        *args: passed to ``fn`` after the rank and world size.
+        backend: ``'gloo'`` or ``'nccl'``.
+        timeout: seconds to wait for each rank's report.
+        daemon: ``False`` for ranks that start processes of their own (megatron's checkpoint writer
+            does; daemonic processes cannot have children). Ranks still alive at the end are
+            killed either way (not their own children).
+
+    Returns:
+        the per-rank results, in rank order.
 
     Raises:
         RuntimeError: with every failing rank's traceback, or on timeout (a hang fails, it does not stall).

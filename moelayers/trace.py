@@ -406,8 +406,8 @@ class TraceRecorder:
 
     MoE layers are the modules of ``model.modules()`` with ``moe_layer_marker = True``, in that
     order (= layer order). After each of their forwards the recorder copies ``last_topk_ids``
-    (``[T, K]``, kept as int16 where the ids fit: about ``2 L K`` bytes a token until the trace is
-    built) and ``last_token_ids`` (``[T]`` int64) to CPU; sequence keys are kept as int codes. A
+    (``[T, K]``, kept as int16 where the ids fit) and ``last_token_ids`` (``[T]`` int64) to CPU, and
+    keeps sequence keys as int64 codes: about ``2 L K + 16`` bytes a token until the trace is built. A
     *model forward* is one run of all MoE layers in order; every layer must see the same ``T``.
 
     Incomplete forwards: a model forward that *raises* part-way (some MoE layers recorded, later

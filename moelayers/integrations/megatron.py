@@ -28,8 +28,9 @@ weights back out of megatron's ``MoELayer`` (gathered over its expert-parallel r
 ``adapter.load_full_weights(*megatron_weights(megatron_layer))``.
 
 megatron's distributed checkpointing (``sharded_state_dict``) stores the experts in logical order,
-so a checkpoint loads into any placement and expert-parallel size
-(:mod:`moelayers.integrations.megatron_ckpt`).
+so a checkpoint loads into any placement and expert- or tensor-parallel size, with the state of
+megatron's non-distributed optimizers (:mod:`moelayers.integrations.megatron_ckpt`; the distributed
+optimizer's default ``fully_sharded_model_space`` format is refused; megatron's writer needs ``psutil``).
 
 Limitations: training with tensor and sequence parallelism, or with tensor parallelism and several
 expert-parallel ranks, is refused (inference works); expert tensor parallelism is not supported by
@@ -340,6 +341,16 @@ class MegatronMoEAdapter(nn.Module):
             prefix: key prefix (e.g. ``'decoder.layers.0.mlp.'``).
             sharded_offsets: megatron's offsets of the enclosing modules.
             metadata: megatron's sharded-state-dict metadata.
+
+        Returns:
+            megatron's sharded state dict of the wrapped layer (keys ``{prefix}layer.*``).
+
+        Raises:
+            ValueError: several ranks may hold the same experts and neither ``ParallelGroups.edp``,
+                the builder's ``pg_collection`` nor megatron's ``parallel_state`` says which; and,
+                when megatron builds the expert shards, flat ones (``fully_sharded_model_space``).
+            RuntimeError: when megatron builds the expert shards in its save or load, the layer's
+                placement has changed since this call.
         """
         from moelayers.integrations.megatron_ckpt import expert_replica_coords, layer_sharded_state_dict
 

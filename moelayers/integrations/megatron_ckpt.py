@@ -5,20 +5,20 @@ placement, and every expert-parallel rank holds other slots. The checkpoint stor
 expert order instead: ``experts.w13`` is one global ``[E, 2F, H]`` tensor (``w2``: ``[E, H, F]``)
 of which every slot contributes the row of its expert, as megatron's own ``SequentialMLP`` does with
 its experts. So a checkpoint loads into any placement and any number of expert-parallel ranks
-(semantic or variability-aware placements, replicas, EP 8 saved and EP 2 loaded): each rank reads
-the experts its own slots hold. The placement itself is not saved; the loading layer keeps its own.
+(semantic or variability-aware placements, replicas, e.g. saved at EP 2 and loaded at EP 1): each
+rank reads the experts its own slots hold. The placement itself is not saved; the loading layer keeps its own.
 
 Who saves what (``replica_id``, megatron's (PP, TP, DP) convention, main replica = all zeros):
 
 - expert rows: the ranks that hold the same slots (megatron's expert-tensor- times expert-data-
   parallel ranks: moelayers keeps whole experts on every tensor-parallel rank) are TP and DP
   replicas; a placement's second and later copies of an expert are replicas along the first axis;
-  empty slots (``-1``) are neither saved nor loaded (they load as zeros);
+  empty slots (``-1``) are not saved, and set to zeros on load;
 - the router and anything else of the layer: replicated over tensor- and data-parallel ranks, as
   megatron's default for a module without ``sharded_state_dict``;
-- the placement (``_extra_state``): not saved (a ``LocalNonpersistentObject``): the load hands the
-  layer its placement of when ``sharded_state_dict()`` was taken back, which is the one the loaded
-  rows were read for. A move between taking it and megatron's save or load is refused there.
+- the placement (``_extra_state``): not saved (a ``LocalNonpersistentObject``): the load gives the
+  layer back the placement it had when ``sharded_state_dict()`` was taken, the one the loaded rows
+  were read for. A move between taking it and megatron's save or load is refused there.
 
 The expert tensors are ``ShardedTensorFactory`` objects over the whole parameter, so megatron's
 optimizers find them by parameter (``optimizer.sharded_state_dict``) and save Adam's moments and
@@ -73,8 +73,16 @@ def _group_rank(group) -> int:
 
 
 def slot_copies(phy2log: torch.Tensor, rank: int) -> list[tuple[int, int]]:
-    """``(expert, copy)`` of each slot of ``rank``: ``copy`` counts the expert's slots before this one
-    in global slot order (0 for the first, the main replica); ``(-1, 0)`` for an empty slot."""
+    """Which expert each slot of ``rank`` holds, and which copy of it.
+
+    Args:
+        phy2log: ``[R, S]`` a placement's logical expert per slot (``-1``: empty).
+        rank: the expert-parallel rank.
+
+    Returns:
+        ``S`` pairs ``(expert, copy)``: ``copy`` counts the expert's slots before this one in global
+        slot order (0 for the first, the main replica); ``(-1, 0)`` for an empty slot.
+    """
     flat = phy2log.flatten().tolist()
     per_rank = phy2log.shape[1]
     seen: dict[int, int] = {}
@@ -125,9 +133,10 @@ def layer_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, metadat
                                "apply_placement or a re-plan): its expert rows no longer match it; take "
                                "sharded_state_dict() again")
         if flattened_range is not None:
-            raise ValueError(f"{key}: flattened (distributed-optimizer 'fully_sharded_model_space') shards of moelayers "
-                             "experts are not supported: use distrib_optim_sharding_type 'dp_reshardable' or "
-                             "'fully_reshardable'")
+            raise ValueError(f"{key}: flattened (distributed-optimizer 'fully_sharded_model_space', megatron-core's "
+                             "default) shards of moelayers experts are not supported: use a non-distributed megatron "
+                             "optimizer, or another distrib_optim_sharding_type in the metadata (not checked with "
+                             "moelayers)")
         pp, tp, dp = replica_id if isinstance(replica_id, tuple) else (replica_id, 0, 0)
         return [ShardedTensor.from_rank_offsets(key, data[s], *sharded_offsets, (axis, e, num_experts),
                                                 replica_id=(pp + copy, tp, dp), prepend_axis_num=axis + 1)

@@ -867,7 +867,7 @@ def _sharded_checkpoint_round_trip(rank, world, root):
         dist_checkpointing.save(_sharded(adapter, opt), f"{root}/{name}")
         if name == "linear":  # megatron's distributed-optimizer format 'fully_sharded_model_space' asks for flat slices
             factory = adapter.sharded_state_dict(prefix="mlp.")["mlp.layer.experts.w2"]
-            with pytest.raises(ValueError, match="'dp_reshardable' or 'fully_reshardable'"):
+            with pytest.raises(ValueError, match="use a non-distributed megatron optimizer"):
                 factory.build_fn(factory.key, factory.data, factory.replica_id, slice(0, 4))
     reversed_ = ml.ExpertPlacement(torch.arange(E - 1, -1, -1).view(world, -1), E)
     for name in saved_in:
