@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import numbers
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -105,7 +106,7 @@ def reduce_expert_grads(model: nn.Module) -> None:
                              "but no expert-data-parallel group (ParallelGroups.edp): build the groups with "
                              "ParallelGroups.from_world(ep=...), or pass edp= to ParallelGroups.from_groups")
         for p in (layer.experts.w13, layer.experts.w2):
-            if p.grad is not None and getattr(layer, "_reduced_grads", {}).get(id(p)) == (id(p.grad), p.grad._version):
+            if p.grad is not None and _reduced_already(layer, p):
                 raise ValueError(f"reduce_expert_grads: the expert gradients of this {name} were reduced already "
                                  "(call it once per optimizer step, after the last backward)")
     edp_layers = [layer for layer in layers if layer.groups.edp is not None]
@@ -149,7 +150,14 @@ def reduce_expert_grads(model: nn.Module) -> None:
             if g.edp is not None:
                 dist.all_reduce(p.grad, group=g.edp)
             p.grad.div_(g.world_size)
-            layer._reduced_grads[id(p)] = (id(p.grad), p.grad._version)
+            # the gradient tensor itself (weakly: a step's new gradient may get a freed one's id) and its version
+            layer._reduced_grads[id(p)] = (weakref.ref(p.grad), p.grad._version)
+
+
+def _reduced_already(layer: "MoELayerBase", p: torch.Tensor) -> bool:
+    """Whether ``p.grad`` is the very tensor :func:`reduce_expert_grads` reduced, unchanged since."""
+    ref, version = getattr(layer, "_reduced_grads", {}).get(id(p), (lambda: None, None))
+    return ref() is p.grad and p.grad._version == version
 
 
 def _check_forced_type(topk_ids: Any) -> None:
@@ -433,7 +441,8 @@ class MoELayerBase(nn.Module):
 
     #: attributes a deep copy starts afresh (factories) instead of copying: a captured CUDA graph
     _fresh_on_copy: dict[str, Callable[[], Any]] = {"_graphed": lambda: None,
-                                                    "_forced_for_recompute": ForcedForRecompute}
+                                                    "_forced_for_recompute": ForcedForRecompute,
+                                                    "_reduced_grads": dict}
 
     def __deepcopy__(self, memo: dict) -> "MoELayerBase":
         """A copy with its own weights and state that shares the process groups (handles, which

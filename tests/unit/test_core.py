@@ -723,3 +723,20 @@ def test_replan_before_any_forward_says_the_window_is_empty():
     v = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), variability="high")
     with pytest.raises(Exception, match="no expert loads recorded yet"):
         v.replan()
+
+
+def test_reduce_expert_grads_in_a_plain_training_loop_never_refuses():
+    """zero_grad() (set_to_none), backward, reduce_expert_grads, step, 50 times: each step's gradients
+    are new tensors, which Python may give the id of the last step's freed ones; that must not read as
+    "reduced already". A second call without a backward still is refused."""
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=6, num_experts=4, top_k=2, params_dtype=torch.float32)
+    model = torch.nn.Sequential(ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=1))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        optim.zero_grad()
+        model(torch.randn(5, 8, generator=g)).pow(2).sum().backward()
+        ml.reduce_expert_grads(model)
+        optim.step()
+    with pytest.raises(ValueError, match="reduced already"):
+        ml.reduce_expert_grads(model)
