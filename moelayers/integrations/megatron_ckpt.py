@@ -31,9 +31,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from moelayers.checkpoint import EXPERT_KEYS, slot_copies
 from moelayers.groups import ParallelGroups
 
-EXPERT_KEYS = ("experts.w13", "experts.w2")
 
 
 def expert_replica_coords(groups: ParallelGroups, expt_tp=None, expt_dp=None) -> tuple[int, int]:
@@ -70,29 +70,6 @@ def expert_replica_coords(groups: ParallelGroups, expt_tp=None, expt_dp=None) ->
 
 def _group_rank(group) -> int:
     return 0 if group is None or not dist.is_initialized() else dist.get_rank(group)
-
-
-def slot_copies(phy2log: torch.Tensor, rank: int) -> list[tuple[int, int]]:
-    """Which expert each slot of ``rank`` holds, and which copy of it.
-
-    Args:
-        phy2log: ``[R, S]`` a placement's logical expert per slot (``-1``: empty).
-        rank: the expert-parallel rank.
-
-    Returns:
-        ``S`` pairs ``(expert, copy)``: ``copy`` counts the expert's slots before this one in global
-        slot order (0 for the first, the main replica); ``(-1, 0)`` for an empty slot.
-    """
-    flat = phy2log.flatten().tolist()
-    per_rank = phy2log.shape[1]
-    seen: dict[int, int] = {}
-    out = []
-    for g, e in enumerate(flat):
-        copy = seen.get(e, 0)
-        seen[e] = copy + 1
-        if g // per_rank == rank:
-            out.append((e, copy) if e >= 0 else (-1, 0))
-    return out
 
 
 def layer_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, metadata: dict | None, *,

@@ -1,0 +1,277 @@
+"""torch distributed checkpointing (``torch.distributed.checkpoint``, DCP) of models with moelayers layers.
+
+A layer's ``state_dict()`` holds *this rank's* expert slots, ``experts.w13 [S, 2F, H]`` and
+``experts.w2 [S, H, F]``, under the same keys on every rank. DCP takes equal keys on several ranks
+for copies of one tensor and writes one of them: ``dcp.save(model.state_dict())`` would keep one
+rank's experts and lose the others' (the layers refuse such a checkpoint when it is loaded; see
+``MoELayerBase.get_extra_state``). The state dicts of this module name the experts by their logical
+id instead, one entry per expert and weight::
+
+    <layer>.experts.w13.<e>   [2F, H]    (w2: [H, F]; optimizer state alike)
+
+Every rank lists the experts its slots hold; replicas of an expert (a placement's extra copies,
+expert-data-parallel ranks) are equal entries, which DCP writes once. So a checkpoint loads into any
+placement and any expert-parallel size, each rank reading only the experts it holds. The placement
+itself is not saved: the loading layers keep their own. The entries are views of the live
+weights (and optimizer state), so ``dcp.load`` reads straight into them; the ``load_*`` functions
+then fill the replicas and load the rest of the model (or optimizer) as torch's
+``torch.distributed.checkpoint.state_dict`` functions do::
+
+    from moelayers import checkpoint as mlc
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": mlc.model_state_dict(model),
+              "optim": mlc.optimizer_state_dict(model, optimizer)}, checkpoint_id=path)
+
+    # later, in a model built with any placement and expert-parallel size:
+    state = {"model": mlc.model_state_dict(model), "optim": mlc.optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=path)
+    mlc.load_model_state_dict(model, state["model"])
+    mlc.load_optimizer_state_dict(model, optimizer, state["optim"])
+
+Every rank must hold the same weights for the same expert (as after a data-parallel step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["model_state_dict", "load_model_state_dict", "optimizer_state_dict", "load_optimizer_state_dict",
+           "EXPERT_KEYS", "slot_copies"]
+
+#: a layer's parameters with one row per slot of its placement
+EXPERT_KEYS = ("experts.w13", "experts.w2")
+
+
+def slot_copies(phy2log: torch.Tensor, rank: int) -> list[tuple[int, int]]:
+    """Which expert each slot of ``rank`` holds, and which copy of it.
+
+    Args:
+        phy2log: ``[R, S]`` a placement's logical expert per slot (``-1``: empty).
+        rank: the expert-parallel rank.
+
+    Returns:
+        ``S`` pairs ``(expert, copy)``: ``copy`` counts the expert's slots before this one in global
+        slot order (0 for the first, the main replica); ``(-1, 0)`` for an empty slot.
+    """
+    flat = phy2log.flatten().tolist()
+    per_rank = phy2log.shape[1]
+    seen: dict[int, int] = {}
+    out = []
+    for g, e in enumerate(flat):
+        copy = seen.get(e, 0)
+        seen[e] = copy + 1
+        if g // per_rank == rank:
+            out.append((e, copy) if e >= 0 else (-1, 0))
+    return out
+
+
+class _ExpertParam:
+    """One slot-major parameter of a layer and the state-dict name (FQN) torch gives it."""
+
+    def __init__(self, fqn: str, layer: nn.Module, name: str):
+        self.fqn, self.layer, self.name = fqn, layer, name
+        self.param: torch.Tensor = layer.get_parameter(name)
+        #: the expert in each slot of this rank (-1: empty)
+        self.slots = [e for e, _ in slot_copies(layer.placement.phy2log, layer.groups.ep_rank)]
+        #: ``{expert: its slot}`` for the experts this rank holds (a rank holds an expert once)
+        self.experts = {e: s for s, e in enumerate(self.slots) if e >= 0}
+
+    def key(self, expert: int) -> str:
+        return f"{self.fqn}.{expert}"
+
+    def split(self, value: Any) -> dict[str, Any]:
+        """``value`` (the parameter or one of its optimizer states) by expert: rows of a slot-major
+        tensor, anything else (a step count) the same for every expert."""
+        if torch.is_tensor(value) and value.dim() >= 1 and value.shape[0] == len(self.slots):
+            return {self.key(e): value[s] for e, s in self.experts.items()}
+        return {self.key(e): value for e in self.experts}
+
+    def rows(self, state: Mapping[str, Any], what: str) -> dict[int, Any]:
+        """This rank's experts' entries of ``state``, checked to be there.
+
+        Raises:
+            KeyError: an expert of this rank is missing (nothing has been loaded yet).
+        """
+        missing = [self.key(e) for e in self.experts if self.key(e) not in state]
+        if missing:
+            raise KeyError(f"{what}: missing the expert entries {missing[:4]}{' ...' if len(missing) > 4 else ''} "
+                           f"({len(missing)} of {len(self.experts)} on this rank); nothing was loaded. Build the "
+                           f"state dict with moelayers.checkpoint, which names the experts by id, before dcp.load")
+        return {e: state[self.key(e)] for e in self.experts}
+
+
+def _expert_params(model: nn.Module) -> dict[str, _ExpertParam]:
+    """The slot-major parameters of every moelayers layer in ``model``, by the name torch's
+    ``get_model_state_dict`` gives them (found by storage, so wrappers such as DDP are allowed for)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from moelayers.layers.base import MoELayerBase
+
+    layers = [m for m in model.modules() if isinstance(m, MoELayerBase)]
+    if not layers:
+        return {}
+    by_storage = {}
+    for fqn, value in get_model_state_dict(model).items():
+        if type(value) is torch.Tensor and value.numel():  # (not a DTensor of a sharding wrapper)
+            by_storage[(value.data_ptr(), value.shape)] = fqn
+    out = {}
+    for layer in layers:
+        for name in EXPERT_KEYS:
+            param = layer.get_parameter(name)
+            fqn = by_storage.get((param.data_ptr(), param.shape))
+            if fqn is None:
+                raise ValueError(f"moelayers.checkpoint: {type(layer).__name__}'s {name} is not in the model's state "
+                                 "dict as the parameter itself (a sharding wrapper such as FSDP over the MoE layer?); "
+                                 "its experts cannot be named by id")
+            out[fqn] = _ExpertParam(fqn, layer, name)
+    return out
+
+
+def _extra_state_keys(experts: Mapping[str, _ExpertParam]) -> set[str]:
+    return {p.fqn[: -len(p.name)] + "_extra_state" for p in experts.values()}
+
+
+def model_state_dict(model: nn.Module) -> dict[str, Any]:
+    """``model``'s state dict for ``torch.distributed.checkpoint``, its experts by id.
+
+    torch's ``get_model_state_dict(model)`` with every moelayers layer's ``experts.w13`` /
+    ``experts.w2`` replaced by ``<name>.<e>`` entries for the experts this rank holds (views of the
+    first slot holding each), and without the layers' ``_extra_state`` (their placement, which
+    the loading layers keep). See the module docstring.
+
+    Args:
+        model: any module; its moelayers layers may sit anywhere inside (DDP-wrapped too).
+
+    Returns:
+        ``{name: tensor}``; the same keys as torch's for everything but the MoE experts.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    experts = _expert_params(model)
+    drop = set(experts) | _extra_state_keys(experts)
+    out = {k: v for k, v in get_model_state_dict(model).items() if k not in drop}
+    for p in experts.values():
+        out.update(p.split(p.param.detach()))
+    return out
+
+
+@torch.no_grad()
+def load_model_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, strict: bool = True):
+    """Load a :func:`model_state_dict` (e.g. after ``dcp.load`` into one) into ``model``.
+
+    Every slot gets its expert's entry (replicas included); the rest of the model is loaded with
+    torch's ``set_model_state_dict``. The layers keep their placement.
+
+    Args:
+        model: the model the state dict was taken from (``dcp.load`` may have filled it in place).
+        state_dict: ``{name: tensor}`` as :func:`model_state_dict` names them.
+        strict: as torch's: other keys missing or unexpected raise. A missing *expert* always
+            raises, before anything is loaded (a layer with some experts left behind would serve
+            wrong outputs).
+
+    Returns:
+        torch's ``(missing_keys, unexpected_keys)``.
+
+    Raises:
+        KeyError: an expert held by this rank is missing.
+        ValueError: an expert's entry has another shape than its slot.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    experts = _expert_params(model)
+    rows = {fqn: p.rows(state_dict, "load_model_state_dict") for fqn, p in experts.items()}
+    for fqn, p in experts.items():
+        for e, row in rows[fqn].items():
+            _check_row(p.key(e), row, p.param[0])
+    for fqn, p in experts.items():
+        for s, e in enumerate(p.slots):
+            if e >= 0:
+                p.param[s].copy_(rows[fqn][e])
+    expert_keys = _expert_keys(experts)
+    rest = {k: v for k, v in state_dict.items() if k not in expert_keys}
+    for fqn, p in experts.items():
+        rest[fqn] = p.param.detach()
+        rest[fqn[: -len(p.name)] + "_extra_state"] = p.layer.get_extra_state()
+    return set_model_state_dict(model, rest, options=StateDictOptions(strict=strict))
+
+
+def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer``'s state dict for ``torch.distributed.checkpoint``, the experts' state by id.
+
+    torch's ``get_optimizer_state_dict(model, optimizer)`` (``{"state": {name: {...}},
+    "param_groups": [...]}``, which gives a fresh optimizer its state first) with the state of every
+    moelayers layer's ``experts.w13`` / ``experts.w2`` split into ``<name>.<e>`` entries as in
+    :func:`model_state_dict`: slot-major states (Adam's moments) by row, others (the step) the same
+    for every expert. ``param_groups`` keep the parameters' own names.
+    """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    experts = _expert_params(model)
+    osd = get_optimizer_state_dict(model, optimizer)
+    state = {k: v for k, v in osd["state"].items() if k not in experts}
+    for fqn, p in experts.items():
+        if fqn not in osd["state"]:
+            continue
+        per_expert: dict[str, dict] = {p.key(e): {} for e in p.experts}
+        for name, value in osd["state"][fqn].items():
+            for key, part in p.split(value).items():
+                per_expert[key][name] = part
+        state.update(per_expert)
+    return {**osd, "state": state}
+
+
+@torch.no_grad()
+def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]):
+    """Load an :func:`optimizer_state_dict` (e.g. after ``dcp.load`` into one) into ``optimizer``.
+
+    Every slot's state gets its expert's entry (replicas included); the rest, hyperparameters too, is
+    loaded with torch's ``set_optimizer_state_dict``.
+
+    Raises:
+        KeyError: an expert held by this rank, or one of its states, is missing (nothing loaded).
+        ValueError: an entry has another shape than the slot's state.
+    """
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    experts = _expert_params(model)
+    live = get_optimizer_state_dict(model, optimizer)["state"]
+    saved = state_dict["state"]
+    copies = []  # (live tensor, loaded value), all checked before anything is written
+    for fqn, p in experts.items():
+        if fqn not in live or not p.experts:
+            continue
+        rows = p.rows(saved, "load_optimizer_state_dict")
+        for name, value in live[fqn].items():
+            slot_major = torch.is_tensor(value) and value.dim() >= 1 and value.shape[0] == len(p.slots)
+            for e, entry in rows.items():
+                if name not in entry:
+                    raise KeyError(f"load_optimizer_state_dict: {p.key(e)} has no {name!r} state; nothing was loaded")
+                _check_row(f"{p.key(e)}.{name}", entry[name], value[0] if slot_major else value)
+            if slot_major:
+                copies += [(value[s], rows[e][name]) for s, e in enumerate(p.slots) if e >= 0]
+            elif torch.is_tensor(value):  # the same for every expert (a step count): the first one's
+                copies.append((value, rows[next(iter(rows))][name]))
+            else:
+                live[fqn][name] = rows[next(iter(rows))][name]
+    for value, loaded in copies:
+        value.copy_(loaded)
+    expert_keys = _expert_keys(experts)
+    native = {k: v for k, v in saved.items() if k not in expert_keys}
+    native.update({fqn: live[fqn] for fqn in experts if fqn in live})
+    return set_optimizer_state_dict(model, optimizer, {**state_dict, "state": native})
+
+
+def _expert_keys(experts: Mapping[str, _ExpertParam]) -> set[str]:
+    """Every name an expert entry of these parameters can have (any expert, held here or not)."""
+    return {p.key(e) for p in experts.values() for e in range(p.layer.placement.num_experts)}
+
+
+def _check_row(key: str, loaded: Any, like: Any) -> None:
+    if torch.is_tensor(like) and (not torch.is_tensor(loaded) or loaded.shape != like.shape):
+        shape = list(loaded.shape) if torch.is_tensor(loaded) else type(loaded).__name__
+        raise ValueError(f"{key}: {shape} in the checkpoint, {list(like.shape)} here; nothing was loaded")

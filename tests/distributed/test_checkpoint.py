@@ -1,0 +1,190 @@
+"""torch distributed checkpointing (DCP) through ``moelayers.checkpoint``: experts by id, so a
+checkpoint resumes training in another placement and expert-parallel size (gloo, world 2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+import moelayers as ml
+from moelayers import checkpoint as mlc
+from moelayers.testing import run_distributed
+
+H, F, E, K = 8, 6, 4, 2
+STEPS = 3  # before the checkpoint, and again after it
+
+
+class _Model(nn.Module):
+    """A linear layer, then an MoE layer: something besides the experts to save and train."""
+
+    def __init__(self, groups: ml.ParallelGroups, placement: ml.ExpertPlacement | None, device: str,
+                 dtype: torch.dtype):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = nn.Linear(H, H, dtype=dtype, device=device)
+        cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, params_dtype=dtype)
+        self.moe = ml.VanillaMoE(cfg, groups, placement=placement, seed=1, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(self.pre(x))
+
+
+def _placements(ep: int) -> dict[str, ml.ExpertPlacement | None]:
+    if ep == 1:
+        return {"linear": None, "permuted": ml.ExpertPlacement(torch.tensor([[3, 0, 2, 1, -1]]), E)}
+    return {"linear": None,
+            "replicated": ml.ExpertPlacement(torch.tensor([[0, 1, 3], [2, 3, 0]]), E),
+            "reversed": ml.ExpertPlacement(torch.tensor([[3, 2, -1], [1, 0, 2]]), E)}
+
+
+def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: range) -> None:
+    """Adam steps on per-rank batches (the same on any layout: drawn from the step and rank)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    w = model.pre.weight
+    for step in steps:
+        x = torch.randn(5, H, dtype=w.dtype, generator=torch.Generator().manual_seed(100 * step + rank)).to(w.device)
+        optim.zero_grad()
+        model(x).pow(2).sum().backward()
+        for p in model.pre.parameters():  # torch DDP's gradient over the world
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        dist.all_reduce(model.moe.router.weight.grad)
+        model.moe.router.weight.grad /= world
+        ml.reduce_expert_grads(model)
+        optim.step()
+
+
+def _logical(model: _Model, optim: torch.optim.Optimizer | None = None) -> dict[str, torch.Tensor]:
+    """The weights and (with ``optim``) Adam moments in logical expert order, gathered over the expert-parallel group."""
+    from moelayers.experts import gather_logical
+
+    layer = model.moe
+    out = {"pre": model.pre.weight.detach().clone(), "router": layer.router.weight.detach().clone()}
+    out["w13"], out["w2"] = gather_logical(layer.experts.w13.detach(), layer.experts.w2.detach(), layer.placement,
+                                           layer.groups.ep)
+    for name in ("exp_avg", "exp_avg_sq") if optim is not None else ():
+        out[f"w13.{name}"], out[f"w2.{name}"] = gather_logical(
+            optim.state[layer.experts.w13][name], optim.state[layer.experts.w2][name], layer.placement,
+            layer.groups.ep)
+    return out
+
+
+def _build(ep: int, place: str, device: str = "cpu", dtype: torch.dtype = torch.float64
+           ) -> tuple[_Model, torch.optim.Optimizer]:
+    if device == "cuda":
+        torch.cuda.set_device(dist.get_rank())
+    model = _Model(ml.ParallelGroups.from_world(ep=ep), _placements(ep)[place], device, dtype)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _save_and_resume(rank: int, world: int, root: str, device: str = "cpu", dtype: torch.dtype = torch.float64
+                     ) -> dict:
+    """Train, save, train on (the uninterrupted run); load into every layout and train on: the
+    loaded state is checked bit for bit here, the largest difference to the uninterrupted run returned."""
+    model, optim = _build(world, "replicated", device, dtype)
+    _train(model, optim, range(STEPS))
+    at_save = _logical(model, optim)
+    dcp.save({"model": mlc.model_state_dict(model), "optim": mlc.optimizer_state_dict(model, optim)},
+             checkpoint_id=root)
+    _train(model, optim, range(STEPS, 2 * STEPS))
+    uninterrupted = _logical(model, optim)
+    errors = {}
+    for ep in (world, 1):
+        for place in _placements(ep):
+            fresh, fresh_optim = _build(ep, place, device, dtype)
+            placement = fresh.moe.placement.copy()
+            state = {"model": mlc.model_state_dict(fresh), "optim": mlc.optimizer_state_dict(fresh, fresh_optim)}
+            dcp.load(state, checkpoint_id=root)
+            mlc.load_model_state_dict(fresh, state["model"])
+            mlc.load_optimizer_state_dict(fresh, fresh_optim, state["optim"])
+            assert fresh.moe.placement == placement  # the loading layer keeps its own
+            loaded = _logical(fresh, fresh_optim)
+            for key, value in at_save.items():  # bit for bit, replicas included
+                assert torch.equal(loaded[key], value), (ep, place, key)
+            assert fresh_optim.param_groups[0]["lr"] == 1e-2
+            _train(fresh, fresh_optim, range(STEPS, 2 * STEPS))
+            resumed = _logical(fresh, fresh_optim)
+            errors[(ep, place)] = max(float((resumed[k] - uninterrupted[k]).abs().max()) for k in uninterrupted)
+    return errors
+
+
+def test_dcp_checkpoint_resumes_training_in_any_placement_and_expert_parallel_size(tmp_path):
+    """Saved at EP2 in a replicated placement with Adam state; loaded at EP2 in the linear, the same
+    and a reversed placement with an empty slot, and at EP1 x DP2 (every rank all experts), linear and
+    with replicas: the logical weights and moments are the saved ones bit for bit, and three more
+    steps give the uninterrupted run's weights (up to the summation order of another layout)."""
+    results = run_distributed(_save_and_resume, 2, str(tmp_path / "ckpt"), timeout=240)
+    for errors in results:
+        assert len(errors) == 5
+        for case, err in errors.items():
+            assert err < 1e-12, (case, err)
+
+
+def _refusals(rank: int, world: int, root: str) -> list[str]:
+    model, optim = _build(world, "linear")
+    _train(model, optim, range(1))
+    dcp.save({"model": mlc.model_state_dict(model)}, checkpoint_id=root)
+    out = []
+    fresh, _ = _build(world, "replicated")
+    before = _logical(fresh)
+    state = {k: v.clone() for k, v in mlc.model_state_dict(fresh).items()}  # not views: the model stays as built
+    dcp.load({"model": state}, checkpoint_id=root)
+    e = next(e for e in fresh.moe.placement.experts_on(rank) if e >= 0)
+    for bad, error in ((lambda s: s.pop(f"moe.experts.w2.{e}"), KeyError),
+                       (lambda s: s.__setitem__(f"moe.experts.w13.{e}", torch.zeros(2 * F, H + 1)), ValueError)):
+        broken = dict(state)
+        bad(broken)
+        with pytest.raises(error) as info:
+            mlc.load_model_state_dict(fresh, broken)
+        out.append(str(info.value))
+        after = _logical(fresh)
+        assert all(torch.equal(after[k], before[k]) for k in before), "something was loaded"
+    # the optimizer: a state dict without one of this rank's experts
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    optim_state = mlc.optimizer_state_dict(fresh, fresh_optim)  # other values than the live ones (not views)
+    optim_state["state"] = {k: {n: v + 1 if torch.is_tensor(v) else v for n, v in entry.items()}
+                            for k, entry in optim_state["state"].items()}
+    moments = {k: v.clone() for k, v in fresh_optim.state[fresh.moe.experts.w13].items()}
+    del optim_state["state"][f"moe.experts.w13.{e}"]
+    with pytest.raises(KeyError) as info:
+        mlc.load_optimizer_state_dict(fresh, fresh_optim, optim_state)
+    out.append(str(info.value))
+    assert all(torch.equal(fresh_optim.state[fresh.moe.experts.w13][k], v) for k, v in moments.items())
+    return out
+
+
+def test_dcp_checkpoint_refusals_load_nothing(tmp_path):
+    """A state dict missing one of this rank's experts, or with a row of another shape, raises
+    before anything of the model is loaded; an optimizer state dict missing an expert, before
+    anything of the optimizer is."""
+    for missing, misfit, optim_missing in run_distributed(_refusals, 2, str(tmp_path / "ckpt"), timeout=240):
+        assert "missing the expert entries ['moe.experts.w2." in missing and "nothing was loaded" in missing
+        assert "load_optimizer_state_dict: missing the expert entries ['moe.experts.w13." in optim_missing
+        assert "[12, 9] in the checkpoint, [12, 8] here; nothing was loaded" in misfit
+
+
+def _plain_state_dict_through_dcp(rank: int, world: int, root: str) -> str | None:
+    model, _ = _build(world, "linear")
+    dcp.save(model.state_dict(), checkpoint_id=root)
+    fresh, _ = _build(world, "linear")
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=root)
+    try:
+        fresh.load_state_dict(state)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_plain_state_dict_through_dcp_is_refused_naming_the_way(tmp_path):
+    """dcp.save(model.state_dict()) writes one rank's slots (equal keys on every rank): the load
+    raises on the ranks whose placement record came from another rank, and says what to save instead."""
+    messages = run_distributed(_plain_state_dict_through_dcp, 2, str(tmp_path / "ckpt"), timeout=240)
+    raised = [m for m in messages if m is not None]
+    assert raised, "no rank refused a checkpoint with one rank's experts"
+    for message in raised:
+        assert "holds the expert slots of expert-parallel rank" in message
+        assert "moelayers.checkpoint.model_state_dict(model)" in message
