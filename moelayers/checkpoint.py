@@ -29,7 +29,10 @@ then fill the replicas and load the rest of the model (or optimizer) as torch's
     mlc.load_model_state_dict(model, state["model"])
     mlc.load_optimizer_state_dict(model, optimizer, state["optim"])
 
-Every rank must hold the same weights for the same expert (as after a data-parallel step).
+Every rank must hold the same weights for the same expert (as after a data-parallel step). Take
+the state dicts right before each save and each load: they are views laid out by the placement of
+the moment, and after a move (``apply_placement``, a re-plan) a view holds another expert than its
+name says. A layer registered under several names has its experts under the first one.
 """
 
 from __future__ import annotations
@@ -71,15 +74,23 @@ def slot_copies(phy2log: torch.Tensor, rank: int) -> list[tuple[int, int]]:
 
 
 class _ExpertParam:
-    """One slot-major parameter of a layer and the state-dict name (FQN) torch gives it."""
+    """One slot-major parameter of a layer and the state-dict names (FQNs) torch gives it."""
 
-    def __init__(self, fqn: str, layer: nn.Module, name: str):
-        self.fqn, self.layer, self.name = fqn, layer, name
+    def __init__(self, names: list[str], layer: nn.Module, name: str):
+        #: every name of the parameter in the model's state dict (a layer registered under several
+        #: names has several); the experts' entries are named after the first
+        self.names, self.layer, self.name = names, layer, name
+        self.fqn = names[0]
         self.param: torch.Tensor = layer.get_parameter(name)
         #: the expert in each slot of this rank (-1: empty)
         self.slots = [e for e, _ in slot_copies(layer.placement.phy2log, layer.groups.ep_rank)]
         #: ``{expert: its slot}`` for the experts this rank holds (a rank holds an expert once)
         self.experts = {e: s for s, e in enumerate(self.slots) if e >= 0}
+
+    @property
+    def layer_keys(self) -> list[str]:
+        """The names of the parameter and of its layer's placement (``_extra_state``), under every name."""
+        return self.names + [n[: -len(self.name)] + "_extra_state" for n in self.names]
 
     def key(self, expert: int) -> str:
         return f"{self.fqn}.{expert}"
@@ -87,9 +98,12 @@ class _ExpertParam:
     def split(self, value: Any) -> dict[str, Any]:
         """``value`` (the parameter or one of its optimizer states) by expert: rows of a slot-major
         tensor, anything else (a step count) the same for every expert."""
-        if torch.is_tensor(value) and value.dim() >= 1 and value.shape[0] == len(self.slots):
+        if self.slot_major(value):
             return {self.key(e): value[s] for e, s in self.experts.items()}
         return {self.key(e): value for e in self.experts}
+
+    def slot_major(self, value: Any) -> bool:
+        return torch.is_tensor(value) and value.dim() >= 1 and value.shape[0] == len(self.slots)
 
     def rows(self, state: Mapping[str, Any], what: str) -> dict[int, Any]:
         """This rank's experts' entries of ``state``, checked to be there.
@@ -104,36 +118,39 @@ class _ExpertParam:
                            f"state dict with moelayers.checkpoint, which names the experts by id, before dcp.load")
         return {e: state[self.key(e)] for e in self.experts}
 
+    def in_optimizer(self, state: Mapping[str, Any]) -> str | None:
+        """The name an optimizer state dict keeps the parameter's state under (``None``: not there)."""
+        return next((n for n in self.names if n in state), None)
 
-def _expert_params(model: nn.Module) -> dict[str, _ExpertParam]:
-    """The slot-major parameters of every moelayers layer in ``model``, by the name torch's
-    ``get_model_state_dict`` gives them (found by storage, so wrappers such as DDP are allowed for)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+def _expert_params(model: nn.Module, model_state: Mapping[str, Any]) -> list[_ExpertParam]:
+    """The slot-major parameters of every moelayers layer in ``model``, with the names they have in
+    ``model_state`` (torch's ``get_model_state_dict``; found by storage, so that wrappers such as
+    DDP, which rename them, are allowed for)."""
     from moelayers.layers.base import MoELayerBase
 
-    layers = [m for m in model.modules() if isinstance(m, MoELayerBase)]
-    if not layers:
-        return {}
-    by_storage = {}
-    for fqn, value in get_model_state_dict(model).items():
+    by_storage: dict[tuple, list[str]] = {}
+    for fqn, value in model_state.items():
         if type(value) is torch.Tensor and value.numel():  # (not a DTensor of a sharding wrapper)
-            by_storage[(value.data_ptr(), value.shape)] = fqn
-    out = {}
-    for layer in layers:
+            by_storage.setdefault((value.data_ptr(), value.shape), []).append(fqn)
+    out = []
+    for layer in model.modules():  # (each module once, under however many names)
+        if not isinstance(layer, MoELayerBase):
+            continue
         for name in EXPERT_KEYS:
             param = layer.get_parameter(name)
-            fqn = by_storage.get((param.data_ptr(), param.shape))
-            if fqn is None:
+            names = by_storage.get((param.data_ptr(), param.shape))
+            if names is None:
                 raise ValueError(f"moelayers.checkpoint: {type(layer).__name__}'s {name} is not in the model's state "
                                  "dict as the parameter itself (a sharding wrapper such as FSDP over the MoE layer?); "
                                  "its experts cannot be named by id")
-            out[fqn] = _ExpertParam(fqn, layer, name)
+            out.append(_ExpertParam(names, layer, name))
     return out
 
 
-def _extra_state_keys(experts: Mapping[str, _ExpertParam]) -> set[str]:
-    return {p.fqn[: -len(p.name)] + "_extra_state" for p in experts.values()}
+def _expert_keys(experts: list[_ExpertParam]) -> set[str]:
+    """Every name an expert entry of these parameters can have (any expert, held here or not)."""
+    return {p.key(e) for p in experts for e in range(p.layer.placement.num_experts)}
 
 
 def model_state_dict(model: nn.Module) -> dict[str, Any]:
@@ -141,8 +158,9 @@ def model_state_dict(model: nn.Module) -> dict[str, Any]:
 
     torch's ``get_model_state_dict(model)`` with every moelayers layer's ``experts.w13`` /
     ``experts.w2`` replaced by ``<name>.<e>`` entries for the experts this rank holds (views of the
-    first slot holding each), and without the layers' ``_extra_state`` (their placement, which
-    the loading layers keep). See the module docstring.
+    slot holding each), and without the layers' ``_extra_state`` (their placement, which the loading
+    layers keep). See the module docstring. Take it right before each save or load: after a move
+    (``apply_placement``, a re-plan) its views hold other experts than their names say.
 
     Args:
         model: any module; its moelayers layers may sit anywhere inside (DDP-wrapped too).
@@ -152,10 +170,11 @@ def model_state_dict(model: nn.Module) -> dict[str, Any]:
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    experts = _expert_params(model)
-    drop = set(experts) | _extra_state_keys(experts)
-    out = {k: v for k, v in get_model_state_dict(model).items() if k not in drop}
-    for p in experts.values():
+    state = get_model_state_dict(model)
+    experts = _expert_params(model, state)
+    drop = {k for p in experts for k in p.layer_keys}
+    out = {k: v for k, v in state.items() if k not in drop}
+    for p in experts:
         out.update(p.split(p.param.detach()))
     return out
 
@@ -165,39 +184,54 @@ def load_model_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, st
     """Load a :func:`model_state_dict` (e.g. after ``dcp.load`` into one) into ``model``.
 
     Every slot gets its expert's entry (replicas included); the rest of the model is loaded with
-    torch's ``set_model_state_dict``. The layers keep their placement.
+    torch's ``set_model_state_dict``. The layers keep their placement. Everything is checked before
+    anything is loaded.
 
     Args:
         model: the model the state dict was taken from (``dcp.load`` may have filled it in place).
         state_dict: ``{name: tensor}`` as :func:`model_state_dict` names them.
-        strict: as torch's: other keys missing or unexpected raise. A missing *expert* always
-            raises, before anything is loaded (a layer with some experts left behind would serve
-            wrong outputs).
+        strict: as torch's: keys missing or unexpected raise; with ``strict=False`` they are
+            returned (what an MoE layer misses, e.g. its router, keeps its value). A missing
+            *expert* always raises (a layer with some experts left behind would serve wrong outputs).
 
     Returns:
-        torch's ``(missing_keys, unexpected_keys)``.
+        ``(missing_keys, unexpected_keys)``, as torch's ``load_state_dict``.
 
     Raises:
         KeyError: an expert held by this rank is missing.
-        ValueError: an expert's entry has another shape than its slot.
+        ValueError: an entry has another shape than the model's tensor.
+        RuntimeError: ``strict`` and keys missing or unexpected.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    from torch.nn.modules.module import _IncompatibleKeys
 
-    experts = _expert_params(model)
-    rows = {fqn: p.rows(state_dict, "load_model_state_dict") for fqn, p in experts.items()}
-    for fqn, p in experts.items():
-        for e, row in rows[fqn].items():
+    live = get_model_state_dict(model)
+    experts = _expert_params(model, live)
+    rows = [p.rows(state_dict, "load_model_state_dict") for p in experts]
+    for p, by_expert in zip(experts, rows):
+        for e, row in by_expert.items():
             _check_row(p.key(e), row, p.param[0])
-    for fqn, p in experts.items():
+    layer_keys = {k for p in experts for k in p.layer_keys}
+    expected = [k for k in live if k not in layer_keys]
+    missing = [k for k in expected if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in live and k not in _expert_keys(experts)]
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"load_model_state_dict: missing keys {missing}, unexpected keys {unexpected}; nothing "
+                           "was loaded (strict=False loads the rest)")
+    for k in expected:
+        if k in state_dict:
+            _check_row(k, state_dict[k], live[k])
+    for p, by_expert in zip(experts, rows):
         for s, e in enumerate(p.slots):
             if e >= 0:
-                p.param[s].copy_(rows[fqn][e])
-    expert_keys = _expert_keys(experts)
-    rest = {k: v for k, v in state_dict.items() if k not in expert_keys}
-    for fqn, p in experts.items():
-        rest[fqn] = p.param.detach()
-        rest[fqn[: -len(p.name)] + "_extra_state"] = p.layer.get_extra_state()
-    return set_model_state_dict(model, rest, options=StateDictOptions(strict=strict))
+                p.param[s].copy_(by_expert[e])
+    # what is missing keeps its value (an MoE layer loads all of its keys or none) and is reported
+    rest = {k: state_dict[k] if k in state_dict else live[k] for k in expected}
+    for p in experts:
+        rest.update({n: p.param.detach() for n in p.names})
+        rest.update({n[: -len(p.name)] + "_extra_state": p.layer.get_extra_state() for n in p.names})
+    set_model_state_dict(model, rest, options=StateDictOptions(strict=True))
+    return _IncompatibleKeys(missing, unexpected)
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -207,20 +241,22 @@ def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     "param_groups": [...]}``, which gives a fresh optimizer its state first) with the state of every
     moelayers layer's ``experts.w13`` / ``experts.w2`` split into ``<name>.<e>`` entries as in
     :func:`model_state_dict`: slot-major states (Adam's moments) by row, others (the step) the same
-    for every expert. ``param_groups`` keep the parameters' own names.
+    for every expert. ``param_groups`` keep the parameters' own names. Take it right before each
+    save or load, as :func:`model_state_dict`.
     """
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    experts = _expert_params(model)
+    experts = _expert_params(model, get_model_state_dict(model))
     osd = get_optimizer_state_dict(model, optimizer)
-    state = {k: v for k, v in osd["state"].items() if k not in experts}
-    for fqn, p in experts.items():
-        if fqn not in osd["state"]:
+    state = {k: v for k, v in osd["state"].items() if not any(k in p.names for p in experts)}
+    for p in experts:
+        name = p.in_optimizer(osd["state"])
+        if name is None:
             continue
         per_expert: dict[str, dict] = {p.key(e): {} for e in p.experts}
-        for name, value in osd["state"][fqn].items():
+        for what, value in osd["state"][name].items():
             for key, part in p.split(value).items():
-                per_expert[key][name] = part
+                per_expert[key][what] = part
         state.update(per_expert)
     return {**osd, "state": state}
 
@@ -236,39 +272,40 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
         KeyError: an expert held by this rank, or one of its states, is missing (nothing loaded).
         ValueError: an entry has another shape than the slot's state.
     """
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
-    experts = _expert_params(model)
+    experts = _expert_params(model, get_model_state_dict(model))
     live = get_optimizer_state_dict(model, optimizer)["state"]
     saved = state_dict["state"]
     copies = []  # (live tensor, loaded value), all checked before anything is written
-    for fqn, p in experts.items():
-        if fqn not in live or not p.experts:
+    native = {k: v for k, v in saved.items() if k not in _expert_keys(experts)}
+    for p in experts:
+        name = p.in_optimizer(live)
+        if name is None:
+            continue
+        native[name] = live[name]
+        if not p.experts:
             continue
         rows = p.rows(saved, "load_optimizer_state_dict")
-        for name, value in live[fqn].items():
-            slot_major = torch.is_tensor(value) and value.dim() >= 1 and value.shape[0] == len(p.slots)
+        for what, value in live[name].items():
+            slot_major = p.slot_major(value)
             for e, entry in rows.items():
-                if name not in entry:
-                    raise KeyError(f"load_optimizer_state_dict: {p.key(e)} has no {name!r} state; nothing was loaded")
-                _check_row(f"{p.key(e)}.{name}", entry[name], value[0] if slot_major else value)
+                if what not in entry:
+                    raise KeyError(f"load_optimizer_state_dict: {p.key(e)} has no {what!r} state; nothing was loaded")
+                _check_row(f"{p.key(e)}.{what}", entry[what], value[0] if slot_major else value)
             if slot_major:
-                copies += [(value[s], rows[e][name]) for s, e in enumerate(p.slots) if e >= 0]
+                copies += [(value[s], rows[e][what]) for s, e in enumerate(p.slots) if e >= 0]
             elif torch.is_tensor(value):  # the same for every expert (a step count): the first one's
-                copies.append((value, rows[next(iter(rows))][name]))
+                copies.append((value, rows[next(iter(rows))][what]))
             else:
-                live[fqn][name] = rows[next(iter(rows))][name]
+                live[name][what] = rows[next(iter(rows))][what]
     for value, loaded in copies:
         value.copy_(loaded)
-    expert_keys = _expert_keys(experts)
-    native = {k: v for k, v in saved.items() if k not in expert_keys}
-    native.update({fqn: live[fqn] for fqn in experts if fqn in live})
     return set_optimizer_state_dict(model, optimizer, {**state_dict, "state": native})
-
-
-def _expert_keys(experts: Mapping[str, _ExpertParam]) -> set[str]:
-    """Every name an expert entry of these parameters can have (any expert, held here or not)."""
-    return {p.key(e) for p in experts.values() for e in range(p.layer.placement.num_experts)}
 
 
 def _check_row(key: str, loaded: Any, like: Any) -> None:

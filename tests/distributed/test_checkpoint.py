@@ -188,3 +188,77 @@ def test_plain_state_dict_through_dcp_is_refused_naming_the_way(tmp_path):
     for message in raised:
         assert "holds the expert slots of expert-parallel rank" in message
         assert "moelayers.checkpoint.model_state_dict(model)" in message
+
+
+def _partial_loads(rank: int, world: int, root: str) -> list:
+    model, _ = _build(world, "linear")
+    dcp.save({"model": mlc.model_state_dict(model)}, checkpoint_id=root)
+    saved = _logical(model)
+    out = []
+    for strict in (True, False):
+        fresh, _ = _build(world, "replicated")
+        torch.manual_seed(5)
+        fresh.moe.router.weight.data.normal_()  # unlike the checkpoint's
+        before = _logical(fresh)
+        state = {k: v.clone() for k, v in mlc.model_state_dict(fresh).items()}
+        dcp.load({"model": state}, checkpoint_id=root)
+        del state["moe.router.weight"]  # e.g. experts and the rest, with a router of its own
+        state["extra.weight"] = torch.zeros(1)
+        try:
+            result = mlc.load_model_state_dict(fresh, state, strict=strict)
+        except RuntimeError as exc:
+            out.append(str(exc))
+            after = _logical(fresh)
+            assert all(torch.equal(after[k], before[k]) for k in before), "something was loaded"
+            continue
+        out.append((result.missing_keys, result.unexpected_keys))
+        after = _logical(fresh)
+        assert torch.equal(after["router"], before["router"])
+        assert all(torch.equal(after[k], saved[k]) for k in ("pre", "w13", "w2"))
+    return out
+
+
+def test_dcp_load_strict_as_torch(tmp_path):
+    """A state dict without the MoE router and with an unknown key: strict raises before anything is
+    loaded; strict=False loads the rest (the experts into another placement) and returns both keys."""
+    for refused, (missing, unexpected) in run_distributed(_partial_loads, 2, str(tmp_path / "ckpt"), timeout=240):
+        assert "missing keys ['moe.router.weight'], unexpected keys ['extra.weight']; nothing was loaded" in refused
+        assert (missing, unexpected) == (["moe.router.weight"], ["extra.weight"])
+
+
+class _Twice(_Model):
+    """The same MoE layer at two depths: registered under two names."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.moe_again = self.moe
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe_again(super().forward(x))
+
+
+def _shared_layer(rank: int, world: int, root: str) -> list[str]:
+    models = []
+    for place in ("linear", "reversed"):
+        model = _Twice(ml.ParallelGroups.from_world(), _placements(world)[place], "cpu", torch.float64)
+        models.append((model, torch.optim.AdamW(model.parameters(), lr=1e-2)))
+    (model, optim), (fresh, fresh_optim) = models
+    _train(model, optim, range(2))
+    state = {"model": mlc.model_state_dict(model), "optim": mlc.optimizer_state_dict(model, optim)}
+    dcp.save(state, checkpoint_id=root)
+    saved_keys = sorted(state["model"])
+    state = {"model": mlc.model_state_dict(fresh), "optim": mlc.optimizer_state_dict(fresh, fresh_optim)}
+    dcp.load(state, checkpoint_id=root)
+    mlc.load_model_state_dict(fresh, state["model"])
+    mlc.load_optimizer_state_dict(fresh, fresh_optim, state["optim"])
+    want, got = _logical(model, optim), _logical(fresh, fresh_optim)
+    return [k for k in want if not torch.equal(want[k], got[k])] + saved_keys
+
+
+def test_dcp_checkpoint_of_a_layer_under_two_names(tmp_path):
+    """A layer used at two depths has two names in the state dicts: its experts are named by id
+    under the first (no slot tensor left under a key all ranks share), its Adam moments too, and
+    the checkpoint loads bit for bit into another placement."""
+    for rank, result in enumerate(run_distributed(_shared_layer, 2, str(tmp_path / "ckpt"), timeout=240)):
+        experts = [f"moe.experts.{w}.{e}" for w in ("w13", "w2") for e in ((0, 1) if rank == 0 else (2, 3))]
+        assert result == experts + ["moe.router.weight", "moe_again.router.weight", "pre.bias", "pre.weight"]
