@@ -18,6 +18,7 @@ from moelayers.layers import SemanticMoE
 from moelayers.metrics import MoEStats
 from moelayers.placement import ExpertPlacement, SlotMove
 from moelayers.router import TopKRouter
+from moelayers.training import clip_grad_norm_
 
 __version__ = "0.1.0"
 
@@ -25,5 +26,5 @@ __all__ = [
     "AllGatherDispatcher", "AllToAllDispatcher", "ExpertPlacement", "GroupedExperts", "LocalFirstPolicy",
     "MoEConfig", "MoELayerBase", "MoEStats", "ParallelGroups", "Routes", "SlotMove", "TopKRouter", "VanillaMoE",
     "VariabilityAwareMoE", "metrics", "reference", "trace",
-    "SemanticMoE", "rank_local_names", "reduce_expert_grads",
+    "SemanticMoE", "rank_local_names", "reduce_expert_grads", "clip_grad_norm_",
 ]

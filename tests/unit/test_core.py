@@ -740,3 +740,26 @@ def test_reduce_expert_grads_in_a_plain_training_loop_never_refuses():
         optim.step()
     with pytest.raises(ValueError, match="reduced already"):
         ml.reduce_expert_grads(model)
+
+
+def test_clip_grad_norm_on_one_rank_is_torchs():
+    """Without process groups the norm and the clipped gradients are torch's (2- and inf-norm); a
+    non-finite norm raises with error_if_nonfinite, as torch's."""
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=6, num_experts=4, top_k=2, params_dtype=torch.float64)
+    x = torch.randn(7, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for norm_type in (2.0, float("inf")):
+        grads = []
+        for clip in (ml.clip_grad_norm_, lambda m, *a: torch.nn.utils.clip_grad_norm_(m.parameters(), *a)):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 8, dtype=torch.float64),
+                                        ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=1))
+            model(x).pow(2).sum().backward()
+            norm = clip(model, 1e-3, norm_type)
+            grads.append((norm, [p.grad for p in model.parameters()]))
+        (mine, ours), (theirs, torchs) = grads
+        torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=0)
+        for a, b in zip(ours, torchs):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-15)
+    model[1].experts.w13.grad[0, 0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="non-finite"):
+        ml.clip_grad_norm_(model, 1.0, error_if_nonfinite=True)

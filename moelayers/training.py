@@ -1,0 +1,103 @@
+"""Gradient clipping for models with moelayers layers under torch data parallelism.
+
+``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` on an expert-parallel model takes
+the norm over *this rank's* expert slots: every rank finds another norm, clips its replicated
+weights (attention, router, embeddings) by another factor, and the ranks' copies drift apart; and a
+replicated expert counts once per copy. :func:`clip_grad_norm_` takes the norm of the whole model's
+gradient, as the dense model has it, and clips every rank by the same factor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moelayers.checkpoint import slot_copies
+from moelayers.layers.base import MoELayerBase
+from moelayers.layers.moves import _comm_device
+
+__all__ = ["clip_grad_norm_"]
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *,
+                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a model with moelayers layers: the same norm and the
+    same clipping factor on every rank.
+
+    The norm is the dense model's: every logical expert's gradient counted once (its main replica,
+    summed over the layer's expert-parallel group), every other parameter once, taken as the same
+    on every rank (as after torch DDP's all-reduce and :func:`moelayers.reduce_expert_grads`; call
+    that first). A collective over each layer's expert-parallel group: call it on every rank.
+
+    Args:
+        model: the model (DDP-wrapped or not); all its parameters with a gradient are clipped.
+        max_norm: the largest norm kept.
+        norm_type: the p of the p-norm, ``inf`` for the largest absolute value.
+        error_if_nonfinite: raise if the norm is NaN or infinite (on every rank: they share it).
+        foreach: as torch's (the fast multi-tensor path).
+
+    Returns:
+        the total norm (a 0-d tensor on the gradients' device), before clipping.
+
+    Raises:
+        RuntimeError: ``error_if_nonfinite`` and the norm is not finite.
+    """
+    max_norm, norm_type = float(max_norm), float(norm_type)
+    layers = [m for m in model.modules() if isinstance(m, MoELayerBase)]
+    slot_major = {id(p) for layer in layers for p in (layer.experts.w13, layer.experts.w2)}
+    params = [p for p in model.parameters() if p.grad is not None]
+    others = [p.grad for p in params if id(p) not in slot_major]
+    device = params[0].grad.device if params else torch.device("cpu")
+    shared = torch.nn.utils.get_total_norm(others, norm_type, foreach=foreach) if others \
+        else torch.zeros((), device=device)
+    if hasattr(shared, "full_tensor"):  # a DTensor (a sharding wrapper's parameters)
+        shared = shared.full_tensor()
+    parts = [_norm_part(shared.reshape(1).double(), norm_type)]
+    for group, partial in _expert_parts(layers, norm_type).items():
+        parts.append(_reduce(partial, group[1], norm_type))
+    total = torch.cat([p.reshape(1).to(device) for p in parts])
+    total = total.max() if norm_type == float("inf") else total.sum() ** (1.0 / norm_type)
+    total = total.to(shared.dtype if shared.is_floating_point() else torch.float32)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({float(total)}), "
+                           "so they cannot be clipped; error_if_nonfinite=False clips anyway")
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+    return total
+
+
+def _norm_part(norms: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """What norms of parts contribute to the total: their largest (inf-norm) or sum of p-th powers."""
+    if norms.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=norms.device)
+    return norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()
+
+
+def _expert_parts(layers: list[MoELayerBase], norm_type: float) -> dict[tuple, torch.Tensor]:
+    """Per expert-parallel group (in the order of the layers, the same on every rank): this rank's
+    part of the experts' norm, from the main replica of each expert it holds."""
+    parts: dict[tuple, torch.Tensor] = {}
+    for layer in layers:
+        mains = [s for s, (e, copy) in enumerate(slot_copies(layer.placement.phy2log, layer.groups.ep_rank))
+                 if e >= 0 and copy == 0]
+        key = (id(layer.groups.ep), layer.groups.ep)
+        dev = layer.experts.w13.device
+        for p in (layer.experts.w13, layer.experts.w2):
+            if p.grad is None or not mains:
+                part = torch.zeros((), dtype=torch.float64, device=dev)
+            else:
+                rows = p.grad[mains].flatten(1)
+                part = _norm_part(torch.linalg.vector_norm(rows, norm_type, dim=1, dtype=torch.float64), norm_type)
+            parts[key] = part if key not in parts else (torch.maximum(parts[key], part)
+                                                        if norm_type == float("inf") else parts[key] + part)
+    return parts
+
+
+def _reduce(partial: torch.Tensor, group, norm_type: float) -> torch.Tensor:
+    """``partial`` summed (max for the inf-norm) over ``group``."""
+    if group is None:
+        return partial
+    comm = partial.reshape(1).to(_comm_device(group, partial.device))
+    dist.all_reduce(comm, op=dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM, group=group)
+    return comm.reshape(()).to(partial.device)

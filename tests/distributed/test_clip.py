@@ -1,0 +1,90 @@
+"""``moelayers.clip_grad_norm_`` against the dense float64 model's ``torch.nn.utils.clip_grad_norm_``
+(gloo, worlds 2 and 4, replicated experts, expert data parallelism)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import moelayers as ml
+from moelayers.testing import redraw_near_ties, run_distributed
+from tests.distributed.test_training_paths import _placement, _weights64
+
+H, F, E, K = 16, 8, 8, 2
+NORMS = (2.0, 1.0, float("inf"))
+MAX_NORM = 1e-3  # well below every norm here: the clipping acts
+
+
+def _cfg() -> ml.MoEConfig:
+    return ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, params_dtype=torch.float64)
+
+
+def _pre() -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(H, H, dtype=torch.float64)
+
+
+def _inputs(world: int) -> list[torch.Tensor]:
+    router = _weights64(E)[0]
+    out = []
+    for r in range(world):
+        g = torch.Generator().manual_seed(10 + r)
+        draw = lambda n, g=g: torch.randn(n, H, generator=g, dtype=torch.float64)  # noqa: E731
+        out.append(redraw_near_ties(draw(5 + r), router, K, draw))  # (tokens behind `pre`: near-ties are harmless)
+    return out
+
+
+def _clipped(rank: int, world: int, ep: int, device: str = "cpu") -> dict:
+    """Each norm: backward, DDP's mean over the world, then clip (also on GPUs, tests/gpu)."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    model = nn.Sequential(_pre(), ml.VanillaMoE(_cfg(), ml.ParallelGroups.from_world(ep=ep),
+                                                placement=_placement("replicas", E, ep), seed=1)).to(device)
+    model[1].load_full_weights(*(w.to(device) for w in _weights64(E)))
+    x = _inputs(world)[rank].to(device)
+    out = {}
+    for norm_type in NORMS:
+        model.zero_grad()
+        model(x).pow(2).sum().backward()
+        for p in (*model[0].parameters(), model[1].router.weight):
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        ml.reduce_expert_grads(model)
+        naive = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], norm_type)
+        norm = ml.clip_grad_norm_(model, MAX_NORM, norm_type)
+        out[norm_type] = {"norm": float(norm), "naive": float(naive), "pre": model[0].weight.grad.cpu(),
+                          "router": model[1].router.weight.grad.cpu(),
+                          **{k: g.cpu() for k, g in zip(("w13", "w2"), model[1].expert_grads_full())}}
+    return out
+
+
+def _dense(world: int, norm_type: float, max_norm: float) -> dict:
+    pre = _pre()
+    weights = [w.clone().requires_grad_() for w in _weights64(E)]
+    loss = sum(ml.reference.moe_forward(pre(x), *weights, _cfg()).pow(2).sum() for x in _inputs(world)) / world
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_([*pre.parameters(), *weights], max_norm, norm_type)
+    return {"norm": float(norm), "pre": pre.weight.grad, **dict(zip(("router", "w13", "w2"), (w.grad for w in weights)))}
+
+
+@pytest.mark.parametrize("world,ep", [(2, 2), (4, 4), (4, 2)])
+def test_clip_grad_norm_is_the_dense_models(world, ep):
+    """Replicated experts, an empty slot, and (4, 2) two expert-parallel groups: every rank finds
+    the dense model's norm (2-, 1- and inf-norm) and clips to its gradients; torch's
+    clip_grad_norm_ on a rank's parameters finds another 2- and 1-norm on each rank."""
+    check_against_dense(run_distributed(_clipped, world, ep, timeout=240), world)
+
+
+def check_against_dense(results: list[dict], world: int) -> None:
+    for norm_type in NORMS:
+        if norm_type != float("inf"):  # (the largest entry may lie in the weights every rank shares)
+            assert len({r[norm_type]["naive"] for r in results}) > 1, "the ranks' own norms agree: nothing is checked"
+        dense = _dense(world, norm_type, MAX_NORM)
+        assert dense["norm"] > 10 * MAX_NORM
+        for rank, got in enumerate(results):
+            assert got[norm_type]["norm"] == pytest.approx(dense["norm"], rel=1e-12), (rank, norm_type)
+            for key in ("pre", "router", "w13", "w2"):
+                torch.testing.assert_close(got[norm_type][key], dense[key], rtol=1e-10, atol=1e-14,
+                                           msg=f"rank {rank} {key} {norm_type}-norm")
