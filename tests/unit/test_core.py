@@ -763,3 +763,23 @@ def test_clip_grad_norm_on_one_rank_is_torchs():
     model[1].experts.w13.grad[0, 0, 0] = float("nan")
     with pytest.raises(RuntimeError, match="non-finite"):
         ml.clip_grad_norm_(model, 1.0, error_if_nonfinite=True)
+
+
+def test_checkpoint_entries_load_weights_from_a_per_expert_source():
+    """moelayers.checkpoint's per-expert entries, replaced by another source's tensors and loaded,
+    put each expert into its slot in a permuted placement (what a rollout's weight sync needs)."""
+    from moelayers import checkpoint as mlc
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=6, num_experts=4, top_k=2, params_dtype=torch.float32)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), placement=ml.ExpertPlacement(torch.tensor([[2, 0, 3, 1]]), 4))
+    model = torch.nn.Sequential(layer)
+    g = torch.Generator().manual_seed(0)
+    w13, w2 = torch.randn(4, 12, 8, generator=g), torch.randn(4, 8, 6, generator=g)
+    sd = mlc.model_state_dict(model)
+    assert sorted(k for k in sd if "experts" in k) == [f"0.experts.{w}.{e}" for w in ("w13", "w2") for e in range(4)]
+    for e in range(4):
+        sd[f"0.experts.w13.{e}"], sd[f"0.experts.w2.{e}"] = w13[e], w2[e]
+    assert mlc.load_model_state_dict(model, sd) == ([], [])
+    _, got13, got2 = layer.export_full_weights()
+    assert torch.equal(got13, w13) and torch.equal(got2, w2)
+    assert torch.equal(layer.experts.w13[0], w13[2])  # slot 0 holds expert 2
