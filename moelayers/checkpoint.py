@@ -184,7 +184,7 @@ def load_model_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, st
     """Load a :func:`model_state_dict` (e.g. after ``dcp.load`` into one) into ``model``.
 
     Every slot gets its expert's entry (replicas included); the rest of the model is loaded with
-    torch's ``set_model_state_dict``. The layers keep their placement. Everything is checked before
+    torch's ``set_model_state_dict``. The layers keep their placement. Keys and shapes are checked before
     anything is loaded.
 
     Args:
@@ -214,7 +214,8 @@ def load_model_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, st
     layer_keys = {k for p in experts for k in p.layer_keys}
     expected = [k for k in live if k not in layer_keys]
     missing = [k for k in expected if k not in state_dict]
-    unexpected = [k for k in state_dict if k not in live and k not in _expert_keys(experts)]
+    expert_keys = _expert_keys(experts)
+    unexpected = [k for k in state_dict if k not in live and k not in expert_keys]
     if strict and (missing or unexpected):
         raise RuntimeError(f"load_model_state_dict: missing keys {missing}, unexpected keys {unexpected}; nothing "
                            "was loaded (strict=False loads the rest)")
@@ -281,8 +282,9 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     experts = _expert_params(model, get_model_state_dict(model))
     live = get_optimizer_state_dict(model, optimizer)["state"]
     saved = state_dict["state"]
-    copies = []  # (live tensor, loaded value), all checked before anything is written
-    native = {k: v for k, v in saved.items() if k not in _expert_keys(experts)}
+    copies, sets = [], []  # (live tensor, loaded value), (live state, name, loaded value): all checked first
+    expert_keys = _expert_keys(experts)
+    native = {k: v for k, v in saved.items() if k not in expert_keys}
     for p in experts:
         name = p.in_optimizer(live)
         if name is None:
@@ -302,9 +304,11 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
             elif torch.is_tensor(value):  # the same for every expert (a step count): the first one's
                 copies.append((value, rows[next(iter(rows))][what]))
             else:
-                live[name][what] = rows[next(iter(rows))][what]
+                sets.append((live[name], what, rows[next(iter(rows))][what]))
     for value, loaded in copies:
         value.copy_(loaded)
+    for state, what, loaded in sets:  # (the optimizer's own state dicts)
+        state[what] = loaded
     return set_optimizer_state_dict(model, optimizer, {**state_dict, "state": native})
 
 

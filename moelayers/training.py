@@ -9,12 +9,14 @@ gradient, as the dense model has it, and clips every rank by the same factor.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from moelayers.checkpoint import slot_copies
-from moelayers.layers.base import MoELayerBase
+from moelayers.layers.base import MoELayerBase, _mark_reduced, _reduced_already
 from moelayers.layers.moves import _comm_device
 
 __all__ = ["clip_grad_norm_"]
@@ -39,31 +41,39 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
         foreach: as torch's (the fast multi-tensor path).
 
     Returns:
-        the total norm (a 0-d tensor on the gradients' device), before clipping.
+        the total norm (a 0-d tensor on the gradients' device, in their promoted dtype), before clipping.
 
     Raises:
+        ValueError: ``norm_type`` is not positive.
         RuntimeError: ``error_if_nonfinite`` and the norm is not finite.
     """
     max_norm, norm_type = float(max_norm), float(norm_type)
+    if not norm_type > 0:  # (torch's 0-"norm" counts the tensors with a gradient that is not zero: slot tables)
+        raise ValueError(f"clip_grad_norm_: norm_type must be > 0 (or inf), got {norm_type}")
     layers = [m for m in model.modules() if isinstance(m, MoELayerBase)]
     slot_major = {id(p) for layer in layers for p in (layer.experts.w13, layer.experts.w2)}
     params = [p for p in model.parameters() if p.grad is not None]
     others = [p.grad for p in params if id(p) not in slot_major]
     device = params[0].grad.device if params else torch.device("cpu")
+    dtype = functools.reduce(torch.promote_types, {p.grad.dtype for p in params}, torch.float32)
     shared = torch.nn.utils.get_total_norm(others, norm_type, foreach=foreach) if others \
         else torch.zeros((), device=device)
     if hasattr(shared, "full_tensor"):  # a DTensor (a sharding wrapper's parameters)
         shared = shared.full_tensor()
     parts = [_norm_part(shared.reshape(1).double(), norm_type)]
-    for group, partial in _expert_parts(layers, norm_type).items():
-        parts.append(_reduce(partial, group[1], norm_type))
-    total = torch.cat([p.reshape(1).to(device) for p in parts])
+    for (_, group), partial in _expert_parts(layers, norm_type).items():
+        parts.append(_reduce(partial, group, norm_type))
+    total = torch.stack([p.to(device) for p in parts])
     total = total.max() if norm_type == float("inf") else total.sum() ** (1.0 / norm_type)
-    total = total.to(shared.dtype if shared.is_floating_point() else torch.float32)
+    total = total.to(dtype)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({float(total)}), "
                            "so they cannot be clipped; error_if_nonfinite=False clips anyway")
+    reduced = [(layer, p) for layer in layers for p in (layer.experts.w13, layer.experts.w2)
+               if p.grad is not None and _reduced_already(layer, p)]
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+    for layer, p in reduced:  # scaled, still reduced: a second reduce_expert_grads stays refused
+        _mark_reduced(layer, p)
     return total
 
 
@@ -95,9 +105,12 @@ def _expert_parts(layers: list[MoELayerBase], norm_type: float) -> dict[tuple, t
 
 
 def _reduce(partial: torch.Tensor, group, norm_type: float) -> torch.Tensor:
-    """``partial`` summed (max for the inf-norm) over ``group``."""
+    """``partial`` summed (max for the inf-norm) over ``group``; NaN on one rank is NaN on all (a
+    MAX all-reduce may drop it: a flag goes with the value)."""
     if group is None:
         return partial
-    comm = partial.reshape(1).to(_comm_device(group, partial.device))
+    nan = torch.isnan(partial)
+    comm = torch.stack([torch.where(nan, 0.0, partial), nan.double()]).to(_comm_device(group, partial.device))
     dist.all_reduce(comm, op=dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM, group=group)
-    return comm.reshape(()).to(partial.device)
+    comm = comm.to(partial.device)
+    return torch.where(comm[1] > 0, float("nan"), comm[0])

@@ -150,8 +150,15 @@ def reduce_expert_grads(model: nn.Module) -> None:
             if g.edp is not None:
                 dist.all_reduce(p.grad, group=g.edp)
             p.grad.div_(g.world_size)
-            # the gradient tensor itself (weakly: a step's new gradient may get a freed one's id) and its version
-            layer._reduced_grads[id(p)] = (weakref.ref(p.grad), p.grad._version)
+            _mark_reduced(layer, p)
+
+
+def _mark_reduced(layer: "MoELayerBase", p: torch.Tensor) -> None:
+    """Record ``p.grad`` as reduced: the tensor itself (weakly: a step's new gradient may get a freed
+    one's id) and its version (a backward that accumulates into it changes it)."""
+    if not hasattr(layer, "_reduced_grads"):
+        layer._reduced_grads = {}
+    layer._reduced_grads[id(p)] = (weakref.ref(p.grad), p.grad._version)
 
 
 def _reduced_already(layer: "MoELayerBase", p: torch.Tensor) -> bool:

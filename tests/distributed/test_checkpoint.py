@@ -114,7 +114,7 @@ def _save_and_resume(rank: int, world: int, root: str, device: str = "cpu", dtyp
 def test_dcp_checkpoint_resumes_training_in_any_placement_and_expert_parallel_size(tmp_path):
     """Saved at EP2 in a replicated placement with Adam state; loaded at EP2 in the linear, the same
     and a reversed placement with an empty slot, and at EP1 x DP2 (every rank all experts), linear and
-    with replicas: the logical weights and moments are the saved ones bit for bit, and three more
+    permuted with an empty slot: the logical weights and moments are the saved ones bit for bit, and three more
     steps give the uninterrupted run's weights (up to the summation order of another layout)."""
     results = run_distributed(_save_and_resume, 2, str(tmp_path / "ckpt"), timeout=240)
     for errors in results:
@@ -132,9 +132,9 @@ def _refusals(rank: int, world: int, root: str) -> list[str]:
     before = _logical(fresh)
     state = {k: v.clone() for k, v in mlc.model_state_dict(fresh).items()}  # not views: the model stays as built
     dcp.load({"model": state}, checkpoint_id=root)
-    e = next(e for e in fresh.moe.placement.experts_on(rank) if e >= 0)
+    e = [e for e in fresh.moe.placement.experts_on(rank) if e >= 0][-1]  # w2 of the last expert: checked last
     for bad, error in ((lambda s: s.pop(f"moe.experts.w2.{e}"), KeyError),
-                       (lambda s: s.__setitem__(f"moe.experts.w13.{e}", torch.zeros(2 * F, H + 1)), ValueError)):
+                       (lambda s: s.__setitem__(f"moe.experts.w2.{e}", torch.zeros(H, F + 1)), ValueError)):
         broken = dict(state)
         bad(broken)
         with pytest.raises(error) as info:
@@ -142,17 +142,23 @@ def _refusals(rank: int, world: int, root: str) -> list[str]:
         out.append(str(info.value))
         after = _logical(fresh)
         assert all(torch.equal(after[k], before[k]) for k in before), "something was loaded"
-    # the optimizer: a state dict without one of this rank's experts
+    # the optimizer: a state dict without one of this rank's experts (w2's last: checked last)
     fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    mlc.optimizer_state_dict(fresh, fresh_optim)  # (gives the optimizer its state)
+    experts = (fresh.moe.experts.w13, fresh.moe.experts.w2)
+    fresh_optim.state[experts[0]]["count"] = 1  # a state that is not a tensor (as some optimizers keep)
     optim_state = mlc.optimizer_state_dict(fresh, fresh_optim)  # other values than the live ones (not views)
-    optim_state["state"] = {k: {n: v + 1 if torch.is_tensor(v) else v for n, v in entry.items()}
+    optim_state["state"] = {k: {n: v + 1 if torch.is_tensor(v) else 99 if n == "count" else v for n, v in entry.items()}
                             for k, entry in optim_state["state"].items()}
-    moments = {k: v.clone() for k, v in fresh_optim.state[fresh.moe.experts.w13].items()}
-    del optim_state["state"][f"moe.experts.w13.{e}"]
+    before = [{k: v.clone() if torch.is_tensor(v) else v for k, v in fresh_optim.state[p].items()} for p in experts]
+    del optim_state["state"][f"moe.experts.w2.{e}"]
     with pytest.raises(KeyError) as info:
         mlc.load_optimizer_state_dict(fresh, fresh_optim, optim_state)
     out.append(str(info.value))
-    assert all(torch.equal(fresh_optim.state[fresh.moe.experts.w13][k], v) for k, v in moments.items())
+    for p, was in zip(experts, before):
+        now = fresh_optim.state[p]
+        assert now.keys() == was.keys() and all(torch.equal(now[k], v) if torch.is_tensor(v) else now[k] == v
+                                                for k, v in was.items()), "something of the optimizer was loaded"
     return out
 
 
@@ -162,8 +168,8 @@ def test_dcp_checkpoint_refusals_load_nothing(tmp_path):
     anything of the optimizer is."""
     for missing, misfit, optim_missing in run_distributed(_refusals, 2, str(tmp_path / "ckpt"), timeout=240):
         assert "missing the expert entries ['moe.experts.w2." in missing and "nothing was loaded" in missing
-        assert "load_optimizer_state_dict: missing the expert entries ['moe.experts.w13." in optim_missing
-        assert "[12, 9] in the checkpoint, [12, 8] here; nothing was loaded" in misfit
+        assert "load_optimizer_state_dict: missing the expert entries ['moe.experts.w2." in optim_missing
+        assert "[8, 7] in the checkpoint, [8, 6] here; nothing was loaded" in misfit
 
 
 def _plain_state_dict_through_dcp(rank: int, world: int, root: str) -> str | None:

@@ -88,3 +88,33 @@ def check_against_dense(results: list[dict], world: int) -> None:
             for key in ("pre", "router", "w13", "w2"):
                 torch.testing.assert_close(got[norm_type][key], dense[key], rtol=1e-10, atol=1e-14,
                                            msg=f"rank {rank} {key} {norm_type}-norm")
+
+
+def _nan_and_repeat(rank: int, world: int) -> dict:
+    model = nn.Sequential(_pre(), ml.VanillaMoE(_cfg(), ml.ParallelGroups.from_world(),
+                                                placement=_placement("replicas", E, world), seed=1))
+    model[1].load_full_weights(*_weights64(E))
+    out = {}
+    for nan_rank in range(world):
+        model.zero_grad()
+        model(_inputs(world)[rank]).pow(2).sum().backward()
+        ml.reduce_expert_grads(model)
+        if rank == nan_rank:
+            model[1].experts.w2.grad[0, 0, 0] = float("nan")  # slot 0: a main replica on every rank
+        out[nan_rank] = [float(ml.clip_grad_norm_(model, MAX_NORM, p)) for p in (float("inf"), 2.0)]
+    try:  # clipped gradients are still reduced ones
+        ml.reduce_expert_grads(model)
+        out["again"] = "no error"
+    except ValueError as exc:
+        out["again"] = str(exc)
+    return out
+
+
+def test_clip_grad_norm_nan_on_any_rank_and_no_second_reduction():
+    """A NaN in one rank's expert gradient makes every rank's norm NaN, inf-norm included (a MAX
+    all-reduce alone may drop it), whichever rank holds it; after clipping, a second
+    reduce_expert_grads is still refused (it would divide by the world size again)."""
+    for result in run_distributed(_nan_and_repeat, 2, timeout=240):
+        for nan_rank in range(2):
+            assert all(v != v for v in result[nan_rank]), (nan_rank, result[nan_rank])
+        assert "reduced already" in result["again"]

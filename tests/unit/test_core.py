@@ -744,7 +744,7 @@ def test_reduce_expert_grads_in_a_plain_training_loop_never_refuses():
 
 def test_clip_grad_norm_on_one_rank_is_torchs():
     """Without process groups the norm and the clipped gradients are torch's (2- and inf-norm); a
-    non-finite norm raises with error_if_nonfinite, as torch's."""
+    non-finite norm raises with error_if_nonfinite, as torch's; the norm has the gradients' dtype."""
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=6, num_experts=4, top_k=2, params_dtype=torch.float64)
     x = torch.randn(7, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     for norm_type in (2.0, float("inf")):
@@ -763,6 +763,16 @@ def test_clip_grad_norm_on_one_rank_is_torchs():
     model[1].experts.w13.grad[0, 0, 0] = float("nan")
     with pytest.raises(RuntimeError, match="non-finite"):
         ml.clip_grad_norm_(model, 1.0, error_if_nonfinite=True)
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match="norm_type must be > 0"):
+            ml.clip_grad_norm_(model, 1.0, bad)
+    # only the experts have gradients: the norm keeps their dtype (float64 holds 1e90, float32 does not)
+    model.zero_grad()
+    for p in model[1].experts.parameters():
+        p.grad = torch.full_like(p, 1e45)
+    norm = ml.clip_grad_norm_(model, 1.0)
+    assert norm.dtype == torch.float64 and torch.isfinite(norm)
+    assert torch.isclose(norm, torch.nn.utils.get_total_norm([p.grad * 0 + 1e45 for p in model[1].experts.parameters()]))
 
 
 def test_checkpoint_entries_load_weights_from_a_per_expert_source():
