@@ -13,7 +13,8 @@ from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, Routes
 from moelayers.experts import GroupedExperts
 from moelayers.groups import ParallelGroups
-from moelayers.layers import MoELayerBase, VanillaMoE, VariabilityAwareMoE, rank_local_names, reduce_expert_grads
+from moelayers.layers import (MoELayerBase, VanillaMoE, VariabilityAwareMoE, rank_local_names, rank_local_params,
+                              reduce_expert_grads)
 from moelayers.layers import SemanticMoE
 from moelayers.metrics import MoEStats
 from moelayers.placement import ExpertPlacement, SlotMove
@@ -26,5 +27,5 @@ __all__ = [
     "AllGatherDispatcher", "AllToAllDispatcher", "ExpertPlacement", "GroupedExperts", "LocalFirstPolicy",
     "MoEConfig", "MoELayerBase", "MoEStats", "ParallelGroups", "Routes", "SlotMove", "TopKRouter", "VanillaMoE",
     "VariabilityAwareMoE", "metrics", "reference", "trace",
-    "SemanticMoE", "rank_local_names", "reduce_expert_grads", "clip_grad_norm_",
+    "SemanticMoE", "rank_local_names", "rank_local_params", "reduce_expert_grads", "clip_grad_norm_",
 ]

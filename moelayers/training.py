@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moelayers.checkpoint import slot_copies
-from moelayers.layers.base import MoELayerBase, _mark_reduced, _reduced_already
+from moelayers.layers.base import MoELayerBase, _check_not_sharded, _is_dtensor, _mark_reduced, _reduced_already
 from moelayers.layers.moves import _comm_device
 
 __all__ = ["clip_grad_norm_"]
@@ -31,7 +31,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     The norm is the dense model's: every logical expert's gradient counted once (its main replica,
     summed over the layer's expert-parallel group), every other parameter once, taken as the same
     on every rank (as after torch DDP's all-reduce and :func:`moelayers.reduce_expert_grads`; call
-    that first). A collective over each layer's expert-parallel group: call it on every rank.
+    that first); FSDP's sharded gradients (DTensors) count with their whole tensor. A collective over each layer's expert-parallel group: call it on every rank.
 
     Args:
         model: the model (DDP-wrapped or not); all its parameters with a gradient are clipped.
@@ -44,26 +44,30 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
         the total norm (a 0-d tensor on the gradients' device, in their promoted dtype), before clipping.
 
     Raises:
-        ValueError: ``norm_type`` is not positive.
+        ValueError: ``norm_type`` is not positive; expert weights sharded by FSDP (see
+            :func:`moelayers.rank_local_params`).
         RuntimeError: ``error_if_nonfinite`` and the norm is not finite.
     """
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not norm_type > 0:  # (torch's 0-"norm" counts the tensors with a gradient that is not zero: slot tables)
         raise ValueError(f"clip_grad_norm_: norm_type must be > 0 (or inf), got {norm_type}")
     layers = [m for m in model.modules() if isinstance(m, MoELayerBase)]
+    _check_not_sharded(layers, "clip_grad_norm_")
     slot_major = {id(p) for layer in layers for p in (layer.experts.w13, layer.experts.w2)}
     params = [p for p in model.parameters() if p.grad is not None]
-    others = [p.grad for p in params if id(p) not in slot_major]
     device = params[0].grad.device if params else torch.device("cpu")
     dtype = functools.reduce(torch.promote_types, {p.grad.dtype for p in params}, torch.float32)
-    shared = torch.nn.utils.get_total_norm(others, norm_type, foreach=foreach) if others \
-        else torch.zeros((), device=device)
-    if hasattr(shared, "full_tensor"):  # a DTensor (a sharding wrapper's parameters)
-        shared = shared.full_tensor()
-    parts = [_norm_part(shared.reshape(1).double(), norm_type)]
+    others = [p.grad for p in params if id(p) not in slot_major]
+    parts = []
+    for sharded in (False, True):  # plain tensors, then DTensors (FSDP's): torch's norm takes one kind at a time
+        grads = [g for g in others if _is_dtensor(g) == sharded]
+        if grads:
+            norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
+            norm = norm.full_tensor() if sharded else norm  # (the norm over every rank's shard)
+            parts.append(_norm_part(norm.reshape(1).double(), norm_type).to(device))
     for (_, group), partial in _expert_parts(layers, norm_type).items():
-        parts.append(_reduce(partial, group, norm_type))
-    total = torch.stack([p.to(device) for p in parts])
+        parts.append(_reduce(partial, group, norm_type).to(device))
+    total = torch.stack(parts) if parts else torch.zeros(1, dtype=torch.float64, device=device)
     total = total.max() if norm_type == float("inf") else total.sum() ** (1.0 / norm_type)
     total = total.to(dtype)
     if error_if_nonfinite and not torch.isfinite(total):
@@ -71,7 +75,17 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
                            "so they cannot be clipped; error_if_nonfinite=False clips anyway")
     reduced = [(layer, p) for layer in layers for p in (layer.experts.w13, layer.experts.w2)
                if p.grad is not None and _reduced_already(layer, p)]
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=foreach)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # (torch's clip_grads_with_norm_)
+    by_device: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:  # a DTensor gradient is scaled through its local shard
+        g = p.grad.to_local() if _is_dtensor(p.grad) else p.grad
+        by_device.setdefault((g.device, g.dtype), []).append(g)
+    for (dev, _), grads in by_device.items():
+        if foreach is False:
+            for g in grads:
+                g.mul_(coef.to(dev))
+        else:
+            torch._foreach_mul_(grads, coef.to(dev))
     for layer, p in reduced:  # scaled, still reduced: a second reduce_expert_grads stays refused
         _mark_reduced(layer, p)
     return total

@@ -72,10 +72,39 @@ def rank_local_names(model: nn.Module) -> list[str]:
     return names
 
 
+def rank_local_params(model: nn.Module) -> set[nn.Parameter]:
+    """The expert weights of every moelayers layer in ``model``: what FSDP must leave alone, since
+    every rank holds other experts in them (not shards of one tensor)::
+
+        fully_shard(block, ignored_params=ml.rank_local_params(model))
+
+    Without it ``fully_shard`` keeps each rank's share of its own slots and gathers the other ranks'
+    slots into the forward: wrong outputs, silently (:func:`reduce_expert_grads` and
+    :func:`moelayers.clip_grad_norm_` refuse such layers). FSDP averages the other gradients over
+    its ranks; :func:`reduce_expert_grads` gives the experts the same mean."""
+    return {p for m in model.modules() if isinstance(m, MoELayerBase) for p in (m.experts.w13, m.experts.w2)}
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return hasattr(t, "to_local") and hasattr(t, "device_mesh")
+
+
+def _check_not_sharded(layers: list["MoELayerBase"], what: str) -> None:
+    """Refuse expert weights that a sharding wrapper (FSDP's ``fully_shard``) has made DTensors."""
+    for layer in layers:
+        if any(_is_dtensor(p) for p in (layer.experts.w13, layer.experts.w2)):
+            raise ValueError(
+                f"{what}: the expert weights of this {type(layer).__name__} were sharded by FSDP (fully_shard), which "
+                "takes every rank's slots for shards of one tensor and gathers other ranks' experts into the "
+                "forward: silently wrong outputs. Leave them to the layer: fully_shard(module, "
+                "ignored_params=ml.rank_local_params(model))")
+
+
 def reduce_expert_grads(model: nn.Module) -> None:
     """After the last backward before an optimizer step of ``model`` under torch DDP over the whole
-    world, leaving :func:`rank_local_names` alone: give each moelayers layer's expert weights the
-    gradient DDP gives the others, that of the mean loss over the world's ranks.
+    world, leaving :func:`rank_local_names` alone (or FSDP's ``fully_shard``, ignoring
+    :func:`rank_local_params`): give each moelayers layer's expert weights the gradient DDP (FSDP)
+    gives the others, that of the mean loss over the world's ranks.
 
     An expert's gradient is the sum over the tokens its expert-parallel group sent it. With groups
     smaller than the world it is first summed over the ranks that hold the same experts (the
@@ -86,7 +115,8 @@ def reduce_expert_grads(model: nn.Module) -> None:
     on its own loads does not).
 
     Raises:
-        ValueError: layers with tensor parallelism (the TP ranks share their batch, which DDP over
+        ValueError: expert weights sharded by FSDP (see :func:`rank_local_params`);
+            layers with tensor parallelism (the TP ranks share their batch, which DDP over
             the world would count ``tp`` times); expert-parallel groups smaller than the world without
             their ``edp`` group (``ParallelGroups.from_world`` builds it; pass it to
             ``from_groups``), or an ``edp`` group that does not hold one rank of each expert-parallel
@@ -96,6 +126,7 @@ def reduce_expert_grads(model: nn.Module) -> None:
             it cannot tell from a new step's gradients: call it once, after the last).
     """
     layers = [m for m in model.modules() if isinstance(m, MoELayerBase)]
+    _check_not_sharded(layers, "reduce_expert_grads")
     for layer in layers:
         g, name = layer.groups, type(layer).__name__
         if g.tp_size > 1:

@@ -1,0 +1,117 @@
+"""Training with torch FSDP (``fully_shard``) over the dense weights and moelayers' expert parallelism
+over the experts, against the dense float64 model (gloo, worlds 2 and 4)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+import moelayers as ml
+from moelayers import checkpoint as mlc
+from moelayers.testing import run_distributed
+from tests.distributed.test_training_paths import _placement
+
+H, F, E, K = 8, 6, 4, 2
+MAX_NORM = 1e-2
+
+
+def _cfg() -> ml.MoEConfig:
+    return ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, params_dtype=torch.float64)
+
+
+def _weights() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(E, H, generator=g, dtype=torch.float64), torch.randn(E, 2 * F, H, generator=g, dtype=torch.float64)
+            * 0.3, torch.randn(E, H, F, generator=g, dtype=torch.float64) * 0.3]
+
+
+def _inputs(world: int) -> list[torch.Tensor]:
+    return [torch.randn(5, H, dtype=torch.float64, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
+
+
+def _pre() -> nn.Linear:
+    torch.manual_seed(0)
+    return nn.Linear(H, H, dtype=torch.float64)
+
+
+def _fsdp_step(rank: int, world: int, ep: int, root: str, device: str = "cpu", ignore: bool = True) -> dict:
+    """One AdamW step of ``fully_shard(model)`` (experts left to the layer), the gradient clipped;
+    saved with moelayers.checkpoint and loaded into a plain model at EP1 (also on GPUs, tests/gpu)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    moe = ml.VanillaMoE(_cfg(), ml.ParallelGroups.from_world(ep=ep), placement=_placement("replicas", E, ep),
+                        device=device)
+    moe.load_full_weights(*(w.to(device) for w in _weights()))
+    model = nn.Sequential(_pre().to(device), moe)
+    fully_shard(model, mesh=init_device_mesh(device, (world,)),
+                **({"ignored_params": ml.rank_local_params(model)} if ignore else {}))
+    experts = ml.rank_local_params(model)  # a param group of their own: torch's foreach steps take one kind of tensor
+    optim = torch.optim.AdamW([{"params": [p for p in model.parameters() if p not in experts]},
+                               {"params": sorted(experts, key=lambda p: p.dim())}], lr=1e-2)
+    model(_inputs(world)[rank].to(device)).pow(2).sum().backward()
+    if not ignore:
+        refused = []
+        for call in (ml.reduce_expert_grads, lambda m: ml.clip_grad_norm_(m, MAX_NORM)):
+            with pytest.raises(ValueError) as info:
+                call(model)
+            refused.append(str(info.value))
+        return {"refused": refused}
+    ml.reduce_expert_grads(model)
+    norm = ml.clip_grad_norm_(model, MAX_NORM)
+    optim.step()
+    _, w13, w2 = moe.export_full_weights()
+    out = {"norm": float(norm), "pre": model[0].weight.full_tensor().cpu(), "router": moe.router.weight.full_tensor().cpu(),
+           "w13": w13.cpu(), "w2": w2.cpu()}
+    dcp.save({"model": mlc.model_state_dict(model)}, checkpoint_id=root)
+    plain = nn.Sequential(_pre(), ml.VanillaMoE(_cfg(), ml.ParallelGroups.from_world(ep=1), seed=3))
+    state = {"model": mlc.model_state_dict(plain)}
+    dcp.load(state, checkpoint_id=root)
+    mlc.load_model_state_dict(plain, state["model"])
+    _, p13, p2 = plain[1].export_full_weights()
+    out["loaded"] = all(torch.equal(a, b) for a, b in ((plain[0].weight.detach(), out["pre"]), (p13, out["w13"]),
+                                                       (p2, out["w2"]), (plain[1].router.weight.detach(), out["router"])))
+    return out
+
+
+def _dense(world: int) -> dict:
+    pre = _pre()
+    weights = [w.clone().requires_grad_() for w in _weights()]
+    optim = torch.optim.AdamW([*pre.parameters(), *weights], lr=1e-2)
+    (sum(ml.reference.moe_forward(pre(x), *weights, _cfg()).pow(2).sum() for x in _inputs(world)) / world).backward()
+    norm = torch.nn.utils.clip_grad_norm_([*pre.parameters(), *weights], MAX_NORM)
+    optim.step()
+    return {"norm": float(norm), "pre": pre.weight.detach(), **dict(zip(("router", "w13", "w2"),
+                                                                        (w.detach() for w in weights)))}
+
+
+def check_against_dense(results: list[dict], world: int) -> None:
+    dense = _dense(world)
+    assert dense["norm"] > 10 * MAX_NORM  # the clipping acts
+    for rank, got in enumerate(results):
+        assert got["norm"] == pytest.approx(dense["norm"], rel=1e-12), rank
+        for key in ("pre", "router", "w13", "w2"):
+            torch.testing.assert_close(got[key], dense[key], rtol=1e-10, atol=1e-14, msg=f"rank {rank} {key}")
+        assert got["loaded"], f"rank {rank}: the checkpoint did not load bit for bit"
+
+
+@pytest.mark.parametrize("world,ep", [(2, 2), (4, 2)])
+def test_fsdp_training_step_is_the_dense_models(tmp_path, world, ep):
+    """fully_shard over the model with ml.rank_local_params ignored, replicated experts (and at (4, 2)
+    two expert-parallel groups): the forward, reduce_expert_grads, clip_grad_norm_ and an AdamW step
+    give the dense model's weights; moelayers.checkpoint saves the FSDP model and a plain EP1 model
+    loads it bit for bit."""
+    check_against_dense(run_distributed(_fsdp_step, world, ep, str(tmp_path / "ckpt"), timeout=240), world)
+
+
+def test_fsdp_over_the_experts_is_refused(tmp_path):
+    """fully_shard without ignoring the experts shards every rank's own slot table as if it were one
+    tensor (the forward then computes with other ranks' experts): reduce_expert_grads and
+    clip_grad_norm_ refuse the layer and name the fix."""
+    for result in run_distributed(_fsdp_step, 2, 2, str(tmp_path / "ckpt"), "cpu", False, timeout=240):
+        for message in result["refused"]:
+            assert "sharded by FSDP (fully_shard)" in message and "ml.rank_local_params(model)" in message
