@@ -68,13 +68,15 @@ def _fsdp_step(rank: int, world: int, ep: int, root: str, device: str = "cpu", i
     out = {"norm": float(norm), "pre": model[0].weight.full_tensor().cpu(), "router": moe.router.weight.full_tensor().cpu(),
            "w13": w13.cpu(), "w2": w2.cpu()}
     dcp.save({"model": mlc.model_state_dict(model)}, checkpoint_id=root)
-    plain = nn.Sequential(_pre(), ml.VanillaMoE(_cfg(), ml.ParallelGroups.from_world(ep=1), seed=3))
+    plain = nn.Sequential(_pre().to(device), ml.VanillaMoE(_cfg(), ml.ParallelGroups.from_world(ep=1), seed=3,
+                                                           device=device))
     state = {"model": mlc.model_state_dict(plain)}
     dcp.load(state, checkpoint_id=root)
     mlc.load_model_state_dict(plain, state["model"])
     _, p13, p2 = plain[1].export_full_weights()
-    out["loaded"] = all(torch.equal(a, b) for a, b in ((plain[0].weight.detach(), out["pre"]), (p13, out["w13"]),
-                                                       (p2, out["w2"]), (plain[1].router.weight.detach(), out["router"])))
+    out["loaded"] = all(torch.equal(a.cpu(), b) for a, b in ((plain[0].weight.detach(), out["pre"]), (p13, out["w13"]),
+                                                             (p2, out["w2"]), (plain[1].router.weight.detach(),
+                                                                               out["router"])))
     return out
 
 
