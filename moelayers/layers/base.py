@@ -646,7 +646,7 @@ class MoELayerBase(nn.Module):
         self.experts.tie_replicas(self.placement, self.groups.ep_rank, self.groups.ep)
         self.dispatcher = self._make_dispatcher()
 
-    def apply_placement(self, placement: ExpertPlacement) -> None:
+    def apply_placement(self, placement: ExpertPlacement, *, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Move expert weights to ``placement`` while serving (a collective over ``groups.ep``: every
         rank calls it with the same placement).
 
@@ -655,15 +655,21 @@ class MoELayerBase(nn.Module):
         Outputs are unchanged: each logical expert's weights move with it; the router stays in
         logical order. At most one layer's expert weights of extra memory (only changing slots).
         In training, move between optimizer steps: expert weights that hold gradients are refused
-        (``zero_grad(set_to_none=True)`` first; megatron's DDP: a zero ``main_grad``), and the
-        optimizer's per-slot state (Adam's moments, fp32 master weights) does not move.
+        (``zero_grad(set_to_none=True)`` first; megatron's DDP: a zero ``main_grad``). Pass the
+        torch ``optimizer`` to move its per-slot state (Adam's moments) with the weights, in the same
+        transaction (and as much extra memory again per state); megatron's optimizers (fp32 master
+        weights) are not moved.
+
+        Args:
+            placement: the new placement (the same on every rank).
+            optimizer: a torch optimizer over the expert weights (every rank one with the same states).
 
         Raises:
             PlacementRejected: bad input on some rank (wrong experts/ranks/slots, invalid, expert
                 weights holding gradients, or different placements across ranks); raised on every rank.
             PlacementMoveError: a failure while staging on some rank; raised on every rank.
         """
-        move_expert_weights(self, placement, fault_hook=self._staging_fault_hook)
+        move_expert_weights(self, placement, fault_hook=self._staging_fault_hook, optimizer=optimizer)
 
     def export_full_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(router_weight [E, H], w13 [E, 2F, H], w2 [E, H, F])`` gathered over the EP group."""

@@ -84,12 +84,39 @@ class Staging:
     Attributes:
         rank: this expert-parallel rank.
         slots: local slots to overwrite; w13: ``[n, 2F, H]``; w2: ``[n, H, F]`` (row ``i`` for ``slots[i]``).
+        states: the optimizer's slot-major states moving with the weights (:func:`optimizer_states`),
+            ``[n, ...]`` each, in the same order.
     """
 
     rank: int
     slots: list[int]
     w13: torch.Tensor
     w2: torch.Tensor
+    states: list[torch.Tensor] = field(default_factory=list)
+
+    def rows(self) -> list[torch.Tensor]:
+        return [self.w13, self.w2, *self.states]
+
+
+def optimizer_states(optimizer: Any, w13: torch.Tensor, w2: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """The states of ``optimizer`` that hold one row per slot of ``w13`` / ``w2`` (Adam's moments;
+    not a step count), named ``'w13.exp_avg'`` and so on, in a fixed order: what a move carries with
+    the weights.
+
+    Raises:
+        TypeError: ``optimizer`` has no ``state`` mapping (not a torch optimizer).
+    """
+    if optimizer is None:
+        return []
+    state = getattr(optimizer, "state", None)
+    if not hasattr(state, "get"):
+        raise TypeError(f"optimizer must be a torch optimizer (with a state mapping), got {type(optimizer).__name__}")
+    out = []
+    for name, p in (("w13", w13), ("w2", w2)):
+        for key, value in sorted(state.get(p, {}).items(), key=lambda kv: str(kv[0])):
+            if torch.is_tensor(value) and value.dim() >= 1 and value.shape[0] == p.shape[0]:
+                out.append((f"{name}.{key}", value))
+    return out
 
 
 def check_new_placement(old: ExpertPlacement, new: Any) -> None:
@@ -164,9 +191,11 @@ def _vote(group, size: int, rank: int, ok: bool, digest: int, device: torch.devi
     return failing, agree
 
 
-def _p2p_ops(plan: _Plan, staging: Staging, w13: torch.Tensor, w2: torch.Tensor, group) -> list:
+def _p2p_ops(plan: _Plan, staging: Staging, live: list[torch.Tensor], group) -> list:
     """The isend/irecv of this rank's moves, ordered by move index on both sides (tags = move
-    index, so gloo and NCCL match the same pairs); built while preparing, before the first vote."""
+    index times the tensors per slot plus the tensor's place, so gloo and NCCL match the same
+    pairs); built while preparing, before the first vote. ``live``: the slot-major tensors in
+    ``staging.rows()``'s order."""
     if group is None:
         if plan.recv or plan.send:
             raise RuntimeError("a single-process layer cannot move weights between ranks")
@@ -174,25 +203,25 @@ def _p2p_ops(plan: _Plan, staging: Staging, w13: torch.Tensor, w2: torch.Tensor,
     ops = []
     events = [(i, "recv", row, peer) for row, peer, i in plan.recv]
     events += [(i, "send", slot, peer) for slot, peer, i in plan.send]
+    rows, n = staging.rows(), len(live)
     for i, kind, idx, peer in sorted(events):
         gpeer = dist.get_global_rank(group, peer)
-        if kind == "recv":
-            ops.append(dist.P2POp(dist.irecv, staging.w13[idx], gpeer, group, tag=2 * i))
-            ops.append(dist.P2POp(dist.irecv, staging.w2[idx], gpeer, group, tag=2 * i + 1))
-        else:
-            ops.append(dist.P2POp(dist.isend, w13[idx], gpeer, group, tag=2 * i))
-            ops.append(dist.P2POp(dist.isend, w2[idx], gpeer, group, tag=2 * i + 1))
+        for j in range(n):
+            if kind == "recv":
+                ops.append(dist.P2POp(dist.irecv, rows[j][idx], gpeer, group, tag=n * i + j))
+            else:
+                ops.append(dist.P2POp(dist.isend, live[j][idx], gpeer, group, tag=n * i + j))
     return ops
 
 
-def _exchange(plan: _Plan, staging: Staging, ops: list, w13: torch.Tensor, w2: torch.Tensor) -> None:
+def _exchange(plan: _Plan, staging: Staging, ops: list, live: list[torch.Tensor]) -> None:
     """Fill ``staging``: post the point-to-point batch, make the same-rank copies meanwhile, then
     wait for every transfer, even when a copy failed (a peer must not be left waiting on this rank)."""
     reqs = dist.batch_isend_irecv(ops) if ops else []
     try:
         for row, src in plan.local:
-            staging.w13[row].copy_(w13[src])
-            staging.w2[row].copy_(w2[src])
+            for staged, tensor in zip(staging.rows(), live):
+                staged[row].copy_(tensor[src])
     finally:
         for req in reqs:
             req.wait()
@@ -205,14 +234,15 @@ def _fail(stage: str, failing: list[int], old: ExpertPlacement, cause: BaseExcep
         msg = (f"placement change aborted on every rank: expert-parallel rank(s) {failing} {what}; the old placement "
                f"({old!r}) keeps serving and no weights changed")
     else:
-        msg = ("placement change aborted on every rank: the ranks were handed different placements "
-               "(every rank must pass the same one); the old placement keeps serving")
+        msg = ("placement change aborted on every rank: the ranks were handed different placements, or optimizers "
+               "with different per-slot states (every rank must pass the same); the old placement keeps serving")
     cls = PlacementRejected if stage == "validate" else PlacementMoveError
     raise cls(msg, failing, stage) from cause
 
 
 @torch.no_grad()
-def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging], None] | None = None) -> list[SlotMove]:
+def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging], None] | None = None,
+                        optimizer: Any = None) -> list[SlotMove]:
     """Change ``layer``'s placement to ``new``, moving expert weights between ranks transactionally.
 
     Every rank of the layer's expert-parallel group must call this together (with the same ``new``).
@@ -223,6 +253,9 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
         new: the new placement.
         fault_hook: called on this rank with the :class:`Staging` after the exchange; raising
             aborts the move on every rank (used by tests to inject faults).
+        optimizer: a torch optimizer over the expert weights whose slot-major states
+            (:func:`optimizer_states`) move with them, transactionally too; every rank must hold
+            the same states (names, shapes and dtypes; checked in the first vote).
 
     Returns:
         The slot moves that were carried out (all ranks').
@@ -238,8 +271,9 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
     device = _comm_device(group, w13.device)
 
     # 1 prepare (everything that can fail locally happens before the first vote)
-    cause, plan, staging, moves, digest, ops = None, None, None, [], 0, []
+    cause, plan, staging, moves, digest, ops, states = None, None, None, [], 0, [], []
     try:
+        states = optimizer_states(optimizer, w13, w2)
         check_new_placement(old, new)
         in_flight = layer.graphs_in_flight() if hasattr(layer, "graphs_in_flight") else 0
         if in_flight:  # moving weights in place would break those graphs' backward (a raw autograd error later)
@@ -249,15 +283,18 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
         if holds_gradients(w13, w2):  # they belong to the experts now in those slots
             raise RuntimeError("the expert weights hold gradients (a backward ran since the last zero_grad): a move "
                                "would leave them with the slots, i.e. with other experts; take the optimizer step and "
-                               "zero_grad(set_to_none=True) first (megatron's DDP: zero_grad_buffer()); the "
-                               "optimizer's per-slot state (Adam's moments, fp32 master weights) does not move either")
-        digest = placement_digest(old, new)
+                               "zero_grad(set_to_none=True) first (megatron's DDP: zero_grad_buffer()), and pass optimizer= to "
+                               "move its per-slot state (Adam's moments) with the weights")
+        # the optimizer's states go in the digest: ranks with other states would pair other transfers
+        layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in states]
+        digest = placement_digest(old, new) ^ (_layout_digest(layout) if layout else 0)
         moves = old.moves_to(new)
         plan = local_plan(moves, old, new, rank)
         n = len(plan.slots)
         staging = Staging(rank, plan.slots, w13.new_empty((n,) + tuple(w13.shape[1:])),
-                          w2.new_empty((n,) + tuple(w2.shape[1:])))
-        ops = _p2p_ops(plan, staging, w13, w2, group)
+                          w2.new_empty((n,) + tuple(w2.shape[1:])),
+                          [t.new_empty((n,) + tuple(t.shape[1:])) for _, t in states])
+        ops = _p2p_ops(plan, staging, [w13, w2, *(t for _, t in states)], group)
     except Exception as e:  # noqa: BLE001 - reported through the vote, re-raised below as the cause
         cause = e
     # 2 vote before any point-to-point traffic
@@ -266,7 +303,7 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
         _fail("validate", failing, old, cause)
     # 3 stage: every rank takes part; 4 fault hook, second vote
     try:
-        _exchange(plan, staging, ops, w13, w2)
+        _exchange(plan, staging, ops, [w13, w2, *(t for _, t in states)])
         if fault_hook is not None:
             fault_hook(staging)
     except Exception as e:  # noqa: BLE001 - reported through the vote (see the module docstring for what is not)
@@ -276,12 +313,16 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
         del staging
         _fail("staging", failing, old, cause)
     # 5 commit
+    live = [w13, w2, *(t for _, t in states)]
     if plan.slots:
-        idx = torch.tensor(plan.slots, dtype=torch.int64, device=w13.device)
-        w13.index_copy_(0, idx, staging.w13)
-        w2.index_copy_(0, idx, staging.w2)
+        for tensor, staged in zip(live, staging.rows()):
+            tensor.index_copy_(0, torch.tensor(plan.slots, dtype=torch.int64, device=tensor.device), staged)
     for s in plan.emptied:
-        w13[s].zero_()
-        w2[s].zero_()
+        for tensor in live:
+            tensor[s].zero_()
     layer._adopt_placement(new)
     return moves
+
+
+def _layout_digest(layout: list) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(layout).encode(), digest_size=7).digest(), "little")

@@ -53,8 +53,8 @@ class VariabilityAwareMoE(MoELayerBase):
             again ``window`` steps later. When autograd records the forward (the input or
             the weights require grad), the re-plan waits for the start of the next forward instead:
             moving weights in place would break the backward of the graph that saved them. (The
-            optimizer state of the moved slots does not move with them: re-planning is meant for
-            serving and rollout, not for training.)
+            optimizer state of the moved slots does not move with them: automatic re-planning is
+            meant for serving and rollout; in training call ``replan(optimizer=...)`` between steps.)
         replan_every: steps between automatic re-plans after the first (needs ``auto_replan``).
         planner: ``planner(loads [steps, E], curves, *, restarts, seed) -> expert_rank [E]``, run on
             rank 0 only (default: ``moelayers.planning.gem.plan_gem``).
@@ -347,12 +347,15 @@ class VariabilityAwareMoE(MoELayerBase):
             self.curves = LatencyCurves.preset(self.variability, self.groups.ep_size)
         return self.curves
 
-    def replan(self, loads: torch.Tensor | None = None) -> ExpertPlacement:
+    def replan(self, loads: torch.Tensor | None = None, *, optimizer: torch.optim.Optimizer | None = None
+               ) -> ExpertPlacement:
         """Plan a placement on rank 0, broadcast it and apply it on every rank (a collective).
 
         Args:
             loads: ``[steps, E]`` global expert loads; default: the recorded window summed over
                 ranks (a collective). Pass them on every rank or on none (rank 0's are planned on).
+            optimizer: in training, the torch optimizer whose per-slot state moves with the
+                weights (see :meth:`apply_placement`).
 
         Returns:
             The placement now serving (the same on every rank).
@@ -423,7 +426,7 @@ class VariabilityAwareMoE(MoELayerBase):
         same_ranks = self.placement.max_replicas == 1 and torch.equal(self.placement.expert_rank(), new.expert_rank())
         move = not same_ranks and (self.min_gain is None or (gain is not None and gain >= self.min_gain))
         if move:
-            self.apply_placement(new)
+            self.apply_placement(new, optimizer=optimizer)
             self.num_moves += 1
         self.num_replans += 1
         self.last_replan = {"score_current": s_cur, "score_new": s_new, "gain": gain, "moved": move}
