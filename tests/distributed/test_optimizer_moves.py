@@ -12,23 +12,26 @@ from moelayers.testing import run_distributed
 from tests.distributed.test_checkpoint import E, STEPS, _logical, _Model, _placements, _train
 
 
-def _build(world: int, place: str):
+def _build(world: int, place: str, device: str = "cpu"):
     """The checkpoint test's model, its placement with 3 slots per rank (linear: one left empty)."""
     placement = ml.ExpertPlacement.linear(E, world, 3) if place == "linear" else _placements(world)[place]
-    model = _Model(ml.ParallelGroups.from_world(), placement, "cpu", torch.float64)
+    model = _Model(ml.ParallelGroups.from_world(), placement, device, torch.float64)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
-def _move_in_training(rank: int, world: int) -> dict:
+def _move_in_training(rank: int, world: int, device: str = "cpu") -> dict:
     """Train, move (with, and without, the optimizer), train on; the uninterrupted run in the first
-    placement is the reference. Also a fault while staging and ranks that disagree on the optimizer."""
+    placement is the reference. Also a fault while staging and ranks that disagree on the optimizer
+    (also on GPUs, tests/gpu)."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
     out = {}
-    model, optim = _build(world, "linear")
+    model, optim = _build(world, "linear", device)
     _train(model, optim, range(2 * STEPS))
     reference = _logical(model, optim)
     for target in ("replicated", "reversed"):
         for with_optimizer in (True, False):
-            model, optim = _build(world, "linear")
+            model, optim = _build(world, "linear", device)
             _train(model, optim, range(STEPS))
             before = _logical(model, optim)
             optim.zero_grad(set_to_none=True)
@@ -40,7 +43,7 @@ def _move_in_training(rank: int, world: int) -> dict:
             after = _logical(model, optim)
             out[(target, with_optimizer)] = max(float((after[k] - reference[k]).abs().max()) for k in reference)
     # a fault while staging: nothing moves, the optimizer's state neither
-    model, optim = _build(world, "linear")
+    model, optim = _build(world, "linear", device)
     _train(model, optim, range(STEPS))
     optim.zero_grad(set_to_none=True)
     before, placement = _logical(model, optim), model.moe.placement.copy()
@@ -71,7 +74,11 @@ def test_apply_placement_moves_the_optimizer_state_with_the_weights():
     uninterrupted run's weights; without it they do not (the moments stay with the slots). A fault
     on one rank while staging leaves weights and moments as they were; ranks that disagree on the
     optimizer are refused."""
-    for result in run_distributed(_move_in_training, 2, timeout=240):
+    check_moves(run_distributed(_move_in_training, 2, timeout=240))
+
+
+def check_moves(results: list[dict]) -> None:
+    for result in results:
         for target in ("replicated", "reversed"):
             assert result[(target, True)] < 1e-12, (target, result[(target, True)])
             assert result[(target, False)] > 1e-6, (target, result[(target, False)])
