@@ -10,6 +10,7 @@ gradient, as the dense model has it, and clips every rank by the same factor.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     The norm is the dense model's: every logical expert's gradient counted once (its main replica,
     summed over the layer's expert-parallel group), every other parameter once, taken as the same
     on every rank (as after torch DDP's all-reduce and :func:`moelayers.reduce_expert_grads`; call
-    that first); FSDP's sharded gradients (DTensors) count with their whole tensor. A collective over each layer's expert-parallel group: call it on every rank.
+    that first). FSDP's sharded gradients (DTensors) count with their whole tensor. A collective over each layer's expert-parallel group: call it on every rank.
 
     Args:
         model: the model (DDP-wrapped or not); all its parameters with a gradient are clipped.
@@ -59,12 +60,16 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     dtype = functools.reduce(torch.promote_types, {p.grad.dtype for p in params}, torch.float32)
     others = [p.grad for p in params if id(p) not in slot_major]
     parts = []
-    for sharded in (False, True):  # plain tensors, then DTensors (FSDP's): torch's norm takes one kind at a time
-        grads = [g for g in others if _is_dtensor(g) == sharded]
-        if grads:
-            norm = torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
-            norm = norm.full_tensor() if sharded else norm  # (the norm over every rank's shard)
-            parts.append(_norm_part(norm.reshape(1).double(), norm_type).to(device))
+    plain = [g for g in others if not _is_dtensor(g)]
+    sharded = [g for g in others if _is_dtensor(g)]  # FSDP's: torch's norm takes one kind of tensor at a time
+    if plain:
+        parts.append(_norm_part(torch.nn.utils.get_total_norm(plain, norm_type, foreach=foreach).reshape(1).double(),
+                                norm_type).to(device))
+    if sharded and norm_type == float("inf"):
+        parts.append(_sharded_max(sharded).to(device))
+    elif sharded:  # (a DTensor norm; full_tensor: over every rank's shard)
+        norm = torch.nn.utils.get_total_norm(sharded, norm_type, foreach=foreach).full_tensor()
+        parts.append(_norm_part(norm.reshape(1).double(), norm_type).to(device))
     for (_, group), partial in _expert_parts(layers, norm_type).items():
         parts.append(_reduce(partial, group, norm_type).to(device))
     total = torch.stack(parts) if parts else torch.zeros(1, dtype=torch.float64, device=device)
@@ -89,6 +94,23 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     for layer, p in reduced:  # scaled, still reduced: a second reduce_expert_grads stays refused
         _mark_reduced(layer, p)
     return total
+
+
+def _sharded_max(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The largest ``|entry|`` of DTensor gradients, over all their shards: the local shards' maxima
+    (an empty shard, a dimension smaller than the mesh, has none: torch's inf-norm raises there),
+    then a MAX all-reduce along every dimension of each mesh (the same under any placement)."""
+    by_mesh: dict[int, tuple[Any, list[torch.Tensor]]] = {}
+    for g in grads:
+        by_mesh.setdefault(id(g.device_mesh), (g.device_mesh, []))[1].append(g.to_local())
+    out = []
+    for mesh, local in by_mesh.values():
+        maxima = [t.detach().abs().max().double().reshape(1) for t in local if t.numel()]
+        part = torch.cat(maxima).max() if maxima else torch.zeros((), dtype=torch.float64, device=local[0].device)
+        for dim in range(mesh.ndim):
+            part = _reduce(part, mesh.get_group(dim), float("inf"))
+        out.append(part.reshape(1))
+    return torch.cat(out).max()
 
 
 def _norm_part(norms: torch.Tensor, norm_type: float) -> torch.Tensor:

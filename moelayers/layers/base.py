@@ -790,7 +790,7 @@ class MoELayerBase(nn.Module):
             self.last_topk_ids, self.last_token_ids = routed, token_ids
             self.last_stats = self.dispatcher.last_stats
             self.last_stats._num_experts = self.config.num_experts
-        return y.view(x.shape)
+        return y if y.shape == x.shape else y.view(x.shape)  # (not a view where none is needed: FSDP warns of it)
 
     def _records_autograd(self, x2: torch.Tensor) -> bool:
         """Whether autograd would record a forward on ``x2``: the input or any weight (router or

@@ -117,3 +117,33 @@ def test_fsdp_over_the_experts_is_refused(tmp_path):
     for result in run_distributed(_fsdp_step, 2, 2, str(tmp_path / "ckpt"), "cpu", False, timeout=240):
         for message in result["refused"]:
             assert "sharded by FSDP (fully_shard)" in message and "ml.rank_local_params(model)" in message
+
+
+def _head() -> nn.Linear:
+    torch.manual_seed(2)
+    return nn.Linear(H, 1, dtype=torch.float64)  # one row: FSDP leaves one rank an empty shard of it
+
+
+def _inf_norm(rank: int, world: int) -> float:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    moe = ml.VanillaMoE(_cfg(), ml.ParallelGroups.from_world(), placement=_placement("replicas", E, world))
+    moe.load_full_weights(*_weights())
+    model = nn.Sequential(_pre(), moe, _head())
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)), ignored_params=ml.rank_local_params(model))
+    model(_inputs(world)[rank]).pow(2).sum().backward()
+    ml.reduce_expert_grads(model)
+    return float(ml.clip_grad_norm_(model, MAX_NORM, float("inf")))
+
+
+def test_fsdp_inf_norm_with_an_empty_shard():
+    """A weight with fewer rows than ranks leaves a rank an empty FSDP shard, on which torch's
+    inf-norm raises: clip_grad_norm_ takes the largest entry over the shards that have one and
+    finds the dense model's inf-norm on every rank."""
+    pre, head = _pre(), _head()
+    weights = [w.clone().requires_grad_() for w in _weights()]
+    (sum(head(ml.reference.moe_forward(pre(x), *weights, _cfg())).pow(2).sum() for x in _inputs(2)) / 2).backward()
+    dense = float(torch.nn.utils.get_total_norm([p.grad for p in (*pre.parameters(), *weights, *head.parameters())],
+                                                float("inf")))
+    assert run_distributed(_inf_norm, 2, timeout=240) == [pytest.approx(dense, rel=1e-12)] * 2

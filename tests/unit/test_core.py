@@ -681,11 +681,11 @@ def test_exchange_waits_for_posted_transfers_even_when_a_local_copy_fails(monkey
             waited.append(self.i)
 
     monkeypatch.setattr(moves.dist, "batch_isend_irecv", lambda ops: [Req(i) for i in range(len(ops))])
-    staging = SimpleNamespace(w13=torch.empty(1, 4, 3), w2=torch.empty(1, 3, 2))
+    staging = moves.Staging(0, [0], torch.empty(1, 4, 3), torch.empty(1, 3, 2))
     w13, w2 = torch.randn(2, 5, 3), torch.randn(2, 3, 2)  # w13 rows of another shape: the copy fails
     plan = SimpleNamespace(local=[(0, 1)])
     with pytest.raises(RuntimeError):
-        moves._exchange(plan, staging, ["op0", "op1"], w13, w2)
+        moves._exchange(plan, staging, ["op0", "op1"], [w13, w2])
     assert waited == [0, 1]
 
 
@@ -793,3 +793,12 @@ def test_checkpoint_entries_load_weights_from_a_per_expert_source():
     _, got13, got2 = layer.export_full_weights()
     assert torch.equal(got13, w13) and torch.equal(got2, w2)
     assert torch.equal(layer.experts.w13[0], w13[2])  # slot 0 holds expert 2
+
+
+def test_forward_returns_no_view_of_a_2d_input():
+    """For [T, H] input the output is a tensor of its own, not a view (FSDP warns of modules that
+    return views: an in-place op on one, e.g. ``y += h``, drops its backward hook)."""
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=6, num_experts=4, top_k=2, params_dtype=torch.float32)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single())
+    assert layer(torch.randn(5, 8))._base is None
+    assert layer(torch.randn(2, 3, 8)).shape == (2, 3, 8)
