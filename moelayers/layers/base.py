@@ -790,7 +790,11 @@ class MoELayerBase(nn.Module):
             self.last_topk_ids, self.last_token_ids = routed, token_ids
             self.last_stats = self.dispatcher.last_stats
             self.last_stats._num_experts = self.config.num_experts
-        return y if y.shape == x.shape else y.view(x.shape)  # (not a view where none is needed: FSDP warns of it)
+        if y.shape == x.shape:
+            return y
+        # a module that returns a view makes FSDP warn (an in-place op on it drops FSDP's backward hook):
+        # in training, [S, B, H] output is a tensor of its own (one copy; serving keeps the view)
+        return y.view(x.shape).clone() if torch.is_grad_enabled() and y.requires_grad else y.view(x.shape)
 
     def _records_autograd(self, x2: torch.Tensor) -> bool:
         """Whether autograd would record a forward on ``x2``: the input or any weight (router or

@@ -796,9 +796,12 @@ def test_checkpoint_entries_load_weights_from_a_per_expert_source():
 
 
 def test_forward_returns_no_view_of_a_2d_input():
-    """For [T, H] input the output is a tensor of its own, not a view (FSDP warns of modules that
-    return views: an in-place op on one, e.g. ``y += h``, drops its backward hook)."""
+    """In training the output is a tensor of its own, not a view (FSDP warns of modules that return
+    views: an in-place op on one, e.g. ``y += h``, drops its backward hook); [T, H] output never is."""
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=6, num_experts=4, top_k=2, params_dtype=torch.float32)
     layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single())
     assert layer(torch.randn(5, 8))._base is None
-    assert layer(torch.randn(2, 3, 8)).shape == (2, 3, 8)
+    y = layer(torch.randn(2, 3, 8))  # [S, B, H] in training: a tensor of its own too
+    assert y.shape == (2, 3, 8) and y._base is None
+    with torch.no_grad():  # serving: the view of the [T, H] result, no copy
+        assert layer(torch.randn(2, 3, 8))._base is not None
