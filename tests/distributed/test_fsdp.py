@@ -147,3 +147,29 @@ def test_fsdp_inf_norm_with_an_empty_shard():
     dense = float(torch.nn.utils.get_total_norm([p.grad for p in (*pre.parameters(), *weights, *head.parameters())],
                                                 float("inf")))
     assert run_distributed(_inf_norm, 2, timeout=240) == [pytest.approx(dense, rel=1e-12)] * 2
+
+
+def _mixed_precision(rank: int, world: int) -> list:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    cfg32 = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, params_dtype=torch.float32)
+    moe = ml.VanillaMoE(cfg32, ml.ParallelGroups.from_world(), placement=_placement("replicas", E, world))
+    moe.load_full_weights(*(w.float() for w in _weights()))
+    model = nn.Sequential(_pre().float(), moe)
+    mesh, ignored = init_device_mesh("cpu", (world,)), ml.rank_local_params(model)
+    # the README's recipe: the MoE layer on its own, computing in float32 (its inputs cast), the rest in bf16
+    fully_shard(moe, mesh=mesh, ignored_params=ignored, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32))
+    fully_shard(model, mesh=mesh, ignored_params=ignored, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    y = model(_inputs(world)[rank].float())
+    y.float().pow(2).sum().backward()
+    ml.reduce_expert_grads(model)
+    return [str(y.dtype), float(ml.clip_grad_norm_(model, MAX_NORM))]
+
+
+def test_fsdp_mixed_precision_with_the_moe_layer_sharded_on_its_own():
+    """FSDP's MixedPrecisionPolicy casts the router but not the ignored experts, which the layer
+    refuses (one dtype for its weights); sharded on its own with float32 parameters (its inputs cast)
+    it trains beside a bf16 rest of the model, every rank clipping by the same norm."""
+    (dtype0, norm0), (dtype1, norm1) = run_distributed(_mixed_precision, 2, timeout=240)
+    assert dtype0 == dtype1 == "torch.float32" and norm0 == norm1 and norm0 > 0
