@@ -651,7 +651,10 @@ class MoELayerBase(nn.Module):
         rank calls it with the same placement).
 
         Transactional: validated and voted on before any transfer, staged, voted on again, then
-        committed on every rank or on none (see :func:`moelayers.layers.moves.move_expert_weights`).
+        committed on every rank of ``groups.ep`` or on none (see
+        :func:`moelayers.layers.moves.move_expert_weights`; with several expert-parallel groups, each
+        group's move is its own transaction: after a failure in one, the groups serve different
+        placements, which ``reduce_expert_grads`` refuses).
         Outputs are unchanged: each logical expert's weights move with it; the router stays in
         logical order. At most one layer's expert weights of extra memory (only changing slots).
         In training, move between optimizer steps: expert weights that hold gradients are refused

@@ -14,8 +14,10 @@
                 discarded and every rank raises the same error naming the failing ranks
 
 So a placement is either applied on every rank or on none: never a mix. Memory: staging holds only
-the slots that change on this rank, at most one layer's expert weights (``S`` slots). Sends read
-the live slots directly (each slot is a contiguous ``[2F, H]`` / ``[H, F]`` block), without copies.
+the slots that change on this rank, at most one layer's expert weights (``S`` slots), and as much
+again per optimizer state that moves with them. Sends read the live slots directly (each slot is
+a contiguous ``[2F, H]`` / ``[H, F]`` block), without copies (a row of a tensor laid out otherwise
+is copied first).
 The death of a process is out of scope (a dead peer makes the collectives fail or time out), and
 so is a transport that fails on one rank: the point-to-point operations are built while preparing
 (a failure there is voted on before any traffic), and a failure after they are posted (a copy, the
@@ -39,7 +41,8 @@ _NEUTRAL = torch.iinfo(torch.int64).max  # a failing rank's digest entries: no e
 
 
 class PlacementMoveError(RuntimeError):
-    """A placement change was aborted on every rank; the old placement keeps serving.
+    """A placement change was aborted on every rank of the expert-parallel group; the old placement
+    keeps serving.
 
     Attributes:
         failing_ranks: expert-parallel ranks that reported a failure (empty when the ranks were
@@ -209,8 +212,8 @@ def _p2p_ops(plan: _Plan, staging: Staging, live: list[torch.Tensor], group) -> 
         for j in range(n):
             if kind == "recv":
                 ops.append(dist.P2POp(dist.irecv, rows[j][idx], gpeer, group, tag=n * i + j))
-            else:
-                ops.append(dist.P2POp(dist.isend, live[j][idx], gpeer, group, tag=n * i + j))
+            else:  # (a row of a tensor laid out otherwise, e.g. an optimizer state, is sent from a copy)
+                ops.append(dist.P2POp(dist.isend, live[j][idx].contiguous(), gpeer, group, tag=n * i + j))
     return ops
 
 
@@ -227,14 +230,18 @@ def _exchange(plan: _Plan, staging: Staging, ops: list, live: list[torch.Tensor]
             req.wait()
 
 
-def _fail(stage: str, failing: list[int], old: ExpertPlacement, cause: BaseException | None) -> None:
-    """Raise the abort error (identical text on every rank; this rank's own failure as the cause)."""
+def _fail(stage: str, failing: list[int], old: ExpertPlacement, cause: BaseException | None, group=None) -> None:
+    """Raise the abort error (identical text on every rank of the group; this rank's own failure as the
+    cause). The transaction is the expert-parallel group's: other groups (expert data parallelism)
+    vote on their own moves."""
+    scope = "every rank of the expert-parallel group" if group is not None else "this rank"
     if failing:
         what = "rejected the new placement" if stage == "validate" else "failed while staging the weights"
-        msg = (f"placement change aborted on every rank: expert-parallel rank(s) {failing} {what}; the old placement "
-               f"({old!r}) keeps serving and no weights changed")
+        world = f" (global rank(s) {[dist.get_global_rank(group, r) for r in failing]})" if group is not None else ""
+        msg = (f"placement change aborted on {scope}: expert-parallel rank(s) {failing} {what}{world}; the old "
+               f"placement ({old!r}) keeps serving and no weights changed; see the cause for this rank's reason")
     else:
-        msg = ("placement change aborted on every rank: the ranks were handed different placements, or optimizers "
+        msg = (f"placement change aborted on {scope}: the ranks were handed different placements, or optimizers "
                "with different per-slot states (every rank must pass the same); the old placement keeps serving")
     cls = PlacementRejected if stage == "validate" else PlacementMoveError
     raise cls(msg, failing, stage) from cause
@@ -300,7 +307,7 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
     # 2 vote before any point-to-point traffic
     failing, agree = _vote(group, size, rank, cause is None, digest, device)
     if failing or not agree:
-        _fail("validate", failing, old, cause)
+        _fail("validate", failing, old, cause, group)
     # 3 stage: every rank takes part; 4 fault hook, second vote
     try:
         _exchange(plan, staging, ops, [w13, w2, *(t for _, t in states)])
@@ -311,7 +318,7 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
     failing, _ = _vote(group, size, rank, cause is None, digest, device)
     if failing:
         del staging
-        _fail("staging", failing, old, cause)
+        _fail("staging", failing, old, cause, group)
     # 5 commit
     live = [w13, w2, *(t for _, t in states)]
     if plan.slots:
