@@ -288,10 +288,11 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
                                f"break: run the backward first, or call forget_graphs() on every rank if they never "
                                f"will be back-propagated")
         if holds_gradients(w13, w2):  # they belong to the experts now in those slots
-            raise RuntimeError("the expert weights hold gradients (a backward ran since the last zero_grad): a move "
-                               "would leave them with the slots, i.e. with other experts; take the optimizer step and "
-                               "zero_grad(set_to_none=True) first (megatron's DDP: zero_grad_buffer()), and pass optimizer= to "
-                               "move its per-slot state (Adam's moments) with the weights")
+            raise RuntimeError("the expert weights hold gradients (.grad is set: a backward ran since the last "
+                               "zero_grad(set_to_none=True), or zero_grad(set_to_none=False) left zeros): a move would "
+                               "leave them with the slots, i.e. with other experts; take the optimizer step and "
+                               "zero_grad(set_to_none=True) first (megatron's DDP: zero_grad_buffer()), and pass "
+                               "optimizer= to move its per-slot state (Adam's moments) with the weights")
         # the optimizer's states go in the digest: ranks with other states would pair other transfers
         layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in states]
         digest = placement_digest(old, new) ^ (_layout_digest(layout) if layout else 0)
