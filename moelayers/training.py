@@ -32,7 +32,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     The norm is the dense model's: every logical expert's gradient counted once (its main replica,
     summed over the layer's expert-parallel group), every other parameter once, taken as the same
     on every rank (as after torch DDP's all-reduce and :func:`moelayers.reduce_expert_grads`; call
-    that first). FSDP's sharded gradients (DTensors) count with their whole tensor. A collective over each layer's expert-parallel group: call it on every rank.
+    that first). FSDP's sharded gradients (DTensors) count with their whole tensor. A collective
+    over each layer's expert-parallel group: call it on every rank.
 
     Args:
         model: the model (DDP-wrapped or not); all its parameters with a gradient are clipped.
@@ -54,46 +55,58 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
         raise ValueError(f"clip_grad_norm_: norm_type must be > 0 (or inf), got {norm_type}")
     layers = [m for m in model.modules() if isinstance(m, MoELayerBase)]
     _check_not_sharded(layers, "clip_grad_norm_")
-    slot_major = {id(p) for layer in layers for p in (layer.experts.w13, layer.experts.w2)}
     params = [p for p in model.parameters() if p.grad is not None]
-    device = params[0].grad.device if params else torch.device("cpu")
-    dtype = functools.reduce(torch.promote_types, {p.grad.dtype for p in params}, torch.float32)
-    others = [p.grad for p in params if id(p) not in slot_major]
-    parts = []
-    plain = [g for g in others if not _is_dtensor(g)]
-    sharded = [g for g in others if _is_dtensor(g)]  # FSDP's: torch's norm takes one kind of tensor at a time
-    if plain:
-        parts.append(_norm_part(torch.nn.utils.get_total_norm(plain, norm_type, foreach=foreach).reshape(1).double(),
-                                norm_type).to(device))
-    if sharded and norm_type == float("inf"):
-        parts.append(_sharded_max(sharded).to(device))
-    elif sharded:  # (a DTensor norm; full_tensor: over every rank's shard)
-        norm = torch.nn.utils.get_total_norm(sharded, norm_type, foreach=foreach).full_tensor()
-        parts.append(_norm_part(norm.reshape(1).double(), norm_type).to(device))
-    for (_, group), partial in _expert_parts(layers, norm_type).items():
-        parts.append(_reduce(partial, group, norm_type).to(device))
-    total = torch.stack(parts) if parts else torch.zeros(1, dtype=torch.float64, device=device)
-    total = total.max() if norm_type == float("inf") else total.sum() ** (1.0 / norm_type)
-    total = total.to(dtype)
+    total = _total_norm(params, layers, norm_type, foreach)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({float(total)}), "
                            "so they cannot be clipped; error_if_nonfinite=False clips anyway")
     reduced = [(layer, p) for layer in layers for p in (layer.experts.w13, layer.experts.w2)
                if p.grad is not None and _reduced_already(layer, p)]
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # (torch's clip_grads_with_norm_)
-    by_device: dict[tuple, list[torch.Tensor]] = {}
-    for p in params:  # a DTensor gradient is scaled through its local shard
-        g = p.grad.to_local() if _is_dtensor(p.grad) else p.grad
-        by_device.setdefault((g.device, g.dtype), []).append(g)
-    for (dev, _), grads in by_device.items():
-        if foreach is False:
-            for g in grads:
-                g.mul_(coef.to(dev))
-        else:
-            torch._foreach_mul_(grads, coef.to(dev))
+    _scale_([p.grad for p in params], torch.clamp(max_norm / (total + 1e-6), max=1.0), foreach)  # (torch's factor)
     for layer, p in reduced:  # scaled, still reduced: a second reduce_expert_grads stays refused
         _mark_reduced(layer, p)
     return total
+
+
+def _total_norm(params: list[nn.Parameter], layers: list[MoELayerBase], norm_type: float,
+                foreach: bool | None) -> torch.Tensor:
+    """The dense model's gradient norm: the other parameters' gradients (plain tensors and FSDP's
+    DTensors apart: torch's norm takes one kind at a time), then each expert-parallel group's experts."""
+    device = params[0].grad.device if params else torch.device("cpu")
+    dtype = functools.reduce(torch.promote_types, {p.grad.dtype for p in params}, torch.float32)
+    slot_major = {id(p) for layer in layers for p in (layer.experts.w13, layer.experts.w2)}
+    others = [p.grad for p in params if id(p) not in slot_major]
+    plain = [g for g in others if not _is_dtensor(g)]
+    sharded = [g for g in others if _is_dtensor(g)]
+    parts = []
+    if plain:
+        norm = torch.nn.utils.get_total_norm(plain, norm_type, foreach=foreach)
+        parts.append(_norm_part(norm.reshape(1).double(), norm_type))
+    if sharded and norm_type == float("inf"):
+        parts.append(_sharded_max(sharded))
+    elif sharded:  # full_tensor: the norm over every rank's shard
+        norm = torch.nn.utils.get_total_norm(sharded, norm_type, foreach=foreach).full_tensor()
+        parts.append(_norm_part(norm.reshape(1).double(), norm_type))
+    for (_, group), partial in _expert_parts(layers, norm_type).items():
+        parts.append(_reduce(partial, group, norm_type))
+    total = torch.stack([p.to(device) for p in parts]) if parts else torch.zeros(1, dtype=torch.float64, device=device)
+    total = total.max() if norm_type == float("inf") else total.sum() ** (1.0 / norm_type)
+    return total.to(dtype)
+
+
+def _scale_(grads: list[torch.Tensor], coef: torch.Tensor, foreach: bool | None) -> None:
+    """``grads *= coef`` in place; a DTensor gradient through its local shard (torch's foreach
+    refuses a mix of DTensors and tensors)."""
+    by_device: dict[tuple, list[torch.Tensor]] = {}
+    for g in grads:
+        g = g.to_local() if _is_dtensor(g) else g
+        by_device.setdefault((g.device, g.dtype), []).append(g)
+    for (dev, _), group in by_device.items():
+        if foreach is False:
+            for g in group:
+                g.mul_(coef.to(dev))
+        else:
+            torch._foreach_mul_(group, coef.to(dev))
 
 
 def _sharded_max(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -622,8 +622,8 @@ class MoELayerBase(nn.Module):
                              f"{{phy2log, num_experts[, ep_rank]}}, got {type(state).__name__}")
         if state.get("ep_rank", self.groups.ep_rank) != self.groups.ep_rank:  # (older checkpoints lack it)
             raise ValueError(f"this checkpoint holds the expert slots of expert-parallel rank {state['ep_rank']}, "
-                             f"this layer is rank {self.groups.ep_rank}: every rank loads the file its own rank saved. (A "
-                             "checkpointer that writes one copy of the keys all ranks share, such as "
+                             f"this layer is rank {self.groups.ep_rank}: every rank loads the file its own rank "
+                             "saved. (A checkpointer that writes one copy of the keys all ranks share, such as "
                              "torch.distributed.checkpoint of model.state_dict(), kept one rank's experts only: save "
                              "moelayers.checkpoint.model_state_dict(model) with it)")
         saved = ExpertPlacement(state["phy2log"], state["num_experts"])
