@@ -100,6 +100,19 @@ def _check_not_sharded(layers: list["MoELayerBase"], what: str) -> None:
                 "ignored_params=ml.rank_local_params(model))")
 
 
+def _check_fsdp_mesh(model: nn.Module) -> None:
+    """Refuse FSDP over part of the world: it averages the other gradients over its mesh, while
+    :func:`reduce_expert_grads` makes the experts' the mean over the world (the same on every rank)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size()
+    sizes = {p.device_mesh.size() for p in model.parameters() if _is_dtensor(p)}
+    if sizes - {world}:
+        raise ValueError(f"reduce_expert_grads: FSDP shards some weights over {sorted(sizes - {world})} of the "
+                         f"{world} ranks, averaging their gradients there, while the experts' are made the mean over "
+                         "the world: shard over the whole world (a 2-D mesh for HSDP)")
+
+
 def reduce_expert_grads(model: nn.Module) -> None:
     """After the last backward before an optimizer step of ``model`` under torch DDP over the whole
     world, leaving :func:`rank_local_names` alone (or FSDP's ``fully_shard``, ignoring
@@ -115,7 +128,8 @@ def reduce_expert_grads(model: nn.Module) -> None:
     on its own loads does not).
 
     Raises:
-        ValueError: expert weights sharded by FSDP (see :func:`rank_local_params`);
+        ValueError: expert weights sharded by FSDP (see :func:`rank_local_params`), or FSDP over
+            part of the world;
             layers with tensor parallelism (the TP ranks share their batch, which DDP over
             the world would count ``tp`` times); expert-parallel groups smaller than the world without
             their ``edp`` group (``ParallelGroups.from_world`` builds it; pass it to
@@ -127,6 +141,7 @@ def reduce_expert_grads(model: nn.Module) -> None:
     """
     layers = [m for m in model.modules() if isinstance(m, MoELayerBase)]
     _check_not_sharded(layers, "reduce_expert_grads")
+    _check_fsdp_mesh(model)
     for layer in layers:
         g, name = layer.groups, type(layer).__name__
         if g.tp_size > 1:

@@ -173,3 +173,24 @@ def test_fsdp_mixed_precision_with_the_moe_layer_sharded_on_its_own():
     it trains beside a bf16 rest of the model, every rank clipping by the same norm."""
     (dtype0, norm0), (dtype1, norm1) = run_distributed(_mixed_precision, 2, timeout=240)
     assert dtype0 == dtype1 == "torch.float32" and norm0 == norm1 and norm0 > 0
+
+
+def _sub_world_mesh(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicas", "shards"))
+    moe = ml.VanillaMoE(_cfg(), ml.ParallelGroups.from_world(), placement=_placement("replicas", E, world))
+    model = nn.Sequential(_pre(), moe)
+    fully_shard(model, mesh=mesh["shards"], ignored_params=ml.rank_local_params(model))  # 2 of the 4 ranks
+    model(_inputs(world)[rank]).pow(2).sum().backward()
+    with pytest.raises(ValueError) as info:
+        ml.reduce_expert_grads(model)
+    return str(info.value)
+
+
+def test_fsdp_over_part_of_the_world_is_refused():
+    """FSDP over 2 of 4 ranks averages the dense gradients over those 2, the experts' would be the mean
+    over all 4: reduce_expert_grads refuses on every rank."""
+    for message in run_distributed(_sub_world_mesh, 4, timeout=240):
+        assert "FSDP shards some weights over [2] of the 4 ranks" in message
