@@ -43,6 +43,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from moelayers.experts import is_slot_major
+
 __all__ = ["model_state_dict", "load_model_state_dict", "optimizer_state_dict", "load_optimizer_state_dict",
            "EXPERT_KEYS", "slot_copies"]
 
@@ -103,7 +105,7 @@ class _ExpertParam:
         return {self.key(e): value for e in self.experts}
 
     def slot_major(self, value: Any) -> bool:
-        return torch.is_tensor(value) and value.dim() >= 1 and value.shape[0] == len(self.slots)
+        return is_slot_major(value, len(self.slots))
 
     def rows(self, state: Mapping[str, Any], what: str) -> dict[int, Any]:
         """This rank's experts' entries of ``state``, checked to be there.

@@ -45,6 +45,15 @@ def _grouped_mm_supported(x: torch.Tensor, hidden: int, ffn: int, *, fast_path: 
     )
 
 
+def is_slot_major(value: Any, num_slots: int) -> bool:
+    """Whether ``value`` (an expert weight's optimizer state) holds one row per slot: a tensor whose
+    first dimension is ``num_slots`` (Adam's moments, Adafactor's factored rows and columns). Such a
+    state moves and is checkpointed with its slot's expert; anything else (a step count) belongs to
+    the whole slot table. The one rule for moves (:mod:`moelayers.layers.moves`) and checkpoints
+    (:mod:`moelayers.checkpoint`)."""
+    return torch.is_tensor(value) and value.dim() >= 1 and value.shape[0] == num_slots
+
+
 @dataclass(frozen=True)
 class ReplicaTie:
     """Which of this rank's slots hold a replicated expert, for :class:`_TiedReplicas`.

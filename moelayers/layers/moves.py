@@ -35,6 +35,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from moelayers.experts import is_slot_major
 from moelayers.placement import ExpertPlacement, SlotMove
 
 _NEUTRAL = torch.iinfo(torch.int64).max  # a failing rank's digest entries: no effect under MIN
@@ -117,7 +118,26 @@ def optimizer_states(optimizer: Any, w13: torch.Tensor, w2: torch.Tensor) -> lis
     out = []
     for name, p in (("w13", w13), ("w2", w2)):
         for key, value in sorted(state.get(p, {}).items(), key=lambda kv: str(kv[0])):
-            if torch.is_tensor(value) and value.dim() >= 1 and value.shape[0] == p.shape[0]:
+            if is_slot_major(value, p.shape[0]):
+                out.append((f"{name}.{key}", value))
+    return out
+
+
+def shared_states(optimizer: Any, w13: torch.Tensor, w2: torch.Tensor) -> list[tuple[str, Any]]:
+    """The optimizer states of ``w13`` / ``w2`` that belong to the whole slot table (Adam's step
+    count), as plain values: moments moved between ranks whose steps differ would be
+    bias-corrected for the wrong step, so a move compares these across ranks (one host sync per
+    tensor)."""
+    if optimizer is None:
+        return []
+    out = []
+    for name, p in (("w13", w13), ("w2", w2)):
+        for key, value in sorted(optimizer.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
+            if is_slot_major(value, p.shape[0]):
+                continue
+            if torch.is_tensor(value) and value.numel() == 1:
+                out.append((f"{name}.{key}", value.item()))
+            elif isinstance(value, (int, float)):
                 out.append((f"{name}.{key}", value))
     return out
 
@@ -242,7 +262,8 @@ def _fail(stage: str, failing: list[int], old: ExpertPlacement, cause: BaseExcep
                f"placement ({old!r}) keeps serving and no weights changed; see the cause for this rank's reason")
     else:
         msg = (f"placement change aborted on {scope}: the ranks were handed different placements, or optimizers "
-               "with different per-slot states (every rank must pass the same); the old placement keeps serving")
+               "with different per-slot states or at different steps (every rank must pass the same); the old "
+               "placement keeps serving")
     cls = PlacementRejected if stage == "validate" else PlacementMoveError
     raise cls(msg, failing, stage) from cause
 
@@ -293,8 +314,10 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
                                "leave them with the slots, i.e. with other experts; take the optimizer step and "
                                "zero_grad(set_to_none=True) first (megatron's DDP: zero_grad_buffer()), and pass "
                                "optimizer= to move its per-slot state (Adam's moments) with the weights")
-        # the optimizer's states go in the digest: ranks with other states would pair other transfers
+        # the optimizer's states go in the digest: ranks with other states would pair other transfers,
+        # and ranks at other steps would mix moments of different ages
         layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in states]
+        layout += shared_states(optimizer, w13, w2) if states else []
         digest = placement_digest(old, new) ^ (_layout_digest(layout) if layout else 0)
         moves = old.moves_to(new)
         plan = local_plan(moves, old, new, rank)

@@ -65,6 +65,15 @@ def _move_in_training(rank: int, world: int, device: str = "cpu") -> dict:
     with pytest.raises(PlacementRejected) as info:
         model.moe.apply_placement(_placements(world)["reversed"], optimizer=optim if rank == 0 else None)
     out["disagree"] = str(info.value)
+    # optimizers at different steps (one rank's resumed from an older checkpoint): moments of different
+    # ages would be mixed, so refused on both before any transfer
+    if rank == 1:
+        for p in (model.moe.experts.w13, model.moe.experts.w2):
+            optim.state[p]["step"] += 1
+    with pytest.raises(PlacementRejected) as info:
+        model.moe.apply_placement(_placements(world)["reversed"], optimizer=optim)
+    out["steps"] = str(info.value)
+    out["steps_kept"] = model.moe.placement == placement
     return out
 
 
@@ -73,7 +82,7 @@ def test_apply_placement_moves_the_optimizer_state_with_the_weights():
     every expert keeps its weights and moments bit for bit, and three more steps give the
     uninterrupted run's weights; without it they do not (the moments stay with the slots). A fault
     on one rank while staging leaves weights and moments as they were; ranks that disagree on the
-    optimizer are refused."""
+    optimizer, or whose optimizers are at different steps, are refused."""
     check_moves(run_distributed(_move_in_training, 2, timeout=240))
 
 
@@ -84,6 +93,7 @@ def check_moves(results: list[dict]) -> None:
             assert result[(target, False)] > 1e-6, (target, result[(target, False)])
         assert result["fault"]
         assert "optimizers with different per-slot states" in result["disagree"]
+        assert "at different steps" in result["steps"] and result["steps_kept"]
 
 
 def _non_contiguous_state(rank: int, world: int) -> bool:
