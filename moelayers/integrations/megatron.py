@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moelayers._compile import eager_under_compile
+from moelayers._warnings import warn_caller
 from moelayers.config import MoEConfig, megatron_training_losses
 from moelayers.experts import GroupedExperts
 from moelayers.groups import ParallelGroups
@@ -298,6 +299,7 @@ class MegatronMoEAdapter(nn.Module):
                           f"exchanges tokens with moelayers' {self.layer.dispatcher_name!r} dispatcher (moe_spec("
                           "..., dispatcher=...)); the output is the same", stacklevel=2)
         self._expert_groups = (getattr(pg_collection, "expt_tp", None), getattr(pg_collection, "expt_dp", None))
+        self._warned_replica_clip = False
         for module in self.layer.modules():
             if isinstance(module, GroupedExperts):
                 for p in module.parameters(recurse=False):
@@ -442,6 +444,14 @@ class MegatronMoEAdapter(nn.Module):
                 f"parallel group, which then holds the TP ranks: they would count {tp // max(etp, 1)} times. Train with "
                 f"expert_tensor_parallel_size={tp} (megatron's default) or tensor_model_parallel_size=1; inference "
                 "runs as usual")
+        if training and not self._warned_replica_clip and int(self.layer.placement.logcnt.max()) > 1:
+            self._warned_replica_clip = True
+            warn_caller(
+                "MegatronMoEAdapter trains a placement with replicated experts: megatron's gradient clipping "
+                "(OptimizerConfig.clip_grad > 0; its default is 1.0) takes the norm parameter by parameter and "
+                "counts such an expert's gradient once per copy, so its norm is larger than the dense model's and "
+                "clipping scales the step down more. Set clip_grad=0.0 while training with replicas, or train in a "
+                "placement without them (outputs and gradients are right either way)")
         if intermediate_tensors is not None:
             raise NotImplementedError("MegatronMoEAdapter does not support partial CUDA-graph capture "
                                       "(intermediate_tensors)")

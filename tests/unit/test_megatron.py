@@ -1099,3 +1099,34 @@ def test_forced_routing_under_megatrons_full_recompute_is_refused_in_the_forward
     with pytest.warns(UserWarning, match="'moe_act'"):
         _build(mi.moe_spec(ml.VanillaMoE), _tc(recompute_granularity="selective", recompute_modules=["moe_act"],
                                                moe_grouped_gemm=True), "build_module")
+
+
+def _replica_clip_warning(rank, world):
+    """Which training forwards warn that megatron's clipping counts replicated experts once per copy."""
+    from megatron.core import parallel_state as ps
+
+    torch._dynamo.config.disable = True
+    ps.initialize_model_parallel(expert_model_parallel_size=world)
+    x = torch.randn(4, 2, H, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for name, placement in (("linear", None), ("replicated", _replicated_placement(world))):
+        adapter, _ = _adapter_with_adam(world, placement)
+        adapter.load_full_weights(*_weights(3))
+        for mode in ("eval", "train", "train again"):
+            adapter.train(mode != "eval")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                adapter(x)[0].sum().backward()
+            out[(name, mode)] = [str(w.message) for w in caught if "clip_grad" in str(w.message)]
+    ps.destroy_model_parallel()
+    return out
+
+
+def test_adapter_warns_that_megatron_clipping_counts_replicas_per_copy():
+    """megatron's gradient clipping takes norms per parameter, so a replicated expert's gradient counts
+    once per copy: training a replicated placement warns, once per layer; inference and placements
+    without replicas do not."""
+    for out in run_distributed(_replica_clip_warning, 2, timeout=120):
+        assert out[("replicated", "train")] and "once per copy" in out[("replicated", "train")][0]
+        assert not out[("replicated", "eval")] and not out[("replicated", "train again")]
+        assert not any(out[("linear", mode)] for mode in ("eval", "train", "train again"))
