@@ -12,7 +12,9 @@ id instead, one entry per expert and weight::
 Every rank lists the experts its slots hold; replicas of an expert (a placement's extra copies,
 expert-data-parallel ranks) are equal entries, which DCP writes once. So a checkpoint loads into any
 placement and any expert-parallel size, each rank reading only the experts it holds. The placement
-itself is not saved: the loading layers keep their own. The entries are views of the live
+itself is not in these state dicts: the loading layers keep their own (to resume in the saved
+placements too, save :func:`placement_state_dict` beside them and, after loading the weights and
+the optimizer, move into them with :func:`load_placement_state_dict`). The entries are views of the live
 weights (and optimizer state), so ``dcp.load`` reads straight into them; the ``load_*`` functions
 then fill the replicas and load the rest of the model (or optimizer) as torch's
 ``torch.distributed.checkpoint.state_dict`` functions do::
@@ -46,7 +48,7 @@ from torch import nn
 from moelayers.experts import is_slot_major
 
 __all__ = ["model_state_dict", "load_model_state_dict", "optimizer_state_dict", "load_optimizer_state_dict",
-           "EXPERT_KEYS", "slot_copies"]
+           "placement_state_dict", "load_placement_state_dict", "EXPERT_KEYS", "slot_copies"]
 
 #: a layer's parameters with one row per slot of its placement
 EXPERT_KEYS = ("experts.w13", "experts.w2")
@@ -318,3 +320,85 @@ def _check_row(key: str, loaded: Any, like: Any) -> None:
     if torch.is_tensor(like) and (not torch.is_tensor(loaded) or loaded.shape != like.shape):
         shape = list(loaded.shape) if torch.is_tensor(loaded) else type(loaded).__name__
         raise ValueError(f"{key}: {shape} in the checkpoint, {list(like.shape)} here; nothing was loaded")
+
+
+def placement_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every moelayers layer's placement, for ``torch.distributed.checkpoint`` beside
+    :func:`model_state_dict`: ``{<layer>.placement: phy2log [R, S] int64}`` (the same on every rank of
+    an expert-parallel group; DCP writes it once), a copy, so it can be taken at any time.
+
+    To resume in the saved placements (e.g. after re-planning), load the weights and the optimizer
+    as usual, then move the layers with :func:`load_placement_state_dict`::
+
+        dcp.save({"model": ..., "optim": ..., "placements": mlc.placement_state_dict(model)}, checkpoint_id=path)
+        ...
+        state = {"model": ..., "optim": ..., "placements": mlc.placement_state_dict(model)}
+        dcp.load(state, checkpoint_id=path)
+        mlc.load_model_state_dict(model, state["model"]); mlc.load_optimizer_state_dict(model, optim, state["optim"])
+        mlc.load_placement_state_dict(model, state["placements"], optimizer=optim)
+
+    A placement is a table of the expert-parallel ranks and slots it was saved with: only a model of
+    the same expert-parallel size and slots per rank can take it (``dcp.load`` refuses another
+    shape); at another size, leave the placements out and resume in the loading layers' own.
+
+    Returns:
+        ``{name: tensor}``, one entry per layer (a layer under several names: the first).
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return {_placement_key(p): p.layer.placement.phy2log.clone()
+            for p in _expert_params(model, get_model_state_dict(model)) if p.name == EXPERT_KEYS[0]}
+
+
+def load_placement_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *,
+                              optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Move every moelayers layer of ``model`` into the placement a :func:`placement_state_dict`
+    saved for it: ``layer.apply_placement(p, optimizer=optimizer)``, a transactional move per layer
+    and a collective over its expert-parallel group (every rank calls this with the same state
+    dict). Call it after loading the weights and the optimizer (the move carries both); layers
+    already in their saved placement do not move.
+
+    Args:
+        model: the model (its layers under the names the state dict was taken with).
+        state_dict: ``{<layer>.placement: phy2log [R, S]}``.
+        optimizer: the torch optimizer over the expert weights, whose per-slot state (Adam's
+            moments) moves with them; ``None`` for none.
+
+    Raises:
+        KeyError: a layer has no entry (nothing moved).
+        ValueError: an entry is not a placement of the layer's experts, ranks and slots per rank
+            (nothing moved).
+        PlacementRejected, PlacementMoveError: a layer's move failed (see ``apply_placement``);
+            the layers before it have moved, it and the ones after it have not.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from moelayers.placement import ExpertPlacement
+
+    todo = []
+    for p in _expert_params(model, get_model_state_dict(model)):
+        if p.name != EXPERT_KEYS[0]:
+            continue
+        key, old = _placement_key(p), p.layer.placement
+        if key not in state_dict:
+            raise KeyError(f"load_placement_state_dict: no entry {key!r}; nothing was moved")
+        table = state_dict[key]
+        if not torch.is_tensor(table) or table.shape != old.phy2log.shape:
+            shape = tuple(table.shape) if torch.is_tensor(table) else type(table).__name__
+            raise ValueError(f"load_placement_state_dict: {key} is {shape}, the layer's placement is "
+                             f"{tuple(old.phy2log.shape)} (ranks, slots per rank): a placement resumes only at the same "
+                             f"expert-parallel size and slots per rank; nothing was moved")
+        try:
+            new = ExpertPlacement(table.detach().to("cpu", torch.int64), old.num_experts)
+            new.validate()
+        except ValueError as e:
+            raise ValueError(f"load_placement_state_dict: {key} is not a placement of {old.num_experts} experts: {e}; "
+                             "nothing was moved") from e
+        todo.append((p.layer, new))
+    for layer, new in todo:
+        if new != layer.placement:
+            layer.apply_placement(new, optimizer=optimizer)
+
+
+def _placement_key(p: _ExpertParam) -> str:
+    return p.names[0][: -len(p.name)] + "placement"

@@ -293,3 +293,77 @@ def test_readme_dcp_example_runs(tmp_path):
     snippet = _readme_snippet()
     assert "dcp.save(" in snippet and "mlc.load_optimizer_state_dict(" in snippet
     assert run_distributed(_run_readme, 2, str(tmp_path / "ckpt"), snippet, timeout=240) == [True, True]
+
+
+def _raw(model: _Model, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """This rank's slot tensors and their Adam moments, as laid out (not in logical order)."""
+    w13, w2 = model.moe.experts.w13, model.moe.experts.w2
+    out = {"w13": w13.detach().clone(), "w2": w2.detach().clone()}
+    out.update({f"{n}.{k}": optim.state[p][k].clone() for n, p in (("w13", w13), ("w2", w2))
+                for k in ("exp_avg", "exp_avg_sq")})
+    return out
+
+
+def _build_linear3(world: int, device: str) -> tuple[_Model, torch.optim.Optimizer]:
+    """The linear placement with 3 slots per rank (one empty), the shape of ``_placements``' others."""
+    if device == "cuda":
+        torch.cuda.set_device(dist.get_rank())
+    model = _Model(ml.ParallelGroups.from_world(), ml.ExpertPlacement.linear(E, world, 3), device, torch.float64)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _resume_in_saved_placement(rank: int, world: int, root: str, device: str = "cpu") -> dict:
+    """Train in the linear placement, move to a reversed one (with the optimizer), save with the
+    placements; a fresh linear model loads the weights and optimizer, then moves into the saved
+    placement: its slots and moments are the saved ones bit for bit, and it trains on exactly as
+    the uninterrupted run. Refusals move nothing. (Also over NCCL, tests/gpu.)"""
+    model, optim = _build_linear3(world, device)
+    _train(model, optim, range(STEPS))
+    optim.zero_grad(set_to_none=True)
+    model.moe.apply_placement(_placements(world)["reversed"], optimizer=optim)
+    saved = _placements(world)["reversed"]
+    placements = mlc.placement_state_dict(model)
+    assert list(placements) == ["moe.placement"] and torch.equal(placements["moe.placement"], saved.phy2log)
+    dcp.save({"model": mlc.model_state_dict(model), "optim": mlc.optimizer_state_dict(model, optim),
+              "placements": placements}, checkpoint_id=root)
+    at_save = _raw(model, optim)
+    _train(model, optim, range(STEPS, 2 * STEPS))
+    uninterrupted = _raw(model, optim)
+
+    fresh, fresh_optim = _build_linear3(world, device)
+    linear = fresh.moe.placement.copy()
+    state = {"model": mlc.model_state_dict(fresh), "optim": mlc.optimizer_state_dict(fresh, fresh_optim),
+             "placements": mlc.placement_state_dict(fresh)}
+    dcp.load(state, checkpoint_id=root)
+    mlc.load_model_state_dict(fresh, state["model"])
+    mlc.load_optimizer_state_dict(fresh, fresh_optim, state["optim"])
+    out = {}
+    # refusals: nothing moves
+    for case, bad, error in (("missing", {}, KeyError),
+                             ("ep1", {"moe.placement": torch.tensor([[3, 2, 1, 0, -1, -1]])}, ValueError),
+                             ("invalid", {"moe.placement": torch.tensor([[3, 2, 9], [1, 0, 2]])}, ValueError)):
+        with pytest.raises(error) as info:
+            mlc.load_placement_state_dict(fresh, bad, optimizer=fresh_optim)
+        out[case] = str(info.value)
+        assert fresh.moe.placement == linear
+    mlc.load_placement_state_dict(fresh, state["placements"], optimizer=fresh_optim)
+    out["placement"] = fresh.moe.placement == saved
+    loaded = _raw(fresh, fresh_optim)
+    out["bit_for_bit"] = all(torch.equal(loaded[k], at_save[k]) for k in at_save)
+    _train(fresh, fresh_optim, range(STEPS, 2 * STEPS))
+    resumed = _raw(fresh, fresh_optim)
+    out["resumed"] = max(float((resumed[k] - uninterrupted[k]).abs().max()) for k in uninterrupted)
+    return out
+
+
+def test_dcp_checkpoint_resumes_in_the_saved_placement(tmp_path):
+    """``placement_state_dict`` saved beside the weights; ``load_placement_state_dict`` moves a fresh
+    model into it after loading (weights and Adam's moments with it): the slots are the saved ones
+    bit for bit and training resumes exactly. A missing entry, another expert-parallel size and an
+    invalid table are refused without moving."""
+    for out in run_distributed(_resume_in_saved_placement, 2, str(tmp_path / "ckpt"), timeout=240):
+        assert out["placement"] and out["bit_for_bit"], out
+        assert out["resumed"] == 0.0, out["resumed"]
+        assert "no entry 'moe.placement'" in out["missing"]
+        assert "same expert-parallel size" in out["ep1"]
+        assert "expert ids outside" in out["invalid"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moelayers.testing import run_distributed
-from tests.distributed.test_checkpoint import _save_and_resume
+from tests.distributed.test_checkpoint import _resume_in_saved_placement, _save_and_resume
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
@@ -24,3 +24,12 @@ def test_dcp_checkpoint_resumes_training_in_any_placement_and_expert_parallel_si
         print({f"ep{ep}/{place}": f"{err:.1e}" for (ep, place), err in errors.items()})
         for case, err in errors.items():
             assert err < 1e-5, (case, err)
+
+
+def test_dcp_checkpoint_resumes_in_the_saved_placement_nccl(tmp_path):
+    """The CPU test's move into the saved placement after loading, over NCCL (float64 on CUDA): the
+    slots and Adam's moments bit for bit, three more steps exactly the uninterrupted run's."""
+    for out in run_distributed(_resume_in_saved_placement, 2, str(tmp_path / "ckpt"), "cuda", backend="nccl",
+                               timeout=300):
+        assert out["placement"] and out["bit_for_bit"], out
+        assert out["resumed"] == 0.0, out["resumed"]
