@@ -190,6 +190,33 @@ class GatherRowsSplitGrad(AllGatherRows):
         return None, grad[rank * n:(rank + 1) * n]
 
 
+class ReduceScatterRowsSplitGrad(ReduceScatterRows):
+    """:class:`ReduceScatterRows` whose input gradient is *replicated*: the backward all-gathers
+    with :class:`GatherRowsSplitGrad`, so every rank goes on with the same full gradient of its
+    partial sum, and in a double backward (``create_graph=True``) each rank's cotangent of that
+    gradient, the same full one on every rank, is not summed over the ranks again."""
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, GatherRowsSplitGrad.apply(ctx.group, grad)
+
+
+class _SumToReplicated(torch.autograd.Function):
+    """All-reduce (sum) of partial gradients into the replicated one, as :class:`CopyToGroup`'s
+    backward: its own backward, in a double backward, passes the cotangent through (it is the same
+    full one on every rank: the adjoint of the sum hands every part the whole)."""
+
+    @staticmethod
+    def forward(ctx, group, x):
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad
+
+
 class CopyToGroup(torch.autograd.Function):
     """Identity forward of a tensor every rank of ``group`` holds alike; the backward sums the
     ranks' gradients (each rank used part of it, or used it in a partial computation: megatron's
@@ -204,9 +231,7 @@ class CopyToGroup(torch.autograd.Function):
     def backward(ctx, grad):
         if ctx.group is None:
             return None, grad
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return None, grad
+        return None, _SumToReplicated.apply(ctx.group, grad)
 
 
 def copy_to_group(x: torch.Tensor, group) -> torch.Tensor:

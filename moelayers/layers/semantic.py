@@ -290,7 +290,7 @@ class SemanticMoE(MoELayerBase):
         r, group = self.groups.tp_rank, self.groups.tp
         mine = rb.chunk(r)
         n = rb.valid_rows(r)
-        reduced = shuffled_reduce_scatter(x2, rb.perm, group)                      # [C, H]
+        reduced = shuffled_reduce_scatter(x2, rb.perm, group, replicated_grad=True)  # [C, H]
         res = copy_to_group(residual.reshape(x2.shape), group)  # each rank uses its rows: grads summed
         h = shuffle_rows(res, mine) + reduced                                    # dummy rows: zeros
         rows = mine[:n]

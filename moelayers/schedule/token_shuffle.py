@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from moelayers.dispatch.comm import AllGatherRows, GatherRowsSplitGrad, ReduceScatterRows
+from moelayers.dispatch.comm import AllGatherRows, GatherRowsSplitGrad, ReduceScatterRows, ReduceScatterRowsSplitGrad
 from moelayers.kernels import bucket_positions, shuffle_rows
 from moelayers.planning.semantic_eval import PRICE_DECAY, PRICE_ITERS, PRICE_STEP
 
@@ -471,7 +471,8 @@ def _group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def shuffled_reduce_scatter(partial: torch.Tensor, perm: torch.Tensor, group) -> torch.Tensor:
+def shuffled_reduce_scatter(partial: torch.Tensor, perm: torch.Tensor, group, *,
+                            replicated_grad: bool = False) -> torch.Tensor:
     """Finish a TP partial sum, each rank keeping its rebatched chunk.
 
     Rows are gathered by ``perm`` straight into the reduce-scatter input buffer (Triton kernel on
@@ -482,6 +483,11 @@ def shuffled_reduce_scatter(partial: torch.Tensor, perm: torch.Tensor, group) ->
         partial: ``[T, H]`` this rank's partial sum, same token order on every rank.
         perm: ``[R*C]`` token per shuffled row, ``-1`` = dummy (zeros); identical on every rank.
         group: the TP process group (``None`` = one process).
+        replicated_grad: the gradient this gives ``partial`` (the same full gradient on every
+            rank) is used alike on every rank, as the replicated output of
+            ``shuffled_all_gather(..., replicated_grad=True)`` is (``SemanticMoE.forward_tp``): a
+            double backward then keeps this rank's block of that gradient's cotangent instead of
+            summing the ranks' identical ones. Only second-order gradients differ.
 
     Returns:
         ``[C, H]``: rows ``perm[r*C:(r+1)*C]`` of the full sum, on rank ``r``.
@@ -494,7 +500,7 @@ def shuffled_reduce_scatter(partial: torch.Tensor, perm: torch.Tensor, group) ->
     buf = shuffle_rows(partial, perm)
     if group is None or buf.numel() == 0:  # every rank has the same T: all skip together
         return buf[: perm.numel() // r]
-    return ReduceScatterRows.apply(group, buf)
+    return (ReduceScatterRowsSplitGrad if replicated_grad else ReduceScatterRows).apply(group, buf)
 
 
 def shuffled_all_gather(chunk: torch.Tensor, perm: torch.Tensor, group, *,

@@ -436,6 +436,49 @@ def _second_order_through_tied_replicas(rank: int, world: int, groups) -> str | 
     return "; ".join(m for m in errors if m) or None
 
 
+def _double_backward_tp(rank: int, world: int) -> str | None:
+    """A gradient penalty through ``forward_tp`` (create_graph=True; a plan, replicas): the
+    penalty of the replicated gradient of attn_partial, computed alike on every rank as the loss
+    is, gets the reference's second-order gradients (attn_partial's were ``world`` times too large:
+    the reduce-scatter's double backward summed the ranks' identical cotangents)."""
+    from moelayers.dispatch.comm import allreduce_partial_grads
+    from moelayers.models.tiny import RMSNorm
+    from tests.distributed.test_semantic import make_plan
+
+    e, t = 4 * world, 9
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=e, top_k=2, params_dtype=torch.float64)
+    groups = ml.ParallelGroups.from_world(tp=world)
+    layer = ml.SemanticMoE.from_plan(make_plan(e, world, seed=3), 2, cfg, groups, mode="tp",
+                                     placement=_placement("replicas", e, world))
+    w64 = _weights64(e)
+    layer.load_full_weights(*w64)
+    g = torch.Generator().manual_seed(23)
+    partials = [torch.randn(t, H, generator=g, dtype=torch.float64) for _ in range(world)]
+    residual = torch.randn(t, H, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 48, (t,), generator=g)
+    norm = RMSNorm(H, dtype=torch.float64).requires_grad_(False)
+    p = partials[rank].clone().requires_grad_(True)
+    res = residual.clone().requires_grad_(True)
+    (gp,) = torch.autograd.grad((layer.forward_tp(p, res, norm, token_ids=ids) ** 2).sum(), p, create_graph=True)
+    (gp ** 2).sum().backward()
+    allreduce_partial_grads(layer, groups.tp)
+    pr = [q.clone().requires_grad_(True) for q in partials]
+    rr = residual.clone().requires_grad_(True)
+    params = [w.clone().requires_grad_(True) for w in w64]
+    h = rr + sum(pr)
+    (gr,) = torch.autograd.grad(((h + ml.reference.moe_forward(norm(h), *params, cfg)) ** 2).sum(), pr[rank],
+                                create_graph=True)
+    (gr ** 2).sum().backward()
+    g13, g2 = layer.expert_grads_full()
+    errors = [check_close("forward_tp first-order d/d attn_partial", gp.detach(), gr.detach()),
+              check_close("forward_tp second-order d/d attn_partial", p.grad, pr[rank].grad),
+              check_close("forward_tp second-order d/d residual", res.grad, rr.grad),
+              check_close("forward_tp second-order d/drouter", layer.router.weight.grad, params[0].grad),
+              check_close("forward_tp second-order d/dw13", g13, params[1].grad),
+              check_close("forward_tp second-order d/dw2", g2, params[2].grad)]
+    return "; ".join(m for m in errors if m) or None
+
+
 def _retain_graph_twice(rank: int, world: int, groups) -> str | None:
     """A retained graph back-propagated twice doubles every gradient (each dispatcher)."""
     e = 4 * world
@@ -487,6 +530,7 @@ def _all_checks(rank: int, world: int) -> dict[str, str | None]:
     out["second_order_tied_replicas"] = _second_order_through_tied_replicas(rank, world, groups)
     for disp in ("alltoall", "allgather"):
         out[f"double_backward:{disp}"] = _double_backward(rank, world, groups, disp)
+    out["double_backward:forward_tp"] = _double_backward_tp(rank, world)
     return out
 
 
@@ -526,6 +570,7 @@ SINGLE_CHECKS = {
     "capacity_refused": "capacity mode refuses autograd with the same clear error on every rank",
     "double_backward:allgather": "second-order gradients through the all-gather dispatcher",
     "double_backward:alltoall": "second-order gradients through the all-to-all dispatcher",
+    "double_backward:forward_tp": "second-order gradients through forward_tp's shuffled collectives",
     "move_refuses_pending_grads": "apply_placement refuses expert weights that hold gradients",
     "auto_replan_accumulation": "an automatic re-plan waits for the accumulated gradients to be cleared",
     "replicas_after_plain_step": "replicas stay equal after a plain optimizer step",
