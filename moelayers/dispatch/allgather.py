@@ -13,7 +13,7 @@ import torch
 
 from moelayers.dispatch.base import (
     LocalPairs, Received, Routes, combine_pairs, local_pairs, partial_sum_dtype, raise_if_nonfinite,
-    raise_if_placements_differ,
+    payload_digest, raise_if_placements_differ,
 )
 from moelayers.dispatch.comm import ReduceScatterRows, RowLayout, all_gather_flat, packed_all_gather
 from moelayers.metrics import MoEStats
@@ -45,7 +45,8 @@ class AllGatherDispatcher:
         t, k = routes.dest_rank.shape
         dev = x.device
         flag = routes.nonfinite.to(torch.int64).view(1) if routes.nonfinite is not None else torch.zeros(1, dtype=torch.int64, device=dev)
-        head = torch.tensor([t, self.placement_digest], dtype=torch.int64, device=dev)
+        digest = payload_digest(self.placement_digest, x.dtype, routes.weights.dtype)
+        head = torch.tensor([t, digest], dtype=torch.int64, device=dev)
         sizes = torch.cat([head, flag])  # [3]: tokens, placement digest, bad logits
         if self.group is not None:
             all_sizes = sizes.new_empty(self.num_ranks * 3)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from moelayers.dispatch.base import (
     LocalPairs, Received, Routes, combine_pairs, local_pairs, partial_sum_dtype, raise_if_nonfinite,
-    raise_if_placements_differ,
+    payload_digest, raise_if_placements_differ,
 )
 from moelayers.dispatch.comm import ROW_ALIGN, RowLayout, all_to_all_bytes, packed_all_to_all
 from moelayers.kernels import dispatch_pack, send_layout, unpermute_combine
@@ -75,7 +75,7 @@ class AllToAllDispatcher:
     def dispatch(self, x: torch.Tensor, routes: Routes) -> Received:
         if self.capacity is not None:
             return self._dispatch_fixed(x, routes)
-        dest_map, header = self._layout(routes)
+        dest_map, header = self._layout(routes, payload_digest(self.placement_digest, x.dtype, routes.weights.dtype))
         in_splits, out_splits, pairs_sent, recv_pairs = self._exchange_counts(header)
 
         j = routes.dest_rank.shape[1] if self.dedup else 1
@@ -113,7 +113,8 @@ class AllToAllDispatcher:
         no = torch.zeros((), dtype=torch.bool, device=dev)
         flags = torch.cat([torch.stack([no if routes.nonfinite is None else routes.nonfinite,
                                         no if routes.overflow is None else routes.overflow]).to(torch.int32),
-                           self._digest_halves(dev)])
+                           self._digest_halves(dev, payload_digest(self.placement_digest, x.dtype,
+                                                                   routes.weights.dtype))])
         layout = RowLayout(((x.shape[1], x.dtype), (k, routes.weights.dtype), (k, torch.int32), (4, torch.int32)))
         buf = layout.empty(r * c, dev)
         xv, wv, sv, fv = layout.views(buf)
@@ -132,16 +133,17 @@ class AllToAllDispatcher:
         state = _State(dest_map, [c] * r, [c] * r, recv_w, pairs, x.dtype)
         return Received(recv_x.index_select(0, pairs.pair_row), pairs.slot_counts, state)
 
-    def _digest_halves(self, device: torch.device) -> torch.Tensor:
-        """``[2]`` int32: the placement digest's low and high 31 bits (a fill, so it can be captured)."""
-        d = self.placement_digest
+    @staticmethod
+    def _digest_halves(device: torch.device, d: int) -> torch.Tensor:
+        """``[2]`` int32: the digest's low and high 31 bits (a fill, so it can be captured)."""
         return torch.stack([torch.full((), d & _LOW31, dtype=torch.int32, device=device),
                             torch.full((), (d >> 31) & _LOW31, dtype=torch.int32, device=device)])
 
-    def _layout(self, routes: Routes) -> tuple[torch.Tensor, torch.Tensor]:
+    def _layout(self, routes: Routes, digest: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Send-buffer row of every unit (``-1`` unused) and the ``[R, 4]`` header the ranks
-        exchange: rows and activations per rank, the routing flag and the placement digest."""
-        dest_map, header = send_layout(routes.dest_rank, self.num_ranks, routes.nonfinite, self.placement_digest)
+        exchange: rows and activations per rank, the routing flag and the digest (placement,
+        settings and payload dtypes: :func:`~moelayers.dispatch.base.payload_digest`)."""
+        dest_map, header = send_layout(routes.dest_rank, self.num_ranks, routes.nonfinite, digest)
         if self.dedup:
             return dest_map, header
         # one row per (token, k), ordered by rank: as many rows as activations

@@ -7,6 +7,8 @@ back, weighted and summed, in the caller's token order.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -56,11 +58,20 @@ def merge_flags(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor 
     return a.to(torch.int32) | b.to(torch.int32)
 
 
+@functools.lru_cache(maxsize=256)
+def payload_digest(digest: int, *dtypes: torch.dtype) -> int:
+    """``digest`` (the layer's, :meth:`MoELayerBase._digest`) mixed with the dtypes of the payload
+    (tokens, routing weights): they decide the rows' byte layout, and a rank computing in another
+    dtype (its layer cast alone) would read the others' rows wrongly or abort mid-exchange. 62 bits."""
+    h = hashlib.blake2b(repr((digest, *map(str, dtypes))).encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "little") >> 2
+
+
 def raise_if_placements_differ(digests: list[int]) -> None:
     """Raise ``ValueError`` on every rank if the expert-parallel ranks serve different placements
     or payload settings (the layer's digest of its placement's
     :meth:`~moelayers.placement.ExpertPlacement.digest` and of its dispatcher, dedup, capacity,
-    num_experts, top_k and hidden_size, one per rank in rank order), e.g. the ranks loaded
+    num_experts, top_k and hidden_size, and the payload's dtypes, one per rank in rank order), e.g. the ranks loaded
     checkpoints saved at different moments: routing by one table and weights laid out by another
     give wrong outputs silently."""
     if len(set(digests)) > 1:
@@ -69,8 +80,9 @@ def raise_if_placements_differ(digests: list[int]) -> None:
             groups.setdefault(d, []).append(r)
         raise ValueError(f"the expert-parallel ranks serve different placements or layer settings (ranks grouped "
                          f"by them: {sorted(groups.values())}): every rank must load the same checkpoint moment or "
-                         f"apply the same placement, and build the layer with the same dispatcher, dedup, capacity, "
-                         f"num_experts, top_k and hidden_size")
+                         f"apply the same placement, build the layer with the same dispatcher, dedup, capacity, "
+                         f"num_experts, top_k and hidden_size, and compute in the same dtype (a layer cast on "
+                         f"some ranks only, or the router's logits in another dtype)")
 
 
 def raise_if_nonfinite(flags: list[int]) -> None:

@@ -427,24 +427,34 @@ class MoELayerBase(nn.Module):
         expert's bits, order-sensitive: :func:`~moelayers.dispatch.comm.fingerprint`) and a refusal
         flag per rank; raises on every rank when any rank refused its weights (``refused`` itself on
         that rank) or the fingerprints differ."""
+        from moelayers.config import PARAMS_DTYPES
+
         e, r, dev = self.config.num_experts, self.groups.ep_size, self.router.weight.device
         flags = torch.zeros(r, dtype=torch.int64, device=dev)
         flags[self.groups.ep_rank] = int(refused is not None)
         if refused is None:
             sums = torch.stack([fingerprint(t.contiguous().view(_SAME_SIZE_INT[t.element_size()]).reshape(e, -1))
                                 for t in weights]).flatten() >> 1  # [3E]; halved: the negation cannot overflow
-            vec = torch.cat([sums, -sums, flags])  # MAX gives the max and -min of every fingerprint
+            dtype = PARAMS_DTYPES.index(self.experts.w13.dtype)
+            sums = torch.cat([sums, torch.tensor([dtype], dtype=torch.int64, device=dev)])
+            vec = torch.cat([sums, -sums, flags])  # MAX gives the max and -min of every fingerprint (and dtype)
         else:  # a refused rank's checksums count for nothing in MAX
             lowest = torch.iinfo(torch.int64).min + 1
-            vec = torch.cat([torch.full((6 * e,), lowest, dtype=torch.int64, device=dev), flags])
+            vec = torch.cat([torch.full((6 * e + 2,), lowest, dtype=torch.int64, device=dev), flags])
         dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.groups.ep)
-        high, low, bad = vec[:3 * e], -vec[3 * e:6 * e], vec[6 * e:]
+        n = 3 * e + 1
+        high, low, bad = vec[:n], -vec[n:2 * n], vec[2 * n:]
         if refused is not None:
             raise refused
         bad_ranks = torch.nonzero(bad).flatten().tolist()
         if bad_ranks:
             raise ValueError(f"load_full_weights refused the weights of expert-parallel rank(s) {bad_ranks} (see "
                              f"their error); nothing was loaded on this rank {self.groups.ep_rank} either")
+        if int(high[-1]) != int(low[-1]):
+            raise ValueError(f"load_full_weights: the expert-parallel ranks hold the layer in different dtypes (this "
+                             f"rank {self.groups.ep_rank}: {self.experts.w13.dtype}): cast the layer alike on every "
+                             "rank (the same params_dtype, or .to(dtype) on all of them); nothing was loaded")
+        high, low = high[:-1], low[:-1]
         differ = (high != low).view(3, e).cpu()
         if differ.any():
             named = ", ".join(f"{name} of expert(s) {torch.nonzero(row).flatten().tolist()[:8]}"
