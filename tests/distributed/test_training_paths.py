@@ -436,27 +436,30 @@ def _second_order_through_tied_replicas(rank: int, world: int, groups) -> str | 
     return "; ".join(m for m in errors if m) or None
 
 
-def _double_backward_tp(rank: int, world: int) -> str | None:
+def _double_backward_tp(rank: int, world: int, device: str = "cpu") -> str | None:
     """A gradient penalty through ``forward_tp`` (create_graph=True; a plan, replicas): the
     penalty of the replicated gradient of attn_partial, computed alike on every rank as the loss
     is, gets the reference's second-order gradients (attn_partial's were ``world`` times too large:
-    the reduce-scatter's double backward summed the ranks' identical cotangents)."""
+    the reduce-scatter's double backward summed the ranks' identical cotangents). Also over NCCL
+    (tests/gpu)."""
     from moelayers.dispatch.comm import allreduce_partial_grads
     from moelayers.models.tiny import RMSNorm
     from tests.distributed.test_semantic import make_plan
 
+    if device == "cuda":
+        torch.cuda.set_device(rank)
     e, t = 4 * world, 9
     cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=e, top_k=2, params_dtype=torch.float64)
     groups = ml.ParallelGroups.from_world(tp=world)
     layer = ml.SemanticMoE.from_plan(make_plan(e, world, seed=3), 2, cfg, groups, mode="tp",
-                                     placement=_placement("replicas", e, world))
-    w64 = _weights64(e)
+                                     placement=_placement("replicas", e, world), device=device)
+    w64 = [w.to(device) for w in _weights64(e)]
     layer.load_full_weights(*w64)
     g = torch.Generator().manual_seed(23)
-    partials = [torch.randn(t, H, generator=g, dtype=torch.float64) for _ in range(world)]
-    residual = torch.randn(t, H, generator=g, dtype=torch.float64)
-    ids = torch.randint(0, 48, (t,), generator=g)
-    norm = RMSNorm(H, dtype=torch.float64).requires_grad_(False)
+    partials = [torch.randn(t, H, generator=g, dtype=torch.float64).to(device) for _ in range(world)]
+    residual = torch.randn(t, H, generator=g, dtype=torch.float64).to(device)
+    ids = torch.randint(0, 48, (t,), generator=g).to(device)
+    norm = RMSNorm(H, dtype=torch.float64).to(device).requires_grad_(False)
     p = partials[rank].clone().requires_grad_(True)
     res = residual.clone().requires_grad_(True)
     (gp,) = torch.autograd.grad((layer.forward_tp(p, res, norm, token_ids=ids) ** 2).sum(), p, create_graph=True)

@@ -354,3 +354,16 @@ def test_compiled_model_matches_eager_on_cuda(graphed):
             torch.testing.assert_close(compiled(x), model(x))
     model.moe.release_graphs()
     torch._dynamo.reset()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_layer_cast_on_one_rank_raises_on_every_rank_nccl(dispatcher):
+    """One rank's layer cast to bf16: ValueError on both ranks over NCCL (no hang, no garbage rows)."""
+    from tests.unit.test_bad_input import _cast_on_one_rank
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    for out in run_distributed(_cast_on_one_rank, 2, dispatcher, "cuda", backend="nccl", timeout=150):
+        assert "compute in the same dtype" in out["forward"], out["forward"]
+        assert "hold the layer in different dtypes" in out["load"], out["load"]

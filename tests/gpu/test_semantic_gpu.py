@@ -67,3 +67,14 @@ def test_semantic_moe_matches_reference_nccl(world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
     check_results(run_distributed(run_semantic_cases, world, "cuda", backend="nccl", timeout=500))
+
+
+@pytest.mark.timeout(300)
+def test_forward_tp_second_order_gradients_nccl():
+    """A gradient penalty through forward_tp's shuffled collectives over NCCL: the reference's
+    second-order gradients (attn_partial's were world-size times too large)."""
+    from tests.distributed.test_training_paths import _double_backward_tp
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    assert run_distributed(_double_backward_tp, 2, "cuda", backend="nccl", timeout=240) == [None, None]

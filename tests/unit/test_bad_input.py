@@ -300,27 +300,29 @@ def test_ranks_with_other_payload_settings_raise(what):
     assert run_distributed(_settings_differ, 2, what) == [want, want]
 
 
-def _cast_on_one_rank(rank, world, dispatcher):
+def _cast_on_one_rank(rank, world, dispatcher, device="cpu"):
     """A layer cast on one rank only (``layer.to(torch.bfloat16)``) lays its payload rows out in
     another dtype: the other rank read them as garbage indices and gloo aborted the process. The
     exchanged digest now covers the payload's dtypes: ValueError on every rank; and
     ``load_full_weights`` names the dtypes instead of saying the weights differ."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
     cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=8, top_k=2)
-    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), seed=0, dispatcher=dispatcher)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), seed=0, dispatcher=dispatcher, device=device)
     if rank == 1:
         layer = layer.to(torch.bfloat16)
     dtype = layer.config.params_dtype
     out = {}
     try:
         with torch.no_grad():
-            layer(torch.randn(6, 16, generator=torch.Generator().manual_seed(rank)).to(dtype))
+            layer(torch.randn(6, 16, generator=torch.Generator().manual_seed(rank)).to(device, dtype))
         out["forward"] = "no error"
     except ValueError as e:
         out["forward"] = str(e)
     g = torch.Generator().manual_seed(0)
     weights = (torch.randn(8, 16, generator=g), torch.randn(8, 16, 16, generator=g), torch.randn(8, 16, 8, generator=g))
     try:
-        layer.load_full_weights(*(w.to(dtype) for w in weights))
+        layer.load_full_weights(*(w.to(device, dtype) for w in weights))
         out["load"] = "no error"
     except ValueError as e:
         out["load"] = str(e)
