@@ -16,6 +16,7 @@ re-exported here.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import warnings
@@ -219,6 +220,18 @@ class RoutingTrace:
         """``[S]`` int64 tokens per sequence."""
         return np.diff(self.seq_offsets)
 
+    def sequence_digests(self) -> np.ndarray:
+        """``[S]`` uint64: a content digest of each sequence (its token ids and routing, BLAKE2b),
+        equal for equal sequences in any trace (whatever its expert-id dtype). What a plan records
+        of the sequences it was trained on, to tell in-sample sequences of another split or file."""
+        ids = self.token_ids.astype("<i8", copy=False)
+        out = np.empty(self.num_sequences, dtype=np.uint64)
+        for s, (a, b) in enumerate(zip(self.seq_offsets[:-1].tolist(), self.seq_offsets[1:].tolist())):
+            h = hashlib.blake2b(ids[a:b].tobytes(), digest_size=8)
+            h.update(self.topk_ids[a:b].astype("<i4").tobytes())  # (per sequence: no int32 copy of the whole trace)
+            out[s] = int.from_bytes(h.digest(), "little")
+        return out
+
     # ---- selection ---------------------------------------------------------------------------
     def sequence_slice(self, s: int) -> slice:
         """Token slice of sequence ``s`` (negative ``s`` counts from the end)."""
@@ -372,6 +385,18 @@ class _Untagged:
         return f"<untagged forward {self.index}>"
 
 
+def _batch_of(x: Any) -> tuple[str, int, int] | None:
+    """The sequences of a model input (see :class:`TraceRecorder`): ``('rows', B, S)`` for integer
+    ``[B, S]`` token ids, ``('columns', B, S)`` for floating ``[S, B, H]`` hidden states, else ``None``."""
+    if not isinstance(x, torch.Tensor):
+        return None
+    if x.ndim == 2 and not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool:
+        return "rows", int(x.shape[0]), int(x.shape[1])
+    if x.ndim == 3 and x.is_floating_point():
+        return "columns", int(x.shape[1]), int(x.shape[0])
+    return None
+
+
 def in_backward() -> bool:
     """Whether autograd is running a backward (where activation checkpointing re-runs forwards)."""
     current = getattr(torch._C, "_current_graph_task_id", None)
@@ -426,8 +451,12 @@ class TraceRecorder:
     forward could not be told apart.
 
     Sequences: ``tag(seq_ids)`` before a forward gives each of its ``T`` tokens a sequence key
-    (any hashable); an untagged forward is one new sequence. Tokens of a sequence keep the order
-    they were seen in; sequences are ordered by first appearance.
+    (any hashable). An untagged forward is new sequences, read from the model's first positional
+    argument: integer ``[B, S]`` token ids (``TinyDecoder(input_ids)``, a Hugging Face-style model)
+    are ``B`` sequences, one per row; floating ``[S, B, H]`` hidden states (a MoE layer or a
+    megatron-style block called directly) are ``B`` sequences, one per column; anything else
+    (``[T, H]``, keyword inputs, ``TinyDecoder.step``) is one sequence. Tokens of a sequence keep
+    the order they were seen in; sequences are ordered by first appearance.
 
     Example::
 
@@ -462,6 +491,7 @@ class TraceRecorder:
         self._result: RoutingTrace | None = None
         self._pending_tag: list[Hashable] | None = None
         self._in_forward = False  # a model forward started and has not recorded all its MoE layers yet
+        self._batch: tuple[str, int, int] | None = None  # the model input's sequences, for an untagged forward
         self._dropped = 0  # forwards dropped after some (not all) of their MoE layers were recorded
         self._current: list[tuple[np.ndarray, np.ndarray | None]] = []
         # per complete forward: expert ids [T, L, K] (narrowed, see _narrow), token ids [T], sequence codes [T]
@@ -555,6 +585,7 @@ class TraceRecorder:
         if self._in_forward:  # the last model forward raised part-way (and nothing was tagged since)
             self._drop_broken_forward()
         self._in_forward = True
+        self._batch = _batch_of(args[0] if args else None)
 
     def _on_model_return(self, module: nn.Module, args: Any, output: Any) -> None:
         if in_backward():
@@ -573,7 +604,7 @@ class TraceRecorder:
     def _drop_broken_forward(self) -> None:
         """Forget a model forward that raised before all MoE layers ran (its routing and its tag)."""
         self._dropped += bool(self._current)
-        self._current, self._pending_tag, self._in_forward = [], None, False
+        self._current, self._pending_tag, self._in_forward, self._batch = [], None, False, None
 
     def _make_hook(self, index: int):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -628,7 +659,13 @@ class TraceRecorder:
             if not np.array_equal(t, given[0][1]):
                 raise ValueError(f"TraceRecorder: {self._where(i)} saw different token ids than {self._where(given[0][0])} in forward {len(self._forwards)}")
         keys, self._pending_tag = self._pending_tag, None
-        if keys is None:
+        batch, self._batch = self._batch, None
+        if keys is None and batch is not None and batch[1] * batch[2] == num_tokens:
+            kind, b, s = batch  # rows: token i is in row i // S; columns ([S, B, H]): in column i % B
+            seqs = [_Untagged(len(self._forwards)) for _ in range(b)]
+            keys = [seqs[i // s] for i in range(num_tokens)] if kind == "rows" else \
+                [seqs[i % b] for i in range(num_tokens)]
+        elif keys is None:
             keys = [_Untagged(len(self._forwards))] * num_tokens
         elif len(keys) != num_tokens:
             raise ValueError(f"TraceRecorder: tag() gave {len(keys)} sequence keys but forward {len(self._forwards)} had T = {num_tokens} tokens")

@@ -381,6 +381,33 @@ def test_recorder_untagged_and_tagged() -> None:
     assert no_hooks(model)
 
 
+def test_untagged_batches_are_one_sequence_per_row_or_column() -> None:
+    """An untagged forward of a [B, S] batch of token ids (the tiny decoder) records B sequences, and
+    a MoE layer's [S, B, H] input B sequences, one per column: they were one sequence (the prompts
+    fused, the columns interleaved token by token). [T, H] input stays one sequence."""
+    from moelayers.models.tiny import TinyConfig, TinyDecoder
+
+    moe = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=8, top_k=2)
+    model = TinyDecoder(TinyConfig(vocab_size=50, hidden_size=16, num_layers=2, num_heads=2),
+                        lambda i: ml.VanillaMoE(moe, ml.ParallelGroups.single(), seed=i))
+    with torch.no_grad(), TraceRecorder(model) as rec:
+        model(torch.tensor([[1, 2, 3], [41, 42, 43]]))
+        model(torch.tensor([[7, 8]]))
+    np.testing.assert_array_equal(rec.result.token_ids, [1, 2, 3, 41, 42, 43, 7, 8])
+    np.testing.assert_array_equal(rec.result.seq_offsets, [0, 3, 6, 8])
+    layer = ml.VanillaMoE(moe, ml.ParallelGroups.single(), seed=0)
+    x = torch.randn(3, 2, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), TraceRecorder(layer) as rec:
+        layer(x, token_ids=torch.tensor([[1, 41], [2, 42], [3, 43]]))  # column b is sequence b
+        layer(x.reshape(6, 16), token_ids=torch.tensor([1, 41, 2, 42, 3, 43]))  # [T, H]: one sequence
+    np.testing.assert_array_equal(rec.result.token_ids, [1, 2, 3, 41, 42, 43, 1, 41, 2, 42, 3, 43])
+    np.testing.assert_array_equal(rec.result.seq_offsets, [0, 3, 6, 12])
+    with torch.no_grad():
+        layer(x, token_ids=torch.tensor([[1, 41], [2, 42], [3, 43]]))
+        by_column = layer.last_topk_ids.view(3, 2, -1).transpose(0, 1).reshape(6, -1).numpy()
+    np.testing.assert_array_equal(rec.result.topk_ids[:6, 0], by_column)
+
+
 def test_recorder_removes_hooks_on_exception() -> None:
     model = FakeModel()
     with pytest.raises(KeyError):
