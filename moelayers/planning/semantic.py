@@ -40,7 +40,7 @@ __all__ = [
     "majority_rank", "rank_counts", "ngram_tables", "SemanticPlan",
 ]  # plan_semantic is importable from here too (lazily, see __getattr__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: train_sequences (older readers refuse it by this number, not as an unknown field)
 
 
 def check_token_ids(token_ids: np.ndarray, vocab_size: int, name: str = "token_ids") -> np.ndarray:
@@ -283,7 +283,8 @@ def ngram_tables(topk_ids: np.ndarray, expert_rank: np.ndarray, num_ranks: int) 
 # ------------------------------------------------------------------------------------ the plan
 _REQUIRED = ("expert_rank", "token_rank", "token_conf", "ngram_rank", "ngram_conf", "num_ranks", "num_experts",
              "vocab_size", "mode")
-_OPTIONAL = ("token_logq", "history_pmi", "history_weight", "solver", "theta", "seed", "objective", "format_version")
+_OPTIONAL = ("token_logq", "history_pmi", "history_weight", "solver", "theta", "seed", "objective", "format_version",
+             "train_sequences")
 
 
 @dataclass(eq=False)
@@ -307,6 +308,9 @@ class SemanticPlan:
             information once, fitted log-linear weights now).
         history_weight: optional ``[D]`` float32 weights of the history terms in :meth:`rank_scores`.
         solver, theta, seed, objective: solver metadata (``objective [L]`` final value per layer).
+        train_sequences: optional ``[S_train]`` uint64 content digests of the sequences the plan
+            was trained on (:meth:`RoutingTrace.sequence_digests`; ``plan_semantic`` records them):
+            :meth:`trained_on` tells which sequences of a trace are in-sample for the plan.
         source: where the plan was loaded from (for error messages).
     """
 
@@ -326,6 +330,7 @@ class SemanticPlan:
     theta: float = float("nan")
     seed: int = 0
     objective: np.ndarray | None = None
+    train_sequences: np.ndarray | None = None
     format_version: int = FORMAT_VERSION
     source: str = field(default="<memory>", repr=False)
 
@@ -407,6 +412,20 @@ class SemanticPlan:
             if obj.shape != (num_l,) or obj.dtype.kind not in "iuf":
                 raise self._fail("objective", f"must be [L={num_l}] numbers, got shape {list(obj.shape)} dtype {obj.dtype}")
             self.objective = obj.astype(np.float64)
+        if self.train_sequences is not None:
+            seqs = np.asarray(self.train_sequences)
+            if seqs.ndim != 1 or seqs.dtype != np.uint64:
+                raise self._fail("train_sequences", f"must be [S] uint64 digests, got shape {list(seqs.shape)} "
+                                 f"dtype {seqs.dtype}")
+            self.train_sequences = seqs
+
+    def trained_on(self, trace) -> np.ndarray | None:
+        """``[S]`` bool: which sequences of ``trace`` (a ``RoutingTrace``) the plan was trained on
+        (by content: the same token ids and routing as a training sequence); ``None`` when the plan
+        does not record its training sequences (a file written before it did, or built by hand)."""
+        if self.train_sequences is None:
+            return None
+        return np.isin(trace.sequence_digests(), self.train_sequences)
 
     # ------------------------------------------------------------------ use
     def placement(self, layer: int) -> ExpertPlacement:
@@ -432,11 +451,27 @@ class SemanticPlan:
         (``moelayers.schedule.token_shuffle.HistoryPredictor``) adds the same numbers in the same order.
 
         Args:
-            layer: ``l``.
+            layer: ``l`` (negative counts from the end, as in :meth:`placement`).
             token_ids: ``[n]``.
             prev_topk: ``[n, D', K]`` experts at layers ``l-1, l-2, ...`` (``D' <= D``; ``None`` = none).
+
+        Raises:
+            IndexError: ``layer`` out of range.
+            ValueError: a token id outside the vocabulary, or ``prev_topk`` not ``[n, D', K]`` expert ids.
         """
+        if (isinstance(layer, bool) or not isinstance(layer, (int, np.integer))
+                or not -self.num_layers <= layer < self.num_layers):
+            raise IndexError(f"layer {layer!r} out of range for a plan of {self.num_layers} layers")
+        layer = int(layer) % self.num_layers  # -1 is the last layer, as in placement()
         ids = check_token_ids(token_ids, self.vocab_size)
+        if prev_topk is not None:
+            prev = np.asarray(prev_topk)
+            if prev.ndim != 3 or prev.shape[0] != ids.size or prev.dtype.kind not in "iu":
+                raise ValueError(f"prev_topk must be [n={ids.size}, D', K] integer expert ids, got shape "
+                                 f"{list(prev.shape)} dtype {prev.dtype}")
+            if prev.size and (prev.min() < 0 or prev.max() >= self.num_experts):  # -1 would wrap to the last expert
+                bad = int(prev.min()) if prev.min() < 0 else int(prev.max())
+                raise ValueError(f"prev_topk has expert id {bad} outside [0, num_experts={self.num_experts})")
         if self.token_logq is not None:
             out = self.token_logq[layer].take(ids, axis=0).astype(np.float32)  # take: a faster row gather
         else:  # only (token_rank, token_conf): the conf on token_rank, the rest spread evenly

@@ -556,10 +556,12 @@ def plan_semantic(train_trace, ep: int, mode: str = "tp", *, solver: str = "alte
     seen = np.bincount(train_trace.token_ids, minlength=v) > 0
     src = nearest_seen_tokens(embeddings, seen, seed=seed) if embeddings is not None else None
     fn = _plan_tp if mode == "tp" else _plan_dp
-    return fn(train_trace, int(ep), rng, src, solver=solver, theta=float(theta), seed=int(seed), progress=progress,
+    plan = fn(train_trace, int(ep), rng, src, solver=solver, theta=float(theta), seed=int(seed), progress=progress,
               history=int(history), sample=int(sample), beta=beta, rho=rho, slack=slack, smoothing=smoothing,
               max_requests=int(max_requests), predictor_sample=int(predictor_sample),
               threads=_fit_threads() if threads is None else int(threads))
+    plan.train_sequences = train_trace.sequence_digests()  # what it was trained on: in-sample checks later
+    return plan
 
 
 def _sequence_pairs(tr) -> tuple[np.ndarray, np.ndarray]:

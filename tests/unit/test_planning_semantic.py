@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -335,6 +336,45 @@ def test_plan_load_validates(tmp_path, tp_plan):
     np.savez(tmp_path / "f.npz", **dict(arrays, solver=np.array(["alternating", "cem"])))
     with pytest.raises(ValueError, match=r"f\.npz.*'solver' must be a string"):
         SemanticPlan.load(tmp_path / "f.npz")
+
+
+def test_plan_records_the_sequences_it_was_trained_on(tmp_path, synth, tp_plan):
+    """plan_semantic records content digests of its training sequences (saved and loaded), so that
+    in-sample sequences of any split or file can be told: a plan file evaluated on a trace whose
+    held-out part holds its training sequences reported an in-sample LAR as held-out."""
+    train, held = synth
+    assert np.array_equal(tp_plan.trained_on(train), np.ones(train.num_sequences, bool))
+    assert not tp_plan.trained_on(held).any()
+    tp_plan.save(tmp_path / "p.npz")
+    loaded = SemanticPlan.load(tmp_path / "p.npz")
+    whole = RoutingTrace(np.concatenate([train.topk_ids, held.topk_ids]).astype(np.int64),
+                         np.concatenate([train.token_ids, held.token_ids]),
+                         np.concatenate([train.seq_offsets, train.seq_offsets[-1] + held.seq_offsets[1:]]),
+                         train.num_experts)  # another dtype of expert ids: the same digests
+    assert loaded.trained_on(whole).tolist() == [True] * train.num_sequences + [False] * held.num_sequences
+    assert replace(tp_plan, train_sequences=None).trained_on(held) is None  # a plan that does not record them
+    with pytest.raises(ValueError, match="train_sequences"):
+        replace(tp_plan, train_sequences=np.arange(3))
+
+
+def test_rank_scores_refuses_what_it_would_misread(synth):
+    """A negative layer counts from the end (it silently dropped the history term), and expert ids
+    outside [0, E) in prev_topk are refused (-1 wrapped to the last expert's row)."""
+    train, _ = synth
+    plan = plan_semantic(train, 4, "tp", progress=False, history=2, sample=512, predictor_sample=512)
+    last = plan.num_layers - 1
+    tok, prev = train.token_ids[:40], train.topk_ids[:40, [last - 1, last - 2], :]
+    assert np.array_equal(plan.rank_scores(-1, tok, prev), plan.rank_scores(last, tok, prev))
+    assert not np.array_equal(plan.rank_scores(last, tok, prev), plan.rank_scores(last, tok, None))
+    bad = prev.astype(np.int64)
+    bad[0, 0, 0] = -1
+    with pytest.raises(ValueError, match="expert id -1"):
+        plan.rank_scores(last, tok, bad)
+    with pytest.raises(ValueError, match=r"prev_topk must be \[n=40"):
+        plan.rank_scores(last, tok, prev[:5])
+    for layer in (plan.num_layers, -plan.num_layers - 1, 1.0):
+        with pytest.raises(IndexError, match="out of range"):
+            plan.rank_scores(layer, tok)
 
 
 # ------------------------------------------------------------------------------------ evaluation
