@@ -196,6 +196,18 @@ def invocation() -> dict:
     return {"argv": [str(a) for a in sys.argv], "overrides": overrides}
 
 
+def overridden(keys: Sequence[str]) -> list[str]:
+    """The command-line overrides (``key=value``, as typed) that set one of ``keys`` (dotted config
+    paths, e.g. ``trace.num_experts``): for refusing settings a run would ignore. Empty outside a
+    Hydra app."""
+    out = []
+    for override in invocation()["overrides"]:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if key in keys:
+            out.append(override)
+    return out
+
+
 def to_dict(cfg: Any) -> dict:
     """A resolved plain-dict copy of an OmegaConf config (dicts pass through)."""
     try:

@@ -320,13 +320,19 @@ def load_replay_trace(cfg: dict):
                         need="router=replay")
 
 
-def in_sample_requests(cfg: dict, requests: list[Request], trace, layer_uses_plan: bool) -> int | None:
-    """How many requests replay a sequence the semantic plan (planned from this trace) trained on;
-    ``None`` (unknown) for a plan file, which does not record the sequences it was planned from."""
+def in_sample_requests(cfg: dict, requests: list[Request], trace, layer_uses_plan: bool,
+                       num_ranks: int | None = None) -> int | None:
+    """How many requests replay a sequence the semantic plan trained on: planned from this trace,
+    its first ``plan_train_fraction``; a plan file, the sequences it records
+    (:meth:`SemanticPlan.trained_on`, by content; ``None``, unknown, for a file that does not
+    record them). ``num_ranks``: the plan's, to find the plan file already loaded."""
     if trace is None or not (layer_uses_plan or scheduler_name(cfg["scheduler"]) == "semantic"):
         return 0
     if semantic_plan_path(cfg):
-        return None
+        mask = semantic_plan(cfg, num_ranks, trace).trained_on(trace)
+        if mask is None:
+            return None
+        return sum(1 for r in requests if r.trace_seq is not None and bool(mask[r.trace_seq]))
     from moelayers.trace import train_sequences
 
     n_train = train_sequences(plan_train_fraction(cfg), trace.num_sequences)  # RoutingTrace.split's rule

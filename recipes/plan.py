@@ -43,7 +43,9 @@ files moved into place, ``report.json`` last):
   ``expert_imbalance_linear`` linear's), ``a2a_bytes_ratio`` (de-duplicated all-to-all
   sends relative to linear), ``remote_ratio`` (remote activations relative to linear, without
   de-duplication: ``(1 - lar) / (1 - lar_linear)``), ``tokens_per_rank`` (held-out tokens of each
-  rank), ``solve_seconds`` (the chosen planner, all layers; 0 for a loaded plan), per-layer LARs,
+  rank), ``solve_seconds`` (the chosen planner, all layers; 0 for a loaded plan), ``in_sample_sequences``
+  (semantic: held-out sequences the plan was trained on, by content, with a warning when any; null
+  for another planner, or a plan file that does not record its training sequences), per-layer LARs,
   ``warnings`` (also printed); GEM: ``score`` (chosen planner), ``score_linear``, ``score_eplb``, ``score_gem``
   (``score_semantic``), ``gem_vs_linear`` / ``gem_vs_eplb`` (relative reductions of the GEM score:
   0.08 = 8 % lower), ``vs_linear`` / ``vs_eplb`` (the same for the chosen planner), ``train_score*``,
@@ -104,11 +106,13 @@ from omegaconf import DictConfig  # noqa: E402
 from moelayers.planning.semantic_eval import PREDICTORS  # noqa: E402
 from moelayers.planning.steps import MIN_STEPS  # noqa: E402
 from recipes._common import (  # noqa: E402
-    config_trace, int_setting, invocation, merge_curves_path, normalize_flags, print_table, run_dir, to_dict, write_json,
+    config_trace, int_setting, invocation, merge_curves_path, normalize_flags, overridden, print_table, run_dir, to_dict,
+    write_json,
 )
 from recipes._plots import plot_plan  # noqa: E402
 from recipes._plan_tools import DP_MAX_RATIO, MODES, commit_files, even_token_rank, lar_report  # noqa: E402
 
+SYNTHETIC_KEYS = ("synthetic", "num_sequences", "num_layers", "num_experts", "top_k", "vocab_size", "seq_len")
 OUTPUTS = ("assignment.npz", "curves.npz", "plan.png", "plan.npz", "report.json")  # every file a run may write
 BASELINES = ("linear", "eplb", "gem")  # always planned: GEM's scores compare against them
 PLANNERS = (*BASELINES, "semantic")
@@ -131,6 +135,11 @@ def check_config(d: dict) -> tuple[str, int, str, int, float]:
     if mode == "tp" and tps % ep:
         raise ValueError(f"trace.tokens_per_step ({tps}) must be divisible by parallel.ep ({ep}) in mode=tp: "
                          "every rank receives tokens_per_step / ep tokens of each batch")
+    if tc.get("path"):
+        shaped = overridden([f"trace.{k}" for k in SYNTHETIC_KEYS])
+        if shaped:
+            raise ValueError(f"{', '.join(shaped)} shape(s) the synthetic trace; with trace.path={tc['path']} the file's "
+                             "trace is planned (drop them, or drop trace.path to plan a synthetic trace)")
     path = (d.get("plan") or {}).get("path")
     if path and name != "semantic":
         raise ValueError(f"plan.path is a semantic plan file: it needs planner=semantic, got planner={name}")
@@ -348,6 +357,15 @@ def run_warnings(report: dict) -> list[str]:
                    f"sample ({report['curves_sampled_up_to']} rows): the scores there extrapolate the curves (the "
                    f"slope of their upper half, of the whole curve where that half is flat); profile up to that many rows (recipes/profile.py profile.max_rows=...) or use a smaller "
                    f"trace.tokens_per_step")
+    if report.get("planner") == "semantic" and report.get("in_sample_sequences") is None:
+        out.append(f"the plan file {report['plan']} does not record the sequences it was planned on (written by an "
+                   "older moelayers): whether the held-out sequences were among them is unknown, so the LAR may be "
+                   "in-sample; re-plan to get a plan file that records them")
+    elif report.get("in_sample_sequences"):
+        out.append(f"{report['in_sample_sequences']} of {report['held_out_sequences']} held-out sequences are ones the "
+                   f"semantic plan was trained on: the LAR is partly in-sample, not a held-out figure (plan the "
+                   f"file on this trace's train part, trace.train_fraction={report['train_fraction']}, or evaluate "
+                   f"on another trace)")
     if report["max_ratio_exceeded"]:
         out.append(f"a rank holds more than {DP_MAX_RATIO} x the mean held-out tokens (token imbalance "
                    f"{report['token_imbalance']:.3f}): no schedule of these requests in file order stays within it")
@@ -381,6 +399,7 @@ def run(d: dict) -> dict:
     if semantic is not None:
         plans["semantic"] = semantic.expert_rank
     token_rank, even = assign_tokens(semantic, held_out, ep, mode, tps, d, bar=bar)
+    in_sample = None if semantic is None else semantic.trained_on(held_out)
 
     report = {
         "planner": name, "ep": ep, "mode": mode,
@@ -392,13 +411,15 @@ def run(d: dict) -> dict:
         **gem_scores(plans, name, train_loads, test_loads, curves),
         "gem_method": str(d["planner"].get("method", "robust")) if name == "gem" else "robust",
         "plan": plan_source if name == "semantic" else None,
+        # held-out sequences the semantic plan was trained on (by content; null: the plan file does not say)
+        "in_sample_sequences": None if in_sample is None else int(in_sample.sum()),
         "dp_schedule": dp_schedule(d["planner"]) if name == "semantic" and mode == "dp" else None,
         "num_layers": trace.num_layers, "num_experts": trace.num_experts, "top_k": trace.top_k,
         "vocab_size": trace.vocab_size, "held_out_tokens": held_out.num_tokens,
         "held_out_sequences": held_out.num_sequences, "train_steps": int(train_loads.shape[1]),
         "held_out_steps": int(test_loads.shape[1]), "tokens_per_step": tps, "train_fraction": frac,
         "seed": int(d["seed"]), "trace": tc.get("path") or "synthetic",
-        "config": {k: v for k, v in d.items() if k != "run_dir"},
+        "config": recorded_config(d),
         "command": invocation(),  # argv and Hydra overrides (the run dir holds no .hydra/)
     }
     report["max_ratio_exceeded"] = mode == "dp" and max(report["tokens_per_rank"]) > DP_MAX_RATIO * (
@@ -410,6 +431,15 @@ def run(d: dict) -> dict:
         print(f"warning: {warning}", file=sys.stderr)
     write_outputs(d["run_dir"], report, plans, name, token_rank, held_out, curves, semantic)
     return report
+
+
+def recorded_config(d: dict) -> dict:
+    """The resolved config for the report, without the synthetic trace's shape when a trace file was
+    planned (its shape is the report's ``num_layers``, ``num_experts``, ...)."""
+    out = {k: v for k, v in d.items() if k != "run_dir"}
+    if d["trace"].get("path"):
+        out["trace"] = {k: v for k, v in d["trace"].items() if k not in SYNTHETIC_KEYS}
+    return out
 
 
 def write_outputs(out_dir: str, report: dict, plans: dict, name: str, token_rank: np.ndarray, held_out, curves,

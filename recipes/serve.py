@@ -183,11 +183,15 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
         _, replay_notes, skipped_empty = replay_sequences(cfg, trace)
         notes += replay_notes
     owner = assign_requests(requests, world, cfg)
-    in_sample = in_sample_requests(cfg, requests, trace, plan is not None)
+    in_sample = in_sample_requests(cfg, requests, trace, plan is not None, groups.ep_size)
     if in_sample is None:
-        notes.append(f"the semantic plan is read from {semantic_plan_path(cfg)}: whether requests replay sequences "
-                     f"it was planned on is unknown (in_sample_requests: null); recipes/plan.py plans on the first "
-                     f"trace.train_fraction of the trace's sequences, so set trace.request_offset past them")
+        notes.append(f"the semantic plan is read from {semantic_plan_path(cfg)}, which does not record the sequences "
+                     f"it was planned on (an older file): whether requests replay them is unknown (in_sample_requests: "
+                     f"null); recipes/plan.py plans on the first trace.train_fraction of the trace's sequences, so set "
+                     f"trace.request_offset past them")
+    elif in_sample and semantic_plan_path(cfg):
+        notes.append(f"{in_sample} of {len(requests)} requests replay sequences the semantic plan "
+                     f"{semantic_plan_path(cfg)} was trained on (by content): set trace.request_offset past them")
     elif in_sample:
         notes.append(f"{in_sample} of {len(requests)} requests replay sequences the semantic plan was trained on "
                      f"(trace.request_offset={request_offset(cfg)}; held-out from "

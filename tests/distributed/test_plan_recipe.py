@@ -271,6 +271,28 @@ def test_semantic_plan_file_is_evaluated(semantic_runs, trace_file, tmp_path):
                               f"plan.path={run_dir / 'plan.npz'}")
     assert again["lar"] == report["lar"] and again["solve_seconds"] == 0.0 and again["plan"] == str(run_dir / "plan.npz")
     np.testing.assert_array_equal(arrays2["token_rank"], arrays["token_rank"])
+    assert again["in_sample_sequences"] == report["in_sample_sequences"] == 0 and not again["warnings"]
+
+
+def test_semantic_plan_file_on_its_own_training_sequences_is_flagged(semantic_runs, trace_file, tmp_path):
+    """A plan file evaluated with a smaller train fraction holds sequences it was trained on in the
+    held-out part: the report counts them and warns (it reported the in-sample LAR as held-out)."""
+    run_dir, report, _ = semantic_runs["tp"]
+    again, _ = run_plan(tmp_path / "run", trace_file, "planner=semantic", "parallel.ep=4", "mode=tp",
+                        f"plan.path={run_dir / 'plan.npz'}", "trace.train_fraction=0.25")
+    trained = split(trace_file, 0.5)[0].num_sequences - split(trace_file, 0.25)[0].num_sequences
+    assert again["in_sample_sequences"] == trained > 0
+    assert any(f"{trained} of {again['held_out_sequences']} held-out sequences" in w for w in again["warnings"])
+
+
+@pytest.mark.timeout(150)
+def test_script_refuses_the_synthetic_shape_with_a_trace_file(trace_file, tmp_path):
+    """trace.num_experts=... with trace.path=... was ignored silently (and recorded in the report)."""
+    out = tmp_path / "out"
+    proc = run_script(tmp_path, f"trace.path={trace_file}", "trace.num_experts=32", "trace.seq_len=[8,16]",
+                      f"hydra.run.dir={out}")
+    assert proc.returncode != 0
+    assert "trace.num_experts=32, trace.seq_len=[8,16] shape(s) the synthetic trace" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_semantic_deterministic_for_a_seed(trace_file, tmp_path):

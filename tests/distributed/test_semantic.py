@@ -548,7 +548,9 @@ def _serve_cfg(*overrides: str) -> dict:
 
 
 def test_serve_semantic_plan_sources_and_config_errors(tmp_path):
-    from recipes import serve
+    from dataclasses import replace
+
+    from recipes import _serve_workload, serve
 
     cfg = _serve_cfg("layer=semantic", "scheduler=semantic", "router=replay", "workload.num_requests=8")
     built = serve.semantic_plan(cfg, 2)  # no file: planned (dp) on the replay trace's first half
@@ -565,7 +567,14 @@ def test_serve_semantic_plan_sources_and_config_errors(tmp_path):
         requests = serve.make_requests(c, 512, trace)
         owners = serve.get_scheduler(c["scheduler"])(requests, 2, c)
         assert sorted(owners) == [0] * 4 + [1] * 4  # balanced: every 2 requests take both ranks
-        assert serve.in_sample_requests(c, requests, trace, True) is None  # a plan file: unknown
+        # a plan file: the sequences it records (planned on sequences 0-3 of 8), by content
+        assert serve.in_sample_requests(c, requests, trace, True, 2) == 4
+        cached = [k for k in _serve_workload._PLANS if k[0] == str(path)]
+        for key in cached:  # a file written before plans recorded them: unknown
+            _serve_workload._PLANS[key] = replace(_serve_workload._PLANS[key], train_sequences=None)
+        assert cached and serve.in_sample_requests(c, requests, trace, True, 2) is None
+        for key in cached:
+            del _serve_workload._PLANS[key]
     trace = serve.load_replay_trace(cfg)
     requests = serve.make_requests(cfg, 512, trace)
     assert serve.in_sample_requests(cfg, requests, trace, True) == 4  # planned on sequences 0-3 of 8
