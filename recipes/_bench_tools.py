@@ -176,7 +176,7 @@ class Replay:
         if tr.num_experts != config.num_experts or tr.top_k != config.top_k:
             raise ValueError(f"trace {self.source} has E={tr.num_experts}, K={tr.top_k}; the benchmark shape "
                              f"has E={config.num_experts}, K={config.top_k}")
-        layer = int(trace_cfg.get("layer", 0))
+        layer = int_setting(trace_cfg.get("layer", 0), "trace.layer", 0)
         if not 0 <= layer < tr.num_layers:
             raise ValueError(f"trace.layer={layer} but the trace has {tr.num_layers} layer(s)")
         self.trace, self.layer = tr, layer

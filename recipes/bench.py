@@ -35,11 +35,12 @@ layer that re-plans by itself (``auto_replan``) is timed with it off (the JSON's
 Rank 0 prints a table and writes one JSON per (shape, tokens/rank) into the
 run dir, and copies into ``bench.save_to`` when set, named
 ``{layer}[_graph|_allgather|_nodedup]_{shape}_t{tokens}_ws{world}[_ep{ep}][_{dtype}][_router-{dtype}][_replay]``
-``[_trace-{file}][_plan-{file}][_checkfinite][_{expert_backend}][_vs-{baseline}]_{device}.json``
+``[_trace-{file}][_layer{L}][_plan-{file}][_checkfinite][_{expert_backend}][_vs-{baseline}]_{device}.json``
 (``_ep``: ``parallel.ep`` below the world size; ``_{dtype}``: another dtype than the device's default,
 bf16 on CUDA and float32 on CPU; ``_router-``: ``bench.router_dtype``; ``_replay``: replayed routing
 on a layer that is not plan-built (those always replay); ``_trace-``/``_plan-``: the stems of
-``trace.path`` / ``layer.plan_path`` and a short hash of their absolute paths; ``_checkfinite``:
+``trace.path`` / ``layer.plan_path`` and a short hash of their absolute paths; ``_layer``: a
+replayed trace layer other than 0 (``trace.layer``); ``_checkfinite``:
 ``bench.check_finite=true``; an expert backend other than ``auto``; ``_vs-``: a baseline other than
 the layer's default, ``vanilla`` for a plan-built layer and none otherwise), so that no
 configuration's record overwrites another's. ``bench.profile=true`` prints a torch.profiler table of
@@ -82,8 +83,8 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, device_for, flag, int_setting, launch, normalize_flags, resolve_backend, run_dir, shared_execution_kwargs, shutdown,
-    to_dict, under_torchrun, write_json,
+    LAYER_FLAGS, device_for, flag, int_setting, launch, normalize_flags, overridden, resolve_backend, run_dir,
+    shared_execution_kwargs, shutdown, to_dict, under_torchrun, write_json,
 )
 from recipes._bench_tools import (  # noqa: E402
     megatron_version,
@@ -314,8 +315,15 @@ def check_config(d: dict) -> None:
         raise ValueError(f"bench.save_to={save_to} is a file: it must be a directory (made when missing)")
     if uses_plan(d.get("layer") or {}):
         _check_plan_settings(d, world)
+    tc = d.get("trace") or {}
+    if d.get("_router_name") != "replay":  # the model's own router: no trace setting would be read
+        unused = ([f"trace.path={tc['path']}"] if tc.get("path") else []) + overridden(
+            [f"trace.{k}" for k in ("layer", "synthetic", "vocab_size", "seq_len", "num_sequences")])
+        if unused:
+            raise ValueError(f"{', '.join(unused)} is read with router=replay only (router={d.get('_router_name')} "
+                             "routes with the layer's own router): add router=replay, or drop it")
     if d.get("_router_name") == "replay":
-        tc = d.get("trace") or {}
+        int_setting(tc.get("layer", 0), "trace.layer", 0)  # 1.7 was read as layer 1
         seq_len_bounds(tc.get("seq_len"))
         if tc.get("num_sequences") is not None:
             if tc.get("path"):
@@ -752,11 +760,13 @@ def _file_tag(path: str) -> str:
 
 def _setting_suffix(r: dict) -> str:
     """The record name's parts for settings that change the measurement but not the layer's name:
-    replayed routing (a plan-built layer always replays), a trace file, a plan file, the NaN check,
+    replayed routing (a plan-built layer always replays), a trace file and its layer (other than 0), a plan file, the NaN check,
     an expert backend other than ``auto`` and a baseline other than the layer's default one."""
     tag = "_replay" if r.get("router") == "replay" and not r.get("plan_based") else ""
     if (r.get("trace") or {}).get("path"):
         tag += f"_trace-{_file_tag(r['trace']['path'])}"
+    if (r.get("trace") or {}).get("layer"):  # another layer of the same trace: another record
+        tag += f"_layer{r['trace']['layer']}"
     if r.get("plan_path"):
         tag += f"_plan-{_file_tag(r['plan_path'])}"
     tag += "_checkfinite" if r.get("check_finite") else ""

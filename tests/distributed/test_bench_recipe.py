@@ -438,6 +438,8 @@ def test_bench_flags_repeated_trace_tokens_per_size(tmp_path):
     ("parallel.ep=3", r"parallel\.ep=3 must divide the world size 2"),  # failed inside every rank
     # the layer's kwarg won in build_layer while the record and its name said bench.check_finite's
     ("+layer.kwargs.check_finite=true", r"layer\.kwargs\.check_finite=True differs from bench\.check_finite=False"),
+    # the learned router ran and the record said trace: null
+    ("trace.path=x.npz", r"trace\.path=x\.npz is read with router=replay only \(router=learned"),
 ])
 def test_check_config_refuses_settings_that_were_ignored_or_mislabelled(override, match):
     """layer.kwargs.capacity=64 padded every size to 64 tokens (t=16 timed 64 rows), left the baseline
@@ -447,6 +449,29 @@ def test_check_config_refuses_settings_that_were_ignored_or_mislabelled(override
 
     with pytest.raises(ValueError, match=match):
         check_config(bench_config(override))
+
+
+def test_replayed_trace_layer_is_an_integer_and_names_the_record(tmp_path):
+    """trace.layer=1.7 replayed layer 1; records of another layer of the same trace had the same
+    name, so bench.save_to replaced one with the other."""
+    from recipes.bench import check_config, save_records
+
+    with pytest.raises(ValueError, match=r"trace\.layer must be an integer >= 0, got 1\.7"):
+        check_config(bench_config("router=replay", "trace.layer=1.7"))
+    rec = {"device_name": "cpu", "layer": "vanilla", "shape_name": "s", "tokens_per_rank": 16, "world_size": 2, "ep": 2,
+           "mode": "eager (exact all-to-all-v)", "router": "replay"}
+    names = [Path(save_records([{**rec, "trace": {"path": "/t/e8.npz", "layer": layer}}], str(tmp_path), None)[0]).name
+             for layer in (0, 2)]
+    assert names[0] != names[1] and names[1].endswith("_layer2_cpu.json") and "_layer" not in names[0]
+
+
+@pytest.mark.timeout(120)
+def test_trace_settings_without_replay_are_refused_on_the_command_line(tmp_path):
+    """trace.layer=2 (and the synthetic trace's settings) with the learned router were ignored silently."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "bench.py"), "trace.layer=2",
+                           f"hydra.run.dir={tmp_path / 'out'}"], env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode != 0 and "trace.layer=2 is read with router=replay only" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_check_config_takes_a_layer_nan_check_that_agrees():
