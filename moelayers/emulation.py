@@ -322,6 +322,10 @@ class VariabilitySettings:
             raise ValueError(f"emulation.mode must be measured, curve or off, got {mode!r}")
         if out.wait not in WAITS:
             raise ValueError(f"emulation.wait must be one of {WAITS}, got {out.wait!r}")
+        if out.time_scale != 1.0 and out.mode != "curve":  # it scales the curves' latencies only
+            raise ValueError(f"emulation.time_scale={out.time_scale:g} scales the latency curves of "
+                             f"emulation.mode=curve; with emulation.mode={out.mode} it does nothing: add "
+                             "emulation.mode=curve, or drop it")
         return out
 
     def curves(self, num_ranks: int) -> Any:

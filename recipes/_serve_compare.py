@@ -43,7 +43,7 @@ MEDIAN_KEYS = ("throughput_tok_s", "total_tok_s", "ttft_p50_s", "ttft_p99_s", "t
                "tpot_p90_s", "lar", "imbalance", "imbalance_step_mean", "bytes_sent", "rows_sent", "a2a_bytes",
                "a2a_dispatch_bytes", "a2a_combine_bytes", "a2a_rows", "num_requests", "finished_requests",
                "in_sample_requests", "output_tokens", "prompt_tokens", "steps", "elapsed_s", "emulated_expert_s",
-               "unserved_requests")
+               "unserved_requests", "unarrived_requests")
 # (metric, which direction is better, flag in `comparison`)
 COMPARED = (("lar", "higher", "lar_higher"), ("a2a_bytes", "lower", "a2a_bytes_lower"),
             ("tpot_p90_s", "lower", "tpot_p90_lower"), ("tpot_mean_s", "lower", "tpot_mean_lower"),
@@ -332,7 +332,7 @@ def plot_rank_load_sides(res: dict, path: str) -> None:
         for rp in r.get("replans") or []:
             ax.axvline(rp["step"], color="k", ls="--", lw=0.8)
         ax.set_ylabel("received")
-        ax.set_title(f"{side}: {r['layer']} (seed {seed}, imbalance {r['imbalance']:.3g}, LAR {r['lar']:.3g})",
+        ax.set_title(f"{side}: {r['layer']} (seed {seed}, imbalance {r['imbalance']:.3f}, LAR {r['lar']:.3f})",
                      fontsize=9)
         if data.shape[1] <= 16:
             ax.legend(fontsize=7, ncol=min(8, data.shape[1]))

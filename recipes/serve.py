@@ -12,9 +12,10 @@ output throughput, LAR and imbalance of the MoE layers (summed over layers and s
 ranks), activations received per rank per step (``rank_loads``, ``rank_load_per_step``; one entry
 per world rank, also with ``parallel.ep`` below the world, where each rank computes its own EP
 group's share; ``imbalance`` is their max/mean). A run that ``max_steps`` ends before every request
-finished says so: ``truncated`` true, ``unserved_requests`` (no first token) and a note; its TTFT
-figures count unserved requests as infinite (``inf`` in the table, ``null`` in results.json), as
-they waited longer than the run (:func:`latency_summary`). Rank 0 prints a summary table and writes
+finished says so: ``truncated`` true, ``unserved_requests`` (arrived, no first token),
+``unarrived_requests`` (due after the run ended) and a note; its TTFT figures count unserved
+requests as infinite (``inf`` in the table, ``null`` in results.json), as they waited longer than
+the run, and leave the unarrived ones out (:func:`latency_summary`). Rank 0 prints a summary table and writes
 ``results.json`` (with the resolved ``config`` and the ``command``: argv and Hydra overrides) and
 ``rank_load.png`` into the Hydra run dir, nothing else: no ``.hydra/``, no log file, and a run that
 fails on bad input writes nothing there (:func:`check_config` checks the files it is given, plan,
@@ -80,7 +81,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, device_for, int_setting, invocation, launch, merge_curves_path, normalize_flags, percentile,
+    LAYER_FLAGS, device_for, int_setting, invocation, launch, merge_curves_path, normalize_flags, overridden, percentile,
     print_table, remove_stale, run_dir, shutdown, to_dict, write_json,
 )
 from recipes._bench_tools import seq_len_bounds  # noqa: E402
@@ -391,13 +392,15 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
     several = len(groups_replans) > 1
     notes = notes + [f"MoE layer {i}" + (f" of EP group {g}" if several else "") + f": {n} re-plan(s)"
                      for g, (_, counted) in groups_replans for i, n in counted]
-    latency = latency_summary(reqs)
+    latency = latency_summary(reqs, float(t_end[0]))
     if latency["truncated"]:
-        unserved = latency["unserved_requests"]
+        unserved, unarrived = latency["unserved_requests"], latency["unarrived_requests"]
         notes = notes + [f"max_steps={cfg['max_steps']} ended the run with {len(reqs) - latency['finished_requests']} "
                          f"of {len(reqs)} request(s) unfinished" + (
-                             f", {unserved} without a first token (their TTFT counts as inf in the TTFT figures, "
-                             f"null in results.json)" if unserved else "")]
+                             f", {unserved} arrived without a first token (their TTFT counts as inf in the TTFT "
+                             f"figures, null in results.json)" if unserved else "") + (
+                             f", {unarrived} due after the run ended (left out of the TTFT figures)"
+                             if unarrived else "")]
     group_loads = group_loads.cpu()  # [W, steps, L, R]: each world rank's EP group, per EP rank
     # activations received per step, MoE layer and *world* rank (with parallel.ep < world the EP
     # groups are told apart: summing them by EP rank hid one group's hot spots behind another's)
@@ -429,28 +432,35 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
     }
 
 
-def latency_summary(reqs: list[dict]) -> dict:
-    """TTFT and TPOT figures of the per-request records (``ttft_s``, ``tpot_s``, ``output_len``,
-    ``finished``), and whether the run ended before every request finished.
+def latency_summary(reqs: list[dict], elapsed: float = math.inf) -> dict:
+    """TTFT and TPOT figures of the per-request records (``arrival_s``, ``ttft_s``, ``tpot_s``,
+    ``output_len``, ``finished``), and whether the run ended before every request finished.
 
-    A request that got no first token (``max_steps`` ended the run first) has no measured TTFT; it
-    counts as ``inf`` (it waited longer than the run), so the TTFT figures never leave it out: a
-    percentile that falls among such requests, and the mean, are ``inf``. The TPOT figures cover
-    the requests with at least two output tokens.
+    A request that arrived but got no first token (``max_steps`` ended the run first) has no
+    measured TTFT; it counts as ``inf`` (it waited longer than the run), so the TTFT figures never
+    leave it out: a percentile that falls among such requests, and the mean, are ``inf``. A request
+    due after the run's end (``arrival_s > elapsed``) never waited: it is left out of the TTFT
+    figures and counted in ``unarrived_requests``. The TPOT figures cover the requests with at
+    least two output tokens.
+
+    Args:
+        reqs: the per-request records.
+        elapsed: the run's length in seconds (arrivals are measured from its start).
 
     Returns:
         ``ttft_p50_s``, ``ttft_p99_s``, ``ttft_mean_s``, ``tpot_mean_s``, ``tpot_p90_s``,
-        ``finished_requests``, ``unserved_requests`` (no output token) and ``truncated`` (some
-        request unfinished).
+        ``finished_requests``, ``unserved_requests`` (arrived, no output token),
+        ``unarrived_requests`` (due after the run ended) and ``truncated`` (some request unfinished).
     """
-    ttft = [q["ttft_s"] if q["output_len"] else math.inf for q in reqs]
+    arrived = [q for q in reqs if q["output_len"] or q.get("arrival_s", 0.0) <= elapsed]
+    ttft = [q["ttft_s"] if q["output_len"] else math.inf for q in arrived]
     tpot = [q["tpot_s"] for q in reqs if not math.isnan(q["tpot_s"])]
     finished = sum(1 for q in reqs if q["finished"])
     return {"ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "ttft_mean_s": float(np.mean(ttft)) if ttft else math.nan,
             "tpot_mean_s": float(np.mean(tpot)) if tpot else math.nan, "tpot_p90_s": percentile(tpot, 90),
-            "finished_requests": finished, "unserved_requests": sum(1 for q in reqs if not q["output_len"]),
-            "truncated": finished < len(reqs)}
+            "finished_requests": finished, "unserved_requests": sum(1 for q in arrived if not q["output_len"]),
+            "unarrived_requests": len(reqs) - len(arrived), "truncated": finished < len(reqs)}
 
 
 def emulated_expert_time(cfg: dict, group_loads: torch.Tensor, ep_ranks: list[int]) -> dict:
@@ -489,7 +499,8 @@ def summarize(res: dict, out_dir: str) -> None:
             ("TPOT p90 (s)", res["tpot_p90_s"]), ("LAR", res["lar"]), ("all-to-all bytes", res["a2a_bytes"]),
             ("imbalance", res["imbalance"]), ("imbalance (step mean)", res["imbalance_step_mean"]),
             ("requests", res["num_requests"]), ("finished requests", res["finished_requests"]),
-            ("unserved requests (TTFT inf)", res["unserved_requests"]), ("output tokens", res["output_tokens"]),
+            ("unserved requests (TTFT inf)", res["unserved_requests"]),
+            ("requests due after the end", res.get("unarrived_requests", 0)), ("output tokens", res["output_tokens"]),
             ("steps", res["steps"]), ("elapsed (s)", res["elapsed_s"])]
     for note in res["notes"]:
         print(f"note: {note}")
@@ -612,6 +623,11 @@ def check_config(d: dict) -> None:
     from moelayers.emulation import VariabilitySettings
 
     get_scheduler(d["scheduler"])
+    if not (d.get("compare") or {}).get("layer"):  # the comparison's settings without a comparison
+        unused = overridden([f"compare.{k}" for k in (d.get("compare") or {}) if k != "layer"])
+        if unused:
+            raise ValueError(f"{', '.join(unused)} is read with compare.layer=NAME only (the baseline to serve the "
+                             "same requests with): add compare.layer, or drop it")
     world, ep = serve_sizes(d)
     int_setting(d.get("seed", 0), "seed", 0)
     if scheduler_name(d["scheduler"]) == "semantic" and ep != world:

@@ -511,6 +511,24 @@ def test_latency_summary_counts_unserved_requests():
     assert lat["ttft_p50_s"] == 1.0 and lat["ttft_p99_s"] == inf and lat["unserved_requests"] == 1
     lat = serve.latency_summary([req(1.0, 3, True), req(3.0, 2, True)])
     assert not lat["truncated"] and lat["unserved_requests"] == 0 and lat["ttft_p50_s"] == 2.0
+    # requests due after the run ended never waited: left out of the TTFT figures, counted apart
+    # (a run that max_steps ended early counted 27 of 32 requests unserved, TTFT p50 inf)
+    due = [dict(req(1.0, 3, True), arrival_s=0.1), dict(req(nan, 0, False), arrival_s=0.4),
+           dict(req(nan, 0, False), arrival_s=2.0), dict(req(nan, 0, False), arrival_s=3.0)]
+    lat = serve.latency_summary(due, elapsed=1.0)
+    assert lat["unserved_requests"] == 1 and lat["unarrived_requests"] == 2 and lat["truncated"]
+    assert lat["ttft_p50_s"] == inf and lat["ttft_mean_s"] == inf  # of the two that arrived: 1.0 and inf
+    lat = serve.latency_summary(due[:1] * 3 + due[2:], elapsed=1.0)
+    assert lat["ttft_p50_s"] == 1.0 and lat["unserved_requests"] == 0 and lat["unarrived_requests"] == 2
+
+
+@pytest.mark.timeout(60)
+def test_compare_settings_without_a_comparison_are_refused(tmp_path):
+    """compare.seeds=5 without compare.layer ran one seed, no comparison, without a word."""
+    proc = _run_serve(tmp_path / "run", "compare.seeds=5", "compare.scheduler=round_robin")
+    assert proc.returncode != 0
+    assert ("compare.seeds=5, compare.scheduler=round_robin is read with compare.layer=NAME only"
+            in proc.stderr), proc.stderr[-2000:]
 
 
 @pytest.mark.timeout(90)
@@ -530,8 +548,9 @@ def test_serve_truncated_by_max_steps_says_so(tmp_path):
     assert sum(q["ttft_s"] is None for q in res["requests"]) == 4
     assert res["ttft_p50_s"] is None and res["ttft_p99_s"] is None and res["ttft_mean_s"] is None
     assert res["tpot_mean_s"] > 0
-    assert res["notes"] == ["max_steps=3 ended the run with 8 of 8 request(s) unfinished, 4 without a first token "
-                            "(their TTFT counts as inf in the TTFT figures, null in results.json)"]
+    assert res["unarrived_requests"] == 0  # all arrived at t=0
+    assert res["notes"] == ["max_steps=3 ended the run with 8 of 8 request(s) unfinished, 4 arrived without a first "
+                            "token (their TTFT counts as inf in the TTFT figures, null in results.json)"]
     assert "| TTFT p99 (s)" in proc.stdout and "inf |" in proc.stdout
 
 

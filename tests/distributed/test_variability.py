@@ -675,6 +675,11 @@ def test_emulation_presets_with_gem_curves():
         VariabilitySettings.from_config({"variability": "extreme"})
     with pytest.raises(ValueError, match="emulation"):
         VariabilitySettings.from_config({"emulation": {"mode": "fast"}})
+    # time_scale scales the curve mode's latencies: with the measured mode it was ignored silently
+    with pytest.raises(ValueError, match=r"emulation\.time_scale=3000 scales the latency curves of emulation\.mode=curve"):
+        VariabilitySettings.from_config({"variability": "high", "emulation": {"time_scale": 3000}})
+    assert VariabilitySettings.from_config({"variability": "high",
+                                            "emulation": {"mode": "curve", "time_scale": 3000}}).time_scale == 3000
 
 
 def test_settings_emulate_any_layer():
