@@ -118,9 +118,15 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        )
+        try:
+            dist.init_process_group(
+                backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+            )
+        except Exception as e:  # the port free_port() found was taken before the store bound it: try another
+            if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
+                queue.put((rank, "port", traceback.format_exc()))
+                return
+            raise
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         result = fn(rank, world, *args)
@@ -221,6 +227,25 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
     Raises:
         RuntimeError: with every failing rank's traceback, or on timeout (a hang fails, it does not stall).
     """
+    for attempt in range(_PORT_TRIES):
+        try:
+            return _run_once(fn, world_size, args, backend, timeout, daemon)
+        except _PortTaken as e:  # another process took the port between free_port() and the store's bind
+            if attempt == _PORT_TRIES - 1:
+                raise RuntimeError(f"distributed run failed: the rendezvous port was taken {_PORT_TRIES} times:\n"
+                                   f"{e}") from None
+    raise AssertionError("unreachable")
+
+
+_PORT_TRIES = 3
+
+
+class _PortTaken(Exception):
+    """Rank 0 could not bind the rendezvous port (EADDRINUSE): the run is started again on another."""
+
+
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, backend: str, timeout: float,
+              daemon: bool) -> list[Any]:
     ctx = _start_context(backend)
     queue = ctx.Queue()
     port = free_port()
@@ -235,19 +260,25 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
             os.environ["TRITON_INTERPRET"] = interpret
     results: dict[int, Any] = {}
     errors: list[str] = []
+    taken = None
     try:
         for _ in range(world_size):
             rank, status, payload = _next_report(queue, procs, results, timeout)
             if status == "ok":
                 results[rank] = pickle.loads(payload)
+            elif status == "port":
+                taken = payload
+                break  # the other ranks wait for a store that never comes: killed below
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break  # other ranks may be stuck in a collective with the failed one
     finally:
         for p in procs:
-            p.join(timeout=5 if not errors else 0.5)
+            p.join(timeout=5 if not (errors or taken) else 0.5)
             if p.is_alive():
                 p.kill()
+    if taken is not None:
+        raise _PortTaken(taken)
     if errors:
         raise RuntimeError("distributed run failed:\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]

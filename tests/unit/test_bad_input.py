@@ -569,6 +569,34 @@ def test_run_distributed_fails_fast_when_a_rank_dies():
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.timeout(90)
+def test_run_distributed_retries_a_rendezvous_port_taken_meanwhile(monkeypatch):
+    """free_port() releases the port it found; another process can take it before rank 0's store
+    binds it (EADDRINUSE failed a GPU test). The run starts again on another port."""
+    import socket
+
+    from moelayers import testing
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen(1)
+    ports = [held.getsockname()[1]]
+    real = testing.free_port
+    monkeypatch.setattr(testing, "free_port", lambda: ports.pop() if ports else real())
+    try:
+        assert testing.run_distributed(_rank_of, 2, timeout=60) == [0, 1]
+        assert not ports  # the taken port was tried first
+        monkeypatch.setattr(testing, "free_port", lambda: held.getsockname()[1])  # taken every time
+        with pytest.raises(RuntimeError, match="rendezvous port was taken 3 times"):
+            testing.run_distributed(_rank_of, 2, timeout=60)
+    finally:
+        held.close()
+
+
+def _rank_of(rank, world):
+    return rank
+
+
 def _returns_a_lock(rank, world):
     import threading
 
