@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from moelayers.checkpoint import EXPERT_KEYS, slot_copies
 from moelayers.groups import ParallelGroups
+from moelayers.layers.base import placement_record
 
 
 
@@ -99,8 +100,7 @@ def layer_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, metadat
     # load), from the live parameter: a move in between is refused there, and a load hands the layer
     # this placement back with the rows read for it (a copy: a later move updates the live one)
     placement = layer.placement.copy()
-    out[f"{prefix}_extra_state"] = LocalNonpersistentObject({**state["_extra_state"],
-                                                             "phy2log": placement.phy2log.clone()})
+    out[f"{prefix}_extra_state"] = LocalNonpersistentObject(placement_record(placement, layer.groups.ep_rank))
     slots = slot_copies(placement.phy2log, layer.groups.ep_rank)
     num_experts, axis = placement.num_experts, len(sharded_offsets)
 

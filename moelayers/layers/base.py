@@ -49,6 +49,39 @@ _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 DISPATCHERS = ("alltoall", "allgather")
 
+#: the layout of the placement record ``state_dict()`` saves (see ``MoELayerBase.get_extra_state``)
+_STATE_FORMAT = 2
+
+
+def placement_record(placement: ExpertPlacement, ep_rank: int) -> torch.Tensor:
+    """The placement as ``state_dict()`` saves it: one int64 tensor ``[5 + R*S]``, ``(format,
+    num_experts, ep_rank, R, S)`` then ``phy2log`` row by row (format 1, older checkpoints, was a
+    dict; :meth:`MoELayerBase.set_extra_state` reads both)."""
+    r, s = placement.phy2log.shape
+    head = torch.tensor([_STATE_FORMAT, placement.num_experts, ep_rank, r, s], dtype=torch.int64, device="cpu")
+    return torch.cat([head, placement.phy2log.reshape(-1).to("cpu", torch.int64)])  # (on the CPU under torch.device)
+
+
+def read_placement_record(state: Any) -> tuple[torch.Tensor, int, int | None]:
+    """``(phy2log [R, S], num_experts, ep_rank or None)`` of a saved placement record: the tensor of
+    :func:`placement_record`, or the dict ``{phy2log, num_experts[, ep_rank]}`` of format 1.
+
+    Raises:
+        ValueError: neither.
+    """
+    if isinstance(state, dict) and {"phy2log", "num_experts"} <= set(state) <= {"phy2log", "num_experts", "ep_rank"}:
+        return torch.as_tensor(state["phy2log"]), int(state["num_experts"]), state.get("ep_rank")
+    if (isinstance(state, torch.Tensor) and state.dim() == 1 and state.dtype == torch.int64 and state.numel() >= 5
+            and int(state[0]) == _STATE_FORMAT):
+        _, num_experts, ep_rank, r, s = (int(v) for v in state[:5].tolist())
+        if r >= 1 and s >= 1 and state.numel() == 5 + r * s:
+            return state[5:].detach().cpu().clone().view(r, s), num_experts, ep_rank
+    got = f"a tensor of shape {list(state.shape)} and dtype {state.dtype}" if isinstance(state, torch.Tensor) else \
+        type(state).__name__
+    raise ValueError(f"the checkpoint's extra state of this MoE layer must be its placement (moelayers' placement "
+                     f"record: an int64 tensor [5 + R*S] of format {_STATE_FORMAT}, or a dict "
+                     f"{{phy2log, num_experts[, ep_rank]}}), got {got}")
+
 
 def rank_local_names(model: nn.Module) -> list[str]:
     """The names (as ``model.named_parameters()`` / ``named_buffers()`` give them) of what differs
@@ -298,7 +331,7 @@ class MoELayerBase(nn.Module):
         # desynchronise the layer (replace() validates again)
         config = config.replace()
         self.config, self.groups, self.placement, self.seed = config, groups, placement.copy(), seed
-        self._state_phy2log = self.placement.phy2log.clone()  # what state_dict() saves (see get_extra_state)
+        self._placement_rec = placement_record(self.placement, groups.ep_rank)  # what state_dict() saves (get_extra_state)
         if replica_policy is not None and not callable(replica_policy):
             raise TypeError(f"replica_policy must be callable (topk_ids, placement, rank) -> physical slots, "
                             f"got {type(replica_policy).__name__}")
@@ -615,43 +648,54 @@ class MoELayerBase(nn.Module):
         if replaced:
             self._new_storage()
 
-    def get_extra_state(self) -> dict:
+    def get_extra_state(self) -> torch.Tensor:
         """What ``state_dict()`` saves beside the weights: the placement, since ``experts.w13`` /
         ``experts.w2`` hold one row per *slot* of it (a moved or re-planned layer's rows would load
         into another expert's slot of a freshly built layer), and the expert-parallel rank that
-        holds those slots.
+        holds those slots: :func:`placement_record`, one int64 tensor.
 
-        Like the weights of a ``state_dict()`` (views of the live parameters), its ``phy2log``
-        follows the layer: a move commits the weights in place and updates it in place, so a state
-        dict taken before the move pairs the new weights with the new placement, not the old one."""
-        return {"phy2log": self._state_phy2log, "num_experts": self.placement.num_experts,
-                "ep_rank": self.groups.ep_rank}
+        A tensor, like the weights: a snapshot that clones the state dict's tensors
+        (``{k: v.clone() ...}``) clones it with them (a nested dict kept the live placement, which
+        a later move changed under the cloned weights), and, like the weights of a ``state_dict()``
+        (views of the live parameters), the live record follows the layer: a move commits the
+        weights in place and updates it in place, so a state dict taken before the move pairs the
+        new weights with the new placement."""
+        return self._placement_rec
 
     def set_extra_state(self, state: Any) -> None:
         """Adopt the placement a checkpoint was saved in (``load_state_dict`` calls it with the
-        weights; every expert-parallel rank loads its own file of the same moment).
+        weights; every expert-parallel rank loads its own file of the same moment). Reads the
+        records of :func:`read_placement_record` (both formats).
 
         Raises:
             ValueError: ``state`` is not a saved placement, or one this layer cannot take (other
                 experts, ranks or slots per rank).
         """
-        saved = self._saved_placement(state)
+        try:
+            saved = self._saved_placement(state)
+        except BaseException:
+            # a loader that reads in place into the tensors of a state dict (torch.distributed.checkpoint)
+            # may have written another rank's record into the live one: it describes this layer again
+            self._placement_rec.copy_(placement_record(self.placement, self.groups.ep_rank))
+            raise
         if saved != self.placement:
             self._adopt_placement(saved)
 
     def _saved_placement(self, state: Any) -> ExpertPlacement:
         """The placement of a checkpoint's extra state, checked for this layer (``set_extra_state``)."""
-        if not isinstance(state, dict) or not {"phy2log", "num_experts"} <= set(state) <= {"phy2log", "num_experts",
-                                                                                           "ep_rank"}:
-            raise ValueError(f"the checkpoint's extra state of this MoE layer must be its placement "
-                             f"{{phy2log, num_experts[, ep_rank]}}, got {type(state).__name__}")
-        if state.get("ep_rank", self.groups.ep_rank) != self.groups.ep_rank:  # (older checkpoints lack it)
-            raise ValueError(f"this checkpoint holds the expert slots of expert-parallel rank {state['ep_rank']}, "
+        phy2log, num_experts, ep_rank = read_placement_record(state)
+        if phy2log.dim() == 2 and phy2log.shape[0] != self.groups.ep_size:  # before the rank: the cause
+            raise ValueError(f"this checkpoint was saved at expert-parallel size {phy2log.shape[0]}, this layer's group "
+                             f"has {self.groups.ep_size} ranks: a layer's state_dict() holds one rank's expert slots "
+                             "and loads at the same size only; to change it, save and load the experts by id "
+                             "(moelayers.checkpoint, or export_full_weights / load_full_weights)")
+        if ep_rank is not None and ep_rank != self.groups.ep_rank:  # (older checkpoints lack it)
+            raise ValueError(f"this checkpoint holds the expert slots of expert-parallel rank {ep_rank}, "
                              f"this layer is rank {self.groups.ep_rank}: every rank loads the file its own rank "
                              "saved. (A checkpointer that writes one copy of the keys all ranks share, such as "
                              "torch.distributed.checkpoint of model.state_dict(), kept one rank's experts only: save "
                              "moelayers.checkpoint.model_state_dict(model) with it)")
-        saved = ExpertPlacement(state["phy2log"], state["num_experts"])
+        saved = ExpertPlacement(phy2log, num_experts)
         if saved != self.placement:
             self._check_placement(saved, self.config, self.groups)
             if saved.slots_per_rank != self.placement.slots_per_rank:
@@ -664,10 +708,11 @@ class MoELayerBase(nn.Module):
         drop the captured graph and rebuild the dispatcher (subclasses drop what they derived)."""
         self.release_graphs()
         self.placement = placement.copy()  # the layer's own: the caller may edit or reuse theirs
-        if self._state_phy2log.shape == self.placement.phy2log.shape:  # in place: see get_extra_state
-            self._state_phy2log.copy_(self.placement.phy2log)
+        record = placement_record(self.placement, self.groups.ep_rank)
+        if self._placement_rec.shape == record.shape:  # in place: see get_extra_state
+            self._placement_rec.copy_(record)
         else:
-            self._state_phy2log = self.placement.phy2log.clone()
+            self._placement_rec = record
         self.experts.tie_replicas(self.placement, self.groups.ep_rank, self.groups.ep)
         self.dispatcher = self._make_dispatcher()
 

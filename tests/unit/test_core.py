@@ -238,7 +238,7 @@ def test_state_dict_carries_the_placement():
             moved = ExpertPlacement.from_phy2log(torch.tensor(table), 4)
             layer.apply_placement(moved)
             state = layer.state_dict()
-            assert state["_extra_state"]["phy2log"].tolist() == table  # slot -> expert, as placed
+            assert layer._saved_placement(state["_extra_state"]).phy2log.tolist() == table  # slot -> expert, as placed
             fresh = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), placement=linear)
             fresh.load_state_dict(state)
             assert fresh.placement == moved and fresh.placement.phy2log.tolist() == table
@@ -594,12 +594,17 @@ def test_layer_state_stays_whole():
     src.load_state_dict(copy.deepcopy(src.state_dict()), assign=True)  # new tensors: the graph goes
     assert graph.released and src._graphed is None
 
-    other = src.state_dict()
-    other["_extra_state"] = dict(other["_extra_state"], ep_rank=1)
+    other = {k: v.clone() for k, v in src.state_dict().items()}
+    other["_extra_state"][2] = 1  # ep_rank
     with pytest.raises(ValueError, match="expert slots of expert-parallel rank 1, this layer is rank 0"):
         fresh.load_state_dict(other)
-    del other["_extra_state"]["ep_rank"]  # a checkpoint from before ep_rank was saved
-    fresh.load_state_dict(other)
+    # format 1 (a dict), from checkpoints of before the record was a tensor; older ones lack ep_rank
+    old = {"phy2log": src.placement.phy2log.clone(), "num_experts": 4, "ep_rank": 0}
+    fresh.load_state_dict(dict(other, _extra_state=old))
+    with pytest.raises(ValueError, match="expert slots of expert-parallel rank 1, this layer is rank 0"):
+        fresh.load_state_dict(dict(other, _extra_state=dict(old, ep_rank=1)))
+    del old["ep_rank"]
+    fresh.load_state_dict(dict(other, _extra_state=old))
 
 
 @pytest.mark.parametrize("cls", ["VanillaMoE", "VariabilityAwareMoE"])
