@@ -96,11 +96,15 @@ class VariabilityAwareMoE(MoELayerBase):
     them, so accumulation over micro-batches is never split by a move). Serving with autograd on
     keeps the last outputs' graphs alive, so the move keeps waiting: after ``window`` such forwards
     a ``RuntimeWarning`` says so (serve under ``torch.no_grad()`` / ``torch.inference_mode()``, or
-    call :meth:`forget_graphs`).
+    call :meth:`forget_graphs`); so does a move that waits for gradients ``zero_grad(set_to_none=False)``
+    left as zeros. To train with ``auto_replan=True``, set ``layer.replan_optimizer = optimizer``:
+    automatic moves then carry its per-slot state (Adam's moments) with the weights; without it,
+    the first automatic move in training warns that the state stayed with the slots.
     """
 
     #: a deep copy watches none of the original's autograd graphs (its weights are in none of them)
-    _fresh_on_copy = {**MoELayerBase._fresh_on_copy, "_in_flight": list}
+    #: nor is it in the original's optimizer (``replan_optimizer``)
+    _fresh_on_copy = {**MoELayerBase._fresh_on_copy, "_in_flight": list, "replan_optimizer": lambda: None}
 
     # normal tensors even when built under torch.inference_mode() (see MoELayerBase.__init__)
     @torch.inference_mode(False)
@@ -165,6 +169,11 @@ class VariabilityAwareMoE(MoELayerBase):
         self.record_loads = record_loads
         self.steps, self.num_replans, self.num_moves = 0, 0, 0
         self._replan_pending, self._waited = False, 0  # forwards a due re-plan has waited for graphs
+        #: the torch optimizer whose per-slot state (Adam's moments) automatic re-plans move with the
+        #: weights (training with ``auto_replan=True``; ``replan(optimizer=)`` for explicit ones)
+        self.replan_optimizer: torch.optim.Optimizer | None = None
+        self._trained = False  # a forward ran under autograd: an automatic move without the optimizer warns
+        self._warned_optimizer = self._warned_zeros = False
         self._in_forward = False  # inside forward(): a refusal there has run the deferred re-plan already
         self._in_flight: list[weakref.ref] = []  # one per forward autograd recorded (see _watch_graph)
         self._prune_at = 16  # _in_flight's length at which _watch_graph drops the finished graphs
@@ -200,6 +209,7 @@ class VariabilityAwareMoE(MoELayerBase):
             self._in_forward = False
         if y.requires_grad:  # autograd saved the weights: a move waits until this graph's backward has run
             y = self._watch_graph(y)
+            self._trained = True
         if self.record_loads:
             self._record(self.last_topk_ids)
             if self._replan_due():
@@ -227,13 +237,21 @@ class VariabilityAwareMoE(MoELayerBase):
             self._auto_replan()
         else:
             self._waited += 1
-            if self._waited == self.window:
+            if self._waited == self.window and alive:
                 warn_caller(
                     f"VariabilityAwareMoE: a due re-plan has waited {self._waited} forwards for autograd graphs "
-                    f"({alive} alive) to be back-propagated or dropped and for the expert gradients (held: "
-                    f"{held}) to be cleared by zero_grad(set_to_none=True); when serving, run the model under "
+                    f"({alive} alive) to be back-propagated or dropped; when serving, run the model under "
                     "torch.no_grad() or torch.inference_mode() (or call forget_graphs() on every rank)",
                     RuntimeWarning)
+            elif self._waited >= self.window and not self._warned_zeros and self._grads_are_zeros():
+                # (nonzero gradients: micro-batches accumulating, the move comes after zero_grad; zeros right
+                # after zero_grad(set_to_none=False): checked with one host sync per forward from then on)
+                self._warned_zeros = True
+                warn_caller(
+                    f"VariabilityAwareMoE: a due re-plan has waited {self._waited} forwards for the expert "
+                    "gradients to be cleared, and they hold zeros: zero_grad(set_to_none=False) leaves them, and a "
+                    "move waits for zero_grad(set_to_none=True) (torch's default), which it would otherwise leave "
+                    "with the slots", RuntimeWarning)
 
     def _refuse_in_step(self, exc: Exception) -> None:
         """The base refusal; called from outside :meth:`forward` (the megatron adapter refusing its
@@ -245,9 +263,16 @@ class VariabilityAwareMoE(MoELayerBase):
     def _auto_replan(self) -> None:
         """:meth:`replan`, where a failure (raised on every rank together) warns instead of costing
         the forward its output, and schedules another try ``window`` steps later."""
+        moves = self.num_moves
         try:
-            self.replan()
+            self.replan(optimizer=self.replan_optimizer)
             self._retry_at = None
+            if self.num_moves > moves and self._trained and self.replan_optimizer is None and not self._warned_optimizer:
+                self._warned_optimizer = True
+                warn_caller("VariabilityAwareMoE: an automatic re-plan moved expert weights between training steps "
+                            "without the optimizer's per-slot state, which stays with the slots (Adam's moments now "
+                            "belong to other experts): set layer.replan_optimizer = optimizer to move it with the "
+                            "weights (or re-plan yourself: replan(optimizer=...))", RuntimeWarning)
         except PlacementMoveError as exc:
             self._retry_at = self.steps + self.window
             warn_caller(f"VariabilityAwareMoE: the automatic re-plan failed ({exc}); tried again in "
@@ -256,6 +281,12 @@ class VariabilityAwareMoE(MoELayerBase):
             # re-plan is tried again a window later as after a failure (it was never tried again)
             self._retry_at = self.steps + self.window
             raise
+
+    def _grads_are_zeros(self) -> bool:
+        """Whether the expert weights hold gradients that are all zeros (one host sync)."""
+        grads = [g for w in (self.experts.w13, self.experts.w2)
+                 for g in (w.grad, getattr(w, "main_grad", None)) if g is not None]
+        return bool(grads) and not any(bool(g.any()) for g in grads)
 
     def _holds_grads(self) -> bool:
         """Whether the expert weights hold gradients (:func:`~moelayers.layers.moves.holds_gradients`),

@@ -1048,3 +1048,116 @@ def _loads_on_one_rank(rank, world):
 def test_replan_with_loads_on_some_ranks_only_raises_on_every_rank():
     """Rank 0 passed loads, rank 1 did not: rank 1 waited in the window's all-reduce forever."""
     assert run_distributed(_loads_on_one_rank, 2, timeout=60) == [("refused", 1)] * 2
+
+
+def _snapshot_then_replan(rank: int, world: int, root: str) -> dict:
+    """A state dict snapshot with its tensors cloned, a re-plan, then the snapshot loaded into a
+    fresh layer; also each rank's state dict saved for the load at another size."""
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=8, top_k=2, params_dtype=torch.float64)
+    groups = ml.ParallelGroups.from_world()
+    g = torch.Generator().manual_seed(1)
+    w64 = (torch.randn(8, H, generator=g, dtype=torch.float64), torch.randn(8, 2 * F, H, generator=g,
+           dtype=torch.float64) * H ** -0.5, torch.randn(8, H, F, generator=g, dtype=torch.float64) * F ** -0.5)
+    layer = ml.VariabilityAwareMoE(cfg, groups, variability="high",
+                                   planner=lambda loads, curves, **kw: (np.arange(8)[::-1] // (8 // world)).copy())
+    layer.load_full_weights(*w64)
+    x = torch.randn(6 + rank, H, generator=torch.Generator().manual_seed(7 + rank), dtype=torch.float64)
+    with torch.no_grad():
+        layer(x)
+    snap = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in layer.state_dict().items()}  # "best so far"
+    torch.save(layer.state_dict(), f"{root}/rank{rank}.pt")
+    before = layer.placement.copy()
+    layer.replan()
+    fresh = ml.VariabilityAwareMoE(cfg, groups, seed=3)
+    fresh.load_state_dict(snap)
+    with torch.no_grad():
+        err = float((fresh(x) - ml.reference.moe_forward(x, *w64, cfg)).abs().max())
+    return {"moved": layer.placement != before, "kept": fresh.placement == before, "err": err}
+
+
+def _load_at_another_size(rank: int, world: int, root: str) -> str:
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=8, top_k=2, params_dtype=torch.float64)
+    layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.from_world())
+    with pytest.raises(ValueError) as info:
+        layer.load_state_dict(torch.load(f"{root}/rank{rank % 2}.pt"))
+    return str(info.value)
+
+
+@pytest.mark.timeout(200)
+def test_cloned_state_dict_snapshot_survives_a_replan_and_other_sizes_are_named(tmp_path):
+    """The placement record was a dict holding the live phy2log: a snapshot that cloned the state
+    dict's tensors kept it by reference, so after a re-plan it paired the old weights with the new
+    placement (wrong outputs, no error). And per-rank state dicts of EP2 loaded at EP4 told ranks 2
+    and 3 to load "the file its own rank saved", which does not exist: every rank now names the sizes."""
+    for out in run_distributed(_snapshot_then_replan, 2, str(tmp_path), timeout=120):
+        assert out["moved"] and out["kept"], out
+        assert out["err"] < 1e-12, out["err"]
+    for message in run_distributed(_load_at_another_size, 4, str(tmp_path), timeout=120):
+        assert "saved at expert-parallel size 2, this layer's group has 4 ranks" in message, message
+
+
+def _auto_replan_in_training(rank: int, world: int) -> dict:
+    """Six AdamW steps: a layer that never moves, and layers with auto_replan=True moving every
+    step, without and with ``replan_optimizer``; then accumulation of 6 micro-batches with window 4
+    (set_to_none True, then False)."""
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=8, top_k=2, params_dtype=torch.float64)
+    groups = ml.ParallelGroups.from_world()
+    g = torch.Generator().manual_seed(1)
+    w64 = (torch.randn(8, H, generator=g, dtype=torch.float64) * 0.5,
+           torch.randn(8, 2 * F, H, generator=g, dtype=torch.float64) * H ** -0.5,
+           torch.randn(8, H, F, generator=g, dtype=torch.float64) * F ** -0.5)
+    layers = [ml.VariabilityAwareMoE(cfg, groups)] + [
+        ml.VariabilityAwareMoE(cfg, groups, window=2, variability="high", auto_replan=True, replan_every=1)
+        for _ in range(2)]
+    opts = []
+    for layer in layers:
+        layer.load_full_weights(*w64)
+        opts.append(torch.optim.AdamW(layer.parameters(), lr=1e-2))
+    layers[2].replan_optimizer = opts[2]
+    caught: dict[int, list[str]] = {1: [], 2: []}
+    data = torch.Generator().manual_seed(10 + rank)
+    for _ in range(6):
+        x = torch.randn(6 + rank, H, generator=data, dtype=torch.float64)
+        for i, (layer, opt) in enumerate(zip(layers, opts)):
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                (layer(x) ** 2).sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if i:
+                caught[i] += [str(m.message) for m in w if "re-plan" in str(m.message)]
+    ref = layers[0].export_full_weights()
+    diff = [max(float((u - v).abs().max()) for u, v in zip(ref, layer.export_full_weights())) for layer in layers[1:]]
+    out = {"moves": [layer.num_moves for layer in layers[1:]], "diff": diff, "caught": caught}
+    for set_to_none in (True, False):
+        layer = ml.VariabilityAwareMoE(cfg, groups, window=4, variability="high", auto_replan=True, replan_every=4)
+        opt = layer.replan_optimizer = torch.optim.SGD(layer.parameters(), lr=1e-3)
+        warned = []
+        for _ in range(3):  # optimizer steps of 6 accumulated micro-batches each
+            for _ in range(6):
+                with warnings.catch_warnings(record=True) as w:
+                    warnings.simplefilter("always")
+                    layer(torch.randn(8, H, generator=data, dtype=torch.float64)).sum().backward()
+                warned += [str(m.message) for m in w if "re-plan" in str(m.message)]
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+        out[f"accumulation set_to_none={set_to_none}"] = (layer.num_replans, warned)
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_auto_replan_in_training_moves_the_optimizer_state_it_is_given():
+    """auto_replan=True in training moved the weights but not AdamW's moments: training diverged
+    from the unmoved run without a word. With ``replan_optimizer`` the moments move too (the
+    unmoved run's weights); without it the first automatic move warns. Accumulating more
+    micro-batches than ``window`` warned to "serve under torch.no_grad()"; now only gradients that
+    zero_grad(set_to_none=False) left as zeros, which keep the move waiting, are warned about."""
+    for out in run_distributed(_auto_replan_in_training, 2, timeout=180):
+        assert min(out["moves"]) >= 2, out["moves"]
+        assert out["diff"][0] > 1e-6 and out["diff"][1] < 1e-12, out["diff"]
+        assert len(out["caught"][1]) == 1 and "replan_optimizer" in out["caught"][1][0], out["caught"][1]
+        assert out["caught"][2] == [], out["caught"][2]
+        replans, warned = out["accumulation set_to_none=True"]
+        assert replans >= 2 and warned == [], warned
+        replans, warned = out["accumulation set_to_none=False"]
+        assert replans == 0 and len(warned) == 1 and "set_to_none=False" in warned[0], (replans, warned)
