@@ -386,8 +386,8 @@ def load_placement_state_dict(model: nn.Module, state_dict: Mapping[str, torch.T
         if not torch.is_tensor(table) or table.shape != old.phy2log.shape:
             shape = tuple(table.shape) if torch.is_tensor(table) else type(table).__name__
             raise ValueError(f"load_placement_state_dict: {key} is {shape}, the layer's placement is "
-                             f"{tuple(old.phy2log.shape)} (ranks, slots per rank): a placement resumes only at the same "
-                             f"expert-parallel size and slots per rank; nothing was moved")
+                             f"{tuple(old.phy2log.shape)} (ranks, slots per rank): a placement resumes only at the "
+                             f"same expert-parallel size and slots per rank; nothing was moved")
         try:
             new = ExpertPlacement(table.detach().to("cpu", torch.int64), old.num_experts)
             new.validate()

@@ -331,7 +331,8 @@ class MoELayerBase(nn.Module):
         # desynchronise the layer (replace() validates again)
         config = config.replace()
         self.config, self.groups, self.placement, self.seed = config, groups, placement.copy(), seed
-        self._placement_rec = placement_record(self.placement, groups.ep_rank)  # what state_dict() saves (get_extra_state)
+        # what state_dict() saves (see get_extra_state)
+        self._placement_rec = placement_record(self.placement, groups.ep_rank)
         if replica_policy is not None and not callable(replica_policy):
             raise TypeError(f"replica_policy must be callable (topk_ids, placement, rank) -> physical slots, "
                             f"got {type(replica_policy).__name__}")
@@ -685,10 +686,10 @@ class MoELayerBase(nn.Module):
         """The placement of a checkpoint's extra state, checked for this layer (``set_extra_state``)."""
         phy2log, num_experts, ep_rank = read_placement_record(state)
         if phy2log.dim() == 2 and phy2log.shape[0] != self.groups.ep_size:  # before the rank: the cause
-            raise ValueError(f"this checkpoint was saved at expert-parallel size {phy2log.shape[0]}, this layer's group "
-                             f"has {self.groups.ep_size} ranks: a layer's state_dict() holds one rank's expert slots "
-                             "and loads at the same size only; to change it, save and load the experts by id "
-                             "(moelayers.checkpoint, or export_full_weights / load_full_weights)")
+            raise ValueError(f"this checkpoint was saved at expert-parallel size {phy2log.shape[0]}, this "
+                             f"layer's group has {self.groups.ep_size} ranks: a layer's state_dict() holds one rank's "
+                             "expert slots and loads at the same size only; to change it, save and load the experts "
+                             "by id (moelayers.checkpoint, or export_full_weights / load_full_weights)")
         if ep_rank is not None and ep_rank != self.groups.ep_rank:  # (older checkpoints lack it)
             raise ValueError(f"this checkpoint holds the expert slots of expert-parallel rank {ep_rank}, "
                              f"this layer is rank {self.groups.ep_rank}: every rank loads the file its own rank "

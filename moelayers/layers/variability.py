@@ -267,7 +267,8 @@ class VariabilityAwareMoE(MoELayerBase):
         try:
             self.replan(optimizer=self.replan_optimizer)
             self._retry_at = None
-            if self.num_moves > moves and self._trained and self.replan_optimizer is None and not self._warned_optimizer:
+            unmoved_state = self._trained and self.replan_optimizer is None
+            if self.num_moves > moves and unmoved_state and not self._warned_optimizer:
                 self._warned_optimizer = True
                 warn_caller("VariabilityAwareMoE: an automatic re-plan moved expert weights between training steps "
                             "without the optimizer's per-slot state, which stays with the slots (Adam's moments now "
