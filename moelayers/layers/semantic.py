@@ -467,13 +467,25 @@ def _same_group(a, b) -> bool:
 
 def _history_of(prev: PrevRanks, token_ids: torch.Tensor | None, *, num_experts: int | None = None
                 ) -> torch.Tensor | None:
-    """The ``[D', T, K]`` expert history in ``prev`` (a pair whose second entry is it, or itself), else
-    ``None``; with ``num_experts``, its ids are checked to lie in ``[0, num_experts)`` (one host sync)."""
+    """The ``[D', T, K]`` expert history in ``prev`` (a pair whose second entry is it, or itself; a
+    numpy array or nested list as a tensor), else ``None``. With ``num_experts`` (a layer whose plan
+    predicts from the history) anything else but ``None`` is refused, since it would be ignored (an
+    Algorithm 3 context of ranks, say), and the ids are checked to lie in ``[0, num_experts)`` (one
+    host sync)."""
     if isinstance(prev, (tuple, list)) and len(prev) == 2:
         prev = prev[1]
+        if prev is not None and not isinstance(prev, torch.Tensor):
+            prev = torch.as_tensor(prev)  # (a numpy array was ignored: the prediction ran without the history)
         if isinstance(prev, torch.Tensor) and prev.dim() not in (1, 3):  # e.g. last_topk_ids [T, K]: not ignored
             raise ValueError(f"the second entry of prev_ranks must be the ranks at layer l-1 [T] or the expert "
                              f"history [D', T, K], got shape {list(prev.shape)} (one layer's [T, K] ids: add [None])")
+    elif prev is not None and not isinstance(prev, torch.Tensor):
+        prev = torch.as_tensor(prev)
+    if num_experts is not None and prev is not None and prev.dim() != 3:
+        raise ValueError(f"this layer's plan predicts ranks from the experts chosen at earlier layers: prev_ranks must "
+                         f"be that history [D', T, K] (their last_context_ranks), alone or as the second entry of a "
+                         f"pair, or None; got ranks of shape {list(prev.shape)} (Algorithm 3's context), which it "
+                         f"cannot use")
     if not isinstance(prev, torch.Tensor) or prev.dim() != 3:
         return None
     t = -1 if token_ids is None else token_ids.numel()

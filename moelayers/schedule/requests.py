@@ -144,8 +144,8 @@ class SemanticScheduler:
                                          or not math.isfinite(total_tokens) or int(total_tokens) != total_tokens
                                          or total_tokens < 0):  # inf and nan: this error, not int()'s
             raise ValueError(f"total_tokens must be None or an int >= 0, got {total_tokens!r}")
-        if not max_ratio >= 1.0:
-            raise ValueError(f"max_ratio must be >= 1, got {max_ratio!r}")
+        if isinstance(max_ratio, bool) or not isinstance(max_ratio, numbers.Real) or not max_ratio >= 1.0:
+            raise ValueError(f"max_ratio must be a number >= 1, got {max_ratio!r}")
         self.cap = np.inf if total_tokens is None else max_ratio * int(total_tokens) / self.num_ranks
         self.mask = np.zeros(self.num_ranks, dtype=bool)
         self.loads = np.zeros(self.num_ranks, dtype=np.int64)

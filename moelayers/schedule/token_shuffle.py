@@ -406,8 +406,9 @@ def rebatch(pred: torch.Tensor, conf: torch.Tensor, num_ranks: int) -> Rebatch:
     Returns:
         The :class:`Rebatch`.
     """
-    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, numbers.Integral) or num_ranks < 1:
         raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+    num_ranks = int(num_ranks)  # (a numpy integer, as the schedulers take)
     if pred.dim() != 1 or conf.shape != pred.shape:
         raise ValueError(f"expected pred [T] and conf [T]; got {list(pred.shape)} and {list(conf.shape)}")
     t, r, dev = pred.numel(), num_ranks, pred.device

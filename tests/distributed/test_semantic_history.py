@@ -160,3 +160,36 @@ def test_expert_history_must_hold_integer_ids():
 
     with pytest.raises(TypeError, match="integer expert ids"):
         _history_of(torch.zeros(1, 3, 2), torch.zeros(3), num_experts=4)
+
+
+def test_expert_history_as_numpy_is_read_and_ranks_are_refused():
+    """A history passed as a numpy array was ignored (the prediction ran without it, as for None);
+    ranks (Algorithm 3's context) given to a history-predictor layer were ignored likewise."""
+    import numpy as np
+
+    from moelayers.layers.semantic import _history_of
+
+    hist = torch.randint(0, 4, (2, 3, 2), generator=torch.Generator().manual_seed(0))
+    for given in (hist.numpy(), (None, hist.numpy()), (None, hist.tolist())):  # (a bare list of 2 is a pair)
+        assert torch.equal(_history_of(given, torch.zeros(3), num_experts=4), hist)
+    for ranks in (np.zeros((2, 3), np.int64), torch.zeros(2, 3, dtype=torch.int64), (None, torch.zeros(3)),
+                  (torch.zeros(3), torch.zeros(3))):
+        with pytest.raises(ValueError, match="predicts ranks from the experts chosen at earlier layers"):
+            _history_of(ranks, torch.zeros(3), num_experts=4)
+    assert _history_of((torch.zeros(3), torch.zeros(3)), torch.zeros(3)) is None  # (gathering the context)
+    assert _history_of(None, torch.zeros(3), num_experts=4) is None and _history_of((None, None), None) is None
+
+
+def test_schedulers_take_numpy_integers_and_refuse_bool_ratios():
+    import numpy as np
+
+    from moelayers.schedule import SemanticScheduler, rebatch
+
+    rb = rebatch(torch.tensor([0, 1, 1]), torch.ones(3), np.int64(2))  # was "must be a positive int, got 2"
+    assert rb.num_ranks == 2 and isinstance(rb.num_ranks, int)
+    from tests.distributed.test_semantic import make_plan
+
+    plan = make_plan(4, 2, mode="dp")
+    for bad in (True, "2", 0.5):  # True was taken as 1; "2" failed with Python's bare comparison TypeError
+        with pytest.raises(ValueError, match="max_ratio must be a number >= 1"):
+            SemanticScheduler(plan, total_tokens=10, max_ratio=bad)
