@@ -3,8 +3,8 @@
 A layer's ``state_dict()`` holds *this rank's* expert slots, ``experts.w13 [S, 2F, H]`` and
 ``experts.w2 [S, H, F]``, under the same keys on every rank. DCP takes equal keys on several ranks
 for copies of one tensor and writes one of them: ``dcp.save(model.state_dict())`` would keep one
-rank's experts and lose the others' (the layers refuse such a checkpoint when it is loaded; see
-``MoELayerBase.get_extra_state``). The state dicts of this module name the experts by their logical
+rank's experts and lose the others' (a layer whose rank's experts were lost refuses such a
+checkpoint when it is loaded: ``MoELayerBase.set_extra_state``). The state dicts of this module name the experts by their logical
 id instead, one entry per expert and weight::
 
     <layer>.experts.w13.<e>   [2F, H]    (w2: [H, F]; optimizer state alike)

@@ -10,12 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from moelayers.dispatch.base import (
     LocalPairs, Received, Routes, combine_pairs, local_pairs, partial_sum_dtype, raise_if_nonfinite,
     payload_digest, raise_if_placements_differ,
 )
-from moelayers.dispatch.comm import ReduceScatterRows, RowLayout, all_gather_flat, packed_all_gather
+from moelayers.dispatch.comm import ReduceScatterRows, RowLayout, packed_all_gather
 from moelayers.metrics import MoEStats
 
 
@@ -46,15 +47,19 @@ class AllGatherDispatcher:
         dev = x.device
         flag = routes.nonfinite.to(torch.int64).view(1) if routes.nonfinite is not None else torch.zeros(1, dtype=torch.int64, device=dev)
         digest = payload_digest(self.placement_digest, x.dtype, routes.weights.dtype)
-        head = torch.tensor([t, digest], dtype=torch.int64, device=dev)
-        sizes = torch.cat([head, flag])  # [3]: tokens, placement digest, bad logits
+        # every rank's (tokens, -, bad logits, digest), exchanged as the all-to-all dispatcher exchanges its
+        # [R, 4] header (the same collective, columns 2 and 3 alike): ranks built with the other dispatcher
+        # meet this one in it and raise on the digests, where an all-gather against its all-to-all hung
+        head = torch.cat([torch.tensor([t, 0], dtype=torch.int64, device=dev), flag,
+                          torch.tensor([digest], dtype=torch.int64, device=dev)])
+        header = head.expand(self.num_ranks, 4).contiguous()
         if self.group is not None:
-            all_sizes = sizes.new_empty(self.num_ranks * 3)
-            all_gather_flat(all_sizes, sizes, group=self.group)
-            sizes = all_sizes
-        host = sizes.view(-1, 3).tolist()
+            recv = torch.empty_like(header)
+            dist.all_to_all_single(recv, header, group=self.group)
+            header = recv
+        host = header.tolist()
         raise_if_nonfinite([row[2] for row in host])
-        raise_if_placements_differ([row[1] for row in host])
+        raise_if_placements_differ([row[3] for row in host])
         t_max = max(row[0] for row in host)
         pad = t_max - t
         phys = (routes.dest_rank * self.num_slots + routes.dest_slot).to(torch.int32)

@@ -52,9 +52,9 @@ class VariabilityAwareMoE(MoELayerBase):
             ``RuntimeWarning`` says why, the old placement keeps serving, and the re-plan is tried
             again ``window`` steps later. When autograd records the forward (the input or
             the weights require grad), the re-plan waits for the start of the next forward instead:
-            moving weights in place would break the backward of the graph that saved them. (The
-            optimizer state of the moved slots does not move with them: automatic re-planning is
-            meant for serving and rollout; in training call ``replan(optimizer=...)`` between steps.)
+            moving weights in place would break the backward of the graph that saved them. (In
+            training, set ``layer.replan_optimizer = optimizer``: the moves then carry its per-slot
+            state, Adam's moments, with the weights; without it the first automatic move warns.)
         replan_every: steps between automatic re-plans after the first (needs ``auto_replan``).
         planner: ``planner(loads [steps, E], curves, *, restarts, seed) -> expert_rank [E]``, run on
             rank 0 only (default: ``moelayers.planning.gem.plan_gem``).

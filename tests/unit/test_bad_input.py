@@ -283,6 +283,8 @@ def _settings_differ(rank, world, what):
     kw = dict(dedup=rank == 0) if what.endswith("dedup") else {}
     if what.startswith("allgather"):
         kw["dispatcher"] = "allgather"  # which ignores dedup: its ranks serve together
+    if what == "dispatcher":  # an all-gather against an all-to-all hung (different first collectives)
+        kw["dispatcher"] = "allgather" if rank else "alltoall"
     layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), seed=0, **kw)
     try:
         with torch.no_grad():
@@ -294,7 +296,7 @@ def _settings_differ(rank, world, what):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("what", ["dedup", "top_k", "allgather-dedup"])
+@pytest.mark.parametrize("what", ["dedup", "top_k", "allgather-dedup", "dispatcher"])
 def test_ranks_with_other_payload_settings_raise(what):
     want = "no error" if what == "allgather-dedup" else "raised"
     assert run_distributed(_settings_differ, 2, what) == [want, want]
