@@ -44,6 +44,9 @@ MEGATRON_SUPPORTED_VALUES: dict[str, tuple] = {
     # megatron's RouterReplay (RL: replay rollout routing in training) has no hook into our router;
     # replay routing with the layer's force_routing instead
     "moe_enable_routing_replay": (False,),
+    # TransformerEngine's fused top-k: it ranks the scores and breaks exact ties its own way (float32
+    # scores in recent versions, its own order among ties in older ones), not megatron's torch.topk
+    "moe_router_fusion": (False,),
 }
 
 
@@ -60,13 +63,16 @@ def _megatron_unsupported(tc: Any) -> list[str]:
 
     A list ``moe_router_load_balancing_type`` (megatron combines several aux-loss types) passes when
     every entry is supported; ``moe_router_num_groups`` only counts with ``moe_router_group_topk`` set,
-    as in megatron's router (``if group_topk:`` selects group-limited routing).
+    as in megatron's router (``if group_topk:`` selects group-limited routing), and neither counts when
+    ``group_topk`` selects every group (nothing is masked).
     """
     bad = []
-    group_limited = bool(getattr(tc, "moe_router_group_topk", None))
+    group_topk = getattr(tc, "moe_router_group_topk", None)
+    # every group selected (group_topk == num_groups) masks nothing: megatron's plain top-k
+    group_limited = bool(group_topk) and group_topk != getattr(tc, "moe_router_num_groups", None)
     for name, accepted in MEGATRON_SUPPORTED_VALUES.items():
         value = getattr(tc, name, accepted[0])
-        if name == "moe_router_num_groups" and not group_limited:
+        if name in ("moe_router_num_groups", "moe_router_group_topk") and not group_limited:
             continue
         if name == "moe_router_load_balancing_type" and isinstance(value, (list, tuple)):
             wrong = [v for v in value if v not in accepted]

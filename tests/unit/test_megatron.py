@@ -326,6 +326,8 @@ def test_fp32_router_picks_megatrons_experts_in_bf16():
     (dict(fp4="nvfp4"), "fp4='nvfp4'"),
     # megatron's RouterReplay could not reach our router: the layer kept routing by its own scores
     (dict(moe_enable_routing_replay=True), "moe_enable_routing_replay=True"),
+    # TransformerEngine's fused top-k ranks and breaks ties its own way: it was accepted silently
+    (dict(moe_router_fusion=True), "moe_router_fusion=True"),
 ])
 def test_from_megatron_refuses_what_it_does_not_implement(setting, match):
     """A setting that changes megatron's output is an error, never silently dropped."""
@@ -473,6 +475,12 @@ def test_from_megatron_num_groups_without_group_topk():
     assert all(torch.equal(p, g) for p, g in zip(plain, grouped))
     with pytest.raises(ValueError, match=re.escape("moe_router_group_topk=1")):
         ml.MoEConfig.from_megatron(_tc(moe_router_num_groups=2, moe_router_group_topk=1))
+    # every group selected masks nothing: plain top-k on megatron's routing too (it was refused)
+    assert ml.MoEConfig.from_megatron(_tc(moe_router_num_groups=2, moe_router_group_topk=2)) == \
+        ml.MoEConfig.from_megatron(_tc())
+    every = topk_routing_with_score_function(logits, K, use_pre_softmax=False, num_groups=2, group_topk=2,
+                                             score_function="softmax")
+    assert all(torch.equal(p, g) for p, g in zip(plain, every))
 
 
 @pytest.mark.parametrize("flag, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
