@@ -385,16 +385,33 @@ class _Untagged:
         return f"<untagged forward {self.index}>"
 
 
-def _batch_of(x: Any) -> tuple[str, int, int] | None:
-    """The sequences of a model input (see :class:`TraceRecorder`): ``('rows', B, S)`` for integer
-    ``[B, S]`` token ids, ``('columns', B, S)`` for floating ``[S, B, H]`` hidden states, else ``None``."""
+def _batch_of(module: nn.Module, x: Any) -> np.ndarray | tuple[int, int] | None:
+    """What tells the sequences of a model input (see :class:`TraceRecorder`): integer ``[B, S]``
+    token ids (a CPU copy), or ``(S, B)`` for the ``[S, B, H]`` input of a MoE layer recorded as the
+    model itself (it flattens them sequence position first); else ``None``."""
     if not isinstance(x, torch.Tensor):
         return None
     if x.ndim == 2 and not x.is_floating_point() and not x.is_complex() and x.dtype != torch.bool:
-        return "rows", int(x.shape[0]), int(x.shape[1])
-    if x.ndim == 3 and x.is_floating_point():
-        return "columns", int(x.shape[1]), int(x.shape[0])
+        return x.detach().to("cpu", torch.int64).numpy()
+    if x.ndim == 3 and x.is_floating_point() and getattr(module, "moe_layer_marker", False) is True:
+        return int(x.shape[0]), int(x.shape[1])
     return None
+
+
+def _untagged_sequences(batch: np.ndarray | tuple[int, int] | None, token_ids: np.ndarray) -> np.ndarray:
+    """``[T]`` the sequence (0, 1, ...) of each token of an untagged forward: the rows of ``[B, S]``
+    ids when the layers saw them row by row, their columns when column by column (a model that
+    runs sequence position first), a MoE layer's ``[S, B, H]`` input by column; else all one."""
+    t = token_ids.shape[0]
+    if isinstance(batch, tuple) and batch[0] * batch[1] == t:
+        return np.arange(t) % batch[1]
+    if isinstance(batch, np.ndarray) and batch.size == t and batch.shape[0] > 1:
+        b, s = batch.shape
+        if np.array_equal(batch.reshape(-1), token_ids):
+            return np.arange(t) // s
+        if np.array_equal(batch.T.reshape(-1), token_ids):
+            return np.arange(t) % b
+    return np.zeros(t, dtype=np.int64)
 
 
 def in_backward() -> bool:
@@ -453,10 +470,12 @@ class TraceRecorder:
     Sequences: ``tag(seq_ids)`` before a forward gives each of its ``T`` tokens a sequence key
     (any hashable). An untagged forward is new sequences, read from the model's first positional
     argument: integer ``[B, S]`` token ids (``TinyDecoder(input_ids)``, a Hugging Face-style model)
-    are ``B`` sequences, one per row; floating ``[S, B, H]`` hidden states (a MoE layer or a
-    megatron-style block called directly) are ``B`` sequences, one per column; anything else
-    (``[T, H]``, keyword inputs, ``TinyDecoder.step``) is one sequence. Tokens of a sequence keep
-    the order they were seen in; sequences are ordered by first appearance.
+    are ``B`` sequences, one per row, when the MoE layers saw the ids row by row (one per column
+    when they saw them column by column, as in a model that runs sequence position first); a MoE
+    layer recorded as the model itself takes ``[S, B, H]`` input as ``B`` sequences, one per column;
+    anything else (``[T, H]``, keyword inputs, ids the layers saw in another order,
+    ``TinyDecoder.step``) is one sequence. Tokens of a sequence keep the order they were seen in;
+    sequences are ordered by first appearance.
 
     Example::
 
@@ -491,7 +510,7 @@ class TraceRecorder:
         self._result: RoutingTrace | None = None
         self._pending_tag: list[Hashable] | None = None
         self._in_forward = False  # a model forward started and has not recorded all its MoE layers yet
-        self._batch: tuple[str, int, int] | None = None  # the model input's sequences, for an untagged forward
+        self._batch: Any = None  # what tells the model input's sequences, for an untagged forward
         self._dropped = 0  # forwards dropped after some (not all) of their MoE layers were recorded
         self._current: list[tuple[np.ndarray, np.ndarray | None]] = []
         # per complete forward: expert ids [T, L, K] (narrowed, see _narrow), token ids [T], sequence codes [T]
@@ -585,7 +604,7 @@ class TraceRecorder:
         if self._in_forward:  # the last model forward raised part-way (and nothing was tagged since)
             self._drop_broken_forward()
         self._in_forward = True
-        self._batch = _batch_of(args[0] if args else None)
+        self._batch = _batch_of(module, args[0] if args else None)
 
     def _on_model_return(self, module: nn.Module, args: Any, output: Any) -> None:
         if in_backward():
@@ -660,17 +679,15 @@ class TraceRecorder:
                 raise ValueError(f"TraceRecorder: {self._where(i)} saw different token ids than {self._where(given[0][0])} in forward {len(self._forwards)}")
         keys, self._pending_tag = self._pending_tag, None
         batch, self._batch = self._batch, None
-        if keys is None and batch is not None and batch[1] * batch[2] == num_tokens:
-            kind, b, s = batch  # rows: token i is in row i // S; columns ([S, B, H]): in column i % B
-            seqs = [_Untagged(len(self._forwards)) for _ in range(b)]
-            keys = [seqs[i // s] for i in range(num_tokens)] if kind == "rows" else \
-                [seqs[i % b] for i in range(num_tokens)]
-        elif keys is None:
-            keys = [_Untagged(len(self._forwards))] * num_tokens
+        if keys is None:  # untagged: the model input's sequences where the layers' token order shows them
+            seq = _untagged_sequences(batch, given[0][1])
+            seqs = [_Untagged(len(self._forwards)) for _ in range(int(seq.max(initial=0)) + 1)]
+            codes = np.array([self._codes.setdefault(k, len(self._codes)) for k in seqs], dtype=np.int64)[seq]
         elif len(keys) != num_tokens:
             raise ValueError(f"TraceRecorder: tag() gave {len(keys)} sequence keys but forward {len(self._forwards)} had T = {num_tokens} tokens")
-        codes = np.fromiter((self._codes.setdefault(k, len(self._codes)) for k in keys), dtype=np.int64,
-                            count=num_tokens)
+        else:
+            codes = np.fromiter((self._codes.setdefault(k, len(self._codes)) for k in keys), dtype=np.int64,
+                                count=num_tokens)
         self._forwards.append((np.stack([ids for ids, _ in layers], axis=1), given[0][1], codes))
 
     def trace(self) -> RoutingTrace:

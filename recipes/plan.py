@@ -361,6 +361,10 @@ def run_warnings(report: dict) -> list[str]:
         out.append(f"the plan file {report['plan']} does not record the sequences it was planned on (written by an "
                    "older moelayers): whether the held-out sequences were among them is unknown, so the LAR may be "
                    "in-sample; re-plan to get a plan file that records them")
+    elif report.get("in_sample_sequences") and report.get("plan") == "solved":
+        out.append(f"{report['in_sample_sequences']} of {report['held_out_sequences']} held-out sequences repeat a "
+                   f"training sequence (the same tokens and routing, e.g. repeated prompts): the LAR counts them as "
+                   f"held out")
     elif report.get("in_sample_sequences"):
         out.append(f"{report['in_sample_sequences']} of {report['held_out_sequences']} held-out sequences are ones the "
                    f"semantic plan was trained on: the LAR is partly in-sample, not a held-out figure (plan the "

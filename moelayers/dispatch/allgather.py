@@ -45,14 +45,13 @@ class AllGatherDispatcher:
     def dispatch(self, x: torch.Tensor, routes: Routes) -> Received:
         t, k = routes.dest_rank.shape
         dev = x.device
-        flag = routes.nonfinite.to(torch.int64).view(1) if routes.nonfinite is not None else torch.zeros(1, dtype=torch.int64, device=dev)
         digest = payload_digest(self.placement_digest, x.dtype, routes.weights.dtype)
         # every rank's (tokens, -, bad logits, digest), exchanged as the all-to-all dispatcher exchanges its
         # [R, 4] header (the same collective, columns 2 and 3 alike): ranks built with the other dispatcher
         # meet this one in it and raise on the digests, where an all-gather against its all-to-all hung
-        head = torch.cat([torch.tensor([t, 0], dtype=torch.int64, device=dev), flag,
-                          torch.tensor([digest], dtype=torch.int64, device=dev)])
-        header = head.expand(self.num_ranks, 4).contiguous()
+        header = torch.tensor([[t, 0, 0, digest]] * self.num_ranks, dtype=torch.int64, device=dev)
+        if routes.nonfinite is not None:
+            header[:, 2] = routes.nonfinite.to(torch.int64)
         if self.group is not None:
             recv = torch.empty_like(header)
             dist.all_to_all_single(recv, header, group=self.group)

@@ -78,6 +78,8 @@ def read_placement_record(state: Any) -> tuple[torch.Tensor, int, int | None]:
             return state[5:].detach().cpu().clone().view(r, s), num_experts, ep_rank
     got = f"a tensor of shape {list(state.shape)} and dtype {state.dtype}" if isinstance(state, torch.Tensor) else \
         type(state).__name__
+    if isinstance(state, torch.Tensor) and state.dtype != torch.int64:
+        got += " (was the state dict cast to another dtype as a whole? the layer's _extra_state must stay int64)"
     raise ValueError(f"the checkpoint's extra state of this MoE layer must be its placement (moelayers' placement "
                      f"record: an int64 tensor [5 + R*S] of format {_STATE_FORMAT}, or a dict "
                      f"{{phy2log, num_experts[, ep_rank]}}), got {got}")

@@ -108,13 +108,20 @@ def optimizer_states(optimizer: Any, w13: torch.Tensor, w2: torch.Tensor) -> lis
     the weights.
 
     Raises:
-        TypeError: ``optimizer`` has no ``state`` mapping (not a torch optimizer).
+        TypeError: ``optimizer`` has no ``state`` mapping (not a torch optimizer), or does not hold
+            ``w13`` and ``w2`` among its parameters.
     """
     if optimizer is None:
         return []
     state = getattr(optimizer, "state", None)
     if not hasattr(state, "get"):
         raise TypeError(f"optimizer must be a torch optimizer (with a state mapping), got {type(optimizer).__name__}")
+    held = {id(p) for group in getattr(optimizer, "param_groups", ()) for p in group.get("params", ())}
+    if id(w13) not in held or id(w2) not in held:  # nothing of its state would move: refused, not ignored
+        raise TypeError(f"the optimizer ({type(optimizer).__name__}) does not hold this layer's expert weights "
+                        "(experts.w13 and experts.w2 among its param_groups' params), so none of its state would move "
+                        "with them; pass the optimizer over the model's own parameters (megatron's optimizers, which "
+                        "step fp32 copies, are not supported here)")
     out = []
     for name, p in (("w13", w13), ("w2", w2)):
         for key, value in sorted(state.get(p, {}).items(), key=lambda kv: str(kv[0])):

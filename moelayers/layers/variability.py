@@ -284,9 +284,13 @@ class VariabilityAwareMoE(MoELayerBase):
             raise
 
     def _grads_are_zeros(self) -> bool:
-        """Whether the expert weights hold gradients that are all zeros (one host sync)."""
-        grads = [g for w in (self.experts.w13, self.experts.w2)
-                 for g in (w.grad, getattr(w, "main_grad", None)) if g is not None]
+        """Whether the expert weights hold ``.grad`` tensors that are all zeros (one host sync).
+        Not with megatron's ``main_grad``: it holds zeros on a rank whose experts got no rows while
+        another rank holds gradients."""
+        w13, w2 = self.experts.w13, self.experts.w2
+        if any(getattr(w, "main_grad", None) is not None for w in (w13, w2)):
+            return False
+        grads = [w.grad for w in (w13, w2) if w.grad is not None]
         return bool(grads) and not any(bool(g.any()) for g in grads)
 
     def _holds_grads(self) -> bool:

@@ -74,6 +74,11 @@ def _move_in_training(rank: int, world: int, device: str = "cpu") -> dict:
         model.moe.apply_placement(_placements(world)["reversed"], optimizer=optim)
     out["steps"] = str(info.value)
     out["steps_kept"] = model.moe.placement == placement
+    # an optimizer that does not hold the expert weights would move none of its state: refused, not ignored
+    other = torch.optim.AdamW(model.pre.parameters())
+    with pytest.raises(PlacementRejected) as info:
+        model.moe.apply_placement(_placements(world)["reversed"], optimizer=other)
+    out["foreign"] = str(info.value.__cause__)
     return out
 
 
@@ -94,6 +99,7 @@ def check_moves(results: list[dict]) -> None:
         assert result["fault"]
         assert "optimizers with different per-slot states" in result["disagree"]
         assert "at different steps" in result["steps"] and result["steps_kept"]
+        assert "does not hold this layer's expert weights" in result["foreign"], result["foreign"]
 
 
 def _non_contiguous_state(rank: int, world: int) -> bool:

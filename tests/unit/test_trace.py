@@ -407,6 +407,22 @@ def test_untagged_batches_are_one_sequence_per_row_or_column() -> None:
         by_column = layer.last_topk_ids.view(3, 2, -1).transpose(0, 1).reshape(6, -1).numpy()
     np.testing.assert_array_equal(rec.result.topk_ids[:6, 0], by_column)
 
+    class SequenceFirst(nn.Module):  # [B, S] ids in, but the blocks run [S, B, H] (megatron's order)
+        def __init__(self):
+            super().__init__()
+            self.emb, self.moe = nn.Embedding(50, 16), ml.VanillaMoE(moe, ml.ParallelGroups.single(), seed=0)
+
+        def forward(self, input_ids):
+            ids = input_ids.t()
+            return self.moe(self.emb(ids), token_ids=ids)
+
+    first = SequenceFirst()
+    with torch.no_grad(), TraceRecorder(first) as rec:
+        first(torch.tensor([[1, 2, 3], [41, 42, 43]]))  # the layer sees 1, 41, 2, 42, ...: the columns
+        first(torch.tensor([[5, 6], [7, 8]]).t().contiguous().t())  # (a view: still read as rows of ids)
+    np.testing.assert_array_equal(rec.result.token_ids, [1, 2, 3, 41, 42, 43, 5, 6, 7, 8])
+    np.testing.assert_array_equal(rec.result.seq_offsets, [0, 3, 6, 8, 10])
+
 
 def test_recorder_removes_hooks_on_exception() -> None:
     model = FakeModel()
