@@ -687,6 +687,29 @@ def check_config(d: dict) -> None:
         raise ValueError(f"{source} {experts} experts per layer, which do not split over parallel.ep={ep} ranks")
     if plan_path:
         check_plan_file(d, plan_path, trace)
+    check_capacity(d, trace)
+
+
+def check_capacity(d: dict, trace) -> None:
+    """``+layer.kwargs.capacity=C`` (capacity mode: at most ``C`` tokens per rank in a step): the
+    longest prompt's prefill must fit, or the run fails inside the ranks at its first prefill.
+
+    Raises:
+        ValueError: ``C`` not an int >= 1, or below the longest prompt.
+    """
+    capacity = (d["layer"].get("kwargs") or {}).get("capacity")
+    if capacity is None:
+        return
+    capacity = int_setting(capacity, "layer.kwargs.capacity", 1)
+    if trace is None and d["router"]["name"] == "replay":
+        trace = load_replay_trace(d)  # the synthetic trace the ranks will replay
+    vocab = fit_model_to_trace(d["model"], trace)[0]["vocab_size"]
+    longest = max((len(r.prompt) for r in make_requests(d, int(vocab), trace)), default=0)
+    if capacity < longest:
+        raise ValueError(f"layer.kwargs.capacity={capacity} is below the longest prompt ({longest} tokens): a step "
+                         f"prefills whole prompts, so capacity mode would refuse it inside the ranks; raise the "
+                         f"capacity to at least {longest} (steps that prefill several prompts need more) or shorten "
+                         f"the prompts (workload.prompt_len, workload.prompt_fraction)")
 
 
 def _load_trace_file(path: str):

@@ -658,3 +658,16 @@ def test_serve_counts_the_padded_combine_of_capacity_layers(tmp_path):
     per_forward = 512 * (2 - 1) * h * 4  # float32 rows to the one other rank
     assert res["a2a_combine_bytes"] == 2 * steps * layers * per_forward  # both ranks, every layer and step
     assert res["a2a_bytes"] == res["a2a_dispatch_bytes"] + res["a2a_combine_bytes"]
+
+
+def test_capacity_below_the_longest_prompt_is_refused_before_the_ranks_start():
+    """+layer.kwargs.capacity=4 failed inside the spawned ranks at the first prefill; now check_config
+    says so (learned routing and a replayed synthetic trace), and a capacity that fits passes."""
+    from recipes import serve
+
+    for extra in ((), ("router=replay",)):
+        with pytest.raises(ValueError, match=r"layer\.kwargs\.capacity=4 is below the longest prompt \(\d+ tokens\)"):
+            serve.check_config(_config("+layer.kwargs.capacity=4", *extra))
+        serve.check_config(_config("+layer.kwargs.capacity=4096", *extra))
+    with pytest.raises(ValueError, match=r"layer\.kwargs\.capacity must be an integer >= 1"):
+        serve.check_config(_config("+layer.kwargs.capacity=0"))
