@@ -227,14 +227,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
     Raises:
         RuntimeError: with every failing rank's traceback, or on timeout (a hang fails, it does not stall).
     """
-    for attempt in range(_PORT_TRIES):
+    for _ in range(_PORT_TRIES):
         try:
             return _run_once(fn, world_size, args, backend, timeout, daemon)
         except _PortTaken as e:  # another process took the port between free_port() and the store's bind
-            if attempt == _PORT_TRIES - 1:
-                raise RuntimeError(f"distributed run failed: the rendezvous port was taken {_PORT_TRIES} times:\n"
-                                   f"{e}") from None
-    raise AssertionError("unreachable")
+            taken = e
+    raise RuntimeError(f"distributed run failed: the rendezvous port was taken {_PORT_TRIES} times:\n{taken}")
 
 
 _PORT_TRIES = 3
