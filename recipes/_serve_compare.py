@@ -130,6 +130,16 @@ def pin_semantic_plan(sched: Any, cfg: dict) -> Any:
     return pinned
 
 
+def shared_step_budget(cfg: dict, layers: list[dict]) -> int | None:
+    """The ``max_tokens_per_step`` both sides serve with, so that they batch the same requests
+    alike: the one set, else the smaller ``capacity`` of the two layers (a side in capacity mode
+    would otherwise batch less than the other), else none."""
+    if cfg.get("max_tokens_per_step") is not None:
+        return int(cfg["max_tokens_per_step"])
+    capacities = [int(c) for c in ((layer.get("kwargs") or {}).get("capacity") for layer in layers) if c is not None]
+    return min(capacities, default=None)
+
+
 def run_configs(cfg: dict, conf_dir: str) -> list[dict]:
     """The per-run configs, in run order: for each seed ours and the baseline (alternating which
     goes first). Each is ``cfg`` without ``compare``, with ``seed``, ``layer``, ``scheduler`` set and
@@ -140,12 +150,13 @@ def run_configs(cfg: dict, conf_dir: str) -> list[dict]:
         base_layer["kwargs"] = {**(base_layer.get("kwargs") or {}), **shared_execution_kwargs(cfg["layer"])}
     base_sched = comp.get("scheduler") if comp.get("scheduler") is not None else cfg["scheduler"]
     base_sched = pin_semantic_plan(base_sched, cfg)
+    budget = shared_step_budget(cfg, [cfg["layer"], base_layer])
     runs = []
     for i, seed in enumerate(seeds(cfg)):
         sides = [("ours", cfg["layer"], cfg["scheduler"]), ("baseline", base_layer, base_sched)]
         for side, layer, sched in (sides if i % 2 == 0 else sides[::-1]):
             run = {k: copy.deepcopy(v) for k, v in cfg.items() if k not in ("compare", "run_dir")}
-            run.update(seed=seed, layer=copy.deepcopy(layer), scheduler=copy.deepcopy(sched),
+            run.update(seed=seed, layer=copy.deepcopy(layer), scheduler=copy.deepcopy(sched), max_tokens_per_step=budget,
                        run_dir=cfg.get("run_dir"), _side=side, _run_label=f"{side} ({layer['name']}) seed {seed}")
             runs.append(run)
     return runs

@@ -5,7 +5,10 @@ Every rank builds the same :class:`moelayers.models.TinyDecoder` (attention weig
 experts spread over the ranks), generates the same request list (same seed) and keeps the requests
 the scheduler gives it (requests, schedulers and the semantic plan: ``recipes/_serve_workload.py``).
 Each step all ranks run the model together — a rank without work still calls the MoE layers with
-zero tokens — and stop when an all-reduce says every rank is done.
+zero tokens — and stop when an all-reduce says every rank is done. A rank admits waiting requests
+in arrival order while its step stays within ``max_batch_size`` requests and ``max_tokens_per_step``
+tokens (one per decode, whole prompts; by default the layer's ``capacity`` when set: see
+:func:`step_token_budget`); ``max_step_tokens`` in results.json is the most one rank ran.
 
 Measured: per request TTFT (arrival to first token) and TPOT (mean gap between output tokens),
 output throughput, LAR and imbalance of the MoE layers (summed over layers and steps, reduced over
@@ -198,7 +201,7 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
                      f"(trace.request_offset={request_offset(cfg)}; held-out from "
                      f"{train_sequences(plan_train_fraction(cfg), trace.num_sequences)})")
     mine = sorted((r for r, o in zip(requests, owner) if o == rank), key=lambda r: r.arrival)
-    max_batch = int(cfg["max_batch_size"])
+    max_batch, max_tokens = int(cfg["max_batch_size"]), step_token_budget(cfg)
     layers, num_layers = model.moe_layers, len(model.moe_layers)
 
     def ids(tokens: list[int]) -> torch.Tensor:
@@ -223,7 +226,7 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
     replans_seen = [getattr(m, "num_replans", 0) for m in model.moe_layers]
     replans = []
     pending, waiting, running = deque(mine), deque(), []
-    acc, load_rows, combine_rows = None, [], 0
+    acc, load_rows, combine_rows, max_step_tokens = None, [], 0, 0
     finished, steps, out_tokens, prompt_tokens = 0, 0, 0, 0
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -231,10 +234,10 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
             now = time.perf_counter() - t0
             while pending and pending[0].arrival <= now:
                 waiting.append(pending.popleft())
-            new = []
-            while waiting and len(running) + len(new) < max_batch:
+            new, n_tok = [], len(running)  # tokens of the step: one per decode, whole prompts
+            while waiting and len(running) + len(new) < max_batch and n_tok + len(waiting[0].prompt) <= max_tokens:
+                n_tok += len(waiting[0].prompt)
                 new.append(waiting.popleft())
-            n_tok = len(running) + sum(len(r.prompt) for r in new)
             vec = torch.tensor([len(pending) + len(waiting) + len(running) + len(new), n_tok, finished],
                                dtype=torch.int64, device=device)
             dist.all_reduce(vec)
@@ -255,6 +258,7 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
             t = time.perf_counter() - t0
             steps += 1
             prompt_tokens += sum(len(r.prompt) for r in new)
+            max_step_tokens = max(max_step_tokens, n_tok)
             per_layer = [layer.last_stats for layer in layers]
             acc = merge_stats(per_layer if acc is None else [acc] + per_layer)
             combine_rows += sum(_combine_rows(layer, s) for layer, s in zip(layers, per_layer))
@@ -283,7 +287,8 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
         bar.close()
     counted = [(i, m.num_replans) for i, m in enumerate(layers) if hasattr(m, "num_replans")]
     res = _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, steps, out_tokens,
-                          prompt_tokens, elapsed, mcfg, notes, device, (replans, counted), combine_rows)
+                          prompt_tokens, elapsed, mcfg, notes, device, (replans, counted), combine_rows,
+                          max_step_tokens)
     if res is not None:
         res["in_sample_requests"] = in_sample
         if trace is not None:
@@ -328,7 +333,8 @@ def _combine_rows(layer, stats) -> int:
 
 
 def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, steps, out_tokens, prompt_tokens,
-                    elapsed, mcfg, notes, device, replanning=((), ()), combine_rows=0) -> dict | None:
+                    elapsed, mcfg, notes, device, replanning=((), ()), combine_rows=0,
+                    max_step_tokens=0) -> dict | None:
     """Reduce the counters over ranks; rank 0 builds the results dict.
 
     ``replanning``: this rank's ``(replans, [(layer, count)])``. Every expert-parallel group re-plans
@@ -339,6 +345,7 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
     ranks, hidden state + routing metadata, ``MoEStats.bytes_sent``) plus ``a2a_combine_bytes`` (one
     hidden-state row back per such row; with ``capacity`` the fixed buffers both ways, padding
     included: :func:`_combine_rows`) = ``a2a_bytes``, summed over ranks, MoE layers and steps.
+    ``max_step_tokens``: the most tokens one rank ran in a step (max over ranks).
     """
     from moelayers.dispatch.base import partial_sum_dtype
     from moelayers.metrics import MoEStats, imbalance
@@ -361,6 +368,7 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
     ep_ranks = [groups.ep_rank]
     counts = torch.tensor([out_tokens, prompt_tokens, remote_rows, combine_rows], dtype=torch.int64, device=device)
     t_end = torch.tensor([elapsed], dtype=torch.float64, device=device)
+    most = torch.tensor([max_step_tokens], dtype=torch.int64, device=device)
     if world > 1:
         every = [torch.empty_like(group_loads) for _ in range(world)]
         dist.all_gather(every, group_loads)
@@ -369,6 +377,7 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
         dist.all_gather_object(ep_ranks, groups.ep_rank)
         dist.all_reduce(counts)
         dist.all_reduce(t_end, op=dist.ReduceOp.MAX)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
     else:
         group_loads = group_loads[None]
     per_req = [{"id": r.rid, "rank": rank, "arrival_s": r.arrival, "prompt_len": len(r.prompt),
@@ -424,7 +433,7 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
         "a2a_combine_bytes": combine_bytes, "a2a_rows": remote_total,
         "world_size": world, "layer": cfg["layer"]["name"], "router": cfg["router"]["name"],
         "scheduler": cfg["scheduler"], "num_requests": len(reqs), "output_tokens": out_total,
-        "prompt_tokens": prompt_total,
+        "prompt_tokens": prompt_total, "max_step_tokens": int(most[0]),
         "steps": steps, "elapsed_s": elapsed, "seed": cfg["seed"], "requests_digest": requests_digest(requests),
         "model": mcfg, "notes": notes, "config": echo, "replans": replans,
         "requests": reqs, "rank_load_per_step": loads.tolist(),
@@ -690,26 +699,49 @@ def check_config(d: dict) -> None:
     check_capacity(d, trace)
 
 
+def step_token_budget(d: dict) -> float:
+    """Most tokens a rank runs through the model in one step (a decode's one token, a prefill's
+    whole prompt): ``max_tokens_per_step``, else the layer's ``capacity`` (capacity mode refuses
+    a step of more tokens per rank), else no bound. Waiting requests are admitted in arrival
+    order while the step's tokens stay within it; the decodes that follow fit by construction
+    (one token per request, and every prompt has one at least)."""
+    budget = d.get("max_tokens_per_step")
+    if budget is None:
+        budget = (d["layer"].get("kwargs") or {}).get("capacity")
+    return math.inf if budget is None else int(budget)
+
+
 def check_capacity(d: dict, trace) -> None:
-    """``+layer.kwargs.capacity=C`` (capacity mode: at most ``C`` tokens per rank in a step): the
-    longest prompt's prefill must fit, or the run fails inside the ranks at its first prefill.
+    """``max_tokens_per_step`` and ``+layer.kwargs.capacity=C`` (capacity mode: at most ``C``
+    tokens per rank in a step; the step budget by default): the longest prompt's prefill must fit
+    the budget, or it could never be admitted, and the budget must fit the capacity, or the run
+    fails inside the ranks at a large prefill.
 
     Raises:
-        ValueError: ``C`` not an int >= 1, or below the longest prompt.
+        ValueError: either not an int >= 1, a budget above the capacity, or one below the longest
+            prompt.
     """
     capacity = (d["layer"].get("kwargs") or {}).get("capacity")
-    if capacity is None:
+    budget = d.get("max_tokens_per_step")
+    if capacity is not None:
+        capacity = int_setting(capacity, "layer.kwargs.capacity", 1)
+    if budget is not None:
+        budget = int_setting(budget, "max_tokens_per_step", 1)
+        if capacity is not None and budget > capacity:
+            raise ValueError(f"max_tokens_per_step={budget} is above layer.kwargs.capacity={capacity}: capacity mode "
+                             f"refuses a step of more tokens per rank; set max_tokens_per_step <= {capacity} (or "
+                             f"drop it: the capacity is the default budget)")
+    if budget is None and capacity is None:
         return
-    capacity = int_setting(capacity, "layer.kwargs.capacity", 1)
     if trace is None and d["router"]["name"] == "replay":
         trace = load_replay_trace(d)  # the synthetic trace the ranks will replay
     vocab = fit_model_to_trace(d["model"], trace)[0]["vocab_size"]
     longest = max((len(r.prompt) for r in make_requests(d, int(vocab), trace)), default=0)
-    if capacity < longest:
-        raise ValueError(f"layer.kwargs.capacity={capacity} is below the longest prompt ({longest} tokens): a step "
-                         f"prefills whole prompts, so capacity mode would refuse it inside the ranks; raise the "
-                         f"capacity to at least {longest} (steps that prefill several prompts need more) or shorten "
-                         f"the prompts (workload.prompt_len, workload.prompt_fraction)")
+    name, value = ("max_tokens_per_step", budget) if budget is not None else ("layer.kwargs.capacity", capacity)
+    if value < longest:
+        raise ValueError(f"{name}={value} is below the longest prompt ({longest} tokens): a step prefills whole "
+                         f"prompts, so that request could never be served; raise it to at least {longest} or "
+                         f"shorten the prompts (workload.prompt_len, workload.prompt_fraction)")
 
 
 def _load_trace_file(path: str):

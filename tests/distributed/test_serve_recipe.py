@@ -671,3 +671,45 @@ def test_capacity_below_the_longest_prompt_is_refused_before_the_ranks_start():
         serve.check_config(_config("+layer.kwargs.capacity=4096", *extra))
     with pytest.raises(ValueError, match=r"layer\.kwargs\.capacity must be an integer >= 1"):
         serve.check_config(_config("+layer.kwargs.capacity=0"))
+
+
+def test_a_step_admits_prompts_within_the_capacity(tmp_path):
+    """A step prefilled every waiting prompt that fit max_batch_size, so several prompts together
+    overflowed a capacity that each one fits, and capacity mode failed inside the ranks. The
+    capacity is now the step's token budget: every request is served and no step ran more."""
+    from recipes import serve
+
+    d = _config("workload.num_requests=8", "workload.rate=null")
+    longest = max(len(r.prompt) for r in serve.make_requests(d, int(d["model"]["vocab_size"])))
+    capacity = max(longest, 8)  # above every prompt, below the prompts of one rank together
+    res = _serve(tmp_path / "run", "workload.num_requests=8", "workload.rate=null", "max_batch_size=8",
+                 f"+layer.kwargs.capacity={capacity}")
+    assert res["finished_requests"] == 8 and not res["truncated"]
+    assert longest <= res["max_step_tokens"] <= capacity
+    prompts = sum(r["prompt_len"] for r in res["requests"] if r["rank"] == 0)
+    assert prompts > capacity  # without the budget, the first step of rank 0 took them all
+
+
+def test_step_budget_is_checked_against_the_capacity_and_the_prompts():
+    from recipes import serve
+
+    with pytest.raises(ValueError, match=r"max_tokens_per_step=600 is above layer\.kwargs\.capacity=512"):
+        serve.check_config(_config("+layer.kwargs.capacity=512", "max_tokens_per_step=600"))
+    with pytest.raises(ValueError, match=r"max_tokens_per_step=2 is below the longest prompt"):
+        serve.check_config(_config("max_tokens_per_step=2"))
+    with pytest.raises(ValueError, match=r"max_tokens_per_step must be an integer >= 1"):
+        serve.check_config(_config("max_tokens_per_step=0"))
+    serve.check_config(_config("+layer.kwargs.capacity=512", "max_tokens_per_step=256"))
+    assert serve.step_token_budget(_config("+layer.kwargs.capacity=512")) == 512
+    assert serve.step_token_budget(_config("+layer.kwargs.capacity=512", "max_tokens_per_step=256")) == 256
+    assert serve.step_token_budget(_config()) == float("inf")
+
+
+def test_a_comparison_batches_both_sides_within_the_smaller_capacity():
+    from recipes import _serve_compare as compare
+
+    ours = {"name": "semantic", "kwargs": {"capacity": 256}}
+    assert compare.shared_step_budget({}, [ours, {"name": "vanilla"}]) == 256
+    assert compare.shared_step_budget({}, [ours, {"name": "v", "kwargs": {"capacity": 128}}]) == 128
+    assert compare.shared_step_budget({"max_tokens_per_step": 64}, [ours, {"name": "vanilla"}]) == 64
+    assert compare.shared_step_budget({}, [{"name": "semantic"}, {"name": "vanilla"}]) is None
