@@ -406,7 +406,10 @@ class MegatronMoEAdapter(nn.Module):
                 counted once per TP rank (megatron's ``MoELayer`` refuses to train with TP > 1
                 without sequence parallelism), and the same with one expert-parallel rank when
                 ``expert_tensor_parallel_size`` differs from the TP size (megatron's DDP sums the
-                experts' identical gradients over the TP ranks then). Inference runs as usual.
+                experts' identical gradients over the TP ranks then), and in any training with an
+                ``expert_tensor_parallel_size`` other than the TP size (with TP 1 and expert TP 2,
+                megatron leaves the expert-TP ranks out of the expert gradients' sum, and their
+                whole copies of the experts drift apart). Inference runs as usual.
             TypeError, ValueError: ``hidden_states``, ``padding_mask``, ``token_ids`` or the forced
                 routing are refused. With several expert-parallel ranks this rank first takes part
                 in the layer's exchange with no tokens, so the other ranks raise ``ValueError`` too
@@ -436,14 +439,18 @@ class MegatronMoEAdapter(nn.Module):
                 "(megatron's own MoELayer refuses to train with tensor parallelism without sequence parallelism). "
                 "Train with tensor_model_parallel_size=1 or expert_model_parallel_size=1; inference runs as usual")
         etp = int(getattr(self.config, "expert_tensor_parallel_size", None) or tp)  # megatron's default: tp
-        if training and tp > 1 and not getattr(self.config, "sequence_parallel", False) and etp != tp:
+        if training and etp != tp:  # (tp > 1 here runs without sequence parallelism: refused above)
+            why = (f"every TP rank computes the experts' whole gradient from the same tokens, and the expert-data-"
+                   f"parallel group megatron's DDP sums the expert gradients over holds the TP ranks: they would "
+                   f"count {tp // max(etp, 1)} times" if etp < tp else
+                   f"megatron shards each expert over the {etp} expert-TP ranks and sums the expert gradients over "
+                   f"the expert-data-parallel group only, which leaves those ranks out; they route different tokens "
+                   f"(moelayers keeps whole experts on each), so each would keep its own gradient and the copies "
+                   f"of an expert drift apart from the first step")
             raise RuntimeError(
-                f"training through the adapter with tensor_model_parallel_size={tp}, sequence_parallel=False and "
-                f"expert_tensor_parallel_size={etp} is not supported: every TP rank computes the experts' whole "
-                f"gradient from the same tokens, and megatron's DDP sums the expert gradients over the expert-data-"
-                f"parallel group, which then holds the TP ranks: they would count {tp // max(etp, 1)} times. Train with "
-                f"expert_tensor_parallel_size={tp} (megatron's default) or tensor_model_parallel_size=1; inference "
-                "runs as usual")
+                f"training through the adapter with tensor_model_parallel_size={tp} and expert_tensor_parallel_size="
+                f"{etp} is not supported: {why}. Train with expert_tensor_parallel_size={tp} (megatron's default: the "
+                "tensor-parallel size); inference runs as usual")
         if training and not self._warned_replica_clip and int(self.layer.placement.logcnt.max()) > 1:
             self._warned_replica_clip = True
             warn_caller(

@@ -842,6 +842,62 @@ def _adapter_tp_ep_training(rank: int, world: int) -> dict[str, str | None]:
     return out
 
 
+def _adapter_expert_tp_without_tp(rank: int, world: int) -> dict[str, str | None]:
+    """megatron TP 1 and expert TP 2: megatron would shard each expert over the 2 expert-TP ranks and
+    sum expert gradients over the expert-data-parallel group only (world / (EP x ETP) = 1 rank), so
+    the adapter's whole experts, trained from each rank's own tokens, drifted apart from the first
+    step (found with megatron's DDP and optimizer). Training is refused on every rank; inference
+    matches the reference."""
+    import warnings
+
+    import torch._dynamo
+    import torch.nn.functional as tnf
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from moelayers.integrations import megatron as mi
+
+    warnings.simplefilter("ignore")
+    torch._dynamo.config.disable = True
+    e = 4
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(e, H, generator=g), 0.3 * torch.randn(e, 2 * F, H, generator=g),
+         0.3 * torch.randn(e, H, F, generator=g))
+    x = torch.randn(5, 2, H, generator=torch.Generator().manual_seed(10 + rank))  # each rank its own tokens
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=1,
+                                 expert_tensor_parallel_size=2)
+    try:
+        tc = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, ffn_hidden_size=F,
+                               num_moe_experts=e, moe_router_topk=2, moe_ffn_hidden_size=F, gated_linear_unit=True,
+                               activation_func=tnf.silu, add_bias_linear=False, use_cpu_initialization=True,
+                               hidden_dropout=0.0, expert_tensor_parallel_size=2)
+        adapter = build_module(mi.moe_spec(ml.VanillaMoE), config=tc).train()
+        adapter.load_full_weights(*w)
+        ref = ml.reference.moe_forward(x.reshape(-1, H).double(), *(t.double() for t in w),
+                                       adapter.moe_config.replace(params_dtype=torch.float64))
+        out = {}
+        try:
+            adapter(x)
+            out["train"] = "training with TP=1 and expert TP=2 ran"
+        except RuntimeError as exc:
+            out["train"] = str(exc)
+        with torch.no_grad():
+            out["inference"] = check_close("TP=1 ETP=2 inference", adapter(x)[0].reshape(-1, H), ref)
+        return out
+    finally:
+        ps.destroy_model_parallel()
+
+
+@pytest.mark.timeout(180)
+def test_megatron_adapter_refuses_training_with_expert_tp_above_tp():
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    for rank, res in enumerate(run_distributed(_adapter_expert_tp_without_tp, 2, timeout=120)):
+        assert "tensor_model_parallel_size=1 and expert_tensor_parallel_size=2 is not supported" in res["train"], \
+            f"rank {rank}: {res}"
+        assert "drift apart" in res["train"] and res["inference"] is None, f"rank {rank}: {res}"
+
+
 @pytest.mark.timeout(300)
 def test_megatron_adapter_refuses_training_with_tp_without_sp_and_ep():
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
