@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from moelayers.dispatch.base import (
-    LocalPairs, Received, Routes, combine_pairs, local_pairs, partial_sum_dtype, raise_if_nonfinite,
+    LocalPairs, Received, Routes, check_routes, combine_pairs, local_pairs, partial_sum_dtype, raise_if_nonfinite,
     payload_digest, raise_if_placements_differ,
 )
 from moelayers.dispatch.comm import ReduceScatterRows, RowLayout, packed_all_gather
@@ -43,6 +43,7 @@ class AllGatherDispatcher:
         self.last_stats: MoEStats | None = None
 
     def dispatch(self, x: torch.Tensor, routes: Routes) -> Received:
+        routes = check_routes(routes, self.num_ranks, self.num_slots)
         t, k = routes.dest_rank.shape
         dev = x.device
         digest = payload_digest(self.placement_digest, x.dtype, routes.weights.dtype)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from moelayers.dispatch.base import (
-    LocalPairs, Received, Routes, combine_pairs, local_pairs, partial_sum_dtype, raise_if_nonfinite,
+    LocalPairs, Received, Routes, check_routes, combine_pairs, local_pairs, partial_sum_dtype, raise_if_nonfinite,
     payload_digest, raise_if_placements_differ,
 )
 from moelayers.dispatch.comm import ROW_ALIGN, RowLayout, all_to_all_bytes, packed_all_to_all
@@ -73,6 +73,7 @@ class AllToAllDispatcher:
 
     # ------------------------------------------------------------------ step 3
     def dispatch(self, x: torch.Tensor, routes: Routes) -> Received:
+        routes = check_routes(routes, self.num_ranks, self.num_slots, padding=self.capacity is not None)
         if self.capacity is not None:
             return self._dispatch_fixed(x, routes)
         dest_map, header = self._layout(routes, payload_digest(self.placement_digest, x.dtype, routes.weights.dtype))

@@ -7,6 +7,7 @@ back, weighted and summed, in the caller's token order.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from dataclasses import dataclass, field
@@ -35,6 +36,9 @@ class Routes:
             dispatchers exchange it with their split sizes (no extra sync) and every rank raises.
         overflow: capacity mode: optional 0-dim device flag, true when this rank had more tokens
             than the capacity (it sends the first ``capacity``); exchanged like ``nonfinite``.
+        in_range: ``dest_rank`` and ``dest_slot`` are known to lie in ``[0, R)`` and ``[0, S)``
+            (:func:`routes_from_placement` sets it). Otherwise the dispatchers check them on the
+            device (:func:`check_routes`; no sync) and every rank raises on a route outside.
     """
 
     topk_ids: torch.Tensor
@@ -43,12 +47,14 @@ class Routes:
     dest_slot: torch.Tensor
     nonfinite: torch.Tensor | None = None
     overflow: torch.Tensor | None = None
+    in_range: bool = False
 
 
 NONFINITE_LOGITS = 1  # bits of Routes.nonfinite
 FORCED_OUT_OF_RANGE = 2
 BAD_INPUT = 4  # the layer refused this rank's input; it takes part in the exchange with no tokens
 BAD_REPLICA = 8  # a replica policy picked a slot that does not hold the routed expert
+BAD_ROUTE = 16  # a route to a rank or slot outside the expert-parallel group (check_routes)
 
 
 def merge_flags(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
@@ -102,6 +108,11 @@ def raise_if_nonfinite(flags: list[int]) -> None:
                          f"expert-parallel rank(s) {replica} (or raised, or returned no [T, K] integer tensor "
                          f"there: a RuntimeWarning on that rank says which): a policy must return, for every "
                          f"(token, k), one of the slots that placement.log2phy lists for topk_ids[t, k]")
+    route = [r for r, f in enumerate(flags) if int(f) & BAD_ROUTE]
+    if route:
+        raise ValueError(f"the routes of expert-parallel rank(s) {route} hold a dest_rank outside [0, ranks) or a "
+                         f"dest_slot outside [0, slots per rank) (a plan() override or Routes built by hand? "
+                         f"routes_from_placement builds them from a placement)")
     bad = [r for r, f in enumerate(flags) if int(f) & NONFINITE_LOGITS]
     if bad:
         raise ValueError(f"router logits contain NaN or inf (on expert-parallel rank(s) {bad}): "
@@ -171,7 +182,7 @@ def routes_from_placement(
     """Step 2 for placement-driven layers: logical ids -> chosen replica -> (rank, local slot)."""
     if placement.max_replicas == 1 and type(policy) is LocalFirstPolicy:  # one replica each: two table lookups
         rank_of, slot_of = placement.first_replica_location(topk_ids.device)
-        return Routes(topk_ids, weights, rank_of[topk_ids], slot_of[topk_ids])
+        return Routes(topk_ids, weights, rank_of[topk_ids], slot_of[topk_ids], in_range=True)
     flag = None
     if type(policy) is LocalFirstPolicy:
         phys = policy(topk_ids, placement, rank)
@@ -184,7 +195,32 @@ def routes_from_placement(
             phys = exc
         phys, flag = _checked_picks(policy, phys, topk_ids, placement)
     dest_rank = torch.div(phys, placement.slots_per_rank, rounding_mode="floor")
-    return Routes(topk_ids, weights, dest_rank, phys - dest_rank * placement.slots_per_rank, nonfinite=flag)
+    return Routes(topk_ids, weights, dest_rank, phys - dest_rank * placement.slots_per_rank, nonfinite=flag,
+                  in_range=True)  # (a custom policy's picks are clamped into the slots: _checked_picks)
+
+
+def check_routes(routes: Routes, num_ranks: int, num_slots: int, *, padding: bool = False) -> Routes:
+    """``routes`` with every route in range, checked on the device (no host sync).
+
+    Routes not known to be in range (``Routes.in_range`` false: a ``plan()`` override, or routes
+    built by hand for a dispatcher) could send a token to no rank at all (an activation lost
+    silently) or index past the payload. A route with ``dest_rank`` outside ``[0, num_ranks)``
+    (``-1`` allowed with ``padding``: capacity mode's padding rows, sent nowhere) or, where it is
+    sent, ``dest_slot`` outside ``[0, num_slots)`` is redirected to rank 0, slot 0, so that the
+    exchange completes, and flagged ``BAD_ROUTE`` in ``nonfinite``: every rank raises
+    (:func:`raise_if_nonfinite`).
+
+    Returns:
+        ``routes`` itself when ``in_range``, else new :class:`Routes` with ``in_range`` set.
+    """
+    if routes.in_range:
+        return routes
+    rank, slot = routes.dest_rank, routes.dest_slot
+    sent = rank >= 0 if padding else torch.ones_like(rank, dtype=torch.bool)
+    bad = (rank < (-1 if padding else 0)) | (rank >= num_ranks) | (sent & ((slot < 0) | (slot >= num_slots)))
+    flag = torch.where(bad.any(), BAD_ROUTE, 0).to(torch.int32)
+    return dataclasses.replace(routes, dest_rank=rank.masked_fill(bad, 0), dest_slot=slot.masked_fill(bad, 0),
+                               nonfinite=merge_flags(routes.nonfinite, flag), in_range=True)
 
 
 def _checked_picks(policy, phys, topk_ids, placement: ExpertPlacement) -> tuple[torch.Tensor, torch.Tensor]:

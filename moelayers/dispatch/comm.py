@@ -7,6 +7,8 @@ one collective; integer fields carry no gradient.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +31,10 @@ def fingerprint(values: torch.Tensor, *, chunk: int = 1 << 24) -> torch.Tensor:
     changes it (a plain or position-weighted sum misses swaps that cancel). Rows are processed in
     chunks of about ``chunk`` values to bound the temporary memory.
     """
-    v = values.reshape(values.shape[0], -1) if values.dim() else values.reshape(1, 1)
+    if not values.dim():
+        v = values.reshape(1, 1)
+    else:  # (reshape cannot infer -1 for zero rows)
+        v = values.reshape(values.shape[0], math.prod(values.shape[1:]))
     out = torch.empty(v.shape[0], dtype=torch.int64, device=v.device)
     pos = torch.arange(v.shape[1], dtype=torch.int64, device=v.device) * _MIX[0]
     step = max(1, chunk // max(v.shape[1], 1))

@@ -9,6 +9,9 @@ For every (token ``t``, destination rank ``r``) with ``dest_map[t, r] = row >= 0
 The three outputs are typically typed views of one ``uint8`` payload buffer (see
 ``moelayers.dispatch.comm.RowLayout``), so one launch writes the whole send buffer: the token
 rows and the routing metadata each destination rank needs.
+
+A row past the outputs (``dest_map >= N``): the reference raises ``IndexError``; the Triton
+kernel, which checks nothing on the host (no sync), skips it and never writes outside them.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ if HAVE_TRITON:
     @triton.jit
     def _dispatch_pack_kernel(
         x_ptr, map_ptr, rank_ptr, slot_ptr, w_ptr, xo_ptr, so_ptr, wo_ptr,
-        H, R, K, stride_x, stride_xo, stride_so, stride_wo,
+        H, R, K, N, stride_x, stride_xo, stride_so, stride_wo,
         BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         # One program per (token, block of H): the row block is loaded once and stored to every
@@ -40,9 +43,11 @@ if HAVE_TRITON:
         weights = tl.load(w_ptr + t * K + koffs, mask=kmask, other=0.0)
         for r in range(R):
             d = tl.load(map_ptr + t * R + r).to(tl.int64)
-            # scalar conditions become column bounds (scalar & vector masks trip the interpreter)
-            row_mask = offs < tl.where(d >= 0, H, 0)
-            meta_mask = koffs < tl.where((d >= 0) & (hb == 0), K, 0)
+            # scalar conditions become column bounds (scalar & vector masks trip the interpreter);
+            # a row past the outputs (d >= N) is skipped like d < 0
+            ok = (d >= 0) & (d < N)
+            row_mask = offs < tl.where(ok, H, 0)
+            meta_mask = koffs < tl.where(ok & (hb == 0), K, 0)
             d = tl.maximum(d, 0)
             tl.store(xo_ptr + d * stride_xo + offs, row, mask=row_mask)
             mine = ranks == r
@@ -125,7 +130,7 @@ def dispatch_pack_triton(
     with on_device_of(x):
         _dispatch_pack_kernel[grid](
             x, dest_map, dest_rank, dest_slot, weights, x_out, s_out, w_out,
-            h, dest_map.shape[1], k, x.stride(0), x_out.stride(0), s_out.stride(0), w_out.stride(0),
+            h, dest_map.shape[1], k, x_out.shape[0], x.stride(0), x_out.stride(0), s_out.stride(0), w_out.stride(0),
             BLOCK_H=block_h, BLOCK_K=triton.next_power_of_2(k),
         )
 

@@ -5,6 +5,10 @@ up to ``J`` destinations (e.g. its top-k experts, or several destination ranks);
 are skipped. Valid destination rows never collide, and rows of ``out`` no entry targets are left as
 they are, so ``out`` can be a column slice of a wider packed send buffer (or a dtype view of a
 ``uint8`` buffer) that other fields are written into.
+
+A row past ``out`` (``dest_map >= N``): the reference raises ``IndexError``; the Triton kernel,
+which checks nothing on the host (no sync), skips it and never writes outside ``out``. The
+dispatchers build in-range maps.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _permute_kernel(
-        x_ptr, dest_ptr, out_ptr, H, J, stride_x, stride_d, stride_o, BLOCK_H: tl.constexpr
+        x_ptr, dest_ptr, out_ptr, H, J, N, stride_x, stride_d, stride_o, BLOCK_H: tl.constexpr
     ):
         # One program per (token, block of H): load the row block once, store it J times.
         t = tl.program_id(0).to(tl.int64)
@@ -28,8 +32,9 @@ if HAVE_TRITON:
         row = tl.load(x_ptr + t * stride_x + offs, mask=mask)
         for j in range(J):
             d = tl.load(dest_ptr + t * stride_d + j).to(tl.int64)
-            # Skip d < 0 by masking every column (a scalar & vector mask trips the interpreter).
-            row_mask = offs < tl.where(d >= 0, H, 0)
+            # Skip d < 0 (and d >= N: never past out) by masking every column (a scalar & vector
+            # mask trips the interpreter).
+            row_mask = offs < tl.where((d >= 0) & (d < N), H, 0)
             d = tl.maximum(d, 0)  # keep the (masked-off) address in range
             tl.store(out_ptr + d * stride_o + offs, row, mask=row_mask)
 
@@ -101,7 +106,7 @@ def permute_triton(x: torch.Tensor, dest_map: torch.Tensor, out: torch.Tensor) -
     grid = (T, triton.cdiv(H, block_h))
     with on_device_of(x):
         _permute_kernel[grid](
-            x, dest_map, out, H, dest_map.shape[1], x.stride(0), dest_map.stride(0), out.stride(0),
+            x, dest_map, out, H, dest_map.shape[1], out.shape[0], x.stride(0), dest_map.stride(0), out.stride(0),
             BLOCK_H=block_h,
         )
     return out

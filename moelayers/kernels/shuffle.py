@@ -4,7 +4,9 @@ Two kernels, each with its torch reference:
 
 - ``shuffle_rows``: ``out[i] = x[index[i]]``, zeros where ``index[i] < 0``. With ``index = perm``
   it fills the reduce-scatter input buffer in the rebatched order (``-1`` = dummy padding row);
-  with ``index = inverse`` it restores the original token order after the all-gather.
+  with ``index = inverse`` it restores the original token order after the all-gather. A row
+  past ``x`` (``index >= T``): the reference raises ``IndexError``; the Triton kernel, which checks
+  nothing on the host (no sync), reads zeros and never reads outside ``x``.
 - ``bucket_positions``: each token's position inside its bucket (tokens of the same predicted
   rank), ordered by confidence, highest first, ties by token index:
   ``pos[i] = #{j : pred[j] == pred[i] and (conf[j] > conf[i] or (conf[j] == conf[i] and j < i))}``.
@@ -27,13 +29,13 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _shuffle_rows_kernel(x_ptr, index_ptr, out_ptr, H, stride_x, stride_o, BLOCK_H: tl.constexpr):
+    def _shuffle_rows_kernel(x_ptr, index_ptr, out_ptr, H, T, stride_x, stride_o, BLOCK_H: tl.constexpr):
         # One program per (output row, block of H): copy the source row, or write zeros.
         i = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         src = tl.load(index_ptr + i).to(tl.int64)
         # scalar conditions become column bounds (a scalar & vector mask trips the interpreter)
-        load_mask = offs < tl.where(src >= 0, H, 0)
+        load_mask = offs < tl.where((src >= 0) & (src < T), H, 0)  # src >= T: zeros, never read past x
         src = tl.maximum(src, 0)  # keep the (masked-off) address in range
         row = tl.load(x_ptr + src * stride_x + offs, mask=load_mask, other=0.0)
         tl.store(out_ptr + i * stride_o + offs, row, mask=offs < H)
@@ -123,7 +125,8 @@ def shuffle_rows_triton(x: torch.Tensor, index: torch.Tensor, out: torch.Tensor 
     index = index.contiguous()
     block_h = min(1024, triton.next_power_of_2(h))
     with on_device_of(x):
-        _shuffle_rows_kernel[(n, triton.cdiv(h, block_h))](x, index, out, h, x.stride(0), out.stride(0), BLOCK_H=block_h)
+        _shuffle_rows_kernel[(n, triton.cdiv(h, block_h))](x, index, out, h, x.shape[0], x.stride(0), out.stride(0),
+                                                          BLOCK_H=block_h)
     return out
 
 

@@ -3,6 +3,10 @@
 ``out[t] = sum_{j : index[t, j] >= 0} weight[t, j] * src[index[t, j]]``, accumulated in float32
 (float64 when ``src`` is float64) and cast once to ``out_dtype``. Tokens with no valid entry get
 zeros. ``src`` may be a strided row view (e.g. a column slice of a packed receive buffer).
+
+A row past ``src`` (``index >= N``): the reference raises ``IndexError``; the Triton kernel, which
+checks nothing on the host (no sync), reads it as zeros and never reads outside ``src``. Rows of
+an empty ``src`` are refused on both paths (a sync, only then).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _unpermute_combine_kernel(
-        src_ptr, idx_ptr, w_ptr, out_ptr, H, J, stride_s, stride_i, stride_w, stride_o,
+        src_ptr, idx_ptr, w_ptr, out_ptr, H, J, N, stride_s, stride_i, stride_w, stride_o,
         HAS_WEIGHT: tl.constexpr, ACC: tl.constexpr, BLOCK_H: tl.constexpr,
     ):
         # One program per (token, block of H): J masked row loads, one accumulator, one store.
@@ -27,7 +31,7 @@ if HAVE_TRITON:
         acc = tl.zeros([BLOCK_H], dtype=ACC)
         for j in range(J):
             r = tl.load(idx_ptr + t * stride_i + j).to(tl.int64)
-            valid = r >= 0
+            valid = (r >= 0) & (r < N)  # r >= N: never read past src
             # Skip r < 0 by masking every column (a scalar & vector mask trips the interpreter).
             row_mask = offs < tl.where(valid, H, 0)
             r = tl.maximum(r, 0)  # keep the (masked-off) address in range
@@ -48,6 +52,8 @@ def _check(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None) 
         raise ValueError(f"weight {tuple(weight.shape)} must match index {tuple(index.shape)}")
     if src.shape[1] > 1 and src.stride(1) != 1:
         raise ValueError(f"src must have unit stride along H, got strides {src.stride()}")
+    if src.shape[0] == 0 and index.numel() and bool((index >= 0).any()):  # a sync, only when src has no rows
+        raise IndexError(f"index holds row {int(index.max())} of src, which has no rows (only -1 can be asked)")
 
 
 def _acc_dtype(src: torch.Tensor) -> torch.dtype:
@@ -74,7 +80,7 @@ def unpermute_combine_reference(
     _check(src, index, weight)
     acc = _acc_dtype(src)
     T, H = index.shape[0], src.shape[1]
-    if src.shape[0] == 0:  # nothing to gather; keep a (zero) row so indexing stays valid
+    if src.shape[0] == 0:  # every index is -1 (_check); keep a (zero) row so indexing stays valid
         src = torch.cat([src, src.new_zeros(1, H)])
     valid = index >= 0  # [T, J]
     rows = src[index.long().clamp(min=0)].to(acc)  # [T, J, H]
@@ -118,7 +124,7 @@ def unpermute_combine_triton(
     grid = (T, triton.cdiv(H, block_h))
     with on_device_of(src):
         _unpermute_combine_kernel[grid](
-            src, index, weight if weight is not None else index, out, H, J,
+            src, index, weight if weight is not None else index, out, H, J, src.shape[0],
             src.stride(0), index.stride(0), J, out.stride(0),
             HAS_WEIGHT=weight is not None,
             ACC=tl.float64 if src.dtype == torch.float64 else tl.float32,

@@ -991,11 +991,13 @@ class MoELayerBase(nn.Module):
         """Capacity mode: raise on every rank when any rank had NaN/inf logits, forced expert ids out
         of range, more than ``capacity`` tokens or another placement (the flags and placement digests
         came with the exchange). One host sync, made when the NaN check is on, the routing was forced,
-        the replica policy is a custom one, this rank overflowed or refused its input, or the layer
-        asks for it (:meth:`_flags_read_always`); otherwise (``check_finite=False`` and the router's
-        own routing) only an overflowing rank itself raises, and the placements are not compared."""
+        the replica policy or ``plan()`` is a custom one (whose routes the dispatcher checks), this
+        rank overflowed or refused its input, or the layer asks for it (:meth:`_flags_read_always`);
+        otherwise (``check_finite=False`` and the router's own routing) only an overflowing rank
+        itself raises, and the placements are not compared."""
         if not (self.router.check_finite or forced or t > self.capacity or self._bad_input
-                or type(self.replica_policy) is not LocalFirstPolicy or self._flags_read_always()):
+                or type(self.replica_policy) is not LocalFirstPolicy or type(self).plan is not MoELayerBase.plan
+                or self._flags_read_always()):
             return
         d = self.dispatcher
         r = self.groups.ep_size

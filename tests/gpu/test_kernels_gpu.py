@@ -79,3 +79,10 @@ def test_send_layout_cuda(t, k, r, flag):
     got, want = send_layout_triton(dest_rank, r, f, digest), send_layout_reference(dest_rank, r, f, digest)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert all(torch.equal(a, b) for a, b in zip(send_layout(dest_rank.int(), r, f, digest), want))
+
+
+def test_kernels_stay_in_bounds_cuda():
+    from tests.kernel_bounds import check_kernels_stay_in_bounds
+
+    check_kernels_stay_in_bounds(torch.device("cuda"))
+    torch.cuda.synchronize()  # an illegal access would surface here

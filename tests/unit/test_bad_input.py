@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import moelayers as ml
-from moelayers.testing import run_distributed
+from moelayers.testing import check_close, run_distributed
 
 CFG = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
 
@@ -732,3 +732,56 @@ def test_config_flags_take_numpy_bools():
                                rank_in_logits_dtype=True)
     with pytest.raises(TypeError, match="norm_topk_prob must be a bool, got 'no'"):
         ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, norm_topk_prob="no")
+
+
+class _PlanMoE(ml.VanillaMoE):
+    """A strategy whose plan() builds its Routes itself: the placement's routes, then on ``on_rank``
+    one route bent to ``bad`` = (field, value)."""
+
+    def __init__(self, *args, bad=None, on_rank=-1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.bad, self.on_rank = bad, on_rank
+
+    def plan(self, topk_ids, topk_weights, token_ids):
+        r = super().plan(topk_ids, topk_weights, token_ids)
+        rank, slot = r.dest_rank.clone(), r.dest_slot.clone()
+        if self.bad is not None and self.groups.ep_rank == self.on_rank:
+            field, value = self.bad
+            (rank if field == "rank" else slot)[0, 0] = value
+        return ml.Routes(r.topk_ids, r.weights, rank, slot, nonfinite=r.nonfinite)  # in_range not claimed
+
+
+def _bad_routes_of_a_plan(rank, world, dispatcher):
+    """A plan() override's route to a rank past the group (or -1) was dropped by the de-duplicated
+    all-to-all and the all-gather (an activation lost, no error), failed with an index error on
+    one rank of the other all-to-all, and a slot past the rank's slots was delivered nowhere."""
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    groups = ml.ParallelGroups.from_world() if world > 1 else ml.ParallelGroups.single()
+    kwargs = {"capacity": dict(capacity=6, check_finite=False), "nodedup": dict(dedup=False)}.get(
+        dispatcher, dict(dispatcher=dispatcher))
+    out = []
+    for bad in (("rank", world), ("rank", -1), ("rank", -2), ("slot", 4 // world), ("slot", -1)):
+        m = _PlanMoE(cfg, groups, bad=bad, on_rank=world - 1, seed=1, **kwargs)
+        try:
+            with torch.no_grad():
+                m(torch.randn(5, 8))
+            out.append(f"{bad}: no error")
+        except ValueError as e:
+            out.append("raised" if f"routes of expert-parallel rank(s) [{world - 1}]" in str(e) else str(e))
+    good = _PlanMoE(cfg, groups, seed=1, **kwargs)  # routes of its own, all in range: the reference's output
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        y = good(x)
+    router, w13, w2 = good.export_full_weights()
+    out.append(check_close("custom plan", y, ml.reference.moe_forward(x, router, w13, w2, cfg)))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dispatcher", ["alltoall", "nodedup", "allgather", "capacity"])
+def test_routes_out_of_range_raise_on_every_rank(dispatcher):
+    want = ["raised"] * 5 + [None]
+    if dispatcher == "capacity":  # -1 is capacity mode's padding: a route sent nowhere, no error
+        want[1] = "('rank', -1): no error"
+    assert _bad_routes_of_a_plan(0, 1, dispatcher) == want
+    assert run_distributed(_bad_routes_of_a_plan, 2, dispatcher) == [want] * 2

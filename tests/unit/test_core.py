@@ -335,6 +335,8 @@ def test_fingerprint_is_exact_and_order_sensitive():
     big = torch.randint(-2 ** 15, 2 ** 15, (6, 1000), generator=torch.Generator().manual_seed(0), dtype=torch.int16)
     assert torch.equal(fingerprint(big), fingerprint(big, chunk=1500))  # two rows per chunk
     assert fingerprint(big).dtype == torch.int64 and fingerprint(big).shape == (6,)
+    for empty in (torch.zeros(0, dtype=torch.int64), torch.zeros(0, 3, dtype=torch.int64)):  # failed to reshape
+        assert fingerprint(empty).shape == (0,)
 
 
 # ---------------------------------------------------------------- strict placement and stats checks

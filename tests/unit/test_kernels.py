@@ -247,3 +247,21 @@ def test_dispatch_uses_reference_on_cpu():
     assert torch.equal(y, torch.stack([x[0], torch.zeros(8), x[2]]))
     xg = x.clone().requires_grad_()
     assert permute(xg, dest, torch.zeros(2, 8)).requires_grad
+
+
+@needs_triton
+def test_triton_kernels_never_touch_memory_past_their_buffers():
+    from tests.kernel_bounds import check_kernels_stay_in_bounds
+
+    check_kernels_stay_in_bounds(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_unpermute_combine_refuses_rows_of_an_empty_src(impl):
+    """Row 0 of an empty src read as zeros (the reference's padding row); index 1 raised."""
+    if impl == "triton" and (not HAVE_TRITON or not _interpreted()):
+        pytest.skip("triton missing or not in interpreter mode")
+    fn = unpermute_combine_reference if impl == "reference" else unpermute_combine_triton
+    with pytest.raises(IndexError, match="src, which has no rows"):
+        fn(torch.zeros(0, 3), torch.tensor([[0, -1]]), None)
+    assert fn(torch.zeros(0, 3), torch.tensor([[-1, -1]]), None).abs().sum() == 0  # only -1: zeros
