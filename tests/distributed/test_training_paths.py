@@ -781,12 +781,10 @@ def test_megatron_adapter_refusal_runs_a_deferred_replan_first():
 
 
 # ---------------------------------------------------------------------- megatron adapter: TP without SP and EP
-def _adapter_tp_ep_training(rank: int, world: int) -> dict[str, str | None]:
-    """megatron TP=2 without sequence parallelism: the TP ranks hold the same tokens. With EP=2 (the EP
-    group is the TP group) each expert would get every token once per TP rank, doubling its gradient:
-    training is refused on every rank, inference matches the reference. With EP=1 and expert TP 1 the
-    expert-data-parallel group holds both TP ranks, and megatron's DDP would sum their identical expert
-    gradients (2x, found through megatron's DDP): refused too. With EP=1 and expert TP 2 training is right."""
+def _megatron_adapter_tp(tp: int, ep: int, etp: int):
+    """(expert weights ``(router [4, H], w13, w2)``, an adapter in training mode) for megatron TP
+    ``tp`` without sequence parallelism, EP ``ep`` and expert TP ``etp`` (model parallel state
+    initialised: destroy it after)."""
     import warnings
 
     import torch._dynamo
@@ -803,18 +801,30 @@ def _adapter_tp_ep_training(rank: int, world: int) -> dict[str, str | None]:
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(e, H, generator=g), 0.3 * torch.randn(e, 2 * F, H, generator=g),
          0.3 * torch.randn(e, H, F, generator=g))
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=etp)
+    tc = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, ffn_hidden_size=F,
+                           num_moe_experts=e, moe_router_topk=2, moe_ffn_hidden_size=F, gated_linear_unit=True,
+                           activation_func=tnf.silu, add_bias_linear=False, use_cpu_initialization=True,
+                           hidden_dropout=0.0, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                           expert_tensor_parallel_size=etp, sequence_parallel=False)
+    adapter = build_module(mi.moe_spec(ml.VanillaMoE), config=tc).train()
+    adapter.load_full_weights(*w)
+    return w, adapter
+
+
+def _adapter_tp_ep_training(rank: int, world: int) -> dict[str, str | None]:
+    """megatron TP=2 without sequence parallelism: the TP ranks hold the same tokens. With EP=2 (the EP
+    group is the TP group) each expert would get every token once per TP rank, doubling its gradient:
+    training is refused on every rank, inference matches the reference. With EP=1 and expert TP 1 the
+    expert-data-parallel group holds both TP ranks, and megatron's DDP would sum their identical expert
+    gradients (2x, found through megatron's DDP): refused too. With EP=1 and expert TP 2 training is right."""
+    from megatron.core import parallel_state as ps
+
     x = torch.randn(5, 2, H, generator=torch.Generator().manual_seed(1))  # the same tokens on both TP ranks
     out = {}
     for ep, etp in ((2, 1), (1, 1), (1, 2)):
-        ps.initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=ep,
-                                     expert_tensor_parallel_size=etp)
-        tc = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, ffn_hidden_size=F,
-                               num_moe_experts=e, moe_router_topk=2, moe_ffn_hidden_size=F, gated_linear_unit=True,
-                               activation_func=tnf.silu, add_bias_linear=False, use_cpu_initialization=True,
-                               hidden_dropout=0.0, tensor_model_parallel_size=2, expert_model_parallel_size=ep,
-                               expert_tensor_parallel_size=etp, sequence_parallel=False)
-        adapter = build_module(mi.moe_spec(ml.VanillaMoE), config=tc).train()
-        adapter.load_full_weights(*w)
+        w, adapter = _megatron_adapter_tp(2, ep, etp)
         params = [t.double().requires_grad_(True) for t in w]
         ref = ml.reference.moe_forward(x.reshape(-1, H).double(), *params,
                                        adapter.moe_config.replace(params_dtype=torch.float64))
@@ -848,32 +858,11 @@ def _adapter_expert_tp_without_tp(rank: int, world: int) -> dict[str, str | None
     the adapter's whole experts, trained from each rank's own tokens, drifted apart from the first
     step (found with megatron's DDP and optimizer). Training is refused on every rank; inference
     matches the reference."""
-    import warnings
-
-    import torch._dynamo
-    import torch.nn.functional as tnf
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer.spec_utils import build_module
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from moelayers.integrations import megatron as mi
-
-    warnings.simplefilter("ignore")
-    torch._dynamo.config.disable = True
-    e = 4
-    g = torch.Generator().manual_seed(3)
-    w = (torch.randn(e, H, generator=g), 0.3 * torch.randn(e, 2 * F, H, generator=g),
-         0.3 * torch.randn(e, H, F, generator=g))
     x = torch.randn(5, 2, H, generator=torch.Generator().manual_seed(10 + rank))  # each rank its own tokens
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=1,
-                                 expert_tensor_parallel_size=2)
     try:
-        tc = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=2, ffn_hidden_size=F,
-                               num_moe_experts=e, moe_router_topk=2, moe_ffn_hidden_size=F, gated_linear_unit=True,
-                               activation_func=tnf.silu, add_bias_linear=False, use_cpu_initialization=True,
-                               hidden_dropout=0.0, expert_tensor_parallel_size=2)
-        adapter = build_module(mi.moe_spec(ml.VanillaMoE), config=tc).train()
-        adapter.load_full_weights(*w)
+        w, adapter = _megatron_adapter_tp(1, 1, 2)
         ref = ml.reference.moe_forward(x.reshape(-1, H).double(), *(t.double() for t in w),
                                        adapter.moe_config.replace(params_dtype=torch.float64))
         out = {}
