@@ -366,10 +366,11 @@ class TinyDecoder(nn.Module):
 
     @staticmethod
     def _moe_tp(blk: Block, partial: torch.Tensor, residual: torch.Tensor, token_ids: torch.Tensor,
-                history: list) -> torch.Tensor:
+                history: list, forced: dict | None = None) -> torch.Tensor:
         """Attention-TP: the MoE slot finishes the partial attention output (``forward_tp``); slots
-        that record ``last_context_ranks`` get their two predecessors' as ``prev_ranks`` (n-gram)."""
-        kw = {}
+        that record ``last_context_ranks`` get their two predecessors' as ``prev_ranks`` (n-gram).
+        ``forced``: ``{"topk_ids": ids}`` to force the routing, or empty."""
+        kw = dict(forced or {})
         if hasattr(blk.moe, "last_context_ranks"):
             kw["prev_ranks"] = (history[-2] if len(history) > 1 else None, history[-1] if history else None)
         out = blk.moe.forward_tp(partial, residual, blk.norm2, token_ids=token_ids, **kw)
@@ -377,6 +378,7 @@ class TinyDecoder(nn.Module):
         return out
 
     # ------------------------------------------------------------------ continuous batching
+    @torch.no_grad()
     def step(
         self,
         batch: Sequence[StepRequest | tuple[Hashable, torch.Tensor]],
@@ -386,13 +388,17 @@ class TinyDecoder(nn.Module):
         """One serving step over prefill chunks and decode tokens of several requests.
 
         Every rank must call this in the same step, even with an empty ``batch``: the MoE layers
-        are collective. Each request's positions continue from its cache length.
+        are collective. Each request's positions continue from its cache length. Inference only:
+        it runs under ``torch.no_grad()`` (the KV caches would otherwise keep every earlier step's
+        autograd graph alive, memory growing with the square of the sequence length); train
+        through :meth:`forward`.
 
         Args:
             batch: ``StepRequest`` or ``(request_id, token_ids [n])`` items; ``n >= 1``.
-            forced_topk: optional, per block, ``[T, K]`` expert ids (``T`` = all tokens of the
-                step, in batch order) handed to that block's ``moe.force_routing`` (trace replay);
-                an entry may be ``None`` (that block routes itself).
+            forced_topk: optional, per block, ``[T, K]`` integer expert ids (``T`` = all tokens of
+                the step, in batch order) that block's MoE routes by (its forward's ``topk_ids``;
+                trace replay); an entry may be ``None`` (that block routes itself). Ids a layer
+                refuses (not integers, not ``[T, K]``, outside ``[0, E)``) raise on every rank.
 
         Returns:
             ``{request_id: logits [V]}``: next-token logits after each request's last token.
@@ -435,13 +441,14 @@ class TinyDecoder(nn.Module):
                 o, caches[ri][li] = blk.attn.forward_cached(chunk, caches[ri][li])
                 outs.append(o)
             attn = torch.cat(outs) if outs else torch.zeros_like(x)
-            if forced_topk is not None and forced_topk[li] is not None:
-                blk.moe.force_routing(forced_topk[li])
+            # forced ids as the forward's argument: ids the layer refuses on one rank are refused
+            # on every rank (its own check), where force_routing raised on that rank alone
+            forced = {} if forced_topk is None or forced_topk[li] is None else {"topk_ids": forced_topk[li]}
             if self.attention == "tp":  # attn is this rank's partial sum over its heads
-                h = self._moe_tp(blk, attn, h, all_ids, history)
+                h = self._moe_tp(blk, attn, h, all_ids, history, forced)
                 continue
             h = h + attn
-            h = h + blk.moe(blk.norm2(h), token_ids=all_ids)
+            h = h + blk.moe(blk.norm2(h), token_ids=all_ids, **forced)
         for it, cache in zip(items, caches):
             self.caches[it.request_id] = cache
         last = torch.cumsum(torch.tensor(lens, dtype=torch.int64), 0) - 1

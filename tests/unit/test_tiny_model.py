@@ -220,3 +220,53 @@ def test_step_items_of_three_or_more_fields_are_refused():
         with pytest.raises(TypeError, match="batch item 1: expected"):
             model.step([("b", torch.tensor([1])), ["c", torch.tensor([1]), None]])
     assert model.caches == {}
+
+
+def test_step_keeps_no_autograd_graph_across_steps():
+    """Outside no_grad every cached k/v carried its step's graph, and each cache kept the graphs
+    of all earlier steps alive (memory growing with the square of the sequence length)."""
+    model = make_model()
+    out = model.step([("r", torch.tensor([1, 2, 3]))])
+    for pos in range(3):
+        out = model.step([("r", torch.tensor([4 + pos]))])
+    cache = model.caches["r"][0]
+    assert out["r"].grad_fn is None and cache.k.grad_fn is None and cache.v.grad_fn is None
+
+
+def _forced_of_a_bad_type_on_one_rank(rank, world, attention):
+    """Rank 1 has no request this step and builds its empty forced routing as torch.empty(0, K):
+    float32. force_routing raised TypeError on that rank alone, and rank 0 waited in the MoE
+    exchange until gloo's connection failed. Every rank now raises, and the next step serves."""
+    from tests.distributed.test_semantic import make_plan
+
+    groups = ml.ParallelGroups.from_world(ep=world, tp=world if attention == "tp" else 1)
+    moe_cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=E, top_k=K, params_dtype=torch.float64)
+    cfg = TinyConfig(vocab_size=V, hidden_size=H, num_layers=2, num_heads=4, dtype=torch.float64)
+    if attention == "tp":
+        plan = make_plan(E, world, mode="tp", vocab=V)
+        model = TinyDecoder(cfg, lambda i: ml.SemanticMoE.from_plan(plan, i, moe_cfg, groups, seed=i),
+                            attention="tp", groups=groups)
+        batch = [("a", torch.tensor([1, 2, 3]))]  # every rank runs the same tokens
+        forced = [torch.zeros(3, K, dtype=torch.int64)] * 2
+        if rank == 1:
+            forced = [torch.zeros(3, K)] * 2  # float ids
+    else:
+        model = TinyDecoder(cfg, lambda i: ml.VanillaMoE(moe_cfg, groups, seed=i))
+        batch = [("a", torch.tensor([1, 2, 3]))] if rank == 0 else []
+        forced = [torch.zeros(3, K, dtype=torch.int64)] * 2 if rank == 0 else [torch.empty(0, K)] * 2
+    try:
+        model.step(batch, forced_topk=forced)
+        got = "no error"
+    except (TypeError, ValueError) as exc:
+        got = type(exc).__name__
+    return got, sorted(model.step(batch))  # the ranks are still in step
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("attention", ["dp", "tp"])
+def test_step_refuses_forced_ids_of_one_rank_on_every_rank(attention):
+    from moelayers.testing import run_distributed
+
+    res = run_distributed(_forced_of_a_bad_type_on_one_rank, 2, attention, timeout=60)
+    assert res[1][0] == "TypeError" and res[0][0] in ("TypeError", "ValueError"), res
+    assert res[0][1] == ["a"] and res[1][1] == (["a"] if attention == "tp" else []), res
