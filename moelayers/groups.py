@@ -8,9 +8,11 @@ expert-data-parallel group ``edp``). Works on gloo and NCCL alike.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch.distributed as dist
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for a single process
@@ -105,6 +107,7 @@ class ParallelGroups:
         Every rank must call this with the same arguments (it creates groups collectively).
 
         Raises:
+            TypeError: a size that is not an integer (numpy integers are taken).
             ValueError: if torch.distributed is not initialised or the sizes do not fit the world.
         """
         if not dist.is_available() or not dist.is_initialized():
@@ -114,9 +117,14 @@ class ParallelGroups:
             )
         world, rank = dist.get_world_size(), dist.get_rank()
         ep = world if ep is None else ep
+        sizes = {}
         for name, size in (("ep", ep), ("tp", tp)):
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world % size:
-                raise ValueError(f"{name}={size!r} does not divide the world size {world}")
+            if isinstance(size, (bool, np.bool_)) or not isinstance(size, numbers.Integral):
+                raise TypeError(f"{name} must be an int, got {size!r}")
+            sizes[name] = int(size)  # (numpy integers too)
+            if sizes[name] < 1 or world % sizes[name]:
+                raise ValueError(f"{name}={sizes[name]} does not divide the world size {world}")
+        ep, tp = sizes["ep"], sizes["tp"]
         dp = world // tp
         ep_group = _blocks(world, ep)
         tp_group = _blocks(world, tp)

@@ -40,6 +40,21 @@ class SlotMove:
     src_slot: int
 
 
+def _routing_tables(phy2log: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logcnt [E], log2phy [E, max_replicas])`` of a valid ``phy2log``: each expert's replica
+    count and its slots in slot order, padded with ``-1``."""
+    flat = phy2log.flatten()
+    logcnt = torch.bincount(flat[flat >= 0], minlength=num_experts)
+    log2phy = torch.full((num_experts, int(logcnt.max())), -1, dtype=torch.int64)
+    slots = torch.nonzero(flat >= 0).flatten()
+    experts = flat[slots]
+    order = torch.argsort(experts * flat.numel() + slots)  # by expert, then slot
+    slots, experts = slots[order], experts[order]
+    start = torch.cumsum(logcnt, 0) - logcnt
+    log2phy[experts, torch.arange(slots.numel()) - start[experts]] = slots
+    return logcnt, log2phy
+
+
 class ExpertPlacement:
     """Expert-to-slot map of one layer.
 
@@ -65,17 +80,7 @@ class ExpertPlacement:
         self.phy2log = p.to(torch.int64).cpu().clone()
         self.num_experts = int(num_experts)
         self.validate()
-        flat = self.phy2log.flatten()
-        self.logcnt = torch.bincount(flat[flat >= 0], minlength=self.num_experts)
-        max_rep = int(self.logcnt.max())
-        self.log2phy = torch.full((self.num_experts, max_rep), -1, dtype=torch.int64)
-        slots = torch.nonzero(flat >= 0).flatten()
-        experts = flat[slots]
-        order = torch.argsort(experts * flat.numel() + slots)  # by expert, then slot
-        slots, experts = slots[order], experts[order]
-        start = torch.cumsum(self.logcnt, 0) - self.logcnt
-        rep = torch.arange(slots.numel()) - start[experts]
-        self.log2phy[experts, rep] = slots
+        self.logcnt, self.log2phy = _routing_tables(self.phy2log, self.num_experts)
         self._device_cache: dict = {}
 
     # ---------------------------------------------------------------- constructors
@@ -216,22 +221,18 @@ class ExpertPlacement:
                 dup = [x for x in row.unique().tolist() if int((row == x).sum()) > 1]
                 raise ValueError(f"placement has duplicate replicas of expert(s) {dup} on rank {r}")
         if hasattr(self, "log2phy") and not self._tables_agree():
-            raise ValueError("placement tables disagree: phy2log was changed in place after the placement was built "
-                             "(log2phy and logcnt, which route tokens, still describe the old table); build a new "
-                             "ExpertPlacement(phy2log, num_experts) from the edited table")
+            raise ValueError("placement tables disagree: phy2log, log2phy or logcnt was changed in place after the "
+                             "placement was built (log2phy and logcnt, which route tokens, must describe phy2log); "
+                             "build a new ExpertPlacement(phy2log, num_experts) from the edited table")
 
     @on_host
     def _tables_agree(self) -> bool:
-        """Whether ``log2phy`` / ``logcnt`` (derived once) still describe ``phy2log``."""
-        flat = self.phy2log.flatten()
-        cnt = torch.bincount(flat[flat >= 0], minlength=self.num_experts)
-        if self.logcnt.shape != cnt.shape or not torch.equal(self.logcnt, cnt) or self.log2phy.shape[1] != int(cnt.max()):
-            return False
-        used = self.log2phy >= 0
-        owner = torch.full_like(self.log2phy, -1)
-        owner[used] = flat[self.log2phy[used]]
-        want = torch.arange(self.num_experts)[:, None].expand_as(owner)
-        return bool(torch.equal(owner[used], want[used]))
+        """Whether ``log2phy`` / ``logcnt`` (derived once) still describe ``phy2log`` (either
+        edited in place: each row of ``log2phy`` holds exactly its expert's ``logcnt`` slots, in
+        slot order, then ``-1``)."""
+        logcnt, log2phy = _routing_tables(self.phy2log, self.num_experts)
+        return (self.logcnt.shape == logcnt.shape and self.log2phy.shape == log2phy.shape
+                and torch.equal(self.logcnt, logcnt) and torch.equal(self.log2phy, log2phy))
 
     def digest(self) -> int:
         """A 62-bit fingerprint of the tables (equal placements, equal digests; cached)."""

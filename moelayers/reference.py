@@ -54,6 +54,23 @@ def _routing(logits: torch.Tensor, config: MoEConfig, topk_ids: torch.Tensor | N
     return ids, weights
 
 
+def _check_inputs(x, router_weight, w13, w2, config: MoEConfig, topk_ids) -> None:
+    """The reference's inputs against ``config``, as the layers check theirs."""
+    e, h, f = config.num_experts, config.hidden_size, config.ffn_hidden_size
+    for name, t in (("x", x), ("router_weight", router_weight), ("w13", w13), ("w2", w2)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() not in (2, 3) or x.shape[-1] != h:
+        raise ValueError(f"x must be [T, {h}] or [S, B, {h}], got {list(x.shape)}")
+    for name, t, want in (("router_weight", router_weight, (e, h)), ("w13", w13, (e, 2 * f, h)), ("w2", w2, (e, h, f))):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} must be {list(want)} for this config (E={e}, H={h}, F={f}), got {list(t.shape)}")
+    if topk_ids is not None and (not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype == torch.bool
+                                 or topk_ids.is_floating_point() or topk_ids.is_complex()):
+        raise TypeError(f"topk_ids must be an integer tensor, got "
+                        f"{topk_ids.dtype if isinstance(topk_ids, torch.Tensor) else type(topk_ids).__name__}")
+
+
 def moe_forward(
     x: torch.Tensor,
     router_weight: torch.Tensor,
@@ -76,9 +93,13 @@ def moe_forward(
         Same shape as ``x``.
 
     Raises:
-        ValueError: ``topk_ids`` is not laid out like ``x`` with ``K = config.top_k`` columns, or
-            holds ids outside ``[0, E)``.
+        TypeError: ``x`` or a weight is not a tensor, or ``topk_ids`` is not an integer tensor
+            (float ids were truncated to other experts).
+        ValueError: ``x`` or a weight is not shaped by ``config`` (``H``, ``F``, ``E``: another
+            model's weights computed another MoE), ``topk_ids`` is not laid out like ``x`` with
+            ``K = config.top_k`` columns, or holds ids outside ``[0, E)``.
     """
+    _check_inputs(x, router_weight, w13, w2, config, topk_ids)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     dtype = config.logits_dtype(x.dtype)

@@ -203,6 +203,17 @@ def _groups_mismatch(rank, world):
         except ValueError as e:
             if "does not divide the world size 4" not in str(e):
                 errors.append(f"{kwargs}: unclear message {e}")
+    try:  # a float size was said not to divide the world
+        ml.ParallelGroups.from_world(ep=2.0)
+        errors.append("ep=2.0: no error")
+    except TypeError as e:
+        if "ep must be an int, got 2.0" not in str(e):
+            errors.append(f"ep=2.0: unclear message {e}")
+    import numpy as np
+
+    numpy_groups = ml.ParallelGroups.from_world(ep=np.int64(2), tp=np.int32(2))  # was refused: "does not divide"
+    if (numpy_groups.ep_size, numpy_groups.tp_size) != (2, 2) or type(numpy_groups.ep_size) is not int:
+        errors.append(f"numpy sizes gave ep_size={numpy_groups.ep_size!r}, tp_size={numpy_groups.tp_size!r}")
     groups = ml.ParallelGroups.from_world(ep=2)
     try:
         ml.VanillaMoE(ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=3, top_k=1), groups)
@@ -785,3 +796,28 @@ def test_routes_out_of_range_raise_on_every_rank(dispatcher):
         want[1] = "('rank', -1): no error"
     assert _bad_routes_of_a_plan(0, 1, dispatcher) == want
     assert run_distributed(_bad_routes_of_a_plan, 2, dispatcher) == [want] * 2
+
+
+def test_the_reference_refuses_what_the_layers_refuse():
+    """The oracle truncated float forced ids to other experts, computed a 3-expert or an F=6 MoE
+    from weights that do not fit the config, and failed on a numpy x with an AttributeError."""
+    import numpy as np
+
+    from moelayers.reference import moe_forward
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    g = torch.Generator().manual_seed(0)
+    x, rw, w13, w2 = (torch.randn(*s, generator=g) for s in ((3, 8), (4, 8), (4, 8, 8), (4, 8, 4)))
+    with pytest.raises(TypeError, match="topk_ids must be an integer tensor, got torch.float32"):
+        moe_forward(x, rw, w13, w2, cfg, topk_ids=torch.tensor([[0.9, 1.9]] * 3))
+    with pytest.raises(TypeError, match="topk_ids must be an integer tensor, got torch.bool"):
+        moe_forward(x, rw, w13, w2, cfg, topk_ids=torch.ones(3, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"router_weight must be \[4, 8\] for this config"):
+        moe_forward(x, rw[:3], w13[:3], w2[:3], cfg)
+    with pytest.raises(ValueError, match=r"w13 must be \[4, 8, 8\] for this config \(E=4, H=8, F=4\), got \[4, 12, 8\]"):
+        moe_forward(x, rw, torch.randn(4, 12, 8), torch.randn(4, 8, 6), cfg)
+    with pytest.raises(ValueError, match=r"x must be \[T, 8\] or \[S, B, 8\], got \[3, 7\]"):
+        moe_forward(x[:, :7], rw, w13, w2, cfg)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got ndarray"):
+        moe_forward(np.zeros((3, 8), dtype=np.float32), rw, w13, w2, cfg)
+    assert moe_forward(x, rw, w13, w2, cfg, topk_ids=torch.tensor([[0, 1]] * 3, dtype=torch.int32)).shape == (3, 8)

@@ -295,6 +295,23 @@ def test_last_stats_expert_loads_on_first_read():
         assert torch.equal(layer.last_stats.expert_loads, want) and int(want.sum()) == 12
 
 
+def test_routing_tables_edited_in_place_are_refused():
+    """validate() checked only that log2phy's entries point at slots of their expert: a replica
+    dropped from log2phy (logcnt still counting it, so tokens routed to slot -1) or listed twice
+    passed."""
+    from moelayers.placement import ExpertPlacement
+
+    for edit in ("drop", "twice", "count"):
+        p = ExpertPlacement([[0, 1], [0, 2]], 3)
+        if edit == "count":
+            p.logcnt[1] = 0
+        else:
+            p.log2phy[0, 1] = -1 if edit == "drop" else p.log2phy[0, 0]
+        with pytest.raises(ValueError, match="placement tables disagree"):
+            p.validate()
+    ExpertPlacement([[0, 1], [0, 2]], 3).validate()
+
+
 def test_a_placement_edited_in_place_is_refused_and_layers_keep_their_own():
     """phy2log edited in place left log2phy (routing) on the old table: apply_placement moved the
     weights by one table and routed by the other, outputs off by 88 silently."""
@@ -303,14 +320,14 @@ def test_a_placement_edited_in_place_is_refused_and_layers_keep_their_own():
 
     p = ExpertPlacement.linear(4, 1)
     p.phy2log[0, [0, 1]] = p.phy2log[0, [1, 0]]
-    with pytest.raises(ValueError, match="phy2log was changed in place"):
+    with pytest.raises(ValueError, match="phy2log, log2phy or logcnt was changed in place"):
         p.validate()
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
     layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), seed=1)
     with pytest.raises(PlacementRejected) as e:
         layer.apply_placement(p)
-    assert "phy2log was changed in place" in str(e.value.__cause__), e.value
-    with pytest.raises(ValueError, match="phy2log was changed in place"):
+    assert "phy2log, log2phy or logcnt was changed in place" in str(e.value.__cause__), e.value
+    with pytest.raises(ValueError, match="phy2log, log2phy or logcnt was changed in place"):
         ml.VanillaMoE(cfg, ml.ParallelGroups.single(), placement=p)
     mine = ExpertPlacement.from_phy2log(torch.tensor([[3, 2, 1, 0]]), 4)
     layer.apply_placement(mine)
