@@ -140,6 +140,7 @@ class VariabilityEmulator:
     last_rows: int = 0
     _handles: list = field(default_factory=list, repr=False)
     _start: Any = field(default=None, repr=False)
+    _experts: Any = field(default=None, repr=False)  # the hooked module (its ``_emulator`` is this one)
 
     def _pre(self, module: nn.Module, args: tuple) -> None:
         x = args[0]
@@ -181,6 +182,9 @@ class VariabilityEmulator:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._experts is not None and getattr(self._experts, "_emulator", None) is self:
+            self._experts._emulator = None
+        self._experts = None
 
 
 def emulate_variability(layer: nn.Module, factor: float | None = None, *, mode: str = "measured",
@@ -206,7 +210,9 @@ def emulate_variability(layer: nn.Module, factor: float | None = None, *, mode: 
         The :class:`VariabilityEmulator` (``.remove()`` unhooks it).
 
     Raises:
-        ValueError: bad arguments, or a layer that replays CUDA graphs (hooks cannot run there).
+        ValueError: bad arguments, a layer that replays CUDA graphs (hooks cannot run there), or
+            one slowed down already (the second emulation would time the first one's wait as
+            compute and the factors would multiply): ``.remove()`` that one first.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -217,6 +223,10 @@ def emulate_variability(layer: nn.Module, factor: float | None = None, *, mode: 
         raise TypeError(f"{type(layer).__name__} has no `experts` module to slow down")
     if getattr(layer, "cuda_graph", False):
         raise ValueError("variability emulation needs eager forwards: build the layer with cuda_graph=False")
+    if getattr(experts, "_emulator", None) is not None:
+        raise ValueError(f"{type(layer).__name__} is slowed down already ({experts._emulator.mode} mode, e.g. its "
+                         f"own slowdown= or variability=): a second emulation would time the first one's wait as "
+                         f"compute and multiply the factors; remove() the first one, or slow the layer down once")
     if rank is None or num_ranks is None:
         groups = getattr(layer, "groups", None)
         if groups is None:
@@ -244,6 +254,7 @@ def emulate_variability(layer: nn.Module, factor: float | None = None, *, mode: 
     wait = ("spin" if mode == "measured" else "sleep") if wait == "auto" else wait
     emu = VariabilityEmulator(mode, rank, num_ranks, float(factor), curves, float(time_scale), wait)
     emu._handles = [experts.register_forward_pre_hook(emu._pre), experts.register_forward_hook(emu._post)]
+    emu._experts, experts._emulator = experts, emu  # one emulation per layer (checked above)
     return emu
 
 
@@ -344,9 +355,14 @@ class VariabilitySettings:
 
         mod, _, name = layer_cfg["cls"].rpartition(".")
         params = inspect.signature(getattr(importlib.import_module(mod), name)).parameters
+        kwargs = dict(layer_cfg.get("kwargs") or {})
+        if kwargs.get("slowdown") is not None and self.mode != "off" and (self.given or self.mode == "curve"):
+            raise ValueError(f"layer.kwargs.slowdown={kwargs['slowdown']} and the config's emulation "
+                             f"(variability={self.name}, emulation.mode={self.mode}) would both slow the experts "
+                             f"down, the second timing the first one's wait as compute (the factors multiply): use "
+                             f"one, e.g. drop layer.kwargs.slowdown, or set emulation.mode=off")
         if not self.given or "variability" not in params:
             return layer_cfg
-        kwargs = dict(layer_cfg.get("kwargs") or {})
         if kwargs.get("variability", self.name) != self.name:
             raise ValueError(f"layer.kwargs.variability={kwargs['variability']!r} contradicts "
                              f"variability={self.name!r}")
@@ -365,10 +381,11 @@ class VariabilitySettings:
             if not slowed:
                 return None
             shown = ", ".join(f"rank {r} x{f:.3f}" for r, f in slowed.items())
-            return f"emulated variability={self.name} (measured mode): expert compute stretched on {shown}"
-        source = self.curves_path or f"the {self.name} preset"
-        return (f"emulated variability={self.name} (curve mode): every rank's expert time padded to "
-                f"{self.time_scale:g} x its latency curve ({source})")
+            return (f"emulated variability={self.name} (measured mode): expert compute stretched on expert-parallel "
+                    f"{shown} (of every expert-parallel group)")
+        source = f"the profiled curves {self.curves_path}" if self.curves_path else f"variability={self.name}"
+        return (f"emulated variability (curve mode): every rank's expert time padded to {self.time_scale:g} x its "
+                f"latency curve, from {source}")
 
     def apply(self, layers: Sequence[nn.Module]) -> list[VariabilityEmulator]:
         """Hook the emulation on every layer (none when ``mode='off'``, or in measured mode when this

@@ -258,11 +258,16 @@ def check_config(d: dict) -> None:
     no ``layer.kwargs.mode=tp``, no ``layer.kwargs.capacity`` / ``cuda_graph`` (``bench.cuda_graph`` sets them per size, for ours and
     the baseline alike), no ``layer.kwargs.check_finite`` other than ``bench.check_finite``, ``parallel.ep`` = the world for a plan-built layer and, with ``router=replay``,
     ``trace.seq_len`` (:func:`recipes._bench_tools.seq_len_bounds`) and ``trace.num_sequences`` (>= 1, not with
-    ``trace.path``).
+    ``trace.path``), and none of serve.py's emulation settings (``variability``, ``emulation``, ``curves``).
 
     Raises:
         ValueError: a bad value, naming its key.
     """
+    emulated = [key for key in ("variability", "emulation", "curves") if key in d]
+    if emulated:  # (Hydra's hint for `variability=high` is `+variability=high`, which then did nothing)
+        raise ValueError(f"{', '.join(emulated)}: bench.py times the hardware as it is and emulates no GPU "
+                         "variability; serve.py takes variability=... and emulation.* (VariabilityAwareMoE's "
+                         "planner preset is layer.kwargs.variability, its own slowdown layer.kwargs.slowdown)")
     b = d["bench"]
     b["tokens_per_rank"] = tokens_per_rank(b)
     dtype, router_dtype = resolve_dtype(b.get("dtype"), torch.device("cpu")), resolve_router_dtype(b)

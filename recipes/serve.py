@@ -402,6 +402,9 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
     notes = notes + [f"MoE layer {i}" + (f" of EP group {g}" if several else "") + f": {n} re-plan(s)"
                      for g, (_, counted) in groups_replans for i, n in counted]
     latency = latency_summary(reqs, float(t_end[0]))
+    group_loads = group_loads.cpu()  # [W, steps, L, R]: each world rank's EP group, per EP rank
+    coverage = curves_coverage(cfg, int(group_loads.max()) if group_loads.numel() else 0)
+    notes = notes + coverage.pop("notes")
     if latency["truncated"]:
         unserved, unarrived = latency["unserved_requests"], latency["unarrived_requests"]
         notes = notes + [f"max_steps={cfg['max_steps']} ended the run with {len(reqs) - latency['finished_requests']} "
@@ -410,7 +413,6 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
                              f"figures, null in results.json)" if unserved else "") + (
                              f", {unarrived} due after the run ended (left out of the TTFT figures)"
                              if unarrived else "")]
-    group_loads = group_loads.cpu()  # [W, steps, L, R]: each world rank's EP group, per EP rank
     # activations received per step, MoE layer and *world* rank (with parallel.ep < world the EP
     # groups are told apart: summing them by EP rank hid one group's hot spots behind another's)
     layer_loads = torch.stack([group_loads[w, :, :, ep_ranks[w]] for w in range(world)], dim=-1)  # [steps, L, W]
@@ -437,8 +439,35 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
         "steps": steps, "elapsed_s": elapsed, "seed": cfg["seed"], "requests_digest": requests_digest(requests),
         "model": mcfg, "notes": notes, "config": echo, "replans": replans,
         "requests": reqs, "rank_load_per_step": loads.tolist(),
-        **emulated_expert_time(cfg, group_loads, ep_ranks),
+        **emulated_expert_time(cfg, group_loads, ep_ranks), **coverage,
     }
+
+
+def curves_coverage(cfg: dict, max_rank_rows: int) -> dict:
+    """With profiled latency curves (``curves.path``: curve-mode emulation, GEM's re-plans), how far
+    the run's loads went past their last sample, where they extrapolate (``plan.py`` warns alike).
+
+    Args:
+        cfg: the run's config; max_rank_rows: the most (token, expert) rows one rank computed in
+            one MoE layer's step.
+
+    Returns:
+        ``{"notes": [...]}`` plus, with a curves file, ``curves_sampled_up_to`` and ``max_rank_rows``.
+    """
+    from moelayers.emulation import VariabilitySettings, load_curves
+
+    var = VariabilitySettings.from_config(cfg)
+    if not var.curves_path:
+        return {"notes": []}
+    up_to = load_curves(var.curves_path).sampled_up_to
+    out = {"notes": [], "curves_sampled_up_to": up_to, "max_rank_rows": max_rank_rows}
+    if up_to is not None and max_rank_rows > up_to:
+        out["notes"].append(
+            f"a rank computed up to {max_rank_rows} rows in one MoE layer's step, beyond the last sample of the "
+            f"latency curves {var.curves_path} ({up_to} rows): the emulated times and GEM's plans there extrapolate "
+            f"the curves; profile up to that many rows (recipes/profile.py profile.max_rows=...) or serve smaller "
+            f"batches (max_batch_size, max_tokens_per_step)")
+    return out
 
 
 def latency_summary(reqs: list[dict], elapsed: float = math.inf) -> dict:

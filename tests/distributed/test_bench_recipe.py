@@ -440,6 +440,9 @@ def test_bench_flags_repeated_trace_tokens_per_size(tmp_path):
     ("+layer.kwargs.check_finite=true", r"layer\.kwargs\.check_finite=True differs from bench\.check_finite=False"),
     # the learned router ran and the record said trace: null
     ("trace.path=x.npz", r"trace\.path=x\.npz is read with router=replay only \(router=learned"),
+    # Hydra's hint for variability=high; nothing was emulated and the record said nothing
+    ("+variability=high", r"variability: bench\.py times the hardware as it is and emulates no GPU variability"),
+    ("+emulation.mode=curve", r"emulation: bench\.py times the hardware"),
 ])
 def test_check_config_refuses_settings_that_were_ignored_or_mislabelled(override, match):
     """layer.kwargs.capacity=64 padded every size to 64 tokens (t=16 timed 64 rows), left the baseline

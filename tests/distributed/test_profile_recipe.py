@@ -22,7 +22,7 @@ def test_profile_writes_curves(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     with np.load(out / "curves.npz", allow_pickle=False) as d:
         rows, lat = d["rows"], d["latency_s"]
-        assert rows.tolist() == [1, 16, 32, 48, 64, 96, 128]
+        assert rows.tolist() == [1, 16, 32, 48, 64, *range(320, 2048, 256), 2048]
         assert lat.shape == (2, len(rows)) and (lat > 0).all()
         raw = d["latency_raw_s"]
         assert raw.shape == lat.shape and (raw > 0).all()

@@ -713,3 +713,23 @@ def test_a_comparison_batches_both_sides_within_the_smaller_capacity():
     assert compare.shared_step_budget({}, [ours, {"name": "v", "kwargs": {"capacity": 128}}]) == 128
     assert compare.shared_step_budget({"max_tokens_per_step": 64}, [ours, {"name": "vanilla"}]) == 64
     assert compare.shared_step_budget({}, [{"name": "semantic"}, {"name": "vanilla"}]) is None
+
+
+def test_serve_notes_loads_past_the_profiled_curves(tmp_path):
+    """plan.py warned when a rank's rows went past the curves' last sample; serve.py read the
+    curves there silently (curve-mode emulation, GEM's re-plans), on extrapolated numbers."""
+    from moelayers.planning.gem import LatencyCurves
+    from recipes import serve
+
+    short = tmp_path / "short.npz"
+    LatencyCurves(np.array([1, 8, 16]), np.array([[1e-5, 2e-5, 3e-5], [1e-5, 2e-5, 3e-5]])).save(short)
+    res = _serve(tmp_path / "run", "workload.num_requests=4", "variability=high", "emulation.mode=curve",
+                 f"curves.path={short}")
+    assert res["curves_sampled_up_to"] == 16 and res["max_rank_rows"] > 16
+    assert any(f"beyond the last sample of the latency curves {short} (16 rows)" in n for n in res["notes"])
+    d = _config("variability=high", "emulation.mode=curve", f"curves.path={short}")
+    from recipes._common import merge_curves_path
+
+    merge_curves_path(d)
+    assert serve.curves_coverage(d, 16) == {"notes": [], "curves_sampled_up_to": 16, "max_rank_rows": 16}
+    assert serve.curves_coverage(_config("variability=high"), 10 ** 6) == {"notes": []}  # preset: exact everywhere

@@ -661,11 +661,14 @@ def test_emulation_presets_with_gem_curves():
     s = VariabilitySettings.from_config({"variability": {"name": "moderate", "curves": {"path": None}},
                                          "emulation": {"mode": "curve", "time_scale": 5}})
     assert (s.name, s.mode, s.time_scale) == ("moderate", "curve", 5.0)
-    assert s.describe(2) == ("emulated variability=moderate (curve mode): every rank's expert time padded to 5 x "
-                             "its latency curve (the moderate preset)")
+    assert s.describe(2) == ("emulated variability (curve mode): every rank's expert time padded to 5 x its "
+                             "latency curve, from variability=moderate")
+    profiled = VariabilitySettings.from_config({"variability": {"name": "high", "curves": {"path": "c.npz"}},
+                                                "emulation": {"mode": "curve"}})
+    assert profiled.describe(2).endswith("from the profiled curves c.npz")  # not the preset's name
     measured = VariabilitySettings.from_config({"variability": "moderate"})
     assert measured.describe(3) == ("emulated variability=moderate (measured mode): expert compute stretched on "
-                                    "rank 0 x1.136, rank 1 x1.068")  # factors 1/0.88 .. 1.0, evenly spaced
+                                    "expert-parallel rank 0 x1.136, rank 1 x1.068 (of every expert-parallel group)")  # factors 1/0.88 .. 1.0, evenly spaced
     assert VariabilitySettings.from_config({"variability": "low"}).describe(4) is None  # nothing slowed
     assert VariabilitySettings.from_config({"variability": "high", "emulation": {"mode": "off"}}).describe(2) is None
     lc = s.layer_config({"cls": "moelayers.VariabilityAwareMoE", "kwargs": {"window": 4}}, 2)
@@ -763,8 +766,8 @@ def test_serve_variability_replans(tmp_path):
     assert proc.returncode == 0, f"serve failed:\n{proc.stdout}\n{proc.stderr}"
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["layer"] == "variability" and res["output_tokens"] > 0 and res["tpot_p90_s"] > 0
-    assert ("emulated variability=high (curve mode): every rank's expert time padded to 1 x its latency curve "
-            "(the high preset)") in res["notes"]
+    assert ("emulated variability (curve mode): every rank's expert time padded to 1 x its latency curve, "
+            "from variability=high") in res["notes"]
     assert "MoE layer 0: 1 re-plan(s)" in res["notes"] and "MoE layer 1: 1 re-plan(s)" in res["notes"]
     assert len(res["replans"]) == 2
     assert [r["step"] for r in res["replans"]] == [8, 8]  # the window holds served steps, not the warm-up
@@ -1161,3 +1164,27 @@ def test_auto_replan_in_training_moves_the_optimizer_state_it_is_given():
         assert replans >= 2 and warned == [], warned
         replans, warned = out["accumulation set_to_none=False"]
         assert replans == 0 and len(warned) == 1 and "set_to_none=False" in warned[0], (replans, warned)
+
+
+def test_a_layer_is_slowed_down_once():
+    """VariabilityAwareMoE(slowdown=...) hooked its emulator and serve.py's variability=... hooked a
+    second one on the same experts: the second timed the first one's wait as compute, so the
+    factors multiplied (2.0 x 1/0.88 = 2.27 where the run's note said x1.136)."""
+    from moelayers.emulation import VariabilitySettings, emulate_variability
+
+    layer, _ = _emulated_layer()
+    first = emulate_variability(layer, 2.0)
+    with pytest.raises(ValueError, match="VanillaMoE is slowed down already \\(measured mode"):
+        emulate_variability(layer, mode="curve", variability="high", rank=0, num_ranks=2)
+    first.remove()
+    emulate_variability(layer, 1.5).remove()  # once removed, another may be hooked
+    own = ml.VariabilityAwareMoE(layer.config, ml.ParallelGroups.single(), slowdown=2.0)
+    with pytest.raises(ValueError, match="slowed down already"):
+        VariabilitySettings.from_config({"variability": "high"}).apply([own])
+    lc = {"cls": "moelayers.VariabilityAwareMoE", "kwargs": {"slowdown": [2.0, 1.0]}}
+    for cfg in ({"variability": "high"}, {"emulation": {"mode": "curve"}}):
+        with pytest.raises(ValueError, match=r"layer\.kwargs\.slowdown=\[2\.0, 1\.0\] and the config's emulation"):
+            VariabilitySettings.from_config(cfg).layer_config(lc, 2)
+    off = {"variability": "high", "emulation": {"mode": "off"}}
+    assert VariabilitySettings.from_config(off).layer_config(lc, 2)["kwargs"]["slowdown"] == [2.0, 1.0]
+    assert VariabilitySettings.from_config({}).layer_config(lc, 2) == lc  # no variability: the layer's own
