@@ -46,10 +46,14 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
         the total norm (a 0-d tensor on the gradients' device, in their promoted dtype), before clipping.
 
     Raises:
+        TypeError: ``model`` is not an ``nn.Module`` (torch's takes ``model.parameters()``).
         ValueError: ``norm_type`` is not positive; expert weights sharded by FSDP (see
             :func:`moelayers.rank_local_params`).
         RuntimeError: ``error_if_nonfinite`` and the norm is not finite.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"clip_grad_norm_ takes the model (an nn.Module), not {type(model).__name__}: it reads the "
+                        "experts' placement from the model's moelayers layers (torch's takes model.parameters())")
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not norm_type > 0:  # (torch's 0-"norm" counts the tensors with a gradient that is not zero: slot tables)
         raise ValueError(f"clip_grad_norm_: norm_type must be > 0 (or inf), got {norm_type}")

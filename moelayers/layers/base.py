@@ -170,18 +170,25 @@ def reduce_expert_grads(model: nn.Module) -> None:
             their ``edp`` group (``ParallelGroups.from_world`` builds it; pass it to
             ``from_groups``), or an ``edp`` group that does not hold one rank of each expert-parallel
             group at this rank's place, or groups that serve different placements (these three
-            checked on every rank: all raise); a second call with no backward since the first
+            checked on every rank: all raise); groups of another world than torch.distributed's
+            (``ParallelGroups.single()`` in a multi-rank job); a second call with no backward since the first
             (a call after each micro-batch's backward counts the earlier micro-batches again, which
             it cannot tell from a new step's gradients: call it once, after the last).
     """
     layers = [m for m in model.modules() if isinstance(m, MoELayerBase)]
     _check_not_sharded(layers, "reduce_expert_grads")
     _check_fsdp_mesh(model)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     for layer in layers:
         g, name = layer.groups, type(layer).__name__
         if g.tp_size > 1:
             raise ValueError(f"reduce_expert_grads is for torch DDP over ranks with a batch each; this {name} has "
                              f"{g.tp_size} tensor-parallel ranks, which share their batch")
+        if g.world_size != world:  # ParallelGroups.single() in a multi-rank job: nothing would be reduced
+            raise ValueError(f"this {name}'s groups describe a world of {g.world_size} rank(s) (ParallelGroups.single()?) "
+                             f"in a world of {world}: its experts would learn from this rank's tokens alone and the "
+                             f"ranks' copies drift apart; to train every expert on every rank, build the groups "
+                             f"with ParallelGroups.from_world(ep=1)")
         if g.ep_size < g.world_size and g.edp is None:
             raise ValueError(f"{name} has expert-parallel groups of {g.ep_size} of {g.world_size} ranks "
                              "but no expert-data-parallel group (ParallelGroups.edp): build the groups with "

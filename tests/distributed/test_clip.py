@@ -118,3 +118,31 @@ def test_clip_grad_norm_nan_on_any_rank_and_no_second_reduction():
         for nan_rank in range(2):
             assert all(v != v for v in result[nan_rank]), (nan_rank, result[nan_rank])
         assert "reduced already" in result["again"]
+
+
+def _single_groups_in_a_world(rank: int, world: int) -> dict:
+    """A layer built with ParallelGroups.single() in a job of 2 ranks, wired for DDP as the README
+    says: reduce_expert_grads reduced nothing (the groups said world 1), each rank's experts learned
+    from its own tokens and clip_grad_norm_ found another norm on each rank. Now refused."""
+    model = nn.Sequential(_pre(), ml.VanillaMoE(_cfg(), ml.ParallelGroups.single(), seed=1))
+    model[1].load_full_weights(*_weights64(E))
+    model(_inputs(world)[rank]).pow(2).sum().backward()
+    out = {}
+    try:
+        ml.reduce_expert_grads(model)
+        out["reduce"] = "no error"
+    except ValueError as exc:
+        out["reduce"] = str(exc)
+    try:
+        ml.clip_grad_norm_(model.parameters(), MAX_NORM)  # torch's signature
+        out["clip"] = "no error"
+    except TypeError as exc:
+        out["clip"] = str(exc)
+    return out
+
+
+def test_single_groups_in_a_multi_rank_job_are_refused_by_reduce_expert_grads():
+    for res in run_distributed(_single_groups_in_a_world, 2, timeout=120):
+        assert "groups describe a world of 1 rank(s) (ParallelGroups.single()?) in a world of 2" in res["reduce"], res
+        assert "ParallelGroups.from_world(ep=1)" in res["reduce"], res
+        assert "clip_grad_norm_ takes the model (an nn.Module), not generator" in res["clip"], res
