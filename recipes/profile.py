@@ -262,7 +262,7 @@ def summarize(res: dict, out_dir: str, config: dict | None = None) -> str:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths)))
     spread = float((lat.max(0) / lat.min(0)).max())
     dips = int((raw != lat).sum())
-    print(f"profiled {len(rows)} row counts on {lat.shape[0]} rank(s) in {res['seconds']:.1f} s; "
+    print(f"profiled {len(rows)} row counts on {lat.shape[0]} rank(s) in {res['seconds']:.3g} s; "
           f"largest max/min between GPUs {spread:.3f} (median {float(np.median(lat.max(0) / lat.min(0))):.3f}); "
           f"{dips} of {raw.size} samples smoothed to a non-decreasing curve; devices {res['device_names']}; wrote {path}")
     return path

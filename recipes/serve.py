@@ -540,6 +540,8 @@ def summarize(res: dict, out_dir: str) -> None:
             ("unserved requests (TTFT inf)", res["unserved_requests"]),
             ("requests due after the end", res.get("unarrived_requests", 0)), ("output tokens", res["output_tokens"]),
             ("steps", res["steps"]), ("elapsed (s)", res["elapsed_s"])]
+    if "emulated_expert_s" in res:  # curve mode: the expert time the emulated hardware imposed
+        rows.insert(5, ("emulated expert time (s)", res["emulated_expert_s"]))
     for note in res["notes"]:
         print(f"note: {note}")
     print_table(rows, title=f"serve: layer={res['layer']} router={res['router']} scheduler={res['scheduler']} "

@@ -53,6 +53,13 @@ DISPATCHERS = ("alltoall", "allgather")
 _STATE_FORMAT = 2
 
 
+def _some(ids: list[int], what: str, shown: int = 8) -> str:
+    """``"expert(s) [0, 1, 2]"``, or ``"16 experts: [0, ..., 7, ...]"`` past ``shown`` of them."""
+    if len(ids) <= shown:
+        return f"{what}(s) {ids}"
+    return f"{len(ids)} {what}s: [{', '.join(map(str, ids[:shown]))}, ...]"
+
+
 def placement_record(placement: ExpertPlacement, ep_rank: int) -> torch.Tensor:
     """The placement as ``state_dict()`` saves it: one int64 tensor ``[5 + R*S]``, ``(format,
     num_experts, ep_rank, R, S)`` then ``phy2log`` row by row (format 1, older checkpoints, was a
@@ -500,7 +507,7 @@ class MoELayerBase(nn.Module):
         high, low = high[:-1], low[:-1]
         differ = (high != low).view(3, e).cpu()
         if differ.any():
-            named = ", ".join(f"{name} of expert(s) {torch.nonzero(row).flatten().tolist()[:8]}"
+            named = ", ".join(f"{name} of {_some(torch.nonzero(row).flatten().tolist(), 'expert')}"
                               for name, row in zip(("router_weight", "w13", "w2"), differ) if row.any())
             raise ValueError(f"load_full_weights: the weights differ between the expert-parallel ranks ({named}): "
                              f"load the same logical weights on every rank (e.g. the same checkpoint or seed), "

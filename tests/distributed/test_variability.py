@@ -766,6 +766,7 @@ def test_serve_variability_replans(tmp_path):
     assert proc.returncode == 0, f"serve failed:\n{proc.stdout}\n{proc.stderr}"
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["layer"] == "variability" and res["output_tokens"] > 0 and res["tpot_p90_s"] > 0
+    assert "emulated expert time (s)" in proc.stdout and res["emulated_expert_s"] > 0  # in the table too
     assert ("emulated variability (curve mode): every rank's expert time padded to 1 x its latency curve, "
             "from variability=high") in res["notes"]
     assert "MoE layer 0: 1 re-plan(s)" in res["notes"] and "MoE layer 1: 1 re-plan(s)" in res["notes"]
