@@ -356,7 +356,7 @@ class VariabilitySettings:
         mod, _, name = layer_cfg["cls"].rpartition(".")
         params = inspect.signature(getattr(importlib.import_module(mod), name)).parameters
         kwargs = dict(layer_cfg.get("kwargs") or {})
-        if kwargs.get("slowdown") is not None and self.mode != "off" and (self.given or self.mode == "curve"):
+        if kwargs.get("slowdown") is not None and self.slows(num_ranks):
             raise ValueError(f"layer.kwargs.slowdown={kwargs['slowdown']} and the config's emulation "
                              f"(variability={self.name}, emulation.mode={self.mode}) would both slow the experts "
                              f"down, the second timing the first one's wait as compute (the factors multiply): use "
@@ -370,6 +370,13 @@ class VariabilitySettings:
         if self.curves_path:
             kwargs["curves"] = self.curves(num_ranks)
         return dict(layer_cfg, kwargs=kwargs)
+
+    def slows(self, num_ranks: int) -> bool:
+        """Whether :meth:`apply` hooks an emulation on some rank of ``num_ranks``: curve mode, or
+        measured mode with a preset that slows a rank (``variability=none`` or ``low`` does not)."""
+        if self.mode == "curve":
+            return True
+        return self.mode == "measured" and any(f != 1.0 for f in slowdown_preset(self.name, num_ranks))
 
     def describe(self, num_ranks: int) -> str | None:
         """What the emulation does on the ``num_ranks`` ranks, for a run's notes (``None``: nothing)."""
@@ -393,6 +400,11 @@ class VariabilitySettings:
         if self.mode == "off" or not layers:
             return []
         groups = layers[0].groups
+        own = [type(layer).__name__ for layer in layers if getattr(layer, "slowdown", None) is not None]
+        if own and self.slows(groups.ep_size):  # (decided alike on every rank: a refusal on some would hang)
+            raise ValueError(f"{own[0]} slows itself down already (its slowdown=): the config's emulation "
+                             f"(variability={self.name}, emulation.mode={self.mode}) would time that wait as compute "
+                             f"and multiply the factors; use one")
         if self.mode == "measured":
             factor = slowdown_preset(self.name, groups.ep_size)[groups.ep_rank]
             if factor == 1.0:

@@ -208,8 +208,10 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
         return torch.tensor(tokens, dtype=torch.int64, device=device)
 
     def forced_for(batch: list[tuple[Request, list[int]]]):
-        if trace is None or not batch:
+        if trace is None:
             return None
+        if not batch:  # forced too (no ids): every rank reads the forced-routing flags, in capacity mode as well
+            return [torch.zeros(0, trace.top_k, dtype=torch.int64, device=device)] * num_layers
         rows = [trace.topk_ids[trace.sequence_slice(r.trace_seq)][pos] for r, pos in batch]  # [n, L, K] each
         topk = torch.from_numpy(np.concatenate(rows).astype(np.int64)).to(device)
         return [topk[:, i % trace.num_layers] for i in range(num_layers)]
@@ -685,8 +687,8 @@ def check_config(d: dict) -> None:
             check_plan_split(d)
     if (d["layer"].get("kwargs") or {}).get("mode") == "tp":
         raise ValueError("serve.py runs attention data-parallel: use the layer's mode=dp (layer.kwargs.mode=dp)")
-    VariabilitySettings.from_config(d)  # variability / emulation keys (optional)
     check_curves_file(d)
+    VariabilitySettings.from_config(d).layer_config(d["layer"], ep)  # its keys; a second slowdown of the layer
     router = d["router"]["name"]
     if router not in ("learned", "replay"):
         raise ValueError(f"router must be learned or replay, got {router!r}")

@@ -32,12 +32,14 @@ class Routes:
         nonfinite: optional 0-dim int device flag of bad routing on this rank: ``NONFINITE_LOGITS``
             (router logits with NaN/inf) | ``FORCED_OUT_OF_RANGE`` (forced expert ids outside
             ``[0, E)``) | ``BAD_INPUT`` (the layer refused this rank's input and sends no tokens) |
-            ``BAD_REPLICA`` (a custom replica policy picked a slot without the routed expert);
+            ``BAD_REPLICA`` (a custom replica policy picked a slot without the routed expert) |
+            ``BAD_ROUTE`` (a route outside the ranks or slots, :func:`check_routes`);
             dispatchers exchange it with their split sizes (no extra sync) and every rank raises.
         overflow: capacity mode: optional 0-dim device flag, true when this rank had more tokens
             than the capacity (it sends the first ``capacity``); exchanged like ``nonfinite``.
         in_range: ``dest_rank`` and ``dest_slot`` are known to lie in ``[0, R)`` and ``[0, S)``
-            (:func:`routes_from_placement` sets it). Otherwise the dispatchers check them on the
+            (:func:`routes_from_placement` sets it; a layer clears it on the routes of a ``plan()``
+            override, which may have edited them). Otherwise the dispatchers check them on the
             device (:func:`check_routes`; no sync) and every rank raises on a route outside.
     """
 

@@ -917,6 +917,8 @@ class MoELayerBase(nn.Module):
         that says whether this rank refused its input); without it, ``_bad_input`` says so."""
         topk_ids, topk_weights = self.router(x2, forced, defer_check=True)  # 1 route
         routes = self.plan(topk_ids, topk_weights, token_ids)             # 2 plan
+        if type(self).plan is not MoELayerBase.plan:  # an override's routes (edited ones too): the dispatcher checks them
+            routes.in_range = False
         routes.nonfinite = merge_flags(routes.nonfinite, self.router.last_nonfinite)
         if flag is not None:
             routes.nonfinite = merge_flags(routes.nonfinite, flag)

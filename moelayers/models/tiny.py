@@ -398,7 +398,9 @@ class TinyDecoder(nn.Module):
             forced_topk: optional, per block, ``[T, K]`` integer expert ids (``T`` = all tokens of
                 the step, in batch order) that block's MoE routes by (its forward's ``topk_ids``;
                 trace replay); an entry may be ``None`` (that block routes itself). Ids a layer
-                refuses (not integers, not ``[T, K]``, outside ``[0, E)``) raise on every rank.
+                refuses (not integers, not ``[T, K]``, outside ``[0, E)``) raise on every rank
+                (in capacity mode with ``check_finite=False``, on every rank that forces its
+                routing: a rank without tokens passes empty ``[0, K]`` ids to be one of them).
 
         Returns:
             ``{request_id: logits [V]}``: next-token logits after each request's last token.

@@ -733,3 +733,21 @@ def test_serve_notes_loads_past_the_profiled_curves(tmp_path):
     merge_curves_path(d)
     assert serve.curves_coverage(d, 16) == {"notes": [], "curves_sampled_up_to": 16, "max_rank_rows": 16}
     assert serve.curves_coverage(_config("variability=high"), 10 ** 6) == {"notes": []}  # preset: exact everywhere
+
+
+def test_serve_takes_a_variability_layers_own_slowdown(tmp_path):
+    """`+layer.kwargs.slowdown=[2.0,1.0]` under serve's default variability (none) was refused inside
+    the ranks as a double slowdown, though the config's emulation slows nothing."""
+    proc = _run_serve(tmp_path / "run", "layer=variability", "+layer.kwargs.slowdown=[2.0,1.0]",
+                      "workload.num_requests=4", "progress=false", "plot=false")
+    assert proc.returncode == 0, f"serve failed:\n{proc.stdout}\n{proc.stderr}"
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res["layer"] == "variability" and res["finished_requests"] == 4
+
+
+def test_a_second_slowdown_is_refused_before_the_ranks_start():
+    from recipes import serve
+
+    with pytest.raises(ValueError, match=r"layer\.kwargs\.slowdown=\[2\.0, 1\.0\] and the config's emulation"):
+        serve.check_config(_config("layer=variability", "variability=high", "+layer.kwargs.slowdown=[2.0,1.0]"))
+    serve.check_config(_config("layer=variability", "+layer.kwargs.slowdown=[2.0,1.0]"))  # variability none

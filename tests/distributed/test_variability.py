@@ -1180,12 +1180,34 @@ def test_a_layer_is_slowed_down_once():
     first.remove()
     emulate_variability(layer, 1.5).remove()  # once removed, another may be hooked
     own = ml.VariabilityAwareMoE(layer.config, ml.ParallelGroups.single(), slowdown=2.0)
-    with pytest.raises(ValueError, match="slowed down already"):
+    with pytest.raises(ValueError, match="VariabilityAwareMoE slows itself down already"):
         VariabilitySettings.from_config({"variability": "high"}).apply([own])
     lc = {"cls": "moelayers.VariabilityAwareMoE", "kwargs": {"slowdown": [2.0, 1.0]}}
     for cfg in ({"variability": "high"}, {"emulation": {"mode": "curve"}}):
         with pytest.raises(ValueError, match=r"layer\.kwargs\.slowdown=\[2\.0, 1\.0\] and the config's emulation"):
             VariabilitySettings.from_config(cfg).layer_config(lc, 2)
-    off = {"variability": "high", "emulation": {"mode": "off"}}
-    assert VariabilitySettings.from_config(off).layer_config(lc, 2)["kwargs"]["slowdown"] == [2.0, 1.0]
-    assert VariabilitySettings.from_config({}).layer_config(lc, 2) == lc  # no variability: the layer's own
+    # nothing else slows the experts down: the layer's own slowdown stands (serve.py's default config
+    # holds variability {name: none}; refusing it broke `serve.py +layer.kwargs.slowdown=[2.0,1.0]`)
+    for cfg in ({"variability": "high", "emulation": {"mode": "off"}}, {"variability": {"name": "none"}},
+                {"variability": "low"}, {}):
+        assert VariabilitySettings.from_config(cfg).layer_config(lc, 2)["kwargs"]["slowdown"] == [2.0, 1.0], cfg
+
+
+def _own_slowdown_and_the_configs(rank, world):
+    """slowdown=[2, 1] hooks an emulator on rank 0 only: a guard that looked for it refused on rank 0
+    while rank 1 went on into the forward's exchange (a hang). Both ranks refuse now."""
+    from moelayers.emulation import VariabilitySettings
+
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2)
+    layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.from_world(), seed=3, slowdown=[2.0, 1.0])
+    try:
+        VariabilitySettings.from_config({"variability": "moderate"}).apply([layer])
+        return "no error"
+    except ValueError as exc:
+        return str(exc)
+
+
+@pytest.mark.timeout(120)
+def test_a_layer_slowing_itself_down_is_refused_the_configs_emulation_on_every_rank():
+    for got in run_distributed(_own_slowdown_and_the_configs, 2, timeout=60):
+        assert "VariabilityAwareMoE slows itself down already" in got, got

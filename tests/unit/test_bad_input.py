@@ -746,12 +746,13 @@ def test_config_flags_take_numpy_bools():
 
 
 class _PlanMoE(ml.VanillaMoE):
-    """A strategy whose plan() builds its Routes itself: the placement's routes, then on ``on_rank``
-    one route bent to ``bad`` = (field, value)."""
+    """A strategy whose plan() bends, on ``on_rank``, one of the placement's routes to ``bad`` =
+    (field, value): in Routes of its own (``fresh``), or in the Routes ``super().plan()`` returned
+    (which say they are in range)."""
 
-    def __init__(self, *args, bad=None, on_rank=-1, **kwargs):
+    def __init__(self, *args, bad=None, on_rank=-1, fresh=True, **kwargs):
         super().__init__(*args, **kwargs)
-        self.bad, self.on_rank = bad, on_rank
+        self.bad, self.on_rank, self.fresh = bad, on_rank, fresh
 
     def plan(self, topk_ids, topk_weights, token_ids):
         r = super().plan(topk_ids, topk_weights, token_ids)
@@ -759,10 +760,13 @@ class _PlanMoE(ml.VanillaMoE):
         if self.bad is not None and self.groups.ep_rank == self.on_rank:
             field, value = self.bad
             (rank if field == "rank" else slot)[0, 0] = value
-        return ml.Routes(r.topk_ids, r.weights, rank, slot, nonfinite=r.nonfinite)  # in_range not claimed
+        if not self.fresh:
+            r.dest_rank, r.dest_slot = rank, slot
+            return r
+        return ml.Routes(r.topk_ids, r.weights, rank, slot, nonfinite=r.nonfinite)
 
 
-def _bad_routes_of_a_plan(rank, world, dispatcher):
+def _bad_routes_of_a_plan(rank, world, dispatcher, fresh=True):
     """A plan() override's route to a rank past the group (or -1) was dropped by the de-duplicated
     all-to-all and the all-gather (an activation lost, no error), failed with an index error on
     one rank of the other all-to-all, and a slot past the rank's slots was delivered nowhere."""
@@ -772,14 +776,14 @@ def _bad_routes_of_a_plan(rank, world, dispatcher):
         dispatcher, dict(dispatcher=dispatcher))
     out = []
     for bad in (("rank", world), ("rank", -1), ("rank", -2), ("slot", 4 // world), ("slot", -1)):
-        m = _PlanMoE(cfg, groups, bad=bad, on_rank=world - 1, seed=1, **kwargs)
+        m = _PlanMoE(cfg, groups, bad=bad, on_rank=world - 1, seed=1, fresh=fresh, **kwargs)
         try:
             with torch.no_grad():
                 m(torch.randn(5, 8))
             out.append(f"{bad}: no error")
         except ValueError as e:
             out.append("raised" if f"routes of expert-parallel rank(s) [{world - 1}]" in str(e) else str(e))
-    good = _PlanMoE(cfg, groups, seed=1, **kwargs)  # routes of its own, all in range: the reference's output
+    good = _PlanMoE(cfg, groups, seed=1, fresh=fresh, **kwargs)  # all routes in range: the reference's output
     x = torch.randn(5, 8, generator=torch.Generator().manual_seed(rank))
     with torch.no_grad():
         y = good(x)
@@ -789,13 +793,14 @@ def _bad_routes_of_a_plan(rank, world, dispatcher):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("fresh", [True, False], ids=["own-routes", "edited-routes"])
 @pytest.mark.parametrize("dispatcher", ["alltoall", "nodedup", "allgather", "capacity"])
-def test_routes_out_of_range_raise_on_every_rank(dispatcher):
+def test_routes_out_of_range_raise_on_every_rank(dispatcher, fresh):
     want = ["raised"] * 5 + [None]
     if dispatcher == "capacity":  # -1 is capacity mode's padding: a route sent nowhere, no error
         want[1] = "('rank', -1): no error"
-    assert _bad_routes_of_a_plan(0, 1, dispatcher) == want
-    assert run_distributed(_bad_routes_of_a_plan, 2, dispatcher) == [want] * 2
+    assert _bad_routes_of_a_plan(0, 1, dispatcher, fresh) == want
+    assert run_distributed(_bad_routes_of_a_plan, 2, dispatcher, fresh) == [want] * 2
 
 
 def test_the_reference_refuses_what_the_layers_refuse():

@@ -270,3 +270,30 @@ def test_step_refuses_forced_ids_of_one_rank_on_every_rank(attention):
     res = run_distributed(_forced_of_a_bad_type_on_one_rank, 2, attention, timeout=60)
     assert res[1][0] == "TypeError" and res[0][0] in ("TypeError", "ValueError"), res
     assert res[0][1] == ["a"] and res[1][1] == (["a"] if attention == "tp" else []), res
+
+
+def _forced_out_of_range_in_capacity_mode(rank, world):
+    """Capacity mode without the NaN check reads the exchanged flags only on ranks that force their
+    routing: a rank without tokens passing forced_topk=None went on into the next layer's exchange
+    while the other raised (a hang). With empty [0, K] ids, as serve.py now passes, both raise."""
+    groups = ml.ParallelGroups.from_world()
+    moe_cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=E, top_k=K, params_dtype=torch.float64)
+    cfg = TinyConfig(vocab_size=V, hidden_size=H, num_layers=2, num_heads=4, dtype=torch.float64)
+    model = TinyDecoder(cfg, lambda i: ml.VanillaMoE(moe_cfg, groups, seed=i, capacity=8, check_finite=False))
+    if rank == 0:
+        batch, forced = [("a", torch.tensor([1, 2, 3]))], [torch.full((3, K), E, dtype=torch.int64)] * 2
+    else:
+        batch, forced = [], [torch.zeros(0, K, dtype=torch.int64)] * 2
+    try:
+        model.step(batch, forced_topk=forced)
+        return "no error"
+    except ValueError as exc:
+        return str(exc)
+
+
+@pytest.mark.timeout(120)
+def test_idle_ranks_forcing_empty_ids_raise_with_the_others_in_capacity_mode():
+    from moelayers.testing import run_distributed
+
+    for got in run_distributed(_forced_out_of_range_in_capacity_mode, 2, timeout=60):
+        assert "forced routing (force_routing) holds expert ids outside" in got, got
