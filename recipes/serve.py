@@ -55,6 +55,10 @@ All-to-all volume: ``a2a_bytes`` = ``a2a_dispatch_bytes`` (``bytes_sent``) + ``a
 :func:`_gather_results`. In ``emulation.mode=curve``, ``emulated_expert_s`` is the expert time the
 emulation imposed on the critical path (:func:`emulated_expert_time`).
 
+``layer.placement_path=FILE`` starts a constructor-built layer (vanilla, variability) in the placements
+of a ``recipes/plan.py`` ``assignment.npz`` (GEM, EPLB: MoE layer ``i`` in row ``i mod L`` of its
+``expert_rank``) or an ``ExpertPlacement`` file (:func:`layer_placements`).
+
 ``scheduler`` is a name (``round_robin``, ``semantic``, ``module:function``) or a dict
 ``scheduler={name:semantic,plan_path:FILE}``. ``layer=semantic`` and ``scheduler=semantic`` share one
 ``SemanticPlan``: ``scheduler.plan_path``, else ``layer.plan_path`` (both, with different values, is an
@@ -139,8 +143,10 @@ def fit_model_to_trace(model_cfg: dict, trace) -> tuple[dict, list[str]]:
 
 
 def build_model(m: dict, layer: dict, groups, device: torch.device, seed: int, plan=None):
-    """TinyDecoder whose MoE slots are ``layer['cls'](MoEConfig, groups, **layer['kwargs'])``, or
-    ``layer['cls'].from_plan(plan, i mod plan layers, ...)`` with a plan (``SemanticMoE``)."""
+    """TinyDecoder whose MoE slots are ``layer['cls'](MoEConfig, groups, **layer['kwargs'])`` (with
+    ``layer['placement_path']``, MoE layer ``i`` in that file's placement ``i mod L``:
+    :func:`layer_placements`), or ``layer['cls'].from_plan(plan, i mod plan layers, ...)`` with a
+    plan (``SemanticMoE``)."""
     import moelayers as ml
     from moelayers.models import TinyConfig, TinyDecoder
 
@@ -151,16 +157,57 @@ def build_model(m: dict, layer: dict, groups, device: torch.device, seed: int, p
     mod, _, name = layer["cls"].rpartition(".")
     cls = getattr(importlib.import_module(mod), name)
     kwargs = dict(layer.get("kwargs") or {})
+    placements = (layer_placements(layer["placement_path"], moe_cfg.num_experts, groups.ep_size)
+                  if layer.get("placement_path") else None)
 
     def factory(i: int):
         if plan is not None:
             return cls.from_plan(plan, i % len(plan.expert_rank), moe_cfg, groups, device=device, seed=seed * 1000 + i,
                                  **kwargs)
+        if placements is not None:
+            kwargs["placement"] = placements[i % len(placements)]
         return cls(moe_cfg, groups, device=device, seed=seed * 1000 + i, **kwargs)
 
     tcfg = TinyConfig(vocab_size=int(m["vocab_size"]), hidden_size=int(m["hidden_size"]),
                       num_layers=int(m["num_layers"]), num_heads=int(m["num_heads"]), dtype=dtype)
     return TinyDecoder(tcfg, factory, device=device, seed=seed).eval()
+
+
+def layer_placements(path: str, num_experts: int, ep: int) -> list:
+    """The placements ``layer.placement_path`` names: an ``assignment.npz`` of ``recipes/plan.py``
+    (``expert_rank [L, E]``, the planner's placement of each layer: MoE layer ``i`` starts in row
+    ``i mod L``) or a placement file (``ExpertPlacement.save``: every layer).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: neither kind of file, or placements for other experts or another number of
+            expert-parallel ranks (naming the file).
+    """
+    from moelayers.files import read_npz
+    from moelayers.placement import ExpertPlacement
+
+    data = read_npz(path, "placement file or plan.py assignment.npz")
+    if "phy2log" in data:
+        placements = [ExpertPlacement.load(path)]
+    elif "expert_rank" in data:
+        rows = data["expert_rank"]
+        rows = rows[None] if rows.ndim == 1 else rows
+        if rows.ndim != 2 or rows.dtype.kind not in "iu" or rows.shape[0] == 0:
+            raise ValueError(f"{path}: expert_rank must be an integer [L, E] table, got {rows.dtype} {list(rows.shape)}")
+        if rows.shape[1] != num_experts:
+            raise ValueError(f"{path} places {rows.shape[1]} experts per layer, the model has {num_experts}")
+        if rows.min() < 0 or rows.max() >= ep:
+            raise ValueError(f"{path} puts experts on ranks {int(rows.min())}..{int(rows.max())}: it was planned for "
+                             f"more expert-parallel ranks than the {ep} here (plan with parallel.ep={ep})")
+        placements = [ExpertPlacement.from_expert_rank(row, num_ranks=ep) for row in rows]
+    else:
+        raise ValueError(f"{path}: neither a placement file (phy2log, num_experts) nor a plan.py assignment.npz "
+                         f"(expert_rank), keys {sorted(data)}")
+    for p in placements:
+        if p.num_experts != num_experts or p.num_ranks != ep:
+            raise ValueError(f"{path}: a placement of {p.num_experts} experts over {p.num_ranks} ranks, the model has "
+                             f"{num_experts} experts over {ep} expert-parallel ranks")
+    return placements
 
 
 # ---------------------------------------------------------------------- the loop
@@ -180,6 +227,9 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
     layer_cfg = var.layer_config(cfg["layer"], groups.ep_size)
     plan = semantic_plan(cfg, groups.ep_size, trace) if uses_plan(layer_cfg) else None
     model = build_model(mcfg, layer_cfg, groups, device, int(cfg["seed"]), plan=plan)
+    if layer_cfg.get("placement_path"):
+        notes.append(f"the MoE layers start in the placements of {layer_cfg['placement_path']} (MoE layer i in "
+                     f"its placement i mod L)")
     var.apply(model.moe_layers)  # hooks stay on the layers for the whole run
     requests = make_requests(cfg, int(mcfg["vocab_size"]), trace)
     skipped_empty = 0
@@ -729,7 +779,24 @@ def check_config(d: dict) -> None:
         raise ValueError(f"{source} {experts} experts per layer, which do not split over parallel.ep={ep} ranks")
     if plan_path:
         check_plan_file(d, plan_path, trace)
+    check_placement_file(d, experts, ep)
     check_capacity(d, trace)
+
+
+def check_placement_file(d: dict, experts: int, ep: int) -> None:
+    """``layer.placement_path``: a file of placements for these experts and expert-parallel ranks
+    (:func:`layer_placements`), for a layer built from its constructor (a plan-built one takes its
+    placement from the plan)."""
+    path = d["layer"].get("placement_path")
+    if not path:
+        return
+    if uses_plan(d["layer"]):
+        raise ValueError(f"layer.placement_path={path}: layer={d['layer'].get('name')} takes its placement from its "
+                         f"semantic plan (layer.plan_path); placement_path is for layers built by their constructor "
+                         f"(vanilla, variability)")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"layer.placement_path={path} does not exist")
+    layer_placements(path, experts, ep)
 
 
 def step_token_budget(d: dict) -> float:
@@ -801,8 +868,9 @@ def main(cfg: DictConfig) -> None:
     if d.get("trace", {}).get("path"):
         d["trace"]["path"] = hydra.utils.to_absolute_path(d["trace"]["path"])
     for holder in (d["layer"], d["scheduler"]):
-        if isinstance(holder, dict) and holder.get("plan_path"):
-            holder["plan_path"] = hydra.utils.to_absolute_path(holder["plan_path"])
+        for key in ("plan_path", "placement_path"):
+            if isinstance(holder, dict) and holder.get(key):
+                holder[key] = hydra.utils.to_absolute_path(holder[key])
     var = d.get("variability")
     if isinstance(var, dict) and isinstance(var.get("curves"), dict) and var["curves"].get("path"):
         var["curves"]["path"] = d["curves"]["path"] = hydra.utils.to_absolute_path(var["curves"]["path"])

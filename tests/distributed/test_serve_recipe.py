@@ -751,3 +751,43 @@ def test_a_second_slowdown_is_refused_before_the_ranks_start():
     with pytest.raises(ValueError, match=r"layer\.kwargs\.slowdown=\[2\.0, 1\.0\] and the config's emulation"):
         serve.check_config(_config("layer=variability", "variability=high", "+layer.kwargs.slowdown=[2.0,1.0]"))
     serve.check_config(_config("layer=variability", "+layer.kwargs.slowdown=[2.0,1.0]"))  # variability none
+
+
+def _built_placements(rank, world, d):
+    from recipes import serve
+
+    model = serve.build_model(d["model"], d["layer"], ml.ParallelGroups.from_world(), torch.device("cpu"), 0)
+    return [m.placement.phy2log.tolist() for m in model.moe_layers]
+
+
+def test_serve_starts_in_a_planned_placement(tmp_path):
+    """plan.py's GEM / EPLB placements (assignment.npz) could not be served: serve.py had no way to
+    take a placement. layer.placement_path starts MoE layer i in row i mod L of expert_rank."""
+    from moelayers.placement import ExpertPlacement
+    from recipes import serve
+
+    path = tmp_path / "assignment.npz"
+    rows = np.array([[1, 1, 1, 1, 0, 0, 0, 0], [0, 1, 0, 1, 0, 1, 0, 1]])  # 2 layers, 8 experts over 2 ranks
+    np.savez(path, expert_rank=rows, token_rank=np.zeros((1, 2), dtype=np.int64))
+    want = [[[4, 5, 6, 7], [0, 1, 2, 3]], [[0, 2, 4, 6], [1, 3, 5, 7]]]
+    assert [p.phy2log.tolist() for p in serve.layer_placements(str(path), 8, 2)] == want
+    d = _config(f"layer.placement_path={path}", "model.num_layers=3")
+    serve.check_config(d)
+    assert run_distributed(_built_placements, 2, d, timeout=60) == [want + want[:1]] * 2  # layer 2: row 0
+    res = _serve(tmp_path / "run", "workload.num_requests=4", f"layer.placement_path={path}")
+    assert any(f"start in the placements of {path}" in n for n in res["notes"]), res["notes"]
+    one = tmp_path / "one.npz"
+    ExpertPlacement.from_expert_rank(np.array([1, 0] * 4), num_ranks=2).save(one)
+    assert [p.phy2log.tolist() for p in serve.layer_placements(str(one), 8, 2)] == [[[1, 3, 5, 7], [0, 2, 4, 6]]]
+    with pytest.raises(ValueError, match="planned for more expert-parallel ranks than the 1 here"):
+        serve.layer_placements(str(path), 8, 1)
+    with pytest.raises(ValueError, match=r"places 8 experts per layer, the model has 16"):
+        serve.layer_placements(str(path), 16, 2)
+    with pytest.raises(ValueError, match="takes its placement from its semantic plan"):
+        serve.check_config(_config("layer=semantic", "router=replay", f"+layer.placement_path={path}"))
+    with pytest.raises(FileNotFoundError, match="nope.npz"):
+        serve.check_config(_config(f"layer.placement_path={tmp_path / 'nope.npz'}"))
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, rows=np.array([1, 2]))
+    with pytest.raises(ValueError, match="neither a placement file"):
+        serve.check_config(_config(f"layer.placement_path={bad}"))
