@@ -67,6 +67,7 @@ error), else one planned (mode dp) on the replay trace's first half of sequences
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import math
 import os
@@ -180,29 +181,39 @@ def layer_placements(path: str, num_experts: int, ep: int) -> list:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: neither kind of file, or placements for other experts or another number of
-            expert-parallel ranks (naming the file).
+        ValueError: neither kind of file (or both), or placements for other experts or another
+            number of expert-parallel ranks (an assignment's ``num_ranks``, where it has one, must
+            be ``ep``: a plan for fewer ranks leaves ranks without experts), naming the file.
     """
     from moelayers.files import read_npz
     from moelayers.placement import ExpertPlacement
 
     data = read_npz(path, "placement file or plan.py assignment.npz")
-    if "phy2log" in data:
+    kinds = [key for key in ("phy2log", "expert_rank") if key in data]
+    if len(kinds) != 1:
+        raise ValueError(f"{path}: " + ("holds both a placement (phy2log) and an assignment (expert_rank): which to "
+                                         "serve is not clear" if kinds else
+                                         f"neither a placement file (phy2log, num_experts) nor a plan.py "
+                                         f"assignment.npz (expert_rank), keys {sorted(data)}"))
+    if kinds == ["phy2log"]:
         placements = [ExpertPlacement.load(path)]
-    elif "expert_rank" in data:
+    else:
         rows = data["expert_rank"]
         rows = rows[None] if rows.ndim == 1 else rows
         if rows.ndim != 2 or rows.dtype.kind not in "iu" or rows.shape[0] == 0:
             raise ValueError(f"{path}: expert_rank must be an integer [L, E] table, got {rows.dtype} {list(rows.shape)}")
         if rows.shape[1] != num_experts:
             raise ValueError(f"{path} places {rows.shape[1]} experts per layer, the model has {num_experts}")
-        if rows.min() < 0 or rows.max() >= ep:
-            raise ValueError(f"{path} puts experts on ranks {int(rows.min())}..{int(rows.max())}: it was planned for "
-                             f"more expert-parallel ranks than the {ep} here (plan with parallel.ep={ep})")
+        planned = int(data["num_ranks"]) if "num_ranks" in data and data["num_ranks"].size == 1 else None
+        if rows.min() < 0:
+            raise ValueError(f"{path}: expert_rank holds rank {int(rows.min())}: ranks are >= 0")
+        if (planned or 0) > ep or rows.max() >= ep:
+            raise ValueError(f"{path} was planned for {planned or int(rows.max()) + 1} expert-parallel ranks, "
+                             f"{ep} here: plan with parallel.ep={ep}")
+        if planned is not None and planned != ep:
+            raise ValueError(f"{path} was planned for {planned} expert-parallel ranks, {ep} here: ranks "
+                             f"{planned}..{ep - 1} would hold no expert; plan with parallel.ep={ep}")
         placements = [ExpertPlacement.from_expert_rank(row, num_ranks=ep) for row in rows]
-    else:
-        raise ValueError(f"{path}: neither a placement file (phy2log, num_experts) nor a plan.py assignment.npz "
-                         f"(expert_rank), keys {sorted(data)}")
     for p in placements:
         if p.num_experts != num_experts or p.num_ranks != ep:
             raise ValueError(f"{path}: a placement of {p.num_experts} experts over {p.num_ranks} ranks, the model has "
@@ -485,14 +496,31 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
         "rank_loads": rank_loads, "bytes_sent": sum(total.bytes_sent), "rows_sent": sum(total.rows_sent),
         "a2a_bytes": sum(total.bytes_sent) + combine_bytes, "a2a_dispatch_bytes": sum(total.bytes_sent),
         "a2a_combine_bytes": combine_bytes, "a2a_rows": remote_total,
-        "world_size": world, "layer": cfg["layer"]["name"], "router": cfg["router"]["name"],
+        "world_size": world, "layer": layer_label(cfg["layer"]), "router": cfg["router"]["name"],
         "scheduler": cfg["scheduler"], "num_requests": len(reqs), "output_tokens": out_total,
         "prompt_tokens": prompt_total, "max_step_tokens": int(most[0]),
         "steps": steps, "elapsed_s": elapsed, "seed": cfg["seed"], "requests_digest": requests_digest(requests),
         "model": mcfg, "notes": notes, "config": echo, "replans": replans,
         "requests": reqs, "rank_load_per_step": loads.tolist(),
-        **emulated_expert_time(cfg, group_loads, ep_ranks), **coverage,
+        **emulated_expert_time(cfg, group_loads, ep_ranks), **coverage, **placement_file_record(cfg["layer"]),
     }
+
+
+def layer_label(layer_cfg: dict) -> str:
+    """The layer's name in results and tables; with ``placement_path``, the file's name after it
+    (``vanilla+assignment.npz``), so that a comparison against the plain layer tells them apart."""
+    path = layer_cfg.get("placement_path")
+    return f"{layer_cfg['name']}+{os.path.basename(path)}" if path else layer_cfg["name"]
+
+
+def placement_file_record(layer_cfg: dict) -> dict:
+    """``{"placement_file": {"path", "sha256"}}`` with ``layer.placement_path`` (the placements served,
+    should the file be rewritten later), else nothing."""
+    path = layer_cfg.get("placement_path")
+    if not path:
+        return {}
+    with open(path, "rb") as f:
+        return {"placement_file": {"path": path, "sha256": hashlib.sha256(f.read()).hexdigest()}}
 
 
 def curves_coverage(cfg: dict, max_rank_rows: int) -> dict:
@@ -779,14 +807,16 @@ def check_config(d: dict) -> None:
         raise ValueError(f"{source} {experts} experts per layer, which do not split over parallel.ep={ep} ranks")
     if plan_path:
         check_plan_file(d, plan_path, trace)
-    check_placement_file(d, experts, ep)
+    check_placement_file(d, experts, ep, trace)
     check_capacity(d, trace)
 
 
-def check_placement_file(d: dict, experts: int, ep: int) -> None:
+def check_placement_file(d: dict, experts: int, ep: int, trace=None) -> None:
     """``layer.placement_path``: a file of placements for these experts and expert-parallel ranks
     (:func:`layer_placements`), for a layer built from its constructor (a plan-built one takes its
-    placement from the plan)."""
+    placement from the plan), with one placement for every layer or one per layer: as many as the
+    replayed trace has layers (MoE layer ``i`` replays trace layer ``i mod L``), else as the model.
+    """
     path = d["layer"].get("placement_path")
     if not path:
         return
@@ -795,8 +825,14 @@ def check_placement_file(d: dict, experts: int, ep: int) -> None:
                          f"semantic plan (layer.plan_path); placement_path is for layers built by their constructor "
                          f"(vanilla, variability)")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"layer.placement_path={path} does not exist")
-    layer_placements(path, experts, ep)
+        raise FileNotFoundError(f"layer.placement_path={path} does not exist" +
+                                (" (it is a folder: name the assignment.npz in it)" if os.path.isdir(path) else ""))
+    n = len(layer_placements(path, experts, ep))
+    layers, whose = (trace.num_layers, f"the trace {d['trace']['path']}") if trace is not None else (
+        int(d["model"]["num_layers"]), "the model (model.num_layers)")
+    if n not in (1, layers):
+        raise ValueError(f"layer.placement_path={path} holds placements of {n} layers, {whose} has {layers}: a plan "
+                         f"for another model? (one placement serves every layer)")
 
 
 def step_token_budget(d: dict) -> float:
@@ -867,7 +903,8 @@ def main(cfg: DictConfig) -> None:
         d["variability"] = {"name": d.get("variability") or "none", "curves": dict(d["curves"])}
     if d.get("trace", {}).get("path"):
         d["trace"]["path"] = hydra.utils.to_absolute_path(d["trace"]["path"])
-    for holder in (d["layer"], d["scheduler"]):
+    baseline = (d.get("compare") or {}).get("layer")
+    for holder in (d["layer"], d["scheduler"], baseline):  # (a baseline given as a dict too)
         for key in ("plan_path", "placement_path"):
             if isinstance(holder, dict) and holder.get(key):
                 holder[key] = hydra.utils.to_absolute_path(holder[key])

@@ -1,6 +1,7 @@
 """recipes/serve.py end to end (2 gloo processes), and the tiny model's attention-DP + expert-parallel
 step against a single process."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -771,16 +772,40 @@ def test_serve_starts_in_a_planned_placement(tmp_path):
     np.savez(path, expert_rank=rows, token_rank=np.zeros((1, 2), dtype=np.int64))
     want = [[[4, 5, 6, 7], [0, 1, 2, 3]], [[0, 2, 4, 6], [1, 3, 5, 7]]]
     assert [p.phy2log.tolist() for p in serve.layer_placements(str(path), 8, 2)] == want
-    d = _config(f"layer.placement_path={path}", "model.num_layers=3")
+    d = _config(f"layer.placement_path={path}")
     serve.check_config(d)
-    assert run_distributed(_built_placements, 2, d, timeout=60) == [want + want[:1]] * 2  # layer 2: row 0
-    res = _serve(tmp_path / "run", "workload.num_requests=4", f"layer.placement_path={path}")
+    assert run_distributed(_built_placements, 2, d, timeout=60) == [want] * 2
+    np.savez(tmp_path / "row.npz", expert_rank=rows[1])  # one placement: every layer
+    d = _config(f"layer.placement_path={tmp_path / 'row.npz'}", "model.num_layers=3")
+    serve.check_config(d)
+    assert run_distributed(_built_placements, 2, d, timeout=60) == [[want[1]] * 3] * 2
+    proc = _run_serve(tmp_path / "run", "workload.num_requests=4", f"layer.placement_path={path}")
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
     assert any(f"start in the placements of {path}" in n for n in res["notes"]), res["notes"]
+    assert res["layer"] == "vanilla+assignment.npz"  # told apart from the plain layer in comparisons
+    assert res["placement_file"] == {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
     one = tmp_path / "one.npz"
     ExpertPlacement.from_expert_rank(np.array([1, 0] * 4), num_ranks=2).save(one)
     assert [p.phy2log.tolist() for p in serve.layer_placements(str(one), 8, 2)] == [[[1, 3, 5, 7], [0, 2, 4, 6]]]
-    with pytest.raises(ValueError, match="planned for more expert-parallel ranks than the 1 here"):
+    with pytest.raises(ValueError, match=r"planned for 2 expert-parallel ranks, 1 here: plan with parallel\.ep=1"):
         serve.layer_placements(str(path), 8, 1)
+    # plan.py's num_ranks: a plan for 2 ranks served on 4 left ranks 2 and 3 without experts, silently
+    np.savez(path, expert_rank=rows, num_ranks=np.int64(2))
+    with pytest.raises(ValueError, match=r"planned for 2 expert-parallel ranks, 4 here: ranks 2\.\.3 would hold no expert"):
+        serve.layer_placements(str(path), 8, 4)
+    odd = tmp_path / "odd.npz"
+    np.savez(odd, expert_rank=-rows)
+    with pytest.raises(ValueError, match="expert_rank holds rank -1: ranks are >= 0"):
+        serve.layer_placements(str(odd), 8, 2)
+    np.savez(odd, expert_rank=rows, phy2log=np.zeros((2, 4), dtype=np.int64), num_experts=np.int64(8))
+    with pytest.raises(ValueError, match="holds both a placement"):
+        serve.layer_placements(str(odd), 8, 2)
+    np.savez(odd, expert_rank=np.concatenate([rows, rows, rows]))  # 6 layers for a 2-layer model
+    with pytest.raises(ValueError, match=r"holds placements of 6 layers, the model \(model\.num_layers\) has 2"):
+        serve.check_config(_config(f"layer.placement_path={odd}"))
+    with pytest.raises(FileNotFoundError, match="it is a folder"):
+        serve.check_config(_config(f"layer.placement_path={tmp_path}"))
     with pytest.raises(ValueError, match=r"places 8 experts per layer, the model has 16"):
         serve.layer_placements(str(path), 16, 2)
     with pytest.raises(ValueError, match="takes its placement from its semantic plan"):
