@@ -108,6 +108,18 @@ def redraw_near_ties(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, d
 
 
 # ---------------------------------------------------------------------- multi-process runner
+def error_of(fn: Callable[..., Any], *args: Any, expected: tuple[type[BaseException], ...] = (ValueError,),
+             **kwargs: Any) -> str:
+    """``fn(*args, **kwargs)``'s message if it raises one of ``expected``, else ``"no error"``: what a
+    distributed worker returns so that the test sees every rank's outcome (other exceptions fail
+    the worker, as they should)."""
+    try:
+        fn(*args, **kwargs)
+    except expected as exc:
+        return str(exc)
+    return "no error"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -17,7 +17,7 @@ import torch
 
 import moelayers as ml
 from moelayers.layers.moves import PlacementMoveError, PlacementRejected
-from moelayers.testing import check_close, redraw_near_ties, run_distributed
+from moelayers.testing import check_close, error_of, redraw_near_ties, run_distributed
 
 H, F = 32, 16
 SCENARIOS = ("moves", "bad_input", "staging_fault", "recorder_replan", "auto_replan", "min_gain")
@@ -1200,11 +1200,7 @@ def _own_slowdown_and_the_configs(rank, world):
 
     cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2)
     layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.from_world(), seed=3, slowdown=[2.0, 1.0])
-    try:
-        VariabilitySettings.from_config({"variability": "moderate"}).apply([layer])
-        return "no error"
-    except ValueError as exc:
-        return str(exc)
+    return error_of(VariabilitySettings.from_config({"variability": "moderate"}).apply, [layer])
 
 
 @pytest.mark.timeout(120)

@@ -7,7 +7,7 @@ import torch
 import moelayers as ml
 from moelayers.models import StepRequest, TinyConfig, TinyDecoder
 from moelayers.reference import moe_forward
-from moelayers.testing import check_close
+from moelayers.testing import check_close, error_of
 
 V, H, E, K = 128, 32, 8, 2
 
@@ -284,11 +284,7 @@ def _forced_out_of_range_in_capacity_mode(rank, world):
         batch, forced = [("a", torch.tensor([1, 2, 3]))], [torch.full((3, K), E, dtype=torch.int64)] * 2
     else:
         batch, forced = [], [torch.zeros(0, K, dtype=torch.int64)] * 2
-    try:
-        model.step(batch, forced_topk=forced)
-        return "no error"
-    except ValueError as exc:
-        return str(exc)
+    return error_of(model.step, batch, forced_topk=forced)
 
 
 @pytest.mark.timeout(120)
