@@ -224,6 +224,54 @@ def test_adapter_selective_moe_recompute_nccl():
     assert run_distributed(_adapter_recompute, world, backend="nccl", timeout=240) == [None] * world
 
 
+def _adapter_mlp_recompute(rank: int, world: int) -> str | None:
+    """'mlp' in recompute_modules: megatron's TransformerLayer checkpoints a non-MoELayer mlp (the
+    adapter) itself, ``tensor_parallel.checkpoint(partial(mlp, padding_mask=...), False, x)`` (a
+    reentrant checkpoint whose first pass runs under no_grad). A forced forward with a padding mask,
+    recomputed in the backward: the gradients of the plain forward, bit for bit."""
+    import functools
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch._dynamo.config.disable = True
+    from megatron.core import tensor_parallel
+
+    import moelayers as ml
+    from moelayers.integrations import megatron as mi
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=FF, num_experts=E, top_k=K, params_dtype=torch.bfloat16)
+    meg = mi.megatron_moe_layer(cfg, dtype=torch.bfloat16, device=dev)  # initialises parallel_state
+    adapter = mi.moe_spec(ml.VanillaMoE)(config=meg.config, pg_collection=None, is_mtp_layer=False, name="mlp")
+    adapter.load_full_weights(*(w.to(dev) for w in _weights()))
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(S, B, H, generator=g).bfloat16().to(dev)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(S * B)]).view(S, B, K).to(dev)
+    pad = torch.zeros(B, S, dtype=torch.bool, device=dev)
+    pad[rank % B, S - 3:] = True
+    grads = []
+    for recompute in (False, True):
+        adapter.zero_grad(set_to_none=True)
+        xg = x.clone().requires_grad_()
+        adapter.layer.force_routing(ids)
+        if recompute:
+            out = tensor_parallel.checkpoint(functools.partial(adapter, padding_mask=pad), False, xg)[0]
+        else:
+            out = adapter(xg, padding_mask=pad)[0]
+        out.float().pow(2).sum().backward()
+        grads.append([xg.grad, adapter.layer.router.weight.grad, *adapter.layer.expert_grads_full()])
+    bad = [i for i, (a, b) in enumerate(zip(*grads)) if not torch.equal(a, b)]
+    return f"rank {rank}: gradients {bad} differ under megatron's mlp recompute" if bad else None
+
+
+@pytest.mark.timeout(300)
+def test_adapter_under_megatrons_mlp_recompute_nccl():
+    from moelayers.testing import run_distributed
+
+    world = min(2, torch.cuda.device_count())
+    assert run_distributed(_adapter_mlp_recompute, world, backend="nccl", timeout=240) == [None] * world
+
+
 def _resume(rank: int, world: int, root: str) -> float:
     """megatron's DDP and mixed-precision optimizer (bf16 weights, fp32 master weights, Adam) over the
     adapter on CUDA: save the model and the optimizer with megatron's distributed checkpointing after
