@@ -178,57 +178,16 @@ def test_megatron_equality_multi_gpu(world, record_property):
     _check(run_distributed(_compare, world, backend="nccl", timeout=500), world, record_property)
 
 
-def _adapter_recompute(rank: int, world: int) -> str | None:
-    """The adapter with megatron's selective MoE recompute on CUDA over NCCL: a forced forward with a
-    padding mask, its all-to-all run again in the backward; the gradients of the adapter without it."""
-    import warnings
+def _adapter_recompute(rank: int, world: int, how: str) -> str | None:
+    """A forced forward of the adapter with a padding mask on CUDA over NCCL, recomputed in the
+    backward, against the same forward without recomputation: the gradients bit for bit.
 
-    warnings.filterwarnings("ignore")
-    torch._dynamo.config.disable = True
+    ``how``: ``"moe"``, megatron's selective MoE recompute (``'moe'`` in ``recompute_modules``: the
+    adapter checkpoints its forward, all-to-all included); ``"mlp"``, ``'mlp'`` in
+    ``recompute_modules``, where megatron's ``TransformerLayer`` checkpoints a non-``MoELayer`` mlp
+    itself, ``tensor_parallel.checkpoint(partial(mlp, padding_mask=...), False, x)`` (a reentrant
+    checkpoint whose first pass runs under no_grad)."""
     import dataclasses
-
-    import moelayers as ml
-    from moelayers.integrations import megatron as mi
-
-    dev = torch.device("cuda", torch.cuda.current_device())
-    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=FF, num_experts=E, top_k=K, params_dtype=torch.bfloat16)
-    meg = mi.megatron_moe_layer(cfg, dtype=torch.bfloat16, device=dev)  # initialises parallel_state
-    weights = tuple(w.to(dev) for w in _weights())
-    adapters = []
-    for recompute in ((), ("moe",)):
-        tc = dataclasses.replace(meg.config, recompute_granularity="selective" if recompute else None,
-                                 recompute_modules=list(recompute))
-        adapters.append(mi.moe_spec(ml.VanillaMoE)(config=tc, pg_collection=None, is_mtp_layer=False, name="mlp"))
-        adapters[-1].load_full_weights(*weights)
-    assert [a.recompute for a in adapters] == [False, True]
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(S, B, H, generator=g).bfloat16().to(dev)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(S * B)]).view(S, B, K).to(dev)
-    pad = torch.zeros(B, S, dtype=torch.bool, device=dev)
-    pad[rank % B, S - 3:] = True
-    grads = []
-    for adapter in adapters:
-        xg = x.clone().requires_grad_()
-        adapter.layer.force_routing(ids)
-        adapter(xg, padding_mask=pad)[0].float().pow(2).sum().backward()
-        grads.append([xg.grad, adapter.layer.router.weight.grad, *adapter.layer.expert_grads_full()])
-    bad = [i for i, (a, b) in enumerate(zip(*grads)) if not torch.equal(a, b)]
-    return f"rank {rank}: gradients {bad} differ with the MoE layer recomputed" if bad else None
-
-
-@pytest.mark.timeout(300)
-def test_adapter_selective_moe_recompute_nccl():
-    from moelayers.testing import run_distributed
-
-    world = min(2, torch.cuda.device_count())
-    assert run_distributed(_adapter_recompute, world, backend="nccl", timeout=240) == [None] * world
-
-
-def _adapter_mlp_recompute(rank: int, world: int) -> str | None:
-    """'mlp' in recompute_modules: megatron's TransformerLayer checkpoints a non-MoELayer mlp (the
-    adapter) itself, ``tensor_parallel.checkpoint(partial(mlp, padding_mask=...), False, x)`` (a
-    reentrant checkpoint whose first pass runs under no_grad). A forced forward with a padding mask,
-    recomputed in the backward: the gradients of the plain forward, bit for bit."""
     import functools
     import warnings
 
@@ -242,26 +201,46 @@ def _adapter_mlp_recompute(rank: int, world: int) -> str | None:
     dev = torch.device("cuda", torch.cuda.current_device())
     cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=FF, num_experts=E, top_k=K, params_dtype=torch.bfloat16)
     meg = mi.megatron_moe_layer(cfg, dtype=torch.bfloat16, device=dev)  # initialises parallel_state
-    adapter = mi.moe_spec(ml.VanillaMoE)(config=meg.config, pg_collection=None, is_mtp_layer=False, name="mlp")
-    adapter.load_full_weights(*(w.to(dev) for w in _weights()))
+    weights = tuple(w.to(dev) for w in _weights())
+
+    def adapter(recompute_modules=()):
+        tc = dataclasses.replace(meg.config, recompute_granularity="selective" if recompute_modules else None,
+                                 recompute_modules=list(recompute_modules))
+        out = mi.moe_spec(ml.VanillaMoE)(config=tc, pg_collection=None, is_mtp_layer=False, name="mlp")
+        out.load_full_weights(*weights)
+        return out
+
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(S, B, H, generator=g).bfloat16().to(dev)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(S * B)]).view(S, B, K).to(dev)
     pad = torch.zeros(B, S, dtype=torch.bool, device=dev)
     pad[rank % B, S - 3:] = True
+    plain = adapter()
+    if how == "moe":
+        recomputed = adapter(("moe",))
+        assert (plain.recompute, recomputed.recompute) == (False, True)
+        runs = [(plain, lambda xg: plain(xg, padding_mask=pad)[0]),
+                (recomputed, lambda xg: recomputed(xg, padding_mask=pad)[0])]
+    else:
+        mlp = adapter()
+        runs = [(plain, lambda xg: plain(xg, padding_mask=pad)[0]),
+                (mlp, lambda xg: tensor_parallel.checkpoint(functools.partial(mlp, padding_mask=pad), False, xg)[0])]
     grads = []
-    for recompute in (False, True):
-        adapter.zero_grad(set_to_none=True)
+    for layer, run in runs:
         xg = x.clone().requires_grad_()
-        adapter.layer.force_routing(ids)
-        if recompute:
-            out = tensor_parallel.checkpoint(functools.partial(adapter, padding_mask=pad), False, xg)[0]
-        else:
-            out = adapter(xg, padding_mask=pad)[0]
-        out.float().pow(2).sum().backward()
-        grads.append([xg.grad, adapter.layer.router.weight.grad, *adapter.layer.expert_grads_full()])
+        layer.layer.force_routing(ids)
+        run(xg).float().pow(2).sum().backward()
+        grads.append([xg.grad, layer.layer.router.weight.grad, *layer.layer.expert_grads_full()])
     bad = [i for i, (a, b) in enumerate(zip(*grads)) if not torch.equal(a, b)]
-    return f"rank {rank}: gradients {bad} differ under megatron's mlp recompute" if bad else None
+    return f"rank {rank}: gradients {bad} differ with the adapter recomputed ({how})" if bad else None
+
+
+@pytest.mark.timeout(300)
+def test_adapter_selective_moe_recompute_nccl():
+    from moelayers.testing import run_distributed
+
+    world = min(2, torch.cuda.device_count())
+    assert run_distributed(_adapter_recompute, world, "moe", backend="nccl", timeout=240) == [None] * world
 
 
 @pytest.mark.timeout(300)
@@ -269,7 +248,7 @@ def test_adapter_under_megatrons_mlp_recompute_nccl():
     from moelayers.testing import run_distributed
 
     world = min(2, torch.cuda.device_count())
-    assert run_distributed(_adapter_mlp_recompute, world, backend="nccl", timeout=240) == [None] * world
+    assert run_distributed(_adapter_recompute, world, "mlp", backend="nccl", timeout=240) == [None] * world
 
 
 def _resume(rank: int, world: int, root: str) -> float:
