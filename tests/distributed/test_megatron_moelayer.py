@@ -8,7 +8,8 @@ benchmark peer does); megatron's ``jit_fuser`` functions run uncompiled (dynamo 
 (``SequentialMLP``) and combine run as they are, in its tensor-, sequence- and expert-parallel layouts.
 
 Both layers get the same weights (the adapter through ``load_full_weights``, megatron through
-``load_megatron_weights``), the same ``[S, B, H]`` input and padding mask; each rank's output must
+``load_megatron_weights``), the same ``[S, B, H]`` input and padding mask; the adapted layer also runs
+with a placement that has replicas, with our all-gather dispatcher and with a fixed capacity. Each rank's output must
 match the float64 dense reference (DESIGN.md's rule) and megatron's output. In training, the input's
 gradient, the router's gradient and every expert's gradient must match megatron's too.
 (tests/gpu/test_megatron_gpu.py does the same on GPUs with megatron's all-to-all dispatcher.)
@@ -91,7 +92,19 @@ def _reference(x2: torch.Tensor, weights: tuple, cfg, dtype: torch.dtype, train:
     return (y.detach(), *(t.grad for t in leaves))
 
 
-def _compare(tp: int, ep: int, sp: bool, pad: bool, dtype: torch.dtype, train: bool) -> str | None:
+def _layer_kwargs(kind: str, ep: int) -> dict:
+    """The adapted layer's options: ``plain`` (linear placement, all-to-all), ``replicas`` (experts
+    permuted over the ranks and one replica of another rank's expert on each), ``allgather``
+    (our all-gather dispatcher) or ``capacity`` (a fixed capacity of 64 rows per rank)."""
+    if kind == "replicas":
+        per = E // ep
+        order = torch.randperm(E, generator=torch.Generator().manual_seed(3)).view(ep, per)
+        spare = order.roll(1, dims=0)[:, :1]  # the first expert of the previous rank
+        return dict(placement=ml.ExpertPlacement.from_phy2log(torch.cat([order, spare], 1), E))
+    return {"plain": {}, "allgather": dict(dispatcher="allgather"), "capacity": dict(capacity=64)}[kind]
+
+
+def _compare(tp: int, ep: int, sp: bool, pad: bool, dtype: torch.dtype, train: bool, kind: str) -> str | None:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.spec_utils import build_module
@@ -101,7 +114,7 @@ def _compare(tp: int, ep: int, sp: bool, pad: bool, dtype: torch.dtype, train: b
 
     tc = _tc(tp, ep, sp, dtype)
     meg = build_module(get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False), config=tc)
-    adapter = mi.MegatronMoEAdapter(tc, ml.VanillaMoE)
+    adapter = mi.MegatronMoEAdapter(tc, ml.VanillaMoE, **_layer_kwargs(kind, ep))
     assert adapter.groups.ep_size == ep
     weights = _weights(dtype)
     adapter.load_full_weights(*weights)
@@ -150,11 +163,11 @@ def _worker(rank: int, world: int, cases: list) -> dict:
     _megatron_on_cpu()
     results = {}
     for case in cases:
-        tp, ep, sp, pad, dtype, train = case
+        tp, ep, sp, pad, dtype, train, kind = case
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                      expert_tensor_parallel_size=1)
         try:
-            results[str(case)] = _compare(tp, ep, sp, pad, dtype, train)
+            results[str(case)] = _compare(tp, ep, sp, pad, dtype, train, kind)
         except Exception:  # report it; the other cases are independent
             results[str(case)] = traceback.format_exc()
         finally:
@@ -163,13 +176,16 @@ def _worker(rank: int, world: int, cases: list) -> dict:
 
 
 F32, BF16 = torch.float32, torch.bfloat16
-# (tp, ep, sequence_parallel, padding, dtype, train)
+# (tp, ep, sequence_parallel, padding, dtype, train, layer options)
 CASES = {
-    2: [(1, 2, False, False, F32, False), (2, 1, False, False, F32, False), (2, 1, True, True, F32, False),
-        (2, 2, True, False, F32, False), (2, 2, False, True, F32, False), (2, 2, True, True, BF16, False),
-        (1, 2, False, True, F32, True), (1, 2, False, False, BF16, True)],
-    4: [(1, 4, False, True, F32, False), (2, 2, True, True, F32, False), (4, 2, True, True, F32, False),
-        (4, 4, True, False, BF16, False), (1, 4, False, True, F32, True)],
+    2: [(1, 2, False, False, F32, False, "plain"), (2, 1, False, False, F32, False, "plain"),
+        (2, 1, True, True, F32, False, "plain"), (2, 2, True, False, F32, False, "plain"),
+        (2, 2, False, True, F32, False, "replicas"), (2, 2, True, True, BF16, False, "plain"),
+        (1, 2, False, True, F32, False, "allgather"), (1, 2, False, True, F32, True, "plain"),
+        (1, 2, False, False, BF16, True, "plain"), (1, 2, False, True, F32, True, "replicas")],
+    4: [(1, 4, False, True, F32, False, "capacity"), (2, 2, True, True, F32, False, "plain"),
+        (4, 2, True, True, F32, False, "replicas"), (4, 4, True, False, BF16, False, "plain"),
+        (1, 4, False, True, F32, True, "replicas"), (2, 2, False, False, F32, False, "allgather")],
 }
 
 
@@ -181,6 +197,6 @@ def world_results(request):
 
 def test_adapter_matches_megatrons_moelayer(world_results):
     world, results = world_results
-    bad = [f"world {world} rank {r} (tp, ep, sp, pad, dtype, train)={case}: {msg}"
+    bad = [f"world {world} rank {r} (tp, ep, sp, pad, dtype, train, layer)={case}: {msg}"
            for r, res in enumerate(results) for case, msg in res.items() if msg]
     assert not bad, "\n".join(bad)
