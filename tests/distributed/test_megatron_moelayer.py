@@ -2,17 +2,19 @@
 
 megatron's ``MoELayer`` with its all-gather token dispatcher runs on gloo once one CUDA call is
 answered for the CPU: the router's gating moves its weight to ``torch.cuda.current_device()``. In the
-worker processes only (each rank is a new process), that call returns ``'cpu'``, and megatron-core
-0.16's router gets the TE-less GEMM it expects (``megatron_peer._fix_router_gemm_without_te``, as the
-benchmark peer does); megatron's ``jit_fuser`` functions run uncompiled (dynamo off). Nothing else is changed: megatron's routing, dispatcher, permutation, experts
-(``SequentialMLP``) and combine run as they are, in its tensor-, sequence- and expert-parallel layouts.
+worker processes only (each rank is a new process), that call returns ``'cpu'``; megatron-core 0.16's
+router gets the TE-less GEMM it expects (``megatron_peer._fix_router_gemm_without_te``, as the
+benchmark peer does); megatron's ``jit_fuser`` functions run uncompiled (dynamo off). Nothing else is
+changed: megatron's routing, dispatcher, permutation, experts (``SequentialMLP``) and combine run as
+they are, in its tensor-, sequence- and expert-parallel layouts.
 
 Both layers get the same weights (the adapter through ``load_full_weights``, megatron through
-``load_megatron_weights``), the same ``[S, B, H]`` input and padding mask; the adapted layer also runs
-with a placement that has replicas, with our all-gather dispatcher and with a fixed capacity. Each rank's output must
-match the float64 dense reference (DESIGN.md's rule) and megatron's output. In training, the input's
-gradient, the router's gradient and every expert's gradient must match megatron's too.
-(tests/gpu/test_megatron_gpu.py does the same on GPUs with megatron's all-to-all dispatcher.)
+``load_megatron_weights``), the same ``[S, B, H]`` input and padding mask; the adapted layer also
+runs with a placement that has replicas, with our all-gather dispatcher and with a fixed capacity.
+Each rank's output must match the float64 dense reference (DESIGN.md's rule) and megatron's output.
+In training, the input's gradient, the router's gradient and every expert's gradient must match the
+reference's and megatron's too. (tests/gpu/test_megatron_gpu.py compares the two on GPUs with
+megatron's all-to-all dispatcher.)
 """
 
 from __future__ import annotations
@@ -145,11 +147,11 @@ def _compare(tp: int, ep: int, sp: bool, pad: bool, dtype: torch.dtype, train: b
         found[name] = (y.detach().reshape(-1, H)[keep], xi.grad.reshape(-1, H)[keep], *grads)
 
     x2 = x.reshape(-1, H)[keep]
-    ref64 = _reference(x2, weights, adapter.moe_config, torch.float64, train)
-    ref_low = (None,) * len(ref64) if dtype == torch.float32 else _reference(x2, weights, adapter.moe_config, dtype, train)
+    cfg = adapter.moe_config
+    ref64 = _reference(x2, weights, cfg, torch.float64, train)
+    ref_low = (None,) * len(ref64) if dtype == torch.float32 else _reference(x2, weights, cfg, dtype, train)
     parts = ("output", "input gradient", "router gradient", "w13 gradient", "w2 gradient")
-    errors = [check_close(f"{name} {part}", got, r64, low)
-              for name, tensors in found.items()
+    errors = [check_close(f"{name} {part}", got, r64, low) for name, tensors in found.items()
               for part, got, r64, low in zip(parts, tensors, ref64, ref_low)]
     if dtype == torch.float32:  # and the two layers against each other, megatron's result as the reference
         errors += [check_close(f"adapter {part} vs megatron", a, m.double())
