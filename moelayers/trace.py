@@ -373,16 +373,9 @@ def save_trace(trace: RoutingTrace, path: str | os.PathLike, *, compress: bool =
 
 
 # ---- recording -------------------------------------------------------------------------------
-class _Untagged:
-    """Sequence key of an untagged forward: unique per forward, never equal to a user key."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-    def __repr__(self) -> str:
-        return f"<untagged forward {self.index}>"
+#: the recorder joins the arrays of this many forwards into one, so that a decode step of a few
+#: tokens costs its tokens' bytes and not three small arrays' overhead (about 0.7 KB) each
+_JOIN_FORWARDS = 256
 
 
 def _batch_of(module: nn.Module, x: Any) -> np.ndarray | tuple[int, int] | None:
@@ -449,7 +442,8 @@ class TraceRecorder:
     MoE layers are the modules of ``model.modules()`` with ``moe_layer_marker = True``, in that
     order (= layer order). After each of their forwards the recorder copies ``last_topk_ids``
     (``[T, K]``, kept as int16 where the ids fit) and ``last_token_ids`` (``[T]`` int64) to CPU, and
-    keeps sequence keys as int64 codes: about ``2 L K + 16`` bytes a token until the trace is built. A
+    keeps sequence keys as int64 codes: about ``2 L K + 16`` bytes a token until the trace is built
+    (the forwards' arrays are joined every 256 forwards, so decode steps of one token cost the same). A
     *model forward* is one run of all MoE layers in order; every layer must see the same ``T``.
 
     Incomplete forwards: a model forward that *raises* part-way (some MoE layers recorded, later
@@ -513,9 +507,15 @@ class TraceRecorder:
         self._batch: Any = None  # what tells the model input's sequences, for an untagged forward
         self._dropped = 0  # forwards dropped after some (not all) of their MoE layers were recorded
         self._current: list[tuple[np.ndarray, np.ndarray | None]] = []
-        # per complete forward: expert ids [T, L, K] (narrowed, see _narrow), token ids [T], sequence codes [T]
+        # complete forwards in recording order, the last _unjoined one by one and the earlier ones joined
+        # (_JOIN_FORWARDS at a time): expert ids [T, L, K] (narrowed, see _narrow), token ids [T], sequence codes [T]
         self._forwards: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        self._codes: dict[Hashable, int] = {}  # sequence key -> code, in order of first appearance
+        self._unjoined = 0
+        self._num_forwards = 0  # complete forwards recorded
+        # sequence codes in order of first appearance: a tagged key's in _codes; an untagged forward's
+        # sequences take fresh codes (never equal to a key's)
+        self._codes: dict[Hashable, int] = {}
+        self._next_code = 0
 
     def __enter__(self) -> TraceRecorder:
         if self._active or self._finished:
@@ -557,7 +557,7 @@ class TraceRecorder:
         if self._dropped and exc_info[0] is None:  # leaving on an exception: that says enough
             warnings.warn(
                 f"TraceRecorder: dropped {self._dropped} incomplete model forward(s) (not all {len(self.layers)} "
-                f"MoE layers ran); the trace holds the {len(self._forwards)} complete one(s)",
+                f"MoE layers ran); the trace holds the {self._num_forwards} complete one(s)",
                 RuntimeWarning, stacklevel=2,
             )
 
@@ -670,25 +670,43 @@ class TraceRecorder:
 
     def _finish_forward(self) -> None:
         layers, self._current, self._in_forward = self._current, [], False
-        num_tokens = layers[0][0].shape[0]
+        num_tokens, index = layers[0][0].shape[0], self._num_forwards
         given = [(i, t) for i, (_, t) in enumerate(layers) if t is not None]
         if not given:
-            raise ValueError(f"TraceRecorder: forward {len(self._forwards)} has no token ids: no MoE layer set last_token_ids (pass token_ids= to the layers)")
+            raise ValueError(f"TraceRecorder: forward {index} has no token ids: no MoE layer set last_token_ids (pass token_ids= to the layers)")
         for i, t in given[1:]:
             if not np.array_equal(t, given[0][1]):
-                raise ValueError(f"TraceRecorder: {self._where(i)} saw different token ids than {self._where(given[0][0])} in forward {len(self._forwards)}")
+                raise ValueError(f"TraceRecorder: {self._where(i)} saw different token ids than {self._where(given[0][0])} in forward {index}")
         keys, self._pending_tag = self._pending_tag, None
         batch, self._batch = self._batch, None
         if keys is None:  # untagged: the model input's sequences where the layers' token order shows them
             seq = _untagged_sequences(batch, given[0][1])
-            seqs = [_Untagged(len(self._forwards)) for _ in range(int(seq.max(initial=0)) + 1)]
-            codes = np.array([self._codes.setdefault(k, len(self._codes)) for k in seqs], dtype=np.int64)[seq]
+            codes = self._next_code + seq.astype(np.int64)
+            self._next_code += int(seq.max(initial=-1)) + 1
         elif len(keys) != num_tokens:
-            raise ValueError(f"TraceRecorder: tag() gave {len(keys)} sequence keys but forward {len(self._forwards)} had T = {num_tokens} tokens")
+            raise ValueError(f"TraceRecorder: tag() gave {len(keys)} sequence keys but forward {index} had T = {num_tokens} tokens")
         else:
-            codes = np.fromiter((self._codes.setdefault(k, len(self._codes)) for k in keys), dtype=np.int64,
-                                count=num_tokens)
+            codes = np.fromiter((self._code(k) for k in keys), dtype=np.int64, count=num_tokens)
         self._forwards.append((np.stack([ids for ids, _ in layers], axis=1), given[0][1], codes))
+        self._num_forwards += 1
+        self._unjoined += 1
+        if self._unjoined >= _JOIN_FORWARDS:
+            self._join_recent()
+
+    def _code(self, key: Hashable) -> int:
+        code = self._codes.get(key)
+        if code is None:
+            code = self._codes[key] = self._next_code
+            self._next_code += 1
+        return code
+
+    def _join_recent(self) -> None:
+        """Join the arrays of the forwards recorded since the last join into one (same order)."""
+        recent = self._forwards[-self._unjoined:]
+        self._unjoined = 0
+        if len({ids.shape[1:] for ids, _, _ in recent}) == 1:  # forwards of another top-k: trace() says so
+            del self._forwards[-len(recent):]
+            self._forwards.append(tuple(np.concatenate(parts) for parts in zip(*recent)))
 
     def trace(self) -> RoutingTrace:
         """Build the trace of all forwards recorded so far.
@@ -711,7 +729,7 @@ class TraceRecorder:
         order = np.argsort(seq, kind="stable")  # by first appearance, then seen order
         ids = np.concatenate([f[0] for f in self._forwards])[order]
         tokens = np.concatenate([f[1] for f in self._forwards])[order]
-        offsets = np.concatenate([[0], np.cumsum(np.bincount(seq, minlength=len(self._codes)))]).astype(np.int64)
+        offsets = np.concatenate([[0], np.cumsum(np.bincount(seq, minlength=self._next_code))]).astype(np.int64)
         return RoutingTrace(ids, tokens, offsets, self._resolve_num_experts(), vocab_size=self.vocab_size)
 
     def _resolve_num_experts(self) -> int:

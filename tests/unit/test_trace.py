@@ -16,6 +16,7 @@ from torch import nn
 
 import moelayers as ml
 
+from moelayers import trace as trace_mod
 from moelayers import trace_synthetic as ts
 from moelayers.models.tiny import TinyConfig, TinyDecoder
 from moelayers.trace import RoutingTrace, TraceRecorder, load_trace, save_trace, synthetic_trace, trace_statistics
@@ -923,3 +924,35 @@ def test_recorder_keeps_narrow_ids_while_recording(num_experts) -> None:
     assert [a.dtype for a in held] == [wide, np.int16], [a.dtype for a in held]
     expected = np.concatenate([expected_ids(model, f) for f in tokens])
     np.testing.assert_array_equal(rec.result.topk_ids, expected)
+
+
+def test_recorder_memory_of_decode_steps_is_their_tokens() -> None:
+    """A long recording of one-token forwards (decode steps) grows by about the documented 2 L K + 16
+    bytes a token, not by the three small arrays of each forward (about 0.7 KB each before they
+    were joined), and the trace is the same as the forwards' routing, tagged and untagged alike."""
+    import tracemalloc
+
+    model = FakeModel()
+    L, K = 2, 2
+    n = 3 * trace_mod._JOIN_FORWARDS
+    with TraceRecorder(model, vocab_size=50) as rec:
+        tracemalloc.start()
+        try:
+            for step in range(2 * n):
+                if step == n:
+                    before = tracemalloc.get_traced_memory()[0]
+                if step % 2:
+                    rec.tag([f"request {step % 5}"])  # five tagged requests; the even steps untagged
+                model(torch.tensor([step % 50]))
+            grown = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+    per_forward = grown / n
+    assert per_forward < 2 * (2 * L * K + 16), f"{per_forward:.0f} bytes a one-token forward"
+    trace = rec.result
+    assert trace.num_sequences == 5 + n  # the five tagged requests and every untagged step
+    tagged = [step for step in range(2 * n) if step % 2]
+    first = trace.sequence(1)  # "request 1" (sequence 0 is the untagged step 0): steps 1, 11, 21, ...
+    np.testing.assert_array_equal(first.token_ids, [s % 50 for s in tagged if s % 5 == 1])
+    np.testing.assert_array_equal(trace.topk_ids, np.concatenate(
+        [expected_ids(model, [int(t)]) for t in trace.token_ids]))
