@@ -410,47 +410,20 @@ class MegatronMoEAdapter(nn.Module):
                 ``expert_tensor_parallel_size`` other than the TP size (with TP 1 and expert TP 2,
                 megatron leaves the expert-TP ranks out of the expert gradients' sum, and their
                 whole copies of the experts drift apart). Inference runs as usual.
+            NotImplementedError: ``intermediate_tensors`` is given.
             TypeError, ValueError: ``hidden_states``, ``padding_mask``, ``token_ids`` or the forced
-                routing are refused. With several expert-parallel ranks this rank first takes part
-                in the layer's exchange with no tokens, so the other ranks raise ``ValueError`` too
-                instead of waiting for it (the layer's ``_refuse_in_step``).
+                routing are refused.
+            Whatever the adapter refuses on one rank, with several expert-parallel ranks that rank
+            first takes part in the layer's exchange with no tokens, so the other ranks raise
+            ``ValueError`` too instead of waiting for it (the layer's ``_refuse_in_step``).
         """
         training = self.training and torch.is_grad_enabled()
-        if self.training_losses and training:
-            raise RuntimeError(
-                f"the transformer_config turns on training losses moelayers does not implement: "
-                f"{', '.join(self.training_losses)}; megatron would add them to the router's gradient here, "
-                "moelayers would silently miss them. Set the coefficients to 0 to train, or run inference "
-                "(model.eval() or torch.no_grad())"
-            )
-        tp = int(getattr(self.config, "tensor_model_parallel_size", 1) or 1)
-        if training and tp > 1 and getattr(self.config, "sequence_parallel", False):
-            raise RuntimeError(
-                f"training through the adapter with tensor_model_parallel_size={tp} and sequence_parallel=True is "
-                "not supported: each TP rank routes its own tokens, so the router's and experts' gradients are "
-                "partial sums that megatron's gradient reduction does not add up over the TP ranks here (the "
-                "copies would drift apart). Train with sequence_parallel=False or tensor_model_parallel_size=1; "
-                "inference runs as usual")
-        if training and tp > 1 and not getattr(self.config, "sequence_parallel", False) and self.groups.ep_size > 1:
-            raise RuntimeError(
-                f"training through the adapter with tensor_model_parallel_size={tp}, sequence_parallel=False and "
-                f"{self.groups.ep_size} expert-parallel ranks is not supported: the TP ranks hold the same tokens and "
-                "each sends them to the experts, so the experts' gradients would count every token once per TP rank "
-                "(megatron's own MoELayer refuses to train with tensor parallelism without sequence parallelism). "
-                "Train with tensor_model_parallel_size=1 or expert_model_parallel_size=1; inference runs as usual")
-        etp = int(getattr(self.config, "expert_tensor_parallel_size", None) or tp)  # megatron's default: tp
-        if training and etp != tp:  # (tp > 1 here runs without sequence parallelism: refused above)
-            why = (f"every TP rank computes the experts' whole gradient from the same tokens, and the expert-data-"
-                   f"parallel group megatron's DDP sums the expert gradients over holds the TP ranks: they would "
-                   f"count {tp // max(etp, 1)} times" if etp < tp else
-                   f"megatron shards each expert over the {etp} expert-TP ranks and sums the expert gradients over "
-                   f"the expert-data-parallel group only, which leaves those ranks out; they route different tokens "
-                   f"(moelayers keeps whole experts on each), so each would keep its own gradient and the copies "
-                   f"of an expert drift apart from the first step")
-            raise RuntimeError(
-                f"training through the adapter with tensor_model_parallel_size={tp} and expert_tensor_parallel_size="
-                f"{etp} is not supported: {why}. Train with expert_tensor_parallel_size={tp} (megatron's default: the "
-                "tensor-parallel size); inference runs as usual")
+        refusal = self._training_refusal(training)
+        if refusal is None and intermediate_tensors is not None:
+            refusal = NotImplementedError("MegatronMoEAdapter does not support partial CUDA-graph capture "
+                                          "(intermediate_tensors)")
+        if refusal is not None:  # every expert-parallel rank raises, not this one alone
+            self._refuse(refusal)
         if training and not self._warned_replica_clip and int(self.layer.placement.logcnt.max()) > 1:
             self._warned_replica_clip = True
             warn_caller(
@@ -459,9 +432,6 @@ class MegatronMoEAdapter(nn.Module):
                 "counts such an expert's gradient once per copy, so its norm is larger than the dense model's and "
                 "clipping scales the step down more. Set clip_grad=0.0 while training with replicas, or train in a "
                 "placement without them (outputs and gradients are right either way)")
-        if intermediate_tensors is not None:
-            raise NotImplementedError("MegatronMoEAdapter does not support partial CUDA-graph capture "
-                                      "(intermediate_tensors)")
         if (self.layer._forced_ids is not None and self.training and not in_backward()  # megatron: training only
                 and getattr(self.config, "recompute_granularity", None) == "full" and _in_megatron_checkpoint()):
             self._refuse(ValueError(
@@ -477,6 +447,47 @@ class MegatronMoEAdapter(nn.Module):
         else:
             y = self._forward(hidden_states, padding_mask, token_ids)
         return y, None
+
+    def _training_refusal(self, training: bool) -> RuntimeError | None:
+        """Why this forward cannot train through the adapter (see :meth:`forward`'s Raises), or ``None``."""
+        if not training:
+            return None
+        if self.training_losses:
+            return RuntimeError(
+                f"the transformer_config turns on training losses moelayers does not implement: "
+                f"{', '.join(self.training_losses)}; megatron would add them to the router's gradient here, "
+                "moelayers would silently miss them. Set the coefficients to 0 to train, or run inference "
+                "(model.eval() or torch.no_grad())"
+            )
+        tp = int(getattr(self.config, "tensor_model_parallel_size", 1) or 1)
+        if tp > 1 and getattr(self.config, "sequence_parallel", False):
+            return RuntimeError(
+                f"training through the adapter with tensor_model_parallel_size={tp} and sequence_parallel=True is "
+                "not supported: each TP rank routes its own tokens, so the router's and experts' gradients are "
+                "partial sums that megatron's gradient reduction does not add up over the TP ranks here (the "
+                "copies would drift apart). Train with sequence_parallel=False or tensor_model_parallel_size=1; "
+                "inference runs as usual")
+        if tp > 1 and not getattr(self.config, "sequence_parallel", False) and self.groups.ep_size > 1:
+            return RuntimeError(
+                f"training through the adapter with tensor_model_parallel_size={tp}, sequence_parallel=False and "
+                f"{self.groups.ep_size} expert-parallel ranks is not supported: the TP ranks hold the same tokens and "
+                "each sends them to the experts, so the experts' gradients would count every token once per TP rank "
+                "(megatron's own MoELayer refuses to train with tensor parallelism without sequence parallelism). "
+                "Train with tensor_model_parallel_size=1 or expert_model_parallel_size=1; inference runs as usual")
+        etp = int(getattr(self.config, "expert_tensor_parallel_size", None) or tp)  # megatron's default: tp
+        if etp != tp:  # (tp > 1 here runs without sequence parallelism: refused above)
+            why = (f"every TP rank computes the experts' whole gradient from the same tokens, and the expert-data-"
+                   f"parallel group megatron's DDP sums the expert gradients over holds the TP ranks: they would "
+                   f"count {tp // max(etp, 1)} times" if etp < tp else
+                   f"megatron shards each expert over the {etp} expert-TP ranks and sums the expert gradients over "
+                   f"the expert-data-parallel group only, which leaves those ranks out; they route different tokens "
+                   f"(moelayers keeps whole experts on each), so each would keep its own gradient and the copies "
+                   f"of an expert drift apart from the first step")
+            return RuntimeError(
+                f"training through the adapter with tensor_model_parallel_size={tp} and expert_tensor_parallel_size="
+                f"{etp} is not supported: {why}. Train with expert_tensor_parallel_size={tp} (megatron's default: the "
+                "tensor-parallel size); inference runs as usual")
+        return None
 
     def _forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None,
                  token_ids: torch.Tensor | None) -> torch.Tensor:
