@@ -16,7 +16,7 @@ import hashlib
 import numbers
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -891,6 +891,15 @@ class MoELayerBase(nn.Module):
         experts: a frozen router with trainable experts too) requires grad, with grad enabled."""
         return torch.is_grad_enabled() and (x2.requires_grad or self.router.weight.requires_grad
                                             or self.experts.w13.requires_grad or self.experts.w2.requires_grad)
+
+    def refuse_input(self, exc: Exception) -> NoReturn:
+        """Raise ``exc``, a caller's refusal of this rank's input to the forward that every
+        expert-parallel rank is about to run (e.g. a model's check of its token ids), after taking
+        part in that forward's exchange with no tokens: the other ranks raise ``ValueError`` there
+        instead of waiting for this one. Call it where this rank would have called the layer."""
+        if self.groups.ep_size > 1:
+            self._refuse_in_step(exc)  # raises
+        raise exc
 
     def _refuse_in_step(self, exc: Exception) -> None:
         """Raise ``exc`` for this rank's bad input, but only after taking part in the forward's

@@ -26,7 +26,7 @@ dense reference ``h + moe_forward(norm(h))``, ``h = residual + sum_tp attn_parti
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -242,7 +242,8 @@ class SemanticMoE(MoELayerBase):
                 refused (also ``topk_ids`` given while ``force_routing`` ids are pending). With
                 several TP ranks they first agree in one small all-reduce (before any other
                 collective): when any rank refused its input, or the ranks hold different numbers of
-                tokens or different token ids, every TP rank raises (the refused rank its own error,
+                tokens, token ids, contexts, plans (the shuffle of the tokens) or forced routing,
+                every TP rank raises (the refused rank its own error,
                 the others a ``ValueError`` naming it) instead of crashing or waiting.
             Exception: ``norm`` raising (or returning another shape or dtype) on one rank: that rank
                 raises its error, the others ``ValueError``, after the layer's exchange.
@@ -286,7 +287,8 @@ class SemanticMoE(MoELayerBase):
             refused = exc
         if self.groups.tp_size > 1 and self.verify_tp_inputs:
             self._agree_tp(refused, None if refused else x2.shape[0], None if refused else token_ids,
-                           None if refused else prev_ranks)
+                           None if refused else prev_ranks, None if refused else rb.perm,
+                           None if refused else forced)
         r, group = self.groups.tp_rank, self.groups.tp
         mine = rb.chunk(r)
         n = rb.valid_rows(r)
@@ -321,27 +323,40 @@ class SemanticMoE(MoELayerBase):
             self.last_context_ranks = self._context_ranks(rb, n)
         return out.view(attn_partial.shape)
 
+    def refuse_input(self, exc: Exception) -> NoReturn:
+        """As :meth:`MoELayerBase.refuse_input`; in ``tp`` mode, where the ranks are about to call
+        :meth:`forward_tp`, through its first collective (the agreement on the inputs, which
+        ``verify_tp_inputs=False`` skips: then this rank raises alone)."""
+        if self.mode != "tp":
+            super().refuse_input(exc)
+        if self.groups.tp_size > 1 and self.verify_tp_inputs:
+            self._agree_tp(exc, None, None)  # raises
+        raise exc
+
     def _agree_tp(self, refused: Exception | None, num_tokens: int | None, token_ids: torch.Tensor | None,
-                  prev_ranks: PrevRanks = None) -> None:
+                  prev_ranks: PrevRanks = None, perm: torch.Tensor | None = None,
+                  forced: torch.Tensor | None = None) -> None:
         """One ``MAX`` all-reduce over the TP group of each rank's token count, order-sensitive
-        fingerprints of its token ids and of its context (``prev_ranks``) and a refusal flag per rank;
+        fingerprints of its token ids, its context (``prev_ranks``), its shuffle (``perm``, the
+        rebatch's order, which its plan decides) and its forced routing, and a refusal flag per rank;
         raises on every rank when any rank refused its input (``refused``, raised as it is on that
         rank) or the ranks disagree (the shuffled collectives need the same tokens, in the same
-        order, everywhere: different counts crash them, different ids or contexts give wrong outputs
-        silently)."""
-        r, dev = self.groups.tp_size, self.router.weight.device
-        vec = torch.full((6 + r,), -(1 << 62), dtype=torch.int64, device=dev)  # MAX identity for the 6 fields
-        vec[6:] = 0
-        vec[6 + self.groups.tp_rank] = int(refused is not None)
+        order, everywhere: different counts crash them, different ids, contexts, plans or forced
+        routing give wrong outputs silently)."""
+        r, dev, fields = self.groups.tp_size, self.router.weight.device, 10
+        vec = torch.full((fields + r,), -(1 << 62), dtype=torch.int64, device=dev)  # MAX identity of the fields
+        vec[fields:] = 0
+        vec[fields + self.groups.tp_rank] = int(refused is not None)
         if refused is None:
-            ids = _fingerprint_of([] if token_ids is None else [token_ids], dev)
-            ctx = _fingerprint_of(_context_tensors(prev_ranks), dev)
             vec[0], vec[1] = num_tokens, -num_tokens
-            vec[2], vec[3] = ids >> 1, -(ids >> 1)  # halved: the negation never overflows
-            vec[4], vec[5] = ctx >> 1, -(ctx >> 1)
+            prints = (_fingerprint_of([] if token_ids is None else [token_ids], dev),
+                      _fingerprint_of(_context_tensors(prev_ranks), dev), _fingerprint_of([perm], dev),
+                      _fingerprint_of([forced], dev))
+            for i, f in enumerate(prints):  # each as (f, -f): the MAX of both is equal only where all are
+                vec[2 + 2 * i], vec[3 + 2 * i] = f >> 1, -(f >> 1)  # halved: the negation never overflows
         dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.groups.tp)
         v = vec.tolist()
-        bad = [i for i, flag in enumerate(v[6:]) if flag]
+        bad = [i for i, flag in enumerate(v[fields:]) if flag]
         if refused is not None:
             raise refused
         if bad:
@@ -356,6 +371,12 @@ class SemanticMoE(MoELayerBase):
         if v[4] != -v[5]:
             raise ValueError("forward_tp: the TP ranks hold different prev_ranks (the earlier layers' context): "
                              "every TP rank must pass the same (their last_context_ranks)")
+        if v[6] != -v[7]:
+            raise ValueError("forward_tp: the TP ranks shuffle the same tokens differently: their layers were built "
+                             "from different plans (every TP rank must use the same SemanticPlan and layer_idx)")
+        if v[8] != -v[9]:
+            raise ValueError("forward_tp: the TP ranks force different routing (topk_ids or force_routing): every "
+                             "TP rank must force the same ids for all T tokens, or none")
 
     def _gather_rows(self, rows: torch.Tensor, rb: Rebatch) -> torch.Tensor:
         """``[T, ...]`` in the original token order from every rank's ``[C, ...]`` chunk rows."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 from dataclasses import dataclass
 
 import torch
@@ -325,6 +325,15 @@ class TinyDecoder(nn.Module):
         """The MoE slots, block order."""
         return [b.moe for b in self.blocks]
 
+    def _refuse(self, exc: Exception) -> NoReturn:
+        """Raise ``exc`` (this rank's input refused) after the first MoE slot has told the other ranks
+        in the collective they are about to run (its ``refuse_input``), so that they raise too instead
+        of waiting for this rank; a slot without one cannot tell them."""
+        refuse = getattr(self.blocks[0].moe, "refuse_input", None) if len(self.blocks) else None
+        if refuse is not None:
+            refuse(exc)
+        raise exc
+
     # ------------------------------------------------------------------ full-sequence pass
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Plain causal pass without caches (all ranks call it together: the MoE is collective).
@@ -338,18 +347,21 @@ class TinyDecoder(nn.Module):
         Raises:
             TypeError, ValueError: ``input_ids`` is not a ``[B, S]`` integer tensor (a ``[S]`` one is
                 named as such: add the batch dimension, ``ids[None]``), or holds an id outside
-                ``[0, vocab_size)``.
+                ``[0, vocab_size)``. The other ranks raise too (see :meth:`step`).
         """
-        if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point() or input_ids.is_complex() \
-                or input_ids.dtype == torch.bool:
-            raise TypeError(f"input_ids must be an integer tensor, got "
-                            f"{input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__}")
-        if input_ids.dim() != 2:
-            hint = ": one sequence of S tokens is input_ids[None] ([1, S])" if input_ids.dim() == 1 else ""
-            raise ValueError(f"input_ids must be [B, S], got {list(input_ids.shape)}{hint}")
-        b, s = input_ids.shape
-        input_ids = input_ids.to(torch.int64)  # nn.Embedding takes int32/int64 only
-        _check_vocab(input_ids, self.cfg.vocab_size, "input_ids")
+        try:
+            if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point() or input_ids.is_complex() \
+                    or input_ids.dtype == torch.bool:
+                got = input_ids.dtype if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+                raise TypeError(f"input_ids must be an integer tensor, got {got}")
+            if input_ids.dim() != 2:
+                hint = ": one sequence of S tokens is input_ids[None] ([1, S])" if input_ids.dim() == 1 else ""
+                raise ValueError(f"input_ids must be [B, S], got {list(input_ids.shape)}{hint}")
+            b, s = input_ids.shape
+            input_ids = input_ids.to(torch.int64)  # nn.Embedding takes int32/int64 only
+            _check_vocab(input_ids, self.cfg.vocab_size, "input_ids")
+        except (TypeError, ValueError) as exc:
+            self._refuse(exc)
         h, w = self.embed(input_ids), self.cfg.hidden_size  # explicit widths: b * s may be 0
         flat_ids = input_ids.reshape(-1)
         history: list = []
@@ -409,29 +421,34 @@ class TinyDecoder(nn.Module):
             TypeError, ValueError: an item that is not a ``StepRequest`` or a ``(request_id,
                 token_ids)`` pair, a tensor request id, token ids that are not an integer ``[n]``
                 tensor with ``n >= 1`` and every id in ``[0, vocab_size)``, or a request twice.
-                Raised on this rank before any collective: the other ranks are not told.
+                With a moelayers MoE layer in the first block, the other ranks raise ``ValueError``
+                in that layer's exchange (``refuse_input``) instead of waiting for this one.
         """
-        items = [_step_request(i, b) for i, b in enumerate(batch)]
-        dev = self.embed.weight.device
-        for it in items:
-            t = it.token_ids
-            if not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-                raise TypeError(f"request {it.request_id!r}: token_ids must be an integer tensor, got "
-                                f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
-            if t.dim() > 1:
-                raise ValueError(f"request {it.request_id!r}: token_ids must be [n], got {list(t.shape)} "
-                                 "(one request per batch item)")
-        ids = [it.token_ids.reshape(-1).to(device=dev, dtype=torch.int64) for it in items]
-        for it, t in zip(items, ids):
-            if t.numel() == 0:
-                raise ValueError(f"request {it.request_id!r} has no tokens in this step")
-            _check_vocab(t, self.cfg.vocab_size, f"request {it.request_id!r}: token_ids")
-        if len({it.request_id for it in items}) != len(items):
-            raise ValueError("a request appears twice in one step: give it one chunk per step")
-        lens = [t.numel() for t in ids]
-        all_ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64, device=dev)
-        if forced_topk is not None and len(forced_topk) != len(self.blocks):
-            raise ValueError(f"forced_topk has {len(forced_topk)} entries for {len(self.blocks)} blocks")
+        try:
+            items = [_step_request(i, b) for i, b in enumerate(batch)]
+            dev = self.embed.weight.device
+            for it in items:
+                t = it.token_ids
+                if (not isinstance(t, torch.Tensor) or t.dtype.is_floating_point or t.dtype.is_complex
+                        or t.dtype == torch.bool):
+                    raise TypeError(f"request {it.request_id!r}: token_ids must be an integer tensor, got "
+                                    f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+                if t.dim() > 1:
+                    raise ValueError(f"request {it.request_id!r}: token_ids must be [n], got {list(t.shape)} "
+                                     "(one request per batch item)")
+            ids = [it.token_ids.reshape(-1).to(device=dev, dtype=torch.int64) for it in items]
+            for it, t in zip(items, ids):
+                if t.numel() == 0:
+                    raise ValueError(f"request {it.request_id!r} has no tokens in this step")
+                _check_vocab(t, self.cfg.vocab_size, f"request {it.request_id!r}: token_ids")
+            if len({it.request_id for it in items}) != len(items):
+                raise ValueError("a request appears twice in one step: give it one chunk per step")
+            lens = [t.numel() for t in ids]
+            all_ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64, device=dev)
+            if forced_topk is not None and len(forced_topk) != len(self.blocks):
+                raise ValueError(f"forced_topk has {len(forced_topk)} entries for {len(self.blocks)} blocks")
+        except (TypeError, ValueError) as exc:
+            self._refuse(exc)
         # staged: committed to self.caches only when every block has run (a collective may raise)
         caches = [list(self.caches.get(it.request_id) or [None] * len(self.blocks)) for it in items]
         h = self.embed(all_ids)  # [T, H]

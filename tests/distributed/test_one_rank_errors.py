@@ -64,3 +64,76 @@ def test_megatron_adapter_refusals_on_one_rank(case):
     own = {"intermediate_tensors": "NotImplementedError: MegatronMoEAdapter does not support partial CUDA-graph",
            "training_losses": "RuntimeError: the transformer_config turns on training losses"}[case]
     _assert_all_raise(run_distributed(_adapter_check, 2, case, timeout=TIMEOUT), own)
+
+
+# ------------------------------------------------------------------------------ tiny decoder
+def _tiny_check(rank: int, world: int, case: str, attention: str) -> str:
+    from moelayers.models import TinyConfig, TinyDecoder
+
+    vocab, h = 64, 32
+    groups = ml.ParallelGroups.from_world(ep=world, tp=world if attention == "tp" else 1)
+    moe_cfg = ml.MoEConfig(hidden_size=h, ffn_hidden_size=16, num_experts=4, top_k=2, params_dtype=torch.float64)
+    cfg = TinyConfig(vocab_size=vocab, hidden_size=h, num_layers=2, num_heads=4, dtype=torch.float64)
+    if attention == "tp":
+        model = TinyDecoder(cfg, lambda i: ml.SemanticMoE(moe_cfg, groups, mode="tp", seed=i), attention="tp",
+                            groups=groups)
+    else:
+        model = TinyDecoder(cfg, lambda i: ml.VanillaMoE(moe_cfg, groups, seed=i))
+    bad = rank == 1
+    with torch.no_grad():
+        if case == "forward_out_of_vocab":
+            return _outcome(model, torch.tensor([[1, 2, 3, vocab + 5 if bad else 4]]))
+        if case == "forward_one_dimensional":
+            ids = torch.tensor([[1, 2, 3, 4]])
+            return _outcome(model, ids[0] if bad else ids)
+        if case == "step_out_of_vocab":
+            return _outcome(model.step, [("a", torch.tensor([1, 2, vocab + 5 if bad else 3]))])
+        return _outcome(model.step, [("a", torch.tensor([1, 2])), ("a" if bad else "b", torch.tensor([3]))])
+
+
+TINY_OWN = {"forward_out_of_vocab": "ValueError: input_ids: token id 69 outside",
+            "forward_one_dimensional": "ValueError: input_ids must be [B, S]",
+            "step_out_of_vocab": "ValueError: request 'a': token_ids: token id 69 outside",
+            "step_request_twice": "ValueError: a request appears twice in one step"}
+
+
+@pytest.mark.parametrize("attention", ["dp", "tp"])
+@pytest.mark.parametrize("case", sorted(TINY_OWN))
+def test_tiny_decoder_refusals_on_one_rank(case, attention):
+    others = REFUSED_ELSEWHERE if attention == "dp" else "ValueError: forward_tp refused the input of TP rank(s) [1]"
+    _assert_all_raise(run_distributed(_tiny_check, 2, case, attention, timeout=TIMEOUT), TINY_OWN[case], others)
+
+
+# ------------------------------------------------------------------------------ SemanticMoE.forward_tp
+def _forward_tp_check(rank: int, world: int, case: str) -> str:
+    import dataclasses
+
+    from tests.distributed.test_semantic import H, V, _norm, make_plan
+
+    groups = ml.ParallelGroups.from_world(tp=world)
+    e = 4 * world
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=e, top_k=2, params_dtype=torch.float64)
+    plan = make_plan(e, world, seed=3)
+    if case == "other_token_tables" and rank == 1:  # the same experts' placement, other token tables
+        other = make_plan(e, world, seed=11)
+        plan = dataclasses.replace(plan, token_rank=other.token_rank, token_conf=other.token_conf)
+    layer = ml.SemanticMoE.from_plan(plan, 2, cfg, groups, mode="tp", seed=7)
+    gen = torch.Generator().manual_seed(4)
+    t = 12
+    partials = [torch.randn(t, H, generator=gen, dtype=torch.float64) for _ in range(world)]
+    residual = torch.randn(t, H, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, V - 8, (t,), generator=gen)
+    forced = {}
+    if case == "other_forced_routing":
+        forced["topk_ids"] = torch.stack([torch.arange(t), torch.arange(t) + 1 + rank], 1) % e
+    with torch.no_grad():
+        return _outcome(layer.forward_tp, partials[rank], residual, _norm(torch.float64), token_ids=ids, **forced)
+
+
+@pytest.mark.parametrize("case,message", [("other_token_tables", "shuffle the same tokens differently"),
+                                          ("other_forced_routing", "force different routing")])
+def test_forward_tp_ranks_that_disagree_all_raise(case, message):
+    """Token tables or forced ids that differ on one rank gave a silently wrong output (each rank
+    shuffled, or routed, its chunk by its own)."""
+    outcomes = run_distributed(_forward_tp_check, 2, case, timeout=TIMEOUT)
+    assert all(message in got for got in outcomes), outcomes
