@@ -43,9 +43,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from moelayers.experts import is_slot_major
+from moelayers.layers.moves import _comm_device
+from moelayers.placement import ExpertPlacement
 
 __all__ = ["model_state_dict", "load_model_state_dict", "optimizer_state_dict", "load_optimizer_state_dict",
            "placement_state_dict", "load_placement_state_dict", "EXPERT_KEYS", "slot_copies"]
@@ -356,7 +359,9 @@ def load_placement_state_dict(model: nn.Module, state_dict: Mapping[str, torch.T
     saved for it: ``layer.apply_placement(p, optimizer=optimizer)``, a transactional move per layer
     and a collective over its expert-parallel group (every rank calls this with the same state
     dict). Call it after loading the weights and the optimizer (the move carries both); layers
-    already in their saved placement do not move.
+    already in their saved placement do not move. Before any move, one small all-reduce per layer
+    over its expert-parallel group agrees on whether a rank refused its entry and whether the
+    layer moves, so that the ranks raise, move or stay together.
 
     Args:
         model: the model (its layers under the names the state dict was taken with).
@@ -366,38 +371,59 @@ def load_placement_state_dict(model: nn.Module, state_dict: Mapping[str, torch.T
 
     Raises:
         KeyError: a layer has no entry (nothing moved).
-        ValueError: an entry is not a placement of the layer's experts, ranks and slots per rank
-            (nothing moved).
+        ValueError: an entry is not a placement of the layer's experts, ranks and slots per rank,
+            or another rank of a layer's expert-parallel group refused its entry (nothing moved).
         PlacementRejected, PlacementMoveError: a layer's move failed (see ``apply_placement``);
             the layers before it have moved, it and the ones after it have not.
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    from moelayers.placement import ExpertPlacement
-
-    todo = []
+    checked = []  # (layer, key, new placement or None, this rank's refusal or None), layer order
     for p in _expert_params(model, get_model_state_dict(model)):
         if p.name != EXPERT_KEYS[0]:
             continue
-        key, old = _placement_key(p), p.layer.placement
-        if key not in state_dict:
-            raise KeyError(f"load_placement_state_dict: no entry {key!r}; nothing was moved")
-        table = state_dict[key]
-        if not torch.is_tensor(table) or table.shape != old.phy2log.shape:
-            shape = tuple(table.shape) if torch.is_tensor(table) else type(table).__name__
-            raise ValueError(f"load_placement_state_dict: {key} is {shape}, the layer's placement is "
-                             f"{tuple(old.phy2log.shape)} (ranks, slots per rank): a placement resumes only at the "
-                             f"same expert-parallel size and slots per rank; nothing was moved")
+        key = _placement_key(p)
         try:
-            new = ExpertPlacement(table.detach().to("cpu", torch.int64), old.num_experts)
-            new.validate()
-        except ValueError as e:
-            raise ValueError(f"load_placement_state_dict: {key} is not a placement of {old.num_experts} experts: {e}; "
-                             "nothing was moved") from e
-        todo.append((p.layer, new))
-    for layer, new in todo:
-        if new != layer.placement:
-            layer.apply_placement(new, optimizer=optimizer)
+            checked.append((p.layer, key, _saved_placement(key, state_dict, p.layer.placement), None))
+        except (KeyError, ValueError) as exc:
+            checked.append((p.layer, key, None, exc))
+    # every rank of each layer's expert-parallel group learns whether any refused its entry, and moves
+    # when any needs to (a rank raising alone, or skipping a move the others make, left them waiting)
+    moves = []
+    for layer, key, new, refused in checked:
+        flags = torch.tensor([int(refused is not None), int(new is not None and new != layer.placement)])
+        if layer.groups.ep is not None and layer.groups.ep_size > 1:
+            flags = flags.to(_comm_device(layer.groups.ep, torch.device("cpu")))
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=layer.groups.ep)
+        refused_somewhere, move = flags.tolist()
+        if refused is not None:
+            raise refused
+        if refused_somewhere:
+            raise ValueError(f"load_placement_state_dict: another expert-parallel rank refused its entry {key!r} (see "
+                             "its error); nothing was moved")
+        if move:
+            moves.append((layer, new))
+    for layer, new in moves:
+        layer.apply_placement(new, optimizer=optimizer)
+
+
+def _saved_placement(key: str, state_dict: Mapping[str, torch.Tensor], old: ExpertPlacement) -> ExpertPlacement:
+    """The placement ``state_dict[key]`` saved for a layer now in ``old``, checked against it."""
+    if key not in state_dict:
+        raise KeyError(f"load_placement_state_dict: no entry {key!r}; nothing was moved")
+    table = state_dict[key]
+    if not torch.is_tensor(table) or table.shape != old.phy2log.shape:
+        shape = tuple(table.shape) if torch.is_tensor(table) else type(table).__name__
+        raise ValueError(f"load_placement_state_dict: {key} is {shape}, the layer's placement is "
+                         f"{tuple(old.phy2log.shape)} (ranks, slots per rank): a placement resumes only at the "
+                         f"same expert-parallel size and slots per rank; nothing was moved")
+    try:
+        new = ExpertPlacement(table.detach().to("cpu", torch.int64), old.num_experts)
+        new.validate()
+    except ValueError as e:
+        raise ValueError(f"load_placement_state_dict: {key} is not a placement of {old.num_experts} experts: {e}; "
+                         "nothing was moved") from e
+    return new
 
 
 def _placement_key(p: _ExpertParam) -> str:
