@@ -372,6 +372,8 @@ class MoELayerBase(nn.Module):
         # layer's own input is made from it in the wrapper (the megatron adapter's unpadded rows)
         self._replay_key: torch.Tensor | None = None
         self._bad_input = False  # this forward stands in for a refused input (see _refuse_in_step)
+        # capacity mode compares the ranks' placements on the next forward (see _raise_on_flags)
+        self._placement_unchecked = True
         self._flags_before_load: dict[str, tuple[int, dict]] = {}  # name -> (storage, flags), see _after_load
         self._staging_fault_hook: Callable[[Staging], None] | None = None  # tests: a fault while moving weights
         self.register_load_state_dict_post_hook(MoELayerBase._after_load)
@@ -695,6 +697,7 @@ class MoELayerBase(nn.Module):
             # may have written another rank's record into the live one: it describes this layer again
             self._placement_rec.copy_(placement_record(self.placement, self.groups.ep_rank))
             raise
+        self._placement_unchecked = True  # the other ranks may have loaded another placement's checkpoint
         if saved != self.placement:
             self._adopt_placement(saved)
 
@@ -725,6 +728,7 @@ class MoELayerBase(nn.Module):
         drop the captured graph and rebuild the dispatcher (subclasses drop what they derived)."""
         self.release_graphs()
         self.placement = placement.copy()  # the layer's own: the caller may edit or reuse theirs
+        self._placement_unchecked = True
         record = placement_record(self.placement, self.groups.ep_rank)
         if self._placement_rec.shape == record.shape:  # in place: see get_extra_state
             self._placement_rec.copy_(record)
@@ -1017,18 +1021,21 @@ class MoELayerBase(nn.Module):
         of range, more than ``capacity`` tokens or another placement (the flags and placement digests
         came with the exchange). One host sync, made when the NaN check is on, the routing was forced,
         the replica policy or ``plan()`` is a custom one (whose routes the dispatcher checks), this
-        rank overflowed or refused its input, or the layer asks for it (:meth:`_flags_read_always`);
+        rank overflowed or refused its input, the layer asks for it (:meth:`_flags_read_always`), or
+        its placement is new (the first forward after the layer was built, loaded from a state dict
+        or moved: ranks that loaded checkpoints of different placements raise together);
         otherwise (``check_finite=False`` and the router's own routing) only an overflowing rank
-        itself raises, and the placements are not compared."""
+        itself raises, and the placements are not compared again."""
         if not (self.router.check_finite or forced or t > self.capacity or self._bad_input
                 or type(self.replica_policy) is not LocalFirstPolicy or type(self).plan is not MoELayerBase.plan
-                or self._flags_read_always()):
+                or self._flags_read_always() or self._placement_unchecked):
             return
         d = self.dispatcher
         r = self.groups.ep_size
         flags = torch.cat([d.nonfinite.to(torch.int32), d.overflow.to(torch.int32), d.digests.flatten()]).tolist()
         raise_if_nonfinite(flags[:r])
         raise_if_placements_differ([lo | (hi << 31) for lo, hi in zip(flags[2 * r::2], flags[2 * r + 1::2])])
+        self._placement_unchecked = False
         bad = [i for i, f in enumerate(flags[r:2 * r]) if f]
         if bad:
             here = f" ({t} tokens on this rank)" if t > self.capacity else ""

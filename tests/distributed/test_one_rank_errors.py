@@ -172,3 +172,28 @@ def test_load_placement_state_dict_with_one_rank_apart(case):
     _assert_all_raise([loaded for loaded, _ in outcomes], own,
                       "ValueError: load_placement_state_dict: another expert-parallel rank refused its entry")
     assert [served for _, served in outcomes] == ["ok", "ok"], outcomes  # nothing moved anywhere
+
+
+# ------------------------------------------------------------------------------ capacity mode, placements
+def _capacity_placement_check(rank: int, world: int, served_before: bool) -> str:
+    e = 4
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=e, top_k=2, params_dtype=torch.float64)
+    groups = ml.ParallelGroups.from_world()
+    layer = ml.VanillaMoE(cfg, groups, check_finite=False, capacity=8)  # linear placement
+    rotated = ml.VanillaMoE(cfg, groups, check_finite=False, capacity=8,
+                            placement=ml.ExpertPlacement.from_phy2log(torch.arange(e).roll(1).view(world, -1), e))
+    x = torch.randn(6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(20 + rank))
+    with torch.no_grad():
+        if served_before:
+            layer(x)
+        # every rank loads its checkpoint; rank 1's was saved in another placement
+        layer.load_state_dict((rotated if rank == 1 else layer).state_dict())
+        return _outcome(layer, x)
+
+
+@pytest.mark.parametrize("served_before", [False, True])
+def test_capacity_mode_compares_placements_after_a_load(served_before):
+    """Capacity mode with check_finite=False reads no flags: ranks that loaded checkpoints of
+    different placements served a silently wrong output (off by about the output's size)."""
+    outcomes = run_distributed(_capacity_placement_check, 2, served_before, timeout=TIMEOUT)
+    assert all("serve different placements" in got for got in outcomes), outcomes
