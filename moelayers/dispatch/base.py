@@ -33,7 +33,8 @@ class Routes:
             (router logits with NaN/inf) | ``FORCED_OUT_OF_RANGE`` (forced expert ids outside
             ``[0, E)``) | ``BAD_INPUT`` (the layer refused this rank's input and sends no tokens) |
             ``BAD_REPLICA`` (a custom replica policy picked a slot without the routed expert) |
-            ``BAD_ROUTE`` (a route outside the ranks or slots, :func:`check_routes`);
+            ``BAD_ROUTE`` (a route outside the ranks or slots, :func:`check_routes`), and
+            ``RECORDS_AUTOGRAD`` (not an error alone: raised when some ranks set it and others not);
             dispatchers exchange it with their split sizes (no extra sync) and every rank raises.
         overflow: capacity mode: optional 0-dim device flag, true when this rank had more tokens
             than the capacity (it sends the first ``capacity``); exchanged like ``nonfinite``.
@@ -57,6 +58,7 @@ FORCED_OUT_OF_RANGE = 2
 BAD_INPUT = 4  # the layer refused this rank's input; it takes part in the exchange with no tokens
 BAD_REPLICA = 8  # a replica policy picked a slot that does not hold the routed expert
 BAD_ROUTE = 16  # a route to a rank or slot outside the expert-parallel group (check_routes)
+RECORDS_AUTOGRAD = 32  # not an error: this rank's forward records autograd (its backward runs the reverse exchange)
 
 
 def merge_flags(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
@@ -100,6 +102,12 @@ def raise_if_nonfinite(flags: list[int]) -> None:
     if refused:
         raise ValueError(f"the layer refused the input of expert-parallel rank(s) {refused} (that rank raised "
                          "the reason); every rank raises this forward so that none waits for the others")
+    grad = [r for r, f in enumerate(flags) if int(f) & RECORDS_AUTOGRAD]
+    if grad and len(grad) < len(flags):
+        raise ValueError(f"expert-parallel rank(s) {grad} record autograd in this forward and rank(s) "
+                         f"{[r for r in range(len(flags)) if r not in grad]} do not (torch.no_grad, inference_mode or "
+                         "frozen weights on some ranks only): their backward would wait forever in the exchange "
+                         "the others never run. Run every rank's forward alike")
     forced = [r for r, f in enumerate(flags) if int(f) & FORCED_OUT_OF_RANGE]
     if forced:
         raise ValueError(f"forced routing (force_routing) holds expert ids outside [0, num_experts) on "

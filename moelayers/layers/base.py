@@ -26,7 +26,7 @@ from moelayers._compile import eager_under_compile
 from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, ReplicaPolicy, Routes
 from moelayers.dispatch.base import (
-    BAD_INPUT, merge_flags, raise_if_nonfinite, raise_if_placements_differ,
+    BAD_INPUT, RECORDS_AUTOGRAD, merge_flags, raise_if_nonfinite, raise_if_placements_differ,
     routes_from_placement,
 )
 from moelayers.dispatch.comm import all_gather_flat, fingerprint
@@ -937,6 +937,8 @@ class MoELayerBase(nn.Module):
             routes.nonfinite = merge_flags(routes.nonfinite, flag)
         elif self._bad_input:
             routes.nonfinite = merge_flags(routes.nonfinite, torch.tensor(BAD_INPUT, dtype=torch.int32, device=x2.device))
+        if self._records_autograd(x2):  # every rank must: the backward's exchange needs them all
+            routes.nonfinite = merge_flags(routes.nonfinite, _constant(RECORDS_AUTOGRAD, x2.device))
         if num_valid is not None:  # capacity mode: rows from num_valid on are padding
             padding = self._arange(x2.shape[0], x2.device) >= num_valid
             routes.dest_rank = routes.dest_rank.masked_fill(padding[:, None], -1)
@@ -1106,6 +1108,18 @@ class MoELayerBase(nn.Module):
         c = self.config
         return (f"E={c.num_experts}, K={c.top_k}, H={c.hidden_size}, F={c.ffn_hidden_size}, ep={self.groups.ep_size}, "
                 f"slots_per_rank={self.placement.slots_per_rank}, dispatcher={self.dispatcher_name}, dedup={self.dedup}")
+
+
+_CONSTANTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _constant(value: int, device: torch.device) -> torch.Tensor:
+    """A 0-dim int32 ``value`` on ``device``, made once (no host-to-device copy per forward)."""
+    key = (value, torch.device(device))
+    if key not in _CONSTANTS:
+        with torch.inference_mode(False):
+            _CONSTANTS[key] = torch.tensor(value, dtype=torch.int32, device=device)
+    return _CONSTANTS[key]
 
 
 def _default_device(groups: ParallelGroups) -> torch.device:

@@ -197,3 +197,23 @@ def test_capacity_mode_compares_placements_after_a_load(served_before):
     different placements served a silently wrong output (off by about the output's size)."""
     outcomes = run_distributed(_capacity_placement_check, 2, served_before, timeout=TIMEOUT)
     assert all("serve different placements" in got for got in outcomes), outcomes
+
+
+# ------------------------------------------------------------------------------ autograd on some ranks only
+def _autograd_check(rank: int, world: int, dispatcher: str, how: str) -> str:
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), dispatcher=dispatcher)
+    x = torch.randn(6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    if how == "frozen" and rank == 0:
+        layer.requires_grad_(False)
+    with torch.no_grad() if how == "no_grad" and rank == 0 else torch.enable_grad():
+        return _outcome(lambda: layer(x).sum().backward() if torch.is_grad_enabled() else layer(x))
+
+
+@pytest.mark.parametrize("how", ["no_grad", "frozen"])
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_autograd_on_some_ranks_only_raises_in_the_forward(dispatcher, how):
+    """Rank 0 ran its forward without autograd (no_grad, or its layer frozen): the forward passed,
+    and rank 1's backward then waited forever in the reverse exchange rank 0 never ran."""
+    outcomes = run_distributed(_autograd_check, 2, dispatcher, how, timeout=TIMEOUT)
+    assert all("record autograd in this forward and rank(s) [0] do not" in got for got in outcomes), outcomes
