@@ -217,10 +217,18 @@ def reduce_expert_grads(model: nn.Module) -> None:
             got = got.view(-1, 2).cpu()
             wrong_edp.append(int(bool((got[:, 0] != g.ep_rank).any()) or got[:, 1].unique().numel() != got.shape[0]))
         digests = torch.tensor([layer.placement.digest() for layer in edp_layers], dtype=torch.int64)
-        both = torch.cat([digests, -digests, torch.tensor(wrong_edp)]).to(dev)
+        # which expert weights train here: a rank that skipped one's all-reduce would leave the others in it
+        trained = torch.tensor([int(layer.experts.w13.requires_grad) + 2 * int(layer.experts.w2.requires_grad)
+                                for layer in edp_layers], dtype=torch.int64)
+        both = torch.cat([digests, -digests, torch.tensor(wrong_edp), trained, -trained]).to(dev)
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
         n = len(edp_layers)
-        if int(both[2 * n:].max()):
+        frozen = [type(layer).__name__ for i, layer in enumerate(edp_layers) if both[3 * n + i] != -both[4 * n + i]]
+        if frozen:
+            raise ValueError(f"the expert weights of {len(frozen)} layer(s) ({frozen[0]} first) require grad on some "
+                             "ranks and not on others (requires_grad_(False) on some ranks only): their gradients "
+                             "cannot be summed over the ranks. Freeze or train them on every rank alike")
+        if int(both[2 * n:3 * n].max()):
             raise ValueError("ParallelGroups.edp must hold the ranks at the same place (ep_rank) of every "
                              "expert-parallel group, one each: a rank's group does not (ParallelGroups.from_world "
                              "builds it)")

@@ -217,3 +217,20 @@ def test_autograd_on_some_ranks_only_raises_in_the_forward(dispatcher, how):
     and rank 1's backward then waited forever in the reverse exchange rank 0 never ran."""
     outcomes = run_distributed(_autograd_check, 2, dispatcher, how, timeout=TIMEOUT)
     assert all("record autograd in this forward and rank(s) [0] do not" in got for got in outcomes), outcomes
+
+
+# ------------------------------------------------------------------------------ training helpers
+def _frozen_experts_check(rank: int, world: int) -> str:
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(ep=1))  # every rank holds every expert: edp = world
+    if rank == 1:
+        layer.experts.requires_grad_(False)
+    x = torch.randn(6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    layer(x).pow(2).sum().backward()
+    return _outcome(ml.reduce_expert_grads, layer)
+
+
+def test_reduce_expert_grads_with_experts_frozen_on_one_rank():
+    """Rank 1 skipped the all-reduce of its frozen experts' gradients; rank 0 waited in it."""
+    outcomes = run_distributed(_frozen_experts_check, 2, timeout=TIMEOUT)
+    assert all("require grad on some ranks and not on others" in got for got in outcomes), outcomes
