@@ -90,8 +90,8 @@ class VariabilityAwareMoE(MoELayerBase):
         ...     y = layer(x)                    # every rank, every step; re-plans after 16 steps
         >>> layer.apply_placement(placement)    # or move explicitly (every rank, same placement)
 
-    Under autograd (training) a due re-plan waits until no recorded graph is alive without its
-    backward (:meth:`graphs_in_flight`) and the expert weights hold no gradients (a move would
+    Under autograd (training) a due re-plan waits until, on every rank, no recorded graph is alive
+    without its backward (:meth:`graphs_in_flight`) and the expert weights hold no gradients (a move would
     leave them with the slots; ``zero_grad(set_to_none=True)`` after the optimizer step clears
     them, so accumulation over micro-batches is never split by a move). Serving with autograd on
     keeps the last outputs' graphs alive, so the move keeps waiting: after ``window`` such forwards
@@ -213,8 +213,8 @@ class VariabilityAwareMoE(MoELayerBase):
             self._trained = True
         if self.record_loads:
             self._record(self.last_topk_ids)
-            if self._replan_due():
-                if y.requires_grad or self.graphs_in_flight() or self._holds_grads():
+            if self._replan_due():  # the ranks wait together: a re-plan is a collective
+                if self._any_rank(y.requires_grad or self.graphs_in_flight() > 0 or self._holds_grads()):
                     self._replan_pending = True
                 else:
                     self._auto_replan()
@@ -233,7 +233,7 @@ class VariabilityAwareMoE(MoELayerBase):
             return
         alive = self.graphs_in_flight()
         held = not alive and self._holds_grads()
-        if not alive and not held:
+        if not self._any_rank(alive > 0 or held):  # one small all-reduce per forward while it waits
             self._replan_pending, self._waited = False, 0
             self._auto_replan()
         else:
@@ -294,6 +294,17 @@ class VariabilityAwareMoE(MoELayerBase):
         grads = [w.grad for w in (w13, w2) if w.grad is not None]
         return bool(grads) and not any(bool(g.any()) for g in grads)
 
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank of the expert-parallel group (one small all-reduce): the
+        ranks decide together whether a due re-plan runs now, since one rank's graph or gradients
+        (kept alive a step longer, or grad mode on some ranks only) would otherwise let the others
+        start the move's collectives alone."""
+        if self.groups.ep is None or self.groups.ep_size == 1:
+            return bool(flag)
+        t = torch.tensor([int(bool(flag))], device=self._comm_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.groups.ep)
+        return bool(t.item())
+
     def _holds_grads(self) -> bool:
         """Whether the expert weights hold gradients (:func:`~moelayers.layers.moves.holds_gradients`),
         the same answer on every rank: megatron's ``main_grad`` holds zeros on a rank whose experts got
@@ -323,8 +334,9 @@ class VariabilityAwareMoE(MoELayerBase):
         An automatic re-plan moves the expert weights in place, which would break the backward of
         such a graph, so a due move waits for the first forward after they are all done (gradient
         accumulation and pipelined micro-batches included). A graph dropped without a backward
-        stops counting once it is freed. Every rank makes the same choice as long as the ranks run
-        the same forwards and backwards and drop the same graphs (the move is a collective).
+        stops counting once it is freed. The ranks decide together (one small all-reduce per
+        forward while a re-plan waits): the move waits while any rank holds such a graph or
+        gradients, and runs on every rank at once (it is a collective).
         """
         self._in_flight = [ref for ref in self._in_flight if ref() is not None and not ref().done]
         return len(self._in_flight)

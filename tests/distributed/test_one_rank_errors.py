@@ -234,3 +234,30 @@ def test_reduce_expert_grads_with_experts_frozen_on_one_rank():
     """Rank 1 skipped the all-reduce of its frozen experts' gradients; rank 0 waited in it."""
     outcomes = run_distributed(_frozen_experts_check, 2, timeout=TIMEOUT)
     assert all("require grad on some ranks and not on others" in got for got in outcomes), outcomes
+
+
+# ------------------------------------------------------------------------------ VariabilityAwareMoE re-plans
+def _replan_check(rank: int, world: int) -> list:
+    warnings.simplefilter("ignore")
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.from_world(), window=2, auto_replan=True,
+                                   variability="high")
+    g = torch.Generator().manual_seed(rank)
+    kept, log = None, []
+    for step in range(8):
+        y = layer(torch.randn(6, 8, generator=g))
+        if rank == 1 and step == 1:
+            kept = y  # rank 1 holds this output's graph two steps longer (the re-plan falls due meanwhile)
+        if step == 3:
+            kept = None
+        del y
+        log.append((layer.num_replans, layer._replan_pending))
+    return log
+
+
+def test_auto_replan_waits_for_every_rank():
+    """A due re-plan ran at once on the rank without a live graph and waited on the other: the
+    first rank's move then waited forever for the second."""
+    logs = run_distributed(_replan_check, 2, timeout=TIMEOUT)
+    assert logs[0] == logs[1], logs
+    assert logs[0][-1][0] >= 1, logs  # it did re-plan, once every rank could
