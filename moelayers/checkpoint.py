@@ -208,6 +208,9 @@ def load_model_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, st
         KeyError: an expert held by this rank is missing.
         ValueError: an entry has another shape than the model's tensor.
         RuntimeError: ``strict`` and keys missing or unexpected.
+        Each is checked on this rank before anything is loaded here; this is not a collective, so
+        other ranks whose entries passed have loaded them: after an error, load again on every rank
+        (or restart) before serving, or the ranks hold experts of different checkpoints.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
     from torch.nn.modules.module import _IncompatibleKeys
