@@ -365,18 +365,9 @@ class SemanticMoE(MoELayerBase):
         if v[0] != -v[1]:
             raise ValueError(f"forward_tp: the TP ranks hold different numbers of tokens ({-v[1]}..{v[0]}; this rank "
                              f"{num_tokens}): every TP rank must call it with the same tokens")
-        if v[2] != -v[3]:
-            raise ValueError("forward_tp: the TP ranks hold different token ids: every TP rank must call it with "
-                             "the same tokens (the same token_ids, in the same order)")
-        if v[4] != -v[5]:
-            raise ValueError("forward_tp: the TP ranks hold different prev_ranks (the earlier layers' context): "
-                             "every TP rank must pass the same (their last_context_ranks)")
-        if v[6] != -v[7]:
-            raise ValueError("forward_tp: the TP ranks shuffle the same tokens differently: their layers were built "
-                             "from different plans (every TP rank must use the same SemanticPlan and layer_idx)")
-        if v[8] != -v[9]:
-            raise ValueError("forward_tp: the TP ranks force different routing (topk_ids or force_routing): every "
-                             "TP rank must force the same ids for all T tokens, or none")
+        for i, what in enumerate(_TP_DISAGREEMENTS):  # fingerprint i in fields 2 + 2i (max) and 3 + 2i (-min)
+            if v[2 + 2 * i] != -v[3 + 2 * i]:
+                raise ValueError(f"forward_tp: the TP ranks {what}")
 
     def _gather_rows(self, rows: torch.Tensor, rb: Rebatch) -> torch.Tensor:
         """``[T, ...]`` in the original token order from every rank's ``[C, ...]`` chunk rows."""
@@ -454,6 +445,19 @@ def _context_tensors(prev: PrevRanks) -> list[torch.Tensor | None]:
     if isinstance(prev, (tuple, list)) and len(prev) == 2 and not isinstance(prev[0], (int, float)):
         return [None if p is None else torch.as_tensor(p) for p in prev]
     return [torch.as_tensor(prev)]
+
+
+#: what differs between the TP ranks when each fingerprint of ``_agree_tp`` does, in its order
+_TP_DISAGREEMENTS = (
+    "hold different token ids: every TP rank must call it with the same tokens (the same token_ids, in the "
+    "same order)",
+    "hold different prev_ranks (the earlier layers' context): every TP rank must pass the same (their "
+    "last_context_ranks)",
+    "shuffle the same tokens differently: their layers were built from different plans (every TP rank must use "
+    "the same SemanticPlan and layer_idx)",
+    "force different routing (topk_ids or force_routing): every TP rank must force the same ids for all T "
+    "tokens, or none",
+)
 
 
 def _fingerprint_of(tensors: list[torch.Tensor | None], dev: torch.device) -> torch.Tensor:
