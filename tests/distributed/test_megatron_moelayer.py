@@ -109,13 +109,19 @@ def _layer_kwargs(kind: str, ep: int) -> dict:
 def _compare(tp: int, ep: int, sp: bool, pad: bool, dtype: torch.dtype, train: bool, kind: str) -> str | None:
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-    from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
     from moelayers.integrations import megatron as mi
+    from moelayers.integrations import megatron_peer as mpeer
     from moelayers.integrations.megatron_peer import load_megatron_weights
 
     tc = _tc(tp, ep, sp, dtype)
-    meg = build_module(get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False), config=tc)
+    spec = get_moe_module_spec(use_te=False, num_experts=E, moe_grouped_gemm=False)
+    if isinstance(spec, ModuleSpec):  # megatron-core 0.16
+        meg = build_module(spec, config=tc)
+    else:  # >= 0.19: a builder (functools.partial), called as TransformerLayer calls it
+        meg = mpeer._call_filtered(spec, config=tc, pg_collection=mpeer._default_pg_collection(), is_mtp_layer=False,
+                                   name="mlp")
     adapter = mi.MegatronMoEAdapter(tc, ml.VanillaMoE, **_layer_kwargs(kind, ep))
     assert adapter.groups.ep_size == ep
     weights = _weights(dtype)
