@@ -388,7 +388,7 @@ def load_placement_state_dict(model: nn.Module, state_dict: Mapping[str, torch.T
         key = _placement_key(p)
         try:
             checked.append((p.layer, key, _saved_placement(key, state_dict, p.layer.placement), None))
-        except (KeyError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any refusal (a meta tensor too): told to the other ranks first
             checked.append((p.layer, key, None, exc))
     # every rank of each layer's expert-parallel group learns whether any refused its entry, and moves
     # when any needs to (a rank raising alone, or skipping a move the others make, left them waiting)

@@ -468,8 +468,8 @@ class TraceRecorder:
     when they saw them column by column, as in a model that runs sequence position first); a MoE
     layer recorded as the model itself takes ``[S, B, H]`` input as ``B`` sequences, one per column;
     anything else (``[T, H]``, keyword inputs, ids the layers saw in another order,
-    ``TinyDecoder.step``) is one sequence. Tokens of a sequence keep the order they were seen in;
-    sequences are ordered by first appearance.
+    ``TinyDecoder.step``) is one sequence (a forward of no tokens: none). Tokens of a sequence keep
+    the order they were seen in; sequences are ordered by first appearance.
 
     Example::
 

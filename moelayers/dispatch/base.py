@@ -97,7 +97,8 @@ def raise_if_placements_differ(digests: list[int]) -> None:
 
 def raise_if_nonfinite(flags: list[int]) -> None:
     """Raise ``ValueError`` on every rank if any rank's routing flag (``Routes.nonfinite``, one per
-    expert-parallel rank, in rank order) is set."""
+    expert-parallel rank, in rank order) has an error bit set, or ``RECORDS_AUTOGRAD`` is set on
+    some ranks and not on others."""
     refused = [r for r, f in enumerate(flags) if int(f) & BAD_INPUT]
     if refused:
         raise ValueError(f"the layer refused the input of expert-parallel rank(s) {refused} (that rank raised "

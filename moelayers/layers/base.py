@@ -176,8 +176,8 @@ def reduce_expert_grads(model: nn.Module) -> None:
             the world would count ``tp`` times); expert-parallel groups smaller than the world without
             their ``edp`` group (``ParallelGroups.from_world`` builds it; pass it to
             ``from_groups``), or an ``edp`` group that does not hold one rank of each expert-parallel
-            group at this rank's place, or groups that serve different placements (these three
-            checked on every rank: all raise); groups of another world than torch.distributed's
+            group at this rank's place, groups that serve different placements, or expert weights
+            that require grad on some ranks only (these four checked on every rank: all raise); groups of another world than torch.distributed's
             (``ParallelGroups.single()`` in a multi-rank job); a second call with no backward since the first
             (a call after each micro-batch's backward counts the earlier micro-batches again, which
             it cannot tell from a new step's gradients: call it once, after the last).
@@ -222,13 +222,14 @@ def reduce_expert_grads(model: nn.Module) -> None:
                                 for layer in edp_layers], dtype=torch.int64)
         both = torch.cat([digests, -digests, torch.tensor(wrong_edp), trained, -trained]).to(dev)
         dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        both = both.tolist()  # one host sync for every check below
         n = len(edp_layers)
         frozen = [type(layer).__name__ for i, layer in enumerate(edp_layers) if both[3 * n + i] != -both[4 * n + i]]
         if frozen:
             raise ValueError(f"the expert weights of {len(frozen)} layer(s) ({frozen[0]} first) require grad on some "
                              "ranks and not on others (requires_grad_(False) on some ranks only): their gradients "
                              "cannot be summed over the ranks. Freeze or train them on every rank alike")
-        if int(both[2 * n:3 * n].max()):
+        if max(both[2 * n:3 * n]):
             raise ValueError("ParallelGroups.edp must hold the ranks at the same place (ep_rank) of every "
                              "expert-parallel group, one each: a rank's group does not (ParallelGroups.from_world "
                              "builds it)")
@@ -829,7 +830,10 @@ class MoELayerBase(nn.Module):
                 takes part in the forward's exchange with no tokens, so the other ranks raise
                 ``ValueError`` too instead of waiting for it (see :meth:`_refuse_in_step`).
             ValueError: NaN/inf router logits (``check_finite``) or forced ids outside ``[0, E)`` on
-                any rank; more tokens than ``capacity`` on any rank. In capacity mode (``capacity``
+                any rank; more tokens than ``capacity`` on any rank; a forward that records autograd on
+                some ranks only (their backward would wait for the others forever); ranks serving
+                different placements (in capacity mode with ``check_finite=False``: checked on the
+                first forward after the layer was built, loaded from a state dict or moved). In capacity mode (``capacity``
                 set, the CUDA-graph path) the flags are read without a host sync only on ranks that
                 need them: with ``check_finite=False``, a rank that neither forced its routing nor
                 overflowed nor was refused returns its output while the others raise (every rank

@@ -26,6 +26,7 @@ dense reference ``h + moe_forward(norm(h))``, ``h = residual + sum_tp attn_parti
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable, NoReturn
 
 import torch
@@ -141,6 +142,8 @@ class SemanticMoE(MoELayerBase):
         if mode == "tp":  # routes only this TP rank's chunk: a partial gradient (see forward_tp)
             self.router.weight.sequence_parallel = True
         self._tables, self._predictor = tables, predictor_obj
+        # what decides forward_tp's shuffle besides the tokens and their context: compared across TP ranks
+        self._predictor_digest = _predictor_digest(predictor_obj if predictor_obj is not None else tables, predictor)
         self._tables_on: dict[torch.device, LayerTables | HistoryPredictor] = {}
         self.last_ranks: torch.Tensor | None = None
         self.last_context_ranks: torch.Tensor | None = None
@@ -287,8 +290,7 @@ class SemanticMoE(MoELayerBase):
             refused = exc
         if self.groups.tp_size > 1 and self.verify_tp_inputs:
             self._agree_tp(refused, None if refused else x2.shape[0], None if refused else token_ids,
-                           None if refused else prev_ranks, None if refused else rb.perm,
-                           None if refused else forced)
+                           None if refused else prev_ranks, None if refused else forced)
         r, group = self.groups.tp_rank, self.groups.tp
         mine = rb.chunk(r)
         n = rb.valid_rows(r)
@@ -334,26 +336,29 @@ class SemanticMoE(MoELayerBase):
         raise exc
 
     def _agree_tp(self, refused: Exception | None, num_tokens: int | None, token_ids: torch.Tensor | None,
-                  prev_ranks: PrevRanks = None, perm: torch.Tensor | None = None,
-                  forced: torch.Tensor | None = None) -> None:
+                  prev_ranks: PrevRanks = None, forced: torch.Tensor | None = None) -> None:
         """One ``MAX`` all-reduce over the TP group of each rank's token count, order-sensitive
-        fingerprints of its token ids, its context (``prev_ranks``), its shuffle (``perm``, the
-        rebatch's order, which its plan decides) and its forced routing, and a refusal flag per rank;
-        raises on every rank when any rank refused its input (``refused``, raised as it is on that
-        rank) or the ranks disagree (the shuffled collectives need the same tokens, in the same
-        order, everywhere: different counts crash them, different ids, contexts, plans or forced
-        routing give wrong outputs silently)."""
-        r, dev, fields = self.groups.tp_size, self.router.weight.device, 10
-        vec = torch.full((fields + r,), -(1 << 62), dtype=torch.int64, device=dev)  # MAX identity of the fields
-        vec[fields:] = 0
-        vec[fields + self.groups.tp_rank] = int(refused is not None)
+        fingerprints of its token ids and of its context (``prev_ranks``), the digest of its
+        predictor (its plan's tables: with the tokens and context, what decides the shuffle), a
+        fingerprint of its forced routing, and a refusal flag per rank; raises on every rank when any
+        rank refused its input (``refused``, raised as it is on that rank) or the ranks disagree (the
+        shuffled collectives need the same tokens, in the same order, everywhere: different counts
+        crash them, different ids, contexts, plans or forced routing give wrong outputs silently)."""
+        r, fields = self.groups.tp_size, 10
+        host = torch.full((fields + r,), -(1 << 62), dtype=torch.int64)  # MAX identity of the fields
+        host[fields:] = 0
+        host[fields + self.groups.tp_rank] = int(refused is not None)
+        if refused is None:  # each value v as (v, -v): the MAX of both is equal only where all are
+            host[0], host[1] = num_tokens, -num_tokens
+            host[6], host[7] = self._predictor_digest, -self._predictor_digest
+            if forced is None:
+                host[8] = host[9] = 0
+        vec = host.to(self.router.weight.device)  # one copy: the fingerprints below are device values
         if refused is None:
-            vec[0], vec[1] = num_tokens, -num_tokens
-            prints = (_fingerprint_of([] if token_ids is None else [token_ids], dev),
-                      _fingerprint_of(_context_tensors(prev_ranks), dev), _fingerprint_of([perm], dev),
-                      _fingerprint_of([forced], dev))
-            for i, f in enumerate(prints):  # each as (f, -f): the MAX of both is equal only where all are
-                vec[2 + 2 * i], vec[3 + 2 * i] = f >> 1, -(f >> 1)  # halved: the negation never overflows
+            prints = [(2, [] if token_ids is None else [token_ids]), (4, _context_tensors(prev_ranks))]
+            for i, tensors in prints + ([] if forced is None else [(8, [forced])]):
+                f = _fingerprint_of(tensors, vec.device)
+                vec[i], vec[i + 1] = f >> 1, -(f >> 1)  # halved: the negation never overflows
         dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.groups.tp)
         v = vec.tolist()
         bad = [i for i, flag in enumerate(v[fields:]) if flag]
@@ -453,11 +458,26 @@ _TP_DISAGREEMENTS = (
     "same order)",
     "hold different prev_ranks (the earlier layers' context): every TP rank must pass the same (their "
     "last_context_ranks)",
-    "shuffle the same tokens differently: their layers were built from different plans (every TP rank must use "
-    "the same SemanticPlan and layer_idx)",
+    "shuffle the same tokens differently: their layers were built from different plans or predictors (every TP "
+    "rank must use the same SemanticPlan, layer_idx and predictor)",
     "force different routing (topk_ids or force_routing): every TP rank must force the same ids for all T "
     "tokens, or none",
 )
+
+
+def _predictor_digest(predictor: LayerTables | HistoryPredictor | None, name: Any) -> int:
+    """A 61-bit digest of a layer's predictor (its tensors' dtypes, shapes and values, its other
+    fields) and of the ``predictor`` setting ``name``, made on the host once per layer."""
+    h = hashlib.blake2b(f"{type(predictor).__name__}:{name!r}".encode(), digest_size=8)
+    for name, value in sorted(vars(predictor).items()) if predictor is not None else ():
+        h.update(name.encode())
+        if isinstance(value, torch.Tensor):
+            t = value.detach().to("cpu").contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            h.update(repr(value).encode())
+    return int.from_bytes(h.digest(), "little") >> 3
 
 
 def _fingerprint_of(tensors: list[torch.Tensor | None], dev: torch.device) -> torch.Tensor:

@@ -232,7 +232,7 @@ class VariabilityAwareMoE(MoELayerBase):
         if not self._replan_pending:
             return
         alive = self.graphs_in_flight()
-        held = not alive and self._holds_grads()
+        held = not alive and self._holds_grads()  # (this rank's: no collective behind the short cut)
         if not self._any_rank(alive > 0 or held):  # one small all-reduce per forward while it waits
             self._replan_pending, self._waited = False, 0
             self._auto_replan()
@@ -306,16 +306,11 @@ class VariabilityAwareMoE(MoELayerBase):
         return bool(t.item())
 
     def _holds_grads(self) -> bool:
-        """Whether the expert weights hold gradients (:func:`~moelayers.layers.moves.holds_gradients`),
-        the same answer on every rank: megatron's ``main_grad`` holds zeros on a rank whose experts got
-        no rows, so with it the ranks agree in one small all-reduce."""
-        w13, w2 = self.experts.w13, self.experts.w2
-        held = holds_gradients(w13, w2)
-        if self.groups.ep is not None and any(getattr(w, "main_grad", None) is not None for w in (w13, w2)):
-            flag = torch.tensor([int(held)], device=self._comm_device())
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.groups.ep)
-            held = bool(flag.item())
-        return held
+        """Whether this rank's expert weights hold gradients
+        (:func:`~moelayers.layers.moves.holds_gradients`; no collective). megatron's ``main_grad``
+        holds zeros on a rank whose experts got no rows while another's hold gradients: the callers
+        combine every rank's answer in :meth:`_any_rank`."""
+        return holds_gradients(self.experts.w13, self.experts.w2)
 
     def _watch_graph(self, y: torch.Tensor) -> torch.Tensor:
         """``y`` through an identity autograd node that holds a token: the token is marked done
