@@ -22,8 +22,16 @@ from moelayers.placement import ExpertPlacement
 __all__ = ["balanced_packing", "replicate_experts", "plan_eplb", "plan_eplb_placement"]
 
 
+def _numbers(values: np.ndarray, what: str) -> np.ndarray:
+    """``values`` as float64, refusing what is not a number of rows (bool, complex, strings, objects)."""
+    v = np.asarray(values)
+    if v.dtype.kind not in "iuf":
+        raise ValueError(f"{what} must be numbers of rows, got dtype {v.dtype}")
+    return v.astype(np.float64)
+
+
 def _mean_loads(loads: np.ndarray) -> np.ndarray:
-    w = np.asarray(loads, dtype=np.float64)
+    w = _numbers(loads, "loads")
     if w.ndim == 2 and w.shape[0] == 0:
         raise ValueError("loads has no steps (empty trace): nothing to plan")
     if w.ndim not in (1, 2) or w.size == 0:
@@ -53,7 +61,7 @@ def balanced_packing(weights: np.ndarray, num_packs: int, *, item_group: np.ndar
     Returns:
         ``pack [N]`` int64.
     """
-    w = np.asarray(weights, dtype=np.float64)
+    w = _numbers(weights, "balanced_packing: weights")
     num = w.size
     if w.ndim != 1 or not np.all(np.isfinite(w)) or (w < 0).any():
         raise ValueError(f"balanced_packing: weights must be [N] finite numbers >= 0, got shape {list(w.shape)}"
@@ -133,8 +141,11 @@ def replicate_experts(weights: np.ndarray, num_physical: int, max_replicas: int 
         ``phy2log [num_physical]`` (logical expert of each physical one; the first ``E`` are the
         experts themselves) and ``logcnt [E]`` (replicas per expert).
     """
-    w = np.asarray(weights, dtype=np.float64)
+    w = _numbers(weights, "replicate_experts: weights")
     num_e = w.size
+    if w.ndim != 1 or num_e == 0 or not np.all(np.isfinite(w)) or (w < 0).any():
+        raise ValueError(f"replicate_experts: weights must be [E] finite numbers >= 0 with E >= 1, got shape "
+                         f"{list(w.shape)}")
     if num_physical < num_e:
         raise ValueError(f"replicate_experts: {num_physical} physical experts cannot hold {num_e} experts")
     if max_replicas is not None and num_physical > num_e * max_replicas:

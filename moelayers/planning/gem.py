@@ -361,6 +361,10 @@ def _check_loads(loads: np.ndarray) -> np.ndarray:
         raise ValueError("loads has no experts")
     if not np.all(np.isfinite(loads)) or (loads < 0).any():
         raise ValueError("loads must be finite and >= 0")
+    with np.errstate(over="ignore"):  # (an overflow to inf is what this refuses)
+        most = loads.sum(axis=1, dtype=np.float64).max()
+    if most >= 2.0 ** 53:  # a rank's rows stay exact (and finite) in float64
+        raise ValueError(f"loads must sum to fewer than 2**53 rows per step, got {most:.3g}")
     return loads
 
 

@@ -328,6 +328,8 @@ def search(loads: np.ndarray, curves: LatencyCurves, *, restarts: int = 8, seed:
         raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
     if isinstance(restarts, bool) or not isinstance(restarts, (int, np.integer)) or restarts < 1:
         raise ValueError(f"restarts must be a positive int, got {restarts!r}")
+    if scenarios is not None and (isinstance(scenarios, bool) or not isinstance(scenarios, (int, np.integer))):
+        raise ValueError(f"scenarios must be an even int >= 2 or None, got {scenarios!r}")  # 4.7 is not silently 4
     for name, value in (("min_gain", min_gain), ("noise", noise)):
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
                 or not np.isfinite(value) or value < 0:

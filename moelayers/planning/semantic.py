@@ -138,7 +138,11 @@ def build_token_table(token_ids: np.ndarray, topk_ids: np.ndarray, num_experts: 
         :class:`TokenExpertTable` with ``V = vocab_size``.
     """
     ids = check_token_ids(token_ids, vocab_size)
-    top = np.asarray(topk_ids).astype(np.int64, copy=False)
+    top = np.asarray(topk_ids)
+    if top.ndim != 2 or top.shape[0] != ids.shape[0] or top.dtype.kind not in "iu":
+        raise ValueError(f"topk_ids must be integer [T, K] expert ids for the T = {ids.shape[0]} token ids, got "
+                         f"{top.dtype} {list(top.shape)}")
+    top = top.astype(np.int64, copy=False)
     num_e, k = int(num_experts), top.shape[1]
     if top.size and (top.min() < 0 or top.max() >= num_e):
         bad = int(top.min()) if top.min() < 0 else int(top.max())

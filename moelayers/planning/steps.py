@@ -171,6 +171,8 @@ class LoadWindow:
                              "with fractions or NaN/inf")
         if (c < 0).any():
             raise ValueError("LoadWindow.push: counts must be >= 0")
+        if c.size and c.max() > np.iinfo(np.int64).max:  # (the int64 copy would wrap them negative)
+            raise ValueError(f"LoadWindow.push: counts must fit int64, got {c.max()}")
         self._steps.append(c.astype(np.int64, copy=True))
 
     def push_topk(self, topk_ids: Sequence[np.ndarray] | np.ndarray) -> None:

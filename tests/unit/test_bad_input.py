@@ -3,6 +3,7 @@
 import os
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -826,3 +827,43 @@ def test_the_reference_refuses_what_the_layers_refuse():
     with pytest.raises(TypeError, match="x must be a torch.Tensor, got ndarray"):
         moe_forward(np.zeros((3, 8), dtype=np.float32), rw, w13, w2, cfg)
     assert moe_forward(x, rw, w13, w2, cfg, topk_ids=torch.tensor([[0, 1]] * 3, dtype=torch.int32)).shape == (3, 8)
+
+
+# ---------------------------------------------------------------------- planners' inputs found by fuzzing
+def _fuzzed_inputs():
+    from moelayers.planning.eplb import plan_eplb, replicate_experts
+    from moelayers.planning.gem import LatencyCurves, plan_gem
+    from moelayers.planning.semantic import build_token_table
+    from moelayers.planning.steps import LoadWindow
+
+    high = LatencyCurves.preset("high", 2)
+    return {
+        # uint64 2**64 - 1 became -1: an empty slot, silently
+        "placement_uint64_id": (lambda: ml.ExpertPlacement(np.array([[0, 2**64 - 1]], np.uint64), 1),
+                                "expert ids outside"),
+        # stored wrapped to negative counts
+        "window_uint64_count": (lambda: LoadWindow(1, 3).push(np.array([2**64 - 1, 0, 0], np.uint64)), "fit int64"),
+        "window_huge_float_count": (lambda: LoadWindow(1, 3).push(np.array([1e30, 0, 0])), "fit int64"),
+        # every score inf: the search returned None (plain) or broke its equal-experts invariant (high)
+        "gem_overflowing_loads": (lambda: plan_gem(np.full((1, 4), 1e308), LatencyCurves.preset("none", 2),
+                                                   method="plain"), "fewer than 2\\*\\*53 rows"),
+        "gem_rows_past_2_53": (lambda: plan_gem(np.array([[2**62, 1, 2**61, 3], [5, 2**62, 1, 1]]), high),
+                               "fewer than 2\\*\\*53 rows"),
+        "gem_fractional_scenarios": (lambda: plan_gem(np.ones((3, 4)), high, scenarios=4.7), "scenarios must be"),
+        "eplb_string_loads": (lambda: plan_eplb(np.array(["1", "2"]), 2), "numbers of rows"),
+        "eplb_complex_loads": (lambda: plan_eplb(np.array([1 + 5j, 2]), 2), "numbers of rows"),
+        "eplb_bool_loads": (lambda: plan_eplb(np.array([True, False]), 2), "numbers of rows"),
+        "replicate_nan_weight": (lambda: replicate_experts(np.array([np.nan, 1.0]), 3), "finite numbers"),
+        "replicate_no_experts": (lambda: replicate_experts(np.array([]), 0), "finite numbers"),
+        # broadcast one routing row over two tokens; truncated expert 0.7 to 0
+        "token_table_rows": (lambda: build_token_table(np.array([0, 1]), np.array([[0]]), 2, 2), "integer \\[T, K\\]"),
+        "token_table_float_ids": (lambda: build_token_table(np.array([0]), np.array([[0.7]]), 2, 2),
+                                  "integer \\[T, K\\]"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_fuzzed_inputs()))
+def test_planners_refuse_what_fuzzing_found(case):
+    call, match = _fuzzed_inputs()[case]
+    with pytest.raises(ValueError, match=match):
+        call()
