@@ -436,10 +436,14 @@ def test_replica_policy_must_be_callable_and_return_slots():
         m(torch.randn(3, 16))
 
 
-def _overflow_on_one_rank(rank, world, check_finite):
-    """Rank 1 has more tokens than the capacity: it takes part in the exchange (no rank hangs)."""
+def _overflow_on_one_rank(rank, world, check_finite, served_before=True):
+    """Rank 1 has more tokens than the capacity: it takes part in the exchange (no rank hangs).
+    ``served_before``: after a first forward, which compares the ranks' placements (a flag read)."""
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
     m = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), capacity=4, check_finite=check_finite)
+    if served_before:
+        with torch.no_grad():
+            m(torch.randn(3, 8))
     try:
         with torch.no_grad():
             m(torch.randn(7 if rank == 1 else 3, 8))
@@ -533,8 +537,10 @@ def test_bad_input_on_one_rank_raises_on_every_rank(dispatcher):
 @pytest.mark.timeout(120)
 def test_capacity_overflow_on_one_rank_raises_without_a_hang():
     assert run_distributed(_overflow_on_one_rank, 2, True) == ["raised", "raised"]
-    # without the NaN check there is no sync to learn it: the overflowing rank alone raises
+    # without the NaN check there is no sync to learn it: the overflowing rank alone raises, except in
+    # the first forward after the layer was built (which reads the flags to compare the placements)
     assert run_distributed(_overflow_on_one_rank, 2, False) == ["no error", "raised"]
+    assert run_distributed(_overflow_on_one_rank, 2, False, False) == ["raised", "raised"]
 
 
 def test_capacity_errors():
