@@ -177,8 +177,9 @@ def reduce_expert_grads(model: nn.Module) -> None:
             their ``edp`` group (``ParallelGroups.from_world`` builds it; pass it to
             ``from_groups``), or an ``edp`` group that does not hold one rank of each expert-parallel
             group at this rank's place, groups that serve different placements, or expert weights
-            that require grad on some ranks only (these four checked on every rank: all raise); groups of another world than torch.distributed's
-            (``ParallelGroups.single()`` in a multi-rank job); a second call with no backward since the first
+            that require grad on some ranks only (these four checked on every rank: all raise);
+            groups of another world than torch.distributed's (``ParallelGroups.single()`` in a
+            multi-rank job); a second call with no backward since the first
             (a call after each micro-batch's backward counts the earlier micro-batches again, which
             it cannot tell from a new step's gradients: call it once, after the last).
     """
@@ -833,8 +834,9 @@ class MoELayerBase(nn.Module):
                 any rank; more tokens than ``capacity`` on any rank; a forward that records autograd on
                 some ranks only (their backward would wait for the others forever); ranks serving
                 different placements (in capacity mode with ``check_finite=False``: checked on the
-                first forward after the layer was built, loaded from a state dict or moved). In capacity mode (``capacity``
-                set, the CUDA-graph path) the flags are read without a host sync only on ranks that
+                first forward after the layer was built, loaded from a state dict or moved). In
+                capacity mode (``capacity`` set, the CUDA-graph path) the flags are read without a
+                host sync only on ranks that
                 need them: with ``check_finite=False``, a rank that neither forced its routing nor
                 overflowed nor was refused returns its output while the others raise (every rank
                 that forces routing, as trace replay does, raises together; a
