@@ -77,9 +77,10 @@ class ExpertPlacement:
         if num_experts > p.numel():  # before anything of size E is allocated (a damaged file may claim 2**40)
             raise ValueError(f"a placement of {tuple(p.shape)} = {p.numel()} slots cannot hold num_experts={num_experts} "
                              "experts: every expert needs a slot")
-        if p.dtype in (torch.uint32, torch.uint64) and int(p.cpu().numpy().max()) >= num_experts:
-            # (int64 would wrap 2**64 - 1 to -1, an empty slot)
-            raise ValueError(f"placement has expert ids outside [-1, {num_experts}): {int(p.cpu().numpy().max())}")
+        if p.dtype in (torch.uint32, torch.uint64):  # int64 would wrap 2**64 - 1 to -1, an empty slot
+            top = int(p.cpu().numpy().max())
+            if top >= num_experts:
+                raise ValueError(f"placement has expert ids outside [-1, {num_experts}): {top}")
         self.phy2log = p.to(torch.int64).cpu().clone()
         self.num_experts = int(num_experts)
         self.validate()
