@@ -47,6 +47,7 @@ PER_TILE_S = 10e-6
 TILE_ROWS = 128
 PRESETS = ("high", "moderate", "low", "none")
 _TILED_MAX_ROWS = 1 << 17  # samples of a tiled curve cover this many rows (the formula is exact beyond)
+_SMOOTH_GRID_POINTS = 1 << 16  # past this, a smoothed curve keeps only the lattice points near its samples
 _MAX_ROWS = 1 << 53  # sample points at or above this are not exact in float64 (the interpolation's type)
 
 
@@ -259,7 +260,8 @@ class LatencyCurves:
         antiderivative), on a uniform grid of ``max(1, w / 8)`` rows from half a window before the
         first sample (or 0) to half a window past the last; beyond that every window lies on the
         linear tail, whose average is the tail itself, so the smoothed curve continues with this
-        curve's tail slope.
+        curve's tail slope. A grid of more than 2^16 points keeps only those near the samples
+        (where no sample is within half a window, the average is the straight curve itself).
 
         Args:
             width: window ``w`` in rows, ``> 0``.
@@ -276,6 +278,8 @@ class LatencyCurves:
         # held at its first value, whose average is that value (the smoothed curve is held there too)
         start = max(0, int(np.floor(self.rows[0] - half)))
         grid = np.arange(start, top + step, step, dtype=np.int64)
+        if grid.size > _SMOOTH_GRID_POINTS:
+            grid = self._curved_points(grid, half, step)
         ranks = np.arange(self.num_ranks)[:, None]
         hi, lo = self._antiderivative(grid + half, ranks), self._antiderivative(grid - half, ranks)
         lat = np.maximum.accumulate((hi - lo) / width, axis=1)  # guard monotonicity against rounding
@@ -283,6 +287,21 @@ class LatencyCurves:
         out._slope[:, -1] = self._slope[:, -1]  # the tail: this curve's slope, not one fitted to the window
         out._icept[:, -1] = out.latency_s[:, -1] - out._slope[:, -1] * out._x[-2]
         return out
+
+    def _curved_points(self, grid: np.ndarray, half: float, step: int) -> np.ndarray:
+        """The points of the uniform ``grid`` within one ``step`` of a window around a sample.
+
+        A window that holds no sample lies on one straight segment, so there the smoothed curve is
+        the curve itself, a straight line: interpolating between the lattice points on either side
+        of such a stretch gives what the whole lattice would (curves sampled sparsely up to 2^24
+        rows need thousands of points instead of millions).
+        """
+        first = int(grid[0])
+        lo = np.floor((self.rows - half - step - first) / step).astype(np.int64)  # lattice index of each window's start
+        count = int(np.ceil((2 * half + 2 * step) / step)) + 2
+        idx = (np.maximum(lo, 0)[:, None] + np.arange(count)[None, :]).ravel()
+        idx = np.unique(np.concatenate([[0, grid.size - 1], idx[idx < grid.size]]))
+        return grid[idx]
 
     def _antiderivative(self, x: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         """``I_r(x) = integral of C_r from rows[0] to x`` (negative below ``rows[0]``); broadcast shapes."""

@@ -107,6 +107,29 @@ def test_smoothed_curves_average_over_the_window() -> None:
         curves.smoothed(0.0)
 
 
+def test_smoothing_a_curve_sampled_far_keeps_the_points_near_its_samples(monkeypatch) -> None:
+    """Curves sampled sparsely up to 2^24 rows: the smoothing lattice of a narrow window had millions
+    of points (3.4 M and 1.2 GB at a 40-row window); away from the samples the average is the straight
+    curve itself, so only the lattice near the samples is kept, with the same values."""
+    import moelayers.planning.gem as gem
+
+    rows = np.unique(np.concatenate([np.arange(0, 16_385, 128), np.geomspace(16_384, 2**24, 40).astype(np.int64)]))
+    kinks = 1.0 + 0.3 * np.sin(rows / 3000.0) ** 2  # slopes that change at every sample
+    lat = np.cumsum(np.concatenate([[0.0], np.diff(rows) * kinks[1:]]))[None, :] * np.array([[1.1], [1.0]]) * 1e-8 + 1e-5
+    curves = LatencyCurves(rows, lat)
+    x = np.concatenate([np.random.default_rng(0).uniform(0, 2**24, 20_000), rows + 0.5, rows - 7.0, [0.0, 2.0**25]])
+    x = np.maximum(x, 0.0)
+    for width in (40.0, 300.0):
+        thin = curves.smoothed(width)
+        assert thin.rows.size < 4 * 16 * rows.size  # about 2w/step + 4 points per sample at most
+        monkeypatch.setattr(gem, "_SMOOTH_GRID_POINTS", 1 << 40)
+        whole = curves.smoothed(width)
+        monkeypatch.undo()
+        assert whole.rows.size > 100 * thin.rows.size
+        for r in (0, 1):
+            np.testing.assert_allclose(thin.eval_ranks(x, r), whole.eval_ranks(x, r), rtol=1e-9, atol=0.0)
+
+
 def test_curves_save_load_round_trip(tmp_path) -> None:
     tiled = LatencyCurves.preset("moderate", 3)
     tiled.save(tmp_path / "tiled.npz")
