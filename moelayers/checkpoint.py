@@ -206,32 +206,41 @@ def load_model_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, st
 
     Raises:
         KeyError: an expert held by this rank is missing.
-        ValueError: an entry has another shape than the model's tensor.
+        ValueError: an entry has another shape than the model's tensor, or another rank refused
+            its state dict.
         RuntimeError: ``strict`` and keys missing or unexpected.
-        Each is checked on this rank before anything is loaded here; this is not a collective, so
-        other ranks whose entries passed have loaded them: after an error, load again on every rank
-        (or restart) before serving, or the ranks hold experts of different checkpoints.
+        Each is checked before anything is loaded, and the ranks agree first: a small all-reduce
+        over each moelayers layer's expert-parallel group, then its expert-data-parallel group
+        (``ParallelGroups.edp``, where known), so that every rank of the model raises and none
+        loads when one refuses. Call it on every rank (as ``dcp.load``).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
     from torch.nn.modules.module import _IncompatibleKeys
 
     live = get_model_state_dict(model)
     experts = _expert_params(model, live)
-    rows = [p.rows(state_dict, "load_model_state_dict") for p in experts]
-    for p, by_expert in zip(experts, rows):
-        for e, row in by_expert.items():
-            _check_row(p.key(e), row, p.param[0])
     layer_keys = {k for p in experts for k in p.layer_keys}
     expected = [k for k in live if k not in layer_keys]
     missing = [k for k in expected if k not in state_dict]
     expert_keys = _expert_keys(experts)
     unexpected = [k for k in state_dict if k not in live and k not in expert_keys]
-    if strict and (missing or unexpected):
-        raise RuntimeError(f"load_model_state_dict: missing keys {missing}, unexpected keys {unexpected}; nothing "
-                           "was loaded (strict=False loads the rest)")
-    for k in expected:
-        if k in state_dict:
-            _check_row(k, state_dict[k], live[k])
+    try:
+        rows = [p.rows(state_dict, "load_model_state_dict") for p in experts]
+        for p, by_expert in zip(experts, rows):
+            for e, row in by_expert.items():
+                _check_row(p.key(e), row, p.param[0])
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"load_model_state_dict: missing keys {missing}, unexpected keys {unexpected}; nothing "
+                               "was loaded (strict=False loads the rest)")
+        for k in expected:
+            if k in state_dict:
+                _check_row(k, state_dict[k], live[k])
+    except Exception:  # noqa: BLE001 - any refusal: told to the other ranks before it is raised
+        _refused_on_any_rank(experts, True)
+        raise
+    if _refused_on_any_rank(experts, False):
+        raise ValueError("load_model_state_dict: another rank refused its state dict (see its error); nothing was "
+                         "loaded")
     for p, by_expert in zip(experts, rows):
         for s, e in enumerate(p.slots):
             if e >= 0:
@@ -243,6 +252,23 @@ def load_model_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, st
         rest.update({n[: -len(p.name)] + "_extra_state": p.layer.get_extra_state() for n in p.names})
     set_model_state_dict(model, rest, options=StateDictOptions(strict=True))
     return _IncompatibleKeys(missing, unexpected)
+
+
+def _refused_on_any_rank(experts: list[_ExpertParam], refused: bool) -> bool:
+    """Whether any rank of the model refused: an all-reduce MAX over each distinct expert-parallel
+    group of the layers, then over each distinct expert-data-parallel group (together they span the
+    ranks of a model built over the world, several expert-parallel groups included)."""
+    flag = torch.tensor([int(refused)])
+    for kind in ("ep", "edp"):
+        seen = set()
+        for layer in dict.fromkeys(p.layer for p in experts):  # layer order, the same on every rank
+            group = getattr(layer.groups, kind)
+            if group is None or id(group) in seen or dist.get_world_size(group) == 1:
+                continue
+            seen.add(id(group))
+            flag = flag.to(_comm_device(group, torch.device("cpu")))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -280,8 +306,11 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     loaded with torch's ``set_optimizer_state_dict``.
 
     Raises:
-        KeyError: an expert held by this rank, or one of its states, is missing (nothing loaded).
-        ValueError: an entry has another shape than the slot's state.
+        KeyError: an expert held by this rank, or one of its states, is missing.
+        ValueError: an entry has another shape than the slot's state, or another rank refused its
+            state dict.
+        Nothing is loaded on any rank when one refuses: the ranks agree first, as in
+        :func:`load_model_state_dict` (call it on every rank).
     """
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -290,31 +319,39 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     )
 
     experts = _expert_params(model, get_model_state_dict(model))
-    live = get_optimizer_state_dict(model, optimizer)["state"]
-    saved = state_dict["state"]
-    copies, sets = [], []  # (live tensor, loaded value), (live state, name, loaded value): all checked first
-    expert_keys = _expert_keys(experts)
-    native = {k: v for k, v in saved.items() if k not in expert_keys}
-    for p in experts:
-        name = p.in_optimizer(live)
-        if name is None:
-            continue
-        native[name] = live[name]
-        if not p.experts:
-            continue
-        rows = p.rows(saved, "load_optimizer_state_dict")
-        for what, value in live[name].items():
-            slot_major = p.slot_major(value)
-            for e, entry in rows.items():
-                if what not in entry:
-                    raise KeyError(f"load_optimizer_state_dict: {p.key(e)} has no {what!r} state; nothing was loaded")
-                _check_row(f"{p.key(e)}.{what}", entry[what], value[0] if slot_major else value)
-            if slot_major:
-                copies += [(value[s], rows[e][what]) for s, e in enumerate(p.slots) if e >= 0]
-            elif torch.is_tensor(value):  # the same for every expert (a step count): the first one's
-                copies.append((value, rows[next(iter(rows))][what]))
-            else:
-                sets.append((live[name], what, rows[next(iter(rows))][what]))
+    try:
+        live = get_optimizer_state_dict(model, optimizer)["state"]
+        saved = state_dict["state"]
+        copies, sets = [], []  # (live tensor, loaded value), (live state, name, loaded value): all checked first
+        expert_keys = _expert_keys(experts)
+        native = {k: v for k, v in saved.items() if k not in expert_keys}
+        for p in experts:
+            name = p.in_optimizer(live)
+            if name is None:
+                continue
+            native[name] = live[name]
+            if not p.experts:
+                continue
+            rows = p.rows(saved, "load_optimizer_state_dict")
+            for what, value in live[name].items():
+                slot_major = p.slot_major(value)
+                for e, entry in rows.items():
+                    if what not in entry:
+                        raise KeyError(f"load_optimizer_state_dict: {p.key(e)} has no {what!r} state; nothing was "
+                                       "loaded")
+                    _check_row(f"{p.key(e)}.{what}", entry[what], value[0] if slot_major else value)
+                if slot_major:
+                    copies += [(value[s], rows[e][what]) for s, e in enumerate(p.slots) if e >= 0]
+                elif torch.is_tensor(value):  # the same for every expert (a step count): the first one's
+                    copies.append((value, rows[next(iter(rows))][what]))
+                else:
+                    sets.append((live[name], what, rows[next(iter(rows))][what]))
+    except Exception:  # noqa: BLE001 - any refusal: told to the other ranks before it is raised
+        _refused_on_any_rank(experts, True)
+        raise
+    if _refused_on_any_rank(experts, False):
+        raise ValueError("load_optimizer_state_dict: another rank refused its state dict (see its error); nothing "
+                         "was loaded")
     for value, loaded in copies:
         value.copy_(loaded)
     for state, what, loaded in sets:  # (the optimizer's own state dicts)

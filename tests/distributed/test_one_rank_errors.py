@@ -176,6 +176,58 @@ def test_load_placement_state_dict_with_one_rank_apart(case):
     assert [served for _, served in outcomes] == ["ok", "ok"], outcomes  # nothing moved anywhere
 
 
+# ------------------------------------------------------------------------------ checkpoint weights
+def _model_state_check(rank: int, world: int, case: str) -> list:
+    from moelayers import checkpoint as mlc
+
+    e = 8
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=e, top_k=2, params_dtype=torch.float64)
+    model = torch.nn.ModuleDict({"pre": torch.nn.Linear(8, 8, dtype=torch.float64),
+                                 "moe": ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(ep=2))})
+    before = {k: v.detach().clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    state = {k: v.detach() + 1 if torch.is_tensor(v) and v.is_floating_point() else v
+             for k, v in mlc.model_state_dict(model).items()}
+    held = [x for x in model["moe"].placement.experts_on(model["moe"].groups.ep_rank) if x >= 0]
+    if rank == 1:
+        if case == "missing_expert":
+            del state[f"moe.experts.w2.{held[-1]}"]
+        elif case == "dense_shape":
+            state["pre.weight"] = torch.zeros(8, 9, dtype=torch.float64)
+        elif case == "unexpected_key":
+            state["extra.weight"] = torch.zeros(1)
+    if case == "optimizer_missing_expert":
+        optim = torch.optim.AdamW(model.parameters())
+        model["moe"](model["pre"](torch.randn(6, 8, dtype=torch.float64))).sum().backward()
+        optim.step()
+        before = {p: {k: v.clone() for k, v in optim.state[p].items()} for p in model.parameters()}
+        state = mlc.optimizer_state_dict(model, optim)
+        state["state"] = {k: {n: v + 1 for n, v in entry.items()} for k, entry in state["state"].items()}
+        if rank == 1:
+            del state["state"][f"moe.experts.w2.{held[-1]}"]
+        loaded = _outcome(mlc.load_optimizer_state_dict, model, optim, state)
+        return [loaded, all(torch.equal(optim.state[p][k], v) for p, was in before.items() for k, v in was.items())]
+    loaded = _outcome(mlc.load_model_state_dict, model, state)
+    after = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    return [loaded, all(torch.equal(after[k], v) for k, v in before.items())]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", ["missing_expert", "dense_shape", "unexpected_key", "optimizer_missing_expert"])
+def test_load_model_state_dict_refused_on_one_rank_loads_nowhere(case, world):
+    """One rank's state dict (model or optimizer) refused: that rank loaded nothing and raised, while
+    the other ranks loaded theirs and went on, holding experts of another checkpoint than rank 1's.
+    Now every rank raises and none loads (at world 4, with two expert-parallel groups, the agreement
+    crosses the groups too)."""
+    outcomes = run_distributed(_model_state_check, world, case, timeout=TIMEOUT)
+    own = {"missing_expert": "KeyError", "dense_shape": "ValueError",
+           "unexpected_key": "RuntimeError: load_model_state_dict: missing keys [], unexpected keys ['extra.weight']",
+           "optimizer_missing_expert": "KeyError"}
+    what = "load_optimizer_state_dict" if case.startswith("optimizer") else "load_model_state_dict"
+    _assert_all_raise([loaded for loaded, _ in outcomes], own[case],
+                      f"ValueError: {what}: another rank refused its state dict")
+    assert all(unchanged for _, unchanged in outcomes), outcomes
+
+
 # ------------------------------------------------------------------------------ capacity mode, placements
 def _capacity_placement_check(rank: int, world: int, served_before: bool) -> str:
     e = 4
