@@ -39,6 +39,7 @@ name says. A layer registered under several names has its experts under the firs
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -224,7 +225,7 @@ def load_model_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, st
     missing = [k for k in expected if k not in state_dict]
     expert_keys = _expert_keys(experts)
     unexpected = [k for k in state_dict if k not in live and k not in expert_keys]
-    try:
+    with _agreed_across_ranks(experts, "load_model_state_dict"):
         rows = [p.rows(state_dict, "load_model_state_dict") for p in experts]
         for p, by_expert in zip(experts, rows):
             for e, row in by_expert.items():
@@ -235,12 +236,6 @@ def load_model_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, st
         for k in expected:
             if k in state_dict:
                 _check_row(k, state_dict[k], live[k])
-    except Exception:  # noqa: BLE001 - any refusal: told to the other ranks before it is raised
-        _refused_on_any_rank(experts, True)
-        raise
-    if _refused_on_any_rank(experts, False):
-        raise ValueError("load_model_state_dict: another rank refused its state dict (see its error); nothing was "
-                         "loaded")
     for p, by_expert in zip(experts, rows):
         for s, e in enumerate(p.slots):
             if e >= 0:
@@ -252,6 +247,19 @@ def load_model_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, st
         rest.update({n[: -len(p.name)] + "_extra_state": p.layer.get_extra_state() for n in p.names})
     set_model_state_dict(model, rest, options=StateDictOptions(strict=True))
     return _IncompatibleKeys(missing, unexpected)
+
+
+@contextlib.contextmanager
+def _agreed_across_ranks(experts: list[_ExpertParam], what: str):
+    """Run the checks of a loader, then agree with the model's other ranks: an exception raised
+    inside (any refusal) is told to them first; another rank's refusal raises ``ValueError`` here."""
+    try:
+        yield
+    except Exception:  # noqa: BLE001 - any refusal: told to the other ranks before it is raised
+        _refused_on_any_rank(experts, True)
+        raise
+    if _refused_on_any_rank(experts, False):
+        raise ValueError(f"{what}: another rank refused its state dict (see its error); nothing was loaded")
 
 
 def _refused_on_any_rank(experts: list[_ExpertParam], refused: bool) -> bool:
@@ -319,7 +327,7 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     )
 
     experts = _expert_params(model, get_model_state_dict(model))
-    try:
+    with _agreed_across_ranks(experts, "load_optimizer_state_dict"):
         live = get_optimizer_state_dict(model, optimizer)["state"]
         saved = state_dict["state"]
         copies, sets = [], []  # (live tensor, loaded value), (live state, name, loaded value): all checked first
@@ -346,12 +354,6 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
                     copies.append((value, rows[next(iter(rows))][what]))
                 else:
                     sets.append((live[name], what, rows[next(iter(rows))][what]))
-    except Exception:  # noqa: BLE001 - any refusal: told to the other ranks before it is raised
-        _refused_on_any_rank(experts, True)
-        raise
-    if _refused_on_any_rank(experts, False):
-        raise ValueError("load_optimizer_state_dict: another rank refused its state dict (see its error); nothing "
-                         "was loaded")
     for value, loaded in copies:
         value.copy_(loaded)
     for state, what, loaded in sets:  # (the optimizer's own state dicts)
