@@ -33,6 +33,7 @@ from moelayers.dispatch.comm import all_gather_flat, fingerprint
 from moelayers.experts import GroupedExperts, gather_logical
 from moelayers.groups import ParallelGroups
 from moelayers.kernels import HAVE_TRITON, TRITON_INSTALL_HINT, use_triton
+from moelayers.layers.inflight import InFlightGraphs
 from moelayers.layers.moves import Staging, _comm_device, move_expert_weights
 from moelayers.layers.replay import ForcedForRecompute
 from moelayers.metrics import MoEStats
@@ -378,6 +379,7 @@ class MoELayerBase(nn.Module):
         self.last_token_ids: torch.Tensor | None = None
         self._forced_ids: torch.Tensor | None = None
         self._forced_for_recompute = ForcedForRecompute()  # for activation checkpointing (layers/replay.py)
+        self._graphs = InFlightGraphs()  # recorded forwards awaiting their backward: a move waits (layers/inflight.py)
         # the tensor a wrapper was given, to key the next forward's routing by for checkpointing when the
         # layer's own input is made from it in the wrapper (the megatron adapter's unpadded rows)
         self._replay_key: torch.Tensor | None = None
@@ -567,6 +569,7 @@ class MoELayerBase(nn.Module):
     #: attributes a deep copy starts afresh (factories) instead of copying: a captured CUDA graph
     _fresh_on_copy: dict[str, Callable[[], Any]] = {"_graphed": lambda: None,
                                                     "_forced_for_recompute": ForcedForRecompute,
+                                                    "_graphs": InFlightGraphs,
                                                     "_reduced_grads": dict}
 
     def __deepcopy__(self, memo: dict) -> "MoELayerBase":
@@ -789,6 +792,24 @@ class MoELayerBase(nn.Module):
         return gather_logical(g13, g2, self.placement, self.groups.ep)
 
     # ------------------------------------------------------------------ forward
+    def graphs_in_flight(self) -> int:
+        """Forwards that autograd recorded whose graph is still alive and whose backward has not
+        yet reached their output.
+
+        Such a graph saved the expert weights: :meth:`apply_placement` refuses to move them until
+        it is back-propagated or freed (a graph dropped without a backward stops counting once it
+        is freed), on every rank. ``VariabilityAwareMoE``'s automatic re-plans wait for it instead
+        (gradient accumulation and pipelined micro-batches included; the ranks decide together).
+        A reentrant activation checkpoint's first pass records no graph (its recomputation reads
+        the weights as they are then).
+        """
+        return self._graphs.count()
+
+    def forget_graphs(self) -> None:
+        """Declare every recorded forward's graph gone (e.g. kept alive but never to be
+        back-propagated): a move is accepted again. Call it on every rank."""
+        self._graphs.clear()
+
     def force_routing(self, topk_ids: torch.Tensor) -> None:
         """Use these ``[T, K]`` (or, for ``[S, B, H]`` input, ``[S, B, K]``) logical experts (e.g.
         replayed from a trace) in the next forward;
@@ -898,6 +919,8 @@ class MoELayerBase(nn.Module):
             self.last_topk_ids, self.last_token_ids = routed, token_ids
             self.last_stats = self.dispatcher.last_stats
             self.last_stats._num_experts = self.config.num_experts
+            if y.requires_grad:  # autograd saved the weights: a move waits until this graph's backward has run
+                self._graphs.watch(y)
         if y.shape == x.shape:
             return y
         # a module that returns a view makes FSDP warn (an in-place op on it drops FSDP's backward hook):

@@ -310,7 +310,7 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
     try:
         states = optimizer_states(optimizer, w13, w2)
         check_new_placement(old, new)
-        in_flight = layer.graphs_in_flight() if hasattr(layer, "graphs_in_flight") else 0
+        in_flight = layer.graphs_in_flight()
         if in_flight:  # moving weights in place would break those graphs' backward (a raw autograd error later)
             raise RuntimeError(f"{in_flight} recorded forward(s) still await their backward, which the move would "
                                f"break: run the backward first, or call forget_graphs() on every rank if they never "

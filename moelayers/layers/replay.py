@@ -21,12 +21,14 @@ import weakref
 
 import torch
 
-Key = tuple[torch.device, int, tuple[int, ...], tuple[int, ...]]
+Key = tuple[torch.device, int, int, tuple[int, ...], tuple[int, ...]]
 AMBIGUOUS = object()  # an input routed in different ways by forwards that are all alive
 
 
 def _key(x: torch.Tensor) -> Key:
-    return x.device, x.data_ptr(), tuple(x.shape), x.stride()
+    # the storage itself and the offset into it, not data_ptr(): that is 0 for every empty tensor, so
+    # two micro-batches without tokens on a rank would share an entry
+    return x.device, x.untyped_storage()._cdata, x.storage_offset(), tuple(x.shape), x.stride()
 
 
 class ForcedForRecompute:

@@ -17,7 +17,6 @@ the result, so every rank applies the same placement.
 from __future__ import annotations
 
 import numbers
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -104,7 +103,7 @@ class VariabilityAwareMoE(MoELayerBase):
 
     #: a deep copy watches none of the original's autograd graphs (its weights are in none of them)
     #: nor is it in the original's optimizer (``replan_optimizer``)
-    _fresh_on_copy = {**MoELayerBase._fresh_on_copy, "_in_flight": list, "replan_optimizer": lambda: None}
+    _fresh_on_copy = {**MoELayerBase._fresh_on_copy, "replan_optimizer": lambda: None}
 
     # normal tensors even when built under torch.inference_mode() (see MoELayerBase.__init__)
     @torch.inference_mode(False)
@@ -175,8 +174,6 @@ class VariabilityAwareMoE(MoELayerBase):
         self._trained = False  # a forward ran under autograd: an automatic move without the optimizer warns
         self._warned_optimizer = self._warned_zeros = False
         self._in_forward = False  # inside forward(): a refusal there has run the deferred re-plan already
-        self._in_flight: list[weakref.ref] = []  # one per forward autograd recorded (see _watch_graph)
-        self._prune_at = 16  # _in_flight's length at which _watch_graph drops the finished graphs
         self.last_replan: dict | None = None
         self.register_buffer("_loads", torch.zeros(window, config.num_experts, dtype=torch.int64,
                                                    device=self.router.weight.device), persistent=False)
@@ -201,7 +198,9 @@ class VariabilityAwareMoE(MoELayerBase):
             ``y`` with the shape of ``x``.
         """
         if in_backward():  # activation checkpointing recomputing a forward: its step is recorded, and no
-            return super().forward(x, token_ids=token_ids, topk_ids=topk_ids)  # move may run inside the backward
+            y = super().forward(x, token_ids=token_ids, topk_ids=topk_ids)  # move may run inside the backward
+            self._trained = self._trained or y.requires_grad  # (a reentrant checkpoint's first pass had no grad)
+            return y
         self._run_pending_replan()
         self._in_forward = True
         try:
@@ -209,8 +208,7 @@ class VariabilityAwareMoE(MoELayerBase):
         finally:
             self._in_forward = False
         if y.requires_grad:  # autograd saved the weights: a move waits until this graph's backward has run
-            y = self._watch_graph(y)
-            self._trained = True
+            self._trained = True  # (MoELayerBase.forward watches the graph: graphs_in_flight())
         if self.record_loads:
             self._record(self.last_topk_ids)
             if self._replan_due():  # the ranks wait together: a re-plan is a collective
@@ -311,35 +309,6 @@ class VariabilityAwareMoE(MoELayerBase):
         holds zeros on a rank whose experts got no rows while another's hold gradients: the callers
         combine every rank's answer in :meth:`_any_rank`."""
         return holds_gradients(self.experts.w13, self.experts.w2)
-
-    def _watch_graph(self, y: torch.Tensor) -> torch.Tensor:
-        """``y`` through an identity autograd node that holds a token: the token is marked done
-        when the backward reaches ``y``, and freed with the node when the graph is dropped without
-        one (serving without ``torch.no_grad``); :meth:`graphs_in_flight` counts the others."""
-        token = _GraphToken()
-        if len(self._in_flight) >= self._prune_at:  # drop finished graphs' references now and then: training
-            self._prune_at = 2 * self.graphs_in_flight() + 16  # forwards added one each for good (O(1) amortised)
-        self._in_flight.append(weakref.ref(token))
-        return _WatchGraph.apply(y, token)
-
-    def graphs_in_flight(self) -> int:
-        """Forwards that autograd recorded whose graph is still alive and whose backward has not
-        yet reached their output.
-
-        An automatic re-plan moves the expert weights in place, which would break the backward of
-        such a graph, so a due move waits for the first forward after they are all done (gradient
-        accumulation and pipelined micro-batches included). A graph dropped without a backward
-        stops counting once it is freed. The ranks decide together (one small all-reduce per
-        forward while a re-plan waits): the move waits while any rank holds such a graph or
-        gradients, and runs on every rank at once (it is a collective).
-        """
-        self._in_flight = [ref for ref in self._in_flight if ref() is not None and not ref().done]
-        return len(self._in_flight)
-
-    def forget_graphs(self) -> None:
-        """Declare every recorded forward's graph gone (e.g. kept alive but never to be
-        back-propagated): a waiting move happens at the next forward. Call it on every rank."""
-        self._in_flight.clear()
 
     @torch.no_grad()
     def _record(self, topk_ids: torch.Tensor) -> None:
@@ -513,26 +482,3 @@ def _slowdown_factor(slowdown: Any, groups: ParallelGroups) -> float:
             _finite(f, f"slowdown factor of rank {rank}", 1.0, inclusive=True)
         slowdown = factors[groups.ep_rank]
     return _finite(slowdown, "slowdown factor", 1.0, inclusive=True)
-
-
-class _GraphToken:
-    """Lives as long as the autograd node of :class:`_WatchGraph` that holds it."""
-
-    __slots__ = ("done", "__weakref__")
-
-    def __init__(self) -> None:
-        self.done = False
-
-
-class _WatchGraph(torch.autograd.Function):
-    """Identity whose backward marks its token done (see ``VariabilityAwareMoE._watch_graph``)."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, token: _GraphToken) -> torch.Tensor:
-        ctx.token = token
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.token.done = True
-        return grad, None

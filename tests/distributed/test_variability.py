@@ -1027,13 +1027,13 @@ def test_an_overflow_on_one_rank_keeps_the_recording_ranks_in_step(world):
 
 
 def test_graphs_watched_in_training_do_not_accumulate():
-    """Each forward that autograd recorded added a reference to _in_flight, dropped only when a re-plan
+    """Each forward that autograd recorded added a reference to _graphs, dropped only when a re-plan
     was due: training without re-plans grew it by one per step, for good."""
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
     layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), window=4, seed=0)
     for _ in range(300):
         layer(torch.randn(5, 8)).sum().backward()
-    assert len(layer._in_flight) <= 32 and layer.graphs_in_flight() == 0
+    assert len(layer._graphs) <= 32 and layer.graphs_in_flight() == 0
 
 
 def _loads_on_one_rank(rank, world):

@@ -289,7 +289,7 @@ def test_single_process_move_commits_each_expert_with_its_weights_and_zeroes_emp
 
     cfg, old, layer = _moved_layer()
     x = torch.randn(10, H, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    y0 = layer(x)
+    y0 = layer(x).detach()  # (a graph kept alive would refuse the move: it saved the weights)
     r, w13, w2 = layer.export_full_weights()
     new = ml.ExpertPlacement.from_phy2log(torch.tensor([[-1, 2, 0, 1]]), 3)  # slot 0 (expert 0) is emptied
     moves = move_expert_weights(layer, new)
