@@ -15,9 +15,16 @@ import torch
 _DISABLED: dict[Callable, Callable] = {}
 
 
+_REASON = ("moelayers layers run eagerly under torch.compile (host-synchronised, data-dependent collectives): one "
+           "graph break per layer, so fullgraph=True cannot take a model with them")
+
+
 def _disabled(fn: Callable) -> Callable:
     if fn not in _DISABLED:
-        _DISABLED[fn] = torch.compiler.disable(fn)
+        try:
+            _DISABLED[fn] = torch.compiler.disable(fn, reason=_REASON)
+        except TypeError:  # torch before 2.8 takes no reason
+            _DISABLED[fn] = torch.compiler.disable(fn)
     return _DISABLED[fn]
 
 
@@ -31,3 +38,15 @@ def eager_under_compile(fn: Callable) -> Callable:
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+def cached_tensor(cache: dict, key: Any, make: Callable[[], Any]) -> Any:
+    """``cache[key]``, made by ``make()`` (a tensor or a tuple of tensors) on first use. What is made
+    while something traces the forward (``torch.export``'s or a ``FakeTensorMode``'s fake tensors,
+    functionalization's wrappers) is used but not kept: every later eager forward would get it."""
+    value = cache.get(key)
+    if value is None:
+        value = make()
+        if all(type(t) is torch.Tensor for t in (value if isinstance(value, tuple) else (value,))):
+            cache[key] = value
+    return value

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from moelayers._compile import cached_tensor
 from moelayers.files import atomic_write, read_npz
 
 
@@ -184,26 +185,19 @@ class ExpertPlacement:
     def device_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(phy2log, log2phy, logcnt)`` on ``device``, cached."""
         device = torch.device(device)
-        if device not in self._device_cache:
-            self._device_cache[device] = (
-                self.phy2log.to(device), self.log2phy.to(device), self.logcnt.to(device)
-            )
-        return self._device_cache[device]
+        return cached_tensor(self._device_cache, device,
+                             lambda: (self.phy2log.to(device), self.log2phy.to(device), self.logcnt.to(device)))
 
     def first_replica(self, device: torch.device) -> torch.Tensor:
         """``[E]`` physical slot of each expert's first replica on ``device``, cached."""
-        key = ("first", torch.device(device))
-        if key not in self._device_cache:
-            self._device_cache[key] = self.log2phy[:, 0].contiguous().to(device)
-        return self._device_cache[key]
+        return cached_tensor(self._device_cache, ("first", torch.device(device)),
+                             lambda: self.log2phy[:, 0].contiguous().to(device))
 
     def first_replica_location(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``([E] rank, [E] local slot)`` of each expert's first replica on ``device``, cached."""
-        key = ("first_location", torch.device(device))
-        if key not in self._device_cache:
-            phys = self.log2phy[:, 0]
-            self._device_cache[key] = ((phys // self.slots_per_rank).to(device), (phys % self.slots_per_rank).to(device))
-        return self._device_cache[key]
+        phys = self.log2phy[:, 0]
+        return cached_tensor(self._device_cache, ("first_location", torch.device(device)),
+                             lambda: ((phys // self.slots_per_rank).to(device), (phys % self.slots_per_rank).to(device)))
 
     # ---------------------------------------------------------------- checks and moves
     @on_host

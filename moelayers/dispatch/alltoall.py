@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from moelayers._compile import cached_tensor
 from moelayers.dispatch.base import (
     LocalPairs, Received, Routes, check_routes, combine_pairs, local_pairs, partial_sum_dtype, raise_if_nonfinite,
     payload_digest, raise_if_placements_differ,
@@ -210,9 +211,8 @@ _FIXED_ROWS: dict[tuple, torch.Tensor] = {}
 
 def _fixed_rows(capacity: int, num_ranks: int, device: torch.device) -> torch.Tensor:
     """``[C, R]`` map of capacity mode: token ``t`` for rank ``r`` is row ``r * C + t`` (cached)."""
-    key = (capacity, num_ranks, device)
-    if key not in _FIXED_ROWS:
-        t = torch.arange(capacity, device=device)[:, None]
-        _FIXED_ROWS[key] = t + capacity * torch.arange(num_ranks, device=device)[None, :]
-    return _FIXED_ROWS[key]
+    def make() -> torch.Tensor:
+        return torch.arange(capacity, device=device)[:, None] + capacity * torch.arange(num_ranks, device=device)[None, :]
+
+    return cached_tensor(_FIXED_ROWS, (capacity, num_ranks, device), make)
 

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moelayers._compile import eager_under_compile
+from moelayers._compile import cached_tensor, eager_under_compile
 from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, ReplicaPolicy, Routes
 from moelayers.dispatch.base import (
@@ -1091,10 +1091,7 @@ class MoELayerBase(nn.Module):
 
     @classmethod
     def _arange(cls, n: int, device: torch.device) -> torch.Tensor:
-        key = (n, device)
-        if key not in cls._ARANGE:
-            cls._ARANGE[key] = torch.arange(n, device=device)
-        return cls._ARANGE[key]
+        return cached_tensor(cls._ARANGE, (n, device), lambda: torch.arange(n, device=device))
 
     def plan(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_ids: torch.Tensor | None) -> Routes:
         """Step 2: a physical slot per (token, k). The base maps through ``self.placement``."""
@@ -1152,11 +1149,11 @@ _CONSTANTS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 def _constant(value: int, device: torch.device) -> torch.Tensor:
     """A 0-dim int32 ``value`` on ``device``, made once (no host-to-device copy per forward)."""
-    key = (value, torch.device(device))
-    if key not in _CONSTANTS:
+    def make() -> torch.Tensor:
         with torch.inference_mode(False):
-            _CONSTANTS[key] = torch.tensor(value, dtype=torch.int32, device=device)
-    return _CONSTANTS[key]
+            return torch.tensor(value, dtype=torch.int32, device=device)
+
+    return cached_tensor(_CONSTANTS, (value, torch.device(device)), make)
 
 
 def _default_device(groups: ParallelGroups) -> torch.device:

@@ -70,3 +70,28 @@ def test_compiled_tiny_decoder_matches_eager(attention):
         with torch.no_grad():
             torch.testing.assert_close(compiled(ids), model(ids))
     torch._dynamo.reset()
+
+
+def test_a_failed_fake_tensor_trace_leaves_later_forwards_working():
+    """``torch.export`` (or any FakeTensorMode trace) of a model with our layer fails (data-dependent
+    shapes); it had also left fake tensors in the layers' caches (the flag constants, the placement's
+    device tables), so every later forward that recorded autograd failed, in fresh layers too."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from moelayers.dispatch import alltoall
+    from moelayers.layers import base
+
+    for cache in (base._CONSTANTS, base.MoELayerBase._ARANGE, alltoall._FIXED_ROWS):
+        cache.clear()  # as in a process where the trace comes first
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=4, top_k=2)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=1)
+    x = torch.randn(5, H)
+    with pytest.raises(Exception):
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            layer(mode.from_tensor(x))
+    with torch.no_grad():
+        ref = ml.reference.moe_forward(x, *layer.export_full_weights(), cfg)
+    for model in (layer, ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=1)):
+        y = model(x)
+        torch.testing.assert_close(y, ref)
+        y.sum().backward()
