@@ -132,6 +132,19 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "to_local") and hasattr(t, "device_mesh")
 
 
+def _like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``full`` (the same on every rank) as ``param`` holds it: sharded like a DTensor parameter (FSDP's
+    ``fully_shard``), each rank cutting its own shard without communication; otherwise as it is."""
+    if not _is_dtensor(param):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+
+    try:
+        return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+    except TypeError:  # torch before 2.7: rank 0's copy scattered (every rank loads the same weights)
+        return distribute_tensor(full, param.device_mesh, param.placements)
+
+
 def _check_not_sharded(layers: list["MoELayerBase"], what: str) -> None:
     """Refuse expert weights that a sharding wrapper (FSDP's ``fully_shard``) has made DTensors."""
     for layer in layers:
@@ -483,7 +496,7 @@ class MoELayerBase(nn.Module):
             refused = exc
         if verify and self.groups.ep is not None:
             self._agree_on_weights([t for _, t, _ in weights], refused)
-        self.router.weight.copy_(router_weight)
+        self.router.weight.copy_(_like(self.router.weight, router_weight))
         self.experts.load_full(w13, w2, self.placement, self.groups.ep_rank)
 
     def _agree_on_weights(self, weights: list[torch.Tensor], refused: Exception | None) -> None:
@@ -779,9 +792,12 @@ class MoELayerBase(nn.Module):
         move_expert_weights(self, placement, fault_hook=self._staging_fault_hook, optimizer=optimizer)
 
     def export_full_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(router_weight [E, H], w13 [E, 2F, H], w2 [E, H, F])`` gathered over the EP group."""
+        """``(router_weight [E, H], w13 [E, 2F, H], w2 [E, H, F])`` gathered over the EP group: plain
+        tensors, the same on every rank (a collective: every expert-parallel rank calls it; a router
+        sharded by FSDP's ``fully_shard`` is gathered over FSDP's mesh too)."""
         w13, w2 = gather_logical(self.experts.w13, self.experts.w2, self.placement, self.groups.ep)
-        return self.router.weight.detach().clone(), w13, w2
+        router = self.router.weight.detach()
+        return (router.full_tensor() if _is_dtensor(router) else router.clone()), w13, w2
 
     def expert_grads_full(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradients of the logical experts ``([E, 2F, H], [E, H, F])``, gathered over the EP group

@@ -194,3 +194,30 @@ def test_fsdp_over_part_of_the_world_is_refused():
     over all 4: reduce_expert_grads refuses on every rank."""
     for message in run_distributed(_sub_world_mesh, 4, timeout=240):
         assert "FSDP shards some weights over [2] of the 4 ranks" in message
+
+
+def _full_weights_under_fsdp(rank: int, world: int) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    moe = ml.VanillaMoE(_cfg(), ml.ParallelGroups.from_world(ep=2), placement=_placement("replicas", E, 2))
+    moe.load_full_weights(*_weights())
+    model = nn.Sequential(_pre(), moe)
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)), ignored_params=ml.rank_local_params(model))
+    out = []
+    exported = moe.export_full_weights()
+    out.append(all(type(t) is torch.Tensor and torch.equal(t, w) for t, w in zip(exported, _weights())))
+    changed = [w * 2 for w in _weights()]
+    moe.load_full_weights(*changed)
+    out.append(all(torch.equal(t, w) for t, w in zip(moe.export_full_weights(), changed)))
+    x = _inputs(world)[rank]
+    out.append(bool(torch.allclose(model(x), ml.reference.moe_forward(model[0](x), *changed, _cfg()))))
+    return out
+
+
+def test_full_weights_of_a_layer_under_fsdp():
+    """Under fully_shard, export_full_weights gave the router as FSDP's DTensor shard (a torch.save
+    of it did not compare with plain tensors), and load_full_weights failed copying a plain tensor
+    into it."""
+    for rank, out in enumerate(run_distributed(_full_weights_under_fsdp, 4, timeout=180)):
+        assert out == [True, True, True], (rank, out)
