@@ -43,10 +43,19 @@ def eager_under_compile(fn: Callable) -> Callable:
 def cached_tensor(cache: dict, key: Any, make: Callable[[], Any]) -> Any:
     """``cache[key]``, made by ``make()`` (a tensor or a tuple of tensors) on first use. What is made
     while something traces the forward (``torch.export``'s or a ``FakeTensorMode``'s fake tensors,
-    functionalization's wrappers) is used but not kept: every later eager forward would get it."""
+    ``torch.func``'s and functionalization's wrappers) is used but not kept: every later eager forward
+    would get it."""
     value = cache.get(key)
     if value is None:
         value = make()
-        if all(type(t) is torch.Tensor for t in (value if isinstance(value, tuple) else (value,))):
+        if all(_plain(t) for t in (value if isinstance(value, tuple) else (value,))):
             cache[key] = value
     return value
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """An ordinary eager tensor: no subclass (fake tensors), no functorch or functionalization wrapper."""
+    if type(t) is not torch.Tensor or torch._is_functional_tensor(t):
+        return False
+    wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    return wrapped is None or not wrapped(t)

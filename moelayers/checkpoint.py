@@ -212,8 +212,10 @@ def load_model_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, st
         RuntimeError: ``strict`` and keys missing or unexpected.
         Each is checked before anything is loaded, and the ranks agree first: a small all-reduce
         over each moelayers layer's expert-parallel group, then its expert-data-parallel group
-        (``ParallelGroups.edp``, where known), so that every rank of the model raises and none
-        loads when one refuses. Call it on every rank (as ``dcp.load``).
+        (``ParallelGroups.edp``), so that every rank of the model raises and none loads when one
+        refuses. Call it on every rank (as ``dcp.load``). Groups made without ``edp``
+        (``ParallelGroups.from_groups`` without it, ``from_megatron``) agree within each
+        expert-parallel group only.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
     from torch.nn.modules.module import _IncompatibleKeys
@@ -328,7 +330,9 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
 
     experts = _expert_params(model, get_model_state_dict(model))
     with _agreed_across_ranks(experts, "load_optimizer_state_dict"):
-        live = get_optimizer_state_dict(model, optimizer)["state"]
+        live_osd = get_optimizer_state_dict(model, optimizer)
+        live = live_osd["state"]
+        _check_param_groups(state_dict, live_osd["param_groups"])
         saved = state_dict["state"]
         copies, sets = [], []  # (live tensor, loaded value), (live state, name, loaded value): all checked first
         expert_keys = _expert_keys(experts)
@@ -354,11 +358,27 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
                     copies.append((value, rows[next(iter(rows))][what]))
                 else:
                     sets.append((live[name], what, rows[next(iter(rows))][what]))
+        for name, entry in native.items():  # the dense parameters' states: their shapes, before torch loads them
+            for what, value in live.get(name, {}).items():
+                if torch.is_tensor(value) and isinstance(entry, Mapping) and what in entry:
+                    _check_row(f"{name}.{what}", entry[what], value)
     for value, loaded in copies:
         value.copy_(loaded)
     for state, what, loaded in sets:  # (the optimizer's own state dicts)
         state[what] = loaded
     return set_optimizer_state_dict(model, optimizer, {**state_dict, "state": native})
+
+
+def _check_param_groups(state_dict: Mapping[str, Any], live_groups: list[dict]) -> None:
+    """The saved ``param_groups`` name the optimizer's parameters, group by group."""
+    if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise KeyError("load_optimizer_state_dict: the state dict needs 'state' and 'param_groups' (as "
+                       "optimizer_state_dict gives them); nothing was loaded")
+    saved = state_dict["param_groups"]
+    names = [sorted(map(str, g.get("params", []))) if isinstance(g, Mapping) else None for g in saved]
+    if names != [sorted(map(str, g["params"])) for g in live_groups]:
+        raise ValueError(f"load_optimizer_state_dict: the saved param_groups ({len(saved)} groups) do not name the "
+                         f"optimizer's parameters ({len(live_groups)} groups), group by group; nothing was loaded")
 
 
 def _check_row(key: str, loaded: Any, like: Any) -> None:

@@ -496,7 +496,7 @@ class MoELayerBase(nn.Module):
             refused = exc
         if verify and self.groups.ep is not None:
             self._agree_on_weights([t for _, t, _ in weights], refused)
-        self.router.weight.copy_(_like(self.router.weight, router_weight))
+        self.router.weight.copy_(_like(self.router.weight, router_weight.detach()))
         self.experts.load_full(w13, w2, self.placement, self.groups.ep_rank)
 
     def _agree_on_weights(self, weights: list[torch.Tensor], refused: Exception | None) -> None:
@@ -797,7 +797,8 @@ class MoELayerBase(nn.Module):
         sharded by FSDP's ``fully_shard`` is gathered over FSDP's mesh too)."""
         w13, w2 = gather_logical(self.experts.w13, self.experts.w2, self.placement, self.groups.ep)
         router = self.router.weight.detach()
-        return (router.full_tensor() if _is_dtensor(router) else router.clone()), w13, w2
+        return (router.full_tensor() if _is_dtensor(router) else router).clone(), w13, w2  # (full_tensor() may
+        # return the parameter's own shard when there is nothing to gather)
 
     def expert_grads_full(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradients of the logical experts ``([E, 2F, H], [E, H, F])``, gathered over the EP group
@@ -817,7 +818,8 @@ class MoELayerBase(nn.Module):
         is freed), on every rank. ``VariabilityAwareMoE``'s automatic re-plans wait for it instead
         (gradient accumulation and pipelined micro-batches included; the ranks decide together).
         A reentrant activation checkpoint's first pass records no graph (its recomputation reads
-        the weights as they are then).
+        the weights as they are then). A graph kept with ``retain_graph=True`` (or
+        ``create_graph=True``) counts as done after its first backward.
         """
         return self._graphs.count()
 

@@ -75,7 +75,8 @@ def test_compiled_tiny_decoder_matches_eager(attention):
 def test_a_failed_fake_tensor_trace_leaves_later_forwards_working():
     """``torch.export`` (or any FakeTensorMode trace) of a model with our layer fails (data-dependent
     shapes); it had also left fake tensors in the layers' caches (the flag constants, the placement's
-    device tables), so every later forward that recorded autograd failed, in fresh layers too."""
+    device tables), so every later forward that recorded autograd failed, in fresh layers too
+    (torch.func's transforms left their wrappers there)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from moelayers.dispatch import alltoall
@@ -89,6 +90,16 @@ def test_a_failed_fake_tensor_trace_leaves_later_forwards_working():
     with pytest.raises(Exception):
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             layer(mode.from_tensor(x))
+    for transform in (torch.func.functionalize, lambda f: torch.func.grad(lambda t: f(t).sum())):
+        for cache in (base._CONSTANTS, base.MoELayerBase._ARANGE, layer.placement._device_cache):
+            cache.clear()
+        with pytest.raises(Exception):
+            transform(layer)(x.clone().requires_grad_())
+        kept = [*base._CONSTANTS.values(), *base.MoELayerBase._ARANGE.values(),
+                *layer.placement._device_cache.values()]
+        for t in (t for v in kept for t in (v if isinstance(v, tuple) else (v,))):
+            assert type(t) is torch.Tensor and not torch._is_functional_tensor(t)
+            assert not torch._C._functorch.is_functorch_wrapped_tensor(t)
     with torch.no_grad():
         ref = ml.reference.moe_forward(x, *layer.export_full_weights(), cfg)
     for model in (layer, ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=1)):
