@@ -16,6 +16,7 @@ re-exported here.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import math
 import os
@@ -127,6 +128,7 @@ class RoutingTrace:
 
     def __post_init__(self, source: str) -> None:
         self.validate(source)
+        self._source = source  # (not a field: traces compare by content)
         # expert ids in the narrowest of int16/int32 that holds them: a recorded trace's int64 ids took 4x the
         # memory, and planning copies them (a 4M-token trace of 26 layers x top-6: 5 GB of ids instead of 1.2 GB)
         compact = np.int16 if int(self.num_experts) <= np.iinfo(np.int16).max + 1 else np.int32
@@ -297,7 +299,9 @@ class RoutingTrace:
         num = self.num_sequences
         n_train = train_sequences(train_fraction, num)
         if n_train == 0 or n_train == num:
-            raise ValueError(f"split({train_fraction}) of {num} sequences leaves an empty part ({n_train} train, {num - n_train} held out)")
+            raise ValueError(f"{self._source}: split({train_fraction}) of {num} sequences leaves an empty part ({n_train} "
+                             f"train, {num - n_train} held out): the split is by sequence (seq_offsets), so the trace "
+                             "needs at least two")
         cut = int(self.seq_offsets[n_train])
         if cut == 0 or cut == self.num_tokens:
             part = "train" if cut == 0 else "held-out"
@@ -340,8 +344,9 @@ def load_trace(path: str | os.PathLike) -> RoutingTrace:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: not an npz file, missing required or unknown keys, or invalid contents;
-            the message names ``path`` (and the field).
+        ValueError: not an npz file, missing required keys or a key that looks like a misspelt
+            one of them, or invalid contents; the message names ``path`` (and the field). Other
+            unknown keys (a recorder's metadata) are ignored with a warning.
         TypeError: a field has the wrong dtype kind.
     """
     path = Path(path)
@@ -349,9 +354,18 @@ def load_trace(path: str | os.PathLike) -> RoutingTrace:
     keys = set(arrays)
     missing = [k for k in REQUIRED_KEYS if k not in keys]
     unknown = sorted(keys - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
-    if missing or unknown:
-        raise ValueError(f"{path}: missing key(s) {missing}, unknown key(s) {unknown}; expected {list(REQUIRED_KEYS)} and optionally {list(OPTIONAL_KEYS)}")
-    return RoutingTrace(**arrays, source=str(path))
+    # a key that looks like one of ours is a typo that would drop that field: refused; others (a
+    # recorder's metadata: model name, layer ids) are ignored with a warning
+    typos = {k: close for k in unknown
+             if (close := difflib.get_close_matches(k, REQUIRED_KEYS + OPTIONAL_KEYS, n=1, cutoff=0.75))}
+    if missing or typos:
+        hint = "".join(f"; '{k}': did you mean '{close[0]}'?" for k, close in typos.items())
+        raise ValueError(f"{path}: missing key(s) {missing}, unknown key(s) {sorted(typos)}{hint}; expected "
+                         f"{list(REQUIRED_KEYS)} and optionally {list(OPTIONAL_KEYS)}")
+    if unknown:
+        warnings.warn(f"{path}: ignoring key(s) {unknown} that routing traces do not have (expected "
+                      f"{list(REQUIRED_KEYS)} and optionally {list(OPTIONAL_KEYS)})", UserWarning, stacklevel=2)
+    return RoutingTrace(**{k: v for k, v in arrays.items() if k not in unknown}, source=str(path))
 
 
 def save_trace(trace: RoutingTrace, path: str | os.PathLike, *, compress: bool = False) -> None:

@@ -425,11 +425,13 @@ class SemanticPlan:
 
     def trained_on(self, trace) -> np.ndarray | None:
         """``[S]`` bool: which sequences of ``trace`` (a ``RoutingTrace``) the plan was trained on
-        (by content: the same token ids and routing as a training sequence); ``None`` when the plan
-        does not record its training sequences (a file written before it did, or built by hand)."""
+        (by content: the same token ids and routing as a training sequence; never an empty one);
+        ``None`` when the plan does not record its training sequences (a file written before it
+        did, or built by hand)."""
         if self.train_sequences is None:
             return None
-        return np.isin(trace.sequence_digests(), self.train_sequences)
+        lengths = np.diff(np.asarray(trace.seq_offsets))
+        return np.isin(trace.sequence_digests(), self.train_sequences) & (lengths > 0)  # (an empty one repeats none)
 
     # ------------------------------------------------------------------ use
     def placement(self, layer: int) -> ExpertPlacement:

@@ -353,6 +353,10 @@ def test_plan_records_the_sequences_it_was_trained_on(tmp_path, synth, tp_plan):
                          train.num_experts)  # another dtype of expert ids: the same digests
     assert loaded.trained_on(whole).tolist() == [True] * train.num_sequences + [False] * held.num_sequences
     assert replace(tp_plan, train_sequences=None).trained_on(held) is None  # a plan that does not record them
+    # an empty sequence has one digest: a trace with empty ones in both parts counted them as repeated
+    gapped = RoutingTrace(held.topk_ids, held.token_ids, np.concatenate([[0], held.seq_offsets]), held.num_experts)
+    with_empty = replace(tp_plan, train_sequences=np.union1d(tp_plan.train_sequences, gapped.sequence_digests()[:1]))
+    assert gapped.num_sequences == held.num_sequences + 1 and not with_empty.trained_on(gapped).any()
     with pytest.raises(ValueError, match="train_sequences"):
         replace(tp_plan, train_sequences=np.arange(3))
 

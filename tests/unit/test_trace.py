@@ -161,9 +161,22 @@ def test_load_key_errors(tmp_path: Path) -> None:
     np.savez(tmp_path / "missing.npz", **missing)
     with pytest.raises(ValueError, match=r"missing.npz: missing key\(s\) \['seq_offsets'\]"):
         load_trace(tmp_path / "missing.npz")
-    np.savez(tmp_path / "unknown.npz", **arrays, extra=np.zeros(3))
-    with pytest.raises(ValueError, match=r"unknown.npz: .*unknown key\(s\) \['extra'\]"):
-        load_trace(tmp_path / "unknown.npz")
+    np.savez(tmp_path / "typo.npz", **{k: v for k, v in arrays.items() if k != "topk_ids"}, topk_id=arrays["topk_ids"])
+    with pytest.raises(ValueError, match=r"typo.npz: missing key\(s\) \['topk_ids'\], unknown key\(s\) "
+                                         r"\['topk_id'\]; 'topk_id': did you mean 'topk_ids'\?"):
+        load_trace(tmp_path / "typo.npz")
+    np.savez(tmp_path / "weight_typo.npz", **arrays, topk_weight=np.zeros(3))  # an optional field misspelt
+    with pytest.raises(ValueError, match=r"'topk_weight': did you mean 'topk_weights'\?"):
+        load_trace(tmp_path / "weight_typo.npz")
+
+
+def test_load_ignores_a_recorders_metadata_with_a_warning(tmp_path: Path) -> None:
+    """Keys a recorder adds (a model name, layer ids) made the whole trace refused."""
+    arrays = small_arrays()
+    np.savez(tmp_path / "meta.npz", **arrays, model=np.array("deepseek-v2-lite"), layer_ids=np.arange(1, 27))
+    with pytest.warns(UserWarning, match=r"meta.npz: ignoring key\(s\) \['layer_ids', 'model'\]"):
+        trace = load_trace(tmp_path / "meta.npz")
+    np.testing.assert_array_equal(trace.topk_ids, arrays["topk_ids"])
 
 
 def test_load_missing_and_garbage_files(tmp_path: Path) -> None:
@@ -956,3 +969,10 @@ def test_recorder_memory_of_decode_steps_is_their_tokens() -> None:
     np.testing.assert_array_equal(first.token_ids, [s % 50 for s in tagged if s % 5 == 1])
     np.testing.assert_array_equal(trace.topk_ids, np.concatenate(
         [expected_ids(model, [int(t)]) for t in trace.token_ids]))
+
+
+def test_a_split_with_an_empty_part_names_the_file(tmp_path: Path) -> None:
+    arrays = dict(small_arrays(), seq_offsets=np.array([0, 7], dtype=np.int64))  # one sequence
+    np.savez(tmp_path / "one.npz", **arrays)
+    with pytest.raises(ValueError, match=r"one.npz: split\(0.5\) of 1 sequences leaves an empty part"):
+        load_trace(tmp_path / "one.npz").split(0.5)
