@@ -56,6 +56,8 @@ files moved into place, ``report.json`` last):
   num_ranks=ep)`` per layer), ``expert_rank_<planner> [L, E]`` for every placement the report scores
   (``linear``, ``eplb``, ``gem`` and ``semantic`` when planned),
   ``token_rank [T_heldout, L]`` int64 (the rank that processes each held-out token at each layer),
+  ``token_rank_linear [T_heldout]`` int64 (the even spread that ``lar_linear`` pairs with the linear
+  placement, at every layer),
   ``seq_offsets [S_heldout+1]`` of the held-out part, ``num_ranks``, ``tokens_per_step``,
   ``train_fraction``, ``mode``;
 * ``plan.npz`` (``planner=semantic``): the :class:`~moelayers.planning.semantic.SemanticPlan`
@@ -70,6 +72,8 @@ Anyone can recompute the report::
     train, held_out = load_trace(TRACE).split(train_fraction)
     a = np.load("assignment.npz")
     lar_from_assignment(held_out, a["expert_rank"], a["token_rank"])          # report["lar"]
+    lar_from_assignment(held_out, a["expert_rank_linear"],                    # report["lar_linear"]
+                        np.repeat(a["token_rank_linear"][:, None], held_out.num_layers, axis=1))
     evaluate(held_out, a["expert_rank"], LatencyCurves.load("curves.npz"), tokens_per_step)   # report["score"]
     evaluate(held_out, a["expert_rank_eplb"], ...)                                      # report["score_eplb"]
 
@@ -433,7 +437,7 @@ def run(d: dict) -> dict:
     report["warnings"] = run_warnings(report)
     for warning in report["warnings"]:
         print(f"warning: {warning}", file=sys.stderr)
-    write_outputs(d["run_dir"], report, plans, name, token_rank, held_out, curves, semantic)
+    write_outputs(d["run_dir"], report, plans, name, token_rank, even, held_out, curves, semantic)
     return report
 
 
@@ -446,8 +450,8 @@ def recorded_config(d: dict) -> dict:
     return out
 
 
-def write_outputs(out_dir: str, report: dict, plans: dict, name: str, token_rank: np.ndarray, held_out, curves,
-                  semantic) -> None:
+def write_outputs(out_dir: str, report: dict, plans: dict, name: str, token_rank: np.ndarray, even: np.ndarray,
+                  held_out, curves, semantic) -> None:
     """All files of a run, all or nothing (``report.json`` last). ``plans``: ``{planner: expert_rank [L, E]}``,
     ``name`` the chosen one (``expert_rank`` in ``assignment.npz``; every one as ``expert_rank_<planner>``)."""
     every = {f"expert_rank_{p}": np.asarray(er, dtype=np.int64) for p, er in plans.items()}
@@ -455,7 +459,7 @@ def write_outputs(out_dir: str, report: dict, plans: dict, name: str, token_rank
     def assignment(path: Path) -> None:
         with open(path, "wb") as f:  # compressed: token_rank is T x L and mostly repeats
             np.savez_compressed(f, expert_rank=np.asarray(plans[name], dtype=np.int64), **every, token_rank=token_rank,
-                     seq_offsets=held_out.seq_offsets, num_ranks=np.int64(report["ep"]),
+                     token_rank_linear=np.asarray(even, dtype=np.int64), seq_offsets=held_out.seq_offsets, num_ranks=np.int64(report["ep"]),
                      tokens_per_step=np.int64(report["tokens_per_step"]),
                      train_fraction=np.float64(report["train_fraction"]), mode=np.str_(report["mode"]))
 

@@ -109,6 +109,7 @@ def check_traffic(report: dict, arrays: dict, held) -> None:
 
     ranks, layers, experts = report["ep"], held.num_layers, held.num_experts
     even = even_token_rank(held, ranks, report["mode"], TPS)
+    np.testing.assert_array_equal(arrays["token_rank_linear"], even)  # lar_linear's spread, saved beside it
     if report["planner"] != "semantic":  # no token scheduling: the planners' tokens are the even spread
         np.testing.assert_array_equal(arrays["token_rank"], np.repeat(even[:, None], layers, axis=1))
     linear = np.tile(np.arange(experts) // (experts // ranks), (layers, 1))
