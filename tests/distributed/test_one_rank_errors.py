@@ -213,22 +213,27 @@ def _model_state_check(rank: int, world: int, case: str) -> list:
     return [loaded, all(torch.equal(after[k], v) for k, v in before.items())]
 
 
+LOAD_CASES = {"missing_expert": "KeyError", "dense_shape": "ValueError",
+              "unexpected_key": "RuntimeError: load_model_state_dict: missing keys [], unexpected keys ['extra.weight']",
+              "optimizer_missing_expert": "KeyError", "optimizer_no_param_groups": "KeyError"}
+
+
+def _model_state_checks(rank: int, world: int) -> dict:
+    return {case: _model_state_check(rank, world, case) for case in LOAD_CASES}  # one spawn for every case
+
+
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("case", ["missing_expert", "dense_shape", "unexpected_key", "optimizer_missing_expert",
-                                  "optimizer_no_param_groups"])
-def test_load_model_state_dict_refused_on_one_rank_loads_nowhere(case, world):
+def test_load_model_state_dict_refused_on_one_rank_loads_nowhere(world):
     """One rank's state dict (model or optimizer) refused: that rank loaded nothing and raised, while
     the other ranks loaded theirs and went on, holding experts of another checkpoint than rank 1's.
     Now every rank raises and none loads (at world 4, with two expert-parallel groups, the agreement
     crosses the groups too)."""
-    outcomes = run_distributed(_model_state_check, world, case, timeout=TIMEOUT)
-    own = {"missing_expert": "KeyError", "dense_shape": "ValueError",
-           "unexpected_key": "RuntimeError: load_model_state_dict: missing keys [], unexpected keys ['extra.weight']",
-           "optimizer_missing_expert": "KeyError", "optimizer_no_param_groups": "KeyError"}
-    what = "load_optimizer_state_dict" if case.startswith("optimizer") else "load_model_state_dict"
-    _assert_all_raise([loaded for loaded, _ in outcomes], own[case],
-                      f"ValueError: {what}: another rank refused its state dict")
-    assert all(unchanged for _, unchanged in outcomes), outcomes
+    results = run_distributed(_model_state_checks, world, timeout=TIMEOUT)
+    for case, own in LOAD_CASES.items():
+        outcomes = [by_case[case] for by_case in results]
+        what = "load_optimizer_state_dict" if case.startswith("optimizer") else "load_model_state_dict"
+        _assert_all_raise([loaded for loaded, _ in outcomes], own, f"ValueError: {what}: another rank refused its state dict")
+        assert all(unchanged for _, unchanged in outcomes), (case, outcomes)
 
 
 # ------------------------------------------------------------------------------ capacity mode, placements
