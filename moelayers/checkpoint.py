@@ -423,7 +423,9 @@ def load_placement_state_dict(model: nn.Module, state_dict: Mapping[str, torch.T
     dict). Call it after loading the weights and the optimizer (the move carries both); layers
     already in their saved placement do not move. Before any move, one small all-reduce per layer
     over its expert-parallel group agrees on whether a rank refused its entry and whether the
-    layer moves, so that the ranks raise, move or stay together.
+    layer moves, so that the ranks raise, move or stay together; a refusal is then shared over the
+    layer's expert-data-parallel group (``ParallelGroups.edp``, where known), so that its copies in
+    the other expert-parallel groups raise too instead of moving alone.
 
     Args:
         model: the model (its layers under the names the state dict was taken with).
@@ -434,7 +436,8 @@ def load_placement_state_dict(model: nn.Module, state_dict: Mapping[str, torch.T
     Raises:
         KeyError: a layer has no entry (nothing moved).
         ValueError: an entry is not a placement of the layer's experts, ranks and slots per rank,
-            or another rank of a layer's expert-parallel group refused its entry (nothing moved).
+            or another rank of a layer's expert-parallel (or expert-data-parallel) group refused its
+            entry (nothing moved).
         PlacementRejected, PlacementMoveError: a layer's move failed (see ``apply_placement``);
             the layers before it have moved, it and the ones after it have not.
     """
@@ -458,11 +461,16 @@ def load_placement_state_dict(model: nn.Module, state_dict: Mapping[str, torch.T
             flags = flags.to(_comm_device(layer.groups.ep, torch.device("cpu")))
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=layer.groups.ep)
         refused_somewhere, move = flags.tolist()
+        edp = layer.groups.edp  # the layer's copies in the other expert-parallel groups: they refuse together too
+        if edp is not None and dist.get_world_size(edp) > 1:
+            flag = torch.tensor([refused_somewhere], device=_comm_device(edp, torch.device("cpu")))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=edp)
+            refused_somewhere = int(flag.item())
         if refused is not None:
             raise refused
         if refused_somewhere:
-            raise ValueError(f"load_placement_state_dict: another expert-parallel rank refused its entry {key!r} (see "
-                             "its error); nothing was moved")
+            raise ValueError(f"load_placement_state_dict: another rank refused its entry {key!r} (see its error); "
+                             "nothing was moved")
         if move:
             moves.append((layer, new))
     for layer, new in moves:

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from moelayers.files import atomic_write, read_npz
 
@@ -288,6 +289,10 @@ class RoutingTrace:
             setattr(trace, name, value)
         return trace
 
+    def _name(self) -> str:
+        """The file this trace was loaded from (``<memory>`` for one built here or cut from another)."""
+        return getattr(self, "_source", "<memory>")
+
     def split(self, train_fraction: float) -> tuple[RoutingTrace, RoutingTrace]:
         """Split by sequence: the first ``floor(train_fraction * S)`` sequences, and the rest.
 
@@ -299,13 +304,13 @@ class RoutingTrace:
         num = self.num_sequences
         n_train = train_sequences(train_fraction, num)
         if n_train == 0 or n_train == num:
-            raise ValueError(f"{self._source}: split({train_fraction}) of {num} sequences leaves an empty part ({n_train} "
+            raise ValueError(f"{self._name()}: split({train_fraction}) of {num} sequences leaves an empty part ({n_train} "
                              f"train, {num - n_train} held out): the split is by sequence (seq_offsets), so the trace "
                              "needs at least two")
         cut = int(self.seq_offsets[n_train])
         if cut == 0 or cut == self.num_tokens:
             part = "train" if cut == 0 else "held-out"
-            raise ValueError(f"split({train_fraction}): the {part} sequences ({n_train if cut == 0 else num - n_train}) "
+            raise ValueError(f"{self._name()}: split({train_fraction}): the {part} sequences ({n_train if cut == 0 else num - n_train}) "
                              f"hold no tokens (all of length 0); choose another train_fraction")
         return self.select_sequences(np.arange(n_train)), self.select_sequences(np.arange(n_train, num))
 
@@ -354,15 +359,15 @@ def load_trace(path: str | os.PathLike) -> RoutingTrace:
     keys = set(arrays)
     missing = [k for k in REQUIRED_KEYS if k not in keys]
     unknown = sorted(keys - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
-    # a key that looks like one of ours is a typo that would drop that field: refused; others (a
-    # recorder's metadata: model name, layer ids) are ignored with a warning
-    typos = {k: close for k in unknown
-             if (close := difflib.get_close_matches(k, REQUIRED_KEYS + OPTIONAL_KEYS, n=1, cutoff=0.75))}
+    # a key that looks like one of ours that the file lacks is a typo that would drop that field: refused;
+    # others (a recorder's metadata: model name, layer ids) are ignored with a warning (on rank 0)
+    absent = [k for k in REQUIRED_KEYS + OPTIONAL_KEYS if k not in keys]  # a typo can only stand for one of these
+    typos = {k: close for k in unknown if (close := difflib.get_close_matches(k, absent, n=1, cutoff=0.75))}
     if missing or typos:
         hint = "".join(f"; '{k}': did you mean '{close[0]}'?" for k, close in typos.items())
         raise ValueError(f"{path}: missing key(s) {missing}, unknown key(s) {sorted(typos)}{hint}; expected "
                          f"{list(REQUIRED_KEYS)} and optionally {list(OPTIONAL_KEYS)}")
-    if unknown:
+    if unknown and not (dist.is_available() and dist.is_initialized() and dist.get_rank() > 0):  # (once a job)
         warnings.warn(f"{path}: ignoring key(s) {unknown} that routing traces do not have (expected "
                       f"{list(REQUIRED_KEYS)} and optionally {list(OPTIONAL_KEYS)})", UserWarning, stacklevel=2)
     return RoutingTrace(**{k: v for k, v in arrays.items() if k not in unknown}, source=str(path))

@@ -143,11 +143,11 @@ def test_forward_tp_ranks_that_disagree_all_raise(case, message):
 def _placement_check(rank: int, world: int, case: str) -> list[str]:
     from moelayers import checkpoint as mlc
 
-    e = 4
+    e, ep = 4, 2  # at world 4: two expert-parallel groups, {0, 1} and {2, 3}
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=e, top_k=2, params_dtype=torch.float64)
-    saved = torch.arange(e).roll(1).view(world, e // world)  # [[3, 0], [1, 2]]
+    saved = torch.arange(e).roll(1).view(ep, e // ep)  # [[3, 0], [1, 2]]
     start = ml.ExpertPlacement.from_phy2log(saved, e) if case == "already_there" and rank == 0 else None
-    model = torch.nn.ModuleDict({"moe": ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), placement=start)})
+    model = torch.nn.ModuleDict({"moe": ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(ep=ep), placement=start)})
     state = {"moe.placement": saved.clone()}
     if rank == 1 and case == "bad_entry":
         state["moe.placement"][-1, -1] = 7
@@ -156,24 +156,28 @@ def _placement_check(rank: int, world: int, case: str) -> list[str]:
     if rank == 1 and case == "meta_entry":  # not a KeyError or ValueError: told to the others all the same
         state["moe.placement"] = torch.empty_like(saved, device="meta")
     loaded = _outcome(mlc.load_placement_state_dict, model, state)
+    moved = model["moe"].placement != ml.ExpertPlacement.linear(e, ep)
     with torch.no_grad():  # the job goes on: every rank serves the next step
         served = _outcome(model["moe"], torch.randn(3, 8, dtype=torch.float64))
-    return [loaded, served]
+    return [loaded, served, moved]
 
 
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("case", ["bad_entry", "missing_entry", "meta_entry", "already_there"])
-def test_load_placement_state_dict_with_one_rank_apart(case):
+def test_load_placement_state_dict_with_one_rank_apart(case, world):
     """One rank's entry refused (or missing) raised on that rank while the others waited in the
-    move; a rank already in the saved placement skipped the move the others made."""
-    outcomes = run_distributed(_placement_check, 2, case, timeout=TIMEOUT)
+    move; a rank already in the saved placement skipped the move the others made. At world 4 the
+    other expert-parallel group {2, 3} moved alone: the layer's two copies in other placements."""
+    outcomes = run_distributed(_placement_check, world, case, timeout=TIMEOUT)
     if case == "already_there":  # the ranks started in different placements: the move refuses that everywhere
-        assert all(loaded.startswith("PlacementRejected") for loaded, _ in outcomes), outcomes
+        assert all(loaded.startswith("PlacementRejected") for loaded, _, _ in outcomes[:2]), outcomes
         return
     own = {"bad_entry": "ValueError: load_placement_state_dict: moe.placement is not a placement of 4 experts",
            "missing_entry": "KeyError", "meta_entry": ""}[case]
-    _assert_all_raise([loaded for loaded, _ in outcomes], own,
-                      "ValueError: load_placement_state_dict: another expert-parallel rank refused its entry")
-    assert [served for _, served in outcomes] == ["ok", "ok"], outcomes  # nothing moved anywhere
+    _assert_all_raise([loaded for loaded, _, _ in outcomes], own,
+                      "ValueError: load_placement_state_dict: another rank refused its entry")
+    assert [served for _, served, _ in outcomes] == ["ok"] * world, outcomes
+    assert not any(moved for _, _, moved in outcomes), outcomes  # nothing moved anywhere
 
 
 # ------------------------------------------------------------------------------ checkpoint weights

@@ -165,7 +165,7 @@ def test_load_key_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"typo.npz: missing key\(s\) \['topk_ids'\], unknown key\(s\) "
                                          r"\['topk_id'\]; 'topk_id': did you mean 'topk_ids'\?"):
         load_trace(tmp_path / "typo.npz")
-    np.savez(tmp_path / "weight_typo.npz", **arrays, topk_weight=np.zeros(3))  # an optional field misspelt
+    np.savez(tmp_path / "weight_typo.npz", **small_arrays(weights=False), topk_weight=arrays["topk_weights"])
     with pytest.raises(ValueError, match=r"'topk_weight': did you mean 'topk_weights'\?"):
         load_trace(tmp_path / "weight_typo.npz")
 
@@ -177,6 +177,10 @@ def test_load_ignores_a_recorders_metadata_with_a_warning(tmp_path: Path) -> Non
     with pytest.warns(UserWarning, match=r"meta.npz: ignoring key\(s\) \['layer_ids', 'model'\]"):
         trace = load_trace(tmp_path / "meta.npz")
     np.testing.assert_array_equal(trace.topk_ids, arrays["topk_ids"])
+    # a name close to a field the file has is metadata too (only an absent field can be misspelt)
+    np.savez(tmp_path / "near.npz", **arrays, num_shared_experts=np.int64(2), token_ids_raw=arrays["token_ids"])
+    with pytest.warns(UserWarning, match=r"ignoring key\(s\) \['num_shared_experts', 'token_ids_raw'\]"):
+        load_trace(tmp_path / "near.npz")
 
 
 def test_load_missing_and_garbage_files(tmp_path: Path) -> None:
@@ -976,3 +980,5 @@ def test_a_split_with_an_empty_part_names_the_file(tmp_path: Path) -> None:
     np.savez(tmp_path / "one.npz", **arrays)
     with pytest.raises(ValueError, match=r"one.npz: split\(0.5\) of 1 sequences leaves an empty part"):
         load_trace(tmp_path / "one.npz").split(0.5)
+    with pytest.raises(ValueError, match=r"<memory>: split\(0.5\) of 1 sequences"):  # a trace cut from another
+        load_trace(tmp_path / "one.npz").select_sequences([0]).split(0.5)
