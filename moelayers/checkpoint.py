@@ -358,10 +358,19 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
                     copies.append((value, rows[next(iter(rows))][what]))
                 else:
                     sets.append((live[name], what, rows[next(iter(rows))][what]))
-        for name, entry in native.items():  # the dense parameters' states: their shapes, before torch loads them
-            for what, value in live.get(name, {}).items():
-                if torch.is_tensor(value) and isinstance(entry, Mapping) and what in entry:
-                    _check_row(f"{name}.{what}", entry[what], value)
+        slot_tables = {n for p in experts for n in p.names}  # (their states are checked expert by expert above)
+        for name, mine in live.items():  # the dense parameters' states, before torch loads them
+            if name in slot_tables or not mine:
+                continue
+            entry = saved.get(name)
+            if not isinstance(entry, Mapping):
+                raise (KeyError if entry is None else TypeError)(
+                    f"load_optimizer_state_dict: {name!r} has {'no' if entry is None else 'a malformed'} state in the "
+                    f"checkpoint ({type(entry).__name__}); nothing was loaded")
+            for what, value in mine.items():
+                if what not in entry:
+                    raise KeyError(f"load_optimizer_state_dict: {name} has no {what!r} state; nothing was loaded")
+                _check_row(f"{name}.{what}", entry[what], value)
     for value, loaded in copies:
         value.copy_(loaded)
     for state, what, loaded in sets:  # (the optimizer's own state dicts)
@@ -385,6 +394,8 @@ def _check_row(key: str, loaded: Any, like: Any) -> None:
     if torch.is_tensor(like) and (not torch.is_tensor(loaded) or loaded.shape != like.shape):
         shape = list(loaded.shape) if torch.is_tensor(loaded) else type(loaded).__name__
         raise ValueError(f"{key}: {shape} in the checkpoint, {list(like.shape)} here; nothing was loaded")
+    if torch.is_tensor(like) and loaded.is_meta and not like.is_meta:
+        raise ValueError(f"{key}: a meta tensor in the checkpoint (no values to load); nothing was loaded")
 
 
 def placement_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -454,9 +465,11 @@ def load_placement_state_dict(model: nn.Module, state_dict: Mapping[str, torch.T
             checked.append((p.layer, key, None, exc))
     # every rank of each layer's expert-parallel group learns whether any refused its entry, and moves
     # when any needs to (a rank raising alone, or skipping a move the others make, left them waiting)
-    moves = []
-    for layer, key, new, refused in checked:
-        flags = torch.tensor([int(refused is not None), int(new is not None and new != layer.placement)])
+    moves, raised = [], None  # every layer agrees before anything is raised: a rank raising at one layer left
+    for layer, key, new, refused in checked:  # ranks of another group waiting in a later layer's all-reduce
+        # (a refusal at an earlier layer rides along: ranks of other groups learn it where a group spans them)
+        flags = torch.tensor([int(refused is not None or raised is not None),
+                              int(new is not None and new != layer.placement)])
         if layer.groups.ep is not None and layer.groups.ep_size > 1:
             flags = flags.to(_comm_device(layer.groups.ep, torch.device("cpu")))
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=layer.groups.ep)
@@ -466,13 +479,15 @@ def load_placement_state_dict(model: nn.Module, state_dict: Mapping[str, torch.T
             flag = torch.tensor([refused_somewhere], device=_comm_device(edp, torch.device("cpu")))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=edp)
             refused_somewhere = int(flag.item())
-        if refused is not None:
-            raise refused
-        if refused_somewhere:
-            raise ValueError(f"load_placement_state_dict: another rank refused its entry {key!r} (see its error); "
-                             "nothing was moved")
+        if raised is None and refused is not None:
+            raised = refused
+        elif raised is None and refused_somewhere:
+            raised = ValueError(f"load_placement_state_dict: another rank refused its entry {key!r} or an earlier one "
+                                "(see its error); nothing was moved")
         if move:
             moves.append((layer, new))
+    if raised is not None:
+        raise raised
     for layer, new in moves:
         layer.apply_placement(new, optimizer=optimizer)
 

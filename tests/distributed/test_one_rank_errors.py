@@ -180,6 +180,33 @@ def test_load_placement_state_dict_with_one_rank_apart(case, world):
     assert not any(moved for _, _, moved in outcomes), outcomes  # nothing moved anywhere
 
 
+def _placement_mixed_groups(rank: int, world: int) -> list:
+    import torch.distributed as dist
+
+    from moelayers import checkpoint as mlc
+
+    blocks = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    model = torch.nn.ModuleDict({"a": ml.VanillaMoE(cfg, ml.ParallelGroups.from_groups(ep=blocks[rank // 2])),
+                                 "b": ml.VanillaMoE(cfg, ml.ParallelGroups.from_world())})
+    good = {"a.placement": torch.tensor([[3, 0], [1, 2]]), "b.placement": torch.tensor([[3], [2], [1], [0]])}
+    state = {k: v for k, v in good.items() if not (rank == 1 and k == "a.placement")}
+    first = _outcome(mlc.load_placement_state_dict, model, state)
+    unmoved = all(m.placement == ml.ExpertPlacement.linear(4, m.groups.ep_size) for m in model.values())
+    retry = _outcome(mlc.load_placement_state_dict, model, good)
+    return [first, unmoved, retry, model["b"].placement.phy2log.flatten().tolist()]
+
+
+def test_load_placement_state_dict_refusal_reaches_a_later_layers_group():
+    """Layer a on two expert-parallel groups without edp, layer b over the world; rank 1 lacks a's
+    entry: ranks 0 and 1 raised at layer a, while ranks 2 and 3 waited in layer b's all-reduce (or,
+    agreed there, in b's move) forever."""
+    outcomes = run_distributed(_placement_mixed_groups, 4, timeout=TIMEOUT)
+    _assert_all_raise([first for first, *_ in outcomes], "KeyError",
+                      "ValueError: load_placement_state_dict: another rank refused its entry")
+    assert all(unmoved and retry == "ok" and b == [3, 2, 1, 0] for _, unmoved, retry, b in outcomes), outcomes
+
+
 # ------------------------------------------------------------------------------ checkpoint weights
 def _model_state_check(rank: int, world: int, case: str) -> list:
     from moelayers import checkpoint as mlc
@@ -199,6 +226,8 @@ def _model_state_check(rank: int, world: int, case: str) -> list:
             state["pre.weight"] = torch.zeros(8, 9, dtype=torch.float64)
         elif case == "unexpected_key":
             state["extra.weight"] = torch.zeros(1)
+        elif case == "meta_expert":  # copied on rank 1 only as far as the meta tensor
+            state[f"moe.experts.w2.{held[-1]}"] = torch.empty(8, 4, dtype=torch.float64, device="meta")
     if case.startswith("optimizer"):
         optim = torch.optim.AdamW(model.parameters())
         model["moe"](model["pre"](torch.randn(6, 8, dtype=torch.float64))).sum().backward()
@@ -210,8 +239,16 @@ def _model_state_check(rank: int, world: int, case: str) -> list:
             del state["state"][f"moe.experts.w2.{held[-1]}"]
         if rank == 1 and case == "optimizer_no_param_groups":  # torch's own load raised, after the experts
             del state["param_groups"]
+        if rank == 1 and case == "optimizer_no_dense_state":  # the same
+            del state["state"]["pre.weight"]
+        if rank == 1 and case == "optimizer_dense_without_a_moment":  # loaded on rank 1: its next step raised
+            del state["state"]["pre.weight"]["exp_avg"]
+        if rank == 1 and case == "optimizer_dense_not_a_dict":  # left rank 1's optimizer broken for good
+            state["state"]["pre.weight"] = 5
         loaded = _outcome(mlc.load_optimizer_state_dict, model, optim, state)
-        return [loaded, all(torch.equal(optim.state[p][k], v) for p, was in before.items() for k, v in was.items())]
+        return [loaded, all(isinstance(optim.state[p], dict) and optim.state[p].keys() == was.keys()
+                            and all(torch.equal(optim.state[p][k], v) for k, v in was.items())
+                            for p, was in before.items())]
     loaded = _outcome(mlc.load_model_state_dict, model, state)
     after = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
     return [loaded, all(torch.equal(after[k], v) for k, v in before.items())]
@@ -219,7 +256,9 @@ def _model_state_check(rank: int, world: int, case: str) -> list:
 
 LOAD_CASES = {"missing_expert": "KeyError", "dense_shape": "ValueError",
               "unexpected_key": "RuntimeError: load_model_state_dict: missing keys [], unexpected keys ['extra.weight']",
-              "optimizer_missing_expert": "KeyError", "optimizer_no_param_groups": "KeyError"}
+              "optimizer_missing_expert": "KeyError", "optimizer_no_param_groups": "KeyError",
+              "optimizer_no_dense_state": "KeyError", "optimizer_dense_without_a_moment": "KeyError",
+              "optimizer_dense_not_a_dict": "TypeError", "meta_expert": "ValueError"}
 
 
 def _model_state_checks(rank: int, world: int) -> dict:
