@@ -195,9 +195,11 @@ class ExpertPlacement:
 
     def first_replica_location(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """``([E] rank, [E] local slot)`` of each expert's first replica on ``device``, cached."""
-        phys = self.log2phy[:, 0]
-        return cached_tensor(self._device_cache, ("first_location", torch.device(device)),
-                             lambda: ((phys // self.slots_per_rank).to(device), (phys % self.slots_per_rank).to(device)))
+        def make() -> tuple[torch.Tensor, torch.Tensor]:
+            phys = self.log2phy[:, 0]
+            return (phys // self.slots_per_rank).to(device), (phys % self.slots_per_rank).to(device)
+
+        return cached_tensor(self._device_cache, ("first_location", torch.device(device)), make)
 
     # ---------------------------------------------------------------- checks and moves
     @on_host
