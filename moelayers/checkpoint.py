@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moelayers.experts import is_slot_major
-from moelayers.layers.moves import _comm_device
+from moelayers.layers.moves import _comm_device, check_can_move
 from moelayers.placement import ExpertPlacement
 
 __all__ = ["model_state_dict", "load_model_state_dict", "optimizer_state_dict", "load_optimizer_state_dict",
@@ -442,15 +442,20 @@ def load_placement_state_dict(model: nn.Module, state_dict: Mapping[str, torch.T
         model: the model (its layers under the names the state dict was taken with).
         state_dict: ``{<layer>.placement: phy2log [R, S]}``.
         optimizer: the torch optimizer over the expert weights, whose per-slot state (Adam's
-            moments) moves with them; ``None`` for none.
+            moments) moves with them; ``None`` for none. Frozen layers (expert weights with
+            ``requires_grad=False``) that it does not hold move without state.
 
     Raises:
         KeyError: a layer has no entry (nothing moved).
         ValueError: an entry is not a placement of the layer's experts, ranks and slots per rank,
             or another rank of a layer's expert-parallel (or expert-data-parallel) group refused its
             entry (nothing moved).
-        PlacementRejected, PlacementMoveError: a layer's move failed (see ``apply_placement``);
-            the layers before it have moved, it and the ones after it have not.
+        TypeError, RuntimeError: a layer that would move cannot, for a reason this rank knows before
+            any move (see ``apply_placement``: ``optimizer`` does not hold its trained expert weights,
+            they hold gradients, or a forward awaits its backward); nothing moved.
+        PlacementRejected, PlacementMoveError: a layer's move failed in its collective part (ranks
+            handed different placements or optimizer states, a failure while staging); the layers
+            before it have moved, it and the ones after it have not.
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -460,7 +465,10 @@ def load_placement_state_dict(model: nn.Module, state_dict: Mapping[str, torch.T
             continue
         key = _placement_key(p)
         try:
-            checked.append((p.layer, key, _saved_placement(key, state_dict, p.layer.placement), None))
+            new = _saved_placement(key, state_dict, p.layer.placement)
+            if new != p.layer.placement:  # every layer's own checks before the first move
+                check_can_move(p.layer, new, optimizer)
+            checked.append((p.layer, key, new, None))
         except Exception as exc:  # noqa: BLE001 - any refusal (a meta tensor too): told to the other ranks first
             checked.append((p.layer, key, None, exc))
     # every rank of each layer's expert-parallel group learns whether any refused its entry, and moves

@@ -109,7 +109,8 @@ def optimizer_states(optimizer: Any, w13: torch.Tensor, w2: torch.Tensor) -> lis
 
     Raises:
         TypeError: ``optimizer`` has no ``state`` mapping (not a torch optimizer), or does not hold
-            ``w13`` and ``w2`` among its parameters.
+            ``w13`` and ``w2`` among its parameters (unless it holds neither and both are frozen,
+            ``requires_grad=False``: then there is no state, and the list is empty).
     """
     if optimizer is None:
         return []
@@ -117,6 +118,8 @@ def optimizer_states(optimizer: Any, w13: torch.Tensor, w2: torch.Tensor) -> lis
     if not hasattr(state, "get"):
         raise TypeError(f"optimizer must be a torch optimizer (with a state mapping), got {type(optimizer).__name__}")
     held = {id(p) for group in getattr(optimizer, "param_groups", ()) for p in group.get("params", ())}
+    if id(w13) not in held and id(w2) not in held and not (w13.requires_grad or w2.requires_grad):
+        return []  # a frozen layer: no optimizer steps it, so there is no state to move
     if id(w13) not in held or id(w2) not in held:  # nothing of its state would move: refused, not ignored
         raise TypeError(f"the optimizer ({type(optimizer).__name__}) does not hold this layer's expert weights "
                         "(experts.w13 and experts.w2 among its param_groups' params), so none of its state would move "
@@ -173,6 +176,36 @@ def holds_gradients(*weights: torch.Tensor) -> bool:
     if any(w.grad is not None for w in weights):
         return True
     return any(getattr(w, "main_grad", None) is not None and bool(w.main_grad.any()) for w in weights)
+
+
+def check_can_move(layer: Any, new: Any, optimizer: Any = None) -> list[tuple[str, torch.Tensor]]:
+    """This rank's own checks of a move of ``layer`` to ``new`` (no communication): what
+    :func:`move_expert_weights` checks before its first vote, for callers that move several layers
+    and must know before the first move that every one can (``load_placement_state_dict``).
+
+    Returns:
+        The optimizer's slot-major states that would move with the weights (:func:`optimizer_states`).
+
+    Raises:
+        TypeError, ValueError: a bad placement or optimizer (see :func:`check_new_placement`,
+            :func:`optimizer_states`).
+        RuntimeError: a recorded forward still awaits its backward, or the expert weights hold gradients.
+    """
+    w13, w2 = layer.experts.w13, layer.experts.w2
+    states = optimizer_states(optimizer, w13, w2)
+    check_new_placement(layer.placement, new)
+    in_flight = layer.graphs_in_flight()
+    if in_flight:  # moving weights in place would break those graphs' backward (a raw autograd error later)
+        raise RuntimeError(f"{in_flight} recorded forward(s) still await their backward, which the move would "
+                           f"break: run the backward first, or call forget_graphs() on every rank if they never "
+                           f"will be back-propagated")
+    if holds_gradients(w13, w2):  # they belong to the experts now in those slots
+        raise RuntimeError("the expert weights hold gradients (.grad is set: a backward ran since the last "
+                           "zero_grad(set_to_none=True), or zero_grad(set_to_none=False) left zeros): a move would "
+                           "leave them with the slots, i.e. with other experts; take the optimizer step and "
+                           "zero_grad(set_to_none=True) first (megatron's DDP: zero_grad_buffer()), and pass "
+                           "optimizer= to move its per-slot state (Adam's moments) with the weights")
+    return states
 
 
 def placement_digest(old: ExpertPlacement, new: ExpertPlacement) -> int:
@@ -308,19 +341,7 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
     # 1 prepare (everything that can fail locally happens before the first vote)
     cause, plan, staging, moves, digest, ops, states = None, None, None, [], 0, [], []
     try:
-        states = optimizer_states(optimizer, w13, w2)
-        check_new_placement(old, new)
-        in_flight = layer.graphs_in_flight()
-        if in_flight:  # moving weights in place would break those graphs' backward (a raw autograd error later)
-            raise RuntimeError(f"{in_flight} recorded forward(s) still await their backward, which the move would "
-                               f"break: run the backward first, or call forget_graphs() on every rank if they never "
-                               f"will be back-propagated")
-        if holds_gradients(w13, w2):  # they belong to the experts now in those slots
-            raise RuntimeError("the expert weights hold gradients (.grad is set: a backward ran since the last "
-                               "zero_grad(set_to_none=True), or zero_grad(set_to_none=False) left zeros): a move would "
-                               "leave them with the slots, i.e. with other experts; take the optimizer step and "
-                               "zero_grad(set_to_none=True) first (megatron's DDP: zero_grad_buffer()), and pass "
-                               "optimizer= to move its per-slot state (Adam's moments) with the weights")
+        states = check_can_move(layer, new, optimizer)
         # the optimizer's states go in the digest: ranks with other states would pair other transfers,
         # and ranks at other steps would mix moments of different ages
         layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in states]

@@ -367,3 +367,54 @@ def test_dcp_checkpoint_resumes_in_the_saved_placement(tmp_path):
         assert "no entry 'moe.placement'" in out["missing"]
         assert "same expert-parallel size" in out["ep1"]
         assert "expert ids outside" in out["invalid"]
+
+
+def _two_layers_one_frozen(rank: int, world: int) -> dict:
+    """Layer ``a`` trained with AdamW, layer ``b`` frozen (not in the optimizer)."""
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    groups = ml.ParallelGroups.from_world()
+    model = nn.ModuleDict({"a": ml.VanillaMoE(cfg, groups, seed=1), "b": ml.VanillaMoE(cfg, groups, seed=2)})
+    model["b"].requires_grad_(False)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    x = torch.randn(6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    model["b"](model["a"](x)).sum().backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return model, optim, x
+
+
+def _load_placements_with_a_frozen_layer(rank: int, world: int) -> dict:
+    """A frozen layer that the optimizer does not hold moves without state beside a trained one;
+    a layer that cannot move (trained, but not in the optimizer) is refused before any layer moves."""
+    saved = {"a.placement": torch.tensor([[3, 0], [1, 2]]), "b.placement": torch.tensor([[3, 0], [1, 2]])}
+    model, optim, x = _two_layers_one_frozen(rank, world)
+    before = model["b"](model["a"](x)).detach()
+    moments = _logical_moments(model["a"], optim)
+    mlc.load_placement_state_dict(model, saved, optimizer=optim)
+    out = {"moved": [model[k].placement.phy2log.tolist() for k in "ab"],
+           "same_output": torch.equal(model["b"](model["a"](x)).detach(), before),
+           "same_moments": all(torch.equal(a, b) for a, b in zip(moments, _logical_moments(model["a"], optim)))}
+
+    model, optim, x = _two_layers_one_frozen(rank, world)
+    model["b"].requires_grad_(True)  # trained now, but the optimizer still does not hold it
+    with pytest.raises(TypeError, match="does not hold this layer's expert weights"):
+        mlc.load_placement_state_dict(model, saved, optimizer=optim)
+    out["refused_unmoved"] = [model[k].placement.phy2log.tolist() for k in "ab"]
+    return out
+
+
+def _logical_moments(layer: nn.Module, optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Adam's moments of ``layer``'s experts in logical order, gathered over the expert-parallel group."""
+    from moelayers.experts import gather_logical
+
+    w13, w2 = layer.experts.w13, layer.experts.w2
+    return [t for key in ("exp_avg", "exp_avg_sq")
+            for t in gather_logical(optim.state[w13][key], optim.state[w2][key], layer.placement, layer.groups.ep)]
+
+
+def test_load_placement_state_dict_moves_frozen_layers_and_checks_every_layer_first():
+    linear = [[0, 1], [2, 3]]
+    for out in run_distributed(_load_placements_with_a_frozen_layer, 2, timeout=120):
+        assert out["moved"] == [[[3, 0], [1, 2]]] * 2, out
+        assert out["same_output"] and out["same_moments"], out
+        assert out["refused_unmoved"] == [linear, linear], out
