@@ -140,8 +140,17 @@ def test_forward_tp_ranks_that_disagree_all_raise(case, message):
 
 
 # ------------------------------------------------------------------------------ checkpoint placements
-def _placement_check(rank: int, world: int, case: str) -> list[str]:
+def _on(device: str, rank: int) -> None:
+    """Build on ``device`` (``"cuda"``: this rank's GPU, for the NCCL runs of tests/gpu)."""
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        torch.set_default_device("cuda")
+
+
+def _placement_check(rank: int, world: int, case: str, device: str = "cpu") -> list[str]:
     from moelayers import checkpoint as mlc
+
+    _on(device, rank)
 
     e, ep = 4, 2  # at world 4: two expert-parallel groups, {0, 1} and {2, 3}
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=e, top_k=2, params_dtype=torch.float64)
@@ -180,10 +189,12 @@ def test_load_placement_state_dict_with_one_rank_apart(case, world):
     assert not any(moved for _, _, moved in outcomes), outcomes  # nothing moved anywhere
 
 
-def _placement_mixed_groups(rank: int, world: int) -> list:
+def _placement_mixed_groups(rank: int, world: int, device: str = "cpu") -> list:
     import torch.distributed as dist
 
     from moelayers import checkpoint as mlc
+
+    _on(device, rank)
 
     blocks = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
@@ -208,8 +219,10 @@ def test_load_placement_state_dict_refusal_reaches_a_later_layers_group():
 
 
 # ------------------------------------------------------------------------------ checkpoint weights
-def _model_state_check(rank: int, world: int, case: str) -> list:
+def _model_state_check(rank: int, world: int, case: str, device: str = "cpu") -> list:
     from moelayers import checkpoint as mlc
+
+    _on(device, rank)
 
     e = 8
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=e, top_k=2, params_dtype=torch.float64)
@@ -261,8 +274,8 @@ LOAD_CASES = {"missing_expert": "KeyError", "dense_shape": "ValueError",
               "optimizer_dense_not_a_dict": "TypeError", "meta_expert": "ValueError"}
 
 
-def _model_state_checks(rank: int, world: int) -> dict:
-    return {case: _model_state_check(rank, world, case) for case in LOAD_CASES}  # one spawn for every case
+def _model_state_checks(rank: int, world: int, device: str = "cpu") -> dict:
+    return {case: _model_state_check(rank, world, case, device) for case in LOAD_CASES}  # one spawn for every case
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -33,3 +33,44 @@ def test_dcp_checkpoint_resumes_in_the_saved_placement_nccl(tmp_path):
                                timeout=300):
         assert out["placement"] and out["bit_for_bit"], out
         assert out["resumed"] == 0.0, out["resumed"]
+
+
+def _one_rank_apart_checks(rank: int, world: int, device: str = "cuda") -> dict:
+    """Every case of the CPU tests of a checkpoint refused on one rank, in one world."""
+    from tests.distributed.test_one_rank_errors import (LOAD_CASES, _model_state_check, _placement_check,
+                                                        _placement_mixed_groups)
+
+    out = {f"placement/{case}": _placement_check(rank, world, case, device)
+           for case in ("bad_entry", "missing_entry", "meta_entry")}
+    out["placement/mixed_groups"] = _placement_mixed_groups(rank, world, device)
+    out.update({f"load/{case}": _model_state_check(rank, world, case, device) for case in LOAD_CASES})
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+def test_checkpoint_refused_on_one_rank_is_refused_everywhere_at_world_4_nccl():
+    """The loaders' agreement over NCCL at world 4 (two expert-parallel groups of 2, expert data
+    parallel across them): one rank's refused entry or state dict raises on every rank, and no rank
+    loads or moves anything (tests/distributed/test_one_rank_errors.py, there on gloo)."""
+    _assert_refused_everywhere(run_distributed(_one_rank_apart_checks, 4, backend="nccl", timeout=400))
+
+
+def _assert_refused_everywhere(results: list[dict]) -> None:
+    from tests.distributed.test_one_rank_errors import LOAD_CASES, _assert_all_raise
+
+    own = {"bad_entry": "ValueError: load_placement_state_dict: moe.placement is not a placement of 4 experts",
+           "missing_entry": "KeyError", "meta_entry": ""}
+    for case, start in own.items():
+        outcomes = [r[f"placement/{case}"] for r in results]
+        _assert_all_raise([loaded for loaded, _, _ in outcomes], start,
+                          "ValueError: load_placement_state_dict: another rank refused its entry")
+        assert all(served == "ok" and not moved for _, served, moved in outcomes), (case, outcomes)
+    mixed = [r["placement/mixed_groups"] for r in results]
+    _assert_all_raise([first for first, *_ in mixed], "KeyError",
+                      "ValueError: load_placement_state_dict: another rank refused its entry")
+    assert all(unmoved and retry == "ok" and b == [3, 2, 1, 0] for _, unmoved, retry, b in mixed), mixed
+    for case, start in LOAD_CASES.items():
+        outcomes = [r[f"load/{case}"] for r in results]
+        what = "load_optimizer_state_dict" if case.startswith("optimizer") else "load_model_state_dict"
+        _assert_all_raise([loaded for loaded, _ in outcomes], start, f"ValueError: {what}: another rank refused its state dict")
+        assert all(unchanged for _, unchanged in outcomes), (case, outcomes)
