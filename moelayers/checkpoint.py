@@ -48,7 +48,8 @@ import torch.distributed as dist
 from torch import nn
 
 from moelayers.experts import is_slot_major
-from moelayers.layers.moves import _comm_device, check_can_move
+from moelayers.groups import collective_device
+from moelayers.layers.moves import check_can_move
 from moelayers.placement import ExpertPlacement
 
 __all__ = ["model_state_dict", "load_model_state_dict", "optimizer_state_dict", "load_optimizer_state_dict",
@@ -276,7 +277,7 @@ def _refused_on_any_rank(experts: list[_ExpertParam], refused: bool) -> bool:
             if group is None or id(group) in seen or dist.get_world_size(group) == 1:
                 continue
             seen.add(id(group))
-            flag = flag.to(_comm_device(group, torch.device("cpu")))
+            flag = flag.to(collective_device(group))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
 
@@ -479,12 +480,12 @@ def load_placement_state_dict(model: nn.Module, state_dict: Mapping[str, torch.T
         flags = torch.tensor([int(refused is not None or raised is not None),
                               int(new is not None and new != layer.placement)])
         if layer.groups.ep is not None and layer.groups.ep_size > 1:
-            flags = flags.to(_comm_device(layer.groups.ep, torch.device("cpu")))
+            flags = flags.to(collective_device(layer.groups.ep))
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=layer.groups.ep)
         refused_somewhere, move = flags.tolist()
         edp = layer.groups.edp  # the layer's copies in the other expert-parallel groups: they refuse together too
         if edp is not None and dist.get_world_size(edp) > 1:
-            flag = torch.tensor([refused_somewhere], device=_comm_device(edp, torch.device("cpu")))
+            flag = torch.tensor([refused_somewhere], device=collective_device(edp))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=edp)
             refused_somewhere = int(flag.item())
         if raised is None and refused is not None:

@@ -13,9 +13,21 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup, or None for a single process
+
+
+def collective_device(group: ProcessGroup) -> torch.device:
+    """The device a collective over ``group`` takes its tensors on: the current CUDA device for an
+    NCCL group, else the CPU (gloo; ``None``, a group of one process)."""
+    return backend_device(dist.get_backend(group) if group is not None else None)
+
+
+def backend_device(backend: str | None) -> torch.device:
+    """The current CUDA device for the ``"nccl"`` backend, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from moelayers.groups import collective_device
+
 
 def local_activation_rate(token_rank: torch.Tensor, expert_rank_of_pair: torch.Tensor) -> float:
     """Fraction of (token, expert) activations served on the token's own rank.
@@ -155,8 +157,7 @@ class MoEStats:
                            dtype=torch.int64)
         vec = torch.cat([vec, loads.to(torch.int64)])
         if group is not None:  # None: a group of one process, nothing to sum
-            backend = dist.get_backend(group)
-            dev = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+            dev = collective_device(group)
             sizes = torch.tensor([r, loads.numel(), -r, -loads.numel()], dtype=torch.int64, device=dev)
             dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=group)  # max and -min of both sizes
             r_max, e_max, r_min, e_min = (v * sign for v, sign in zip(sizes.tolist(), (1, 1, -1, -1)))

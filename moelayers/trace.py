@@ -591,8 +591,13 @@ class TraceRecorder:
         Args:
             seq_ids: ``[T]`` one hashable key per token (list, 1-D tensor or 1-D array).
 
+        A model forward that raised part-way is dropped here (not recorded). Call it before the
+        model forward, not from inside it: the recorder cannot tell a forward still running from
+        one that raised, so a call between its MoE layers drops the part already recorded, and the
+        next MoE layer then raises as out of order.
+
         Raises:
-            RuntimeError: outside the with-block, twice without a forward, or mid-forward.
+            RuntimeError: outside the with-block, or twice without a forward.
             ValueError: ``seq_ids`` is a tensor or array that is not 1-D.
             TypeError: a key of ``seq_ids`` is not hashable.
         """
@@ -602,8 +607,6 @@ class TraceRecorder:
             self._drop_broken_forward()
         if self._pending_tag is not None:
             raise RuntimeError("tag() called twice without a model forward in between")
-        if self._current:
-            raise RuntimeError("tag() called in the middle of a model forward")
         if isinstance(seq_ids, (torch.Tensor, np.ndarray)):
             if seq_ids.ndim != 1:
                 raise ValueError(f"tag() needs a 1-D tensor of sequence keys, got shape {list(seq_ids.shape)}")

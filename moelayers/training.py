@@ -18,7 +18,7 @@ from torch import nn
 
 from moelayers.checkpoint import slot_copies
 from moelayers.layers.base import MoELayerBase, _check_not_sharded, _is_dtensor, _mark_reduced, _reduced_already
-from moelayers.layers.moves import _comm_device
+from moelayers.groups import collective_device
 
 __all__ = ["clip_grad_norm_"]
 
@@ -163,7 +163,7 @@ def _reduce(partial: torch.Tensor, group, norm_type: float) -> torch.Tensor:
     if group is None:
         return partial
     nan = torch.isnan(partial)
-    comm = torch.stack([torch.where(nan, 0.0, partial), nan.double()]).to(_comm_device(group, partial.device))
+    comm = torch.stack([torch.where(nan, 0.0, partial), nan.double()]).to(collective_device(group))
     dist.all_reduce(comm, op=dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM, group=group)
     comm = comm.to(partial.device)
     return torch.where(comm[1] > 0, float("nan"), comm[0])

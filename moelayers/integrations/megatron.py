@@ -52,7 +52,7 @@ from moelayers._compile import eager_under_compile
 from moelayers._warnings import warn_caller
 from moelayers.config import MoEConfig, megatron_training_losses
 from moelayers.experts import GroupedExperts
-from moelayers.groups import ParallelGroups
+from moelayers.groups import ParallelGroups, collective_device
 from moelayers.trace import in_backward
 
 try:
@@ -142,11 +142,9 @@ def groups_for_megatron(pg_collection: Any = None) -> ParallelGroups:
 def _pick_device(transformer_config: Any, groups: ParallelGroups) -> torch.device:
     """NCCL groups -> the current CUDA device; gloo groups -> CPU; a single process -> CUDA if
     available (megatron's convention) unless ``use_cpu_initialization`` is set."""
-    backends = {str(dist.get_backend(g)) for g in (groups.ep, groups.tp, groups.dp) if g is not None}
-    if any("nccl" in b for b in backends):
-        return torch.device("cuda", torch.cuda.current_device())
-    if backends:
-        return torch.device("cpu")
+    devices = {collective_device(g) for g in (groups.ep, groups.tp, groups.dp) if g is not None}
+    if devices:  # any NCCL group: its GPU
+        return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
     if torch.cuda.is_available() and not getattr(transformer_config, "use_cpu_initialization", False):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -372,13 +370,14 @@ class MegatronMoEAdapter(nn.Module):
 
         Args:
             hidden_states: ``[S, B, H]``.
+            intermediate_tensors: megatron's partial CUDA-graph capture; must be ``None`` (pass a
+                padding mask by keyword, ``padding_mask=``, or third).
             padding_mask: optional ``[B, S]`` bool, True = padding (megatron's convention; an
                 ``[S, B]`` mask is accepted when ``S != B``). Padded tokens are dropped before the
                 layer -- never routed, never sent -- and their output rows are zero, so they
                 cannot change the output of real tokens (nor the layer's statistics). megatron-core's
                 own ``MoELayer`` (0.16) still routes and computes padded tokens (it reads the mask
                 for its auxiliary losses only): compare the two on real tokens only.
-            intermediate_tensors: megatron's partial CUDA-graph capture; must be ``None``.
             token_ids: optional token ids (for layers that use them): ``[S, B]`` like
                 ``hidden_states``, or ``[S * B]`` in its flattened order. megatron's ``[B, S]``
                 ``input_ids`` must be transposed first (``input_ids.t()``): with ``S != B`` they
@@ -420,8 +419,11 @@ class MegatronMoEAdapter(nn.Module):
         training = self.training and torch.is_grad_enabled()
         refusal = self._training_refusal(training)
         if refusal is None and intermediate_tensors is not None:
+            hint = ("; a bool tensor was passed second: the padding mask goes third or by keyword "
+                    "(forward(hidden_states, padding_mask=mask))"
+                    if torch.is_tensor(intermediate_tensors) and intermediate_tensors.dtype == torch.bool else "")
             refusal = NotImplementedError("MegatronMoEAdapter does not support partial CUDA-graph capture "
-                                          "(intermediate_tensors)")
+                                          f"(intermediate_tensors){hint}")
         if refusal is not None:  # every expert-parallel rank raises, not this one alone
             self._refuse(refusal)
         if training and not self._warned_replica_clip and int(self.layer.placement.logcnt.max()) > 1:

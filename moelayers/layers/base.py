@@ -31,10 +31,10 @@ from moelayers.dispatch.base import (
 )
 from moelayers.dispatch.comm import all_gather_flat, fingerprint
 from moelayers.experts import GroupedExperts, gather_logical
-from moelayers.groups import ParallelGroups
+from moelayers.groups import ParallelGroups, backend_device, collective_device
 from moelayers.kernels import HAVE_TRITON, TRITON_INSTALL_HINT, use_triton
 from moelayers.layers.inflight import InFlightGraphs
-from moelayers.layers.moves import Staging, _comm_device, move_expert_weights
+from moelayers.layers.moves import Staging, move_expert_weights
 from moelayers.layers.replay import ForcedForRecompute
 from moelayers.metrics import MoEStats
 from moelayers.placement import ExpertPlacement
@@ -221,7 +221,7 @@ def reduce_expert_grads(model: nn.Module) -> None:
                                  "(call it once per optimizer step, after the last backward)")
     edp_layers = [layer for layer in layers if layer.groups.edp is not None]
     if edp_layers:  # one check for all layers, over the world, so that every rank raises together
-        dev = _comm_device(dist.group.WORLD, edp_layers[0].router.weight.device)
+        dev = collective_device(dist.group.WORLD)
         wrong_edp = []
         for layer in edp_layers:  # every member at this rank's place (ep_rank), each from another expert-parallel group
             g = layer.groups
@@ -1178,12 +1178,9 @@ def _default_device(groups: ParallelGroups) -> torch.device:
     """torch's default device where it is set (``with torch.device("meta")``, ``set_default_device``);
     else CUDA's current device when the expert-parallel group uses NCCL, or, with one expert-parallel
     rank (no group), when the groups were built over an NCCL world (``groups.backend``); else CPU."""
-    import torch.distributed as dist
-
     chosen = torch.get_default_device()
     if chosen.type != "cpu":
         return chosen
-    backend = dist.get_backend(groups.ep) if groups.ep is not None else groups.backend
-    if backend == "nccl":  # torchrun --nproc_per_node=1 with NCCL and from_world(): the GPU too
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if groups.ep is None:  # torchrun --nproc_per_node=1 with NCCL and from_world(): the GPU too
+        return backend_device(groups.backend)
+    return collective_device(groups.ep)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from moelayers.experts import is_slot_major
+from moelayers.groups import collective_device
 from moelayers.placement import ExpertPlacement, SlotMove
 
 _NEUTRAL = torch.iinfo(torch.int64).max  # a failing rank's digest entries: no effect under MIN
@@ -233,12 +234,6 @@ def local_plan(moves: list[SlotMove], old: ExpertPlacement, new: ExpertPlacement
     return plan
 
 
-def _comm_device(group, fallback: torch.device) -> torch.device:
-    if group is not None and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return fallback if fallback.type == "cpu" else torch.device("cpu")
-
-
 def _vote(group, size: int, rank: int, ok: bool, digest: int, device: torch.device) -> tuple[list[int], bool]:
     """All-reduce MIN of ``[ok per rank..., digest, -digest]``: ``(failing ranks, digests agree)``."""
     vec = torch.ones(size + 2, dtype=torch.int64)
@@ -336,7 +331,7 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
     old, groups = layer.placement, layer.groups
     group, size, rank = groups.ep, groups.ep_size, groups.ep_rank
     w13, w2 = layer.experts.w13, layer.experts.w2
-    device = _comm_device(group, w13.device)
+    device = collective_device(group)
 
     # 1 prepare (everything that can fail locally happens before the first vote)
     cause, plan, staging, moves, digest, ops, states = None, None, None, [], 0, [], []

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from moelayers._compile import eager_under_compile
 from moelayers._warnings import warn_caller
 from moelayers.config import MoEConfig
-from moelayers.groups import ParallelGroups
+from moelayers.groups import ParallelGroups, collective_device
 from moelayers.layers.base import MoELayerBase
 from moelayers.layers.moves import PlacementMoveError, holds_gradients
 from moelayers.placement import ExpertPlacement
@@ -299,7 +299,7 @@ class VariabilityAwareMoE(MoELayerBase):
         start the move's collectives alone."""
         if self.groups.ep is None or self.groups.ep_size == 1:
             return bool(flag)
-        t = torch.tensor([int(bool(flag))], device=self._comm_device())
+        t = torch.tensor([int(bool(flag))], device=collective_device(self.groups.ep))
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.groups.ep)
         return bool(t.item())
 
@@ -347,7 +347,7 @@ class VariabilityAwareMoE(MoELayerBase):
         order = [(self.steps - n + i) % self.window for i in range(n)]
         loads = self._loads.clone()
         if self.groups.ep is not None:
-            loads = loads.to(self._comm_device())
+            loads = loads.to(collective_device(self.groups.ep))
             dist.all_reduce(loads, group=self.groups.ep)
         return loads[order].cpu()
 
@@ -381,7 +381,7 @@ class VariabilityAwareMoE(MoELayerBase):
         """
         e, r = self.config.num_experts, self.groups.ep_size
         if self.groups.ep is not None:  # one small all-reduce: were the loads passed on every rank, or on none?
-            given = torch.tensor([int(loads is None), int(loads is not None)], device=self._comm_device())
+            given = torch.tensor([int(loads is None), int(loads is not None)], device=collective_device(self.groups.ep))
             dist.all_reduce(given, op=dist.ReduceOp.MAX, group=self.groups.ep)
             if int(given.sum()) == 2:
                 raise ValueError("replan: loads were passed on some expert-parallel ranks only; pass them on every "
@@ -422,7 +422,7 @@ class VariabilityAwareMoE(MoELayerBase):
             except Exception as exc:  # noqa: BLE001 - broadcast as a failure, raised on every rank below
                 cause = exc
         if self.groups.ep is not None:
-            msg = msg.to(self._comm_device())
+            msg = msg.to(collective_device(self.groups.ep))
             dist.broadcast(msg, src=dist.get_global_rank(self.groups.ep, 0), group=self.groups.ep)
             msg = msg.cpu()
         if not int(msg[0]):  # every rank learns rank 0's reason (this path is taken by all together)
@@ -456,11 +456,6 @@ class VariabilityAwareMoE(MoELayerBase):
             return score(self.placement.expert_rank().numpy(), loads, curves), score(expert_rank.numpy(), loads, curves)
         except ValueError:  # e.g. loads the curves cannot score: no prediction, the plan still stands
             return float("nan"), float("nan")
-
-    def _comm_device(self) -> torch.device:
-        if self.groups.ep is not None and dist.get_backend(self.groups.ep) == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
 
     def extra_repr(self) -> str:
         curves = f"curves={self.curves!r}" if self._curves_given else f"variability={self.variability}"

@@ -181,6 +181,15 @@ def coactivation_clusters(coact: np.ndarray, load: np.ndarray, num_ranks: int, r
     return out
 
 
+def objective_value(theta: float, tokens: np.ndarray, local: np.ndarray | float) -> np.ndarray:
+    """``J = theta * (max / mean tokens per rank - 1) + (1 - theta) * (1 - local)`` of ``tokens [..., R]``
+    (tokens per rank; ``[R]`` or ``[S, R]`` for ``S`` placements) and ``local`` (the share of local
+    activations, a scalar or ``[S]``); ``[...]``. No tokens at all count as balanced."""
+    mean = tokens.mean(-1)
+    imbalance = np.where(mean > 0, tokens.max(-1) / np.maximum(mean, 1e-300), 1.0) - 1.0
+    return theta * imbalance + (1.0 - theta) * (1.0 - np.asarray(local, dtype=np.float64))
+
+
 class LayerObjective:
     """``J`` of one layer on a token sample (see the module docstring).
 
@@ -218,12 +227,12 @@ class LayerObjective:
         tr = capacity_assign(counts.astype(np.float64), np.full((num_s, r), self.cap), grp)
         local = counts[np.arange(num_s * n), tr].reshape(num_s, n).sum(1) / (n * self.k)
         tl = np.bincount(grp * r + tr, minlength=num_s * r).reshape(num_s, r)
-        return self.theta * (tl.max(1) / tl.mean(1) - 1.0) + (1.0 - self.theta) * (1.0 - local)
+        return objective_value(self.theta, tl, local)
 
     def value(self, token_rank: np.ndarray, counts: np.ndarray) -> float:
         local = counts[np.arange(self.n), token_rank].sum() / (self.n * self.k)
         tl = np.bincount(token_rank, minlength=self.r)
-        return self.theta * (tl.max() / tl.mean() - 1.0) + (1.0 - self.theta) * (1.0 - local)
+        return float(objective_value(self.theta, tl, local))
 
 
 def solve_alternating(obj: LayerObjective, coact: np.ndarray, load: np.ndarray, rng: np.random.Generator, *,
@@ -284,14 +293,18 @@ def _sample_placements(logits: np.ndarray, load: np.ndarray, r: int, cap: float)
     return er
 
 
+CEM_STEP = 0.7  # how far one round of the cross-entropy method moves P toward its elite
+
+
 def solve_cem(obj: LayerObjective, load: np.ndarray, rng: np.random.Generator, *, rho: float = 0.2,
-              samples: int = 48, iters: int = 25, smoothing: float = 0.7, slack: float = 1.1, batch_tokens: int = 2048,
+              samples: int = 48, iters: int = 25, step: float = CEM_STEP, slack: float = 1.1, batch_tokens: int = 2048,
               swaps: int = 64, init: np.ndarray | None = None) -> tuple[np.ndarray, float]:
     """Speculative MoE Algorithm 1 (cross-entropy method) for one layer: ``(expert_rank [E], J)``.
 
     A categorical matrix ``P [E, R]`` (uniform at first) is sampled ``samples`` times a round
-    (Gumbel-perturbed, capacity-respecting); the ``rho`` elite by ``J`` (evaluated on
-    ``batch_tokens`` of the token sample) move it: ``P <- smoothing * elite_freq + (1 - smoothing) * P``.
+    (Gumbel-perturbed, capacity-respecting); the ``rho`` elite by ``J`` (evaluated on at most
+    ``batch_tokens`` of the token sample, every ``ceil(n / batch_tokens)``-th: spread over the file)
+    move it: ``P <- step * elite_freq + (1 - step) * P``.
     Stops after ``iters`` rounds or once ``P`` is near-deterministic; the best placement seen then
     gets ``swaps`` random-swap trials on the full sample, as in :func:`solve_alternating`.
 
@@ -303,7 +316,8 @@ def solve_cem(obj: LayerObjective, load: np.ndarray, rng: np.random.Generator, *
     prob = np.full((num_e, r), 1.0 / r)
     if init is not None:
         prob = 0.5 * prob + 0.5 * np.eye(r)[init]
-    small = LayerObjective(obj.acts[:batch_tokens], r, theta=obj.theta, beta=obj.cap * r / obj.n)
+    spread = obj.acts[:: max(1, -(-obj.n // batch_tokens))]  # strided: the sample is in file order
+    small = LayerObjective(spread, r, theta=obj.theta, beta=obj.cap * r / obj.n)
     n_elite = max(1, int(math.ceil(rho * samples)))
     best, best_j = None, np.inf
     for _ in range(iters):
@@ -315,7 +329,7 @@ def solve_cem(obj: LayerObjective, load: np.ndarray, rng: np.random.Generator, *
             best, best_j = cands[elite[0]].copy(), float(js[elite[0]])
         freq = np.zeros((num_e, r))
         np.add.at(freq, (np.tile(np.arange(num_e), n_elite), cands[elite].ravel()), 1.0 / n_elite)
-        prob = smoothing * freq + (1 - smoothing) * prob
+        prob = step * freq + (1 - step) * prob
         if prob.max(1).min() > 0.995:
             break
     return _random_swaps(obj, best, load, rng, cap, swaps)
@@ -393,7 +407,7 @@ def solve_dp(profiles: np.ndarray, loads: np.ndarray, num_ranks: int, rng: np.ra
     def value(req: np.ndarray, sc: np.ndarray) -> float:
         local = sc[np.arange(num_s), req].sum() / total
         tl = np.bincount(req, weights=profiles[:, 0].sum(1), minlength=r)
-        return theta * (tl.max() / max(tl.mean(), 1e-12) - 1) + (1 - theta) * (1 - local)
+        return float(objective_value(theta, tl, local))
 
     best = (None, None, np.inf)
     for _ in _progress(range(restarts), progress, f"clustering requests (EP{r})"):
@@ -428,7 +442,7 @@ def _cem_linear(aff: np.ndarray, load: np.ndarray, r: int, rng: np.random.Genera
         order = np.argsort(-vals, kind="stable")[:n_elite]
         if vals[order[0]] > best_v:
             best, best_v = cands[order[0]], vals[order[0]]
-        prob = 0.7 * np.eye(r)[cands[order]].mean(0) + 0.3 * prob
+        prob = CEM_STEP * np.eye(r)[cands[order]].mean(0) + (1 - CEM_STEP) * prob
     return best
 
 
@@ -694,7 +708,7 @@ def _plan_dp(tr, r: int, rng, src, *, solver, theta, seed, progress, beta, rho, 
         if solver == "cem":
             ers[l] = _cem_linear(aff, loads[l], r, rng, slack, ers[l], rho=rho)
         local = aff[np.arange(num_e), ers[l]].sum() / aff.sum()
-        objective[l] = theta * (tokens.max() / tokens.mean() - 1) + (1 - theta) * (1 - local)
+        objective[l] = objective_value(theta, tokens, local)
     token_rank = np.tile(rank_v, (num_l, 1))
     token_conf = np.tile(conf_v.astype(np.float32), (num_l, 1))
     big = np.sort(rng.choice(num_t, size=min(num_t, 200_000), replace=False))

@@ -314,9 +314,17 @@ def even_capacity(num_tokens: int, num_ranks: int, device: torch.device | str | 
 
 def rebatch_ranks(rank: torch.Tensor, num_ranks: int, pred: torch.Tensor | None = None,
                   conf: torch.Tensor | None = None) -> Rebatch:
-    """The :class:`Rebatch` that sends each token to ``rank [T]`` (``even_capacity`` tokens per rank).
+    """The :class:`Rebatch` that sends each token to ``rank [T]``.
 
     Chunk ``r`` holds its tokens in token order, then (when it takes ``C - 1``) one dummy row.
+
+    Args:
+        rank: ``[T]`` int64, exactly ``even_capacity(T, R)[r]`` tokens on rank ``r``, as
+            :func:`balanced_ranks` returns. Not checked (that would cost a host sync per
+            forward): with other counts, tokens beyond a chunk's ``C`` rows are lost.
+        num_ranks: ``R``.
+        pred, conf: ``[T]`` each token's predicted rank and its confidence, kept in the result
+            (default: ``rank`` and ones).
     """
     t, r, dev = rank.numel(), num_ranks, rank.device
     c = -(-t // r)
