@@ -40,6 +40,7 @@ name says. A layer registered under several names has its experts under the firs
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,7 +50,7 @@ from torch import nn
 
 from moelayers.experts import is_slot_major
 from moelayers.groups import collective_device
-from moelayers.layers.moves import check_can_move
+from moelayers.layers.moves import PlacementMoveError, check_can_move
 from moelayers.placement import ExpertPlacement
 
 __all__ = ["model_state_dict", "load_model_state_dict", "optimizer_state_dict", "load_optimizer_state_dict",
@@ -225,10 +226,13 @@ def load_model_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, st
     experts = _expert_params(model, live)
     layer_keys = {k for p in experts for k in p.layer_keys}
     expected = [k for k in live if k not in layer_keys]
-    missing = [k for k in expected if k not in state_dict]
     expert_keys = _expert_keys(experts)
-    unexpected = [k for k in state_dict if k not in live and k not in expert_keys]
     with _agreed_across_ranks(experts, "load_model_state_dict"):
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"load_model_state_dict: the state dict must be a mapping of names to tensors, got "
+                            f"{type(state_dict).__name__}; nothing was loaded")
+        missing = [k for k in expected if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in live and k not in expert_keys]
         rows = [p.rows(state_dict, "load_model_state_dict") for p in experts]
         for p, by_expert in zip(experts, rows):
             for e, row in by_expert.items():
@@ -343,7 +347,7 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
             if name is None:
                 continue
             native[name] = live[name]
-            if not p.experts:
+            if not p.experts:  # its shared states (the step) come from the ranks that hold experts, below
                 continue
             rows = p.rows(saved, "load_optimizer_state_dict")
             for what, value in live[name].items():
@@ -376,7 +380,38 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
         value.copy_(loaded)
     for state, what, loaded in sets:  # (the optimizer's own state dicts)
         state[what] = loaded
+    for p in experts:
+        name = p.in_optimizer(live)
+        if name is not None:
+            _share_slot_table_states(p, live[name])
     return set_optimizer_state_dict(model, optimizer, {**state_dict, "state": native})
+
+
+def _share_slot_table_states(p: _ExpertParam, state: dict) -> None:
+    """Give a rank that holds none of a layer's experts the states the loaded ranks share (the step).
+
+    The checkpoint keeps them in every expert's entry, so such a rank read none; its fresh
+    optimizer's step would then differ from the other ranks', and every later move with the
+    optimizer is refused. Where the placement leaves an expert-parallel rank empty, the ranks of
+    the group take the maximum of the holders' values (non-holders offer ``-inf``): one small
+    all-reduce per parameter, only for such placements.
+    """
+    if p.layer.groups.ep is None or bool((p.layer.placement.phy2log >= 0).any(1).all()):
+        return  # every rank holds experts: every rank read its own
+    shared = [(what, value) for what, value in sorted(state.items(), key=lambda kv: str(kv[0]))
+              if not p.slot_major(value) and (torch.is_tensor(value) and value.numel() == 1
+                                              or isinstance(value, (int, float)) and not isinstance(value, bool))]
+    device = collective_device(p.layer.groups.ep)
+    offered = [float(value) if p.experts else -math.inf for _, value in shared]
+    agreed = torch.tensor(offered, dtype=torch.float64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=p.layer.groups.ep)
+    if p.experts:
+        return
+    for (what, value), got in zip(shared, agreed.tolist()):
+        if torch.is_tensor(value):
+            value.fill_(got)
+        else:
+            state[what] = type(value)(got)
 
 
 def _check_param_groups(state_dict: Mapping[str, Any], live_groups: list[dict]) -> None:
@@ -455,8 +490,9 @@ def load_placement_state_dict(model: nn.Module, state_dict: Mapping[str, torch.T
             any move (see ``apply_placement``: ``optimizer`` does not hold its trained expert weights,
             they hold gradients, or a forward awaits its backward); nothing moved.
         PlacementRejected, PlacementMoveError: a layer's move failed in its collective part (ranks
-            handed different placements or optimizer states, a failure while staging); the layers
-            before it have moved, it and the ones after it have not.
+            handed different placements or optimizer states, a failure while staging), on every rank:
+            the layers before it have moved, it and the ones after it have not (where a move fails in
+            one expert-parallel group, the layer's other groups move back).
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -498,7 +534,34 @@ def load_placement_state_dict(model: nn.Module, state_dict: Mapping[str, torch.T
     if raised is not None:
         raise raised
     for layer, new in moves:
+        _move_with_its_copies(layer, new, optimizer)
+
+
+def _move_with_its_copies(layer: nn.Module, new: ExpertPlacement, optimizer: Any) -> None:
+    """``layer.apply_placement(new)``, kept or undone together with the layer's copies in the other
+    expert-parallel groups: each group's move is its own transaction, so after it the groups share,
+    over the expert-data-parallel group, whether any failed; a group that moved then moves back, and
+    every rank raises."""
+    old = layer.placement
+    failure = None
+    try:
         layer.apply_placement(new, optimizer=optimizer)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank of this expert-parallel group; shared first
+        failure = exc
+    edp = layer.groups.edp
+    if edp is None or dist.get_world_size(edp) == 1:
+        if failure is not None:
+            raise failure
+        return
+    flag = torch.tensor([int(failure is not None)], device=collective_device(edp))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=edp)
+    if failure is not None:
+        raise failure
+    if flag.item():
+        layer.apply_placement(old, optimizer=optimizer)
+        raise PlacementMoveError("load_placement_state_dict: the move failed in another expert-parallel group (see "
+                                 "its error), so this group moved back: every group serves the placement it had; the "
+                                 "layers before this one have moved, it and the ones after it have not", [], "staging")
 
 
 def _saved_placement(key: str, state_dict: Mapping[str, torch.Tensor], old: ExpertPlacement) -> ExpertPlacement:

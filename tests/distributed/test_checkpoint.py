@@ -418,3 +418,37 @@ def test_load_placement_state_dict_moves_frozen_layers_and_checks_every_layer_fi
         assert out["moved"] == [[[3, 0], [1, 2]]] * 2, out
         assert out["same_output"] and out["same_moments"], out
         assert out["refused_unmoved"] == [linear, linear], out
+
+
+def _resume_on_a_rank_without_experts(rank: int, world: int, root: str) -> dict:
+    """Save in the linear placement; load into a model whose expert-parallel rank 1 holds no expert,
+    then move it back to four slots of two experts each, with the optimizer, and train on."""
+    model, optim = _build(world, "linear")
+    _train(model, optim, range(STEPS))
+    dcp.save({"model": mlc.model_state_dict(model), "optim": mlc.optimizer_state_dict(model, optim)},
+             checkpoint_id=root)
+    _train(model, optim, range(STEPS, 2 * STEPS))
+    uninterrupted = _logical(model, optim)
+
+    all_on_0 = ml.ExpertPlacement(torch.tensor([[0, 1, 2, 3], [-1, -1, -1, -1]]), E)
+    fresh = _Model(ml.ParallelGroups.from_world(), all_on_0, "cpu", torch.float64)
+    fresh_optim = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    state = {"model": mlc.model_state_dict(fresh), "optim": mlc.optimizer_state_dict(fresh, fresh_optim)}
+    dcp.load(state, checkpoint_id=root)
+    mlc.load_model_state_dict(fresh, state["model"])
+    mlc.load_optimizer_state_dict(fresh, fresh_optim, state["optim"])
+    steps = [float(fresh_optim.state[p]["step"]) for p in (fresh.moe.experts.w13, fresh.moe.experts.w2)]
+    fresh.moe.apply_placement(ml.ExpertPlacement(torch.tensor([[0, 1, -1, -1], [2, 3, -1, -1]]), E),
+                              optimizer=fresh_optim)
+    _train(fresh, fresh_optim, range(STEPS, 2 * STEPS))
+    resumed = _logical(fresh, fresh_optim)
+    return {"steps": steps, "resumed": max(float((resumed[k] - uninterrupted[k]).abs().max()) for k in uninterrupted)}
+
+
+def test_dcp_checkpoint_gives_the_step_to_a_rank_without_experts(tmp_path):
+    """A rank holding none of a layer's experts read none of the expert entries, which carry the
+    step: its fresh optimizer kept step 1 while the others had 3, and every move with the optimizer
+    was refused (ranks at different steps). It now takes the step from the ranks that hold experts."""
+    for out in run_distributed(_resume_on_a_rank_without_experts, 2, str(tmp_path / "ckpt"), timeout=120):
+        assert out["steps"] == [float(STEPS)] * 2, out
+        assert out["resumed"] < 1e-12, out

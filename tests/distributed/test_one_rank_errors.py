@@ -218,6 +218,41 @@ def test_load_placement_state_dict_refusal_reaches_a_later_layers_group():
     assert all(unmoved and retry == "ok" and b == [3, 2, 1, 0] for _, unmoved, retry, b in outcomes), outcomes
 
 
+def _placement_move_fails_in_one_group(rank: int, world: int, device: str = "cpu") -> list:
+    from moelayers import checkpoint as mlc
+
+    _on(device, rank)
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    groups = ml.ParallelGroups.from_world(ep=2)  # {0, 1} and {2, 3}
+    model = torch.nn.ModuleDict({"a": ml.VanillaMoE(cfg, groups, seed=1), "b": ml.VanillaMoE(cfg, groups, seed=2)})
+    x = torch.randn(6, 8, dtype=torch.float64)
+    with torch.no_grad():
+        before = model["b"](model["a"](x))
+
+    def fault(staging):
+        raise RuntimeError("injected transfer fault")
+
+    if rank == 2:  # layer a's move fails while staging in group {2, 3} only
+        model["a"]._staging_fault_hook = fault
+    saved = {"a.placement": torch.tensor([[3, 2], [1, 0]]), "b.placement": torch.tensor([[1, 0], [3, 2]])}
+    loaded = _outcome(mlc.load_placement_state_dict, model, saved)
+    model["a"]._staging_fault_hook = None
+    with torch.no_grad():
+        same = torch.equal(model["b"](model["a"](x)), before)
+    return [loaded, [m.placement.phy2log.flatten().tolist() for m in model.values()], same]
+
+
+def test_load_placement_state_dict_move_failing_in_one_group_moves_no_group():
+    """World 4, EP2 x EDP2: layer a's move failed while staging in group {2, 3}, which raised and
+    kept its placement, while group {0, 1} moved both layers and returned: the layer's copies then
+    served different placements. The group that moved now moves back, and every rank raises."""
+    outcomes = run_distributed(_placement_move_fails_in_one_group, 4, timeout=TIMEOUT)
+    for rank, (loaded, placements, same) in enumerate(outcomes):
+        expected = "failed while staging" if rank >= 2 else "the move failed in another expert-parallel group"
+        assert loaded.startswith("PlacementMoveError") and expected in loaded, (rank, loaded)
+        assert placements == [[0, 1, 2, 3]] * 2 and same, (rank, placements, same)
+
+
 # ------------------------------------------------------------------------------ checkpoint weights
 def _model_state_check(rank: int, world: int, case: str, device: str = "cpu") -> list:
     from moelayers import checkpoint as mlc
@@ -239,6 +274,8 @@ def _model_state_check(rank: int, world: int, case: str, device: str = "cpu") ->
             state["pre.weight"] = torch.zeros(8, 9, dtype=torch.float64)
         elif case == "unexpected_key":
             state["extra.weight"] = torch.zeros(1)
+        elif case == "not_a_mapping":  # read before the agreement: the other ranks waited in it
+            state = None
         elif case == "meta_expert":  # copied on rank 1 only as far as the meta tensor
             state[f"moe.experts.w2.{held[-1]}"] = torch.empty(8, 4, dtype=torch.float64, device="meta")
     if case.startswith("optimizer"):
@@ -271,7 +308,8 @@ LOAD_CASES = {"missing_expert": "KeyError", "dense_shape": "ValueError",
               "unexpected_key": "RuntimeError: load_model_state_dict: missing keys [], unexpected keys ['extra.weight']",
               "optimizer_missing_expert": "KeyError", "optimizer_no_param_groups": "KeyError",
               "optimizer_no_dense_state": "KeyError", "optimizer_dense_without_a_moment": "KeyError",
-              "optimizer_dense_not_a_dict": "TypeError", "meta_expert": "ValueError"}
+              "optimizer_dense_not_a_dict": "TypeError", "meta_expert": "ValueError",
+              "not_a_mapping": "TypeError: load_model_state_dict: the state dict must be a mapping"}
 
 
 def _model_state_checks(rank: int, world: int, device: str = "cpu") -> dict:

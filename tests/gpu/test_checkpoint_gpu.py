@@ -38,11 +38,12 @@ def test_dcp_checkpoint_resumes_in_the_saved_placement_nccl(tmp_path):
 def _one_rank_apart_checks(rank: int, world: int, device: str = "cuda") -> dict:
     """Every case of the CPU tests of a checkpoint refused on one rank, in one world."""
     from tests.distributed.test_one_rank_errors import (LOAD_CASES, _model_state_check, _placement_check,
-                                                        _placement_mixed_groups)
+                                                        _placement_mixed_groups, _placement_move_fails_in_one_group)
 
     out = {f"placement/{case}": _placement_check(rank, world, case, device)
            for case in ("bad_entry", "missing_entry", "meta_entry")}
     out["placement/mixed_groups"] = _placement_mixed_groups(rank, world, device)
+    out["placement/move_fails_in_one_group"] = _placement_move_fails_in_one_group(rank, world, device)
     out.update({f"load/{case}": _model_state_check(rank, world, case, device) for case in LOAD_CASES})
     return out
 
@@ -69,6 +70,11 @@ def _assert_refused_everywhere(results: list[dict]) -> None:
     _assert_all_raise([first for first, *_ in mixed], "KeyError",
                       "ValueError: load_placement_state_dict: another rank refused its entry")
     assert all(unmoved and retry == "ok" and b == [3, 2, 1, 0] for _, unmoved, retry, b in mixed), mixed
+    for rank, r in enumerate(results):
+        loaded, placements, same = r["placement/move_fails_in_one_group"]
+        expected = "failed while staging" if rank >= 2 else "the move failed in another expert-parallel group"
+        assert loaded.startswith("PlacementMoveError") and expected in loaded, (rank, loaded)
+        assert placements == [[0, 1, 2, 3]] * 2 and same, (rank, placements, same)
     for case, start in LOAD_CASES.items():
         outcomes = [r[f"load/{case}"] for r in results]
         what = "load_optimizer_state_dict" if case.startswith("optimizer") else "load_model_state_dict"
