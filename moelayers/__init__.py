@@ -13,13 +13,11 @@ from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, Routes
 from moelayers.experts import GroupedExperts
 from moelayers.groups import ParallelGroups
-from moelayers.layers import (MoELayerBase, VanillaMoE, VariabilityAwareMoE, rank_local_names, rank_local_params,
-                              reduce_expert_grads)
-from moelayers.layers import SemanticMoE
+from moelayers.layers import MoELayerBase, SemanticMoE, VanillaMoE, VariabilityAwareMoE
 from moelayers.metrics import MoEStats
 from moelayers.placement import ExpertPlacement, SlotMove
 from moelayers.router import TopKRouter
-from moelayers.training import clip_grad_norm_
+from moelayers.training import clip_grad_norm_, rank_local_names, rank_local_params, reduce_expert_grads
 
 __version__ = "0.1.0"
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import numbers
-import weakref
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -29,7 +28,7 @@ from moelayers.dispatch.base import (
     BAD_INPUT, RECORDS_AUTOGRAD, merge_flags, raise_if_nonfinite, raise_if_placements_differ,
     routes_from_placement,
 )
-from moelayers.dispatch.comm import all_gather_flat, fingerprint
+from moelayers.dispatch.comm import fingerprint
 from moelayers.experts import GroupedExperts, gather_logical
 from moelayers.groups import ParallelGroups, backend_device, collective_device
 from moelayers.kernels import HAVE_TRITON, TRITON_INSTALL_HINT, use_triton
@@ -93,41 +92,6 @@ def read_placement_record(state: Any) -> tuple[torch.Tensor, int, int | None]:
                      f"{{phy2log, num_experts[, ep_rank]}}), got {got}")
 
 
-def rank_local_names(model: nn.Module) -> list[str]:
-    """The names (as ``model.named_parameters()`` / ``named_buffers()`` give them) of what differs
-    between the expert-parallel ranks in every moelayers layer of ``model``: its expert weights and
-    its buffers (e.g. a ``VariabilityAwareMoE``'s load window). torch's ``DistributedDataParallel``
-    over those ranks must leave them alone::
-
-        DDP._set_params_and_buffers_to_ignore_for_model(model, ml.rank_local_names(model))
-        model = DDP(model)
-
-    Without it DDP copies rank 0's experts and buffers over every rank when it is built (the buffers
-    before every forward) and averages the gradients of different experts, silently. DDP averages
-    the other gradients over the ranks (the gradient of the ranks' mean loss); an expert's gradient
-    is the sum over the tokens of its expert-parallel group only: :func:`reduce_expert_grads` after
-    the backward makes it the same mean (megatron's DDP does both itself)."""
-    names = []
-    for prefix, module in model.named_modules():
-        if isinstance(module, MoELayerBase):
-            head = f"{prefix}." if prefix else ""
-            names += [f"{head}experts.w13", f"{head}experts.w2"] + [head + n for n, _ in module.named_buffers()]
-    return names
-
-
-def rank_local_params(model: nn.Module) -> set[nn.Parameter]:
-    """The expert weights of every moelayers layer in ``model``: what FSDP must leave alone, since
-    every rank holds other experts in them (not shards of one tensor)::
-
-        fully_shard(block, ignored_params=ml.rank_local_params(model))
-
-    Without it ``fully_shard`` keeps each rank's share of its own slots and gathers the other ranks'
-    slots into the forward: wrong outputs, silently (:func:`reduce_expert_grads` and
-    :func:`moelayers.clip_grad_norm_` refuse such layers). FSDP averages the other gradients over
-    its ranks; :func:`reduce_expert_grads` gives the experts the same mean."""
-    return {p for m in model.modules() if isinstance(m, MoELayerBase) for p in (m.experts.w13, m.experts.w2)}
-
-
 def _is_dtensor(t: torch.Tensor) -> bool:
     return hasattr(t, "to_local") and hasattr(t, "device_mesh")
 
@@ -143,147 +107,6 @@ def _like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
     except TypeError:  # torch before 2.7: rank 0's copy scattered (every rank loads the same weights)
         return distribute_tensor(full, param.device_mesh, param.placements)
-
-
-def _check_not_sharded(layers: list["MoELayerBase"], what: str) -> None:
-    """Refuse expert weights that a sharding wrapper (FSDP's ``fully_shard``) has made DTensors."""
-    for layer in layers:
-        if any(_is_dtensor(p) for p in (layer.experts.w13, layer.experts.w2)):
-            raise ValueError(
-                f"{what}: the expert weights of this {type(layer).__name__} were sharded by FSDP (fully_shard), which "
-                "takes every rank's slots for shards of one tensor and gathers other ranks' experts into the "
-                "forward: silently wrong outputs. Leave them to the layer: fully_shard(module, "
-                "ignored_params=ml.rank_local_params(model))")
-
-
-def _check_fsdp_mesh(model: nn.Module) -> None:
-    """Refuse FSDP over part of the world: it averages the other gradients over its mesh, while
-    :func:`reduce_expert_grads` makes the experts' the mean over the world (the same on every rank)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    world = dist.get_world_size()
-    sizes = {p.device_mesh.size() for p in model.parameters() if _is_dtensor(p)}
-    if sizes - {world}:
-        raise ValueError(f"reduce_expert_grads: FSDP shards some weights over {sorted(sizes - {world})} of the "
-                         f"{world} ranks, averaging their gradients there, while the experts' are made the mean over "
-                         "the world: shard over the whole world (a 2-D mesh for HSDP)")
-
-
-def reduce_expert_grads(model: nn.Module) -> None:
-    """After the last backward before an optimizer step of ``model`` under torch DDP over the whole
-    world, leaving :func:`rank_local_names` alone (or FSDP's ``fully_shard``, ignoring
-    :func:`rank_local_params`): give each moelayers layer's expert weights the gradient DDP (FSDP)
-    gives the others, that of the mean loss over the world's ranks.
-
-    An expert's gradient is the sum over the tokens its expert-parallel group sent it. With groups
-    smaller than the world it is first summed over the ranks that hold the same experts (the
-    groups' ``edp``, one rank of each expert-parallel group), then divided by the world size. Call
-    it on every rank (a collective over the world), once per optimizer step: with gradient
-    accumulation (``DDP.no_sync()``), after the last micro-batch's backward. The expert-parallel
-    groups must serve the same placement (a ``VariabilityAwareMoE`` that re-planned in each group
-    on its own loads does not).
-
-    Raises:
-        ValueError: expert weights sharded by FSDP (see :func:`rank_local_params`), or FSDP over
-            part of the world;
-            layers with tensor parallelism (the TP ranks share their batch, which DDP over
-            the world would count ``tp`` times); expert-parallel groups smaller than the world without
-            their ``edp`` group (``ParallelGroups.from_world`` builds it; pass it to
-            ``from_groups``), or an ``edp`` group that does not hold one rank of each expert-parallel
-            group at this rank's place, groups that serve different placements, or expert weights
-            that require grad on some ranks only (these four checked on every rank: all raise);
-            groups of another world than torch.distributed's (``ParallelGroups.single()`` in a
-            multi-rank job); a second call with no backward since the first
-            (a call after each micro-batch's backward counts the earlier micro-batches again, which
-            it cannot tell from a new step's gradients: call it once, after the last).
-    """
-    layers = [m for m in model.modules() if isinstance(m, MoELayerBase)]
-    _check_not_sharded(layers, "reduce_expert_grads")
-    _check_fsdp_mesh(model)
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    for layer in layers:
-        g, name = layer.groups, type(layer).__name__
-        if g.tp_size > 1:
-            raise ValueError(f"reduce_expert_grads is for torch DDP over ranks with a batch each; this {name} has "
-                             f"{g.tp_size} tensor-parallel ranks, which share their batch")
-        if g.world_size != world:  # ParallelGroups.single() in a multi-rank job: nothing would be reduced
-            raise ValueError(f"this {name}'s groups describe a world of {g.world_size} rank(s) (ParallelGroups.single()?) "
-                             f"in a world of {world}: its experts would learn from this rank's tokens alone and the "
-                             f"ranks' copies drift apart; to train every expert on every rank, build the groups "
-                             f"with ParallelGroups.from_world(ep=1)")
-        if g.ep_size < g.world_size and g.edp is None:
-            raise ValueError(f"{name} has expert-parallel groups of {g.ep_size} of {g.world_size} ranks "
-                             "but no expert-data-parallel group (ParallelGroups.edp): build the groups with "
-                             "ParallelGroups.from_world(ep=...), or pass edp= to ParallelGroups.from_groups")
-        for p in (layer.experts.w13, layer.experts.w2):
-            if p.grad is not None and _reduced_already(layer, p):
-                raise ValueError(f"reduce_expert_grads: the expert gradients of this {name} were reduced already "
-                                 "(call it once per optimizer step, after the last backward)")
-    edp_layers = [layer for layer in layers if layer.groups.edp is not None]
-    if edp_layers:  # one check for all layers, over the world, so that every rank raises together
-        dev = collective_device(dist.group.WORLD)
-        wrong_edp = []
-        for layer in edp_layers:  # every member at this rank's place (ep_rank), each from another expert-parallel group
-            g = layer.groups
-            first = min(dist.get_process_group_ranks(g.ep)) if g.ep is not None else g.rank
-            mine = torch.tensor([g.ep_rank, first], dtype=torch.int64, device=dev)
-            got = torch.empty(2 * dist.get_world_size(g.edp), dtype=torch.int64, device=dev)
-            all_gather_flat(got, mine, group=g.edp)  # (gloo takes flat tensors)
-            got = got.view(-1, 2).cpu()
-            wrong_edp.append(int(bool((got[:, 0] != g.ep_rank).any()) or got[:, 1].unique().numel() != got.shape[0]))
-        digests = torch.tensor([layer.placement.digest() for layer in edp_layers], dtype=torch.int64)
-        # which expert weights train here: a rank that skipped one's all-reduce would leave the others in it
-        trained = torch.tensor([int(layer.experts.w13.requires_grad) + 2 * int(layer.experts.w2.requires_grad)
-                                for layer in edp_layers], dtype=torch.int64)
-        both = torch.cat([digests, -digests, torch.tensor(wrong_edp), trained, -trained]).to(dev)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
-        both = both.tolist()  # one host sync for every check below
-        n = len(edp_layers)
-        frozen = [type(layer).__name__ for i, layer in enumerate(edp_layers) if both[3 * n + i] != -both[4 * n + i]]
-        if frozen:
-            raise ValueError(f"the expert weights of {len(frozen)} layer(s) ({frozen[0]} first) require grad on some "
-                             "ranks and not on others (requires_grad_(False) on some ranks only): their gradients "
-                             "cannot be summed over the ranks. Freeze or train them on every rank alike")
-        if max(both[2 * n:3 * n]):
-            raise ValueError("ParallelGroups.edp must hold the ranks at the same place (ep_rank) of every "
-                             "expert-parallel group, one each: a rank's group does not (ParallelGroups.from_world "
-                             "builds it)")
-        differ = [type(layer).__name__ for i, layer in enumerate(edp_layers) if both[i] != -both[n + i]]
-        if differ:
-            raise ValueError(f"the expert-parallel groups serve different placements in {len(differ)} layer(s) "
-                             f"({differ[0]} first): a slot holds other experts from one group to the next, so their "
-                             "gradients cannot be summed. Keep one placement in every group while training: "
-                             "apply_placement with the same placement on every rank (a VariabilityAwareMoE re-plans each "
-                             "group on its own loads: auto_replan=False, or replan(loads=...) with the same loads in "
-                             "every group)")
-    for layer in layers:
-        g = layer.groups
-        layer._reduced_grads = {}
-        for p in (layer.experts.w13, layer.experts.w2):
-            if not p.requires_grad:
-                continue
-            if p.grad is None:  # no rows reached this rank's experts
-                if g.edp is None:
-                    continue
-                p.grad = torch.zeros_like(p)  # the other ranks of its edp group wait for its sum
-            if g.edp is not None:
-                dist.all_reduce(p.grad, group=g.edp)
-            p.grad.div_(g.world_size)
-            _mark_reduced(layer, p)
-
-
-def _mark_reduced(layer: "MoELayerBase", p: torch.Tensor) -> None:
-    """Record ``p.grad`` as reduced: the tensor itself (weakly: a step's new gradient may get a freed
-    one's id) and its version (a backward that accumulates into it changes it)."""
-    if not hasattr(layer, "_reduced_grads"):
-        layer._reduced_grads = {}
-    layer._reduced_grads[id(p)] = (weakref.ref(p.grad), p.grad._version)
-
-
-def _reduced_already(layer: "MoELayerBase", p: torch.Tensor) -> bool:
-    """Whether ``p.grad`` is the very tensor :func:`reduce_expert_grads` reduced, unchanged since."""
-    ref, version = getattr(layer, "_reduced_grads", {}).get(id(p), (lambda: None, None))
-    return ref() is p.grad and p.grad._version == version
 
 
 def _check_forced_type(topk_ids: Any) -> None:
