@@ -202,6 +202,8 @@ class GroupedExperts(nn.Module):
         return self.w13, self.w2
 
     def uses_grouped_mm(self, x: torch.Tensor) -> bool:
+        """Whether a forward on ``x [P, H]`` runs ``torch._grouped_mm`` (``backend="grouped_mm"``, or
+        ``"auto"`` where the device, dtype and shapes allow it) rather than the per-expert loop."""
         return self.backend == "grouped_mm" or (
             self.backend == "auto" and _grouped_mm_supported(x, self.hidden_size, self.ffn_hidden_size)
         )

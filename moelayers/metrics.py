@@ -67,6 +67,10 @@ class MoEStats:
     @classmethod
     def from_counts(cls, rank: int, pairs_sent: list[int], rows_sent: list[int], row_bytes: int,
                     topk_ids: torch.Tensor | None = None) -> "MoEStats":
+        """One rank's record of one forward: ``pairs_sent`` / ``rows_sent`` ``[R]`` (token-expert
+        pairs and payload rows sent to each rank, this rank's own included), ``row_bytes`` per
+        row (rows kept on this rank cost no bytes), and optionally ``topk_ids [T, K]`` for the
+        expert loads (:meth:`with_experts`)."""
         bytes_sent = [0 if r == rank else n * row_bytes for r, n in enumerate(rows_sent)]
         return cls(rank, list(pairs_sent), list(rows_sent), bytes_sent, 1, pairs_sent[rank], topk_ids)
 
@@ -137,6 +141,8 @@ class MoEStats:
         return self._expert_loads
 
     def with_experts(self, num_experts: int) -> "MoEStats":
+        """Count the expert loads ``[E]`` from the recorded ``topk_ids`` (once; no-op without
+        them) and return ``self``."""
         if self._topk_ids is not None and self._expert_loads is None:
             self._expert_loads = torch.bincount(self._topk_ids.flatten(), minlength=num_experts).cpu()
         return self

@@ -161,14 +161,17 @@ class ExpertPlacement:
     # ---------------------------------------------------------------- properties
     @property
     def num_ranks(self) -> int:
+        """``R``, the expert-parallel ranks (rows of ``phy2log``)."""
         return self.phy2log.shape[0]
 
     @property
     def slots_per_rank(self) -> int:
+        """``S``, the slots of each rank (columns of ``phy2log``)."""
         return self.phy2log.shape[1]
 
     @property
     def max_replicas(self) -> int:
+        """The most copies any expert has (columns of ``log2phy``)."""
         return self.log2phy.shape[1]
 
     def experts_on(self, rank: int) -> list[int]:

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from moelayers._autograd import in_backward
 from moelayers.files import atomic_write, read_npz
 
 __all__ = [
@@ -130,8 +132,8 @@ class RoutingTrace:
     def __post_init__(self, source: str) -> None:
         self.validate(source)
         self._source = source  # (not a field: traces compare by content)
-        # expert ids in the narrowest of int16/int32 that holds them: a recorded trace's int64 ids took 4x the
-        # memory, and planning copies them (a 4M-token trace of 26 layers x top-6: 5 GB of ids instead of 1.2 GB)
+        # expert ids in the narrowest of int16/int32 that holds them: int64 ids take 4x the memory, and
+        # planning copies them (a 4M-token trace of 26 layers x top-6: 5 GB of ids instead of 1.2 GB)
         compact = np.int16 if int(self.num_experts) <= np.iinfo(np.int16).max + 1 else np.int32
         if self.topk_ids.dtype.itemsize > np.dtype(compact).itemsize or self.topk_ids.dtype == np.uint16:
             self.topk_ids = self.topk_ids.astype(compact)
@@ -283,7 +285,7 @@ class RoutingTrace:
     @classmethod
     def _of_valid_parts(cls, **fields) -> RoutingTrace:
         """A trace of whole sequences of a validated one: valid by construction, so not checked again
-        (a pass of the checks took 7 s on a 3M-token trace, and ``split`` made two)."""
+        (a pass of the checks takes seconds on a 3M-token trace, and ``split`` would make two)."""
         trace = object.__new__(cls)
         for name, value in fields.items():
             setattr(trace, name, value)
@@ -424,12 +426,6 @@ def _untagged_sequences(batch: np.ndarray | tuple[int, int] | None, token_ids: n
         if np.array_equal(batch.T.reshape(-1), token_ids):
             return np.arange(t) % b
     return np.zeros(t, dtype=np.int64)
-
-
-def in_backward() -> bool:
-    """Whether autograd is running a backward (where activation checkpointing re-runs forwards)."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current is not None and current() != -1
 
 
 def _shared_layer_paths(model: nn.Module) -> list[str]:

@@ -43,6 +43,16 @@ class AllGatherDispatcher:
         self.last_stats: MoEStats | None = None
 
     def dispatch(self, x: torch.Tensor, routes: Routes) -> Received:
+        """Step 3: all-gather every rank's tokens, routes and weights over ``group`` (a collective)
+        and keep the (token, local slot) pairs of this rank's experts.
+
+        Args:
+            x: ``[T, H]`` this rank's tokens.
+            routes: ``dest_rank`` / ``dest_slot`` ``[T, K]`` and ``weights [T, K]`` (:class:`Routes`).
+
+        Returns:
+            :class:`Received`: ``expert_input [P, H]`` sorted by local slot, and ``slot_counts [S]``.
+        """
         routes = check_routes(routes, self.num_ranks, self.num_slots)
         t, k = routes.dest_rank.shape
         dev = x.device
@@ -81,6 +91,8 @@ class AllGatherDispatcher:
         return Received(all_x.index_select(0, pairs.pair_row), pairs.slot_counts, _State(t, all_w, pairs, x.dtype))
 
     def combine(self, expert_output: torch.Tensor, received: Received) -> torch.Tensor:
+        """Step 5: weight ``expert_output [P, H]`` into partial sums for every rank's tokens and
+        reduce-scatter them: ``y [T, H] = sum_k w_k * expert_k(x)`` in the order of ``x``."""
         st: _State = received.state
         partial = combine_pairs(expert_output, st.pairs, st.weights, partial_sum_dtype(st.dtype))
         return ReduceScatterRows.apply(self.group, partial)[: st.num_tokens].to(st.dtype)

@@ -74,6 +74,17 @@ class AllToAllDispatcher:
 
     # ------------------------------------------------------------------ step 3
     def dispatch(self, x: torch.Tensor, routes: Routes) -> Received:
+        """Step 3: send each token's rows to the ranks in ``routes`` (one all-to-all-v; in capacity
+        mode, a fixed-size all-to-all), a collective over ``group``.
+
+        Args:
+            x: ``[T, H]`` this rank's tokens.
+            routes: ``dest_rank`` / ``dest_slot`` ``[T, K]`` and ``weights [T, K]`` (:class:`Routes`).
+
+        Returns:
+            :class:`Received`: ``expert_input [P, H]``, one row per (token, local slot) pair that
+            reached this rank, sorted by slot, and ``slot_counts [S]``.
+        """
         routes = check_routes(routes, self.num_ranks, self.num_slots, padding=self.capacity is not None)
         if self.capacity is not None:
             return self._dispatch_fixed(x, routes)
@@ -190,6 +201,9 @@ class AllToAllDispatcher:
 
     # ------------------------------------------------------------------ step 5
     def combine(self, expert_output: torch.Tensor, received: Received) -> torch.Tensor:
+        """Step 5: weight ``expert_output [P, H]`` (rows as :meth:`dispatch` delivered them), sum
+        each token's rows on the rank that computed them, send the partial sums back (the reverse
+        all-to-all) and add them up: ``y [T, H] = sum_k w_k * expert_k(x)`` in the order of ``x``."""
         st: _State = received.state
         wire = partial_sum_dtype(st.dtype)  # the rows are partial sums over this rank's experts
         row_out = combine_pairs(expert_output, st.pairs, st.recv_weights, wire)

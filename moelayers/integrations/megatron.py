@@ -42,18 +42,18 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from moelayers._autograd import in_backward
 from moelayers._compile import eager_under_compile
 from moelayers._warnings import warn_caller
 from moelayers.config import MoEConfig, megatron_training_losses
 from moelayers.experts import GroupedExperts
 from moelayers.groups import ParallelGroups, collective_device
-from moelayers.trace import in_backward
 
 try:
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -66,8 +66,9 @@ except ImportError:  # pragma: no cover - megatron-core is a dependency
 _INSTALL_HINT = "pip install 'megatron-core>=0.16'"
 
 #: Keyword arguments megatron-core passes when it builds an mlp submodule (0.16 ``build_module``
-#: extras, >= 0.19 builder arguments, and a few other call sites). The adapter accepts and ignores
-#: them (``layer_number`` / ``is_mtp_layer`` / ``name`` / ``pg_collection`` are used).
+#: extras, >= 0.19 builder arguments, and a few other call sites) that the adapter accepts and
+#: ignores without a warning. (It takes ``layer_number``, ``is_mtp_layer``, ``name`` and
+#: ``pg_collection`` as arguments of its own.)
 MEGATRON_BUILD_KWARGS = frozenset({
     "submodules", "tp_group", "model_comm_pgs", "vp_stage", "pp_layer_offset", "is_expert",
     "input_size", "ffn_hidden_size", "shared_expert", "gate", "hidden_dropout",
@@ -546,7 +547,7 @@ class MegatronMoEAdapter(nn.Module):
                              f"like hidden_states: [S, B, K] = [{s}, {b}, K] or [S * B, K] = [{s * b}, K]")
         return forced.index_select(0, idx.to(forced.device))
 
-    def _refuse(self, exc: Exception) -> None:
+    def _refuse(self, exc: Exception) -> NoReturn:
         """Raise ``exc`` for this rank's input refused by the adapter; with several expert-parallel
         ranks only after taking part in the layer's exchange (``_refuse_in_step``), so that the other
         ranks raise too instead of waiting for this one. Pending forced routing is dropped, as the

@@ -79,7 +79,7 @@ def unpermute_combine_reference(
     """
     _check(src, index, weight)
     acc = _acc_dtype(src)
-    T, H = index.shape[0], src.shape[1]
+    H = src.shape[1]
     if src.shape[0] == 0:  # every index is -1 (_check); keep a (zero) row so indexing stays valid
         src = torch.cat([src, src.new_zeros(1, H)])
     valid = index >= 0  # [T, J]

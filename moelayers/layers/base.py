@@ -21,11 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moelayers._autograd import in_backward
 from moelayers._compile import cached_tensor, eager_under_compile
 from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, ReplicaPolicy, Routes
 from moelayers.dispatch.base import (
-    BAD_INPUT, RECORDS_AUTOGRAD, merge_flags, raise_if_nonfinite, raise_if_placements_differ,
+    BAD_INPUT, RECORDS_AUTOGRAD, Dispatcher, merge_flags, raise_if_nonfinite, raise_if_placements_differ,
     routes_from_placement,
 )
 from moelayers.dispatch.comm import fingerprint
@@ -38,7 +39,6 @@ from moelayers.layers.replay import ForcedForRecompute
 from moelayers.metrics import MoEStats
 from moelayers.placement import ExpertPlacement
 from moelayers.router import TopKRouter, autocast_on
-from moelayers.trace import in_backward
 
 #: parameter attributes a deep copy leaves out: gradient buffers a data-parallel wrapper attaches
 #: (megatron's ``main_grad``), which the copy's own wrapper allocates
@@ -54,7 +54,7 @@ _STATE_FORMAT = 2
 
 
 def _some(ids: list[int], what: str, shown: int = 8) -> str:
-    """``"expert(s) [0, 1, 2]"``, or ``"16 experts: [0, ..., 7, ...]"`` past ``shown`` of them."""
+    """``"expert(s) [0, 1, 2]"``, or ``"16 experts: [0, 1, 2, 3, 4, 5, 6, 7, ...]"`` past ``shown`` of them."""
     if len(ids) <= shown:
         return f"{what}(s) {ids}"
     return f"{len(ids)} {what}s: [{', '.join(map(str, ids[:shown]))}, ...]"
@@ -209,7 +209,7 @@ class MoELayerBase(nn.Module):
             dtype=config.params_dtype, device=device, backend=expert_backend, init=False,
         )
         self.experts.tie_replicas(self.placement, groups.ep_rank, groups.ep)
-        self.dispatcher = self._make_dispatcher()
+        self.dispatcher: Dispatcher = self._make_dispatcher()
         self.last_stats: MoEStats | None = None
         self.last_topk_ids: torch.Tensor | None = None
         self.last_token_ids: torch.Tensor | None = None
@@ -238,7 +238,7 @@ class MoELayerBase(nn.Module):
             raise ValueError(f"placement spans {placement.num_ranks} ranks, the expert-parallel group has {groups.ep_size}")
         placement.validate()  # also catches a phy2log edited in place after the placement was built
 
-    def _make_dispatcher(self):
+    def _make_dispatcher(self) -> Dispatcher:
         g, p = self.groups, self.placement
         if self.dispatcher_name == "allgather":
             return AllGatherDispatcher(g.ep, g.ep_size, g.ep_rank, p.slots_per_rank, placement_digest=self._digest())
@@ -247,8 +247,8 @@ class MoELayerBase(nn.Module):
 
     def _digest(self) -> int:
         """62-bit digest the ranks compare with every exchange: the placement and the settings that
-        decide how the payload is laid out (a rank built with another ``dedup`` or ``top_k`` read
-        the others' rows with its own layout and failed on an out-of-range index, or worse)."""
+        decide how the payload is laid out (a rank built with another ``dedup`` or ``top_k`` would
+        read the others' rows with its own layout)."""
         c = self.config
         payload = (self.dedup, self.capacity) if self.dispatcher_name == "alltoall" else ()  # all-gather: neither
         settings = (self.placement.digest(), self.dispatcher_name, *payload, c.num_experts, c.top_k, c.hidden_size)
@@ -287,8 +287,8 @@ class MoELayerBase(nn.Module):
         Args:
             router_weight: ``[E, H]``; w13: ``[E, 2F, H]`` (gate rows, then up); w2: ``[E, H, F]``.
             verify: compare the weights across the expert-parallel ranks (one pass over them and one
-                all-reduce of ``6E + R`` integers: the max and minus the min of ``3E``
-                fingerprints, and one refusal flag per rank; ``False`` skips it).
+                all-reduce of ``6E + 2 + R`` integers: the max and minus the min of ``3E``
+                fingerprints and of the weights' dtype, and one refusal flag per rank; ``False`` skips it).
 
         Raises:
             TypeError: a weight is not a tensor, or has the wrong dtype or device.
@@ -523,8 +523,8 @@ class MoELayerBase(nn.Module):
         holds those slots: :func:`placement_record`, one int64 tensor.
 
         A tensor, like the weights: a snapshot that clones the state dict's tensors
-        (``{k: v.clone() ...}``) clones it with them (a nested dict kept the live placement, which
-        a later move changed under the cloned weights), and, like the weights of a ``state_dict()``
+        (``{k: v.clone() ...}``) clones it with them (a nested dict would keep the live placement,
+        which a later move changes under the cloned weights), and, like the weights of a ``state_dict()``
         (views of the live parameters), the live record follows the layer: a move commits the
         weights in place and updates it in place, so a state dict taken before the move pairs the
         new weights with the new placement."""
@@ -666,9 +666,9 @@ class MoELayerBase(nn.Module):
         _check_forced_type(topk_ids)
         self._forced_ids = topk_ids
 
-    # eager under torch.compile (one graph break, the model around it compiles): host syncs and
-    # data-dependent shapes made 16-23 breaks and a recompile per load pattern, and inductor lost the
-    # writes into the all-to-all buffer (views of another dtype): garbage on the wire
+    # eager under torch.compile (one graph break, the model around it compiles): its host syncs and
+    # data-dependent shapes would break the graph 16-23 times and recompile per load pattern, and inductor
+    # drops writes into the all-to-all buffer (views of another dtype)
     @eager_under_compile
     def forward(self, x: torch.Tensor, *, token_ids: torch.Tensor | None = None,
                 topk_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -783,7 +783,7 @@ class MoELayerBase(nn.Module):
             self._refuse_in_step(exc)  # raises
         raise exc
 
-    def _refuse_in_step(self, exc: Exception) -> None:
+    def _refuse_in_step(self, exc: Exception) -> NoReturn:
         """Raise ``exc`` for this rank's bad input, but only after taking part in the forward's
         exchange with no tokens and the ``BAD_INPUT`` flag: the other expert-parallel ranks learn
         it with their split sizes and raise too, instead of waiting for this rank forever (with

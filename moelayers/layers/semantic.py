@@ -32,6 +32,7 @@ from typing import Any, Callable, NoReturn
 import torch
 import torch.distributed as dist
 
+from moelayers._autograd import in_backward
 from moelayers._compile import eager_under_compile
 from moelayers._warnings import warn_caller
 from moelayers.config import MoEConfig
@@ -40,7 +41,7 @@ from moelayers.groups import ParallelGroups
 from moelayers.kernels import shuffle_rows
 from moelayers.layers.base import MoELayerBase, _check_forced_type
 from moelayers.placement import ExpertPlacement, on_host
-from moelayers.planning.semantic_eval import PREDICTORS
+from moelayers.planning.semantic import PREDICTORS
 from moelayers.schedule.token_shuffle import (
     HistoryPredictor,
     LayerTables,
@@ -51,7 +52,6 @@ from moelayers.schedule.token_shuffle import (
     shuffled_all_gather,
     shuffled_reduce_scatter,
 )
-from moelayers.trace import in_backward
 
 MODES = ("dp", "tp")
 
@@ -469,8 +469,8 @@ def _predictor_digest(predictor: LayerTables | HistoryPredictor | None, name: An
     """A 61-bit digest of a layer's predictor (its tensors' dtypes, shapes and values, its other
     fields) and of the ``predictor`` setting ``name``, made on the host once per layer."""
     h = hashlib.blake2b(f"{type(predictor).__name__}:{name!r}".encode(), digest_size=8)
-    for name, value in sorted(vars(predictor).items()) if predictor is not None else ():
-        h.update(name.encode())
+    for field, value in sorted(vars(predictor).items()) if predictor is not None else ():
+        h.update(field.encode())
         if isinstance(value, torch.Tensor):
             t = value.detach().to("cpu").contiguous()
             h.update(f"{t.dtype}{tuple(t.shape)}".encode())
@@ -520,7 +520,7 @@ def _history_of(prev: PrevRanks, token_ids: torch.Tensor | None, *, num_experts:
     if isinstance(prev, (tuple, list)) and len(prev) == 2:
         prev = prev[1]
         if prev is not None and not isinstance(prev, torch.Tensor):
-            prev = torch.as_tensor(prev)  # (a numpy array was ignored: the prediction ran without the history)
+            prev = torch.as_tensor(prev)  # (a numpy array too: the prediction needs the history)
         if isinstance(prev, torch.Tensor) and prev.dim() not in (1, 3):  # e.g. last_topk_ids [T, K]: not ignored
             raise ValueError(f"the second entry of prev_ranks must be the ranks at layer l-1 [T] or the expert "
                              f"history [D', T, K], got shape {list(prev.shape)} (one layer's [T, K] ids: add [None])")

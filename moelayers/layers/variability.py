@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from moelayers._autograd import in_backward
 from moelayers._compile import eager_under_compile
 from moelayers._warnings import warn_caller
 from moelayers.config import MoEConfig
@@ -29,7 +30,6 @@ from moelayers.groups import ParallelGroups, collective_device
 from moelayers.layers.base import MoELayerBase
 from moelayers.layers.moves import PlacementMoveError, holds_gradients
 from moelayers.placement import ExpertPlacement
-from moelayers.trace import in_backward
 
 Planner = Callable[..., Any]  # (loads [steps, E], curves, *, restarts, seed) -> expert_rank [E]
 

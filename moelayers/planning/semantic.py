@@ -42,6 +42,11 @@ __all__ = [
 
 FORMAT_VERSION = 2  # 2: train_sequences (older readers refuse it by this number, not as an unknown field)
 
+#: how tokens are given ranks in tp mode, offline (planning/semantic_eval.py) and online (SemanticMoE)
+PREDICTORS = ("combined", "alg3", "token")
+#: the schedule of price_balance (scores in nats), offline and online (schedule/token_shuffle.py)
+PRICE_ITERS, PRICE_STEP, PRICE_DECAY = 30, 1.0, 0.85
+
 
 def check_token_ids(token_ids: np.ndarray, vocab_size: int, name: str = "token_ids") -> np.ndarray:
     """``token_ids`` as int64, or ``ValueError`` naming ``name`` if any id is outside ``[0, vocab_size)``."""

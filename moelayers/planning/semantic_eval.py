@@ -45,19 +45,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from moelayers.planning.semantic import SemanticPlan, check_token_ids, majority_rank, rank_counts
+from moelayers.planning.semantic import (PREDICTORS, PRICE_DECAY, PRICE_ITERS, PRICE_STEP, SemanticPlan, check_token_ids,
+                                         majority_rank, rank_counts)
 
 __all__ = ["even_token_rank", "assignment_metrics", "lar_report", "capacity_assign", "price_balance", "balanced_assign", "step_capacity", "request_schedule", "schedule_requests", "schedule_one", "best_matching", "lar_from_assignment",
            "linear_expert_rank", "tp_scores", "assign_tp", "assign_dp", "evaluate_tp", "evaluate_dp", "evaluate",
            "PREDICTORS"]
 
-PREDICTORS = ("combined", "alg3", "token")
-
-
 # request_schedule(joint=True): votes a request gives up per token per unit of (rank load / mean - 1);
 # 3 keeps the token balance of the one-by-one order (measured on synthetic and tiny-model traces, EP4/EP8)
 JOINT_BALANCE = 3.0
-PRICE_ITERS, PRICE_STEP, PRICE_DECAY = 30, 1.0, 0.85  # price_balance schedule (scores in nats)
 
 
 def capacity_assign(scores: np.ndarray, capacity: np.ndarray, group: np.ndarray | None = None) -> np.ndarray:
@@ -329,8 +326,8 @@ def schedule_requests(scores: np.ndarray, lengths: np.ndarray, load: np.ndarray,
     sc = np.asarray(scores, dtype=np.float64)
     lengths = np.asarray(lengths, dtype=np.int64)
     out = np.empty(sc.shape[0], dtype=np.int64)
-    # the look-ahead's sum and longest length of every suffix, once (sorting each suffix made the
-    # schedule quadratic in the requests)
+    # the look-ahead's sum and longest length of every suffix, once (sorting each suffix would make
+    # the schedule quadratic in the requests)
     suffix_sum = np.concatenate([np.cumsum(lengths[::-1])[::-1], [0]])
     suffix_max = np.concatenate([np.maximum.accumulate(lengths[::-1])[::-1], [0]]) if lengths.size else [0]
 
@@ -535,7 +532,14 @@ def lar_from_assignment(trace, expert_rank: np.ndarray, token_rank: np.ndarray, 
 
 
 def linear_expert_rank(num_layers: int, num_experts: int, num_ranks: int) -> np.ndarray:
-    """``[L, E]`` linear placement: experts ``r*E/R .. (r+1)*E/R - 1`` on rank ``r``."""
+    """``[L, E]`` linear placement: experts ``r*E/R .. (r+1)*E/R - 1`` on rank ``r``.
+
+    Raises:
+        ValueError: ``E`` is not a positive multiple of ``R``.
+    """
+    if num_ranks < 1 or num_experts < num_ranks or num_experts % num_ranks:
+        raise ValueError(f"a linear placement needs the experts ({num_experts}) to be a positive multiple of the "
+                         f"ranks ({num_ranks})")
     return np.tile(np.arange(num_experts, dtype=np.int64) // (num_experts // num_ranks), (num_layers, 1))
 
 

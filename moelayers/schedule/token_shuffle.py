@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from moelayers.dispatch.comm import AllGatherRows, GatherRowsSplitGrad, ReduceScatterRows, ReduceScatterRowsSplitGrad
 from moelayers.kernels import bucket_positions, shuffle_rows
-from moelayers.planning.semantic_eval import PRICE_DECAY, PRICE_ITERS, PRICE_STEP
+from moelayers.planning.semantic import PRICE_DECAY, PRICE_ITERS, PRICE_STEP
 
 PrevRanks = Any  # [2, T] tensor (rows: layer l-2, layer l-1), or a pair of [T] tensors / None; -1 = unknown
 
@@ -198,7 +198,7 @@ class HistoryPredictor:
         if logq is None:
             return None
         if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, numbers.Integral) \
-                or not 0 <= layer < len(logq):  # -1 read the last layer's table with no history
+                or not 0 <= layer < len(logq):  # -1 would read the last layer's table
             raise ValueError(f"layer {layer!r} is out of range for a plan of {len(logq)} layers")
         logq = torch.as_tensor(logq[layer])
         hist = getattr(plan, "history_pmi", None) if history else None
