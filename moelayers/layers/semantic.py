@@ -198,6 +198,11 @@ class SemanticMoE(MoELayerBase):
         Args:
             token_ids: ``[T]`` token ids (``None`` only without a plan, with ``num_tokens``).
             prev_ranks: the previous layers' context (see :meth:`forward_tp`).
+            num_tokens: ``T`` when ``token_ids`` is ``None`` (plain equal chunks in token order).
+
+        Raises:
+            ValueError: ``token_ids`` is ``None`` while the plan predicts ranks from them, or the
+                context is refused (see :meth:`forward_tp`).
         """
         if token_ids is None:
             if self._tables is not None or self._predictor is not None:

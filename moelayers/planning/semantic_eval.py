@@ -520,15 +520,21 @@ def lar_from_assignment(trace, expert_rank: np.ndarray, token_rank: np.ndarray, 
     """
     er = np.asarray(expert_rank, dtype=np.int64)
     tr = np.asarray(token_rank, dtype=np.int64)
-    if er.shape != (trace.num_layers, trace.num_experts) or tr.shape != (trace.num_tokens, trace.num_layers):
-        raise ValueError(f"expert_rank must be [L, E] = {[trace.num_layers, trace.num_experts]} and token_rank "
-                         f"[T, L] = {[trace.num_tokens, trace.num_layers]}; got {list(er.shape)}, {list(tr.shape)}")
+    _check_assignment_shapes(trace, er, tr)
     top = np.inf if num_ranks is None else num_ranks
     for name, a in (("expert_rank", er), ("token_rank", tr)):
         if a.size and (a.min() < 0 or a.max() >= top):
             bound = "be >= 0" if num_ranks is None else f"be in [0, {num_ranks})"
             raise ValueError(f"{name} holds ranks in [{a.min()}, {a.max()}]: they must {bound}")
     return float(np.mean([_layer_local(trace.topk_ids[:, l], er[l], tr[:, l]).mean() for l in range(trace.num_layers)]))
+
+
+def _check_assignment_shapes(trace, expert_rank: np.ndarray, token_rank: np.ndarray) -> None:
+    if expert_rank.shape != (trace.num_layers, trace.num_experts) or \
+            token_rank.shape != (trace.num_tokens, trace.num_layers):
+        raise ValueError(f"expert_rank must be [L, E] = {[trace.num_layers, trace.num_experts]} and token_rank "
+                         f"[T, L] = {[trace.num_tokens, trace.num_layers]}; got {list(expert_rank.shape)}, "
+                         f"{list(token_rank.shape)}")
 
 
 def linear_expert_rank(num_layers: int, num_experts: int, num_ranks: int) -> np.ndarray:
@@ -590,9 +596,7 @@ def assignment_metrics(trace, expert_rank: np.ndarray, token_rank: np.ndarray, n
         ``expert_imbalance_per_layer [L]`` and ``remote_sends`` (int).
     """
     er, tr = np.asarray(expert_rank, dtype=np.int64), np.asarray(token_rank, dtype=np.int64)
-    if er.shape != (trace.num_layers, trace.num_experts) or tr.shape != (trace.num_tokens, trace.num_layers):
-        raise ValueError(f"expert_rank must be [L, E] = {[trace.num_layers, trace.num_experts]} and token_rank "
-                         f"[T, L] = {[trace.num_tokens, trace.num_layers]}; got {list(er.shape)}, {list(tr.shape)}")
+    _check_assignment_shapes(trace, er, tr)
     lar, e_imb, t_imb, sends = [], [], [], 0
     rows = np.arange(trace.num_tokens)
     for layer in range(trace.num_layers):
@@ -762,7 +766,10 @@ def evaluate_dp(plan: SemanticPlan, heldout_trace, *, max_ratio: float = 1.3, ma
 
 
 def evaluate(plan: SemanticPlan, heldout_trace, tokens_per_step: int = 2048, **kwargs) -> tuple[dict, np.ndarray]:
-    """:func:`evaluate_tp` or :func:`evaluate_dp`, by ``plan.mode``; ``(report, token_rank [T, L])``."""
+    """:func:`evaluate_tp` or :func:`evaluate_dp`, by ``plan.mode``; ``(report, token_rank [T, L])``.
+
+    ``tokens_per_step`` is the tp batch (a dp request keeps its sequence whole, so dp takes none).
+    """
     if plan.mode == "dp":
         return evaluate_dp(plan, heldout_trace, **kwargs)
     return evaluate_tp(plan, heldout_trace, tokens_per_step, **kwargs)

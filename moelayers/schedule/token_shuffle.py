@@ -44,7 +44,10 @@ from moelayers.dispatch.comm import AllGatherRows, GatherRowsSplitGrad, ReduceSc
 from moelayers.kernels import bucket_positions, shuffle_rows
 from moelayers.planning.semantic import PRICE_DECAY, PRICE_ITERS, PRICE_STEP
 
-PrevRanks = Any  # [2, T] tensor (rows: layer l-2, layer l-1), or a pair of [T] tensors / None; -1 = unknown
+#: the previous layers' context of a token's rank: the ranks at layers l-2 and l-1 for Algorithm 3's
+#: n-gram (a [2, T] tensor, or a pair of [T] tensors / None; -1 = unknown), or, for a plan that predicts
+#: from the expert history, the [D', T, K] experts of the D' layers before (alone, or second in a pair)
+PrevRanks = Any
 
 
 # ---------------------------------------------------------------------- the plan's tables at one layer
