@@ -554,9 +554,7 @@ class MegatronMoEAdapter(nn.Module):
         layer drops it in a forward that raises."""
         if not in_backward():
             self.layer._forced_ids = None
-        if self.groups.ep_size > 1:
-            self.layer._refuse_in_step(exc)  # raises
-        raise exc
+        self.layer.refuse_input(exc)
 
     def extra_repr(self) -> str:
         return f"layer_number={self.layer_number}, is_mtp_layer={self.is_mtp_layer}"
