@@ -281,6 +281,7 @@ class VariabilitySettings:
     Config (both keys optional)::
 
         variability: high            # a preset name, or {name: high, curves: {path: curves.npz}}
+                                     # (on the command line: curves.path=F or +variability.curves.path=F)
         emulation:                   # slow the ranks down accordingly (any layer)
           mode: measured             # measured | curve | off (YAML's boolean ``off``, False, too)
           time_scale: 1.0            # curve mode: multiplies the curve latencies

@@ -45,10 +45,10 @@ Comparisons (``compare.layer=NAME``, ``recipes/_serve_compare.py``, docs/serve_c
 baseline once per seed (``compare.seeds``, default 3) on the same requests and the same emulated
 hardware, one results.json (our medians, ``baseline``, ``runs``, ``comparison``), compare.png::
 
-    python recipes/serve.py layer=semantic scheduler=semantic router=replay trace.num_sequences=256 \
+    python recipes/serve.py layer=semantic scheduler=semantic router=replay trace.num_sequences=256 \\
         trace.request_offset=128 compare.layer=vanilla compare.scheduler=round_robin
-    python recipes/serve.py layer=variability variability=high emulation.mode=curve emulation.time_scale=3000 \
-        router=replay workload.num_requests=1024 workload.rate=2000 max_batch_size=256 layer.kwargs.window=6 \
+    python recipes/serve.py layer=variability variability=high emulation.mode=curve emulation.time_scale=3000 \\
+        router=replay workload.num_requests=1024 workload.rate=2000 max_batch_size=256 layer.kwargs.window=6 \\
         compare.layer=vanilla
 
 All-to-all volume: ``a2a_bytes`` = ``a2a_dispatch_bytes`` (``bytes_sent``) + ``a2a_combine_bytes``, see
