@@ -73,6 +73,10 @@ def _group_rank(group) -> int:
     return 0 if group is None or not dist.is_initialized() else dist.get_rank(group)
 
 
+#: the replica id (its pipeline part) of a rank's stand-in row when it holds no expert: beyond any real copy
+_STAND_IN = 1 << 20
+
+
 def layer_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, metadata: dict | None, *,
                              expert_replica: tuple[int, int]) -> dict:
     """megatron's ``sharded_state_dict`` of a moelayers layer (see the module docstring).
@@ -115,12 +119,21 @@ def layer_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, metadat
                              "optimizer, or another distrib_optim_sharding_type in the metadata (not checked with "
                              "moelayers)")
         pp, tp, dp = replica_id if isinstance(replica_id, tuple) else (replica_id, 0, 0)
-        return [ShardedTensor.from_rank_offsets(key, data[s], *sharded_offsets, (axis, e, num_experts),
+        held = [ShardedTensor.from_rank_offsets(key, data[s], *sharded_offsets, (axis, e, num_experts),
                                                 replica_id=(pp + copy, tp, dp), prepend_axis_num=axis + 1)
                 for s, (e, copy) in enumerate(slots) if e >= 0]
+        if held:
+            return held
+        # a rank holding no expert: megatron takes an empty list for common (non-sharded) data, which breaks
+        # the save (a list clashing with the other ranks') and the load (a key missing on this rank alone).
+        # A stand-in keeps the key sharded here: a replica of expert 0 that is never the main one (never
+        # written), read on a load into scratch memory that the merge drops
+        return [ShardedTensor.from_rank_offsets(key, torch.empty_like(data[0]), *sharded_offsets,
+                                                (axis, 0, num_experts), replica_id=(pp + _STAND_IN, tp, dp),
+                                                prepend_axis_num=axis + 1)]
 
     def merger(param: torch.Tensor):
-        def merge(loaded: list[torch.Tensor]) -> torch.Tensor:
+        def merge(loaded: list[torch.Tensor]) -> torch.Tensor:  # (a stand-in row, with no slot to take it: dropped)
             rows = iter(loaded)
             like = loaded[0] if loaded else param
             return torch.stack([next(rows) if e >= 0 else torch.zeros(param.shape[1:], dtype=like.dtype,

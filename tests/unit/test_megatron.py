@@ -852,7 +852,8 @@ def _sharded_checkpoint_round_trip(rank, world, root):
     linear and in a replicated placement; load each into another placement at EP=2 and at EP=1 (DP=2);
     save and load at TP=2 (megatron's expert TP = 2 too: replicas of whole experts); a move after the
     sharded state dict was taken (refused at the save; between a load and ``load_state_dict``, the
-    rows keep the placement they were read for). Flat shards (the distributed optimizer's 'fully_sharded_model_space') are refused clearly."""
+    rows keep the placement they were read for). Placements with a rank that holds no expert, saved
+    and loaded. Flat shards (the distributed optimizer's 'fully_sharded_model_space') are refused clearly."""
     import os
 
     warnings.filterwarnings("ignore")
@@ -864,7 +865,11 @@ def _sharded_checkpoint_round_trip(rank, world, root):
     from megatron.core import parallel_state as ps
 
     weights = _weights(21)
-    saved_in = {"linear": None, "replicated": _replicated_placement(world)}
+    # a rank holding no expert: its empty list of rows was taken for common (non-sharded) data, which made
+    # the checkpoint unloadable (saved with rank 0 empty) or the load raise on that rank alone
+    empty_first = ml.ExpertPlacement(torch.tensor([[-1] * E, list(range(E))]), E)
+    empty_last = ml.ExpertPlacement(torch.tensor([list(range(E)), [-1] * E]), E)
+    saved_in = {"linear": None, "replicated": _replicated_placement(world), "empty_first": empty_first}
     ps.initialize_model_parallel(expert_model_parallel_size=world)
     for name, placement in saved_in.items():
         adapter, opt = _adapter_with_adam(world, placement)
@@ -879,7 +884,7 @@ def _sharded_checkpoint_round_trip(rank, world, root):
                 factory.build_fn(factory.key, factory.data, factory.replica_id, slice(0, 4))
     reversed_ = ml.ExpertPlacement(torch.arange(E - 1, -1, -1).view(world, -1), E)
     for name in saved_in:
-        for placement in (reversed_, _replicated_placement(world)):
+        for placement in (reversed_, _replicated_placement(world), empty_last):
             _load_and_check(*_adapter_with_adam(world, placement), f"{root}/{name}", weights)
     # a move after sharded_state_dict() was taken: the rows no longer match it, refused at the save
     adapter, opt = _adapter_with_adam(world)
