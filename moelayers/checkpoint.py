@@ -40,6 +40,7 @@ name says. A layer registered under several names has its experts under the firs
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -256,24 +257,37 @@ def load_model_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, st
     return _IncompatibleKeys(missing, unexpected)
 
 
+class _Agreement:
+    """What the checks inside :func:`_agreed_across_ranks` leave for the ranks to compare:
+    ``digest``, a 62-bit digest of something every rank must have alike, and ``of``, what it is."""
+
+    digest, of = 0, ""
+
+
 @contextlib.contextmanager
 def _agreed_across_ranks(experts: list[_ExpertParam], what: str):
     """Run the checks of a loader, then agree with the model's other ranks: an exception raised
-    inside (any refusal) is told to them first; another rank's refusal raises ``ValueError`` here."""
+    inside (any refusal) is told to them first; another rank's refusal, or a digest the checks set
+    (:class:`_Agreement`) that differs between the ranks, raises ``ValueError`` here."""
+    agreement = _Agreement()
     try:
-        yield
+        yield agreement
     except Exception:  # noqa: BLE001 - any refusal: told to the other ranks before it is raised
         _refused_on_any_rank(experts, True)
         raise
-    if _refused_on_any_rank(experts, False):
+    refused, alike = _refused_on_any_rank(experts, False, agreement.digest)
+    if refused:
         raise ValueError(f"{what}: another rank refused its state dict (see its error); nothing was loaded")
+    if not alike:
+        raise ValueError(f"{what}: the ranks' {agreement.of} differ; nothing was loaded")
 
 
-def _refused_on_any_rank(experts: list[_ExpertParam], refused: bool) -> bool:
-    """Whether any rank of the model refused: an all-reduce MAX over each distinct expert-parallel
-    group of the layers, then over each distinct expert-data-parallel group (together they span the
-    ranks of a model built over the world, several expert-parallel groups included)."""
-    flag = torch.tensor([int(refused)])
+def _refused_on_any_rank(experts: list[_ExpertParam], refused: bool, digest: int = 0) -> tuple[bool, bool]:
+    """Whether any rank of the model refused, and whether every rank has the same ``digest``: an
+    all-reduce MAX over each distinct expert-parallel group of the layers, then over each distinct
+    expert-data-parallel group (together they span the ranks of a model built over the world,
+    several expert-parallel groups included)."""
+    flag = torch.tensor([int(refused), digest, -digest], dtype=torch.int64)
     for kind in ("ep", "edp"):
         seen = set()
         for layer in dict.fromkeys(p.layer for p in experts):  # layer order, the same on every rank
@@ -283,7 +297,8 @@ def _refused_on_any_rank(experts: list[_ExpertParam], refused: bool) -> bool:
             seen.add(id(group))
             flag = flag.to(collective_device(group))
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return bool(flag.item())
+    refused_somewhere, high, minus_low = flag.tolist()
+    return bool(refused_somewhere), high == -minus_low
 
 
 def optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -334,9 +349,14 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     )
 
     experts = _expert_params(model, get_model_state_dict(model))
-    with _agreed_across_ranks(experts, "load_optimizer_state_dict"):
+    with _agreed_across_ranks(experts, "load_optimizer_state_dict") as agreement:
         live_osd = get_optimizer_state_dict(model, optimizer)
         live = live_osd["state"]
+        # which expert weights the optimizers hold and their shared states: _share_slot_table_states relies on it
+        agreement.of = "optimizers (the expert weights they hold, or those weights' states)"
+        agreement.digest = _digest([(p.fqn, p.in_optimizer(live) is not None,
+                                     [what for what, _ in _slot_table_states(p, live.get(p.in_optimizer(live), {}))])
+                                    for p in experts])
         _check_param_groups(state_dict, live_osd["param_groups"])
         saved = state_dict["state"]
         copies, sets = [], []  # (live tensor, loaded value), (live state, name, loaded value): all checked first
@@ -380,11 +400,22 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
         value.copy_(loaded)
     for state, what, loaded in sets:  # (the optimizer's own state dicts)
         state[what] = loaded
-    for p in experts:
+    for p in experts:  # (whether the optimizer holds each, and its shared states, agreed above)
         name = p.in_optimizer(live)
         if name is not None:
             _share_slot_table_states(p, live[name])
     return set_optimizer_state_dict(model, optimizer, {**state_dict, "state": native})
+
+
+def _slot_table_states(p: _ExpertParam, state: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """The numeric states of ``p`` shared by all its slots (the step), in a fixed order."""
+    return [(what, value) for what, value in sorted(state.items(), key=lambda kv: str(kv[0]))
+            if not p.slot_major(value) and (torch.is_tensor(value) and value.numel() == 1
+                                            or isinstance(value, (int, float)) and not isinstance(value, bool))]
+
+
+def _digest(value: Any) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 2
 
 
 def _share_slot_table_states(p: _ExpertParam, state: dict) -> None:
@@ -394,13 +425,12 @@ def _share_slot_table_states(p: _ExpertParam, state: dict) -> None:
     optimizer's step would then differ from the other ranks', and every later move with the
     optimizer is refused. Where the placement leaves an expert-parallel rank empty, the ranks of
     the group take the maximum of the holders' values (non-holders offer ``-inf``): one small
-    all-reduce per parameter, only for such placements.
+    all-reduce per parameter, only for such placements (every rank of the group holds the same
+    states: agreed before anything was loaded).
     """
     if p.layer.groups.ep is None or bool((p.layer.placement.phy2log >= 0).any(1).all()):
         return  # every rank holds experts: every rank read its own
-    shared = [(what, value) for what, value in sorted(state.items(), key=lambda kv: str(kv[0]))
-              if not p.slot_major(value) and (torch.is_tensor(value) and value.numel() == 1
-                                              or isinstance(value, (int, float)) and not isinstance(value, bool))]
+    shared = _slot_table_states(p, state)
     device = collective_device(p.layer.groups.ep)
     offered = [float(value) if p.experts else -math.inf for _, value in shared]
     agreed = torch.tensor(offered, dtype=torch.float64, device=device)
@@ -520,10 +550,10 @@ def load_placement_state_dict(model: nn.Module, state_dict: Mapping[str, torch.T
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=layer.groups.ep)
         refused_somewhere, move = flags.tolist()
         edp = layer.groups.edp  # the layer's copies in the other expert-parallel groups: they refuse together too
-        if edp is not None and dist.get_world_size(edp) > 1:
-            flag = torch.tensor([refused_somewhere], device=collective_device(edp))
+        if edp is not None and dist.get_world_size(edp) > 1:  # and move together: a group already in the
+            flag = torch.tensor([refused_somewhere, move], device=collective_device(edp))  # placement moves nothing
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=edp)
-            refused_somewhere = int(flag.item())
+            refused_somewhere, move = flag.tolist()
         if raised is None and refused is not None:
             raised = refused
         elif raised is None and refused_somewhere:

@@ -26,8 +26,9 @@ def collective_device(group: ProcessGroup) -> torch.device:
 
 
 def backend_device(backend: str | None) -> torch.device:
-    """The current CUDA device for the ``"nccl"`` backend, else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    """The current CUDA device for a backend with NCCL (``"nccl"``, or ``"cpu:gloo,cuda:nccl"``),
+    else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) else torch.device("cpu")
 
 
 @dataclass(frozen=True)

@@ -554,7 +554,9 @@ class MegatronMoEAdapter(nn.Module):
         layer drops it in a forward that raises."""
         if not in_backward():
             self.layer._forced_ids = None
-        self.layer.refuse_input(exc)
+        if self.groups.ep_size > 1:  # the exchange of MoELayerBase.forward, which the adapter runs in any mode
+            self.layer._refuse_in_step(exc)  # raises (not refuse_input: SemanticMoE's in tp mode agrees otherwise)
+        raise exc
 
     def extra_repr(self) -> str:
         return f"layer_number={self.layer_number}, is_mtp_layer={self.is_mtp_layer}"

@@ -6,3 +6,15 @@ from moelayers.layers.vanilla import VanillaMoE
 from moelayers.layers.variability import VariabilityAwareMoE
 
 __all__ = ["MoELayerBase", "SemanticMoE", "VanillaMoE", "VariabilityAwareMoE"]
+
+_MOVED_TO_TRAINING = ("rank_local_names", "rank_local_params", "reduce_expert_grads")
+
+
+def __getattr__(name: str):
+    """The data-parallel helpers live in :mod:`moelayers.training` (``moelayers.<name>``); still
+    importable from here (imported on first use: ``moelayers.training`` imports this package)."""
+    if name in _MOVED_TO_TRAINING:
+        from moelayers import training
+
+        return getattr(training, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

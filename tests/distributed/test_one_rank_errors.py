@@ -49,7 +49,12 @@ def _adapter_check(rank: int, world: int, case: str) -> str:
     tc = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, ffn_hidden_size=4, moe_ffn_hidden_size=4,
                            num_moe_experts=4 * world, moe_router_topk=2, gated_linear_unit=True, activation_func=tnf.silu,
                            add_bias_linear=False, use_cpu_initialization=True, hidden_dropout=0.0, **extra)
-    adapter = mi.MegatronMoEAdapter(tc, ml.VanillaMoE, groups=ml.ParallelGroups.from_world()).eval()
+    if case == "semantic_tp":  # its refuse_input agrees in forward_tp's way; the adapter runs the base forward
+        adapter = mi.MegatronMoEAdapter(tc, ml.SemanticMoE, groups=ml.ParallelGroups.from_world(tp=world),
+                                        mode="tp").eval()
+        case = "intermediate_tensors"
+    else:
+        adapter = mi.MegatronMoEAdapter(tc, ml.VanillaMoE, groups=ml.ParallelGroups.from_world()).eval()
     x = torch.randn(4, 2, 8, generator=torch.Generator().manual_seed(rank))
     if case == "intermediate_tensors":
         with torch.no_grad():
@@ -58,10 +63,13 @@ def _adapter_check(rank: int, world: int, case: str) -> str:
     return _outcome(adapter, x)
 
 
-@pytest.mark.parametrize("case", ["intermediate_tensors", "training_losses"])
+@pytest.mark.parametrize("case", ["intermediate_tensors", "training_losses", "semantic_tp"])
 def test_megatron_adapter_refusals_on_one_rank(case):
+    """``semantic_tp``: an adapter over ``SemanticMoE(mode="tp")`` hung (its refusal went through the
+    layer's tp agreement while the other ranks were in the base forward's exchange)."""
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     own = {"intermediate_tensors": "NotImplementedError: MegatronMoEAdapter does not support partial CUDA-graph",
+           "semantic_tp": "NotImplementedError: MegatronMoEAdapter does not support partial CUDA-graph",
            "training_losses": "RuntimeError: the transformer_config turns on training losses"}[case]
     _assert_all_raise(run_distributed(_adapter_check, 2, case, timeout=TIMEOUT), own)
 
@@ -189,6 +197,26 @@ def test_load_placement_state_dict_with_one_rank_apart(case, world):
     assert not any(moved for _, _, moved in outcomes), outcomes  # nothing moved anywhere
 
 
+def _placement_one_group_there_already(rank: int, world: int) -> list:
+    from moelayers import checkpoint as mlc
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    groups = ml.ParallelGroups.from_world(ep=2)
+    model = torch.nn.ModuleDict({k: ml.VanillaMoE(cfg, groups, seed=1) for k in "ab"})
+    saved = {f"{k}.placement": torch.tensor([[3, 0], [1, 2]]) for k in "ab"}
+    if rank < 2:  # group {0, 1} already serves layer a's saved placement (a re-plan of its own, say)
+        model["a"].apply_placement(ml.ExpertPlacement(saved["a.placement"], 4))
+    return [_outcome(mlc.load_placement_state_dict, model, saved), [m.placement.phy2log.tolist() for m in model.values()]]
+
+
+def test_load_placement_state_dict_with_one_group_there_already():
+    """World 4, EP2 x EDP2: group {0, 1} already served layer a's saved placement, group {2, 3} did
+    not, so only {2, 3} moved it and waited for {0, 1} in the move's agreement over the copies
+    (which {0, 1} ran for layer b instead): a hang. The groups now decide to move together."""
+    for loaded, placements in run_distributed(_placement_one_group_there_already, 4, timeout=TIMEOUT):
+        assert loaded == "ok" and placements == [[[3, 0], [1, 2]]] * 2, (loaded, placements)
+
+
 def _placement_mixed_groups(rank: int, world: int, device: str = "cpu") -> list:
     import torch.distributed as dist
 
@@ -279,10 +307,13 @@ def _model_state_check(rank: int, world: int, case: str, device: str = "cpu") ->
         elif case == "meta_expert":  # copied on rank 1 only as far as the meta tensor
             state[f"moe.experts.w2.{held[-1]}"] = torch.empty(8, 4, dtype=torch.float64, device="meta")
     if case.startswith("optimizer"):
-        optim = torch.optim.AdamW(model.parameters())
+        params = model.parameters()
+        if rank == 1 and case == "optimizer_holds_other_weights":  # the optimizers differ: refused on every rank
+            params = [p for n, p in model.named_parameters() if "experts" not in n]
+        optim = torch.optim.AdamW(params)
         model["moe"](model["pre"](torch.randn(6, 8, dtype=torch.float64))).sum().backward()
         optim.step()
-        before = {p: {k: v.clone() for k, v in optim.state[p].items()} for p in model.parameters()}
+        before = {p: {k: v.clone() for k, v in optim.state.get(p, {}).items()} for p in model.parameters()}
         state = mlc.optimizer_state_dict(model, optim)
         state["state"] = {k: {n: v + 1 for n, v in entry.items()} for k, entry in state["state"].items()}
         if rank == 1 and case == "optimizer_missing_expert":
@@ -296,7 +327,7 @@ def _model_state_check(rank: int, world: int, case: str, device: str = "cpu") ->
         if rank == 1 and case == "optimizer_dense_not_a_dict":  # left rank 1's optimizer broken for good
             state["state"]["pre.weight"] = 5
         loaded = _outcome(mlc.load_optimizer_state_dict, model, optim, state)
-        return [loaded, all(isinstance(optim.state[p], dict) and optim.state[p].keys() == was.keys()
+        return [loaded, all(isinstance(optim.state.get(p, {}), dict) and optim.state.get(p, {}).keys() == was.keys()
                             and all(torch.equal(optim.state[p][k], v) for k, v in was.items())
                             for p, was in before.items())]
     loaded = _outcome(mlc.load_model_state_dict, model, state)
@@ -314,6 +345,15 @@ LOAD_CASES = {"missing_expert": "KeyError", "dense_shape": "ValueError",
 
 def _model_state_checks(rank: int, world: int, device: str = "cpu") -> dict:
     return {case: _model_state_check(rank, world, case, device) for case in LOAD_CASES}  # one spawn for every case
+
+
+def test_load_optimizer_state_dict_with_optimizers_holding_other_weights():
+    """Rank 1's optimizer does not hold the expert weights: each rank's own state dict is fine, but
+    the step sharing for ranks without experts (and any later move) needs every rank's optimizer
+    alike; every rank refuses, and none loads."""
+    for loaded, unchanged in run_distributed(_model_state_check, 2, "optimizer_holds_other_weights", timeout=TIMEOUT):
+        assert loaded.startswith("ValueError: load_optimizer_state_dict: the ranks' optimizers"), loaded
+        assert unchanged
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -381,6 +381,23 @@ def test_semantic_forward_tp_one_rank_matches_the_reference_and_keeps_the_contex
     assert last.last_context_ranks is None
 
 
+def test_backend_device_takes_nccl_inside_a_mixed_backend(monkeypatch):
+    """A group made with ``backend="cpu:gloo,cuda:nccl"`` has NCCL for CUDA tensors: the GPU, as a
+    plain NCCL group (megatron's adapter picked it; the shared helper compared names whole)."""
+    from moelayers.groups import backend_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert backend_device("cpu:gloo,cuda:nccl") == backend_device("nccl") == torch.device("cuda", 2)
+    assert backend_device("gloo") == backend_device(None) == torch.device("cpu")
+
+
+def test_training_helpers_import_from_their_old_place():
+    from moelayers.layers import rank_local_names, rank_local_params, reduce_expert_grads
+
+    assert (rank_local_names, rank_local_params, reduce_expert_grads) == (
+        ml.rank_local_names, ml.rank_local_params, ml.reduce_expert_grads)
+
+
 def test_default_device_follows_the_world_for_one_expert_rank(monkeypatch):
     """With one expert-parallel rank there is no EP group; a layer on from_world() of a one-rank NCCL
     world used to land on the CPU (its docstring: CUDA when NCCL is used). The groups now carry the
