@@ -268,22 +268,7 @@ class SemanticMoE(MoELayerBase):
                 _check_forced_type(topk_ids)
                 if pending is not None:
                     raise ValueError("topk_ids given to a forward_tp for which force_routing ids are pending: pass one")
-            x2, token_ids = self._check_input(attn_partial, token_ids, "attn_partial")
-            if token_ids is not None and token_ids.dtype in _WIDE_UNSIGNED:  # index_select has no kernel for them
-                token_ids = token_ids.to(torch.int64)  # (ids above 2**63 wrap negative: outside the vocabulary either way)
-            if not isinstance(residual, torch.Tensor) or residual.shape != attn_partial.shape:
-                raise ValueError(f"residual must have the shape of attn_partial {list(attn_partial.shape)}, "
-                                 f"got {list(getattr(residual, 'shape', []))}")
-            residual = self._from_autocast(residual, "residual")
-            if residual.dtype != x2.dtype or residual.device != x2.device:
-                raise TypeError(f"residual is {residual.dtype} on {residual.device}, "
-                                f"attn_partial {x2.dtype} on {x2.device}")
-            if (forced is not None and forced.dim() == 3 and attn_partial.dim() == 3
-                    and forced.shape[:2] == attn_partial.shape[:2]):
-                forced = forced.reshape(-1, forced.shape[-1])  # [S, B, K] for [S, B, H], as forward() takes it
-            if forced is not None and tuple(forced.shape) != (x2.shape[0], self.config.top_k):
-                raise ValueError(f"forced routing has shape {list(forced.shape)}, expected "
-                                 f"[{x2.shape[0]}, {self.config.top_k}] (or [S, B, K] laid out like attn_partial)")
+            x2, residual, token_ids, forced = self._tp_inputs(attn_partial, residual, token_ids, forced)
             rb = self.rebatch(token_ids, prev_ranks, num_tokens=x2.shape[0])
             if self.capacity is not None and rb.chunk_size > self.capacity:  # known alike on every TP rank
                 raise ValueError(f"forward_tp: {x2.shape[0]} tokens over {rb.num_ranks} TP rank(s) make chunks of "
@@ -304,31 +289,63 @@ class SemanticMoE(MoELayerBase):
         h = shuffle_rows(res, mine) + reduced                                    # dummy rows: zeros
         rows = mine[:n]
         hv = h[:n]
-        try:  # before the chunk's routing is forced: a norm that raises leaves nothing forced
-            z = norm(hv)
-            if not isinstance(z, torch.Tensor) or z.shape != hv.shape or z.dtype != hv.dtype:
-                got = f"{list(z.shape)} {z.dtype}" if isinstance(z, torch.Tensor) else type(z).__name__
-                raise ValueError(f"norm must return a tensor shaped and typed like its input ({list(hv.shape)} "
-                                 f"{hv.dtype}, this rank's rows after the reduce-scatter), got {got}")
-        except Exception as exc:  # the caller's norm failed on this rank: the others wait in the layer's exchange
-            if self.groups.ep_size == 1:
-                raise
-            self._refuse_in_step(exc)  # raises, after telling the other ranks
+        z = self._normed(norm, hv)  # before the chunk's routing is forced: a norm that raises leaves nothing forced
         chunk_ids = None if forced is None else forced.index_select(0, rows.to(forced.device))  # this chunk's rows
         if topk_ids is None and chunk_ids is not None:  # (force_routing's: the layer keeps it for recomputation)
             self._forced_ids, chunk_ids = chunk_ids, None
         y = self.forward(z, token_ids=None if token_ids is None else token_ids.index_select(0, rows), topk_ids=chunk_ids)
         out_chunk = torch.cat([hv + y, h[n:]])
         out = shuffled_all_gather(out_chunk, rb.perm, group, inverse=rb.inverse, replicated_grad=True)
-        if in_backward():  # activation checkpointing recomputing: the record stays the caller's forward's
-            return out.view(attn_partial.shape)
+        if not in_backward():  # activation checkpointing recomputing: the record stays the caller's forward's
+            self._record_tp(rb, n, prev_ranks, token_ids)
+        return out.view(attn_partial.shape)
+
+    def _tp_inputs(self, attn_partial: torch.Tensor, residual: Any, token_ids: torch.Tensor | None,
+                   forced: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                         torch.Tensor | None]:
+        """:meth:`forward_tp`'s inputs checked on this rank: ``(x2 [T, H], residual [T, H] or as
+        given, token_ids [T] int, forced [T, K] or None)``; ``TypeError``/``ValueError`` if refused."""
+        x2, token_ids = self._check_input(attn_partial, token_ids, "attn_partial")
+        if token_ids is not None and token_ids.dtype in _WIDE_UNSIGNED:  # index_select has no kernel for them
+            token_ids = token_ids.to(torch.int64)  # (ids above 2**63 wrap negative: outside the vocabulary either way)
+        if not isinstance(residual, torch.Tensor) or residual.shape != attn_partial.shape:
+            raise ValueError(f"residual must have the shape of attn_partial {list(attn_partial.shape)}, "
+                             f"got {list(getattr(residual, 'shape', []))}")
+        residual = self._from_autocast(residual, "residual")
+        if residual.dtype != x2.dtype or residual.device != x2.device:
+            raise TypeError(f"residual is {residual.dtype} on {residual.device}, "
+                            f"attn_partial {x2.dtype} on {x2.device}")
+        if (forced is not None and forced.dim() == 3 and attn_partial.dim() == 3
+                and forced.shape[:2] == attn_partial.shape[:2]):
+            forced = forced.reshape(-1, forced.shape[-1])  # [S, B, K] for [S, B, H], as forward() takes it
+        if forced is not None and tuple(forced.shape) != (x2.shape[0], self.config.top_k):
+            raise ValueError(f"forced routing has shape {list(forced.shape)}, expected "
+                             f"[{x2.shape[0]}, {self.config.top_k}] (or [S, B, K] laid out like attn_partial)")
+        return x2, residual, token_ids, forced
+
+    def _normed(self, norm: Callable[[torch.Tensor], torch.Tensor], hv: torch.Tensor) -> torch.Tensor:
+        """``norm(hv)``, checked to keep ``hv``'s shape and dtype; a norm that fails on this rank
+        raises on every expert-parallel rank (after the layer's exchange, where the others wait)."""
+        try:
+            z = norm(hv)
+            if not isinstance(z, torch.Tensor) or z.shape != hv.shape or z.dtype != hv.dtype:
+                got = f"{list(z.shape)} {z.dtype}" if isinstance(z, torch.Tensor) else type(z).__name__
+                raise ValueError(f"norm must return a tensor shaped and typed like its input ({list(hv.shape)} "
+                                 f"{hv.dtype}, this rank's rows after the reduce-scatter), got {got}")
+        except Exception as exc:  # noqa: BLE001 - the caller's norm, whatever it raised
+            if self.groups.ep_size == 1:
+                raise
+            self._refuse_in_step(exc)  # raises, after telling the other ranks
+        return z
+
+    def _record_tp(self, rb: Rebatch, n: int, prev_ranks: PrevRanks, token_ids: torch.Tensor | None) -> None:
+        """Keep what the next layer's :meth:`forward_tp` takes from this one (:attr:`last_context_ranks`)."""
         self.last_ranks, self.last_rebatch = rb.rank, rb
         self.last_context_ranks = None
         if self.gather_context and self._predictor is not None:
             self.last_context_ranks = self._context_history(rb, n, _history_of(prev_ranks, token_ids))
         elif self.gather_context:
             self.last_context_ranks = self._context_ranks(rb, n)
-        return out.view(attn_partial.shape)
 
     def refuse_input(self, exc: Exception) -> NoReturn:
         """As :meth:`MoELayerBase.refuse_input`; in ``tp`` mode, where the ranks are about to call
