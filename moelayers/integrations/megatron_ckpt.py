@@ -73,10 +73,6 @@ def _group_rank(group) -> int:
     return 0 if group is None or not dist.is_initialized() else dist.get_rank(group)
 
 
-#: the replica id (its pipeline part) of a rank's stand-in row when it holds no expert: beyond any real copy
-_STAND_IN = 1 << 20
-
-
 def layer_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, metadata: dict | None, *,
                              expert_replica: tuple[int, int]) -> dict:
     """megatron's ``sharded_state_dict`` of a moelayers layer (see the module docstring).
@@ -95,6 +91,11 @@ def layer_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, metadat
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor, ShardedTensorFactory
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
+    from megatron.core import parallel_state
+
+    if (metadata is None or "dp_cp_group" not in metadata) and not parallel_state.model_parallel_is_initialized():
+        # groups given without megatron's parallel_state (ParallelGroups.from_world, a pg_collection): their dp
+        metadata = {**(metadata or {}), "dp_cp_group": layer.groups.dp}
     metadata = ensure_metadata_has_dp_cp_group(metadata)
     state = layer.state_dict(prefix="", keep_vars=True)
     rest = {k: v for k, v in state.items() if k not in EXPERT_KEYS and k != "_extra_state"}
@@ -125,15 +126,15 @@ def layer_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, metadat
         if held:
             return held
         # a rank holding no expert: megatron takes an empty list for common (non-sharded) data, which breaks
-        # the save (a list clashing with the other ranks') and the load (a key missing on this rank alone).
-        # A stand-in keeps the key sharded here: a replica of expert 0 that is never the main one (never
-        # written), read on a load into scratch memory that the merge drops
-        return [ShardedTensor.from_rank_offsets(key, torch.empty_like(data[0]), *sharded_offsets,
-                                                (axis, 0, num_experts), replica_id=(pp + _STAND_IN, tp, dp),
-                                                prepend_axis_num=axis + 1)]
+        # the save (a list clashing with the other ranks') and the load (a key missing on this rank alone);
+        # a stand-in shard of an expert would be written by a fully parallel save, which picks any holder of
+        # a shard as its writer. Its rows stay local: nothing saved, nothing read, zeros on a load
+        return LocalNonpersistentObject(torch.zeros_like(data))
 
     def merger(param: torch.Tensor):
-        def merge(loaded: list[torch.Tensor]) -> torch.Tensor:  # (a stand-in row, with no slot to take it: dropped)
+        def merge(loaded: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+            if isinstance(loaded, torch.Tensor):  # a rank holding no expert: its zero rows, as they are
+                return loaded
             rows = iter(loaded)
             like = loaded[0] if loaded else param
             return torch.stack([next(rows) if e >= 0 else torch.zeros(param.shape[1:], dtype=like.dtype,

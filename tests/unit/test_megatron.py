@@ -882,6 +882,19 @@ def _sharded_checkpoint_round_trip(rank, world, root):
             factory = adapter.sharded_state_dict(prefix="mlp.")["mlp.layer.experts.w2"]
             with pytest.raises(ValueError, match="use a non-distributed megatron optimizer"):
                 factory.build_fn(factory.key, factory.data, factory.replica_id, slice(0, 4))
+    # megatron's fully parallel save (Megatron-LM's default) picks any rank listing a shard as its writer: a
+    # stand-in shard on the rank without experts wrote its uninitialised memory as expert 0
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    adapter, opt = _adapter_with_adam(world, empty_first)
+    adapter.load_full_weights(*weights)
+    for p in adapter.parameters():
+        opt.state[p].update(exp_avg=2 * p.detach(), exp_avg_sq=p.detach() ** 2)
+    os.makedirs(f"{root}/fully_parallel", exist_ok=True)
+    dist_checkpointing.save(_sharded(adapter, opt), f"{root}/fully_parallel", FullyParallelSaveStrategyWrapper(
+        get_default_save_sharded_strategy(), ps.get_data_parallel_group(with_context_parallel=True)))
+    saved_in["fully_parallel"] = empty_first
     reversed_ = ml.ExpertPlacement(torch.arange(E - 1, -1, -1).view(world, -1), E)
     for name in saved_in:
         for placement in (reversed_, _replicated_placement(world), empty_last):
@@ -920,6 +933,14 @@ def _sharded_checkpoint_round_trip(rank, world, root):
     ps.initialize_model_parallel(expert_model_parallel_size=world)
     _load_and_check(*_adapter_with_adam(world, reversed_), f"{root}/tp", weights)
     ps.destroy_model_parallel()
+    # groups of our own, without megatron's parallel_state: its data-parallel group is theirs (megatron's
+    # default read parallel_state and failed)
+    groups = ml.ParallelGroups.from_world(ep=world)
+    adapter = mi.MegatronMoEAdapter(_tc(expert_model_parallel_size=world), ml.VanillaMoE, groups=groups,
+                                    placement=reversed_)
+    loaded = dist_checkpointing.load({"model": adapter.sharded_state_dict(prefix="mlp.")}, f"{root}/linear")
+    adapter.load_state_dict({k[len("mlp."):]: v for k, v in loaded["model"].items()})
+    assert all(torch.equal(a, b) for a, b in zip(adapter.export_full_weights(), weights))
 
 
 def test_sharded_checkpoint_loads_in_any_placement_and_expert_parallel_size(tmp_path):
