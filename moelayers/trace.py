@@ -617,7 +617,9 @@ class TraceRecorder:
         self._pending_tag = keys
 
     def _on_model_forward(self, module: nn.Module, args: Any) -> None:
-        if in_backward():  # activation checkpointing re-runs the forward: recorded once already
+        # a deep copy of the model carries these hooks (and the layers' closures): not ours to record;
+        # activation checkpointing re-runs the forward: recorded once already
+        if not self._active or module is not self.model or in_backward():
             return
         if self._in_forward:  # the last model forward raised part-way (and nothing was tagged since)
             self._drop_broken_forward()
@@ -625,7 +627,7 @@ class TraceRecorder:
         self._batch = _batch_of(module, args[0] if args else None)
 
     def _on_model_return(self, module: nn.Module, args: Any, output: Any) -> None:
-        if in_backward():
+        if not self._active or module is not self.model or in_backward():
             return
         if not self._current:  # every MoE layer recorded (or none ran: nothing to record)
             self._pending_tag, self._in_forward = None, False
@@ -652,7 +654,7 @@ class TraceRecorder:
         return f"MoE layer {index} ('{self._names[index]}')"
 
     def _on_layer(self, index: int, module: nn.Module) -> None:
-        if in_backward():
+        if not self._active or module is not self.layers[index] or in_backward():  # (a copy's layer: see above)
             return
         try:
             self._record_layer(index, module)

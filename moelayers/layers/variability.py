@@ -101,9 +101,11 @@ class VariabilityAwareMoE(MoELayerBase):
     the first automatic move in training warns that the state stayed with the slots.
     """
 
-    #: a deep copy watches none of the original's autograd graphs (its weights are in none of them)
-    #: nor is it in the original's optimizer (``replan_optimizer``)
-    _fresh_on_copy = {**MoELayerBase._fresh_on_copy, "replan_optimizer": lambda: None}
+    #: a deep copy watches none of the original's autograd graphs (its weights are in none of them),
+    #: is in none of its optimizers (``replan_optimizer``) and has not trained (a frozen reference
+    #: model's re-plans do not warn about optimizer state); it keeps the load window and the step count
+    _fresh_on_copy = {**MoELayerBase._fresh_on_copy, "replan_optimizer": lambda: None, "_trained": lambda: False,
+                      "_warned_optimizer": lambda: False, "_warned_zeros": lambda: False}
 
     # normal tensors even when built under torch.inference_mode() (see MoELayerBase.__init__)
     @torch.inference_mode(False)

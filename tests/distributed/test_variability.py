@@ -1207,3 +1207,33 @@ def _own_slowdown_and_the_configs(rank, world):
 def test_a_layer_slowing_itself_down_is_refused_the_configs_emulation_on_every_rank():
     for got in run_distributed(_own_slowdown_and_the_configs, 2, timeout=60):
         assert "VariabilityAwareMoE slows itself down already" in got, got
+
+
+def _deep_copied_reference(rank: int, world: int) -> dict:
+    """A trained policy with automatic re-plans, deep-copied into a frozen reference that serves."""
+    import copy
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=2 * world, top_k=2, params_dtype=torch.float64)
+    gen = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(6, 8, dtype=torch.float64, generator=gen) * (1 + i) for i in range(8)]
+    policy = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.from_world(), seed=1, window=2, auto_replan=True,
+                                    replan_every=2, variability="high")
+    optim = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    policy.replan_optimizer = optim
+    for x in xs[:3]:
+        policy(x).pow(2).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    with warnings.catch_warnings(record=True) as caught, torch.inference_mode():
+        warnings.simplefilter("always")
+        for x in xs[3:]:
+            reference(x)
+    return {"moves": reference.num_moves, "warnings": [str(w.message) for w in caught]}
+
+
+def test_a_deep_copied_reference_has_not_trained():
+    """The copy kept the policy's "trained" mark (not its optimizer): its own automatic re-plans, in
+    inference, warned that Adam's moments stayed behind."""
+    for out in run_distributed(_deep_copied_reference, 2, timeout=120):
+        assert out["moves"] > 0 and not [w for w in out["warnings"] if "optimizer" in w], out

@@ -982,3 +982,31 @@ def test_a_split_with_an_empty_part_names_the_file(tmp_path: Path) -> None:
         load_trace(tmp_path / "one.npz").split(0.5)
     with pytest.raises(ValueError, match=r"<memory>: split\(0.5\) of 1 sequences"):  # a trace cut from another
         load_trace(tmp_path / "one.npz").select_sequences([0]).split(0.5)
+
+
+def test_recorder_ignores_a_deep_copy_of_the_model():
+    """A reference model deep-copied from the recorded policy carries the recorder's hooks: its
+    forwards were recorded as the policy's (and went on being recorded after the with-block)."""
+    import copy
+
+    class Policy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+            self.a = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=1)
+            self.b = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=2)
+
+        def forward(self, x, ids):
+            return self.b(self.a(x, token_ids=ids), token_ids=ids)
+
+    policy, x, ids = Policy(), torch.randn(5, 8, dtype=torch.float64), torch.arange(5)
+    with torch.no_grad(), TraceRecorder(policy, vocab_size=20) as recorder:
+        reference = copy.deepcopy(policy)
+        policy(x, ids)
+        reference(2 * x, ids + 7)
+        policy(x, ids)
+    with torch.no_grad():
+        reference(x, ids)
+    trace = recorder.trace()
+    assert trace.num_tokens == 10 and sorted(set(trace.token_ids.tolist())) == list(range(5))
+    assert recorder._num_forwards == 2
