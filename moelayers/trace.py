@@ -576,6 +576,11 @@ class TraceRecorder:
                 RuntimeWarning, stacklevel=2,
             )
 
+    def __deepcopy__(self, memo: dict) -> "TraceRecorder":
+        """Itself: a deep copy of the recorded model copies the recorder's hooks (bound methods) with
+        it, and they must reach this recorder, which ignores the copy, not a copy of it recording on."""
+        return self
+
     def _remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()

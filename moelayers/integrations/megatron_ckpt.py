@@ -88,19 +88,24 @@ def layer_sharded_state_dict(layer, prefix: str, sharded_offsets: tuple, metadat
         ``{state-dict key: ShardedTensor | ShardedTensorFactory | ShardedObject | LocalNonpersistentObject}``,
         the keys of ``layer.state_dict(prefix=prefix)``.
     """
+    from megatron.core import parallel_state
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedTensor, ShardedTensorFactory
     from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
-    from megatron.core import parallel_state
-
+    state = layer.state_dict(prefix="", keep_vars=True)
+    rest = {k: v for k, v in state.items() if k not in EXPERT_KEYS and k != "_extra_state"}
     if (metadata is None or "dp_cp_group" not in metadata) and not parallel_state.model_parallel_is_initialized():
         # groups given without megatron's parallel_state (ParallelGroups.from_world, a pg_collection): their dp
         metadata = {**(metadata or {}), "dp_cp_group": layer.groups.dp}
     metadata = ensure_metadata_has_dp_cp_group(metadata)
-    state = layer.state_dict(prefix="", keep_vars=True)
-    rest = {k: v for k, v in state.items() if k not in EXPERT_KEYS and k != "_extra_state"}
-    out = make_sharded_tensors_for_checkpoint(rest, prefix, {}, sharded_offsets, tp_group=layer.groups.tp,
-                                              dp_cp_group=metadata["dp_cp_group"])
+    if layer.groups.tp is None and metadata["dp_cp_group"] is None and not parallel_state.model_parallel_is_initialized():
+        # no group at all (a world of one): megatron would read its parallel_state; world rank 0 is the main copy
+        main = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        out = {f"{prefix}{k}": ShardedTensor.from_rank_offsets(f"{prefix}{k}", v, *sharded_offsets, replica_id=(0, 0, main))
+               for k, v in rest.items()}
+    else:
+        out = make_sharded_tensors_for_checkpoint(rest, prefix, {}, sharded_offsets, tp_group=layer.groups.tp,
+                                                  dp_cp_group=metadata["dp_cp_group"])
     # the layout the factories describe is the placement now; megatron builds them later (in save or
     # load), from the live parameter: a move in between is refused there, and a load hands the layer
     # this placement back with the rows read for it (a copy: a later move updates the live one)

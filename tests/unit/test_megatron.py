@@ -943,6 +943,31 @@ def _sharded_checkpoint_round_trip(rank, world, root):
     assert all(torch.equal(a, b) for a, b in zip(adapter.export_full_weights(), weights))
 
 
+def _sharded_checkpoint_world_of_one(rank, world, root):
+    """Groups of a world of one without megatron's parallel_state: no group at all for the router."""
+    warnings.filterwarnings("ignore")
+    torch._dynamo.config.disable = True
+    torch.cuda.synchronize = lambda *a, **k: None  # megatron's checkpoint writer assumes CUDA
+    torch.cuda.current_device = lambda: "cpu"
+    from megatron.core import dist_checkpointing
+
+    weights = _weights(21)
+    adapter = mi.MegatronMoEAdapter(_tc(), ml.VanillaMoE, groups=ml.ParallelGroups.from_world())
+    adapter.load_full_weights(*weights)
+    dist_checkpointing.save({"model": adapter.sharded_state_dict(prefix="mlp.")}, root)
+    permuted = ml.ExpertPlacement(torch.tensor([[3, 1, 0, 2]]), E)
+    fresh = mi.MegatronMoEAdapter(_tc(), ml.VanillaMoE, groups=ml.ParallelGroups.from_world(), placement=permuted)
+    loaded = dist_checkpointing.load({"model": fresh.sharded_state_dict(prefix="mlp.")}, root)
+    fresh.load_state_dict({k[len("mlp."):]: v for k, v in loaded["model"].items()})
+    return all(torch.equal(a, b) for a, b in zip(fresh.export_full_weights(), weights))
+
+
+def test_sharded_checkpoint_of_a_world_of_one_without_parallel_state(tmp_path):
+    """megatron's helper reads its parallel_state when given neither a TP nor a DP group, and failed."""
+    pytest.importorskip("psutil", reason="megatron-core's checkpoint writer needs psutil")
+    assert run_distributed(_sharded_checkpoint_world_of_one, 1, str(tmp_path), timeout=120, daemon=False) == [True]
+
+
 def test_sharded_checkpoint_loads_in_any_placement_and_expert_parallel_size(tmp_path):
     pytest.importorskip("psutil", reason="megatron-core's checkpoint writer needs psutil")
     run_distributed(_sharded_checkpoint_round_trip, 2, str(tmp_path), timeout=240, daemon=False)

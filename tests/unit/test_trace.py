@@ -1010,3 +1010,6 @@ def test_recorder_ignores_a_deep_copy_of_the_model():
     trace = recorder.trace()
     assert trace.num_tokens == 10 and sorted(set(trace.token_ids.tolist())) == list(range(5))
     assert recorder._num_forwards == 2
+    # the copy's model hooks reach this recorder (ignored), not a copy of it that records on
+    assert all(h.__self__ is recorder for h in list(reference._forward_pre_hooks.values())
+               + list(reference._forward_hooks.values()))
