@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moelayers._warnings import warn_caller
 from moelayers.checkpoint import slot_copies
 from moelayers.dispatch.comm import all_gather_flat
 from moelayers.groups import collective_device
@@ -215,10 +216,11 @@ def _mark_reduced(layer: "MoELayerBase", p: torch.Tensor) -> None:
     layer._reduced_grads[id(p)] = (weakref.ref(p.grad), p.grad._version)
 
 
-def _reduced_already(layer: "MoELayerBase", p: torch.Tensor) -> bool:
-    """Whether ``p.grad`` is the very tensor :func:`reduce_expert_grads` reduced, unchanged since."""
+def _reduced_already(layer: "MoELayerBase", p: torch.Tensor, *, changed_in_place: bool = False) -> bool:
+    """Whether ``p.grad`` is the very tensor :func:`reduce_expert_grads` reduced, unchanged since
+    (or changed in place since, with ``changed_in_place``)."""
     ref, version = getattr(layer, "_reduced_grads", {}).get(id(p), (lambda: None, None))
-    return ref() is p.grad and p.grad._version == version
+    return ref() is p.grad and (changed_in_place or p.grad._version == version)
 
 
 
@@ -266,10 +268,31 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
                            "so they cannot be clipped; error_if_nonfinite=False clips anyway")
     reduced = [(layer, p) for layer in layers for p in (layer.experts.w13, layer.experts.w2)
                if p.grad is not None and _reduced_already(layer, p)]
+    _warn_if_not_reduced(layers)
     _scale_([p.grad for p in params], torch.clamp(max_norm / (total + 1e-6), max=1.0), foreach)  # (torch's factor)
     for layer, p in reduced:  # scaled, still reduced: a second reduce_expert_grads stays refused
         _mark_reduced(layer, p)
     return total
+
+
+def _warn_if_not_reduced(layers: list[MoELayerBase]) -> None:
+    """Warn, once per layer, about expert gradients clipped before :func:`reduce_expert_grads` in
+    a layout that needs it (torch DDP over several ranks: ``edp`` known, or one expert-parallel group
+    over the world, and no tensor parallelism): their norm counts them unreduced. A gradient counts
+    as reduced while it is the tensor the reduction returned, changed in place or not (AMP's
+    ``GradScaler.unscale_`` divides it in place)."""
+    late = [layer for layer in layers
+            if layer.groups.world_size > 1 and layer.groups.tp_size == 1 and not getattr(layer, "_warned_unreduced", False)
+            and (layer.groups.edp is not None or layer.groups.ep_size == layer.groups.world_size)
+            and any(p.grad is not None and not _reduced_already(layer, p, changed_in_place=True)
+                    for p in (layer.experts.w13, layer.experts.w2))]
+    for layer in late:
+        layer._warned_unreduced = True
+    if late:
+        warn_caller(f"clip_grad_norm_: the expert gradients of {len(late)} layer(s) ({type(late[0]).__name__} first) "
+                    "were not reduced by moelayers.reduce_expert_grads since their backward: under torch DDP call it "
+                    "before clipping (the norm counts them unreduced, and a later reduction is not clipped)",
+                    RuntimeWarning)
 
 
 def _total_norm(params: list[nn.Parameter], layers: list[MoELayerBase], norm_type: float,

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -107,6 +109,12 @@ def _nan_and_repeat(rank: int, world: int) -> dict:
         out["again"] = "no error"
     except ValueError as exc:
         out["again"] = str(exc)
+    model.zero_grad()
+    model(_inputs(world)[rank]).pow(2).sum().backward()
+    with warnings.catch_warnings(record=True) as caught:  # clipped before the reduction: said
+        warnings.simplefilter("always")
+        ml.clip_grad_norm_(model, MAX_NORM)
+    out["unreduced"] = [str(w.message) for w in caught]
     return out
 
 
@@ -118,6 +126,7 @@ def test_clip_grad_norm_nan_on_any_rank_and_no_second_reduction():
         for nan_rank in range(2):
             assert all(v != v for v in result[nan_rank]), (nan_rank, result[nan_rank])
         assert "reduced already" in result["again"]
+        assert any("were not reduced by moelayers.reduce_expert_grads" in w for w in result["unreduced"]), result
 
 
 def _single_groups_in_a_world(rank: int, world: int) -> dict:
