@@ -97,13 +97,16 @@ def _nan_and_repeat(rank: int, world: int) -> dict:
                                                 placement=_placement("replicas", E, world), seed=1))
     model[1].load_full_weights(*_weights64(E))
     out = {}
-    for nan_rank in range(world):
-        model.zero_grad()
-        model(_inputs(world)[rank]).pow(2).sum().backward()
-        ml.reduce_expert_grads(model)
-        if rank == nan_rank:
-            model[1].experts.w2.grad[0, 0, 0] = float("nan")  # slot 0: a main replica on every rank
-        out[nan_rank] = [float(ml.clip_grad_norm_(model, MAX_NORM, p)) for p in (float("inf"), 2.0)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for nan_rank in range(world):
+            model.zero_grad()
+            model(_inputs(world)[rank]).pow(2).sum().backward()
+            ml.reduce_expert_grads(model)
+            if rank == nan_rank:  # changed in place after the reduction (as AMP's unscale_ does): still reduced
+                model[1].experts.w2.grad[0, 0, 0] = float("nan")  # slot 0: a main replica on every rank
+            out[nan_rank] = [float(ml.clip_grad_norm_(model, MAX_NORM, p)) for p in (float("inf"), 2.0)]
+    out["reduced_then_clipped"] = [str(w.message) for w in caught if "not reduced" in str(w.message)]
     try:  # clipped gradients are still reduced ones
         ml.reduce_expert_grads(model)
         out["again"] = "no error"
@@ -127,6 +130,7 @@ def test_clip_grad_norm_nan_on_any_rank_and_no_second_reduction():
             assert all(v != v for v in result[nan_rank]), (nan_rank, result[nan_rank])
         assert "reduced already" in result["again"]
         assert any("were not reduced by moelayers.reduce_expert_grads" in w for w in result["unreduced"]), result
+        assert not result["reduced_then_clipped"], result
 
 
 def _single_groups_in_a_world(rank: int, world: int) -> dict:
