@@ -240,11 +240,11 @@ class GroupedExperts(nn.Module):
 
     def _forward_loop(self, x: torch.Tensor, slot_counts: torch.Tensor) -> torch.Tensor:
         w13, w2 = self._weights()
-        outs, start = [], 0
-        for s, n in enumerate(slot_counts.tolist()):
-            if n:
-                outs.append(swiglu(x[start : start + n], w13[s], w2[s]))
-            start += n
+        counts = slot_counts.tolist()
+        # one unbind / split each: their backward stacks the slots' gradients once (indexing w13[s]
+        # slot by slot would make a zeroed weight-sized gradient per slot)
+        w13s, w2s, xs = w13.unbind(0), w2.unbind(0), x[: sum(counts)].split(counts)
+        outs = [swiglu(xs[s], w13s[s], w2s[s]) for s, n in enumerate(counts) if n]
         if not outs:  # keep the weights in the graph: every rank's backward reaches them (and the tie)
             return x.new_zeros(0, self.hidden_size) + 0 * (w13.sum() + w2.sum())
         return torch.cat(outs)

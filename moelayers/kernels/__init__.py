@@ -67,6 +67,7 @@ from moelayers.kernels.dispatch_pack import (  # noqa: E402
 from moelayers.kernels.permute import permute, permute_reference, permute_triton  # noqa: E402
 from moelayers.kernels.unpermute_combine import (  # noqa: E402
     unpermute_combine,
+    unpermute_combine_lean,
     unpermute_combine_reference,
     unpermute_combine_triton,
 )
@@ -89,6 +90,7 @@ __all__ = [
     "permute_reference",
     "permute_triton",
     "unpermute_combine",
+    "unpermute_combine_lean",
     "unpermute_combine_reference",
     "unpermute_combine_triton",
     "dispatch_pack",

@@ -92,6 +92,65 @@ def unpermute_combine_reference(
     return out.to(out_dtype or src.dtype)
 
 
+class _UnpermuteCombine(torch.autograd.Function):
+    """:func:`unpermute_combine_reference`'s sums, one ``j`` at a time: ``O(T·H)`` temporaries in the
+    forward and the backward instead of the reference's ``[T, J, H]`` (in float32), which it also
+    saves for the backward. Token ``t`` adds its ``J`` rows in order, as the Triton kernel does."""
+
+    @staticmethod
+    def forward(ctx, src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None,
+                out_dtype: torch.dtype) -> torch.Tensor:
+        acc = _acc_dtype(src)
+        out = torch.zeros(index.shape[0], src.shape[1], dtype=acc, device=src.device)
+        for j, (rows, valid) in enumerate(_columns(src, index)):
+            part = src[rows].to(acc)
+            if weight is not None:
+                part.mul_(weight[:, j, None].to(acc))
+            out += torch.where(valid[:, None], part, 0.0)
+        ctx.save_for_backward(src, index, weight)
+        ctx.has_weight, ctx.src_dtype = weight is not None, src.dtype
+        return out.to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        src, index, weight = ctx.saved_tensors
+        acc = _acc_dtype(src)
+        g = grad_out.to(acc)
+        grad_src = torch.zeros(src.shape, dtype=acc, device=src.device) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(index.shape, dtype=acc, device=src.device) if ctx.needs_input_grad[2] else None
+        for j, (rows, valid) in enumerate(_columns(src, index)):
+            if grad_src is not None:  # (invalid entries add exact zeros to row 0: no host sync for a mask)
+                part = g if weight is None else g * weight[:, j, None].to(acc)
+                grad_src.index_add_(0, rows, torch.where(valid[:, None], part, 0.0))
+            if grad_w is not None:
+                grad_w[:, j] = torch.where(valid, (g * src[rows].to(acc)).sum(-1), 0.0)
+        return (None if grad_src is None else grad_src.to(ctx.src_dtype), None,
+                None if grad_w is None else grad_w.to(weight.dtype), None)
+
+
+def _columns(src: torch.Tensor, index: torch.Tensor):
+    """For each ``j``: ``(rows [T] int64, valid [T] bool)``, ``-1`` entries pointing at row 0 (a row
+    past ``src`` raises ``IndexError``, as in the reference)."""
+    for j in range(index.shape[1]):
+        column = index[:, j].long()
+        yield column.clamp(min=0), column >= 0
+
+
+def unpermute_combine_lean(
+    src: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor | None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """:func:`unpermute_combine_reference` (same arguments, same sums up to the order of each
+    token's ``J`` terms, differentiable w.r.t. ``src`` and ``weight``) with ``O(T·H)`` memory:
+    the autograd path of :func:`unpermute_combine`."""
+    _check(src, index, weight)
+    if src.shape[0] == 0:  # every index is -1 (_check): zeros, still in the autograd graph of src and weight
+        src = torch.cat([src, src.new_zeros(1, src.shape[1])])
+    return _UnpermuteCombine.apply(src, index, weight, out_dtype or src.dtype)
+
+
 def unpermute_combine_triton(
     src: torch.Tensor,
     index: torch.Tensor,
@@ -142,9 +201,10 @@ def unpermute_combine(
     """Gather ``src [N, H]`` rows by ``index [T, J]`` and sum them weighted into ``[T, H]``.
 
     Uses :func:`unpermute_combine_triton` when :func:`moelayers.kernels.use_triton` allows it
-    (and ``weight`` needs no gradient), else :func:`unpermute_combine_reference`.
+    (and ``weight`` needs no gradient), else :func:`unpermute_combine_lean` (the reference's sums
+    with ``O(T·H)`` memory).
     """
     weight_needs_grad = weight is not None and torch.is_grad_enabled() and weight.requires_grad
     if use_triton(src) and not weight_needs_grad:
         return unpermute_combine_triton(src, index, weight, out_dtype)
-    return unpermute_combine_reference(src, index, weight, out_dtype)
+    return unpermute_combine_lean(src, index, weight, out_dtype)

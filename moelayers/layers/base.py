@@ -823,6 +823,7 @@ class MoELayerBase(nn.Module):
             routes.overflow = num_valid > x2.shape[0]  # more tokens than the capacity: told to every rank
         received = self.dispatcher.dispatch(x2, routes)                   # 3 dispatch
         expert_out = self.experts(received.expert_input, received.slot_counts)  # 4 compute
+        received.expert_input = None  # not read by the combine: freed before it (autograd keeps what it saved)
         return self.dispatcher.combine(expert_out, received), topk_ids    # 5 combine
 
     def _forward_capacity(self, x2, token_ids, forced):

@@ -15,6 +15,7 @@ from moelayers.kernels import (  # noqa: E402
     permute_reference,
     permute_triton,
     unpermute_combine,
+    unpermute_combine_lean,
     unpermute_combine_reference,
     unpermute_combine_triton,
     use_triton,
@@ -212,6 +213,45 @@ def test_reference_gradcheck():
     weight = torch.rand(4, 3, dtype=torch.float64, generator=gen, requires_grad=True)
     assert torch.autograd.gradcheck(lambda s, w: unpermute_combine_reference(s, index, w), (src, weight))
     assert torch.autograd.gradcheck(lambda s: unpermute_combine_reference(s, index, None), (src,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_unpermute_combine_lean_is_the_reference(dtype):
+    """The autograd path without the reference's [T, J, H] temporaries (float32, saved for the
+    backward): the same output and gradients, NaN weights of invalid entries ignored, double
+    backward, an empty src, rows past src refused."""
+    gen = torch.Generator().manual_seed(5)
+    t, j, n, h = 9, 4, 11, 6
+    index = torch.randint(0, n, (t, j), generator=gen)
+    index[torch.rand(t, j, generator=gen) < 0.4] = -1
+    index[2] = -1
+    weight = torch.rand(t, j, generator=gen)
+    weight[index < 0] = float("nan")
+    src = torch.randn(n, h, generator=gen).to(dtype)
+    grad = torch.randn(t, h, generator=gen).to(dtype)
+    results = []
+    for fn in (unpermute_combine_reference, unpermute_combine_lean):
+        s, w = src.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = fn(s, index, w)
+        out.backward(grad)
+        results.append((out, s.grad, w.grad))
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    for ref, lean in zip(*results):
+        assert ref.dtype == lean.dtype
+        torch.testing.assert_close(lean.double(), ref.double(), rtol=tol, atol=tol)
+    assert (results[1][0][2] == 0).all() and not results[1][2].isnan().any()
+    if dtype == torch.float64:
+        s = src.clone().requires_grad_()
+        w = weight.nan_to_num().double().requires_grad_()
+        assert torch.autograd.gradcheck(lambda s, w: unpermute_combine_lean(s, index, w), (s, w))
+        assert torch.autograd.gradgradcheck(lambda s, w: unpermute_combine_lean(s, index, w), (s, w))
+        out = unpermute_combine_lean(src.float(), index, None, out_dtype=torch.float16)
+        assert out.dtype == torch.float16
+    empty = torch.zeros(0, h, requires_grad=True)
+    out = unpermute_combine_lean(empty, torch.full((3, 2), -1), torch.rand(3, 2))
+    assert out.shape == (3, h) and (out == 0).all() and out.requires_grad
+    with pytest.raises(IndexError):
+        unpermute_combine_lean(src, torch.tensor([[n, -1]]), None)
 
 
 def test_use_triton_decision(monkeypatch):
