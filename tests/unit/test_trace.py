@@ -120,6 +120,19 @@ BAD = {
 }
 
 
+def test_repeated_experts_are_found_across_chunks(monkeypatch) -> None:
+    """The check runs by chunks of tokens (a sorted copy of a 1M-token trace took 465 MiB): the count
+    and the first repeat are the whole trace's."""
+    import moelayers.trace as mt
+
+    monkeypatch.setattr(mt, "_CHECK_CHUNK", 2)
+    arrays = small_arrays()
+    arrays["topk_ids"][5, 1] = [3, 3]
+    arrays["topk_ids"][2, 0] = [1, 1]
+    with pytest.raises(ValueError, match="at 2 \\(token, layer\\) pair\\(s\\), first token 2 at layer 0: \\[1, 1\\]"):
+        RoutingTrace(**arrays)
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_validation_in_memory(case: str) -> None:
     mutate, exc, pattern = BAD[case]
