@@ -121,7 +121,9 @@ class _UnpermuteCombine(torch.autograd.Function):
         for j, (rows, valid) in enumerate(_columns(src, index)):
             if grad_src is not None:  # (invalid entries add exact zeros to row 0: no host sync for a mask)
                 part = g if weight is None else g * weight[:, j, None].to(acc)
-                grad_src.index_add_(0, rows, torch.where(valid[:, None], part, 0.0))
+                # index_put_ with accumulate, as the reference's gather backward: on CUDA it sorts the rows
+                # and sums each in order (deterministic), where index_add_ adds with atomics
+                grad_src.index_put_((rows,), torch.where(valid[:, None], part, 0.0), accumulate=True)
             if grad_w is not None:
                 grad_w[:, j] = torch.where(valid, (g * src[rows].to(acc)).sum(-1), 0.0)
         return (None if grad_src is None else grad_src.to(ctx.src_dtype), None,
