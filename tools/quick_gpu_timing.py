@@ -1,6 +1,8 @@
 """Quick latency probe of VanillaMoE on GPUs (torchrun). Prints per-size medians and a profile.
 
     torchrun --standalone --nproc_per_node=2 tools/quick_gpu_timing.py [--profile]
+    torchrun --standalone --nproc_per_node=2 tools/quick_gpu_timing.py --train   # forward + backward,
+        the lean autograd combine against the reference's, alternating in one run
 """
 
 import argparse
@@ -64,10 +66,47 @@ def _stage_times(layer, x, rank):
         print("  host ms per step: " + ", ".join(f"{k}: {v / n * 1e3:.3f}" for k, v in sorted(acc.items())), flush=True)
 
 
+def _train_times(cfg, groups, tokens, rank, rounds=4, steps=20):
+    """Median forward + backward time and peak memory of a training step, with the autograd combine
+    the layers use (``unpermute_combine_lean``) and with the reference's, alternating ``rounds`` times
+    so that clock drift hits both alike."""
+    from moelayers.dispatch import alltoall, base
+    from moelayers.kernels import unpermute_combine_reference
+    combines = {"lean": base.unpermute_combine, "reference": unpermute_combine_reference}
+    layer = ml.VanillaMoE(cfg, groups)
+    x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    times, peaks = {k: [] for k in combines}, {k: 0 for k in combines}
+    for _ in range(rounds):
+        for name, fn in combines.items():
+            base.unpermute_combine = alltoall.unpermute_combine = fn
+            for _ in range(3):
+                layer(x).float().square().mean().backward()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            for _ in range(steps):
+                dist.barrier()
+                s, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                layer(x).float().square().mean().backward()
+                en.record()
+                torch.cuda.synchronize()
+                times[name].append(s.elapsed_time(en))
+            peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated())
+    base.unpermute_combine = alltoall.unpermute_combine = combines["lean"]
+    for name in combines:
+        med = torch.tensor(sorted(times[name])[len(times[name]) // 2], device="cuda")
+        dist.all_reduce(med, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            print(f"train tokens/rank={tokens} combine={name}: {med.item():.3f} ms forward+backward (median, "
+                  f"max over ranks), peak {peaks[name] / 2**20:.0f} MiB on rank 0", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table")
     ap.add_argument("--stages", action="store_true", help="time the forward's stages")
+    ap.add_argument("--train", action="store_true",
+                    help="time forward + backward instead, lean against reference autograd combine")
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 4096], help="tokens per rank")
     ap.add_argument("--shape", default="qwen3", choices=list(SHAPES),
                     help="qwen3: Qwen3-30B-A3B's MoE layer; deepseek: DeepSeek-V2-Lite's")
@@ -83,6 +122,12 @@ def main():
     h, f, e, k = SHAPES[args.shape]
     cfg = ml.MoEConfig(hidden_size=h, ffn_hidden_size=f, num_experts=e, top_k=k, params_dtype=torch.bfloat16)
     groups = ml.ParallelGroups.from_world()
+    if args.train:
+        for t in args.tokens:
+            _train_times(cfg, groups, t, rank)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     _host_overheads(rank)
     for variant in ("default", "graph"):
       for t in args.tokens:
