@@ -92,24 +92,27 @@ def unpermute_combine_reference(
     return out.to(out_dtype or src.dtype)
 
 
+_CHUNK_BYTES = 32 << 20  # the [tokens, J, H] temporaries of one chunk of tokens (in the accumulation dtype)
+
+
 class _UnpermuteCombine(torch.autograd.Function):
-    """:func:`unpermute_combine_reference`'s sums, one ``j`` at a time: ``O(T·H)`` temporaries in the
-    forward and the backward instead of the reference's ``[T, J, H]`` (in float32), which it also
-    saves for the backward. Token ``t`` adds its ``J`` rows in order, as the Triton kernel does."""
+    """:func:`unpermute_combine_reference`'s operations on chunks of tokens, with temporaries of at
+    most ``_CHUNK_BYTES`` (the reference makes ``[T, J, H]`` ones in float32 and saves one for the
+    backward). A batch whose temporaries fit takes one chunk: as few kernels as the reference."""
 
     @staticmethod
     def forward(ctx, src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None,
                 out_dtype: torch.dtype) -> torch.Tensor:
         acc = _acc_dtype(src)
-        out = torch.zeros(index.shape[0], src.shape[1], dtype=acc, device=src.device)
-        for j, (rows, valid) in enumerate(_columns(src, index)):
-            part = src[rows].to(acc)
+        out = torch.empty(index.shape[0], src.shape[1], dtype=out_dtype, device=src.device)
+        for tokens, rows, valid in _chunks(src, index):
+            part = src[rows].to(acc)  # [c, J, H]
             if weight is not None:
-                part.mul_(weight[:, j, None].to(acc))
-            out += torch.where(valid[:, None], part, 0.0)
+                part = part * weight[tokens, :, None].to(acc)
+            out[tokens] = torch.where(valid[..., None], part, 0.0).sum(dim=1)
         ctx.save_for_backward(src, index, weight)
-        ctx.has_weight, ctx.src_dtype = weight is not None, src.dtype
-        return out.to(out_dtype)
+        ctx.src_dtype = src.dtype
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -117,25 +120,33 @@ class _UnpermuteCombine(torch.autograd.Function):
         acc = _acc_dtype(src)
         g = grad_out.to(acc)
         grad_src = torch.zeros(src.shape, dtype=acc, device=src.device) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(index.shape, dtype=acc, device=src.device) if ctx.needs_input_grad[2] else None
-        for j, (rows, valid) in enumerate(_columns(src, index)):
+        grad_w = torch.empty(index.shape, dtype=acc, device=src.device) if ctx.needs_input_grad[2] else None
+        for tokens, rows, valid in _chunks(src, index):
+            g_rows = g[tokens, None, :]  # [c, 1, H]
             if grad_src is not None:  # (invalid entries add exact zeros to row 0: no host sync for a mask)
-                part = g if weight is None else g * weight[:, j, None].to(acc)
+                part = g_rows.expand(-1, index.shape[1], -1) if weight is None else (
+                    g_rows * weight[tokens, :, None].to(acc))
                 # index_put_ with accumulate, as the reference's gather backward: on CUDA it sorts the rows
                 # and sums each in order (deterministic), where index_add_ adds with atomics
-                grad_src.index_put_((rows,), torch.where(valid[:, None], part, 0.0), accumulate=True)
+                part = torch.where(valid[..., None], part, 0.0)
+                grad_src.index_put_((rows.flatten(),), part.reshape(-1, src.shape[1]), accumulate=True)
             if grad_w is not None:
-                grad_w[:, j] = torch.where(valid, (g * src[rows].to(acc)).sum(-1), 0.0)
+                grad_w[tokens] = torch.where(valid, (g_rows * src[rows].to(acc)).sum(-1), 0.0)
         return (None if grad_src is None else grad_src.to(ctx.src_dtype), None,
                 None if grad_w is None else grad_w.to(weight.dtype), None)
 
 
-def _columns(src: torch.Tensor, index: torch.Tensor):
-    """For each ``j``: ``(rows [T] int64, valid [T] bool)``, ``-1`` entries pointing at row 0 (a row
-    past ``src`` raises ``IndexError``, as in the reference)."""
-    for j in range(index.shape[1]):
-        column = index[:, j].long()
-        yield column.clamp(min=0), column >= 0
+def _chunks(src: torch.Tensor, index: torch.Tensor):
+    """Chunks of tokens whose ``[c, J, H]`` temporaries take at most ``_CHUNK_BYTES``: ``(tokens
+    (a slice), rows [c, J] int64, valid [c, J] bool)``, ``-1`` entries pointing at row 0 (a row past
+    ``src`` raises ``IndexError``, as in the reference)."""
+    T, J = index.shape
+    row_bytes = J * src.shape[1] * torch.finfo(_acc_dtype(src)).bits // 8
+    step = max(1, _CHUNK_BYTES // max(1, row_bytes))
+    for start in range(0, T, step):
+        tokens = slice(start, start + step)
+        column = index[tokens].long()
+        yield tokens, column.clamp(min=0), column >= 0
 
 
 def unpermute_combine_lean(
@@ -144,9 +155,9 @@ def unpermute_combine_lean(
     weight: torch.Tensor | None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """:func:`unpermute_combine_reference` (same arguments, same sums up to the order of each
-    token's ``J`` terms, differentiable w.r.t. ``src`` and ``weight``) with ``O(T·H)`` memory:
-    the autograd path of :func:`unpermute_combine`."""
+    """:func:`unpermute_combine_reference` (same arguments, the same output bit for bit,
+    differentiable w.r.t. ``src`` and ``weight``) with temporaries of at most 32 MiB beyond the
+    ``[T, H]`` output and gradients: the autograd path of :func:`unpermute_combine`."""
     _check(src, index, weight)
     if src.shape[0] == 0:  # every index is -1 (_check): zeros, still in the autograd graph of src and weight
         src = torch.cat([src, src.new_zeros(1, src.shape[1])])
@@ -204,7 +215,7 @@ def unpermute_combine(
 
     Uses :func:`unpermute_combine_triton` when :func:`moelayers.kernels.use_triton` allows it
     (and ``weight`` needs no gradient), else :func:`unpermute_combine_lean` (the reference's sums
-    with ``O(T·H)`` memory).
+    with bounded temporaries).
     """
     weight_needs_grad = weight is not None and torch.is_grad_enabled() and weight.requires_grad
     if use_triton(src) and not weight_needs_grad:

@@ -215,11 +215,17 @@ def test_reference_gradcheck():
     assert torch.autograd.gradcheck(lambda s: unpermute_combine_reference(s, index, None), (src,))
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 1])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_unpermute_combine_lean_is_the_reference(dtype):
+def test_unpermute_combine_lean_is_the_reference(dtype, chunk_bytes, monkeypatch):
     """The autograd path without the reference's [T, J, H] temporaries (float32, saved for the
-    backward): the same output and gradients, NaN weights of invalid entries ignored, double
-    backward, an empty src, rows past src refused."""
+    backward), in one chunk of tokens and in chunks of one token: the same output bit for bit, the
+    same gradients, NaN weights of invalid entries ignored, double backward, an empty src, rows past
+    src refused."""
+    import importlib
+    module = importlib.import_module("moelayers.kernels.unpermute_combine")
+    if chunk_bytes is not None:
+        monkeypatch.setattr(module, "_CHUNK_BYTES", chunk_bytes)
     gen = torch.Generator().manual_seed(5)
     t, j, n, h = 9, 4, 11, 6
     index = torch.randint(0, n, (t, j), generator=gen)
@@ -228,6 +234,7 @@ def test_unpermute_combine_lean_is_the_reference(dtype):
     weight = torch.rand(t, j, generator=gen)
     weight[index < 0] = float("nan")
     src = torch.randn(n, h, generator=gen).to(dtype)
+    src[index[index >= 0].min()] = float("inf")  # a valid row: inf in the output, as in the reference
     grad = torch.randn(t, h, generator=gen).to(dtype)
     results = []
     for fn in (unpermute_combine_reference, unpermute_combine_lean):
@@ -235,18 +242,23 @@ def test_unpermute_combine_lean_is_the_reference(dtype):
         out = fn(s, index, w)
         out.backward(grad)
         results.append((out, s.grad, w.grad))
+    assert torch.equal(results[0][0].nan_to_num(), results[1][0].nan_to_num())
+    assert torch.equal(results[0][0].isnan(), results[1][0].isnan())
     tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
     for ref, lean in zip(*results):
         assert ref.dtype == lean.dtype
-        torch.testing.assert_close(lean.double(), ref.double(), rtol=tol, atol=tol)
-    assert (results[1][0][2] == 0).all() and not results[1][2].isnan().any()
+        torch.testing.assert_close(lean.double(), ref.double(), rtol=tol, atol=tol, equal_nan=True)
+    assert (results[1][0][2] == 0).all() and not results[1][1].isnan().any()
+    src[src.isinf()] = 0.0
     if dtype == torch.float64:
         s = src.clone().requires_grad_()
         w = weight.nan_to_num().double().requires_grad_()
         assert torch.autograd.gradcheck(lambda s, w: unpermute_combine_lean(s, index, w), (s, w))
         assert torch.autograd.gradgradcheck(lambda s, w: unpermute_combine_lean(s, index, w), (s, w))
+        assert torch.autograd.gradcheck(lambda s: unpermute_combine_lean(s, index, None), (s,))
         out = unpermute_combine_lean(src.float(), index, None, out_dtype=torch.float16)
         assert out.dtype == torch.float16
+        assert torch.equal(out, unpermute_combine_reference(src.float(), index, None, out_dtype=torch.float16))
     empty = torch.zeros(0, h, requires_grad=True)
     out = unpermute_combine_lean(empty, torch.full((3, 2), -1), torch.rand(3, 2))
     assert out.shape == (3, h) and (out == 0).all() and out.requires_grad
