@@ -98,7 +98,7 @@ _CHUNK_BYTES = 32 << 20  # the [tokens, J, H] temporaries of one chunk of tokens
 class _UnpermuteCombine(torch.autograd.Function):
     """:func:`unpermute_combine_reference`'s operations on chunks of tokens, with temporaries of at
     most ``_CHUNK_BYTES`` (the reference makes ``[T, J, H]`` ones in float32 and saves one for the
-    backward). A batch whose temporaries fit takes one chunk: as few kernels as the reference."""
+    backward)."""
 
     @staticmethod
     def forward(ctx, src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None,
@@ -157,7 +157,12 @@ def unpermute_combine_lean(
 ) -> torch.Tensor:
     """:func:`unpermute_combine_reference` (same arguments, the same output bit for bit,
     differentiable w.r.t. ``src`` and ``weight``) with temporaries of at most 32 MiB beyond the
-    ``[T, H]`` output and gradients: the autograd path of :func:`unpermute_combine`."""
+    ``[T, H]`` output and gradients: the autograd path of :func:`unpermute_combine`. Batches whose
+    ``[T, J, H]`` temporaries fit in 32 MiB take the reference itself (fewer host calls: small
+    batches are host-bound on GPUs); larger ones take it chunk by chunk of tokens."""
+    row_bytes = index.shape[1] * src.shape[1] * torch.finfo(_acc_dtype(src)).bits // 8
+    if index.shape[0] * row_bytes <= _CHUNK_BYTES:  # small: the reference itself (its backward runs in C++)
+        return unpermute_combine_reference(src, index, weight, out_dtype)
     _check(src, index, weight)
     if src.shape[0] == 0:  # every index is -1 (_check): zeros, still in the autograd graph of src and weight
         src = torch.cat([src, src.new_zeros(1, src.shape[1])])
