@@ -419,6 +419,72 @@ def check_against_reference(layer, x: torch.Tensor, y: torch.Tensor, weights, co
             "rows_other_experts": int(sum(gather_scalar(other_experts, device))), "ok": ok_all}
 
 
+def training_step(run: Callable[[torch.Tensor], torch.Tensor] | None, x: torch.Tensor, grad: torch.Tensor,
+                  module: torch.nn.Module | None) -> Callable[[], None] | None:
+    """``run(x)`` and its backward with output gradient ``grad``, the gradients of ``x`` and of
+    ``module``'s parameters set to ``None`` first (none accumulates from step to step); ``None`` when
+    ``module`` is (no such layer in this run)."""
+    if module is None:
+        return None
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def step():
+        x.grad = None
+        for p in params:
+            p.grad = None
+        run(x).backward(grad)
+
+    return step
+
+
+def check_grads_against_reference(layer, x: torch.Tensor, grad: torch.Tensor, weights, config, rows: int,
+                                  device: torch.device, forced: torch.Tensor | None = None) -> dict:
+    """The input gradient of a training step of ``layer`` (output gradient ``grad``) against the
+    dense reference's on ``rows`` rows spread over the batch, on the experts the layer chose (each
+    row's gradient depends on that row alone), with DESIGN.md §1's tolerance."""
+    from moelayers.reference import moe_forward
+    from moelayers.testing import max_error, tolerance
+
+    xg = x.detach().clone().requires_grad_()
+    with torch.enable_grad():
+        if forced is not None:
+            layer.force_routing(forced)
+        layer(xg).backward(grad)
+    t = x.shape[0]
+    n = min(rows, t)
+    idx = torch.linspace(0, t - 1, n, device=x.device).round().long() if n else torch.zeros(0, dtype=torch.long)
+    ids = layer.last_topk_ids[idx]
+    refs = []
+    for dtype in (torch.float64, None if x.dtype in (torch.float32, torch.float64) else x.dtype):
+        if dtype is None:
+            refs.append(None)
+            continue
+        xr = x[idx].detach().to(dtype).requires_grad_()
+        with torch.enable_grad():
+            moe_forward(xr, *(w.to(dtype) if dtype == torch.float64 else w for w in weights), config,
+                        topk_ids=ids).backward(grad[idx].to(dtype))
+        refs.append(xr.grad)
+    got = xg.grad[idx]
+    err = max_error(got, refs[0]) if n else 0.0
+    tol = tolerance(refs[0].cpu(), None if refs[1] is None else refs[1].cpu(), x.dtype) if n else 0.0
+    finite = bool(torch.isfinite(xg.grad).all())
+    ok = min(gather_scalar(1.0 if finite and err <= tol else 0.0, device)) > 0
+    return {"max_abs_err": reduce_max([err], device)[0], "tol": tol, "rows": n, "finite": finite, "ok": ok}
+
+
+def check_grads_against_peer(layer, peer, x: torch.Tensor, grad: torch.Tensor, peer_ids: torch.Tensor, tol: float,
+                             max_bad_frac: float, device: torch.device) -> dict:
+    """The input gradients of a training step of ours (the peer's experts forced) and of the peer,
+    output gradient ``grad``: :func:`check_against_peer` on them."""
+    got = []
+    for run in (lambda v: (layer.force_routing(peer_ids), layer(v))[1], lambda v: peer_forward(peer, v)):
+        v = x.detach().clone().requires_grad_()
+        with torch.enable_grad():
+            run(v).backward(grad)
+        got.append(v.grad)
+    return check_against_peer(got[0], got[1], tol, max_bad_frac, device)
+
+
 def profile_ours(run: Callable[[], Any], device: torch.device, iters: int, rows: int, rank: int,
                  out_path: str | None) -> str | None:
     """torch.profiler over ``iters`` forwards; rank 0 gets the table of top kernels/ops."""

@@ -46,6 +46,12 @@ the layer's default, ``vanilla`` for a plan-built layer and none otherwise), so 
 configuration's record overwrites another's. ``bench.profile=true`` prints a torch.profiler table of
 ours' top kernels at one size (and saves a chrome trace in the run dir).
 
+``bench.train=true`` times a training step instead: forward and backward (``y.backward(g)`` with a
+fixed random ``g``, gradients of the input and of every weight; gradients set to ``None`` before each
+step, so none accumulates) of ours, the baseline and the peer in training mode, eager only. Before
+timing it also checks the input gradient of ours against the peer's, with the peer's experts forced
+on ours (the record's ``check.peer_grad``). Records are named with ``_train``.
+
 Usage::
 
     python recipes/bench.py                                                   # 2 gloo processes, CPU (bench=cpu_smoke)
@@ -104,6 +110,9 @@ from recipes._bench_tools import (  # noqa: E402
     routing_agreement,
     check_against_peer,
     check_against_reference,
+    check_grads_against_peer,
+    check_grads_against_reference,
+    training_step,
     profile_ours,
     seq_len_bounds,
 )
@@ -294,6 +303,9 @@ def check_config(d: dict) -> None:
         if key in b:
             int_setting(b[key], f"bench.{key}", 1)
     layer_kwargs = (d.get("layer") or {}).get("kwargs") or {}
+    if b.get("train") and b.get("cuda_graph"):
+        raise ValueError("bench.train=true times forward + backward, which the CUDA-graph forward does not "
+                         "replay: drop bench.cuda_graph")
     if layer_kwargs.get("mode") == "tp":  # forward_tp takes attention partials, a norm and a residual
         raise ValueError("bench.py times the layer's forward (attention data-parallel): use layer.kwargs.mode=dp; "
                          "mode=tp runs through forward_tp inside an attention-TP model")
@@ -441,6 +453,7 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
     tol = b["check"].get("tol")
     tol = float(tol) if tol is not None else (1e-4 if dtype in (torch.float32, torch.float64) else 2e-2)
     grad_ctx = torch.inference_mode if b.get("inference_mode", True) else torch.no_grad
+    train = bool(b.get("train", False))
     warmup, iters = int(b["warmup"]), int(b["iters"])
     graph = bool(b.get("cuda_graph", False))
     if graph and (replay is not None or device.type != "cuda"):
@@ -473,6 +486,16 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
             if forced is not None:
                 base_timed.force_routing(forced)
             return base_timed(x)
+
+        def run_peer(x=x):
+            return peer_forward(peer, x)
+
+        steps = (run_ours, run_base, run_peer)  # what is timed
+        if train:  # forward + backward of the same input and output gradient, for each layer
+            x_grad, g = x.detach().clone().requires_grad_(), rank_input(tokens, config.hidden_size, seed + 1, rank,
+                                                                        device, dtype)
+            steps = tuple(training_step(lambda v, run=run: run(x=v), x_grad, g, module)
+                          for run, module in zip(steps, (timed, base_timed, peer)))
 
         with grad_ctx():
             # --- correctness before timing (a graph layer is checked on the experts the eager layer chose)
@@ -521,11 +544,21 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
                 print(f"check t={tokens}: ours vs dense reference max abs err {check['reference']['max_abs_err']:.3e} "
                       f"(tol {check['reference']['tol']:.3e}); no peer", flush=True)
             del y
+        if train:  # the gradients too, in training mode, before timing
+            for module in (timed, base_timed, peer):
+                if module is not None:
+                    module.train()
+            check_grads(check, ours, base, peer, x_grad, g, peer_ids if peer is not None else None, tol, forced,
+                        base_forced, weights, config, b, device, rank)
+        with torch.enable_grad() if train else grad_ctx():
             # --- timing
             # ours and the baseline interleaved (their ratio is the point); the much slower peer on its own
-            t_ours, t_base = (time_forwards([run_ours, run_base], device, warmup, iters) if base is not None
-                              else (time_forward(run_ours, device, warmup, iters), None))
-            t_peer = time_forward(lambda: peer_forward(peer, x), device, warmup, iters) if peer is not None else None
+            t_ours, t_base = (time_forwards(steps[:2], device, warmup, iters) if base is not None
+                              else (time_forward(steps[0], device, warmup, iters), None))
+            t_peer = time_forward(steps[2], device, warmup, iters) if peer is not None else None
+        for module in (timed, base_timed, peer) if train else ():
+            if module is not None:
+                module.eval()
         med_ours = statistics.median(t_ours)
         med_peer = statistics.median(t_peer) if t_peer is not None else float("nan")
         ms, peer_ms = reduce_max([med_ours, med_peer if t_peer is not None else 0.0], device)
@@ -543,6 +576,7 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
             "ms_min": reduce_max([min(t_ours)], device)[0],
             "tokens_per_rank": tokens, "check": check,
             "mode": f"cuda_graph (capacity={tokens})" if graph else _eager_mode(ours),
+            "train": train,
             "layer_kwargs": (cfg["layer"].get("kwargs") or {}),
             "layer_stats": _stats_record(stats),
             "baseline": base_name, "baseline_kwargs": None if base_cfg is None else base_cfg["kwargs"], "baseline_ms": base_ms,
@@ -574,12 +608,16 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
             return ours(x)
 
         path = os.path.join(cfg["run_dir"], f"profile_{cfg['layer']['name']}_{b['name']}_t{ptok}_rank0.json")
-        with grad_ctx():
+        if train:
+            x_grad = x.detach().clone().requires_grad_()
+            run_prof = training_step(run_prof, x_grad, rank_input(ptok, config.hidden_size, seed + 1, rank, device,
+                                                                  dtype), ours)
+        with torch.enable_grad() if train else grad_ctx():
             table = profile_ours(run_prof, device, int(b.get("profile_iters", 5)), int(b.get("profile_rows", 25)),
                                  rank, path)
         if rank == 0:
             print(f"\nprofile: {cfg['layer']['name']} {b['name']} tokens/rank={ptok}, {b.get('profile_iters', 5)} "
-                  f"{'eager ' if graph else ''}forwards "
+                  f"{'eager ' if graph else ''}{'training steps' if train else 'forwards'} "
                   f"(rank 0; chrome trace {path})\n{table}", flush=True)
     if rank != 0:
         return None
@@ -596,6 +634,38 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
     }
     return [{**common, **{k: v for k, v in r.items() if k != "_size_notes"},
              "notes": list(dict.fromkeys(common["notes"] + r["_size_notes"]))} for r in records]
+
+
+def check_grads(check: dict, ours, base, peer, x: torch.Tensor, grad: torch.Tensor, peer_ids, tol: float,
+                forced, base_forced, weights, config, b: dict, device: torch.device, rank: int) -> None:
+    """``bench.train``: the input gradients of ours and the baseline against the dense reference's
+    (``check["reference_grad"]``, ``check["baseline_reference_grad"]``) and of ours against the
+    peer's with the peer's experts forced (``check["peer_grad"]``), each raising (the peer's: unless
+    ``bench.check.strict=false``) when it fails."""
+    rows = int(b["check"]["ref_rows"])
+    for key, layer, ids in (("reference_grad", ours, forced), ("baseline_reference_grad", base, base_forced)):
+        if layer is None:
+            continue
+        check[key] = check_grads_against_reference(layer, x, grad, weights, config, rows, device, forced=ids)
+        if not check[key]["ok"]:
+            raise RuntimeError(f"the input gradient of {'ours' if layer is ours else 'the baseline'} does not "
+                               f"match the dense reference's: {check[key]}")
+    if peer is not None:
+        check["peer_grad"] = c = check_grads_against_peer(ours, peer, x, grad, peer_ids, tol,
+                                                          float(b["check"]["max_bad_rows_frac"]), device)
+        if rank == 0:
+            print(f"check grad: max|ours - peer| / max|peer| = {c['rel_max_abs_diff']:.3e} on the input gradient "
+                  f"with the same experts (tol {tol:g}; rows over tol: {c['rows_over_tol']}/{c['rows']})", flush=True)
+        if not c["ok"]:
+            msg = f"the input gradients of ours and the peer disagree: {c}"
+            if b["check"].get("strict", True):
+                raise RuntimeError(msg + " (bench.check.strict=false to time anyway)")
+            if rank == 0:
+                print(f"WARNING: {msg}", flush=True)
+    elif rank == 0:
+        print(f"check grad: ours vs dense reference, input gradient max abs err "
+              f"{check['reference_grad']['max_abs_err']:.3e} (tol {check['reference_grad']['tol']:.3e}); no peer",
+              flush=True)
 
 
 def _stats_record(stats) -> dict | None:
@@ -705,7 +775,8 @@ def print_results(records: list[dict]) -> None:
     r0 = records[0]
     print(f"\nbench: layer={r0['layer']} vs {r0['peer'] or 'no peer'}; {r0['device_name']}, world {r0['world_size']} "
           f"(ep {r0['ep']}), "
-          f"{r0['dtype']}, median of {r0['iters']} (max over ranks), router={r0['router']}")
+          f"{r0['dtype']}, median of {r0['iters']} {'training steps (forward + backward)' if r0.get('train') else 'forwards'} "
+          f"(max over ranks), router={r0['router']}")
     print("\n".join([bar, fmt(head), bar] + [fmt(row) for row in rows] + [bar]), flush=True)
     if r0.get("peer_note"):
         print(f"note: {r0['peer_note']}")
@@ -766,6 +837,7 @@ def _file_tag(path: str) -> str:
 def _setting_suffix(r: dict) -> str:
     """The record name's parts for settings that change the measurement but not the layer's name:
     replayed routing (a plan-built layer always replays), a trace file and its layer (other than 0), a plan file, the NaN check,
+    a training step,
     an expert backend other than ``auto`` and a baseline other than the layer's default one."""
     tag = "_replay" if r.get("router") == "replay" and not r.get("plan_based") else ""
     if (r.get("trace") or {}).get("path"):
@@ -775,6 +847,7 @@ def _setting_suffix(r: dict) -> str:
     if r.get("plan_path"):
         tag += f"_plan-{_file_tag(r['plan_path'])}"
     tag += "_checkfinite" if r.get("check_finite") else ""
+    tag += "_train" if r.get("train") else ""
     backend = (r.get("layer_kwargs") or {}).get("expert_backend")
     tag += f"_{backend}" if backend not in (None, "auto") else ""
     if r.get("baseline") != ("vanilla" if r.get("plan_based") else None):
@@ -785,7 +858,7 @@ def _setting_suffix(r: dict) -> str:
 @hydra.main(config_path="../conf", config_name="bench", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     d = to_dict(cfg)
-    normalize_flags(d, ("trace.synthetic", "bench.inference_mode", "bench.check_finite", "bench.cuda_graph",
+    normalize_flags(d, ("trace.synthetic", "bench.inference_mode", "bench.check_finite", "bench.cuda_graph", "bench.train",
                         "bench.profile", "bench.allow_large_cpu", "bench.check.strict", *LAYER_FLAGS))
     b = d["bench"]
     d["_router_name"] = router_name(cfg)

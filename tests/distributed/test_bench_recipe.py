@@ -563,6 +563,7 @@ def test_record_names_tell_every_setting_that_changes_the_measurement(tmp_path):
         {**rec, "layer": "vanilla", "check_finite": True},
         {**rec, "layer": "vanilla", "layer_kwargs": {"expert_backend": "loop"}},
         {**rec, "layer": "vanilla", "baseline": "variability"},
+        {**rec, "layer": "vanilla", "train": True},
     ]
     names = [Path(save_records([r], str(tmp_path), None)[0]).name for r in variants]
     names = [re.sub(r"-[0-9a-f]{6}_", "-HASH_", n) for n in names]  # the file's path hash
@@ -570,7 +571,7 @@ def test_record_names_tell_every_setting_that_changes_the_measurement(tmp_path):
                      "vanilla_s_t16_ws2_replay_trace-my-trace-HASH_cpu.json", "semantic_s_t16_ws2_cpu.json",
                      "semantic_s_t16_ws2_plan-plan_dp-HASH_cpu.json", "semantic_s_t16_ws2_vs-none_cpu.json",
                      "vanilla_s_t16_ws2_checkfinite_cpu.json", "vanilla_s_t16_ws2_loop_cpu.json",
-                     "vanilla_s_t16_ws2_vs-variability_cpu.json"]
+                     "vanilla_s_t16_ws2_vs-variability_cpu.json", "vanilla_s_t16_ws2_train_cpu.json"]
     # two plans of one stem in other folders: two records
     two = [Path(save_records([{**variants[4], "plan_path": f"/{d}/plan_dp.npz"}], str(tmp_path), None)[0]).name
            for d in ("a", "b")]
@@ -604,3 +605,52 @@ def test_check_config_checks_plan_files_save_to_and_sizes(tmp_path):
     with pytest.raises(ValueError, match=r"names a size twice"):
         check_config(bench_config("bench.tokens_per_rank=[7,7]"))
 
+
+
+@pytest.mark.timeout(120)
+def test_bench_train_times_training_steps(tmp_path):
+    """bench.train=true: forward + backward of ours and the baseline, the input gradients checked
+    against the dense reference before timing, records named ``_train``."""
+    rec = bench_record(tmp_path, "semantic_*_train_*.json", "bench.train=true", "bench.tokens_per_rank=16",
+                       "router=replay", "layer=semantic")
+    assert rec["train"] and rec["ms"] > 0 and rec["baseline_ms"] > 0
+    for key in ("reference", "reference_grad", "baseline_reference_grad"):
+        assert rec["check"][key]["ok"] and rec["check"][key]["rows"] > 0, key
+    assert rec["check"]["reference_grad"]["max_abs_err"] <= rec["check"]["reference_grad"]["tol"]
+
+
+def test_gradient_check_catches_a_wrong_backward():
+    """A layer whose forward is right and whose input gradient is not fails the check."""
+    import torch
+
+    from recipes._bench_tools import check_grads_against_reference
+
+    cpu = torch.device("cpu")
+    layer, x, _, weights, cfg = _checked_layer()
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(4))
+    good = check_grads_against_reference(layer, x, grad, weights, cfg, 256, cpu)
+    assert good["ok"] and good["rows"] == 256 and good["max_abs_err"] < good["tol"]
+
+    class WrongBackward(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = layer
+
+        @property
+        def last_topk_ids(self):
+            return self.inner.last_topk_ids
+
+        def forward(self, v):
+            return self.inner(v) + 1e-3 * (v - v.detach())  # the same output, a gradient off by 1e-3 * grad
+
+    bad = check_grads_against_reference(WrongBackward(), x, grad, weights, cfg, 256, cpu)
+    assert not bad["ok"] and bad["max_abs_err"] > bad["tol"]
+
+
+def test_check_config_refuses_train_with_cuda_graphs():
+    from recipes.bench import check_config
+
+    d = {"bench": {"tokens_per_rank": [16], "warmup": 1, "iters": 1, "train": True, "cuda_graph": True,
+                   "check": {}}, "layer": {"name": "vanilla", "kwargs": {}}}
+    with pytest.raises(ValueError, match="bench.train=true .*cuda_graph"):
+        check_config(d)
