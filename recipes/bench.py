@@ -602,7 +602,7 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
         x = rank_input(ptok, config.hidden_size, seed, rank, device, dtype)
         forced = replay.ids_for(rank, ptok, device, owners.get("semantic")) if replay is not None else None
 
-        def run_prof():
+        def run_prof(x=x):
             if forced is not None:
                 ours.force_routing(forced)
             return ours(x)
@@ -610,6 +610,7 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
         path = os.path.join(cfg["run_dir"], f"profile_{cfg['layer']['name']}_{b['name']}_t{ptok}_rank0.json")
         if train:
             x_grad = x.detach().clone().requires_grad_()
+            ours.train()
             run_prof = training_step(run_prof, x_grad, rank_input(ptok, config.hidden_size, seed + 1, rank, device,
                                                                   dtype), ours)
         with torch.enable_grad() if train else grad_ctx():

@@ -610,9 +610,10 @@ def test_check_config_checks_plan_files_save_to_and_sizes(tmp_path):
 @pytest.mark.timeout(120)
 def test_bench_train_times_training_steps(tmp_path):
     """bench.train=true: forward + backward of ours and the baseline, the input gradients checked
-    against the dense reference before timing, records named ``_train``."""
+    against the dense reference before timing, records named ``_train``; the profile profiles
+    training steps."""
     rec = bench_record(tmp_path, "semantic_*_train_*.json", "bench.train=true", "bench.tokens_per_rank=16",
-                       "router=replay", "layer=semantic")
+                       "router=replay", "layer=semantic", "bench.profile=true", "bench.profile_iters=1")
     assert rec["train"] and rec["ms"] > 0 and rec["baseline_ms"] > 0
     for key in ("reference", "reference_grad", "baseline_reference_grad"):
         assert rec["check"][key]["ok"] and rec["check"][key]["rows"] > 0, key
