@@ -83,7 +83,7 @@ def unpermute_combine_reference(
     if src.shape[0] == 0:  # every index is -1 (_check); keep a (zero) row so indexing stays valid
         src = torch.cat([src, src.new_zeros(1, H)])
     valid = index >= 0  # [T, J]
-    rows = src[index.long().clamp(min=0)].to(acc)  # [T, J, H]
+    rows = _gather(src, index.long().clamp(min=0)).to(acc)  # [T, J, H]
     rows = torch.where(valid.unsqueeze(-1), rows, rows.new_zeros(()))
     if weight is not None:
         w = torch.where(valid, weight.to(acc), weight.new_zeros((), dtype=acc))
@@ -106,7 +106,7 @@ class _UnpermuteCombine(torch.autograd.Function):
         acc = _acc_dtype(src)
         out = torch.empty(index.shape[0], src.shape[1], dtype=out_dtype, device=src.device)
         for tokens, rows, valid in _chunks(src, index):
-            part = src[rows].to(acc)  # [c, J, H]
+            part = _gather(src, rows).to(acc)  # [c, J, H]
             if weight is not None:
                 part = part * weight[tokens, :, None].to(acc)
             out[tokens] = torch.where(valid[..., None], part, 0.0).sum(dim=1)
@@ -126,14 +126,23 @@ class _UnpermuteCombine(torch.autograd.Function):
             if grad_src is not None:  # (invalid entries add exact zeros to row 0: no host sync for a mask)
                 part = g_rows.expand(-1, index.shape[1], -1) if weight is None else (
                     g_rows * weight[tokens, :, None].to(acc))
-                # index_put_ with accumulate, as the reference's gather backward: on CUDA it sorts the rows
-                # and sums each in order (deterministic), where index_add_ adds with atomics
                 part = torch.where(valid[..., None], part, 0.0)
-                grad_src.index_put_((rows.flatten(),), part.reshape(-1, src.shape[1]), accumulate=True)
+                grad_src.index_add_(0, rows.flatten(), part.reshape(-1, src.shape[1]))  # as _gather's backward
             if grad_w is not None:
-                grad_w[tokens] = torch.where(valid, (g_rows * src[rows].to(acc)).sum(-1), 0.0)
+                grad_w[tokens] = torch.where(valid, (g_rows * _gather(src, rows).to(acc)).sum(-1), 0.0)
         return (None if grad_src is None else grad_src.to(ctx.src_dtype), None,
                 None if grad_w is None else grad_w.to(weight.dtype), None)
+
+
+def _gather(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``src[rows]`` (``rows`` any shape, int64, in range) through ``index_select``, whose backward
+    adds with ``index_add_``. ``src[rows]``'s backward (``index_put_`` with accumulate) sorts the rows
+    first: about 1 ms per call at 24k rows of 2,048 on an H100, 60 % of a DeepSeek-V2-Lite training
+    step at 4,096 tokens per rank. ``index_add_`` adds with atomics: the same sums bit for bit where
+    every row of ``src`` is gathered at most once (the layers' case: one row per (token, expert) or
+    (token, rank); ``-1`` entries add exact zeros), and torch sorts as ``index_put_`` does under
+    ``torch.use_deterministic_algorithms(True)``."""
+    return src.index_select(0, rows.flatten()).view(*rows.shape, src.shape[1])
 
 
 def _chunks(src: torch.Tensor, index: torch.Tensor):

@@ -892,3 +892,45 @@ def test_megatron_adapter_refuses_training_with_tp_without_sp_and_ep():
     pytest.importorskip("megatron.core", reason="megatron-core is not installed")
     for rank, res in enumerate(run_distributed(_adapter_tp_ep_training, 2, timeout=200)):
         assert res == {"ep=2 etp=1": None, "ep=1 etp=1": None, "ep=1 etp=2": None}, f"rank {rank}: {res}"
+
+
+def _combine_rows_once(rank: int, world: int) -> tuple[int, list[str]]:
+    """Every combine call of every training layer, dispatcher and placement (replicas included):
+    ``(calls, cases whose index repeats a valid row)``."""
+    from moelayers.dispatch import alltoall, base
+
+    label, calls, bad = [""], [0], []
+
+    def checked(original):
+        def combine(src, index, weight, out_dtype=None):
+            rows = index[index >= 0]
+            calls[0] += 1
+            if rows.unique().numel() != rows.numel():
+                bad.append(f"{label[0]}: {rows.numel() - rows.unique().numel()} repeated rows in {tuple(index.shape)}")
+            return original(src, index, weight, out_dtype=out_dtype)
+        return combine
+
+    originals = base.unpermute_combine, alltoall.unpermute_combine
+    base.unpermute_combine, alltoall.unpermute_combine = (checked(f) for f in originals)
+    try:
+        groups = ml.ParallelGroups.from_world(ep=world)
+        cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4 * world, top_k=3)
+        for layer_kind in LAYERS:
+            for disp, dedup in DISPATCHERS:
+                for place in ("linear", "replicas"):
+                    label[0] = f"{layer_kind}/{disp}/dedup={dedup}/{place}"
+                    layer = _build({"layer": layer_kind, "disp": disp, "dedup": dedup}, cfg, groups, world, place)
+                    x = torch.randn(7 + rank, H, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+                    layer(x).square().sum().backward()
+    finally:
+        base.unpermute_combine, alltoall.unpermute_combine = originals
+    return calls[0], bad
+
+
+@pytest.mark.timeout(180)
+def test_combine_gathers_each_row_at_most_once():
+    """The combine's backward adds its rows with ``index_add_`` (atomics on CUDA), which sums each
+    gradient row bit for bit the same only where no row of ``src`` is gathered twice: true of every
+    layer, dispatcher and placement here."""
+    for calls, bad in run_distributed(_combine_rows_once, 2, timeout=150):
+        assert calls >= len(LAYERS) * len(DISPATCHERS) * 2 and bad == []
