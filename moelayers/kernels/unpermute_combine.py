@@ -92,7 +92,14 @@ def unpermute_combine_reference(
     return out.to(out_dtype or src.dtype)
 
 
-_CHUNK_BYTES = 32 << 20  # the [tokens, J, H] temporaries of one chunk of tokens (in the accumulation dtype)
+#: Batches whose ``[T, J, H]`` temporaries (in the accumulation dtype) take at most this take the
+#: reference itself: what it saves for the backward is small, and its backward runs in C++ (small
+#: batches are host-bound on GPUs).
+_SMALL_BYTES = 32 << 20
+#: Larger ones go through :class:`_UnpermuteCombine` in chunks of tokens whose temporaries take at
+#: most this: one chunk up to 4,096 tokens of Qwen3-30B-A3B's layer (top-8, H = 2,048), as few kernels
+#: as the reference (chunks of 32 MiB made a DeepSeek-V2-Lite training step at 4,096 tokens 20 % slower on H100).
+_CHUNK_BYTES = 256 << 20
 
 
 class _UnpermuteCombine(torch.autograd.Function):
@@ -165,12 +172,12 @@ def unpermute_combine_lean(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """:func:`unpermute_combine_reference` (same arguments, the same output bit for bit,
-    differentiable w.r.t. ``src`` and ``weight``) with temporaries of at most 32 MiB beyond the
-    ``[T, H]`` output and gradients: the autograd path of :func:`unpermute_combine`. Batches whose
-    ``[T, J, H]`` temporaries fit in 32 MiB take the reference itself (fewer host calls: small
-    batches are host-bound on GPUs); larger ones take it chunk by chunk of tokens."""
+    differentiable w.r.t. ``src`` and ``weight``) that saves for the backward only its inputs, not
+    the reference's ``[T, J, H]`` float32 rows, and keeps its temporaries under 256 MiB: the autograd
+    path of :func:`unpermute_combine`. Batches whose ``[T, J, H]`` temporaries fit in 32 MiB take the
+    reference itself (fewer host calls: small batches are host-bound on GPUs)."""
     row_bytes = index.shape[1] * src.shape[1] * torch.finfo(_acc_dtype(src)).bits // 8
-    if index.shape[0] * row_bytes <= _CHUNK_BYTES:  # small: the reference itself (its backward runs in C++)
+    if index.shape[0] * row_bytes <= _SMALL_BYTES:
         return unpermute_combine_reference(src, index, weight, out_dtype)
     _check(src, index, weight)
     if src.shape[0] == 0:  # every index is -1 (_check): zeros, still in the autograd graph of src and weight

@@ -215,16 +215,17 @@ def test_reference_gradcheck():
     assert torch.autograd.gradcheck(lambda s: unpermute_combine_reference(s, index, None), (src,))
 
 
-@pytest.mark.parametrize("chunk_bytes", [None, 1, 3 * 4 * 6 * 8])
+@pytest.mark.parametrize("chunk_bytes", [None, 1, 3 * 4 * 6 * 8, 1 << 30])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_unpermute_combine_lean_is_the_reference(dtype, chunk_bytes, monkeypatch):
     """The autograd path without the reference's [T, J, H] temporaries (float32, saved for the
-    backward), as the reference itself (small), in chunks of one token and of three: the same output bit for bit, the
+    backward), as the reference itself (small), in chunks of one token, of three and in one: the same output bit for bit, the
     same gradients, NaN weights of invalid entries ignored, double backward, an empty src, rows past
     src refused."""
     import importlib
     module = importlib.import_module("moelayers.kernels.unpermute_combine")
     if chunk_bytes is not None:
+        monkeypatch.setattr(module, "_SMALL_BYTES", 0)
         monkeypatch.setattr(module, "_CHUNK_BYTES", chunk_bytes)
     gen = torch.Generator().manual_seed(5)
     t, j, n, h = 9, 4, 11, 6
