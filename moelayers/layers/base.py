@@ -722,12 +722,14 @@ class MoELayerBase(nn.Module):
                     raise ValueError(
                         "activation checkpointing is recomputing a forward of a layer that has forced its routing "
                         "(force_routing), from an input the layer was not given (a tensor made inside the "
-                        "checkpointed region, forward_tp's chunk), so whether "
+                        "checkpointed region), so whether "
                         "and how that forward was forced cannot be told, and routing it by the router could give "
                         "other experts' gradients. Pass the ids in the checkpointed function, layer(x, topk_ids=ids), "
                         "checkpoint a function that hands the layer its input as given, "
                         "or keep the layer outside the checkpointed region (with megatron-core: "
-                        "recompute_granularity='selective' with 'moe' in recompute_modules, not 'full')")
+                        "recompute_granularity='selective' with 'moe' in recompute_modules, not 'full'). A forced "
+                        "forward under torch.no_grad() counts too (an evaluation or replay): run those under "
+                        "torch.inference_mode(), which does not")
             # what checkpointing may recompute: a forward recording autograd, or a reentrant checkpoint's
             # first pass (under no_grad, on an input that requires grad); never capacity mode. Kept once the
             # forward has run: a refused one has nothing to recompute, and would make its input ambiguous
@@ -744,7 +746,7 @@ class MoELayerBase(nn.Module):
                                  "or build the layer without capacity for training")
             if self.cuda_graph and x2.is_cuda and forced is not None:  # here: the other ranks learn it in the exchange
                 raise ValueError("cuda_graph layers do not take forced routing; build the layer with cuda_graph=False")
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # whatever this rank's input raised: the other ranks must learn it
             if self.groups.ep_size == 1:
                 raise
             self._refuse_in_step(exc)  # raises
@@ -957,6 +959,8 @@ class MoELayerBase(nn.Module):
                 raise ValueError(f"token_ids must be [{x2.shape[0]}] or shaped like x without its last dimension "
                                  f"{list(x.shape[:-1])}, got {list(token_ids.shape)} (e.g. [B, S] ids for [S, B, H] "
                                  "hidden states would pair tokens with the wrong rows)")
+            if token_ids.device != x.device:  # (a sync or a crash later, on this rank only)
+                raise TypeError(f"token_ids are on {token_ids.device}, {name} on {x.device}")
             token_ids = token_ids.reshape(-1)
         return x2, token_ids
 

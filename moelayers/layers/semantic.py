@@ -274,7 +274,7 @@ class SemanticMoE(MoELayerBase):
                 raise ValueError(f"forward_tp: {x2.shape[0]} tokens over {rb.num_ranks} TP rank(s) make chunks of "
                                  f"{rb.chunk_size} rows, more than the layer's capacity of {self.capacity}: split "
                                  "the batch or build the layer with a larger capacity")
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # whatever this rank's input raised: the other TP ranks must learn it
             if self.groups.tp_size == 1 or not self.verify_tp_inputs:
                 raise
             refused = exc
@@ -293,6 +293,9 @@ class SemanticMoE(MoELayerBase):
         chunk_ids = None if forced is None else forced.index_select(0, rows.to(forced.device))  # this chunk's rows
         if topk_ids is None and chunk_ids is not None:  # (force_routing's: the layer keeps it for recomputation)
             self._forced_ids, chunk_ids = chunk_ids, None
+        # a recomputation (activation checkpointing) finds this forward's routing by forward_tp's own input,
+        # which it is given again, not by the chunk z, which it makes anew
+        self._replay_key = attn_partial
         y = self.forward(z, token_ids=None if token_ids is None else token_ids.index_select(0, rows), topk_ids=chunk_ids)
         out_chunk = torch.cat([hv + y, h[n:]])
         out = shuffled_all_gather(out_chunk, rb.perm, group, inverse=rb.inverse, replicated_grad=True)

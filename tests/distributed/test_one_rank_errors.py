@@ -134,6 +134,10 @@ def _forward_tp_check(rank: int, world: int, case: str) -> str:
     forced = {}
     if case == "other_forced_routing":
         forced["topk_ids"] = torch.stack([torch.arange(t), torch.arange(t) + 1 + rank], 1) % e
+    if case == "ids_on_meta" and rank == 1:
+        ids = ids.to("meta")
+    if case == "history_on_meta" and rank == 1:  # the history predictor's bincount has no meta kernel
+        forced["prev_ranks"] = torch.zeros(2, t, dtype=torch.int64, device="meta")
     with torch.no_grad():
         return _outcome(layer.forward_tp, partials[rank], residual, _norm(torch.float64), token_ids=ids, **forced)
 
@@ -145,6 +149,29 @@ def test_forward_tp_ranks_that_disagree_all_raise(case, message):
     shuffled, or routed, its chunk by its own)."""
     outcomes = run_distributed(_forward_tp_check, 2, case, timeout=TIMEOUT)
     assert all(message in got for got in outcomes), outcomes
+
+
+@pytest.mark.parametrize("case,own", [("ids_on_meta", "TypeError: token_ids are on meta"),
+                                      ("history_on_meta", "")])
+def test_forward_tp_input_error_of_any_type_on_one_rank_raises_everywhere(case, own):
+    """Only TypeError and ValueError reached the TP agreement: token ids on another device (a
+    NotImplementedError from bincount, or a copy out of a meta tensor) left the other ranks waiting
+    in the agreement's all-reduce."""
+    outcomes = run_distributed(_forward_tp_check, 2, case, timeout=TIMEOUT)
+    _assert_all_raise(outcomes, own, "ValueError: forward_tp refused the input of TP rank(s) [1]")
+
+
+def _dp_ids_check(rank: int, world: int) -> str:
+    layer = ml.VanillaMoE(ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=2 * world, top_k=2),
+                          ml.ParallelGroups.from_world(), seed=1)
+    ids = torch.arange(5, device="meta" if rank == 1 else "cpu")
+    with torch.no_grad():
+        return _outcome(layer, torch.randn(5, 8), token_ids=ids)
+
+
+def test_token_ids_on_another_device_on_one_rank():
+    outcomes = run_distributed(_dp_ids_check, 2, timeout=TIMEOUT)
+    _assert_all_raise(outcomes, "TypeError: token_ids are on meta, x on cpu")
 
 
 # ------------------------------------------------------------------------------ checkpoint placements

@@ -332,8 +332,7 @@ def test_checkpointed_forward_tp_keeps_the_record_of_the_callers_forward(reentra
 
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_checkpointed_forward_tp_with_topk_ids(reentrant):
-    """forward_tp's forced routing as an argument: a checkpointed forward_tp recomputes with it (forced by
-    force_routing, the recomputation cannot find the chunk's routing and is refused)."""
+    """forward_tp's forced routing as an argument: a checkpointed forward_tp recomputes with it."""
     from moelayers.models.tiny import RMSNorm
 
     cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=4, top_k=2, params_dtype=torch.float64)
@@ -346,6 +345,39 @@ def test_checkpointed_forward_tp_with_topk_ids(reentrant):
     perm = lambda: layer.last_rebatch.perm[layer.last_rebatch.perm >= 0]  # noqa: E731  (tokens in chunk order)
     assert _same_grads_checkpointed(layer, fn, a, ids, reentrant=reentrant,
                                     routed=lambda: torch.equal(layer.last_topk_ids, ids[perm()]))
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_forward_tp_with_force_routing(reentrant):
+    """A checkpointed forward_tp forced by force_routing recomputes with its routing, found by
+    forward_tp's input (by the chunk, which it makes anew, it was refused); and after a forced
+    forward under no_grad (an evaluation, a replay) an unforced checkpointed forward_tp recomputes by
+    the router (every one was refused from then on)."""
+    from moelayers.models.tiny import RMSNorm
+
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=4, top_k=2, params_dtype=torch.float64)
+    layer = ml.SemanticMoE(cfg, ml.ParallelGroups.single(), mode="tp", seed=1)
+    norm = RMSNorm(H).double()
+    g = torch.Generator().manual_seed(3)
+    a, r = torch.randn(6, H, dtype=torch.float64, generator=g), torch.randn(6, H, dtype=torch.float64, generator=g)
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(6)])
+
+    def step(wrap: bool, forced: bool):
+        layer.zero_grad(set_to_none=True)
+        xi = a.clone().requires_grad_()
+        if forced:
+            layer.force_routing(ids)
+        fn = lambda t: layer.forward_tp(t, r, norm, token_ids=None)  # noqa: E731
+        y = checkpoint(fn, xi, use_reentrant=reentrant) if wrap else fn(xi)
+        y.pow(2).sum().backward()
+        return [xi.grad, layer.router.weight.grad, *layer.expert_grads_full()]
+
+    for forced in (True, False):
+        plain, wrapped = step(False, forced), step(True, forced)
+        assert all(torch.equal(p, w) for p, w in zip(plain, wrapped)), forced
+        with torch.no_grad():  # an evaluation with forced routing between training steps
+            layer.force_routing(ids)
+            layer.forward_tp(a, r, norm, token_ids=None)
 
 
 def test_a_layer_pickles_after_a_training_forward():
