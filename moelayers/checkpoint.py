@@ -513,9 +513,9 @@ def load_placement_state_dict(model: nn.Module, state_dict: Mapping[str, torch.T
 
     Raises:
         KeyError: a layer has no entry (nothing moved).
-        ValueError: an entry is not a placement of the layer's experts, ranks and slots per rank,
-            or another rank of a layer's expert-parallel (or expert-data-parallel) group refused its
-            entry (nothing moved).
+        ValueError: an entry is not a placement of the layer's experts, ranks and slots per rank
+            (``TypeError``: it holds no integer ids), or another rank of a layer's expert-parallel (or
+            expert-data-parallel) group refused its entry (nothing moved).
         TypeError, RuntimeError: a layer that would move cannot, for a reason this rank knows before
             any move (see ``apply_placement``: ``optimizer`` does not hold its trained expert weights,
             they hold gradients, or a forward awaits its backward); nothing moved.
@@ -604,6 +604,9 @@ def _saved_placement(key: str, state_dict: Mapping[str, torch.Tensor], old: Expe
         raise ValueError(f"load_placement_state_dict: {key} is {shape}, the layer's placement is "
                          f"{tuple(old.phy2log.shape)} (ranks, slots per rank): a placement resumes only at the "
                          f"same expert-parallel size and slots per rank; nothing was moved")
+    if table.dtype.is_floating_point or table.dtype.is_complex or table.dtype == torch.bool:
+        raise TypeError(f"load_placement_state_dict: {key} holds {table.dtype}, a placement's table holds integer "
+                        "expert ids; nothing was moved")
     try:
         new = ExpertPlacement(table.detach().to("cpu", torch.int64), old.num_experts)
         new.validate()

@@ -249,7 +249,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` (torch's takes ``model.parameters()``).
-        ValueError: ``norm_type`` is not positive; expert weights sharded by FSDP (see
+        ValueError: ``norm_type`` is not positive, ``max_norm`` negative or NaN; expert weights sharded by FSDP (see
             :func:`moelayers.rank_local_params`).
         RuntimeError: ``error_if_nonfinite`` and the norm is not finite.
     """
@@ -259,6 +259,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not norm_type > 0:  # (torch's 0-"norm" counts the tensors with a gradient that is not zero: slot tables)
         raise ValueError(f"clip_grad_norm_: norm_type must be > 0 (or inf), got {norm_type}")
+    if not max_norm >= 0:  # (torch's scales by max_norm / total: a negative one flips every gradient, NaN fills them)
+        raise ValueError(f"clip_grad_norm_: max_norm must be >= 0, got {max_norm}")
     layers = [m for m in model.modules() if isinstance(m, MoELayerBase)]
     _check_not_sharded(layers, "clip_grad_norm_")
     params = [p for p in model.parameters() if p.grad is not None]

@@ -199,6 +199,8 @@ def _placement_check(rank: int, world: int, case: str, device: str = "cpu") -> l
         state = {}
     if rank == 1 and case == "meta_entry":  # not a KeyError or ValueError: told to the others all the same
         state["moe.placement"] = torch.empty_like(saved, device="meta")
+    if rank == 1 and case == "float_entry":  # [[3.4, 0.7], ...]: was truncated to [[3, 0], ...] and moved
+        state["moe.placement"] = saved.double() + torch.tensor([[0.4, 0.7], [0.2, 0.9]])
     loaded = _outcome(mlc.load_placement_state_dict, model, state)
     moved = model["moe"].placement != ml.ExpertPlacement.linear(e, ep)
     with torch.no_grad():  # the job goes on: every rank serves the next step
@@ -207,7 +209,7 @@ def _placement_check(rank: int, world: int, case: str, device: str = "cpu") -> l
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("case", ["bad_entry", "missing_entry", "meta_entry", "already_there"])
+@pytest.mark.parametrize("case", ["bad_entry", "missing_entry", "meta_entry", "float_entry", "already_there"])
 def test_load_placement_state_dict_with_one_rank_apart(case, world):
     """One rank's entry refused (or missing) raised on that rank while the others waited in the
     move; a rank already in the saved placement skipped the move the others made. At world 4 the
@@ -217,7 +219,8 @@ def test_load_placement_state_dict_with_one_rank_apart(case, world):
         assert all(loaded.startswith("PlacementRejected") for loaded, _, _ in outcomes[:2]), outcomes
         return
     own = {"bad_entry": "ValueError: load_placement_state_dict: moe.placement is not a placement of 4 experts",
-           "missing_entry": "KeyError", "meta_entry": ""}[case]
+           "missing_entry": "KeyError", "meta_entry": "",
+           "float_entry": "TypeError: load_placement_state_dict: moe.placement holds torch.float64"}[case]
     _assert_all_raise([loaded for loaded, _, _ in outcomes], own,
                       "ValueError: load_placement_state_dict: another rank refused its entry")
     assert [served for _, served, _ in outcomes] == ["ok"] * world, outcomes

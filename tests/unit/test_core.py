@@ -790,6 +790,11 @@ def test_clip_grad_norm_on_one_rank_is_torchs():
     for bad in (0.0, -1.0):
         with pytest.raises(ValueError, match="norm_type must be > 0"):
             ml.clip_grad_norm_(model, 1.0, bad)
+    before = [p.grad.clone() for p in model.parameters()]
+    for bad in (-1.0, float("nan")):  # -1 flipped the sign of every gradient, NaN filled them with NaN
+        with pytest.raises(ValueError, match="max_norm must be >= 0"):
+            ml.clip_grad_norm_(model, bad)
+    assert all(torch.equal(p.grad.nan_to_num(), b.nan_to_num()) for p, b in zip(model.parameters(), before))
     # only the experts have gradients: the norm keeps their dtype (float64 holds 1e90, float32 does not)
     model.zero_grad()
     for p in model[1].experts.parameters():
