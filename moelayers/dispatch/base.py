@@ -81,7 +81,7 @@ def raise_if_placements_differ(digests: list[int]) -> None:
     """Raise ``ValueError`` on every rank if the expert-parallel ranks serve different placements
     or payload settings (the layer's digest of its placement's
     :meth:`~moelayers.placement.ExpertPlacement.digest` and of its dispatcher, dedup, capacity,
-    num_experts, top_k and hidden_size, and the payload's dtypes, one per rank in rank order), e.g. the ranks loaded
+    config and subclass settings, and the payload's dtypes, one per rank in rank order), e.g. the ranks loaded
     checkpoints saved at different moments: routing by one table and weights laid out by another
     give wrong outputs silently."""
     if len(set(digests)) > 1:
@@ -90,9 +90,10 @@ def raise_if_placements_differ(digests: list[int]) -> None:
             groups.setdefault(d, []).append(r)
         raise ValueError(f"the expert-parallel ranks serve different placements or layer settings (ranks grouped "
                          f"by them: {sorted(groups.values())}): every rank must load the same checkpoint moment or "
-                         f"apply the same placement, build the layer with the same dispatcher, dedup, capacity, "
-                         f"num_experts, top_k and hidden_size, and compute in the same dtype (a layer cast on "
-                         f"some ranks only, or the router's logits in another dtype)")
+                         f"apply the same placement, build the layer with the same MoEConfig, dispatcher, dedup, "
+                         f"capacity (and a VariabilityAwareMoE with the same window and re-planning settings), "
+                         f"and compute in the same dtype (a layer cast on some ranks only, or the router's logits "
+                         f"in another dtype)")
 
 
 def raise_if_nonfinite(flags: list[int]) -> None:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import numbers
 from collections.abc import Callable
@@ -246,13 +247,22 @@ class MoELayerBase(nn.Module):
                                   capacity=self.capacity, placement_digest=self._digest())
 
     def _digest(self) -> int:
-        """62-bit digest the ranks compare with every exchange: the placement and the settings that
+        """62-bit digest the ranks compare with every exchange: the placement, the settings that
         decide how the payload is laid out (a rank built with another ``dedup`` or ``top_k`` would
-        read the others' rows with its own layout)."""
+        read the others' rows with its own layout), the rest of the config (another
+        ``ffn_hidden_size`` or ``norm_topk_prob`` on one rank served another model) and the layer's
+        :meth:`_agreed_settings`, as built."""
         c = self.config
         payload = (self.dedup, self.capacity) if self.dispatcher_name == "alltoall" else ()  # all-gather: neither
-        settings = (self.placement.digest(), self.dispatcher_name, *payload, c.num_experts, c.top_k, c.hidden_size)
+        config = tuple((f.name, getattr(c, f.name)) for f in dataclasses.fields(c) if f.name != "params_dtype")
+        settings = (self.placement.digest(), self.dispatcher_name, *payload, config, self._agreed_settings())
         return int.from_bytes(hashlib.blake2b(repr(settings).encode(), digest_size=8).digest(), "little") >> 2
+
+    def _agreed_settings(self) -> tuple:
+        """Settings of a subclass that every expert-parallel rank must share (e.g. when it re-plans:
+        ranks re-planning at different steps wait for each other in the re-plan's collectives);
+        part of :meth:`_digest`. Read while ``__init__`` builds the dispatcher too: use defaults."""
+        return ()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -158,6 +158,10 @@ class VariabilityAwareMoE(MoELayerBase):
                              f"per rank, so every re-plan would fail; pass a planner that handles it")
         if curves is not None and hasattr(curves, "check_ranks"):  # LatencyCurves: here, not at the first re-plan
             curves.check_ranks(groups.ep_size)
+        elif curves is not None and planner is None:  # (a string or a path failed at every re-plan, as a warning)
+            raise TypeError(f"curves must be a moelayers.planning.gem.LatencyCurves for the default GEM planner "
+                            f"(LatencyCurves.load(path) reads recipes/profile.py's file; variability='high' etc. "
+                            f"picks a preset), got {type(curves).__name__}")
         factor = _slowdown_factor(slowdown, groups) if slowdown is not None else None  # on every rank, before any collective
         super().__init__(config, groups, placement=placement, **kwargs)
         self.curves, self.variability = curves, variability
@@ -179,12 +183,20 @@ class VariabilityAwareMoE(MoELayerBase):
         self.last_replan: dict | None = None
         self.register_buffer("_loads", torch.zeros(window, config.num_experts, dtype=torch.int64,
                                                    device=self.router.weight.device), persistent=False)
+        self.dispatcher.placement_digest = self._digest()  # with the settings above (_agreed_settings)
         self.slowdown = slowdown  # as given, the same on every rank (this rank's factor: self.emulator.factor)
         self.emulator = None  # a rank at full speed (factor 1.0) gets none: nothing to stretch, no timing syncs
         if factor is not None and factor != 1.0:
             from moelayers.emulation import emulate_variability
 
             self.emulator = emulate_variability(self, factor)
+
+    def _agreed_settings(self) -> tuple:
+        """When and how the layer re-plans: ranks that record other windows or re-plan at other steps
+        wait for each other in the re-plan's collectives."""
+        names = ("window", "auto_replan", "replan_every", "record_loads", "restarts", "plan_seed", "min_gain",
+                 "variability", "_curves_given")
+        return tuple(getattr(self, name, None) for name in names) + (getattr(self, "planner", None) is None,)
 
     # ------------------------------------------------------------------ forward + load recording
     @eager_under_compile  # eager under torch.compile, as MoELayerBase.forward (its step count made a recompile per step)

@@ -492,3 +492,27 @@ def test_auto_replan_waits_for_every_rank(main_grad):
     logs = run_distributed(_replan_check, 2, main_grad, timeout=TIMEOUT)
     assert logs[0] == logs[1], logs
     assert logs[0][-1][0] >= 1, logs  # it did re-plan, once every rank could
+
+
+# ------------------------------------------------------------------------------ settings that differ by rank
+def _settings_check(rank: int, world: int, case: str) -> str:
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=2 * world, top_k=2)
+    groups = ml.ParallelGroups.from_world()
+    if case == "ffn_hidden_size" and rank == 1:
+        cfg = cfg.replace(ffn_hidden_size=6)
+    if case == "norm_topk_prob" and rank == 1:
+        cfg = cfg.replace(norm_topk_prob=False)
+    if case == "window":
+        layer = ml.VariabilityAwareMoE(cfg, groups, window=2 + rank, auto_replan=True, seed=1)
+    else:
+        layer = ml.VanillaMoE(cfg, groups, seed=1)
+    with torch.no_grad():
+        return _outcome(lambda: [layer(torch.randn(4, 8)) for _ in range(4)])
+
+
+@pytest.mark.parametrize("case", ["ffn_hidden_size", "norm_topk_prob", "window"])
+def test_ranks_built_with_other_settings_all_raise(case):
+    """Another ffn_hidden_size or norm_topk_prob on one rank served another model silently; a
+    VariabilityAwareMoE with another window on one rank re-planned at another step: a hang."""
+    outcomes = run_distributed(_settings_check, 2, case, timeout=TIMEOUT)
+    assert all("serve different placements or layer settings" in got for got in outcomes), outcomes

@@ -873,3 +873,14 @@ def test_planners_refuse_what_fuzzing_found(case):
     call, match = _fuzzed_inputs()[case]
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("curves", ["high", "curves.npz", [1.0, 1.1]])
+def test_variability_layer_refuses_curves_that_are_not_latency_curves(curves):
+    """A preset name or a path as ``curves`` was accepted; every re-plan then failed, as a warning
+    with auto_replan (the layer served on in the old placement)."""
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+    with pytest.raises(TypeError, match="curves must be a moelayers.planning.gem.LatencyCurves"):
+        ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), curves=curves, auto_replan=True)
+    planner = lambda loads, c, **kw: torch.arange(4)  # noqa: E731  (a planner of its own reads its own curves)
+    ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), curves=curves, planner=planner)
