@@ -117,11 +117,14 @@ class ParallelGroups:
             ep: expert-parallel size; default the whole world. Must divide the world size.
             tp: tensor-parallel size (consecutive ranks). Must divide the world size.
 
-        Every rank must call this with the same arguments (it creates groups collectively).
+        Every rank must call this with the same arguments: it checks that they agree (an all-reduce:
+        with NCCL, set this rank's CUDA device first) and creates the groups collectively.
 
         Raises:
             TypeError: a size that is not an integer (numpy integers are taken).
-            ValueError: if torch.distributed is not initialised or the sizes do not fit the world.
+            ValueError: if torch.distributed is not initialised, the sizes do not fit the world or
+                differ between the ranks (on every rank; a rank whose own sizes are refused raises
+                that error, the others this one).
         """
         if not dist.is_available() or not dist.is_initialized():
             raise ValueError(
@@ -130,13 +133,28 @@ class ParallelGroups:
             )
         world, rank = dist.get_world_size(), dist.get_rank()
         ep = world if ep is None else ep
-        sizes = {}
-        for name, size in (("ep", ep), ("tp", tp)):
-            if isinstance(size, (bool, np.bool_)) or not isinstance(size, numbers.Integral):
-                raise TypeError(f"{name} must be an int, got {size!r}")
-            sizes[name] = int(size)  # (numpy integers too)
-            if sizes[name] < 1 or world % sizes[name]:
-                raise ValueError(f"{name}={sizes[name]} does not divide the world size {world}")
+        sizes, refused = {}, None
+        try:
+            for name, size in (("ep", ep), ("tp", tp)):
+                if isinstance(size, (bool, np.bool_)) or not isinstance(size, numbers.Integral):
+                    raise TypeError(f"{name} must be an int, got {size!r}")
+                sizes[name] = int(size)  # (numpy integers too)
+                if sizes[name] < 1 or world % sizes[name]:
+                    raise ValueError(f"{name}={sizes[name]} does not divide the world size {world}")
+        except (TypeError, ValueError) as exc:
+            refused = exc
+        # every rank's sizes, before any group is made: a rank asking for others made other groups (a
+        # hang, or a first forward failing on some ranks only), and one refusing alone left the others waiting
+        mine = [0, 0, 0, 0] if refused else [sizes["ep"], sizes["tp"], -sizes["ep"], -sizes["tp"]]
+        agreed = torch.tensor(mine, dtype=torch.int64, device=backend_device(dist.get_backend()))
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)  # the smallest sizes and the largest ones
+        if refused is not None:
+            raise refused
+        if agreed.tolist() != mine:
+            raise ValueError(f"ParallelGroups.from_world: the ranks asked for different sizes or one refused its own "
+                             f"(this rank: ep={sizes['ep']}, tp={sizes['tp']}; over the ranks ep "
+                             f"{agreed[0]}..{-agreed[2]}, tp {agreed[1]}..{-agreed[3]}): every rank must pass the "
+                             "same ep and tp")
         ep, tp = sizes["ep"], sizes["tp"]
         dp = world // tp
         ep_group = _blocks(world, ep)

@@ -516,3 +516,20 @@ def test_ranks_built_with_other_settings_all_raise(case):
     VariabilityAwareMoE with another window on one rank re-planned at another step: a hang."""
     outcomes = run_distributed(_settings_check, 2, case, timeout=TIMEOUT)
     assert all("serve different placements or layer settings" in got for got in outcomes), outcomes
+
+
+def _groups_check(rank: int, world: int, case: str) -> str:
+    ep = {"other_ep": [2, 1], "bad_ep_on_one": [2, 3]}[case][rank]
+    return _outcome(ml.ParallelGroups.from_world, ep=ep)
+
+
+@pytest.mark.parametrize("case", ["other_ep", "bad_ep_on_one"])
+def test_from_world_with_other_sizes_on_one_rank(case):
+    """ep=2 on rank 0 and 1 on rank 1 made other groups on each rank: the first forward returned on
+    one rank and failed (or waited) on the other; ep=3 on one rank raised there alone."""
+    outcomes = run_distributed(_groups_check, 2, case, timeout=TIMEOUT)
+    if case == "bad_ep_on_one":
+        assert outcomes[1].startswith("ValueError: ep=3 does not divide the world size 2"), outcomes
+        assert "the ranks asked for different sizes or one refused its own" in outcomes[0], outcomes
+    else:
+        assert all("the ranks asked for different sizes" in got for got in outcomes), outcomes
