@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 __all__ = [
     "launch", "under_torchrun", "resolve_backend", "device_for", "run_dir", "invocation", "to_dict", "print_table",
     "write_json", "percentile", "jsonable", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
-    "normalize_flags", "LAYER_FLAGS", "int_setting",
+    "normalize_flags", "LAYER_FLAGS", "int_setting", "check_layer_settings",
 ]
 
 #: Layer kwargs that say *how* a layer executes rather than *what* it is: a comparison gives the
@@ -142,6 +142,21 @@ def shared_execution_kwargs(layer_cfg: dict) -> dict:
     """The :data:`EXECUTION_KWARGS` set in ``layer_cfg['kwargs']``."""
     kwargs = layer_cfg.get("kwargs") or {}
     return {k: kwargs[k] for k in EXECUTION_KWARGS if k in kwargs}
+
+
+#: layer kwargs the recipes check elsewhere, for the whole world (per-rank slowdowns, curves of every
+#: rank, a placement of every rank): left out of :func:`check_layer_settings`' one-process build
+_WORLD_KWARGS = ("slowdown", "curves", "placement")
+
+
+def check_layer_settings(build: Callable[..., Any], kwargs: dict, what: str) -> None:
+    """Fail fast on a layer's settings: ``build(**kwargs)`` (a one-process layer on the meta device:
+    no weights, no collectives) runs the constructor's checks here, before any rank starts, and
+    its error names ``what`` (e.g. ``layer.kwargs``); :data:`_WORLD_KWARGS` are left out."""
+    try:
+        build(**{k: v for k, v in kwargs.items() if k not in _WORLD_KWARGS})
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{what}: {exc}") from exc
 
 
 def under_torchrun() -> bool:

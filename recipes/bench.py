@@ -89,7 +89,8 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, device_for, flag, int_setting, launch, normalize_flags, overridden, resolve_backend, run_dir,
+    LAYER_FLAGS, check_layer_settings, device_for, flag, int_setting, launch, normalize_flags, overridden,
+    resolve_backend, run_dir,
     shared_execution_kwargs, shutdown, to_dict, under_torchrun, write_json,
 )
 from recipes._bench_tools import (  # noqa: E402
@@ -258,6 +259,41 @@ def tokens_per_rank(b: dict) -> list[int]:
     return sizes
 
 
+def moe_config(b: dict, dtype: torch.dtype):
+    """The benchmarked layer's ``MoEConfig``: ``bench.shape`` in ``dtype``, logits in ``bench.router_dtype``."""
+    from moelayers import MoEConfig
+
+    shape = b["shape"]
+    return MoEConfig(
+        hidden_size=int(shape["hidden_size"]), ffn_hidden_size=int(shape["ffn_hidden_size"]),
+        num_experts=int(shape["num_experts"]), top_k=int(shape["top_k"]),
+        score_fn=shape.get("score_fn", "softmax"), norm_topk_prob=bool(shape.get("norm_topk_prob", True)),
+        params_dtype=dtype, init_std=float(shape.get("init_std", 0.02)), router_dtype=resolve_router_dtype(b),
+    )
+
+
+def _check_shape_and_layer(d: dict, dtype: torch.dtype, world: int | None) -> None:
+    """``bench.shape`` as a ``MoEConfig`` whose experts split over the expert-parallel ranks, and the
+    layer's constructor settings (a one-process layer on the meta device; a plan-built layer's are
+    checked with its plan, in the ranks)."""
+    from moelayers import ParallelGroups
+
+    try:
+        config = moe_config(d["bench"], dtype)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"bench.shape: {exc}") from exc
+    ep = (d.get("parallel") or {}).get("ep") or world
+    if ep and config.num_experts % int(ep):
+        raise ValueError(f"bench.shape.num_experts={config.num_experts} does not split over the {ep} expert-parallel "
+                         "ranks (parallel.ep, default the world size)")
+    layer = d.get("layer") or {}
+    if uses_plan(layer) or not (layer.get("cls") or layer.get("name") in LAYERS):
+        return
+    check_layer_settings(lambda **kw: build_layer(dict(layer, kwargs=kw), config, ParallelGroups.single(),
+                                                  torch.device("meta"), 0, bool(d["bench"].get("check_finite", False))),
+                         layer.get("kwargs") or {}, f"layer={layer.get('name')} layer.kwargs")
+
+
 def check_config(d: dict) -> None:
     """Check the settings every rank reads, before any rank starts; ``bench.tokens_per_rank`` becomes a list.
 
@@ -332,6 +368,7 @@ def check_config(d: dict) -> None:
         raise ValueError(f"bench.save_to={save_to} is a file: it must be a directory (made when missing)")
     if uses_plan(d.get("layer") or {}):
         _check_plan_settings(d, world)
+    _check_shape_and_layer(d, dtype, world)
     tc = d.get("trace") or {}
     if d.get("_router_name") != "replay":  # the model's own router: no trace setting would be read
         unused = ([f"trace.path={tc['path']}"] if tc.get("path") else []) + overridden(
@@ -386,21 +423,16 @@ def _check_plan_settings(d: dict, world: int | None) -> None:
 # ---------------------------------------------------------------------- the worker
 def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
     """Runs on every rank; rank 0 returns one record per tokens/rank value."""
-    from moelayers import MoEConfig, ParallelGroups
+    from moelayers import ParallelGroups
 
-    b, shape = cfg["bench"], cfg["bench"]["shape"]
+    b = cfg["bench"]
     backend = dist.get_backend() if dist.is_initialized() else "gloo"
     device = device_for(backend)
     dtype = resolve_dtype(b.get("dtype", "auto"), device)
     check_shape_fits(b, device)
     seed = int(cfg.get("seed", 0))
     torch.manual_seed(seed)
-    config = MoEConfig(
-        hidden_size=int(shape["hidden_size"]), ffn_hidden_size=int(shape["ffn_hidden_size"]),
-        num_experts=int(shape["num_experts"]), top_k=int(shape["top_k"]),
-        score_fn=shape.get("score_fn", "softmax"), norm_topk_prob=bool(shape.get("norm_topk_prob", True)),
-        params_dtype=dtype, init_std=float(shape.get("init_std", 0.02)), router_dtype=resolve_router_dtype(b),
-    )
+    config = moe_config(b, dtype)
     groups = ParallelGroups.from_world(ep=(cfg.get("parallel") or {}).get("ep"))
     weights = full_weights(config, seed, device, dtype)
     tokens_list = tokens_per_rank(b)

@@ -89,7 +89,8 @@ from omegaconf import DictConfig  # noqa: E402
 
 from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, device_for, int_setting, invocation, launch, merge_curves_path, normalize_flags, overridden, percentile,
+    LAYER_FLAGS, check_layer_settings, device_for, int_setting, invocation, launch, merge_curves_path, normalize_flags,
+    overridden, percentile,
     print_table, remove_stale, run_dir, shutdown, to_dict, write_json,
 )
 from recipes._bench_tools import seq_len_bounds  # noqa: E402
@@ -148,13 +149,10 @@ def build_model(m: dict, layer: dict, groups, device: torch.device, seed: int, p
     ``layer['placement_path']``, MoE layer ``i`` in that file's placement ``i mod L``:
     :func:`layer_placements`), or ``layer['cls'].from_plan(plan, i mod plan layers, ...)`` with a
     plan (``SemanticMoE``)."""
-    import moelayers as ml
     from moelayers.models import TinyConfig, TinyDecoder
 
     dtype = DTYPES[m.get("dtype", "float32")]
-    moe_cfg = ml.MoEConfig(hidden_size=int(m["hidden_size"]), ffn_hidden_size=int(m["ffn_hidden_size"]),
-                           num_experts=int(m["num_experts"]), top_k=int(m["top_k"]),
-                           score_fn=m.get("score_fn", "softmax"), params_dtype=dtype)
+    moe_cfg = moe_config(m)
     mod, _, name = layer["cls"].rpartition(".")
     cls = getattr(importlib.import_module(mod), name)
     kwargs = dict(layer.get("kwargs") or {})
@@ -809,6 +807,39 @@ def check_config(d: dict) -> None:
         check_plan_file(d, plan_path, trace)
     check_placement_file(d, experts, ep, trace)
     check_capacity(d, trace)
+    check_model_and_layer(d)  # last: the checks above name their keys more precisely
+
+
+def check_model_and_layer(d: dict) -> None:
+    """The model's configs (``model.*``) and the layer's constructor settings (``layer.kwargs``),
+    checked by building one layer on the meta device here (a plan-built layer's settings are
+    checked with its plan, in the ranks)."""
+    import moelayers as ml
+
+    from moelayers.models import TinyConfig
+
+    m = d["model"]
+    try:
+        moe_cfg = moe_config(m)
+        TinyConfig(vocab_size=int(m["vocab_size"]), hidden_size=int(m["hidden_size"]), num_layers=int(m["num_layers"]),
+                   num_heads=int(m["num_heads"]), dtype=moe_cfg.params_dtype)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"model: {exc}") from exc
+    if uses_plan(d["layer"]):
+        return
+    mod, _, name = d["layer"]["cls"].rpartition(".")
+    cls = getattr(importlib.import_module(mod), name)
+    check_layer_settings(lambda **kw: cls(moe_cfg, ml.ParallelGroups.single(), device=torch.device("meta"), **kw),
+                         d["layer"].get("kwargs") or {}, f"layer={d['layer'].get('name')} layer.kwargs")
+
+
+def moe_config(m: dict):
+    """The MoE layers' ``MoEConfig`` from the ``model`` settings."""
+    import moelayers as ml
+
+    return ml.MoEConfig(hidden_size=int(m["hidden_size"]), ffn_hidden_size=int(m["ffn_hidden_size"]),
+                        num_experts=int(m["num_experts"]), top_k=int(m["top_k"]),
+                        score_fn=m.get("score_fn", "softmax"), params_dtype=DTYPES[m.get("dtype", "float32")])
 
 
 def check_placement_file(d: dict, experts: int, ep: int, trace=None) -> None:

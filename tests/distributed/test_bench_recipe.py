@@ -655,3 +655,17 @@ def test_check_config_refuses_train_with_cuda_graphs():
                    "check": {}}, "layer": {"name": "vanilla", "kwargs": {}}}
     with pytest.raises(ValueError, match="bench.train=true .*cuda_graph"):
         check_config(d)
+
+
+@pytest.mark.parametrize("override,match", [
+    ("bench.shape.num_experts=7", r"bench\.shape\.num_experts=7 does not split over the 2 expert-parallel ranks"),
+    ("bench.shape.score_fn=softmx", r"bench\.shape: MoEConfig\.score_fn must be one of"),
+    ("layer.kwargs.dispatcher=all2all", r"layer=vanilla layer\.kwargs: dispatcher must be one of"),
+])
+def test_check_config_checks_the_shape_and_the_layer_settings(override, match):
+    """These failed inside every spawned rank, as a traceback per rank naming neither key."""
+    from recipes.bench import check_config
+
+    d = bench_config(override, "parallel.world_size=2")
+    with pytest.raises(ValueError, match=match):
+        check_config(d)

@@ -816,3 +816,26 @@ def test_serve_starts_in_a_planned_placement(tmp_path):
     np.savez(bad, rows=np.array([1, 2]))
     with pytest.raises(ValueError, match="neither a placement file"):
         serve.check_config(_config(f"layer.placement_path={bad}"))
+
+
+@pytest.mark.parametrize("override,match", [
+    ("layer.kwargs.dispatcher=all2all", r"layer=vanilla layer\.kwargs: dispatcher must be one of"),
+    ("model.top_k=9", r"model: MoEConfig\.top_k \(9\) must not exceed num_experts"),
+    ("model.hidden_size=30", r"model: num_heads \(4\) must divide hidden_size \(30\)"),
+])
+def test_check_config_checks_the_model_and_the_layer_settings(override, match):
+    """These failed inside every spawned rank, as a 30-line traceback per rank naming neither key."""
+    from recipes.serve import check_config
+
+    with pytest.raises(ValueError, match=match):
+        check_config(_config(override))
+
+
+def test_check_config_checks_a_variability_layers_settings():
+    from recipes.serve import check_config
+
+    for override, match in (("layer.kwargs.window=0", "window must be a positive int, got 0"),
+                            ("layer.kwargs.restarts=0", "restarts must be a positive int, got 0")):
+        with pytest.raises(ValueError, match=rf"layer=variability layer\.kwargs: {match}"):
+            check_config(_config("layer=variability", override))
+    check_config(_config("layer=variability", "variability=high"))  # per-rank curves and slowdowns: fine
