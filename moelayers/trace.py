@@ -109,7 +109,13 @@ _CHECK_CHUNK = 65536  # tokens per chunk of _check_distinct
 def train_sequences(train_fraction: float, num_sequences: int) -> int:
     """``floor(train_fraction * num_sequences)``, the training part of :meth:`RoutingTrace.split`, with
     a relative tolerance of 1e-12 for float rounding (``0.29 * 100`` is 28.999999999999996: 29), so
-    that a fraction just below a boundary (``0.37499999995 * 8``: 2) is not rounded up."""
+    that a fraction just below a boundary (``0.37499999995 * 8``: 2) is not rounded up.
+
+    Raises:
+        ValueError: ``train_fraction`` outside ``[0, 1]`` or ``num_sequences`` negative."""
+    if not 0.0 <= train_fraction <= 1.0 or num_sequences < 0:  # (1.5 gave more train sequences than there are)
+        raise ValueError(f"train_sequences: need a train_fraction in [0, 1] and num_sequences >= 0, got "
+                         f"{train_fraction!r}, {num_sequences!r}")
     return math.floor(train_fraction * num_sequences * (1 + 1e-12))
 
 

@@ -223,6 +223,11 @@ def trace_statistics(
         recall.append(table_recall(table, trace.top_k))
         frequent_recall.append(table_recall(table[frequent], trace.top_k) if frequent.any() else float("nan"))
     pairs = default_layer_pairs(trace.num_layers) if layer_pairs is None else [tuple(p) for p in layer_pairs]
+    bad = [p for p in pairs if len(p) != 2 or not all(isinstance(i, (int, np.integer)) and 0 <= i < trace.num_layers
+                                                      for i in p)]
+    if bad:  # (-1 was read as the last layer, 5 of 4 layers an IndexError in numpy)
+        raise ValueError(f"trace_statistics: layer_pairs must be (i, j) layer indexes in [0, {trace.num_layers}), "
+                         f"got {bad}")
     skew = np.array([load_skew(c) for c in trace.expert_counts()])
     return {
         "zipf_exponent": rank_frequency_exponent(tok_counts),

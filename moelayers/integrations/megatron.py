@@ -511,7 +511,7 @@ class MegatronMoEAdapter(nn.Module):
                 idx = keep.nonzero().squeeze(1)
                 # (a recomputation leaves the ids forced for the next forward where they are)
                 forced = None if in_backward() else self._forced_rows(s, b, idx)
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # whatever this rank's input raised: the other ranks must learn it
             self._refuse(exc)  # raises
         if padding_mask is None:
             return self.layer(hidden_states, token_ids=token_ids)

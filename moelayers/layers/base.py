@@ -177,6 +177,13 @@ class MoELayerBase(nn.Module):
         for name, value in (("dedup", dedup), ("check_finite", check_finite), ("cuda_graph", cuda_graph)):
             if not isinstance(value, bool):  # a config's string 'off' would be truthy
                 raise TypeError(f"{name} must be a bool, got {value!r}")
+        if placement is not None and not isinstance(placement, ExpertPlacement):  # (a table: "ambiguous" from bool())
+            raise TypeError(f"placement must be an ExpertPlacement (ExpertPlacement.from_phy2log(table, num_experts) "
+                            f"for a [ranks, slots] table), got {type(placement).__name__}")
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+            raise ValueError(f"seed must be an int >= 0 (the same on every rank: it draws the default weights), "
+                             f"got {seed!r}")
+        seed = int(seed)
         placement = placement or ExpertPlacement.linear(config.num_experts, groups.ep_size)
         self._check_placement(placement, config, groups)
         if dispatcher not in DISPATCHERS:
@@ -672,8 +679,13 @@ class MoELayerBase(nn.Module):
 
         Raises:
             TypeError: ``topk_ids`` is not an integer tensor (bool and float ids are refused).
+            ValueError: ``topk_ids`` is not ``[..., K]`` with this layer's ``top_k`` (the forward
+                checks its rows against its input).
         """
         _check_forced_type(topk_ids)
+        if topk_ids.dim() not in (2, 3) or topk_ids.shape[-1] != self.config.top_k:
+            raise ValueError(f"force_routing takes [T, {self.config.top_k}] (or [S, B, {self.config.top_k}]) expert "
+                             f"ids, got {list(topk_ids.shape)}")
         self._forced_ids = topk_ids
 
     # eager under torch.compile (one graph break, the model around it compiles): its host syncs and

@@ -296,7 +296,11 @@ class SemanticMoE(MoELayerBase):
         # a recomputation (activation checkpointing) finds this forward's routing by forward_tp's own input,
         # which it is given again, not by the chunk z, which it makes anew
         self._replay_key = attn_partial
-        y = self.forward(z, token_ids=None if token_ids is None else token_ids.index_select(0, rows), topk_ids=chunk_ids)
+        try:
+            y = self.forward(z, token_ids=None if token_ids is None else token_ids.index_select(0, rows),
+                             topk_ids=chunk_ids)
+        finally:  # (a forward pre-hook raising would leave it for the next forward)
+            self._replay_key = None
         out_chunk = torch.cat([hv + y, h[n:]])
         out = shuffled_all_gather(out_chunk, rb.perm, group, inverse=rb.inverse, replicated_grad=True)
         if not in_backward():  # activation checkpointing recomputing: the record stays the caller's forward's

@@ -145,7 +145,7 @@ class VariabilityAwareMoE(MoELayerBase):
                 raise ValueError("replan_every needs auto_replan=True")
         if auto_replan and not record_loads:
             raise ValueError("auto_replan needs record_loads=True (it plans from the recorded window)")
-        if min_gain is not None and (isinstance(min_gain, bool) or not isinstance(min_gain, (int, float))
+        if min_gain is not None and (isinstance(min_gain, bool) or not isinstance(min_gain, numbers.Real)
                                      or not 0.0 <= float(min_gain) < 1.0):
             raise ValueError(f"min_gain must be None or a number in [0, 1), got {min_gain!r}")
         if planner is not None and not callable(planner):

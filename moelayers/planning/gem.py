@@ -121,9 +121,11 @@ class LatencyCurves:
         Args:
             scale: ``[R]`` slowdown of each rank (``1`` = nominal, ``1/0.88`` = 12 % slower).
         """
-        scale = np.asarray(scale, dtype=np.float64).reshape(-1)
-        if scale.size < 1 or not np.all(np.isfinite(scale)) or (scale <= 0).any():
+        scale = np.asarray(scale, dtype=np.float64)
+        if scale.ndim != 1 or scale.size < 1 or not np.all(np.isfinite(scale)) or (scale <= 0).any():
             raise ValueError(f"{source}: scale must be [R] positive finite values, got {scale}")
+        if isinstance(tile, (bool, np.bool_)) or not isinstance(tile, (int, np.integer)):  # 1.5 broke the rows
+            raise TypeError(f"{source}: tile must be an int (rows per tile), got {tile!r}")
         if not tile >= 1 or not base_s >= 0 or not per_tile_s >= 0:  # NaN fails these too
             raise ValueError(f"{source}: need tile >= 1, base_s >= 0, per_tile_s >= 0 (got {tile}, {base_s}, {per_tile_s})")
         k = np.arange(max(_TILED_MAX_ROWS // tile, 1) + 1)  # at least one whole tile, however large
@@ -472,8 +474,10 @@ def plan_gem(loads: np.ndarray, curves: LatencyCurves, *, restarts: int = 8, see
 
     Raises:
         ValueError: no steps (empty trace), negative or non-finite loads, ``E`` not divisible by
-            the curves' ``R``, an unknown ``method``.
+            the curves' ``R``, an unknown ``method``, a ``seed`` that is not an int >= 0.
     """
     from moelayers.planning.gem_search import search
 
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"plan_gem: seed must be an int >= 0, got {seed!r}")
     return search(loads, curves, restarts=restarts, seed=seed, method=method, **options)  # checks the loads

@@ -522,6 +522,9 @@ def _check_args(trace, ep: int, mode: str, **settings) -> None:
         raise ValueError(f"num_experts ({trace.num_experts}) must be divisible by ep ({ep})")
     if mode not in ("tp", "dp"):
         raise ValueError(f"mode must be 'tp' or 'dp', got {mode!r}")
+    seed = settings.pop("seed", 0)
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
     check_settings(settings)
 
 
@@ -562,9 +565,9 @@ def plan_semantic(train_trace, ep: int, mode: str = "tp", *, solver: str = "alte
     Raises:
         ValueError: a bad ``ep`` or ``mode``, or a solver setting out of range (:func:`check_settings`), named.
     """
-    _check_args(train_trace, ep, mode, solver=solver, theta=theta, history=history, sample=sample, beta=beta, rho=rho,
-                slack=slack, smoothing=smoothing, max_requests=max_requests, predictor_sample=predictor_sample,
-                threads=threads)
+    _check_args(train_trace, ep, mode, seed=seed, solver=solver, theta=theta, history=history, sample=sample,
+                beta=beta, rho=rho, slack=slack, smoothing=smoothing, max_requests=max_requests,
+                predictor_sample=predictor_sample, threads=threads)
     rng = np.random.default_rng(seed)
     v = train_trace.vocab_size
     seen = np.bincount(train_trace.token_ids, minlength=v) > 0

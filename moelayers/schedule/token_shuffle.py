@@ -92,7 +92,9 @@ class LayerTables:
         if nr.shape != (num_layers, r, r) or nc.shape != nr.shape:
             raise ValueError(f"plan.ngram_rank/ngram_conf must both be [L, R, R] = [{num_layers}, {r}, {r}], "
                              f"got {list(nr.shape)} and {list(nc.shape)}")
-        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, numbers.Integral) or not 0 <= layer < num_layers:
+        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, numbers.Integral):
+            raise TypeError(f"layer must be an int (the plan's layer index), got {layer!r}")
+        if not 0 <= layer < num_layers:
             raise ValueError(f"layer {layer!r} is out of range for a plan of {num_layers} layers")
         layer = int(layer)
         return cls(tr[layer].clone(), tc[layer].clone(), nr[layer].clone(), nc[layer].clone())
@@ -200,8 +202,9 @@ class HistoryPredictor:
         logq = getattr(plan, "token_logq", None)
         if logq is None:
             return None
-        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, numbers.Integral) \
-                or not 0 <= layer < len(logq):  # -1 would read the last layer's table
+        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, numbers.Integral):
+            raise TypeError(f"layer must be an int (the plan's layer index), got {layer!r}")
+        if not 0 <= layer < len(logq):  # -1 would read the last layer's table
             raise ValueError(f"layer {layer!r} is out of range for a plan of {len(logq)} layers")
         logq = torch.as_tensor(logq[layer])
         hist = getattr(plan, "history_pmi", None) if history else None
@@ -471,9 +474,11 @@ def rebatch_tokens(token_ids: torch.Tensor, tables: LayerTables | None, num_rank
 
 
 def inverse_permutation(perm: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """``[T]`` shuffled row of each token, from ``perm [N]`` (``-1`` = dummy row)."""
+    """``[T]`` shuffled row of each token, from ``perm [N]`` (``-1`` = dummy row), ``-1`` for a
+    token ``perm`` does not hold. ``perm`` must hold each token once (as :func:`rebatch` makes it);
+    not checked, which would cost a host sync per forward."""
     target = torch.where(perm >= 0, perm, num_tokens)
-    inv = torch.empty(num_tokens + 1, dtype=torch.int64, device=perm.device)
+    inv = torch.full((num_tokens + 1,), -1, dtype=torch.int64, device=perm.device)
     inv.scatter_(0, target, torch.arange(perm.numel(), device=perm.device))
     return inv[:num_tokens]
 
@@ -493,7 +498,8 @@ def shuffled_reduce_scatter(partial: torch.Tensor, perm: torch.Tensor, group, *,
 
     Args:
         partial: ``[T, H]`` this rank's partial sum, same token order on every rank.
-        perm: ``[R*C]`` token per shuffled row, ``-1`` = dummy (zeros); identical on every rank.
+        perm: ``[R*C]`` token per shuffled row, ``-1`` = dummy (zeros); identical on every rank;
+            each token once (:func:`rebatch`'s; not checked: a host sync per forward).
         group: the TP process group (``None`` = one process).
         replicated_grad: the gradient this gives ``partial`` (the same full gradient on every
             rank) is used alike on every rank, as the replicated output of

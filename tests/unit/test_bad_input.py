@@ -884,3 +884,54 @@ def test_variability_layer_refuses_curves_that_are_not_latency_curves(curves):
         ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), curves=curves, auto_replan=True)
     planner = lambda loads, c, **kw: torch.arange(4)  # noqa: E731  (a planner of its own reads its own curves)
     ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), curves=curves, planner=planner)
+
+
+def test_small_public_helpers_refuse_what_they_took_silently():
+    """Found by an error-message audit: each of these returned a wrong result or failed deep inside."""
+    import numpy as np
+
+    from moelayers.planning.gem import LatencyCurves, plan_gem
+    from moelayers.schedule.token_shuffle import inverse_permutation
+    from moelayers.trace import synthetic_trace, train_sequences
+    from moelayers.trace_synthetic import trace_statistics
+
+    with pytest.raises(ValueError, match="train_fraction in \\[0, 1\\]"):
+        train_sequences(1.5, 10)  # was 15 of 10 sequences
+    with pytest.raises(ValueError, match="scale must be \\[R\\]"):
+        LatencyCurves.tiled([[1.0, 1.0], [1.0, 1.0]])  # was 4 ranks
+    with pytest.raises(TypeError, match="tile must be an int"):
+        LatencyCurves.tiled([1.0, 1.0], tile=1.5)
+    trace = synthetic_trace(12, 4, 8, 2, 64, seq_len=(4, 16), seed=0)
+    with pytest.raises(ValueError, match="layer_pairs must be"):
+        trace_statistics(trace, layer_pairs=[(0, -1)])  # -1 was the last layer
+    assert trace_statistics(trace, layer_pairs=[(0, 3)])["layer_pairs"] == [(0, 3)]
+    # a token perm does not hold: -1, not uninitialised memory
+    assert inverse_permutation(torch.tensor([0, 0, 2, -1]), 3).tolist() == [1, -1, 2]
+    loads = np.ones((4, 8))
+    for seed in (-1, "x", 1.5):
+        with pytest.raises(ValueError, match="seed must be an int >= 0"):
+            plan_gem(loads, LatencyCurves.preset("high", 2), seed=seed)
+
+
+def test_layer_constructor_and_force_routing_say_what_is_wrong():
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+    single = ml.ParallelGroups.single()
+    for seed in ("abc", None, 1.5, -1):  # "can only concatenate str", "unsupported operand", ...
+        with pytest.raises(ValueError, match="seed must be an int >= 0"):
+            ml.VanillaMoE(cfg, single, seed=seed)
+    with pytest.raises(TypeError, match="placement must be an ExpertPlacement"):  # "Boolean value of Tensor"
+        ml.VanillaMoE(cfg, single, placement=torch.tensor([[0, 1, 2, 3]]))
+    layer = ml.VanillaMoE(cfg, single, seed=np.int64(3))
+    for ids in (torch.tensor([0, 1, 2]), torch.zeros(3, 3, dtype=torch.int64)):  # raised at the next forward
+        with pytest.raises(ValueError, match=r"force_routing takes \[T, 2\]"):
+            layer.force_routing(ids)
+    ml.VariabilityAwareMoE(cfg, single, min_gain=np.float32(0.1))  # a numpy float is a number in [0, 1)
+
+
+def test_plan_semantic_refuses_a_bad_seed():
+    from moelayers.planning.semantic_solvers import plan_semantic
+    from moelayers.trace import synthetic_trace
+
+    trace = synthetic_trace(12, 2, 8, 2, 64, seq_len=(4, 16), seed=0)
+    with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
+        plan_semantic(trace, 2, "dp", seed=-1, progress=False)

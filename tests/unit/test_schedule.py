@@ -341,9 +341,14 @@ def test_online_alg3_rebatch_equals_offline_with_unsure_tokens(fitted, tps):
 def test_history_predictor_refuses_a_layer_outside_the_plan(fitted):
     """layer=-1 read the last layer's table with no history (depth -1); layer=L an IndexError."""
     plan, _ = fitted
-    for layer in (-1, plan.num_layers, True):
+    for layer in (-1, plan.num_layers):
         with pytest.raises(ValueError, match=f"layer {layer!r} is out of range for a plan of {plan.num_layers}"):
             HistoryPredictor.from_plan(plan, layer)
+    for layer in (True, 1.0):  # 1.0 was "out of range"
+        with pytest.raises(TypeError, match=f"layer must be an int .*got {layer!r}"):
+            HistoryPredictor.from_plan(plan, layer)
+        with pytest.raises(TypeError, match=f"layer must be an int .*got {layer!r}"):
+            LayerTables.from_plan(plan, layer)
 
 
 def test_online_alg3_rebatch_equals_offline_in_batches_smaller_than_the_ranks(fitted):
