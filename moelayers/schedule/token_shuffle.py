@@ -152,6 +152,8 @@ def predict_ranks(token_ids: torch.Tensor, tables: LayerTables,
 def _prev_pair(prev: PrevRanks, t: int, dev: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     if prev is None:
         return None, None
+    if isinstance(prev, np.ndarray):  # (as the history predictor takes it)
+        prev = torch.as_tensor(prev)
     if isinstance(prev, torch.Tensor):
         if prev.dim() != 2 or prev.shape[0] != 2:
             raise ValueError(f"prev_ranks must be [2, T] (layers l-2, l-1), got {list(prev.shape)}")
@@ -164,6 +166,8 @@ def _prev_pair(prev: PrevRanks, t: int, dev: torch.device) -> tuple[torch.Tensor
             p = torch.as_tensor(p)
             if p.shape != (t,):
                 raise ValueError(f"prev_ranks entries must be [T] = [{t}], got {list(p.shape)}")
+            if p.dtype.is_floating_point or p.dtype.is_complex or p.dtype == torch.bool:  # (2.7 was rank 2)
+                raise TypeError(f"prev_ranks entries must be integer ranks, got {p.dtype}")
             p = p.to(device=dev, dtype=torch.int64)
         out.append(p)
     return out[0], out[1]

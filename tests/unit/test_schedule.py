@@ -217,6 +217,11 @@ def test_predict_ranks_takes_the_more_confident_table():
         predict_ranks(ids, t, prev[:1])
     with pytest.raises(TypeError):
         predict_ranks(ids.float(), t)
+    # as the history predictor: numpy ranks are taken, float and bool ones refused (2.25 was rank 2)
+    assert predict_ranks(ids, t, prev.numpy())[0].tolist() == pred.tolist()
+    for bad in (prev.double() + 0.25, prev.bool()):
+        with pytest.raises(TypeError, match="prev_ranks entries must be integer ranks"):
+            predict_ranks(ids, t, bad)
 
 
 def test_layer_tables_from_plan_checks():
