@@ -103,9 +103,9 @@ _CHUNK_BYTES = 256 << 20
 
 
 class _UnpermuteCombine(torch.autograd.Function):
-    """:func:`unpermute_combine_reference`'s operations on chunks of tokens, with temporaries of at
-    most ``_CHUNK_BYTES`` (the reference makes ``[T, J, H]`` ones in float32 and saves one for the
-    backward)."""
+    """:func:`unpermute_combine_reference`'s operations on chunks of tokens whose ``[c, J, H]``
+    tensors in the accumulation dtype take at most ``_CHUNK_BYTES`` each (two or three live at once);
+    it saves only its inputs for the backward (the reference saves ``[T, J, H]`` float32 rows)."""
 
     @staticmethod
     def forward(ctx, src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None,
@@ -118,7 +118,6 @@ class _UnpermuteCombine(torch.autograd.Function):
                 part = part * weight[tokens, :, None].to(acc)
             out[tokens] = torch.where(valid[..., None], part, 0.0).sum(dim=1)
         ctx.save_for_backward(src, index, weight)
-        ctx.src_dtype = src.dtype
         return out
 
     @staticmethod
@@ -126,18 +125,19 @@ class _UnpermuteCombine(torch.autograd.Function):
         src, index, weight = ctx.saved_tensors
         acc = _acc_dtype(src)
         g = grad_out.to(acc)
-        grad_src = torch.zeros(src.shape, dtype=acc, device=src.device) if ctx.needs_input_grad[0] else None
+        # in src's dtype, as the reference's gather backward adds (each row gathered once gets one exact sum)
+        grad_src = torch.zeros_like(src) if ctx.needs_input_grad[0] else None
         grad_w = torch.empty(index.shape, dtype=acc, device=src.device) if ctx.needs_input_grad[2] else None
         for tokens, rows, valid in _chunks(src, index):
             g_rows = g[tokens, None, :]  # [c, 1, H]
             if grad_src is not None:  # (invalid entries add exact zeros to row 0: no host sync for a mask)
                 part = g_rows.expand(-1, index.shape[1], -1) if weight is None else (
                     g_rows * weight[tokens, :, None].to(acc))
-                part = torch.where(valid[..., None], part, 0.0)
+                part = torch.where(valid[..., None], part, 0.0).to(src.dtype)
                 grad_src.index_add_(0, rows.flatten(), part.reshape(-1, src.shape[1]))  # as _gather's backward
             if grad_w is not None:
                 grad_w[tokens] = torch.where(valid, (g_rows * _gather(src, rows).to(acc)).sum(-1), 0.0)
-        return (None if grad_src is None else grad_src.to(ctx.src_dtype), None,
+        return (grad_src, None,
                 None if grad_w is None else grad_w.to(weight.dtype), None)
 
 
@@ -173,8 +173,8 @@ def unpermute_combine_lean(
 ) -> torch.Tensor:
     """:func:`unpermute_combine_reference` (same arguments, the same output bit for bit,
     differentiable w.r.t. ``src`` and ``weight``) that saves for the backward only its inputs, not
-    the reference's ``[T, J, H]`` float32 rows, and keeps its temporaries under 256 MiB: the autograd
-    path of :func:`unpermute_combine`. Batches whose ``[T, J, H]`` temporaries fit in 32 MiB take the
+    the reference's ``[T, J, H]`` float32 rows, and works in chunks of tokens whose ``[c, J, H]``
+    float32 tensors take at most 256 MiB each: the autograd path of :func:`unpermute_combine`. Batches whose ``[T, J, H]`` temporaries fit in 32 MiB take the
     reference itself (fewer host calls: small batches are host-bound on GPUs)."""
     row_bytes = index.shape[1] * src.shape[1] * torch.finfo(_acc_dtype(src)).bits // 8
     if index.shape[0] * row_bytes <= _SMALL_BYTES:

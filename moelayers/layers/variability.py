@@ -192,11 +192,11 @@ class VariabilityAwareMoE(MoELayerBase):
             self.emulator = emulate_variability(self, factor)
 
     def _agreed_settings(self) -> tuple:
-        """When and how the layer re-plans: ranks that record other windows or re-plan at other steps
-        wait for each other in the re-plan's collectives."""
-        names = ("window", "auto_replan", "replan_every", "record_loads", "restarts", "plan_seed", "min_gain",
-                 "variability", "_curves_given")
-        return tuple(getattr(self, name, None) for name in names) + (getattr(self, "planner", None) is None,)
+        """When the layer re-plans and whether it moves: ranks that record other windows or re-plan
+        at other steps wait for each other in the re-plan's collectives. (The planner, its curves,
+        restarts and seed are read on rank 0 alone, which sends the plan.)"""
+        return tuple(getattr(self, name, None)
+                     for name in ("window", "auto_replan", "replan_every", "record_loads", "min_gain"))
 
     # ------------------------------------------------------------------ forward + load recording
     @eager_under_compile  # eager under torch.compile, as MoELayerBase.forward (its step count made a recompile per step)

@@ -510,6 +510,20 @@ def _settings_check(rank: int, world: int, case: str) -> str:
         return _outcome(lambda: [layer(torch.randn(4, 8)) for _ in range(4)])
 
 
+def _rank0_settings_check(rank: int, world: int) -> str:
+    """Settings of the planner, which rank 0 alone runs: they may differ on the other ranks."""
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=2 * world, top_k=2)
+    kw = dict(plan_seed=7, restarts=3, variability="high") if rank == 0 else {}
+    layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.from_world(), window=2, auto_replan=True, seed=1, **kw)
+    with torch.no_grad():
+        got = _outcome(lambda: [layer(torch.randn(4, 8)) for _ in range(4)])
+    return f"{got} replans={layer.num_replans}"
+
+
+def test_variability_planner_settings_read_on_rank_0_may_differ():
+    assert run_distributed(_rank0_settings_check, 2, timeout=TIMEOUT) == ["ok replans=1"] * 2
+
+
 @pytest.mark.parametrize("case", ["ffn_hidden_size", "norm_topk_prob", "window"])
 def test_ranks_built_with_other_settings_all_raise(case):
     """Another ffn_hidden_size or norm_topk_prob on one rank served another model silently; a
