@@ -330,17 +330,23 @@ def test_checkpointed_forward_tp_keeps_the_record_of_the_callers_forward(reentra
     assert layer.last_rebatch is record[0] and layer.last_context_ranks is record[1]
 
 
-@pytest.mark.parametrize("reentrant", [True, False])
-def test_checkpointed_forward_tp_with_topk_ids(reentrant):
-    """forward_tp's forced routing as an argument: a checkpointed forward_tp recomputes with it."""
+def _tp_layer_and_inputs():
+    """A one-process SemanticMoE in tp mode (float64), its norm, 6 tokens' attention partial and
+    residual, and forced ids for them."""
     from moelayers.models.tiny import RMSNorm
 
     cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=4, top_k=2, params_dtype=torch.float64)
     layer = ml.SemanticMoE(cfg, ml.ParallelGroups.single(), mode="tp", seed=1)
-    norm = RMSNorm(H).double()
     g = torch.Generator().manual_seed(3)
     a, r = torch.randn(6, H, dtype=torch.float64, generator=g), torch.randn(6, H, dtype=torch.float64, generator=g)
     ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(6)])
+    return layer, RMSNorm(H).double(), a, r, ids
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpointed_forward_tp_with_topk_ids(reentrant):
+    """forward_tp's forced routing as an argument: a checkpointed forward_tp recomputes with it."""
+    layer, norm, a, r, ids = _tp_layer_and_inputs()
     fn = lambda t, i: layer.forward_tp(t, r, norm, token_ids=None, topk_ids=i)  # noqa: E731
     perm = lambda: layer.last_rebatch.perm[layer.last_rebatch.perm >= 0]  # noqa: E731  (tokens in chunk order)
     assert _same_grads_checkpointed(layer, fn, a, ids, reentrant=reentrant,
@@ -353,14 +359,7 @@ def test_checkpointed_forward_tp_with_force_routing(reentrant):
     forward_tp's input (by the chunk, which it makes anew, it was refused); and after a forced
     forward under no_grad (an evaluation, a replay) an unforced checkpointed forward_tp recomputes by
     the router (every one was refused from then on)."""
-    from moelayers.models.tiny import RMSNorm
-
-    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=4, top_k=2, params_dtype=torch.float64)
-    layer = ml.SemanticMoE(cfg, ml.ParallelGroups.single(), mode="tp", seed=1)
-    norm = RMSNorm(H).double()
-    g = torch.Generator().manual_seed(3)
-    a, r = torch.randn(6, H, dtype=torch.float64, generator=g), torch.randn(6, H, dtype=torch.float64, generator=g)
-    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(6)])
+    layer, norm, a, r, ids = _tp_layer_and_inputs()
 
     def step(wrap: bool, forced: bool):
         layer.zero_grad(set_to_none=True)
