@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device-machine session: the GPU test suite, then recipes/bench.py at both shapes, eager and
-# CUDA-graph modes, against megatron-core's MoELayer, the plan-built layers (EXTRA_LAYERS, default
+# CUDA-graph modes and training steps (TRAIN=0: none), against megatron-core's MoELayer, the plan-built layers (EXTRA_LAYERS, default
 # semantic) with routing replayed against VanillaMoE, and the GEM latency profile. Logs, the curves
 # and a tarball of the bench JSON go to $OUT (a handful of files, as the device tool brings back).
 #   OUT=/tmp/out bash tools/gpu_session.sh                                   # all GPUs, everything
 #   OUT=/tmp/out SHAPES=" " PROFILE=0 bash tools/gpu_session.sh              # tests + semantic bench only
-# Knobs: SKIP_TESTS=1, SHAPES, MODES, EXTRA_LAYERS (" ": none), PROFILE=0, *_TIMEOUT (seconds), NGPU (default: all).
+# Knobs: SKIP_TESTS=1, SHAPES, MODES, TRAIN=0, EXTRA_LAYERS (" ": none), PROFILE=0, *_TIMEOUT (seconds), NGPU (default: all).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 PYTHONUNBUFFERED=1
@@ -32,6 +32,15 @@ for shape in ${SHAPES:-qwen3_30b_a3b deepseek_v2_lite}; do
     echo "rc=${PIPESTATUS[0]}" >> "$OUT/bench.log"
   done
 done
+if [ "${TRAIN:-1}" = 1 ]; then  # training steps (forward + backward) against megatron's MoELayer
+  for shape in ${SHAPES:-qwen3_30b_a3b deepseek_v2_lite}; do
+    echo "== bench=$shape bench.train=true ws=$NGPU" >> "$OUT/bench.log"
+    timeout -s KILL "${BENCH_TIMEOUT:-240}" torchrun --standalone --nproc_per_node="$NGPU" recipes/bench.py \
+      parallel=gpu bench="$shape" bench.train=true bench.save_to=docs/benchmarks \
+      hydra.run.dir="/tmp/runs/${shape}_train" "$@" 2>&1 | grep -vE "Warning|warnings.warn|W1122|^\s*$" >> "$OUT/bench.log"
+    echo "rc=${PIPESTATUS[0]}" >> "$OUT/bench.log"
+  done
+fi
 for layer in ${EXTRA_LAYERS:-semantic}; do  # plan-built layers: routing replayed, VanillaMoE timed in the same run
   echo "== bench=qwen3_30b_a3b layer=$layer router=replay ws=$NGPU" >> "$OUT/bench.log"
   timeout -s KILL "${BENCH_TIMEOUT:-240}" torchrun --standalone --nproc_per_node="$NGPU" recipes/bench.py \
