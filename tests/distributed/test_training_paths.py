@@ -934,3 +934,49 @@ def test_combine_gathers_each_row_at_most_once():
     layer, dispatcher and placement here."""
     for calls, bad in run_distributed(_combine_rows_once, 2, timeout=150):
         assert calls >= len(LAYERS) * len(DISPATCHERS) * 2 and bad == []
+
+
+def _lean_combine_grads(rank: int, world: int) -> list[str]:
+    """A training step of every layer and dispatcher (bf16 and float32), its combine as the reference
+    (small batches) and as the chunked lean Function in chunks of 3 tokens: the same outputs and
+    gradients, bit for bit."""
+    import importlib
+
+    module = importlib.import_module("moelayers.kernels.unpermute_combine")
+    groups = ml.ParallelGroups.from_world(ep=world)
+    bad, calls, original = [], [0], (module._SMALL_BYTES, module._CHUNK_BYTES, module._UnpermuteCombine.apply)
+
+    def counted(*args):
+        calls[0] += 1
+        return original[2](*args)
+
+    module._UnpermuteCombine.apply = counted
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4 * world, top_k=3, params_dtype=dtype)
+            for layer_kind in LAYERS:
+                for disp, dedup in DISPATCHERS:
+                    runs = []
+                    for small, chunk in (original[:2], (0, 3 * 3 * H * 4)):  # the reference, then chunks of 3 tokens
+                        module._SMALL_BYTES, module._CHUNK_BYTES = small, chunk
+                        torch.manual_seed(0)
+                        layer = _build({"layer": layer_kind, "disp": disp, "dedup": dedup}, cfg, groups, world,
+                                       "replicas")
+                        x = torch.randn(9 + rank, H, generator=torch.Generator().manual_seed(rank)).to(dtype)
+                        x.requires_grad_()
+                        y = layer(x)
+                        y.float().square().sum().backward()
+                        runs.append([y, x.grad, layer.router.weight.grad, layer.experts.w13.grad, layer.experts.w2.grad])
+                    if not all(torch.equal(a, b) for a, b in zip(*runs)):
+                        bad.append(f"{dtype}/{layer_kind}/{disp}/dedup={dedup}")
+    finally:
+        module._SMALL_BYTES, module._CHUNK_BYTES = original[:2]
+        del module._UnpermuteCombine.apply  # Function's own again
+    return bad + ([] if calls[0] >= 2 * len(LAYERS) * len(DISPATCHERS) else [f"the lean Function ran {calls[0]} times"])
+
+
+@pytest.mark.timeout(180)
+def test_lean_combine_in_chunks_gives_the_layers_same_gradients():
+    """The chunked combine (batches over 32 MiB on GPUs) against the reference's operations, inside
+    every training layer: outputs and every gradient bit for bit (CPU, gloo, world 2)."""
+    assert run_distributed(_lean_combine_grads, 2, timeout=150) == [[], []]
