@@ -101,6 +101,11 @@ def reduce_expert_grads(model: nn.Module) -> None:
     groups must serve the same placement (a ``VariabilityAwareMoE`` that re-planned in each group
     on its own loads does not).
 
+    A non-finite expert gradient on any rank makes every rank's expert gradients non-finite (a NaN
+    in each): with AMP's ``GradScaler``, call it before ``scaler.unscale_`` (or ``scaler.step``),
+    so that every rank skips the step and lowers its scale together. The expert gradients are
+    each rank's own, so an overflow used to skip the step on that rank alone.
+
     Raises:
         ValueError: nothing is reduced when
 
@@ -138,7 +143,30 @@ def reduce_expert_grads(model: nn.Module) -> None:
             if g.edp is not None:
                 dist.all_reduce(p.grad, group=g.edp)
             p.grad.div_(g.world_size)
-            _mark_reduced(layer, p)
+    _spread_nonfinite(layers)
+    for layer in layers:  # (after the last in-place change)
+        for p in (layer.experts.w13, layer.experts.w2):
+            if p.requires_grad and p.grad is not None:
+                _mark_reduced(layer, p)
+
+
+def _spread_nonfinite(layers: list["MoELayerBase"]) -> None:
+    """Make the expert gradients non-finite on every rank where one is on any rank (one all-reduce of
+    a flag over the world, no host sync). DDP's gradients are the same on every rank, so an
+    overflow shows on all; the experts' are each rank's own, and AMP's ``GradScaler`` skipped the
+    step on the rank that overflowed and stepped on the others: their weights and loss scales
+    parted silently. A rank whose experts got no gradient at all has none to mark."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    grads = [p.grad for layer in layers for p in (layer.experts.w13, layer.experts.w2) if p.grad is not None]
+    dev = collective_device(dist.group.WORLD)
+    bad = torch.zeros(1, dtype=torch.int32, device=dev)
+    if grads:
+        bad = (~torch.stack([torch.isfinite(g).all() for g in grads]).all()).to(torch.int32).view(1).to(dev)
+    dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+    flag = bad.bool().view(())
+    for g in grads:  # (a NaN where any rank has a non-finite gradient: unchanged elsewhere, bit for bit)
+        g.view(-1)[:1].masked_fill_(flag.to(g.device), float("nan"))
 
 
 def _check_each_layer_reducible(layers: list[MoELayerBase]) -> None:
@@ -221,8 +249,6 @@ def _reduced_already(layer: "MoELayerBase", p: torch.Tensor, *, changed_in_place
     (or changed in place since, with ``changed_in_place``)."""
     ref, version = getattr(layer, "_reduced_grads", {}).get(id(p), (lambda: None, None))
     return ref() is p.grad and (changed_in_place or p.grad._version == version)
-
-
 
 
 @torch.no_grad()

@@ -159,3 +159,44 @@ def test_single_groups_in_a_multi_rank_job_are_refused_by_reduce_expert_grads():
         assert "groups describe a world of 1 rank(s) (ParallelGroups.single()?) in a world of 2" in res["reduce"], res
         assert "ParallelGroups.from_world(ep=1)" in res["reduce"], res
         assert "clip_grad_norm_ takes the model (an nn.Module), not generator" in res["clip"], res
+
+
+def _scaler_steps(rank: int, world: int, ep: int) -> dict:
+    """Three AMP steps (GradScaler, the documented order); at step 1 an inf in rank 1's expert
+    gradient alone."""
+    model = nn.Sequential(_pre(), ml.VanillaMoE(_cfg(), ml.ParallelGroups.from_world(ep=ep), seed=1))
+    model[1].load_full_weights(*_weights64(E))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    x = _inputs(world)[rank]
+    log = []
+    for step in range(3):
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.scale(model(x).pow(2).mean()).backward()
+        for p in (*model[0].parameters(), model[1].router.weight):  # DDP's mean over the world
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        if step == 1 and rank == 1:
+            model[1].experts.w13.grad[0, 0, 0] = float("inf")
+        ml.reduce_expert_grads(model)
+        scaler.unscale_(opt)
+        ml.clip_grad_norm_(model, 1.0)
+        scale = scaler.get_scale()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        stepped = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        log.append((stepped, scale))
+    dense = torch.cat([p.detach().flatten() for p in (*model[0].parameters(), model[1].router.weight)])
+    return {"log": log, "dense": dense}
+
+
+@pytest.mark.parametrize("ep", [2, 1])
+def test_grad_scaler_skips_an_overflow_on_every_rank(ep):
+    """With experts apart (ep=2) the inf was in rank 1's gradients alone: GradScaler skipped the step
+    there and stepped on rank 0, the loss scales parted and every later dense gradient was weighted
+    differently on each rank, silently. reduce_expert_grads now spreads it: every rank skips."""
+    a, b = run_distributed(_scaler_steps, 2, ep, timeout=120)
+    assert a["log"] == b["log"], (a["log"], b["log"])
+    assert [stepped for stepped, _ in a["log"]] == [True, False, True], a["log"]
+    assert torch.equal(a["dense"], b["dense"])
