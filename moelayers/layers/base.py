@@ -295,8 +295,8 @@ class MoELayerBase(nn.Module):
                           verify: bool = True) -> None:
         """Load logical weights, identical on every rank; all checks happen before any copy.
 
-        Every expert-parallel rank calls it (a collective when ``verify``): the ranks compare an
-        exact per-expert checksum of the weights in one small all-reduce, so that weights that
+        Every rank calls it (a collective over the expert-parallel group and its ``edp`` copies when
+        ``verify``): the ranks compare an exact per-expert checksum of the weights in small all-reduces, so that weights that
         differ between ranks (e.g. drawn with another seed on each) raise instead of giving wrong
         outputs, and a rank whose weights are refused makes every rank raise instead of leaving
         them waiting later.
@@ -331,19 +331,20 @@ class MoELayerBase(nn.Module):
                 if t.device != dev:
                     raise TypeError(f"{name} is on {t.device}, the layer is on {dev}: move it first")
         except (TypeError, ValueError) as exc:
-            if not verify or self.groups.ep is None:
+            if not verify or (self.groups.ep is None and self.groups.edp is None):
                 raise
             refused = exc
-        if verify and self.groups.ep is not None:
+        if verify and (self.groups.ep is not None or self.groups.edp is not None):
             self._agree_on_weights([t for _, t, _ in weights], refused)
         self.router.weight.copy_(_like(self.router.weight, router_weight.detach()))
         self.experts.load_full(w13, w2, self.placement, self.groups.ep_rank)
 
     def _agree_on_weights(self, weights: list[torch.Tensor], refused: Exception | None) -> None:
-        """One ``MAX`` all-reduce over the EP group of ``[E]`` exact fingerprints per weight (each
-        expert's bits, order-sensitive: :func:`~moelayers.dispatch.comm.fingerprint`) and a refusal
-        flag per rank; raises on every rank when any rank refused its weights (``refused`` itself on
-        that rank) or the fingerprints differ."""
+        """A ``MAX`` all-reduce over the EP group, then over the ``edp`` group (the other groups'
+        copies of these experts; the two span the world), of ``[E]`` exact fingerprints per weight
+        (each expert's bits, order-sensitive: :func:`~moelayers.dispatch.comm.fingerprint`) and a
+        refusal flag per expert-parallel rank; raises on every rank when any rank refused its
+        weights (``refused`` itself on that rank) or the fingerprints differ."""
         from moelayers.config import PARAMS_DTYPES
 
         e, r, dev = self.config.num_experts, self.groups.ep_size, self.router.weight.device
@@ -358,15 +359,18 @@ class MoELayerBase(nn.Module):
         else:  # a refused rank's checksums count for nothing in MAX
             lowest = torch.iinfo(torch.int64).min + 1
             vec = torch.cat([torch.full((6 * e + 2,), lowest, dtype=torch.int64, device=dev), flags])
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.groups.ep)
+        for group in (self.groups.ep, self.groups.edp):  # (edp: groups of one copy each were checked alone)
+            if group is not None:
+                dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
         n = 3 * e + 1
         high, low, bad = vec[:n], -vec[n:2 * n], vec[2 * n:]
         if refused is not None:
             raise refused
         bad_ranks = torch.nonzero(bad).flatten().tolist()
         if bad_ranks:
-            raise ValueError(f"load_full_weights refused the weights of expert-parallel rank(s) {bad_ranks} (see "
-                             f"their error); nothing was loaded on this rank {self.groups.ep_rank} either")
+            raise ValueError(f"load_full_weights refused the weights of expert-parallel rank(s) {bad_ranks} (of this "
+                             f"or another expert-parallel group; see their error); nothing was loaded on this rank "
+                             f"{self.groups.rank} either")
         if int(high[-1]) != int(low[-1]):
             raise ValueError(f"load_full_weights: the expert-parallel ranks hold the layer in different dtypes (this "
                              f"rank {self.groups.ep_rank}: {self.experts.w13.dtype}): cast the layer alike on every "
@@ -376,7 +380,8 @@ class MoELayerBase(nn.Module):
         if differ.any():
             named = ", ".join(f"{name} of {_some(torch.nonzero(row).flatten().tolist(), 'expert')}"
                               for name, row in zip(("router_weight", "w13", "w2"), differ) if row.any())
-            raise ValueError(f"load_full_weights: the weights differ between the expert-parallel ranks ({named}): "
+            raise ValueError(f"load_full_weights: the weights differ between ranks of the layer ({named}; within "
+                             f"or across expert-parallel groups): "
                              f"load the same logical weights on every rank (e.g. the same checkpoint or seed), "
                              f"or pass verify=False to skip this check")
 

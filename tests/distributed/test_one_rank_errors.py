@@ -547,3 +547,30 @@ def test_from_world_with_other_sizes_on_one_rank(case):
         assert "the ranks asked for different sizes or one refused its own" in outcomes[0], outcomes
     else:
         assert all("the ranks asked for different sizes" in got for got in outcomes), outcomes
+
+
+def _load_full_check(rank: int, world: int, ep: int, case: str) -> str:
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=8, top_k=2, params_dtype=torch.float64)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(ep=ep), seed=1)
+    group = rank // ep  # this rank's expert-parallel group
+    g = torch.Generator().manual_seed(7 + (group if case == "seed_per_group" else 0))
+    w = [torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randn(8, 8, 8, generator=g, dtype=torch.float64),
+         torch.randn(8, 8, 4, generator=g, dtype=torch.float64)]
+    if case == "bad_shape_on_2" and rank == 2:
+        w[1] = w[1][:, :-1]
+    return _outcome(layer.load_full_weights, *w)
+
+
+@pytest.mark.parametrize("ep", [2, 1])
+@pytest.mark.parametrize("case", ["seed_per_group", "bad_shape_on_2"])
+def test_load_full_weights_agrees_across_expert_parallel_groups(case, ep):
+    """The check compared the expert-parallel group's ranks only (none at ep=1): weights drawn with
+    another seed in each group were accepted (outputs 20-44 apart across ranks, a checkpoint of
+    them a mix), and a refusal in one group loaded the others."""
+    outcomes = run_distributed(_load_full_check, 4, ep, case, timeout=TIMEOUT)
+    if case == "seed_per_group":
+        assert all("the weights differ between ranks of the layer" in got for got in outcomes), outcomes
+    else:
+        assert outcomes[2].startswith("ValueError: w13 must have shape"), outcomes
+        assert all(got.startswith("ValueError: load_full_weights refused the weights of expert-parallel rank(s)")
+                   for r, got in enumerate(outcomes) if r != 2), outcomes

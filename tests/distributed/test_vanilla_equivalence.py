@@ -162,9 +162,9 @@ def test_load_full_weights_checks_the_ranks_agree():
     outs = run_distributed(_load_weights_across_ranks, 2)
     for rank, out in enumerate(outs):
         assert out["same"] == "loaded" and out["verify off"] == "loaded", out
-        assert "differ between the expert-parallel ranks (router_weight of expert(s) [0, 1, 2, 3]" in out["seed per rank"]
-        assert "(w2 of expert(s) [3])" in out["one expert differs"]
-        assert "(w13 of expert(s) [0, 1, 2, 3])" in out["gate and up swapped"]
+        assert "differ between ranks of the layer (router_weight of expert(s) [0, 1, 2, 3]" in out["seed per rank"]
+        assert "(w2 of expert(s) [3];" in out["one expert differs"]
+        assert "(w13 of expert(s) [0, 1, 2, 3];" in out["gate and up swapped"]
         if rank == 1:
             assert out["bad shape on rank 1"].startswith("w13 must have shape [4, 8, 8], got [4, 7, 8]")
         else:
