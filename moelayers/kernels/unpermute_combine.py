@@ -152,14 +152,17 @@ def _gather(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return src.index_select(0, rows.flatten()).view(*rows.shape, src.shape[1])
 
 
+def _token_bytes(src: torch.Tensor, index: torch.Tensor) -> int:
+    """Bytes of one token's ``[J, H]`` rows in the accumulation dtype."""
+    return index.shape[1] * src.shape[1] * torch.finfo(_acc_dtype(src)).bits // 8
+
+
 def _chunks(src: torch.Tensor, index: torch.Tensor):
     """Chunks of tokens whose ``[c, J, H]`` temporaries take at most ``_CHUNK_BYTES``: ``(tokens
     (a slice), rows [c, J] int64, valid [c, J] bool)``, ``-1`` entries pointing at row 0 (a row past
     ``src`` raises ``IndexError``, as in the reference)."""
-    T, J = index.shape
-    row_bytes = J * src.shape[1] * torch.finfo(_acc_dtype(src)).bits // 8
-    step = max(1, _CHUNK_BYTES // max(1, row_bytes))
-    for start in range(0, T, step):
+    step = max(1, _CHUNK_BYTES // max(1, _token_bytes(src, index)))
+    for start in range(0, index.shape[0], step):
         tokens = slice(start, start + step)
         column = index[tokens].long()
         yield tokens, column.clamp(min=0), column >= 0
@@ -174,10 +177,10 @@ def unpermute_combine_lean(
     """:func:`unpermute_combine_reference` (same arguments, the same output bit for bit,
     differentiable w.r.t. ``src`` and ``weight``) that saves for the backward only its inputs, not
     the reference's ``[T, J, H]`` float32 rows, and works in chunks of tokens whose ``[c, J, H]``
-    float32 tensors take at most 256 MiB each: the autograd path of :func:`unpermute_combine`. Batches whose ``[T, J, H]`` temporaries fit in 32 MiB take the
-    reference itself (fewer host calls: small batches are host-bound on GPUs)."""
-    row_bytes = index.shape[1] * src.shape[1] * torch.finfo(_acc_dtype(src)).bits // 8
-    if index.shape[0] * row_bytes <= _SMALL_BYTES:
+    float32 tensors take at most 256 MiB each: the autograd path of :func:`unpermute_combine`.
+    Batches whose ``[T, J, H]`` temporaries fit in 32 MiB take the reference itself (fewer host
+    calls: small batches are host-bound on GPUs)."""
+    if index.shape[0] * _token_bytes(src, index) <= _SMALL_BYTES:
         return unpermute_combine_reference(src, index, weight, out_dtype)
     _check(src, index, weight)
     if src.shape[0] == 0:  # every index is -1 (_check): zeros, still in the autograd graph of src and weight
