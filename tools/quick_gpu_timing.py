@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc_per_node=2 tools/quick_gpu_timing.py [--profile]
     torchrun --standalone --nproc_per_node=2 tools/quick_gpu_timing.py --train   # forward + backward,
-        the lean autograd combine against the reference's, alternating in one run
+        the layers' combine (Triton forward and backward) against the lean autograd one and the
+        reference's, alternating in one run
 """
 
 import argparse
@@ -67,12 +68,13 @@ def _stage_times(layer, x, rank):
 
 
 def _train_times(cfg, groups, tokens, rank, rounds=4, steps=20):
-    """Median forward + backward time and peak memory of a training step, with the autograd combine
-    the layers use (``unpermute_combine_lean``) and with the reference's, alternating ``rounds`` times
-    so that clock drift hits both alike."""
+    """Median forward + backward time and peak memory of a training step, with the combine the
+    layers use (``unpermute_combine``: Triton forward and backward on CUDA), the lean autograd one
+    and the reference's, alternating ``rounds`` times so that clock drift hits all alike."""
     from moelayers.dispatch import alltoall, base
-    from moelayers.kernels import unpermute_combine_reference
-    combines = {"lean": base.unpermute_combine, "reference": unpermute_combine_reference}
+    from moelayers.kernels import unpermute_combine_lean, unpermute_combine_reference
+    combines = {"layers": base.unpermute_combine, "lean": unpermute_combine_lean,
+                "reference": unpermute_combine_reference}
     layer = ml.VanillaMoE(cfg, groups)
     x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     times, peaks = {k: [] for k in combines}, {k: 0 for k in combines}
@@ -92,7 +94,7 @@ def _train_times(cfg, groups, tokens, rank, rounds=4, steps=20):
                 torch.cuda.synchronize()
                 times[name].append(s.elapsed_time(en))
             peaks[name] = max(peaks[name], torch.cuda.max_memory_allocated())
-    base.unpermute_combine = alltoall.unpermute_combine = combines["lean"]
+    base.unpermute_combine = alltoall.unpermute_combine = combines["layers"]
     for name in combines:
         med = torch.tensor(sorted(times[name])[len(times[name]) // 2], device="cuda")
         dist.all_reduce(med, op=dist.ReduceOp.MAX)
@@ -106,7 +108,7 @@ def main():
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table")
     ap.add_argument("--stages", action="store_true", help="time the forward's stages")
     ap.add_argument("--train", action="store_true",
-                    help="time forward + backward instead, lean against reference autograd combine")
+                    help="time forward + backward instead: the layers' combine, the lean one, the reference's")
     ap.add_argument("--tokens", type=int, nargs="+", default=[256, 4096], help="tokens per rank")
     ap.add_argument("--shape", default="qwen3", choices=list(SHAPES),
                     help="qwen3: Qwen3-30B-A3B's MoE layer; deepseek: DeepSeek-V2-Lite's")

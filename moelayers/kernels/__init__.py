@@ -3,7 +3,8 @@
 Every kernel ``name`` comes in three flavours:
 
 - ``name_reference``: pure torch, autograd-friendly; the training and CPU path.
-- ``name_triton``: the Triton kernel; inference only (no autograd).
+- ``name_triton``: the Triton kernel; inference only (no autograd), except
+  :func:`unpermute_combine_triton`, which has a Triton backward.
 - ``name``: the dispatcher, which picks the Triton kernel when :func:`use_triton` allows it.
 
 Triton is optional: ``HAVE_TRITON`` says whether it imported. Set ``MOELAYERS_DISABLE_TRITON=1``
@@ -28,21 +29,22 @@ except ImportError:
 TRITON_INSTALL_HINT = "Triton is not installed; install it with `pip install triton` (Linux only)."
 
 
-def use_triton(t: torch.Tensor) -> bool:
+def use_triton(t: torch.Tensor, *, differentiable: bool = False) -> bool:
     """Whether a kernel working on ``t`` should take the Triton path.
 
     True when Triton imported, ``t`` lives on CUDA, ``MOELAYERS_DISABLE_TRITON`` is not ``"1"``,
-    and no gradient is wanted for ``t`` (the kernels are inference-only; the references are the
-    autograd path).
+    and either the kernel is ``differentiable`` or no gradient is wanted for ``t`` (most kernels are
+    inference-only; the references are their autograd path).
 
     Args:
         t: the tensor the kernel reads (e.g. the activations).
+        differentiable: the kernel has a backward of its own.
     """
     if not HAVE_TRITON or not t.is_cuda:
         return False
     if os.environ.get("MOELAYERS_DISABLE_TRITON") == "1":
         return False
-    return not (torch.is_grad_enabled() and t.requires_grad)
+    return differentiable or not (torch.is_grad_enabled() and t.requires_grad)
 
 
 def on_device_of(t: torch.Tensor):

@@ -4,9 +4,13 @@
 (float64 when ``src`` is float64) and cast once to ``out_dtype``. Tokens with no valid entry get
 zeros. ``src`` may be a strided row view (e.g. a column slice of a packed receive buffer).
 
-A row past ``src`` (``index >= N``): the reference raises ``IndexError``; the Triton kernel, which
-checks nothing on the host (no sync), reads it as zeros and never reads outside ``src``. Rows of
-an empty ``src`` are refused on both paths (a sync, only then).
+A row past ``src`` (``index >= N``): the reference raises ``IndexError``; the Triton kernels, which
+check nothing on the host (no sync), read it as zeros (and give it no gradient) and never touch
+memory outside ``src``. Rows of an empty ``src`` are refused on both paths (a sync, only then).
+
+Three paths, one result: the reference (pure torch), the lean autograd path (the reference's
+operations in chunks, saving only the inputs for the backward) and Triton (forward and backward
+kernels, nothing ``[T, J, H]``-sized in memory).
 """
 
 from __future__ import annotations
@@ -41,6 +45,37 @@ if HAVE_TRITON:
                 v = v * tl.where(valid, w, 0.0)
             acc += v
         tl.store(out_ptr + t * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _unpermute_combine_backward_kernel(
+        g_ptr, src_ptr, idx_ptr, w_ptr, gsrc_ptr, gw_ptr, H, J, N,
+        stride_g, stride_s, stride_i, stride_w, stride_gs,
+        HAS_WEIGHT: tl.constexpr, NEED_SRC: tl.constexpr, NEED_W: tl.constexpr, ACC: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        # One program per token: for each of its J rows, add w * g into the row's gradient (atomics:
+        # a row may be gathered twice) and dot(g, src row) into the weight's gradient.
+        t = tl.program_id(0).to(tl.int64)
+        for j in range(J):
+            r = tl.load(idx_ptr + t * stride_i + j).to(tl.int64)
+            valid = (r >= 0) & (r < N)
+            r = tl.maximum(r, 0)
+            width = tl.where(valid, H, 0)  # masks every column of an invalid entry
+            if HAS_WEIGHT:
+                w = tl.load(w_ptr + t * stride_w + j).to(ACC)
+            else:
+                w = 1.0
+            dot = tl.zeros([BLOCK_H], dtype=ACC)
+            for h in range(0, H, BLOCK_H):
+                offs = h + tl.arange(0, BLOCK_H)
+                row_mask = offs < width
+                g = tl.load(g_ptr + t * stride_g + offs, mask=row_mask, other=0.0).to(ACC)
+                if NEED_SRC:
+                    tl.atomic_add(gsrc_ptr + r * stride_gs + offs, g * w, mask=row_mask, sem="relaxed")
+                if NEED_W:
+                    dot += g * tl.load(src_ptr + r * stride_s + offs, mask=row_mask, other=0.0).to(ACC)
+            if NEED_W:
+                tl.store(gw_ptr + t * J + j, tl.sum(dot, axis=0))
 
 
 def _check(src: torch.Tensor, index: torch.Tensor, weight: torch.Tensor | None) -> None:
@@ -123,22 +158,28 @@ class _UnpermuteCombine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         src, index, weight = ctx.saved_tensors
-        acc = _acc_dtype(src)
-        g = grad_out.to(acc)
-        # in src's dtype, as the reference's gather backward adds (each row gathered once gets one exact sum)
-        grad_src = torch.zeros_like(src) if ctx.needs_input_grad[0] else None
-        grad_w = torch.empty(index.shape, dtype=acc, device=src.device) if ctx.needs_input_grad[2] else None
-        for tokens, rows, valid in _chunks(src, index):
-            g_rows = g[tokens, None, :]  # [c, 1, H]
-            if grad_src is not None:  # (invalid entries add exact zeros to row 0: no host sync for a mask)
-                part = g_rows.expand(-1, index.shape[1], -1) if weight is None else (
-                    g_rows * weight[tokens, :, None].to(acc))
-                part = torch.where(valid[..., None], part, 0.0).to(src.dtype)
-                grad_src.index_add_(0, rows.flatten(), part.reshape(-1, src.shape[1]))  # as _gather's backward
-            if grad_w is not None:
-                grad_w[tokens] = torch.where(valid, (g_rows * _gather(src, rows).to(acc)).sum(-1), 0.0)
-        return (grad_src, None,
-                None if grad_w is None else grad_w.to(weight.dtype), None)
+        grad_src, grad_w = _combine_backward_lean(grad_out, src, index, weight, *ctx.needs_input_grad[0:3:2])
+        return grad_src, None, grad_w, None
+
+
+def _combine_backward_lean(grad_out, src, index, weight, need_src: bool, need_w: bool):
+    """The reference's backward in chunks of tokens, in torch operations (differentiable: a double
+    backward records it): ``(grad_src [N, H] in src.dtype or None, grad_weight [T, J] or None)``."""
+    acc = _acc_dtype(src)
+    g = grad_out.to(acc)
+    # in src's dtype, as the reference's gather backward adds (each row gathered once gets one exact sum)
+    grad_src = torch.zeros_like(src) if need_src else None
+    grad_w = torch.empty(index.shape, dtype=acc, device=src.device) if need_w else None
+    for tokens, rows, valid in _chunks(src, index):
+        g_rows = g[tokens, None, :]  # [c, 1, H]
+        if grad_src is not None:  # (invalid entries add exact zeros to row 0: no host sync for a mask)
+            part = g_rows.expand(-1, index.shape[1], -1) if weight is None else (
+                g_rows * weight[tokens, :, None].to(acc))
+            part = torch.where(valid[..., None], part, 0.0).to(src.dtype)
+            grad_src.index_add_(0, rows.flatten(), part.reshape(-1, src.shape[1]))  # as _gather's backward
+        if grad_w is not None:
+            grad_w[tokens] = torch.where(valid, (g_rows * _gather(src, rows).to(acc)).sum(-1), 0.0)
+    return grad_src, None if grad_w is None else grad_w.to(weight.dtype)
 
 
 def _gather(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -194,7 +235,13 @@ def unpermute_combine_triton(
     weight: torch.Tensor | None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """Triton unpermute + weighted combine (inference only; see :func:`unpermute_combine_reference`).
+    """Triton unpermute + weighted combine (see :func:`unpermute_combine_reference`), differentiable
+    w.r.t. ``src`` and ``weight`` through a Triton backward (a double backward, ``create_graph=True``,
+    takes the torch operations of :func:`unpermute_combine_lean`'s instead).
+
+    The backward adds each ``(token, j)``'s gradient row into ``src``'s with float32 (float64)
+    atomics, so a row gathered twice gets an unordered sum (a row gathered once gets the reference's
+    bits); the weight's gradient is a dot product per ``(token, j)`` in float32 (float64).
 
     Args:
         src: ``[N, H]`` float32/bfloat16/float16/float64 rows (``stride(1) == 1``).
@@ -207,9 +254,16 @@ def unpermute_combine_triton(
     """
     require_triton()
     _check(src, index, weight)
+    out_dtype = out_dtype or src.dtype
+    if torch.is_grad_enabled() and (src.requires_grad or (weight is not None and weight.requires_grad)):
+        return _TritonUnpermuteCombine.apply(src, index, weight, out_dtype)
+    return _combine_forward_triton(src, index, weight, out_dtype)
+
+
+def _combine_forward_triton(src, index, weight, out_dtype) -> torch.Tensor:
     T, J = index.shape
     H = src.shape[1]
-    out = torch.empty(T, H, dtype=out_dtype or src.dtype, device=src.device)
+    out = torch.empty(T, H, dtype=out_dtype, device=src.device)
     if T == 0 or H == 0:
         return out
     if src.shape[0] == 0 or J == 0:  # every index is invalid
@@ -229,6 +283,48 @@ def unpermute_combine_triton(
     return out
 
 
+def _combine_backward_triton(grad_out, src, index, weight, need_src: bool, need_w: bool):
+    """``(grad_src [N, H] in src.dtype or None, grad_weight [T, J] in weight.dtype or None)``."""
+    T, J = index.shape
+    N, H = src.shape
+    acc = _acc_dtype(src)
+    grad_src = torch.zeros(N, H, dtype=acc, device=src.device) if need_src else None
+    grad_w = torch.zeros(T, J, dtype=acc, device=src.device) if need_w else None
+    if T and J and N and H:
+        index = index.contiguous()
+        weight = weight.contiguous() if weight is not None else None
+        grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+        dummy = index  # stands in for a pointer the kernel never reads
+        with on_device_of(src):
+            _unpermute_combine_backward_kernel[(T,)](
+                grad_out, src, index, weight if weight is not None else dummy,
+                grad_src if need_src else dummy, grad_w if need_w else dummy, H, J, N,
+                grad_out.stride(0), src.stride(0), index.stride(0), J, H,
+                HAS_WEIGHT=weight is not None, NEED_SRC=need_src, NEED_W=need_w,
+                ACC=tl.float64 if acc == torch.float64 else tl.float32,
+                BLOCK_H=min(1024, triton.next_power_of_2(H)),
+            )
+    return (None if grad_src is None else grad_src.to(src.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype))
+
+
+class _TritonUnpermuteCombine(torch.autograd.Function):
+    """The Triton forward and backward kernels; saves only the inputs. A double backward
+    (``create_graph=True``) takes the lean path's backward instead, which autograd records."""
+
+    @staticmethod
+    def forward(ctx, src, index, weight, out_dtype):
+        ctx.save_for_backward(src, index, weight)
+        return _combine_forward_triton(src, index, weight, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        src, index, weight = ctx.saved_tensors
+        backward = _combine_backward_lean if torch.is_grad_enabled() else _combine_backward_triton
+        grad_src, grad_w = backward(grad_out, src, index, weight, *ctx.needs_input_grad[0:3:2])
+        return grad_src, None, grad_w, None
+
+
 def unpermute_combine(
     src: torch.Tensor,
     index: torch.Tensor,
@@ -237,11 +333,12 @@ def unpermute_combine(
 ) -> torch.Tensor:
     """Gather ``src [N, H]`` rows by ``index [T, J]`` and sum them weighted into ``[T, H]``.
 
-    Uses :func:`unpermute_combine_triton` when :func:`moelayers.kernels.use_triton` allows it
-    (and ``weight`` needs no gradient), else :func:`unpermute_combine_lean` (the reference's sums
-    with bounded temporaries).
+    Uses :func:`unpermute_combine_triton` (forward and backward kernels) when
+    :func:`moelayers.kernels.use_triton` allows it for training too, except where a gradient is
+    wanted under ``torch.use_deterministic_algorithms(True)`` (its backward adds with atomics); else
+    :func:`unpermute_combine_lean` (the reference's sums with bounded temporaries).
     """
-    weight_needs_grad = weight is not None and torch.is_grad_enabled() and weight.requires_grad
-    if use_triton(src) and not weight_needs_grad:
+    wants_grad = torch.is_grad_enabled() and (src.requires_grad or (weight is not None and weight.requires_grad))
+    if use_triton(src, differentiable=True) and not (wants_grad and torch.are_deterministic_algorithms_enabled()):
         return unpermute_combine_triton(src, index, weight, out_dtype)
     return unpermute_combine_lean(src, index, weight, out_dtype)

@@ -58,6 +58,38 @@ def test_unpermute_combine_cuda(T, H, J, dtype):
     torch.testing.assert_close(got32, ref32, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32, torch.float16))
+@pytest.mark.parametrize("T,H,J", SHAPES)
+def test_unpermute_combine_backward_cuda(T, H, J, dtype):
+    """The Triton backward against the reference's autograd on CUDA: rows gathered once (the layers'
+    case) get the same gradient bit for bit, the weight's gradient to float32 rounding; a combine
+    that wants a gradient takes it, unless deterministic algorithms are on."""
+    gen = torch.Generator(device="cuda").manual_seed(T * H + J + 1)
+    n = T * J + 3
+    index = torch.randperm(n, device="cuda", generator=gen)[: T * J].view(T, J)
+    index[torch.rand(T, J, device="cuda", generator=gen) < 0.25] = -1
+    src = torch.randn(n, H + 8, device="cuda", generator=gen).to(dtype)[:, :H]
+    weight = torch.rand(T, J, device="cuda", generator=gen)
+    grad = torch.randn(T, H, device="cuda", generator=gen).to(dtype)
+    runs = []
+    for fn in (unpermute_combine_reference, unpermute_combine):
+        s, w = src.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = fn(s, index, w)
+        out.backward(grad)
+        runs.append((out, s.grad, w.grad))
+    assert "Triton" in type(runs[1][0].grad_fn).__name__
+    tol = 1e-4 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(runs[1][0], runs[0][0], rtol=tol, atol=tol)
+    assert torch.equal(runs[1][1], runs[0][1])
+    torch.testing.assert_close(runs[1][2], runs[0][2], rtol=1e-4, atol=1e-4)
+    torch.use_deterministic_algorithms(True)
+    try:
+        out = unpermute_combine(src.clone().requires_grad_(), index, weight)
+        assert "Triton" not in type(out.grad_fn).__name__
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def test_empty_and_all_invalid_cuda():
     x = torch.randn(0, 64, device="cuda")
     out = torch.zeros(4, 64, device="cuda")

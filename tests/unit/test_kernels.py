@@ -267,6 +267,99 @@ def test_unpermute_combine_lean_is_the_reference(dtype, chunk_bytes, monkeypatch
         unpermute_combine_lean(src, torch.tensor([[n, -1]]), None)
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("repeat", [False, True])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_unpermute_combine_triton_backward(dtype, repeat, weighted):
+    """The Triton backward against the reference's autograd: rows gathered once get the reference's
+    gradient bit for bit (float32 atomics into zeros, one cast), rows gathered twice the sum, NaN
+    weights of invalid entries ignored, the weight's gradient to float32 rounding (another order of
+    the dot product), a strided ``src``, either input alone requiring a gradient."""
+    gen = torch.Generator().manual_seed(7 + repeat + 2 * weighted)
+    t, j, n, h = 9, 4, 45, 1030  # two blocks of H (1024 columns each)
+    if repeat:
+        index = torch.randint(0, n, (t, j), generator=gen)
+        index[0, :2] = 5  # one row twice
+    else:
+        index = torch.randperm(n, generator=gen)[: t * j].view(t, j)
+    index[torch.rand(t, j, generator=gen) < 0.3] = -1
+    index[3] = -1
+    weight = torch.rand(t, j, generator=gen) if weighted else None
+    if weighted:
+        weight[index < 0] = float("nan")
+    src = torch.randn(n, h + 6, generator=gen).to(dtype)[:, 3: 3 + h]
+    grad = torch.randn(t, h, generator=gen).to(dtype)
+    runs = []
+    for fn in (unpermute_combine_reference, unpermute_combine_triton):
+        s = src.clone().requires_grad_()
+        w = weight.clone().requires_grad_() if weighted else None
+        fn(s, index, w).backward(grad)
+        runs.append((s.grad, None if w is None else w.grad))
+    (ref_src, ref_w), (tri_src, tri_w) = runs
+    assert tri_src.dtype == dtype and tri_src.shape == src.shape
+    if repeat and dtype in (torch.bfloat16, torch.float16):  # the reference rounds each add to dtype
+        torch.testing.assert_close(tri_src, ref_src, rtol=1e-2, atol=1e-2)
+    else:
+        assert torch.equal(tri_src, ref_src)
+    if weighted:
+        assert tri_w.dtype == weight.dtype and not tri_w.isnan().any() and (tri_w[index < 0] == 0).all()
+        tol = 1e-12 if dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(tri_w, ref_w, rtol=tol, atol=tol)
+        w = weight.nan_to_num().requires_grad_()  # only the weight wants a gradient
+        unpermute_combine_triton(src, index, w).backward(grad)
+        torch.testing.assert_close(w.grad, ref_w.nan_to_num(), rtol=tol, atol=tol)
+
+
+@needs_triton
+def test_unpermute_combine_triton_backward_edges():
+    """Rows past ``src`` get no gradient (the forward reads them as zeros); an empty ``src``,
+    ``J = 0`` and ``T = 0`` give empty or zero gradients; a double backward (``create_graph=True``
+    takes the lean path's torch operations) passes gradgradcheck."""
+    src = torch.randn(4, 8, requires_grad=True)
+    w = torch.rand(2, 2, requires_grad=True)
+    out = unpermute_combine_triton(src, torch.tensor([[1, 4], [-1, 0]]), w)  # row 4 is past src
+    out.sum().backward()
+    assert torch.equal(out[0].detach(), w[0, 0].detach() * src[1].detach())
+    assert w.grad[0, 1] == 0 and w.grad[1, 0] == 0 and (src.grad[2:] == 0).all()
+    for s, i in ((torch.zeros(0, 8), torch.full((3, 2), -1)), (torch.randn(4, 8), torch.zeros(3, 0, dtype=torch.long)),
+                 (torch.randn(4, 8), torch.zeros(0, 2, dtype=torch.long))):
+        s.requires_grad_()
+        weight = torch.rand(i.shape, requires_grad=True)
+        out = unpermute_combine_triton(s, i, weight)
+        assert out.shape == (i.shape[0], 8) and (out == 0).all()
+        out.sum().backward()
+        assert s.grad.shape == s.shape and (s.grad == 0).all() and weight.grad.shape == i.shape
+    s = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(2, 2, dtype=torch.float64, requires_grad=True)
+    index = torch.tensor([[1, 4], [-1, 0]])
+    assert torch.autograd.gradcheck(lambda s, w: unpermute_combine_triton(s, index, w), (s, w))
+    assert torch.autograd.gradgradcheck(lambda s, w: unpermute_combine_triton(s, index, w), (s, w))
+
+
+def test_unpermute_combine_takes_triton_for_training_unless_deterministic(monkeypatch):
+    """Where Triton is allowed, a gradient-wanting combine takes the Triton Function, except under
+    ``torch.use_deterministic_algorithms(True)`` (its backward adds with atomics): the lean path."""
+    module = importlib.import_module("moelayers.kernels.unpermute_combine")
+    taken = []
+    monkeypatch.setattr(module, "use_triton", lambda t, differentiable=False: differentiable)
+    monkeypatch.setattr(module, "unpermute_combine_triton", lambda *a: taken.append("triton"))
+    monkeypatch.setattr(module, "unpermute_combine_lean", lambda *a: taken.append("lean"))
+    src = torch.randn(3, 4, requires_grad=True)
+    index = torch.tensor([[0, 1]])
+    module.unpermute_combine(src, index, None)
+    with torch.no_grad():
+        module.unpermute_combine(src, index, None)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        module.unpermute_combine(src, index, None)
+        module.unpermute_combine(src.detach(), index, None)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert taken == ["triton", "triton", "lean", "triton"]
+
+
 def test_use_triton_decision(monkeypatch):
     """The Triton path: CUDA tensors only, not with MOELAYERS_DISABLE_TRITON=1, not when a gradient is
     wanted, not without Triton (a stand-in with ``is_cuda`` decides on CPU too)."""
@@ -281,6 +374,8 @@ def test_use_triton_decision(monkeypatch):
     assert not kernels.use_triton(types.SimpleNamespace(is_cuda=True, requires_grad=True))
     with torch.no_grad():  # no gradient wanted: an input that requires one may still take Triton
         assert kernels.use_triton(types.SimpleNamespace(is_cuda=True, requires_grad=True))
+    assert kernels.use_triton(types.SimpleNamespace(is_cuda=True, requires_grad=True), differentiable=True)
+    assert not kernels.use_triton(types.SimpleNamespace(is_cuda=False, requires_grad=True), differentiable=True)
     monkeypatch.setenv("MOELAYERS_DISABLE_TRITON", "0")
     assert kernels.use_triton(cuda)
     monkeypatch.setenv("MOELAYERS_DISABLE_TRITON", "1")
