@@ -32,6 +32,10 @@ from moelayers.layers.moves import PlacementMoveError, holds_gradients
 from moelayers.placement import ExpertPlacement
 
 Planner = Callable[..., Any]  # (loads [steps, E], curves, *, restarts, seed) -> expert_rank [E]
+#: A due re-plan that has waited this many windows of forwards for autograd graphs warns once: a
+#: model served with autograd on and its outputs kept. Pipelined training (all micro-batches'
+#: forwards before their backwards) waits up to its micro-batches per step, usually less.
+_GRAPH_WAIT_WARNING = 4
 
 
 class VariabilityAwareMoE(MoELayerBase):
@@ -250,7 +254,7 @@ class VariabilityAwareMoE(MoELayerBase):
             self._auto_replan()
         else:
             self._waited += 1
-            if self._waited == self.window and alive:
+            if self._waited == _GRAPH_WAIT_WARNING * self.window and alive:  # (pipelined micro-batches wait less)
                 warn_caller(
                     f"VariabilityAwareMoE: a due re-plan has waited {self._waited} forwards for autograd graphs "
                     f"({alive} alive) to be back-propagated or dropped; when serving, run the model under "

@@ -1237,3 +1237,27 @@ def test_a_deep_copied_reference_has_not_trained():
     inference, warned that Adam's moments stayed behind."""
     for out in run_distributed(_deep_copied_reference, 2, timeout=120):
         assert out["moves"] > 0 and not [w for w in out["warnings"] if "optimizer" in w], out
+
+
+def test_graph_wait_warns_when_serving_not_for_pipelined_micro_batches():
+    """A due re-plan waiting for autograd graphs warned after ``window`` forwards, also in pipelined
+    training (32 micro-batches' forwards before their backwards at the default window of 16). It now
+    warns after four windows: a model served with autograd on and its outputs kept."""
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+
+    def run(micro_batches: int, steps: int) -> tuple[list[str], int]:
+        layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), seed=1, window=2, auto_replan=True,
+                                       variability="high")
+        gen = torch.Generator().manual_seed(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(steps):
+                outs = [layer(torch.randn(5, 8, generator=gen, requires_grad=True)) for _ in range(micro_batches)]
+                for y in outs:
+                    y.square().sum().backward()
+                layer.zero_grad(set_to_none=True)
+        return [str(w.message) for w in caught if "waited" in str(w.message)], layer.num_replans
+
+    assert run(micro_batches=7, steps=2) == ([], 1)  # waits 5 forwards, re-plans at the next step's first
+    served, replans = run(micro_batches=10, steps=1)  # outputs kept with autograd on: 8 forwards = 4 windows
+    assert len(served) == 1 and "waited 8 forwards" in served[0] and "torch.no_grad()" in served[0] and replans == 0
