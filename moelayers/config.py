@@ -150,7 +150,7 @@ def megatron_rounds_scores() -> bool:
     answers = []
     for score_function, pre, row, k in (("sigmoid", False, [0.86328125, 0.8671875], 1),  # 0.70335 < 0.70416
                                         ("softmax", True, [0.0, 2.0 ** -10, -4.0], 1)):  # 0.49522 < 0.49571
-        first = torch.tensor(row, dtype=torch.bfloat16)
+        first = torch.tensor(row, dtype=torch.bfloat16, device="cpu")  # (not a default device: meta has no values)
         mirrored = first.clone()
         mirrored[:2] = first[:2].flip(0)
         out = topk_routing_with_score_function(torch.stack([first, mirrored]), k, use_pre_softmax=pre,

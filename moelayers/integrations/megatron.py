@@ -141,8 +141,13 @@ def groups_for_megatron(pg_collection: Any = None) -> ParallelGroups:
 
 
 def _pick_device(transformer_config: Any, groups: ParallelGroups) -> torch.device:
-    """NCCL groups -> the current CUDA device; gloo groups -> CPU; a single process -> CUDA if
-    available (megatron's convention) unless ``use_cpu_initialization`` is set."""
+    """torch's default device where it is set (``with torch.device("meta")``: megatron's
+    ``init_model_with_meta_device``); else NCCL groups -> the current CUDA device; gloo groups -> CPU;
+    a single process -> CUDA if available (megatron's convention) unless ``use_cpu_initialization``
+    is set."""
+    chosen = torch.get_default_device()
+    if chosen.type != "cpu":
+        return chosen
     devices = {collective_device(g) for g in (groups.ep, groups.tp, groups.dp) if g is not None}
     if devices:  # any NCCL group: its GPU
         return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
@@ -180,15 +185,16 @@ def megatron_init(layer: nn.Module, config: Any, layer_number: int | None = None
     (of this or any other device) is left changed. Empty slots stay zero.
 
     Returns:
-        ``False`` (nothing changed) when ``config.perform_initialization`` is false or it has no
-        ``init_method``.
+        ``False`` (nothing changed) when ``config.perform_initialization`` is false, it has no
+        ``init_method`` or the weights are on the meta device (shapes only: call it again after
+        ``to_empty(device=...)``).
     """
     init = getattr(config, "init_method", None)
-    if init is None or not getattr(config, "perform_initialization", True):
-        return False
-    out_init = getattr(config, "output_layer_init_method", None) or init
     w13, w2, router = layer.experts.w13, layer.experts.w2, layer.router.weight
     dev = w13.device
+    if init is None or not getattr(config, "perform_initialization", True) or dev.type == "meta":
+        return False
+    out_init = getattr(config, "output_layer_init_method", None) or init
     base = (layer.seed + 7919 * (layer_number or 0)) * 1_000_003
     module = None if dev.type == "cpu" else torch.get_device_module(dev.type)
 
@@ -232,8 +238,12 @@ class MegatronMoEAdapter(nn.Module):
             megatron build-time extras (:data:`MEGATRON_BUILD_KWARGS`) are ignored; anything else is
             ignored with a warning. Ignored names are kept in ``ignored_build_kwargs``.
 
-    Default device: the current CUDA device with NCCL groups (or a single process on a CUDA
-    machine without ``use_cpu_initialization``), else CPU; pass ``device=`` in the spec to override.
+    Default device: torch's default device where one is set (``with torch.device("meta")``, as
+    megatron's ``init_model_with_meta_device`` builds), else the current CUDA device with NCCL groups
+    (or a single process on a CUDA machine without ``use_cpu_initialization``), else CPU; pass
+    ``device=`` in the spec to override. Built on the meta device, the weights get values after
+    ``to_empty(device=...)`` from a checkpoint, or from ``megatron_init(adapter.layer, config,
+    layer_number)``.
     Weights: megatron's own initialisers (:func:`megatron_init`): ``config.init_method`` for the
     router and each expert's ``w13``, ``config.output_layer_init_method`` for its ``w2`` (by
     default ``N(0, init_method_std)`` and ``N(0, init_method_std / sqrt(2 num_layers))``), each

@@ -279,7 +279,9 @@ class MoELayerBase(nn.Module):
             return
         gen = torch.Generator(device=dev)
         gen.manual_seed(self.seed * 1_000_003 + cfg.num_experts)
-        self.router.weight.normal_(0.0, cfg.init_std, generator=gen)
+        router = self.router.weight  # drawn whole and cut as held (a DTensor's normal_ ignores the generator)
+        full = torch.empty(router.shape, dtype=router.dtype, device=dev).normal_(0.0, cfg.init_std, generator=gen)
+        router.copy_(_like(router, full))
         for s, e in enumerate(self.placement.experts_on(self.groups.ep_rank)):
             if e < 0:
                 self.experts.w13[s].zero_()
@@ -329,7 +331,9 @@ class MoELayerBase(nn.Module):
                     raise TypeError(f"{name} has dtype {t.dtype}, the layer's params_dtype is {cfg.params_dtype}: "
                                     f"cast it first")
                 if t.device != dev:
-                    raise TypeError(f"{name} is on {t.device}, the layer is on {dev}: move it first")
+                    hint = ("the layer has no storage yet: call layer.to_empty(device=...) first" if dev.type == "meta"
+                            else "move it first")
+                    raise TypeError(f"{name} is on {t.device}, the layer is on {dev}: {hint}")
         except (TypeError, ValueError) as exc:
             if not verify or (self.groups.ep is None and self.groups.edp is None):
                 raise
@@ -817,6 +821,8 @@ class MoELayerBase(nn.Module):
         exchange with no tokens and the ``BAD_INPUT`` flag: the other expert-parallel ranks learn
         it with their split sizes and raise too, instead of waiting for this rank forever (with
         ``capacity`` and ``check_finite=False`` they make no host sync to learn it, and go on)."""
+        if self.router.weight.device.type == "meta":  # no exchange without storage (every rank's layer, as built)
+            raise exc
         empty = self.router.weight.new_empty(0, self.config.hidden_size)
         self._bad_input = True
         try:
@@ -977,7 +983,9 @@ class MoELayerBase(nn.Module):
             raise ValueError(f"{name} must be [T, {cfg.hidden_size}] or [S, B, {cfg.hidden_size}], got {list(x.shape)}")
         x = self._from_autocast(x, name)
         if x.device != self.router.weight.device:
-            raise TypeError(f"{name} is on {x.device}, the layer is on {self.router.weight.device}")
+            hint = (": it was built on the meta device; call to_empty(device=...) and load or reset its weights first"
+                    if self.router.weight.device.type == "meta" and x.device.type != "meta" else "")
+            raise TypeError(f"{name} is on {x.device}, the layer is on {self.router.weight.device}{hint}")
         x2 = x.reshape(-1, cfg.hidden_size)
         if token_ids is not None:
             if not isinstance(token_ids, torch.Tensor) or token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:

@@ -232,3 +232,46 @@ def test_full_weights_of_a_layer_under_fsdp():
     for world in (1, 4):
         for rank, out in enumerate(run_distributed(_full_weights_under_fsdp, world, timeout=180)):
             assert out == [True, True, True], (world, rank, out)
+
+
+def _meta_init_under_fsdp(rank: int, world: int) -> list[bool]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    groups = ml.ParallelGroups.from_world()
+    out = []
+    for seed in (1, 2):
+        reference = ml.VanillaMoE(_cfg(), groups, seed=seed)
+        with torch.device("meta"):
+            moe = ml.VanillaMoE(_cfg(), groups, seed=seed)
+        fully_shard(moe, mesh=init_device_mesh("cpu", (world,)), ignored_params=ml.rank_local_params(moe))
+        moe.to_empty(device="cpu")
+        torch.manual_seed(100 + rank)  # the draw must not depend on torch's global generator
+        moe.reset_parameters()
+        out.append(all(torch.equal(a, b) for a, b in zip(moe.export_full_weights(), reference.export_full_weights())))
+    return out
+
+
+def test_reset_parameters_of_a_sharded_router_follows_the_seed():
+    """FSDP2's deferred init (build on meta, ``fully_shard``, ``to_empty``, ``reset_parameters``):
+    the router, a DTensor shard, was drawn from torch's global generator (a DTensor's ``normal_``
+    ignores the one passed), so it differed from the seeded layer's and between seeds alike."""
+    for out in run_distributed(_meta_init_under_fsdp, 2, timeout=180):
+        assert out == [True, True], out
+
+
+def _forgot_to_empty(rank: int, world: int) -> str:
+    with torch.device("meta"):
+        moe = ml.VanillaMoE(_cfg(), ml.ParallelGroups.from_world())
+    try:
+        moe(_inputs(world)[rank])
+    except TypeError as exc:
+        return str(exc)
+    return "ran"
+
+
+def test_a_meta_layer_refuses_its_input_clearly_at_world_2():
+    """Built on meta and never given storage: one process said so, but at world 2 the refusal's
+    stand-in exchange on meta failed with "Cannot copy out of meta tensor" on every rank."""
+    for message in run_distributed(_forgot_to_empty, 2, timeout=120):
+        assert "the layer is on meta" in message and "to_empty(device=...)" in message, message

@@ -1189,3 +1189,25 @@ def test_adapter_warns_that_megatron_clipping_counts_replicas_per_copy():
         assert out[("replicated", "train")] and "once per copy" in out[("replicated", "train")][0]
         assert not out[("replicated", "eval")] and not out[("replicated", "train again")]
         assert not any(out[("linear", mode)] for mode in ("eval", "train", "train again"))
+
+
+def test_adapter_on_the_meta_device():
+    """megatron's ``init_model_with_meta_device`` builds under ``with torch.device("meta")``: the
+    config's routing probe crashed there in a fresh process (its bf16 probe landed on meta), the
+    adapter put its weights on CPU while the rest of the model was on meta, and ``device="meta"``
+    failed in ``megatron_init``. Now the weights are on meta, and ``to_empty`` + ``megatron_init``
+    give a CPU-built adapter's weights."""
+    from moelayers.config import megatron_rounds_scores
+
+    tc = _tc(moe_router_dtype="fp32")
+    megatron_rounds_scores.cache_clear()  # as in a fresh process
+    with torch.device("meta"):
+        built = mi.MegatronMoEAdapter(tc, ml.VanillaMoE, groups=ml.ParallelGroups.single(), layer_number=1)
+    explicit = mi.MegatronMoEAdapter(tc, ml.VanillaMoE, groups=ml.ParallelGroups.single(), layer_number=1,
+                                     device="meta")
+    reference = mi.MegatronMoEAdapter(tc, ml.VanillaMoE, groups=ml.ParallelGroups.single(), layer_number=1)
+    for adapter in (built, explicit):
+        assert {p.device.type for p in adapter.parameters()} == {"meta"}
+        adapter.to_empty(device="cpu")
+        assert mi.megatron_init(adapter.layer, tc, 1)
+        assert all(torch.equal(p, q) for p, q in zip(adapter.parameters(), reference.parameters()))
