@@ -980,3 +980,67 @@ def test_lean_combine_in_chunks_gives_the_layers_same_gradients():
     """The chunked combine (batches over 32 MiB on GPUs) against the reference's operations, inside
     every training layer: outputs and every gradient bit for bit (CPU, gloo, world 2)."""
     assert run_distributed(_lean_combine_grads, 2, timeout=150) == [[], []]
+
+
+def _triton_training(rank: int, world: int) -> list[str]:
+    """A training step of every layer and dispatcher with the Triton kernels (interpreted on CPU: the
+    kernels' modules told that CPU tensors may take them) against the same step with the torch
+    references: outputs and gradients to float32 rounding (the combine sums in another order)."""
+    import importlib
+
+    from moelayers import kernels
+
+    if type(importlib.import_module("moelayers.kernels.permute")._permute_kernel).__name__ != "InterpretedFunction":
+        return ["skip: the kernels are not interpreted (TRITON_INTERPRET=1 was not set before import)"]
+    modules = [kernels] + [importlib.import_module(f"moelayers.kernels.{m}")
+                           for m in ("permute", "dispatch_pack", "unpermute_combine", "send_layout", "shuffle")]
+    original = kernels.use_triton
+    calls = {"combine backward": 0}
+    backward = importlib.import_module("moelayers.kernels.unpermute_combine")._combine_backward_triton
+
+    def counted(*args):
+        calls["combine backward"] += 1
+        return backward(*args)
+
+    def on_cpu_too(t, *, differentiable=False):
+        return differentiable or not (torch.is_grad_enabled() and t.requires_grad)
+
+    groups = ml.ParallelGroups.from_world(ep=world)
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4 * world, top_k=3)
+    bad = []
+    for layer_kind in LAYERS:
+        for disp, dedup in DISPATCHERS:
+            runs = []
+            for triton in (False, True):
+                for m in modules:
+                    m.use_triton = on_cpu_too if triton else original
+                modules[3]._combine_backward_triton = counted if triton else backward
+                try:
+                    torch.manual_seed(0)
+                    layer = _build({"layer": layer_kind, "disp": disp, "dedup": dedup}, cfg, groups, world, "replicas")
+                    layer.load_full_weights(*(w.float() for w in _weights64(cfg.num_experts)))
+                    x = torch.randn(9 + rank, H, generator=torch.Generator().manual_seed(rank)).requires_grad_()
+                    y = layer(x)
+                    y.square().sum().backward()
+                    runs.append([y, x.grad, layer.router.weight.grad, layer.experts.w13.grad, layer.experts.w2.grad])
+                finally:
+                    for m in modules:
+                        m.use_triton = original
+                    modules[3]._combine_backward_triton = backward
+            for name, a, b in zip(("y", "x.grad", "router.grad", "w13.grad", "w2.grad"), *runs):
+                error = float((a - b).abs().max() / b.abs().max())
+                if not error < 1e-5:
+                    bad.append(f"{layer_kind}/{disp}/dedup={dedup}: {name} differs by {error:.2e} of its largest")
+    if calls["combine backward"] < len(LAYERS) * len(DISPATCHERS):
+        bad.append(f"the Triton backward ran {calls['combine backward']} times")
+    return bad
+
+
+@pytest.mark.timeout(300)
+def test_layers_train_through_the_triton_kernels():
+    """Every layer and dispatcher trained through the Triton kernels (forward and the combine's
+    backward; interpreted on CPU, gloo, world 2) gives the torch path's outputs and gradients."""
+    results = run_distributed(_triton_training, 2, timeout=280)
+    if results[0] and results[0][0].startswith("skip:"):
+        pytest.skip(results[0][0][6:])
+    assert results == [[], []], results
