@@ -255,9 +255,13 @@ def unpermute_combine_triton(
     require_triton()
     _check(src, index, weight)
     out_dtype = out_dtype or src.dtype
-    if torch.is_grad_enabled() and (src.requires_grad or (weight is not None and weight.requires_grad)):
+    if _wants_grad(src, weight):
         return _TritonUnpermuteCombine.apply(src, index, weight, out_dtype)
     return _combine_forward_triton(src, index, weight, out_dtype)
+
+
+def _wants_grad(src: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and (src.requires_grad or (weight is not None and weight.requires_grad))
 
 
 def _combine_forward_triton(src, index, weight, out_dtype) -> torch.Tensor:
@@ -338,7 +342,7 @@ def unpermute_combine(
     wanted under ``torch.use_deterministic_algorithms(True)`` (its backward adds with atomics); else
     :func:`unpermute_combine_lean` (the reference's sums with bounded temporaries).
     """
-    wants_grad = torch.is_grad_enabled() and (src.requires_grad or (weight is not None and weight.requires_grad))
-    if use_triton(src, differentiable=True) and not (wants_grad and torch.are_deterministic_algorithms_enabled()):
+    if use_triton(src, differentiable=True) and not (_wants_grad(src, weight)
+                                                     and torch.are_deterministic_algorithms_enabled()):
         return unpermute_combine_triton(src, index, weight, out_dtype)
     return unpermute_combine_lean(src, index, weight, out_dtype)
