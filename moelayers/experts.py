@@ -195,9 +195,14 @@ class GroupedExperts(nn.Module):
         then, on every rank alike); a no-op for placements without replicas."""
         self._tie = replica_tie(placement, rank, group, self.w13.device)
 
+    def sums_replica_grads(self) -> bool:
+        """Whether a forward now records the replica tie (a replicated placement whose weights want a
+        gradient, grad enabled): its backward then sums the replicas' gradients across the ranks."""
+        return self._tie is not None and torch.is_grad_enabled() and (self.w13.requires_grad or self.w2.requires_grad)
+
     def _weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(w13, w2)``, through the replica tie when autograd records a replicated placement."""
-        if self._tie is not None and torch.is_grad_enabled() and (self.w13.requires_grad or self.w2.requires_grad):
+        if self.sums_replica_grads():
             return _TiedReplicas.apply(self._tie, self.w13, self.w2)
         return self.w13, self.w2
 

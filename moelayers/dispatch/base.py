@@ -34,7 +34,8 @@ class Routes:
             ``[0, E)``) | ``BAD_INPUT`` (the layer refused this rank's input and sends no tokens) |
             ``BAD_REPLICA`` (a custom replica policy picked a slot without the routed expert) |
             ``BAD_ROUTE`` (a route outside the ranks or slots, :func:`check_routes`), and
-            ``RECORDS_AUTOGRAD`` (not an error alone: raised when some ranks set it and others not);
+            ``RECORDS_AUTOGRAD`` | ``DISPATCH_AUTOGRAD`` | ``REPLICA_AUTOGRAD`` (the backward's
+            exchanges this rank will run; not errors alone: raised when some ranks set one and others not);
             dispatchers exchange it with their split sizes (no extra sync) and every rank raises.
         overflow: capacity mode: optional 0-dim device flag, true when this rank had more tokens
             than the capacity (it sends the first ``capacity``); exchanged like ``nonfinite``.
@@ -59,6 +60,16 @@ BAD_INPUT = 4  # the layer refused this rank's input; it takes part in the excha
 BAD_REPLICA = 8  # a replica policy picked a slot that does not hold the routed expert
 BAD_ROUTE = 16  # a route to a rank or slot outside the expert-parallel group (check_routes)
 RECORDS_AUTOGRAD = 32  # not an error: this rank's forward records autograd (its backward runs the reverse exchange)
+DISPATCH_AUTOGRAD = 64  # not an error: the dispatched rows want a gradient (the dispatch's backward exchanges too)
+REPLICA_AUTOGRAD = 128  # not an error: replicated experts want a gradient (the backward sums them across ranks)
+_AUTOGRAD_BITS = (
+    (RECORDS_AUTOGRAD, "record autograd in this forward",
+     "torch.no_grad, inference_mode or frozen weights on some ranks only"),
+    (DISPATCH_AUTOGRAD, "dispatch rows that want a gradient (their input or router weight requires one)",
+     "with the router frozen, an input that requires a gradient on some ranks only, e.g. a plain empty tensor "
+     "where a rank has no tokens: make it require one too"),
+    (REPLICA_AUTOGRAD, "train replicated experts", "experts frozen on some ranks only"),
+)
 
 
 def merge_flags(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
@@ -98,18 +109,20 @@ def raise_if_placements_differ(digests: list[int]) -> None:
 
 def raise_if_nonfinite(flags: list[int]) -> None:
     """Raise ``ValueError`` on every rank if any rank's routing flag (``Routes.nonfinite``, one per
-    expert-parallel rank, in rank order) has an error bit set, or ``RECORDS_AUTOGRAD`` is set on
-    some ranks and not on others."""
+    expert-parallel rank, in rank order) has an error bit set, or one of the autograd bits
+    (``RECORDS_AUTOGRAD``, ``DISPATCH_AUTOGRAD``, ``REPLICA_AUTOGRAD``) is set on some ranks and not
+    on others."""
     refused = [r for r, f in enumerate(flags) if int(f) & BAD_INPUT]
     if refused:
         raise ValueError(f"the layer refused the input of expert-parallel rank(s) {refused} (that rank raised "
                          "the reason); every rank raises this forward so that none waits for the others")
-    grad = [r for r, f in enumerate(flags) if int(f) & RECORDS_AUTOGRAD]
-    if grad and len(grad) < len(flags):
-        raise ValueError(f"expert-parallel rank(s) {grad} record autograd in this forward and rank(s) "
-                         f"{[r for r in range(len(flags)) if r not in grad]} do not (torch.no_grad, inference_mode or "
-                         "frozen weights on some ranks only): their backward would wait forever in the exchange "
-                         "the others never run. Run every rank's forward alike")
+    for bit, what, why in _AUTOGRAD_BITS:
+        grad = [r for r, f in enumerate(flags) if int(f) & bit]
+        if grad and len(grad) < len(flags):
+            raise ValueError(f"expert-parallel rank(s) {grad} {what} and rank(s) "
+                             f"{[r for r in range(len(flags)) if r not in grad]} do not ({why}): "
+                             "their backward would wait forever in an exchange the others never run. Run every "
+                             "rank's forward alike")
     forced = [r for r, f in enumerate(flags) if int(f) & FORCED_OUT_OF_RANGE]
     if forced:
         raise ValueError(f"forced routing (force_routing) holds expert ids outside [0, num_experts) on "

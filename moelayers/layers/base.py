@@ -27,8 +27,8 @@ from moelayers._compile import cached_tensor, eager_under_compile
 from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, ReplicaPolicy, Routes
 from moelayers.dispatch.base import (
-    BAD_INPUT, RECORDS_AUTOGRAD, Dispatcher, merge_flags, raise_if_nonfinite, raise_if_placements_differ,
-    routes_from_placement,
+    BAD_INPUT, DISPATCH_AUTOGRAD, RECORDS_AUTOGRAD, REPLICA_AUTOGRAD, Dispatcher, merge_flags, raise_if_nonfinite,
+    raise_if_placements_differ, routes_from_placement,
 )
 from moelayers.dispatch.comm import fingerprint
 from moelayers.experts import GroupedExperts, gather_logical
@@ -850,8 +850,15 @@ class MoELayerBase(nn.Module):
             routes.nonfinite = merge_flags(routes.nonfinite, flag)
         elif self._bad_input:
             routes.nonfinite = merge_flags(routes.nonfinite, torch.tensor(BAD_INPUT, dtype=torch.int32, device=x2.device))
-        if self._records_autograd(x2):  # every rank must: the backward's exchange needs them all
-            routes.nonfinite = merge_flags(routes.nonfinite, _constant(RECORDS_AUTOGRAD, x2.device))
+        autograd = 0  # the backward's exchanges this rank will run: every rank must run the same ones
+        if self._records_autograd(x2):
+            autograd |= RECORDS_AUTOGRAD
+        if torch.is_grad_enabled() and (x2.requires_grad or routes.weights.requires_grad):
+            autograd |= DISPATCH_AUTOGRAD  # (the dispatchers' condition for a differentiable exchange)
+        if self.experts.sums_replica_grads():
+            autograd |= REPLICA_AUTOGRAD
+        if autograd:
+            routes.nonfinite = merge_flags(routes.nonfinite, _constant(autograd, x2.device))
         if num_valid is not None:  # capacity mode: rows from num_valid on are padding
             padding = self._arange(x2.shape[0], x2.device) >= num_valid
             routes.dest_rank = routes.dest_rank.masked_fill(padding[:, None], -1)

@@ -217,3 +217,45 @@ def _meta_built_replicas(rank, world, materialise):
 def test_a_meta_built_layer_with_replicas_trains(materialise):
     for rank, same in enumerate(run_distributed(_meta_built_replicas, 2, materialise, timeout=90)):
         assert all(same), (rank, same)
+
+
+def _finer_autograd_mismatch(rank, world):
+    """Every rank records autograd, but the backward's exchanges would differ: the dispatch's rows
+    want a gradient on some ranks only (a router frozen on one rank; or a frozen router everywhere
+    and a plain empty input where a rank has no tokens), or replicated experts are frozen on one
+    rank (its backward skips the replicas' sum). The forwards passed and the backward hung."""
+    from tests.distributed.test_training_paths import _placement
+
+    cfg = ml.MoEConfig(hidden_size=4, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    out = {}
+    for disp in ("alltoall", "allgather"):
+        def build(place="linear"):
+            return ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), seed=5, dispatcher=disp,
+                                 placement=_placement(place, 4, world))
+
+        x = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+        layer = build()
+        layer.router.requires_grad_(rank == 0)
+        out[f"{disp}/router frozen on one rank"] = error_of(layer, x)
+        layer = build()
+        layer.router.requires_grad_(False)
+        empty = torch.empty(0, 4, dtype=torch.float64)
+        out[f"{disp}/plain empty input"] = error_of(layer, x.requires_grad_() if rank == 0 else empty)
+        y = layer(x if rank == 0 else empty.requires_grad_())  # the advice: the empty input requires one too
+        y.square().sum().backward()
+        out[f"{disp}/empty input requiring a gradient"] = "trained" if layer.experts.w13.grad is not None else "no grad"
+        layer = build("replicas")
+        layer.experts.requires_grad_(rank == 0)
+        out[f"{disp}/replicas frozen on one rank"] = error_of(layer, x)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_ranks_whose_backward_exchanges_would_differ_raise_together():
+    for out in run_distributed(_finer_autograd_mismatch, 2, timeout=100):
+        for case, msg in out.items():
+            if "requiring a gradient" in case:
+                assert msg == "trained", (case, msg)
+                continue
+            what = "train replicated experts" if "replicas" in case else "dispatch rows that want a gradient"
+            assert f"rank(s) [0] {what}" in msg and "rank(s) [1] do not" in msg, (case, msg)
