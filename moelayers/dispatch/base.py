@@ -62,6 +62,10 @@ BAD_ROUTE = 16  # a route to a rank or slot outside the expert-parallel group (c
 RECORDS_AUTOGRAD = 32  # not an error: this rank's forward records autograd (its backward runs the reverse exchange)
 DISPATCH_AUTOGRAD = 64  # not an error: the dispatched rows want a gradient (the dispatch's backward exchanges too)
 REPLICA_AUTOGRAD = 128  # not an error: replicated experts want a gradient (the backward sums them across ranks)
+#: Bits ``ORDER_SHIFT`` to ``ORDER_SHIFT + ORDER_BITS`` of the flags: a digest of the order in which
+#: this rank back-propagated the layer's forwards since its previous forward (0: none); compared
+#: across the ranks (an int32 on the wire in capacity mode: 8 + 22 bits).
+ORDER_SHIFT, ORDER_BITS = 8, 22
 _AUTOGRAD_BITS = (
     (RECORDS_AUTOGRAD, "record autograd in this forward",
      "torch.no_grad, inference_mode or frozen weights on some ranks only"),
@@ -123,6 +127,13 @@ def raise_if_nonfinite(flags: list[int]) -> None:
                              f"{[r for r in range(len(flags)) if r not in grad]} do not ({why}): "
                              "their backward would wait forever in an exchange the others never run. Run every "
                              "rank's forward alike")
+    orders = [int(f) >> ORDER_SHIFT for f in flags]
+    if len(set(orders)) > 1:
+        raise ValueError("the expert-parallel ranks back-propagated this layer's forwards in different orders (or "
+                         "not the same ones) since its previous forward: their exchanges pair up by order alone, so "
+                         "where sizes matched, those gradients mixed micro-batches and are wrong (an optimizer step "
+                         "taken with them is too: resume from a checkpoint). Every rank must back-propagate each "
+                         "recorded forward once, in the same order")
     forced = [r for r, f in enumerate(flags) if int(f) & FORCED_OUT_OF_RANGE]
     if forced:
         raise ValueError(f"forced routing (force_routing) holds expert ids outside [0, num_experts) on "

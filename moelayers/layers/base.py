@@ -27,8 +27,8 @@ from moelayers._compile import cached_tensor, eager_under_compile
 from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, ReplicaPolicy, Routes
 from moelayers.dispatch.base import (
-    BAD_INPUT, DISPATCH_AUTOGRAD, RECORDS_AUTOGRAD, REPLICA_AUTOGRAD, Dispatcher, merge_flags, raise_if_nonfinite,
-    raise_if_placements_differ, routes_from_placement,
+    BAD_INPUT, DISPATCH_AUTOGRAD, ORDER_SHIFT, RECORDS_AUTOGRAD, REPLICA_AUTOGRAD, Dispatcher, merge_flags,
+    raise_if_nonfinite, raise_if_placements_differ, routes_from_placement,
 )
 from moelayers.dispatch.comm import fingerprint
 from moelayers.experts import GroupedExperts, gather_logical
@@ -224,6 +224,8 @@ class MoELayerBase(nn.Module):
         self._forced_ids: torch.Tensor | None = None
         self._forced_for_recompute = ForcedForRecompute()  # for activation checkpointing (layers/replay.py)
         self._graphs = InFlightGraphs()  # recorded forwards awaiting their backward: a move waits (layers/inflight.py)
+        self._order_sent: torch.Tensor | None = None  # the flag of _order_flag, and the value it holds
+        self._order_value = 0
         # the tensor a wrapper was given, to key the next forward's routing by for checkpointing when the
         # layer's own input is made from it in the wrapper (the megatron adapter's unpadded rows)
         self._replay_key: torch.Tensor | None = None
@@ -837,6 +839,21 @@ class MoELayerBase(nn.Module):
             self._bad_input = False
         raise exc
 
+    def _order_flag(self, device: torch.device) -> torch.Tensor | None:
+        """The digest of the backwards run since the previous forward (:class:`InFlightGraphs`) in
+        the flags' ``ORDER_SHIFT`` bits, as a 0-dim int32 on ``device`` that a fill updates (no copy
+        from the host, no sync); ``None`` when no backward ran."""
+        order = self._graphs.take_order() << ORDER_SHIFT
+        if not order and not self._order_value:
+            return None
+        if self._order_sent is None or self._order_sent.device != device:
+            with torch.inference_mode(False):  # (made in a rollout, it is filled in training later)
+                self._order_sent, self._order_value = torch.zeros((), dtype=torch.int32, device=device), 0
+        if order != self._order_value:
+            self._order_sent.fill_(order)
+            self._order_value = order
+        return self._order_sent if order else None
+
     def _forward_steps(self, x2, token_ids, forced, num_valid=None, flag=None):
         """The five steps on ``x2 [T, H]``; with ``num_valid``, rows from there on are padding.
         ``flag``: a ``[]`` int32 device tensor merged into the routing flags (the CUDA graph's input
@@ -859,6 +876,9 @@ class MoELayerBase(nn.Module):
             autograd |= REPLICA_AUTOGRAD
         if autograd:
             routes.nonfinite = merge_flags(routes.nonfinite, _constant(autograd, x2.device))
+        order = self._order_flag(x2.device)  # the backwards run since the previous forward, compared across ranks
+        if order is not None:
+            routes.nonfinite = merge_flags(routes.nonfinite, order)
         if num_valid is not None:  # capacity mode: rows from num_valid on are padding
             padding = self._arange(x2.shape[0], x2.device) >= num_valid
             routes.dest_rank = routes.dest_rank.masked_fill(padding[:, None], -1)

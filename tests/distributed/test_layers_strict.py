@@ -259,3 +259,36 @@ def test_ranks_whose_backward_exchanges_would_differ_raise_together():
                 continue
             what = "train replicated experts" if "replicas" in case else "dispatch rows that want a gradient"
             assert f"rank(s) [0] {what}" in msg and "rank(s) [1] do not" in msg, (case, msg)
+
+
+def _backward_order(rank, world):
+    """Two micro-batches of equal sizes (forced routing), back-propagated mb0 then mb1 on one rank
+    and mb1 then mb0 on the other: the exchanges paired up by order alone and the gradients were
+    silently wrong. The next forward now raises on every rank; the one after serves."""
+    cfg = ml.MoEConfig(hidden_size=4, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    out = {}
+    for disp in ("alltoall", "allgather"):
+        for swap in (False, True):
+            layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), seed=5, dispatcher=disp)
+            gen = torch.Generator().manual_seed(rank)
+            ids = torch.tensor([[0, 3], [1, 2], [2, 1]])
+            ys = []
+            for _ in range(2):
+                layer.force_routing(ids)
+                ys.append(layer(torch.randn(3, 4, dtype=torch.float64, generator=gen)))
+            for y in (ys[::-1] if swap and rank == 1 else ys):
+                y.sum().backward()
+            x = torch.randn(3, 4, dtype=torch.float64, generator=gen)
+            out[f"{disp}/swap={swap}"] = error_of(layer, x)
+            out[f"{disp}/swap={swap}/then"] = error_of(layer, x)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_backwards_in_another_order_on_one_rank_raise_at_the_next_forward():
+    for out in run_distributed(_backward_order, 2, timeout=100):
+        for case, msg in out.items():
+            if "swap=True" in case and not case.endswith("then"):
+                assert "back-propagated this layer's forwards in different orders" in msg, (case, msg)
+            else:
+                assert msg == "no error", (case, msg)

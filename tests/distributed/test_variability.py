@@ -485,9 +485,9 @@ def test_single_process_moves_and_replan():
 def test_auto_replan_when_serving_with_autograd_on():
     """Serving without torch.no_grad(): outputs whose graphs are dropped stop counting (the list of
     graphs stays bounded; it grew by one per forward); while the caller keeps the last output alive
-    the move waits, and after a window of forwards a warning says what to do."""
+    the move waits, and after four windows of forwards a warning says what to do."""
     cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2)
-    layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), window=4, auto_replan=True,
+    layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), window=1, auto_replan=True,
                                    planner=StubPlanner(1))
     x = torch.randn(8, H, generator=torch.Generator().manual_seed(1))
     with pytest.warns(RuntimeWarning, match="waited 4 forwards for autograd graphs"):
@@ -512,7 +512,7 @@ def test_auto_replan_when_serving_with_autograd_on():
     # survived the reset, was already past the window and never equalled it again: no warning)
     layer.reset_loads()
     with pytest.warns(RuntimeWarning, match="waited 4 forwards for autograd graphs"):
-        keep = [layer(x) for _ in range(10)]  # the window fills at the 4th; the move waits from there on
+        keep = [layer(x) for _ in range(10)]  # the window fills at the 1st; the move waits from there on
     assert layer._replan_pending and layer.num_replans == 1
     layer.reset_loads()
     with pytest.warns(RuntimeWarning, match="waited 4 forwards for autograd graphs"):
