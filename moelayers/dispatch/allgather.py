@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from moelayers.dispatch.base import (
     LocalPairs, Received, Routes, check_routes, combine_pairs, local_pairs, partial_sum_dtype, raise_if_nonfinite,
-    payload_digest, raise_if_placements_differ,
+    payload_digest, raise_if_out_of_step, raise_if_placements_differ,
 )
 from moelayers.dispatch.comm import ReduceScatterRows, RowLayout, packed_all_gather
 from moelayers.metrics import MoEStats
@@ -68,6 +68,7 @@ class AllGatherDispatcher:
             dist.all_to_all_single(recv, header, group=self.group)
             header = recv
         host = header.tolist()
+        raise_if_out_of_step([row[3] for row in host])
         raise_if_nonfinite([row[2] for row in host])
         raise_if_placements_differ([row[3] for row in host])
         t_max = max(row[0] for row in host)

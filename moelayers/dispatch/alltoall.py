@@ -24,7 +24,7 @@ import torch.distributed as dist
 from moelayers._compile import cached_tensor
 from moelayers.dispatch.base import (
     LocalPairs, Received, Routes, check_routes, combine_pairs, local_pairs, partial_sum_dtype, raise_if_nonfinite,
-    payload_digest, raise_if_placements_differ,
+    payload_digest, raise_if_out_of_step, raise_if_placements_differ,
 )
 from moelayers.dispatch.comm import ROW_ALIGN, RowLayout, all_to_all_bytes, packed_all_to_all
 from moelayers.kernels import dispatch_pack, send_layout, unpermute_combine
@@ -176,6 +176,7 @@ class AllToAllDispatcher:
         else:
             dist.all_to_all_single(recv, header, group=self.group)
         host = torch.cat([header, recv], 1).tolist()
+        raise_if_out_of_step([row[7] for row in host])
         raise_if_nonfinite([row[6] for row in host])
         raise_if_placements_differ([row[7] for row in host])
         return [row[0] for row in host], [row[4] for row in host], [row[1] for row in host], sum(row[5] for row in host)

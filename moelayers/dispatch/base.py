@@ -83,13 +83,33 @@ def merge_flags(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor 
     return a.to(torch.int32) | b.to(torch.int32)
 
 
+#: The top 14 of a header digest's 62 bits: what a forward's header holds there. A row without it
+#: is no forward's header: its rank is out of step (in a backward's exchange, or another collective on
+#: the group, where this one runs a forward).
+_HEADER_MARK, _MARK_SHIFT = 0x2A5C, 48
+
+
 @functools.lru_cache(maxsize=256)
 def payload_digest(digest: int, *dtypes: torch.dtype) -> int:
     """``digest`` (the layer's, :meth:`MoELayerBase._digest`) mixed with the dtypes of the payload
     (tokens, routing weights): they decide the rows' byte layout, and a rank computing in another
-    dtype (its layer cast alone) would read the others' rows wrongly or abort mid-exchange. 62 bits."""
+    dtype (its layer cast alone) would read the others' rows wrongly or abort mid-exchange. 62 bits:
+    a 48-bit hash under the header's mark (:func:`raise_if_out_of_step`)."""
     h = hashlib.blake2b(repr((digest, *map(str, dtypes))).encode(), digest_size=8)
-    return int.from_bytes(h.digest(), "little") >> 2
+    return (_HEADER_MARK << _MARK_SHIFT) | (int.from_bytes(h.digest(), "little") >> (64 - _MARK_SHIFT))
+
+
+def raise_if_out_of_step(digests: list[int]) -> None:
+    """Raise ``ValueError`` if a rank's header digest lacks the mark of a forward's header (one per
+    expert-parallel rank, in rank order): that rank sent something else in this exchange, e.g. the
+    rows of a backward it ran while this rank ran a forward. Checked before the flags, which such
+    bytes would fill with meaningless errors."""
+    stray = [r for r, d in enumerate(digests) if int(d) >> _MARK_SHIFT != _HEADER_MARK]
+    if stray:
+        raise ValueError(f"this forward's exchange got no forward header from expert-parallel rank(s) {stray}: "
+                         "the ranks are out of step (that rank ran another exchange here, e.g. a backward run on "
+                         "some ranks only, or its own collective on the expert-parallel group). They cannot "
+                         "recover: restart them, and run every rank's forwards and backwards alike")
 
 
 def raise_if_placements_differ(digests: list[int]) -> None:

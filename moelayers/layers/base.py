@@ -28,7 +28,7 @@ from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, ReplicaPolicy, Routes
 from moelayers.dispatch.base import (
     BAD_INPUT, DISPATCH_AUTOGRAD, ORDER_SHIFT, RECORDS_AUTOGRAD, REPLICA_AUTOGRAD, Dispatcher, merge_flags,
-    raise_if_nonfinite, raise_if_placements_differ, routes_from_placement,
+    raise_if_nonfinite, raise_if_out_of_step, raise_if_placements_differ, routes_from_placement,
 )
 from moelayers.dispatch.comm import fingerprint
 from moelayers.experts import GroupedExperts, gather_logical
@@ -976,8 +976,10 @@ class MoELayerBase(nn.Module):
         d = self.dispatcher
         r = self.groups.ep_size
         flags = torch.cat([d.nonfinite.to(torch.int32), d.overflow.to(torch.int32), d.digests.flatten()]).tolist()
+        digests = [lo | (hi << 31) for lo, hi in zip(flags[2 * r::2], flags[2 * r + 1::2])]
+        raise_if_out_of_step(digests)
         raise_if_nonfinite(flags[:r])
-        raise_if_placements_differ([lo | (hi << 31) for lo, hi in zip(flags[2 * r::2], flags[2 * r + 1::2])])
+        raise_if_placements_differ(digests)
         self._placement_unchecked = False
         bad = [i for i, f in enumerate(flags[r:2 * r]) if f]
         if bad:

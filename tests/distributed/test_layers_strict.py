@@ -292,3 +292,34 @@ def test_backwards_in_another_order_on_one_rank_raise_at_the_next_forward():
                 assert "back-propagated this layer's forwards in different orders" in msg, (case, msg)
             else:
                 assert msg == "no error", (case, msg)
+
+
+def _out_of_step(rank, world):
+    """Rank 0 runs another exchange of the same size on the expert-parallel group (as a rank that
+    back-propagates while the others run a forward would) where rank 1 runs the layer's forward:
+    rank 1 read those bytes as flags and raised 'the layer refused the input of rank(s) [0]'."""
+    import torch.distributed as dist
+
+    cfg = ml.MoEConfig(hidden_size=4, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    out = {}
+    for disp in ("alltoall", "allgather"):
+        groups = ml.ParallelGroups.from_world()
+        layer = ml.VanillaMoE(cfg, groups, seed=5, dispatcher=disp)
+        if rank == 0:
+            stray = torch.full((world, 4), BAD_INPUT_BITS, dtype=torch.int64)
+            dist.all_to_all_single(torch.empty_like(stray), stray, group=groups.ep)
+            out[disp] = "sent"
+        else:
+            out[disp] = error_of(layer, torch.randn(3, 4, dtype=torch.float64))
+    return out
+
+
+BAD_INPUT_BITS = 4 | 32  # bytes that read as "refused the input" and "records autograd"
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_out_of_step_is_named_as_such():
+    out = run_distributed(_out_of_step, 2, timeout=100)
+    assert out[0] == {"alltoall": "sent", "allgather": "sent"}, out
+    for disp, msg in out[1].items():
+        assert "got no forward header from expert-parallel rank(s) [0]" in msg and "out of step" in msg, (disp, msg)
