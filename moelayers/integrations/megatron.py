@@ -283,7 +283,7 @@ class MegatronMoEAdapter(nn.Module):
             )
         self.ignored_build_kwargs: tuple[str, ...] = tuple(ignored)
         self.config = config  # megatron's TransformerConfig, as on megatron modules
-        self.moe_config = MoEConfig.from_megatron(config)
+        moe_config = MoEConfig.from_megatron(config)
         self.training_losses: tuple[str, ...] = tuple(megatron_training_losses(config))
         if groups is not None and not isinstance(groups, ParallelGroups):
             raise TypeError(f"groups must be a ParallelGroups, got {type(groups).__name__}")
@@ -291,7 +291,7 @@ class MegatronMoEAdapter(nn.Module):
         if "device" in accepted and layer_kwargs.get("device") is None:
             layer_kwargs["device"] = _pick_device(config, self.groups)
         self.layer_number, self.is_mtp_layer, self.megatron_name = layer_number, bool(is_mtp_layer), name
-        self.layer = layer_cls(self.moe_config, self.groups, **layer_kwargs)
+        self.layer = layer_cls(moe_config, self.groups, **layer_kwargs)
         megatron_init(self.layer, config, layer_number)
         modules = getattr(config, "recompute_modules", None) or ()
         selective = getattr(config, "recompute_granularity", None) == "selective"
@@ -313,6 +313,12 @@ class MegatronMoEAdapter(nn.Module):
             if isinstance(module, GroupedExperts):
                 for p in module.parameters(recurse=False):
                     p.allreduce = False
+
+    @property
+    def moe_config(self) -> MoEConfig:
+        """The layer's :class:`MoEConfig` (from megatron's config; ``params_dtype`` follows a cast of the
+        adapter, ``.to(dtype)``, as the layer's does)."""
+        return self.layer.config
 
     def set_layer_number(self, layer_number: int) -> None:
         """Called by megatron's ``TransformerLayer`` right after building the mlp: the initial weights

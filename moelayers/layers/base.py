@@ -35,7 +35,7 @@ from moelayers.experts import GroupedExperts, gather_logical
 from moelayers.groups import ParallelGroups, backend_device, collective_device
 from moelayers.kernels import HAVE_TRITON, TRITON_INSTALL_HINT, use_triton
 from moelayers.layers.inflight import InFlightGraphs
-from moelayers.layers.moves import Staging, move_expert_weights
+from moelayers.layers.moves import Staging, check_own_weights, move_expert_weights
 from moelayers.layers.replay import ForcedForRecompute
 from moelayers.metrics import MoEStats
 from moelayers.placement import ExpertPlacement
@@ -275,7 +275,12 @@ class MoELayerBase(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Default init: ``N(0, init_std)``, each logical expert from its own seeded generator."""
+        """Default init: ``N(0, init_std)``, each logical expert from its own seeded generator.
+
+        Raises:
+            TypeError: a weight is computed from others (a parametrization; see :meth:`load_full_weights`).
+        """
+        check_own_weights(self, "reset_parameters")
         cfg, dev = self.config, self.router.weight.device
         if dev.type == "meta":  # shapes only (deferred init): call again after to_empty(device=...)
             return
@@ -312,7 +317,9 @@ class MoELayerBase(nn.Module):
                 fingerprints and of the weights' dtype, and one refusal flag per rank; ``False`` skips it).
 
         Raises:
-            TypeError: a weight is not a tensor, or has the wrong dtype or device.
+            TypeError: a weight is not a tensor, or has the wrong dtype or device; or one of the
+                layer's weights is computed from other parameters (``torch.nn.utils.parametrize``,
+                ``weight_norm``, ``prune``), which a copy into it would not reach: load first.
             ValueError: a weight has the wrong shape; with ``verify``, the weights differ between
                 ranks, or another rank's were refused (nothing is loaded on any rank then).
         """
@@ -324,6 +331,7 @@ class MoELayerBase(nn.Module):
         weights = (("router_weight", router_weight, (e, h)), ("w13", w13, (e, 2 * f, h)), ("w2", w2, (e, h, f)))
         refused = None
         try:
+            check_own_weights(self, "load_full_weights")
             for name, t, shape in weights:
                 if not isinstance(t, torch.Tensor):
                     raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -391,6 +399,51 @@ class MoELayerBase(nn.Module):
                              f"load the same logical weights on every rank (e.g. the same checkpoint or seed), "
                              f"or pass verify=False to skip this check")
 
+    @torch.no_grad()
+    def check_weights(self) -> None:
+        """Check that every copy of a weight is the same: each expert's replicas (on this rank and
+        the others, in every expert-parallel group) and the router on every expert-parallel rank and
+        its ``edp`` copies (a router sharded by FSDP has none).
+
+        A collective over ``groups.ep`` and ``groups.edp``: one pass over the weights and an
+        all-reduce of ``6E`` integers (exact fingerprints of each copy's bits). The layer's own
+        init, :meth:`load_full_weights` and the backward (which sums the replicas' gradients) keep
+        copies equal; a custom init through ``Module.apply`` draws each slot on each rank on its own.
+
+        Raises:
+            ValueError: on every rank, naming the experts whose copies differ (init the weights of a
+                dense model and :meth:`load_full_weights` them instead, or :meth:`reset_parameters`).
+        """
+        e, dev = self.config.num_experts, self.router.weight.device
+        lowest = torch.iinfo(torch.int64).min + 1
+        ids = self.placement.phy2log[self.groups.ep_rank].to(dev)
+        held = ids >= 0
+        high = torch.full((3, e), lowest, dtype=torch.int64, device=dev)
+        neg_low = high.clone()
+        weights = [self.experts.w13, self.experts.w2]
+        router = self.router.weight
+        if not _is_dtensor(router):
+            weights.append(router)
+        for row, w in enumerate(weights):
+            rows = w.detach().contiguous().view(_SAME_SIZE_INT[w.element_size()])
+            prints = fingerprint(rows.reshape(rows.shape[0], -1)) >> 1  # halved: the negation cannot overflow
+            where = torch.arange(e, device=dev) if w is router else ids[held]
+            prints = prints if w is router else prints[held]
+            high[row].scatter_reduce_(0, where, prints, "amax")
+            neg_low[row].scatter_reduce_(0, where, -prints, "amax")
+        vec = torch.cat([high.flatten(), neg_low.flatten()])
+        for group in (self.groups.ep, self.groups.edp):
+            if group is not None:
+                dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+        differ = (vec[:3 * e] != -vec[3 * e:]).view(3, e).cpu()
+        if differ.any():
+            named = ", ".join(f"{name} of {_some(torch.nonzero(row).flatten().tolist(), 'expert')}"
+                              for name, row in zip(("w13", "w2", "router_weight"), differ) if row.any())
+            raise ValueError(f"{type(self).__name__}: copies of the same weights differ ({named}; an expert's "
+                             "replicas, or the router, across ranks): initialise a dense model's weights and "
+                             "load_full_weights them (the same on every rank), or reset_parameters(); a custom init "
+                             "through Module.apply draws each slot on each rank on its own")
+
     # ------------------------------------------------------------------ module protocol
     def _apply(self, fn, recurse: bool = True):
         """``.to(dtype)`` / ``.half()`` / ``.bfloat16()`` / ``.double()`` after construction: the layer
@@ -398,7 +451,7 @@ class MoELayerBase(nn.Module):
         recorded for the old dtype, is dropped)."""
         from moelayers.config import PARAMS_DTYPES
 
-        weight = self.router.weight
+        weight = self._router_parameter()
         target = fn(torch.empty(0, dtype=weight.dtype, device=weight.device)).dtype  # before anything is cast
         if target not in PARAMS_DTYPES:
             raise TypeError(f"{type(self).__name__} computes in one of {[str(d) for d in PARAMS_DTYPES]}, "
@@ -408,14 +461,24 @@ class MoELayerBase(nn.Module):
         except ValueError as exc:
             raise TypeError(f"{exc}; the layer was left as it was") from None
         storage = [(p.device, p.data_ptr()) for p in self.parameters()]
-        out = super()._apply(fn, recurse)
-        dtype = self.router.weight.dtype
+
+        def keep_integers(t: torch.Tensor) -> torch.Tensor:  # Module.type(dtype) casts every tensor: the integer
+            out = fn(t)                                      # buffers (loads, placement records) stay integers
+            return out if t.is_floating_point() or out.dtype == t.dtype else out.to(t.dtype)
+
+        out = super()._apply(keep_integers, recurse)
+        dtype = self._router_parameter().dtype
         if dtype != self.config.params_dtype:
             self.config = self.config.replace(params_dtype=dtype)
             self.router.config = self.config
         if storage != [(p.device, p.data_ptr()) for p in self.parameters()]:
             self._new_storage()  # another dtype, .cpu() / .cuda(), to_empty() of a meta-built layer
         return out
+
+    def _router_parameter(self) -> nn.Parameter:
+        """The router's weight as a parameter: the one it computes from where a parametrization or
+        ``prune`` made ``router.weight`` a computed (and, with prune, until the next forward stale) tensor."""
+        return next(self.router.parameters())
 
     def _new_storage(self) -> None:
         """The parameters got new tensors: drop a captured graph (it reads the old ones), rebuild the
@@ -479,16 +542,18 @@ class MoELayerBase(nn.Module):
         """A load that holds some but not all of this layer's keys, or whose weights do not fit this
         layer's shapes, fails before anything of the layer is loaded: the placement (extra state)
         and the expert weights go together, and adopting one without the other would leave a layer
-        that serves wrong outputs if the error is caught. A load with none of its keys (``strict=False``
-        on a partial checkpoint) leaves the layer as it is; torch lists the keys as missing.
+        that serves wrong outputs if the error is caught. A load with none of those keys (``strict=False``
+        on a partial checkpoint) leaves them as they are; torch lists the keys as missing. The router's
+        weight (logical order, whatever the placement) loads or is missing on its own, as any module's.
         (torch passes ``strict=True`` here whatever the caller asked, so the keys decide.) The keys of a
         replica policy that is an ``nn.Module`` are the policy's own: torch loads them as any submodule's."""
         own = {k: v for k, v in self.state_dict(keep_vars=True).items() if not k.startswith("replica_policy.")}
-        lacking = [prefix + k for k in own if prefix + k not in state_dict]
-        if lacking and len(lacking) < len(own):
+        placed = [k for k in own if not k.startswith("router.")]  # the placement and the weights laid out in it
+        lacking = [prefix + k for k in placed if prefix + k not in state_dict]
+        if lacking and len(lacking) < len(placed):
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: missing key(s) "
-                               f"{lacking}; nothing of this MoE layer was loaded (its weights are laid out in "
-                               f"the checkpoint's placement, which comes with them)")
+                               f"{lacking}; nothing of this MoE layer was loaded (its expert weights are laid out "
+                               f"in the checkpoint's placement, which comes with them)")
         misfit = [f"{prefix + k}: {list(state_dict[prefix + k].shape)} in the checkpoint, {list(v.shape)} here"
                   for k, v in own.items() if isinstance(v, torch.Tensor) and isinstance(state_dict.get(prefix + k),
                                                                                        torch.Tensor)
@@ -654,7 +719,12 @@ class MoELayerBase(nn.Module):
     def expert_grads_full(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradients of the logical experts ``([E, 2F, H], [E, H, F])``, gathered over the EP group
         (a collective). Every replica of an expert holds its whole gradient: the backward sums the
-        replicas' shares into each of them, so a plain optimizer step keeps the replicas equal."""
+        replicas' shares into each of them, so a plain optimizer step keeps the replicas equal.
+
+        Raises:
+            TypeError: the expert weights are computed from other parameters (a parametrization),
+                whose gradients these are not."""
+        check_own_weights(self, "expert_grads_full", ("experts.w13", "experts.w2"))
         g13 = self.experts.w13.grad if self.experts.w13.grad is not None else torch.zeros_like(self.experts.w13)
         g2 = self.experts.w2.grad if self.experts.w2.grad is not None else torch.zeros_like(self.experts.w2)
         return gather_logical(g13, g2, self.placement, self.groups.ep)
@@ -1037,7 +1107,8 @@ class MoELayerBase(nn.Module):
         want = self.config.params_dtype
         if x.dtype == want:  # the latency path: nothing else read
             return x
-        held = {self.router.weight.dtype, self.experts.w13.dtype, self.experts.w2.dtype}
+        held = {p.dtype for module in (self.router, self.experts) for p in module.parameters()}  # (not prune's
+        # stale computed weight)
         if held != {want}:  # e.g. layer.experts.to(bf16): only the layer's own .to() keeps the config in step
             raise TypeError(f"the layer's weights are {sorted(map(str, held))} but its config says {want}: cast the "
                             "whole layer (layer.to(dtype)), not one of its submodules")

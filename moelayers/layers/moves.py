@@ -179,6 +179,21 @@ def holds_gradients(*weights: torch.Tensor) -> bool:
     return any(getattr(w, "main_grad", None) is not None and bool(w.main_grad.any()) for w in weights)
 
 
+def check_own_weights(layer: Any, what: str,
+                      names: tuple[str, ...] = ("router.weight", "experts.w13", "experts.w2")) -> None:
+    """Raise ``TypeError`` when one of ``layer``'s weights ``names`` is not a parameter of its module
+    but computed from others (``torch.nn.utils.parametrize``, ``weight_norm``, ``prune``): ``what``
+    writes or reads it in place, and a computed tensor is a temporary (a write into it would be lost,
+    its ``.grad`` is never set). The forward itself computes with such weights as they are."""
+    computed = [n for n in names if n.split(".")[1] not in getattr(layer, n.split(".")[0])._parameters]
+    if computed:
+        raise TypeError(f"{what} works on the layer's own weights in place, but {', '.join(computed)} "
+                        f"{'is' if len(computed) == 1 else 'are'} computed from other parameters "
+                        "(torch.nn.utils.parametrize, weight_norm or prune): what it wrote or read would be a "
+                        "temporary tensor's. Call it before parametrizing, or remove the parametrization first "
+                        "(parametrize.remove_parametrizations, prune.remove)")
+
+
 def check_can_move(layer: Any, new: Any, optimizer: Any = None) -> list[tuple[str, torch.Tensor]]:
     """This rank's own checks of a move of ``layer`` to ``new`` (no communication): what
     :func:`move_expert_weights` checks before its first vote, for callers that move several layers
@@ -190,8 +205,10 @@ def check_can_move(layer: Any, new: Any, optimizer: Any = None) -> list[tuple[st
     Raises:
         TypeError, ValueError: a bad placement or optimizer (see :func:`check_new_placement`,
             :func:`optimizer_states`).
+        TypeError: the expert weights are computed (a parametrization: :func:`check_own_weights`).
         RuntimeError: a recorded forward still awaits its backward, or the expert weights hold gradients.
     """
+    check_own_weights(layer, "a placement move", ("experts.w13", "experts.w2"))
     w13, w2 = layer.experts.w13, layer.experts.w2
     states = optimizer_states(optimizer, w13, w2)
     check_new_placement(layer.placement, new)

@@ -489,6 +489,74 @@ def test_a_layer_cast_after_construction_computes_in_its_new_dtype(cls, cast):
     assert layer.router.weight.dtype == layer.experts.w13.dtype == layer.config.params_dtype == cast
 
 
+def test_module_type_keeps_the_integer_buffers():
+    """Module.type(float64) cast every buffer: VariabilityAwareMoE's int64 load window became float64
+    and the forward failed while recording loads, losing its output."""
+    from moelayers.reference import moe_forward
+
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, init_std=0.3)
+    for cls in (ml.VanillaMoE, ml.VariabilityAwareMoE):
+        layer = cls(cfg, ml.ParallelGroups.single(), seed=1).type(torch.float64)
+        assert layer.config.params_dtype == torch.float64
+        assert all(not b.is_floating_point() for n, b in layer.named_buffers() if n in ("_loads", "_placement_rec"))
+        x = torch.randn(7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            y = layer(x)
+        ref = moe_forward(x, *layer.export_full_weights(), layer.config, topk_ids=layer.last_topk_ids)
+        assert check_close(cls.__name__, y, ref) is None
+
+
+def test_weights_computed_by_a_parametrization():
+    """parametrize / weight_norm / prune make a weight a computed tensor: load_full_weights,
+    apply_placement, reset_parameters and expert_grads_full wrote into (or read) that temporary, so
+    a move changed the placement but not the weights (wrong outputs) and the gradients read zeros.
+    They are refused now; the forward and a cast work with such weights."""
+    from torch.nn.utils import parametrizations, parametrize, prune
+
+    from moelayers.layers.moves import PlacementRejected
+    from moelayers.reference import moe_forward
+
+    class Same(torch.nn.Module):
+        def forward(self, w):
+            return w * 1.0
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=6, top_k=2, params_dtype=torch.float64)
+    x = torch.randn(10, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=1)
+    weights = layer.export_full_weights()
+    parametrizations.weight_norm(layer.router, "weight")
+    with pytest.raises(TypeError, match=r"load_full_weights works on the layer's own weights in place, but "
+                                        r"router.weight is computed .*parametrize.remove_parametrizations"):
+        layer.load_full_weights(*weights)
+    with pytest.raises(TypeError, match="reset_parameters .* router.weight is computed"):
+        layer.reset_parameters()
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=1)
+    parametrize.register_parametrization(layer.experts, "w13", Same())
+    reverse = ml.ExpertPlacement.from_phy2log(torch.tensor([[5, 4, 3, 2, 1, 0]]), 6)
+    with pytest.raises(PlacementRejected) as info:
+        layer.apply_placement(reverse)
+    assert "experts.w13 is computed" in str(info.value.__cause__)
+    assert layer.placement == ml.ExpertPlacement.linear(6, 1)
+    layer(x).sum().backward()
+    with pytest.raises(TypeError, match="expert_grads_full .* experts.w13 is computed"):
+        layer.expert_grads_full()
+    with torch.no_grad():  # the forward computes with the parametrized weights as they are
+        assert check_close("parametrized", layer(x), moe_forward(x, *weights, cfg, topk_ids=layer.last_topk_ids)) is None
+    parametrize.remove_parametrizations(layer.experts, "w13")
+    layer.zero_grad(set_to_none=True)
+    layer.apply_placement(reverse)  # and once removed, a move goes ahead
+    # prune keeps a stale router.weight until the next forward: a cast read its dtype and refused the
+    # cast layer's input, telling the caller to cast the whole layer (which they had)
+    layer = ml.VanillaMoE(cfg.replace(params_dtype=torch.float32), ml.ParallelGroups.single(), seed=1)
+    prune.l1_unstructured(layer.router, "weight", amount=0.0)
+    layer.double()
+    assert layer.config.params_dtype == torch.float64
+    with torch.no_grad():
+        y = layer(x)
+    assert check_close("pruned, cast", y, moe_forward(x, *layer.export_full_weights(), layer.config,
+                                                      topk_ids=layer.last_topk_ids)) is None
+
+
 def test_a_cast_the_grouped_mm_backend_cannot_run_is_refused():
     """backend='grouped_mm' refuses float64 at construction; .double() used to pass and the next
     forward failed inside torch._grouped_mm."""
@@ -559,6 +627,14 @@ def test_a_strict_load_missing_keys_loads_nothing_of_the_layer():
     assert all(torch.equal(a, b) for a, b in zip(before, dst.export_full_weights())) and dst.placement == src.placement
     with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"moe._extra_state\""):
         model.load_state_dict({"proj.weight": torch.zeros(16, 16), "proj.bias": torch.zeros(16)})
+    # the router alone missing (logical order, whatever the placement): the rest loads, the router is
+    # listed as missing, as any module's weight (it was refused with a reason about the placement)
+    dst = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=4)
+    router = dst.router.weight.detach().clone()
+    res = dst.load_state_dict({k: v for k, v in src.state_dict().items() if k != "router.weight"}, strict=False)
+    assert res.missing_keys == ["router.weight"] and dst.placement == src.placement
+    assert torch.equal(dst.router.weight, router)
+    assert all(torch.equal(a, b) for a, b in zip(src.export_full_weights()[1:], dst.export_full_weights()[1:]))
 
 
 def test_layer_state_stays_whole():

@@ -81,6 +81,8 @@ def test_spec_builds_and_matches_reference(style):
     assert out[0].shape == x.shape and out[0].dtype == torch.float32
     err = check_close("adapter", out[0], _ref64(x, weights, adapter.moe_config))
     assert err is None, err
+    assert adapter.moe_config is adapter.layer.config
+    assert adapter.double().moe_config.params_dtype == torch.float64  # it stayed float32 after a cast
 
 
 def test_spec_layers_use_megatrons_init_methods(monkeypatch):
