@@ -7,12 +7,15 @@ one collective; integer fields carry no gradient.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from moelayers.groups import collective_device
 
 #: the flat collectives under their current names: torch >= 2.13 calls them ``*_single`` and warns on
 #: the old names, which are all that torch 2.11 has (same signatures)
@@ -250,12 +253,29 @@ def allreduce_partial_grads(module: torch.nn.Module, group) -> None:
     """Sum over ``group`` the gradients of ``module``'s parameters marked ``sequence_parallel``
     (used on one chunk of the tokens per rank, e.g. an attention-TP ``SemanticMoE``'s router and
     the norm before it), as megatron does for sequence-parallel parameters. Call on every rank
-    after the backward; a no-op for ``group=None``."""
+    after the backward; a no-op for ``group=None``.
+
+    The ranks first agree, in one small all-reduce, on which such parameters hold gradients (names,
+    shapes, dtypes): a parameter frozen on some ranks only would pair one rank's router gradient
+    with another's norm gradient.
+
+    Raises:
+        ValueError: on every rank of ``group``, when the ranks differ in those gradients.
+    """
     if group is None:
         return
-    for p in module.parameters():
-        if getattr(p, "sequence_parallel", False) and p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
+    named = [(n, p) for n, p in module.named_parameters() if getattr(p, "sequence_parallel", False)]
+    held = [(n, p.grad) for n, p in named if p.grad is not None]
+    layout = repr([(n, tuple(g.shape), str(g.dtype)) for n, g in held]).encode()
+    digest = int.from_bytes(hashlib.blake2b(layout, digest_size=8).digest(), "little") >> 2
+    both = torch.tensor([digest, -digest], dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    if int(both[0]) != -int(both[1]):
+        raise ValueError(f"allreduce_partial_grads: the ranks hold gradients of different sequence-parallel "
+                         f"parameters (this rank {dist.get_rank(group)}: {[n for n, _ in held]}; a parameter "
+                         "frozen or unused on some ranks only): train them alike on every rank of the group")
+    for _, g in held:
+        dist.all_reduce(g, group=group)
 
 
 def _typed_outputs(ctx, layout: RowLayout, buf: torch.Tensor, tensors) -> tuple[torch.Tensor, ...]:

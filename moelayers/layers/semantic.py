@@ -35,7 +35,7 @@ import torch.distributed as dist
 from moelayers._autograd import in_backward
 from moelayers._compile import eager_under_compile
 from moelayers._warnings import warn_caller
-from moelayers.config import MoEConfig
+from moelayers.config import PARAMS_DTYPES, MoEConfig
 from moelayers.dispatch.comm import all_gather_flat, copy_to_group, fingerprint
 from moelayers.groups import ParallelGroups
 from moelayers.kernels import shuffle_rows
@@ -279,8 +279,9 @@ class SemanticMoE(MoELayerBase):
                 raise
             refused = exc
         if self.groups.tp_size > 1 and self.verify_tp_inputs:
+            settings = None if refused else _tp_settings(x2.dtype, attn_partial, residual)
             self._agree_tp(refused, None if refused else x2.shape[0], None if refused else token_ids,
-                           None if refused else prev_ranks, None if refused else forced)
+                           None if refused else prev_ranks, None if refused else forced, settings)
         r, group = self.groups.tp_rank, self.groups.tp
         mine = rb.chunk(r)
         n = rb.valid_rows(r)
@@ -365,18 +366,23 @@ class SemanticMoE(MoELayerBase):
         raise exc
 
     def _agree_tp(self, refused: Exception | None, num_tokens: int | None, token_ids: torch.Tensor | None,
-                  prev_ranks: PrevRanks = None, forced: torch.Tensor | None = None) -> None:
+                  prev_ranks: PrevRanks = None, forced: torch.Tensor | None = None,
+                  settings: int | None = None) -> None:
         """One ``MAX`` all-reduce over the TP group of each rank's token count, order-sensitive
         fingerprints of its token ids and of its context (``prev_ranks``), the digest of its
         predictor (its plan's tables: with the tokens and context, what decides the shuffle), a
-        fingerprint of its forced routing, and a refusal flag per rank; raises on every rank when any
-        rank refused its input (``refused``, raised as it is on that rank) or the ranks disagree (the
-        shuffled collectives need the same tokens, in the same order, everywhere: different counts
-        crash them, different ids, contexts, plans or forced routing give wrong outputs silently)."""
+        fingerprint of its forced routing, a refusal flag per rank and each rank's ``settings``
+        (:func:`_tp_settings`: its dtype and which inputs it back-propagates into); raises on every
+        rank when any rank refused its input (``refused``, raised as it is on that rank) or the ranks
+        disagree (the shuffled collectives need the same tokens, in the same order, everywhere:
+        different counts or dtypes crash them, different ids, contexts, plans or forced routing give
+        wrong outputs silently, and a backward into an input on some ranks only waits in its
+        collective for the others)."""
         r, fields = self.groups.tp_size, 10
-        host = torch.full((fields + r,), -(1 << 62), dtype=torch.int64)  # MAX identity of the fields
+        host = torch.full((fields + 2 * r,), -(1 << 62), dtype=torch.int64)  # MAX identity of the fields
         host[fields:] = 0
         host[fields + self.groups.tp_rank] = int(refused is not None)
+        host[fields + r + self.groups.tp_rank] = 0 if settings is None else settings
         if refused is None:  # each value v as (v, -v): the MAX of both is equal only where all are
             host[0], host[1] = num_tokens, -num_tokens
             host[6], host[7] = self._predictor_digest, -self._predictor_digest
@@ -390,7 +396,7 @@ class SemanticMoE(MoELayerBase):
                 vec[i], vec[i + 1] = f >> 1, -(f >> 1)  # halved: the negation never overflows
         dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.groups.tp)
         v = vec.tolist()
-        bad = [i for i, flag in enumerate(v[fields:]) if flag]
+        bad = [i for i, flag in enumerate(v[fields:fields + r]) if flag]
         if refused is not None:
             raise refused
         if bad:
@@ -399,6 +405,7 @@ class SemanticMoE(MoELayerBase):
         if v[0] != -v[1]:
             raise ValueError(f"forward_tp: the TP ranks hold different numbers of tokens ({-v[1]}..{v[0]}; this rank "
                              f"{num_tokens}): every TP rank must call it with the same tokens")
+        _check_tp_settings(v[fields + r:])
         for i, what in enumerate(_TP_DISAGREEMENTS):  # fingerprint i in fields 2 + 2i (max) and 3 + 2i (-min)
             if v[2 + 2 * i] != -v[3 + 2 * i]:
                 raise ValueError(f"forward_tp: the TP ranks {what}")
@@ -479,6 +486,34 @@ def _context_tensors(prev: PrevRanks) -> list[torch.Tensor | None]:
     if isinstance(prev, (tuple, list)) and len(prev) == 2 and not isinstance(prev[0], (int, float)):
         return [None if p is None else torch.as_tensor(p) for p in prev]
     return [torch.as_tensor(prev)]
+
+
+def _tp_settings(dtype: torch.dtype, attn_partial: torch.Tensor, residual: torch.Tensor) -> int:
+    """What every TP rank's ``forward_tp`` must share beside its tokens, as one positive integer:
+    the dtype it computes in (bits 0-3; the reduce-scatter's sizes follow it) and whether autograd
+    records a backward into ``attn_partial`` (bit 4) and ``residual`` (bit 5), each of which runs a
+    collective (the reduce-scatter's all-gather, the residual's all-reduce) on the ranks that do."""
+    grad = torch.is_grad_enabled()
+    return (1 + PARAMS_DTYPES.index(dtype)) | (int(grad and attn_partial.requires_grad) << 4) \
+        | (int(grad and residual.requires_grad) << 5)
+
+
+def _check_tp_settings(codes: list[int]) -> None:
+    """Raise ``ValueError`` (on every TP rank: ``codes`` are every rank's :func:`_tp_settings`) where
+    the ranks differ, naming them."""
+    def split(bits: int, what: str, fix: str) -> None:
+        values = {c & bits for c in codes}
+        if len(values) > 1:
+            groups = {val: [i for i, c in enumerate(codes) if c & bits == val] for val in sorted(values)}
+            said = " and ".join(f"rank(s) {ranks} {what(val)}" for val, ranks in groups.items())
+            raise ValueError(f"forward_tp: the TP ranks differ: {said}; {fix}")
+
+    split(0xF, lambda val: f"compute in {PARAMS_DTYPES[val - 1]}",
+          "cast the layer alike on every TP rank (the reduce-scatter would pair rows of other sizes)")
+    for bit, name in ((4, "attn_partial"), (5, "residual")):
+        split(1 << bit, lambda val, name=name: f"{'' if val else 'do not '}back-propagate into {name}",
+              "every TP rank must record autograd into the same inputs (requires_grad and grad mode alike): "
+              "the backward's collective would wait for the ranks that skip it")
 
 
 #: what differs between the TP ranks when each fingerprint of ``_agree_tp`` does, in its order

@@ -23,7 +23,7 @@ from moelayers.models.tiny import RMSNorm
 from moelayers.planning.semantic import SemanticPlan, majority_rank
 from moelayers.router import scores_to_topk
 from moelayers.schedule import shuffled_all_gather, shuffled_reduce_scatter
-from moelayers.testing import check_close, redraw_near_ties, run_distributed
+from moelayers.testing import check_close, error_of, redraw_near_ties, run_distributed
 
 H, F, V, L = 32, 16, 48, 3
 
@@ -387,6 +387,62 @@ def test_forward_tp_bad_input_on_one_rank_raises_on_every_rank():
     with pytest.raises(TypeError, match="verify_tp_inputs must be a bool"):
         ml.SemanticMoE(ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2),
                        ml.ParallelGroups.single(), verify_tp_inputs="off")
+
+
+def _tp_ranks_whose_backward_would_differ(rank, world):
+    """Autograd into attn_partial or residual on rank 0 only (the inner forward's agreement sees only
+    the chunk after the norm, which needs a gradient on both): the backward's all-gather or
+    all-reduce waited for rank 1 forever. A layer cast to float32 on rank 1: gloo aborted in the
+    reduce-scatter. The router frozen on rank 1: allreduce_partial_grads paired rank 0's router
+    gradient with rank 1's norm gradient. Every rank raises now, and the next call is exact."""
+    from moelayers.dispatch.comm import allreduce_partial_grads
+
+    groups = ml.ParallelGroups.from_world(tp=world)
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4 * world, top_k=2, params_dtype=torch.float64)
+    gen = torch.Generator().manual_seed(4)
+    partials = [torch.randn(9, H, generator=gen, dtype=torch.float64) for _ in range(world)]
+    residual = torch.randn(9, H, generator=gen, dtype=torch.float64)
+    outcome = {}
+    for case in ("attn_partial", "residual", "dtype"):
+        layer, norm = ml.SemanticMoE(cfg, groups, mode="tp", seed=3), _norm(torch.float64)
+        x, res = partials[rank].clone(), residual.clone()
+        if case != "dtype":
+            (x if case == "attn_partial" else res).requires_grad_(rank == 0)
+        elif rank == 1:
+            layer, norm, x, res = layer.float(), norm.float(), x.float(), res.float()
+        try:
+            layer.forward_tp(x, res, norm, token_ids=None).sum().backward()
+            outcome[case] = "no error"
+        except ValueError as e:
+            outcome[case] = str(e)
+    layer, norm = ml.SemanticMoE(cfg, groups, mode="tp", seed=3), _norm(torch.float64)
+    layer.router.weight.requires_grad_(rank == 0)
+    model = torch.nn.ModuleDict({"moe": layer, "norm": norm})
+    norm.weight.sequence_parallel = True
+    layer.forward_tp(partials[rank], residual, norm, token_ids=None).sum().backward()
+    outcome["partial grads"] = error_of(allreduce_partial_grads, model, groups.tp)
+    layer.router.weight.requires_grad_(True)
+    model.zero_grad(set_to_none=True)
+    x = partials[rank].clone().requires_grad_(True)
+    y = layer.forward_tp(x, residual, norm, token_ids=None)
+    y.sum().backward()
+    allreduce_partial_grads(model, groups.tp)
+    h = residual + sum(partials)
+    ref = h + ml.reference.moe_forward(norm(h), *layer.export_full_weights(), cfg)
+    outcome["next"] = "exact" if torch.allclose(y, ref, rtol=1e-10, atol=1e-12) else "wrong output"
+    return outcome
+
+
+@pytest.mark.timeout(120)
+def test_forward_tp_ranks_whose_backward_would_differ_raise_together():
+    for out in run_distributed(_tp_ranks_whose_backward_would_differ, 2, timeout=90):
+        for name in ("attn_partial", "residual"):
+            assert (f"rank(s) [0] back-propagate into {name} and rank(s) [1] do not" in out[name]
+                    or f"rank(s) [1] do not back-propagate into {name} and rank(s) [0] back-propagate into {name}"
+                    in out[name]), out
+        assert "rank(s) [1] compute in torch.float32 and rank(s) [0] compute in torch.float64" in out["dtype"], out
+        assert "hold gradients of different sequence-parallel parameters" in out["partial grads"], out
+        assert out["next"] == "exact", out
 
 
 def _tp_norm_fails_on_one_rank(rank, world):
