@@ -422,7 +422,9 @@ class MoELayerBase(nn.Module):
         neg_low = high.clone()
         weights = [self.experts.w13, self.experts.w2]
         router = self.router.weight
-        if not _is_dtensor(router):
+        if _is_dtensor(router):  # sharded by FSDP: no copies to compare (the row agrees by construction)
+            high[2], neg_low[2] = 0, 0
+        else:
             weights.append(router)
         for row, w in enumerate(weights):
             rows = w.detach().contiguous().view(_SAME_SIZE_INT[w.element_size()])
@@ -463,8 +465,10 @@ class MoELayerBase(nn.Module):
         storage = [(p.device, p.data_ptr()) for p in self.parameters()]
 
         def keep_integers(t: torch.Tensor) -> torch.Tensor:  # Module.type(dtype) casts every tensor: the integer
-            out = fn(t)                                      # buffers (loads, placement records) stay integers
-            return out if t.is_floating_point() or out.dtype == t.dtype else out.to(t.dtype)
+            out = fn(t)                                      # buffers (loads, placement records) keep their
+            if t.is_floating_point() or out.dtype == t.dtype:  # values (a round trip through bf16 rounds them)
+                return out
+            return t.to(device=out.device)
 
         out = super()._apply(keep_integers, recurse)
         dtype = self._router_parameter().dtype

@@ -10,7 +10,7 @@ from torch import nn
 
 import moelayers as ml
 from moelayers import checkpoint as mlc
-from moelayers.testing import run_distributed
+from moelayers.testing import error_of, run_distributed
 from tests.distributed.test_training_paths import _placement
 
 H, F, E, K = 8, 6, 4, 2
@@ -206,7 +206,7 @@ def _full_weights_under_fsdp(rank: int, world: int) -> list[str]:
     moe.load_full_weights(*_weights())
     model = nn.Sequential(_pre(), moe)
     fully_shard(model, mesh=init_device_mesh("cpu", (world,)), ignored_params=ml.rank_local_params(model))
-    out = []
+    out = [error_of(moe.check_weights)]  # the sharded router has no copies: it said every row differed
     exported = moe.export_full_weights()
     out.append(all(type(t) is torch.Tensor and torch.equal(t, w) for t, w in zip(exported, _weights())))
     changed = [w * 2 for w in _weights()]
@@ -221,6 +221,7 @@ def _full_weights_under_fsdp(rank: int, world: int) -> list[str]:
     with torch.no_grad():
         moe.router.weight.div_(3)
     out.append(bool(torch.allclose(model(x), ml.reference.moe_forward(model[0](x), *changed, _cfg()))))
+    out.append(error_of(moe.check_weights))  # (after a forward without autograd)
     return out
 
 
@@ -231,7 +232,7 @@ def test_full_weights_of_a_layer_under_fsdp():
     one rank, where full_tensor() has nothing to gather."""
     for world in (1, 4):
         for rank, out in enumerate(run_distributed(_full_weights_under_fsdp, world, timeout=180)):
-            assert out == [True, True, True], (world, rank, out)
+            assert out == ["no error", True, True, True, "no error"], (world, rank, out)
 
 
 def _meta_init_under_fsdp(rank: int, world: int) -> list[bool]:

@@ -504,6 +504,12 @@ def test_module_type_keeps_the_integer_buffers():
             y = layer(x)
         ref = moe_forward(x, *layer.export_full_weights(), layer.config, topk_ids=layer.last_topk_ids)
         assert check_close(cls.__name__, y, ref) is None
+    layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), seed=1)
+    with torch.no_grad():
+        layer(torch.randn(700, 16))  # counts above 256, which bf16 rounds
+    loads = layer._loads.clone()
+    assert loads.max() > 256
+    assert torch.equal(layer.type(torch.bfloat16)._loads, loads)  # not a round trip through bf16
 
 
 def test_weights_computed_by_a_parametrization():
