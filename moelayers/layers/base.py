@@ -403,7 +403,7 @@ class MoELayerBase(nn.Module):
     def check_weights(self) -> None:
         """Check that every copy of a weight is the same: each expert's replicas (on this rank and
         the others, in every expert-parallel group) and the router on every expert-parallel rank and
-        its ``edp`` copies (a router sharded by FSDP has none).
+        its ``edp`` copies (a router sharded by FSDP is not compared).
 
         A collective over ``groups.ep`` and ``groups.edp``: one pass over the weights and an
         all-reduce of ``6E`` integers (exact fingerprints of each copy's bits). The layer's own
