@@ -12,6 +12,7 @@ from torch import nn
 
 from moelayers.dispatch.comm import all_gather_flat
 from moelayers.placement import ExpertPlacement
+from moelayers.router import autocast_on
 
 
 def swiglu(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -43,6 +44,18 @@ def _grouped_mm_supported(x: torch.Tensor, hidden: int, ffn: int, *, fast_path: 
         and hidden % 8 == 0
         and ffn % 8 == 0
     )
+
+
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` computes ``x``'s matmuls in, where it is on and not ``x``'s own."""
+    if not autocast_on(x):
+        return None
+    dtype = torch.get_autocast_dtype(x.device.type)
+    return None if dtype == x.dtype else dtype
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def is_slot_major(value: Any, num_slots: int) -> bool:
@@ -178,7 +191,7 @@ class GroupedExperts(nn.Module):
         at construction and before a cast (``.double()``), not in the forward."""
         if self.backend != "grouped_mm":
             return
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = _itemsize(dtype)
         if not hasattr(torch, "_grouped_mm") or dtype not in GROUPED_MM_DTYPES \
                 or (self.hidden_size * itemsize) % 16 or (self.ffn_hidden_size * itemsize) % 16:
             raise ValueError(f"backend='grouped_mm' needs torch._grouped_mm, a dtype in "
@@ -238,6 +251,12 @@ class GroupedExperts(nn.Module):
 
     def _forward_grouped_mm(self, x: torch.Tensor, slot_counts: torch.Tensor) -> torch.Tensor:
         w13, w2 = self._weights()
+        dtype = _autocast_dtype(x)
+        if dtype is not None:  # torch.autocast does not cover _grouped_mm: follow it as the loop's matmuls do
+            if dtype not in GROUPED_MM_DTYPES or (self.hidden_size * _itemsize(dtype)) % 16 \
+                    or (self.ffn_hidden_size * _itemsize(dtype)) % 16:
+                return self._forward_loop(x, slot_counts)
+            x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
         offs = torch.cumsum(slot_counts, 0, dtype=torch.int32)
         h = torch._grouped_mm(x, w13.transpose(-2, -1), offs=offs)
         gate, up = h.chunk(2, dim=-1)

@@ -567,3 +567,21 @@ def test_a_layer_warning_names_the_callers_line():
     with pytest.warns(RuntimeWarning, match="integer physical slots") as caught, pytest.raises(ValueError):
         layer(torch.randn(3, 16))
     assert [w.filename for w in caught] == [__file__]
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch._grouped_mm is missing")
+def test_grouped_mm_experts_follow_autocast_as_the_loop_does():
+    """torch.autocast does not cover torch._grouped_mm: an fp32 layer under bf16 autocast computed its
+    experts in bf16 with backend='loop' (and 'auto', and the reference) but in fp32 with 'grouped_mm'."""
+    cfg = ml.MoEConfig(hidden_size=64, ffn_hidden_size=32, num_experts=8, top_k=2, init_std=0.5)
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    out = {}
+    for backend in ("loop", "grouped_mm"):
+        layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=1, expert_backend=backend)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out[backend] = layer(x)
+    with torch.no_grad():
+        fp32 = ml.reference.moe_forward(x, *layer.export_full_weights(), cfg, topk_ids=layer.last_topk_ids)
+    assert out["loop"].dtype == out["grouped_mm"].dtype == torch.float32
+    apart = float((out["grouped_mm"] - out["loop"]).abs().max())
+    assert apart < 0.1 * float((out["loop"] - fp32).abs().max()), apart
