@@ -325,29 +325,33 @@ def test_a_rank_out_of_step_is_named_as_such():
         assert "got no forward header from expert-parallel rank(s) [0]" in msg and "out of step" in msg, (disp, msg)
 
 
-def _copies_that_differ(rank, world):
+def _copies_that_differ(rank, world, device="cpu"):
     """Replicas of experts 0 and 1 on both ranks; a custom init through Module.apply (the same seed on
     every rank) drew each slot on its own, and each rank computed with its own copy."""
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=6, top_k=2)
     place = ml.ExpertPlacement.from_phy2log(torch.tensor([[0, 1, 2, 3], [4, 5, 0, 1]]), 6)
-    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), placement=place, seed=0)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), placement=place, seed=0, device=device)
     out = {"built": error_of(layer.check_weights)}
     torch.manual_seed(1234)
     layer.apply(lambda m: [torch.nn.init.normal_(p, std=0.3) for p in m.parameters(recurse=False)])
     out["applied"] = error_of(layer.check_weights)
     layer.reset_parameters()
     out["reset"] = error_of(layer.check_weights)
-    copies = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(ep=1), seed=rank)  # two copies of the layer (edp)
+    copies = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(ep=1), seed=rank, device=device)  # two copies (edp)
     out["edp"] = error_of(copies.check_weights)
     copies.load_full_weights(*layer.export_full_weights(), verify=False)
     out["edp loaded"] = error_of(copies.check_weights)
     return out
 
 
-@pytest.mark.timeout(90)
-def test_check_weights_finds_copies_that_differ():
-    for rank, out in enumerate(run_distributed(_copies_that_differ, 2, timeout=60)):
+def check_copies(results: list) -> None:
+    for rank, out in enumerate(results):
         assert out["built"] == out["reset"] == out["edp loaded"] == "no error", (rank, out)
         assert "copies of the same weights differ (w13 of expert(s) [0, 1], w2 of expert(s) [0, 1];" in out["applied"], out
         assert "router_weight of expert(s) [0, 1, 2, 3, 4, 5]" in out["edp"] and "w13 of expert(s) [0, 1, 2, 3, 4, 5]" \
             in out["edp"], (rank, out)
+
+
+@pytest.mark.timeout(90)
+def test_check_weights_finds_copies_that_differ():
+    check_copies(run_distributed(_copies_that_differ, 2, timeout=60))

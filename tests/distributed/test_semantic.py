@@ -389,7 +389,7 @@ def test_forward_tp_bad_input_on_one_rank_raises_on_every_rank():
                        ml.ParallelGroups.single(), verify_tp_inputs="off")
 
 
-def _tp_ranks_whose_backward_would_differ(rank, world):
+def _tp_ranks_whose_backward_would_differ(rank, world, device="cpu"):
     """Autograd into attn_partial or residual on rank 0 only (the inner forward's agreement sees only
     the chunk after the norm, which needs a gradient on both): the backward's all-gather or
     all-reduce waited for rank 1 forever. A layer cast to float32 on rank 1: gloo aborted in the
@@ -400,11 +400,11 @@ def _tp_ranks_whose_backward_would_differ(rank, world):
     groups = ml.ParallelGroups.from_world(tp=world)
     cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4 * world, top_k=2, params_dtype=torch.float64)
     gen = torch.Generator().manual_seed(4)
-    partials = [torch.randn(9, H, generator=gen, dtype=torch.float64) for _ in range(world)]
-    residual = torch.randn(9, H, generator=gen, dtype=torch.float64)
+    partials = [torch.randn(9, H, generator=gen, dtype=torch.float64).to(device) for _ in range(world)]
+    residual = torch.randn(9, H, generator=gen, dtype=torch.float64).to(device)
     outcome = {}
     for case in ("attn_partial", "residual", "dtype"):
-        layer, norm = ml.SemanticMoE(cfg, groups, mode="tp", seed=3), _norm(torch.float64)
+        layer, norm = ml.SemanticMoE(cfg, groups, mode="tp", seed=3, device=device), _norm(torch.float64, device)
         x, res = partials[rank].clone(), residual.clone()
         if case != "dtype":
             (x if case == "attn_partial" else res).requires_grad_(rank == 0)
@@ -415,7 +415,7 @@ def _tp_ranks_whose_backward_would_differ(rank, world):
             outcome[case] = "no error"
         except ValueError as e:
             outcome[case] = str(e)
-    layer, norm = ml.SemanticMoE(cfg, groups, mode="tp", seed=3), _norm(torch.float64)
+    layer, norm = ml.SemanticMoE(cfg, groups, mode="tp", seed=3, device=device), _norm(torch.float64, device)
     layer.router.weight.requires_grad_(rank == 0)
     model = torch.nn.ModuleDict({"moe": layer, "norm": norm})
     norm.weight.sequence_parallel = True
@@ -433,9 +433,8 @@ def _tp_ranks_whose_backward_would_differ(rank, world):
     return outcome
 
 
-@pytest.mark.timeout(120)
-def test_forward_tp_ranks_whose_backward_would_differ_raise_together():
-    for out in run_distributed(_tp_ranks_whose_backward_would_differ, 2, timeout=90):
+def check_tp_backward_refusals(results: list) -> None:
+    for out in results:
         for name in ("attn_partial", "residual"):
             assert (f"rank(s) [0] back-propagate into {name} and rank(s) [1] do not" in out[name]
                     or f"rank(s) [1] do not back-propagate into {name} and rank(s) [0] back-propagate into {name}"
@@ -443,6 +442,11 @@ def test_forward_tp_ranks_whose_backward_would_differ_raise_together():
         assert "rank(s) [1] compute in torch.float32 and rank(s) [0] compute in torch.float64" in out["dtype"], out
         assert "hold gradients of different sequence-parallel parameters" in out["partial grads"], out
         assert out["next"] == "exact", out
+
+
+@pytest.mark.timeout(120)
+def test_forward_tp_ranks_whose_backward_would_differ_raise_together():
+    check_tp_backward_refusals(run_distributed(_tp_ranks_whose_backward_would_differ, 2, timeout=90))
 
 
 def _tp_norm_fails_on_one_rank(rank, world):
