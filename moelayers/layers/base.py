@@ -887,7 +887,11 @@ class MoELayerBase(nn.Module):
         """Raise ``exc``, a caller's refusal of this rank's input to the forward that every
         expert-parallel rank is about to run (e.g. a model's check of its token ids), after taking
         part in that forward's exchange with no tokens: the other ranks raise ``ValueError`` there
-        instead of waiting for this one. Call it where this rank would have called the layer."""
+        instead of waiting for this one. Call it where this rank would have called the layer.
+        Routing pending from :meth:`force_routing` is dropped, as the forward drops it on the other
+        ranks (it was for that forward)."""
+        if not in_backward():
+            self._forced_ids = None
         if self.groups.ep_size > 1:
             self._refuse_in_step(exc)  # raises
         raise exc

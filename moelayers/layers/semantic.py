@@ -358,9 +358,12 @@ class SemanticMoE(MoELayerBase):
     def refuse_input(self, exc: Exception) -> NoReturn:
         """As :meth:`MoELayerBase.refuse_input`; in ``tp`` mode, where the ranks are about to call
         :meth:`forward_tp`, through its first collective (the agreement on the inputs, which
-        ``verify_tp_inputs=False`` skips: then this rank raises alone)."""
+        ``verify_tp_inputs=False`` skips: then this rank raises alone). Pending forced routing is
+        dropped, as the other ranks' call drops it."""
         if self.mode != "tp":
             super().refuse_input(exc)
+        if not in_backward():
+            self._forced_ids = None
         if self.groups.tp_size > 1 and self.verify_tp_inputs:
             self._agree_tp(exc, None, None)  # raises
         raise exc

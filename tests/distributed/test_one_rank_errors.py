@@ -574,3 +574,45 @@ def test_load_full_weights_agrees_across_expert_parallel_groups(case, ep):
         assert outcomes[2].startswith("ValueError: w13 must have shape"), outcomes
         assert all(got.startswith("ValueError: load_full_weights refused the weights of expert-parallel rank(s)")
                    for r, got in enumerate(outcomes) if r != 2), outcomes
+
+
+# ------------------------------------------------------------------------------ refuse_input
+def _refused_with_routing_forced(rank: int, world: int, kind: str) -> list:
+    """Every rank forced the next forward's routing; rank 1's own check refused its batch through
+    ``refuse_input`` while the others ran the forward, which used their forced ids up. Rank 1 kept its
+    own, and its next forward, which the router should have routed, took them silently."""
+    from moelayers.testing import check_close
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4 * world, top_k=2, params_dtype=torch.float64,
+                       init_std=0.5)
+    groups = ml.ParallelGroups.from_world(tp=world if kind == "semantic_tp" else 1)
+    layer = (ml.SemanticMoE(cfg, groups, mode="tp" if kind == "semantic_tp" else "dp", seed=1) if kind != "vanilla"
+             else ml.VanillaMoE(cfg, groups, seed=1))
+    x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    residual = torch.zeros_like(x)
+
+    def run(inputs):
+        if kind == "semantic_tp":
+            return layer.forward_tp(inputs, residual, lambda h: h, token_ids=None)
+        return layer(inputs)
+
+    out = []
+    with torch.no_grad():
+        layer.force_routing(torch.zeros(5, 2, dtype=torch.int64) + torch.tensor([0, 1]))
+        out.append(_outcome(layer.refuse_input, ValueError("bad token ids")) if rank == 1 else _outcome(run, x))
+        out.append(layer._forced_ids is None)
+        y = run(x)
+    ref = ml.reference.moe_forward(x, *layer.export_full_weights(), cfg)
+    if kind == "semantic_tp":  # forward_tp sums the ranks' partial inputs, and adds them to the output
+        full = sum(torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(r))
+                   for r in range(world))
+        ref = full + ml.reference.moe_forward(full, *layer.export_full_weights(), cfg)
+    out.append(check_close("next forward", y, ref))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "semantic_dp", "semantic_tp"])
+def test_refuse_input_drops_routing_forced_for_that_forward(kind):
+    outcomes = run_distributed(_refused_with_routing_forced, 2, kind, timeout=TIMEOUT)
+    assert outcomes[1][0] == "ValueError: bad token ids" and outcomes[0][0].startswith("ValueError"), outcomes
+    assert all(o[1:] == [True, None] for o in outcomes), outcomes
