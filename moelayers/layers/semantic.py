@@ -504,7 +504,7 @@ def _tp_settings(dtype: torch.dtype, attn_partial: torch.Tensor, residual: torch
 def _check_tp_settings(codes: list[int]) -> None:
     """Raise ``ValueError`` (on every TP rank: ``codes`` are every rank's :func:`_tp_settings`) where
     the ranks differ, naming them."""
-    def split(bits: int, what: str, fix: str) -> None:
+    def split(bits: int, what: Callable[[int], str], fix: str) -> None:
         values = {c & bits for c in codes}
         if len(values) > 1:
             groups = {val: [i for i, c in enumerate(codes) if c & bits == val] for val in sorted(values)}
