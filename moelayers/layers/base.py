@@ -753,7 +753,7 @@ class MoELayerBase(nn.Module):
         back-propagated): a move is accepted again. Call it on every rank."""
         self._graphs.clear()
 
-    def force_routing(self, topk_ids: torch.Tensor) -> None:
+    def force_routing(self, topk_ids: torch.Tensor | None) -> None:
         """Use these ``[T, K]`` (or, for ``[S, B, H]`` input, ``[S, B, K]``) logical experts (e.g.
         replayed from a trace) in the next forward;
         weights come from this router's scores of them. Ids outside ``[0, E)`` make that forward
@@ -761,12 +761,17 @@ class MoELayerBase(nn.Module):
         ``check_finite=False``, on every rank that forced its routing, see :meth:`forward`). An id repeated
         within a row applies that expert twice, as ``moelayers.reference`` does (no check here, to
         keep replay free of host syncs; ``RoutingTrace`` refuses repeats when a trace is built).
+        The forward uses them up, even one that raises; ``None`` drops ids still pending (forced for
+        a step that raised before it reached this layer).
 
         Raises:
             TypeError: ``topk_ids`` is not an integer tensor (bool and float ids are refused).
             ValueError: ``topk_ids`` is not ``[..., K]`` with this layer's ``top_k`` (the forward
                 checks its rows against its input).
         """
+        if topk_ids is None:
+            self._forced_ids = None
+            return
         _check_forced_type(topk_ids)
         if topk_ids.dim() not in (2, 3) or topk_ids.shape[-1] != self.config.top_k:
             raise ValueError(f"force_routing takes [T, {self.config.top_k}] (or [S, B, {self.config.top_k}]) expert "

@@ -585,3 +585,16 @@ def test_grouped_mm_experts_follow_autocast_as_the_loop_does():
     assert out["loop"].dtype == out["grouped_mm"].dtype == torch.float32
     apart = float((out["grouped_mm"] - out["loop"]).abs().max())
     assert apart < 0.1 * float((out["loop"] - fp32).abs().max()), apart
+
+
+def test_force_routing_none_drops_pending_ids():
+    """Ids forced on a layer that a failed step never reached stayed pending, and the next step's
+    forward took them silently; force_routing(None) drops them."""
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=1)
+    x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        routed = layer(x)
+        layer.force_routing(torch.tensor([[2, 3]] * 5))
+        layer.force_routing(None)
+        assert torch.equal(layer(x), routed)
