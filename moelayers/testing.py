@@ -44,6 +44,9 @@ def max_error(y: torch.Tensor, ref64: torch.Tensor) -> float:
 #: a low-precision tolerance above this share of max|ref64| checks nothing (see check_close)
 LOOSE_TOLERANCE = 0.25
 
+#: a float32/float64 tolerance (its absolute floor) above this share of max|ref64| checks little
+SMALL_TOLERANCE = 0.01
+
 
 def check_close(name: str, y: torch.Tensor, ref64: torch.Tensor, ref_low: torch.Tensor | None = None, *,
                 allow_loose: bool = False) -> str | None:
@@ -53,7 +56,11 @@ def check_close(name: str, y: torch.Tensor, ref64: torch.Tensor, ref_low: torch.
     than the float64 one for some token (a router near-tie), the bound grows to a whole expert's
     output and would let almost anything pass. Such a check fails (a message saying so) when the
     bound exceeds ``LOOSE_TOLERANCE`` of ``max|ref64|``, unless ``allow_loose``: draw the inputs with
-    :func:`redraw_near_ties`, or compare with the routing forced (``topk_ids``) instead.
+    :func:`redraw_near_ties`, or compare with the routing forced (``topk_ids``) instead. So does a
+    float32/float64 check whose outputs are so small that the bound's absolute floor (``1e-5``)
+    exceeds ``SMALL_TOLERANCE`` of ``max|ref64|`` (weights drawn with a small ``init_std`` give
+    outputs of about 1e-4, where an expert's weights 5 % off pass): scale the weights or inputs up
+    (``allow_loose`` lets both kinds of loose check pass).
     """
     if ref_low is not None and (ref_low.dtype != y.dtype or ref_low.shape != ref64.shape):
         raise ValueError(f"{name}: ref_low must be the reference computed in y's dtype {y.dtype} with ref64's shape "
@@ -65,6 +72,10 @@ def check_close(name: str, y: torch.Tensor, ref64: torch.Tensor, ref_low: torch.
         return (f"{name}: the {y.dtype} tolerance {tol:.3e} is over {LOOSE_TOLERANCE:.0%} of max|ref64| = {scale:.3e}: "
                 "the low-precision reference routes some token to other experts (a router near-tie), so the check "
                 "would pass almost anything; draw inputs without near-ties (redraw_near_ties) or force the routing")
+    if y.dtype in (torch.float32, torch.float64) and not allow_loose and tol > SMALL_TOLERANCE * scale > 0:
+        return (f"{name}: max|ref64| = {scale:.3e} is so small that the {y.dtype} tolerance {tol:.3e} (its absolute "
+                f"floor) is over {SMALL_TOLERANCE:.0%} of it, so the check would pass wrong outputs: scale the "
+                "weights (init_std) or the inputs up")
     if err <= tol:
         return None
     return f"{name}: max|y - ref64| = {err:.3e} > tolerance {tol:.3e} ({y.dtype})"

@@ -777,7 +777,7 @@ def _bad_routes_of_a_plan(rank, world, dispatcher, fresh=True):
     """A plan() override's route to a rank past the group (or -1) was dropped by the de-duplicated
     all-to-all and the all-gather (an activation lost, no error), failed with an index error on
     one rank of the other all-to-all, and a slot past the rank's slots was delivered nowhere."""
-    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, init_std=0.5)
     groups = ml.ParallelGroups.from_world() if world > 1 else ml.ParallelGroups.single()
     kwargs = {"capacity": dict(capacity=6, check_finite=False), "nodedup": dict(dedup=False)}.get(
         dispatcher, dict(dispatcher=dispatcher))

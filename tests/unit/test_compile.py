@@ -29,7 +29,7 @@ def test_compiled_model_matches_eager_under_no_grad_and_with_grad(cls):
     With gradients it recompiled for every new load pattern, and a VariabilityAwareMoE recording its
     loads for every step."""
     torch.manual_seed(0)
-    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=4, top_k=2)
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=4, top_k=2, init_std=0.5)
     kwargs = dict(window=2) if cls == "VariabilityAwareMoE" else {}
     model = Block(getattr(ml, cls)(cfg, ml.ParallelGroups.single(), seed=1, **kwargs))
     torch._dynamo.reset()
@@ -84,7 +84,7 @@ def test_a_failed_fake_tensor_trace_leaves_later_forwards_working():
 
     for cache in (base._CONSTANTS, base.MoELayerBase._ARANGE, alltoall._FIXED_ROWS):
         cache.clear()  # as in a process where the trace comes first
-    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=4, top_k=2)
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=4, top_k=2, init_std=0.5)
     layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=1)
     x = torch.randn(5, H)
     with pytest.raises(Exception):

@@ -139,7 +139,8 @@ def test_local_pairs_sorted_by_slot():
 
 def test_forced_routing_takes_any_integer_ids():
     """Replayed ids stored as int16 or uint8 (a trace may) route like int64 ones (uint8 must not act as a mask)."""
-    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64,
+                       init_std=0.5)
     layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single())
     x = torch.randn(5, 8, dtype=torch.float64)
     ids = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2], [0, 3]])
@@ -526,7 +527,8 @@ def test_weights_computed_by_a_parametrization():
         def forward(self, w):
             return w * 1.0
 
-    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=6, top_k=2, params_dtype=torch.float64)
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=6, top_k=2, params_dtype=torch.float64,
+                       init_std=0.5)
     x = torch.randn(10, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=1)
     weights = layer.export_full_weights()
@@ -715,7 +717,7 @@ def test_deferred_init_on_the_meta_device(cls):
     were built on the meta device (no data: the constructor raised), and ``assign=True`` with a
     checkpoint of another dtype left ``config.params_dtype`` behind and the experts' ``allreduce``
     flag lost."""
-    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, init_std=0.5)
     g = ml.ParallelGroups.single()
     src = getattr(ml, cls)(cfg, g, seed=1)
     x = torch.randn(5, 16, generator=torch.Generator().manual_seed(0))
@@ -760,7 +762,8 @@ def test_forced_routing_laid_out_like_the_input():
     on its own truncated float ids (1.9 became expert 1)."""
     from moelayers.reference import moe_forward
 
-    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, params_dtype=torch.float64)
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, params_dtype=torch.float64,
+                       init_std=0.5)
     layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=6)
     x = torch.randn(3, 2, 16, dtype=torch.float64)
     ids = torch.tensor([[[0, 1], [2, 3]], [[1, 2], [0, 3]], [[3, 1], [2, 0]]])

@@ -210,6 +210,19 @@ def test_check_close_refuses_a_coarser_low_precision_reference():
         check_close("y", y, ref64, ref64.bfloat16())
 
 
+def test_check_close_refuses_outputs_too_small_to_check():
+    """Outputs of about 1e-4 (weights drawn with the default init_std 0.02) passed a 5 % error under
+    the float tolerance's absolute floor of 1e-5."""
+    ref64 = 1e-4 * torch.linspace(-1, 1, 64, dtype=torch.float64).reshape(8, 8)
+    msg = check_close("y", (ref64 * 1.05).float(), ref64)
+    assert msg is not None and "so small that the torch.float32 tolerance" in msg, msg
+    assert check_close("y", ref64.float(), ref64) is not None  # even a right one: it checks too little
+    assert check_close("y", (ref64 * 1.05).float(), ref64, allow_loose=True) is None  # asked for
+    assert check_close("y", ref64.float(), ref64 * 1e3) is not None and check_close("y", ref64 * 1e3, ref64 * 1e3) is None
+    assert check_close("empty", torch.zeros(0, 8), torch.zeros(0, 8, dtype=torch.float64)) is None
+    assert check_close("zeros", torch.zeros(3, 8), torch.zeros(3, 8, dtype=torch.float64)) is None
+
+
 def test_step_items_of_three_or_more_fields_are_refused():
     """A (request_id, token_ids, extra) item was taken as a pair, silently dropping the third field."""
     model = make_model()
