@@ -13,7 +13,8 @@ from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, Routes
 from moelayers.experts import GroupedExperts
 from moelayers.groups import ParallelGroups
-from moelayers.layers import MoELayerBase, SemanticMoE, VanillaMoE, VariabilityAwareMoE
+from moelayers.layers import (MoELayerBase, PlacementMoveError, PlacementRejected, SemanticMoE, VanillaMoE,
+                              VariabilityAwareMoE)
 from moelayers.metrics import MoEStats
 from moelayers.placement import ExpertPlacement, SlotMove
 from moelayers.router import TopKRouter
@@ -26,4 +27,5 @@ __all__ = [
     "MoEConfig", "MoELayerBase", "MoEStats", "ParallelGroups", "Routes", "SlotMove", "TopKRouter", "VanillaMoE",
     "VariabilityAwareMoE", "metrics", "reference", "trace",
     "SemanticMoE", "rank_local_names", "rank_local_params", "reduce_expert_grads", "clip_grad_norm_",
+    "PlacementMoveError", "PlacementRejected",
 ]

@@ -1,11 +1,13 @@
 """Drop-in MoE layers: the shared base and one module per strategy."""
 
 from moelayers.layers.base import MoELayerBase
+from moelayers.layers.moves import PlacementMoveError, PlacementRejected
 from moelayers.layers.semantic import SemanticMoE
 from moelayers.layers.vanilla import VanillaMoE
 from moelayers.layers.variability import VariabilityAwareMoE
 
-__all__ = ["MoELayerBase", "SemanticMoE", "VanillaMoE", "VariabilityAwareMoE"]
+__all__ = ["MoELayerBase", "PlacementMoveError", "PlacementRejected", "SemanticMoE", "VanillaMoE",
+           "VariabilityAwareMoE"]
 
 _MOVED_TO_TRAINING = ("rank_local_names", "rank_local_params", "reduce_expert_grads")
 

@@ -313,11 +313,13 @@ class MoELayerBase(nn.Module):
         Args:
             router_weight: ``[E, H]``; w13: ``[E, 2F, H]`` (gate rows, then up); w2: ``[E, H, F]``.
             verify: compare the weights across the expert-parallel ranks (one pass over them and one
-                all-reduce of ``6E + 2 + R`` integers: the max and minus the min of ``3E``
-                fingerprints and of the weights' dtype, and one refusal flag per rank; ``False`` skips it).
+                all-reduce of ``6E + 2 + R`` integers over the expert-parallel group: the max and minus
+                the min of ``3E`` fingerprints and of the weights' dtype, and one refusal flag per
+                rank; a second one over ``edp`` where the groups have one; ``False`` skips it).
 
         Raises:
-            TypeError: a weight is not a tensor, or has the wrong dtype or device; or one of the
+            TypeError: ``verify`` is not a bool; a weight is not a tensor, or has the wrong dtype or
+                device; or one of the
                 layer's weights is computed from other parameters (``torch.nn.utils.parametrize``,
                 ``weight_norm``, ``prune``), which a copy into it would not reach: load first.
             ValueError: a weight has the wrong shape; with ``verify``, the weights differ between
@@ -705,9 +707,11 @@ class MoELayerBase(nn.Module):
             optimizer: a torch optimizer over the expert weights (every rank one with the same states).
 
         Raises:
-            PlacementRejected: bad input on some rank (wrong experts/ranks/slots, invalid, expert
-                weights holding gradients, or different placements across ranks); raised on every rank.
-            PlacementMoveError: a failure while staging on some rank; raised on every rank.
+            moelayers.PlacementRejected: bad input on some rank (wrong experts/ranks/slots, invalid,
+                expert weights holding gradients, or different placements across ranks); raised on
+                every rank before any transfer. A ``ValueError`` and a ``PlacementMoveError``.
+            moelayers.PlacementMoveError: a failure while staging on some rank; raised on every
+                rank, the old placement serving (a ``RuntimeError``).
         """
         move_expert_weights(self, placement, fault_hook=self._staging_fault_hook, optimizer=optimizer)
 
@@ -725,13 +729,23 @@ class MoELayerBase(nn.Module):
         (a collective). Every replica of an expert holds its whole gradient: the backward sums the
         replicas' shares into each of them, so a plain optimizer step keeps the replicas equal.
 
+        A weight's gradient is its ``.grad``, else its ``main_grad`` (where megatron-core's
+        ``DistributedDataParallel`` accumulates it, in its own dtype), else zeros (no backward
+        since the gradients were cleared). They are this rank's, as the backward left them: not
+        averaged over data-parallel copies unless that already happened.
+
         Raises:
             TypeError: the expert weights are computed from other parameters (a parametrization),
                 whose gradients these are not."""
         check_own_weights(self, "expert_grads_full", ("experts.w13", "experts.w2"))
-        g13 = self.experts.w13.grad if self.experts.w13.grad is not None else torch.zeros_like(self.experts.w13)
-        g2 = self.experts.w2.grad if self.experts.w2.grad is not None else torch.zeros_like(self.experts.w2)
-        return gather_logical(g13, g2, self.placement, self.groups.ep)
+
+        def grad_of(w: torch.Tensor) -> torch.Tensor:
+            if w.grad is not None:
+                return w.grad
+            main = getattr(w, "main_grad", None)
+            return main.view(w.shape) if main is not None else torch.zeros_like(w)
+
+        return gather_logical(grad_of(self.experts.w13), grad_of(self.experts.w2), self.placement, self.groups.ep)
 
     # ------------------------------------------------------------------ forward
     def graphs_in_flight(self) -> int:

@@ -216,7 +216,7 @@ class SemanticMoE(MoELayerBase):
 
     @eager_under_compile  # eager under torch.compile, as MoELayerBase.forward
     def forward_tp(self, attn_partial: torch.Tensor, residual: torch.Tensor,
-                   norm: Callable[[torch.Tensor], torch.Tensor], *, token_ids: torch.Tensor | None,
+                   norm: Callable[[torch.Tensor], torch.Tensor], *, token_ids: torch.Tensor | None = None,
                    prev_ranks: PrevRanks = None, topk_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``h + moe(norm(h))`` with ``h = residual + sum_tp attn_partial``, through the shuffled
         reduce-scatter / all-gather (every TP rank calls it with the same tokens).
@@ -225,7 +225,8 @@ class SemanticMoE(MoELayerBase):
             attn_partial: ``[T, H]`` (or ``[S, B, H]``) attention output before its TP all-reduce.
             residual: same shape: the residual stream (identical on every TP rank).
             norm: the pre-MoE norm, applied to this rank's chunk of ``h``.
-            token_ids: ``[T]`` (or ``[S, B]``) token ids, flattened like ``attn_partial``.
+            token_ids: ``[T]`` (or ``[S, B]``) token ids, flattened like ``attn_partial``; ``None``
+                only for a layer without a plan (plain equal chunks in token order).
             prev_ranks: the context from the earlier layers, i.e. their :attr:`last_context_ranks`
                 as a pair ``(layer l-2's, layer l-1's)``. History predictor: the second is
                 ``[D', T, K]`` expert ids at layers ``l-1, l-2, ...`` (a ``[D', T, K]`` tensor alone
@@ -246,6 +247,8 @@ class SemanticMoE(MoELayerBase):
         megatron's sequence-parallel norms (the router weight carries ``sequence_parallel = True``).
 
         Raises:
+            ValueError: the layer was built with ``mode='dp'``; ``token_ids`` is ``None`` while the
+                plan predicts ranks from them (as the next case).
             TypeError, ValueError: this rank's input, residual, token ids or forced routing are
                 refused (also ``topk_ids`` given while ``force_routing`` ids are pending). With
                 several TP ranks they first agree in one small all-reduce (before any other

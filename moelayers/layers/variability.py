@@ -28,7 +28,7 @@ from moelayers._warnings import warn_caller
 from moelayers.config import MoEConfig
 from moelayers.groups import ParallelGroups, collective_device
 from moelayers.layers.base import MoELayerBase
-from moelayers.layers.moves import PlacementMoveError, holds_gradients
+from moelayers.layers.moves import PlacementMoveError, PlacementRejected, holds_gradients
 from moelayers.placement import ExpertPlacement
 
 Planner = Callable[..., Any]  # (loads [steps, E], curves, *, restarts, seed) -> expert_rank [E]
@@ -394,6 +394,9 @@ class VariabilityAwareMoE(MoELayerBase):
         Raises:
             ValueError: ``loads`` passed on some ranks only (raised on every rank; a rank without
                 them would wait in the window's all-reduce).
+            PlacementRejected: rank 0's ``loads`` are not a ``[steps >= 1, E]`` tensor of numbers,
+                or the window is empty (a ``ValueError`` and a ``PlacementMoveError``, raised on
+                every rank with rank 0's reason; nothing planned, nothing moved).
             PlacementMoveError: the planner failed on rank 0 (raised on every rank), or the move
                 was aborted; the old placement keeps serving.
         """
@@ -407,9 +410,10 @@ class VariabilityAwareMoE(MoELayerBase):
         if loads is None:
             loads = self.global_window_loads()
         # rank 0 -> all: [ok, expert_rank (E), score_current, score_new (float64 bits)]
-        msg = torch.zeros(e + 3, dtype=torch.int64)
+        msg = torch.zeros(e + 3, dtype=torch.int64)  # msg[0]: 1 planned, 0 the planner failed, -1 bad loads
         cause = None
         if self.groups.ep_rank == 0:
+            checking_loads = True
             try:
                 if not isinstance(loads, torch.Tensor):
                     raise TypeError(f"loads must be a torch.Tensor [steps, {e}], got {type(loads).__name__}")
@@ -420,6 +424,7 @@ class VariabilityAwareMoE(MoELayerBase):
                                      "first, or pass loads=[steps, E]")
                 if loads.dim() != 2 or loads.shape[1] != e or loads.shape[0] < 1:
                     raise ValueError(f"loads must be [steps >= 1, {e}], got {list(loads.shape)}")
+                checking_loads = False
                 planner, curves = self.planner, self.latency_curves()
                 if planner is None:
                     from moelayers.planning.gem import plan_gem as planner
@@ -439,14 +444,18 @@ class VariabilityAwareMoE(MoELayerBase):
                 msg[e + 1:] = torch.tensor(self._window_scores(x, curves, expert_rank), dtype=torch.float64).view(torch.int64)
             except Exception as exc:  # noqa: BLE001 - broadcast as a failure, raised on every rank below
                 cause = exc
+                msg[0] = -1 if checking_loads else 0
         if self.groups.ep is not None:
             msg = msg.to(collective_device(self.groups.ep))
             dist.broadcast(msg, src=dist.get_global_rank(self.groups.ep, 0), group=self.groups.ep)
             msg = msg.cpu()
-        if not int(msg[0]):  # every rank learns rank 0's reason (this path is taken by all together)
+        if int(msg[0]) != 1:  # every rank learns rank 0's reason (this path is taken by all together)
             reason = [None if cause is None else f"{type(cause).__name__}: {cause}"]
             if self.groups.ep is not None:
                 dist.broadcast_object_list(reason, src=dist.get_global_rank(self.groups.ep, 0), group=self.groups.ep)
+            if int(msg[0]) == -1:
+                raise PlacementRejected(f"replan: rank 0's loads were refused ({reason[0]}); nothing was planned",
+                                        [0], "plan") from cause
             raise PlacementMoveError(f"re-planning failed on rank 0 ({reason[0]}); the old placement keeps serving",
                                      [0], "plan") from cause
         new = ExpertPlacement.from_expert_rank(msg[1:e + 1], num_ranks=r, slots_per_rank=self.placement.slots_per_rank)

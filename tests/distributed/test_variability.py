@@ -814,12 +814,12 @@ def _replan_failures(rank, world):
     layer = ml.VariabilityAwareMoE(cfg, groups, planner=lambda x, c, **kw: np.arange(4) % 2 + 0.7)
     loads = torch.ones(3, 4, dtype=torch.int64)
     for name, arg in (("float ranks", loads), ("numpy loads", np.ones((3, 4))),
-                      ("bool loads", torch.ones(3, 4, dtype=torch.bool))):
+                      ("bool loads", torch.ones(3, 4, dtype=torch.bool)), ("short loads", torch.ones(3, 5))):
         try:
             layer.replan(loads=arg)
             out[name] = "no error"
-        except PlacementMoveError as e:
-            out[name] = str(e)
+        except PlacementMoveError as e:  # bad loads: also a ValueError, on every rank
+            out[name] = f"{isinstance(e, ValueError)} {e}"
     replicas = ExpertPlacement.from_phy2log(torch.tensor([[0, 1, 2], [2, 3, 0]]), 4)
     rep = ml.VariabilityAwareMoE(cfg, groups, placement=replicas, min_gain=0.5)
     rep.replan(loads=torch.tensor([[90, 5, 3, 2]] * 3))
@@ -830,9 +830,13 @@ def _replan_failures(rank, world):
 @pytest.mark.timeout(120)
 def test_replan_failures_are_explained_on_every_rank():
     for out in run_distributed(_replan_failures, 2, timeout=90):
-        assert "the planner returned ranks of dtype torch.float64: integer ranks expected" in out["float ranks"]
-        assert "loads must be a torch.Tensor [steps, 4], got ndarray" in out["numpy loads"]
+        assert out["float ranks"].startswith("False re-planning failed on rank 0 (TypeError: the planner returned "
+                                             "ranks of dtype torch.float64: integer ranks expected"), out
+        assert out["numpy loads"].startswith("True replan: rank 0's loads were refused (TypeError: loads must be "
+                                             "a torch.Tensor [steps, 4], got ndarray"), out
         assert "loads must be numbers of rows [steps, 4], got dtype torch.bool" in out["bool loads"]  # were 0/1 rows
+        assert out["bool loads"].startswith("True "), out
+        assert out["short loads"].startswith("True ") and "loads must be [steps >= 1, 4], got [3, 5]" in out["short loads"]
         assert out["replicas"] == (None, False, True)  # min_gain 0.5 and no score: kept (it moved, dropping replicas)
 
 

@@ -461,6 +461,20 @@ def test_moves_wait_for_megatron_main_grad():
     assert layer.placement == target
 
 
+def test_expert_grads_full_reads_megatron_main_grad():
+    """Under megatron's DDP the gradients are in main_grad (.grad None): expert_grads_full returned zeros."""
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single())
+    assert all(float(g.abs().max()) == 0.0 for g in layer.expert_grads_full())  # no backward yet
+    layer(torch.randn(6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))).sum().backward()
+    expected = [g.clone() for g in layer.expert_grads_full()]
+    assert all(float(g.abs().max()) > 0.0 for g in expected)
+    for w in (layer.experts.w13, layer.experts.w2):  # what megatron's DDP hook does
+        w.main_grad, w.grad = w.grad.clone(), None
+    got = layer.expert_grads_full()
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
 @pytest.mark.parametrize("cls", ["VanillaMoE", "VariabilityAwareMoE"])
 @pytest.mark.parametrize("cast", [torch.float64, torch.float16, torch.bfloat16])
 def test_a_layer_cast_after_construction_computes_in_its_new_dtype(cls, cast):
@@ -830,7 +844,7 @@ def test_router_and_experts_built_on_their_own_are_initialised():
 def test_replan_before_any_forward_says_the_window_is_empty():
     cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=8, top_k=2)
     v = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.single(), variability="high")
-    with pytest.raises(Exception, match="no expert loads recorded yet"):
+    with pytest.raises(ValueError, match="no expert loads recorded yet"):
         v.replan()
 
 

@@ -357,6 +357,10 @@ def test_semantic_layer_checks_its_plan_mode_and_inputs():
     tp = ml.SemanticMoE.from_plan(_plan(), 0, cfg, single, mode="tp", predictor="alg3")
     with pytest.raises(ValueError, match="needs token_ids"):
         tp.forward_tp(x, x, lambda h: h, token_ids=None)
+    with pytest.raises(ValueError, match="needs token_ids"):
+        tp.forward_tp(x, x, lambda h: h)  # token_ids left out: the same
+    planless = ml.SemanticMoE(cfg, single, mode="tp")  # token_ids may be left out (plain chunks)
+    assert torch.equal(planless.forward_tp(x, x, torch.tanh), planless.forward_tp(x, x, torch.tanh, token_ids=None))
 
 
 def test_semantic_forward_tp_one_rank_matches_the_reference_and_keeps_the_context():
