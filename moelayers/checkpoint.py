@@ -209,6 +209,7 @@ def load_model_state_dict(model: nn.Module, state_dict: Mapping[str, Any], *, st
         ``(missing_keys, unexpected_keys)``, as torch's ``load_state_dict``.
 
     Raises:
+        TypeError: ``state_dict`` is not a mapping of names to tensors.
         KeyError: an expert held by this rank is missing.
         ValueError: an entry has another shape than the model's tensor, or another rank refused
             its state dict.

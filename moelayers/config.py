@@ -191,6 +191,13 @@ class MoEConfig:
             order up to how ``torch.topk`` breaks exact ties).
             ``from_megatron`` sets both as the installed megatron-core ranks; neither changes
             anything for float32 logits.
+
+    Raises:
+        TypeError: a field of the wrong type (e.g. a float size, a non-bool flag), or a
+            ``params_dtype`` / ``router_dtype`` outside :data:`PARAMS_DTYPES`.
+        ValueError: a field out of range or not among its allowed values (non-positive sizes,
+            ``top_k`` outside ``[1, E]``, an unknown ``score_fn`` or ``activation``, ``init_std``
+            not a finite positive number); the message names the field.
     """
 
     hidden_size: int
@@ -267,6 +274,7 @@ class MoEConfig:
         when ``top_k > 1``.
 
         Raises:
+            TypeError: ``transformer_config`` is a dict (build a ``TransformerConfig`` from it).
             ValueError: not an MoE config, or a setting that would change what megatron's layer
                 computes and that moelayers does not implement (it is never silently dropped):
                 see :data:`MEGATRON_SUPPORTED_VALUES`, non-SwiGLU experts, linear biases, a

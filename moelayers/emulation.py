@@ -210,6 +210,7 @@ def emulate_variability(layer: nn.Module, factor: float | None = None, *, mode: 
         The :class:`VariabilityEmulator` (``.remove()`` unhooks it).
 
     Raises:
+        TypeError: ``layer`` has no ``experts`` module (not a moelayers layer).
         ValueError: bad arguments, a layer that replays CUDA graphs (hooks cannot run there), or
             one slowed down already (the second emulation would time the first one's wait as
             compute and the factors would multiply): ``.remove()`` that one first.

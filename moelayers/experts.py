@@ -148,11 +148,13 @@ class GroupedExperts(nn.Module):
     Args:
         num_slots: physical slots on this rank ``S``.
         hidden_size: ``H``; ffn_hidden_size: ``F``.
+        dtype, device: of the weights (``device=None``: torch's default; ``'meta'``: no storage).
         backend: ``'auto'`` (``torch._grouped_mm`` where supported, else the loop),
             ``'grouped_mm'`` or ``'loop'`` (the readable reference: one matmul per slot).
         init_std, seed: built on its own, every weight starts at ``N(0, init_std)`` from a generator
             seeded with ``seed`` (torch's global generator is left alone); the layers draw their own
             weights per logical expert (``init=False`` here).
+        init: draw the weights now; ``False`` leaves them uninitialised.
     """
 
     def __init__(

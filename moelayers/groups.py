@@ -172,7 +172,11 @@ class ParallelGroups:
     @classmethod
     def from_groups(cls, ep: ProcessGroup, tp: ProcessGroup = None, dp: ProcessGroup = None,
                     edp: ProcessGroup = None) -> "ParallelGroups":
-        """Wrap existing process groups (any may be ``None`` for a group of one; ``edp``: see the class)."""
+        """Wrap existing process groups (any may be ``None`` for a group of one; ``edp``: see the class).
+
+        Raises:
+            ValueError: the ``ep`` or ``tp`` group's size does not divide the world size.
+        """
         world = dist.get_world_size() if dist.is_initialized() else 1
         rank = dist.get_rank() if dist.is_initialized() else 0
 
@@ -189,7 +193,13 @@ class ParallelGroups:
     @classmethod
     def from_megatron(cls, pg_collection: Any = None) -> "ParallelGroups":
         """Groups from megatron-core: a ``ProcessGroupCollection`` if given (megatron-core >= 0.19
-        passes one to builders), else ``megatron.core.parallel_state``'s initialised groups."""
+        passes one to builders), else ``megatron.core.parallel_state``'s initialised groups.
+
+        Raises:
+            ImportError: megatron-core is missing (without ``pg_collection``).
+            ValueError: ``parallel_state`` is not initialised; group sizes that do not divide the
+                world (:meth:`from_groups`).
+        """
         if pg_collection is not None:
             ep = getattr(pg_collection, "ep", None)
             tp = getattr(pg_collection, "tp", None)

@@ -59,11 +59,22 @@ def _routing_tables(phy2log: torch.Tensor, num_experts: int) -> tuple[torch.Tens
 class ExpertPlacement:
     """Expert-to-slot map of one layer.
 
+    Args:
+        phy2log: ``[R, S]`` integer table: the logical expert in each of rank ``r``'s ``S`` slots,
+            ``-1`` for an empty slot (copied to int64 on the host).
+        num_experts: logical experts ``E``.
+
     Attributes:
         phy2log: ``[R, S]`` int64, logical expert in each slot, ``-1`` for an empty slot.
         log2phy: ``[E, max_replicas]`` int64, physical slot ids of each expert's replicas
             (ascending), ``-1`` padded.
         logcnt: ``[E]`` int64, replicas per expert.
+
+    Raises:
+        TypeError: ``phy2log`` is not of an integer dtype.
+        ValueError: ``phy2log`` is not a non-empty 2-D table; ``num_experts`` is not a positive int
+            or exceeds the slots; ids outside ``[-1, E)``, an expert without a replica, or two
+            replicas of one expert on one rank.
     """
 
     @on_host

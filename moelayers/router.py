@@ -94,6 +94,9 @@ class TopKRouter(nn.Module):
             dispatcher reads it with its split sizes, at no extra sync. Forced expert ids outside
             ``[0, E)`` are flagged the same way whatever ``check_finite`` says (they are clamped
             into range so that the exchange completes, then every rank raises).
+        device: where the gate lives (``None``: torch's default device; ``'meta'``: no storage).
+        seed: seed of the gate's generator (see above).
+        init: draw the gate now; ``False`` leaves it uninitialised (the layers draw it).
     """
 
     def __init__(self, config: MoEConfig, *, device: torch.device | str | None = None, check_finite: bool = True,

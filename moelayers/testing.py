@@ -61,6 +61,22 @@ def check_close(name: str, y: torch.Tensor, ref64: torch.Tensor, ref_low: torch.
     exceeds ``SMALL_TOLERANCE`` of ``max|ref64|`` (weights drawn with a small ``init_std`` give
     outputs of about 1e-4, where an expert's weights 5 % off pass): scale the weights or inputs up
     (``allow_loose`` lets both kinds of loose check pass).
+
+    Args:
+        name: what is checked, for the message.
+        y: ``[...]`` the output under test (any dtype; float32/float64 or bfloat16/float16 rule).
+        ref64: ``[...]`` the float64 reference, ``y``'s shape.
+        ref_low: ``[...]`` the reference computed in ``y``'s dtype, ``ref64``'s shape; needed for a
+            bfloat16/float16 ``y`` (its bound), unused for float32/float64.
+        allow_loose: let a loose check pass (see above) instead of failing it.
+
+    Returns:
+        ``None`` when ``y`` is within the bound; else a message (the error and the bound, or why the
+        check is too loose to mean anything).
+
+    Raises:
+        ValueError: a bfloat16/float16 ``y`` without ``ref_low``; ``ref_low`` of another dtype than
+            ``y`` or another shape than ``ref64``; ``y`` and ``ref64`` of different shapes.
     """
     if ref_low is not None and (ref_low.dtype != y.dtype or ref_low.shape != ref64.shape):
         raise ValueError(f"{name}: ref_low must be the reference computed in y's dtype {y.dtype} with ref64's shape "
@@ -132,6 +148,7 @@ def error_of(fn: Callable[..., Any], *args: Any, expected: tuple[type[BaseExcept
 
 
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a test's rendezvous; another process may take it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -271,7 +271,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
         foreach: as torch's (the fast multi-tensor path).
 
     Returns:
-        the total norm (a 0-d tensor on the gradients' device, in their promoted dtype), before clipping.
+        the total norm before clipping: a 0-d tensor on the gradients' device, in their promoted dtype
+        but at least float32 (torch's is bfloat16 for bfloat16 gradients).
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module`` (torch's takes ``model.parameters()``).

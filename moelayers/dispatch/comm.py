@@ -60,6 +60,7 @@ class RowLayout:
 
     @property
     def offsets(self) -> list[int]:
+        """Byte offset of each field in a row (each aligned to its item size)."""
         offs, pos = [], 0
         for width, dtype in self.fields:
             size = _itemsize(dtype)
@@ -70,11 +71,13 @@ class RowLayout:
 
     @property
     def row_bytes(self) -> int:
+        """Bytes per row: the fields, padded to a multiple of ``ROW_ALIGN``."""
         (width, dtype), last = self.fields[-1], self.offsets[-1]
         end = last + width * _itemsize(dtype)
         return -(-end // ROW_ALIGN) * ROW_ALIGN
 
     def empty(self, rows: int, device: torch.device) -> torch.Tensor:
+        """An uninitialised ``[rows, row_bytes]`` uint8 buffer."""
         return torch.empty(rows, self.row_bytes, dtype=torch.uint8, device=device)
 
     def views(self, buf: torch.Tensor) -> list[torch.Tensor]:
@@ -86,6 +89,8 @@ class RowLayout:
         return out
 
     def pack(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """One ``[rows, row_bytes]`` uint8 buffer holding ``tensors`` (``[rows, width]`` each, in
+        the order and dtypes of :attr:`fields`) side by side."""
         rows = tensors[0].shape[0]
         buf = self.empty(rows, tensors[0].device)
         for view, t in zip(self.views(buf), tensors):

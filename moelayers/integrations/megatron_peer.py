@@ -137,9 +137,18 @@ def megatron_moe_layer(config: MoEConfig, *, dtype: torch.dtype = torch.bfloat16
 
     Note: megatron-core's all-to-all dispatcher creates CUDA streams, so this needs CUDA.
 
+    Args:
+        config: the layer's shape and routing (a :class:`moelayers.MoEConfig`).
+        dtype: megatron's ``params_dtype`` (its experts are ``GroupedMLP`` only in bfloat16).
+        device: where the weights live (``"cuda"``: the current CUDA device).
+
     Raises:
-        ImportError: megatron-core is missing. ValueError: the routing has no megatron equivalent
-        or ``num_experts`` does not divide over the expert-parallel group.
+        ImportError: megatron-core is missing.
+        TypeError: ``config`` is not a ``MoEConfig``.
+        ValueError: the routing has no megatron equivalent or ``num_experts`` does not divide over
+            the expert-parallel group.
+        NotImplementedError: megatron's expert tensor parallel size is not 1 (this peer is a
+            benchmark baseline; ours supports expert tensor parallelism through ``tp``).
     """
     _require_megatron("megatron_moe_layer")
     return _build_megatron_moe(config, dtype=dtype, device=device, dispatcher="alltoall")
@@ -295,6 +304,11 @@ def load_megatron_weights(layer: Any, router_weight: torch.Tensor, w13: torch.Te
         ``linear_fc2.weight = w2[e]`` (``[H, F]``);
       - ``TEGroupedMLP``: ``linear_fc1.weight{i} = w13[e]``, ``linear_fc2.weight{i} = w2[e]``;
     with ``e = layer.local_expert_indices[i]``. Biases, if any, are zeroed.
+
+    Raises:
+        TypeError: a weight is not a tensor; the layer's experts are none of the modules above.
+        ValueError: a weight has the wrong shape, or megatron's expert weights another shape than
+            these weights give (expert tensor parallelism).
     """
     tc = layer.config
     e, h = tc.num_moe_experts, tc.hidden_size

@@ -89,7 +89,7 @@ def permute_triton(x: torch.Tensor, dest_map: torch.Tensor, out: torch.Tensor) -
 
     Args:
         x: ``[T, H]`` float32/bfloat16/float16/float64 token rows.
-        dest_map: ``[T, J]`` int32/int64 destination rows, ``< 0`` means skip; ``J <= 256``.
+        dest_map: ``[T, J]`` int32/int64 destination rows, ``< 0`` means skip (any ``J``: the kernel loops over it).
         out: ``[N, H]`` destination, same dtype as ``x``; ``out.stride(1) == 1``, any row stride.
 
     Returns:

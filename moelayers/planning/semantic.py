@@ -82,10 +82,12 @@ class TokenExpertTable:
 
     @property
     def vocab_size(self) -> int:
+        """Token ids the table covers, ``V``."""
         return int(self.indptr.size - 1)
 
     @property
     def num_experts(self) -> int:
+        """Experts of the layer, ``E``."""
         return int(self.expert_load.size)
 
     @property
@@ -348,6 +350,7 @@ class SemanticPlan:
 
     @property
     def num_layers(self) -> int:
+        """Layers the plan covers, ``L``."""
         return int(self.expert_rank.shape[0])
 
     def _fail(self, name: str, problem: str) -> ValueError:
@@ -507,6 +510,8 @@ class SemanticPlan:
 
     # ------------------------------------------------------------------ files
     def to_arrays(self) -> dict[str, np.ndarray]:
+        """The plan's fields as numpy arrays (what :meth:`save` writes; ``source`` and absent
+        fields left out)."""
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)

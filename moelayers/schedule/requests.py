@@ -89,6 +89,7 @@ class RoundRobinScheduler:
         return [self.assign() for _ in requests]
 
     def reset(self) -> None:
+        """Start again from rank 0."""
         self._next = 0
 
 
