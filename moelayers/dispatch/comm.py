@@ -262,7 +262,8 @@ def allreduce_partial_grads(module: torch.nn.Module, group) -> None:
 
     The ranks first agree, in one small all-reduce, on which such parameters hold gradients (names,
     shapes, dtypes): a parameter frozen on some ranks only would pair one rank's router gradient
-    with another's norm gradient.
+    with another's norm gradient. The gradients are then summed in one all-reduce per dtype
+    (flattened together; a model's routers and norms are many small tensors).
 
     Raises:
         ValueError: on every rank of ``group``, when the ranks differ in those gradients.
@@ -279,8 +280,17 @@ def allreduce_partial_grads(module: torch.nn.Module, group) -> None:
         raise ValueError(f"allreduce_partial_grads: the ranks hold gradients of different sequence-parallel "
                          f"parameters (this rank {dist.get_rank(group)}: {[n for n, _ in held]}; a parameter "
                          "frozen or unused on some ranks only): train them alike on every rank of the group")
-    for _, g in held:
-        dist.all_reduce(g, group=group)
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for _, g in held:  # (the same order on every rank: their names, shapes and dtypes agree)
+        buckets.setdefault((g.dtype, g.device), []).append(g)
+    for grads in buckets.values():
+        if len(grads) == 1 and grads[0].is_contiguous():
+            dist.all_reduce(grads[0], group=group)
+            continue
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view(g.shape))
 
 
 def _typed_outputs(ctx, layout: RowLayout, buf: torch.Tensor, tensors) -> tuple[torch.Tensor, ...]:

@@ -1044,3 +1044,41 @@ def test_layers_train_through_the_triton_kernels():
     if results[0] and results[0][0].startswith("skip:"):
         pytest.skip(results[0][0][6:])
     assert results == [[], []], results
+
+
+def _coalesced_partial_grads(rank, world):
+    """allreduce_partial_grads sums many small sequence-parallel gradients of two dtypes (one of
+    them a non-contiguous tensor) in one all-reduce per dtype after its agreement, each exactly."""
+    from moelayers.dispatch.comm import allreduce_partial_grads
+
+    model = torch.nn.Module()
+    shapes = {"a": ((3, 4), torch.float64), "b": ((5,), torch.float32), "c": ((4, 3), torch.float64),
+              "d": ((2, 2), torch.float32), "frozen": ((3,), torch.float64)}
+    for name, (shape, dtype) in shapes.items():
+        p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype))
+        p.sequence_parallel = name != "frozen"  # a plain parameter: not summed
+        setattr(model, name, p)
+    base = {n: torch.arange(p.numel(), dtype=p.dtype).view(p.shape) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        g = (rank + 1) * base[n] + 0.25
+        p.grad = g.t().contiguous().t() if n == "c" else g  # c's gradient: a transposed view's layout
+    assert not model.c.grad.is_contiguous()
+    calls = []
+    real = dist.all_reduce
+    dist.all_reduce = lambda t, *a, **kw: (calls.append(t.dtype), real(t, *a, **kw))[1]
+    try:
+        allreduce_partial_grads(model, dist.group.WORLD)
+    finally:
+        dist.all_reduce = real
+    total = world * (world + 1) // 2
+    wrong = [n for n, p in model.named_parameters()
+             if not torch.equal(p.grad, (total * base[n] + 0.25 * world) if n != "frozen" else (rank + 1) * base[n] + 0.25)]
+    return wrong, calls
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_partial_grads_are_summed_in_one_all_reduce_per_dtype(world):
+    for wrong, calls in run_distributed(_coalesced_partial_grads, world, timeout=90):
+        assert wrong == [], wrong
+        assert calls == [torch.int64, torch.float64, torch.float32], calls  # agreement, then one per dtype
