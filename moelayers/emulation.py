@@ -37,11 +37,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from moelayers.planning.gem import PRESETS, SLOW_FACTOR, preset_scale
+
 __all__ = ["VARIABILITY_PRESETS", "HIGH_SLOWDOWN", "slowdown_preset", "curve_latency", "emulate_variability",
            "VariabilityEmulator", "VariabilitySettings"]
 
-VARIABILITY_PRESETS = ("high", "moderate", "low", "none")
-HIGH_SLOWDOWN = 1.0 / 0.88
+VARIABILITY_PRESETS = PRESETS  # the planner's presets (one definition: moelayers.planning.gem)
+HIGH_SLOWDOWN = SLOW_FACTOR
 MODES = ("measured", "curve")
 WAITS = ("auto", "spin", "sleep")
 
@@ -54,14 +56,7 @@ def slowdown_preset(name: str, num_ranks: int) -> list[float]:
     """
     if name not in VARIABILITY_PRESETS:
         raise ValueError(f"variability must be one of {VARIABILITY_PRESETS}, got {name!r}")
-    if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
-        raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
-    num_ranks = int(num_ranks)  # a numpy integer too, as LatencyCurves.preset takes
-    if name == "high":
-        return [HIGH_SLOWDOWN] + [1.0] * (num_ranks - 1)
-    if name == "moderate":
-        return [float(v) for v in np.linspace(HIGH_SLOWDOWN, 1.0, num_ranks)] if num_ranks > 1 else [HIGH_SLOWDOWN]
-    return [1.0] * num_ranks
+    return [float(v) for v in preset_scale(name, num_ranks)]
 
 
 def preset_curves(name: str, num_ranks: int) -> Any:

@@ -287,11 +287,6 @@ class GroupedExperts(nn.Module):
         self.w13.copy_(torch.where(filled[:, None, None], w13_all[src], 0).to(self.w13.device))
         self.w2.copy_(torch.where(filled[:, None, None], w2_all[src], 0).to(self.w2.device))
 
-    @torch.no_grad()
-    def export_full(self, placement: ExpertPlacement, group=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logical ``(w13 [E, 2F, H], w2 [E, H, F])`` gathered over the expert-parallel group
-        (each expert taken from its first replica)."""
-        return gather_logical(self.w13, self.w2, placement, group)
 
 
 def gather_logical(

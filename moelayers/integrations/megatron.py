@@ -290,7 +290,7 @@ class MegatronMoEAdapter(nn.Module):
         self.groups = groups if groups is not None else groups_for_megatron(pg_collection)
         if "device" in accepted and layer_kwargs.get("device") is None:
             layer_kwargs["device"] = _pick_device(config, self.groups)
-        self.layer_number, self.is_mtp_layer, self.megatron_name = layer_number, bool(is_mtp_layer), name
+        self.layer_number, self.is_mtp_layer = layer_number, bool(is_mtp_layer)
         self.layer = layer_cls(moe_config, self.groups, **layer_kwargs)
         megatron_init(self.layer, config, layer_number)
         modules = getattr(config, "recompute_modules", None) or ()

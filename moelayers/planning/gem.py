@@ -46,6 +46,27 @@ BASE_S = 20e-6
 PER_TILE_S = 10e-6
 TILE_ROWS = 128
 PRESETS = ("high", "moderate", "low", "none")
+
+
+def preset_scale(name: str, num_ranks: int) -> np.ndarray:
+    """``[R]`` slowdown of each rank under a variability preset (:meth:`LatencyCurves.preset`; the
+    runtime emulation's factors, ``moelayers.emulation.slowdown_preset``, are these).
+
+    Raises:
+        ValueError: unknown preset or ``num_ranks`` not a positive int.
+    """
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
+        raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
+    if name not in PRESETS:
+        raise ValueError(f"unknown variability preset {name!r}; choose one of {list(PRESETS)} or give curves.path=FILE")
+    if name == "moderate":
+        return np.linspace(SLOW_FACTOR, 1.0, int(num_ranks))
+    scale = np.ones(int(num_ranks))
+    if name == "high":
+        scale[0] = SLOW_FACTOR
+    return scale
+
+
 _TILED_MAX_ROWS = 1 << 17  # samples of a tiled curve cover this many rows (the formula is exact beyond)
 _SMOOTH_GRID_POINTS = 1 << 16  # past this, a smoothed curve keeps only the lattice points near its samples
 _MAX_ROWS = 1 << 53  # sample points at or above this are not exact in float64 (the interpolation's type)
@@ -145,18 +166,7 @@ class LatencyCurves:
                 ``none`` (all 1).
             num_ranks: ``R``.
         """
-        if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
-            raise ValueError(f"num_ranks must be a positive int, got {num_ranks!r}")
-        if name == "high":
-            scale = np.ones(num_ranks)
-            scale[0] = SLOW_FACTOR
-        elif name == "moderate":
-            scale = np.linspace(SLOW_FACTOR, 1.0, num_ranks)
-        elif name in ("low", "none"):
-            scale = np.ones(num_ranks)
-        else:
-            raise ValueError(f"unknown variability preset {name!r}; choose one of {list(PRESETS)} or give curves.path=FILE")
-        return cls.tiled(scale)
+        return cls.tiled(preset_scale(name, num_ranks))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> LatencyCurves:

@@ -75,12 +75,20 @@ def assign_experts(affinity: np.ndarray, load: np.ndarray, num_ranks: int, *, sl
     Args:
         affinity: ``[E, R]`` gain of each expert on each rank.
         load: ``[E]`` expert loads (activations).
+        num_ranks: ``R`` (must be ``affinity``'s second size).
+        slack: the load cap, ``slack`` times the mean rank load (see :func:`load_cap`).
+        max_swaps: the most pairwise swaps tried after the greedy pass.
 
     Returns:
         ``expert_rank [E]`` int64.
+
+    Raises:
+        ValueError: ``affinity`` is not ``[E, num_ranks]``.
     """
     a = np.asarray(affinity, dtype=np.float64)
     load = np.asarray(load, dtype=np.float64)
+    if a.ndim != 2 or a.shape[1] != num_ranks:
+        raise ValueError(f"affinity must be [E, num_ranks={num_ranks}], got {list(a.shape)}")
     num_e, r = a.shape
     per = num_e // r
     cap = load_cap(load, r, slack)
