@@ -322,9 +322,11 @@ class RoutingTrace:
         num = self.num_sequences
         n_train = train_sequences(train_fraction, num)
         if n_train == 0 or n_train == num:
+            need = ("at least two sequences" if num < 2 else
+                    f"a train_fraction in [{1 / num:.3g}, {(num - 1) / num:.3g}] for its {num} sequences")
             raise ValueError(f"{self._name()}: split({train_fraction}) of {num} sequences leaves an empty part ({n_train} "
-                             f"train, {num - n_train} held out): the split is by sequence (seq_offsets), so the trace "
-                             "needs at least two")
+                             f"train, {num - n_train} held out): the split is by sequence (seq_offsets), so it needs "
+                             f"{need}")
         cut = int(self.seq_offsets[n_train])
         if cut == 0 or cut == self.num_tokens:
             part = "train" if cut == 0 else "held-out"

@@ -199,12 +199,16 @@ class Replay:
         return self.ids[idx].to(device)
 
 
-def semantic_schedules(replay: Replay, world: int, seed: int, train_fraction: float, plan_path: str | None):
+def semantic_schedules(replay: Replay, world: int, seed: int, train_fraction: float, plan_path: str | None,
+                       notes: list[str] | None = None):
     """A dp-mode ``SemanticPlan`` and the request schedules of the replay trace's held-out sequences.
 
     The plan is loaded from ``plan_path`` or made (``plan_semantic``, mode ``dp``) on the first
-    ``train_fraction`` of the sequences; the replay then keeps only the held-out rest (without a
-    plan file), where the semantic scheduler (Sem-MoE Algorithm 2) and round robin assign requests.
+    ``train_fraction`` of the sequences; the replay then keeps only the held-out rest, where the
+    semantic scheduler (Sem-MoE Algorithm 2) and round robin assign requests. A plan file's held-out
+    rest: the sequences it does not record as trained on (:meth:`SemanticPlan.trained_on`, by
+    content); all of them where it records none (an older file) or every one was trained on,
+    said in ``notes``.
 
     Returns:
         ``(plan, {"semantic": owner [S_held], "round_robin": owner [S_held]})``.
@@ -219,6 +223,17 @@ def semantic_schedules(replay: Replay, world: int, seed: int, train_fraction: fl
             raise ValueError(f"{plan_path}: semantic plan field 'mode' is {plan.mode!r}; bench.py times the "
                              "attention-DP layer (mode dp)")
         held = tr
+        trained = plan.trained_on(tr)
+        say = (notes.append if notes is not None else lambda _: None)
+        if trained is None:
+            say(f"the plan {plan_path} does not record the sequences it was trained on (an older file): every "
+                "sequence of the trace is replayed, some perhaps in-sample")
+        elif trained.all():
+            say(f"the plan {plan_path} was trained on every sequence of the trace: all are replayed (in-sample)")
+        elif trained.any():
+            held = tr.select_sequences(np.flatnonzero(~trained))
+            say(f"{int(trained.sum())} of {tr.num_sequences} trace sequences are left out: the plan {plan_path} "
+                "was trained on them (by content)")
     else:
         train, held = tr.split(train_fraction)
         plan = plan_semantic(train, world, mode="dp", seed=seed, progress=False)

@@ -14,6 +14,7 @@ where rank 0 writes its files). ``fn`` must be defined at module level (it is pi
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -29,13 +30,15 @@ from omegaconf import OmegaConf
 __all__ = [
     "launch", "under_torchrun", "resolve_backend", "device_for", "run_dir", "invocation", "to_dict", "print_table",
     "write_json", "percentile", "jsonable", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
-    "normalize_flags", "LAYER_FLAGS", "int_setting", "check_layer_settings",
+    "normalize_flags", "LAYER_FLAGS", "int_setting", "check_layer_settings", "timeout_setting",
+    "import_object", "check_input_file",
 ]
 
 #: Layer kwargs that say *how* a layer executes rather than *what* it is: a comparison gives the
 #: baseline ours' values, so that only the layer differs (dispatcher, de-duplication, NaN check,
 #: expert GEMM backend).
-EXECUTION_KWARGS = ("dispatcher", "dedup", "check_finite", "expert_backend")
+# (capacity and cuda_graph: how the exchange runs, fixed buffers or exact; bench.py sets them itself)
+EXECUTION_KWARGS = ("dispatcher", "dedup", "check_finite", "expert_backend", "capacity", "cuda_graph")
 
 
 def _recipe_doc() -> str:
@@ -138,6 +141,57 @@ def int_setting(value: Any, key: str, minimum: int | None = None) -> int:
     return value
 
 
+def import_object(path: str, key: str, sep: str = ".") -> Any:
+    """The object that ``path`` names, ``module<sep>name`` (``moelayers.VanillaMoE``, or
+    ``mypkg.sched:assign`` with ``sep=":"``).
+
+    Raises:
+        ValueError: ``path`` is not such a string, its module cannot be imported, or it has no
+            such name; the message names ``key`` (the setting that gave it).
+    """
+    mod, found, name = path.rpartition(sep) if isinstance(path, str) else ("", "", "")
+    if not (found and mod and name):
+        raise ValueError(f"{key}={path!r} must name an object as 'module{sep}name'")
+    try:
+        module = importlib.import_module(mod)
+    except ImportError as exc:
+        raise ValueError(f"{key}={path!r}: cannot import {mod!r} ({exc})") from exc
+    try:
+        return getattr(module, name)
+    except AttributeError:
+        raise ValueError(f"{key}={path!r}: module {mod!r} has no {name!r}") from None
+
+
+def check_input_file(path: str, key: str, what: str) -> None:
+    """Refuse a setting naming a file that is not there (or a folder) before any rank starts.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``. IsADirectoryError: a folder, not a file.
+        The messages name ``key`` and ``what`` the file should hold.
+    """
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{key}={path} is a directory, not {what}")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{key}={path} does not exist (it names {what})")
+
+
+def timeout_setting(parallel: dict | None) -> float:
+    """``parallel.timeout_s`` (default 600) as seconds: a finite number > 0.
+
+    Raises:
+        ValueError: anything else, naming the key (0 would fail every run as "timed out").
+    """
+    value = (parallel or {}).get("timeout_s", 600)
+    try:
+        seconds = float(value) if not isinstance(value, bool) else float("nan")
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"parallel.timeout_s must be a number of seconds > 0 (a hung rank fails the run after "
+                         f"this long), got {value!r}")
+    return seconds
+
+
 def shared_execution_kwargs(layer_cfg: dict) -> dict:
     """The :data:`EXECUTION_KWARGS` set in ``layer_cfg['kwargs']``."""
     kwargs = layer_cfg.get("kwargs") or {}
@@ -213,12 +267,12 @@ def invocation() -> dict:
 
 def overridden(keys: Sequence[str]) -> list[str]:
     """The command-line overrides (``key=value``, as typed) that set one of ``keys`` (dotted config
-    paths, e.g. ``trace.num_experts``): for refusing settings a run would ignore. Empty outside a
-    Hydra app."""
+    paths, e.g. ``trace.num_experts``) or a key under one (``workload.prompt_len.min`` for
+    ``workload.prompt_len``): for refusing settings a run would ignore. Empty outside a Hydra app."""
     out = []
     for override in invocation()["overrides"]:
         key = override.split("=", 1)[0].lstrip("+~")
-        if key in keys:
+        if any(key == k or key.startswith(k + ".") for k in keys):
             out.append(override)
     return out
 
@@ -249,6 +303,7 @@ def launch(cfg: Any, fn: Callable[[int, int, dict], Any]) -> Any:
     d = to_dict(cfg)
     d.setdefault("run_dir", run_dir())
     par = d.get("parallel") or {}
+    timeout = timeout_setting(par)
     if under_torchrun():
         import torch.distributed as dist
 
@@ -268,7 +323,7 @@ def launch(cfg: Any, fn: Callable[[int, int, dict], Any]) -> Any:
 
     world = int_setting(par.get("world_size", 1), "parallel.world_size", 1)  # 1.9 is not 1
     backend = resolve_backend(par.get("backend"), torchrun=False)
-    results = run_distributed(fn, world, d, backend=backend, timeout=float(par.get("timeout_s", 600)))
+    results = run_distributed(fn, world, d, backend=backend, timeout=timeout)
     return results[0]
 
 
@@ -339,10 +394,13 @@ def jsonable(obj: Any) -> Any:
 
 def remove_stale(out_dir: str | os.PathLike, outputs: tuple[str, ...], written: Any) -> None:
     """Remove every file of ``outputs`` (all a recipe may write into its run dir) that this run does
-    not write (``written``), so that a reused run dir never mixes two runs' files."""
+    not write (``written``), so that a reused run dir never mixes two runs' files (each one removed
+    is named on stdout)."""
     for name in outputs:
-        if name not in written:
-            (Path(out_dir) / name).unlink(missing_ok=True)
+        path = Path(out_dir) / name
+        if name not in written and path.exists():
+            path.unlink(missing_ok=True)
+            print(f"note: removed {path}, an earlier run's output that this run does not write")
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> Path:

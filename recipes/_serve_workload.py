@@ -6,7 +6,6 @@ same seed and runs the same scheduler, then keeps the requests it is given."""
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import math
 import os
@@ -14,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from recipes._common import config_trace, int_setting
+from recipes._common import config_trace, import_object, int_setting
 
 
 # ---------------------------------------------------------------------- requests
@@ -105,7 +104,7 @@ def replay_sequences(cfg: dict, trace) -> tuple[list[int], list[str], int]:
             window is empty); the message names the trace and its sequence count.
     """
     n, offset = int(cfg["workload"]["num_requests"]), request_offset(cfg)
-    num_seq, name = trace.num_sequences, _trace_name(cfg, trace)
+    num_seq, name = trace.num_sequences, _trace_name(cfg)
     if offset >= num_seq:
         raise ValueError(f"trace.request_offset={offset} leaves no request: {name} has {num_seq} sequence(s) "
                          f"(request i replays sequence request_offset + i)")
@@ -126,7 +125,7 @@ def replay_sequences(cfg: dict, trace) -> tuple[list[int], list[str], int]:
     return seqs, notes, len(window) - len(seqs)
 
 
-def _trace_name(cfg: dict, trace) -> str:
+def _trace_name(cfg: dict) -> str:
     path = (cfg.get("trace") or {}).get("path")
     return f"trace {path}" if path else "the synthetic trace"
 
@@ -210,8 +209,11 @@ def get_scheduler(name):
     if name in SCHEDULERS:
         return SCHEDULERS[name]
     if ":" in name:
-        mod, fn = name.split(":", 1)
-        return getattr(importlib.import_module(mod), fn)
+        fn = import_object(name, "scheduler", sep=":")
+        if not callable(fn):
+            raise ValueError(f"scheduler={name!r} is a {type(fn).__name__}, not a function (requests, world_size, "
+                             "cfg) -> rank per request")
+        return fn
     raise ValueError(f"unknown scheduler {name!r}: one of {sorted(SCHEDULERS)} or 'module:function'")
 
 

@@ -35,7 +35,7 @@ layer that re-plans by itself (``auto_replan``) is timed with it off (the JSON's
 Rank 0 prints a table and writes one JSON per (shape, tokens/rank) into the
 run dir, and copies into ``bench.save_to`` when set, named
 ``{layer}[_graph|_allgather|_nodedup]_{shape}_t{tokens}_ws{world}[_ep{ep}][_{dtype}][_router-{dtype}][_replay]``
-``[_trace-{file}][_layer{L}][_plan-{file}][_checkfinite][_{expert_backend}][_vs-{baseline}]_{device}.json``
+``[_trace-{file}][_layer{L}][_plan-{file}][_checkfinite][_train][_{expert_backend}][_vs-{baseline}]_{device}.json``
 (``_ep``: ``parallel.ep`` below the world size; ``_{dtype}``: another dtype than the device's default,
 bf16 on CUDA and float32 on CPU; ``_router-``: ``bench.router_dtype``; ``_replay``: replayed routing
 on a layer that is not plan-built (those always replay); ``_trace-``/``_plan-``: the stems of
@@ -43,7 +43,10 @@ on a layer that is not plan-built (those always replay); ``_trace-``/``_plan-``:
 replayed trace layer other than 0 (``trace.layer``); ``_checkfinite``:
 ``bench.check_finite=true``; an expert backend other than ``auto``; ``_vs-``: a baseline other than
 the layer's default, ``vanilla`` for a plan-built layer and none otherwise), so that no
-configuration's record overwrites another's. ``bench.profile=true`` prints a torch.profiler table of
+configuration's record overwrites another's; settings that the name leaves out (a changed shape field,
+``seed``, ``bench.inference_mode``, the layer's or the synthetic trace's settings) are in the record's
+``settings_digest``, and a record in ``bench.save_to`` of another digest under the same name is kept:
+the new one gets ``_cfg-`` and the digest's first 6 hex digits added (a note says so). ``bench.profile=true`` prints a torch.profiler table of
 ours' top kernels at one size (and saves a chrome trace in the run dir).
 
 ``bench.train=true`` times a training step instead: forward and backward (``y.backward(g)`` with a
@@ -67,7 +70,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import importlib
 import inspect
 import os
 import platform
@@ -76,6 +78,7 @@ import shlex
 import statistics
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # run as a script, this directory comes first on sys.path and recipes/profile.py would shadow the
@@ -89,7 +92,7 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, check_layer_settings, device_for, flag, int_setting, launch, normalize_flags, overridden,
+    LAYER_FLAGS, check_input_file, check_layer_settings, device_for, flag, import_object, int_setting, launch, normalize_flags, overridden,
     resolve_backend, run_dir,
     shared_execution_kwargs, shutdown, to_dict, under_torchrun, write_json,
 )
@@ -147,8 +150,7 @@ def _accepts(cls: type, name: str) -> bool:
 
 
 def _layer_class(cls_path: str) -> type:
-    mod, _, name = cls_path.rpartition(".")
-    return getattr(importlib.import_module(mod), name)
+    return import_object(cls_path, "layer.cls")
 
 
 def uses_plan(layer_cfg: dict) -> bool:
@@ -156,16 +158,11 @@ def uses_plan(layer_cfg: dict) -> bool:
     return bool(layer_cfg.get("cls")) and hasattr(_layer_class(layer_cfg["cls"]), "from_plan")
 
 
-#: name -> builder. A new layer plugs in with one entry (or ``register_layer``); a layer config with
-#: ``cls: pkg.Module`` and no entry here is built from that path.
+#: name -> builder. A new layer plugs in with one entry; a layer config with ``cls: pkg.Module`` and
+#: no entry here is built from that path.
 LAYERS: dict[str, Callable[..., torch.nn.Module]] = {
     "vanilla": _construct("moelayers.VanillaMoE"),
 }
-
-
-def register_layer(name: str, builder: Callable[..., torch.nn.Module]) -> None:
-    """Make ``layer=<name>`` build through ``builder(config, groups, *, device, seed, **kwargs)``."""
-    LAYERS[name] = builder
 
 
 def build_layer(layer_cfg: dict, config, groups, device: torch.device, seed: int, check_finite: bool, **extra):
@@ -383,8 +380,23 @@ def check_config(d: dict) -> None:
             if tc.get("path"):
                 raise ValueError("trace.num_sequences sizes the synthetic trace: it has no meaning with trace.path")
             int_setting(tc["num_sequences"], "trace.num_sequences", 1)
-        if tc.get("path") and not os.path.isfile(tc["path"]):
-            raise FileNotFoundError(f"trace.path={tc['path']} does not exist")
+        if tc.get("path"):
+            check_input_file(tc["path"], "trace.path", "a routing trace file")
+            _check_trace_fits(tc, d["bench"]["shape"])
+
+
+def _check_trace_fits(tc: dict, shape: dict) -> None:
+    """The trace file's experts and top-k are the shape's and it has layer ``trace.layer``: said here,
+    before any rank starts (each rank would raise it, under a traceback per rank)."""
+    from moelayers.trace import load_trace
+
+    tr = load_trace(tc["path"])
+    e, k = int(shape["num_experts"]), int(shape["top_k"])
+    if tr.num_experts != e or tr.top_k != k:
+        raise ValueError(f"trace.path={tc['path']} has E={tr.num_experts}, K={tr.top_k}; the benchmark shape has "
+                         f"E={e}, K={k} (bench=NAME or bench.shape.num_experts / top_k)")
+    if not 0 <= int(tc.get("layer", 0)) < tr.num_layers:
+        raise ValueError(f"trace.layer={tc.get('layer', 0)} but trace.path={tc['path']} has {tr.num_layers} layer(s)")
 
 
 def _check_plan_settings(d: dict, world: int | None) -> None:
@@ -406,8 +418,7 @@ def _check_plan_settings(d: dict, world: int | None) -> None:
     path = layer.get("plan_path")
     if not path:
         return
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"layer.plan_path={path} does not exist")
+    check_input_file(path, "layer.plan_path", "a semantic plan")
     from moelayers.planning.semantic import SemanticPlan
 
     plan = SemanticPlan.load(path)
@@ -437,7 +448,7 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
     weights = full_weights(config, seed, device, dtype)
     tokens_list = tokens_per_rank(b)
     router = cfg.get("_router_name", "learned")
-    replay, plan, owners = None, None, {}
+    replay, plan, owners, plan_notes = None, None, {}, []
     if router == "replay":
         plan_based = uses_plan(cfg["layer"])
         # a plan trains on the first half; the scheduler's requests need not split the held-out
@@ -447,7 +458,7 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
         if plan_based:
             frac = cfg["layer"].get("plan_train_fraction")  # null in conf/layer/semantic.yaml: 0.5
             plan, owners = semantic_schedules(replay, world, seed, 0.5 if frac is None else float(frac),
-                                              cfg["layer"].get("plan_path"))
+                                              cfg["layer"].get("plan_path"), plan_notes)
     elif router != "learned":
         raise ValueError(f"router must be learned or replay, got {router!r}")
     elif uses_plan(cfg["layer"]):
@@ -455,12 +466,8 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
                          "use router=replay (trace.path=FILE, or the synthetic trace)")
     check_finite = bool(b.get("check_finite", False))
     plan_kw = {} if plan is None else {"plan": plan, "plan_layer": replay.layer}
-    notes = []
+    notes = list(plan_notes)
     plan_path = cfg["layer"].get("plan_path") if plan is not None else None
-    if plan_path:
-        notes.append(f"the plan is read from {plan_path}: every sequence of the trace is replayed, and whether the "
-                     "plan was trained on them is not known here (without layer.plan_path the run plans on the "
-                     "first part and replays only the rest)")
     if groups.ep_size != world:
         notes.append(f"parallel.ep={groups.ep_size} < world {world}: layer_stats and baseline_stats are of rank 0's "
                      "expert-parallel group")
@@ -856,8 +863,75 @@ def save_records(records: list[dict], out_dir: str, save_to: str | None) -> list
         paths.append(str(write_json(os.path.join(out_dir, name), r)))
         names.append(name)
     if save_to:  # after every record is in the run dir; each written atomically, as there
-        paths += [str(write_json(os.path.join(save_to, name), r)) for name, r in zip(names, records)]
+        paths += [str(write_json(_unclaimed(save_to, name, r), r)) for name, r in zip(names, records)]
     return paths
+
+
+#: bench settings that do not change what is timed (left out of a record's ``settings_digest``)
+_UNTIMED_BENCH_KEYS = ("tokens_per_rank", "save_to", "profile", "profile_tokens", "profile_iters", "profile_rows",
+                       "max_cpu_expert_params", "allow_large_cpu", "check")
+
+
+def settings_digest(d: dict) -> str:
+    """12 hex digits over every setting that changes a measurement but not a record's file name
+    (the shape's fields, ``seed``, ``bench.inference_mode``, the layer's and the trace's settings,
+    ...): two records of one name and one digest measured the same configuration."""
+    import json
+
+    b = {k: v for k, v in d["bench"].items() if k not in _UNTIMED_BENCH_KEYS}
+    parallel = {k: v for k, v in (d.get("parallel") or {}).items() if k != "timeout_s"}
+    keep = {"seed": d.get("seed"), "bench": b, "layer": d.get("layer"), "trace": d.get("trace"),
+            "router": d.get("_router_name"), "parallel": parallel}
+    return hashlib.sha1(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def _unclaimed(folder: str, name: str, record: dict) -> str:
+    """``folder/name``, unless it holds a record of another configuration (another
+    ``settings_digest``, or, for a record from before digests, another shape): then
+    ``name`` with ``_cfg-<digest>`` added, so that neither record is lost (said on stdout)."""
+    import json
+
+    path = os.path.join(folder, name)
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return path  # nothing there (or not a record): write
+    mine = record.get("settings_digest")
+    other = old.get("settings_digest") if isinstance(old, dict) else None
+    same = (other == mine) if other is not None else (isinstance(old, dict) and old.get("shape") == record.get("shape"))
+    if same:
+        return path  # a new measurement of the same configuration replaces the old one
+    stem, ext = os.path.splitext(name)
+    alt = os.path.join(folder, f"{stem}_cfg-{str(mine)[:6]}{ext}")
+    print(f"note: {path} holds a record of other settings (shape, seed, layer or trace settings): this one goes "
+          f"to {alt}")
+    return alt
+
+
+def remove_earlier_outputs(run_dir: str, started: float) -> list[str]:
+    """Remove the records and profiler traces that an earlier run left in this run dir
+    (``hydra.run.dir`` reused; files last written before ``started``), so that the dir never
+    mixes two runs' files, as the other recipes' run dirs; each one is named on stdout.
+    Other files are left alone."""
+    import json
+
+    removed = []
+    for path in sorted(Path(run_dir).glob("*.json")):
+        if path.stat().st_mtime >= started:
+            continue
+        ours = path.name.startswith("profile_") and path.name.endswith("_rank0.json")
+        if not ours:
+            try:
+                rec = json.loads(path.read_text())
+                ours = isinstance(rec, dict) and {"device_name", "tokens_per_rank", "ms"} <= set(rec)
+            except (OSError, ValueError):
+                ours = False
+        if ours:
+            path.unlink(missing_ok=True)
+            removed.append(str(path))
+            print(f"note: removed {path}, an earlier run's output that this run does not write")
+    return removed
 
 
 def _file_tag(path: str) -> str:
@@ -895,9 +969,11 @@ def main(cfg: DictConfig) -> None:
                         "bench.profile", "bench.allow_large_cpu", "bench.check.strict", *LAYER_FLAGS))
     b = d["bench"]
     d["_router_name"] = router_name(cfg)
-    check_config(d)
-    if d.get("trace", {}).get("path"):
+    if d.get("trace", {}).get("path"):  # (before the checks: with hydra.job.chdir=true the cwd is the run dir)
         d["trace"]["path"] = hydra.utils.to_absolute_path(d["trace"]["path"])
+    if (d.get("layer") or {}).get("plan_path"):
+        d["layer"]["plan_path"] = hydra.utils.to_absolute_path(d["layer"]["plan_path"])
+    check_config(d)
     d["run_dir"] = run_dir()
     torchrun = under_torchrun()
     backend = resolve_backend((d.get("parallel") or {}).get("backend"), torchrun=torchrun)
@@ -907,16 +983,20 @@ def main(cfg: DictConfig) -> None:
     if backend != "nccl" and peer_mode(b.get("peer", "auto")) == "required":
         raise ValueError("bench.peer=true but megatron-core's MoELayer needs CUDA (parallel=gpu): no peer on CPU")
     command = command_line()
+    started = datetime.datetime.now().timestamp()
     records = launch(d, bench_worker)
     if not records:
         shutdown()
         return  # torchrun ranks other than 0
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    records = [order_record(r, date, command) for r in records]
+    digest = settings_digest(d)
+    records = [order_record({**r, "seed": d.get("seed"), "settings_digest": digest}, date, command) for r in records]
     save_to = hydra.utils.to_absolute_path(b["save_to"]) if b.get("save_to") else None
     print_results(records)
-    for p in save_records(records, d["run_dir"], save_to):
+    written = save_records(records, d["run_dir"], save_to)
+    for p in written:
         print(f"wrote {p}")
+    remove_earlier_outputs(d["run_dir"], started)
     shutdown()
 
 

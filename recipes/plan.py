@@ -392,7 +392,10 @@ def run(d: dict) -> dict:
         raise ValueError(f"{trace_name(d)}: field 'num_experts' ({trace.num_experts}) must be divisible by "
                          f"parallel.ep ({ep})")
     curves, variability = load_curves(d, ep)
-    train, held_out = trace.split(frac)
+    try:
+        train, held_out = trace.split(frac)
+    except ValueError as exc:  # (a synthetic trace has no file name: say which trace, and which setting)
+        raise ValueError(f"trace.train_fraction={frac}: {str(exc).replace('<memory>', trace_name(d))}") from None
     train_loads, test_loads = trace_step_loads(train, tps), trace_step_loads(held_out, tps)
 
     bar = d.get("progress", True)

@@ -40,7 +40,8 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
-    device_for, flag, int_setting, invocation, jsonable, launch, run_dir, shutdown, to_dict, under_torchrun,
+    device_for, flag, int_setting, invocation, jsonable, launch, resolve_backend, run_dir, shutdown, to_dict,
+    under_torchrun,
 )
 from recipes._plan_tools import commit_files  # noqa: E402
 from recipes._plots import plot_curves  # noqa: E402
@@ -99,6 +100,29 @@ def check_world(p: dict, world: int) -> None:
     if e % world:
         raise ValueError(f"profile.shape.num_experts={e} experts do not divide over {world} ranks (parallel.world_size "
                          f"or torchrun's --nproc_per_node); use a number of ranks that divides {e}")
+
+
+#: expert parameters per rank above which a CPU run is refused (``profile.allow_large_cpu=true`` forces it)
+MAX_CPU_EXPERT_PARAMS = 50_000_000
+
+
+def check_fits(p: dict, world: int, backend: str, *, allow: bool = False) -> None:
+    """Refuse a large shape without CUDA: each point would take seconds and the profile an hour,
+    and CPU curves say nothing about GPUs.
+
+    Raises:
+        SystemExit: the shape's experts per rank hold more than :data:`MAX_CPU_EXPERT_PARAMS`
+            parameters, the backend is not NCCL and not ``allow`` (``profile.allow_large_cpu``).
+    """
+    shape = p["shape"]
+    n = 3 * (shape["num_experts"] // world) * shape["hidden_size"] * shape["ffn_hidden_size"]
+    if backend != "nccl" and n > MAX_CPU_EXPERT_PARAMS and not allow:
+        raise SystemExit(
+            f"profile={p.get('name')} times {n / 1e6:.0f}M expert parameters per rank and there is no CUDA device "
+            f"here (CPU curves would take an hour and say nothing about GPUs). Profile the CPU smoke shape instead:\n"
+            f"    python recipes/profile.py profile=cpu_smoke\n"
+            f"or on GPUs: torchrun --standalone --nproc_per_node=N recipes/profile.py parallel=gpu "
+            f"profile={p.get('name')} (+profile.allow_large_cpu=true forces it)")
 
 
 def _time_rows(experts, x, counts, device, warmup: int, reps: int, inner: int = 10) -> float:
@@ -277,6 +301,8 @@ def main(cfg: DictConfig) -> None:
     flag(d, "progress", True)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (d.get("parallel") or {}).get("world_size", 1)
     check_world(d["profile"], int_setting(world, "parallel.world_size", 1))
+    backend = resolve_backend((d.get("parallel") or {}).get("backend"), torchrun=under_torchrun())
+    check_fits(d["profile"], world, backend, allow=flag(d["profile"], "allow_large_cpu", False))
     ep = (d.get("parallel") or {}).get("ep")
     if ep is not None and int_setting(ep, "parallel.ep", 1) != world:
         raise ValueError(f"parallel.ep={ep}: profile.py times every rank of the world, one curve each, and plan.py "

@@ -68,7 +68,6 @@ error), else one planned (mode dp) on the replay trace's first half of sequences
 from __future__ import annotations
 
 import hashlib
-import importlib
 import math
 import os
 import sys
@@ -89,9 +88,9 @@ from omegaconf import DictConfig  # noqa: E402
 
 from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, check_layer_settings, device_for, int_setting, invocation, launch, merge_curves_path, normalize_flags,
+    LAYER_FLAGS, check_input_file, check_layer_settings, device_for, import_object, int_setting, invocation, launch, merge_curves_path, normalize_flags,
     overridden, percentile,
-    print_table, remove_stale, run_dir, shutdown, to_dict, write_json,
+    print_table, remove_stale, run_dir, shutdown, timeout_setting, to_dict, write_json,
 )
 from recipes._bench_tools import seq_len_bounds  # noqa: E402
 from recipes._plots import plot_rank_load  # noqa: E402
@@ -153,8 +152,7 @@ def build_model(m: dict, layer: dict, groups, device: torch.device, seed: int, p
 
     dtype = DTYPES[m.get("dtype", "float32")]
     moe_cfg = moe_config(m)
-    mod, _, name = layer["cls"].rpartition(".")
-    cls = getattr(importlib.import_module(mod), name)
+    cls = import_object(layer["cls"], "layer.cls")
     kwargs = dict(layer.get("kwargs") or {})
     placements = (layer_placements(layer["placement_path"], moe_cfg.num_experts, groups.ep_size)
                   if layer.get("placement_path") else None)
@@ -637,8 +635,7 @@ def summarize(res: dict, out_dir: str) -> None:
 
 def uses_plan(layer_cfg: dict) -> bool:
     """Whether the layer class is built from a semantic plan (has ``from_plan``)."""
-    mod, _, name = layer_cfg["cls"].rpartition(".")
-    return hasattr(getattr(importlib.import_module(mod), name), "from_plan")
+    return hasattr(import_object(layer_cfg["cls"], "layer.cls"), "from_plan")
 
 
 def serve_sizes(d: dict) -> tuple[int, int]:
@@ -714,8 +711,7 @@ def check_curves_file(d: dict) -> None:
     path = VariabilitySettings.from_config(d).curves_path
     if not path:
         return
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"curves.path={path} (the latency curves) does not exist")
+    check_input_file(path, "curves.path", "the latency curves")
     _, ep = serve_sizes(d)
     try:
         LatencyCurves.load(path).check_ranks(ep)
@@ -776,13 +772,21 @@ def check_config(d: dict) -> None:
     trace = None
     if router != "replay":
         unused = [f"trace.{key}={d['trace'][key]}" for key in ("path", "request_offset") if d["trace"].get(key)]
+        unused += overridden(["trace.num_sequences", "trace.seq_len", "workload.prompt_fraction"])
         if unused:
             raise ValueError(f"{', '.join(unused)} is read with router=replay only (router={router} routes with "
-                             f"the model's own router): add router=replay, or drop it")
+                             f"the model's own router and draws the requests from workload.prompt_len / "
+                             f"output_len): add router=replay, or drop it")
+    else:  # the requests are the trace's sequences, cut by workload.prompt_fraction
+        unused = overridden(["workload.prompt_len", "workload.output_len"])
+        if unused:
+            raise ValueError(f"{', '.join(unused)} is read with router=learned only: router=replay serves the trace's "
+                             "sequences, workload.prompt_fraction of each the prompt and the rest its output "
+                             "(trace.seq_len sizes a synthetic trace's sequences)")
     if router == "replay":
         path = d["trace"].get("path")
-        if path and not os.path.isfile(path):
-            raise FileNotFoundError(f"trace.path={path} does not exist")
+        if path:
+            check_input_file(path, "trace.path", "a routing trace file")
         if not path and not d["trace"].get("synthetic", False):
             raise ValueError("router=replay needs trace.path=FILE (or trace.synthetic=true)")
         offset, num_seq = d["trace"].get("request_offset") or 0, d["trace"].get("num_sequences")
@@ -792,6 +796,9 @@ def check_config(d: dict) -> None:
             if path:
                 raise ValueError(f"trace.num_sequences={num_seq} sizes the synthetic trace; with trace.path the file's "
                                  "sequences are replayed (workload.num_requests and trace.request_offset pick them)")
+        if path and overridden(["trace.seq_len"]):
+            raise ValueError(f"{overridden(['trace.seq_len'])[0]} sizes the synthetic trace's sequences; with trace.path "
+                             "the file's sequences are replayed as they are")
         if not path and num_seq and int(num_seq) <= offset:
             raise ValueError(f"trace.request_offset={offset} leaves no sequence of trace.num_sequences={num_seq}")
         if not path:
@@ -827,8 +834,7 @@ def check_model_and_layer(d: dict) -> None:
         raise type(exc)(f"model: {exc}") from exc
     if uses_plan(d["layer"]):
         return
-    mod, _, name = d["layer"]["cls"].rpartition(".")
-    cls = getattr(importlib.import_module(mod), name)
+    cls = import_object(d["layer"]["cls"], "layer.cls")
     check_layer_settings(lambda **kw: cls(moe_cfg, ml.ParallelGroups.single(), device=torch.device("meta"), **kw),
                          d["layer"].get("kwargs") or {}, f"layer={d['layer'].get('name')} layer.kwargs")
 
@@ -956,7 +962,7 @@ def main(cfg: DictConfig) -> None:
         warning = compare.seeds_warning(d)
         if warning:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
-        par = dict(d["parallel"], timeout_s=float(d["parallel"].get("timeout_s", 600)) * len(runs))
+        par = dict(d["parallel"], timeout_s=timeout_setting(d["parallel"]) * len(runs))
         t0 = time.perf_counter()
         res = launch(dict(d, parallel=par, _runs=runs), compare_worker)
         if res is not None:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,7 +110,6 @@ def test_bench_semantic_against_vanilla_in_one_run(tmp_path):
     # experts on the plan's ranks for ours, linear (experts r*E/R.. on rank r) for vanilla.
     from types import SimpleNamespace
 
-    import numpy as np
     import torch
     from hydra import compose, initialize_config_dir
 
@@ -529,6 +529,112 @@ def test_save_to_is_written_atomically(tmp_path, monkeypatch):
     assert not saved.exists() or json.loads(saved.read_text()) == rec  # all or nothing
 
 
+def test_save_to_keeps_a_record_of_other_settings_under_the_same_name(tmp_path, capsys):
+    """Found by a sweep: a changed shape field (bench.shape.hidden_size=128), seed or
+    bench.inference_mode left the file name alone, so bench.save_to replaced one configuration's
+    record with another's. The record carries a digest of those settings; another digest keeps both."""
+    from recipes.bench import save_records, settings_digest
+
+    d = bench_config()
+    base = settings_digest(d)
+    changed = []
+    for key, value in (("seed", 3), ("bench.inference_mode", False), ("bench.shape.hidden_size", 128)):
+        e = bench_config()
+        node = e
+        *path, last = key.split(".")
+        for k in path:
+            node = node[k]
+        node[last] = value
+        changed.append(settings_digest(e))
+    assert len({base, *changed}) == 4, (base, changed)
+    untimed = bench_config()
+    untimed["bench"]["save_to"], untimed["bench"]["tokens_per_rank"] = "/elsewhere", [7]
+    assert settings_digest(untimed) == base  # where it is saved and the sizes (in the name) are not settings
+    rec = {"device_name": "cpu", "layer": "vanilla", "shape_name": "s", "tokens_per_rank": 16, "world_size": 2,
+           "ep": 2, "mode": "eager", "ms": 1.0, "shape": {"H": 64}}
+    saved = tmp_path / "saved"
+    save_records([{**rec, "settings_digest": base}], str(tmp_path / "run"), str(saved))
+    save_records([{**rec, "ms": 2.0, "settings_digest": base}], str(tmp_path / "run"), str(saved))  # same: replaced
+    assert [json.loads(f.read_text())["ms"] for f in saved.iterdir()] == [2.0]
+    save_records([{**rec, "ms": 3.0, "settings_digest": changed[0]}], str(tmp_path / "run"), str(saved))
+    files = sorted(f.name for f in saved.iterdir())
+    assert files == ["vanilla_s_t16_ws2_cpu.json", f"vanilla_s_t16_ws2_cpu_cfg-{changed[0][:6]}.json"], files
+    assert json.loads((saved / files[0]).read_text())["ms"] == 2.0  # kept
+    assert "holds a record of other settings" in capsys.readouterr().out
+    legacy = tmp_path / "legacy"  # a record from before digests: another shape is another configuration
+    save_records([rec], str(tmp_path / "run"), str(legacy))
+    save_records([{**rec, "shape": {"H": 128}, "settings_digest": base}], str(tmp_path / "run"), str(legacy))
+    assert len(list(legacy.iterdir())) == 2
+
+
+def test_a_reused_run_dir_keeps_only_this_runs_records(tmp_path, capsys):
+    """Found by a sweep: bench into a reused hydra.run.dir left the earlier run's records (another
+    tokens_per_rank) and profiler trace beside the new ones. Other files are left alone."""
+    from recipes.bench import remove_earlier_outputs
+
+    rec = {"device_name": "cpu", "tokens_per_rank": 16, "ms": 1.0}
+    old = {"vanilla_s_t16_ws2_cpu.json": rec, "profile_vanilla_s_t16_rank0.json": {"traceEvents": []},
+           "notes.json": {"mine": True}}
+    for name, obj in old.items():
+        (tmp_path / name).write_text(json.dumps(obj))
+        os.utime(tmp_path / name, (1_000_000, 1_000_000))
+    (tmp_path / "vanilla_s_t32_ws2_cpu.json").write_text(json.dumps(rec))  # this run's
+    removed = remove_earlier_outputs(str(tmp_path), started=2_000_000)
+    assert sorted(os.path.basename(p) for p in removed) == ["profile_vanilla_s_t16_rank0.json",
+                                                             "vanilla_s_t16_ws2_cpu.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.json", "vanilla_s_t32_ws2_cpu.json"]
+    assert capsys.readouterr().out.count("an earlier run's output") == 2
+
+
+def test_a_plan_file_leaves_out_the_sequences_it_was_trained_on(tmp_path):
+    """Found by a sweep: with layer.plan_path every trace sequence was replayed, "whether the plan
+    was trained on them is not known here", though the plan file records them (serve used that)."""
+    from types import SimpleNamespace
+
+    from moelayers.planning.semantic import plan_semantic
+    from recipes._bench_tools import Replay, semantic_schedules
+
+    shape = SimpleNamespace(num_experts=8, top_k=2)
+    trace_cfg = {"synthetic": True, "seq_len": [16, 48], "num_sequences": 16, "vocab_size": 256}
+
+    def replay():
+        return Replay(dict(trace_cfg), shape, 0, 64, min_sequences=16)
+
+    full = replay().trace
+    train, held = full.split(0.25)
+    plan_semantic(train, 2, mode="dp", seed=0, progress=False).save(tmp_path / "plan.npz")
+    r, notes = replay(), []
+    semantic_schedules(r, 2, 0, 0.5, str(tmp_path / "plan.npz"), notes)
+    assert r.trace.num_sequences == held.num_sequences == 12
+    assert (r.trace.sequence_digests() == held.sequence_digests()).all()
+    assert notes == [f"4 of 16 trace sequences are left out: the plan {tmp_path / 'plan.npz'} was trained on them "
+                     "(by content)"]
+
+
+def test_a_trace_that_does_not_fit_the_shape_is_refused_before_the_ranks_start(tmp_path):
+    """Found by a sweep: trace.layer past the trace's layers, or a trace of other experts or top-k,
+    failed inside every rank (a traceback per rank); check_config says it now."""
+    from moelayers.trace import RoutingTrace, save_trace
+    from recipes.bench import check_config
+
+    shape = bench_config()["bench"]["shape"]
+    e, k = shape["num_experts"], shape["top_k"]
+    rng = np.random.default_rng(0)
+
+    def write(name, experts, top_k, layers=2):
+        ids = np.stack([rng.permutation(experts)[:top_k] for _ in range(20 * layers)]).reshape(20, layers, top_k)
+        save_trace(RoutingTrace(ids.astype(np.int64), rng.integers(0, 100, size=20).astype(np.int64),
+                                np.array([0, 10, 20]), experts, vocab_size=100), tmp_path / name)
+        return tmp_path / name
+
+    ok, other = write("ok.npz", e, k), write("other.npz", e * 2, k)
+    check_config(bench_config("router=replay", f"trace.path={ok}", "trace.layer=1"))
+    with pytest.raises(ValueError, match=r"trace\.layer=2 but trace\.path=.*ok\.npz has 2 layer\(s\)"):
+        check_config(bench_config("router=replay", f"trace.path={ok}", "trace.layer=2"))
+    with pytest.raises(ValueError, match=rf"other\.npz has E={2 * e}, K={k}; the benchmark shape has E={e}, K={k}"):
+        check_config(bench_config("router=replay", f"trace.path={other}"))
+
+
 def test_no_peer_when_ours_runs_below_the_world():
     """megatron's MoELayer spreads its experts over the whole world: with parallel.ep below it the two
     would time different layouts, so the peer is left out (auto) or refused (required), saying why."""
@@ -594,7 +700,9 @@ def test_check_config_checks_plan_files_save_to_and_sizes(tmp_path):
             (f"layer.plan_path={tmp_path / 'r4.npz'}", ValueError, r"r4\.npz.*'num_ranks' is 4"),
             (f"layer.plan_path={tmp_path / 'no.npz'}", FileNotFoundError, r"layer\.plan_path=.*no\.npz does not exist"),
             ("layer.plan_train_fraction=1.0", ValueError, r"layer\.plan_train_fraction must be null \(0\.5\) or a number"),
-            (f"trace.path={tmp_path / 'no_trace.npz'}", FileNotFoundError, r"trace\.path=.*no_trace\.npz does not exist")):
+            (f"trace.path={tmp_path / 'no_trace.npz'}", FileNotFoundError, r"trace\.path=.*no_trace\.npz does not exist"),
+            # a folder was said not to exist (found by a sweep)
+            (f"trace.path={tmp_path}", IsADirectoryError, r"trace\.path=.* is a directory, not a routing trace file")):
         with pytest.raises(exc, match=match):
             check_config(bench_config(*semantic, override))
     with pytest.raises(ValueError, match="use router=replay"):

@@ -181,6 +181,18 @@ def test_check_profile_refuses_bad_settings(key, value, match):
         check_profile(bad)
 
 
+def test_a_gpu_shape_on_cpu_is_refused():
+    """Found by a sweep: profile=qwen3_30b_a3b on CPU started a 45-point profile of several seconds a
+    point (bench refuses such shapes): refused now, unless forced, or under NCCL."""
+    check_fits = _profile_module().check_fits
+    qwen = {"name": "qwen3_30b_a3b", "shape": {"hidden_size": 2048, "ffn_hidden_size": 768, "num_experts": 128}}
+    with pytest.raises(SystemExit, match=r"302M expert parameters per rank and there is no CUDA device"):
+        check_fits(qwen, 2, "gloo")
+    check_fits(qwen, 2, "gloo", allow=True)
+    check_fits(qwen, 2, "nccl")
+    check_fits(CPU_SMOKE, 2, "gloo")
+
+
 def test_profile_worker_refuses_nan_latency(monkeypatch):
     """A NaN timing (the median of no samples) is a failed timer, not a curve to write."""
     mod = _profile_module()

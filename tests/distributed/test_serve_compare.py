@@ -163,6 +163,10 @@ def test_compare_baseline_executes_like_ours_and_reads_our_plan():
     cfg["compare"] = {"layer": "vanilla", "scheduler": {"name": "semantic", "plan_path": "other.npz"}, "seeds": 1}
     base = next(r for r in compare.run_configs(cfg, conf) if r["_side"] == "baseline")
     assert base["scheduler"] == {"name": "semantic", "plan_path": "other.npz", "plan_train_fraction": 0.25}
+    # capacity mode is how the exchange runs (found by a sweep: the baseline ran exact, 18x fewer bytes)
+    cfg = {"seed": 0, "layer": {"name": "vanilla", "cls": "moelayers.VanillaMoE", "kwargs": {"capacity": 64}},
+           "scheduler": "round_robin", "compare": {"layer": "vanilla", "seeds": 1}}
+    assert [r["layer"]["kwargs"]["capacity"] for r in compare.run_configs(cfg, conf)] == [64, 64]
     # ours' scheduler reads the plan settings; a named semantic baseline layer (its config's null
     # defaults) agrees with the pinned values instead of contradicting them
     from recipes._serve_workload import plan_train_fraction

@@ -3,6 +3,7 @@ step against a single process."""
 
 import hashlib
 import json
+import re
 import os
 import subprocess
 import sys
@@ -275,6 +276,8 @@ def test_serve_trace_file_checks(tmp_path):
     with pytest.raises(ValueError, match=r"trace\.num_sequences=4 sizes the synthetic trace; with trace\.path"):
         serve.check_config(_config("router=replay", f"trace.path={path}", "parallel.world_size=1",
                                    "trace.num_sequences=4"))
+    with pytest.raises(IsADirectoryError, match=rf"trace\.path={tmp_path} is a directory, not a routing trace"):
+        serve.check_config(_config("router=replay", f"trace.path={tmp_path}"))  # was "does not exist"
 
 
 def test_serve_plan_file_checked_before_the_ranks_start(tmp_path):
@@ -449,7 +452,11 @@ def test_serve_workload_checked_before_the_ranks_start():
             (("router=replay", "workload.prompt_fraction=nan"), fraction + ", got nan"),
             (("workload.prompt_fraction=0",), fraction + ", got 0"),
             (("trace.path=/nonexistent.npz",), r"trace.path=/nonexistent.npz is read with router=replay only"),
-            (("trace.request_offset=4",), r"trace.request_offset=4 is read with router=replay only")):
+            (("trace.request_offset=4",), r"trace.request_offset=4 is read with router=replay only"),
+            # a sweep found raw TypeError / ModuleNotFoundError / AttributeError here (some inside the ranks)
+            (("scheduler=os:path",), r"scheduler='os:path' is a module, not a function"),
+            (("scheduler=nosuchmod:fn",), r"scheduler='nosuchmod:fn': cannot import 'nosuchmod'"),
+            (("layer.cls=moelayers.NoSuch",), r"layer.cls='moelayers.NoSuch': module 'moelayers' has no 'NoSuch'")):
         with pytest.raises(ValueError, match=match):
             serve.check_config(_config(*overrides))
     for overrides in (("workload.rate=null",), ("router=replay", "workload.prompt_fraction=1"),
@@ -521,6 +528,21 @@ def test_latency_summary_counts_unserved_requests():
     assert lat["ttft_p50_s"] == inf and lat["ttft_mean_s"] == inf  # of the two that arrived: 1.0 and inf
     lat = serve.latency_summary(due[:1] * 3 + due[2:], elapsed=1.0)
     assert lat["ttft_p50_s"] == 1.0 and lat["unserved_requests"] == 0 and lat["unarrived_requests"] == 2
+
+
+@pytest.mark.timeout(90)
+def test_settings_the_run_would_ignore_are_refused(tmp_path):
+    """Found by a sweep: under router=replay workload.output_len / prompt_len were ignored (the trace's
+    sequences are the requests), under router=learned the synthetic trace's sizes and
+    workload.prompt_fraction; parallel.timeout_s=0 failed every run as "timed out"."""
+    for overrides, match in (
+            (("router=replay", "workload.output_len.max=20"), "workload.output_len.max=20 is read with router=learned only"),
+            (("trace.seq_len=[4,8]", "workload.prompt_fraction=0.9"),
+             r"trace.seq_len=\[4,8\], workload.prompt_fraction=0.9 is read with router=replay only"),
+            (("parallel.timeout_s=0",), r"parallel.timeout_s must be a number of seconds > 0 .*got 0")):
+        proc = _run_serve(tmp_path / "run", *overrides)
+        assert proc.returncode != 0 and re.search(match, proc.stderr), proc.stderr[-2000:]
+        assert "rank 0" not in proc.stderr  # refused before any rank started
 
 
 @pytest.mark.timeout(60)
