@@ -56,7 +56,7 @@ class AllGatherDispatcher:
         routes = check_routes(routes, self.num_ranks, self.num_slots)
         t, k = routes.dest_rank.shape
         dev = x.device
-        digest = payload_digest(self.placement_digest, x.dtype, routes.weights.dtype)
+        digest = payload_digest(self.placement_digest, x, routes.weights.dtype)
         # every rank's (tokens, -, bad logits, digest), exchanged as the all-to-all dispatcher exchanges its
         # [R, 4] header (the same collective, columns 2 and 3 alike): ranks built with the other dispatcher
         # meet this one in it and raise on the digests, where an all-gather against its all-to-all hung

@@ -88,7 +88,7 @@ class AllToAllDispatcher:
         routes = check_routes(routes, self.num_ranks, self.num_slots, padding=self.capacity is not None)
         if self.capacity is not None:
             return self._dispatch_fixed(x, routes)
-        dest_map, header = self._layout(routes, payload_digest(self.placement_digest, x.dtype, routes.weights.dtype))
+        dest_map, header = self._layout(routes, payload_digest(self.placement_digest, x, routes.weights.dtype))
         in_splits, out_splits, pairs_sent, recv_pairs = self._exchange_counts(header)
 
         j = routes.dest_rank.shape[1] if self.dedup else 1
@@ -126,7 +126,7 @@ class AllToAllDispatcher:
         no = torch.zeros((), dtype=torch.bool, device=dev)
         flags = torch.cat([torch.stack([no if routes.nonfinite is None else routes.nonfinite,
                                         no if routes.overflow is None else routes.overflow]).to(torch.int32),
-                           self._digest_halves(dev, payload_digest(self.placement_digest, x.dtype,
+                           self._digest_halves(dev, payload_digest(self.placement_digest, x,
                                                                    routes.weights.dtype))])
         layout = RowLayout(((x.shape[1], x.dtype), (k, routes.weights.dtype), (k, torch.int32), (4, torch.int32)))
         buf = layout.empty(r * c, dev)

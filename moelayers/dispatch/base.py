@@ -90,12 +90,17 @@ _HEADER_MARK, _MARK_SHIFT = 0x2A5C, 48
 
 
 @functools.lru_cache(maxsize=256)
-def payload_digest(digest: int, *dtypes: torch.dtype) -> int:
+def payload_digest(digest: int, x: torch.Tensor, weights_dtype: torch.dtype) -> int:
     """``digest`` (the layer's, :meth:`MoELayerBase._digest`) mixed with the dtypes of the payload
-    (tokens, routing weights): they decide the rows' byte layout, and a rank computing in another
-    dtype (its layer cast alone) would read the others' rows wrongly or abort mid-exchange. 62 bits:
-    a 48-bit hash under the header's mark (:func:`raise_if_out_of_step`)."""
-    h = hashlib.blake2b(repr((digest, *map(str, dtypes))).encode(), digest_size=8)
+    (tokens ``x``, routing weights): they decide the rows' byte layout, and a rank computing in another
+    dtype (its layer cast alone) would read the others' rows wrongly or abort mid-exchange. Also the
+    dtype ``torch.autocast`` has the experts compute ``x`` in, where it is on and not ``x``'s own: a
+    rank under autocast alone would compute its experts' rows in another precision than the others.
+    62 bits: a 48-bit hash under the header's mark (:func:`raise_if_out_of_step`)."""
+    from moelayers.experts import _autocast_dtype  # (the experts module imports this one)
+
+    h = hashlib.blake2b(repr((digest, str(x.dtype), str(weights_dtype), str(_autocast_dtype(x)))).encode(),
+                        digest_size=8)
     return (_HEADER_MARK << _MARK_SHIFT) | (int.from_bytes(h.digest(), "little") >> (64 - _MARK_SHIFT))
 
 
@@ -127,8 +132,8 @@ def raise_if_placements_differ(digests: list[int]) -> None:
                          f"by them: {sorted(groups.values())}): every rank must load the same checkpoint moment or "
                          f"apply the same placement, build the layer with the same MoEConfig, dispatcher, dedup, "
                          f"capacity (and a VariabilityAwareMoE with the same window and re-planning settings), "
-                         f"and compute in the same dtype (a layer cast on some ranks only, or the router's logits "
-                         f"in another dtype)")
+                         f"and compute in the same dtype (a layer cast on some ranks only, torch.autocast on some "
+                         f"ranks only, or the router's logits in another dtype)")
 
 
 def raise_if_nonfinite(flags: list[int]) -> None:

@@ -506,7 +506,9 @@ def _settings_check(rank: int, world: int, case: str) -> str:
         layer = ml.VariabilityAwareMoE(cfg, groups, window=2 + rank, auto_replan=True, seed=1)
     else:
         layer = ml.VanillaMoE(cfg, groups, seed=1)
-    with torch.no_grad():
+    on = case == "autocast everywhere" or (case == "autocast" and rank == 0)
+    amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=on)
+    with torch.no_grad(), amp:
         return _outcome(lambda: [layer(torch.randn(4, 8)) for _ in range(4)])
 
 
@@ -524,12 +526,19 @@ def test_variability_planner_settings_read_on_rank_0_may_differ():
     assert run_distributed(_rank0_settings_check, 2, timeout=TIMEOUT) == ["ok replans=1"] * 2
 
 
-@pytest.mark.parametrize("case", ["ffn_hidden_size", "norm_topk_prob", "window"])
+@pytest.mark.parametrize("case", ["ffn_hidden_size", "norm_topk_prob", "window", "autocast"])
 def test_ranks_built_with_other_settings_all_raise(case):
     """Another ffn_hidden_size or norm_topk_prob on one rank served another model silently; a
-    VariabilityAwareMoE with another window on one rank re-planned at another step: a hang."""
+    VariabilityAwareMoE with another window on one rank re-planned at another step: a hang. Under
+    torch.autocast on one rank only, its experts computed in bf16 and the other's in fp32, unflagged."""
     outcomes = run_distributed(_settings_check, 2, case, timeout=TIMEOUT)
     assert all("serve different placements or layer settings" in got for got in outcomes), outcomes
+    if case == "autocast":
+        assert all("torch.autocast on some ranks only" in got for got in outcomes), outcomes
+
+
+def test_autocast_on_every_rank_agrees():
+    assert run_distributed(_settings_check, 2, "autocast everywhere", timeout=TIMEOUT) == ["ok", "ok"]
 
 
 def _groups_check(rank: int, world: int, case: str) -> str:
