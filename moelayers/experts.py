@@ -47,8 +47,9 @@ def _grouped_mm_supported(x: torch.Tensor, hidden: int, ffn: int, *, fast_path: 
 
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """The dtype ``torch.autocast`` computes ``x``'s matmuls in, where it is on and not ``x``'s own."""
-    if not autocast_on(x):
+    """The dtype ``torch.autocast`` computes ``x``'s matmuls in, where it is on and not ``x``'s own
+    (float64 it leaves alone)."""
+    if x.dtype == torch.float64 or not autocast_on(x):
         return None
     dtype = torch.get_autocast_dtype(x.device.type)
     return None if dtype == x.dtype else dtype

@@ -89,18 +89,22 @@ def merge_flags(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor 
 _HEADER_MARK, _MARK_SHIFT = 0x2A5C, 48
 
 
-@functools.lru_cache(maxsize=256)
 def payload_digest(digest: int, x: torch.Tensor, weights_dtype: torch.dtype) -> int:
     """``digest`` (the layer's, :meth:`MoELayerBase._digest`) mixed with the dtypes of the payload
     (tokens ``x``, routing weights): they decide the rows' byte layout, and a rank computing in another
     dtype (its layer cast alone) would read the others' rows wrongly or abort mid-exchange. Also the
-    dtype ``torch.autocast`` has the experts compute ``x`` in, where it is on and not ``x``'s own: a
-    rank under autocast alone would compute its experts' rows in another precision than the others.
+    dtype ``torch.autocast`` has the experts compute ``x`` in, where it is on and changes it: a rank
+    under autocast alone would compute its experts' rows in another precision than the others.
     62 bits: a 48-bit hash under the header's mark (:func:`raise_if_out_of_step`)."""
     from moelayers.experts import _autocast_dtype  # (the experts module imports this one)
 
-    h = hashlib.blake2b(repr((digest, str(x.dtype), str(weights_dtype), str(_autocast_dtype(x)))).encode(),
-                        digest_size=8)
+    return _payload_digest(digest, x.dtype, weights_dtype, _autocast_dtype(x))
+
+
+@functools.lru_cache(maxsize=256)
+def _payload_digest(digest: int, *dtypes: torch.dtype | None) -> int:
+    """:func:`payload_digest` of the dtypes alone (cached: the same few per layer)."""
+    h = hashlib.blake2b(repr((digest, *map(str, dtypes))).encode(), digest_size=8)
     return (_HEADER_MARK << _MARK_SHIFT) | (int.from_bytes(h.digest(), "little") >> (64 - _MARK_SHIFT))
 
 

@@ -502,14 +502,16 @@ def _settings_check(rank: int, world: int, case: str) -> str:
         cfg = cfg.replace(ffn_hidden_size=6)
     if case == "norm_topk_prob" and rank == 1:
         cfg = cfg.replace(norm_topk_prob=False)
+    if case == "autocast float64":  # autocast leaves float64 alone: nothing differs
+        cfg = cfg.replace(params_dtype=torch.float64)
     if case == "window":
         layer = ml.VariabilityAwareMoE(cfg, groups, window=2 + rank, auto_replan=True, seed=1)
     else:
         layer = ml.VanillaMoE(cfg, groups, seed=1)
-    on = case == "autocast everywhere" or (case == "autocast" and rank == 0)
+    on = case == "autocast everywhere" or (case in ("autocast", "autocast float64") and rank == 0)
     amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=on)
     with torch.no_grad(), amp:
-        return _outcome(lambda: [layer(torch.randn(4, 8)) for _ in range(4)])
+        return _outcome(lambda: [layer(torch.randn(4, 8, dtype=cfg.params_dtype)) for _ in range(4)])
 
 
 def _rank0_settings_check(rank: int, world: int) -> str:
@@ -537,8 +539,10 @@ def test_ranks_built_with_other_settings_all_raise(case):
         assert all("torch.autocast on some ranks only" in got for got in outcomes), outcomes
 
 
-def test_autocast_on_every_rank_agrees():
-    assert run_distributed(_settings_check, 2, "autocast everywhere", timeout=TIMEOUT) == ["ok", "ok"]
+@pytest.mark.parametrize("case", ["autocast everywhere", "autocast float64"])
+def test_autocast_on_every_rank_or_of_float64_agrees(case):
+    """(A float64 layer under autocast on one rank only was refused: autocast does not touch it.)"""
+    assert run_distributed(_settings_check, 2, case, timeout=TIMEOUT) == ["ok", "ok"]
 
 
 def _groups_check(rank: int, world: int, case: str) -> str:

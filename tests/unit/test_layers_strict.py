@@ -563,6 +563,25 @@ def test_a_policy_module_with_state_loads_like_any_submodule():
         layer.load_state_dict(plain.state_dict())
 
 
+def test_a_forward_keeps_no_reference_to_its_input():
+    """The exchange's digest was cached by the input tensor (a review found it): the last 256 inputs
+    of every layer, and their autograd graphs, stayed alive."""
+    import gc
+    import weakref
+
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single())
+    refs = []
+    for _ in range(5):
+        x = torch.randn(8, 16, requires_grad=True)
+        layer(x).sum()
+        refs.append(weakref.ref(x))
+        del x
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert layer.graphs_in_flight() == 0  # the dropped graphs are freed
+
+
 def test_a_layer_warning_names_the_callers_line():
     """Warnings raised inside the forward named a line of torch's (the forward runs under
     torch.compiler.disable and other wrappers): they now name the first line outside moelayers and torch."""
