@@ -323,7 +323,8 @@ class RoutingTrace:
         n_train = train_sequences(train_fraction, num)
         if n_train == 0 or n_train == num:
             need = ("at least two sequences" if num < 2 else
-                    f"a train_fraction in [{1 / num:.3g}, {(num - 1) / num:.3g}] for its {num} sequences")
+                    f"a train_fraction of at least 1/{num} for its {num} sequences (the train part is "
+                    f"floor(train_fraction x {num}) of them)")
             raise ValueError(f"{self._name()}: split({train_fraction}) of {num} sequences leaves an empty part ({n_train} "
                              f"train, {num - n_train} held out): the split is by sequence (seq_offsets), so it needs "
                              f"{need}")

@@ -14,6 +14,7 @@ where rank 0 writes its files). ``fn`` must be defined at module level (it is pi
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import json
 import math
@@ -36,8 +37,8 @@ __all__ = [
 
 #: Layer kwargs that say *how* a layer executes rather than *what* it is: a comparison gives the
 #: baseline ours' values, so that only the layer differs (dispatcher, de-duplication, NaN check,
-#: expert GEMM backend).
-# (capacity and cuda_graph: how the exchange runs, fixed buffers or exact; bench.py sets them itself)
+#: expert GEMM backend, capacity and CUDA graph: fixed buffers or an exact exchange; bench.py
+#: refuses the last two in layer.kwargs and sets them itself).
 EXECUTION_KWARGS = ("dispatcher", "dedup", "check_finite", "expert_backend", "capacity", "cuda_graph")
 
 
@@ -49,8 +50,18 @@ def _recipe_doc() -> str:
     return (doc or "A moelayers recipe (recipes/).").strip().replace("$", "$$") + "\n"
 
 
+def _run_stamp() -> str:
+    """The time part of a default run dir (``${run_stamp:}``): ``HH-MM-SS-ffffff`` (microseconds:
+    two runs started in one second must not share a dir), but ``HH-MM-SS`` under torchrun, whose
+    ranks each resolve it and must find one dir (they start within the same second, as before)."""
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+    return datetime.datetime.now().strftime("%H-%M-%S" if torchrun else "%H-%M-%S-%f")
+
+
 if not OmegaConf.has_resolver("recipe_doc"):
     OmegaConf.register_new_resolver("recipe_doc", _recipe_doc)
+if not OmegaConf.has_resolver("run_stamp"):
+    OmegaConf.register_new_resolver("run_stamp", _run_stamp, use_cache=True)
 
 
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")

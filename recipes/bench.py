@@ -45,7 +45,8 @@ replayed trace layer other than 0 (``trace.layer``); ``_checkfinite``:
 the layer's default, ``vanilla`` for a plan-built layer and none otherwise), so that no
 configuration's record overwrites another's; settings that the name leaves out (a changed shape field,
 ``seed``, ``bench.inference_mode``, the layer's or the synthetic trace's settings) are in the record's
-``settings_digest``, and a record in ``bench.save_to`` of another digest under the same name is kept:
+``settings_digest`` (as resolved: ``bench.dtype=auto`` and ``float32`` on CPU are one setting), and a
+record in ``bench.save_to`` of another digest under the same name is kept:
 the new one gets ``_cfg-`` and the digest's first 6 hex digits added (a note says so). ``bench.profile=true`` prints a torch.profiler table of
 ours' top kernels at one size (and saves a chrome trace in the run dir).
 
@@ -867,28 +868,43 @@ def save_records(records: list[dict], out_dir: str, save_to: str | None) -> list
     return paths
 
 
-#: bench settings that do not change what is timed (left out of a record's ``settings_digest``)
-_UNTIMED_BENCH_KEYS = ("tokens_per_rank", "save_to", "profile", "profile_tokens", "profile_iters", "profile_rows",
-                       "max_cpu_expert_params", "allow_large_cpu", "check")
+#: a record's fields that say what was measured (resolved: ``dtype`` float32, not ``auto``)
+_SETTING_FIELDS = ("dtype", "router_dtype", "ep", "backend", "warmup", "iters", "mode", "train", "layer",
+                   "layer_kwargs", "baseline", "baseline_kwargs", "check_finite", "peer", "router", "plan_based")
+#: those a record from before digests holds too: compared when the one in ``bench.save_to`` has no digest
+_LEGACY_FIELDS = ("shape", "dtype", "warmup", "iters", "mode", "router", "peer", "baseline")
 
 
-def settings_digest(d: dict) -> str:
-    """12 hex digits over every setting that changes a measurement but not a record's file name
-    (the shape's fields, ``seed``, ``bench.inference_mode``, the layer's and the trace's settings,
-    ...): two records of one name and one digest measured the same configuration."""
+def _norm_path(path: object) -> str | None:
+    return None if not path else os.path.normpath(os.path.abspath(str(path)))
+
+
+def settings_digest(record: dict, d: dict) -> str:
+    """12 hex digits over what a record measured beyond its file name's parts, as resolved (the
+    shape's every field, the dtype ``auto`` chose, the expert-parallel size, the baseline and the
+    peer it got, the replayed trace as built, normalised file paths, ``seed``,
+    ``bench.inference_mode``, the plan's train fraction): two records of one name and one digest
+    measured the same configuration."""
     import json
 
-    b = {k: v for k, v in d["bench"].items() if k not in _UNTIMED_BENCH_KEYS}
-    parallel = {k: v for k, v in (d.get("parallel") or {}).items() if k != "timeout_s"}
-    keep = {"seed": d.get("seed"), "bench": b, "layer": d.get("layer"), "trace": d.get("trace"),
-            "router": d.get("_router_name"), "parallel": parallel}
+    tr = record.get("trace") or {}
+    layer = d.get("layer") or {}
+    keep = {k: record.get(k) for k in _SETTING_FIELDS}
+    keep.update(
+        shape=d["bench"].get("shape"), seed=d.get("seed"), inference_mode=d["bench"].get("inference_mode", True),
+        cls=layer.get("cls"), plan_path=_norm_path(record.get("plan_path")),
+        plan_train_fraction=(layer.get("plan_train_fraction") or 0.5) if record.get("plan_based") else None,
+        trace=None if not tr else {"layer": tr.get("layer"), "path": _norm_path(tr.get("path")),
+                                   "source": None if tr.get("path") else tr.get("source"),  # (sized by the run)
+                                   "vocab_size": None if tr.get("path") else (d.get("trace") or {}).get("vocab_size")})
     return hashlib.sha1(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def _unclaimed(folder: str, name: str, record: dict) -> str:
     """``folder/name``, unless it holds a record of another configuration (another
-    ``settings_digest``, or, for a record from before digests, another shape): then
-    ``name`` with ``_cfg-<digest>`` added, so that neither record is lost (said on stdout)."""
+    ``settings_digest``; for a record from before digests, another value of one of
+    :data:`_LEGACY_FIELDS` or of its trace's source): then ``name`` with ``_cfg-`` and the digest's
+    first 6 hex digits added, so that neither record is lost (said on stdout)."""
     import json
 
     path = os.path.join(folder, name)
@@ -899,7 +915,12 @@ def _unclaimed(folder: str, name: str, record: dict) -> str:
         return path  # nothing there (or not a record): write
     mine = record.get("settings_digest")
     other = old.get("settings_digest") if isinstance(old, dict) else None
-    same = (other == mine) if other is not None else (isinstance(old, dict) and old.get("shape") == record.get("shape"))
+    if other is not None:
+        same = other == mine
+    else:
+        source = [(r.get("trace") or {}).get("source") for r in (old, record)] if isinstance(old, dict) else [0, 1]
+        same = isinstance(old, dict) and source[0] == source[1] and all(
+            old.get(k) == record.get(k) for k in _LEGACY_FIELDS)
     if same:
         return path  # a new measurement of the same configuration replaces the old one
     stem, ext = os.path.splitext(name)
@@ -909,16 +930,16 @@ def _unclaimed(folder: str, name: str, record: dict) -> str:
     return alt
 
 
-def remove_earlier_outputs(run_dir: str, started: float) -> list[str]:
+def remove_earlier_outputs(run_dir: str, started: float, written: list[str] = ()) -> list[str]:
     """Remove the records and profiler traces that an earlier run left in this run dir
-    (``hydra.run.dir`` reused; files last written before ``started``), so that the dir never
-    mixes two runs' files, as the other recipes' run dirs; each one is named on stdout.
-    Other files are left alone."""
+    (``hydra.run.dir`` reused: files last written more than a second before ``started``, and not
+    ``written`` by this run), so that the dir never mixes two runs' files, as the other recipes'
+    run dirs; each one is named on stdout. Other files are left alone."""
     import json
 
-    removed = []
+    removed, mine = [], {os.path.abspath(p) for p in written}
     for path in sorted(Path(run_dir).glob("*.json")):
-        if path.stat().st_mtime >= started:
+        if os.path.abspath(path) in mine or path.stat().st_mtime >= started - 1.0:  # (clock and mtime may differ)
             continue
         ours = path.name.startswith("profile_") and path.name.endswith("_rank0.json")
         if not ours:
@@ -989,14 +1010,14 @@ def main(cfg: DictConfig) -> None:
         shutdown()
         return  # torchrun ranks other than 0
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    digest = settings_digest(d)
-    records = [order_record({**r, "seed": d.get("seed"), "settings_digest": digest}, date, command) for r in records]
+    records = [order_record({**r, "seed": d.get("seed"), "settings_digest": settings_digest(r, d)}, date, command)
+               for r in records]
     save_to = hydra.utils.to_absolute_path(b["save_to"]) if b.get("save_to") else None
     print_results(records)
     written = save_records(records, d["run_dir"], save_to)
     for p in written:
         print(f"wrote {p}")
-    remove_earlier_outputs(d["run_dir"], started)
+    remove_earlier_outputs(d["run_dir"], started, written)
     shutdown()
 
 

@@ -118,8 +118,9 @@ def check_fits(p: dict, world: int, backend: str, *, allow: bool = False) -> Non
     n = 3 * (shape["num_experts"] // world) * shape["hidden_size"] * shape["ffn_hidden_size"]
     if backend != "nccl" and n > MAX_CPU_EXPERT_PARAMS and not allow:
         raise SystemExit(
-            f"profile={p.get('name')} times {n / 1e6:.0f}M expert parameters per rank and there is no CUDA device "
-            f"here (CPU curves would take an hour and say nothing about GPUs). Profile the CPU smoke shape instead:\n"
+            f"profile={p.get('name')} times {n / 1e6:.0f}M expert parameters per rank and this run is not on GPUs "
+            f"(backend {backend}, not NCCL: CPU curves would take an hour and say nothing about GPUs). Profile the "
+            f"CPU smoke shape instead:\n"
             f"    python recipes/profile.py profile=cpu_smoke\n"
             f"or on GPUs: torchrun --standalone --nproc_per_node=N recipes/profile.py parallel=gpu "
             f"profile={p.get('name')} (+profile.allow_large_cpu=true forces it)")

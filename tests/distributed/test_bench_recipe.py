@@ -535,21 +535,31 @@ def test_save_to_keeps_a_record_of_other_settings_under_the_same_name(tmp_path, 
     record with another's. The record carries a digest of those settings; another digest keeps both."""
     from recipes.bench import save_records, settings_digest
 
-    d = bench_config()
-    base = settings_digest(d)
+    # a worker's record (resolved values) and the config it came from
+    run = {"dtype": "float32", "ep": 2, "backend": "gloo", "warmup": 10, "iters": 50, "mode": "eager", "train": False,
+           "layer": "vanilla", "layer_kwargs": {}, "baseline": None, "peer": None, "router": "replay",
+           "trace": {"source": "synthetic_trace(seed=0, seq_len=(512, 1536), num_sequences=4)", "layer": 0,
+                     "path": None}}
+    base = settings_digest(run, bench_config())
     changed = []
-    for key, value in (("seed", 3), ("bench.inference_mode", False), ("bench.shape.hidden_size", 128)):
+    for key, value in (("seed", 3), ("bench.inference_mode", False), ("bench.shape.hidden_size", 128),
+                       ("trace.vocab_size", 512)):
         e = bench_config()
         node = e
         *path, last = key.split(".")
         for k in path:
             node = node[k]
         node[last] = value
-        changed.append(settings_digest(e))
-    assert len({base, *changed}) == 4, (base, changed)
-    untimed = bench_config()
+        changed.append(settings_digest(run, e))
+    # the review's cases: a synthetic trace sized by the largest tokens_per_rank is another trace
+    changed.append(settings_digest({**run, "trace": {**run["trace"], "source": run["trace"]["source"][:-2] + "2)"}},
+                                   bench_config()))
+    assert len({base, *changed}) == 6, (base, changed)
+    untimed = bench_config("bench.dtype=float32", "parallel.ep=2", "bench.baseline=none")  # as resolved: the same
     untimed["bench"]["save_to"], untimed["bench"]["tokens_per_rank"] = "/elsewhere", [7]
-    assert settings_digest(untimed) == base  # where it is saved and the sizes (in the name) are not settings
+    assert settings_digest(run, untimed) == base  # where it is saved and the sizes (in the name) are not settings
+    files = [{**run, "trace": {"layer": 0, "path": p, "source": p}} for p in ("/x/t.npz", "/x/sub/../t.npz")]
+    assert settings_digest(files[0], bench_config()) == settings_digest(files[1], bench_config())
     rec = {"device_name": "cpu", "layer": "vanilla", "shape_name": "s", "tokens_per_rank": 16, "world_size": 2,
            "ep": 2, "mode": "eager", "ms": 1.0, "shape": {"H": 64}}
     saved = tmp_path / "saved"
@@ -561,10 +571,13 @@ def test_save_to_keeps_a_record_of_other_settings_under_the_same_name(tmp_path, 
     assert files == ["vanilla_s_t16_ws2_cpu.json", f"vanilla_s_t16_ws2_cpu_cfg-{changed[0][:6]}.json"], files
     assert json.loads((saved / files[0]).read_text())["ms"] == 2.0  # kept
     assert "holds a record of other settings" in capsys.readouterr().out
-    legacy = tmp_path / "legacy"  # a record from before digests: another shape is another configuration
+    legacy = tmp_path / "legacy"  # a record from before digests: another shape or iters is another configuration
     save_records([rec], str(tmp_path / "run"), str(legacy))
     save_records([{**rec, "shape": {"H": 128}, "settings_digest": base}], str(tmp_path / "run"), str(legacy))
-    assert len(list(legacy.iterdir())) == 2
+    save_records([{**rec, "iters": 200, "settings_digest": changed[1]}], str(tmp_path / "run"), str(legacy))
+    assert len(list(legacy.iterdir())) == 3
+    save_records([{**rec, "ms": 5.0, "settings_digest": base}], str(tmp_path / "run"), str(legacy))  # the same as it
+    assert len(list(legacy.iterdir())) == 3
 
 
 def test_a_reused_run_dir_keeps_only_this_runs_records(tmp_path, capsys):
@@ -584,6 +597,10 @@ def test_a_reused_run_dir_keeps_only_this_runs_records(tmp_path, capsys):
                                                              "vanilla_s_t16_ws2_cpu.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.json", "vanilla_s_t32_ws2_cpu.json"]
     assert capsys.readouterr().out.count("an earlier run's output") == 2
+    written = tmp_path / "vanilla_s_t64_ws2_cpu.json"  # this run's, stamped in the past (a clock skew)
+    written.write_text(json.dumps(rec))
+    os.utime(written, (1_000_000, 1_000_000))
+    assert remove_earlier_outputs(str(tmp_path), started=2_000_000, written=[str(written)]) == []
 
 
 def test_a_plan_file_leaves_out_the_sequences_it_was_trained_on(tmp_path):

@@ -34,3 +34,17 @@ def test_a_dollar_in_the_docstring_survives_hydras_template(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "__main__", types.SimpleNamespace(__doc__="Costs $5 per $HOST.\n"))
     assert string.Template(_recipe_doc() + "$CONFIG").substitute(CONFIG="cfg") == "Costs $5 per $HOST.\ncfg"
+
+
+def test_default_run_dirs_are_per_process_but_shared_by_torchrun_ranks(monkeypatch):
+    """Two runs started in one second shared (and mixed) one run dir; microseconds split them. A
+    review found torchrun's ranks then made one dir each: under torchrun the stamp stays in seconds."""
+    import re
+
+    from recipes._common import _run_stamp
+
+    for key in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    assert re.fullmatch(r"\d\d-\d\d-\d\d-\d{6}", _run_stamp())
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert re.fullmatch(r"\d\d-\d\d-\d\d", _run_stamp())
