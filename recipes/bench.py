@@ -364,6 +364,9 @@ def check_config(d: dict) -> None:
     save_to = d["bench"].get("save_to")
     if save_to and os.path.exists(save_to) and not os.path.isdir(save_to):
         raise ValueError(f"bench.save_to={save_to} is a file: it must be a directory (made when missing)")
+    if (d.get("layer") or {}).get("placement_path"):  # (a sweep found it ignored here)
+        raise ValueError(f"layer.placement_path={d['layer']['placement_path']} is read by recipes/serve.py only: "
+                         "bench.py times the layer in its default placement; drop it")
     if uses_plan(d.get("layer") or {}):
         _check_plan_settings(d, world)
     _check_shape_and_layer(d, dtype, world)
@@ -871,6 +874,8 @@ def save_records(records: list[dict], out_dir: str, save_to: str | None) -> list
 #: a record's fields that say what was measured (resolved: ``dtype`` float32, not ``auto``)
 _SETTING_FIELDS = ("dtype", "router_dtype", "ep", "backend", "warmup", "iters", "mode", "train", "layer",
                    "layer_kwargs", "baseline", "baseline_kwargs", "check_finite", "peer", "router", "plan_based")
+#: the scheme of ``settings_digest`` (a record of another scheme, or none, is compared on its fields)
+SETTINGS_DIGEST_VERSION = 2
 #: those a record from before digests holds too: compared when the one in ``bench.save_to`` has no digest
 _LEGACY_FIELDS = ("shape", "dtype", "warmup", "iters", "mode", "router", "peer", "baseline")
 
@@ -902,7 +907,8 @@ def settings_digest(record: dict, d: dict) -> str:
 
 def _unclaimed(folder: str, name: str, record: dict) -> str:
     """``folder/name``, unless it holds a record of another configuration (another
-    ``settings_digest``; for a record from before digests, another value of one of
+    ``settings_digest`` of this :data:`SETTINGS_DIGEST_VERSION`; for a record from before digests
+    (or of another scheme), another value of one of
     :data:`_LEGACY_FIELDS` or of its trace's source): then ``name`` with ``_cfg-`` and the digest's
     first 6 hex digits added, so that neither record is lost (said on stdout)."""
     import json
@@ -914,7 +920,8 @@ def _unclaimed(folder: str, name: str, record: dict) -> str:
     except (OSError, ValueError):
         return path  # nothing there (or not a record): write
     mine = record.get("settings_digest")
-    other = old.get("settings_digest") if isinstance(old, dict) else None
+    current = isinstance(old, dict) and old.get("settings_digest_version") == SETTINGS_DIGEST_VERSION
+    other = old.get("settings_digest") if current else None
     if other is not None:
         same = other == mine
     else:
@@ -1010,8 +1017,8 @@ def main(cfg: DictConfig) -> None:
         shutdown()
         return  # torchrun ranks other than 0
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    records = [order_record({**r, "seed": d.get("seed"), "settings_digest": settings_digest(r, d)}, date, command)
-               for r in records]
+    records = [order_record({**r, "seed": d.get("seed"), "settings_digest": settings_digest(r, d),
+                             "settings_digest_version": SETTINGS_DIGEST_VERSION}, date, command) for r in records]
     save_to = hydra.utils.to_absolute_path(b["save_to"]) if b.get("save_to") else None
     print_results(records)
     written = save_records(records, d["run_dir"], save_to)

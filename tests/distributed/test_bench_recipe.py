@@ -533,7 +533,7 @@ def test_save_to_keeps_a_record_of_other_settings_under_the_same_name(tmp_path, 
     """Found by a sweep: a changed shape field (bench.shape.hidden_size=128), seed or
     bench.inference_mode left the file name alone, so bench.save_to replaced one configuration's
     record with another's. The record carries a digest of those settings; another digest keeps both."""
-    from recipes.bench import save_records, settings_digest
+    from recipes.bench import SETTINGS_DIGEST_VERSION, save_records, settings_digest
 
     # a worker's record (resolved values) and the config it came from
     run = {"dtype": "float32", "ep": 2, "backend": "gloo", "warmup": 10, "iters": 50, "mode": "eager", "train": False,
@@ -561,7 +561,7 @@ def test_save_to_keeps_a_record_of_other_settings_under_the_same_name(tmp_path, 
     files = [{**run, "trace": {"layer": 0, "path": p, "source": p}} for p in ("/x/t.npz", "/x/sub/../t.npz")]
     assert settings_digest(files[0], bench_config()) == settings_digest(files[1], bench_config())
     rec = {"device_name": "cpu", "layer": "vanilla", "shape_name": "s", "tokens_per_rank": 16, "world_size": 2,
-           "ep": 2, "mode": "eager", "ms": 1.0, "shape": {"H": 64}}
+           "ep": 2, "mode": "eager", "ms": 1.0, "shape": {"H": 64}, "settings_digest_version": SETTINGS_DIGEST_VERSION}
     saved = tmp_path / "saved"
     save_records([{**rec, "settings_digest": base}], str(tmp_path / "run"), str(saved))
     save_records([{**rec, "ms": 2.0, "settings_digest": base}], str(tmp_path / "run"), str(saved))  # same: replaced
@@ -572,12 +572,18 @@ def test_save_to_keeps_a_record_of_other_settings_under_the_same_name(tmp_path, 
     assert json.loads((saved / files[0]).read_text())["ms"] == 2.0  # kept
     assert "holds a record of other settings" in capsys.readouterr().out
     legacy = tmp_path / "legacy"  # a record from before digests: another shape or iters is another configuration
-    save_records([rec], str(tmp_path / "run"), str(legacy))
+    save_records([{k: v for k, v in rec.items() if k != "settings_digest_version"}], str(tmp_path / "run"), str(legacy))
     save_records([{**rec, "shape": {"H": 128}, "settings_digest": base}], str(tmp_path / "run"), str(legacy))
     save_records([{**rec, "iters": 200, "settings_digest": changed[1]}], str(tmp_path / "run"), str(legacy))
     assert len(list(legacy.iterdir())) == 3
     save_records([{**rec, "ms": 5.0, "settings_digest": base}], str(tmp_path / "run"), str(legacy))  # the same as it
     assert len(list(legacy.iterdir())) == 3
+    # a digest of an older scheme (a review found today's first records' digests unmatchable): compared as legacy
+    older = tmp_path / "older"
+    save_records([{**rec, "settings_digest": "e8e6485217a4", "settings_digest_version": None}], str(tmp_path / "run"),
+                 str(older))
+    save_records([{**rec, "ms": 6.0, "settings_digest": base}], str(tmp_path / "run"), str(older))
+    assert [json.loads(f.read_text())["ms"] for f in older.iterdir()] == [6.0]
 
 
 def test_a_reused_run_dir_keeps_only_this_runs_records(tmp_path, capsys):
@@ -724,6 +730,8 @@ def test_check_config_checks_plan_files_save_to_and_sizes(tmp_path):
             check_config(bench_config(*semantic, override))
     with pytest.raises(ValueError, match="use router=replay"):
         check_config(bench_config("layer=semantic"))
+    with pytest.raises(ValueError, match=r"layer\.placement_path=/x/a\.npz is read by recipes/serve\.py only"):
+        check_config(bench_config("layer.placement_path=/x/a.npz"))  # it was ignored (found by a review)
     (tmp_path / "afile").write_text("")
     with pytest.raises(ValueError, match=r"bench\.save_to=.*afile is a file"):
         check_config(bench_config(f"bench.save_to={tmp_path / 'afile'}"))
