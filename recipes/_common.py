@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 
 __all__ = [
     "launch", "under_torchrun", "resolve_backend", "device_for", "run_dir", "invocation", "to_dict", "print_table",
+    "print_grid",
     "write_json", "percentile", "jsonable", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
     "normalize_flags", "LAYER_FLAGS", "int_setting", "check_layer_settings", "timeout_setting",
     "import_object", "check_input_file",
@@ -367,21 +368,31 @@ def percentile(values: Sequence[float], q: float) -> float:
     return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
 
 
-def print_table(rows: Sequence[tuple[str, Any]], title: str | None = None, *, fmt: str = ".4g") -> str:
-    """Print (and return) a two-column ``name | value`` table; floats are formatted with ``fmt``."""
-    cells = [(str(k), format(v, fmt) if isinstance(v, float) else str(v)) for k, v in rows]
-    w0 = max([len(k) for k, _ in cells] + [6])
-    w1 = max([len(v) for _, v in cells] + [5])
-    bar = f"+{'-' * (w0 + 2)}+{'-' * (w1 + 2)}+"
-    lines = []
-    if title:
-        lines.append(title)
-    lines += [bar, f"| {'metric'.ljust(w0)} | {'value'.rjust(w1)} |", bar]
-    lines += [f"| {k.ljust(w0)} | {v.rjust(w1)} |" for k, v in cells]
-    lines.append(bar)
-    text = "\n".join(lines)
+def _cell(v: Any) -> str:
+    """A table cell: floats to 4 significant digits (``nan`` as such), anything else as ``str``."""
+    return format(v, ".4g") if isinstance(v, float) and not isinstance(v, bool) else str(v)
+
+
+def print_grid(header: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None, *,
+               left_first: bool = True) -> str:
+    """Print (and return) a table with a header row; the first column left-aligned (``left_first``),
+    the rest right-aligned; floats to 4 significant digits."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(header)]
+    bar = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
+
+    def line(vals: Sequence[str]) -> str:
+        return "| " + " | ".join(v.ljust(w) if i == 0 and left_first else v.rjust(w)
+                                 for i, (v, w) in enumerate(zip(vals, widths))) + " |"
+
+    text = "\n".join(([title] if title else []) + [bar, line(header), bar] + [line(r) for r in cells] + [bar])
     print(text, flush=True)
     return text
+
+
+def print_table(rows: Sequence[tuple[str, Any]], title: str | None = None) -> str:
+    """Print (and return) a two-column ``metric | value`` table (:func:`print_grid`)."""
+    return print_grid(["metric", "value"], rows, title)
 
 
 def jsonable(obj: Any) -> Any:

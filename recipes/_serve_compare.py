@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from recipes._common import remove_stale, shared_execution_kwargs, write_json
+from recipes._common import print_grid, remove_stale, shared_execution_kwargs, write_json
 
 # metrics reduced to medians over the seeds (plain numbers of a single run's results)
 MEDIAN_KEYS = ("throughput_tok_s", "total_tok_s", "ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "tpot_mean_s",
@@ -234,30 +234,6 @@ def build_results(run_results: list[dict], cfg: dict, wall_s: float, command: di
 
 
 # ---------------------------------------------------------------------- output
-def _fmt(v: Any) -> str:
-    if isinstance(v, bool) or v is None:
-        return str(v)
-    if isinstance(v, float):
-        return "nan" if v != v else format(v, ".4g")
-    return str(v)
-
-
-def print_grid(header: list[str], rows: list[list[Any]], title: str | None = None) -> str:
-    """Print (and return) a table with a header row; first column left-aligned, the rest right."""
-    cells = [[_fmt(v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
-    bar = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
-
-    def line(vals):
-        cells_ = [v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(vals, widths))]
-        return "| " + " | ".join(cells_) + " |"
-
-    lines = ([title] if title else []) + [bar, line(header), bar] + [line(r) for r in cells] + [bar]
-    text = "\n".join(lines)
-    print(text, flush=True)
-    return text
-
-
 TABLE_ROWS = (("throughput (out tok/s)", "throughput_tok_s"), ("TTFT p50 (s)", "ttft_p50_s"),
               ("TTFT p99 (s)", "ttft_p99_s"), ("TPOT mean (s)", "tpot_mean_s"), ("TPOT p90 (s)", "tpot_p90_s"),
               ("LAR", "lar"), ("all-to-all bytes", "a2a_bytes"), ("imbalance", "imbalance"),

@@ -93,7 +93,7 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, check_input_file, check_layer_settings, device_for, flag, import_object, int_setting, launch, normalize_flags, overridden,
+    LAYER_FLAGS, check_input_file, check_layer_settings, device_for, flag, import_object, print_grid, int_setting, launch, normalize_flags, overridden,
     resolve_backend, run_dir,
     shared_execution_kwargs, shutdown, to_dict, under_torchrun, write_json,
 )
@@ -813,15 +813,12 @@ def print_results(records: list[dict]) -> None:
             row += (f"{r['baseline_ms']:.3f}", f"{r['vs_baseline']:.3f}", f"{r['layer_stats']['lar']:.3f}",
                     f"{r['baseline_stats']['lar']:.3f}")
         rows.append(row)
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    bar = "+" + "+".join("-" * (w + 2) for w in widths) + "+"
-    fmt = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     r0 = records[0]
     print(f"\nbench: layer={r0['layer']} vs {r0['peer'] or 'no peer'}; {r0['device_name']}, world {r0['world_size']} "
           f"(ep {r0['ep']}), "
           f"{r0['dtype']}, median of {r0['iters']} {'training steps (forward + backward)' if r0.get('train') else 'forwards'} "
           f"(max over ranks), router={r0['router']}")
-    print("\n".join([bar, fmt(head), bar] + [fmt(row) for row in rows] + [bar]), flush=True)
+    print_grid(head, rows, left_first=False)
     if r0.get("peer_note"):
         print(f"note: {r0['peer_note']}")
     for note in r0.get("notes") or []:
