@@ -33,7 +33,7 @@ __all__ = [
     "print_grid",
     "write_json", "percentile", "jsonable", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
     "normalize_flags", "LAYER_FLAGS", "int_setting", "check_layer_settings", "timeout_setting",
-    "import_object", "check_input_file",
+    "import_object", "check_input_file", "refuse_other_groups",
 ]
 
 #: Layer kwargs that say *how* a layer executes rather than *what* it is: a comparison gives the
@@ -287,6 +287,23 @@ def overridden(keys: Sequence[str]) -> list[str]:
         if any(key == k or key.startswith(k + ".") for k in keys):
             out.append(override)
     return out
+
+
+def refuse_other_groups(groups: Sequence[str], recipe: str) -> None:
+    """Refuse ``+GROUP=NAME`` for a config group of ``conf/`` that this recipe does not read (e.g.
+    ``serve.py +planner=semantic``: Hydra adds it and the run ignores it). ``groups``: those it reads.
+
+    Raises:
+        ValueError: naming the override and the groups this recipe reads.
+    """
+    conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+    known = {n for n in os.listdir(conf) if os.path.isdir(os.path.join(conf, n))} if os.path.isdir(conf) else set()
+    for override in invocation()["overrides"]:
+        key = override.split("=", 1)[0]
+        name = key.lstrip("+~")
+        if key.startswith("+") and "." not in name and name in known and name not in groups:
+            raise ValueError(f"{override}: {recipe} does not read the {name} config group (it reads "
+                             f"{', '.join(sorted(groups))}), so the run would ignore it: drop it")
 
 
 def to_dict(cfg: Any) -> dict:

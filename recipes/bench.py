@@ -93,7 +93,7 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, check_input_file, check_layer_settings, device_for, flag, import_object, print_grid, int_setting, launch, normalize_flags, overridden,
+    LAYER_FLAGS, check_input_file, check_layer_settings, device_for, flag, import_object, print_grid, refuse_other_groups, int_setting, launch, normalize_flags, overridden,
     resolve_backend, run_dir,
     shared_execution_kwargs, shutdown, to_dict, under_torchrun, write_json,
 )
@@ -989,6 +989,8 @@ def _setting_suffix(r: dict) -> str:
 
 @hydra.main(config_path="../conf", config_name="bench", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    refuse_other_groups(("parallel", "bench", "layer", "router", "variability"), "bench.py")  # (variability:
+    # check_config says why bench emulates none)
     d = to_dict(cfg)
     normalize_flags(d, ("trace.synthetic", "bench.inference_mode", "bench.check_finite", "bench.cuda_graph", "bench.train",
                         "bench.profile", "bench.allow_large_cpu", "bench.check.strict", *LAYER_FLAGS))

@@ -90,7 +90,7 @@ from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import (  # noqa: E402
     LAYER_FLAGS, check_input_file, check_layer_settings, device_for, import_object, int_setting, invocation, launch, merge_curves_path, normalize_flags,
     overridden, percentile,
-    print_table, remove_stale, run_dir, shutdown, timeout_setting, to_dict, write_json,
+    print_table, refuse_other_groups, remove_stale, run_dir, shutdown, timeout_setting, to_dict, write_json,
 )
 from recipes._bench_tools import seq_len_bounds  # noqa: E402
 from recipes._plots import plot_rank_load  # noqa: E402
@@ -934,6 +934,7 @@ _TRACE_FILES: dict = {}
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    refuse_other_groups(("model", "layer", "parallel", "workload", "router", "variability"), "serve.py")
     d = to_dict(cfg)
     normalize_flags(d, ("progress", "plot", "trace.synthetic", *LAYER_FLAGS))
     if merge_curves_path(d) and not isinstance(d.get("variability"), dict):  # curves.path: plan.py's spelling

@@ -48,3 +48,29 @@ def test_default_run_dirs_are_per_process_but_shared_by_torchrun_ranks(monkeypat
     assert re.fullmatch(r"\d\d-\d\d-\d\d-\d{6}", _run_stamp())
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert re.fullmatch(r"\d\d-\d\d-\d\d", _run_stamp())
+
+
+@pytest.mark.parametrize("recipe, override, refused", [
+    ("serve.py", "+planner=semantic", True), ("plan.py", "+layer=semantic", True),
+    ("profile.py", "+bench=cpu_smoke", True), ("serve.py", "+variability.curves.path=x.npz", False),
+    ("plan.py", "+planner.restarts=3", False), ("serve.py", "+nonsense=1", False),
+])
+def test_a_config_group_the_recipe_does_not_read_is_refused(monkeypatch, recipe, override, refused):
+    """A sweep found `serve.py +planner=semantic` (and the like) accepted and ignored."""
+    from recipes import _common
+
+    monkeypatch.setattr(_common, "invocation", lambda: {"argv": [], "overrides": [override]})
+    groups = {"serve.py": ("model", "layer", "parallel", "workload", "router", "variability"),
+              "plan.py": ("planner", "variability"), "profile.py": ("parallel", "profile")}[recipe]
+    if refused:
+        with pytest.raises(ValueError, match=rf"\{override}: {recipe} does not read the .* config group"):
+            _common.refuse_other_groups(groups, recipe)
+    else:
+        _common.refuse_other_groups(groups, recipe)
+
+
+def test_serve_refuses_a_planner_group_before_any_rank_starts(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "serve.py"), "+planner=semantic",
+                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "serve.py does not read the planner config group" in proc.stderr, proc.stderr[-2000:]
