@@ -33,7 +33,7 @@ __all__ = [
     "print_grid",
     "write_json", "percentile", "jsonable", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
     "normalize_flags", "LAYER_FLAGS", "int_setting", "check_layer_settings", "timeout_setting",
-    "import_object", "check_input_file", "refuse_other_groups",
+    "import_object", "plan_fraction_setting", "check_input_file", "refuse_unread_overrides",
 ]
 
 #: Layer kwargs that say *how* a layer executes rather than *what* it is: a comparison gives the
@@ -151,6 +151,25 @@ def int_setting(value: Any, key: str, minimum: int | None = None) -> int:
         bound = "" if minimum is None else f" >= {minimum}"
         raise ValueError(f"{key} must be an integer{bound}, got {value!r}")
     return value
+
+
+def plan_fraction_setting(value: Any, key: str) -> float:
+    """A semantic plan's share of the replay trace's sequences (it is built on the first part):
+    ``None`` means 0.5, else a number in ``(0, 1)``.
+
+    Raises:
+        ValueError: anything else (a bool too), naming ``key``.
+    """
+    if value is None:
+        return 0.5
+    try:
+        frac = float(value)
+    except (TypeError, ValueError):
+        frac = math.nan
+    if isinstance(value, bool) or not 0.0 < frac < 1.0:
+        raise ValueError(f"{key} must be null (0.5) or a number in (0, 1), the share of the replay trace's "
+                         f"sequences the plan is built on; got {value!r}")
+    return frac
 
 
 def import_object(path: str, key: str, sep: str = ".") -> Any:
@@ -289,21 +308,74 @@ def overridden(keys: Sequence[str]) -> list[str]:
     return out
 
 
-def refuse_other_groups(groups: Sequence[str], recipe: str) -> None:
-    """Refuse ``+GROUP=NAME`` for a config group of ``conf/`` that this recipe does not read (e.g.
-    ``serve.py +planner=semantic``: Hydra adds it and the run ignores it). ``groups``: those it reads.
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def _yaml_keys(path: str) -> set[str]:
+    """The dotted paths of a conf yaml file's keys (nested dicts included; ``defaults`` and
+    ``hydra`` left out: Hydra reads them)."""
+    out: set[str] = set()
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                out.add(prefix + str(key))
+                walk(value, prefix + str(key) + ".")
+
+    tree = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    walk({k: v for k, v in tree.items() if k not in ("defaults", "hydra")}, "")
+    return out
+
+
+def readable_keys(primary: str, groups: Sequence[str]) -> set[str]:
+    """Every config key a recipe's configs can hold: those of ``conf/<primary>.yaml`` and, under
+    ``GROUP.``, those of every option ``conf/GROUP/*.yaml`` of the ``groups`` it reads."""
+    keys = _yaml_keys(os.path.join(CONF_DIR, primary + ".yaml"))
+    for group in groups:
+        folder = os.path.join(CONF_DIR, group)
+        keys.add(group)
+        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+            if name.endswith(".yaml"):
+                keys |= {f"{group}.{k}" for k in _yaml_keys(os.path.join(folder, name))}
+    return keys
+
+
+def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], open_keys: Sequence[str] = ()) -> None:
+    """Refuse command-line overrides that add something this recipe would ignore: ``+GROUP=NAME``
+    for a config group of ``conf/`` it does not read (e.g. ``serve.py +planner=semantic``), and
+    ``+KEY=VALUE`` / ``++KEY=VALUE`` for a key that none of its configs holds (a misspelt
+    ``+layer.placment_path=FILE``, ``+planner.restart=3``): Hydra adds such a key and nothing reads
+    it. Keys under one of ``open_keys`` are read by code that checks them itself (a layer's
+    constructor for ``layer.kwargs``, a scheduler for ``scheduler``) and pass.
+
+    Args:
+        recipe: the recipe's file name, for the message.
+        primary: its primary config, ``conf/<primary>.yaml``.
+        groups: the config groups it reads.
+        open_keys: key prefixes whose sub-keys are checked where they are read.
 
     Raises:
-        ValueError: naming the override and the groups this recipe reads.
+        ValueError: naming the override and what the recipe reads.
     """
-    conf = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-    known = {n for n in os.listdir(conf) if os.path.isdir(os.path.join(conf, n))} if os.path.isdir(conf) else set()
+    known_groups = {n for n in os.listdir(CONF_DIR) if os.path.isdir(os.path.join(CONF_DIR, n))}
+    keys = None
     for override in invocation()["overrides"]:
         key = override.split("=", 1)[0]
         name = key.lstrip("+~")
-        if key.startswith("+") and "." not in name and name in known and name not in groups:
+        if not key.startswith("+") or name.startswith("hydra.") or name == "hydra":
+            continue
+        if "." not in name and name in known_groups and name not in groups:
             raise ValueError(f"{override}: {recipe} does not read the {name} config group (it reads "
                              f"{', '.join(sorted(groups))}), so the run would ignore it: drop it")
+        keys = readable_keys(primary, groups) if keys is None else keys
+        if name in keys or any(name == k or name.startswith(k + ".") for k in open_keys):
+            continue
+        parent = name.rpartition(".")[0]
+        near = sorted(k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent)
+        where = f"the keys under {parent}" if parent else "the top-level keys"
+        hint = f"{where} are {', '.join(near)}" if near else f"{parent} has no keys of its own"
+        raise ValueError(f"{override}: no config of {recipe} has the key {name}, so the run would ignore it "
+                         f"({hint}): check the spelling, or drop it")
 
 
 def to_dict(cfg: Any) -> dict:

@@ -234,11 +234,18 @@ def build_results(run_results: list[dict], cfg: dict, wall_s: float, command: di
 
 
 # ---------------------------------------------------------------------- output
-TABLE_ROWS = (("throughput (out tok/s)", "throughput_tok_s"), ("TTFT p50 (s)", "ttft_p50_s"),
-              ("TTFT p99 (s)", "ttft_p99_s"), ("TPOT mean (s)", "tpot_mean_s"), ("TPOT p90 (s)", "tpot_p90_s"),
-              ("LAR", "lar"), ("all-to-all bytes", "a2a_bytes"), ("imbalance", "imbalance"),
-              ("emulated expert time (s)", "emulated_expert_s"), ("output tokens", "output_tokens"),
-              ("steps", "steps"), ("elapsed (s)", "elapsed_s"))
+#: how the serve recipe labels each metric of its results (tables and plots)
+METRIC_LABELS = {
+    "throughput_tok_s": "throughput (out tok/s)", "ttft_p50_s": "TTFT p50 (s)", "ttft_p99_s": "TTFT p99 (s)",
+    "tpot_mean_s": "TPOT mean (s)", "tpot_p90_s": "TPOT p90 (s)", "emulated_expert_s": "emulated expert time (s)",
+    "lar": "LAR", "a2a_bytes": "all-to-all bytes", "imbalance": "imbalance",
+    "imbalance_step_mean": "imbalance (step mean)", "num_requests": "requests", "finished_requests": "finished requests",
+    "unserved_requests": "unserved requests (TTFT inf)", "unarrived_requests": "requests due after the end",
+    "output_tokens": "output tokens", "steps": "steps", "elapsed_s": "elapsed (s)",
+}
+#: the metrics of the comparison table (a key missing from a side's results is left out)
+TABLE_ROWS = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_mean_s", "tpot_p90_s", "lar", "a2a_bytes",
+              "imbalance", "emulated_expert_s", "output_tokens", "steps", "elapsed_s")
 
 
 def print_tables(res: dict) -> None:
@@ -253,9 +260,10 @@ def print_tables(res: dict) -> None:
                 "re-plans (all layers, all EP groups)"], rows, title="runs")
     cmp_metrics = res["comparison"]["metrics"]
     rows = []
-    for label, key in TABLE_ROWS:
+    for key in TABLE_ROWS:
         if key not in res or key not in res["baseline"]:
             continue
+        label = METRIC_LABELS[key]
         m = cmp_metrics.get(key)
         ratio = res[key] / res["baseline"][key] if res["baseline"][key] else float("nan")
         wins = f"{m['seeds_ours_better']}/{m['seeds']} ({m['better']})" if m else ""
@@ -278,9 +286,8 @@ def plot_compare(res: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = (("throughput_tok_s", "throughput (out tok/s)"), ("tpot_mean_s", "TPOT mean (s)"),
-              ("tpot_p90_s", "TPOT p90 (s)"), ("ttft_p99_s", "TTFT p99 (s)"), ("lar", "LAR"),
-              ("a2a_bytes", "all-to-all bytes"))
+    panels = [(key, METRIC_LABELS[key]) for key in
+              ("throughput_tok_s", "tpot_mean_s", "tpot_p90_s", "ttft_p99_s", "lar", "a2a_bytes")]
     labels = [str(s) for s in res["seeds"]] + ["median"]
     x = np.arange(len(labels))
     fig, axes = plt.subplots(2, 3, figsize=(12, 6), dpi=100)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from recipes._common import config_trace, import_object, int_setting
+from recipes._common import config_trace, import_object, int_setting, plan_fraction_setting
 
 
 # ---------------------------------------------------------------------- requests
@@ -37,6 +37,7 @@ class Request:
 
 
 LENGTH_DISTS = ("uniform", "fixed", "lognormal")
+LENGTH_KEYS = {"dist", "min", "max", "value", "median", "sigma"}  # every length spec key (each dist reads some)
 LOGNORMAL_CLIP = (1, 1 << 20)  # lognormal lengths' default min and max
 
 
@@ -68,6 +69,9 @@ def check_length_spec(spec, key: str) -> None:
     kind = spec.get("dist", "uniform")
     if kind not in LENGTH_DISTS:
         raise ValueError(f"{key}.dist must be one of {', '.join(LENGTH_DISTS)}, got {kind!r}")
+    unknown = sorted(set(spec) - LENGTH_KEYS)
+    if unknown:  # a misspelt +workload.output_len.sigam=... would be ignored
+        raise ValueError(f"unknown {key} key(s) {', '.join(unknown)}: a length spec has {', '.join(sorted(LENGTH_KEYS))}")
     if kind == "fixed":
         int_setting(spec.get("value"), f"{key}.value", 1)
         return
@@ -259,17 +263,8 @@ def plan_train_fraction(cfg: dict) -> float:
     Raises:
         ValueError: not a number in (0, 1).
     """
-    value = _plan_setting(cfg, "plan_train_fraction")
-    if value is None:
-        return 0.5
-    try:
-        frac = float(value)
-    except (TypeError, ValueError):
-        frac = math.nan
-    if isinstance(value, bool) or not 0.0 < frac < 1.0:
-        raise ValueError(f"plan_train_fraction (layer.plan_train_fraction or scheduler.plan_train_fraction) must be a "
-                         f"number in (0, 1), the share of the replay trace's sequences the plan is built on; got {value!r}")
-    return frac
+    return plan_fraction_setting(_plan_setting(cfg, "plan_train_fraction"),
+                                 "plan_train_fraction (layer.plan_train_fraction or scheduler.plan_train_fraction)")
 
 
 def _plan_setting(cfg: dict, key: str):

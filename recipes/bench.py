@@ -69,6 +69,7 @@ Usage::
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import inspect
@@ -80,6 +81,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 # run as a script, this directory comes first on sys.path and recipes/profile.py would shadow the
@@ -93,8 +95,8 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, check_input_file, check_layer_settings, device_for, flag, import_object, print_grid, refuse_other_groups, int_setting, launch, normalize_flags, overridden,
-    resolve_backend, run_dir,
+    LAYER_FLAGS, check_input_file, check_layer_settings, device_for, flag, import_object, int_setting, launch,
+    normalize_flags, overridden, plan_fraction_setting, print_grid, refuse_unread_overrides, resolve_backend, run_dir,
     shared_execution_kwargs, shutdown, to_dict, under_torchrun, write_json,
 )
 from recipes._bench_tools import (  # noqa: E402
@@ -411,14 +413,7 @@ def _check_plan_settings(d: dict, world: int | None) -> None:
     if d.get("_router_name") != "replay":
         raise ValueError(f"layer={layer.get('name')} places experts from a semantic plan of real routing: "
                          "use router=replay (trace.path=FILE, or the synthetic trace)")
-    frac = layer.get("plan_train_fraction")
-    try:
-        frac_ok = frac is None or (not isinstance(frac, bool) and 0.0 < float(frac) < 1.0)
-    except (TypeError, ValueError):
-        frac_ok = False
-    if not frac_ok:
-        raise ValueError(f"layer.plan_train_fraction must be null (0.5) or a number in (0, 1), the share of the "
-                         f"replay trace's sequences the plan is built on; got {frac!r}")
+    plan_fraction_setting(layer.get("plan_train_fraction"), "layer.plan_train_fraction")
     path = layer.get("plan_path")
     if not path:
         return
@@ -436,13 +431,90 @@ def _check_plan_settings(d: dict, world: int | None) -> None:
 
 
 # ---------------------------------------------------------------------- the worker
+@dataclasses.dataclass
+class _Run:
+    """What every tokens/rank size of one rank's run shares (built by :func:`_setup`)."""
+
+    cfg: dict
+    rank: int
+    device: torch.device
+    dtype: torch.dtype
+    config: Any  # the layer's MoEConfig
+    groups: Any  # its ParallelGroups
+    weights: tuple | None  # (router, w13, w2) in logical order, identical on every rank
+    replay: Replay | None  # router=replay: the trace ours' routing is forced from
+    owners: dict  # scheduler name -> each held-out request's rank (plan-built layers)
+    plan: Any
+    notes: list[str]
+    ours: torch.nn.Module
+    base: torch.nn.Module | None  # the baseline layer (bench.baseline), timed with ours
+    base_name: str | None
+    base_cfg: dict | None
+    peer: torch.nn.Module | None  # megatron-core's MoELayer
+    peer_name: str | None
+    peer_note: str | None
+    tol: float  # ours against the peer, relative to max|peer|
+
+    @property
+    def b(self) -> dict:
+        return self.cfg["bench"]
+
+    @property
+    def train(self) -> bool:
+        return bool(self.b.get("train", False))
+
+    @property
+    def graph(self) -> bool:
+        return bool(self.b.get("cuda_graph", False))
+
+    def grad_ctx(self):
+        return torch.inference_mode() if self.b.get("inference_mode", True) else torch.no_grad()
+
+    def make(self, layer_cfg: dict, **extra) -> torch.nn.Module:
+        """A layer built from ``layer_cfg`` with the run's weights, in eval mode."""
+        layer = build_layer(layer_cfg, self.config, self.groups, self.device, int(self.cfg.get("seed", 0)),
+                            bool(self.b.get("check_finite", False)), **extra)
+        layer.load_full_weights(*self.weights)
+        if getattr(layer, "auto_replan", False):  # moving weights inside the timed loop would time the move
+            layer.auto_replan = False
+            self.notes.append(f"{layer_cfg.get('name')}: auto_replan off while timing")
+        return layer.eval()
+
+
 def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
     """Runs on every rank; rank 0 returns one record per tokens/rank value."""
+    run = _setup(rank, world, cfg)
+    tokens_list = tokens_per_rank(run.b)
+    records = [_bench_size(run, tokens) for tokens in tokens_list]
+    run.weights = None  # free them before profiling (make() is not called after this)
+    if run.b.get("profile", False):
+        _profile(run, int(run.b.get("profile_tokens") or max(tokens_list)))
+    if rank != 0:
+        return None
+    b, config = run.b, run.config
+    common = {
+        "device_name": device_name(run.device), "world_size": world, "ep": run.groups.ep_size,
+        "layer": cfg["layer"]["name"], "shape_name": b["name"],
+        "shape": {"H": config.hidden_size, "E": config.num_experts, "K": config.top_k, "F": config.ffn_hidden_size},
+        "peer": run.peer_name, "peer_note": run.peer_note,
+        "peer_experts": None if run.peer is None else type(getattr(run.peer, "experts", run.peer)).__name__,
+        "dtype": str(run.dtype).replace("torch.", ""),
+        "router_dtype": None if config.router_dtype is None else str(config.router_dtype).replace("torch.", ""),
+        "warmup": int(b["warmup"]), "iters": int(b["iters"]), "router": cfg.get("_router_name", "learned"),
+        "notes": list(dict.fromkeys(run.notes)),
+        "backend": dist.get_backend() if dist.is_initialized() else "gloo", "torch": torch.__version__,
+        "triton": triton_version(), "megatron_core": megatron_version(),
+    }
+    return [{**common, **{k: v for k, v in r.items() if k != "_size_notes"},
+             "notes": list(dict.fromkeys(common["notes"] + r["_size_notes"]))} for r in records]
+
+
+def _setup(rank: int, world: int, cfg: dict) -> _Run:
+    """This rank's weights, replayed trace (and semantic plan), ours, the baseline and the peer."""
     from moelayers import ParallelGroups
 
     b = cfg["bench"]
-    backend = dist.get_backend() if dist.is_initialized() else "gloo"
-    device = device_for(backend)
+    device = device_for(dist.get_backend() if dist.is_initialized() else "gloo")
     dtype = resolve_dtype(b.get("dtype", "auto"), device)
     check_shape_fits(b, device)
     seed = int(cfg.get("seed", 0))
@@ -450,263 +522,250 @@ def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
     config = moe_config(b, dtype)
     groups = ParallelGroups.from_world(ep=(cfg.get("parallel") or {}).get("ep"))
     weights = full_weights(config, seed, device, dtype)
-    tokens_list = tokens_per_rank(b)
     router = cfg.get("_router_name", "learned")
-    replay, plan, owners, plan_notes = None, None, {}, []
+    replay, plan, owners, notes = None, None, {}, []
     if router == "replay":
         plan_based = uses_plan(cfg["layer"])
         # a plan trains on the first half; the scheduler's requests need not split the held-out
         # half evenly, so leave every rank twice its tokens and at least 4 held-out requests
-        need = world * max(tokens_list) * (4 if plan_based else 1)
+        need = world * max(tokens_per_rank(b)) * (4 if plan_based else 1)
         replay = Replay(cfg.get("trace") or {}, config, seed, need, min_sequences=8 * world if plan_based else 2)
         if plan_based:
-            frac = cfg["layer"].get("plan_train_fraction")  # null in conf/layer/semantic.yaml: 0.5
-            plan, owners = semantic_schedules(replay, world, seed, 0.5 if frac is None else float(frac),
-                                              cfg["layer"].get("plan_path"), plan_notes)
+            frac = plan_fraction_setting(cfg["layer"].get("plan_train_fraction"), "layer.plan_train_fraction")
+            plan, owners = semantic_schedules(replay, world, seed, frac, cfg["layer"].get("plan_path"), notes)
     elif router != "learned":
         raise ValueError(f"router must be learned or replay, got {router!r}")
     elif uses_plan(cfg["layer"]):
         raise ValueError(f"layer={cfg['layer']['name']} places experts from a semantic plan of real routing: "
                          "use router=replay (trace.path=FILE, or the synthetic trace)")
-    check_finite = bool(b.get("check_finite", False))
-    plan_kw = {} if plan is None else {"plan": plan, "plan_layer": replay.layer}
-    notes = list(plan_notes)
-    plan_path = cfg["layer"].get("plan_path") if plan is not None else None
     if groups.ep_size != world:
         notes.append(f"parallel.ep={groups.ep_size} < world {world}: layer_stats and baseline_stats are of rank 0's "
                      "expert-parallel group")
-
-    def make(layer_cfg: dict, **extra) -> torch.nn.Module:
-        layer = build_layer(layer_cfg, config, groups, device, seed, check_finite, **extra)
-        layer.load_full_weights(*weights)
-        if getattr(layer, "auto_replan", False):  # moving weights inside the timed loop would time the move
-            layer.auto_replan = False
-            notes.append(f"{layer_cfg.get('name')}: auto_replan off while timing")
-        return layer.eval()
-
-    ours = make(cfg["layer"], **plan_kw)
-    base_name = resolve_baseline(b.get("baseline", "auto"), plan is not None)
-    base_cfg = None if base_name is None else baseline_config(base_name, cfg["layer"])
-    base = make(base_cfg) if base_cfg is not None else None
-    peer, peer_name, peer_note = build_peer(config, dtype, device, b.get("peer", "auto"), weights, groups.ep_size)
-    peer_experts = None if peer is None else type(getattr(peer, "experts", peer)).__name__
-    if replay is not None:
-        peer_note = "; ".join(filter(None, [peer_note, "routing replayed from a trace for ours only; "
-                                            "the peer routed with its own learned router" if peer is not None else None]))
+    if bool(b.get("cuda_graph", False)) and (replay is not None or device.type != "cuda"):
+        raise ValueError("bench.cuda_graph=true needs CUDA and the learned router (graphs take no forced routing)")
     tol = b["check"].get("tol")
     tol = float(tol) if tol is not None else (1e-4 if dtype in (torch.float32, torch.float64) else 2e-2)
-    grad_ctx = torch.inference_mode if b.get("inference_mode", True) else torch.no_grad
-    train = bool(b.get("train", False))
-    warmup, iters = int(b["warmup"]), int(b["iters"])
-    graph = bool(b.get("cuda_graph", False))
-    if graph and (replay is not None or device.type != "cuda"):
-        raise ValueError("bench.cuda_graph=true needs CUDA and the learned router (graphs take no forced routing)")
-    records = []
-    for tokens in tokens_list:
-        x = rank_input(tokens, config.hidden_size, seed, rank, device, dtype)
-        if replay is not None:
-            replay.repeated = False  # per size: a small size may fit the trace where a larger one wraps
-        forced = replay.ids_for(rank, tokens, device, owners.get("semantic")) if replay is not None else None
-        base_forced = replay.ids_for(rank, tokens, device, owners.get("round_robin")) if replay is not None else None
-        repeated = replay is not None and bool(reduce_max([float(replay.repeated)], device)[0])  # every rank
-        size_notes = []  # this size's record only
-        if repeated:
-            size_notes.append(f"tokens/rank={tokens}: the trace holds fewer tokens than the ranks replay, so "
-                              "trace tokens repeat (trace.tokens_repeated)")
-            if rank == 0:
-                print(f"WARNING: {size_notes[-1]}", flush=True)
-        timed, base_timed = ours, base
-        if graph:  # fixed capacity = tokens per rank, whole forward replayed from a CUDA graph (both layers)
-            timed = make(_graphed_config(cfg["layer"], tokens))
-            base_timed = make(_graphed_config(base_cfg, tokens)) if base is not None else None
+    run = _Run(cfg=cfg, rank=rank, device=device, dtype=dtype, config=config, groups=groups, weights=weights,
+               replay=replay, owners=owners, plan=plan, notes=notes, ours=None, base=None, base_name=None,
+               base_cfg=None, peer=None, peer_name=None, peer_note=None, tol=tol)
+    run.ours = run.make(cfg["layer"], **({} if plan is None else {"plan": plan, "plan_layer": replay.layer}))
+    run.base_name = resolve_baseline(b.get("baseline", "auto"), plan is not None)
+    run.base_cfg = None if run.base_name is None else baseline_config(run.base_name, cfg["layer"])
+    run.base = run.make(run.base_cfg) if run.base_cfg is not None else None
+    run.peer, run.peer_name, run.peer_note = build_peer(config, dtype, device, b.get("peer", "auto"), weights,
+                                                        groups.ep_size)
+    if replay is not None:
+        run.peer_note = "; ".join(filter(None, [run.peer_note, "routing replayed from a trace for ours only; the peer "
+                                                "routed with its own learned router" if run.peer is not None else None]))
+    return run
 
-        def run_ours(x=x, forced=forced, timed=timed):
-            if forced is not None:
-                timed.force_routing(forced)
-            return timed(x)
 
-        def run_base(x=x, forced=base_forced, base_timed=base_timed):
-            if forced is not None:
-                base_timed.force_routing(forced)
-            return base_timed(x)
+def _bench_size(run: _Run, tokens: int) -> dict:
+    """Check, then time, ours (the baseline and the peer) at ``tokens`` per rank: one record."""
+    cfg, b, rank, device, config = run.cfg, run.b, run.rank, run.device, run.config
+    ours, base, peer, replay, seed = run.ours, run.base, run.peer, run.replay, int(cfg.get("seed", 0))
+    x = rank_input(tokens, config.hidden_size, seed, rank, device, run.dtype)
+    if replay is not None:
+        replay.repeated = False  # per size: a small size may fit the trace where a larger one wraps
+    forced = replay.ids_for(rank, tokens, device, run.owners.get("semantic")) if replay is not None else None
+    base_forced = replay.ids_for(rank, tokens, device, run.owners.get("round_robin")) if replay is not None else None
+    repeated = replay is not None and bool(reduce_max([float(replay.repeated)], device)[0])  # every rank
+    size_notes = []  # this size's record only
+    if repeated:
+        size_notes.append(f"tokens/rank={tokens}: the trace holds fewer tokens than the ranks replay, so "
+                          "trace tokens repeat (trace.tokens_repeated)")
+        if rank == 0:
+            print(f"WARNING: {size_notes[-1]}", flush=True)
+    timed, base_timed = ours, base
+    if run.graph:  # fixed capacity = tokens per rank, whole forward replayed from a CUDA graph (both layers)
+        timed = run.make(_graphed_config(cfg["layer"], tokens))
+        base_timed = run.make(_graphed_config(run.base_cfg, tokens)) if base is not None else None
 
-        def run_peer(x=x):
-            return peer_forward(peer, x)
+    def run_ours(x=x, forced=forced, timed=timed):
+        if forced is not None:
+            timed.force_routing(forced)
+        return timed(x)
 
-        steps = (run_ours, run_base, run_peer)  # what is timed
-        if train:  # forward + backward of the same input and output gradient, for each layer
-            x_grad, g = x.detach().clone().requires_grad_(), rank_input(tokens, config.hidden_size, seed + 1, rank,
-                                                                        device, dtype)
-            steps = tuple(training_step(lambda v, run=run: run(x=v), x_grad, g, module)
-                          for run, module in zip(steps, (timed, base_timed, peer)))
+    def run_base(x=x, forced=base_forced, base_timed=base_timed):
+        if forced is not None:
+            base_timed.force_routing(forced)
+        return base_timed(x)
 
-        with grad_ctx():
-            # --- correctness before timing (a graph layer is checked on the experts the eager layer chose)
-            y = run_ours()
-            if graph:
-                ours(x)
-                if base is not None:
-                    base(x)
-            ref_check = dict(max_bad_frac=float(b["check"]["max_bad_rows_frac"]))
-            check = {"reference": check_against_reference(ours, x, y, weights, config, int(b["check"]["ref_rows"]), device,
-                                                           forced=forced, **ref_check)}
-            if not check["reference"]["ok"]:
-                raise RuntimeError(f"{cfg['layer']['name']} does not match the dense reference at tokens/rank={tokens}: "
-                                   f"{check['reference']}")
-            if base is not None:
-                check["baseline_reference"] = check_against_reference(base, x, run_base(), weights, config,
-                                                                      int(b["check"]["ref_rows"]), device,
-                                                                      forced=base_forced, **ref_check)
-                if not check["baseline_reference"]["ok"]:
-                    raise RuntimeError(f"baseline {base_name} does not match the dense reference: "
-                                       f"{check['baseline_reference']}")
-            if peer is not None:
-                # a few tokens have a near-tie of router logits that megatron's and our matmul break
-                # differently. Check with megatron's choice forced on ours (same experts; weights still
-                # from our router), and report the agreement.
-                own_ids = None if forced is not None else layer_ids(ours)
-                y_peer, peer_ids = peer_forward_with_routing(peer, x, config.top_k)
-                ours.force_routing(peer_ids)
-                y_ours = ours(x)
-                check["peer"] = check_against_peer(y_ours, y_peer, tol, float(b["check"]["max_bad_rows_frac"]), device)
-                check["peer"]["router_agreement"] = None if own_ids is None else routing_agreement(own_ids, peer_ids, device)
-                if rank == 0:
-                    c = check["peer"]
-                    agree = "" if c["router_agreement"] is None else \
-                        f"; our router picks the same experts as megatron's for {100 * c['router_agreement']:.1f}% of tokens"
-                    print(f"check t={tokens}: max|ours - peer| / max|peer| = {c['rel_max_abs_diff']:.3e} with the same "
-                          f"experts (tol {tol:g}; rows over tol: {c['rows_over_tol']}/{c['rows']}){agree}", flush=True)
-                if not check["peer"]["ok"]:
-                    msg = f"ours and the peer disagree at tokens/rank={tokens}: {check['peer']}"
-                    if b["check"].get("strict", True):
-                        raise RuntimeError(msg + " (bench.check.strict=false to time anyway)")
-                    if rank == 0:
-                        print(f"WARNING: {msg}", flush=True)
-                del y_ours, y_peer
-            elif rank == 0:
-                print(f"check t={tokens}: ours vs dense reference max abs err {check['reference']['max_abs_err']:.3e} "
-                      f"(tol {check['reference']['tol']:.3e}); no peer", flush=True)
-            del y
-        if train:  # the gradients too, in training mode, before timing
-            for module in (timed, base_timed, peer):
-                if module is not None:
-                    module.train()
-            check_grads(check, ours, base, peer, x_grad, g, peer_ids if peer is not None else None, tol, forced,
-                        base_forced, weights, config, b, device, rank)
-        with torch.enable_grad() if train else grad_ctx():
-            # --- timing
-            # ours and the baseline interleaved (their ratio is the point); the much slower peer on its own
-            t_ours, t_base = (time_forwards(steps[:2], device, warmup, iters) if base is not None
-                              else (time_forward(steps[0], device, warmup, iters), None))
-            t_peer = time_forward(steps[2], device, warmup, iters) if peer is not None else None
-        for module in (timed, base_timed, peer) if train else ():
+    def run_peer(x=x):
+        return peer_forward(peer, x)
+
+    steps = (run_ours, run_base, run_peer)  # what is timed
+    if run.train:  # forward + backward of the same input and output gradient, for each layer
+        x_grad = x.detach().clone().requires_grad_()
+        g = rank_input(tokens, config.hidden_size, seed + 1, rank, device, run.dtype)
+        steps = tuple(training_step(lambda v, fn=fn: fn(x=v), x_grad, g, module)
+                      for fn, module in zip(steps, (timed, base_timed, peer)))
+    with run.grad_ctx():  # correctness before timing (a graph layer is checked on the experts the eager one chose)
+        check, peer_ids = _check_size(run, tokens, x, run_ours, run_base, forced, base_forced)
+    if run.train:  # the gradients too, in training mode, before timing
+        for module in (timed, base_timed, peer):
             if module is not None:
-                module.eval()
-        med_ours = statistics.median(t_ours)
-        med_peer = statistics.median(t_peer) if t_peer is not None else float("nan")
-        ms, peer_ms = reduce_max([med_ours, med_peer if t_peer is not None else 0.0], device)
-        stats = timed.last_stats.reduce(groups.ep) if getattr(timed, "last_stats", None) is not None else None
-        base_ms = reduce_max([statistics.median(t_base)], device)[0] if base is not None else None
-        base_stats = base_timed.last_stats.reduce(groups.ep) if base is not None else None
-        if graph:
-            timed.release_graphs()
-            if base_timed is not None:
-                base_timed.release_graphs()
-        rec = {
-            "ms": ms, "peer_ms": peer_ms if peer is not None else None,
-            "ms_per_rank": gather_scalar(med_ours, device),
-            "peer_ms_per_rank": gather_scalar(med_peer, device) if peer is not None else None,
-            "ms_min": reduce_max([min(t_ours)], device)[0],
-            "tokens_per_rank": tokens, "check": check,
-            "mode": f"cuda_graph (capacity={tokens})" if graph else _eager_mode(ours),
-            "train": train,
-            "layer_kwargs": (cfg["layer"].get("kwargs") or {}),
-            "layer_stats": _stats_record(stats),
-            "baseline": base_name, "baseline_kwargs": None if base_cfg is None else base_cfg["kwargs"], "baseline_ms": base_ms,
-            "vs_baseline": ms / base_ms if base_ms else None, "baseline_stats": _stats_record(base_stats),
-            "replans": getattr(ours, "num_replans", None),  # a self-re-planning layer's re-plans so far (0: none timed)
-            "trace": None if replay is None else {"source": replay.source, "layer": replay.layer,
-                                                  "tokens_repeated": repeated, "path": cfg["trace"].get("path")},
-            "check_finite": check_finite, "plan_based": plan is not None, "plan_path": plan_path,
-            "_size_notes": size_notes,
-        }
-        records.append(rec)
-        if rank == 0:
-            ratio = f"{ms / peer_ms:.3f}" if peer is not None and peer_ms > 0 else "-"
-            peer_s = f"{peer_ms:.3f}" if peer is not None else "-"
-            print(f"timed t={tokens}: ours {ms:.3f} ms, peer {peer_s} ms, ratio {ratio}", flush=True)
-            if base is not None:
-                print(f"timed t={tokens}: baseline {base_name} {base_ms:.3f} ms (ours/baseline {ms / base_ms:.3f}); "
-                      f"LAR ours {stats.lar:.3f} vs {base_stats.lar:.3f}, dispatch bytes ours "
-                      f"{sum(stats.bytes_sent)} vs {sum(base_stats.bytes_sent)}", flush=True)
-    weights = None  # free them before profiling (make() is not called after this)
-    if b.get("profile", False):
-        ptok = int(b.get("profile_tokens") or max(tokens_list))
-        x = rank_input(ptok, config.hidden_size, seed, rank, device, dtype)
-        forced = replay.ids_for(rank, ptok, device, owners.get("semantic")) if replay is not None else None
-
-        def run_prof(x=x):
-            if forced is not None:
-                ours.force_routing(forced)
-            return ours(x)
-
-        path = os.path.join(cfg["run_dir"], f"profile_{cfg['layer']['name']}_{b['name']}_t{ptok}_rank0.json")
-        if train:
-            x_grad = x.detach().clone().requires_grad_()
-            ours.train()
-            run_prof = training_step(run_prof, x_grad, rank_input(ptok, config.hidden_size, seed + 1, rank, device,
-                                                                  dtype), ours)
-        with torch.enable_grad() if train else grad_ctx():
-            table = profile_ours(run_prof, device, int(b.get("profile_iters", 5)), int(b.get("profile_rows", 25)),
-                                 rank, path)
-        if rank == 0:
-            print(f"\nprofile: {cfg['layer']['name']} {b['name']} tokens/rank={ptok}, {b.get('profile_iters', 5)} "
-                  f"{'eager ' if graph else ''}{'training steps' if train else 'forwards'} "
-                  f"(rank 0; chrome trace {path})\n{table}", flush=True)
-    if rank != 0:
-        return None
-    common = {
-        "device_name": device_name(device), "world_size": world, "ep": groups.ep_size, "layer": cfg["layer"]["name"],
-        "shape_name": b["name"],
-        "shape": {"H": config.hidden_size, "E": config.num_experts, "K": config.top_k, "F": config.ffn_hidden_size},
-        "peer": peer_name, "peer_experts": peer_experts, "peer_note": peer_note, "dtype": str(dtype).replace("torch.", ""),
-        "router_dtype": None if config.router_dtype is None else str(config.router_dtype).replace("torch.", ""),
-        "warmup": warmup, "iters": iters, "router": router,
-        "notes": list(dict.fromkeys(notes)),
-        "backend": backend, "torch": torch.__version__, "triton": triton_version(),
-        "megatron_core": megatron_version(),
+                module.train()
+        check_grads(check, run, x_grad, g, peer_ids, forced, base_forced)
+    warmup, iters = int(b["warmup"]), int(b["iters"])
+    with torch.enable_grad() if run.train else run.grad_ctx():
+        # ours and the baseline interleaved (their ratio is the point); the much slower peer on its own
+        t_ours, t_base = (time_forwards(steps[:2], device, warmup, iters) if base is not None
+                          else (time_forward(steps[0], device, warmup, iters), None))
+        t_peer = time_forward(steps[2], device, warmup, iters) if peer is not None else None
+    for module in (timed, base_timed, peer) if run.train else ():
+        if module is not None:
+            module.eval()
+    med_ours = statistics.median(t_ours)
+    med_peer = statistics.median(t_peer) if t_peer is not None else float("nan")
+    ms, peer_ms = reduce_max([med_ours, med_peer if t_peer is not None else 0.0], device)
+    stats = timed.last_stats.reduce(run.groups.ep) if getattr(timed, "last_stats", None) is not None else None
+    base_ms = reduce_max([statistics.median(t_base)], device)[0] if base is not None else None
+    base_stats = base_timed.last_stats.reduce(run.groups.ep) if base is not None else None
+    if run.graph:
+        timed.release_graphs()
+        if base_timed is not None:
+            base_timed.release_graphs()
+    if rank == 0:
+        ratio = f"{ms / peer_ms:.3f}" if peer is not None and peer_ms > 0 else "-"
+        peer_s = f"{peer_ms:.3f}" if peer is not None else "-"
+        print(f"timed t={tokens}: ours {ms:.3f} ms, peer {peer_s} ms, ratio {ratio}", flush=True)
+        if base is not None:
+            print(f"timed t={tokens}: baseline {run.base_name} {base_ms:.3f} ms (ours/baseline {ms / base_ms:.3f}); "
+                  f"LAR ours {stats.lar:.3f} vs {base_stats.lar:.3f}, dispatch bytes ours "
+                  f"{sum(stats.bytes_sent)} vs {sum(base_stats.bytes_sent)}", flush=True)
+    return {
+        "ms": ms, "peer_ms": peer_ms if peer is not None else None,
+        "ms_per_rank": gather_scalar(med_ours, device),
+        "peer_ms_per_rank": gather_scalar(med_peer, device) if peer is not None else None,
+        "ms_min": reduce_max([min(t_ours)], device)[0],
+        "tokens_per_rank": tokens, "check": check,
+        "mode": f"cuda_graph (capacity={tokens})" if run.graph else _eager_mode(ours),
+        "train": run.train,
+        "layer_kwargs": (cfg["layer"].get("kwargs") or {}),
+        "layer_stats": _stats_record(stats),
+        "baseline": run.base_name, "baseline_kwargs": None if run.base_cfg is None else run.base_cfg["kwargs"],
+        "baseline_ms": base_ms, "vs_baseline": ms / base_ms if base_ms else None,
+        "baseline_stats": _stats_record(base_stats),
+        "replans": getattr(ours, "num_replans", None),  # a self-re-planning layer's re-plans so far (0: none timed)
+        "trace": None if replay is None else {"source": replay.source, "layer": replay.layer,
+                                              "tokens_repeated": repeated, "path": cfg["trace"].get("path")},
+        "check_finite": bool(b.get("check_finite", False)), "plan_based": run.plan is not None,
+        "plan_path": cfg["layer"].get("plan_path") if run.plan is not None else None,
+        "_size_notes": size_notes,
     }
-    return [{**common, **{k: v for k, v in r.items() if k != "_size_notes"},
-             "notes": list(dict.fromkeys(common["notes"] + r["_size_notes"]))} for r in records]
 
 
-def check_grads(check: dict, ours, base, peer, x: torch.Tensor, grad: torch.Tensor, peer_ids, tol: float,
-                forced, base_forced, weights, config, b: dict, device: torch.device, rank: int) -> None:
+def _check_size(run: _Run, tokens: int, x: torch.Tensor, run_ours, run_base, forced, base_forced):
+    """Ours (and the baseline) against the dense reference on the experts they chose, and ours
+    against the peer with the peer's experts forced; raises (the peer's check: unless
+    ``bench.check.strict=false``) when one fails.
+
+    Returns:
+        ``(check, peer_ids)``: the record's ``check`` entries and the peer's expert ids (or ``None``).
+    """
+    b, rank, ours, base, peer = run.b, run.rank, run.ours, run.base, run.peer
+    rows, max_bad = int(b["check"]["ref_rows"]), float(b["check"]["max_bad_rows_frac"])
+    y = run_ours()
+    if run.graph:
+        ours(x)
+        if base is not None:
+            base(x)
+    check = {"reference": check_against_reference(ours, x, y, run.weights, run.config, rows, run.device,
+                                                   forced=forced, max_bad_frac=max_bad)}
+    if not check["reference"]["ok"]:
+        raise RuntimeError(f"{run.cfg['layer']['name']} does not match the dense reference at tokens/rank={tokens}: "
+                           f"{check['reference']}")
+    if base is not None:
+        check["baseline_reference"] = check_against_reference(base, x, run_base(), run.weights, run.config, rows,
+                                                              run.device, forced=base_forced, max_bad_frac=max_bad)
+        if not check["baseline_reference"]["ok"]:
+            raise RuntimeError(f"baseline {run.base_name} does not match the dense reference: "
+                               f"{check['baseline_reference']}")
+    if peer is None:
+        if rank == 0:
+            print(f"check t={tokens}: ours vs dense reference max abs err {check['reference']['max_abs_err']:.3e} "
+                  f"(tol {check['reference']['tol']:.3e}); no peer", flush=True)
+        return check, None
+    # a few tokens have a near-tie of router logits that megatron's and our matmul break
+    # differently. Check with megatron's choice forced on ours (same experts; weights still
+    # from our router), and report the agreement.
+    own_ids = None if forced is not None else layer_ids(ours)
+    y_peer, peer_ids = peer_forward_with_routing(peer, x, run.config.top_k)
+    ours.force_routing(peer_ids)
+    c = check["peer"] = check_against_peer(ours(x), y_peer, run.tol, max_bad, run.device)
+    c["router_agreement"] = None if own_ids is None else routing_agreement(own_ids, peer_ids, run.device)
+    if rank == 0:
+        agree = "" if c["router_agreement"] is None else \
+            f"; our router picks the same experts as megatron's for {100 * c['router_agreement']:.1f}% of tokens"
+        print(f"check t={tokens}: max|ours - peer| / max|peer| = {c['rel_max_abs_diff']:.3e} with the same "
+              f"experts (tol {run.tol:g}; rows over tol: {c['rows_over_tol']}/{c['rows']}){agree}", flush=True)
+    if not c["ok"]:
+        _peer_disagrees(run, f"ours and the peer disagree at tokens/rank={tokens}: {c}")
+    return check, peer_ids
+
+
+def _peer_disagrees(run: _Run, msg: str) -> None:
+    """Raise ``msg``, or with ``bench.check.strict=false`` warn (rank 0) and time anyway."""
+    if run.b["check"].get("strict", True):
+        raise RuntimeError(msg + " (bench.check.strict=false to time anyway)")
+    if run.rank == 0:
+        print(f"WARNING: {msg}", flush=True)
+
+
+def _profile(run: _Run, tokens: int) -> None:
+    """``bench.profile``: torch.profiler's table of ours' top kernels at ``tokens`` per rank (rank
+    0 prints it and saves a chrome trace in the run dir)."""
+    cfg, b, rank, device, config, ours = run.cfg, run.b, run.rank, run.device, run.config, run.ours
+    seed = int(cfg.get("seed", 0))
+    x = rank_input(tokens, config.hidden_size, seed, rank, device, run.dtype)
+    forced = run.replay.ids_for(rank, tokens, device, run.owners.get("semantic")) if run.replay is not None else None
+
+    def run_prof(x=x):
+        if forced is not None:
+            ours.force_routing(forced)
+        return ours(x)
+
+    path = os.path.join(cfg["run_dir"], f"profile_{cfg['layer']['name']}_{b['name']}_t{tokens}_rank0.json")
+    if run.train:
+        x_grad = x.detach().clone().requires_grad_()
+        ours.train()
+        run_prof = training_step(run_prof, x_grad, rank_input(tokens, config.hidden_size, seed + 1, rank, device,
+                                                              run.dtype), ours)
+    with torch.enable_grad() if run.train else run.grad_ctx():
+        table = profile_ours(run_prof, device, int(b.get("profile_iters", 5)), int(b.get("profile_rows", 25)),
+                             rank, path)
+    if rank == 0:
+        print(f"\nprofile: {cfg['layer']['name']} {b['name']} tokens/rank={tokens}, {b.get('profile_iters', 5)} "
+              f"{'eager ' if run.graph else ''}{'training steps' if run.train else 'forwards'} "
+              f"(rank 0; chrome trace {path})\n{table}", flush=True)
+
+
+def check_grads(check: dict, run: _Run, x: torch.Tensor, grad: torch.Tensor, peer_ids, forced, base_forced) -> None:
     """``bench.train``: the input gradients of ours and the baseline against the dense reference's
     (``check["reference_grad"]``, ``check["baseline_reference_grad"]``) and of ours against the
     peer's with the peer's experts forced (``check["peer_grad"]``), each raising (the peer's: unless
     ``bench.check.strict=false``) when it fails."""
+    b, ours = run.b, run.ours
     rows = int(b["check"]["ref_rows"])
-    for key, layer, ids in (("reference_grad", ours, forced), ("baseline_reference_grad", base, base_forced)):
+    for key, layer, ids in (("reference_grad", ours, forced), ("baseline_reference_grad", run.base, base_forced)):
         if layer is None:
             continue
-        check[key] = check_grads_against_reference(layer, x, grad, weights, config, rows, device, forced=ids)
+        check[key] = check_grads_against_reference(layer, x, grad, run.weights, run.config, rows, run.device,
+                                                   forced=ids)
         if not check[key]["ok"]:
             raise RuntimeError(f"the input gradient of {'ours' if layer is ours else 'the baseline'} does not "
                                f"match the dense reference's: {check[key]}")
-    if peer is not None:
-        check["peer_grad"] = c = check_grads_against_peer(ours, peer, x, grad, peer_ids, tol,
-                                                          float(b["check"]["max_bad_rows_frac"]), device)
-        if rank == 0:
+    if run.peer is not None:
+        check["peer_grad"] = c = check_grads_against_peer(ours, run.peer, x, grad, peer_ids, run.tol,
+                                                          float(b["check"]["max_bad_rows_frac"]), run.device)
+        if run.rank == 0:
             print(f"check grad: max|ours - peer| / max|peer| = {c['rel_max_abs_diff']:.3e} on the input gradient "
-                  f"with the same experts (tol {tol:g}; rows over tol: {c['rows_over_tol']}/{c['rows']})", flush=True)
+                  f"with the same experts (tol {run.tol:g}; rows over tol: {c['rows_over_tol']}/{c['rows']})",
+                  flush=True)
         if not c["ok"]:
-            msg = f"the input gradients of ours and the peer disagree: {c}"
-            if b["check"].get("strict", True):
-                raise RuntimeError(msg + " (bench.check.strict=false to time anyway)")
-            if rank == 0:
-                print(f"WARNING: {msg}", flush=True)
-    elif rank == 0:
+            _peer_disagrees(run, f"the input gradients of ours and the peer disagree: {c}")
+    elif run.rank == 0:
         print(f"check grad: ours vs dense reference, input gradient max abs err "
               f"{check['reference_grad']['max_abs_err']:.3e} (tol {check['reference_grad']['tol']:.3e}); no peer",
               flush=True)
@@ -895,7 +954,8 @@ def settings_digest(record: dict, d: dict) -> str:
     keep.update(
         shape=d["bench"].get("shape"), seed=d.get("seed"), inference_mode=d["bench"].get("inference_mode", True),
         cls=layer.get("cls"), plan_path=_norm_path(record.get("plan_path")),
-        plan_train_fraction=(layer.get("plan_train_fraction") or 0.5) if record.get("plan_based") else None,
+        plan_train_fraction=(plan_fraction_setting(layer.get("plan_train_fraction"), "layer.plan_train_fraction")
+                             if record.get("plan_based") else None),
         trace=None if not tr else {"layer": tr.get("layer"), "path": _norm_path(tr.get("path")),
                                    "source": None if tr.get("path") else tr.get("source"),  # (sized by the run)
                                    "vocab_size": None if tr.get("path") else (d.get("trace") or {}).get("vocab_size")})
@@ -989,8 +1049,9 @@ def _setting_suffix(r: dict) -> str:
 
 @hydra.main(config_path="../conf", config_name="bench", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    refuse_other_groups(("parallel", "bench", "layer", "router", "variability"), "bench.py")  # (variability:
-    # check_config says why bench emulates none)
+    refuse_unread_overrides("bench.py", "bench", ("parallel", "bench", "layer", "router", "variability"),
+                            open_keys=("layer.kwargs", "variability", "emulation"))  # (check_config says why bench
+    # emulates no variability)
     d = to_dict(cfg)
     normalize_flags(d, ("trace.synthetic", "bench.inference_mode", "bench.check_finite", "bench.cuda_graph", "bench.train",
                         "bench.profile", "bench.allow_large_cpu", "bench.check.strict", *LAYER_FLAGS))

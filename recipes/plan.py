@@ -111,7 +111,7 @@ from moelayers.planning.semantic_eval import PREDICTORS  # noqa: E402
 from moelayers.planning.steps import MIN_STEPS  # noqa: E402
 from recipes._common import (  # noqa: E402
     config_trace, int_setting, invocation, merge_curves_path, normalize_flags, overridden, print_table,
-    refuse_other_groups, run_dir, to_dict,
+    refuse_unread_overrides, run_dir, to_dict,
     write_json,
 )
 from recipes._plots import plot_plan  # noqa: E402
@@ -476,7 +476,7 @@ def write_outputs(out_dir: str, report: dict, plans: dict, name: str, token_rank
 
 @hydra.main(config_path="../conf", config_name="plan", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    refuse_other_groups(("planner", "variability"), "plan.py")
+    refuse_unread_overrides("plan.py", "plan", ("planner", "variability"), open_keys=("variability",))
     d = to_dict(cfg)
     normalize_flags(d, ("progress", "trace.synthetic"))
     merge_curves_path(d)  # variability.curves.path (serve.py's spelling) means curves.path here

@@ -40,7 +40,7 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
-    device_for, flag, int_setting, invocation, jsonable, launch, refuse_other_groups, resolve_backend, run_dir,
+    device_for, flag, int_setting, invocation, jsonable, launch, refuse_unread_overrides, resolve_backend, run_dir,
     shutdown, to_dict,
     under_torchrun,
 )
@@ -296,7 +296,7 @@ def summarize(res: dict, out_dir: str, config: dict | None = None) -> str:
 
 @hydra.main(config_path="../conf", config_name="profile", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    refuse_other_groups(("parallel", "profile"), "profile.py")
+    refuse_unread_overrides("profile.py", "profile", ("parallel", "profile"))
     d = to_dict(cfg)
     d["run_dir"] = run_dir()
     check_profile(d["profile"])  # a bad setting fails here, before any rank starts

@@ -90,7 +90,7 @@ from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import (  # noqa: E402
     LAYER_FLAGS, check_input_file, check_layer_settings, device_for, import_object, int_setting, invocation, launch, merge_curves_path, normalize_flags,
     overridden, percentile,
-    print_table, refuse_other_groups, remove_stale, run_dir, shutdown, timeout_setting, to_dict, write_json,
+    print_table, refuse_unread_overrides, remove_stale, run_dir, shutdown, timeout_setting, to_dict, write_json,
 )
 from recipes._bench_tools import seq_len_bounds  # noqa: E402
 from recipes._plots import plot_rank_load  # noqa: E402
@@ -608,16 +608,11 @@ def emulated_expert_time(cfg: dict, group_loads: torch.Tensor, ep_ranks: list[in
 # ---------------------------------------------------------------------- output
 def summarize(res: dict, out_dir: str) -> None:
     """Print the summary table; write results.json and rank_load.png into ``out_dir``."""
-    rows = [("throughput (out tok/s)", res["throughput_tok_s"]), ("TTFT p50 (s)", res["ttft_p50_s"]),
-            ("TTFT p99 (s)", res["ttft_p99_s"]), ("TPOT mean (s)", res["tpot_mean_s"]),
-            ("TPOT p90 (s)", res["tpot_p90_s"]), ("LAR", res["lar"]), ("all-to-all bytes", res["a2a_bytes"]),
-            ("imbalance", res["imbalance"]), ("imbalance (step mean)", res["imbalance_step_mean"]),
-            ("requests", res["num_requests"]), ("finished requests", res["finished_requests"]),
-            ("unserved requests (TTFT inf)", res["unserved_requests"]),
-            ("requests due after the end", res.get("unarrived_requests", 0)), ("output tokens", res["output_tokens"]),
-            ("steps", res["steps"]), ("elapsed (s)", res["elapsed_s"])]
-    if "emulated_expert_s" in res:  # curve mode: the expert time the emulated hardware imposed
-        rows.insert(5, ("emulated expert time (s)", res["emulated_expert_s"]))
+    keys = ["throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_mean_s", "tpot_p90_s",
+            *(["emulated_expert_s"] if "emulated_expert_s" in res else []),  # curve mode: the expert time imposed
+            "lar", "a2a_bytes", "imbalance", "imbalance_step_mean", "num_requests", "finished_requests",
+            "unserved_requests", "unarrived_requests", "output_tokens", "steps", "elapsed_s"]
+    rows = [(compare.METRIC_LABELS[key], res.get(key, 0) if key == "unarrived_requests" else res[key]) for key in keys]
     for note in res["notes"]:
         print(f"note: {note}")
     print_table(rows, title=f"serve: layer={res['layer']} router={res['router']} scheduler={res['scheduler']} "
@@ -934,7 +929,9 @@ _TRACE_FILES: dict = {}
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    refuse_other_groups(("model", "layer", "parallel", "workload", "router", "variability"), "serve.py")
+    refuse_unread_overrides("serve.py", "config", ("model", "layer", "parallel", "workload", "router", "variability"),
+                            open_keys=("layer.kwargs", "scheduler", "workload.prompt_len", "workload.output_len",
+                                       "variability", "emulation"))
     d = to_dict(cfg)
     normalize_flags(d, ("progress", "plot", "trace.synthetic", *LAYER_FLAGS))
     if merge_curves_path(d) and not isinstance(d.get("variability"), dict):  # curves.path: plan.py's spelling

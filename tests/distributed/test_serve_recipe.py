@@ -209,7 +209,7 @@ def test_plan_split_is_checked_before_the_ranks_start():
     with pytest.raises(ValueError, match="first 0.5 of its sequences.*empty part.*workload.num_requests"):
         check_config(_config(*semantic, "workload.num_requests=1"))
     for bad in ("1.0", "0", "abc", "true"):
-        with pytest.raises(ValueError, match=r"plan_train_fraction .* must be a number in \(0, 1\)"):
+        with pytest.raises(ValueError, match=r"plan_train_fraction .* must be null \(0\.5\) or a number in \(0, 1\)"):
             check_config(_config(*semantic, "workload.num_requests=4", f"layer.plan_train_fraction={bad}"))
     # given once, in the scheduler: the layer's config default (null) does not contradict it
     check_config(_config("layer=semantic", "scheduler={name:semantic,plan_train_fraction:0.3}", "router=replay",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,22 +52,37 @@ def test_default_run_dirs_are_per_process_but_shared_by_torchrun_ranks(monkeypat
 
 
 @pytest.mark.parametrize("recipe, override, refused", [
-    ("serve.py", "+planner=semantic", True), ("plan.py", "+layer=semantic", True),
-    ("profile.py", "+bench=cpu_smoke", True), ("serve.py", "+variability.curves.path=x.npz", False),
-    ("plan.py", "+planner.restarts=3", False), ("serve.py", "+nonsense=1", False),
+    ("serve.py", "+planner=semantic", "does not read the planner config group"),
+    ("plan.py", "+layer=semantic", "does not read the layer config group"),
+    ("profile.py", "+bench=cpu_smoke", "does not read the bench config group"),
+    ("serve.py", "+variability.curves.path=x.npz", None), ("plan.py", "+planner.restarts=3", None),
+    ("serve.py", "+layer.placement_path=p.json", None), ("serve.py", "+layer.kwargs.anything=1", None),
+    ("serve.py", "+workload.output_len.sigma=0.5", None), ("serve.py", "+scheduler.plan_path=p.npz", None),
+    ("serve.py", "hydra.run.dir=/tmp/x", None), ("bench.py", "+hydra.job.chdir=true", None),
+    ("serve.py", "+nonsense=1", r"no config of serve.py has the key nonsense\b.*the top-level keys are .*workload"),
+    ("serve.py", "+workload.foo=1", r"key workload.foo\b.*the keys under workload are .*num_requests"),
+    ("serve.py", "++parallel.foo=1", r"key parallel.foo\b.*world_size"),
+    ("serve.py", "+layer.placment_path=p.json", r"key layer.placment_path\b.*placement_path"),
+    ("plan.py", "+planner.restart=3", r"key planner.restart\b.*restarts"),
+    ("bench.py", "+bench.shape.hiden_size=8", r"key bench.shape.hiden_size\b.*hidden_size"),
+    ("profile.py", "+profile.foo.bar=1", r"key profile.foo.bar\b.*profile.foo has no keys of its own"),
 ])
-def test_a_config_group_the_recipe_does_not_read_is_refused(monkeypatch, recipe, override, refused):
-    """A sweep found `serve.py +planner=semantic` (and the like) accepted and ignored."""
+def test_an_override_the_recipe_would_ignore_is_refused(monkeypatch, recipe, override, refused):
+    """Sweeps found `serve.py +planner=semantic` (a group it does not read) and `+planner.restart=3`
+    (a misspelt key, added by Hydra and read by nothing) accepted and ignored."""
     from recipes import _common
 
     monkeypatch.setattr(_common, "invocation", lambda: {"argv": [], "overrides": [override]})
-    groups = {"serve.py": ("model", "layer", "parallel", "workload", "router", "variability"),
-              "plan.py": ("planner", "variability"), "profile.py": ("parallel", "profile")}[recipe]
+    args = {"serve.py": ("config", ("model", "layer", "parallel", "workload", "router", "variability"),
+                         ("layer.kwargs", "scheduler", "workload.prompt_len", "workload.output_len", "variability")),
+            "plan.py": ("plan", ("planner", "variability"), ("variability",)),
+            "bench.py": ("bench", ("parallel", "bench", "layer", "router"), ("layer.kwargs",)),
+            "profile.py": ("profile", ("parallel", "profile"), ())}[recipe]
     if refused:
-        with pytest.raises(ValueError, match=rf"\{override}: {recipe} does not read the .* config group"):
-            _common.refuse_other_groups(groups, recipe)
+        with pytest.raises(ValueError, match=re.escape(override) + ": .*" + refused):
+            _common.refuse_unread_overrides(recipe, *args)
     else:
-        _common.refuse_other_groups(groups, recipe)
+        _common.refuse_unread_overrides(recipe, *args)
 
 
 def test_serve_refuses_a_planner_group_before_any_rank_starts(tmp_path):
