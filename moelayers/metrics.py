@@ -75,7 +75,7 @@ class MoEStats:
         return cls(rank, list(pairs_sent), list(rows_sent), bytes_sent, 1, pairs_sent[rank], topk_ids)
 
     @classmethod
-    def deferred(cls, rank: int, pairs_sent: torch.Tensor, rows_sent: torch.Tensor, bytes_sent: list[int],
+    def deferred(cls, rank: int, pairs_sent: torch.Tensor, rows_sent: torch.Tensor | list[int], bytes_sent: list[int],
                  topk_ids: torch.Tensor | None = None) -> "MoEStats":
         """Stats whose counts stay on the device until first read (no sync in the forward)."""
         return cls(rank, pairs_sent, rows_sent, list(bytes_sent), 1, None, topk_ids)

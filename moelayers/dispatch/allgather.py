@@ -60,7 +60,8 @@ class AllGatherDispatcher:
         # every rank's (tokens, -, bad logits, digest), exchanged as the all-to-all dispatcher exchanges its
         # [R, 4] header (the same collective, columns 2 and 3 alike): ranks built with the other dispatcher
         # meet this one in it and raise on the digests, where an all-gather against its all-to-all hung
-        header = torch.tensor([[t, 0, 0, digest]] * self.num_ranks, dtype=torch.int64, device=dev)
+        header = torch.zeros((self.num_ranks, 4), dtype=torch.int64, device=dev)  # fills: no host-to-device copy
+        header[:, 0], header[:, 3] = t, digest
         if routes.nonfinite is not None:
             header[:, 2] = routes.nonfinite.to(torch.int64)
         if self.group is not None:
@@ -86,9 +87,9 @@ class AllGatherDispatcher:
         row_bytes = RowLayout(((x.shape[1], x.dtype), (k, ws.dtype), (k, torch.int32))).row_bytes
         # every rank gets this rank's block of t_max rows (t tokens, then padding), and the reduce-scatter
         # brings as many back: the rows on the wire, as MoEStats documents for this dispatcher
-        self.last_stats = MoEStats.from_counts(
-            self.rank, pairs_sent.tolist(), [t_max] * self.num_ranks, row_bytes, routes.topk_ids
-        )
+        bytes_sent = [0 if r == self.rank else t_max * row_bytes for r in range(self.num_ranks)]
+        self.last_stats = MoEStats.deferred(self.rank, pairs_sent, [t_max] * self.num_ranks, bytes_sent,
+                                            routes.topk_ids)  # pairs_sent read when asked: no sync here
         return Received(all_x.index_select(0, pairs.pair_row), pairs.slot_counts, _State(t, all_w, pairs, x.dtype))
 
     def combine(self, expert_output: torch.Tensor, received: Received) -> torch.Tensor:

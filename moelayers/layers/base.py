@@ -963,7 +963,7 @@ class MoELayerBase(nn.Module):
         if flag is not None:
             routes.nonfinite = merge_flags(routes.nonfinite, flag)
         elif self._bad_input:
-            routes.nonfinite = merge_flags(routes.nonfinite, torch.tensor(BAD_INPUT, dtype=torch.int32, device=x2.device))
+            routes.nonfinite = merge_flags(routes.nonfinite, _constant(BAD_INPUT, x2.device))
         autograd = 0  # the backward's exchanges this rank will run: every rank must run the same ones
         if self._records_autograd(x2):
             autograd |= RECORDS_AUTOGRAD
@@ -1016,7 +1016,7 @@ class MoELayerBase(nn.Module):
             xp = torch.nn.functional.pad(x2, (0, 0, 0, c - n))
             fp = None if forced is None else torch.nn.functional.pad(forced, (0, 0, 0, c - n))
             tp = None if token_ids is None else torch.nn.functional.pad(token_ids, (0, c - n))
-            y, topk_ids = self._forward_steps(xp, tp, fp, torch.tensor(t, device=x2.device))
+            y, topk_ids = self._forward_steps(xp, tp, fp, torch.full((), t, dtype=torch.int64, device=x2.device))
             y, topk_ids = y[:n], topk_ids[:n]
             stats = self.dispatcher.last_stats
             stats._topk_ids = topk_ids

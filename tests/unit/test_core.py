@@ -181,6 +181,18 @@ def test_last_stats_single_process():
     assert ml.metrics.merge_stats([st, st]).rank_loads == [24]
 
 
+def test_allgather_stats_stay_on_the_device_until_read():
+    """The all-gather dispatcher read its activation counts on the host in every forward (a second
+    device sync after its header's); they are read when asked now, with the same values."""
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), dispatcher="allgather")
+    layer(torch.randn(6, 8))
+    st = layer.last_stats
+    assert isinstance(st._pairs_sent, torch.Tensor)  # not read yet
+    assert st.lar == 1.0 and st.rank_loads == [12] and st.bytes_sent == [0] and st.rows_sent == [6]
+    assert st.with_experts(4).expert_loads.sum() == 12
+
+
 def test_metrics_functions():
     assert ml.metrics.imbalance([1, 1, 4]) == pytest.approx(2.0)
     assert ml.metrics.local_activation_rate(torch.tensor([0, 1]), torch.tensor([[0, 1], [1, 1]])) == 0.75
