@@ -43,12 +43,29 @@ __all__ = [
 EXECUTION_KWARGS = ("dispatcher", "dedup", "check_finite", "expert_backend", "capacity", "cuda_graph")
 
 
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
 def _recipe_doc() -> str:
     """The running recipe's docstring: ``--help`` shows it above Hydra's config listing (the primary
     configs set ``hydra.help.header: ${recipe_doc:}``)."""
     doc = getattr(sys.modules.get("__main__"), "__doc__", None)
     # Hydra fills the help template with string.Template: a "$" of the docstring must be "$$"
     return (doc or "A moelayers recipe (recipes/).").strip().replace("$", "$$") + "\n"
+
+
+def _recipe_groups() -> str:
+    """``--help``'s list of the config groups the running recipe reads (its ``CONFIG_GROUPS``; all
+    of ``conf/`` for a recipe without one), each with its options, one per line."""
+    groups = getattr(sys.modules.get("__main__"), "CONFIG_GROUPS", None)
+    if groups is None:
+        groups = sorted(n for n in os.listdir(CONF_DIR) if os.path.isdir(os.path.join(CONF_DIR, n)))
+    lines = []
+    for group in sorted(groups):
+        folder = os.path.join(CONF_DIR, group)
+        options = sorted(n[:-5] for n in os.listdir(folder) if n.endswith(".yaml")) if os.path.isdir(folder) else []
+        lines.append(f"{group}: {', '.join(options)}")
+    return "\n".join(lines).replace("$", "$$")
 
 
 def _run_stamp() -> str:
@@ -61,6 +78,8 @@ def _run_stamp() -> str:
 
 if not OmegaConf.has_resolver("recipe_doc"):
     OmegaConf.register_new_resolver("recipe_doc", _recipe_doc)
+if not OmegaConf.has_resolver("recipe_groups"):
+    OmegaConf.register_new_resolver("recipe_groups", _recipe_groups)
 if not OmegaConf.has_resolver("run_stamp"):
     OmegaConf.register_new_resolver("run_stamp", _run_stamp, use_cache=True)
 
@@ -308,9 +327,6 @@ def overridden(keys: Sequence[str]) -> list[str]:
     return out
 
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-
-
 def _yaml_keys(path: str) -> set[str]:
     """The dotted paths of a conf yaml file's keys (nested dicts included; ``defaults`` and
     ``hydra`` left out: Hydra reads them)."""
@@ -345,8 +361,9 @@ def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], op
     for a config group of ``conf/`` it does not read (e.g. ``serve.py +planner=semantic``), and
     ``+KEY=VALUE`` / ``++KEY=VALUE`` for a key that none of its configs holds (a misspelt
     ``+layer.placment_path=FILE``, ``+planner.restart=3``): Hydra adds such a key and nothing reads
-    it. Keys under one of ``open_keys`` are read by code that checks them itself (a layer's
-    constructor for ``layer.kwargs``, a scheduler for ``scheduler``) and pass.
+    it. Keys under one of ``open_keys`` (and groups named there) are read by code that checks them
+    itself (a layer's constructor for ``layer.kwargs``, a scheduler for ``scheduler``, a recipe's
+    own refusal with its reason) and pass.
 
     Args:
         recipe: the recipe's file name, for the message.
@@ -364,11 +381,12 @@ def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], op
         name = key.lstrip("+~")
         if not key.startswith("+") or name.startswith("hydra.") or name == "hydra":
             continue
-        if "." not in name and name in known_groups and name not in groups:
+        passes = any(name == k or name.startswith(k + ".") for k in open_keys)
+        if "." not in name and name in known_groups and name not in groups and not passes:
             raise ValueError(f"{override}: {recipe} does not read the {name} config group (it reads "
                              f"{', '.join(sorted(groups))}), so the run would ignore it: drop it")
         keys = readable_keys(primary, groups) if keys is None else keys
-        if name in keys or any(name == k or name.startswith(k + ".") for k in open_keys):
+        if name in keys or passes:
             continue
         parent = name.rpartition(".")[0]
         near = sorted(k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent)

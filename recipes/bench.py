@@ -1047,11 +1047,16 @@ def _setting_suffix(r: dict) -> str:
     return tag
 
 
+#: the config groups of conf/ this recipe reads (--help lists these)
+CONFIG_GROUPS = ("parallel", "bench", "layer", "router")
+#: config keys whose sub-keys the code reading them checks (refuse_unread_overrides lets them pass; check_config
+#: refuses serve.py's emulation settings, saying why)
+OPEN_KEYS = ("layer.kwargs", "variability", "emulation")
+
+
 @hydra.main(config_path="../conf", config_name="bench", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    refuse_unread_overrides("bench.py", "bench", ("parallel", "bench", "layer", "router", "variability"),
-                            open_keys=("layer.kwargs", "variability", "emulation"))  # (check_config says why bench
-    # emulates no variability)
+    refuse_unread_overrides("bench.py", "bench", CONFIG_GROUPS, OPEN_KEYS)
     d = to_dict(cfg)
     normalize_flags(d, ("trace.synthetic", "bench.inference_mode", "bench.check_finite", "bench.cuda_graph", "bench.train",
                         "bench.profile", "bench.allow_large_cpu", "bench.check.strict", *LAYER_FLAGS))

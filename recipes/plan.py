@@ -474,9 +474,15 @@ def write_outputs(out_dir: str, report: dict, plans: dict, name: str, token_rank
     commit_files(out_dir, writers, stale=OUTPUTS)
 
 
+#: the config groups of conf/ this recipe reads (--help lists these)
+CONFIG_GROUPS = ("planner", "variability")
+#: config keys whose sub-keys the code reading them checks (refuse_unread_overrides lets them pass)
+OPEN_KEYS = ("variability",)
+
+
 @hydra.main(config_path="../conf", config_name="plan", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    refuse_unread_overrides("plan.py", "plan", ("planner", "variability"), open_keys=("variability",))
+    refuse_unread_overrides("plan.py", "plan", CONFIG_GROUPS, OPEN_KEYS)
     d = to_dict(cfg)
     normalize_flags(d, ("progress", "trace.synthetic"))
     merge_curves_path(d)  # variability.curves.path (serve.py's spelling) means curves.path here

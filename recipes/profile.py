@@ -294,9 +294,13 @@ def summarize(res: dict, out_dir: str, config: dict | None = None) -> str:
     return path
 
 
+#: the config groups of conf/ this recipe reads (--help lists these)
+CONFIG_GROUPS = ("parallel", "profile")
+
+
 @hydra.main(config_path="../conf", config_name="profile", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    refuse_unread_overrides("profile.py", "profile", ("parallel", "profile"))
+    refuse_unread_overrides("profile.py", "profile", CONFIG_GROUPS)
     d = to_dict(cfg)
     d["run_dir"] = run_dir()
     check_profile(d["profile"])  # a bad setting fails here, before any rank starts

@@ -927,11 +927,15 @@ def _load_trace_file(path: str):
 _TRACE_FILES: dict = {}
 
 
+#: the config groups of conf/ this recipe reads (--help lists these)
+CONFIG_GROUPS = ("model", "layer", "parallel", "workload", "router", "variability")
+#: config keys whose sub-keys the code reading them checks (refuse_unread_overrides lets them pass)
+OPEN_KEYS = ("layer.kwargs", "scheduler", "workload.prompt_len", "workload.output_len", "variability", "emulation")
+
+
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    refuse_unread_overrides("serve.py", "config", ("model", "layer", "parallel", "workload", "router", "variability"),
-                            open_keys=("layer.kwargs", "scheduler", "workload.prompt_len", "workload.output_len",
-                                       "variability", "emulation"))
+    refuse_unread_overrides("serve.py", "config", CONFIG_GROUPS, OPEN_KEYS)
     d = to_dict(cfg)
     normalize_flags(d, ("progress", "plot", "trace.synthetic", *LAYER_FLAGS))
     if merge_curves_path(d) and not isinstance(d.get("variability"), dict):  # curves.path: plan.py's spelling

@@ -24,6 +24,12 @@ def test_help_shows_the_recipe_docstring(recipe):
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(first_line), out.stdout[:300]
     assert "== Config ==" in out.stdout and "is powered by Hydra" not in out.stdout
+    # the config groups: those this recipe reads only (every group of conf/ was listed)
+    listed = out.stdout.split("== Configuration groups ==")[1].split("== Config ==")[0]
+    groups = [line.split(":")[0] for line in listed.splitlines()[2:] if ":" in line]
+    text = path.read_text()
+    expected = ast.literal_eval(text.split("\nCONFIG_GROUPS = ", 1)[1].split("\n", 1)[0])
+    assert groups == sorted(expected), listed
 
 
 def test_a_dollar_in_the_docstring_survives_hydras_template(monkeypatch):
@@ -65,6 +71,8 @@ def test_default_run_dirs_are_per_process_but_shared_by_torchrun_ranks(monkeypat
     ("serve.py", "+layer.placment_path=p.json", r"key layer.placment_path\b.*placement_path"),
     ("plan.py", "+planner.restart=3", r"key planner.restart\b.*restarts"),
     ("bench.py", "+bench.shape.hiden_size=8", r"key bench.shape.hiden_size\b.*hidden_size"),
+    ("bench.py", "+model=tiny", "does not read the model config group"),
+    ("bench.py", "+variability=high", None),  # passed to check_config, which says why bench emulates none
     ("profile.py", "+profile.foo.bar=1", r"key profile.foo.bar\b.*profile.foo has no keys of its own"),
 ])
 def test_an_override_the_recipe_would_ignore_is_refused(monkeypatch, recipe, override, refused):
@@ -72,12 +80,12 @@ def test_an_override_the_recipe_would_ignore_is_refused(monkeypatch, recipe, ove
     (a misspelt key, added by Hydra and read by nothing) accepted and ignored."""
     from recipes import _common
 
+    import importlib
+
     monkeypatch.setattr(_common, "invocation", lambda: {"argv": [], "overrides": [override]})
-    args = {"serve.py": ("config", ("model", "layer", "parallel", "workload", "router", "variability"),
-                         ("layer.kwargs", "scheduler", "workload.prompt_len", "workload.output_len", "variability")),
-            "plan.py": ("plan", ("planner", "variability"), ("variability",)),
-            "bench.py": ("bench", ("parallel", "bench", "layer", "router"), ("layer.kwargs",)),
-            "profile.py": ("profile", ("parallel", "profile"), ())}[recipe]
+    module = importlib.import_module(f"recipes.{recipe[:-3]}")
+    primary = {"serve.py": "config"}.get(recipe, recipe[:-3])
+    args = (primary, module.CONFIG_GROUPS, getattr(module, "OPEN_KEYS", ()))
     if refused:
         with pytest.raises(ValueError, match=re.escape(override) + ": .*" + refused):
             _common.refuse_unread_overrides(recipe, *args)
