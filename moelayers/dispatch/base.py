@@ -125,15 +125,17 @@ def raise_if_placements_differ(digests: list[int]) -> None:
     """Raise ``ValueError`` on every rank if the expert-parallel ranks serve different placements
     or payload settings (the layer's digest of its placement's
     :meth:`~moelayers.placement.ExpertPlacement.digest` and of its dispatcher, dedup, capacity,
-    config and subclass settings, and the payload's dtypes, one per rank in rank order), e.g. the ranks loaded
-    checkpoints saved at different moments: routing by one table and weights laid out by another
-    give wrong outputs silently."""
+    config, subclass settings and ``layer_number``, and the payload's dtypes, one per rank in rank
+    order), e.g. the ranks loaded checkpoints saved at different moments (routing by one table and
+    weights laid out by another give wrong outputs silently) or call their layers in different orders."""
     if len(set(digests)) > 1:
         groups: dict[int, list[int]] = {}
         for r, d in enumerate(digests):
             groups.setdefault(d, []).append(r)
         raise ValueError(f"the expert-parallel ranks serve different placements or layer settings (ranks grouped "
-                         f"by them: {sorted(groups.values())}): every rank must load the same checkpoint moment or "
+                         f"by them: {sorted(groups.values())}): every rank must call its layers in the same order "
+                         f"(layers built with layer_number= are told apart), "
+                         f"load the same checkpoint moment or "
                          f"apply the same placement, build the layer with the same MoEConfig, dispatcher, dedup, "
                          f"capacity (and a VariabilityAwareMoE with the same window and re-planning settings), "
                          f"and compute in the same dtype (a layer cast on some ranks only, torch.autocast on some "

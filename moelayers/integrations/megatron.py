@@ -292,6 +292,7 @@ class MegatronMoEAdapter(nn.Module):
             layer_kwargs["device"] = _pick_device(config, self.groups)
         self.layer_number, self.is_mtp_layer = layer_number, bool(is_mtp_layer)
         self.layer = layer_cls(moe_config, self.groups, **layer_kwargs)
+        self.layer.layer_number = layer_number  # compared across the ranks in every exchange
         megatron_init(self.layer, config, layer_number)
         modules = getattr(config, "recompute_modules", None) or ()
         selective = getattr(config, "recompute_granularity", None) == "selective"
@@ -326,7 +327,7 @@ class MegatronMoEAdapter(nn.Module):
         do not all start alike (load trained weights after building the model, as usual)."""
         if layer_number != self.layer_number:
             megatron_init(self.layer, self.config, layer_number)
-        self.layer_number = layer_number
+        self.layer_number = self.layer.layer_number = layer_number
 
     def load_full_weights(self, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
                           verify: bool = True) -> None:

@@ -110,6 +110,13 @@ def _like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         return distribute_tensor(full, param.device_mesh, param.placements)
 
 
+def _check_layer_number(value: Any) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):
+        raise ValueError(f"layer_number must be None or an int >= 0 (the layer's place in the model, the same on "
+                         f"every rank), got {value!r}")
+    return None if value is None else int(value)
+
+
 def _check_forced_type(topk_ids: Any) -> None:
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype == torch.bool or topk_ids.is_floating_point() \
             or topk_ids.is_complex():
@@ -144,6 +151,12 @@ class MoELayerBase(nn.Module):
             multiples of 8, ``expert_backend`` not ``'loop'``) and the Triton kernels (installed, not
             disabled by ``MOELAYERS_DISABLE_TRITON=1``); otherwise the forward raises ``ValueError``.
             ``last_topk_ids`` is then a view of the graph's output, valid until the next forward.
+        layer_number: the layer's place in the model (an int >= 0, the same on every rank; the
+            megatron adapter passes megatron's ``layer_number``, ``SemanticMoE.from_plan`` its
+            ``layer_idx``). It joins the digest the expert-parallel ranks compare in every exchange,
+            so ranks that call their layers in different orders raise ``ValueError`` together
+            instead of exchanging the rows of different layers. ``None`` (default): not checked, and
+            two layers alike in every setting are then indistinguishable.
 
     Default initialisation: router and expert weights ``~ N(0, config.init_std)``.
     """
@@ -168,6 +181,7 @@ class MoELayerBase(nn.Module):
         expert_backend: str = "auto",
         capacity: int | None = None,
         cuda_graph: bool = False,
+        layer_number: int | None = None,
     ):
         super().__init__()
         if not isinstance(config, MoEConfig):
@@ -184,6 +198,7 @@ class MoELayerBase(nn.Module):
             raise ValueError(f"seed must be an int >= 0 (the same on every rank: it draws the default weights), "
                              f"got {seed!r}")
         seed = int(seed)
+        self._layer_number = _check_layer_number(layer_number)
         placement = placement or ExpertPlacement.linear(config.num_experts, groups.ep_size)
         self._check_placement(placement, config, groups)
         if dispatcher not in DISPATCHERS:
@@ -259,13 +274,31 @@ class MoELayerBase(nn.Module):
         """62-bit digest the ranks compare with every exchange: the placement, the settings that
         decide how the payload is laid out (a rank built with another ``dedup`` or ``top_k`` would
         read the others' rows with its own layout), the rest of the config (another
-        ``ffn_hidden_size`` or ``norm_topk_prob`` on one rank served another model) and the layer's
-        :meth:`_agreed_settings`, as built."""
+        ``ffn_hidden_size`` or ``norm_topk_prob`` on one rank served another model), the layer's
+        :meth:`_agreed_settings` and its ``layer_number``, as built."""
         c = self.config
         payload = (self.dedup, self.capacity) if self.dispatcher_name == "alltoall" else ()  # all-gather: neither
         config = tuple((f.name, getattr(c, f.name)) for f in dataclasses.fields(c) if f.name != "params_dtype")
         settings = (self.placement.digest(), self.dispatcher_name, *payload, config, self._agreed_settings())
+        if self._layer_number is not None:
+            settings += (("layer_number", self._layer_number),)
         return int.from_bytes(hashlib.blake2b(repr(settings).encode(), digest_size=8).digest(), "little") >> 2
+
+    @property
+    def layer_number(self) -> int | None:
+        """The layer's place in the model (``None``: not given); part of :meth:`_digest`. Set it on
+        every rank alike (a model numbering its layers after building them, as megatron's
+        ``set_layer_number`` does); a captured CUDA graph is dropped and captured again."""
+        return self._layer_number
+
+    @layer_number.setter
+    def layer_number(self, value: int | None) -> None:
+        value = _check_layer_number(value)
+        if value != self._layer_number:
+            self.release_graphs()  # its exchange sends the digest it was captured with
+            self._layer_number = value
+            self.dispatcher.placement_digest = self._digest()
+            self._placement_unchecked = True  # capacity mode: compared on the next forward
 
     def _agreed_settings(self) -> tuple:
         """Settings of a subclass that every expert-parallel rank must share (e.g. when it re-plans:

@@ -161,8 +161,10 @@ class SemanticMoE(MoELayerBase):
             layer_idx: the plan's layer.
             config, groups: as every layer.
             mode: ``'dp'`` | ``'tp'``; default ``plan.mode`` when that is one of them, else ``'dp'``.
-            **kwargs: passed to the constructor (dispatcher, device, seed, ...).
+            **kwargs: passed to the constructor (dispatcher, device, seed, ...); ``layer_number``
+                defaults to ``layer_idx`` (the ranks then tell the plan's layers apart).
         """
+        kwargs.setdefault("layer_number", layer_idx)
         if mode is None:
             mode = getattr(plan, "mode", "dp")
             mode = mode if mode in MODES else "dp"

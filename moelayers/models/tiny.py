@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelayers.dispatch.comm import copy_to_group
+from moelayers.layers.base import MoELayerBase
 
 __all__ = ["TinyConfig", "TinyDecoder", "KVCache", "RMSNorm", "CausalSelfAttention", "StepRequest"]
 
@@ -143,6 +144,8 @@ def _checked_slot(cfg: TinyConfig, index: int, moe: Any, attention: str) -> nn.M
         raise ValueError(f"attention='tp' needs MoE slots with forward_tp (e.g. SemanticMoE(mode='tp')); "
                          f"block {index} holds {type(moe).__name__}"
                          + (f"(mode={moe.mode!r})" if hasattr(moe, "mode") else ""))
+    if isinstance(moe, MoELayerBase) and moe.layer_number is None:
+        moe.layer_number = index  # the ranks tell the blocks' layers apart in every exchange
     return moe
 
 
@@ -273,7 +276,8 @@ class TinyDecoder(nn.Module):
     Args:
         cfg: model shape.
         moe_factory: ``moe_factory(layer_index) -> nn.Module`` builds block ``i``'s MoE slot,
-            called as ``moe(x [T, H], token_ids=[T])``. ``None`` is rejected.
+            called as ``moe(x [T, H], token_ids=[T])``. ``None`` is rejected. A moelayers layer
+            built without a ``layer_number`` gets ``i``.
         device: where the non-MoE weights live.
         seed: seeds the non-MoE weights (independent of the rank, so every rank agrees).
         attention: ``'dp'`` (default) or ``'tp'`` (heads split over ``groups``' TP ranks; every MoE

@@ -1,0 +1,85 @@
+"""Ranks that call their layers in different orders (gloo, 2 ranks). Two layers alike in every
+setting exchange the same payload layout, so rank 0's layer A met rank 1's layer B and their rows
+were mixed silently. With a ``layer_number`` (the megatron adapter's, ``SemanticMoE.from_plan``'s
+``layer_idx``, the tiny decoder's block index, or given) the numbers join the digest the ranks compare
+in every exchange, and every rank raises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moelayers as ml
+from moelayers.testing import run_distributed
+
+TIMEOUT = 90
+CFG = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+ORDER = "every rank must call its layers in the same order"
+
+
+def _outcome(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test compares every rank's outcome
+        return f"{type(exc).__name__}: {exc}"
+    return "ok"
+
+
+def _swapped_layers(rank, world, kwargs, numbers):
+    groups = ml.ParallelGroups.from_world()
+    a, b = (ml.VanillaMoE(CFG, groups, seed=1, layer_number=n, **kwargs) for n in numbers)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(rank))
+    first, second = (a, b) if rank == 0 else (b, a)
+    with torch.no_grad():
+        swapped = _outcome(lambda: (first(x), second(x)))
+        in_order = _outcome(lambda: (a(x), b(x)))  # the layers serve again, called alike
+    return swapped, in_order
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"dispatcher": "allgather"}, {"capacity": 8}, {"dedup": False}],
+                         ids=["alltoall", "allgather", "capacity", "nodedup"])
+def test_layers_called_in_different_orders_raise_on_every_rank(kwargs):
+    for swapped, in_order in run_distributed(_swapped_layers, 2, kwargs, (1, 2), timeout=TIMEOUT):
+        assert swapped.startswith("ValueError") and ORDER in swapped, swapped
+        assert in_order == "ok", in_order
+
+
+def _numbered_later(rank, world):
+    groups = ml.ParallelGroups.from_world()
+    layer = ml.VanillaMoE(CFG, groups, capacity=8)
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        layer(x)
+        layer.layer_number = 3 if rank == 0 else 4  # numbered differently on each rank
+        differs = _outcome(lambda: layer(x))
+        layer.layer_number = 3
+        agrees = _outcome(lambda: layer(x))
+    return differs, agrees, layer.layer_number
+
+
+def test_a_layer_number_set_after_building_is_compared():
+    """megatron numbers its layers after building them (set_layer_number): the digest follows, and
+    capacity mode (which compares digests only when they change) compares again."""
+    for differs, agrees, number in run_distributed(_numbered_later, 2, timeout=TIMEOUT):
+        assert differs.startswith("ValueError") and ORDER in differs, differs
+        assert agrees == "ok" and number == 3
+
+
+def test_layer_number_is_checked_and_numbered_by_the_tiny_decoder():
+    with pytest.raises(ValueError, match="layer_number must be None or an int >= 0"):
+        ml.VanillaMoE(CFG, ml.ParallelGroups.single(), layer_number=-1)
+    with pytest.raises(ValueError, match="layer_number must be None or an int >= 0"):
+        ml.VanillaMoE(CFG, ml.ParallelGroups.single(), layer_number=True)
+    from moelayers.models.tiny import TinyConfig, TinyDecoder
+
+    tcfg = TinyConfig(vocab_size=16, hidden_size=8, num_heads=2, num_layers=3)
+    numbers = {0: None, 1: 7, 2: None}
+    model = TinyDecoder(tcfg, lambda i: ml.VanillaMoE(CFG, ml.ParallelGroups.single(), layer_number=numbers[i]))
+    assert [b.moe.layer_number for b in model.blocks] == [0, 7, 2]  # a given number is kept
+
+
+def test_same_settings_and_the_same_number_keep_the_digest():
+    """The digest is what the ranks compare: a number changes it, the same number does not."""
+    g = ml.ParallelGroups.single()
+    plain, one, one_again, two = (ml.VanillaMoE(CFG, g, layer_number=n)._digest() for n in (None, 1, 1, 2))
+    assert one == one_again and len({plain, one, two}) == 3
