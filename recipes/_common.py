@@ -343,33 +343,40 @@ def _yaml_keys(path: str) -> set[str]:
     return out
 
 
-def readable_keys(primary: str, groups: Sequence[str]) -> set[str]:
-    """Every config key a recipe's configs can hold: those of ``conf/<primary>.yaml`` and, under
-    ``GROUP.``, those of every option ``conf/GROUP/*.yaml`` of the ``groups`` it reads."""
-    keys = _yaml_keys(os.path.join(CONF_DIR, primary + ".yaml"))
+def readable_keys(primary: str, groups: Sequence[str], extra_keys: Sequence[str] = (),
+                  mirrors: dict[str, str] | None = None) -> set[str]:
+    """Every config key a recipe can read: those of ``conf/<primary>.yaml`` and, under ``GROUP.``,
+    those of every option ``conf/GROUP/*.yaml`` of the ``groups`` it reads, the ``extra_keys`` it
+    reads with a default where no yaml holds them, and under each ``mirrors`` key ``K`` the keys
+    under its value ``G`` (``compare.layer`` holds what ``layer`` does)."""
+    keys = _yaml_keys(os.path.join(CONF_DIR, primary + ".yaml")) | set(extra_keys)
     for group in groups:
         folder = os.path.join(CONF_DIR, group)
         keys.add(group)
         for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
             if name.endswith(".yaml"):
                 keys |= {f"{group}.{k}" for k in _yaml_keys(os.path.join(folder, name))}
+    for alias, source in (mirrors or {}).items():
+        keys |= {alias + k[len(source):] for k in keys if k.startswith(source + ".")}
     return keys
 
 
-def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], open_keys: Sequence[str] = ()) -> None:
+def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], open_keys: Sequence[str] = (),
+                            extra_keys: Sequence[str] = (), mirrors: dict[str, str] | None = None) -> None:
     """Refuse command-line overrides that add something this recipe would ignore: ``+GROUP=NAME``
     for a config group of ``conf/`` it does not read (e.g. ``serve.py +planner=semantic``), and
-    ``+KEY=VALUE`` / ``++KEY=VALUE`` for a key that none of its configs holds (a misspelt
-    ``+layer.placment_path=FILE``, ``+planner.restart=3``): Hydra adds such a key and nothing reads
-    it. Keys under one of ``open_keys`` (and groups named there) are read by code that checks them
-    itself (a layer's constructor for ``layer.kwargs``, a scheduler for ``scheduler``, a recipe's
-    own refusal with its reason) and pass.
+    ``+KEY=VALUE`` / ``++KEY=VALUE`` for a key that it does not read (:func:`readable_keys`; a
+    misspelt ``+layer.placment_path=FILE``, ``+planner.restart=3``): Hydra adds such a key and
+    nothing reads it. Keys under one of ``open_keys`` (and groups named there) are read by code that
+    checks them itself (a layer's constructor for ``layer.kwargs``, a scheduler for ``scheduler``, a
+    recipe's own refusal with its reason) and pass; so do Hydra's own settings.
 
     Args:
         recipe: the recipe's file name, for the message.
         primary: its primary config, ``conf/<primary>.yaml``.
         groups: the config groups it reads.
         open_keys: key prefixes whose sub-keys are checked where they are read.
+        extra_keys, mirrors: see :func:`readable_keys`.
 
     Raises:
         ValueError: naming the override and what the recipe reads.
@@ -379,20 +386,24 @@ def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], op
     for override in invocation()["overrides"]:
         key = override.split("=", 1)[0]
         name = key.lstrip("+~")
-        if not key.startswith("+") or name.startswith("hydra.") or name == "hydra":
+        group = name.split("@", 1)[0].split("/", 1)[0]  # +GROUP@PACKAGE=NAME, +hydra/GROUP=NAME
+        if not key.startswith("+") or group == "hydra" or name.startswith("hydra."):
             continue
         passes = any(name == k or name.startswith(k + ".") for k in open_keys)
-        if "." not in name and name in known_groups and name not in groups and not passes:
-            raise ValueError(f"{override}: {recipe} does not read the {name} config group (it reads "
+        if ("." not in name and group in known_groups and group not in groups
+                and not any(group == k for k in open_keys)):
+            raise ValueError(f"{override}: {recipe} does not read the {group} config group (it reads "
                              f"{', '.join(sorted(groups))}), so the run would ignore it: drop it")
-        keys = readable_keys(primary, groups) if keys is None else keys
-        if name in keys or passes:
+        keys = readable_keys(primary, groups, extra_keys, mirrors) if keys is None else keys
+        if name in keys or passes or ("." not in name and group in groups):
             continue
         parent = name.rpartition(".")[0]
+        while parent and parent not in keys:  # the nearest key that exists
+            parent = parent.rpartition(".")[0]
         near = sorted(k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent)
-        where = f"the keys under {parent}" if parent else "the top-level keys"
-        hint = f"{where} are {', '.join(near)}" if near else f"{parent} has no keys of its own"
-        raise ValueError(f"{override}: no config of {recipe} has the key {name}, so the run would ignore it "
+        where = f"the keys under {parent} are" if parent else "the top-level keys are"
+        hint = f"{where} {', '.join(near)}" if near else f"{parent} takes no keys"
+        raise ValueError(f"{override}: {recipe} reads no key {name}, so the run would ignore it "
                          f"({hint}): check the spelling, or drop it")
 
 

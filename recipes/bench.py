@@ -1052,11 +1052,13 @@ CONFIG_GROUPS = ("parallel", "bench", "layer", "router")
 #: config keys whose sub-keys the code reading them checks (refuse_unread_overrides lets them pass; check_config
 #: refuses serve.py's emulation settings, saying why)
 OPEN_KEYS = ("layer.kwargs", "variability", "emulation")
+#: keys read with a default that no bench shape's yaml sets (moe_config)
+EXTRA_KEYS = ("bench.shape.init_std", "bench.shape.score_fn", "bench.shape.norm_topk_prob")
 
 
 @hydra.main(config_path="../conf", config_name="bench", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    refuse_unread_overrides("bench.py", "bench", CONFIG_GROUPS, OPEN_KEYS)
+    refuse_unread_overrides("bench.py", "bench", CONFIG_GROUPS, OPEN_KEYS, EXTRA_KEYS)
     d = to_dict(cfg)
     normalize_flags(d, ("trace.synthetic", "bench.inference_mode", "bench.check_finite", "bench.cuda_graph", "bench.train",
                         "bench.profile", "bench.allow_large_cpu", "bench.check.strict", *LAYER_FLAGS))

@@ -124,7 +124,7 @@ def check_fits(p: dict, world: int, backend: str, *, allow: bool = False) -> Non
             f"CPU smoke shape instead:\n"
             f"    python recipes/profile.py profile=cpu_smoke\n"
             f"or on GPUs: torchrun --standalone --nproc_per_node=N recipes/profile.py parallel=gpu "
-            f"profile={p.get('name')} (+profile.allow_large_cpu=true forces it)")
+            f"profile={p.get('name')} (profile.allow_large_cpu=true forces it)")
 
 
 def _time_rows(experts, x, counts, device, warmup: int, reps: int, inner: int = 10) -> float:

@@ -930,12 +930,15 @@ _TRACE_FILES: dict = {}
 #: the config groups of conf/ this recipe reads (--help lists these)
 CONFIG_GROUPS = ("model", "layer", "parallel", "workload", "router", "variability")
 #: config keys whose sub-keys the code reading them checks (refuse_unread_overrides lets them pass)
-OPEN_KEYS = ("layer.kwargs", "scheduler", "workload.prompt_len", "workload.output_len", "variability", "emulation")
+OPEN_KEYS = ("layer.kwargs", "scheduler", "workload.prompt_len", "workload.output_len", "variability", "emulation",
+             "compare.layer.kwargs", "compare.scheduler")
+#: the baseline of a comparison (compare.layer={name:...,cls:...,kwargs:{...}}) holds what layer does
+MIRRORS = {"compare.layer": "layer"}
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    refuse_unread_overrides("serve.py", "config", CONFIG_GROUPS, OPEN_KEYS)
+    refuse_unread_overrides("serve.py", "config", CONFIG_GROUPS, OPEN_KEYS, mirrors=MIRRORS)
     d = to_dict(cfg)
     normalize_flags(d, ("progress", "plot", "trace.synthetic", *LAYER_FLAGS))
     if merge_curves_path(d) and not isinstance(d.get("variability"), dict):  # curves.path: plan.py's spelling

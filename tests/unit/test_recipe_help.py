@@ -65,7 +65,7 @@ def test_default_run_dirs_are_per_process_but_shared_by_torchrun_ranks(monkeypat
     ("serve.py", "+layer.placement_path=p.json", None), ("serve.py", "+layer.kwargs.anything=1", None),
     ("serve.py", "+workload.output_len.sigma=0.5", None), ("serve.py", "+scheduler.plan_path=p.npz", None),
     ("serve.py", "hydra.run.dir=/tmp/x", None), ("bench.py", "+hydra.job.chdir=true", None),
-    ("serve.py", "+nonsense=1", r"no config of serve.py has the key nonsense\b.*the top-level keys are .*workload"),
+    ("serve.py", "+nonsense=1", r"serve.py reads no key nonsense\b.*the top-level keys are .*workload"),
     ("serve.py", "+workload.foo=1", r"key workload.foo\b.*the keys under workload are .*num_requests"),
     ("serve.py", "++parallel.foo=1", r"key parallel.foo\b.*world_size"),
     ("serve.py", "+layer.placment_path=p.json", r"key layer.placment_path\b.*placement_path"),
@@ -73,7 +73,14 @@ def test_default_run_dirs_are_per_process_but_shared_by_torchrun_ranks(monkeypat
     ("bench.py", "+bench.shape.hiden_size=8", r"key bench.shape.hiden_size\b.*hidden_size"),
     ("bench.py", "+model=tiny", "does not read the model config group"),
     ("bench.py", "+variability=high", None),  # passed to check_config, which says why bench emulates none
-    ("profile.py", "+profile.foo.bar=1", r"key profile.foo.bar\b.*profile.foo has no keys of its own"),
+    ("profile.py", "+profile.foo.bar=1", r"key profile.foo.bar\b.*the keys under profile are .*allow_large_cpu"),
+    ("profile.py", "profile.allow_large_cpu=true", None),  # read (it is in the config: no + needed)
+    ("bench.py", "+bench.shape.init_std=0.5", None), ("serve.py", "+compare.layer.kwargs.capacity=64", None),
+    ("serve.py", "+compare.layer.plan_path=p.npz", None), ("serve.py", "+compare.scheduler.plan_path=p.npz", None),
+    ("serve.py", "+compare.layer.foo=1", r"key compare.layer.foo\b.*the keys under compare.layer are .*kwargs"),
+    ("serve.py", "+layer.kwarg.capacity=8", r"key layer.kwarg.capacity\b.*the keys under layer are .*kwargs"),
+    ("serve.py", "+hydra/job_logging=disabled", None), ("serve.py", "+layer@foo=vanilla", None),
+    ("serve.py", "+planner@foo=semantic", "does not read the planner config group"),
 ])
 def test_an_override_the_recipe_would_ignore_is_refused(monkeypatch, recipe, override, refused):
     """Sweeps found `serve.py +planner=semantic` (a group it does not read) and `+planner.restart=3`
@@ -85,7 +92,8 @@ def test_an_override_the_recipe_would_ignore_is_refused(monkeypatch, recipe, ove
     monkeypatch.setattr(_common, "invocation", lambda: {"argv": [], "overrides": [override]})
     module = importlib.import_module(f"recipes.{recipe[:-3]}")
     primary = {"serve.py": "config"}.get(recipe, recipe[:-3])
-    args = (primary, module.CONFIG_GROUPS, getattr(module, "OPEN_KEYS", ()))
+    args = (primary, module.CONFIG_GROUPS, getattr(module, "OPEN_KEYS", ()), getattr(module, "EXTRA_KEYS", ()),
+            getattr(module, "MIRRORS", None))
     if refused:
         with pytest.raises(ValueError, match=re.escape(override) + ": .*" + refused):
             _common.refuse_unread_overrides(recipe, *args)
