@@ -386,16 +386,17 @@ def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], op
     for override in invocation()["overrides"]:
         key = override.split("=", 1)[0]
         name = key.lstrip("+~")
-        group = name.split("@", 1)[0].split("/", 1)[0]  # +GROUP@PACKAGE=NAME, +hydra/GROUP=NAME
+        selected, _, package = name.partition("@")  # +GROUP@PACKAGE=NAME puts the option at PACKAGE
+        group = selected.split("/", 1)[0]  # +hydra/GROUP=NAME
         if not key.startswith("+") or group == "hydra" or name.startswith("hydra."):
             continue
-        passes = any(name == k or name.startswith(k + ".") for k in open_keys)
-        if ("." not in name and group in known_groups and group not in groups
-                and not any(group == k for k in open_keys)):
+        selects = "." not in selected and group in known_groups  # an option of a config group
+        if selects and group not in groups and group not in open_keys:
             raise ValueError(f"{override}: {recipe} does not read the {group} config group (it reads "
                              f"{', '.join(sorted(groups))}), so the run would ignore it: drop it")
+        name = package or name  # where the override adds something
         keys = readable_keys(primary, groups, extra_keys, mirrors) if keys is None else keys
-        if name in keys or passes or ("." not in name and group in groups):
+        if name in keys or any(name == k or name.startswith(k + ".") for k in open_keys):
             continue
         parent = name.rpartition(".")[0]
         while parent and parent not in keys:  # the nearest key that exists

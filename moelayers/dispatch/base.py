@@ -134,7 +134,7 @@ def raise_if_placements_differ(digests: list[int]) -> None:
             groups.setdefault(d, []).append(r)
         raise ValueError(f"the expert-parallel ranks serve different placements or layer settings (ranks grouped "
                          f"by them: {sorted(groups.values())}): every rank must call its layers in the same order "
-                         f"(layers built with layer_number= are told apart), "
+                         f"(layers with a layer_number are told apart), "
                          f"load the same checkpoint moment or "
                          f"apply the same placement, build the layer with the same MoEConfig, dispatcher, dedup, "
                          f"capacity (and a VariabilityAwareMoE with the same window and re-planning settings), "

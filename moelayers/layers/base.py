@@ -152,16 +152,18 @@ class MoELayerBase(nn.Module):
             disabled by ``MOELAYERS_DISABLE_TRITON=1``); otherwise the forward raises ``ValueError``.
             ``last_topk_ids`` is then a view of the graph's output, valid until the next forward.
         layer_number: the layer's place in the model (an int >= 0, the same on every rank; the
-            megatron adapter passes megatron's ``layer_number``, ``SemanticMoE.from_plan`` its
-            ``layer_idx``). It joins the digest the expert-parallel ranks compare in every exchange,
-            so ranks that call their layers in different orders raise ``ValueError`` together
-            instead of exchanging the rows of different layers. ``None`` (default): not checked, and
-            two layers alike in every setting are then indistinguishable.
+            megatron adapter sets megatron's ``layer_number``, ``TinyDecoder`` a block's index). It
+            joins the digest the expert-parallel ranks compare in every exchange, so ranks that call
+            their layers in different orders raise ``ValueError`` together instead of exchanging the
+            rows of different layers (in capacity mode with ``check_finite=False`` only on the first
+            forward after the digest changed: see :meth:`_raise_on_flags`). ``None`` (default): not
+            checked, and two layers alike in every setting are then indistinguishable.
 
     Default initialisation: router and expert weights ``~ N(0, config.init_std)``.
     """
 
     moe_layer_marker = True  # found by moelayers.trace.TraceRecorder
+    _layer_number: int | None = None  # (a layer pickled before layer_number existed has none)
 
     # normal tensors even when built under torch.inference_mode(): the layer updates its weights, tables
     # and buffers in place (moves, loads, load recording) outside it too

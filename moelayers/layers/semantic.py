@@ -161,10 +161,8 @@ class SemanticMoE(MoELayerBase):
             layer_idx: the plan's layer.
             config, groups: as every layer.
             mode: ``'dp'`` | ``'tp'``; default ``plan.mode`` when that is one of them, else ``'dp'``.
-            **kwargs: passed to the constructor (dispatcher, device, seed, ...); ``layer_number``
-                defaults to ``layer_idx`` (the ranks then tell the plan's layers apart).
+            **kwargs: passed to the constructor (dispatcher, device, seed, ``layer_number``, ...).
         """
-        kwargs.setdefault("layer_number", layer_idx)
         if mode is None:
             mode = getattr(plan, "mode", "dp")
             mode = mode if mode in MODES else "dp"
@@ -531,7 +529,8 @@ _TP_DISAGREEMENTS = (
     "hold different prev_ranks (the earlier layers' context): every TP rank must pass the same (their "
     "last_context_ranks)",
     "shuffle the same tokens differently: their layers were built from different plans or predictors (every TP "
-    "rank must use the same SemanticPlan, layer_idx and predictor)",
+    "rank must use the same SemanticPlan, layer_idx and predictor), or the ranks called their layers in different "
+    "orders",
     "force different routing (topk_ids or force_routing): every TP rank must force the same ids for all T "
     "tokens, or none",
 )

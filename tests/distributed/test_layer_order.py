@@ -1,8 +1,7 @@
 """Ranks that call their layers in different orders (gloo, 2 ranks). Two layers alike in every
 setting exchange the same payload layout, so rank 0's layer A met rank 1's layer B and their rows
-were mixed silently. With a ``layer_number`` (the megatron adapter's, ``SemanticMoE.from_plan``'s
-``layer_idx``, the tiny decoder's block index, or given) the numbers join the digest the ranks compare
-in every exchange, and every rank raises."""
+were mixed silently. With a ``layer_number`` (the megatron adapter's, the tiny decoder's block index,
+or given) the numbers join the digest the ranks compare in every exchange, and every rank raises."""
 
 from __future__ import annotations
 
@@ -83,3 +82,24 @@ def test_same_settings_and_the_same_number_keep_the_digest():
     g = ml.ParallelGroups.single()
     plain, one, one_again, two = (ml.VanillaMoE(CFG, g, layer_number=n)._digest() for n in (None, 1, 1, 2))
     assert one == one_again and len({plain, one, two}) == 3
+
+
+def test_blocks_sharing_a_plan_layer_get_their_own_numbers():
+    """A review found SemanticMoE.from_plan numbering its layer by the plan's layer_idx, which
+    TinyDecoder then kept: serve's blocks i and i + L (one plan layer each) had the same number."""
+    from moelayers.models.tiny import TinyConfig, TinyDecoder
+    from tests.distributed.test_semantic import make_plan
+
+    plan = make_plan(4, 1, seed=3, layers=2, mode="dp", vocab=48)
+    tcfg = TinyConfig(vocab_size=48, hidden_size=8, num_heads=2, num_layers=4)
+    model = TinyDecoder(tcfg, lambda i: ml.SemanticMoE.from_plan(plan, i % 2, CFG, ml.ParallelGroups.single()))
+    assert [b.moe.layer_number for b in model.blocks] == [0, 1, 2, 3]
+
+
+def test_a_layer_pickled_without_a_layer_number_still_works():
+    """A layer pickled before layer_number existed has no _layer_number: it reads as None."""
+    layer = ml.VanillaMoE(CFG, ml.ParallelGroups.single())
+    del layer.__dict__["_layer_number"]
+    assert layer.layer_number is None
+    layer.layer_number = 2
+    assert layer(torch.randn(3, 8)).shape == (3, 8)

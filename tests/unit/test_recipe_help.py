@@ -79,7 +79,8 @@ def test_default_run_dirs_are_per_process_but_shared_by_torchrun_ranks(monkeypat
     ("serve.py", "+compare.layer.plan_path=p.npz", None), ("serve.py", "+compare.scheduler.plan_path=p.npz", None),
     ("serve.py", "+compare.layer.foo=1", r"key compare.layer.foo\b.*the keys under compare.layer are .*kwargs"),
     ("serve.py", "+layer.kwarg.capacity=8", r"key layer.kwarg.capacity\b.*the keys under layer are .*kwargs"),
-    ("serve.py", "+hydra/job_logging=disabled", None), ("serve.py", "+layer@foo=vanilla", None),
+    ("serve.py", "+hydra/job_logging=disabled", None), ("serve.py", "+layer@compare.layer=vanilla", None),
+    ("serve.py", "+layer@foo=vanilla", r"reads no key foo\b"), ("bench.py", "+layer@layer_typo=vanilla", "layer_typo"),
     ("serve.py", "+planner@foo=semantic", "does not read the planner config group"),
 ])
 def test_an_override_the_recipe_would_ignore_is_refused(monkeypatch, recipe, override, refused):
