@@ -80,6 +80,10 @@ def plot_plan(report: dict, path: str | os.PathLike) -> None:
     ax_gem.set(xlabel="layer", ylabel="score vs linear (%)",
                title=f"held-out step latency (GEM score), variability={report['variability']}")
     ax_gem.legend(fontsize=8)
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in (ax_lar, ax_gem):  # layers are whole numbers (2 layers showed ticks 0.2, 0.4, ...)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     _save(fig, path)
 
 
