@@ -104,6 +104,11 @@ class ParallelGroups:
                 raise ValueError(f"ParallelGroups.{name}_size={getattr(self, f'{name}_size')} does not divide "
                                  f"world_size={self.world_size}")
 
+    def __deepcopy__(self, memo: dict) -> "ParallelGroups":
+        """Itself: frozen, and its process groups are handles a copy of a model shares (they cannot
+        be copied)."""
+        return self
+
     @classmethod
     def single(cls) -> "ParallelGroups":
         """One process: no collectives at all."""

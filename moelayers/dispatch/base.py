@@ -142,6 +142,11 @@ def raise_if_placements_differ(digests: list[int]) -> None:
                          f"ranks only, or the router's logits in another dtype)")
 
 
+class BackwardOrderError(ValueError):
+    """The expert-parallel ranks back-propagated a layer's forwards in different orders (or not the
+    same ones) since its previous forward."""
+
+
 def raise_if_nonfinite(flags: list[int]) -> None:
     """Raise ``ValueError`` on every rank if any rank's routing flag (``Routes.nonfinite``, one per
     expert-parallel rank, in rank order) has an error bit set, or one of the autograd bits
@@ -160,11 +165,11 @@ def raise_if_nonfinite(flags: list[int]) -> None:
                              "rank's forward alike")
     orders = [int(f) >> ORDER_SHIFT for f in flags]
     if len(set(orders)) > 1:
-        raise ValueError("the expert-parallel ranks back-propagated this layer's forwards in different orders (or "
-                         "not the same ones) since its previous forward: their exchanges pair up by order alone, so "
-                         "where sizes matched, those gradients mixed micro-batches and are wrong (an optimizer step "
-                         "taken with them is too: resume from a checkpoint). Every rank must back-propagate each "
-                         "recorded forward once, in the same order")
+        raise BackwardOrderError(
+            "the expert-parallel ranks back-propagated this layer's forwards in different orders (or not the same "
+            "ones) since its previous forward: their exchanges pair up by order alone, so where sizes matched, those "
+            "gradients mixed micro-batches and are wrong (an optimizer step taken with them is too: resume from a "
+            "checkpoint). Every rank must back-propagate each recorded forward once, in the same order")
     forced = [r for r, f in enumerate(flags) if int(f) & FORCED_OUT_OF_RANGE]
     if forced:
         raise ValueError(f"forced routing (force_routing) holds expert ids outside [0, num_experts) on "

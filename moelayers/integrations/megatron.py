@@ -315,6 +315,20 @@ class MegatronMoEAdapter(nn.Module):
                 for p in module.parameters(recurse=False):
                     p.allreduce = False
 
+    def __deepcopy__(self, memo: dict) -> "MegatronMoEAdapter":
+        """A copy (a reference model, an EMA copy) that shares megatron's expert process groups, as
+        the layer's copy shares its own (handles cannot be copied)."""
+        import copy
+
+        for group in self._expert_groups:
+            if group is not None:
+                memo[id(group)] = group
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = copy.deepcopy(value, memo)
+        return new
+
     @property
     def moe_config(self) -> MoEConfig:
         """The layer's :class:`MoEConfig` (from megatron's config; ``params_dtype`` follows a cast of the

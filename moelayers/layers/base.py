@@ -27,7 +27,7 @@ from moelayers._compile import cached_tensor, eager_under_compile
 from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, ReplicaPolicy, Routes
 from moelayers.dispatch.base import (
-    BAD_INPUT, DISPATCH_AUTOGRAD, ORDER_SHIFT, RECORDS_AUTOGRAD, REPLICA_AUTOGRAD, Dispatcher, merge_flags,
+    BAD_INPUT, DISPATCH_AUTOGRAD, ORDER_SHIFT, BackwardOrderError, RECORDS_AUTOGRAD, REPLICA_AUTOGRAD, Dispatcher, merge_flags,
     raise_if_nonfinite, raise_if_out_of_step, raise_if_placements_differ, routes_from_placement,
 )
 from moelayers.dispatch.comm import fingerprint
@@ -164,6 +164,7 @@ class MoELayerBase(nn.Module):
 
     moe_layer_marker = True  # found by moelayers.trace.TraceRecorder
     _layer_number: int | None = None  # (a layer pickled before layer_number existed has none)
+    _order_taken = 0  # the backwards' order digest the running forward took (see _order_flag)
 
     # normal tensors even when built under torch.inference_mode(): the layer updates its weights, tables
     # and buffers in place (moves, loads, load recording) outside it too
@@ -546,8 +547,8 @@ class MoELayerBase(nn.Module):
         CUDA graph (the copy captures its own)."""
         import copy
 
-        for group in (self.groups.ep, self.groups.tp, self.groups.dp):
-            if group is not None:
+        for group in (self.groups.ep, self.groups.tp, self.groups.dp, self.groups.edp):  # (edp: its own group
+            if group is not None:                                                      # when ep < world)
                 memo[id(group)] = group
         new = type(self).__new__(type(self))
         memo[id(self)] = new
@@ -910,10 +911,10 @@ class MoELayerBase(nn.Module):
         except Exception as exc:  # whatever this rank's input raised: the other ranks must learn it
             if self.groups.ep_size == 1:
                 raise
-            self._refuse_in_step(exc)  # raises
+            self._keeping_order(self._refuse_in_step, exc)  # raises
         if self.capacity is not None:
-            return self._forward_capacity(x2, token_ids, forced).view(x.shape)
-        y, routed = self._forward_steps(x2, token_ids, forced)
+            return self._keeping_order(self._forward_capacity, x2, token_ids, forced).view(x.shape)
+        y, routed = self._keeping_order(self._forward_steps, x2, token_ids, forced)
         if recomputable:
             self._forced_for_recompute.keep(key, routed_as)
         elif (routed_as is not None and not recompute and topk_ids is None  # (e.g. forced on an input made under
@@ -930,6 +931,21 @@ class MoELayerBase(nn.Module):
         # a module that returns a view makes FSDP warn (an in-place op on it drops FSDP's backward hook):
         # in training, [S, B, H] output is a tensor of its own (one copy; serving keeps the view)
         return y.view(x.shape).clone() if torch.is_grad_enabled() and y.requires_grad else y.view(x.shape)
+
+    def _keeping_order(self, step: Callable, *args):
+        """``step(*args)``; if it raises (on every rank alike: a refusal, ranks calling their layers in
+        different orders, ...), the order of the backwards it took (:meth:`_order_flag`) is put back
+        for the next forward to report: taken by a forward that failed on some ranks' layers and not
+        on the others', it made the next forwards raise a false "back-propagated in different
+        orders". Not when that order itself disagreed (the gradients are wrong already)."""
+        self._order_taken = 0
+        try:
+            return step(*args)
+        except BackwardOrderError:
+            raise
+        except BaseException:
+            self._graphs.restore_order(self._order_taken)
+            raise
 
     def _records_autograd(self, x2: torch.Tensor) -> bool:
         """Whether autograd would record a forward on ``x2``: the input or any weight (router or
@@ -975,7 +991,8 @@ class MoELayerBase(nn.Module):
         """The digest of the backwards run since the previous forward (:class:`InFlightGraphs`) in
         the flags' ``ORDER_SHIFT`` bits, as a 0-dim int32 on ``device`` that a fill updates (no copy
         from the host, no sync); ``None`` when no backward ran."""
-        order = self._graphs.take_order() << ORDER_SHIFT
+        self._order_taken = self._graphs.take_order()  # put back if this forward raises (see forward)
+        order = self._order_taken << ORDER_SHIFT
         if not order and not self._order_value:
             return None
         if self._order_sent is None or self._order_sent.device != device:

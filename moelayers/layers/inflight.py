@@ -55,6 +55,13 @@ class InFlightGraphs:
         order, self._order = self._order, 0
         return order
 
+    def restore_order(self, order: int) -> None:
+        """Put back an order :meth:`take_order` returned to a forward that then raised (every rank
+        raises alike): the next forward reports those backwards instead. No backward of the layer
+        can run inside its forward, so nothing was recorded since."""
+        if order and not self._order:
+            self._order = order
+
     def _reached(self, forward: int) -> None:
         self._order = (self._order * 1_000_003 + forward + 1) % (1 << ORDER_BITS)
 
