@@ -291,7 +291,8 @@ def _check_shape_and_layer(d: dict, dtype: torch.dtype, world: int | None) -> No
         return
     check_layer_settings(lambda **kw: build_layer(dict(layer, kwargs=kw), config, ParallelGroups.single(),
                                                   torch.device("meta"), 0, bool(d["bench"].get("check_finite", False))),
-                         layer.get("kwargs") or {}, f"layer={layer.get('name')} layer.kwargs")
+                         layer.get("kwargs") or {}, f"layer={layer.get('name')} layer.kwargs",
+                         import_object(layer["cls"], "layer.cls") if layer.get("cls") else None)
 
 
 def check_config(d: dict) -> None:

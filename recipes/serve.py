@@ -804,7 +804,8 @@ def check_config(d: dict) -> None:
     experts = trace.num_experts if trace is not None else d["model"]["num_experts"]
     if experts % ep:
         source = f"trace.path={d['trace']['path']} has" if trace is not None else "model.num_experts:"
-        raise ValueError(f"{source} {experts} experts per layer, which do not split over parallel.ep={ep} ranks")
+        default = " (parallel.ep defaults to parallel.world_size)" if d["parallel"].get("ep") is None else ""
+        raise ValueError(f"{source} {experts} experts per layer, which do not split over parallel.ep={ep} ranks{default}")
     if plan_path:
         check_plan_file(d, plan_path, trace)
     check_placement_file(d, experts, ep, trace)
@@ -831,7 +832,7 @@ def check_model_and_layer(d: dict) -> None:
         return
     cls = import_object(d["layer"]["cls"], "layer.cls")
     check_layer_settings(lambda **kw: cls(moe_cfg, ml.ParallelGroups.single(), device=torch.device("meta"), **kw),
-                         d["layer"].get("kwargs") or {}, f"layer={d['layer'].get('name')} layer.kwargs")
+                         d["layer"].get("kwargs") or {}, f"layer={d['layer'].get('name')} layer.kwargs", cls)
 
 
 def moe_config(m: dict):

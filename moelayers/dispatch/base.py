@@ -132,8 +132,8 @@ def raise_if_placements_differ(digests: list[int]) -> None:
         groups: dict[int, list[int]] = {}
         for r, d in enumerate(digests):
             groups.setdefault(d, []).append(r)
-        raise ValueError(f"the expert-parallel ranks serve different placements or layer settings (ranks grouped "
-                         f"by them: {sorted(groups.values())}): every rank must call its layers in the same order "
+        raise ValueError(f"the expert-parallel ranks serve different placements or layer settings (their ranks "
+                         f"within the expert-parallel group, grouped by them: {sorted(groups.values())}): every rank must call its layers in the same order "
                          f"(layers with a layer_number are told apart), "
                          f"load the same checkpoint moment or "
                          f"apply the same placement, build the layer with the same MoEConfig, dispatcher, dedup, "

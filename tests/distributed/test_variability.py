@@ -875,7 +875,7 @@ def _checkpoints_of_two_moments(rank, world):
 def test_ranks_with_checkpoints_of_two_moments_raise():
     for out in run_distributed(_checkpoints_of_two_moments, 2, timeout=90):
         for dispatcher in ("alltoall", "allgather", "capacity"):
-            assert "serve different placements or layer settings (ranks grouped by them: [[0], [1]])" in out[dispatcher], out
+            assert "serve different placements or layer settings (their ranks within the expert-parallel group, grouped by them: [[0], [1]])" in out[dispatcher], out
             assert out[dispatcher + " after"] == (5, 8)
 
 

@@ -302,7 +302,7 @@ def _settings_differ(rank, world, what):
         with torch.no_grad():
             layer(torch.randn(5 + rank, 16))
     except ValueError as e:
-        assert "different placements or layer settings (ranks grouped by them: [[0], [1]])" in str(e), str(e)
+        assert "different placements or layer settings (their ranks within the expert-parallel group, grouped by them: [[0], [1]])" in str(e), str(e)
         return "raised"
     return "no error"
 

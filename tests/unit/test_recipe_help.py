@@ -107,3 +107,18 @@ def test_serve_refuses_a_planner_group_before_any_rank_starts(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "serve.py"), "+planner=semantic",
                            f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "serve.py does not read the planner config group" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_misspelt_layer_kwarg_names_the_ones_the_layer_takes():
+    """A fresh-eyes journey found `+layer.kwargs.capcity=8` answered with Python's bare "unexpected
+    keyword argument": the error lists the keywords the layer class takes."""
+    import torch
+
+    import moelayers as ml
+    from recipes._common import check_layer_settings
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    build = lambda **kw: ml.SemanticMoE(cfg, ml.ParallelGroups.single(), device=torch.device("meta"), **kw)  # noqa: E731
+    with pytest.raises(TypeError, match=r"layer.kwargs: .*'capcity' \(SemanticMoE takes .*\bcapacity\b.*\bmode\b"):
+        check_layer_settings(build, {"capcity": 8}, "layer.kwargs", ml.SemanticMoE)
+    check_layer_settings(build, {"capacity": 8}, "layer.kwargs", ml.SemanticMoE)
