@@ -418,6 +418,8 @@ def test_script_honours_run_dir(trace_file, tmp_path):
                                               f"trace.path={trace_file}", "planner=semantic", "mode=dp",
                                               "parallel.ep=2"]
     assert "lar" in proc.stdout and str(out / "report.json") in proc.stdout
+    # the chosen planner's score rows, then the GEM planner's, labelled as a reference (they read as ours)
+    assert "semantic vs linear" in proc.stdout and "gem vs linear, reference" in proc.stdout, proc.stdout
 
 
 @pytest.mark.timeout(150)
