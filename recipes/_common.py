@@ -258,29 +258,15 @@ def check_layer_settings(build: Callable[..., Any], kwargs: dict, what: str, lay
     no weights, no collectives) runs the constructor's checks here, before any rank starts, and
     its error names ``what`` (e.g. ``layer.kwargs``) and, for a keyword ``layer_cls`` does not take,
     those it takes; :data:`_WORLD_KWARGS` are left out."""
+    from moelayers.layers.base import layer_kwargs
+
     try:
         build(**{k: v for k, v in kwargs.items() if k not in _WORLD_KWARGS})
     except (TypeError, ValueError) as exc:
         hint = ""
         if layer_cls is not None and isinstance(exc, TypeError) and "unexpected keyword argument" in str(exc):
-            hint = f" ({layer_cls.__name__} takes {', '.join(sorted(_keyword_names(layer_cls)))})"
+            hint = f" ({layer_cls.__name__} takes {', '.join(sorted(layer_kwargs(layer_cls)))})"
         raise type(exc)(f"{what}: {exc}{hint}") from exc
-
-
-def _keyword_names(layer_cls: type) -> set[str]:
-    """The keyword arguments a layer class's constructor takes, following ``**kwargs`` up its bases."""
-    import inspect
-
-    names: set[str] = set()
-    for klass in layer_cls.__mro__:
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        params = list(inspect.signature(init).parameters.values())
-        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-        if not any(p.kind == p.VAR_KEYWORD for p in params):
-            break
-    return names - {"self", "config", "groups"}
 
 
 def under_torchrun() -> bool:

@@ -40,7 +40,6 @@ expert-parallel ranks, is refused (inference works); expert tensor parallelism i
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import warnings
 from typing import Any, NoReturn
 
@@ -54,6 +53,7 @@ from moelayers._warnings import warn_caller
 from moelayers.config import MoEConfig, megatron_training_losses
 from moelayers.experts import GroupedExperts
 from moelayers.groups import ParallelGroups, collective_device
+from moelayers.layers.base import layer_kwargs as _layer_kwargs
 
 try:
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -81,23 +81,6 @@ def _require_megatron(what: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------- helpers
-def _layer_kwargs(layer_cls: type) -> set[str]:
-    """Keyword names ``layer_cls(config, groups, **kw)`` accepts, following ``**kwargs`` up the MRO."""
-    names: set[str] = set()
-    for klass in layer_cls.__mro__:
-        if klass in (nn.Module, object):
-            break
-        init = klass.__dict__.get("__init__")
-        if init is None:
-            continue
-        params = list(inspect.signature(init).parameters.values())[1:]
-        names.update(p.name for p in params
-                     if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
-        if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params):
-            break
-    return names - {"config", "groups"}
-
-
 def _check_layer_cls(layer_cls: Any) -> None:
     if not (isinstance(layer_cls, type) and issubclass(layer_cls, nn.Module)):
         raise TypeError(f"layer_cls must be a moelayers layer class (an nn.Module subclass), got {layer_cls!r}")

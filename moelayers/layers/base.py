@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import numbers
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -108,6 +109,24 @@ def _like(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
         return distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
     except TypeError:  # torch before 2.7: rank 0's copy scattered (every rank loads the same weights)
         return distribute_tensor(full, param.device_mesh, param.placements)
+
+
+def layer_kwargs(layer_cls: type) -> set[str]:
+    """Keyword names ``layer_cls(config, groups, **kw)`` accepts, following ``**kwargs`` up the MRO
+    (the megatron adapter sorts a spec's arguments with it; the recipes name them when one is misspelt)."""
+    names: set[str] = set()
+    for klass in layer_cls.__mro__:
+        if klass in (nn.Module, object):
+            break
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = list(inspect.signature(init).parameters.values())[1:]
+        names.update(p.name for p in params
+                     if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY))
+        if not any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params):
+            break
+    return names - {"config", "groups"}
 
 
 def _check_layer_number(value: Any) -> int | None:
