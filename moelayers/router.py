@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from moelayers.config import MoEConfig
-from moelayers.dispatch.base import FORCED_OUT_OF_RANGE, raise_if_nonfinite
+from moelayers.dispatch.flags import FORCED_OUT_OF_RANGE, raise_if_nonfinite
 
 
 def scores_to_topk(logits: torch.Tensor, config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +127,7 @@ class TopKRouter(nn.Module):
         Args:
             x: ``[T, H]`` hidden states.
             forced_ids: optional ``[T, K]`` expert ids to use instead of the top-k (replay).
-            defer_check: store the flag (``moelayers.dispatch.base.NONFINITE_LOGITS`` |
+            defer_check: store the flag (``moelayers.dispatch.flags.NONFINITE_LOGITS`` |
                 ``FORCED_OUT_OF_RANGE``, a 0-dim bool or int32 device tensor, or ``None`` when
                 nothing was checked) in ``last_nonfinite`` instead of raising now.
 

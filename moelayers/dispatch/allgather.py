@@ -12,10 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from moelayers.dispatch.base import (
-    LocalPairs, Received, Routes, check_routes, combine_pairs, local_pairs, partial_sum_dtype, raise_if_nonfinite,
-    payload_digest, raise_if_out_of_step, raise_if_placements_differ,
-)
+from moelayers.dispatch.base import LocalPairs, Received, Routes, check_routes, combine_pairs, local_pairs, partial_sum_dtype
+from moelayers.dispatch.flags import HEADER_DIGEST, HEADER_FLAGS, HEADER_ROWS, check_exchanged, payload_digest, payload_dtypes
 from moelayers.dispatch.comm import ReduceScatterRows, RowLayout, packed_all_gather
 from moelayers.metrics import MoEStats
 
@@ -35,12 +33,16 @@ class AllGatherDispatcher:
         group: expert-parallel process group (``None`` for a single process).
         num_ranks: size of ``group``; rank: this rank in it.
         num_slots: physical slots per rank ``S``.
+        placement_digest: the layer's 62-bit digest of its placement and settings, exchanged with the
+            token counts so that ranks serving different placements or settings raise instead of
+            mixing them (as :class:`~moelayers.dispatch.AllToAllDispatcher`'s).
     """
 
     def __init__(self, group, num_ranks: int, rank: int, num_slots: int, *, placement_digest: int = 0):
         self.group, self.num_ranks, self.rank, self.num_slots = group, num_ranks, rank, num_slots
-        self.placement_digest = int(placement_digest)  # gathered with the sizes: the ranks must agree
+        self.placement_digest = int(placement_digest)  # exchanged with the sizes: the ranks must agree
         self.last_stats: MoEStats | None = None
+        self.payload: tuple = ()  # the last forward's payload_dtypes (named when the ranks' digests differ)
 
     def dispatch(self, x: torch.Tensor, routes: Routes) -> Received:
         """Step 3: all-gather every rank's tokens, routes and weights over ``group`` (a collective)
@@ -56,23 +58,22 @@ class AllGatherDispatcher:
         routes = check_routes(routes, self.num_ranks, self.num_slots)
         t, k = routes.dest_rank.shape
         dev = x.device
-        digest = payload_digest(self.placement_digest, x, routes.weights.dtype)
-        # every rank's (tokens, -, bad logits, digest), exchanged as the all-to-all dispatcher exchanges its
-        # [R, 4] header (the same collective, columns 2 and 3 alike): ranks built with the other dispatcher
-        # meet this one in it and raise on the digests, where an all-gather against its all-to-all hung
+        self.payload = payload_dtypes(x, routes.weights.dtype)
+        # every rank's (tokens, -, routing flags, digest), exchanged as the all-to-all dispatcher exchanges its
+        # [R, 4] header (the same collective and columns): ranks built with the other dispatcher meet this
+        # one in it and raise on the digests, where an all-gather against its all-to-all hung
         header = torch.zeros((self.num_ranks, 4), dtype=torch.int64, device=dev)  # fills: no host-to-device copy
-        header[:, 0], header[:, 3] = t, digest
+        header[:, HEADER_ROWS] = t
+        header[:, HEADER_DIGEST] = payload_digest(self.placement_digest, self.payload)
         if routes.nonfinite is not None:
-            header[:, 2] = routes.nonfinite.to(torch.int64)
+            header[:, HEADER_FLAGS] = routes.nonfinite.to(torch.int64)
         if self.group is not None:
             recv = torch.empty_like(header)
             dist.all_to_all_single(recv, header, group=self.group)
             header = recv
         host = header.tolist()
-        raise_if_out_of_step([row[3] for row in host])
-        raise_if_nonfinite([row[2] for row in host])
-        raise_if_placements_differ([row[3] for row in host])
-        t_max = max(row[0] for row in host)
+        check_exchanged([row[HEADER_FLAGS] for row in host], [row[HEADER_DIGEST] for row in host], together=True)
+        t_max = max(row[HEADER_ROWS] for row in host)
         pad = t_max - t
         phys = (routes.dest_rank * self.num_slots + routes.dest_slot).to(torch.int32)
         xs = torch.nn.functional.pad(x, (0, 0, 0, pad))

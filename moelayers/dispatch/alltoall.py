@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from moelayers._compile import cached_tensor
-from moelayers.dispatch.base import (
-    LocalPairs, Received, Routes, check_routes, combine_pairs, local_pairs, partial_sum_dtype, raise_if_nonfinite,
-    payload_digest, raise_if_out_of_step, raise_if_placements_differ,
+from moelayers.dispatch.base import LocalPairs, Received, Routes, check_routes, combine_pairs, local_pairs, partial_sum_dtype
+from moelayers.dispatch.flags import (
+    HEADER_DIGEST, HEADER_FLAGS, HEADER_PAIRS, HEADER_ROWS, check_exchanged, payload_digest, payload_dtypes,
 )
 from moelayers.dispatch.comm import ROW_ALIGN, RowLayout, all_to_all_bytes, packed_all_to_all
 from moelayers.kernels import dispatch_pack, send_layout, unpermute_combine
@@ -71,6 +71,9 @@ class AllToAllDispatcher:
         self.nonfinite: torch.Tensor | None = None  # capacity mode: [R] every rank's routing flag, read after the forward
         self.overflow: torch.Tensor | None = None  # capacity mode: [R] int32, the ranks that had more tokens
         self.digests: torch.Tensor | None = None  # capacity mode: [R, 2] int32, every rank's placement digest
+        self.payload: tuple = ()  # the last forward's payload_dtypes (named when the ranks' digests differ)
+        self.fixed_counts: torch.Tensor | None = None  # capacity mode: [2, R] activations and rows sent per rank
+        self.fixed_bytes: list[int] | None = None  # capacity mode: bytes sent to each rank
 
     # ------------------------------------------------------------------ step 3
     def dispatch(self, x: torch.Tensor, routes: Routes) -> Received:
@@ -88,7 +91,8 @@ class AllToAllDispatcher:
         routes = check_routes(routes, self.num_ranks, self.num_slots, padding=self.capacity is not None)
         if self.capacity is not None:
             return self._dispatch_fixed(x, routes)
-        dest_map, header = self._layout(routes, payload_digest(self.placement_digest, x, routes.weights.dtype))
+        self.payload = payload_dtypes(x, routes.weights.dtype)
+        dest_map, header = self._layout(routes, payload_digest(self.placement_digest, self.payload))
         in_splits, out_splits, pairs_sent, recv_pairs = self._exchange_counts(header)
 
         j = routes.dest_rank.shape[1] if self.dedup else 1
@@ -96,7 +100,7 @@ class AllToAllDispatcher:
         n_send, n_recv = sum(in_splits), sum(out_splits)
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or routes.weights.requires_grad)
         if self.dedup and not needs_grad:
-            # inference: one pass writes tokens and metadata straight into the payload
+            # de-duplicated, no autograd: one pass writes tokens and metadata straight into the payload
             buf = layout.empty(n_send, x.device)
             xv, wv, sv = layout.views(buf)
             dispatch_pack(x, dest_map, routes.dest_rank, routes.dest_slot, routes.weights, xv, wv, sv)
@@ -124,10 +128,10 @@ class AllToAllDispatcher:
         per_rank = (routes.dest_rank[:, :, None] == ranks).sum(1)  # [T, R] activations; -1 = padding
         dest_map = _fixed_rows(c, r, dev)  # row r*C + t holds token t for rank r
         no = torch.zeros((), dtype=torch.bool, device=dev)
+        self.payload = payload_dtypes(x, routes.weights.dtype)
         flags = torch.cat([torch.stack([no if routes.nonfinite is None else routes.nonfinite,
                                         no if routes.overflow is None else routes.overflow]).to(torch.int32),
-                           self._digest_halves(dev, payload_digest(self.placement_digest, x,
-                                                                   routes.weights.dtype))])
+                           self._digest_halves(dev, payload_digest(self.placement_digest, self.payload))])
         layout = RowLayout(((x.shape[1], x.dtype), (k, routes.weights.dtype), (k, torch.int32), (4, torch.int32)))
         buf = layout.empty(r * c, dev)
         xv, wv, sv, fv = layout.views(buf)
@@ -155,7 +159,7 @@ class AllToAllDispatcher:
     def _layout(self, routes: Routes, digest: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Send-buffer row of every unit (``-1`` unused) and the ``[R, 4]`` header the ranks
         exchange: rows and activations per rank, the routing flag and the digest (placement,
-        settings and payload dtypes: :func:`~moelayers.dispatch.base.payload_digest`)."""
+        settings and payload dtypes: :func:`~moelayers.dispatch.flags.payload_digest`)."""
         dest_map, header = send_layout(routes.dest_rank, self.num_ranks, routes.nonfinite, digest)
         if self.dedup:
             return dest_map, header
@@ -163,23 +167,24 @@ class AllToAllDispatcher:
         t, k = routes.dest_rank.shape
         order = torch.argsort(routes.dest_rank.flatten(), stable=True)
         dest_map = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        header[:, 0] = header[:, 1]
+        header[:, HEADER_ROWS] = header[:, HEADER_PAIRS]
         return dest_map.view(t, k), header
 
     def _exchange_counts(self, header: torch.Tensor):
         """The one small exchange and the one host sync: every rank's header (split sizes,
-        activation counts, non-finite-logits flag and placement digest), so that every rank raises
-        together on bad routing or mixed placements, and none hangs."""
+        activation counts, routing flag word and digest: the ``HEADER_*`` columns), so that every
+        rank raises together on bad routing or mixed placements, and none hangs. Returns the split
+        sizes sent and received, the pairs sent per rank and the pairs received in all."""
         recv = torch.empty_like(header)
         if self.group is None:
             recv.copy_(header)
         else:
             dist.all_to_all_single(recv, header, group=self.group)
-        host = torch.cat([header, recv], 1).tolist()
-        raise_if_out_of_step([row[7] for row in host])
-        raise_if_nonfinite([row[6] for row in host])
-        raise_if_placements_differ([row[7] for row in host])
-        return [row[0] for row in host], [row[4] for row in host], [row[1] for row in host], sum(row[5] for row in host)
+        host = torch.cat([header, recv], 1).tolist()  # (one host sync for both)
+        sent, got = [row[:4] for row in host], [row[4:] for row in host]
+        check_exchanged([row[HEADER_FLAGS] for row in got], [row[HEADER_DIGEST] for row in got], together=True)
+        return ([row[HEADER_ROWS] for row in sent], [row[HEADER_ROWS] for row in got],
+                [row[HEADER_PAIRS] for row in sent], sum(row[HEADER_PAIRS] for row in got))
 
     def _rows(self, x, routes: Routes, dest_map: torch.Tensor, n_send: int):
         """Differentiable payload rows: tokens, weights and int32 slots in send order."""

@@ -8,16 +8,18 @@ back, weighted and summed, in the caller's token order.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from moelayers._warnings import warn_caller
+from moelayers.dispatch.flags import BAD_REPLICA, BAD_ROUTE, merge_flags
 from moelayers.kernels import unpermute_combine
 from moelayers.placement import ExpertPlacement
+
+if TYPE_CHECKING:
+    from moelayers.metrics import MoEStats
 
 
 @dataclass
@@ -54,149 +56,14 @@ class Routes:
     in_range: bool = False
 
 
-NONFINITE_LOGITS = 1  # bits of Routes.nonfinite
-FORCED_OUT_OF_RANGE = 2
-BAD_INPUT = 4  # the layer refused this rank's input; it takes part in the exchange with no tokens
-BAD_REPLICA = 8  # a replica policy picked a slot that does not hold the routed expert
-BAD_ROUTE = 16  # a route to a rank or slot outside the expert-parallel group (check_routes)
-RECORDS_AUTOGRAD = 32  # not an error: this rank's forward records autograd (its backward runs the reverse exchange)
-DISPATCH_AUTOGRAD = 64  # not an error: the dispatched rows want a gradient (the dispatch's backward exchanges too)
-REPLICA_AUTOGRAD = 128  # not an error: replicated experts want a gradient (the backward sums them across ranks)
-#: Bits ``ORDER_SHIFT`` to ``ORDER_SHIFT + ORDER_BITS`` of the flags: a digest of the order in which
-#: this rank back-propagated the layer's forwards since its previous forward (0: none); compared
-#: across the ranks (an int32 on the wire in capacity mode: 8 + 22 bits).
-ORDER_SHIFT, ORDER_BITS = 8, 22
-_AUTOGRAD_BITS = (
-    (RECORDS_AUTOGRAD, "record autograd in this forward",
-     "torch.no_grad, inference_mode or frozen weights on some ranks only"),
-    (DISPATCH_AUTOGRAD, "dispatch rows that want a gradient (their input or router weight requires one)",
-     "with the router frozen, an input that requires a gradient on some ranks only, e.g. a plain empty tensor "
-     "where a rank has no tokens: make it require one too"),
-    (REPLICA_AUTOGRAD, "train replicated experts", "experts frozen on some ranks only"),
-)
-
-
-def merge_flags(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-    """The union of two routing flags (0-dim bool or int device tensors, ``None`` = unset)."""
-    if a is None or b is None:
-        return b if a is None else a
-    return a.to(torch.int32) | b.to(torch.int32)
-
-
-#: The top 14 of a header digest's 62 bits: what a forward's header holds there. A row without it
-#: is no forward's header: its rank is out of step (in a backward's exchange, or another collective on
-#: the group, where this one runs a forward).
-_HEADER_MARK, _MARK_SHIFT = 0x2A5C, 48
-
-
-def payload_digest(digest: int, x: torch.Tensor, weights_dtype: torch.dtype) -> int:
-    """``digest`` (the layer's, :meth:`MoELayerBase._digest`) mixed with the dtypes of the payload
-    (tokens ``x``, routing weights): they decide the rows' byte layout, and a rank computing in another
-    dtype (its layer cast alone) would read the others' rows wrongly or abort mid-exchange. Also the
-    dtype ``torch.autocast`` has the experts compute ``x`` in, where it is on and changes it: a rank
-    under autocast alone would compute its experts' rows in another precision than the others.
-    62 bits: a 48-bit hash under the header's mark (:func:`raise_if_out_of_step`)."""
-    from moelayers.experts import _autocast_dtype  # (the experts module imports this one)
-
-    return _payload_digest(digest, x.dtype, weights_dtype, _autocast_dtype(x))
-
-
-@functools.lru_cache(maxsize=256)
-def _payload_digest(digest: int, *dtypes: torch.dtype | None) -> int:
-    """:func:`payload_digest` of the dtypes alone (cached: the same few per layer)."""
-    h = hashlib.blake2b(repr((digest, *map(str, dtypes))).encode(), digest_size=8)
-    return (_HEADER_MARK << _MARK_SHIFT) | (int.from_bytes(h.digest(), "little") >> (64 - _MARK_SHIFT))
-
-
-def raise_if_out_of_step(digests: list[int]) -> None:
-    """Raise ``ValueError`` if a rank's header digest lacks the mark of a forward's header (one per
-    expert-parallel rank, in rank order): that rank sent something else in this exchange, e.g. the
-    rows of a backward it ran while this rank ran a forward. Checked before the flags, which such
-    bytes would fill with meaningless errors."""
-    stray = [r for r, d in enumerate(digests) if int(d) >> _MARK_SHIFT != _HEADER_MARK]
-    if stray:
-        raise ValueError(f"this forward's exchange got no forward header from expert-parallel rank(s) {stray}: "
-                         "the ranks are out of step (that rank ran another exchange here, e.g. a backward run on "
-                         "some ranks only, or its own collective on the expert-parallel group). They cannot "
-                         "recover: restart them, and run every rank's forwards and backwards alike")
-
-
-def raise_if_placements_differ(digests: list[int]) -> None:
-    """Raise ``ValueError`` on every rank if the expert-parallel ranks serve different placements
-    or payload settings (the layer's digest of its placement's
-    :meth:`~moelayers.placement.ExpertPlacement.digest` and of its dispatcher, dedup, capacity,
-    config, subclass settings and ``layer_number``, and the payload's dtypes, one per rank in rank
-    order), e.g. the ranks loaded checkpoints saved at different moments (routing by one table and
-    weights laid out by another give wrong outputs silently) or call their layers in different orders."""
-    if len(set(digests)) > 1:
-        groups: dict[int, list[int]] = {}
-        for r, d in enumerate(digests):
-            groups.setdefault(d, []).append(r)
-        raise ValueError(f"the expert-parallel ranks serve different placements or layer settings (their ranks "
-                         f"within the expert-parallel group, grouped by them: {sorted(groups.values())}): every rank must call its layers in the same order "
-                         f"(layers with a layer_number are told apart), "
-                         f"load the same checkpoint moment or "
-                         f"apply the same placement, build the layer with the same MoEConfig, dispatcher, dedup, "
-                         f"capacity (and a VariabilityAwareMoE with the same window and re-planning settings), "
-                         f"and compute in the same dtype (a layer cast on some ranks only, torch.autocast on some "
-                         f"ranks only, or the router's logits in another dtype)")
-
-
-class BackwardOrderError(ValueError):
-    """The expert-parallel ranks back-propagated a layer's forwards in different orders (or not the
-    same ones) since its previous forward."""
-
-
-def raise_if_nonfinite(flags: list[int]) -> None:
-    """Raise ``ValueError`` on every rank if any rank's routing flag (``Routes.nonfinite``, one per
-    expert-parallel rank, in rank order) has an error bit set, or one of the autograd bits
-    (``RECORDS_AUTOGRAD``, ``DISPATCH_AUTOGRAD``, ``REPLICA_AUTOGRAD``) is set on some ranks and not
-    on others."""
-    refused = [r for r, f in enumerate(flags) if int(f) & BAD_INPUT]
-    if refused:
-        raise ValueError(f"the layer refused the input of expert-parallel rank(s) {refused} (that rank raised "
-                         "the reason); every rank raises this forward so that none waits for the others")
-    for bit, what, why in _AUTOGRAD_BITS:
-        grad = [r for r, f in enumerate(flags) if int(f) & bit]
-        if grad and len(grad) < len(flags):
-            raise ValueError(f"expert-parallel rank(s) {grad} {what} and rank(s) "
-                             f"{[r for r in range(len(flags)) if r not in grad]} do not ({why}): "
-                             "their backward would wait forever in an exchange the others never run. Run every "
-                             "rank's forward alike")
-    orders = [int(f) >> ORDER_SHIFT for f in flags]
-    if len(set(orders)) > 1:
-        raise BackwardOrderError(
-            "the expert-parallel ranks back-propagated this layer's forwards in different orders (or not the same "
-            "ones) since its previous forward: their exchanges pair up by order alone, so where sizes matched, those "
-            "gradients mixed micro-batches and are wrong (an optimizer step taken with them is too: resume from a "
-            "checkpoint). Every rank must back-propagate each recorded forward once, in the same order")
-    forced = [r for r, f in enumerate(flags) if int(f) & FORCED_OUT_OF_RANGE]
-    if forced:
-        raise ValueError(f"forced routing (force_routing) holds expert ids outside [0, num_experts) on "
-                         f"expert-parallel rank(s) {forced}: a trace of another model?")
-    replica = [r for r, f in enumerate(flags) if int(f) & BAD_REPLICA]
-    if replica:
-        raise ValueError(f"the replica policy picked physical slots that do not hold the routed expert on "
-                         f"expert-parallel rank(s) {replica} (or raised, or returned no [T, K] integer tensor "
-                         f"there: a RuntimeWarning on that rank says which): a policy must return, for every "
-                         f"(token, k), one of the slots that placement.log2phy lists for topk_ids[t, k]")
-    route = [r for r, f in enumerate(flags) if int(f) & BAD_ROUTE]
-    if route:
-        raise ValueError(f"the routes of expert-parallel rank(s) {route} hold a dest_rank outside [0, ranks) or a "
-                         f"dest_slot outside [0, slots per rank) (a plan() override or Routes built by hand? "
-                         f"routes_from_placement builds them from a placement)")
-    bad = [r for r, f in enumerate(flags) if int(f) & NONFINITE_LOGITS]
-    if bad:
-        raise ValueError(f"router logits contain NaN or inf (on expert-parallel rank(s) {bad}): "
-                         "check the input hidden states and router weight")
-
-
 @dataclass
 class Received:
     """Tokens delivered to this rank, ready for the grouped experts.
 
     Attributes:
-        expert_input: ``[P, H]`` one row per (token, local slot) pair, sorted by slot.
+        expert_input: ``[P, H]`` one row per (token, local slot) pair, sorted by slot (in capacity
+            mode every received (row, k) entry, ``R * C * K`` rows: the counted ones first, by slot,
+            the unused ones after them).
         slot_counts: ``[S]`` rows per local slot (device tensor).
         state: dispatcher-private bookkeeping for ``combine``.
     """
@@ -207,7 +74,18 @@ class Received:
 
 
 class Dispatcher(Protocol):
-    """Steps 3 and 5 of the forward."""
+    """Steps 3 and 5 of the forward, and what the layer reads from its dispatcher.
+
+    Attributes:
+        placement_digest: the layer's 62-bit digest of its settings (``MoELayerBase._digest``),
+            exchanged with every forward's header; the layer sets it again when they change.
+        last_stats: :class:`~moelayers.metrics.MoEStats` of the last forward.
+        payload: the last forward's :func:`payload_dtypes` (named when the ranks' digests differ).
+    """
+
+    placement_digest: int
+    last_stats: MoEStats | None
+    payload: tuple
 
     def dispatch(self, x: torch.Tensor, routes: Routes) -> Received:
         """Send ``x [T, H]`` to the ranks/slots in ``routes``; return what this rank computes."""
@@ -280,7 +158,7 @@ def check_routes(routes: Routes, num_ranks: int, num_slots: int, *, padding: boo
     (``-1`` allowed with ``padding``: capacity mode's padding rows, sent nowhere) or, where it is
     sent, ``dest_slot`` outside ``[0, num_slots)`` is redirected to rank 0, slot 0, so that the
     exchange completes, and flagged ``BAD_ROUTE`` in ``nonfinite``: every rank raises
-    (:func:`raise_if_nonfinite`).
+    (:func:`~moelayers.dispatch.flags.raise_if_nonfinite`).
 
     Returns:
         ``routes`` itself when ``in_range``, else new :class:`Routes` with ``in_range`` set.

@@ -1,8 +1,9 @@
 """Packed, differentiable collectives over rows.
 
 Several per-row tensors (hidden states, routing weights, slot ids) travel as one byte payload:
-each row is their bytes side by side, padded to 16 bytes. Forward and backward each make exactly
-one collective; integer fields carry no gradient.
+each row is their bytes side by side, padded to 16 bytes. A forward makes one collective; the
+all-to-all's backward one too, the all-gather's one reduce-scatter per floating field with a
+gradient (integer fields carry none).
 """
 
 from __future__ import annotations

@@ -27,9 +27,10 @@ from moelayers._autograd import in_backward
 from moelayers._compile import cached_tensor, eager_under_compile
 from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, ReplicaPolicy, Routes
-from moelayers.dispatch.base import (
-    BAD_INPUT, DISPATCH_AUTOGRAD, ORDER_SHIFT, BackwardOrderError, RECORDS_AUTOGRAD, REPLICA_AUTOGRAD, Dispatcher, merge_flags,
-    raise_if_nonfinite, raise_if_out_of_step, raise_if_placements_differ, routes_from_placement,
+from moelayers.dispatch.base import Dispatcher, routes_from_placement
+from moelayers.dispatch.flags import (
+    BAD_INPUT, DISPATCH_AUTOGRAD, ORDER_SHIFT, PAYLOAD_NAMES, RECORDS_AUTOGRAD, REPLICA_AUTOGRAD, BackwardOrderError,
+    SettingsDiffer, check_exchanged, merge_flags, settings_differences,
 )
 from moelayers.dispatch.comm import fingerprint
 from moelayers.experts import GroupedExperts, gather_logical
@@ -293,18 +294,34 @@ class MoELayerBase(nn.Module):
                                   capacity=self.capacity, placement_digest=self._digest())
 
     def _digest(self) -> int:
-        """62-bit digest the ranks compare with every exchange: the placement, the settings that
-        decide how the payload is laid out (a rank built with another ``dedup`` or ``top_k`` would
-        read the others' rows with its own layout), the rest of the config (another
-        ``ffn_hidden_size`` or ``norm_topk_prob`` on one rank served another model), the layer's
-        :meth:`_agreed_settings` and its ``layer_number``, as built."""
+        """62-bit digest the ranks compare with every exchange: of :meth:`_settings`, as built."""
+        return int.from_bytes(hashlib.blake2b(repr(self._settings()).encode(), digest_size=8).digest(), "little") >> 2
+
+    def _settings(self) -> tuple[tuple[str, Any], ...]:
+        """``(name, value)`` of everything the expert-parallel ranks must share: the placement (its
+        digest), the settings that decide how the payload is laid out (a rank built with another
+        ``dedup`` or ``top_k`` would read the others' rows with its own layout), the rest of the
+        config (another ``ffn_hidden_size`` or ``norm_topk_prob`` on one rank served another model),
+        the layer's :meth:`_agreed_settings` and its ``layer_number``."""
         c = self.config
-        payload = (self.dedup, self.capacity) if self.dispatcher_name == "alltoall" else ()  # all-gather: neither
-        config = tuple((f.name, getattr(c, f.name)) for f in dataclasses.fields(c) if f.name != "params_dtype")
-        settings = (self.placement.digest(), self.dispatcher_name, *payload, config, self._agreed_settings())
-        if self._layer_number is not None:
-            settings += (("layer_number", self._layer_number),)
-        return int.from_bytes(hashlib.blake2b(repr(settings).encode(), digest_size=8).digest(), "little") >> 2
+        payload = (("dedup", self.dedup), ("capacity", self.capacity)) if self.dispatcher_name == "alltoall" else ()
+        config = tuple((f"config.{f.name}", getattr(c, f.name)) for f in dataclasses.fields(c) if f.name != "params_dtype")
+        return (("placement", self.placement.digest()), ("dispatcher", self.dispatcher_name), *payload, *config,
+                *self._agreed_settings(), ("layer_number", self._layer_number))
+
+    def _name_differences(self, exc: SettingsDiffer) -> SettingsDiffer:
+        """``exc`` with the settings that differ between the ranks named (which, on which ranks, and
+        what to do), gathered in one more collective: every rank raised ``exc`` in the same exchange
+        (``exc.together``). ``exc`` itself if the ranks cannot tell (another version of moelayers)."""
+        mine = dict(self._settings(), **{"placement": self.placement.phy2log.tolist(), "layer class": type(self).__name__})
+        mine.update(zip(PAYLOAD_NAMES, self.dispatcher.payload))
+        everyone: list[Any] = [None] * self.groups.ep_size
+        try:
+            dist.all_gather_object(everyone, mine, group=self.groups.ep)
+            named = settings_differences(everyone)
+        except Exception:  # (the error to report is exc; a failure here must not hide it)
+            return exc
+        return exc.named(named) if named else exc
 
     @property
     def layer_number(self) -> int | None:
@@ -322,10 +339,11 @@ class MoELayerBase(nn.Module):
             self.dispatcher.placement_digest = self._digest()
             self._placement_unchecked = True  # capacity mode: compared on the next forward
 
-    def _agreed_settings(self) -> tuple:
-        """Settings of a subclass that every expert-parallel rank must share (e.g. when it re-plans:
-        ranks re-planning at different steps wait for each other in the re-plan's collectives);
-        part of :meth:`_digest`. Read while ``__init__`` builds the dispatcher too: use defaults."""
+    def _agreed_settings(self) -> tuple[tuple[str, Any], ...]:
+        """``(name, value)`` of settings of a subclass that every expert-parallel rank must share
+        (e.g. when it re-plans: ranks re-planning at different steps wait for each other in the
+        re-plan's collectives); part of :meth:`_settings`. Read while ``__init__`` builds the
+        dispatcher too: use defaults."""
         return ()
 
     @torch.no_grad()
@@ -956,12 +974,18 @@ class MoELayerBase(nn.Module):
         different orders, ...), the order of the backwards it took (:meth:`_order_flag`) is put back
         for the next forward to report: taken by a forward that failed on some ranks' layers and not
         on the others', it made the next forwards raise a false "back-propagated in different
-        orders". Not when that order itself disagreed (the gradients are wrong already)."""
+        orders". Not when that order itself disagreed (the gradients are wrong already). Ranks that
+        serve different settings raise an error that names them (:meth:`_name_differences`)."""
         self._order_taken = 0
         try:
             return step(*args)
         except BackwardOrderError:
             raise
+        except SettingsDiffer as exc:
+            self._graphs.restore_order(self._order_taken)
+            if not exc.together or self.groups.ep_size == 1:
+                raise
+            raise self._name_differences(exc) from None
         except BaseException:
             self._graphs.restore_order(self._order_taken)
             raise
@@ -1030,23 +1054,7 @@ class MoELayerBase(nn.Module):
         routes = self.plan(topk_ids, topk_weights, token_ids)             # 2 plan
         if type(self).plan is not MoELayerBase.plan:  # an override's routes (edited ones too): the dispatcher checks them
             routes.in_range = False
-        routes.nonfinite = merge_flags(routes.nonfinite, self.router.last_nonfinite)
-        if flag is not None:
-            routes.nonfinite = merge_flags(routes.nonfinite, flag)
-        elif self._bad_input:
-            routes.nonfinite = merge_flags(routes.nonfinite, _constant(BAD_INPUT, x2.device))
-        autograd = 0  # the backward's exchanges this rank will run: every rank must run the same ones
-        if self._records_autograd(x2):
-            autograd |= RECORDS_AUTOGRAD
-        if torch.is_grad_enabled() and (x2.requires_grad or routes.weights.requires_grad):
-            autograd |= DISPATCH_AUTOGRAD  # (the dispatchers' condition for a differentiable exchange)
-        if self.experts.sums_replica_grads():
-            autograd |= REPLICA_AUTOGRAD
-        if autograd:
-            routes.nonfinite = merge_flags(routes.nonfinite, _constant(autograd, x2.device))
-        order = self._order_flag(x2.device)  # the backwards run since the previous forward, compared across ranks
-        if order is not None:
-            routes.nonfinite = merge_flags(routes.nonfinite, order)
+        routes.nonfinite = self._routing_flags(x2, routes, flag)
         if num_valid is not None:  # capacity mode: rows from num_valid on are padding
             padding = self._arange(x2.shape[0], x2.device) >= num_valid
             routes.dest_rank = routes.dest_rank.masked_fill(padding[:, None], -1)
@@ -1055,6 +1063,29 @@ class MoELayerBase(nn.Module):
         expert_out = self.experts(received.expert_input, received.slot_counts)  # 4 compute
         received.expert_input = None  # not read by the combine: freed before it (autograd keeps what it saved)
         return self.dispatcher.combine(expert_out, received), topk_ids    # 5 combine
+
+    def _routing_flags(self, x2: torch.Tensor, routes: Routes, flag: torch.Tensor | None) -> torch.Tensor | None:
+        """This rank's flag word for the exchange (``moelayers.dispatch.flags``): the routes' own
+        (the replica policy's, ``check_routes``'), the router's (NaN/inf logits, forced ids out of
+        range), a refused input (``flag`` or ``_bad_input``), the exchanges its backward will run
+        (every rank must run the same ones) and the order of the backwards since the previous
+        forward. A ``[]`` int device tensor, or ``None`` when nothing is set (no ops)."""
+        flags = merge_flags(routes.nonfinite, self.router.last_nonfinite)
+        if flag is not None:
+            flags = merge_flags(flags, flag)
+        elif self._bad_input:
+            flags = merge_flags(flags, _constant(BAD_INPUT, x2.device))
+        autograd = 0
+        if self._records_autograd(x2):
+            autograd |= RECORDS_AUTOGRAD
+        if torch.is_grad_enabled() and (x2.requires_grad or routes.weights.requires_grad):
+            autograd |= DISPATCH_AUTOGRAD  # (the dispatchers' condition for a differentiable exchange)
+        if self.experts.sums_replica_grads():
+            autograd |= REPLICA_AUTOGRAD
+        if autograd:
+            flags = merge_flags(flags, _constant(autograd, x2.device))
+        order = self._order_flag(x2.device)  # the backwards run since the previous forward, compared across ranks
+        return flags if order is None else merge_flags(flags, order)
 
     def _forward_capacity(self, x2, token_ids, forced):
         """Fixed-capacity forward: pad to ``capacity`` rows, eager or replayed from a CUDA graph."""
@@ -1145,9 +1176,7 @@ class MoELayerBase(nn.Module):
         r = self.groups.ep_size
         flags = torch.cat([d.nonfinite.to(torch.int32), d.overflow.to(torch.int32), d.digests.flatten()]).tolist()
         digests = [lo | (hi << 31) for lo, hi in zip(flags[2 * r::2], flags[2 * r + 1::2])]
-        raise_if_out_of_step(digests)
-        raise_if_nonfinite(flags[:r])
-        raise_if_placements_differ(digests)
+        check_exchanged(flags[:r], digests)  # (not together: ranks with nothing to check go on)
         self._placement_unchecked = False
         bad = [i for i, f in enumerate(flags[r:2 * r]) if f]
         if bad:

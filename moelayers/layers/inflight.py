@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from moelayers.dispatch.base import ORDER_BITS
+from moelayers.dispatch.flags import ORDER_BITS
 
 
 class InFlightGraphs:

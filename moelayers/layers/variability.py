@@ -199,7 +199,7 @@ class VariabilityAwareMoE(MoELayerBase):
         """When the layer re-plans and whether it moves: ranks that record other windows or re-plan
         at other steps wait for each other in the re-plan's collectives. (The planner, its curves,
         restarts and seed are read on rank 0 alone, which sends the plan.)"""
-        return tuple(getattr(self, name, None)
+        return tuple((name, getattr(self, name, None))
                      for name in ("window", "auto_replan", "replan_every", "record_loads", "min_gain"))
 
     # ------------------------------------------------------------------ forward + load recording

@@ -535,8 +535,12 @@ def test_ranks_built_with_other_settings_all_raise(case):
     torch.autocast on one rank only, its experts computed in bf16 and the other's in fp32, unflagged."""
     outcomes = run_distributed(_settings_check, 2, case, timeout=TIMEOUT)
     assert all("serve different placements or layer settings" in got for got in outcomes), outcomes
-    if case == "autocast":
-        assert all("torch.autocast on some ranks only" in got for got in outcomes), outcomes
+    named = {"ffn_hidden_size": "config.ffn_hidden_size is 4 on rank(s) [0], 6 on rank(s) [1]",
+             "norm_topk_prob": "config.norm_topk_prob is True on rank(s) [0], False on rank(s) [1]",
+             "window": "window is 2 on rank(s) [0], 3 on rank(s) [1]",
+             "autocast": "autocast dtype is torch.bfloat16 on rank(s) [0], None on rank(s) [1]. Every rank must "
+                         "compute in the same dtype (torch.autocast on every rank or on none)"}[case]
+    assert all(named in got for got in outcomes), outcomes  # what differs, named
 
 
 @pytest.mark.parametrize("case", ["autocast everywhere", "autocast float64"])

@@ -10,7 +10,7 @@ import torch
 
 import moelayers as ml
 from moelayers import reference
-from moelayers.dispatch.base import NONFINITE_LOGITS
+from moelayers.dispatch.flags import NONFINITE_LOGITS
 from moelayers.router import forced_topk_weights, scores_to_topk
 
 H, FF = 8, 4
@@ -259,7 +259,7 @@ def test_local_pairs_static_and_with_known_count():
 
 
 def test_raise_if_placements_differ_and_nonfinite_flags():
-    from moelayers.dispatch.base import (BAD_INPUT, FORCED_OUT_OF_RANGE, NONFINITE_LOGITS, raise_if_nonfinite,
+    from moelayers.dispatch.flags import (BAD_INPUT, FORCED_OUT_OF_RANGE, NONFINITE_LOGITS, raise_if_nonfinite,
                                          raise_if_placements_differ)
 
     raise_if_placements_differ([7, 7, 7])
