@@ -62,12 +62,14 @@ def file_mode() -> int:
     return 0o666 & ~(_UMASK_AT_IMPORT if umask is None else umask)
 
 
-def _create_temp(folder: Path) -> tuple[int, Path]:
-    """Create a new empty file in ``folder`` with a short random name (the destination's name may be
-    near the file system's 255-byte limit) and the permissions of a plain ``open()``."""
+def _create_temp(folder: Path, name: str = "") -> tuple[int, Path]:
+    """Create a new empty file in ``folder`` with the permissions of a plain ``open()``, named
+    ``.<name>.<random>.tmp`` after the destination ``name`` (its first 64 bytes: the name may be near
+    the file system's 255-byte limit), so that one left by a killed run says whose it was."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    stem = name.encode()[:64].decode(errors="ignore")
     for _ in range(100):
-        tmp = folder / f".tmp-{secrets.token_hex(8)}"
+        tmp = folder / f".{stem}.{secrets.token_hex(8)}.tmp"
         try:
             return os.open(tmp, flags, 0o666), tmp  # the kernel applies the umask
         except FileExistsError:
@@ -107,7 +109,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
     except FileNotFoundError:
         mode = None
     try:
-        fd, tmp = _create_temp(dest.parent)
+        fd, tmp = _create_temp(dest.parent, dest.name)
     except OSError as e:
         raise _naming(e, path) from e
     try:

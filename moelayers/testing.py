@@ -299,6 +299,7 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, backend: str
     results: dict[int, Any] = {}
     errors: list[str] = []
     taken = None
+    stopped = False  # Ctrl-C or another exception here: the ranks are killed at once, not waited for
     try:
         for _ in range(world_size):
             rank, status, payload = _next_report(queue, procs, results, timeout)
@@ -310,9 +311,12 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, backend: str
             else:
                 errors.append(f"--- rank {rank} ---\n{payload}")
                 break  # other ranks may be stuck in a collective with the failed one
+    except BaseException:
+        stopped = True
+        raise
     finally:
         for p in procs:
-            p.join(timeout=5 if not (errors or taken) else 0.5)
+            p.join(timeout=5 if not (errors or taken or stopped) else 0.5)
             if p.is_alive():
                 p.kill()
     if taken is not None:

@@ -14,12 +14,16 @@ where rank 0 writes its files). ``fn`` must be defined at module level (it is pi
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import importlib
 import json
 import math
 import os
+import socket
 import sys
+import time
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,9 +33,9 @@ import torch
 from omegaconf import OmegaConf
 
 __all__ = [
-    "launch", "under_torchrun", "resolve_backend", "device_for", "run_dir", "invocation", "to_dict", "print_table",
+    "launch", "under_torchrun", "resolve_backend", "device_for", "run_dir", "claim_run_dir", "run_recipe", "invocation", "to_dict", "print_table",
     "print_grid",
-    "write_json", "percentile", "jsonable", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
+    "write_json", "commit_files", "percentile", "jsonable", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
     "normalize_flags", "LAYER_FLAGS", "int_setting", "check_layer_settings", "timeout_setting",
     "import_object", "plan_fraction_setting", "check_input_file", "refuse_unread_overrides",
 ]
@@ -307,6 +311,93 @@ def run_dir(default: str = ".") -> str:
         return os.path.abspath(default)
 
 
+#: the file a run keeps in its run dir while it runs (see claim_run_dir)
+RUN_LOCK = ".moelayers-run.lock"
+
+
+def claim_run_dir(recipe: str) -> str:
+    """The run dir (:func:`run_dir`), held by this run until its process exits: a run started into
+    the dir of a run still going is refused, since the two would overwrite some of each other's
+    files and leave a mix (``hydra.run.dir`` given twice, a script that did not vary it). The hold
+    is a file, :data:`RUN_LOCK`, naming the process; one left by a run that died (no such process
+    on this host) is taken over. Under torchrun, rank 0 holds it (the others write nothing there).
+
+    Raises:
+        RuntimeError: another live run holds the dir (naming it, and how to go on).
+    """
+    out = run_dir()
+    if under_torchrun() and os.environ.get("RANK", "0") != "0":
+        return out
+    os.makedirs(out, exist_ok=True)
+    lock = Path(out) / RUN_LOCK
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "recipe": recipe,
+          "started": datetime.datetime.now().isoformat(timespec="seconds")}
+    for _ in range(3):
+        try:
+            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            holder = _lock_holder(lock)
+            if holder is None:  # gone, or a dead run's: take it over
+                lock.unlink(missing_ok=True)
+                continue
+            if holder.get("pid") == os.getpid() and holder.get("host") == me["host"]:
+                return out  # this process holds it already (a recipe's main called again)
+            who = (f"another run ({holder.get('recipe', '?')}, process {holder.get('pid', '?')} on "
+                   f"{holder.get('host', '?')}, started {holder.get('started', '?')}) is writing into this run dir"
+                   if holder else "another run is starting in this run dir just now")
+            raise RuntimeError(f"{out}: {who}: wait for it to end, or give this run another hydra.run.dir (if no "
+                               f"such run is going on, delete {lock})") from None
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+        atexit.register(_release_run_dir, lock, me)
+        return out
+    raise RuntimeError(f"{out}: could not take {lock} (other runs starting into this run dir at the same time)")
+
+
+def _lock_holder(lock: Path) -> dict | None:
+    """Who holds ``lock``: its record, or ``None`` when it is gone or its process is not running
+    on this host. A lock just created and not yet written counts as held."""
+    try:
+        holder = json.loads(lock.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        try:
+            fresh = time.time() - lock.stat().st_mtime < 10
+        except OSError:
+            return None
+        return {} if fresh else None
+    if holder.get("host") != socket.gethostname():
+        return holder  # another machine's (a shared file system): it cannot be checked from here
+    try:
+        os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return None
+    except (PermissionError, KeyError, TypeError, ValueError, OverflowError):
+        pass  # someone else's process, or a record we cannot read: held
+    return holder
+
+
+def _release_run_dir(lock: Path, me: dict) -> None:
+    try:
+        if json.loads(lock.read_text()) == me:  # (not a lock taken over after this one was removed)
+            lock.unlink()
+    except (OSError, ValueError):
+        pass
+
+
+def run_recipe(main: Callable[[], Any]) -> None:
+    """Run a recipe's Hydra ``main``; Ctrl-C ends it with one line instead of a traceback (exit
+    status 130, as a shell reports it)."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("\ninterrupted: files this run had not finished were not written (each output is written "
+              "whole or not at all; an earlier run's stay where this one did not replace them)",
+              file=sys.stderr, flush=True)
+        sys.exit(130)
+
+
 def invocation() -> dict:
     """How this run was started, for its own outputs (the recipes keep no ``.hydra/`` in the run dir:
     ``hydra.output_subdir: null``): ``argv`` and the Hydra command-line ``overrides`` (empty outside
@@ -548,6 +639,55 @@ def remove_stale(out_dir: str | os.PathLike, outputs: tuple[str, ...], written: 
         if name not in written and path.exists():
             path.unlink(missing_ok=True)
             print(f"note: removed {path}, an earlier run's output that this run does not write")
+
+
+def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path], None]],
+                 stale: tuple[str, ...] = ()) -> list[Path]:
+    """Write several files into ``out_dir`` all or nothing.
+
+    Every writer first writes a temporary file in ``out_dir``; only when all succeeded are they moved
+    to their names with ``os.replace``, in the given order (put the file that marks a finished run
+    last). On failure the temporary files are removed and nothing is moved; an output name taken by
+    a folder is refused before anything is written. (A failure of ``os.replace`` itself, e.g. a disk
+    error mid-way, leaves the files moved before it, never a temporary file.)
+
+    Args:
+        out_dir: destination folder (created if missing).
+        writers: file name -> function writing that file's content to the path it is given.
+        stale: other outputs of the same recipe: removed (before the moves) when this run does not
+            write them, so that a reused run dir never mixes two runs' files.
+
+    Returns:
+        The final paths.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    folders = [name for name in writers if (out / name).is_dir()]
+    if folders:  # found before anything is written, not when the first files have been moved in
+        raise IsADirectoryError(f"{out}: {', '.join(folders)} is a directory: cannot write the run's files there")
+    from moelayers.files import file_mode
+
+    mode = file_mode()
+    tmps: dict[str, Path] = {}
+    try:
+        for name, write in writers.items():
+            fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.", suffix=".tmp")
+            os.close(fd)
+            tmps[name] = Path(tmp)
+            write(tmps[name])
+            os.chmod(tmps[name], mode)  # the permissions of a plain open(), not mkstemp's 0600
+    except BaseException:
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
+        raise
+    try:
+        remove_stale(out, stale, tmps)
+        for name, tmp in tmps.items():
+            os.replace(tmp, out / name)
+    finally:  # a failed move leaves no temporary file behind
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
+    return [out / name for name in tmps]
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> Path:

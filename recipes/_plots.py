@@ -10,10 +10,11 @@ import os
 
 import numpy as np
 
-__all__ = ["plot_rank_load", "plot_plan", "plot_curves"]
+__all__ = ["plot_rank_load", "plot_plan", "plot_curves", "pyplot", "save_png"]
 
 
-def _pyplot():
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -22,16 +23,17 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: str | os.PathLike) -> None:
+def save_png(fig, path: str | os.PathLike) -> None:
+    """Lay out ``fig``, write it to ``path`` as PNG (whatever the suffix) and close it."""
     fig.tight_layout()
     fig.savefig(path, format="png")
-    _pyplot().close(fig)
+    pyplot().close(fig)
 
 
 def plot_rank_load(rank_load: list[list[int]], path: str | os.PathLike, title: str) -> None:
     """Line plot of activations received per rank per step (``rank_load [steps][R]``); with no step,
     empty axes that say so."""
-    plt = _pyplot()
+    plt = pyplot()
     data = np.asarray(rank_load, dtype=np.float64)
     data = data.reshape(len(data), -1) if data.size else np.zeros((0, 0))  # reshape(0, -1) is ambiguous
     fig, ax = plt.subplots(figsize=(8, 3.5), dpi=100)
@@ -44,7 +46,7 @@ def plot_rank_load(rank_load: list[list[int]], path: str | os.PathLike, title: s
     ax.set_title(title)
     if 0 < data.shape[1] <= 16:
         ax.legend(fontsize=7, ncol=min(8, data.shape[1]))
-    _save(fig, path)
+    save_png(fig, path)
 
 
 def plot_plan(report: dict, path: str | os.PathLike) -> None:
@@ -58,7 +60,7 @@ def plot_plan(report: dict, path: str | os.PathLike) -> None:
         report: the run's ``report.json`` content.
         path: destination (PNG).
     """
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax_lar, ax_gem) = plt.subplots(1, 2, figsize=(11, 3.8), dpi=100)
     layers = np.arange(len(report["lar_per_layer"]))
     ax_lar.plot(layers, report["lar_per_layer"], marker="o", ms=3, lw=1.2,
@@ -84,7 +86,7 @@ def plot_plan(report: dict, path: str | os.PathLike) -> None:
 
     for ax in (ax_lar, ax_gem):  # layers are whole numbers (2 layers showed ticks 0.2, 0.4, ...)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    _save(fig, path)
+    save_png(fig, path)
 
 
 def plot_curves(rows, latency_s: np.ndarray, raw_latency_s: np.ndarray, device_names,
@@ -101,7 +103,7 @@ def plot_curves(rows, latency_s: np.ndarray, raw_latency_s: np.ndarray, device_n
         device_names: ``[R]`` device names (legend).
         path: destination (PNG).
     """
-    plt = _pyplot()
+    plt = pyplot()
     x = np.asarray(rows, dtype=np.float64)
     lat, raw = np.asarray(latency_s, dtype=np.float64), np.asarray(raw_latency_s, dtype=np.float64)
     fig, (ax_lat, ax_sp) = plt.subplots(1, 2, figsize=(11, 3.8), dpi=100)
@@ -116,4 +118,4 @@ def plot_curves(rows, latency_s: np.ndarray, raw_latency_s: np.ndarray, device_n
         ax.set_xscale("symlog", linthresh=128)
         if lat.shape[0] <= 16:
             ax.legend(fontsize=7)
-    _save(fig, path)
+    save_png(fig, path)

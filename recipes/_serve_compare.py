@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from recipes._common import print_grid, remove_stale, shared_execution_kwargs, write_json
+from recipes._common import commit_files, print_grid, shared_execution_kwargs, write_json
+from recipes._plots import pyplot, save_png
 
 # metrics reduced to medians over the seeds (plain numbers of a single run's results)
 MEDIAN_KEYS = ("throughput_tok_s", "total_tok_s", "ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "tpot_mean_s",
@@ -281,10 +282,7 @@ def print_tables(res: dict) -> None:
 
 def plot_compare(res: dict, path: str) -> None:
     """Per-seed bars (and the median) of the key metrics, ours against the baseline."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     panels = [(key, METRIC_LABELS[key]) for key in
               ("throughput_tok_s", "tpot_mean_s", "tpot_p90_s", "ttft_p99_s", "lar", "a2a_bytes")]
@@ -303,18 +301,13 @@ def plot_compare(res: dict, path: str) -> None:
         ax.set_title(title + (f"  ({m['better']} is better)" if m else ""), fontsize=9)
     axes[0, 0].legend(fontsize=8)
     fig.suptitle(f"{res['layer']} vs {res['baseline']['layer']}, router={res['router']}, world {res['world_size']}")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def plot_rank_load_sides(res: dict, path: str) -> None:
     """Activations received per rank per step, ours above the baseline, for the first seed
     (dashed lines: our re-plans)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     seed = res["seeds"][0]
     fig, axes = plt.subplots(2, 1, figsize=(8, 5.5), dpi=100, sharex=True)
@@ -331,9 +324,7 @@ def plot_rank_load_sides(res: dict, path: str) -> None:
         if data.shape[1] <= 16:
             ax.legend(fontsize=7, ncol=min(8, data.shape[1]))
     axes[-1].set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    save_png(fig, path)
 
 
 def summarize(run_results: list[dict], cfg: dict, out_dir: str, wall_s: float, command: dict | None = None) -> dict:
@@ -346,12 +337,11 @@ def summarize(run_results: list[dict], cfg: dict, out_dir: str, wall_s: float, c
     print_tables(res)
     for warning in res["warnings"]:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
-    plot = cfg.get("plot", True)
-    remove_stale(out_dir, OUTPUTS, ("results.json", "compare.png", "rank_load.png") if plot else ("results.json",))
-    path = write_json(os.path.join(out_dir, "results.json"), res)
-    print(f"results: {path}  ({len(run_results)} runs, {wall_s:.1f} s)")
-    if plot:
-        for name, fn in (("compare.png", plot_compare), ("rank_load.png", plot_rank_load_sides)):
-            fn(res, os.path.join(out_dir, name))
-            print(f"plot: {os.path.join(out_dir, name)}")
+    writers = {"compare.png": lambda p: plot_compare(res, p), "rank_load.png": lambda p: plot_rank_load_sides(res, p)} \
+        if cfg.get("plot", True) else {}
+    writers["results.json"] = lambda p: write_json(p, res)  # last: it marks a finished run
+    paths = commit_files(out_dir, writers, stale=OUTPUTS)  # all or nothing
+    print(f"results: {paths[-1]}  ({len(run_results)} runs, {wall_s:.1f} s)")
+    for png in paths[:-1]:
+        print(f"plot: {png}")
     return res

@@ -95,9 +95,9 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, check_input_file, check_layer_settings, device_for, flag, import_object, int_setting, launch,
-    normalize_flags, overridden, plan_fraction_setting, print_grid, refuse_unread_overrides, resolve_backend, run_dir,
-    shared_execution_kwargs, shutdown, to_dict, under_torchrun, write_json,
+    LAYER_FLAGS, check_input_file, check_layer_settings, claim_run_dir, device_for, flag, import_object, int_setting,
+    launch, normalize_flags, overridden, plan_fraction_setting, print_grid, refuse_unread_overrides, resolve_backend,
+    run_recipe, shared_execution_kwargs, shutdown, to_dict, under_torchrun, write_json,
 )
 from recipes._bench_tools import (  # noqa: E402
     megatron_version,
@@ -1070,7 +1070,7 @@ def main(cfg: DictConfig) -> None:
     if (d.get("layer") or {}).get("plan_path"):
         d["layer"]["plan_path"] = hydra.utils.to_absolute_path(d["layer"]["plan_path"])
     check_config(d)
-    d["run_dir"] = run_dir()
+    d["run_dir"] = claim_run_dir("bench.py")
     torchrun = under_torchrun()
     backend = resolve_backend((d.get("parallel") or {}).get("backend"), torchrun=torchrun)
     check_shape_fits(b, torch.device("cuda") if backend == "nccl" else torch.device("cpu"))
@@ -1097,4 +1097,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main)

@@ -110,12 +110,11 @@ from omegaconf import DictConfig  # noqa: E402
 from moelayers.planning.semantic_eval import PREDICTORS  # noqa: E402
 from moelayers.planning.steps import MIN_STEPS  # noqa: E402
 from recipes._common import (  # noqa: E402
-    config_trace, int_setting, invocation, merge_curves_path, normalize_flags, overridden, print_table,
-    refuse_unread_overrides, run_dir, to_dict,
-    write_json,
+    claim_run_dir, commit_files, config_trace, int_setting, invocation, merge_curves_path, normalize_flags,
+    overridden, print_table, refuse_unread_overrides, run_recipe, to_dict, write_json,
 )
 from recipes._plots import plot_plan  # noqa: E402
-from recipes._plan_tools import DP_MAX_RATIO, MODES, commit_files, even_token_rank, lar_report  # noqa: E402
+from recipes._plan_tools import DP_MAX_RATIO, MODES, even_token_rank, lar_report  # noqa: E402
 
 SYNTHETIC_KEYS = ("synthetic", "num_sequences", "num_layers", "num_experts", "top_k", "vocab_size", "seq_len")
 OUTPUTS = ("assignment.npz", "curves.npz", "plan.png", "plan.npz", "report.json")  # every file a run may write
@@ -491,7 +490,7 @@ def main(cfg: DictConfig) -> None:
             d[key]["path"] = hydra.utils.to_absolute_path(d[key]["path"])
     if (d.get("planner") or {}).get("embeddings"):
         d["planner"]["embeddings"] = hydra.utils.to_absolute_path(d["planner"]["embeddings"])
-    d["run_dir"] = run_dir()
+    d["run_dir"] = claim_run_dir("plan.py")
     rep = run(d)
     name = rep["planner"]
     # where another planner was chosen, the GEM planner's placement is scored too: a reference
@@ -510,4 +509,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main)

@@ -40,11 +40,9 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
-    device_for, flag, int_setting, invocation, jsonable, launch, refuse_unread_overrides, resolve_backend, run_dir,
-    shutdown, to_dict,
-    under_torchrun,
+    claim_run_dir, commit_files, device_for, flag, int_setting, invocation, jsonable, launch, refuse_unread_overrides,
+    resolve_backend, run_recipe, shutdown, to_dict, under_torchrun,
 )
-from recipes._plan_tools import commit_files  # noqa: E402
 from recipes._plots import plot_curves  # noqa: E402
 
 
@@ -302,7 +300,7 @@ CONFIG_GROUPS = ("parallel", "profile")
 def main(cfg: DictConfig) -> None:
     refuse_unread_overrides("profile.py", "profile", CONFIG_GROUPS)
     d = to_dict(cfg)
-    d["run_dir"] = run_dir()
+    d["run_dir"] = claim_run_dir("profile.py")
     check_profile(d["profile"])  # a bad setting fails here, before any rank starts
     int_setting(d.get("seed", 0), "seed", 0)
     flag(d, "progress", True)
@@ -328,4 +326,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main)

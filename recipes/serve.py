@@ -88,9 +88,9 @@ from omegaconf import DictConfig  # noqa: E402
 
 from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, check_input_file, check_layer_settings, device_for, import_object, int_setting, invocation, launch, merge_curves_path, normalize_flags,
-    overridden, percentile,
-    print_table, refuse_unread_overrides, remove_stale, run_dir, shutdown, timeout_setting, to_dict, write_json,
+    LAYER_FLAGS, check_input_file, check_layer_settings, claim_run_dir, commit_files, device_for, import_object,
+    int_setting, invocation, launch, merge_curves_path, normalize_flags, overridden, percentile, print_table,
+    refuse_unread_overrides, run_recipe, shutdown, timeout_setting, to_dict, write_json,
 )
 from recipes._bench_tools import seq_len_bounds  # noqa: E402
 from recipes._plots import plot_rank_load  # noqa: E402
@@ -617,14 +617,14 @@ def summarize(res: dict, out_dir: str) -> None:
         print(f"note: {note}")
     print_table(rows, title=f"serve: layer={res['layer']} router={res['router']} scheduler={res['scheduler']} "
                             f"world={res['world_size']}")
-    plot = res["config"].get("plot", True)
-    remove_stale(out_dir, compare.OUTPUTS, ("results.json", "rank_load.png") if plot else ("results.json",))
-    path = write_json(os.path.join(out_dir, "results.json"), res)
-    print(f"results: {path}")
-    if plot:
-        png = os.path.join(out_dir, "rank_load.png")
-        plot_rank_load(res["rank_load_per_step"], png,
-                       f"{res['layer']} ({res['router']}), world {res['world_size']}: received per step")
+    title = f"{res['layer']} ({res['router']}), world {res['world_size']}: received per step"
+    writers = {"rank_load.png": lambda p: plot_rank_load(res["rank_load_per_step"], p, title)} \
+        if res["config"].get("plot", True) else {}
+    writers["results.json"] = lambda p: write_json(p, res)  # last: it marks a finished run
+    # all or nothing (an interrupted run leaves an earlier run's files, never one of each)
+    paths = commit_files(out_dir, writers, stale=compare.OUTPUTS)
+    print(f"results: {paths[-1]}")
+    for png in paths[:-1]:
         print(f"plot: {png}")
 
 
@@ -955,7 +955,7 @@ def main(cfg: DictConfig) -> None:
     if isinstance(var, dict) and isinstance(var.get("curves"), dict) and var["curves"].get("path"):
         var["curves"]["path"] = d["curves"]["path"] = hydra.utils.to_absolute_path(var["curves"]["path"])
     check_config(d)
-    d["run_dir"] = run_dir()
+    d["run_dir"] = claim_run_dir("serve.py")
     if compare.enabled(d):
         runs = compare.run_configs(d, os.path.join(os.path.dirname(_HERE), "conf"))
         for run in runs[:2]:  # ours and the baseline
@@ -982,4 +982,4 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_recipe(main)

@@ -236,8 +236,8 @@ def test_paths_that_are_not_files(tmp_path):
 def test_atomic_write_names_the_destination_on_os_errors(tmp_path, monkeypatch):
     import moelayers.files as files
 
-    def denied(folder):
-        raise PermissionError(13, "Permission denied", str(folder / ".tmp-0123"))
+    def denied(folder, name):
+        raise PermissionError(13, "Permission denied", str(folder / f".{name}.0123.tmp"))
 
     monkeypatch.setattr(files, "_create_temp", denied)
     with pytest.raises(PermissionError, match=rf"{tmp_path / 'new.npz'}: cannot write \(Permission denied\)"):
