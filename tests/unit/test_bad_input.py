@@ -314,6 +314,11 @@ def test_ranks_with_other_payload_settings_raise(what):
     assert run_distributed(_settings_differ, 2, what) == [want, want]
 
 
+#: what every rank's error says when rank 1 alone cast its layer to bf16 (named by the ranks' gathered settings)
+NAMED_CAST = ("dtype of x is torch.float32 on rank(s) [0], torch.bfloat16 on rank(s) [1]; dtype of the routing weights "
+              "is torch.float32 on rank(s) [0], torch.bfloat16 on rank(s) [1]. Every rank must compute in the same dtype")
+
+
 def _cast_on_one_rank(rank, world, dispatcher, device="cpu"):
     """A layer cast on one rank only (``layer.to(torch.bfloat16)``) lays its payload rows out in
     another dtype: the other rank read them as garbage indices and gloo aborted the process. The
@@ -347,7 +352,7 @@ def _cast_on_one_rank(rank, world, dispatcher, device="cpu"):
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])  # (capacity mode cannot tell: README)
 def test_layer_cast_on_one_rank_raises_on_every_rank(dispatcher):
     for out in run_distributed(_cast_on_one_rank, 2, dispatcher, timeout=60):
-        assert "compute in the same dtype" in out["forward"], out["forward"]
+        assert NAMED_CAST in out["forward"], out["forward"]
         assert "hold the layer in different dtypes" in out["load"], out["load"]
 
 
