@@ -55,8 +55,10 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     return None if dtype == x.dtype else dtype
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def _grouped_mm_fits(dtype: torch.dtype, hidden: int, ffn: int) -> bool:
+    """Whether ``torch._grouped_mm`` takes ``dtype`` with rows of ``hidden`` and ``ffn`` elements
+    (a dtype of ``GROUPED_MM_DTYPES``, rows 16-byte aligned)."""
+    return dtype in GROUPED_MM_DTYPES and (hidden * dtype.itemsize) % 16 == 0 and (ffn * dtype.itemsize) % 16 == 0
 
 
 def is_slot_major(value: Any, num_slots: int) -> bool:
@@ -194,9 +196,7 @@ class GroupedExperts(nn.Module):
         at construction and before a cast (``.double()``), not in the forward."""
         if self.backend != "grouped_mm":
             return
-        itemsize = _itemsize(dtype)
-        if not hasattr(torch, "_grouped_mm") or dtype not in GROUPED_MM_DTYPES \
-                or (self.hidden_size * itemsize) % 16 or (self.ffn_hidden_size * itemsize) % 16:
+        if not hasattr(torch, "_grouped_mm") or not _grouped_mm_fits(dtype, self.hidden_size, self.ffn_hidden_size):
             raise ValueError(f"backend='grouped_mm' needs torch._grouped_mm, a dtype in "
                              f"{[str(d) for d in GROUPED_MM_DTYPES]} and 16-byte aligned rows (H={self.hidden_size}, "
                              f"F={self.ffn_hidden_size} in {dtype}): use backend='auto' or 'loop'")
@@ -256,8 +256,7 @@ class GroupedExperts(nn.Module):
         w13, w2 = self._weights()
         dtype = _autocast_dtype(x)
         if dtype is not None:  # torch.autocast does not cover _grouped_mm: follow it as the loop's matmuls do
-            if dtype not in GROUPED_MM_DTYPES or (self.hidden_size * _itemsize(dtype)) % 16 \
-                    or (self.ffn_hidden_size * _itemsize(dtype)) % 16:
+            if not _grouped_mm_fits(dtype, self.hidden_size, self.ffn_hidden_size):
                 return self._forward_loop(x, slot_counts)
             x, w13, w2 = x.to(dtype), w13.to(dtype), w2.to(dtype)
         offs = torch.cumsum(slot_counts, 0, dtype=torch.int32)

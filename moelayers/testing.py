@@ -316,6 +316,8 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, backend: str
         raise
     finally:
         for p in procs:
+            if stopped:
+                p.kill()
             p.join(timeout=5 if not (errors or taken or stopped) else 0.5)
             if p.is_alive():
                 p.kill()

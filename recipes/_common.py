@@ -22,7 +22,6 @@ import math
 import os
 import socket
 import sys
-import time
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,6 +30,11 @@ from typing import Any
 import numpy as np
 import torch
 from omegaconf import OmegaConf
+
+try:
+    import fcntl
+except ImportError:  # (Windows: run dirs are not held)
+    fcntl = None
 
 __all__ = [
     "launch", "under_torchrun", "resolve_backend", "device_for", "run_dir", "claim_run_dir", "run_recipe", "invocation", "to_dict", "print_table",
@@ -319,71 +323,73 @@ def claim_run_dir(recipe: str) -> str:
     """The run dir (:func:`run_dir`), held by this run until its process exits: a run started into
     the dir of a run still going is refused, since the two would overwrite some of each other's
     files and leave a mix (``hydra.run.dir`` given twice, a script that did not vary it). The hold
-    is a file, :data:`RUN_LOCK`, naming the process; one left by a run that died (no such process
-    on this host) is taken over. Under torchrun, rank 0 holds it (the others write nothing there).
+    is an exclusive ``flock`` on :data:`RUN_LOCK` (the file names the holder), which the system
+    releases when the holder's process ends however it ends, so a killed run holds nothing. Under
+    torchrun rank 0 holds it (the others write nothing there); where ``fcntl`` is missing
+    (Windows), nothing is held.
 
     Raises:
         RuntimeError: another live run holds the dir (naming it, and how to go on).
     """
     out = run_dir()
-    if under_torchrun() and os.environ.get("RANK", "0") != "0":
+    if fcntl is None or (under_torchrun() and os.environ.get("RANK", "0") != "0"):
         return out
     os.makedirs(out, exist_ok=True)
     lock = Path(out) / RUN_LOCK
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "recipe": recipe,
-          "started": datetime.datetime.now().isoformat(timespec="seconds")}
-    for _ in range(3):
+    if str(lock) in _HELD:
+        return out  # this process holds it already (a recipe's main called again, e.g. a -m sweep's jobs)
+    for _ in range(10):
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            holder = _lock_holder(lock)
-            if holder is None:  # gone, or a dead run's: take it over
-                lock.unlink(missing_ok=True)
-                continue
-            if holder.get("pid") == os.getpid() and holder.get("host") == me["host"]:
-                return out  # this process holds it already (a recipe's main called again)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
             who = (f"another run ({holder.get('recipe', '?')}, process {holder.get('pid', '?')} on "
                    f"{holder.get('host', '?')}, started {holder.get('started', '?')}) is writing into this run dir"
                    if holder else "another run is starting in this run dir just now")
-            raise RuntimeError(f"{out}: {who}: wait for it to end, or give this run another hydra.run.dir (if no "
-                               f"such run is going on, delete {lock})") from None
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
-        atexit.register(_release_run_dir, lock, me)
-        return out
-    raise RuntimeError(f"{out}: could not take {lock} (other runs starting into this run dir at the same time)")
-
-
-def _lock_holder(lock: Path) -> dict | None:
-    """Who holds ``lock``: its record, or ``None`` when it is gone or its process is not running
-    on this host. A lock just created and not yet written counts as held."""
-    try:
-        holder = json.loads(lock.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError):
+            raise RuntimeError(f"{out}: {who}: wait for it to end, or give this run another hydra.run.dir") from None
         try:
-            fresh = time.time() - lock.stat().st_mtime < 10
-        except OSError:
-            return None
-        return {} if fresh else None
-    if holder.get("host") != socket.gethostname():
-        return holder  # another machine's (a shared file system): it cannot be checked from here
-    try:
-        os.kill(int(holder["pid"]), 0)
-    except ProcessLookupError:
-        return None
-    except (PermissionError, KeyError, TypeError, ValueError, OverflowError):
-        pass  # someone else's process, or a record we cannot read: held
-    return holder
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the file this one locked was removed by a run that ended meanwhile: lock the new one
+    else:
+        raise RuntimeError(f"{out}: could not take {lock} (runs starting and ending in this run dir at once)")
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "recipe": recipe,
+              "started": datetime.datetime.now().isoformat(timespec="seconds")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode(), 0)
+    _HELD[str(lock)] = fd
+    atexit.register(_release_run_dir, lock)
+    return out
 
 
-def _release_run_dir(lock: Path, me: dict) -> None:
+#: run dir locks this process holds: path -> file descriptor (see claim_run_dir)
+_HELD: dict[str, int] = {}
+
+
+def _read_holder(fd: int) -> dict:
+    """The record in a held lock (``{}`` while its holder has not written it yet)."""
     try:
-        if json.loads(lock.read_text()) == me:  # (not a lock taken over after this one was removed)
-            lock.unlink()
+        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
     except (OSError, ValueError):
-        pass
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _release_run_dir(lock: Path) -> None:
+    """Remove the lock, then let it go (removed first: a run waiting on this file sees it gone and
+    locks a new one)."""
+    fd = _HELD.pop(str(lock), None)
+    if fd is None:
+        return
+    try:
+        lock.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
 
 
 def run_recipe(main: Callable[[], Any]) -> None:

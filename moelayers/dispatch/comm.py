@@ -64,7 +64,7 @@ class RowLayout:
         """Byte offset of each field in a row (each aligned to its item size)."""
         offs, pos = [], 0
         for width, dtype in self.fields:
-            size = _itemsize(dtype)
+            size = dtype.itemsize
             pos = -(-pos // size) * size  # align each field to its item size
             offs.append(pos)
             pos += width * size
@@ -74,7 +74,7 @@ class RowLayout:
     def row_bytes(self) -> int:
         """Bytes per row: the fields, padded to a multiple of ``ROW_ALIGN``."""
         (width, dtype), last = self.fields[-1], self.offsets[-1]
-        end = last + width * _itemsize(dtype)
+        end = last + width * dtype.itemsize
         return -(-end // ROW_ALIGN) * ROW_ALIGN
 
     def empty(self, rows: int, device: torch.device) -> torch.Tensor:
@@ -85,7 +85,7 @@ class RowLayout:
         """Typed ``[rows, width]`` views of each field of a ``[rows, row_bytes]`` uint8 buffer."""
         out = []
         for (width, dtype), off in zip(self.fields, self.offsets):
-            nbytes = width * _itemsize(dtype)
+            nbytes = width * dtype.itemsize
             out.append(buf[:, off : off + nbytes].view(dtype))
         return out
 
@@ -97,10 +97,6 @@ class RowLayout:
         for view, t in zip(self.views(buf), tensors):
             view.copy_(t)
         return buf
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return dtype.itemsize
 
 
 def all_to_all_bytes(buf: torch.Tensor, out_rows: int, in_splits: list[int], out_splits: list[int], group) -> torch.Tensor:

@@ -163,14 +163,15 @@ def settings_differences(settings: list[dict[str, Any]]) -> str:
     """What differs between the ranks' named settings (one dict per expert-parallel rank, in rank
     order, as the layer gathers them when :class:`SettingsDiffer` is raised together), with what to
     do about it; ``""`` when nothing named differs. A ``placement`` is its ``phy2log`` table as
-    nested lists: the first entry that differs is named, not the whole table. Where the ``layer
-    class`` differs, the settings only some classes have are left out."""
+    nested lists: the first entry that differs is named, not the whole table. Settings only some
+    ranks have (those of one layer class, or of the all-to-all dispatcher) are named only when no
+    setting every rank has differs: another class or dispatcher is the difference then."""
     names = list(dict.fromkeys(name for s in settings for name in s))
+    shared = [name for name in names if all(name in s for s in settings)]
+    if any(len({repr(s[name]) for s in settings}) > 1 for name in shared):
+        names = shared
     parts, advice = [], []
-    classes_differ = len({repr(s.get("layer class")) for s in settings}) > 1
     for name in names:
-        if classes_differ and any(name not in s for s in settings):
-            continue
         by_value: dict[str, list[int]] = {}
         for r, s in enumerate(settings):
             by_value.setdefault(repr(s[name]) if name in s else "(not set)", []).append(r)

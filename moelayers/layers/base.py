@@ -312,7 +312,9 @@ class MoELayerBase(nn.Module):
     def _name_differences(self, exc: SettingsDiffer) -> SettingsDiffer:
         """``exc`` with the settings that differ between the ranks named (which, on which ranks, and
         what to do), gathered in one more collective: every rank raised ``exc`` in the same exchange
-        (``exc.together``). ``exc`` itself if the ranks cannot tell (another version of moelayers)."""
+        (``exc.together``), so every rank runs it (a rank of an older moelayers, which does not,
+        leaves the others waiting for it: keep one version across the ranks). ``exc`` itself when
+        nothing named differs or the gather fails."""
         mine = dict(self._settings(), **{"placement": self.placement.phy2log.tolist(), "layer class": type(self).__name__})
         mine.update(zip(PAYLOAD_NAMES, self.dispatcher.payload))
         everyone: list[Any] = [None] * self.groups.ep_size
@@ -916,30 +918,14 @@ class MoELayerBase(nn.Module):
                     raise ValueError("topk_ids given to a forward for which force_routing ids are pending: pass one")
             x2, token_ids = self._check_input(x, token_ids)
             if recompute and topk_ids is None:  # routed as the forward it recomputes, found by its input
-                found, forced = self._forced_for_recompute.find(key)
-                if not found and self._forced_for_recompute.active:
-                    raise ValueError(
-                        "activation checkpointing is recomputing a forward of a layer that has forced its routing "
-                        "(force_routing), from an input the layer was not given (a tensor made inside the "
-                        "checkpointed region), so whether "
-                        "and how that forward was forced cannot be told, and routing it by the router could give "
-                        "other experts' gradients. Pass the ids in the checkpointed function, layer(x, topk_ids=ids), "
-                        "checkpoint a function that hands the layer its input as given, "
-                        "or keep the layer outside the checkpointed region (with megatron-core: "
-                        "recompute_granularity='selective' with 'moe' in recompute_modules, not 'full'). A forced "
-                        "forward under torch.no_grad() counts too (an evaluation or replay): run those under "
-                        "torch.inference_mode(), which does not")
+                forced = self._routing_recomputed(key)
             # what checkpointing may recompute: a forward recording autograd, or a reentrant checkpoint's
             # first pass (under no_grad, on an input that requires grad); never capacity mode. Kept once the
             # forward has run: a refused one has nothing to recompute, and would make its input ambiguous
             recomputable = (not recompute and topk_ids is None and self.capacity is None
                             and (torch.is_grad_enabled() or key.requires_grad))
-            routed_as = forced
-            if forced is not None and forced.dim() == 3 and x.dim() == 3 and forced.shape[:2] == x.shape[:2]:
-                forced = forced.reshape(-1, forced.shape[-1])  # [S, B, K] for [S, B, H], as the reference takes
-            if forced is not None and tuple(forced.shape) != (x2.shape[0], self.config.top_k):
-                raise ValueError(f"forced routing has shape {list(forced.shape)}, "
-                                 f"expected [{x2.shape[0]}, {self.config.top_k}]")
+            routed_as = forced  # as given: kept for a recomputation
+            forced = self._forced_rows(forced, x, x2)
             if self.capacity is not None and self._records_autograd(x2):
                 raise ValueError("capacity mode is inference-only: run it under torch.no_grad()/inference_mode(), "
                                  "or build the layer without capacity for training")
@@ -968,6 +954,34 @@ class MoELayerBase(nn.Module):
         # a module that returns a view makes FSDP warn (an in-place op on it drops FSDP's backward hook):
         # in training, [S, B, H] output is a tensor of its own (one copy; serving keeps the view)
         return y.view(x.shape).clone() if torch.is_grad_enabled() and y.requires_grad else y.view(x.shape)
+
+    def _routing_recomputed(self, key: torch.Tensor) -> torch.Tensor | None:
+        """The forced routing of the forward that activation checkpointing recomputes, found by its
+        input ``key`` (``None``: it was routed by the router)."""
+        found, forced = self._forced_for_recompute.find(key)
+        if not found and self._forced_for_recompute.active:
+            raise ValueError(
+                "activation checkpointing is recomputing a forward of a layer that has forced its routing "
+                "(force_routing), from an input the layer was not given (a tensor made inside the checkpointed "
+                "region), so whether and how that forward was forced cannot be told, and routing it by the router "
+                "could give other experts' gradients. Pass the ids in the checkpointed function, layer(x, "
+                "topk_ids=ids), checkpoint a function that hands the layer its input as given, or keep the layer "
+                "outside the checkpointed region (with megatron-core: recompute_granularity='selective' with 'moe' "
+                "in recompute_modules, not 'full'). A forced forward under torch.no_grad() counts too (an "
+                "evaluation or replay): run those under torch.inference_mode(), which does not")
+        return forced
+
+    def _forced_rows(self, forced: torch.Tensor | None, x: torch.Tensor, x2: torch.Tensor) -> torch.Tensor | None:
+        """Forced routing as ``[T, K]`` rows of ``x2`` (``[S, B, K]`` for an ``[S, B, H]`` input, as
+        the reference takes it), or ``ValueError`` for another shape."""
+        if forced is None:
+            return None
+        if forced.dim() == 3 and x.dim() == 3 and forced.shape[:2] == x.shape[:2]:
+            forced = forced.reshape(-1, forced.shape[-1])
+        if tuple(forced.shape) != (x2.shape[0], self.config.top_k):
+            raise ValueError(f"forced routing has shape {list(forced.shape)}, "
+                             f"expected [{x2.shape[0]}, {self.config.top_k}]")
+        return forced
 
     def _keeping_order(self, step: Callable, *args):
         """``step(*args)``; if it raises (on every rank alike: a refusal, ranks calling their layers in

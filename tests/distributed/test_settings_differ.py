@@ -92,5 +92,9 @@ def test_settings_differences_names_each_difference_once():
     assert settings_differences([a, a]) == ""
     assert "phy2log shape is [2, 2] on rank 0, [1, 2] on rank 1" in settings_differences([a, dict(a, placement=[[0, 1]])])
     assert "extra is (not set) on rank(s) [0], 5 on rank(s) [1]" in settings_differences([a, dict(a, extra=5)])
+    # the all-to-all's own settings are no difference of their own when the dispatcher differs
+    alltoall, allgather = dict(a, dispatcher="alltoall", dedup=True, capacity=None), dict(a, dispatcher="allgather")
+    assert settings_differences([alltoall, allgather]).startswith(
+        "dispatcher is 'alltoall' on rank(s) [0], 'allgather' on rank(s) [1]. Every rank must build the layer alike")
     long = settings_differences([{"k": "x" * 100}, {"k": "y"}])
     assert "..." in long and len(long) < 200

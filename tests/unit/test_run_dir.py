@@ -25,54 +25,76 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def in_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "run_dir", lambda default=".": str(tmp_path / "run"))
-    monkeypatch.setattr(common.atexit, "register", lambda *a: None)  # (the test process lives on)
-    return tmp_path / "run"
+    monkeypatch.setattr(common.atexit, "register", lambda *a: None)  # (released by the test itself)
+    yield tmp_path / "run"
+    common._release_run_dir(tmp_path / "run" / RUN_LOCK)
 
 
-def _lock(folder: Path, **holder) -> None:
+HOLD = """
+import fcntl, json, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": "h", "recipe": "serve.py", "started": "then"}).encode(), 0)
+print("held", flush=True)
+time.sleep(60)
+"""
+
+
+def _holder(folder: Path) -> subprocess.Popen:
+    """Another process holding ``folder``'s run lock, as a running recipe does."""
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / RUN_LOCK).write_text(json.dumps({"host": socket.gethostname(), "recipe": "serve.py",
-                                               "started": "2026-11-28T10:00:00", **holder}))
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(folder / RUN_LOCK)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
 
 
-def test_a_live_run_holds_its_run_dir(in_dir):
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+def test_a_live_run_holds_its_run_dir_and_a_killed_one_holds_nothing(in_dir):
+    holder = _holder(in_dir)
     try:
-        _lock(in_dir, pid=sleeper.pid)
-        with pytest.raises(RuntimeError, match=rf"another run \(serve.py, process {sleeper.pid} on .*\) is writing "
-                                               r"into this run dir: wait for it to end, or give this run another "
-                                               r"hydra.run.dir \(if no such run is going on, delete .*lock\)"):
+        with pytest.raises(RuntimeError, match=rf"another run \(serve.py, process {holder.pid} on h, started then\) is "
+                                               r"writing into this run dir: wait for it to end, or give this run "
+                                               r"another hydra.run.dir"):
             claim_run_dir("plan.py")
     finally:
-        sleeper.kill()
-        sleeper.wait()
-    assert claim_run_dir("plan.py") == str(in_dir)  # its process is gone: taken over
+        holder.kill()  # kill -9: its lock file stays, its lock goes
+        holder.wait()
+    assert (in_dir / RUN_LOCK).exists()
+    assert claim_run_dir("plan.py") == str(in_dir)
     held = json.loads((in_dir / RUN_LOCK).read_text())
-    assert held["pid"] == os.getpid() and held["recipe"] == "plan.py"
+    assert held["pid"] == os.getpid() and held["recipe"] == "plan.py" and held["host"] == socket.gethostname()
     assert claim_run_dir("plan.py") == str(in_dir)  # this process again (a main called twice): fine
+    common._release_run_dir(in_dir / RUN_LOCK)
+    assert not (in_dir / RUN_LOCK).exists()
 
 
-def test_a_lock_of_another_host_is_respected_and_a_half_written_one_only_while_fresh(in_dir):
-    _lock(in_dir, pid=1, host="elsewhere")
-    with pytest.raises(RuntimeError, match="on elsewhere"):
-        claim_run_dir("serve.py")
-    (in_dir / RUN_LOCK).write_text("{")  # created, not yet written
-    with pytest.raises(RuntimeError, match="another run"):
-        claim_run_dir("serve.py")
-    old = time.time() - 60
-    os.utime(in_dir / RUN_LOCK, (old, old))
-    assert claim_run_dir("serve.py") == str(in_dir)
-
-
-def test_release_removes_only_this_runs_lock(tmp_path):
-    me = {"pid": os.getpid(), "host": "h", "recipe": "serve.py", "started": "x"}
-    lock = tmp_path / RUN_LOCK
-    lock.write_text(json.dumps(me))
-    common._release_run_dir(lock, me)
-    assert not lock.exists()
-    lock.write_text(json.dumps(dict(me, pid=1)))  # taken over by another run meanwhile
-    common._release_run_dir(lock, me)
-    assert lock.exists()
+def test_runs_starting_together_take_the_dir_once(in_dir, tmp_path):
+    """Eight processes claiming one run dir at once (a dead run's lock file in it): one holds it."""
+    in_dir.mkdir()
+    (in_dir / RUN_LOCK).write_text('{"pid": 1, "host": "gone"}')
+    script = tmp_path / "claim.py"
+    script.write_text(f"""
+import os, sys, time
+sys.path.insert(0, {str(ROOT)!r})
+import recipes._common as common
+common.run_dir = lambda default=".": {str(in_dir)!r}
+try:
+    common.claim_run_dir("x.py")
+except RuntimeError:
+    print("refused", flush=True)
+    sys.exit(0)
+print("held", flush=True)
+t0 = time.time()
+while not os.path.exists({str(tmp_path / "done")!r}) and time.time() - t0 < 90:
+    time.sleep(0.05)  # held until every other process has tried
+""")
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True) for _ in range(8)]
+    t0 = time.time()
+    while sum(p.poll() is not None for p in procs) < 7 and time.time() - t0 < 90:
+        time.sleep(0.1)
+    (tmp_path / "done").touch()
+    outcomes = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
+    assert outcomes == ["held"] + ["refused"] * 7, outcomes
+    assert not (in_dir / RUN_LOCK).exists()  # released at the holder's exit
 
 
 def test_run_recipe_ends_on_ctrl_c_with_one_line(capsys):
@@ -105,16 +127,15 @@ def test_serve_run_into_a_held_run_dir_is_refused_and_leaves_it(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "results.json").write_text("the other run's\n")
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    holder = _holder(run)
     try:
-        _lock(run, pid=sleeper.pid)
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "serve.py"), "parallel.world_size=2",
                                f"hydra.run.dir={run}", "workload.num_requests=2"],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
     finally:
-        sleeper.kill()
-        sleeper.wait()
+        holder.kill()
+        holder.wait()
     assert proc.returncode != 0 and "is writing into this run dir" in proc.stderr, proc.stderr[-2000:]
     assert sorted(p.name for p in run.iterdir()) == [RUN_LOCK, "results.json"]
     assert (run / "results.json").read_text() == "the other run's\n"
