@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from moelayers.config import MoEConfig
-from moelayers.dispatch.flags import FORCED_OUT_OF_RANGE, raise_if_nonfinite
+from moelayers.dispatch.flags import FORCED_OUT_OF_RANGE, raise_if_flagged
 
 
 def scores_to_topk(logits: torch.Tensor, config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,7 +90,7 @@ class TopKRouter(nn.Module):
     Args:
         config: the MoE block.
         check_finite: raise ``ValueError`` on NaN/inf logits. Standalone this costs a device sync;
-            inside a layer (``defer_check=True``) the flag is left in ``last_nonfinite`` and the
+            inside a layer (``defer_check=True``) the flag is left in ``last_flags`` and the
             dispatcher reads it with its split sizes, at no extra sync. Forced expert ids outside
             ``[0, E)`` are flagged the same way whatever ``check_finite`` says (they are clamped
             into range so that the exchange completes, then every rank raises).
@@ -129,7 +129,7 @@ class TopKRouter(nn.Module):
             forced_ids: optional ``[T, K]`` expert ids to use instead of the top-k (replay).
             defer_check: store the flag (``moelayers.dispatch.flags.NONFINITE_LOGITS`` |
                 ``FORCED_OUT_OF_RANGE``, a 0-dim bool or int32 device tensor, or ``None`` when
-                nothing was checked) in ``last_nonfinite`` instead of raising now.
+                nothing was checked) in ``last_flags`` instead of raising now.
 
         Returns:
             ``(topk_ids [T, K] int64, topk_weights [T, K] in x.dtype)``.
@@ -162,7 +162,7 @@ class TopKRouter(nn.Module):
             flag = bad if flag is None else bad | flag.to(torch.int32)
             ids = ids.clamp(0, self.config.num_experts - 1)
             weights = forced_topk_weights(logits, ids, self.config)
-        self.last_nonfinite = flag if defer_check else None
+        self.last_flags = flag if defer_check else None
         if not defer_check and flag is not None:
-            raise_if_nonfinite([int(flag)])
+            raise_if_flagged([int(flag)])
         return ids, weights.to(x.dtype)

@@ -68,7 +68,7 @@ class AllToAllDispatcher:
         self.dedup, self.capacity = dedup, capacity
         self.placement_digest = int(placement_digest)  # exchanged with the counts: the ranks must agree
         self.last_stats: MoEStats | None = None
-        self.nonfinite: torch.Tensor | None = None  # capacity mode: [R] every rank's routing flag, read after the forward
+        self.flags: torch.Tensor | None = None  # capacity mode: [R] every rank's routing flag, read after the forward
         self.overflow: torch.Tensor | None = None  # capacity mode: [R] int32, the ranks that had more tokens
         self.digests: torch.Tensor | None = None  # capacity mode: [R, 2] int32, every rank's placement digest
         self.payload: tuple = ()  # the last forward's payload_dtypes (named when the ranks' digests differ)
@@ -139,7 +139,7 @@ class AllToAllDispatcher:
         fv.copy_(flags.expand(r * c, 4))
         recv = all_to_all_bytes(buf, r * c, [c] * r, [c] * r, self.group)
         recv_x, recv_w, recv_s, recv_f = layout.views(recv)
-        self.nonfinite = recv_f[::c, 0]  # row r * C comes from rank r
+        self.flags = recv_f[::c, 0]  # row r * C comes from rank r
         self.overflow = recv_f[::c, 1]
         self.digests = recv_f[::c, 2:]  # [R, 2]: every rank's placement digest in two 31-bit halves
         pairs = local_pairs(recv_s, self.num_slots, static=True)

@@ -31,13 +31,15 @@ class Routes:
         weights: ``[T, K]`` routing weights (in the hidden-state dtype).
         dest_rank: ``[T, K]`` int64 expert-parallel rank of the chosen replica.
         dest_slot: ``[T, K]`` int64 local slot of the chosen replica on ``dest_rank``.
-        nonfinite: optional 0-dim int device flag of bad routing on this rank: ``NONFINITE_LOGITS``
+        nonfinite: optional 0-dim int device word of this rank's routing flags (named for its first
+            bit; ``moelayers.dispatch.flags``): ``NONFINITE_LOGITS``
             (router logits with NaN/inf) | ``FORCED_OUT_OF_RANGE`` (forced expert ids outside
             ``[0, E)``) | ``BAD_INPUT`` (the layer refused this rank's input and sends no tokens) |
             ``BAD_REPLICA`` (a custom replica policy picked a slot without the routed expert) |
             ``BAD_ROUTE`` (a route outside the ranks or slots, :func:`check_routes`), and
             ``RECORDS_AUTOGRAD`` | ``DISPATCH_AUTOGRAD`` | ``REPLICA_AUTOGRAD`` (the backward's
-            exchanges this rank will run; not errors alone: raised when some ranks set one and others not);
+            exchanges this rank will run; not errors alone: raised when some ranks set one and others not),
+            and in bits ``ORDER_SHIFT`` on, the order of the backwards since the layer's previous forward;
             dispatchers exchange it with their split sizes (no extra sync) and every rank raises.
         overflow: capacity mode: optional 0-dim device flag, true when this rank had more tokens
             than the capacity (it sends the first ``capacity``); exchanged like ``nonfinite``.
@@ -158,7 +160,7 @@ def check_routes(routes: Routes, num_ranks: int, num_slots: int, *, padding: boo
     (``-1`` allowed with ``padding``: capacity mode's padding rows, sent nowhere) or, where it is
     sent, ``dest_slot`` outside ``[0, num_slots)`` is redirected to rank 0, slot 0, so that the
     exchange completes, and flagged ``BAD_ROUTE`` in ``nonfinite``: every rank raises
-    (:func:`~moelayers.dispatch.flags.raise_if_nonfinite`).
+    (:func:`~moelayers.dispatch.flags.raise_if_flagged`).
 
     Returns:
         ``routes`` itself when ``in_range``, else new :class:`Routes` with ``in_range`` set.

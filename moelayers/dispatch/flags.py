@@ -100,10 +100,10 @@ HEADER_ROWS, HEADER_PAIRS, HEADER_FLAGS, HEADER_DIGEST = range(4)
 def check_exchanged(flags: list[int], digests: list[int], *, together: bool = False) -> None:
     """Raise on every rank what the ranks' exchanged flag words and digests (one per rank, in rank
     order) say is wrong: a rank out of step (:func:`raise_if_out_of_step`, checked first: its bytes are
-    no header), a flagged rank (:func:`raise_if_nonfinite`), different settings
+    no header), a flagged rank (:func:`raise_if_flagged`), different settings
     (:func:`raise_if_placements_differ`; ``together`` as there)."""
     raise_if_out_of_step(digests)
-    raise_if_nonfinite(flags)
+    raise_if_flagged(flags)
     raise_if_placements_differ(digests, together=together)
 
 
@@ -215,7 +215,7 @@ class BackwardOrderError(ValueError):
     same ones) since its previous forward."""
 
 
-def raise_if_nonfinite(flags: list[int]) -> None:
+def raise_if_flagged(flags: list[int]) -> None:
     """Raise ``ValueError`` on every rank if any rank's routing flag (``Routes.nonfinite``, one per
     expert-parallel rank, in rank order) has an error bit set, or one of the autograd bits
     (``RECORDS_AUTOGRAD``, ``DISPATCH_AUTOGRAD``, ``REPLICA_AUTOGRAD``) is set on some ranks and not

@@ -1084,7 +1084,7 @@ class MoELayerBase(nn.Module):
         range), a refused input (``flag`` or ``_bad_input``), the exchanges its backward will run
         (every rank must run the same ones) and the order of the backwards since the previous
         forward. A ``[]`` int device tensor, or ``None`` when nothing is set (no ops)."""
-        flags = merge_flags(routes.nonfinite, self.router.last_nonfinite)
+        flags = merge_flags(routes.nonfinite, self.router.last_flags)
         if flag is not None:
             flags = merge_flags(flags, flag)
         elif self._bad_input:
@@ -1188,7 +1188,7 @@ class MoELayerBase(nn.Module):
             return
         d = self.dispatcher
         r = self.groups.ep_size
-        flags = torch.cat([d.nonfinite.to(torch.int32), d.overflow.to(torch.int32), d.digests.flatten()]).tolist()
+        flags = torch.cat([d.flags.to(torch.int32), d.overflow.to(torch.int32), d.digests.flatten()]).tolist()
         digests = [lo | (hi << 31) for lo, hi in zip(flags[2 * r::2], flags[2 * r + 1::2])]
         check_exchanged(flags[:r], digests)  # (not together: ranks with nothing to check go on)
         self._placement_unchecked = False

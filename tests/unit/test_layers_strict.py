@@ -48,7 +48,7 @@ def test_router_flags_nonfinite_logits_with_forced_ids_and_bad_ids_without_check
     with pytest.raises(ValueError, match="NaN or inf"):
         r(bad_x, ok_ids)
     r(bad_x, ok_ids, defer_check=True)
-    assert int(r.last_nonfinite) & NONFINITE_LOGITS
+    assert int(r.last_flags) & NONFINITE_LOGITS
     quiet = ml.TopKRouter(cfg, check_finite=False)
     quiet.weight.data.copy_(r.weight.data)
     quiet(bad_x, ok_ids)  # NaN logits not checked
@@ -259,7 +259,7 @@ def test_local_pairs_static_and_with_known_count():
 
 
 def test_raise_if_placements_differ_and_nonfinite_flags():
-    from moelayers.dispatch.flags import (BAD_INPUT, FORCED_OUT_OF_RANGE, NONFINITE_LOGITS, raise_if_nonfinite,
+    from moelayers.dispatch.flags import (BAD_INPUT, FORCED_OUT_OF_RANGE, NONFINITE_LOGITS, raise_if_flagged,
                                          raise_if_placements_differ)
 
     raise_if_placements_differ([7, 7, 7])
@@ -267,13 +267,13 @@ def test_raise_if_placements_differ_and_nonfinite_flags():
         raise_if_placements_differ([7, 8])
     with pytest.raises(ValueError, match=r"\[\[0, 2\], \[1\]\]"):
         raise_if_placements_differ([3, 9, 3])
-    raise_if_nonfinite([0, 0])
+    raise_if_flagged([0, 0])
     with pytest.raises(ValueError, match=r"NaN or inf \(on expert-parallel rank\(s\) \[1\]\)"):
-        raise_if_nonfinite([0, NONFINITE_LOGITS])
+        raise_if_flagged([0, NONFINITE_LOGITS])
     with pytest.raises(ValueError, match=r"outside \[0, num_experts\) on expert-parallel rank\(s\) \[0\]"):
-        raise_if_nonfinite([FORCED_OUT_OF_RANGE | NONFINITE_LOGITS, NONFINITE_LOGITS])
+        raise_if_flagged([FORCED_OUT_OF_RANGE | NONFINITE_LOGITS, NONFINITE_LOGITS])
     with pytest.raises(ValueError, match=r"refused the input of expert-parallel rank\(s\) \[1\]"):
-        raise_if_nonfinite([FORCED_OUT_OF_RANGE, BAD_INPUT])
+        raise_if_flagged([FORCED_OUT_OF_RANGE, BAD_INPUT])
 
 
 # ---------------------------------------------------------------- layers/moves (one process)
