@@ -325,8 +325,9 @@ def claim_run_dir(recipe: str) -> str:
     files and leave a mix (``hydra.run.dir`` given twice, a script that did not vary it). The hold
     is an exclusive ``flock`` on :data:`RUN_LOCK` (the file names the holder), which the system
     releases when the holder's process ends however it ends, so a killed run holds nothing. Under
-    torchrun rank 0 holds it (the others write nothing there); where ``fcntl`` is missing
-    (Windows), nothing is held.
+    torchrun rank 0 holds it (the others write nothing there). Where it cannot be held (no
+    ``fcntl`` on Windows, a file system without locks, another user's lock file) the run goes on
+    unheld, with a note saying so.
 
     Raises:
         RuntimeError: another live run holds the dir (naming it, and how to go on).
@@ -339,8 +340,9 @@ def claim_run_dir(recipe: str) -> str:
     if str(lock) in _HELD:
         return out  # this process holds it already (a recipe's main called again, e.g. a -m sweep's jobs)
     for _ in range(10):
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = None
         try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = _read_holder(fd)
@@ -349,6 +351,12 @@ def claim_run_dir(recipe: str) -> str:
                    f"{holder.get('host', '?')}, started {holder.get('started', '?')}) is writing into this run dir"
                    if holder else "another run is starting in this run dir just now")
             raise RuntimeError(f"{out}: {who}: wait for it to end, or give this run another hydra.run.dir") from None
+        except OSError as exc:  # no locks on this file system (ENOLCK, ENOSYS, ...), another user's lock file
+            if fd is not None:
+                os.close(fd)
+            print(f"note: {out} is not held for this run ({lock}: {exc.strerror or exc}): a second run started "
+                  f"into it meanwhile would not be refused", file=sys.stderr, flush=True)
+            return out
         try:
             same = os.fstat(fd).st_ino == os.stat(lock).st_ino
         except FileNotFoundError:
@@ -381,8 +389,8 @@ def _read_holder(fd: int) -> dict:
 
 
 def _release_run_dir(lock: Path) -> None:
-    """Remove the lock, then let it go (removed first: a run waiting on this file sees it gone and
-    locks a new one)."""
+    """Remove the lock file, then let it go (removed first: a run that opened this file before it
+    was removed, and locks it after, finds it gone and locks a new one)."""
     fd = _HELD.pop(str(lock), None)
     if fd is None:
         return

@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 
-__all__ = ["plot_rank_load", "plot_plan", "plot_curves", "pyplot", "save_png"]
+__all__ = ["plot_rank_load", "plot_plan", "plot_curves", "plot_bench", "pyplot", "save_png"]
 
 
 def pyplot():
@@ -118,4 +118,48 @@ def plot_curves(rows, latency_s: np.ndarray, raw_latency_s: np.ndarray, device_n
         ax.set_xscale("symlog", linthresh=128)
         if lat.shape[0] <= 16:
             ax.legend(fontsize=7)
+    save_png(fig, path)
+
+
+def plot_bench(records: list[dict], path: str | os.PathLike) -> None:
+    """``recipes/bench.py``'s picture: milliseconds per forward (or training step) against tokens per
+    rank for our layer, megatron's (the peer) and the baseline layer where timed (left), and our
+    time divided by theirs (right; below 1: ours is faster).
+
+    Args:
+        records: the run's records (``tokens_per_rank``, ``ms``, ``peer_ms``, ``baseline_ms``, ...).
+        path: destination (PNG).
+    """
+    plt = pyplot()
+    recs = sorted(records, key=lambda r: r["tokens_per_rank"])
+    x = np.asarray([r["tokens_per_rank"] for r in recs], dtype=np.float64)
+    r0 = recs[0]
+    sides = [("ours: " + str(r0["layer"]), "ms", None),
+             (f"peer: {r0.get('peer') or 'megatron'}", "peer_ms", "ratio"),
+             (f"baseline: {r0.get('baseline')}", "baseline_ms", "vs_baseline")]
+    fig, (ax_ms, ax_ratio) = plt.subplots(1, 2, figsize=(11, 3.8), dpi=100)
+    for label, key, ratio in sides:
+        y = np.asarray([np.nan if r.get(key) is None else r[key] for r in recs], dtype=np.float64)
+        if np.isnan(y).all():
+            continue
+        line, = ax_ms.plot(x, y, "o-", lw=1.2, label=label)
+        if ratio is not None:
+            ax_ratio.plot(x, [np.nan if r.get(ratio) is None else r[ratio] for r in recs], "o-", lw=1.2,
+                          color=line.get_color(), label=f"ours / {label.split(': ', 1)[1]}")
+    what = "training step (forward + backward)" if r0.get("train") else "forward"
+    ax_ms.set(xlabel="tokens per rank", ylabel=f"ms per {what.split(' ')[0]}", ylim=(0, None),
+              title=f"{r0['shape_name']}, {r0.get('mode') or 'eager'}: median, max over ranks")
+    ax_ratio.axhline(1.0, color="grey", lw=1)
+    ax_ratio.set(xlabel="tokens per rank", ylabel="time ratio", ylim=(0, None),
+                 title="ours / theirs (below 1: ours is faster)")
+    if not ax_ratio.lines[1:]:
+        ax_ratio.text(0.5, 0.5, "no peer or baseline timed", ha="center", va="center", transform=ax_ratio.transAxes)
+    for ax in (ax_ms, ax_ratio):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x, [str(int(v)) for v in x])
+        ax.minorticks_off()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"bench: {r0['device_name']}, world {r0['world_size']} (ep {r0['ep']}), {r0['dtype']}, "
+                 f"{what}", fontsize=10)
     save_png(fig, path)

@@ -95,10 +95,11 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, check_input_file, check_layer_settings, claim_run_dir, device_for, flag, import_object, int_setting,
-    launch, normalize_flags, overridden, plan_fraction_setting, print_grid, refuse_unread_overrides, resolve_backend,
-    run_recipe, shared_execution_kwargs, shutdown, to_dict, under_torchrun, write_json,
+    LAYER_FLAGS, check_input_file, check_layer_settings, claim_run_dir, commit_files, device_for, flag, import_object,
+    int_setting, launch, normalize_flags, overridden, plan_fraction_setting, print_grid, refuse_unread_overrides,
+    resolve_backend, run_recipe, shared_execution_kwargs, shutdown, to_dict, under_torchrun, write_json,
 )
+from recipes._plots import plot_bench  # noqa: E402
 from recipes._bench_tools import (  # noqa: E402
     megatron_version,
     build_peer,
@@ -1061,7 +1062,7 @@ EXTRA_KEYS = ("bench.shape.init_std", "bench.shape.score_fn", "bench.shape.norm_
 def main(cfg: DictConfig) -> None:
     refuse_unread_overrides("bench.py", "bench", CONFIG_GROUPS, OPEN_KEYS, EXTRA_KEYS)
     d = to_dict(cfg)
-    normalize_flags(d, ("trace.synthetic", "bench.inference_mode", "bench.check_finite", "bench.cuda_graph", "bench.train",
+    normalize_flags(d, ("plot", "trace.synthetic", "bench.inference_mode", "bench.check_finite", "bench.cuda_graph", "bench.train",
                         "bench.profile", "bench.allow_large_cpu", "bench.check.strict", *LAYER_FLAGS))
     b = d["bench"]
     d["_router_name"] = router_name(cfg)
@@ -1090,6 +1091,8 @@ def main(cfg: DictConfig) -> None:
     save_to = hydra.utils.to_absolute_path(b["save_to"]) if b.get("save_to") else None
     print_results(records)
     written = save_records(records, d["run_dir"], save_to)
+    plots = {"bench.png": lambda path: plot_bench(records, path)} if d.get("plot", True) else {}
+    written += [str(p) for p in commit_files(d["run_dir"], plots, stale=("bench.png",))]  # (none: an earlier one goes)
     for p in written:
         print(f"wrote {p}")
     remove_earlier_outputs(d["run_dir"], started, written)

@@ -216,10 +216,11 @@ class BackwardOrderError(ValueError):
 
 
 def raise_if_flagged(flags: list[int]) -> None:
-    """Raise ``ValueError`` on every rank if any rank's routing flag (``Routes.nonfinite``, one per
-    expert-parallel rank, in rank order) has an error bit set, or one of the autograd bits
+    """Raise ``ValueError`` on every rank if any rank's routing flag word (``Routes.nonfinite``, one
+    per expert-parallel rank, in rank order) has an error bit set, or one of the autograd bits
     (``RECORDS_AUTOGRAD``, ``DISPATCH_AUTOGRAD``, ``REPLICA_AUTOGRAD``) is set on some ranks and not
-    on others."""
+    on others; :class:`BackwardOrderError` (a ``ValueError``) if the ranks' orders of backwards
+    (bits ``ORDER_SHIFT`` on) differ."""
     refused = [r for r, f in enumerate(flags) if int(f) & BAD_INPUT]
     if refused:
         raise ValueError(f"the layer refused the input of expert-parallel rank(s) {refused} (that rank raised "

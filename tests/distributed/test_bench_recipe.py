@@ -41,6 +41,31 @@ def test_bench_defaults_run_on_cpu(tmp_path):
     assert len(list((tmp_path / "run").glob("vanilla_cpu_smoke_t*_ws2_*.json"))) == 2
 
 
+@pytest.mark.timeout(150)
+def test_bench_writes_its_plot_and_plot_false_removes_an_earlier_one(tmp_path):
+    proc = run_bench(tmp_path)
+    assert proc.returncode == 0, f"bench failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    png = tmp_path / "run" / "bench.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {png}" in proc.stdout
+    proc = run_bench(tmp_path, "plot=false")
+    assert proc.returncode == 0 and not png.exists(), proc.stdout[-2000:]
+    assert f"removed {png}, an earlier run's output" in proc.stdout
+
+
+def test_plot_bench_draws_every_side_it_has(tmp_path):
+    """Ours against the peer and a baseline at two sizes; a lone side says there is nothing to compare."""
+    from recipes._plots import plot_bench
+
+    base = dict(layer="semantic", peer="megatron MoELayer", baseline="vanilla", shape_name="qwen3_30b_a3b",
+                device_name="NVIDIA H200", world_size=2, ep=2, dtype="bfloat16", mode="eager")
+    recs = [dict(base, tokens_per_rank=t, ms=ms, peer_ms=p, ratio=ms / p, baseline_ms=b, vs_baseline=ms / b)
+            for t, ms, p, b in ((4096, 2.7, 18.8, 2.9), (256, 2.6, 18.6, 2.5))]
+    plot_bench(recs, tmp_path / "all.png")
+    plot_bench([dict(base, tokens_per_rank=16, ms=1.9, peer_ms=None, ratio=None, baseline_ms=None,
+                     vs_baseline=None)], tmp_path / "alone.png")
+    assert all((tmp_path / n).read_bytes()[:4] == b"\x89PNG" for n in ("all.png", "alone.png"))
+
+
 @pytest.mark.timeout(90)
 def test_bench_cpu_smoke_writes_json(tmp_path):
     proc = run_bench(tmp_path, f"bench.save_to={tmp_path / 'saved'}")

@@ -68,9 +68,9 @@ def test_a_live_run_holds_its_run_dir_and_a_killed_one_holds_nothing(in_dir):
 
 
 def test_runs_starting_together_take_the_dir_once(in_dir, tmp_path):
-    """Eight processes claiming one run dir at once (a dead run's lock file in it): one holds it."""
+    """Eight processes claiming one run dir at once (with the lock file a killed run left): one holds it."""
     in_dir.mkdir()
-    (in_dir / RUN_LOCK).write_text('{"pid": 1, "host": "gone"}')
+    (in_dir / RUN_LOCK).write_text('{"pid": 1, "host": "h", "recipe": "serve.py", "started": "then"}')
     script = tmp_path / "claim.py"
     script.write_text(f"""
 import os, sys, time
@@ -95,6 +95,16 @@ while not os.path.exists({str(tmp_path / "done")!r}) and time.time() - t0 < 90:
     outcomes = sorted(p.communicate(timeout=60)[0].strip() for p in procs)
     assert outcomes == ["held"] + ["refused"] * 7, outcomes
     assert not (in_dir / RUN_LOCK).exists()  # released at the holder's exit
+
+
+def test_a_run_dir_that_cannot_be_locked_is_used_unheld_with_a_note(in_dir, monkeypatch, capsys):
+    """A file system without locks (flock: ENOLCK / ENOSYS) stopped the recipe with a traceback."""
+    def no_locks(fd, op):
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(common.fcntl, "flock", no_locks)
+    assert claim_run_dir("serve.py") == str(in_dir)
+    assert "is not held for this run" in capsys.readouterr().err and str(in_dir / RUN_LOCK) not in common._HELD
 
 
 def test_run_recipe_ends_on_ctrl_c_with_one_line(capsys):
