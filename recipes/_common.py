@@ -14,32 +14,23 @@ where rank 0 writes its files). ``fn`` must be defined at module level (it is pi
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import importlib
-import json
 import math
 import os
-import socket
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-try:
-    import fcntl
-except ImportError:  # (Windows: run dirs are not held)
-    fcntl = None
+from recipes._outputs import run_dir, under_torchrun
 
 __all__ = [
-    "launch", "under_torchrun", "resolve_backend", "device_for", "run_dir", "claim_run_dir", "run_recipe", "invocation", "to_dict", "print_table",
-    "print_grid",
-    "write_json", "commit_files", "percentile", "jsonable", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
+    "launch", "resolve_backend", "device_for", "invocation", "to_dict", "print_table", "print_grid",
+    "percentile", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
     "normalize_flags", "LAYER_FLAGS", "int_setting", "check_layer_settings", "timeout_setting",
     "import_object", "plan_fraction_setting", "check_input_file", "refuse_unread_overrides",
 ]
@@ -277,11 +268,6 @@ def check_layer_settings(build: Callable[..., Any], kwargs: dict, what: str, lay
         raise type(exc)(f"{what}: {exc}{hint}") from exc
 
 
-def under_torchrun() -> bool:
-    """True when ``torchrun`` (or any launcher setting ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``) started us."""
-    return all(k in os.environ for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
-
-
 def resolve_backend(requested: str | None, *, torchrun: bool) -> str:
     """``'auto'``: NCCL under torchrun when CUDA is available, else gloo (spawned runs stay on CPU).
 
@@ -303,113 +289,6 @@ def device_for(backend: str) -> torch.device:
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def run_dir(default: str = ".") -> str:
-    """The Hydra run (output) dir, or ``default`` outside a Hydra app."""
-    try:
-        from hydra.core.hydra_config import HydraConfig
-
-        return str(HydraConfig.get().runtime.output_dir)
-    except Exception:  # not inside @hydra.main
-        return os.path.abspath(default)
-
-
-#: the file a run keeps in its run dir while it runs (see claim_run_dir)
-RUN_LOCK = ".moelayers-run.lock"
-
-
-def claim_run_dir(recipe: str) -> str:
-    """The run dir (:func:`run_dir`), held by this run until its process exits: a run started into
-    the dir of a run still going is refused, since the two would overwrite some of each other's
-    files and leave a mix (``hydra.run.dir`` given twice, a script that did not vary it). The hold
-    is an exclusive ``flock`` on :data:`RUN_LOCK` (the file names the holder), which the system
-    releases when the holder's process ends however it ends, so a killed run holds nothing. Under
-    torchrun rank 0 holds it (the others write nothing there). Where it cannot be held (no
-    ``fcntl`` on Windows, a file system without locks, another user's lock file) the run goes on
-    unheld, with a note saying so.
-
-    Raises:
-        RuntimeError: another live run holds the dir (naming it, and how to go on).
-    """
-    out = run_dir()
-    if fcntl is None or (under_torchrun() and os.environ.get("RANK", "0") != "0"):
-        return out
-    os.makedirs(out, exist_ok=True)
-    lock = Path(out) / RUN_LOCK
-    if str(lock) in _HELD:
-        return out  # this process holds it already (a recipe's main called again, e.g. a -m sweep's jobs)
-    for _ in range(10):
-        fd = None
-        try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
-            os.close(fd)
-            who = (f"another run ({holder.get('recipe', '?')}, process {holder.get('pid', '?')} on "
-                   f"{holder.get('host', '?')}, started {holder.get('started', '?')}) is writing into this run dir"
-                   if holder else "another run is starting in this run dir just now")
-            raise RuntimeError(f"{out}: {who}: wait for it to end, or give this run another hydra.run.dir") from None
-        except OSError as exc:  # no locks on this file system (ENOLCK, ENOSYS, ...), another user's lock file
-            if fd is not None:
-                os.close(fd)
-            print(f"note: {out} is not held for this run ({lock}: {exc.strerror or exc}): a second run started "
-                  f"into it meanwhile would not be refused", file=sys.stderr, flush=True)
-            return out
-        try:
-            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)  # the file this one locked was removed by a run that ended meanwhile: lock the new one
-    else:
-        raise RuntimeError(f"{out}: could not take {lock} (runs starting and ending in this run dir at once)")
-    record = {"pid": os.getpid(), "host": socket.gethostname(), "recipe": recipe,
-              "started": datetime.datetime.now().isoformat(timespec="seconds")}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(record).encode(), 0)
-    _HELD[str(lock)] = fd
-    atexit.register(_release_run_dir, lock)
-    return out
-
-
-#: run dir locks this process holds: path -> file descriptor (see claim_run_dir)
-_HELD: dict[str, int] = {}
-
-
-def _read_holder(fd: int) -> dict:
-    """The record in a held lock (``{}`` while its holder has not written it yet)."""
-    try:
-        holder = json.loads(os.pread(fd, 4096, 0) or b"{}")
-    except (OSError, ValueError):
-        return {}
-    return holder if isinstance(holder, dict) else {}
-
-
-def _release_run_dir(lock: Path) -> None:
-    """Remove the lock file, then let it go (removed first: a run that opened this file before it
-    was removed, and locks it after, finds it gone and locks a new one)."""
-    fd = _HELD.pop(str(lock), None)
-    if fd is None:
-        return
-    try:
-        lock.unlink(missing_ok=True)
-    finally:
-        os.close(fd)
-
-
-def run_recipe(main: Callable[[], Any]) -> None:
-    """Run a recipe's Hydra ``main``; Ctrl-C ends it with one line instead of a traceback (exit
-    status 130, as a shell reports it)."""
-    try:
-        main()
-    except KeyboardInterrupt:
-        print("\ninterrupted: files this run had not finished were not written (each output is written "
-              "whole or not at all; an earlier run's stay where this one did not replace them)",
-              file=sys.stderr, flush=True)
-        sys.exit(130)
 
 
 def invocation() -> dict:
@@ -623,96 +502,6 @@ def print_grid(header: Sequence[str], rows: Sequence[Sequence[Any]], title: str 
 def print_table(rows: Sequence[tuple[str, Any]], title: str | None = None) -> str:
     """Print (and return) a two-column ``metric | value`` table (:func:`print_grid`)."""
     return print_grid(["metric", "value"], rows, title)
-
-
-def jsonable(obj: Any) -> Any:
-    """Plain-JSON copy: tensors/numpy to lists/scalars, non-finite floats to ``None``, paths to str."""
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [jsonable(v) for v in obj]
-    if isinstance(obj, torch.Tensor):
-        return jsonable(obj.tolist())
-    if hasattr(obj, "tolist") and type(obj).__module__ == "numpy":
-        return jsonable(obj.tolist())
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, (str, int, bool)) or obj is None:
-        return obj
-    if isinstance(obj, (Path, torch.dtype)):
-        return str(obj)
-    return str(obj)
-
-
-def remove_stale(out_dir: str | os.PathLike, outputs: tuple[str, ...], written: Any) -> None:
-    """Remove every file of ``outputs`` (all a recipe may write into its run dir) that this run does
-    not write (``written``), so that a reused run dir never mixes two runs' files (each one removed
-    is named on stdout)."""
-    for name in outputs:
-        path = Path(out_dir) / name
-        if name not in written and path.exists():
-            path.unlink(missing_ok=True)
-            print(f"note: removed {path}, an earlier run's output that this run does not write")
-
-
-def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path], None]],
-                 stale: tuple[str, ...] = ()) -> list[Path]:
-    """Write several files into ``out_dir`` all or nothing.
-
-    Every writer first writes a temporary file in ``out_dir``; only when all succeeded are they moved
-    to their names with ``os.replace``, in the given order (put the file that marks a finished run
-    last). On failure the temporary files are removed and nothing is moved; an output name taken by
-    a folder is refused before anything is written. (A failure of ``os.replace`` itself, e.g. a disk
-    error mid-way, leaves the files moved before it, never a temporary file.)
-
-    Args:
-        out_dir: destination folder (created if missing).
-        writers: file name -> function writing that file's content to the path it is given.
-        stale: other outputs of the same recipe: removed (before the moves) when this run does not
-            write them, so that a reused run dir never mixes two runs' files.
-
-    Returns:
-        The final paths.
-    """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    folders = [name for name in writers if (out / name).is_dir()]
-    if folders:  # found before anything is written, not when the first files have been moved in
-        raise IsADirectoryError(f"{out}: {', '.join(folders)} is a directory: cannot write the run's files there")
-    from moelayers.files import file_mode
-
-    mode = file_mode()
-    tmps: dict[str, Path] = {}
-    try:
-        for name, write in writers.items():
-            fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.", suffix=".tmp")
-            os.close(fd)
-            tmps[name] = Path(tmp)
-            write(tmps[name])
-            os.chmod(tmps[name], mode)  # the permissions of a plain open(), not mkstemp's 0600
-    except BaseException:
-        for tmp in tmps.values():
-            tmp.unlink(missing_ok=True)
-        raise
-    try:
-        remove_stale(out, stale, tmps)
-        for name, tmp in tmps.items():
-            os.replace(tmp, out / name)
-    finally:  # a failed move leaves no temporary file behind
-        for tmp in tmps.values():
-            tmp.unlink(missing_ok=True)
-    return [out / name for name in tmps]
-
-
-def write_json(path: str | os.PathLike, obj: Any) -> Path:
-    """Write ``jsonable(obj)`` to ``path`` (parents created), indented, atomically (never half a
-    file, even if the run dies while writing); returns the path."""
-    from moelayers.files import atomic_write
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = (json.dumps(jsonable(obj), indent=2, sort_keys=False) + "\n").encode()
-    return atomic_write(path, lambda f: f.write(text))
 
 
 def config_trace(tc: dict, *, num_sequences: int, num_layers: int, num_experts: int, top_k: int, vocab_size: int,

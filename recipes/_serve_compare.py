@@ -36,7 +36,8 @@ from typing import Any
 
 import numpy as np
 
-from recipes._common import commit_files, print_grid, shared_execution_kwargs, write_json
+from recipes._common import print_grid, shared_execution_kwargs
+from recipes._outputs import commit_files, write_json
 from recipes._plots import pyplot, save_png
 
 # metrics reduced to medians over the seeds (plain numbers of a single run's results)

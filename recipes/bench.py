@@ -95,10 +95,11 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, check_input_file, check_layer_settings, claim_run_dir, commit_files, device_for, flag, import_object,
-    int_setting, launch, normalize_flags, overridden, plan_fraction_setting, print_grid, refuse_unread_overrides,
-    resolve_backend, run_recipe, shared_execution_kwargs, shutdown, to_dict, under_torchrun, write_json,
+    LAYER_FLAGS, check_input_file, check_layer_settings, device_for, flag, import_object, int_setting, launch,
+    normalize_flags, overridden, plan_fraction_setting, print_grid, refuse_unread_overrides, resolve_backend,
+    shared_execution_kwargs, shutdown, to_dict,
 )
+from recipes._outputs import claim_run_dir, commit_files, run_recipe, under_torchrun, write_json  # noqa: E402
 from recipes._plots import plot_bench  # noqa: E402
 from recipes._bench_tools import (  # noqa: E402
     megatron_version,

@@ -110,9 +110,10 @@ from omegaconf import DictConfig  # noqa: E402
 from moelayers.planning.semantic_eval import PREDICTORS  # noqa: E402
 from moelayers.planning.steps import MIN_STEPS  # noqa: E402
 from recipes._common import (  # noqa: E402
-    claim_run_dir, commit_files, config_trace, int_setting, invocation, merge_curves_path, normalize_flags,
-    overridden, print_table, refuse_unread_overrides, run_recipe, to_dict, write_json,
+    config_trace, int_setting, invocation, merge_curves_path, normalize_flags, overridden, print_table,
+    refuse_unread_overrides, to_dict,
 )
+from recipes._outputs import claim_run_dir, commit_files, run_recipe, write_json  # noqa: E402
 from recipes._plots import plot_plan  # noqa: E402
 from recipes._plan_tools import DP_MAX_RATIO, MODES, even_token_rank, lar_report  # noqa: E402
 

@@ -40,9 +40,9 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
-    claim_run_dir, commit_files, device_for, flag, int_setting, invocation, jsonable, launch, refuse_unread_overrides,
-    resolve_backend, run_recipe, shutdown, to_dict, under_torchrun,
+    device_for, flag, int_setting, invocation, launch, refuse_unread_overrides, resolve_backend, shutdown, to_dict,
 )
+from recipes._outputs import claim_run_dir, commit_files, jsonable, run_recipe, under_torchrun  # noqa: E402
 from recipes._plots import plot_curves  # noqa: E402
 
 

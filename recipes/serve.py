@@ -88,10 +88,11 @@ from omegaconf import DictConfig  # noqa: E402
 
 from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, check_input_file, check_layer_settings, claim_run_dir, commit_files, device_for, import_object,
-    int_setting, invocation, launch, merge_curves_path, normalize_flags, overridden, percentile, print_table,
-    refuse_unread_overrides, run_recipe, shutdown, timeout_setting, to_dict, write_json,
+    LAYER_FLAGS, check_input_file, check_layer_settings, device_for, import_object, int_setting, invocation, launch,
+    merge_curves_path, normalize_flags, overridden, percentile, print_table, refuse_unread_overrides, shutdown,
+    timeout_setting, to_dict,
 )
+from recipes._outputs import claim_run_dir, commit_files, run_recipe, write_json  # noqa: E402
 from recipes._bench_tools import seq_len_bounds  # noqa: E402
 from recipes._plots import plot_rank_load  # noqa: E402
 from recipes._serve_workload import (  # noqa: E402

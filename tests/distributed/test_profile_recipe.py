@@ -204,7 +204,7 @@ def test_profile_worker_refuses_nan_latency(monkeypatch):
 def test_commit_files_refuses_a_folder_in_the_way_and_leaves_no_temporary_file(tmp_path):
     """A folder named like an output was found after curves.npz had been moved in, and the other
     temporary files stayed behind."""
-    from recipes._common import commit_files
+    from recipes._outputs import commit_files
 
     (tmp_path / "curves.png").mkdir()
     writers = {"curves.npz": lambda p: p.write_bytes(b"npz"), "curves.png": lambda p: p.write_bytes(b"png")}
@@ -212,7 +212,7 @@ def test_commit_files_refuses_a_folder_in_the_way_and_leaves_no_temporary_file(t
         commit_files(tmp_path, writers)
     assert [p.name for p in tmp_path.iterdir()] == ["curves.png"]
 
-    import recipes._common as tools
+    import recipes._outputs as tools
 
     real = tools.os.replace
     calls = []

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-import recipes._common as common
-from recipes._common import RUN_LOCK, claim_run_dir, commit_files
+import recipes._outputs as common
+from recipes._outputs import RUN_LOCK, claim_run_dir, commit_files
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,7 +75,7 @@ def test_runs_starting_together_take_the_dir_once(in_dir, tmp_path):
     script.write_text(f"""
 import os, sys, time
 sys.path.insert(0, {str(ROOT)!r})
-import recipes._common as common
+import recipes._outputs as common
 common.run_dir = lambda default=".": {str(in_dir)!r}
 try:
     common.claim_run_dir("x.py")
