@@ -34,8 +34,8 @@ from moelayers.metrics import MoEStats
 @dataclass
 class _State:
     dest_map: torch.Tensor  # [T, U]
-    in_splits: list[int]
-    out_splits: list[int]
+    rows_sent: list[int]  # payload rows this rank sent to each rank
+    rows_received: list[int]  # and received from each
     recv_weights: torch.Tensor  # [M, J]
     pairs: LocalPairs
     dtype: torch.dtype
@@ -93,25 +93,25 @@ class AllToAllDispatcher:
             return self._dispatch_fixed(x, routes)
         self.payload = payload_dtypes(x, routes.weights.dtype)
         dest_map, header = self._layout(routes, payload_digest(self.placement_digest, self.payload))
-        in_splits, out_splits, pairs_sent, recv_pairs = self._exchange_counts(header)
+        rows_sent, rows_received, pairs_sent, recv_pairs = self._exchange_counts(header)
 
         j = routes.dest_rank.shape[1] if self.dedup else 1
         layout = RowLayout(((x.shape[1], x.dtype), (j, routes.weights.dtype), (j, torch.int32)))
-        n_send, n_recv = sum(in_splits), sum(out_splits)
+        n_send, n_recv = sum(rows_sent), sum(rows_received)
         needs_grad = torch.is_grad_enabled() and (x.requires_grad or routes.weights.requires_grad)
         if self.dedup and not needs_grad:
             # de-duplicated, no autograd: one pass writes tokens and metadata straight into the payload
             buf = layout.empty(n_send, x.device)
             xv, wv, sv = layout.views(buf)
             dispatch_pack(x, dest_map, routes.dest_rank, routes.dest_slot, routes.weights, xv, wv, sv)
-            recv_x, recv_w, recv_s = layout.views(all_to_all_bytes(buf, n_recv, in_splits, out_splits, self.group))
+            recv_x, recv_w, recv_s = layout.views(all_to_all_bytes(buf, n_recv, rows_sent, rows_received, self.group))
         else:
             rows, row_w, row_s = self._rows(x, routes, dest_map, n_send)
-            recv_x, recv_w, recv_s = packed_all_to_all([rows, row_w, row_s], in_splits, out_splits, self.group)
+            recv_x, recv_w, recv_s = packed_all_to_all([rows, row_w, row_s], rows_sent, rows_received, self.group)
 
         pairs = local_pairs(recv_s, self.num_slots, recv_pairs)
-        self.last_stats = MoEStats.from_counts(self.rank, pairs_sent, in_splits, layout.row_bytes, routes.topk_ids)
-        state = _State(dest_map, in_splits, out_splits, recv_w, pairs, x.dtype)
+        self.last_stats = MoEStats.from_counts(self.rank, pairs_sent, rows_sent, layout.row_bytes, routes.topk_ids)
+        state = _State(dest_map, rows_sent, rows_received, recv_w, pairs, x.dtype)
         return Received(recv_x.index_select(0, pairs.pair_row), pairs.slot_counts, state)
 
     def _dispatch_fixed(self, x: torch.Tensor, routes: Routes) -> Received:
@@ -217,10 +217,11 @@ class AllToAllDispatcher:
         # a graph where this one does not): raw rows only where they are already the packed size
         packed_size = (row_out.shape[1] * row_out.element_size()) % ROW_ALIGN == 0
         if (torch.is_grad_enabled() and row_out.requires_grad) or not packed_size:
-            (back,) = packed_all_to_all([row_out], st.out_splits, st.in_splits, self.group)
+            # each rank sends the rows it received back where they came from
+            (back,) = packed_all_to_all([row_out], st.rows_received, st.rows_sent, self.group)
         else:  # inference: exchange the rows' bytes as they are, no packing copy
-            raw = all_to_all_bytes(row_out.contiguous().view(torch.uint8), sum(st.in_splits),
-                                   st.out_splits, st.in_splits, self.group)
+            raw = all_to_all_bytes(row_out.contiguous().view(torch.uint8), sum(st.rows_sent),
+                                   st.rows_received, st.rows_sent, self.group)
             back = raw.view(wire)
         return unpermute_combine(back, st.dest_map, None, out_dtype=st.dtype)
 
