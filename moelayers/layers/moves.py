@@ -303,15 +303,16 @@ def _exchange(plan: _Plan, staging: Staging, ops: list, live: list[torch.Tensor]
 
 
 def _fail(stage: str, failing: list[int], old: ExpertPlacement, cause: BaseException | None, group=None) -> None:
-    """Raise the abort error (identical text on every rank of the group; this rank's own failure as the
-    cause). The transaction is the expert-parallel group's: other groups (expert data parallelism)
-    vote on their own moves."""
+    """Raise the abort error: the same text on every rank of the group, ending with this rank's own
+    reason (also chained as the cause: a log of ``str(exc)`` alone keeps it). The transaction is the
+    expert-parallel group's: other groups (expert data parallelism) vote on their own moves."""
     scope = "every rank of the expert-parallel group" if group is not None else "this rank"
     if failing:
         what = "rejected the new placement" if stage == "validate" else "failed while staging the weights"
         world = f" (global rank(s) {[dist.get_global_rank(group, r) for r in failing]})" if group is not None else ""
+        mine = f"this rank's reason: {type(cause).__name__}: {cause}" if cause is not None else "this rank had none"
         msg = (f"placement change aborted on {scope}: expert-parallel rank(s) {failing} {what}{world}; the old "
-               f"placement ({old!r}) keeps serving and no weights changed; see the cause for this rank's reason")
+               f"placement ({old!r}) keeps serving and no weights changed; {mine}")
     else:
         msg = (f"placement change aborted on {scope}: the ranks were handed different placements, or optimizers "
                "with different per-slot states or at different steps (every rank must pass the same); the old "

@@ -429,11 +429,18 @@ def check_results(results: list[dict], name: str, world: int) -> None:
         assert name in res, f"scenario {name} did not run on rank {rank} (an earlier scenario broke the run)"
         assert res[name]["errors"] == [], f"world {world}, rank {rank}: {res[name]['errors']}"
     per_rank = [res[name] for res in results]
+
+    def common(message: str) -> str:  # the text every rank shares, before this rank's own reason
+        return message.split("; this rank", 1)[0]
+
     if name == "bad_input":
         for case, msg in per_rank[0]["messages"].items():
-            assert all(p["messages"][case] == msg for p in per_rank), f"{case}: messages differ across ranks"
+            assert all(common(p["messages"][case]) == common(msg) for p in per_rank), f"{case}: messages differ"
             failing = per_rank[0]["failing"][case]
             assert all(p["failing"][case] == failing for p in per_rank)
+            for r, p in enumerate(per_rank):  # each rank's own reason ends its message (a log keeps it)
+                own = "; this rank's reason: " if r in failing else "; this rank had none"
+                assert not failing or own in p["messages"][case], (case, r, p["messages"][case])
             if case.endswith("on_last_rank"):
                 assert failing == [world - 1] and f"rank(s) [{world - 1}]" in msg, msg
             elif case.endswith("on_rank0"):
@@ -444,8 +451,9 @@ def check_results(results: list[dict], name: str, world: int) -> None:
                 assert failing == list(range(world)), msg
     if name == "staging_fault":
         assert all(p["failing"] == [world - 1] for p in per_rank)
-        assert all(p["message"] == per_rank[0]["message"] for p in per_rank)
+        assert all(common(p["message"]) == common(per_rank[0]["message"]) for p in per_rank)
         assert f"rank(s) [{world - 1}] failed while staging" in per_rank[0]["message"]
+        assert per_rank[-1]["message"].endswith("this rank's reason: RuntimeError: injected staging fault")
     if name == "recorder_replan":
         assert all(p["phy2log"] == per_rank[0]["phy2log"] for p in per_rank), "replan: placements differ"
         assert all(p["gem_phy2log"] == per_rank[0]["gem_phy2log"] for p in per_rank), "GEM: placements differ"
