@@ -1,4 +1,5 @@
-"""Shared helpers of the Hydra recipes: launching ranks, devices, run dirs, tables, JSON.
+"""Shared helpers of the Hydra recipes: launching ranks, devices, settings, overrides, tables (the
+run dir's helpers are in ``recipes/_outputs.py``).
 
 ``launch(cfg, fn)`` runs ``fn(rank, world, cfg_dict)`` on every rank:
 

@@ -147,7 +147,8 @@ def plot_bench(records: list[dict], path: str | os.PathLike) -> None:
             ax_ratio.plot(x, [np.nan if r.get(ratio) is None else r[ratio] for r in recs], "o-", lw=1.2,
                           color=line.get_color(), label=f"ours / {label.split(': ', 1)[1]}")
     what = "training step (forward + backward)" if r0.get("train") else "forward"
-    ax_ms.set(xlabel="tokens per rank", ylabel=f"ms per {what.split(' ')[0]}", ylim=(0, None),
+    ax_ms.set(xlabel="tokens per rank", ylabel="ms per training step" if r0.get("train") else "ms per forward",
+              ylim=(0, None),
               title=f"{r0['shape_name']}, {r0.get('mode') or 'eager'}: median, max over ranks")
     ax_ratio.axhline(1.0, color="grey", lw=1)
     ax_ratio.set(xlabel="tokens per rank", ylabel="time ratio", ylim=(0, None),

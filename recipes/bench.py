@@ -32,8 +32,10 @@ expert backend (``recipes._common.EXECUTION_KWARGS``, recorded as ``baseline_kwa
 ``bench.cuda_graph=true``, the same capacity and CUDA graph — so that only the layer differs. A
 layer that re-plans by itself (``auto_replan``) is timed with it off (the JSON's ``notes`` say so;
 ``replans`` counts its re-plans so far, whether or not they moved weights: 0 when none happened).
-Rank 0 prints a table and writes one JSON per (shape, tokens/rank) into the
-run dir, and copies into ``bench.save_to`` when set, named
+Rank 0 prints a table and writes one JSON per (shape, tokens/rank) into the run dir, with
+``bench.png`` (ms against tokens per rank for ours, the peer and the baseline, and their ratios;
+``plot=false``: none, and an earlier one is removed), all or nothing; it copies the JSON (not the
+plot) into ``bench.save_to`` when set, named
 ``{layer}[_graph|_allgather|_nodedup]_{shape}_t{tokens}_ws{world}[_ep{ep}][_{dtype}][_router-{dtype}][_replay]``
 ``[_trace-{file}][_layer{L}][_plan-{file}][_checkfinite][_train][_{expert_backend}][_vs-{baseline}]_{device}.json``
 (``_ep``: ``parallel.ep`` below the world size; ``_{dtype}``: another dtype than the device's default,
@@ -906,8 +908,11 @@ def _eager_mode(layer) -> str:
     return "eager (exact all-to-all-v)" if dedup else "eager (exact all-to-all-v, no de-duplication)"
 
 
-def save_records(records: list[dict], out_dir: str, save_to: str | None) -> list[str]:
-    paths, names = [], []
+def save_records(records: list[dict], out_dir: str, save_to: str | None, plot: bool = False) -> list[str]:
+    """Write the records (and ``bench.png`` with ``plot``) into ``out_dir`` all or nothing, then copy
+    the records into ``save_to``; returns the paths written. Without ``plot``, an earlier
+    ``bench.png`` is removed."""
+    names = []
     for r in records:
         slug = device_slug(r["device_name"])
         mode = "_graph" if str(r.get("mode", "")).startswith("cuda_graph") else ""
@@ -922,9 +927,11 @@ def save_records(records: list[dict], out_dir: str, save_to: str | None) -> list
         ep += f"_{r['dtype']}" if r.get("dtype", default) != default else ""
         ep += f"_router-{r['router_dtype']}" if r.get("router_dtype") else ""
         ep += _setting_suffix(r)
-        name = f"{r['layer']}{mode}_{r['shape_name']}_t{r['tokens_per_rank']}_ws{r['world_size']}{ep}_{slug}.json"
-        paths.append(str(write_json(os.path.join(out_dir, name), r)))
-        names.append(name)
+        names.append(f"{r['layer']}{mode}_{r['shape_name']}_t{r['tokens_per_rank']}_ws{r['world_size']}{ep}_{slug}.json")
+    writers = {name: (lambda path, r=r: write_json(path, r)) for name, r in zip(names, records)}
+    if plot:
+        writers["bench.png"] = lambda path: plot_bench(records, path)
+    paths = [str(p) for p in commit_files(out_dir, writers, stale=("bench.png",))]
     if save_to:  # after every record is in the run dir; each written atomically, as there
         paths += [str(write_json(_unclaimed(save_to, name, r), r)) for name, r in zip(names, records)]
     return paths
@@ -1091,9 +1098,7 @@ def main(cfg: DictConfig) -> None:
                              "settings_digest_version": SETTINGS_DIGEST_VERSION}, date, command) for r in records]
     save_to = hydra.utils.to_absolute_path(b["save_to"]) if b.get("save_to") else None
     print_results(records)
-    written = save_records(records, d["run_dir"], save_to)
-    plots = {"bench.png": lambda path: plot_bench(records, path)} if d.get("plot", True) else {}
-    written += [str(p) for p in commit_files(d["run_dir"], plots, stale=("bench.png",))]  # (none: an earlier one goes)
+    written = save_records(records, d["run_dir"], save_to, plot=d.get("plot", True))
     for p in written:
         print(f"wrote {p}")
     remove_earlier_outputs(d["run_dir"], started, written)

@@ -20,9 +20,12 @@ finished says so: ``truncated`` true, ``unserved_requests`` (arrived, no first t
 requests as infinite (``inf`` in the table, ``null`` in results.json), as they waited longer than
 the run, and leave the unarrived ones out (:func:`latency_summary`). Rank 0 prints a summary table and writes
 ``results.json`` (with the resolved ``config`` and the ``command``: argv and Hydra overrides) and
-``rank_load.png`` into the Hydra run dir, nothing else: no ``.hydra/``, no log file, and a run that
-fails on bad input writes nothing there (:func:`check_config` checks the files it is given, plan,
-curves and trace, against the run before any rank starts).
+``rank_load.png`` (with ``compare.layer``: also ``compare.png``) into the Hydra run dir, all or
+nothing at its end, nothing else: no ``.hydra/``, no log file, and a run that fails on bad input
+writes nothing there (:func:`check_config` checks the files it is given, plan, curves and trace,
+against the run before any rank starts). While it runs, the run dir holds ``.moelayers-run.lock``
+(``recipes/_outputs.py``: a second run into the same dir is refused); Ctrl-C ends the run with one
+line and exit status 130.
 
 ``router=replay`` replays a routing trace (``trace.path=FILE``, or a synthetic one): each request
 is one trace sequence, teacher-forced — its first ``workload.prompt_fraction`` (at least one token)

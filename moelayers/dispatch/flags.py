@@ -1,5 +1,6 @@
-"""The flags, digests and header the expert-parallel ranks exchange with every forward, and the
-errors every rank raises from them together.
+"""The flags, digests and header the expert-parallel ranks exchange with every forward (in capacity
+mode inside every payload row instead of a header), and the errors every rank raises from them
+together.
 
 Before its rows, a forward exchanges one small header per pair of ranks (``HEADER_*`` columns):
 split sizes, the sender's routing flag word (error bits such as :data:`NONFINITE_LOGITS` and

@@ -896,8 +896,10 @@ class MoELayerBase(nn.Module):
             ValueError: NaN/inf router logits (``check_finite``) or forced ids outside ``[0, E)`` on
                 any rank; more tokens than ``capacity`` on any rank; a forward that records autograd on
                 some ranks only (their backward would wait for the others forever); ranks serving
-                different placements (in capacity mode with ``check_finite=False``: checked on the
-                first forward after the layer was built, loaded from a state dict or moved). In
+                different placements or settings (``moelayers.dispatch.flags.SettingsDiffer``, naming
+                what differs on which ranks; in capacity mode with ``check_finite=False``: checked on
+                the first forward after the layer was built, loaded from a state dict or moved); ranks
+                that back-propagated its forwards in different orders (``BackwardOrderError``). In
                 capacity mode (``capacity`` set, the CUDA-graph path) the flags are read without a
                 host sync only on ranks that
                 need them: with ``check_finite=False``, a rank that neither forced its routing nor

@@ -11,7 +11,8 @@
     4 vote      the optional fault hook runs on every rank; a second all_reduce MIN of the ok flags
     5 commit    only if every rank is ok: staging -> live slots, emptied slots zeroed, the layer's
                 placement set, its dispatcher rebuilt, its CUDA graph dropped; otherwise staging is
-                discarded and every rank raises the same error naming the failing ranks
+                discarded and every rank raises the same error naming the failing ranks (ending
+                with that rank's own reason, also its ``__cause__``)
 
 So a placement is either applied on every rank or on none: never a mix. Memory: staging holds only
 the slots that change on this rank, at most one layer's expert weights (``S`` slots), and as much
@@ -303,8 +304,8 @@ def _exchange(plan: _Plan, staging: Staging, ops: list, live: list[torch.Tensor]
 
 
 def _fail(stage: str, failing: list[int], old: ExpertPlacement, cause: BaseException | None, group=None) -> None:
-    """Raise the abort error: the same text on every rank of the group, ending with this rank's own
-    reason (also chained as the cause: a log of ``str(exc)`` alone keeps it). The transaction is the
+    """Raise the abort error: the same text on every rank of the group up to its last clause, this
+    rank's own reason (also chained as the cause: a log of ``str(exc)`` alone keeps it). The transaction is the
     expert-parallel group's: other groups (expert data parallelism) vote on their own moves."""
     scope = "every rank of the expert-parallel group" if group is not None else "this rank"
     if failing:
