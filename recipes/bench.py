@@ -33,9 +33,10 @@ expert backend (``recipes._common.EXECUTION_KWARGS``, recorded as ``baseline_kwa
 layer that re-plans by itself (``auto_replan``) is timed with it off (the JSON's ``notes`` say so;
 ``replans`` counts its re-plans so far, whether or not they moved weights: 0 when none happened).
 Rank 0 prints a table and writes one JSON per (shape, tokens/rank) into the run dir, with
-``bench.png`` (ms against tokens per rank for ours, the peer and the baseline, and their ratios;
-``plot=false``: none, and an earlier one is removed), all or nothing; it copies the JSON (not the
-plot) into ``bench.save_to`` when set, named
+the records all or nothing (an earlier run's ``bench.png`` removed with them), then ``bench.png`` (ms
+against tokens per rank for ours, the peer and the baseline, and their ratios; ``plot=false``: none;
+a plot that fails leaves the records and a warning); it copies the JSON (not the plot) into
+``bench.save_to`` when set, named
 ``{layer}[_graph|_allgather|_nodedup]_{shape}_t{tokens}_ws{world}[_ep{ep}][_{dtype}][_router-{dtype}][_replay]``
 ``[_trace-{file}][_layer{L}][_plan-{file}][_checkfinite][_train][_{expert_backend}][_vs-{baseline}]_{device}.json``
 (``_ep``: ``parallel.ep`` below the world size; ``_{dtype}``: another dtype than the device's default,
@@ -909,9 +910,10 @@ def _eager_mode(layer) -> str:
 
 
 def save_records(records: list[dict], out_dir: str, save_to: str | None, plot: bool = False) -> list[str]:
-    """Write the records (and ``bench.png`` with ``plot``) into ``out_dir`` all or nothing, then copy
-    the records into ``save_to``; returns the paths written. Without ``plot``, an earlier
-    ``bench.png`` is removed."""
+    """Write the records into ``out_dir`` all or nothing (an earlier run's ``bench.png`` goes with
+    them: never beside other records), then ``bench.png`` with ``plot`` (a plot that fails leaves
+    the records, which took the device time, and a warning), then copy the records into
+    ``save_to``; returns the paths written."""
     names = []
     for r in records:
         slug = device_slug(r["device_name"])
@@ -929,9 +931,12 @@ def save_records(records: list[dict], out_dir: str, save_to: str | None, plot: b
         ep += _setting_suffix(r)
         names.append(f"{r['layer']}{mode}_{r['shape_name']}_t{r['tokens_per_rank']}_ws{r['world_size']}{ep}_{slug}.json")
     writers = {name: (lambda path, r=r: write_json(path, r)) for name, r in zip(names, records)}
-    if plot:
-        writers["bench.png"] = lambda path: plot_bench(records, path)
     paths = [str(p) for p in commit_files(out_dir, writers, stale=("bench.png",))]
+    if plot:
+        try:
+            paths += [str(p) for p in commit_files(out_dir, {"bench.png": lambda path: plot_bench(records, path)})]
+        except Exception as exc:  # noqa: BLE001 - the records are written; the plot is a view of them
+            print(f"warning: bench.png not written ({type(exc).__name__}: {exc}); the records are", file=sys.stderr)
     if save_to:  # after every record is in the run dir; each written atomically, as there
         paths += [str(write_json(_unclaimed(save_to, name, r), r)) for name, r in zip(names, records)]
     return paths

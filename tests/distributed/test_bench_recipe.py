@@ -52,6 +52,24 @@ def test_bench_writes_its_plot_and_plot_false_removes_an_earlier_one(tmp_path):
     assert f"removed {png}, an earlier run's output" in proc.stdout
 
 
+def test_a_failing_plot_keeps_the_records_and_removes_an_earlier_plot(tmp_path, monkeypatch, capsys):
+    """The records took the device time: a plot that fails must not take them along, and an earlier
+    run's bench.png must not stay beside them."""
+    import recipes.bench as bench
+
+    def broken(records, path):
+        raise RuntimeError("no matplotlib backend")
+
+    monkeypatch.setattr(bench, "plot_bench", broken)
+    (tmp_path / "bench.png").write_bytes(b"an earlier run's plot")
+    rec = {"layer": "vanilla", "shape_name": "cpu_smoke", "tokens_per_rank": 16, "world_size": 2, "ep": 2,
+           "device_name": "cpu", "ms": 1.0}
+    paths = bench.save_records([rec], str(tmp_path), None, plot=True)
+    assert [Path(p).name for p in paths] == ["vanilla_cpu_smoke_t16_ws2_cpu.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vanilla_cpu_smoke_t16_ws2_cpu.json"]
+    assert "bench.png not written (RuntimeError: no matplotlib backend); the records are" in capsys.readouterr().err
+
+
 def test_plot_bench_draws_every_side_it_has(tmp_path):
     """Ours against the peer and a baseline at two sizes; a lone side says there is nothing to compare."""
     from recipes._plots import plot_bench
