@@ -55,7 +55,7 @@ def test_bench_writes_its_plot_and_plot_false_removes_an_earlier_one(tmp_path):
 def test_a_failing_plot_keeps_the_records_and_removes_an_earlier_plot(tmp_path, monkeypatch, capsys):
     """The records took the device time: a plot that fails must not take them along, and an earlier
     run's bench.png must not stay beside them."""
-    import recipes.bench as bench
+    import recipes._bench_records as bench
 
     def broken(records, path):
         raise RuntimeError("no matplotlib backend")
