@@ -640,7 +640,7 @@ def uses_plan(layer_cfg: dict) -> bool:
 def serve_sizes(d: dict) -> tuple[int, int]:
     """``(world, ep)``: the ranks (torchrun's ``WORLD_SIZE``, else ``parallel.world_size``) and the
     expert-parallel size (``parallel.ep``, default the world), as ``ParallelGroups.from_world`` sees them."""
-    from recipes._common import under_torchrun
+    from recipes._outputs import under_torchrun
 
     par = d.get("parallel") or {}
     world = (int(os.environ["WORLD_SIZE"]) if under_torchrun()
