@@ -62,9 +62,7 @@ def _recipe_groups() -> str:
         groups = sorted(n for n in os.listdir(CONF_DIR) if os.path.isdir(os.path.join(CONF_DIR, n)))
     lines = []
     for group in sorted(groups):
-        folder = os.path.join(CONF_DIR, group)
-        options = sorted(n[:-5] for n in os.listdir(folder) if n.endswith(".yaml")) if os.path.isdir(folder) else []
-        lines.append(f"{group}: {', '.join(options)}")
+        lines.append(f"{group}: {', '.join(_options(group))}")
     return "\n".join(lines).replace("$", "$$")
 
 
@@ -306,6 +304,19 @@ def invocation() -> dict:
     return {"argv": [str(a) for a in sys.argv], "overrides": overrides}
 
 
+def chosen_options() -> dict[str, str]:
+    """The option each config group of this run took (``{"planner": "gem", "layer": "vanilla", ...}``,
+    Hydra's runtime choices: the defaults list with the command line's ``GROUP=NAME`` applied); empty
+    outside a Hydra app."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        choices = HydraConfig.get().runtime.choices
+    except Exception:  # not inside @hydra.main
+        return {}
+    return {str(k): str(v) for k, v in choices.items() if v is not None and not str(k).startswith("hydra")}
+
+
 def overridden(keys: Sequence[str]) -> list[str]:
     """The command-line overrides (``key=value``, as typed) that set one of ``keys`` (dotted config
     paths, e.g. ``trace.num_experts``) or a key under one (``workload.prompt_len.min`` for
@@ -334,21 +345,31 @@ def _yaml_keys(path: str) -> set[str]:
     return out
 
 
+def _options(group: str) -> list[str]:
+    """The options of config group ``conf/GROUP/`` (its yaml files' names), sorted."""
+    folder = os.path.join(CONF_DIR, group)
+    return sorted(n[:-5] for n in os.listdir(folder) if n.endswith(".yaml")) if os.path.isdir(folder) else []
+
+
+def _option_keys(group: str, option: str | None = None) -> set[str]:
+    """``GROUP.KEY`` for every key of option ``conf/GROUP/OPTION.yaml``, or of every option of the
+    group where ``option`` is None or names no option there."""
+    options = [option] if option in _options(group) else _options(group)
+    return {group} | {f"{group}.{k}" for o in options for k in _yaml_keys(os.path.join(CONF_DIR, group, o + ".yaml"))}
+
+
 def readable_keys(primary: str, groups: Sequence[str], extra_keys: Sequence[str] = (),
-                  mirrors: dict[str, str] | None = None) -> set[str]:
+                  mirrors: dict[str, str] | None = None, choices: dict[str, str] | None = None) -> set[str]:
     """Every config key a recipe can read: those of ``conf/<primary>.yaml`` and, under ``GROUP.``,
-    those of every option ``conf/GROUP/*.yaml`` of the ``groups`` it reads, the ``extra_keys`` it
-    reads with a default where no yaml holds them, and under each ``mirrors`` key ``K`` the keys
-    under its value ``G`` (``compare.layer`` holds what ``layer`` does)."""
+    those of the option ``conf/GROUP/NAME.yaml`` that ``choices`` names for each of the ``groups``
+    it reads (of every option of a group without a choice), the ``extra_keys`` it reads with a
+    default where no yaml holds them, and under each ``mirrors`` key ``K`` the keys of every option
+    of its group ``G`` (``compare.layer`` holds what ``layer`` does, and can name any option)."""
     keys = _yaml_keys(os.path.join(CONF_DIR, primary + ".yaml")) | set(extra_keys)
     for group in groups:
-        folder = os.path.join(CONF_DIR, group)
-        keys.add(group)
-        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
-            if name.endswith(".yaml"):
-                keys |= {f"{group}.{k}" for k in _yaml_keys(os.path.join(folder, name))}
+        keys |= _option_keys(group, (choices or {}).get(group))
     for alias, source in (mirrors or {}).items():
-        keys |= {alias + k[len(source):] for k in keys if k.startswith(source + ".")}
+        keys |= {alias + k[len(source):] for k in _option_keys(source) if k.startswith(source + ".")}
     return keys
 
 
@@ -357,8 +378,9 @@ def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], op
     """Refuse command-line overrides that add something this recipe would ignore: ``+GROUP=NAME``
     for a config group of ``conf/`` it does not read (e.g. ``serve.py +planner=semantic``), and
     ``+KEY=VALUE`` / ``++KEY=VALUE`` for a key that it does not read (:func:`readable_keys`; a
-    misspelt ``+layer.placment_path=FILE``, ``+planner.restart=3``): Hydra adds such a key and
-    nothing reads it. Keys under one of ``open_keys`` (and groups named there) are read by code that
+    misspelt ``+layer.placment_path=FILE``, ``+planner.restart=3``; a key of another option of its
+    group, ``+planner.restarts=3`` with ``planner=semantic``, ``+layer.plan_path=FILE`` with
+    ``layer=vanilla``): Hydra adds such a key and nothing reads it. Keys under one of ``open_keys`` (and groups named there) are read by code that
     checks them itself (a layer's constructor for ``layer.kwargs``, a scheduler for ``scheduler``, a
     recipe's own refusal with its reason) and pass; so do Hydra's own settings.
 
@@ -373,7 +395,7 @@ def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], op
         ValueError: naming the override and what the recipe reads.
     """
     known_groups = {n for n in os.listdir(CONF_DIR) if os.path.isdir(os.path.join(CONF_DIR, n))}
-    keys = None
+    keys, choices = None, chosen_options()
     for override in invocation()["overrides"]:
         key = override.split("=", 1)[0]
         name = key.lstrip("+~")
@@ -386,9 +408,15 @@ def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], op
             raise ValueError(f"{override}: {recipe} does not read the {group} config group (it reads "
                              f"{', '.join(sorted(groups))}), so the run would ignore it: drop it")
         name = package or name  # where the override adds something
-        keys = readable_keys(primary, groups, extra_keys, mirrors) if keys is None else keys
+        keys = readable_keys(primary, groups, extra_keys, mirrors, choices) if keys is None else keys
         if name in keys or any(name == k or name.startswith(k + ".") for k in open_keys):
             continue
+        head = name.split(".", 1)[0]
+        others = [o for o in _options(head) if name in _option_keys(head, o)] if head in groups else []
+        if others and head in choices:  # a key of another option of the group (+layer.plan_path with layer=vanilla)
+            raise ValueError(f"{override}: {recipe} with {head}={choices[head]} reads no key {name} ({head}="
+                             f"{' | '.join(others)} reads it), so the run would ignore it: choose that option, "
+                             "or drop it")
         parent = name.rpartition(".")[0]
         while parent and parent not in keys:  # the nearest key that exists
             parent = parent.rpartition(".")[0]

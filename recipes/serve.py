@@ -736,8 +736,9 @@ def check_config(d: dict) -> None:
     from moelayers.emulation import VariabilitySettings
 
     get_scheduler(d["scheduler"])
-    if not (d.get("compare") or {}).get("layer"):  # the comparison's settings without a comparison
-        unused = overridden([f"compare.{k}" for k in (d.get("compare") or {}) if k != "layer"])
+    compare = d.get("compare") or {}
+    if not compare.get("layer"):  # the comparison's settings without a comparison
+        unused = overridden([f"compare.{k}" for k in compare if k != "layer"])
         if unused:
             raise ValueError(f"{', '.join(unused)} is read with compare.layer=NAME only (the baseline to serve the "
                              "same requests with): add compare.layer, or drop it")
@@ -747,6 +748,13 @@ def check_config(d: dict) -> None:
         raise ValueError(f"scheduler=semantic sends each request to the rank that holds its tokens' experts, by a plan "
                          f"over every rank: parallel.ep must be null or the world size ({world}), got {ep}")
     plan_path = None
+    schedulers = [d["scheduler"], *([compare["scheduler"]] if compare.get("layer") and compare.get("scheduler") else [])]
+    if not (uses_plan(d["layer"]) or any(scheduler_name(s) == "semantic" for s in schedulers)):
+        unused = overridden(EXTRA_KEYS[:2])  # a layer without from_plan beside schedulers without a plan
+        if unused:
+            raise ValueError(f"{', '.join(unused)}: a semantic plan is read with layer=semantic or scheduler=semantic "
+                             f"only, and this run has layer={d['layer']['name']}, scheduler="
+                             f"{scheduler_name(d['scheduler'])}: choose one of them, or drop it")
     if scheduler_name(d["scheduler"]) == "semantic" or uses_plan(d["layer"]):
         plan_path = semantic_plan_path(d)
         if plan_path and not os.path.isfile(plan_path):
@@ -939,11 +947,14 @@ OPEN_KEYS = ("layer.kwargs", "scheduler", "workload.prompt_len", "workload.outpu
              "compare.layer.kwargs", "compare.scheduler")
 #: the baseline of a comparison (compare.layer={name:...,cls:...,kwargs:{...}}) holds what layer does
 MIRRORS = {"compare.layer": "layer"}
+#: keys of some layer options that check_config refuses with its reason where the run would not read
+#: them (a semantic scheduler reads plan_path with any layer; a plan-built layer has no placement_path)
+EXTRA_KEYS = ("layer.plan_path", "layer.plan_train_fraction", "layer.placement_path")
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    refuse_unread_overrides("serve.py", "config", CONFIG_GROUPS, OPEN_KEYS, mirrors=MIRRORS)
+    refuse_unread_overrides("serve.py", "config", CONFIG_GROUPS, OPEN_KEYS, EXTRA_KEYS, MIRRORS)
     d = to_dict(cfg)
     normalize_flags(d, ("progress", "plot", "trace.synthetic", *LAYER_FLAGS))
     if merge_curves_path(d) and not isinstance(d.get("variability"), dict):  # curves.path: plan.py's spelling

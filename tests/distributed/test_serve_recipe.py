@@ -555,6 +555,20 @@ def test_compare_settings_without_a_comparison_are_refused(tmp_path):
 
 
 @pytest.mark.timeout(90)
+def test_a_setting_of_another_layer_option_is_refused(tmp_path):
+    """`+layer.plan_path=FILE` with layer=vanilla (no semantic scheduler), or `+layer.placement_path`
+    with layer=semantic, served without a word: the override check took every layer option's keys."""
+    for overrides, match in (
+            (("+layer.plan_path=plan.npz",), r"\+layer.plan_path=plan.npz: a semantic plan is read with layer=semantic "
+                                             r"or scheduler=semantic only, and this run has layer=vanilla"),
+            (("layer=semantic", "router=replay", "+layer.placement_path=p.json"),
+             r"layer.placement_path=\S*p.json: layer=semantic takes its placement from its semantic plan")):
+        proc = _run_serve(tmp_path / "run", *overrides)
+        assert proc.returncode != 0 and re.search(match, proc.stderr), proc.stderr[-2000:]
+        assert "rank 0" not in proc.stderr  # refused before any rank started
+
+
+@pytest.mark.timeout(90)
 def test_serve_truncated_by_max_steps_says_so(tmp_path):
     """End to end: max_steps ends the run with requests unserved; results.json says truncated, counts
     them and notes it, and the TTFT figures (inf: null in JSON) do not look like a normal run's."""

@@ -102,6 +102,49 @@ def test_an_override_the_recipe_would_ignore_is_refused(monkeypatch, recipe, ove
         _common.refuse_unread_overrides(recipe, *args)
 
 
+@pytest.mark.parametrize("recipe, override, choices, refused", [
+    ("plan.py", "+planner.restarts=3", {"planner": "semantic"},
+     r"plan.py with planner=semantic reads no key planner.restarts \(planner=gem reads it\).*choose that option"),
+    ("plan.py", "+planner.restarts=3", {"planner": "gem"}, None),
+    ("plan.py", "+planner.theta=0.3", {"planner": "eplb"}, r"planner=eplb reads no key planner.theta \(planner=semantic"),
+    ("serve.py", "+layer.placement_path=p.json", {"layer": "semantic"}, None),  # check_config says why
+    ("bench.py", "+layer.placement_path=p.json", {"layer": "semantic"},
+     r"bench.py with layer=semantic reads no key layer.placement_path \(layer=vanilla \| variability reads it\)"),
+    ("serve.py", "+layer.kwargs.window=4", {"layer": "vanilla"}, None),  # the layer's constructor checks kwargs
+    ("serve.py", "+layer.plan_path=p.npz", {"layer": "vanilla"}, None),  # scheduler=semantic reads it: check_config
+    ("serve.py", "+compare.layer.placement_path=p.json", {"layer": "semantic"}, None),  # any option's keys
+    ("serve.py", "+layer.placment_path=p.json", {"layer": "vanilla"}, r"key layer.placment_path\b.*placement_path"),
+    ("bench.py", "+layer.plan_train_fraction=0.3", {"layer": "variability"}, "layer=semantic reads it"),
+])
+def test_a_key_of_another_option_of_the_group_is_refused(monkeypatch, recipe, override, choices, refused):
+    """A sweep found `+planner.restarts=3` accepted with planner=semantic, `+layer.plan_path=FILE` with
+    layer=vanilla: the check took the keys of every option of a group, not the chosen one's."""
+    from recipes import _common
+
+    import importlib
+
+    monkeypatch.setattr(_common, "invocation", lambda: {"argv": [], "overrides": [override]})
+    monkeypatch.setattr(_common, "chosen_options", lambda: choices)
+    module = importlib.import_module(f"recipes.{recipe[:-3]}")
+    primary = {"serve.py": "config"}.get(recipe, recipe[:-3])
+    args = (primary, module.CONFIG_GROUPS, getattr(module, "OPEN_KEYS", ()), getattr(module, "EXTRA_KEYS", ()),
+            getattr(module, "MIRRORS", None))
+    if refused:
+        with pytest.raises(ValueError, match=re.escape(override) + ": .*" + refused):
+            _common.refuse_unread_overrides(recipe, *args)
+    else:
+        _common.refuse_unread_overrides(recipe, *args)
+
+
+def test_plan_refuses_a_key_of_another_planner_under_hydra(tmp_path):
+    """The chosen option comes from Hydra's runtime choices (planner=semantic on the command line)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "plan.py"), "planner=semantic", "+planner.restarts=3",
+                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and ("plan.py with planner=semantic reads no key planner.restarts (planner=gem reads it)"
+                                     in proc.stderr), proc.stderr[-2000:]
+
+
 def test_serve_refuses_a_planner_group_before_any_rank_starts(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "serve.py"), "+planner=semantic",
