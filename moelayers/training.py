@@ -23,7 +23,8 @@ from moelayers._warnings import warn_caller
 from moelayers.checkpoint import slot_copies
 from moelayers.dispatch.comm import all_gather_flat
 from moelayers.groups import collective_device
-from moelayers.layers.base import MoELayerBase, _is_dtensor
+from moelayers.layers.base import MoELayerBase
+from moelayers.layers.weights import _is_dtensor
 
 __all__ = ["rank_local_names", "rank_local_params", "reduce_expert_grads", "clip_grad_norm_"]
 

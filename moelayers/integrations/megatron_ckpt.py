@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from moelayers.checkpoint import EXPERT_KEYS, slot_copies
 from moelayers.groups import ParallelGroups
-from moelayers.layers.base import placement_record
+from moelayers.layers.weights import placement_record
 
 
 

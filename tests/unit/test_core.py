@@ -949,7 +949,7 @@ def test_forward_returns_no_view_of_a_2d_input():
 
 def test_long_lists_of_experts_in_messages_say_how_many():
     """load_full_weights named experts [0..7] when all 16 differed, with no sign of the rest."""
-    from moelayers.layers.base import _some
+    from moelayers.layers.weights import _some
 
     assert _some([3], "expert") == "expert(s) [3]"
     assert _some(list(range(16)), "expert") == "16 experts: [0, 1, 2, 3, 4, 5, 6, 7, ...]"
