@@ -86,20 +86,7 @@ def test_default_run_dirs_are_per_process_but_shared_by_torchrun_ranks(monkeypat
 def test_an_override_the_recipe_would_ignore_is_refused(monkeypatch, recipe, override, refused):
     """Sweeps found `serve.py +planner=semantic` (a group it does not read) and `+planner.restart=3`
     (a misspelt key, added by Hydra and read by nothing) accepted and ignored."""
-    from recipes import _common
-
-    import importlib
-
-    monkeypatch.setattr(_common, "invocation", lambda: {"argv": [], "overrides": [override]})
-    module = importlib.import_module(f"recipes.{recipe[:-3]}")
-    primary = {"serve.py": "config"}.get(recipe, recipe[:-3])
-    args = (primary, module.CONFIG_GROUPS, getattr(module, "OPEN_KEYS", ()), getattr(module, "EXTRA_KEYS", ()),
-            getattr(module, "MIRRORS", None))
-    if refused:
-        with pytest.raises(ValueError, match=re.escape(override) + ": .*" + refused):
-            _common.refuse_unread_overrides(recipe, *args)
-    else:
-        _common.refuse_unread_overrides(recipe, *args)
+    _check_override(monkeypatch, recipe, override, refused, choices={})
 
 
 @pytest.mark.parametrize("recipe, override, choices, refused", [
@@ -119,6 +106,12 @@ def test_an_override_the_recipe_would_ignore_is_refused(monkeypatch, recipe, ove
 def test_a_key_of_another_option_of_the_group_is_refused(monkeypatch, recipe, override, choices, refused):
     """A sweep found `+planner.restarts=3` accepted with planner=semantic, `+layer.plan_path=FILE` with
     layer=vanilla: the check took the keys of every option of a group, not the chosen one's."""
+    _check_override(monkeypatch, recipe, override, refused, choices)
+
+
+def _check_override(monkeypatch, recipe: str, override: str, refused: str | None, choices: dict) -> None:
+    """The recipe's override check on the command line ``[override]`` with the group options
+    ``choices`` (``{}``: none known, as outside Hydra): refused matching ``refused``, or passed."""
     from recipes import _common
 
     import importlib
