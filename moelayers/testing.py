@@ -9,6 +9,7 @@ The tolerance rule of DESIGN.md §1, against a float64 reference ``ref64``:
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import socket
@@ -154,13 +155,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, queue) -> None:
+def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, queue,
+            collective_timeout: float | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
         try:
+            limit = {} if collective_timeout is None else {"timeout": datetime.timedelta(seconds=collective_timeout)}
             dist.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **limit,
             )
         except Exception as e:  # the port free_port() found was taken before the store bound it: try another
             if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
@@ -183,13 +186,14 @@ def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: 
                 pass
 
 
-def _next_report(queue, procs: list, reported: dict, timeout: float) -> tuple[int, str, Any]:
+def _next_report(queue, procs: list, reported: dict, timeout: float | None) -> tuple[int, str, Any]:
     """The next ``(rank, status, payload)`` from the ranks; fails at once when a rank that has not
-    reported died (an import error in the child, a crash), else after ``timeout`` seconds."""
+    reported died (an import error in the child, a crash), else after ``timeout`` seconds (``None``:
+    waits as long as the ranks live)."""
     import queue as queue_mod
     import time
 
-    deadline = time.monotonic() + timeout
+    deadline = float("inf") if timeout is None else time.monotonic() + timeout
     while True:
         try:
             return queue.get(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
@@ -244,7 +248,8 @@ def _start_context(backend: str):
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
-                    timeout: float = 240.0, daemon: bool = True) -> list[Any]:
+                    timeout: float | None = 240.0, daemon: bool = True,
+                    collective_timeout: float | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes.
 
     The ranks see this process's environment as it is at the call (see :func:`_start_context` for
@@ -256,7 +261,11 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
         world_size: number of ranks.
         *args: passed to ``fn`` after the rank and world size.
         backend: ``'gloo'`` or ``'nccl'``.
-        timeout: seconds to wait for each rank's report.
+        timeout: seconds to wait for each rank's report (a test's limit on the whole run); ``None``:
+            as long as the ranks live (a long run; pair it with ``collective_timeout``).
+        collective_timeout: the process group's timeout (``init_process_group(timeout=)``): a rank
+            that waits longer than this in a collective (a peer hung or gone) raises, which fails the
+            run; ``None``: torch's default.
         daemon: ``False`` for ranks that start processes of their own (megatron's checkpoint writer
             does; daemonic processes cannot have children). Ranks still alive at the end are
             killed either way (not their own children).
@@ -269,7 +278,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
     """
     for _ in range(_PORT_TRIES):
         try:
-            return _run_once(fn, world_size, args, backend, timeout, daemon)
+            return _run_once(fn, world_size, args, backend, timeout, daemon, collective_timeout)
         except _PortTaken as e:  # another process took the port between free_port() and the store's bind
             taken = e
     raise RuntimeError(f"distributed run failed: the rendezvous port was taken {_PORT_TRIES} times:\n{taken}")
@@ -282,13 +291,13 @@ class _PortTaken(Exception):
     """Rank 0 could not bind the rendezvous port (EADDRINUSE): the run is started again on another."""
 
 
-def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, backend: str, timeout: float,
-              daemon: bool) -> list[Any]:
+def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, backend: str, timeout: float | None,
+              daemon: bool, collective_timeout: float | None) -> list[Any]:
     ctx = _start_context(backend)
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue), daemon=daemon)
-             for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, queue, collective_timeout),
+                         daemon=daemon) for r in range(world_size)]
     interpret = os.environ.pop("TRITON_INTERPRET", None) if backend == "nccl" else None
     try:
         for p in procs:

@@ -224,10 +224,12 @@ def check_input_file(path: str, key: str, what: str) -> None:
 
 
 def timeout_setting(parallel: dict | None) -> float:
-    """``parallel.timeout_s`` (default 600) as seconds: a finite number > 0.
+    """``parallel.timeout_s`` (default 600) as seconds: a finite number > 0. The ranks' process
+    group takes it as its timeout: a rank that waits longer than this in a collective (for a peer
+    that hung or died) raises and fails the run; a run may take as long as it needs.
 
     Raises:
-        ValueError: anything else, naming the key (0 would fail every run as "timed out").
+        ValueError: anything else, naming the key (0 would fail every collective).
     """
     value = (parallel or {}).get("timeout_s", 600)
     try:
@@ -235,8 +237,8 @@ def timeout_setting(parallel: dict | None) -> float:
     except (TypeError, ValueError):
         seconds = float("nan")
     if not 0 < seconds < float("inf"):
-        raise ValueError(f"parallel.timeout_s must be a number of seconds > 0 (a hung rank fails the run after "
-                         f"this long), got {value!r}")
+        raise ValueError(f"parallel.timeout_s must be a number of seconds > 0 (a rank waiting this long for a hung "
+                         f"one fails the run), got {value!r}")
     return seconds
 
 
@@ -463,7 +465,7 @@ def launch(cfg: Any, fn: Callable[[int, int, dict], Any]) -> Any:
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         d.setdefault("parallel", {})["world_size"] = world
         if not dist.is_initialized():
-            dist.init_process_group(backend)
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
         result = fn(rank, world, d)
         if backend == "nccl":
             torch.cuda.synchronize()
@@ -473,7 +475,8 @@ def launch(cfg: Any, fn: Callable[[int, int, dict], Any]) -> Any:
 
     world = int_setting(par.get("world_size", 1), "parallel.world_size", 1)  # 1.9 is not 1
     backend = resolve_backend(par.get("backend"), torchrun=False)
-    results = run_distributed(fn, world, d, backend=backend, timeout=timeout)
+    # no limit on the run's length: a rank that waits in a collective longer than timeout_s fails it
+    results = run_distributed(fn, world, d, backend=backend, timeout=None, collective_timeout=timeout)
     return results[0]
 
 

@@ -92,8 +92,7 @@ from omegaconf import DictConfig  # noqa: E402
 from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import (  # noqa: E402
     LAYER_FLAGS, check_input_file, check_layer_settings, device_for, import_object, int_setting, invocation, launch,
-    merge_curves_path, normalize_flags, overridden, percentile, print_table, refuse_unread_overrides, shutdown,
-    timeout_setting, to_dict,
+    merge_curves_path, normalize_flags, overridden, percentile, print_table, refuse_unread_overrides, shutdown, to_dict,
 )
 from recipes._outputs import claim_run_dir, commit_files, run_recipe, write_json  # noqa: E402
 from recipes._bench_tools import seq_len_bounds  # noqa: E402
@@ -983,9 +982,8 @@ def main(cfg: DictConfig) -> None:
         warning = compare.seeds_warning(d)
         if warning:
             print(f"warning: {warning}", file=sys.stderr, flush=True)
-        par = dict(d["parallel"], timeout_s=timeout_setting(d["parallel"]) * len(runs))
         t0 = time.perf_counter()
-        res = launch(dict(d, parallel=par, _runs=runs), compare_worker)
+        res = launch(dict(d, _runs=runs), compare_worker)
         if res is not None:
             compare.summarize(res, d, d["run_dir"], time.perf_counter() - t0, command=invocation())
     else:

@@ -1,0 +1,34 @@
+"""The recipes' launcher: ``parallel.timeout_s`` bounds a rank's wait for the others in a
+collective (a hung or dead peer), not the length of the run."""
+
+import time
+
+import pytest
+import torch.distributed as dist
+
+from recipes._common import launch
+
+
+def _work_then_meet(rank: int, world: int, cfg: dict) -> int:
+    time.sleep(cfg["work_s"][rank])
+    dist.barrier()
+    return rank
+
+
+@pytest.mark.timeout(90)
+def test_a_run_longer_than_timeout_s_finishes(tmp_path):
+    """A journey found a healthy serve run killed at timeout_s ("a rank hung or died") with no
+    results: the spawned runner took timeout_s as the limit on the whole run."""
+    cfg = {"parallel": {"world_size": 2, "backend": "gloo", "timeout_s": 1.5}, "run_dir": str(tmp_path),
+           "work_s": [4.0, 4.0]}  # both work longer than timeout_s, neither waits for the other
+    assert launch(cfg, _work_then_meet) == 0
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_that_waits_longer_than_timeout_s_fails_the_run(tmp_path):
+    cfg = {"parallel": {"world_size": 2, "backend": "gloo", "timeout_s": 2}, "run_dir": str(tmp_path),
+           "work_s": [0.0, 60.0]}  # rank 1 hangs: rank 0 waits in the barrier
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)distributed run failed:.*--- rank 0 ---.*[Tt]imed? ?out"):
+        launch(cfg, _work_then_meet)
+    assert time.monotonic() - t0 < 40  # not rank 1's 60 s
