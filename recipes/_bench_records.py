@@ -7,7 +7,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import sys
 from pathlib import Path
 
 from recipes._common import plan_fraction_setting, print_grid
@@ -80,11 +79,9 @@ def save_records(records: list[dict], out_dir: str, save_to: str | None, plot: b
         names.append(f"{r['layer']}{mode}_{r['shape_name']}_t{r['tokens_per_rank']}_ws{r['world_size']}{ep}_{slug}.json")
     writers = {name: (lambda path, r=r: write_json(path, r)) for name, r in zip(names, records)}
     paths = [str(p) for p in commit_files(out_dir, writers, stale=("bench.png",))]
-    if plot:
-        try:
-            paths += [str(p) for p in commit_files(out_dir, {"bench.png": lambda path: plot_bench(records, path)})]
-        except Exception as exc:  # noqa: BLE001 - the records are written; the plot is a view of them
-            print(f"warning: bench.png not written ({type(exc).__name__}: {exc}); the records are", file=sys.stderr)
+    if plot:  # a plot that fails leaves the records (which took the device time) and a warning
+        paths += [str(p) for p in commit_files(out_dir, {"bench.png": lambda path: plot_bench(records, path)},
+                                               optional=("bench.png",))]
     if save_to:  # after every record is in the run dir; each written atomically, as there
         paths += [str(write_json(_unclaimed(save_to, name, r), r)) for name, r in zip(names, records)]
     return paths

@@ -174,23 +174,27 @@ def remove_stale(out_dir: str | os.PathLike, outputs: tuple[str, ...], written: 
 
 
 def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path], None]],
-                 stale: tuple[str, ...] = ()) -> list[Path]:
+                 stale: tuple[str, ...] = (), optional: tuple[str, ...] = ()) -> list[Path]:
     """Write several files into ``out_dir`` all or nothing.
 
     Every writer first writes a temporary file in ``out_dir``; only when all succeeded are they moved
     to their names with ``os.replace``, in the given order (put the file that marks a finished run
     last). On failure the temporary files are removed and nothing is moved; an output name taken by
     a folder is refused before anything is written. (A failure of ``os.replace`` itself, e.g. a disk
-    error mid-way, leaves the files moved before it, never a temporary file.)
+    error mid-way, leaves the files moved before it, never a temporary file.) The ``optional`` files
+    (plots: views of the data) are left out with a warning on stderr when their writer raises an
+    ``Exception``, and the rest is written: a plot that fails must not lose a finished run.
 
     Args:
         out_dir: destination folder (created if missing).
         writers: file name -> function writing that file's content to the path it is given.
         stale: other outputs of the same recipe: removed (before the moves) when this run does not
-            write them, so that a reused run dir never mixes two runs' files.
+            write them, so that a reused run dir never mixes two runs' files. Name the ``optional``
+            files here too: an earlier run's copy of one that fails is removed.
+        optional: names of ``writers`` whose failure leaves them out instead of failing the rest.
 
     Returns:
-        The final paths.
+        The final paths (an optional file that failed is not among them).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -206,7 +210,15 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
             fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.", suffix=".tmp")
             os.close(fd)
             tmps[name] = Path(tmp)
-            write(tmps[name])
+            try:
+                write(tmps[name])
+            except Exception as exc:
+                if name not in optional:
+                    raise
+                tmps.pop(name).unlink(missing_ok=True)
+                print(f"warning: {out / name} not written ({type(exc).__name__}: {exc}); the run's other files are "
+                      "written without it", file=sys.stderr, flush=True)
+                continue
             os.chmod(tmps[name], mode)  # the permissions of a plain open(), not mkstemp's 0600
     except BaseException:
         for tmp in tmps.values():

@@ -341,7 +341,7 @@ def summarize(run_results: list[dict], cfg: dict, out_dir: str, wall_s: float, c
     writers = {"compare.png": lambda p: plot_compare(res, p), "rank_load.png": lambda p: plot_rank_load_sides(res, p)} \
         if cfg.get("plot", True) else {}
     writers["results.json"] = lambda p: write_json(p, res)  # last: it marks a finished run
-    paths = commit_files(out_dir, writers, stale=OUTPUTS)  # all or nothing
+    paths = commit_files(out_dir, writers, stale=OUTPUTS, optional=("compare.png", "rank_load.png"))  # all or nothing
     print(f"results: {paths[-1]}  ({len(run_results)} runs, {wall_s:.1f} s)")
     for png in paths[:-1]:
         print(f"plot: {png}")

@@ -471,7 +471,7 @@ def write_outputs(out_dir: str, report: dict, plans: dict, name: str, token_rank
     if semantic is not None:
         writers["plan.npz"] = semantic.save
     writers["report.json"] = lambda path: write_json(path, report)
-    commit_files(out_dir, writers, stale=OUTPUTS)
+    commit_files(out_dir, writers, stale=OUTPUTS, optional=("plan.png",))
 
 
 #: the config groups of conf/ this recipe reads (--help lists these)

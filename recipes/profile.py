@@ -272,10 +272,10 @@ def summarize(res: dict, out_dir: str, config: dict | None = None) -> str:
     raw, rows = res["latency_s"], res["rows"]
     lat = monotone_fit(raw)
     path = os.path.join(out_dir, "curves.npz")
-    commit_files(out_dir, {  # both files or neither: a failed plot must not leave a curves.npz behind
+    written = commit_files(out_dir, {  # together: never a new curves.npz beside an earlier run's curves.png
         "curves.npz": lambda tmp: save_curves(tmp, rows, lat, res["device_names"], raw, config=config),
         "curves.png": lambda tmp: plot_curves(rows, lat, raw, res["device_names"], tmp),
-    })
+    }, stale=("curves.png",), optional=("curves.png",))  # a plot that fails leaves the curves, with a warning
     picks = sorted({0, len(rows) - 1, *(i for i, n in enumerate(rows) if n in (128, 1024, 4096, 16384))})
     table = [("rows", *[f"rank {r}" for r in range(lat.shape[0])], "max/min")]
     for i in picks:
@@ -287,8 +287,9 @@ def summarize(res: dict, out_dir: str, config: dict | None = None) -> str:
     spread = float((lat.max(0) / lat.min(0)).max())
     dips = int((raw != lat).sum())
     print(f"profiled {len(rows)} row counts on {lat.shape[0]} rank(s) in {res['seconds']:.3g} s; "
-          f"largest max/min between GPUs {spread:.3f} (median {float(np.median(lat.max(0) / lat.min(0))):.3f}); "
-          f"{dips} of {raw.size} samples smoothed to a non-decreasing curve; devices {res['device_names']}; wrote {path}")
+          f"largest max/min between {'CPU ranks' if set(res['device_names']) == {'cpu'} else 'GPUs'} {spread:.3f} "
+          f"(median {float(np.median(lat.max(0) / lat.min(0))):.3f}); {dips} of {raw.size} samples smoothed to a "
+          f"non-decreasing curve; devices {res['device_names']}; wrote {', '.join(map(str, written))}")
     return path
 
 

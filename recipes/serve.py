@@ -625,7 +625,7 @@ def summarize(res: dict, out_dir: str) -> None:
         if res["config"].get("plot", True) else {}
     writers["results.json"] = lambda p: write_json(p, res)  # last: it marks a finished run
     # all or nothing (an interrupted run leaves an earlier run's files, never one of each)
-    paths = commit_files(out_dir, writers, stale=compare.OUTPUTS)
+    paths = commit_files(out_dir, writers, stale=compare.OUTPUTS, optional=("rank_load.png",))
     print(f"results: {paths[-1]}")
     for png in paths[:-1]:
         print(f"plot: {png}")

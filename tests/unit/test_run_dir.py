@@ -132,6 +132,44 @@ def test_commit_files_keeps_the_earlier_set_when_a_writer_fails(tmp_path):
     assert (tmp_path / "rank_load.png").read_text() == "earlier plot"
 
 
+def test_a_failing_optional_plot_is_left_out_and_the_run_written(tmp_path, capsys):
+    """A journey found a finished serve / plan run lost (exit 1, no results.json) when its plot
+    failed (a broken matplotlib backend): plots are optional files, an earlier one removed."""
+    (tmp_path / "rank_load.png").write_text("earlier plot")
+
+    def plot(path):
+        path.write_bytes(b"\x89PNG half")
+        raise ValueError("Key backend: 'nosuchbackend' is not a valid value for backend")
+
+    paths = commit_files(tmp_path, {"rank_load.png": plot, "results.json": lambda p: p.write_text("new")},
+                         stale=("rank_load.png",), optional=("rank_load.png",))
+    assert paths == [tmp_path / "results.json"] and (tmp_path / "results.json").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]  # no earlier plot, no temporary file
+    err = capsys.readouterr().err
+    assert f"warning: {tmp_path / 'rank_load.png'} not written (ValueError: Key backend" in err
+    with pytest.raises(OSError, match="disk full"):  # a file that is not optional still fails the set
+        commit_files(tmp_path, {"rank_load.png": plot, "results.json": _disk_full}, stale=("rank_load.png",),
+                     optional=("rank_load.png",))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+    assert (tmp_path / "results.json").read_text() == "new"
+
+
+def _disk_full(path):
+    raise OSError("disk full")
+
+
+@pytest.mark.timeout(120)
+def test_serve_with_a_broken_plot_backend_writes_its_results(tmp_path):
+    run = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", MPLBACKEND="nosuchbackend")
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "serve.py"), "parallel.world_size=2",
+                           f"hydra.run.dir={run}", "workload.num_requests=2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "rank_load.png not written" in proc.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["results.json"]
+
+
 @pytest.mark.timeout(120)
 def test_serve_run_into_a_held_run_dir_is_refused_and_leaves_it(tmp_path):
     run = tmp_path / "run"
