@@ -273,10 +273,10 @@ def plan_all(name: str, train_loads, curves, num_ranks: int, d: dict, *, bar: bo
     """Plan every layer: ``train_loads [L, steps, E]`` -> (``expert_rank [L, E]``, seconds)."""
     layers = range(train_loads.shape[0])
     if bar:
-        from tqdm import tqdm
+        from moelayers._progress import progress_bar
 
         desc = f"plan {name} ep{num_ranks}" + (" (baseline)" if baseline else "")
-        layers = tqdm(layers, desc=desc, unit="layer", file=sys.stderr)
+        layers = progress_bar(layers, desc=desc, unit="layer")
     t0 = time.perf_counter()
     out = np.stack([plan_layer(name, train_loads[i], curves, num_ranks, d) for i in layers]).astype(np.int64)
     return out, time.perf_counter() - t0

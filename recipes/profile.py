@@ -190,8 +190,8 @@ def profile_worker(rank: int, world: int, cfg: dict) -> dict | None:
     lat = []
     bar = None
     if rank == 0 and flag(cfg, "progress", True):
-        from tqdm import tqdm
-        bar = tqdm(total=len(rows), desc="profiling row counts", unit="pt")
+        from moelayers._progress import progress_bar
+        bar = progress_bar(total=len(rows), desc="profiling row counts", unit="pt")
     t_start = time.perf_counter()
     with torch.inference_mode():
         for n in rows:

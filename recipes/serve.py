@@ -281,10 +281,10 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
 
     bar = None
     if rank == 0 and cfg.get("progress", True):
-        from tqdm import tqdm
+        from moelayers._progress import progress_bar
         nested = cfg.get("_run_label") is not None  # one run of a comparison: under the runs bar
-        bar = tqdm(total=len(requests), desc=cfg.get("_run_label") or f"serve {cfg['layer']['name']} x{world}",
-                   unit="req", file=sys.stderr, position=1 if nested else None, leave=not nested)
+        bar = progress_bar(total=len(requests), desc=cfg.get("_run_label") or f"serve {cfg['layer']['name']} x{world}",
+                           unit="req", nested=nested)
     replans_seen = [getattr(m, "num_replans", 0) for m in model.moe_layers]
     replans = []
     pending, waiting, running = deque(mine), deque(), []
@@ -304,7 +304,7 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
                                dtype=torch.int64, device=device)
             dist.all_reduce(vec)
             remaining, global_tok, global_done = vec.tolist()
-            if bar is not None:
+            if bar is not None and global_done > bar.n:  # (a redraw per step otherwise)
                 bar.update(global_done - bar.n)
             if remaining == 0:
                 break
@@ -365,8 +365,8 @@ def compare_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
 
     runs, bar = cfg["_runs"], None
     if rank == 0 and cfg.get("progress", True):
-        from tqdm import tqdm
-        bar = tqdm(total=len(runs), desc="compare", unit="run", file=sys.stderr, position=0)
+        from moelayers._progress import progress_bar
+        bar = progress_bar(total=len(runs), desc="compare", unit="run")
     out = []
     for run in runs:
         if bar is not None:

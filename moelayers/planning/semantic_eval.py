@@ -693,9 +693,9 @@ def assign_tp(plan: SemanticPlan, heldout_trace, tokens_per_step: int = 2048, *,
     out = np.empty((heldout_trace.num_tokens, heldout_trace.num_layers), dtype=np.int64)
     layers = range(heldout_trace.num_layers)
     if progress:
-        from tqdm import tqdm
+        from moelayers._progress import progress_bar
 
-        layers = tqdm(layers, desc=f"held-out token ranks (tp, EP{plan.num_ranks})", unit="layer")
+        layers = progress_bar(layers, desc=f"held-out token ranks (tp, EP{plan.num_ranks})", unit="layer")
     for l in layers:
         sc = tp_scores(plan, heldout_trace, l, predictor)
         out[:, l] = capacity_assign(sc, cap, step) if predictor == "alg3" else balanced_assign(sc, cap, step)

@@ -460,9 +460,9 @@ def _progress(iterable, enabled: bool, desc: str, total: int | None = None):
     disabled: ``iterable`` itself (``None``)."""
     if not enabled:
         return iterable
-    from tqdm.auto import tqdm
+    from moelayers._progress import progress_bar
 
-    return tqdm(iterable, desc=desc, leave=False, total=total)
+    return progress_bar(iterable, desc=desc, leave=False, total=total)
 
 
 def _coactivation(acts: np.ndarray, num_e: int) -> np.ndarray:

@@ -1,0 +1,33 @@
+"""The progress bars of the planners and recipes: tqdm, drawn for a terminal or for a log.
+
+On a terminal (or in a notebook) a bar redraws as tqdm does. Where stderr is a file or a pipe (a
+log, CI, ``| tee``), each redraw is another line: the bar is drawn at most every
+:data:`LOG_INTERVAL_S` seconds (and at its end), and a bar nested under another (one serve run of a
+comparison) is not drawn at all, since its cursor moves (``ESC[A``) only make sense on a terminal.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+#: seconds between two redraws of a bar whose stderr is not a terminal
+LOG_INTERVAL_S = 30.0
+
+
+def progress_bar(iterable: Iterable | None = None, *, desc: str, total: int | None = None, unit: str = "it",
+                 nested: bool = False, leave: bool = True) -> Any:
+    """A tqdm bar on stderr over ``iterable`` (or, with ``None``, one updated by hand up to ``total``).
+
+    Args:
+        desc, total, unit, leave: as tqdm's.
+        nested: drawn on the line under another bar (``position=1``, not left behind); not drawn
+            where stderr is not a terminal.
+    """
+    from tqdm.auto import tqdm
+
+    to_log = not sys.stderr.isatty() and not tqdm.__module__.startswith("tqdm.notebook")
+    pacing = {"mininterval": LOG_INTERVAL_S, "maxinterval": LOG_INTERVAL_S} if to_log else {}
+    return tqdm(iterable, desc=desc, total=total, unit=unit, file=sys.stderr, leave=leave and not nested,
+                position=1 if nested else None, disable=nested and to_log, **pacing)
