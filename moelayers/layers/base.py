@@ -276,6 +276,10 @@ class MoELayerBase(LayerWeights, nn.Module):
             self.dispatcher.placement_digest = self._digest()
             self._placement_unchecked = True  # capacity mode: compared on the next forward
 
+    def _label(self) -> str:
+        """The layer in messages: its class, and its ``layer_number`` where it has one."""
+        return type(self).__name__ + ("" if self._layer_number is None else f" (layer {self._layer_number})")
+
     def _agreed_settings(self) -> tuple[tuple[str, Any], ...]:
         """``(name, value)`` of settings of a subclass that every expert-parallel rank must share
         (e.g. when it re-plans: ranks re-planning at different steps wait for each other in the

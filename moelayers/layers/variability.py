@@ -256,7 +256,7 @@ class VariabilityAwareMoE(MoELayerBase):
             self._waited += 1
             if self._waited == _GRAPH_WAIT_WARNING * self.window and alive:  # (pipelined micro-batches wait less)
                 warn_caller(
-                    f"VariabilityAwareMoE: a due re-plan has waited {self._waited} forwards for autograd graphs "
+                    f"{self._label()}: a due re-plan has waited {self._waited} forwards for autograd graphs "
                     f"({alive} alive) to be back-propagated or dropped; when serving, run the model under "
                     "torch.no_grad() or torch.inference_mode() (or call forget_graphs() on every rank)",
                     RuntimeWarning)
@@ -265,7 +265,7 @@ class VariabilityAwareMoE(MoELayerBase):
                 # after zero_grad(set_to_none=False): checked with one host sync per forward from then on)
                 self._warned_zeros = True
                 warn_caller(
-                    f"VariabilityAwareMoE: a due re-plan has waited {self._waited} forwards for the expert "
+                    f"{self._label()}: a due re-plan has waited {self._waited} forwards for the expert "
                     "gradients to be cleared, and they hold zeros: zero_grad(set_to_none=False) leaves them, and a "
                     "move waits for zero_grad(set_to_none=True) (torch's default), which it would otherwise leave "
                     "with the slots", RuntimeWarning)
@@ -287,14 +287,15 @@ class VariabilityAwareMoE(MoELayerBase):
             unmoved_state = self._trained and self.replan_optimizer is None
             if self.num_moves > moves and unmoved_state and not self._warned_optimizer:
                 self._warned_optimizer = True
-                warn_caller("VariabilityAwareMoE: an automatic re-plan moved expert weights between training steps "
+                warn_caller(f"{self._label()}: an automatic re-plan moved expert weights between training steps "
                             "without the optimizer's per-slot state, which stays with the slots (Adam's moments now "
                             "belong to other experts): set layer.replan_optimizer = optimizer to move it with the "
                             "weights (or re-plan yourself: replan(optimizer=...))", RuntimeWarning)
-        except PlacementMoveError as exc:
+        except PlacementMoveError as exc:  # (raised on every rank of the group: told on its first)
             self._retry_at = self.steps + self.window
-            warn_caller(f"VariabilityAwareMoE: the automatic re-plan failed ({exc}); tried again in "
-                        f"{self.window} steps", RuntimeWarning)
+            if self.groups.ep_rank == 0:
+                warn_caller(f"{self._label()}: the automatic re-plan failed ({exc}); tried again in "
+                            f"{self.window} steps", RuntimeWarning)
         except BaseException:  # anything else (KeyboardInterrupt, a planner's bug) reaches the caller, and the
             # re-plan is tried again a window later as after a failure (it was never tried again)
             self._retry_at = self.steps + self.window

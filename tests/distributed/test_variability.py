@@ -334,8 +334,9 @@ def scenario_auto_replan(rank: int, world: int, device: str) -> dict:
         warned += [step for w in caught if "automatic re-plan failed" in str(w.message) and "planner exploded" in str(w.message)]
         if step == 2 and flaky.placement != start:
             errors.append("a failed automatic re-plan changed the placement")
-    if warned != [1] or flaky.num_replans != 1:
-        errors.append(f"failed automatic re-plan: warnings at steps {warned} (expected [1]), "
+    told = [1] if flaky.groups.ep_rank == 0 else []  # a group's failure, told on its first rank (not once per rank)
+    if warned != told or flaky.num_replans != 1:
+        errors.append(f"failed automatic re-plan: warnings at steps {warned} (expected {told}), "
                       f"{flaky.num_replans} re-plans after the retry (expected 1)")
     # under autograd a due re-plan waits for the next forward: the backward of the step that filled
     # the window still sees the weights it saved
@@ -912,6 +913,7 @@ def _flaky_layer(window, fails):
 def test_a_failed_automatic_replan_is_retried_exactly_a_window_later():
     """The retry of a failed automatic re-plan comes `window` steps after the failure, not later."""
     layer, planner = _flaky_layer(window=3, fails=1)
+    layer.layer_number = 3
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(0))
     with warnings.catch_warnings(record=True) as caught, torch.no_grad():
         warnings.simplefilter("always")
@@ -919,7 +921,8 @@ def test_a_failed_automatic_replan_is_retried_exactly_a_window_later():
             layer(x)
     assert planner.steps == [3, 6]  # failed when the window filled, retried 3 steps later, then done
     assert layer.num_replans == 1
-    assert sum("automatic re-plan failed" in str(w.message) for w in caught) == 1
+    told = [str(w.message) for w in caught if "automatic re-plan failed" in str(w.message)]
+    assert len(told) == 1 and told[0].startswith("VariabilityAwareMoE (layer 3): the automatic re-plan failed")
 
 
 def test_an_interrupted_automatic_replan_is_retried_a_window_later():
