@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from recipes._common import int_setting
+from recipes._outputs import warn
 
 PEER_NAME = "megatron-core MoELayer {version} (local spec, alltoall)"
 
@@ -103,8 +104,7 @@ def build_peer(config, dtype: torch.dtype, device: torch.device, want: str, weig
             import traceback
 
             reason = f"megatron-core MoELayer failed to build: {type(e).__name__}: {e}"
-            print(f"WARNING (rank {dist.get_rank() if dist.is_initialized() else 0}): {reason}\n"
-                  f"{traceback.format_exc()}", flush=True)
+            warn(f"(rank {dist.get_rank() if dist.is_initialized() else 0}) {reason}\n{traceback.format_exc()}")
             peer = None
     # every rank must agree (a peer on some ranks only would hang its collectives)
     have = gather_scalar(0.0 if peer is None else 1.0, device)

@@ -27,7 +27,7 @@ try:
 except ImportError:  # (Windows: run dirs are not held)
     fcntl = None
 
-__all__ = ["RUN_LOCK", "under_torchrun", "run_dir", "claim_run_dir", "run_recipe", "jsonable", "remove_stale", "commit_files",
+__all__ = ["RUN_LOCK", "under_torchrun", "run_dir", "claim_run_dir", "run_recipe", "jsonable", "remove_stale", "commit_files", "warn",
            "write_json"]
 
 
@@ -143,6 +143,11 @@ def run_recipe(main: Callable[[], Any]) -> None:
         sys.exit(130)
 
 
+def warn(message: str) -> None:
+    """A recipe's warning: ``warning: MESSAGE`` on stderr (stdout keeps the tables and notes)."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 def jsonable(obj: Any) -> Any:
     """Plain-JSON copy: tensors/numpy to lists/scalars, non-finite floats to ``None``, paths to str."""
     if isinstance(obj, dict):
@@ -216,8 +221,8 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
                 if name not in optional:
                     raise
                 tmps.pop(name).unlink(missing_ok=True)
-                print(f"warning: {out / name} not written ({type(exc).__name__}: {exc}); the run's other files are "
-                      "written without it", file=sys.stderr, flush=True)
+                warn(f"{out / name} not written ({type(exc).__name__}: {exc}); the run's other files are written "
+                     "without it")
                 continue
             os.chmod(tmps[name], mode)  # the permissions of a plain open(), not mkstemp's 0600
     except BaseException:

@@ -31,14 +31,14 @@ from __future__ import annotations
 import copy
 import math
 import os
-import sys
 from typing import Any
 
 import numpy as np
 
 from recipes._common import print_grid, shared_execution_kwargs
-from recipes._outputs import commit_files, write_json
+from recipes._outputs import commit_files, warn, write_json
 from recipes._plots import pyplot, save_png
+from recipes._serve_workload import scheduler_name
 
 # metrics reduced to medians over the seeds (plain numbers of a single run's results)
 MEDIAN_KEYS = ("throughput_tok_s", "total_tok_s", "ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "tpot_mean_s",
@@ -271,8 +271,8 @@ def print_tables(res: dict) -> None:
         wins = f"{m['seeds_ours_better']}/{m['seeds']} ({m['better']})" if m else ""
         rows.append([label, res[key], res["baseline"][key], ratio, wins])
     base = res["baseline"]
-    title = (f"compare: {res['layer']} (scheduler={res['scheduler']}) vs {base['layer']} "
-             f"(scheduler={base['scheduler']}), router={res['router']}, world={res['world_size']}, "
+    title = (f"compare: {res['layer']} (scheduler={scheduler_name(res['scheduler'])}) vs {base['layer']} "
+             f"(scheduler={scheduler_name(base['scheduler'])}), router={res['router']}, world={res['world_size']}, "
              f"seeds={res['seeds']}")
     print_grid(["metric (median)", f"ours: {res['layer']}", f"baseline: {base['layer']}", "ours/base",
                 "seeds ours better"], rows, title=title)
@@ -337,7 +337,7 @@ def summarize(run_results: list[dict], cfg: dict, out_dir: str, wall_s: float, c
         print(f"note (baseline): {note}")
     print_tables(res)
     for warning in res["warnings"]:
-        print(f"warning: {warning}", file=sys.stderr, flush=True)
+        warn(warning)
     writers = {"compare.png": lambda p: plot_compare(res, p), "rank_load.png": lambda p: plot_rank_load_sides(res, p)} \
         if cfg.get("plot", True) else {}
     writers["results.json"] = lambda p: write_json(p, res)  # last: it marks a finished run

@@ -99,7 +99,7 @@ from recipes._common import (  # noqa: E402
     normalize_flags, overridden, plan_fraction_setting, refuse_unread_overrides, resolve_backend,
     shared_execution_kwargs, shutdown, to_dict,
 )
-from recipes._outputs import claim_run_dir, run_recipe, under_torchrun  # noqa: E402
+from recipes._outputs import claim_run_dir, run_recipe, under_torchrun, warn  # noqa: E402
 from recipes._bench_records import (  # noqa: E402
     SETTINGS_DIGEST_VERSION, order_record, print_results, remove_earlier_outputs, save_records, settings_digest,
 )
@@ -580,7 +580,7 @@ def _bench_size(run: _Run, tokens: int) -> dict:
         size_notes.append(f"tokens/rank={tokens}: the trace holds fewer tokens than the ranks replay, so "
                           "trace tokens repeat (trace.tokens_repeated)")
         if rank == 0:
-            print(f"WARNING: {size_notes[-1]}", flush=True)
+            warn(size_notes[-1])
     timed, base_timed = ours, base
     if run.graph:  # fixed capacity = tokens per rank, whole forward replayed from a CUDA graph (both layers)
         timed = run.make(_graphed_config(cfg["layer"], tokens))
@@ -715,7 +715,7 @@ def _peer_disagrees(run: _Run, msg: str) -> None:
     if run.b["check"].get("strict", True):
         raise RuntimeError(msg + " (bench.check.strict=false to time anyway)")
     if run.rank == 0:
-        print(f"WARNING: {msg}", flush=True)
+        warn(msg)
 
 
 def _profile(run: _Run, tokens: int) -> None:

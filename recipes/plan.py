@@ -113,7 +113,7 @@ from recipes._common import (  # noqa: E402
     config_trace, int_setting, invocation, merge_curves_path, normalize_flags, overridden, print_table,
     refuse_unread_overrides, to_dict,
 )
-from recipes._outputs import claim_run_dir, commit_files, run_recipe, write_json  # noqa: E402
+from recipes._outputs import claim_run_dir, commit_files, run_recipe, warn, write_json  # noqa: E402
 from recipes._plots import plot_plan  # noqa: E402
 from recipes._plan_tools import DP_MAX_RATIO, MODES, even_token_rank, lar_report  # noqa: E402
 
@@ -440,7 +440,7 @@ def run(d: dict) -> dict:
     report["curves_sampled_up_to"] = curves.sampled_up_to
     report["warnings"] = run_warnings(report)
     for warning in report["warnings"]:
-        print(f"warning: {warning}", file=sys.stderr)
+        warn(warning)
     write_outputs(d["run_dir"], report, plans, name, token_rank, even, held_out, curves, semantic)
     return report
 

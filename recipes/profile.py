@@ -42,7 +42,7 @@ from omegaconf import DictConfig  # noqa: E402
 from recipes._common import (  # noqa: E402
     device_for, flag, int_setting, invocation, launch, refuse_unread_overrides, resolve_backend, shutdown, to_dict,
 )
-from recipes._outputs import claim_run_dir, commit_files, jsonable, run_recipe, under_torchrun  # noqa: E402
+from recipes._outputs import claim_run_dir, commit_files, jsonable, run_recipe, under_torchrun, warn  # noqa: E402
 from recipes._plots import plot_curves  # noqa: E402
 
 
@@ -320,8 +320,8 @@ def main(cfg: DictConfig) -> None:
         measured = {"dtype": res["dtype"].replace("torch.", ""), "shape": res["shape"], "seconds": res["seconds"],
                     "timing": res["timing"]}
         if len(set(res["timing"])) > 1:
-            print(f"warning: the ranks were timed differently ({res['timing']}): eager timing includes host syncs "
-                  "that a CUDA graph leaves out, so the spread between those GPUs is partly the method's")
+            warn(f"the ranks were timed differently ({res['timing']}): eager timing includes host syncs that a CUDA "
+                 "graph leaves out, so the spread between those GPUs is partly the method's")
         summarize(res, d["run_dir"], config={"config": echo, "command": invocation(), "measured": measured})
     shutdown()
 

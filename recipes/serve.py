@@ -94,7 +94,7 @@ from recipes._common import (  # noqa: E402
     LAYER_FLAGS, check_input_file, check_layer_settings, device_for, import_object, int_setting, invocation, launch,
     merge_curves_path, normalize_flags, overridden, percentile, print_table, refuse_unread_overrides, shutdown, to_dict,
 )
-from recipes._outputs import claim_run_dir, commit_files, run_recipe, write_json  # noqa: E402
+from recipes._outputs import claim_run_dir, commit_files, run_recipe, warn, write_json  # noqa: E402
 from recipes._bench_tools import seq_len_bounds  # noqa: E402
 from recipes._plots import plot_rank_load  # noqa: E402
 from recipes._serve_workload import (  # noqa: E402
@@ -981,7 +981,7 @@ def main(cfg: DictConfig) -> None:
                 raise type(e)(f"compare.layer / compare.scheduler (the baseline's side): {e}") from None
         warning = compare.seeds_warning(d)
         if warning:
-            print(f"warning: {warning}", file=sys.stderr, flush=True)
+            warn(warning)
         t0 = time.perf_counter()
         res = launch(dict(d, _runs=runs), compare_worker)
         if res is not None:

@@ -467,7 +467,7 @@ def test_bench_flags_repeated_trace_tokens_per_size(tmp_path):
         noted[rec["tokens_per_rank"]] = any("trace tokens repeat" in n for n in rec["notes"])
     assert repeated == {16: False, 64: True}
     assert noted == {16: False, 64: True}  # the t=64 note was in the t=16 record too
-    assert "WARNING: tokens/rank=64: the trace holds fewer tokens" in proc.stdout
+    assert "warning: tokens/rank=64: the trace holds fewer tokens" in proc.stderr  # (warnings on stderr)
 
 
 @pytest.mark.parametrize("override, match", [
