@@ -157,8 +157,11 @@ def free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, backend: str, fn: Callable, args: tuple, queue,
             collective_timeout: float | None = None) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank, unless the caller's environment says
+    try:                                           # how many (a journey found OMP_NUM_THREADS=2 ignored)
+        torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+    except ValueError:
+        torch.set_num_threads(1)
     try:
         try:
             limit = {} if collective_timeout is None else {"timeout": datetime.timedelta(seconds=collective_timeout)}

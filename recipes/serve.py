@@ -461,8 +461,9 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
     replans = sorted(({**r, "ep_group": g} for g, (rp, _) in groups_replans for r in rp),
                      key=lambda r: (r["step"], r["ep_group"], r["layer"]))
     several = len(groups_replans) > 1
-    notes = notes + [f"MoE layer {i}" + (f" of EP group {g}" if several else "") + f": {n} re-plan(s)"
-                     for g, (_, counted) in groups_replans for i, n in counted]
+    notes = notes + [("EP group {g}: " if several else "").format(g=g) + "re-plans per MoE layer: "
+                     + ", ".join(f"layer {i}: {n}" for i, n in counted)
+                     for g, (_, counted) in groups_replans if counted]  # one line per group, not per layer
     latency = latency_summary(reqs, float(t_end[0]))
     group_loads = group_loads.cpu()  # [W, steps, L, R]: each world rank's EP group, per EP rank
     coverage = curves_coverage(cfg, int(group_loads.max()) if group_loads.numel() else 0)

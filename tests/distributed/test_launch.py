@@ -32,3 +32,18 @@ def test_a_rank_that_waits_longer_than_timeout_s_fails_the_run(tmp_path):
     with pytest.raises(RuntimeError, match=r"(?s)distributed run failed:.*--- rank 0 ---.*[Tt]imed? ?out"):
         launch(cfg, _work_then_meet)
     assert time.monotonic() - t0 < 40  # not rank 1's 60 s
+
+
+def _threads(rank: int, world: int) -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+@pytest.mark.timeout(120)
+def test_ranks_take_their_threads_from_omp_num_threads(monkeypatch):
+    """A journey found the ranks on one thread whatever OMP_NUM_THREADS said."""
+    from moelayers.testing import run_distributed
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert run_distributed(_threads, 2) == [2, 2]
