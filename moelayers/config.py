@@ -145,7 +145,11 @@ def megatron_rounds_scores() -> bool:
     Raises:
         RuntimeError: the two score functions disagree (a megatron-core this code does not know).
     """
-    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    try:
+        from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    except ImportError as exc:
+        raise ImportError("MoEConfig.from_megatron needs megatron-core (it asks megatron's routing how it ranks "
+                          "bf16 scores): pip install megatron-core") from exc
 
     answers = []
     for score_function, pre, row, k in (("sigmoid", False, [0.86328125, 0.8671875], 1),  # 0.70335 < 0.70416

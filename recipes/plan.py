@@ -64,8 +64,8 @@ files moved into place, ``report.json`` last):
   (``SemanticPlan.load``; read by ``SemanticMoE.from_plan``, ``recipes/serve.py layer.plan_path=FILE``
   and ``plan.path=FILE``);
 * ``curves.npz``: the latency curves used (:meth:`LatencyCurves.load` reads it);
-* ``plan.png``: per layer, the held-out LAR of the chosen planner against linear, and every planned
-  placement's held-out GEM score relative to linear.
+* ``plan.png`` (``plot=false``: none): per layer, the held-out LAR of the chosen planner against
+  linear, and every planned placement's held-out GEM score relative to linear.
 
 Anyone can recompute the report::
 
@@ -441,7 +441,8 @@ def run(d: dict) -> dict:
     report["warnings"] = run_warnings(report)
     for warning in report["warnings"]:
         warn(warning)
-    write_outputs(d["run_dir"], report, plans, name, token_rank, even, held_out, curves, semantic)
+    write_outputs(d["run_dir"], report, plans, name, token_rank, even, held_out, curves, semantic,
+                  plot=d.get("plot", True))
     return report
 
 
@@ -455,7 +456,7 @@ def recorded_config(d: dict) -> dict:
 
 
 def write_outputs(out_dir: str, report: dict, plans: dict, name: str, token_rank: np.ndarray, even: np.ndarray,
-                  held_out, curves, semantic) -> None:
+                  held_out, curves, semantic, plot: bool = True) -> None:
     """All files of a run, all or nothing (``report.json`` last). ``plans``: ``{planner: expert_rank [L, E]}``,
     ``name`` the chosen one (``expert_rank`` in ``assignment.npz``; every one as ``expert_rank_<planner>``)."""
     every = {f"expert_rank_{p}": np.asarray(er, dtype=np.int64) for p, er in plans.items()}
@@ -467,7 +468,9 @@ def write_outputs(out_dir: str, report: dict, plans: dict, name: str, token_rank
                      tokens_per_step=np.int64(report["tokens_per_step"]),
                      train_fraction=np.float64(report["train_fraction"]), mode=np.str_(report["mode"]))
 
-    writers = {"assignment.npz": assignment, "curves.npz": curves.save, "plan.png": lambda path: plot_plan(report, path)}
+    writers = {"assignment.npz": assignment, "curves.npz": curves.save}
+    if plot:
+        writers["plan.png"] = lambda path: plot_plan(report, path)
     if semantic is not None:
         writers["plan.npz"] = semantic.save
     writers["report.json"] = lambda path: write_json(path, report)
@@ -484,7 +487,7 @@ OPEN_KEYS = ("variability",)
 def main(cfg: DictConfig) -> None:
     refuse_unread_overrides("plan.py", "plan", CONFIG_GROUPS, OPEN_KEYS)
     d = to_dict(cfg)
-    normalize_flags(d, ("progress", "trace.synthetic"))
+    normalize_flags(d, ("progress", "plot", "trace.synthetic"))
     merge_curves_path(d)  # variability.curves.path (serve.py's spelling) means curves.path here
     for key in ("trace", "curves", "plan"):
         if (d.get(key) or {}).get("path"):

@@ -10,8 +10,9 @@ tile) up to ``profile.dense_until``, then sparsely (every ``profile.sparse_step`
 samples. Rank 0 gathers the curves and writes ``curves.npz`` (``rows [N]``, ``latency_s [R, N]`` —
 the least-squares non-decreasing fit of the measurements, which ``LatencyCurves`` requires —,
 ``latency_raw_s [R, N]``, ``device_names``) atomically into the run dir with a picture of them
-(``curves.png``: each rank's curve, and its latency relative to the fastest rank; both files or
-neither), and prints the spread between the GPUs. ``curves.npz`` also
+(``curves.png``: each rank's curve, and its latency relative to the fastest rank; written with
+the curves, or left out with a warning when it cannot be drawn; ``plot=false``: none), and prints
+the spread between the GPUs. ``curves.npz`` also
 holds ``config``: the resolved config, the command line and what was measured (``measured``: the
 dtype, the per-rank shape and the seconds the profile took) as a JSON string (the run dir gets no
 ``.hydra/`` and no log file, and a run that fails writes nothing there).
@@ -268,14 +269,15 @@ def save_curves(path: str, rows, latency_s: np.ndarray, device_names, raw_latenc
     atomic_write(path, lambda fh: np.savez(fh, **arrays))
 
 
-def summarize(res: dict, out_dir: str, config: dict | None = None) -> str:
+def summarize(res: dict, out_dir: str, config: dict | None = None, plot: bool = True) -> str:
     raw, rows = res["latency_s"], res["rows"]
     lat = monotone_fit(raw)
     path = os.path.join(out_dir, "curves.npz")
-    written = commit_files(out_dir, {  # together: never a new curves.npz beside an earlier run's curves.png
-        "curves.npz": lambda tmp: save_curves(tmp, rows, lat, res["device_names"], raw, config=config),
-        "curves.png": lambda tmp: plot_curves(rows, lat, raw, res["device_names"], tmp),
-    }, stale=("curves.png",), optional=("curves.png",))  # a plot that fails leaves the curves, with a warning
+    writers = {"curves.npz": lambda tmp: save_curves(tmp, rows, lat, res["device_names"], raw, config=config)}
+    if plot:
+        writers["curves.png"] = lambda tmp: plot_curves(rows, lat, raw, res["device_names"], tmp)
+    # together: never a new curves.npz beside an earlier run's curves.png; a plot that fails leaves the curves
+    written = commit_files(out_dir, writers, stale=("curves.png",), optional=("curves.png",))
     picks = sorted({0, len(rows) - 1, *(i for i, n in enumerate(rows) if n in (128, 1024, 4096, 16384))})
     table = [("rows", *[f"rank {r}" for r in range(lat.shape[0])], "max/min")]
     for i in picks:
@@ -305,6 +307,7 @@ def main(cfg: DictConfig) -> None:
     check_profile(d["profile"])  # a bad setting fails here, before any rank starts
     int_setting(d.get("seed", 0), "seed", 0)
     flag(d, "progress", True)
+    flag(d, "plot", True)
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (d.get("parallel") or {}).get("world_size", 1)
     check_world(d["profile"], int_setting(world, "parallel.world_size", 1))
     backend = resolve_backend((d.get("parallel") or {}).get("backend"), torchrun=under_torchrun())
@@ -322,7 +325,8 @@ def main(cfg: DictConfig) -> None:
         if len(set(res["timing"])) > 1:
             warn(f"the ranks were timed differently ({res['timing']}): eager timing includes host syncs that a CUDA "
                  "graph leaves out, so the spread between those GPUs is partly the method's")
-        summarize(res, d["run_dir"], config={"config": echo, "command": invocation(), "measured": measured})
+        summarize(res, d["run_dir"], config={"config": echo, "command": invocation(), "measured": measured},
+                  plot=flag(d, "plot", True))
     shutdown()
 
 

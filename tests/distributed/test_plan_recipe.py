@@ -557,6 +557,8 @@ def test_a_reused_run_dir_holds_one_run(trace_file, tmp_path):
     report, _ = run_plan(tmp_path / "run", trace_file, "planner=gem", "parallel.ep=2")
     assert report["planner"] == "gem" and not (tmp_path / "run" / "plan.npz").exists()
     assert {p.name for p in (tmp_path / "run").iterdir()} >= {"report.json", "assignment.npz", "curves.npz", "plan.png"}
+    run_plan(tmp_path / "run", trace_file, "planner=gem", "parallel.ep=2", "plot=false")  # no plot, the old one gone
+    assert {p.name for p in (tmp_path / "run").iterdir()} == {"report.json", "assignment.npz", "curves.npz"}
 
 
 def test_a_failed_write_leaves_nothing(trace_file, tmp_path, monkeypatch):

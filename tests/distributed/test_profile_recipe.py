@@ -85,6 +85,9 @@ def test_summarize_failing_plot_keeps_the_curves(tmp_path, monkeypatch, capsys):
     mod.summarize(res, str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.npz"]  # no picture, no temporary file
     assert "curves.png not written (RuntimeError: no matplotlib)" in capsys.readouterr().err
+    (tmp_path / "curves.png").write_bytes(b"an earlier run's picture")
+    mod.summarize(res, str(tmp_path), plot=False)  # plot=false: no picture drawn, an earlier one removed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.npz"] and "not written" not in capsys.readouterr().err
     monkeypatch.setattr(mod, "save_curves", boom)
     (tmp_path / "curves.npz").unlink()
     with pytest.raises(RuntimeError, match="no matplotlib"):

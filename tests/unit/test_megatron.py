@@ -1218,3 +1218,19 @@ def test_adapter_on_the_meta_device():
         adapter.to_empty(device="cpu")
         assert mi.megatron_init(adapter.layer, tc, 1)
         assert all(torch.equal(p, q) for p, q in zip(adapter.parameters(), reference.parameters()))
+
+
+def test_from_megatron_without_megatron_names_the_package(monkeypatch):
+    """A journey found a bare `No module named 'megatron'` from from_megatron on an environment without
+    megatron-core, where the other megatron entry points name the package and the pip command."""
+    import sys
+
+    from moelayers.config import megatron_rounds_scores
+
+    monkeypatch.setitem(sys.modules, "megatron.core.transformer.moe.moe_utils", None)  # import fails
+    megatron_rounds_scores.cache_clear()
+    try:
+        with pytest.raises(ImportError, match=r"from_megatron needs megatron-core .*pip install megatron-core"):
+            ml.MoEConfig.from_megatron(_tc(num_moe_experts=8))
+    finally:
+        megatron_rounds_scores.cache_clear()
