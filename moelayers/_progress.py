@@ -27,7 +27,8 @@ def progress_bar(iterable: Iterable | None = None, *, desc: str, total: int | No
     """
     from tqdm.auto import tqdm
 
-    to_log = not sys.stderr.isatty() and not tqdm.__module__.startswith("tqdm.notebook")
+    notebook = any(c.__module__.startswith("tqdm.notebook") for c in tqdm.__mro__)  # (tqdm.auto's class in a kernel)
+    to_log = not sys.stderr.isatty() and not notebook
     pacing = {"mininterval": LOG_INTERVAL_S, "maxinterval": LOG_INTERVAL_S} if to_log else {}
     return tqdm(iterable, desc=desc, total=total, unit=unit, file=sys.stderr, leave=leave and not nested,
                 position=1 if nested else None, disable=nested and to_log, **pacing)

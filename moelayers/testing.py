@@ -264,8 +264,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
         world_size: number of ranks.
         *args: passed to ``fn`` after the rank and world size.
         backend: ``'gloo'`` or ``'nccl'``.
-        timeout: seconds to wait for each rank's report (a test's limit on the whole run); ``None``:
-            as long as the ranks live (a long run; pair it with ``collective_timeout``).
+        timeout: seconds to wait for each rank's report in turn (a test's bound on a run); ``None``:
+            for the first report, as long as the ranks live (a long run), for the others
+            ``collective_timeout`` (a rank hung after its peers finished fails; pair the two).
         collective_timeout: the process group's timeout (``init_process_group(timeout=)``): a rank
             that waits longer than this in a collective (a peer hung or gone) raises, which fails the
             run; ``None``: torch's default.
@@ -277,7 +278,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, backend
         the per-rank results, in rank order.
 
     Raises:
-        RuntimeError: with every failing rank's traceback, or on timeout (a hang fails, it does not stall).
+        RuntimeError: with every failing rank's traceback, or on timeout (a hang fails, it does not
+            stall; with ``timeout=None`` a hang that no collective or later report meets does).
     """
     for _ in range(_PORT_TRIES):
         try:
@@ -314,7 +316,10 @@ def _run_once(fn: Callable[..., Any], world_size: int, args: tuple, backend: str
     stopped = False  # Ctrl-C or another exception here: the ranks are killed at once, not waited for
     try:
         for _ in range(world_size):
-            rank, status, payload = _next_report(queue, procs, results, timeout)
+            # a run without a limit: once a rank has reported, the others report within collective_timeout
+            # (a rank hung outside any collective after its peers finished fails too)
+            wait = timeout if timeout is not None or not results else collective_timeout
+            rank, status, payload = _next_report(queue, procs, results, wait)
             if status == "ok":
                 results[rank] = pickle.loads(payload)
             elif status == "port":

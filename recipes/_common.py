@@ -382,7 +382,8 @@ def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], op
     ``+KEY=VALUE`` / ``++KEY=VALUE`` for a key that it does not read (:func:`readable_keys`; a
     misspelt ``+layer.placment_path=FILE``, ``+planner.restart=3``; a key of another option of its
     group, ``+planner.restarts=3`` with ``planner=semantic``, ``+layer.plan_path=FILE`` with
-    ``layer=vanilla``): Hydra adds such a key and nothing reads it. Keys under one of ``open_keys`` (and groups named there) are read by code that
+    ``layer=vanilla``; ``++KEY`` of another option passes: a ``-m`` sweep across the options sets it
+    so): Hydra adds such a key and nothing reads it. Keys under one of ``open_keys`` (and groups named there) are read by code that
     checks them itself (a layer's constructor for ``layer.kwargs``, a scheduler for ``scheduler``, a
     recipe's own refusal with its reason) and pass; so do Hydra's own settings.
 
@@ -397,7 +398,7 @@ def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], op
         ValueError: naming the override and what the recipe reads.
     """
     known_groups = {n for n in os.listdir(CONF_DIR) if os.path.isdir(os.path.join(CONF_DIR, n))}
-    keys, choices = None, chosen_options()
+    keys, union, choices = None, None, chosen_options()
     for override in invocation()["overrides"]:
         key = override.split("=", 1)[0]
         name = key.lstrip("+~")
@@ -412,6 +413,9 @@ def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], op
         name = package or name  # where the override adds something
         keys = readable_keys(primary, groups, extra_keys, mirrors, choices) if keys is None else keys
         if name in keys or any(name == k or name.startswith(k + ".") for k in open_keys):
+            continue
+        union = readable_keys(primary, groups, extra_keys, mirrors) if union is None else union
+        if key.startswith("++") and name in union:  # a -m sweep across options sets a key some of them read
             continue
         head = name.split(".", 1)[0]
         others = [o for o in _options(head) if name in _option_keys(head, o)] if head in groups else []

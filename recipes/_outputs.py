@@ -210,6 +210,7 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
 
     mode = file_mode()
     tmps: dict[str, Path] = {}
+    left_out: list[str] = []  # optional files whose writer failed: told once the rest is in
     try:
         for name, write in writers.items():
             fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.", suffix=".tmp")
@@ -221,8 +222,8 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
                 if name not in optional:
                     raise
                 tmps.pop(name).unlink(missing_ok=True)
-                warn(f"{out / name} not written ({type(exc).__name__}: {exc}); the run's other files are written "
-                     "without it")
+                left_out.append(f"{out / name} not written ({type(exc).__name__}: {exc}); the run's other files are "
+                                "written without it")
                 continue
             os.chmod(tmps[name], mode)  # the permissions of a plain open(), not mkstemp's 0600
     except BaseException:
@@ -236,6 +237,8 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
     finally:  # a failed move leaves no temporary file behind
         for tmp in tmps.values():
             tmp.unlink(missing_ok=True)
+    for message in left_out:
+        warn(message)
     return [out / name for name in tmps]
 
 

@@ -871,8 +871,9 @@ CONFIG_GROUPS = ("parallel", "bench", "layer", "router")
 #: config keys whose sub-keys the code reading them checks (refuse_unread_overrides lets them pass; check_config
 #: refuses serve.py's emulation settings, saying why)
 OPEN_KEYS = ("layer.kwargs", "variability", "emulation")
-#: keys read with a default that no bench shape's yaml sets (moe_config)
-EXTRA_KEYS = ("bench.shape.init_std", "bench.shape.score_fn", "bench.shape.norm_topk_prob")
+#: keys read with a default that no bench shape's yaml sets (moe_config), and layer.placement_path of some
+#: layer options, which check_config refuses with its reason (serve.py reads it)
+EXTRA_KEYS = ("bench.shape.init_std", "bench.shape.score_fn", "bench.shape.norm_topk_prob", "layer.placement_path")
 
 
 @hydra.main(config_path="../conf", config_name="bench", version_base="1.3")

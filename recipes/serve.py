@@ -370,7 +370,7 @@ def compare_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
     out = []
     for run in runs:
         if bar is not None:
-            bar.set_postfix_str(run["_run_label"])
+            bar.set_postfix_str(run["_run_label"], refresh=False)  # drawn with the bar's own pacing
         res = serve_worker(rank, world, run)
         if res is not None:
             res["side"] = run["_side"]
@@ -749,7 +749,8 @@ def check_config(d: dict) -> None:
                          f"over every rank: parallel.ep must be null or the world size ({world}), got {ep}")
     plan_path = None
     schedulers = [d["scheduler"], *([compare["scheduler"]] if compare.get("layer") and compare.get("scheduler") else [])]
-    if not (uses_plan(d["layer"]) or any(scheduler_name(s) == "semantic" for s in schedulers)):
+    # (the command line's settings: checked on the whole config, not again on the baseline's run of a comparison)
+    if "_side" not in d and not (uses_plan(d["layer"]) or any(scheduler_name(s) == "semantic" for s in schedulers)):
         unused = overridden(EXTRA_KEYS[:2])  # a layer without from_plan beside schedulers without a plan
         if unused:
             raise ValueError(f"{', '.join(unused)}: a semantic plan is read with layer=semantic or scheduler=semantic "

@@ -465,8 +465,8 @@ class SemanticMoE(MoELayerBase):
         if self.semantic_plan is None:
             return
         planned = self.semantic_plan.placement(self.layer_idx)
-        # (the placement is the group's: told on its first rank, not once per rank)
-        if self.groups.ep_rank == 0 and _experts_per_rank(planned) != _experts_per_rank(self.placement):
+        # (on every rank, although the placement is the group's: a filter that makes it an error raises on all)
+        if _experts_per_rank(planned) != _experts_per_rank(self.placement):
             warn_caller(f"SemanticMoE layer {self.layer_idx} serves another expert placement than its plan's (a "
                           "checkpoint saved in another placement, a move, or placement=): outputs are unchanged, but "
                           "the plan sends tokens to the ranks of its own placement, so the local activation rate "

@@ -291,11 +291,10 @@ class VariabilityAwareMoE(MoELayerBase):
                             "without the optimizer's per-slot state, which stays with the slots (Adam's moments now "
                             "belong to other experts): set layer.replan_optimizer = optimizer to move it with the "
                             "weights (or re-plan yourself: replan(optimizer=...))", RuntimeWarning)
-        except PlacementMoveError as exc:  # (raised on every rank of the group: told on its first)
+        except PlacementMoveError as exc:  # (on every rank: a filter that turns it into an error raises on all)
             self._retry_at = self.steps + self.window
-            if self.groups.ep_rank == 0:
-                warn_caller(f"{self._label()}: the automatic re-plan failed ({exc}); tried again in "
-                            f"{self.window} steps", RuntimeWarning)
+            warn_caller(f"{self._label()}: the automatic re-plan failed ({exc}); tried again in "
+                        f"{self.window} steps", RuntimeWarning)
         except BaseException:  # anything else (KeyboardInterrupt, a planner's bug) reaches the caller, and the
             # re-plan is tried again a window later as after a failure (it was never tried again)
             self._retry_at = self.steps + self.window

@@ -47,3 +47,21 @@ def test_ranks_take_their_threads_from_omp_num_threads(monkeypatch):
 
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert run_distributed(_threads, 2) == [2, 2]
+
+
+def _one_hangs_after_the_last_collective(rank: int, world: int, cfg: dict) -> int:
+    dist.barrier()
+    if rank == 1:
+        time.sleep(60)
+    return rank
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_hung_after_its_peers_reported_fails_the_run(tmp_path):
+    """A review found the launcher waiting forever for a rank hung outside any collective once the
+    others had finished: after the first report the others get timeout_s."""
+    cfg = {"parallel": {"world_size": 2, "backend": "gloo", "timeout_s": 2}, "run_dir": str(tmp_path)}
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"timed out after 2 s"):
+        launch(cfg, _one_hangs_after_the_last_collective)
+    assert time.monotonic() - t0 < 40

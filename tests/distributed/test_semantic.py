@@ -225,8 +225,8 @@ def _vanilla_checkpoint_into_plan(planned, plan, cfg, groups, device, w64, x64, 
         warnings.simplefilter("always")
         layer.load_state_dict(vanilla.state_dict())
     warned = sum("apply_placement" in str(w.message) for w in caught)
-    # one rank: the same experts; several: told once, on the group's first rank (a journey saw a copy per rank)
-    if layer.placement != vanilla.placement or warned != (groups.ep_size > 1 and groups.ep_rank == 0):
+    # one rank: the same experts; several: told once on every rank (a filter that raises must raise on all)
+    if layer.placement != vanilla.placement or warned != (groups.ep_size > 1):
         errs.append(f"a linear checkpoint in a plan-built layer: adopted {layer.placement == vanilla.placement}, "
                     f"warned {warned} at {groups.ep_size} expert-parallel rank(s)")
     for step in ("checkpoint", "moved"):

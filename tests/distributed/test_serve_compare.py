@@ -78,7 +78,9 @@ def _better(ours, base, direction: str) -> bool:
 @pytest.mark.timeout(150)
 def test_compare_semantic_vs_vanilla(tmp_path):
     seeds = [0, 2]
+    # (layer.plan_train_fraction: a review found a comparison setting it refused on the baseline's side)
     res, out = _compare(tmp_path / "run", "layer=semantic", "scheduler=semantic", "router=replay",
+                        "layer.plan_train_fraction=0.5",
                         "workload.num_requests=8", "trace.num_sequences=64", "trace.request_offset=32",
                         "compare.layer=vanilla", "compare.scheduler=round_robin",
                         f"compare.seeds=[{seeds[0]},{seeds[1]}]")

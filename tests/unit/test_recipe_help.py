@@ -95,8 +95,10 @@ def test_an_override_the_recipe_would_ignore_is_refused(monkeypatch, recipe, ove
     ("plan.py", "+planner.restarts=3", {"planner": "gem"}, None),
     ("plan.py", "+planner.theta=0.3", {"planner": "eplb"}, r"planner=eplb reads no key planner.theta \(planner=semantic"),
     ("serve.py", "+layer.placement_path=p.json", {"layer": "semantic"}, None),  # check_config says why
-    ("bench.py", "+layer.placement_path=p.json", {"layer": "semantic"},
-     r"bench.py with layer=semantic reads no key layer.placement_path \(layer=vanilla \| variability reads it\)"),
+    ("bench.py", "+layer.placement_path=p.json", {"layer": "semantic"}, None),  # check_config: serve.py reads it
+    ("bench.py", "+layer.plan_train_fraction=0.3", {"layer": "vanilla"}, "with layer=vanilla reads no key"),
+    ("bench.py", "++layer.plan_train_fraction=0.3", {"layer": "vanilla"}, None),  # -m layer=semantic,vanilla sweeps
+    ("bench.py", "++layer.plan_train_fractoin=0.3", {"layer": "vanilla"}, "reads no key"),  # a typo still is one
     ("serve.py", "+layer.kwargs.window=4", {"layer": "vanilla"}, None),  # the layer's constructor checks kwargs
     ("serve.py", "+layer.plan_path=p.npz", {"layer": "vanilla"}, None),  # scheduler=semantic reads it: check_config
     ("serve.py", "+compare.layer.placement_path=p.json", {"layer": "semantic"}, None),  # any option's keys

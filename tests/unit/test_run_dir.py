@@ -151,6 +151,7 @@ def test_a_failing_optional_plot_is_left_out_and_the_run_written(tmp_path, capsy
         commit_files(tmp_path, {"rank_load.png": plot, "results.json": _disk_full}, stale=("rank_load.png",),
                      optional=("rank_load.png",))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json"]
+    assert "not written" not in capsys.readouterr().err  # (nothing was: no word of "the other files")
     assert (tmp_path / "results.json").read_text() == "new"
 
 
