@@ -24,10 +24,13 @@ def pyplot():
 
 
 def save_png(fig, path: str | os.PathLike) -> None:
-    """Lay out ``fig``, write it to ``path`` as PNG (whatever the suffix) and close it."""
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    pyplot().close(fig)
+    """Lay out ``fig``, write it to ``path`` as PNG (whatever the suffix) and close it (a failed save too:
+    the run goes on without the plot)."""
+    try:
+        fig.tight_layout()
+        fig.savefig(path, format="png")
+    finally:
+        pyplot().close(fig)
 
 
 def plot_rank_load(rank_load: list[list[int]], path: str | os.PathLike, title: str) -> None:

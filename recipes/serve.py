@@ -304,7 +304,7 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
                                dtype=torch.int64, device=device)
             dist.all_reduce(vec)
             remaining, global_tok, global_done = vec.tolist()
-            if bar is not None and global_done > bar.n:  # (a redraw per step otherwise)
+            if bar is not None and global_done > bar.n:  # (only when a request finished: a redraw is a log line)
                 bar.update(global_done - bar.n)
             if remaining == 0:
                 break
