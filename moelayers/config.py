@@ -147,7 +147,9 @@ def megatron_rounds_scores() -> bool:
     """
     try:
         from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
-    except ImportError as exc:
+    except ModuleNotFoundError as exc:
+        if not str(exc.name or "").startswith("megatron"):
+            raise
         raise ImportError("MoEConfig.from_megatron needs megatron-core (it asks megatron's routing how it ranks "
                           "bf16 scores): pip install megatron-core") from exc
 

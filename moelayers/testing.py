@@ -210,7 +210,10 @@ def _next_report(queue, procs: list, reported: dict, timeout: float | None) -> t
                     codes = {r: procs[r].exitcode for r in dead}
                     raise RuntimeError(f"rank(s) {dead} died without reporting (exit codes {codes})") from None
             if time.monotonic() >= deadline:
-                raise RuntimeError(f"distributed run timed out after {timeout:.0f} s (a rank hung or died)") from None
+                missing = [r for r in range(len(procs)) if r not in reported]
+                after = f" after rank(s) {sorted(reported)} reported" if reported else ""
+                raise RuntimeError(f"distributed run timed out after {timeout:.3g} s: rank(s) {missing} did not "
+                                   f"report{after} (hung, or still working past the limit)") from None
 
 
 #: variables that change all the time and that nothing reads at import: no reason to restart the fork server

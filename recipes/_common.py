@@ -225,8 +225,9 @@ def check_input_file(path: str, key: str, what: str) -> None:
 
 def timeout_setting(parallel: dict | None) -> float:
     """``parallel.timeout_s`` (default 600) as seconds: a finite number > 0. The ranks' process
-    group takes it as its timeout: a rank that waits longer than this in a collective (for a peer
-    that hung or died) raises and fails the run; a run may take as long as it needs.
+    group takes it as its timeout: a rank that waits longer than this in a collective or the
+    rendezvous (for a peer that hung or died) raises and fails the run, as does a spawned rank that
+    has not reported this long after another did; the run itself may take as long as it needs.
 
     Raises:
         ValueError: anything else, naming the key (0 would fail every collective).
@@ -319,6 +320,17 @@ def chosen_options() -> dict[str, str]:
     return {str(k): str(v) for k, v in choices.items() if v is not None and not str(k).startswith("hydra")}
 
 
+def in_sweep() -> bool:
+    """Whether this run is one job of a Hydra ``-m`` sweep (``False`` outside a Hydra app)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        return HydraConfig.get().mode == RunMode.MULTIRUN
+    except Exception:  # not inside @hydra.main
+        return False
+
+
 def overridden(keys: Sequence[str]) -> list[str]:
     """The command-line overrides (``key=value``, as typed) that set one of ``keys`` (dotted config
     paths, e.g. ``trace.num_experts``) or a key under one (``workload.prompt_len.min`` for
@@ -382,8 +394,8 @@ def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], op
     ``+KEY=VALUE`` / ``++KEY=VALUE`` for a key that it does not read (:func:`readable_keys`; a
     misspelt ``+layer.placment_path=FILE``, ``+planner.restart=3``; a key of another option of its
     group, ``+planner.restarts=3`` with ``planner=semantic``, ``+layer.plan_path=FILE`` with
-    ``layer=vanilla``; ``++KEY`` of another option passes: a ``-m`` sweep across the options sets it
-    so): Hydra adds such a key and nothing reads it. Keys under one of ``open_keys`` (and groups named there) are read by code that
+    ``layer=vanilla``; ``++KEY`` of another option passes in a ``-m`` sweep, which sets a key of some
+    of its jobs' options so): Hydra adds such a key and nothing reads it. Keys under one of ``open_keys`` (and groups named there) are read by code that
     checks them itself (a layer's constructor for ``layer.kwargs``, a scheduler for ``scheduler``, a
     recipe's own refusal with its reason) and pass; so do Hydra's own settings.
 
@@ -415,8 +427,8 @@ def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], op
         if name in keys or any(name == k or name.startswith(k + ".") for k in open_keys):
             continue
         union = readable_keys(primary, groups, extra_keys, mirrors) if union is None else union
-        if key.startswith("++") and name in union:  # a -m sweep across options sets a key some of them read
-            continue
+        if key.startswith("++") and name in union and in_sweep():  # a -m sweep across options sets a key
+            continue                                                # some of them read
         head = name.split(".", 1)[0]
         others = [o for o in _options(head) if name in _option_keys(head, o)] if head in groups else []
         if others and head in choices:  # a key of another option of the group (+layer.plan_path with layer=vanilla)
@@ -479,7 +491,8 @@ def launch(cfg: Any, fn: Callable[[int, int, dict], Any]) -> Any:
 
     world = int_setting(par.get("world_size", 1), "parallel.world_size", 1)  # 1.9 is not 1
     backend = resolve_backend(par.get("backend"), torchrun=False)
-    # no limit on the run's length: a rank that waits in a collective longer than timeout_s fails it
+    # no limit on the run's length: a rank that waits in a collective longer than timeout_s fails it, and so
+    # does one that has not reported timeout_s after another did
     results = run_distributed(fn, world, d, backend=backend, timeout=None, collective_timeout=timeout)
     return results[0]
 

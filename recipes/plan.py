@@ -110,7 +110,7 @@ from omegaconf import DictConfig  # noqa: E402
 from moelayers.planning.semantic_eval import PREDICTORS  # noqa: E402
 from moelayers.planning.steps import MIN_STEPS  # noqa: E402
 from recipes._common import (  # noqa: E402
-    config_trace, int_setting, invocation, merge_curves_path, normalize_flags, overridden, print_table,
+    config_trace, flag, int_setting, invocation, merge_curves_path, normalize_flags, overridden, print_table,
     refuse_unread_overrides, to_dict,
 )
 from recipes._outputs import claim_run_dir, commit_files, run_recipe, warn, write_json  # noqa: E402
@@ -442,7 +442,7 @@ def run(d: dict) -> dict:
     for warning in report["warnings"]:
         warn(warning)
     write_outputs(d["run_dir"], report, plans, name, token_rank, even, held_out, curves, semantic,
-                  plot=d.get("plot", True))
+                  plot=flag(d, "plot", True))
     return report
 
 

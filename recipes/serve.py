@@ -92,7 +92,8 @@ from omegaconf import DictConfig  # noqa: E402
 from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import (  # noqa: E402
     LAYER_FLAGS, check_input_file, check_layer_settings, device_for, import_object, int_setting, invocation, launch,
-    merge_curves_path, normalize_flags, overridden, percentile, print_table, refuse_unread_overrides, shutdown, to_dict,
+    in_sweep, merge_curves_path, normalize_flags, overridden, percentile, print_table, refuse_unread_overrides, shutdown,
+    to_dict,
 )
 from recipes._outputs import claim_run_dir, commit_files, run_recipe, warn, write_json  # noqa: E402
 from recipes._bench_tools import seq_len_bounds  # noqa: E402
@@ -370,7 +371,7 @@ def compare_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
     out = []
     for run in runs:
         if bar is not None:
-            bar.set_postfix_str(run["_run_label"], refresh=False)  # drawn with the bar's own pacing
+            bar.set_postfix_str(run["_run_label"], refresh=sys.stderr.isatty())  # into a log: with the bar's pacing
         res = serve_worker(rank, world, run)
         if res is not None:
             res["side"] = run["_side"]
@@ -751,7 +752,8 @@ def check_config(d: dict) -> None:
     schedulers = [d["scheduler"], *([compare["scheduler"]] if compare.get("layer") and compare.get("scheduler") else [])]
     # (the command line's settings: checked on the whole config, not again on the baseline's run of a comparison)
     if "_side" not in d and not (uses_plan(d["layer"]) or any(scheduler_name(s) == "semantic" for s in schedulers)):
-        unused = overridden(EXTRA_KEYS[:2])  # a layer without from_plan beside schedulers without a plan
+        # a layer without from_plan beside schedulers without a plan (++KEY in a -m sweep: set for its other jobs)
+        unused = [o for o in overridden(EXTRA_KEYS[:2]) if not (o.startswith("++") and in_sweep())]
         if unused:
             raise ValueError(f"{', '.join(unused)}: a semantic plan is read with layer=semantic or scheduler=semantic "
                              f"only, and this run has layer={d['layer']['name']}, scheduler="

@@ -97,8 +97,7 @@ def test_an_override_the_recipe_would_ignore_is_refused(monkeypatch, recipe, ove
     ("serve.py", "+layer.placement_path=p.json", {"layer": "semantic"}, None),  # check_config says why
     ("bench.py", "+layer.placement_path=p.json", {"layer": "semantic"}, None),  # check_config: serve.py reads it
     ("bench.py", "+layer.plan_train_fraction=0.3", {"layer": "vanilla"}, "with layer=vanilla reads no key"),
-    ("bench.py", "++layer.plan_train_fraction=0.3", {"layer": "vanilla"}, None),  # -m layer=semantic,vanilla sweeps
-    ("bench.py", "++layer.plan_train_fractoin=0.3", {"layer": "vanilla"}, "reads no key"),  # a typo still is one
+    ("bench.py", "++layer.plan_train_fraction=0.3", {"layer": "vanilla"}, "with layer=vanilla reads no key"),
     ("serve.py", "+layer.kwargs.window=4", {"layer": "vanilla"}, None),  # the layer's constructor checks kwargs
     ("serve.py", "+layer.plan_path=p.npz", {"layer": "vanilla"}, None),  # scheduler=semantic reads it: check_config
     ("serve.py", "+compare.layer.placement_path=p.json", {"layer": "semantic"}, None),  # any option's keys
@@ -109,6 +108,20 @@ def test_a_key_of_another_option_of_the_group_is_refused(monkeypatch, recipe, ov
     """A sweep found `+planner.restarts=3` accepted with planner=semantic, `+layer.plan_path=FILE` with
     layer=vanilla: the check took the keys of every option of a group, not the chosen one's."""
     _check_override(monkeypatch, recipe, override, refused, choices)
+
+
+@pytest.mark.parametrize("override, refused", [
+    ("++layer.plan_train_fraction=0.3", None),  # -m layer=semantic,vanilla: the semantic job reads it
+    ("++layer.plan_train_fractoin=0.3", "reads no key"),  # a typo still is one
+    ("+layer.plan_train_fraction=0.3", "with layer=vanilla reads no key"),  # + fails on the semantic job anyway
+])
+def test_a_sweep_sets_a_key_of_another_option_with_plus_plus(monkeypatch, override, refused):
+    """A review found `bench.py -m layer=semantic,vanilla ++layer.plan_train_fraction=0.3` refused on
+    its vanilla job; outside a sweep ``++`` is checked like ``+`` (a second review)."""
+    from recipes import _common
+
+    monkeypatch.setattr(_common, "in_sweep", lambda: True)
+    _check_override(monkeypatch, "bench.py", override, refused, {"layer": "vanilla"})
 
 
 def _check_override(monkeypatch, recipe: str, override: str, refused: str | None, choices: dict) -> None:
