@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from recipes._outputs import run_dir, under_torchrun
+from recipes._outputs import mark_launched, run_dir, under_torchrun
 
 __all__ = [
     "launch", "resolve_backend", "device_for", "invocation", "to_dict", "print_table", "print_grid",
@@ -480,6 +480,7 @@ def launch(cfg: Any, fn: Callable[[int, int, dict], Any]) -> Any:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         d.setdefault("parallel", {})["world_size"] = world
+        mark_launched()  # (the settings were checked: an error from here on is this rank's own)
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
         result = fn(rank, world, d)
@@ -491,6 +492,7 @@ def launch(cfg: Any, fn: Callable[[int, int, dict], Any]) -> Any:
 
     world = int_setting(par.get("world_size", 1), "parallel.world_size", 1)  # 1.9 is not 1
     backend = resolve_backend(par.get("backend"), torchrun=False)
+    mark_launched()
     # no limit on the run's length: a rank that waits in a collective longer than timeout_s fails it, and so
     # does one that has not reported timeout_s after another did
     results = run_distributed(fn, world, d, backend=backend, timeout=None, collective_timeout=timeout)

@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import tempfile
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -131,16 +132,46 @@ def _release_run_dir(lock: Path) -> None:
         os.close(fd)
 
 
+#: whether this process has started the run's ranks (:func:`mark_launched`): an error before it is a
+#: refused setting, which every rank under torchrun meets alike
+_LAUNCHED = {"ranks": False}
+
+
+def mark_launched() -> None:
+    """Called by ``launch`` as the ranks start: errors from here on are the run's own."""
+    _LAUNCHED["ranks"] = True
+
+
 def run_recipe(main: Callable[[], Any]) -> None:
     """Run a recipe's Hydra ``main``; Ctrl-C ends it with one line instead of a traceback (exit
-    status 130, as a shell reports it)."""
+    status 130, as a shell reports it).
+
+    Under torchrun every rank composes the config and runs the recipe's checks: a refused setting
+    is told in full by rank 0 (as Hydra prints it) and in one line by each other rank, instead of
+    the whole message once per rank; an error of the run itself (after the ranks started) is told
+    in full by every rank that meets it. Ctrl-C's line comes from rank 0.
+    """
+    rank = int(os.environ.get("RANK", "0")) if under_torchrun() else 0
+    if rank:
+        os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing: told below
     try:
         main()
     except KeyboardInterrupt:
-        print("\ninterrupted: files this run had not finished were not written (each output is written "
-              "whole or not at all; an earlier run's stay where this one did not replace them)",
-              file=sys.stderr, flush=True)
+        if not rank:
+            print("\ninterrupted: files this run had not finished were not written (each output is written "
+                  "whole or not at all; an earlier run's stay where this one did not replace them)",
+                  file=sys.stderr, flush=True)
         sys.exit(130)
+    except Exception as exc:
+        if not rank:
+            raise
+        if _LAUNCHED["ranks"]:
+            traceback.print_exc()
+        else:
+            first = (str(exc).splitlines() or [""])[0]
+            print(f"rank {rank}: refused the settings ({type(exc).__name__}: "
+                  f"{first if len(first) <= 160 else first[:157] + '...'})", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def warn(message: str) -> None:

@@ -65,3 +65,27 @@ def test_a_rank_hung_after_its_peers_reported_fails_the_run(tmp_path):
     with pytest.raises(RuntimeError, match=r"timed out after 2 s"):
         launch(cfg, _one_hangs_after_the_last_collective)
     assert time.monotonic() - t0 < 40
+
+
+@pytest.mark.timeout(180)
+def test_a_refused_setting_under_torchrun_is_told_in_full_once(tmp_path):
+    """A journey found every torchrun rank printing Hydra's whole error for one bad setting: rank 0
+    tells it in full, the others in one line each."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun not on PATH")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", str(root / "recipes" / "serve.py"),
+                           "+layer.kwargs.capacity=0", f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode != 0
+    message = "layer.kwargs.capacity must be an integer >= 1, got 0"
+    assert proc.stderr.count(f"\nValueError: {message}") == 1, proc.stderr[-3000:]  # rank 0's traceback, once
+    assert f"rank 1: refused the settings (ValueError: {message})" in proc.stderr
