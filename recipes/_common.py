@@ -495,7 +495,12 @@ def launch(cfg: Any, fn: Callable[[int, int, dict], Any]) -> Any:
     mark_launched()
     # no limit on the run's length: a rank that waits in a collective longer than timeout_s fails it, and so
     # does one that has not reported timeout_s after another did
-    results = run_distributed(fn, world, d, backend=backend, timeout=None, collective_timeout=timeout)
+    try:
+        results = run_distributed(fn, world, d, backend=backend, timeout=None, collective_timeout=timeout)
+    except Exception:
+        if sys.stderr.isatty():  # rank 0's progress bar may hold the line: the error starts on its own
+            print(file=sys.stderr, flush=True)
+        raise
     return results[0]
 
 
