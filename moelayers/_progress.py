@@ -4,11 +4,16 @@ On a terminal (or in a notebook) a bar redraws as tqdm does. Where stderr is a f
 log, CI, ``| tee``), each redraw is another line: the bar is drawn at most every
 :data:`LOG_INTERVAL_S` seconds (and at its end), and a bar nested under another (one serve run of a
 comparison) is not drawn at all, since its cursor moves (``ESC[A``) only make sense on a terminal.
+
+tqdm's write lock is a thread lock here where none was made yet, not its default multiprocessing
+one: the bars of a recipe live in one process (rank 0's), and a rank killed when a run stops (Ctrl-C,
+another rank's error) would leave that semaphore behind ("resource_tracker: ... leaked semaphore").
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -27,6 +32,8 @@ def progress_bar(iterable: Iterable | None = None, *, desc: str, total: int | No
     """
     from tqdm.auto import tqdm
 
+    if not hasattr(tqdm, "_lock"):  # (see the module docstring)
+        tqdm.set_lock(threading.RLock())
     notebook = any(c.__module__.startswith("tqdm.notebook") for c in tqdm.__mro__)  # (tqdm.auto's class in a kernel)
     to_log = not sys.stderr.isatty() and not notebook
     pacing = {"mininterval": LOG_INTERVAL_S, "maxinterval": LOG_INTERVAL_S} if to_log else {}

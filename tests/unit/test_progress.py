@@ -33,3 +33,14 @@ def test_a_nested_bar_into_a_log_is_not_drawn(monkeypatch):
 def test_a_bar_on_a_terminal_draws_as_tqdm_does(monkeypatch):
     assert "500/500" in _draw(monkeypatch, _Terminal())
     assert "serve" in _draw(monkeypatch, _Terminal(), nested=True)  # on its line, cleared at its end
+
+
+def test_bars_take_a_thread_lock_not_a_semaphore():
+    """A journey saw "resource_tracker: ... leaked semaphore" after Ctrl-C of a spawned serve run:
+    tqdm's default lock is a multiprocessing semaphore, left behind by the killed rank 0."""
+    import subprocess
+
+    code = ("from moelayers._progress import progress_bar\nfrom tqdm.auto import tqdm\n"
+            "progress_bar(total=1, desc='x').close()\nprint(type(tqdm.get_lock()).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "RLock", out.stderr[-2000:]
