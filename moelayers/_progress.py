@@ -5,9 +5,11 @@ log, CI, ``| tee``), each redraw is another line: the bar is drawn at most every
 :data:`LOG_INTERVAL_S` seconds (and at its end), and a bar nested under another (one serve run of a
 comparison) is not drawn at all, since its cursor moves (``ESC[A``) only make sense on a terminal.
 
-tqdm's write lock is a thread lock here where none was made yet, not its default multiprocessing
+Our bars write under a thread lock where tqdm has made none yet, not its default multiprocessing
 one: the bars of a recipe live in one process (rank 0's), and a rank killed when a run stops (Ctrl-C,
 another rank's error) would leave that semaphore behind ("resource_tracker: ... leaked semaphore").
+The lock is set on a subclass of our own: the user's tqdm class keeps its lock (``process_map``
+sends it to spawned workers, which a thread lock cannot reach).
 """
 
 from __future__ import annotations
@@ -19,6 +21,18 @@ from typing import Any
 
 #: seconds between two redraws of a bar whose stderr is not a terminal
 LOG_INTERVAL_S = 30.0
+
+_BAR_CLASSES: dict[type, type] = {}  # tqdm.auto's class -> our subclass of it with a thread lock
+
+
+def _bar_class(tqdm: type) -> type:
+    """``tqdm`` with a thread lock where it has no lock yet (see the module docstring), as a subclass."""
+    if tqdm not in _BAR_CLASSES:
+        bar = type("MoelayersBar", (tqdm,), {})
+        if not hasattr(tqdm, "_lock"):
+            bar.set_lock(threading.RLock())
+        _BAR_CLASSES[tqdm] = bar
+    return _BAR_CLASSES[tqdm]
 
 
 def progress_bar(iterable: Iterable | None = None, *, desc: str, total: int | None = None, unit: str = "it",
@@ -32,10 +46,8 @@ def progress_bar(iterable: Iterable | None = None, *, desc: str, total: int | No
     """
     from tqdm.auto import tqdm
 
-    if not hasattr(tqdm, "_lock"):  # (see the module docstring)
-        tqdm.set_lock(threading.RLock())
     notebook = any(c.__module__.startswith("tqdm.notebook") for c in tqdm.__mro__)  # (tqdm.auto's class in a kernel)
     to_log = not sys.stderr.isatty() and not notebook
     pacing = {"mininterval": LOG_INTERVAL_S, "maxinterval": LOG_INTERVAL_S} if to_log else {}
-    return tqdm(iterable, desc=desc, total=total, unit=unit, file=sys.stderr, leave=leave and not nested,
-                position=1 if nested else None, disable=nested and to_log, **pacing)
+    return _bar_class(tqdm)(iterable, desc=desc, total=total, unit=unit, file=sys.stderr, leave=leave and not nested,
+                            position=1 if nested else None, disable=nested and to_log, **pacing)

@@ -212,7 +212,7 @@ def _next_report(queue, procs: list, reported: dict, timeout: float | None) -> t
             if time.monotonic() >= deadline:
                 missing = [r for r in range(len(procs)) if r not in reported]
                 after = f" after rank(s) {sorted(reported)} reported" if reported else ""
-                raise RuntimeError(f"distributed run timed out after {timeout:.3g} s: rank(s) {missing} did not "
+                raise RuntimeError(f"distributed run timed out after {timeout:g} s: rank(s) {missing} did not "
                                    f"report{after} (hung, or still working past the limit)") from None
 
 

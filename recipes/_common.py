@@ -320,15 +320,19 @@ def chosen_options() -> dict[str, str]:
     return {str(k): str(v) for k, v in choices.items() if v is not None and not str(k).startswith("hydra")}
 
 
-def in_sweep() -> bool:
-    """Whether this run is one job of a Hydra ``-m`` sweep (``False`` outside a Hydra app)."""
+def in_sweep(group: str) -> bool:
+    """Whether this run is one job of a Hydra ``-m`` sweep over the options of config ``group``
+    (``layer=vanilla,semantic``, ``layer=choice(...)``, ``glob(...)``); ``False`` outside a Hydra app."""
     try:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
-        return HydraConfig.get().mode == RunMode.MULTIRUN
+        if HydraConfig.get().mode != RunMode.MULTIRUN:
+            return False
     except Exception:  # not inside @hydra.main
         return False
+    swept = [a.split("=", 1)[1] for a in sys.argv[1:] if a.split("=", 1)[0].lstrip("+~") == group and "=" in a]
+    return any("," in value or "(" in value for value in swept)
 
 
 def overridden(keys: Sequence[str]) -> list[str]:
@@ -427,8 +431,8 @@ def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], op
         if name in keys or any(name == k or name.startswith(k + ".") for k in open_keys):
             continue
         union = readable_keys(primary, groups, extra_keys, mirrors) if union is None else union
-        if key.startswith("++") and name in union and in_sweep():  # a -m sweep across options sets a key
-            continue                                                # some of them read
+        if key.startswith("++") and name in union and in_sweep(name.split(".", 1)[0]):  # a -m sweep across
+            continue                                                # the group's options sets a key some read
         head = name.split(".", 1)[0]
         others = [o for o in _options(head) if name in _option_keys(head, o)] if head in groups else []
         if others and head in choices:  # a key of another option of the group (+layer.plan_path with layer=vanilla)
@@ -477,10 +481,10 @@ def launch(cfg: Any, fn: Callable[[int, int, dict], Any]) -> Any:
 
         backend = resolve_backend(par.get("backend"), torchrun=True)
         world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        mark_launched()  # (the settings were checked: an error from here on is this rank's own)
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         d.setdefault("parallel", {})["world_size"] = world
-        mark_launched()  # (the settings were checked: an error from here on is this rank's own)
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
         result = fn(rank, world, d)
@@ -498,8 +502,8 @@ def launch(cfg: Any, fn: Callable[[int, int, dict], Any]) -> Any:
     try:
         results = run_distributed(fn, world, d, backend=backend, timeout=None, collective_timeout=timeout)
     except Exception:
-        if sys.stderr.isatty():  # rank 0's progress bar may hold the line: the error starts on its own
-            print(file=sys.stderr, flush=True)
+        if sys.stderr.isatty() and flag(d, "progress", True):  # rank 0's bar may hold the line: the error
+            print(file=sys.stderr, flush=True)                  # starts on its own
         raise
     return results[0]
 

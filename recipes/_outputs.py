@@ -147,9 +147,10 @@ def run_recipe(main: Callable[[], Any]) -> None:
     status 130, as a shell reports it).
 
     Under torchrun every rank composes the config and runs the recipe's checks: a refused setting
-    is told in full by rank 0 (as Hydra prints it) and in one line by each other rank, instead of
-    the whole message once per rank; an error of the run itself (after the ranks started) is told
-    in full by every rank that meets it. Ctrl-C's line comes from rank 0.
+    is told with its traceback by rank 0 (as Hydra prints it) and as its message alone by each other
+    rank (Hydra adds its "Error executing job" line), not the whole traceback once per rank; an error
+    of the run itself (after the ranks started) is told in full by every rank that meets it.
+    Ctrl-C's line comes from rank 0.
     """
     rank = int(os.environ.get("RANK", "0")) if under_torchrun() else 0
     if rank:
@@ -167,10 +168,9 @@ def run_recipe(main: Callable[[], Any]) -> None:
             raise
         if _LAUNCHED["ranks"]:
             traceback.print_exc()
-        else:
-            first = (str(exc).splitlines() or [""])[0]
-            print(f"rank {rank}: refused the settings ({type(exc).__name__}: "
-                  f"{first if len(first) <= 160 else first[:157] + '...'})", file=sys.stderr, flush=True)
+        else:  # (the whole message: a setting refused on this rank alone, a file missing on its node, is told here only)
+            print(f"rank {rank} stopped before the run started: {type(exc).__name__}: {exc}", file=sys.stderr,
+                  flush=True)
         sys.exit(1)
 
 

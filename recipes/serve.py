@@ -753,7 +753,7 @@ def check_config(d: dict) -> None:
     # (the command line's settings: checked on the whole config, not again on the baseline's run of a comparison)
     if "_side" not in d and not (uses_plan(d["layer"]) or any(scheduler_name(s) == "semantic" for s in schedulers)):
         # a layer without from_plan beside schedulers without a plan (++KEY in a -m sweep: set for its other jobs)
-        unused = [o for o in overridden(EXTRA_KEYS[:2]) if not (o.startswith("++") and in_sweep())]
+        unused = [o for o in overridden(EXTRA_KEYS[:2]) if not (o.startswith("++") and in_sweep("layer"))]
         if unused:
             raise ValueError(f"{', '.join(unused)}: a semantic plan is read with layer=semantic or scheduler=semantic "
                              f"only, and this run has layer={d['layer']['name']}, scheduler="

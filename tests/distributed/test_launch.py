@@ -88,4 +88,4 @@ def test_a_refused_setting_under_torchrun_is_told_in_full_once(tmp_path):
     assert proc.returncode != 0
     message = "layer.kwargs.capacity must be an integer >= 1, got 0"
     assert proc.stderr.count(f"\nValueError: {message}") == 1, proc.stderr[-3000:]  # rank 0's traceback, once
-    assert f"rank 1: refused the settings (ValueError: {message})" in proc.stderr
+    assert f"rank 1 stopped before the run started: ValueError: {message}" in proc.stderr

@@ -41,6 +41,8 @@ def test_bars_take_a_thread_lock_not_a_semaphore():
     import subprocess
 
     code = ("from moelayers._progress import progress_bar\nfrom tqdm.auto import tqdm\n"
-            "progress_bar(total=1, desc='x').close()\nprint(type(tqdm.get_lock()).__name__)")
+            "bar = progress_bar(total=1, desc='x')\nbar.close()\n"
+            "print(type(bar.get_lock()).__name__, hasattr(tqdm, '_lock'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.stdout.strip() == "RLock", out.stderr[-2000:]
+    # ours a thread lock; the user's tqdm class untouched (its process_map sends its lock to spawned workers)
+    assert out.stdout.strip() == "RLock False", out.stderr[-2000:]

@@ -120,7 +120,7 @@ def test_a_sweep_sets_a_key_of_another_option_with_plus_plus(monkeypatch, overri
     its vanilla job; outside a sweep ``++`` is checked like ``+`` (a second review)."""
     from recipes import _common
 
-    monkeypatch.setattr(_common, "in_sweep", lambda: True)
+    monkeypatch.setattr(_common, "in_sweep", lambda group: group == "layer")
     _check_override(monkeypatch, "bench.py", override, refused, {"layer": "vanilla"})
 
 
@@ -151,6 +151,17 @@ def test_plan_refuses_a_key_of_another_planner_under_hydra(tmp_path):
                            f"hydra.run.dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and ("plan.py with planner=semantic reads no key planner.restarts (planner=gem reads it)"
                                      in proc.stderr), proc.stderr[-2000:]
+
+
+def test_a_sweep_that_keeps_the_option_refuses_its_key_with_plus_plus(tmp_path):
+    """A review found any -m run letting ++KEY of another option through (`-m seed=0,1` too): only a
+    sweep over the key's group does."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "plan.py"), "-m", "seed=0", "planner=eplb",
+                           "++planner.theta=0.3", f"hydra.sweep.dir={tmp_path}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "plan.py with planner=eplb reads no key planner.theta" in proc.stderr, \
+        proc.stderr[-2000:]
 
 
 def test_serve_refuses_a_planner_group_before_any_rank_starts(tmp_path):
