@@ -29,7 +29,7 @@ def _bar_class(tqdm: type) -> type:
     """``tqdm`` with a thread lock where it has no lock yet (see the module docstring), as a subclass."""
     if tqdm not in _BAR_CLASSES:
         bar = type("MoelayersBar", (tqdm,), {})
-        if not hasattr(tqdm, "_lock"):
+        if not hasattr(tqdm, "_lock") and hasattr(tqdm, "set_lock"):  # (a stand-in class has no lock to set)
             bar.set_lock(threading.RLock())
         _BAR_CLASSES[tqdm] = bar
     return _BAR_CLASSES[tqdm]
