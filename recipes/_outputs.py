@@ -142,6 +142,11 @@ def mark_launched() -> None:
     _LAUNCHED["ranks"] = True
 
 
+#: Hydra's flags that print something and run nothing (under torchrun, rank 0 prints it)
+_PRINT_ONLY_FLAGS = frozenset({"--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--resolve", "-p",
+                               "--package"})
+
+
 def run_recipe(main: Callable[[], Any]) -> None:
     """Run a recipe's Hydra ``main``; Ctrl-C ends it with one line instead of a traceback (exit
     status 130, as a shell reports it).
@@ -150,11 +155,13 @@ def run_recipe(main: Callable[[], Any]) -> None:
     is told with its traceback by rank 0 (as Hydra prints it) and as its message alone by each other
     rank (Hydra adds its "Error executing job" line), not the whole traceback once per rank; an error
     of the run itself (after the ranks started) is told in full by every rank that meets it.
-    Ctrl-C's line comes from rank 0.
+    Ctrl-C's line, ``--help`` and ``--cfg`` come from rank 0.
     """
     rank = int(os.environ.get("RANK", "0")) if under_torchrun() else 0
     if rank:
         os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing: told below
+        if any(a.split("=", 1)[0] in _PRINT_ONLY_FLAGS for a in sys.argv[1:]):  # --help, --cfg job: rank 0 prints
+            sys.stdout = open(os.devnull, "w")
     try:
         main()
     except KeyboardInterrupt:

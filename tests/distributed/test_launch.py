@@ -89,3 +89,23 @@ def test_a_refused_setting_under_torchrun_is_told_in_full_once(tmp_path):
     message = "layer.kwargs.capacity must be an integer >= 1, got 0"
     assert proc.stderr.count(f"\nValueError: {message}") == 1, proc.stderr[-3000:]  # rank 0's traceback, once
     assert f"rank 1 stopped before the run started: ValueError: {message}" in proc.stderr
+
+
+@pytest.mark.timeout(180)
+def test_cfg_under_torchrun_is_printed_once(tmp_path):
+    """A review found --help and --cfg printed once per torchrun rank."""
+    import os
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun not on PATH")
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", str(root / "recipes" / "serve.py"),
+                           "--cfg", "job"], cwd=root, env=env, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("\nseed: ") + proc.stdout.startswith("seed: ") == 1, proc.stdout[-2000:]
