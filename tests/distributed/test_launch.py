@@ -67,10 +67,8 @@ def test_a_rank_hung_after_its_peers_reported_fails_the_run(tmp_path):
     assert time.monotonic() - t0 < 40
 
 
-@pytest.mark.timeout(180)
-def test_a_refused_setting_under_torchrun_is_told_in_full_once(tmp_path):
-    """A journey found every torchrun rank printing Hydra's whole error for one bad setting: rank 0
-    tells it in full, the others in one line each."""
+def _torchrun_serve(*args: str):
+    """``torchrun --standalone --nproc_per_node=2 recipes/serve.py ARGS`` on the CPU (gloo), captured."""
     import os
     import shutil
     import subprocess
@@ -82,9 +80,15 @@ def test_a_refused_setting_under_torchrun_is_told_in_full_once(tmp_path):
     root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", str(root / "recipes" / "serve.py"),
-                           "+layer.kwargs.capacity=0", f"hydra.run.dir={tmp_path / 'run'}"],
+    return subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", str(root / "recipes" / "serve.py"), *args],
                           cwd=root, env=env, capture_output=True, text=True, timeout=170)
+
+
+@pytest.mark.timeout(180)
+def test_a_refused_setting_under_torchrun_is_told_in_full_once(tmp_path):
+    """A journey found every torchrun rank printing Hydra's whole error for one bad setting: rank 0
+    tells it with its traceback, the others its message alone."""
+    proc = _torchrun_serve("+layer.kwargs.capacity=0", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode != 0
     message = "layer.kwargs.capacity must be an integer >= 1, got 0"
     assert proc.stderr.count(f"\nValueError: {message}") == 1, proc.stderr[-3000:]  # rank 0's traceback, once
@@ -92,20 +96,8 @@ def test_a_refused_setting_under_torchrun_is_told_in_full_once(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_cfg_under_torchrun_is_printed_once(tmp_path):
+def test_cfg_under_torchrun_is_printed_once():
     """A review found --help and --cfg printed once per torchrun rank."""
-    import os
-    import shutil
-    import subprocess
-    from pathlib import Path
-
-    torchrun = shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun not on PATH")
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", str(root / "recipes" / "serve.py"),
-                           "--cfg", "job"], cwd=root, env=env, capture_output=True, text=True, timeout=170)
+    proc = _torchrun_serve("--cfg", "job")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("\nseed: ") + proc.stdout.startswith("seed: ") == 1, proc.stdout[-2000:]
