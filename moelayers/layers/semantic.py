@@ -78,6 +78,12 @@ class SemanticMoE(MoELayerBase):
             (and a host read) that the ranks hold the same tokens and none refused its input.
             ``False`` saves that per call; every rank must then pass identical, valid inputs (a
             refused input on one rank leaves the others waiting in the reduce-scatter).
+        verify_tp_residual: ``forward_tp`` also checks, in the same all-reduce, that ``residual``
+            holds the same bits on every TP rank (a fingerprint of its ``[T, H]`` values: a few
+            elementwise passes over it on every call). Off by default: a residual stream that
+            differs between the TP ranks (a rank that dropped out of sync) otherwise gives some
+            output rows from one rank's residual and some from another's, silently. Needs
+            ``verify_tp_inputs``.
         **kwargs: the rest of :class:`MoELayerBase`'s arguments (dispatcher, device, seed, ...).
 
     Attributes:
@@ -116,10 +122,15 @@ class SemanticMoE(MoELayerBase):
         layer_idx: int = 0,
         predictor: str = "combined",
         verify_tp_inputs: bool = True,
+        verify_tp_residual: bool = False,
         **kwargs: Any,
     ):
-        if not isinstance(verify_tp_inputs, bool):
-            raise TypeError(f"verify_tp_inputs must be a bool, got {verify_tp_inputs!r}")
+        for name, value in (("verify_tp_inputs", verify_tp_inputs), ("verify_tp_residual", verify_tp_residual)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {value!r}")
+        if verify_tp_residual and not verify_tp_inputs:
+            raise ValueError("verify_tp_residual=True needs verify_tp_inputs=True (the residual's check rides on "
+                             "the inputs' all-reduce)")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if predictor not in PREDICTORS:
@@ -138,7 +149,7 @@ class SemanticMoE(MoELayerBase):
         super().__init__(config, groups, placement=placement, **kwargs)
         self.gather_context = gather_context
         self.mode, self.semantic_plan, self.layer_idx, self.predictor = mode, plan, layer_idx, predictor
-        self.verify_tp_inputs = verify_tp_inputs
+        self.verify_tp_inputs, self.verify_tp_residual = verify_tp_inputs, verify_tp_residual
         if mode == "tp":  # routes only this TP rank's chunk: a partial gradient (see forward_tp)
             self.router.weight.sequence_parallel = True
         self._tables, self._predictor = tables, predictor_obj
@@ -283,8 +294,9 @@ class SemanticMoE(MoELayerBase):
             refused = exc
         if self.groups.tp_size > 1 and self.verify_tp_inputs:
             settings = None if refused else _tp_settings(x2.dtype, attn_partial, residual)
+            checked = None if refused or not self.verify_tp_residual else residual
             self._agree_tp(refused, None if refused else x2.shape[0], None if refused else token_ids,
-                           None if refused else prev_ranks, None if refused else forced, settings)
+                           None if refused else prev_ranks, None if refused else forced, settings, checked)
         r, group = self.groups.tp_rank, self.groups.tp
         mine = rb.chunk(r)
         n = rb.valid_rows(r)
@@ -373,18 +385,19 @@ class SemanticMoE(MoELayerBase):
 
     def _agree_tp(self, refused: Exception | None, num_tokens: int | None, token_ids: torch.Tensor | None,
                   prev_ranks: PrevRanks = None, forced: torch.Tensor | None = None,
-                  settings: int | None = None) -> None:
+                  settings: int | None = None, residual: torch.Tensor | None = None) -> None:
         """One ``MAX`` all-reduce over the TP group of each rank's token count, order-sensitive
         fingerprints of its token ids and of its context (``prev_ranks``), the digest of its
         predictor (its plan's tables: with the tokens and context, what decides the shuffle), a
-        fingerprint of its forced routing, a refusal flag per rank and each rank's ``settings``
+        fingerprint of its forced routing, one of ``residual``'s bits (``verify_tp_residual``; the
+        field stays 0 without it), a refusal flag per rank and each rank's ``settings``
         (:func:`_tp_settings`: its dtype and which inputs it back-propagates into); raises on every
         rank when any rank refused its input (``refused``, raised as it is on that rank) or the ranks
         disagree (the shuffled collectives need the same tokens, in the same order, everywhere:
         different counts or dtypes crash them, different ids, contexts, plans or forced routing give
         wrong outputs silently, and a backward into an input on some ranks only waits in its
         collective for the others)."""
-        r, fields = self.groups.tp_size, 10
+        r, fields = self.groups.tp_size, 12
         host = torch.full((fields + 2 * r,), -(1 << 62), dtype=torch.int64)  # MAX identity of the fields
         host[fields:] = 0
         host[fields + self.groups.tp_rank] = int(refused is not None)
@@ -394,10 +407,14 @@ class SemanticMoE(MoELayerBase):
             host[6], host[7] = self._predictor_digest, -self._predictor_digest
             if forced is None:
                 host[8] = host[9] = 0
+            if residual is None:
+                host[10] = host[11] = 0
         vec = host.to(self.router.weight.device)  # one copy: the fingerprints below are device values
         if refused is None:
             prints = [(2, [] if token_ids is None else [token_ids]), (4, _context_tensors(prev_ranks))]
-            for i, tensors in prints + ([] if forced is None else [(8, [forced])]):
+            prints += [] if forced is None else [(8, [forced])]
+            prints += [] if residual is None else [(10, [_row_prints(residual)])]
+            for i, tensors in prints:
                 f = _fingerprint_of(tensors, vec.device)
                 vec[i], vec[i + 1] = f >> 1, -(f >> 1)  # halved: the negation never overflows
         dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.groups.tp)
@@ -534,7 +551,16 @@ _TP_DISAGREEMENTS = (
     "orders",
     "force different routing (topk_ids or force_routing): every TP rank must force the same ids for all T "
     "tokens, or none",
+    "hold different residuals (verify_tp_residual): the residual stream must be identical, bit for bit, on every "
+    "TP rank (each rank adds its rows of its own copy)",
 )
+
+
+def _row_prints(t: torch.Tensor) -> torch.Tensor:
+    """``[T, ...]`` float -> ``[T]`` int64: each row's fingerprint of its raw bits (a float's
+    value cast to an integer would lose its fraction), in chunks of bounded memory."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return fingerprint(t.detach().contiguous().view(ints[t.element_size()]))
 
 
 def _predictor_digest(predictor: LayerTables | HistoryPredictor | None, name: Any) -> int:

@@ -390,6 +390,54 @@ def test_forward_tp_bad_input_on_one_rank_raises_on_every_rank():
                        ml.ParallelGroups.single(), verify_tp_inputs="off")
 
 
+def _tp_residual_out_of_sync(rank, world):
+    """A residual stream one bit apart on rank 1 (or with two rows swapped there): each rank adds its
+    chunk's rows of its own copy, so forward_tp returned rows from both copies, silently. With
+    ``verify_tp_residual`` every rank raises (in float64 and bfloat16), and equal residuals give
+    the output of the layer without the check, bit for bit."""
+    groups = ml.ParallelGroups.from_world(tp=world)
+    plan = make_plan(4 * world, world, seed=3)
+    outcome = {}
+    for dtype in (torch.float64, torch.bfloat16):
+        cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4 * world, top_k=2, params_dtype=dtype)
+        checked = ml.SemanticMoE.from_plan(plan, 2, cfg, groups, mode="tp", seed=7, verify_tp_residual=True)
+        plain = ml.SemanticMoE.from_plan(plan, 2, cfg, groups, mode="tp", seed=7)
+        partials, residual, ids, _ = _tp_inputs({}, world, 9, plan)
+        x, norm = partials[rank].to(dtype), _norm(dtype)
+        residual = residual.to(dtype)
+        with torch.no_grad():
+            same = torch.equal(checked.forward_tp(x, residual, norm, token_ids=ids),
+                               plain.forward_tp(x, residual, norm, token_ids=ids))
+        outcome[dtype, "equal"] = "same output" if same else "the check changed the output"
+        for kind in ("one bit", "rows swapped"):
+            res = residual.clone()
+            if rank == 1 and kind == "one bit":
+                res.view(torch.int16 if dtype == torch.bfloat16 else torch.int64)[4, 3] += 1  # the next float up
+            if rank == 1 and kind == "rows swapped":
+                res[[2, 6]] = res[[6, 2]]
+            try:
+                with torch.no_grad():
+                    checked.forward_tp(x, res, norm, token_ids=ids)
+                outcome[dtype, kind] = "no error"
+            except ValueError as e:
+                outcome[dtype, kind] = "raised" if "hold different residuals (verify_tp_residual)" in str(e) else str(e)
+    return outcome
+
+
+@pytest.mark.timeout(120)
+def test_forward_tp_verify_tp_residual_catches_residuals_out_of_sync():
+    out = run_distributed(_tp_residual_out_of_sync, 2, timeout=90)
+    for dtype in (torch.float64, torch.bfloat16):
+        for r in range(2):
+            assert (out[r][dtype, "equal"], out[r][dtype, "one bit"], out[r][dtype, "rows swapped"]) == \
+                ("same output", "raised", "raised"), out
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2)
+    with pytest.raises(ValueError, match="verify_tp_residual=True needs verify_tp_inputs=True"):
+        ml.SemanticMoE(cfg, ml.ParallelGroups.single(), verify_tp_inputs=False, verify_tp_residual=True)
+    with pytest.raises(TypeError, match="verify_tp_residual must be a bool"):
+        ml.SemanticMoE(cfg, ml.ParallelGroups.single(), verify_tp_residual=1)
+
+
 def _tp_ranks_whose_backward_would_differ(rank, world, device="cpu"):
     """Autograd into attn_partial or residual on rank 0 only (the inner forward's agreement sees only
     the chunk after the norm, which needs a gradient on both): the backward's all-gather or
