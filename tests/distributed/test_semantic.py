@@ -390,7 +390,7 @@ def test_forward_tp_bad_input_on_one_rank_raises_on_every_rank():
                        ml.ParallelGroups.single(), verify_tp_inputs="off")
 
 
-def _tp_residual_out_of_sync(rank, world):
+def _tp_residual_out_of_sync(rank, world, device="cpu"):
     """A residual stream one bit apart on rank 1 (or with two rows swapped there): each rank adds its
     chunk's rows of its own copy, so forward_tp returned rows from both copies, silently. With
     ``verify_tp_residual`` every rank raises (in float64 and bfloat16), and equal residuals give
@@ -400,11 +400,12 @@ def _tp_residual_out_of_sync(rank, world):
     outcome = {}
     for dtype in (torch.float64, torch.bfloat16):
         cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4 * world, top_k=2, params_dtype=dtype)
-        checked = ml.SemanticMoE.from_plan(plan, 2, cfg, groups, mode="tp", seed=7, verify_tp_residual=True)
-        plain = ml.SemanticMoE.from_plan(plan, 2, cfg, groups, mode="tp", seed=7)
+        checked = ml.SemanticMoE.from_plan(plan, 2, cfg, groups, mode="tp", seed=7, verify_tp_residual=True,
+                                           device=device)
+        plain = ml.SemanticMoE.from_plan(plan, 2, cfg, groups, mode="tp", seed=7, device=device)
         partials, residual, ids, _ = _tp_inputs({}, world, 9, plan)
-        x, norm = partials[rank].to(dtype), _norm(dtype)
-        residual = residual.to(dtype)
+        x, norm, ids = partials[rank].to(device, dtype), _norm(dtype, device), ids.to(device)
+        residual = residual.to(device, dtype)
         with torch.no_grad():
             same = torch.equal(checked.forward_tp(x, residual, norm, token_ids=ids),
                                plain.forward_tp(x, residual, norm, token_ids=ids))
@@ -426,16 +427,20 @@ def _tp_residual_out_of_sync(rank, world):
 
 @pytest.mark.timeout(120)
 def test_forward_tp_verify_tp_residual_catches_residuals_out_of_sync():
-    out = run_distributed(_tp_residual_out_of_sync, 2, timeout=90)
-    for dtype in (torch.float64, torch.bfloat16):
-        for r in range(2):
-            assert (out[r][dtype, "equal"], out[r][dtype, "one bit"], out[r][dtype, "rows swapped"]) == \
-                ("same output", "raised", "raised"), out
+    check_residual_checks(run_distributed(_tp_residual_out_of_sync, 2, timeout=90))
     cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2)
     with pytest.raises(ValueError, match="verify_tp_residual=True needs verify_tp_inputs=True"):
         ml.SemanticMoE(cfg, ml.ParallelGroups.single(), verify_tp_inputs=False, verify_tp_residual=True)
     with pytest.raises(TypeError, match="verify_tp_residual must be a bool"):
         ml.SemanticMoE(cfg, ml.ParallelGroups.single(), verify_tp_residual=1)
+
+
+def check_residual_checks(out):
+    """:func:`_tp_residual_out_of_sync`'s outcome on every rank, as expected (also on GPUs)."""
+    for dtype in (torch.float64, torch.bfloat16):
+        for r in range(2):
+            assert (out[r][dtype, "equal"], out[r][dtype, "one bit"], out[r][dtype, "rows swapped"]) == \
+                ("same output", "raised", "raised"), out
 
 
 def _tp_ranks_whose_backward_would_differ(rank, world, device="cpu"):

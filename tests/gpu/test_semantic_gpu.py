@@ -78,3 +78,14 @@ def test_forward_tp_second_order_gradients_nccl():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     assert run_distributed(_double_backward_tp, 2, "cuda", backend="nccl", timeout=240) == [None, None]
+
+
+@pytest.mark.timeout(300)
+def test_forward_tp_verify_tp_residual_nccl():
+    """verify_tp_residual's fingerprint of the residual's bits on CUDA (float64 and bfloat16): one
+    bit apart on one rank raises on both, equal residuals give the unchecked output."""
+    from tests.distributed.test_semantic import _tp_residual_out_of_sync, check_residual_checks
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    check_residual_checks(run_distributed(_tp_residual_out_of_sync, 2, "cuda", backend="nccl", timeout=240))
