@@ -322,16 +322,20 @@ def chosen_options() -> dict[str, str]:
 
 def in_sweep(group: str) -> bool:
     """Whether this run is one job of a Hydra ``-m`` sweep over the options of config ``group``
-    (``layer=vanilla,semantic``, ``layer=choice(...)``, ``glob(...)``); ``False`` outside a Hydra app."""
+    (``layer=vanilla,semantic``, ``layer=choice(...)``, ``glob(...)``), on the command line or in a
+    config's ``hydra.sweeper.params``; ``False`` outside a Hydra app."""
     try:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
-        if HydraConfig.get().mode != RunMode.MULTIRUN:
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode != RunMode.MULTIRUN:
             return False
     except Exception:  # not inside @hydra.main
         return False
+    params = OmegaConf.select(hydra_cfg, "sweeper.params", default=None) or {}
     swept = [a.split("=", 1)[1] for a in sys.argv[1:] if a.split("=", 1)[0].lstrip("+~") == group and "=" in a]
+    swept += [str(value) for key, value in params.items() if str(key).lstrip("+~") == group]
     return any("," in value or "(" in value for value in swept)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -162,6 +163,22 @@ def test_a_sweep_that_keeps_the_option_refuses_its_key_with_plus_plus(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "plan.py with planner=eplb reads no key planner.theta" in proc.stderr, \
         proc.stderr[-2000:]
+
+
+def test_a_sweep_in_a_config_file_lets_plus_plus_through(tmp_path):
+    """A sweep set in a config's ``hydra.sweeper.params`` (not on the command line) refused
+    ``++planner.restarts`` on its eplb job: in_sweep read sys.argv only."""
+    (tmp_path / "myplan.yaml").write_text(
+        "defaults:\n  - plan\n  - _self_\n"
+        "trace: {num_sequences: 8, num_layers: 2, num_experts: 8, top_k: 2, seq_len: 64, tokens_per_step: 128}\n"
+        "plot: false\nprogress: false\nhydra:\n  sweeper:\n    params:\n      planner: eplb,gem\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "plan.py"), "--config-dir", str(tmp_path),
+                           "--config-name", "myplan", "-m", "++planner.restarts=2", f"hydra.sweep.dir={tmp_path}/out"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reports = [json.loads((tmp_path / "out" / str(i) / "report.json").read_text()) for i in (0, 1)]
+    assert [r["config"]["planner"]["name"] for r in reports] == ["eplb", "gem"]
 
 
 def test_serve_refuses_a_planner_group_before_any_rank_starts(tmp_path):
