@@ -207,13 +207,29 @@ def _next_report(queue, procs: list, reported: dict, timeout: float | None) -> t
                 try:
                     return queue.get_nowait()
                 except queue_mod.Empty:
-                    codes = {r: procs[r].exitcode for r in dead}
-                    raise RuntimeError(f"rank(s) {dead} died without reporting (exit codes {codes})") from None
+                    codes = ", ".join(f"{r}: {_exit_reason(procs[r].exitcode)}" for r in dead)
+                    raise RuntimeError(f"rank(s) {dead} died without reporting (exit codes {{{codes}}})") from None
             if time.monotonic() >= deadline:
                 missing = [r for r in range(len(procs)) if r not in reported]
                 after = f" after rank(s) {sorted(reported)} reported" if reported else ""
                 raise RuntimeError(f"distributed run timed out after {timeout:g} s: rank(s) {missing} did not "
                                    f"report{after} (hung, or still working past the limit)") from None
+
+
+def _exit_reason(code: int) -> str:
+    """A child's exit code, with the signal that ended it and what usually sends that signal."""
+    import signal
+
+    if code >= 0:
+        return str(code)
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return str(code)
+    why = {"SIGABRT": " - NCCL's watchdog aborts a rank whose collective waited past the process group's timeout",
+           "SIGKILL": " - killed from outside, often for memory (the kernel's OOM killer)",
+           "SIGSEGV": " - a crash in native code"}.get(name, "")
+    return f"{code} ({name}{why})"
 
 
 #: variables that change all the time and that nothing reads at import: no reason to restart the fork server

@@ -594,6 +594,19 @@ def test_run_distributed_fails_fast_when_a_rank_dies():
     assert time.monotonic() - start < 30
 
 
+def _aborts_on_rank_1(rank, world):
+    if rank == 1:
+        os.abort()  # as NCCL's watchdog ends a rank that waited past the timeout
+    return rank
+
+
+@pytest.mark.timeout(60)
+def test_run_distributed_names_the_signal_that_ended_a_rank():
+    """It said "exit codes {1: -6}": which a user must look up (NCCL's watchdog aborts timed-out ranks)."""
+    with pytest.raises(RuntimeError, match=r"died without reporting \(exit codes \{1: -6 \(SIGABRT - NCCL's watchdog"):
+        run_distributed(_aborts_on_rank_1, 2, timeout=50)
+
+
 @pytest.mark.timeout(90)
 def test_run_distributed_retries_a_rendezvous_port_taken_meanwhile(monkeypatch):
     """free_port() releases the port it found; another process can take it before rank 0's store
