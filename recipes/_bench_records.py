@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from recipes._common import plan_fraction_setting, print_grid
-from recipes._outputs import commit_files, write_json
+from recipes._outputs import commit_files, is_bench_record, write_json
 from recipes._plots import plot_bench
 
 
@@ -159,20 +159,11 @@ def remove_earlier_outputs(run_dir: str, started: float, written: list[str] = ()
     (``hydra.run.dir`` reused: files last written more than a second before ``started``, and not
     ``written`` by this run), so that the dir never mixes two runs' files, as the other recipes'
     run dirs; each one is named on stdout. Other files are left alone."""
-    import json
-
     removed, mine = [], {os.path.abspath(p) for p in written}
     for path in sorted(Path(run_dir).glob("*.json")):
         if os.path.abspath(path) in mine or path.stat().st_mtime >= started - 1.0:  # (clock and mtime may differ)
             continue
-        ours = path.name.startswith("profile_") and path.name.endswith("_rank0.json")
-        if not ours:
-            try:
-                rec = json.loads(path.read_text())
-                ours = isinstance(rec, dict) and {"device_name", "tokens_per_rank", "ms"} <= set(rec)
-            except (OSError, ValueError):
-                ours = False
-        if ours:
+        if (path.name.startswith("profile_") and path.name.endswith("_rank0.json")) or is_bench_record(path):
             path.unlink(missing_ok=True)
             removed.append(str(path))
             print(f"note: removed {path}, an earlier run's output that this run does not write")

@@ -28,8 +28,8 @@ try:
 except ImportError:  # (Windows: run dirs are not held)
     fcntl = None
 
-__all__ = ["RUN_LOCK", "under_torchrun", "run_dir", "claim_run_dir", "run_recipe", "jsonable", "remove_stale", "commit_files", "warn",
-           "write_json"]
+__all__ = ["RUN_LOCK", "under_torchrun", "run_dir", "claim_run_dir", "recipe_outputs_in", "is_bench_record", "run_recipe",
+           "jsonable", "remove_stale", "commit_files", "warn", "write_json"]
 
 
 def under_torchrun() -> bool:
@@ -63,9 +63,14 @@ def claim_run_dir(recipe: str) -> str:
 
     Raises:
         RuntimeError: another live run holds the dir (naming it, and how to go on).
+        ValueError: the dir holds another recipe's outputs (:func:`recipe_outputs_in`), which this
+            run's files would mix with or replace (profile's ``curves.npz`` by plan's copy).
     """
     out = run_dir()
-    if fcntl is None or (under_torchrun() and os.environ.get("RANK", "0") != "0"):
+    if under_torchrun() and os.environ.get("RANK", "0") != "0":
+        return out
+    _refuse_another_recipes_dir(out, recipe)
+    if fcntl is None:
         return out
     os.makedirs(out, exist_ok=True)
     lock = Path(out) / RUN_LOCK
@@ -105,6 +110,42 @@ def claim_run_dir(recipe: str) -> str:
     _HELD[str(lock)] = fd
     atexit.register(_release_run_dir, lock)
     return out
+
+
+def is_bench_record(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a ``recipes/bench.py`` record (a JSON object with its measurement keys)."""
+    try:
+        rec = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(rec, dict) and {"device_name", "tokens_per_rank", "ms"} <= set(rec)
+
+
+def recipe_outputs_in(out_dir: str | os.PathLike) -> dict[str, list[str]]:
+    """The recipes whose outputs ``out_dir`` holds: ``{recipe: [file names]}``, by the files only
+    that recipe writes (serve's ``results.json``, plan's ``report.json``, bench's records and
+    ``bench.png``; ``curves.npz`` without ``report.json`` is profile's: plan writes its own copy,
+    with fewer keys, beside its report)."""
+    folder = Path(out_dir)
+    if not folder.is_dir():
+        return {}
+    names = {p.name for p in folder.iterdir() if p.is_file()}
+    found = {"serve.py": sorted(names & {"results.json"}), "plan.py": sorted(names & {"report.json"}),
+             "profile.py": ["curves.npz"] if "curves.npz" in names and "report.json" not in names else [],
+             "bench.py": sorted(n for n in names if n == "bench.png" or (n.startswith("profile_") and n.endswith(
+                 "_rank0.json")) or (n.endswith(".json") and n != "results.json" and n != "report.json"
+                                     and is_bench_record(folder / n)))}
+    return {recipe: files for recipe, files in found.items() if files}
+
+
+def _refuse_another_recipes_dir(out: str, recipe: str) -> None:
+    """Refuse a run dir that holds another recipe's outputs (a reused ``hydra.run.dir``): the two
+    runs' files would mix there, and plan's ``curves.npz`` would replace profile's."""
+    others = {r: files for r, files in recipe_outputs_in(out).items() if r != recipe}
+    if others:
+        held = "; ".join(f"{r}'s {', '.join(files[:3])}{' ...' if len(files) > 3 else ''}" for r, files in others.items())
+        raise ValueError(f"{out} holds the outputs of another recipe ({held}): {recipe}'s files would mix with them "
+                         "(or replace some of them): give this run another hydra.run.dir, or move those files away")
 
 
 #: run dir locks this process holds: path -> file descriptor (see claim_run_dir)

@@ -890,6 +890,10 @@ def main(cfg: DictConfig) -> None:
         d["layer"]["plan_path"] = hydra.utils.to_absolute_path(d["layer"]["plan_path"])
     check_config(d)
     d["run_dir"] = claim_run_dir("bench.py")
+    if b.get("save_to") and os.path.realpath(hydra.utils.to_absolute_path(b["save_to"])) == os.path.realpath(d["run_dir"]):
+        raise ValueError(f"bench.save_to={b['save_to']} is this run's dir (hydra.run.dir), whose earlier records each run "
+                         "removes (a run dir holds one run's files): give bench.save_to a folder of its own, where "
+                         "records of every configuration are kept")
     torchrun = under_torchrun()
     backend = resolve_backend((d.get("parallel") or {}).get("backend"), torchrun=torchrun)
     check_shape_fits(b, torch.device("cuda") if backend == "nccl" else torch.device("cpu"))

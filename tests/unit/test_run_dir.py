@@ -190,6 +190,50 @@ def test_serve_run_into_a_held_run_dir_is_refused_and_leaves_it(tmp_path):
     assert (run / "results.json").read_text() == "the other run's\n"
 
 
+BENCH_RECORD = {"device_name": "cpu", "tokens_per_rank": 16, "ms": 1.0}
+
+
+@pytest.mark.parametrize("files, recipe, refused", [
+    ({"results.json": {}, "rank_load.png": None}, "plan.py", "serve.py's results.json"),
+    ({"report.json": {}, "curves.npz": None}, "profile.py", "plan.py's report.json"),
+    ({"curves.npz": None, "curves.png": None}, "plan.py", "profile.py's curves.npz"),  # plan's copy would replace it
+    ({"ours_t16.json": BENCH_RECORD, "bench.png": None}, "serve.py", "bench.py's bench.png, ours_t16.json"),
+    ({"report.json": {}, "curves.npz": None, "plan.png": None}, "plan.py", None),  # its own earlier run: replaced
+    ({"ours_t16.json": BENCH_RECORD}, "bench.py", None),
+    ({"notes.json": {"mine": 1}, "README": None}, "serve.py", None),  # files of no recipe are left alone
+])
+def test_a_run_dir_holding_another_recipes_outputs_is_refused(in_dir, files, recipe, refused):
+    """A journey ran plan.py, then bench.py into a serve run's dir (three runs' files side by side,
+    with no note) and profile.py into a plan run's dir (profile's curves.npz replaced plan's, whose
+    report could no longer be recomputed from the dir)."""
+    in_dir.mkdir()
+    for name, content in files.items():
+        (in_dir / name).write_text("x" if content is None else json.dumps(content))
+    before = {p.name: p.read_text() for p in in_dir.iterdir()}
+    if refused:
+        with pytest.raises(ValueError, match=f"holds the outputs of another recipe \\({refused}.*{recipe}'s files "
+                                             "would mix"):
+            claim_run_dir(recipe)
+        assert {p.name: p.read_text() for p in in_dir.iterdir()} == before  # nothing taken or written
+    else:
+        claim_run_dir(recipe)
+
+
+@pytest.mark.timeout(120)
+def test_bench_save_to_the_run_dir_is_refused(tmp_path):
+    """``bench.save_to`` set to the run dir: the second run removed the first one's record as an
+    earlier run's output, from the folder meant to keep records of every configuration."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "vanilla_t16.json").write_text(json.dumps(BENCH_RECORD))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "bench.py"), f"hydra.run.dir={run}",
+                           f"bench.save_to={run}/.", "bench.tokens_per_rank=[16]", "plot=false"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
+    assert proc.returncode != 0 and "is this run's dir (hydra.run.dir)" in proc.stderr, proc.stderr[-2000:]
+    assert json.loads((run / "vanilla_t16.json").read_text()) == BENCH_RECORD
+
+
 def _sleep_forever(rank, world):
     time.sleep(60)
 
