@@ -31,7 +31,7 @@ from recipes._outputs import mark_launched, run_dir, under_torchrun
 
 __all__ = [
     "launch", "resolve_backend", "device_for", "invocation", "to_dict", "print_table", "print_grid",
-    "percentile", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
+    "percentile", "provenance", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
     "normalize_flags", "LAYER_FLAGS", "int_setting", "check_layer_settings", "timeout_setting",
     "import_object", "plan_fraction_setting", "check_input_file", "refuse_unread_overrides",
 ]
@@ -305,6 +305,54 @@ def invocation() -> dict:
     except Exception:  # not inside @hydra.main
         pass
     return {"argv": [str(a) for a in sys.argv], "overrides": overrides}
+
+
+def provenance(inputs: dict[str, Any] | None = None) -> dict:
+    """What produced a run, for its outputs: the moelayers version and, from a git checkout of it,
+    its commit (and whether the checkout had uncommitted changes to tracked files), the UTC date, the
+    host, Python's and torch's versions, and each input file (``{setting: path}``, empty settings
+    left out) as ``{"path", "bytes", "sha256"}`` (a file rewritten later under the same name is
+    then told apart)."""
+    import hashlib
+    import platform
+    import socket
+
+    import moelayers
+
+    files = {}
+    for key, path in (inputs or {}).items():
+        if path:
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 24), b""):
+                    digest.update(block)
+            files[key] = {"path": os.path.normpath(os.path.abspath(str(path))), "bytes": os.path.getsize(path),
+                          "sha256": digest.hexdigest()}
+    return {"moelayers": moelayers.__version__, **_source_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": socket.gethostname(), "python": platform.python_version(), "torch": torch.__version__,
+            "inputs": files}
+
+
+def _source_commit() -> dict:
+    """``{"commit", "dirty"}`` of the git checkout moelayers is imported from (``None`` for an
+    installed copy: a checkout around the install, say a project holding its virtualenv, is not
+    moelayers')."""
+    import subprocess
+
+    import moelayers
+
+    source = os.path.dirname(os.path.dirname(os.path.abspath(moelayers.__file__)))
+    try:
+        def git(*args: str) -> str:
+            return subprocess.run(["git", "-C", source, *args], capture_output=True, text=True, timeout=10,
+                                  check=True).stdout.strip()
+
+        if os.path.realpath(git("rev-parse", "--show-toplevel")) != os.path.realpath(source):
+            return {"commit": None, "dirty": None}
+        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):  # no git, not a checkout
+        return {"commit": None, "dirty": None}
 
 
 def chosen_options() -> dict[str, str]:

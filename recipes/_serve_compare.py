@@ -215,9 +215,10 @@ def comparison(runs: dict[str, list[dict]], ours: dict, base: dict) -> dict:
     return {**flags, "same_requests": same, "metrics": metrics}
 
 
-def build_results(run_results: list[dict], cfg: dict, wall_s: float, command: dict | None = None) -> dict:
+def build_results(run_results: list[dict], cfg: dict, wall_s: float, origin: dict | None = None) -> dict:
     """The comparison's results dict (see the module docstring) from every run's results
-    (``command``: how the run was started, ``recipes._common.invocation``)."""
+    (``origin``: what started the run, written after the config: ``{"command":
+    recipes._common.invocation(), "provenance": recipes._common.provenance(...)}``)."""
     runs = {side: sorted((dict(r) for r in run_results if r["side"] == side), key=lambda r: r["seed"])
             for side in SIDES}
     for side in SIDES:
@@ -226,7 +227,7 @@ def build_results(run_results: list[dict], cfg: dict, wall_s: float, command: di
     ours, base = side_summary(runs["ours"]), side_summary(runs["baseline"])
     echo = {k: v for k, v in cfg.items() if k != "run_dir" and not k.startswith("_")}
     warning = seeds_warning(ours["seeds"])
-    return {**ours, "config": echo, **({"command": command} if command is not None else {}),
+    return {**ours, "config": echo, **(origin or {}),
             "baseline": base, "seeds": ours["seeds"],
             "seeds_below_minimum": warning is not None, "warnings": [warning] if warning else [],
             "comparison": comparison(runs, ours, base),
@@ -328,9 +329,9 @@ def plot_rank_load_sides(res: dict, path: str) -> None:
     save_png(fig, path)
 
 
-def summarize(run_results: list[dict], cfg: dict, out_dir: str, wall_s: float, command: dict | None = None) -> dict:
+def summarize(run_results: list[dict], cfg: dict, out_dir: str, wall_s: float, origin: dict | None = None) -> dict:
     """Build the results, print the tables, write results.json, compare.png and rank_load.png."""
-    res = build_results(run_results, cfg, wall_s, command)
+    res = build_results(run_results, cfg, wall_s, origin)
     for note in res["notes"]:
         print(f"note (ours): {note}")
     for note in res["baseline"]["notes"]:

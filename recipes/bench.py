@@ -96,7 +96,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
     LAYER_FLAGS, check_input_file, check_layer_settings, device_for, flag, import_object, int_setting, launch,
-    normalize_flags, overridden, plan_fraction_setting, refuse_unread_overrides, resolve_backend,
+    normalize_flags, overridden, plan_fraction_setting, provenance, refuse_unread_overrides, resolve_backend,
     shared_execution_kwargs, shutdown, to_dict,
 )
 from recipes._outputs import claim_run_dir, run_recipe, under_torchrun, warn  # noqa: E402
@@ -908,8 +908,11 @@ def main(cfg: DictConfig) -> None:
         shutdown()
         return  # torchrun ranks other than 0
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    origin = provenance({"trace.path": (d.get("trace") or {}).get("path"),
+                         "layer.plan_path": (d.get("layer") or {}).get("plan_path")})
     records = [order_record({**r, "seed": d.get("seed"), "settings_digest": settings_digest(r, d),
-                             "settings_digest_version": SETTINGS_DIGEST_VERSION}, date, command) for r in records]
+                             "settings_digest_version": SETTINGS_DIGEST_VERSION, "provenance": origin}, date, command)
+               for r in records]
     save_to = hydra.utils.to_absolute_path(b["save_to"]) if b.get("save_to") else None
     print_results(records)
     written = save_records(records, d["run_dir"], save_to, plot=d.get("plot", True))

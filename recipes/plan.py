@@ -110,7 +110,7 @@ from omegaconf import DictConfig  # noqa: E402
 from moelayers.planning.semantic_eval import PREDICTORS  # noqa: E402
 from moelayers.planning.steps import MIN_STEPS  # noqa: E402
 from recipes._common import (  # noqa: E402
-    config_trace, flag, int_setting, invocation, merge_curves_path, normalize_flags, overridden, print_table,
+    config_trace, flag, int_setting, invocation, merge_curves_path, normalize_flags, overridden, print_table, provenance,
     refuse_unread_overrides, to_dict,
 )
 from recipes._outputs import claim_run_dir, commit_files, run_recipe, warn, write_json  # noqa: E402
@@ -388,6 +388,9 @@ def run(d: dict) -> dict:
 
     name, ep, mode, tps, frac = check_config(d)
     tc = d["trace"]
+    origin = provenance({"trace.path": tc.get("path"), "plan.path": (d.get("plan") or {}).get("path"),
+                         "curves.path": (d.get("curves") or {}).get("path"),
+                         "planner.embeddings": (d.get("planner") or {}).get("embeddings")})
     trace = load_plan_trace(d)
     if trace.num_experts % ep:
         raise ValueError(f"{trace_name(d)}: field 'num_experts' ({trace.num_experts}) must be divisible by "
@@ -433,6 +436,7 @@ def run(d: dict) -> dict:
         "seed": int(d["seed"]), "trace": tc.get("path") or "synthetic",
         "config": recorded_config(d),
         "command": invocation(),  # argv and Hydra overrides (the run dir holds no .hydra/)
+        "provenance": origin,  # versions, commit, date, host, input files with their sha256
     }
     report["max_ratio_exceeded"] = mode == "dp" and max(report["tokens_per_rank"]) > DP_MAX_RATIO * (
         sum(report["tokens_per_rank"]) / ep) + 1e-9

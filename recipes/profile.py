@@ -41,7 +41,7 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
-    device_for, flag, int_setting, invocation, launch, refuse_unread_overrides, resolve_backend, shutdown, to_dict,
+    device_for, flag, int_setting, invocation, launch, provenance, refuse_unread_overrides, resolve_backend, shutdown, to_dict,
 )
 from recipes._outputs import claim_run_dir, commit_files, jsonable, run_recipe, under_torchrun, warn  # noqa: E402
 from recipes._plots import plot_curves  # noqa: E402
@@ -317,6 +317,7 @@ def main(cfg: DictConfig) -> None:
         raise ValueError(f"parallel.ep={ep}: profile.py times every rank of the world, one curve each, and plan.py "
                          f"needs one curve per expert-parallel rank; run it with {ep} ranks (parallel.world_size or "
                          f"torchrun's --nproc_per_node) on the GPUs of that EP group, or leave parallel.ep unset")
+    origin = provenance()
     res = launch(d, profile_worker)
     if res is not None:
         echo = {k: v for k, v in d.items() if k != "run_dir"}
@@ -325,8 +326,8 @@ def main(cfg: DictConfig) -> None:
         if len(set(res["timing"])) > 1:
             warn(f"the ranks were timed differently ({res['timing']}): eager timing includes host syncs that a CUDA "
                  "graph leaves out, so the spread between those GPUs is partly the method's")
-        summarize(res, d["run_dir"], config={"config": echo, "command": invocation(), "measured": measured},
-                  plot=flag(d, "plot", True))
+        record = {"config": echo, "command": invocation(), "provenance": origin, "measured": measured}
+        summarize(res, d["run_dir"], config=record, plot=flag(d, "plot", True))
     shutdown()
 
 

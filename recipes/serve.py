@@ -92,8 +92,8 @@ from omegaconf import DictConfig  # noqa: E402
 from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import (  # noqa: E402
     LAYER_FLAGS, check_input_file, check_layer_settings, device_for, import_object, int_setting, invocation, launch,
-    in_sweep, merge_curves_path, normalize_flags, overridden, percentile, print_table, refuse_unread_overrides, shutdown,
-    to_dict,
+    in_sweep, merge_curves_path, normalize_flags, overridden, percentile, print_table, provenance, refuse_unread_overrides,
+    shutdown, to_dict,
 )
 from recipes._outputs import claim_run_dir, commit_files, run_recipe, warn, write_json  # noqa: E402
 from recipes._bench_tools import seq_len_bounds  # noqa: E402
@@ -443,12 +443,14 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
     else:
         group_loads = group_loads[None]
+    # times: arrival_s, last_token_s, finish_s from the run's start; ttft_s from the request's arrival
     per_req = [{"id": r.rid, "rank": rank, "arrival_s": r.arrival, "prompt_len": len(r.prompt),
-                "output_len": r.generated, "finished": r.done,
+                "output_len": r.output_len, "generated_tokens": r.generated, "finished": r.done,
                 "ttft_s": r.token_times[0] - r.arrival if r.token_times else float("nan"),
                 "tpot_s": (r.token_times[-1] - r.token_times[0]) / (len(r.token_times) - 1)
                 if len(r.token_times) > 1 else float("nan"),
-                "finish_s": r.token_times[-1] if r.token_times else float("nan")} for r in mine]
+                "last_token_s": r.token_times[-1] if r.token_times else float("nan"),
+                "finish_s": r.token_times[-1] if r.token_times and r.done else float("nan")} for r in mine]
     mine_replans = replanning if groups.ep_rank == 0 else None  # one record per EP group
     gathered = [None] * world
     if world > 1:
@@ -571,14 +573,14 @@ def latency_summary(reqs: list[dict], elapsed: float = math.inf) -> dict:
         ``finished_requests``, ``unserved_requests`` (arrived, no output token),
         ``unarrived_requests`` (due after the run ended) and ``truncated`` (some request unfinished).
     """
-    arrived = [q for q in reqs if q["output_len"] or q.get("arrival_s", 0.0) <= elapsed]
-    ttft = [q["ttft_s"] if q["output_len"] else math.inf for q in arrived]
+    arrived = [q for q in reqs if q["generated_tokens"] or q.get("arrival_s", 0.0) <= elapsed]
+    ttft = [q["ttft_s"] if q["generated_tokens"] else math.inf for q in arrived]
     tpot = [q["tpot_s"] for q in reqs if not math.isnan(q["tpot_s"])]
     finished = sum(1 for q in reqs if q["finished"])
     return {"ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "ttft_mean_s": float(np.mean(ttft)) if ttft else math.nan,
             "tpot_mean_s": float(np.mean(tpot)) if tpot else math.nan, "tpot_p90_s": percentile(tpot, 90),
-            "finished_requests": finished, "unserved_requests": sum(1 for q in arrived if not q["output_len"]),
+            "finished_requests": finished, "unserved_requests": sum(1 for q in arrived if not q["generated_tokens"]),
             "unarrived_requests": len(reqs) - len(arrived), "truncated": finished < len(reqs)}
 
 
@@ -652,6 +654,25 @@ def serve_sizes(d: dict) -> tuple[int, int]:
     if world % ep:
         raise ValueError(f"parallel.ep={ep} must divide the world size {world} (the expert-parallel groups split it)")
     return world, ep
+
+
+def run_origin(d: dict, baseline: dict | None = None) -> dict:
+    """What started this run, for its results: ``command`` (argv and Hydra overrides: the run dir
+    holds no ``.hydra/``) and ``provenance`` (versions, commit, date, host, and the input files it
+    reads with their sha256: the trace, the semantic plan, the placements, the latency curves; a
+    comparison's ``baseline`` run config adds its own, as ``baseline:KEY``, where they differ)."""
+    from moelayers.emulation import VariabilitySettings
+
+    def files(c: dict) -> dict:
+        return {"trace.path": (c.get("trace") or {}).get("path"), _plan_path_key(c): semantic_plan_path(c),
+                "layer.placement_path": (c.get("layer") or {}).get("placement_path"),
+                "curves.path": VariabilitySettings.from_config(c).curves_path}
+
+    inputs = files(d)
+    for key, path in (files(baseline) if baseline else {}).items():
+        if path and inputs.get(key) != path:
+            inputs[f"baseline:{key}"] = path
+    return {"command": invocation(), "provenance": provenance(inputs)}
 
 
 def _plan_path_key(d: dict) -> str:
@@ -986,14 +1007,16 @@ def main(cfg: DictConfig) -> None:
         warning = compare.seeds_warning(d)
         if warning:
             warn(warning)
+        origin = run_origin(d, next(r for r in runs if r["_side"] == "baseline"))
         t0 = time.perf_counter()
         res = launch(dict(d, _runs=runs), compare_worker)
         if res is not None:
-            compare.summarize(res, d, d["run_dir"], time.perf_counter() - t0, command=invocation())
+            compare.summarize(res, d, d["run_dir"], time.perf_counter() - t0, origin=origin)
     else:
+        origin = run_origin(d)
         res = launch(d, serve_worker)
         if res is not None:
-            res["command"] = invocation()  # argv and Hydra overrides (the run dir holds no .hydra/)
+            res.update(origin)
             summarize(res, d["run_dir"])
     shutdown()
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.unit.test_provenance import check_provenance
 
 ROOT = Path(__file__).resolve().parents[2]
 TPS = 256  # trace.tokens_per_step of these tests
@@ -417,6 +418,7 @@ def test_script_honours_run_dir(trace_file, tmp_path):
     assert report["command"]["overrides"] == ["progress=false", f"trace.tokens_per_step={TPS}",
                                               f"trace.path={trace_file}", "planner=semantic", "mode=dp",
                                               "parallel.ep=2"]
+    check_provenance(report["provenance"], {"trace.path": trace_file})
     assert "lar" in proc.stdout and str(out / "report.json") in proc.stdout
     # the chosen planner's score rows, then the GEM planner's, labelled as a reference (they read as ours)
     assert "semantic vs linear" in proc.stdout and "gem vs linear, reference" in proc.stdout, proc.stdout

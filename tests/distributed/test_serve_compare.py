@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.unit.test_provenance import check_provenance
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE = ROOT / "recipes" / "serve.py"
@@ -108,6 +109,7 @@ def test_compare_variability_vs_vanilla_same_emulated_hardware(tmp_path):
     assert not (tmp_path / "run" / "compare.png").exists()
     assert {p.name for p in (tmp_path / "run").iterdir()} == {"results.json"}  # no .hydra/, no serve.log
     assert res["command"]["overrides"][-1] == "plot=false"
+    check_provenance(res["provenance"], {})  # (a synthetic trace: no input files)
     # 2 seeds (for speed) run, flagged: medians want at least 3
     assert res["seeds_below_minimum"] is True and "below the minimum of 3" in res["warnings"][0]
     for side in ("ours", "baseline"):  # both sides run on the same emulated slow rank 0
@@ -190,7 +192,7 @@ def test_compare_results_flag_fewer_than_three_seeds():
     cfg = {"seed": 0, "compare": {"layer": "vanilla"}}
     for seeds, below in (([0, 1], True), ([0], True), ([0, 1, 2], False), ([0, 1, 2, 3], False)):
         res = compare.build_results([run(side, s) for s in seeds for side in compare.SIDES], cfg, 1.0,
-                                    command={"argv": ["serve.py"], "overrides": []})
+                                    origin={"command": {"argv": ["serve.py"], "overrides": []}})
         assert res["seeds"] == seeds and res["seeds_below_minimum"] is below
         assert len(res["warnings"]) == below and res["command"]["argv"] == ["serve.py"]
     # a comparison cut short says so in both summaries, with the unserved requests (they were missing there)

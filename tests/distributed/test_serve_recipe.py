@@ -15,6 +15,7 @@ import torch
 
 import moelayers as ml
 from moelayers.testing import run_distributed
+from tests.unit.test_provenance import check_provenance
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVE = ROOT / "recipes" / "serve.py"
@@ -96,8 +97,10 @@ def test_serve_default(tmp_path):
     assert res["num_requests"] == 8 and res["config"]["workload"]["num_requests"] == 8
     assert res["router"] == "learned" and res["scheduler"] == "round_robin"
     assert sorted(q["rank"] for q in res["requests"]) == [0] * 4 + [1] * 4  # round robin
-    assert all(q["output_len"] > 0 and q["ttft_s"] >= 0 for q in res["requests"])
-    assert res["output_tokens"] == sum(q["output_len"] for q in res["requests"])
+    assert all(q["generated_tokens"] > 0 and q["ttft_s"] >= 0 for q in res["requests"])
+    assert res["output_tokens"] == sum(q["generated_tokens"] for q in res["requests"])
+    assert all(q["generated_tokens"] == q["output_len"] and q["finish_s"] == q["last_token_s"] >= q["arrival_s"]
+               for q in res["requests"])  # (every request of this run finished)
     out = res["config"]["workload"]["output_len"]
     assert all(out["min"] <= q["output_len"] <= out["max"] for q in res["requests"])
 
@@ -509,7 +512,7 @@ def test_latency_summary_counts_unserved_requests():
     assert percentile([1.0, 2.0, 3.0, inf], 50) == 2.5 and percentile([1.0, inf], 0) == 1.0
 
     def req(ttft, tokens, finished):
-        return {"ttft_s": ttft, "tpot_s": 0.1 if tokens > 1 else nan, "output_len": tokens, "finished": finished}
+        return {"ttft_s": ttft, "tpot_s": 0.1 if tokens > 1 else nan, "generated_tokens": tokens, "finished": finished}
 
     lat = serve.latency_summary([req(1.0, 3, True), req(2.0, 1, False), req(nan, 0, False), req(nan, 0, False)])
     assert lat["truncated"] and lat["finished_requests"] == 1 and lat["unserved_requests"] == 2
@@ -583,6 +586,9 @@ def test_serve_truncated_by_max_steps_says_so(tmp_path):
     assert res["truncated"] is True and res["steps"] == 3
     assert res["num_requests"] == 8 and res["finished_requests"] == 0 and res["unserved_requests"] == 4
     assert sum(q["ttft_s"] is None for q in res["requests"]) == 4
+    # an unfinished request has no finish time (it had the run's end), and keeps its requested length
+    assert all(q["finish_s"] is None and q["generated_tokens"] < q["output_len"] for q in res["requests"])
+    assert sum(q["last_token_s"] is not None for q in res["requests"]) == 4
     assert res["ttft_p50_s"] is None and res["ttft_p99_s"] is None and res["ttft_mean_s"] is None
     assert res["tpot_mean_s"] > 0
     assert res["unarrived_requests"] == 0  # all arrived at t=0
@@ -797,6 +803,23 @@ def _built_placements(rank, world, d):
     return [m.placement.phy2log.tolist() for m in model.moe_layers]
 
 
+def test_run_origin_names_each_sides_input_files(tmp_path):
+    """A comparison's baseline started in another placement file: both files are recorded, each by
+    content; a file both sides read is recorded once."""
+    from recipes import serve
+
+    ours, theirs, trace = tmp_path / "a.npz", tmp_path / "b.npz", tmp_path / "t.npz"
+    for path, rows in ((ours, [1, 0] * 4), (theirs, [0, 1] * 4)):
+        np.savez(path, expert_rank=np.array(rows))
+    trace.write_bytes(b"not read here")
+    d = _config(f"layer.placement_path={ours}", f"trace.path={trace}")
+    baseline = {**d, "layer": {**d["layer"], "placement_path": str(theirs)}}
+    origin = serve.run_origin(d, baseline)
+    assert set(origin) == {"command", "provenance"}
+    check_provenance(origin["provenance"], {"layer.placement_path": ours, "trace.path": trace,
+                                            "baseline:layer.placement_path": theirs})
+
+
 def test_serve_starts_in_a_planned_placement(tmp_path):
     """plan.py's GEM / EPLB placements (assignment.npz) could not be served: serve.py had no way to
     take a placement. layer.placement_path starts MoE layer i in row i mod L of expert_rank."""
@@ -821,6 +844,7 @@ def test_serve_starts_in_a_planned_placement(tmp_path):
     assert any(f"start in the placements of {path}" in n for n in res["notes"]), res["notes"]
     assert res["layer"] == "vanilla+assignment.npz"  # told apart from the plain layer in comparisons
     assert res["placement_file"] == {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    check_provenance(res["provenance"], {"layer.placement_path": path})
     one = tmp_path / "one.npz"
     ExpertPlacement.from_expert_rank(np.array([1, 0] * 4), num_ranks=2).save(one)
     assert [p.phy2log.tolist() for p in serve.layer_placements(str(one), 8, 2)] == [[[1, 3, 5, 7], [0, 2, 4, 6]]]

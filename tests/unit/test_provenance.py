@@ -1,0 +1,60 @@
+"""What a recipe's outputs say about the run that made them (``recipes._common.provenance``): a
+journey over the outputs found no version, commit, host or date in serve's, plan's or profile's
+files, and the input files (trace, plan, curves) recorded by path only."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import moelayers
+from recipes import _common
+from recipes._common import provenance
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def check_provenance(prov: dict, inputs: dict[str, Path]) -> None:
+    """``prov`` names this moelayers and each of ``inputs`` (``{setting: file}``) by path and content."""
+    assert prov["moelayers"] == moelayers.__version__ and prov["host"] and prov["torch"]
+    assert datetime.datetime.fromisoformat(prov["date"]).tzinfo is not None  # UTC, with its offset
+    assert set(prov["inputs"]) == set(inputs), prov["inputs"]
+    for key, path in inputs.items():
+        data = Path(path).read_bytes()
+        assert prov["inputs"][key] == {"path": str(Path(path).resolve()), "bytes": len(data),
+                                       "sha256": hashlib.sha256(data).hexdigest()}
+    if shutil.which("git") and (ROOT / ".git").exists():
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+        assert prov["commit"] == head.strip() and isinstance(prov["dirty"], bool)
+
+
+def test_provenance_names_the_inputs_by_content(tmp_path):
+    a, b = tmp_path / "trace.npz", tmp_path / "plan.npz"
+    a.write_bytes(b"a" * 70_000_000)  # larger than one read block
+    b.write_bytes(b"")
+    prov = provenance({"trace.path": a, "plan.path": str(b), "curves.path": None, "other": ""})
+    check_provenance(prov, {"trace.path": a, "plan.path": b})  # unset settings left out
+    a.write_bytes(b"b" * 70_000_000)  # rewritten under the same name: told apart
+    assert provenance({"trace.path": a})["inputs"]["trace.path"]["sha256"] != prov["inputs"]["trace.path"]["sha256"]
+
+
+def test_an_installed_copy_inside_another_checkout_names_no_commit(tmp_path, monkeypatch):
+    """moelayers installed into a virtualenv kept inside the user's own git project: that project's
+    commit is not moelayers'."""
+    if not shutil.which("git"):
+        pytest.skip("needs git")
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    site = tmp_path / "venv" / "site-packages" / "moelayers"
+    site.mkdir(parents=True)
+    monkeypatch.setattr(moelayers, "__file__", str(site / "__init__.py"))
+    assert _common._source_commit() == {"commit": None, "dirty": None}
+
+
+def test_no_git_names_no_commit(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert _common._source_commit() == {"commit": None, "dirty": None}
