@@ -555,7 +555,7 @@ def curves_coverage(cfg: dict, max_rank_rows: int) -> dict:
 
 def latency_summary(reqs: list[dict], elapsed: float = math.inf) -> dict:
     """TTFT and TPOT figures of the per-request records (``arrival_s``, ``ttft_s``, ``tpot_s``,
-    ``output_len``, ``finished``), and whether the run ended before every request finished.
+    ``generated_tokens``, ``finished``), and whether the run ended before every request finished.
 
     A request that arrived but got no first token (``max_steps`` ended the run first) has no
     measured TTFT; it counts as ``inf`` (it waited longer than the run), so the TTFT figures never
