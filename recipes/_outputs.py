@@ -9,13 +9,16 @@ through :func:`commit_files` (a set of files moved in together once all are writ
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import json
 import math
 import os
+import signal
 import socket
 import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -257,6 +260,24 @@ def remove_stale(out_dir: str | os.PathLike, outputs: tuple[str, ...], written: 
             print(f"note: removed {path}, an earlier run's output that this run does not write")
 
 
+@contextlib.contextmanager
+def _interrupts_deferred():
+    """Hold a Ctrl-C (SIGINT) that comes inside the block until it ends, then raise it as
+    ``KeyboardInterrupt``: for a few file moves that must happen together. Outside the main thread
+    (where no signal handler can be set) the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:  # (None: a handler not set from Python, which cannot be put back: the default one)
+        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
 def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path], None]],
                  stale: tuple[str, ...] = (), optional: tuple[str, ...] = ()) -> list[Path]:
     """Write several files into ``out_dir`` all or nothing.
@@ -310,9 +331,10 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
             tmp.unlink(missing_ok=True)
         raise
     try:
-        remove_stale(out, stale, tmps)
-        for name, tmp in tmps.items():
-            os.replace(tmp, out / name)
+        with _interrupts_deferred():  # a Ctrl-C between two moves would leave one run's file beside another's
+            remove_stale(out, stale, tmps)
+            for name, tmp in tmps.items():
+                os.replace(tmp, out / name)
     finally:  # a failed move leaves no temporary file behind
         for tmp in tmps.values():
             tmp.unlink(missing_ok=True)

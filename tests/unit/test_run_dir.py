@@ -132,6 +132,31 @@ def test_commit_files_keeps_the_earlier_set_when_a_writer_fails(tmp_path):
     assert (tmp_path / "rank_load.png").read_text() == "earlier plot"
 
 
+def test_ctrl_c_between_the_moves_lets_them_finish_then_stops(tmp_path, monkeypatch):
+    """A Ctrl-C between the moves of one commit left the new rank_load.png beside the old results.json
+    (simulated by a journey): the moves now finish together, then the interrupt is raised."""
+    import signal
+
+    for name in ("rank_load.png", "results.json"):
+        (tmp_path / name).write_text("old")
+    real_replace, moved = os.replace, []
+
+    def replace_then_interrupt(src, dst):
+        real_replace(src, dst)
+        moved.append(Path(dst).name)
+        if len(moved) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # delivered now, between the two moves
+
+    monkeypatch.setattr(common.os, "replace", replace_then_interrupt)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        commit_files(tmp_path, {"rank_load.png": lambda p: p.write_text("new"),
+                                "results.json": lambda p: p.write_text("new")})
+    assert moved == ["rank_load.png", "results.json"]
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {"rank_load.png": "new", "results.json": "new"}
+    assert signal.getsignal(signal.SIGINT) is before  # the handler put back
+
+
 def test_a_failing_optional_plot_is_left_out_and_the_run_written(tmp_path, capsys):
     """A journey found a finished serve / plan run lost (exit 1, no results.json) when its plot
     failed (a broken matplotlib backend): plots are optional files, an earlier one removed."""
