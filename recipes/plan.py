@@ -502,15 +502,17 @@ def main(cfg: DictConfig) -> None:
     rep = run(d)
     name = rep["planner"]
     # where another planner was chosen, the GEM planner's placement is scored too: a reference
+    # (the "vs" rows are the report's relative reductions of the score, 1 - ours / theirs; the a2a row a ratio)
     gem = [] if name == "gem" else [("score gem, reference (s)", rep["score_gem"]),
-                                    ("gem vs linear, reference", rep["gem_vs_linear"]),
-                                    ("gem vs eplb, reference", rep["gem_vs_eplb"])]
+                                    ("gem score reduction vs linear, reference", rep["gem_vs_linear"]),
+                                    ("gem score reduction vs eplb, reference", rep["gem_vs_eplb"])]
+    scores = [(f"score {name} (s)", rep["score"])] + [(f"score {p} (s)", rep[f"score_{p}"])
+                                                      for p in ("linear", "eplb") if p != name]
+    reductions = [(f"{name} score reduction vs {p}", rep[f"vs_{p}"]) for p in ("linear", "eplb") if p != name]
     print_table([("planner", name), ("ep", rep["ep"]), ("mode", rep["mode"]),
                  ("held-out tokens", rep["held_out_tokens"]), ("lar", rep["lar"]), ("lar linear", rep["lar_linear"]),
                  ("token imbalance", rep["token_imbalance"]), ("expert imbalance", rep["expert_imbalance"]),
-                 ("a2a bytes vs linear", rep["a2a_bytes_ratio"]), (f"score {name} (s)", rep["score"]),
-                 ("score linear (s)", rep["score_linear"]), ("score eplb (s)", rep["score_eplb"]),
-                 (f"{name} vs linear", rep["vs_linear"]), (f"{name} vs eplb", rep["vs_eplb"]), *gem,
+                 ("a2a bytes / linear's", rep["a2a_bytes_ratio"]), *scores, *reductions, *gem,
                  ("solve seconds", rep["solve_seconds"])],
                 title=f"plan: planner={rep['planner']} ep={rep['ep']} mode={rep['mode']} variability={rep['variability']}")
     print(f"report: {os.path.join(d['run_dir'], 'report.json')}")
