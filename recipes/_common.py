@@ -31,7 +31,7 @@ from recipes._outputs import mark_launched, run_dir, under_torchrun
 
 __all__ = [
     "launch", "resolve_backend", "device_for", "invocation", "to_dict", "print_table", "print_grid",
-    "percentile", "provenance", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
+    "percentile", "provenance", "absolute_path", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
     "normalize_flags", "LAYER_FLAGS", "int_setting", "check_layer_settings", "timeout_setting",
     "import_object", "plan_fraction_setting", "check_input_file", "refuse_unread_overrides",
 ]
@@ -305,6 +305,14 @@ def invocation() -> dict:
     except Exception:  # not inside @hydra.main
         pass
     return {"argv": [str(a) for a in sys.argv], "overrides": overrides}
+
+
+def absolute_path(path: str) -> str:
+    """A path as given on the command line, made absolute against where the run was started (Hydra's
+    ``to_absolute_path``) and normalised (``a/../b`` as ``b``), as the outputs record it."""
+    import hydra
+
+    return os.path.normpath(hydra.utils.to_absolute_path(str(path)))
 
 
 def provenance(inputs: dict[str, Any] | None = None) -> dict:

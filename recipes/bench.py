@@ -95,7 +95,7 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, check_input_file, check_layer_settings, device_for, flag, import_object, int_setting, launch,
+    LAYER_FLAGS, absolute_path, check_input_file, check_layer_settings, device_for, flag, import_object, int_setting, launch,
     normalize_flags, overridden, plan_fraction_setting, provenance, refuse_unread_overrides, resolve_backend,
     shared_execution_kwargs, shutdown, to_dict,
 )
@@ -885,12 +885,12 @@ def main(cfg: DictConfig) -> None:
     b = d["bench"]
     d["_router_name"] = router_name(cfg)
     if d.get("trace", {}).get("path"):  # (before the checks: with hydra.job.chdir=true the cwd is the run dir)
-        d["trace"]["path"] = hydra.utils.to_absolute_path(d["trace"]["path"])
+        d["trace"]["path"] = absolute_path(d["trace"]["path"])
     if (d.get("layer") or {}).get("plan_path"):
-        d["layer"]["plan_path"] = hydra.utils.to_absolute_path(d["layer"]["plan_path"])
+        d["layer"]["plan_path"] = absolute_path(d["layer"]["plan_path"])
     check_config(d)
     d["run_dir"] = claim_run_dir("bench.py")
-    if b.get("save_to") and os.path.realpath(hydra.utils.to_absolute_path(b["save_to"])) == os.path.realpath(d["run_dir"]):
+    if b.get("save_to") and os.path.realpath(absolute_path(b["save_to"])) == os.path.realpath(d["run_dir"]):
         raise ValueError(f"bench.save_to={b['save_to']} is this run's dir (hydra.run.dir), whose earlier records each run "
                          "removes (a run dir holds one run's files): give bench.save_to a folder of its own, where "
                          "records of every configuration are kept")
@@ -913,7 +913,7 @@ def main(cfg: DictConfig) -> None:
     records = [order_record({**r, "seed": d.get("seed"), "settings_digest": settings_digest(r, d),
                              "settings_digest_version": SETTINGS_DIGEST_VERSION, "provenance": origin}, date, command)
                for r in records]
-    save_to = hydra.utils.to_absolute_path(b["save_to"]) if b.get("save_to") else None
+    save_to = absolute_path(b["save_to"]) if b.get("save_to") else None
     print_results(records)
     written = save_records(records, d["run_dir"], save_to, plot=d.get("plot", True))
     for p in written:

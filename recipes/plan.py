@@ -110,7 +110,7 @@ from omegaconf import DictConfig  # noqa: E402
 from moelayers.planning.semantic_eval import PREDICTORS  # noqa: E402
 from moelayers.planning.steps import MIN_STEPS  # noqa: E402
 from recipes._common import (  # noqa: E402
-    config_trace, flag, int_setting, invocation, merge_curves_path, normalize_flags, overridden, print_table, provenance,
+    absolute_path, config_trace, flag, int_setting, invocation, merge_curves_path, normalize_flags, overridden, print_table, provenance,
     refuse_unread_overrides, to_dict,
 )
 from recipes._outputs import claim_run_dir, commit_files, run_recipe, warn, write_json  # noqa: E402
@@ -388,9 +388,6 @@ def run(d: dict) -> dict:
 
     name, ep, mode, tps, frac = check_config(d)
     tc = d["trace"]
-    origin = provenance({"trace.path": tc.get("path"), "plan.path": (d.get("plan") or {}).get("path"),
-                         "curves.path": (d.get("curves") or {}).get("path"),
-                         "planner.embeddings": (d.get("planner") or {}).get("embeddings")})
     trace = load_plan_trace(d)
     if trace.num_experts % ep:
         raise ValueError(f"{trace_name(d)}: field 'num_experts' ({trace.num_experts}) must be divisible by "
@@ -436,7 +433,10 @@ def run(d: dict) -> dict:
         "seed": int(d["seed"]), "trace": tc.get("path") or "synthetic",
         "config": recorded_config(d),
         "command": invocation(),  # argv and Hydra overrides (the run dir holds no .hydra/)
-        "provenance": origin,  # versions, commit, date, host, input files with their sha256
+        # versions, commit, date, host, input files with their sha256 (each read by now: a missing one failed)
+        "provenance": provenance({"trace.path": tc.get("path"), "plan.path": (d.get("plan") or {}).get("path"),
+                                  "curves.path": (d.get("curves") or {}).get("path"),
+                                  "planner.embeddings": (d.get("planner") or {}).get("embeddings")}),
     }
     report["max_ratio_exceeded"] = mode == "dp" and max(report["tokens_per_rank"]) > DP_MAX_RATIO * (
         sum(report["tokens_per_rank"]) / ep) + 1e-9
@@ -495,9 +495,9 @@ def main(cfg: DictConfig) -> None:
     merge_curves_path(d)  # variability.curves.path (serve.py's spelling) means curves.path here
     for key in ("trace", "curves", "plan"):
         if (d.get(key) or {}).get("path"):
-            d[key]["path"] = hydra.utils.to_absolute_path(d[key]["path"])
+            d[key]["path"] = absolute_path(d[key]["path"])
     if (d.get("planner") or {}).get("embeddings"):
-        d["planner"]["embeddings"] = hydra.utils.to_absolute_path(d["planner"]["embeddings"])
+        d["planner"]["embeddings"] = absolute_path(d["planner"]["embeddings"])
     d["run_dir"] = claim_run_dir("plan.py")
     rep = run(d)
     name = rep["planner"]

@@ -91,9 +91,9 @@ from omegaconf import DictConfig  # noqa: E402
 
 from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, check_input_file, check_layer_settings, device_for, import_object, int_setting, invocation, launch,
-    in_sweep, merge_curves_path, normalize_flags, overridden, percentile, print_table, provenance, refuse_unread_overrides,
-    shutdown, to_dict,
+    LAYER_FLAGS, absolute_path, check_input_file, check_layer_settings, device_for, import_object, in_sweep, int_setting,
+    invocation, launch, merge_curves_path, normalize_flags, overridden, percentile, print_table, provenance,
+    refuse_unread_overrides, shutdown, to_dict,
 )
 from recipes._outputs import claim_run_dir, commit_files, run_recipe, warn, write_json  # noqa: E402
 from recipes._bench_tools import seq_len_bounds  # noqa: E402
@@ -984,15 +984,15 @@ def main(cfg: DictConfig) -> None:
     if merge_curves_path(d) and not isinstance(d.get("variability"), dict):  # curves.path: plan.py's spelling
         d["variability"] = {"name": d.get("variability") or "none", "curves": dict(d["curves"])}
     if d.get("trace", {}).get("path"):
-        d["trace"]["path"] = hydra.utils.to_absolute_path(d["trace"]["path"])
+        d["trace"]["path"] = absolute_path(d["trace"]["path"])
     baseline = (d.get("compare") or {}).get("layer")
     for holder in (d["layer"], d["scheduler"], baseline):  # (a baseline given as a dict too)
         for key in ("plan_path", "placement_path"):
             if isinstance(holder, dict) and holder.get(key):
-                holder[key] = hydra.utils.to_absolute_path(holder[key])
+                holder[key] = absolute_path(holder[key])
     var = d.get("variability")
     if isinstance(var, dict) and isinstance(var.get("curves"), dict) and var["curves"].get("path"):
-        var["curves"]["path"] = d["curves"]["path"] = hydra.utils.to_absolute_path(var["curves"]["path"])
+        var["curves"]["path"] = d["curves"]["path"] = absolute_path(var["curves"]["path"])
     check_config(d)
     d["run_dir"] = claim_run_dir("serve.py")
     if compare.enabled(d):

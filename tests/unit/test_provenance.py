@@ -58,3 +58,9 @@ def test_an_installed_copy_inside_another_checkout_names_no_commit(tmp_path, mon
 def test_no_git_names_no_commit(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     assert _common._source_commit() == {"commit": None, "dirty": None}
+
+
+def test_input_paths_are_recorded_normalised(tmp_path, monkeypatch):
+    """plan.py recorded ``variability: file:.../flow/../profile1/curves.npz`` as typed."""
+    monkeypatch.chdir(tmp_path)
+    assert _common.absolute_path("flow/../profile1/curves.npz") == str(tmp_path / "profile1" / "curves.npz")
