@@ -15,8 +15,9 @@ baseline side reads ours' plan (``layer.plan_path`` / ``plan_train_fraction``). 
 order alternates (ours first on even seed indices, the baseline first on odd ones) so that drift of
 a shared machine hits both sides alike.
 
-``results.json`` holds our medians over the seeds at the top level (the keys of a single run),
-``baseline`` with the same keys, ``runs`` (``{"ours": [...], "baseline": [...]}``, every run's full
+``results.json`` holds our medians over the seeds at the top level (of :data:`MEDIAN_KEYS`, floats;
+a run's other keys, its ``requests``, ``replans``, ``seed``, ... are in ``runs`` only; every key:
+docs/outputs.md), ``baseline`` with the same keys, ``runs`` (``{"ours": [...], "baseline": [...]}``, every run's full
 metrics with its ``seed``), ``seeds`` and ``comparison``: per compared metric the two medians, their
 ratio and difference, whether ours is better and on how many seeds, plus the flags ``lar_higher``,
 ``a2a_bytes_lower``, ``tpot_p90_lower``, ... and ``same_requests``.

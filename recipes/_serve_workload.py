@@ -337,8 +337,8 @@ def in_sample_requests(cfg: dict, requests: list[Request], trace, layer_uses_pla
 
 
 def requests_digest(requests: list[Request]) -> str:
-    """SHA-1 of what defines the workload (arrival, prompt, output length, forced tokens of every
-    request): equal digests = the same requests."""
+    """SHA-1 of what defines the workload (id, arrival, prompt, output length, forced tokens and
+    trace sequence of every request): equal digests = the same requests."""
     h = hashlib.sha1()
     for r in requests:
         h.update(json.dumps([r.rid, round(r.arrival, 9), r.prompt, r.output_len, r.forced, r.trace_seq]).encode())

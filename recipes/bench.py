@@ -31,7 +31,8 @@ LAR and dispatch bytes (the all-to-all's first half: ``MoEStats.bytes_sent``; se
 expert backend (``recipes._common.EXECUTION_KWARGS``, recorded as ``baseline_kwargs``) and, with
 ``bench.cuda_graph=true``, the same capacity and CUDA graph — so that only the layer differs. A
 layer that re-plans by itself (``auto_replan``) is timed with it off (the JSON's ``notes`` say so;
-``replans`` counts its re-plans so far, whether or not they moved weights: 0 when none happened).
+``replans`` counts its re-plans so far, whether or not they moved weights: 0 when none happened,
+null for a layer that does not re-plan).
 Rank 0 prints a table and writes one JSON per (shape, tokens/rank) into the run dir, with
 the records all or nothing (an earlier run's ``bench.png`` removed with them), then ``bench.png`` (ms
 against tokens per rank for ours, the peer and the baseline, and their ratios; ``plot=false``: none;

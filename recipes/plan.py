@@ -35,22 +35,23 @@ Every run reports, on the held-out part, for the configured ``mode``:
 Writes into the Hydra run dir (``hydra.run.dir=...``), only after everything succeeded (temporary
 files moved into place, ``report.json`` last):
 
-* ``report.json``: ``planner``, ``ep``, ``mode``, ``predictor`` (the semantic planner in tp mode: the
+* ``report.json`` (every key, with units: docs/outputs.md): ``planner``, ``ep``, ``mode``, ``predictor`` (the semantic planner in tp mode: the
   token predictor that ran, ``alg3`` for a plan with Algorithm 3 tables only; else null), ``lar``, ``lar_linear`` (linear placement, tokens
-  spread evenly), ``token_imbalance`` (max/mean tokens per rank; dp: ``max_ratio_exceeded`` when
+  spread evenly), ``token_imbalance`` (max/mean tokens per rank, mean over layers; dp: ``max_ratio_exceeded`` when
   above 1.3), ``expert_imbalance`` (max/mean
   activations received per rank, mean over layers; ``expert_imbalance_max`` the worst layer's,
   ``expert_imbalance_linear`` linear's), ``a2a_bytes_ratio`` (de-duplicated all-to-all
   sends relative to linear), ``remote_ratio`` (remote activations relative to linear, without
   de-duplication: ``(1 - lar) / (1 - lar_linear)``), ``tokens_per_rank`` (held-out tokens of each
-  rank), ``solve_seconds`` (the chosen planner, all layers; 0 for a loaded plan), ``in_sample_sequences``
+  rank at layer 0: in tp mode a token's rank may change from layer to layer), ``solve_seconds`` (the chosen planner, all layers; 0 for a loaded plan), ``in_sample_sequences``
   (semantic: held-out sequences the plan was trained on, by content, with a warning when any; null
   for another planner, or a plan file that does not record its training sequences), per-layer LARs,
-  ``warnings`` (also printed); GEM: ``score`` (chosen planner), ``score_linear``, ``score_eplb``, ``score_gem``
+  ``warnings`` (also printed); GEM's scores, for every planner: ``score`` (chosen planner), ``score_linear``, ``score_eplb``, ``score_gem``
   (``score_semantic``), ``gem_vs_linear`` / ``gem_vs_eplb`` (relative reductions of the GEM score:
   0.08 = 8 % lower), ``vs_linear`` / ``vs_eplb`` (the same for the chosen planner), ``train_score*``,
   ``per_layer`` scores; the resolved ``config`` and ``command`` (``argv``, Hydra ``overrides``;
-  the run dir gets no ``.hydra/`` and no log file, and a failed run writes nothing there);
+  the run dir gets no ``.hydra/`` and no log file, and a failed run writes nothing there) and
+  ``provenance`` (versions, commit, date, host, the input files with their sha256);
 * ``assignment.npz`` (compressed): ``expert_rank [L, E]`` int64 (the chosen placement; for
   linear/eplb/gem this is the placement file: ``ExpertPlacement.from_expert_rank(expert_rank[l],
   num_ranks=ep)`` per layer), ``expert_rank_<planner> [L, E]`` for every placement the report scores
@@ -63,7 +64,8 @@ files moved into place, ``report.json`` last):
 * ``plan.npz`` (``planner=semantic``): the :class:`~moelayers.planning.semantic.SemanticPlan`
   (``SemanticPlan.load``; read by ``SemanticMoE.from_plan``, ``recipes/serve.py layer.plan_path=FILE``
   and ``plan.path=FILE``);
-* ``curves.npz``: the latency curves used (:meth:`LatencyCurves.load` reads it);
+* ``curves.npz``: the latency curves used (:meth:`LatencyCurves.load` reads it; from ``curves.path``,
+  its ``rows`` and ``latency_s`` only: the profile's other fields stay in its own file);
 * ``plan.png`` (``plot=false``: none): per layer, the held-out LAR of the chosen planner against
   linear, and every planned placement's held-out GEM score relative to linear.
 

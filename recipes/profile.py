@@ -13,8 +13,9 @@ the least-squares non-decreasing fit of the measurements, which ``LatencyCurves`
 (``curves.png``: each rank's curve, and its latency relative to the fastest rank; written with
 the curves, or left out with a warning when it cannot be drawn; ``plot=false``: none), and prints
 the spread between the GPUs. ``curves.npz`` also
-holds ``config``: the resolved config, the command line and what was measured (``measured``: the
-dtype, the per-rank shape and the seconds the profile took) as a JSON string (the run dir gets no
+holds ``config``, a JSON string of ``{"config": the resolved config, "command": the command line,
+"provenance": versions, commit, date and host, "measured": the dtype, the per-rank shape, the
+seconds the profile took and each rank's timing method}`` (docs/outputs.md) (the run dir gets no
 ``.hydra/`` and no log file, and a run that fails writes nothing there).
 
     torchrun --standalone --nproc_per_node=2 recipes/profile.py parallel=gpu profile=qwen3_30b_a3b   # GPUs

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.unit.test_outputs_doc import assert_documented
 from tests.unit.test_provenance import check_provenance
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,6 +106,7 @@ def test_bench_cpu_smoke_writes_json(tmp_path):
         assert rec["shape"] == {"H": 64, "E": 8, "K": 2, "F": 32}
         assert "bench=cpu_smoke" in rec["command"]
         check_provenance(rec["provenance"], {})
+        assert_documented(rec)
         assert rec["check"]["reference"]["ok"]
         assert f.name == f"vanilla_cpu_smoke_t{rec['tokens_per_rank']}_ws2_{f.name.split('_ws2_')[1]}"
         tokens.add(rec["tokens_per_rank"])

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.unit.test_outputs_doc import assert_documented
 from tests.unit.test_provenance import check_provenance
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -419,6 +420,9 @@ def test_script_honours_run_dir(trace_file, tmp_path):
                                               f"trace.path={trace_file}", "planner=semantic", "mode=dp",
                                               "parallel.ep=2"]
     check_provenance(report["provenance"], {"trace.path": trace_file})
+    assert_documented(report)
+    with np.load(out / "assignment.npz") as z, np.load(out / "plan.npz") as p, np.load(out / "curves.npz") as c:
+        assert_documented({k: None for k in [*z.files, *p.files, *c.files]})
     assert "lar" in proc.stdout and str(out / "report.json") in proc.stdout
     # the chosen planner's score rows, then the GEM planner's, labelled as a reference (they read as ours)
     assert "semantic score reduction vs linear" in proc.stdout, proc.stdout

@@ -15,6 +15,7 @@ import torch
 
 import moelayers as ml
 from moelayers.testing import run_distributed
+from tests.unit.test_outputs_doc import assert_documented
 from tests.unit.test_provenance import check_provenance
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,6 +81,7 @@ def _serve(run_dir: Path, *overrides: str) -> dict:
     assert {p.name for p in run_dir.iterdir()} == {"results.json", "rank_load.png"}
     res = json.loads((run_dir / "results.json").read_text())
     assert res["command"]["overrides"] == ["parallel.world_size=2", *overrides]
+    assert_documented(res)
     for key in KEYS:
         assert key in res, key
     assert res["world_size"] == 2 and res["layer"] == "vanilla"
