@@ -155,7 +155,7 @@ def build_token_table(token_ids: np.ndarray, topk_ids: np.ndarray, num_experts: 
         bad = int(top.min()) if top.min() < 0 else int(top.max())
         raise ValueError(f"topk_ids holds expert id {bad}, outside [0, num_experts={num_e})")
     keys = (ids[:, None] * num_e + top).ravel()
-    if vocab_size * num_e <= 1 << 25:  # dense bincount beats sorting for moderate tables
+    if vocab_size * num_e <= min(1 << 25, 16 * keys.size):  # a dense bincount beats sorting when the keys fill the table
         dense = np.bincount(keys, minlength=vocab_size * num_e)
         nz = np.flatnonzero(dense)
         uniq, cnt = nz, dense[nz]

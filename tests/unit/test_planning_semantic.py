@@ -52,6 +52,17 @@ def tp_plan(synth):
 
 
 # ------------------------------------------------------------------------------------ tables
+@pytest.mark.parametrize("vocab, tokens", [(50, 4000), (200_000, 300)])  # counted dense, and sorted
+def test_token_table_of_either_counting_path_matches_brute_force(vocab, tokens):
+    """A sparse trace of a large vocabulary (DeepSeek-V3's 129k x 256 experts, 33k tokens) was
+    counted in a dense [V * E] array: 220 ms a layer against 2 ms sorting the keys."""
+    rng = np.random.default_rng(vocab)
+    ids, top = rng.integers(0, vocab, tokens), rng.integers(0, 8, (tokens, 3))
+    brute = np.zeros((vocab, 8), np.int64)
+    np.add.at(brute, (np.repeat(ids, 3), top.ravel()), 1)
+    np.testing.assert_array_equal(build_token_table(ids, top, 8, vocab).dense(), brute)
+
+
 def test_token_table_matches_brute_force():
     tr = planted_trace(num_seq=10, seq_len=5, num_layers=3, num_experts=8, ranks=2, vocab=12, seed=1)
     for layer in range(3):
