@@ -330,6 +330,17 @@ class ExpertPlacement:
         )
 
 
+def indivisible_experts(num_experts: int, num_ranks: int, ranks: str = "num_ranks") -> ValueError:
+    """The error of a planner that places every expert once on ``num_ranks`` ranks holding the same
+    number each, for ``num_experts`` they do not divide (``ranks``: the argument's name), with the
+    way out: replicas of hot experts fill the ranks (``plan_eplb(..., num_replicas=)``)."""
+    fill = -num_experts % num_ranks
+    return ValueError(f"num_experts ({num_experts}) must be divisible by {ranks} ({num_ranks}): this planner places "
+                      f"each expert once, the same number on every rank; for {num_ranks} ranks, replicate hot experts "
+                      f"into the free slots with moelayers.planning.eplb.plan_eplb(loads, {num_ranks}, num_replicas={fill}) "
+                      f"(or a multiple of {num_ranks} more)")
+
+
 def _check_positive(**values: int) -> None:
     for name, v in values.items():
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:

@@ -34,7 +34,7 @@ import os
 import numpy as np
 
 from moelayers.files import atomic_write, read_npz
-from moelayers.placement import _check_positive
+from moelayers.placement import _check_positive, indivisible_experts
 from moelayers.planning.steps import DEFAULT_TOKENS_PER_STEP, rank_rows, trace_step_loads
 
 __all__ = [
@@ -457,7 +457,7 @@ def plan_linear(num_experts: int, num_ranks: int) -> np.ndarray:
     """Linear placement: experts ``r*E/R .. (r+1)*E/R - 1`` on rank ``r``; ``[E]`` int64."""
     _check_positive(num_experts=num_experts, num_ranks=num_ranks)
     if num_experts % num_ranks:
-        raise ValueError(f"num_experts ({num_experts}) must be divisible by num_ranks ({num_ranks})")
+        raise indivisible_experts(num_experts, num_ranks)
     return np.arange(num_experts, dtype=np.int64) // (num_experts // num_ranks)
 
 

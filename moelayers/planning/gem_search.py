@@ -63,6 +63,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from moelayers.placement import indivisible_experts
+
 if TYPE_CHECKING:  # gem imports this module lazily (plan_gem); only the annotations need it here
     from moelayers.planning.gem import LatencyCurves
 
@@ -336,8 +338,7 @@ def search(loads: np.ndarray, curves: LatencyCurves, *, restarts: int = 8, seed:
             raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     x = _check_loads(loads).astype(np.float64)
     if x.shape[1] % curves.num_ranks:
-        raise ValueError(f"num_experts ({x.shape[1]}) must be divisible by the number of ranks ({curves.num_ranks}) "
-                         "of the curves")
+        raise indivisible_experts(x.shape[1], curves.num_ranks, "the number of ranks of the curves")
     per_rank = x.shape[1] // curves.num_ranks
     rng = np.random.default_rng(seed)
     if method == "robust":

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from moelayers.placement import indivisible_experts
 from moelayers.planning.semantic import (
     SemanticPlan, build_token_table, nearest_seen_tokens, ngram_tables, rank_counts, token_rank_probs,
 )
@@ -576,7 +577,7 @@ def _check_args(trace, ep: int, mode: str, **settings) -> None:
     if isinstance(ep, bool) or not isinstance(ep, (int, np.integer)) or ep < 1:
         raise ValueError(f"ep must be a positive int, got {ep!r}")
     if trace.num_experts % ep:
-        raise ValueError(f"num_experts ({trace.num_experts}) must be divisible by ep ({ep})")
+        raise indivisible_experts(trace.num_experts, ep, "ep")
     if mode not in ("tp", "dp"):
         raise ValueError(f"mode must be 'tp' or 'dp', got {mode!r}")
     seed = settings.pop("seed", 0)

@@ -625,3 +625,19 @@ def test_extrapolation_uses_the_tail_slope_not_a_flattened_last_segment():
     # smoothing integrates the same extended curve: continuous across the last sample
     s = c.smoothed(64)
     assert np.all(np.diff(s(np.stack([np.arange(0, 2000, 7.0)] * 2, axis=1)), axis=0) >= -1e-15)
+
+
+@pytest.mark.parametrize("num_experts, num_ranks", [(8, 16), (256, 48), (6, 4)])
+def test_an_indivisible_expert_count_names_the_replicas_that_fill_the_ranks(num_experts, num_ranks):
+    """Mixtral on EP16, 256 experts on EP48: refused with the rule only (a scale journey); the
+    message now gives the EPLB call with replicas, which plans it."""
+    import re
+
+    from moelayers.planning.eplb import plan_eplb
+    from moelayers.planning.gem import plan_linear
+
+    with pytest.raises(ValueError, match=r"replicate hot experts") as err:
+        plan_linear(num_experts, num_ranks)
+    replicas = int(re.search(r"num_replicas=(\d+)", str(err.value)).group(1))
+    phy2log = plan_eplb(np.arange(num_experts) + 1.0, num_ranks, num_replicas=replicas)
+    assert phy2log.shape[0] == num_ranks and set(phy2log.ravel().tolist()) == set(range(num_experts))
