@@ -478,6 +478,7 @@ def synthetic_trace(
     logit_tail: float = LOGIT_TAIL,
     context_tail: float = CONTEXT_TAIL,
     with_weights: bool = False,
+    progress: bool = False,
 ) -> RoutingTrace:
     """A synthetic routing trace calibrated on OLMoE (the model is in the module docstring).
 
@@ -513,6 +514,8 @@ def synthetic_trace(
         context_tail: topic and sequence logits are ``Exp(1) ** context_tail``; in ``[0.25, 4]``.
         with_weights: also return ``topk_weights``, the softmax of the chosen experts' scores
             over the ``K``.
+        progress: a bar over the layers (minutes for a trace of a few million tokens of a
+            DeepSeek-V3-sized model); the trace is the same either way.
 
     Returns:
         RoutingTrace with ``topk_ids [T, L, K]`` (int16: at most MAX_EXPERTS = 4096 experts), highest
@@ -544,7 +547,12 @@ def synthetic_trace(
     topk_ids = np.empty((num_t, num_layers, top_k), dtype=np.int16 if num_e <= np.iinfo(np.int16).max else np.int32)
     topk_weights = np.empty((num_t, num_layers, top_k), dtype=np.float32) if with_weights else None
     context = None  # [T, E] context noise, carried from layer to layer
-    for layer in range(num_layers):
+    layers = range(num_layers)
+    if progress:
+        from moelayers._progress import progress_bar
+
+        layers = progress_bar(layers, desc=f"synthetic trace ({num_t} tokens)", unit="layer")
+    for layer in layers:
         k = {name: float(values[layer]) for name, values in knobs.items()}
         pair_logits, seq_logits, labels = _layer_tables(
             rng, k, num_u, num_topics, num_clusters, num_sequences, num_e, logit_tail, context_tail,

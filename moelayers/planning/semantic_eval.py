@@ -703,7 +703,7 @@ def assign_tp(plan: SemanticPlan, heldout_trace, tokens_per_step: int = 2048, *,
 
 
 def evaluate_tp(plan: SemanticPlan, heldout_trace, tokens_per_step: int = 2048, *,
-                predictor: str = "combined") -> tuple[dict, np.ndarray]:
+                predictor: str = "combined", progress: bool = False) -> tuple[dict, np.ndarray]:
     """Held-out evaluation in attention-TP mode (see the module docstring).
 
     Args:
@@ -711,11 +711,13 @@ def evaluate_tp(plan: SemanticPlan, heldout_trace, tokens_per_step: int = 2048, 
         heldout_trace: routing of held-out tokens (same ``E`` and ``L`` as the plan).
         tokens_per_step: batch size, divisible by ``R``.
         predictor: ``'combined'``, ``'alg3'`` or ``'token'``.
+        progress: a bar over the layers (:func:`assign_tp`; a minute or more for tens of layers of
+            hundreds of thousands of held-out tokens).
 
     Returns:
         ``(report, token_rank [T, L] int64)``.
     """
-    out = assign_tp(plan, heldout_trace, tokens_per_step, predictor=predictor)
+    out = assign_tp(plan, heldout_trace, tokens_per_step, predictor=predictor, progress=progress)
     linear_tr = even_token_rank(heldout_trace, plan.num_ranks, "tp", tokens_per_step)
     report = {"mode": "tp", "ep": plan.num_ranks, "num_tokens": int(heldout_trace.num_tokens),
               "num_layers": heldout_trace.num_layers,
@@ -768,8 +770,10 @@ def evaluate_dp(plan: SemanticPlan, heldout_trace, *, max_ratio: float = 1.3, ma
 def evaluate(plan: SemanticPlan, heldout_trace, tokens_per_step: int = 2048, **kwargs) -> tuple[dict, np.ndarray]:
     """:func:`evaluate_tp` or :func:`evaluate_dp`, by ``plan.mode``; ``(report, token_rank [T, L])``.
 
-    ``tokens_per_step`` is the tp batch (a dp request keeps its sequence whole, so dp takes none).
+    ``tokens_per_step`` is the tp batch (a dp request keeps its sequence whole, so dp takes none);
+    ``progress=True`` draws a bar over the layers in tp mode (dp's schedule takes a moment).
     """
     if plan.mode == "dp":
+        kwargs.pop("progress", None)
         return evaluate_dp(plan, heldout_trace, **kwargs)
     return evaluate_tp(plan, heldout_trace, tokens_per_step, **kwargs)

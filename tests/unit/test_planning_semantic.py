@@ -998,3 +998,15 @@ def test_incremental_swap_search_makes_the_reference_swaps():
             want = _swap_improve_reference(start.copy(), args[0], load, r, cap, 4 * num_e, pair=args[1])
             assert np.array_equal(got, want), (trial, num_e, r, args[1] is None)
     assert not np.array_equal(got, start)  # (the search moved something)
+
+
+def test_evaluate_takes_progress_in_either_mode(synth, tp_plan, capsys):
+    """evaluate_tp gave no way to see progress (a minute or more on a large held-out trace)."""
+    from moelayers.planning.semantic_eval import evaluate
+
+    held = synth[1]
+    quiet, tr = evaluate(tp_plan, held, 16)
+    shown, tr2 = evaluate(tp_plan, held, 16, progress=True)
+    assert quiet == shown and np.array_equal(tr, tr2) and "held-out token ranks" in capsys.readouterr().err
+    dp = plan_semantic(synth[0], 4, "dp", progress=False)
+    assert evaluate(dp, held, progress=True)[0] == evaluate(dp, held)[0]

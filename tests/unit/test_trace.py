@@ -1031,3 +1031,14 @@ def test_recorder_ignores_a_deep_copy_of_the_model():
     # the copy's model hooks reach this recorder (ignored), not a copy of it that records on
     assert all(h.__self__ is recorder for h in list(reference._forward_pre_hooks.values())
                + list(reference._forward_hooks.values()))
+
+
+def test_synthetic_trace_progress_bar_changes_nothing_else(capsys):
+    """A DeepSeek-V3-sized synthetic trace takes minutes with nothing on the screen (a scale
+    journey): ``progress=True`` draws a bar over the layers; the trace is the same."""
+    from moelayers.trace import synthetic_trace
+
+    quiet = synthetic_trace(6, 3, 8, 2, 50, seq_len=(4, 9), seed=3)
+    shown = synthetic_trace(6, 3, 8, 2, 50, seq_len=(4, 9), seed=3, progress=True)
+    assert np.array_equal(quiet.topk_ids, shown.topk_ids) and np.array_equal(quiet.token_ids, shown.token_ids)
+    assert "synthetic trace" in capsys.readouterr().err
