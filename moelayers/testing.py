@@ -226,7 +226,8 @@ def _exit_reason(code: int) -> str:
         name = signal.Signals(-code).name
     except ValueError:
         return str(code)
-    why = {"SIGABRT": " - NCCL's watchdog aborts a rank whose collective waited past the process group's timeout",
+    why = {"SIGABRT": " - an abort: e.g. NCCL's watchdog ending a rank whose collective waited past the process "
+                      "group's timeout, or a failed assertion in native code",
            "SIGKILL": " - killed from outside, often for memory (the kernel's OOM killer)",
            "SIGSEGV": " - a crash in native code"}.get(name, "")
     return f"{code} ({name}{why})"

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from recipes._common import plan_fraction_setting, print_grid
-from recipes._outputs import commit_files, is_bench_record, write_json
+from recipes._outputs import BENCH_STORE_MARK, commit_files, is_bench_record, write_json
 from recipes._plots import plot_bench
 
 
@@ -84,6 +84,10 @@ def save_records(records: list[dict], out_dir: str, save_to: str | None, plot: b
                                                optional=("bench.png",))]
     if save_to:  # after every record is in the run dir; each written atomically, as there
         paths += [str(write_json(_unclaimed(save_to, name, r), r)) for name, r in zip(names, records)]
+        mark = Path(save_to) / BENCH_STORE_MARK  # (a run dir there, which would remove records, is refused)
+        if not mark.exists():
+            mark.write_text("This folder keeps recipes/bench.py records (bench.save_to): the recipes refuse it as a "
+                            "run dir (hydra.run.dir).\n")
     return paths
 
 

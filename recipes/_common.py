@@ -309,18 +309,20 @@ def invocation() -> dict:
 
 def absolute_path(path: str) -> str:
     """A path as given on the command line, made absolute against where the run was started (Hydra's
-    ``to_absolute_path``) and normalised (``a/../b`` as ``b``), as the outputs record it."""
+    ``to_absolute_path``). ``a/../b`` stays as typed: the system resolves it through a symlink ``a``,
+    which a textual normalisation would get wrong (:func:`provenance` records the resolved file)."""
     import hydra
 
-    return os.path.normpath(hydra.utils.to_absolute_path(str(path)))
+    return hydra.utils.to_absolute_path(str(path))
 
 
 def provenance(inputs: dict[str, Any] | None = None) -> dict:
     """What produced a run, for its outputs: the moelayers version and, from a git checkout of it,
     its commit (and whether the checkout had uncommitted changes to tracked files), the UTC date, the
     host, Python's and torch's versions, and each input file (``{setting: path}``, empty settings
-    left out) as ``{"path", "bytes", "sha256"}`` (a file rewritten later under the same name is
-    then told apart)."""
+    left out) as ``{"path", "bytes", "sha256"}`` (``path`` resolved: absolute, without symlinks or
+    ``..``; a file rewritten later under the same name is then told apart). A file that cannot be
+    read is recorded as ``{"path", "error"}``: a finished run is not lost to its record."""
     import hashlib
     import platform
     import socket
@@ -330,12 +332,14 @@ def provenance(inputs: dict[str, Any] | None = None) -> dict:
     files = {}
     for key, path in (inputs or {}).items():
         if path:
-            digest = hashlib.sha256()
-            with open(path, "rb") as f:
-                for block in iter(lambda: f.read(1 << 24), b""):
-                    digest.update(block)
-            files[key] = {"path": os.path.normpath(os.path.abspath(str(path))), "bytes": os.path.getsize(path),
-                          "sha256": digest.hexdigest()}
+            digest, real = hashlib.sha256(), os.path.realpath(str(path))
+            try:
+                with open(real, "rb") as f:
+                    for block in iter(lambda: f.read(1 << 24), b""):
+                        digest.update(block)
+                files[key] = {"path": real, "bytes": os.path.getsize(real), "sha256": digest.hexdigest()}
+            except OSError as exc:
+                files[key] = {"path": real, "error": f"{type(exc).__name__}: {exc.strerror or exc}"}
     return {"moelayers": moelayers.__version__, **_source_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "host": socket.gethostname(), "python": platform.python_version(), "torch": torch.__version__,
@@ -351,10 +355,11 @@ def _source_commit() -> dict:
     import moelayers
 
     source = os.path.dirname(os.path.dirname(os.path.abspath(moelayers.__file__)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}  # (GIT_DIR: another repository's)
     try:
         def git(*args: str) -> str:
             return subprocess.run(["git", "-C", source, *args], capture_output=True, text=True, timeout=10,
-                                  check=True).stdout.strip()
+                                  check=True, env=env).stdout.strip()
 
         if os.path.realpath(git("rev-parse", "--show-toplevel")) != os.path.realpath(source):
             return {"commit": None, "dirty": None}
@@ -391,7 +396,8 @@ def in_sweep(group: str) -> bool:
         return False
     params = OmegaConf.select(hydra_cfg, "sweeper.params", default=None) or {}
     swept = [a.split("=", 1)[1] for a in sys.argv[1:] if a.split("=", 1)[0].lstrip("+~") == group and "=" in a]
-    swept += [str(value) for key, value in params.items() if str(key).lstrip("+~") == group]
+    if not swept:  # (a command-line value replaces the config's sweep of the group)
+        swept = [str(value) for key, value in params.items() if str(key).lstrip("+~") == group]
     return any("," in value or "(" in value for value in swept)
 
 

@@ -14,12 +14,14 @@ import datetime
 import json
 import math
 import os
+import re
 import signal
 import socket
 import sys
 import tempfile
 import threading
 import traceback
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,13 +33,18 @@ try:
 except ImportError:  # (Windows: run dirs are not held)
     fcntl = None
 
-__all__ = ["RUN_LOCK", "under_torchrun", "run_dir", "claim_run_dir", "recipe_outputs_in", "is_bench_record", "run_recipe",
+__all__ = ["RUN_LOCK", "under_torchrun", "writes_outputs", "run_dir", "claim_run_dir", "recipe_outputs_in", "is_bench_record", "run_recipe",
            "jsonable", "remove_stale", "commit_files", "warn", "write_json"]
 
 
 def under_torchrun() -> bool:
     """True when ``torchrun`` (or any launcher setting ``WORLD_SIZE``/``RANK``/``LOCAL_RANK``) started us."""
     return all(k in os.environ for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK"))
+
+
+def writes_outputs() -> bool:
+    """Whether this process writes the run's outputs: not a torchrun rank other than 0."""
+    return not under_torchrun() or os.environ.get("RANK", "0") == "0"
 
 
 def run_dir(default: str = ".") -> str:
@@ -70,7 +77,7 @@ def claim_run_dir(recipe: str) -> str:
             run's files would mix with or replace (profile's ``curves.npz`` by plan's copy).
     """
     out = run_dir()
-    if under_torchrun() and os.environ.get("RANK", "0") != "0":
+    if not writes_outputs():
         return out
     _refuse_another_recipes_dir(out, recipe)
     if fcntl is None:
@@ -115,36 +122,67 @@ def claim_run_dir(recipe: str) -> str:
     return out
 
 
-def is_bench_record(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a ``recipes/bench.py`` record (a JSON object with its measurement keys)."""
+def _first_key(path: str | os.PathLike) -> str | None:
+    """The first key of the JSON object in ``path``, read from its first bytes only (the recipes'
+    files start with a key of their own; a large file is not parsed for it)."""
     try:
-        rec = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(rec, dict) and {"device_name", "tokens_per_rank", "ms"} <= set(rec)
+        with open(path, "rb") as f:
+            head = f.read(512).decode("utf-8", "replace")
+    except OSError:
+        return None
+    match = re.match(r'\s*\{\s*"([^"\\]*)"', head)
+    return match.group(1) if match else None
+
+
+def is_bench_record(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a ``recipes/bench.py`` record (a JSON object starting with ``device_name``,
+    as every record does)."""
+    return str(path).endswith(".json") and _first_key(path) == "device_name"
+
+
+def _npz_names(path: Path) -> list[str]:
+    """The arrays an npz file holds (its zip directory only), ``[]`` when it is not one."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            return [n[:-4] for n in z.namelist()]
+    except (OSError, zipfile.BadZipFile):
+        return []
+
+
+#: a file in a ``bench.save_to`` folder, which keeps the records of every run: not a run dir
+BENCH_STORE_MARK = ".moelayers-bench-records"
 
 
 def recipe_outputs_in(out_dir: str | os.PathLike) -> dict[str, list[str]]:
     """The recipes whose outputs ``out_dir`` holds: ``{recipe: [file names]}``, by the files only
-    that recipe writes (serve's ``results.json``, plan's ``report.json``, bench's records and
-    ``bench.png``; ``curves.npz`` without ``report.json`` is profile's: plan writes its own copy,
-    with fewer keys, beside its report)."""
+    that recipe writes: serve's ``results.json`` and plan's ``report.json`` (each told by its first
+    key, not by its name alone), profile's ``curves.npz`` (with ``device_names``: plan's copy has
+    none), bench's records, profiler traces and ``bench.png``, and a ``bench.save_to`` folder
+    (``bench.py (save_to)``: :data:`BENCH_STORE_MARK`)."""
     folder = Path(out_dir)
     if not folder.is_dir():
         return {}
     names = {p.name for p in folder.iterdir() if p.is_file()}
-    found = {"serve.py": sorted(names & {"results.json"}), "plan.py": sorted(names & {"report.json"}),
-             "profile.py": ["curves.npz"] if "curves.npz" in names and "report.json" not in names else [],
+    found = {"serve.py": [n for n in ("results.json",) if n in names and _first_key(folder / n) == "throughput_tok_s"],
+             "plan.py": [n for n in ("report.json",) if n in names and _first_key(folder / n) == "planner"],
+             "profile.py": [n for n in ("curves.npz",) if n in names and "device_names" in _npz_names(folder / n)],
              "bench.py": sorted(n for n in names if n == "bench.png" or (n.startswith("profile_") and n.endswith(
-                 "_rank0.json")) or (n.endswith(".json") and n != "results.json" and n != "report.json"
-                                     and is_bench_record(folder / n)))}
+                 "_rank0.json")) or is_bench_record(folder / n)),
+             "bench.py (save_to)": [BENCH_STORE_MARK] if BENCH_STORE_MARK in names else []}
     return {recipe: files for recipe, files in found.items() if files}
 
 
 def _refuse_another_recipes_dir(out: str, recipe: str) -> None:
     """Refuse a run dir that holds another recipe's outputs (a reused ``hydra.run.dir``): the two
-    runs' files would mix there, and plan's ``curves.npz`` would replace profile's."""
-    others = {r: files for r, files in recipe_outputs_in(out).items() if r != recipe}
+    runs' files would mix there, and plan's ``curves.npz`` would replace profile's. A
+    ``bench.save_to`` folder is refused to every recipe: a run dir holds one run's files, and a
+    bench run removes an earlier run's records from it."""
+    held = recipe_outputs_in(out)
+    if "bench.py (save_to)" in held:
+        raise ValueError(f"{out} is a bench.save_to folder, which keeps the records of every run and configuration "
+                         f"(it holds {BENCH_STORE_MARK}): a run dir holds one run's files (a bench run there would "
+                         "remove the earlier records): give this run another hydra.run.dir")
+    others = {r: files for r, files in held.items() if r != recipe}
     if others:
         held = "; ".join(f"{r}'s {', '.join(files[:3])}{' ...' if len(files) > 3 else ''}" for r, files in others.items())
         raise ValueError(f"{out} holds the outputs of another recipe ({held}): {recipe}'s files would mix with them "
@@ -262,20 +300,25 @@ def remove_stale(out_dir: str | os.PathLike, outputs: tuple[str, ...], written: 
 
 @contextlib.contextmanager
 def _interrupts_deferred():
-    """Hold a Ctrl-C (SIGINT) that comes inside the block until it ends, then raise it as
-    ``KeyboardInterrupt``: for a few file moves that must happen together. Outside the main thread
-    (where no signal handler can be set) the block runs as it is."""
+    """Hold a Ctrl-C (SIGINT) or a SIGTERM (what torchrun sends its workers on Ctrl-C) that comes
+    inside the block until it ends, then deliver it as it would have been (``KeyboardInterrupt``, the
+    process's end, or the handler set before): for a few file moves that must happen together. Also
+    when the block raises (the signal is not lost). Outside the main thread (where no signal
+    handler can be set) the block runs as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    caught: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
-    finally:  # (None: a handler not set from Python, which cannot be put back: the default one)
-        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
-    if caught:
-        raise KeyboardInterrupt
+    finally:
+        for sig, handler in previous.items():  # (None: a handler set outside Python, which cannot be put back)
+            signal.signal(sig, handler if handler is not None else
+                          signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+        for signum in dict.fromkeys(caught):  # each once, in the order they came
+            signal.raise_signal(signum)
 
 
 def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path], None]],

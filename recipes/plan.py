@@ -284,6 +284,16 @@ def plan_all(name: str, train_loads, curves, num_ranks: int, d: dict, *, bar: bo
     return out, time.perf_counter() - t0
 
 
+def read_inputs(d: dict, name: str, plan_source: str) -> dict:
+    """``{setting: path}`` of the files this run read (for its provenance): the trace and curves
+    files, and the semantic planner's plan file or, when it solved, its embeddings."""
+    semantic = name == "semantic"
+    return {"trace.path": d["trace"].get("path"), "curves.path": (d.get("curves") or {}).get("path"),
+            "plan.path": plan_source if semantic and plan_source != "solved" else None,
+            "planner.embeddings": (d.get("planner") or {}).get("embeddings") if semantic and plan_source == "solved"
+            else None}
+
+
 def plan_semantic_from_config(d: dict, trace, train, held_out, ep: int, mode: str, *, bar: bool):
     """``(SemanticPlan, seconds, source)``: ``plan.path`` if set (0 s), else ``plan_semantic`` on ``train``."""
     from moelayers.planning.semantic_solvers import plan_semantic
@@ -436,9 +446,7 @@ def run(d: dict) -> dict:
         "config": recorded_config(d),
         "command": invocation(),  # argv and Hydra overrides (the run dir holds no .hydra/)
         # versions, commit, date, host, input files with their sha256 (each read by now: a missing one failed)
-        "provenance": provenance({"trace.path": tc.get("path"), "plan.path": (d.get("plan") or {}).get("path"),
-                                  "curves.path": (d.get("curves") or {}).get("path"),
-                                  "planner.embeddings": (d.get("planner") or {}).get("embeddings")}),
+        "provenance": provenance(read_inputs(d, name, plan_source)),
     }
     report["max_ratio_exceeded"] = mode == "dp" and max(report["tokens_per_rank"]) > DP_MAX_RATIO * (
         sum(report["tokens_per_rank"]) / ep) + 1e-9

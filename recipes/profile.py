@@ -44,7 +44,9 @@ from omegaconf import DictConfig  # noqa: E402
 from recipes._common import (  # noqa: E402
     device_for, flag, int_setting, invocation, launch, provenance, refuse_unread_overrides, resolve_backend, shutdown, to_dict,
 )
-from recipes._outputs import claim_run_dir, commit_files, jsonable, run_recipe, under_torchrun, warn  # noqa: E402
+from recipes._outputs import (  # noqa: E402
+    claim_run_dir, commit_files, jsonable, run_recipe, under_torchrun, warn, writes_outputs,
+)
 from recipes._plots import plot_curves  # noqa: E402
 
 
@@ -318,7 +320,7 @@ def main(cfg: DictConfig) -> None:
         raise ValueError(f"parallel.ep={ep}: profile.py times every rank of the world, one curve each, and plan.py "
                          f"needs one curve per expert-parallel rank; run it with {ep} ranks (parallel.world_size or "
                          f"torchrun's --nproc_per_node) on the GPUs of that EP group, or leave parallel.ep unset")
-    origin = provenance()
+    origin = provenance() if writes_outputs() else {}  # (the other torchrun ranks write nothing)
     res = launch(d, profile_worker)
     if res is not None:
         echo = {k: v for k, v in d.items() if k != "run_dir"}

@@ -95,7 +95,7 @@ from recipes._common import (  # noqa: E402
     invocation, launch, merge_curves_path, normalize_flags, overridden, percentile, print_table, provenance,
     refuse_unread_overrides, shutdown, to_dict,
 )
-from recipes._outputs import claim_run_dir, commit_files, run_recipe, warn, write_json  # noqa: E402
+from recipes._outputs import claim_run_dir, commit_files, run_recipe, warn, write_json, writes_outputs  # noqa: E402
 from recipes._bench_tools import seq_len_bounds  # noqa: E402
 from recipes._plots import plot_rank_load  # noqa: E402
 from recipes._serve_workload import (  # noqa: E402
@@ -1007,13 +1007,13 @@ def main(cfg: DictConfig) -> None:
         warning = compare.seeds_warning(d)
         if warning:
             warn(warning)
-        origin = run_origin(d, next(r for r in runs if r["_side"] == "baseline"))
+        origin = run_origin(d, next(r for r in runs if r["_side"] == "baseline")) if writes_outputs() else {}
         t0 = time.perf_counter()
         res = launch(dict(d, _runs=runs), compare_worker)
         if res is not None:
             compare.summarize(res, d, d["run_dir"], time.perf_counter() - t0, origin=origin)
     else:
-        origin = run_origin(d)
+        origin = run_origin(d) if writes_outputs() else {}  # (the other torchrun ranks write nothing)
         res = launch(d, serve_worker)
         if res is not None:
             res.update(origin)

@@ -552,7 +552,8 @@ _TP_DISAGREEMENTS = (
     "force different routing (topk_ids or force_routing): every TP rank must force the same ids for all T "
     "tokens, or none",
     "hold different residuals (verify_tp_residual): the residual stream must be identical, bit for bit, on every "
-    "TP rank (each rank adds its rows of its own copy)",
+    "TP rank (each rank adds its rows of its own copy; -0.0 and 0.0 differ), and every TP rank's layer must be built "
+    "with the same verify_tp_residual",
 )
 
 

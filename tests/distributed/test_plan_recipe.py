@@ -420,9 +420,9 @@ def test_script_honours_run_dir(trace_file, tmp_path):
                                               f"trace.path={trace_file}", "planner=semantic", "mode=dp",
                                               "parallel.ep=2"]
     check_provenance(report["provenance"], {"trace.path": trace_file})
-    assert_documented(report)
+    assert_documented(report, "plan.py")
     with np.load(out / "assignment.npz") as z, np.load(out / "plan.npz") as p, np.load(out / "curves.npz") as c:
-        assert_documented({k: None for k in [*z.files, *p.files, *c.files]})
+        assert_documented({k: None for k in [*z.files, *p.files, *c.files]}, "plan.py")
     assert "lar" in proc.stdout and str(out / "report.json") in proc.stdout
     # the chosen planner's score rows, then the GEM planner's, labelled as a reference (they read as ours)
     assert "semantic score reduction vs linear" in proc.stdout, proc.stdout

@@ -42,7 +42,7 @@ def test_profile_writes_curves(tmp_path):
         rec = json.loads(str(d["config"]))
     assert rec["command"]["overrides"] == [] and rec["config"]["profile"]["name"] == "cpu_smoke"
     check_provenance(rec["provenance"], {})
-    assert_documented(rec)
+    assert_documented(rec, "profile.py")
     assert rec["config"]["profile"]["tile"] == 16
     assert rec["measured"]["dtype"] == "float32" and rec["measured"]["seconds"] > 0  # CPU profiles in float32
     assert rec["measured"]["shape"]["E"] == rec["config"]["profile"]["shape"]["num_experts"]

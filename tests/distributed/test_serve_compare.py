@@ -111,7 +111,7 @@ def test_compare_variability_vs_vanilla_same_emulated_hardware(tmp_path):
     assert {p.name for p in (tmp_path / "run").iterdir()} == {"results.json"}  # no .hydra/, no serve.log
     assert res["command"]["overrides"][-1] == "plot=false"
     check_provenance(res["provenance"], {})  # (a synthetic trace: no input files)
-    assert_documented(res)
+    assert_documented(res, "serve.py: `results.json` of a comparison")
     # 2 seeds (for speed) run, flagged: medians want at least 3
     assert res["seeds_below_minimum"] is True and "below the minimum of 3" in res["warnings"][0]
     for side in ("ours", "baseline"):  # both sides run on the same emulated slow rank 0

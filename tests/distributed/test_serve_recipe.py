@@ -81,7 +81,7 @@ def _serve(run_dir: Path, *overrides: str) -> dict:
     assert {p.name for p in run_dir.iterdir()} == {"results.json", "rank_load.png"}
     res = json.loads((run_dir / "results.json").read_text())
     assert res["command"]["overrides"] == ["parallel.world_size=2", *overrides]
-    assert_documented(res)
+    assert_documented(res, "serve.py: `results.json` (single")
     for key in KEYS:
         assert key in res, key
     assert res["world_size"] == 2 and res["layer"] == "vanilla"

@@ -603,7 +603,7 @@ def _aborts_on_rank_1(rank, world):
 @pytest.mark.timeout(60)
 def test_run_distributed_names_the_signal_that_ended_a_rank():
     """It said "exit codes {1: -6}": which a user must look up (NCCL's watchdog aborts timed-out ranks)."""
-    with pytest.raises(RuntimeError, match=r"died without reporting \(exit codes \{1: -6 \(SIGABRT - NCCL's watchdog"):
+    with pytest.raises(RuntimeError, match=r"died without reporting \(exit codes \{1: -6 \(SIGABRT - an abort: e\.g\. NCCL's watchdog"):
         run_distributed(_aborts_on_rank_1, 2, timeout=50)
 
 

@@ -60,7 +60,35 @@ def test_no_git_names_no_commit(monkeypatch):
     assert _common._source_commit() == {"commit": None, "dirty": None}
 
 
-def test_input_paths_are_recorded_normalised(tmp_path, monkeypatch):
-    """plan.py recorded ``variability: file:.../flow/../profile1/curves.npz`` as typed."""
-    monkeypatch.chdir(tmp_path)
-    assert _common.absolute_path("flow/../profile1/curves.npz") == str(tmp_path / "profile1" / "curves.npz")
+def test_input_paths_through_a_symlink_are_read_and_recorded_as_the_system_resolves_them(tmp_path, monkeypatch):
+    """``latest/../trace.npz`` with ``latest`` a symlink: a textual normalisation (a review) named
+    another file than the one the system opens; the recipes keep the path as typed, and the
+    provenance records the file it resolves to."""
+    store = tmp_path / "store"
+    (store / "runs").mkdir(parents=True)
+    (store / "trace.npz").write_bytes(b"the real trace")  # what latest/../trace.npz opens
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "latest").symlink_to(store / "runs")
+    monkeypatch.chdir(tmp_path / "work")
+    typed = _common.absolute_path("latest/../trace.npz")
+    assert Path(typed).read_bytes() == b"the real trace"
+    assert provenance({"trace.path": typed})["inputs"]["trace.path"]["path"] == str((store / "trace.npz").resolve())
+
+
+def test_an_unreadable_input_is_recorded_not_raised(tmp_path):
+    """A file named but not read by the run, and gone by its end, failed the finished run (a review)."""
+    rec = provenance({"planner.embeddings": tmp_path / "gone.npy"})["inputs"]["planner.embeddings"]
+    assert rec["path"] == str((tmp_path / "gone.npy").resolve()) and rec["error"].startswith("FileNotFoundError")
+
+
+def test_git_dir_of_another_repository_is_not_read(tmp_path, monkeypatch):
+    """GIT_DIR set to another repository made _source_commit report that repository's commit."""
+    if not shutil.which("git"):
+        pytest.skip("needs git")
+    other = tmp_path / "other"
+    subprocess.run(["git", "init", "-q", str(other)], check=True)
+    subprocess.run(["git", "-C", str(other), "-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q",
+                    "--allow-empty", "-m", "x"], check=True)
+    theirs = subprocess.run(["git", "-C", str(other), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    monkeypatch.setenv("GIT_DIR", str(other / ".git"))
+    assert _common._source_commit()["commit"] != theirs

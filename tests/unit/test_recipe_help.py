@@ -179,6 +179,13 @@ def test_a_sweep_in_a_config_file_lets_plus_plus_through(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     reports = [json.loads((tmp_path / "out" / str(i) / "report.json").read_text()) for i in (0, 1)]
     assert [r["config"]["planner"]["name"] for r in reports] == ["eplb", "gem"]
+    # planner=eplb on the command line replaces the config's sweep: one eplb job, which reads no restarts
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "plan.py"), "--config-dir", str(tmp_path),
+                           "--config-name", "myplan", "-m", "planner=eplb", "++planner.restarts=2",
+                           f"hydra.sweep.dir={tmp_path}/one"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and "plan.py with planner=eplb reads no key planner.restarts" in proc.stderr, \
+        proc.stderr[-2000:]
 
 
 def test_serve_refuses_a_planner_group_before_any_rank_starts(tmp_path):

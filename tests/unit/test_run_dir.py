@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import recipes._outputs as common
@@ -157,6 +158,39 @@ def test_ctrl_c_between_the_moves_lets_them_finish_then_stops(tmp_path, monkeypa
     assert signal.getsignal(signal.SIGINT) is before  # the handler put back
 
 
+def test_sigterm_between_the_moves_is_delivered_after_them(tmp_path, monkeypatch):
+    """torchrun answers a Ctrl-C with SIGTERM to its workers: a review split a commit with it. It is
+    held like a Ctrl-C, then delivered to the handler set before (also when a move fails)."""
+    import signal
+
+    got = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(("handled", [p.name for p in moved])))
+    real_replace, moved = os.replace, []
+
+    def replace_then_term(src, dst):
+        real_replace(src, dst)
+        moved.append(Path(dst))
+        if len(moved) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if fail and len(moved) == 2:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(common.os, "replace", replace_then_term)
+    try:
+        for fail in (False, True):
+            moved.clear()
+            got.clear()
+            writers = {name: (lambda p: p.write_text("new")) for name in ("a.json", "b.json")}
+            if fail:
+                with pytest.raises(OSError, match="No space left"):
+                    commit_files(tmp_path, writers)
+            else:
+                commit_files(tmp_path, writers)
+            assert got == [("handled", ["a.json", "b.json"])], (fail, got)  # once, after both moves
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_a_failing_optional_plot_is_left_out_and_the_run_written(tmp_path, capsys):
     """A journey found a finished serve / plan run lost (exit 1, no results.json) when its plot
     failed (a broken matplotlib backend): plots are optional files, an earlier one removed."""
@@ -216,31 +250,64 @@ def test_serve_run_into_a_held_run_dir_is_refused_and_leaves_it(tmp_path):
 
 
 BENCH_RECORD = {"device_name": "cpu", "tokens_per_rank": 16, "ms": 1.0}
+SERVE_RESULTS, PLAN_REPORT = {"throughput_tok_s": 1.0, "lar": 0.5}, {"planner": "gem", "ep": 2}
+PROFILE_CURVES = {"rows": [1, 2], "latency_s": [[1e-5, 2e-5]], "device_names": ["cpu"]}
+PLAN_CURVES = {"rows": [1, 2], "latency_s": [[1e-5, 2e-5]]}  # plan's copy: no device names
+
+
+def _write(folder: Path, files: dict) -> None:
+    for name, content in files.items():
+        if name.endswith(".npz"):
+            np.savez(folder / name, **{k: np.asarray(v) for k, v in content.items()})
+        else:
+            (folder / name).write_text("x" if content is None else json.dumps(content))
 
 
 @pytest.mark.parametrize("files, recipe, refused", [
-    ({"results.json": {}, "rank_load.png": None}, "plan.py", "serve.py's results.json"),
-    ({"report.json": {}, "curves.npz": None}, "profile.py", "plan.py's report.json"),
-    ({"curves.npz": None, "curves.png": None}, "plan.py", "profile.py's curves.npz"),  # plan's copy would replace it
+    ({"results.json": SERVE_RESULTS, "rank_load.png": None}, "plan.py", "serve.py's results.json"),
+    ({"report.json": PLAN_REPORT, "curves.npz": PLAN_CURVES}, "profile.py", "plan.py's report.json"),
+    ({"curves.npz": PROFILE_CURVES, "curves.png": None}, "plan.py", "profile.py's curves.npz"),  # plan's copy would replace it
     ({"ours_t16.json": BENCH_RECORD, "bench.png": None}, "serve.py", "bench.py's bench.png, ours_t16.json"),
-    ({"report.json": {}, "curves.npz": None, "plan.png": None}, "plan.py", None),  # its own earlier run: replaced
+    ({"report.json": PLAN_REPORT, "curves.npz": PLAN_CURVES, "plan.png": None}, "plan.py", None),  # its own earlier run
     ({"ours_t16.json": BENCH_RECORD}, "bench.py", None),
     ({"notes.json": {"mine": 1}, "README": None}, "serve.py", None),  # files of no recipe are left alone
+    ({"results.json": {"accuracy": 0.9}, "report.json": ["a", "list"]}, "plan.py", None),  # others' files of those names
+    ({"curves.npz": PLAN_CURVES}, "profile.py", None),
 ])
 def test_a_run_dir_holding_another_recipes_outputs_is_refused(in_dir, files, recipe, refused):
     """A journey ran plan.py, then bench.py into a serve run's dir (three runs' files side by side,
     with no note) and profile.py into a plan run's dir (profile's curves.npz replaced plan's, whose
-    report could no longer be recomputed from the dir)."""
+    report could no longer be recomputed from the dir). A review found any results.json or
+    report.json taken for a recipe's (refusing unrelated dirs): each is told by its first key."""
     in_dir.mkdir()
-    for name, content in files.items():
-        (in_dir / name).write_text("x" if content is None else json.dumps(content))
-    before = {p.name: p.read_text() for p in in_dir.iterdir()}
+    _write(in_dir, files)
+    before = {p.name: p.read_bytes() for p in in_dir.iterdir()}
     if refused:
         with pytest.raises(ValueError, match=f"holds the outputs of another recipe \\({refused}.*{recipe}'s files "
                                              "would mix"):
             claim_run_dir(recipe)
-        assert {p.name: p.read_text() for p in in_dir.iterdir()} == before  # nothing taken or written
+        assert {p.name: p.read_bytes() for p in in_dir.iterdir()} == before  # nothing taken or written
     else:
+        claim_run_dir(recipe)
+
+
+def test_a_large_json_in_the_run_dir_is_not_parsed(in_dir):
+    """Every JSON file of the dir was parsed to find bench records: 11 s and 0.5 GB for a 57 MB file."""
+    in_dir.mkdir()
+    big = in_dir / "data.json"
+    big.write_text("[" + ", ".join(["1.0"] * 3_000_000) + "]")
+    start = time.monotonic()
+    assert common.recipe_outputs_in(in_dir) == {}
+    assert time.monotonic() - start < 1.0
+
+
+@pytest.mark.parametrize("recipe", ["serve.py", "plan.py", "profile.py", "bench.py"])
+def test_a_bench_save_to_folder_is_refused_as_a_run_dir(in_dir, recipe):
+    """A folder that bench.save_to keeps records in, given as hydra.run.dir: a bench run removed every
+    record as an earlier run's output (a review)."""
+    in_dir.mkdir()
+    _write(in_dir, {"vanilla_t16.json": BENCH_RECORD, common.BENCH_STORE_MARK: None})
+    with pytest.raises(ValueError, match="is a bench.save_to folder, which keeps the records of every run"):
         claim_run_dir(recipe)
 
 
