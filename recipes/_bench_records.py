@@ -101,7 +101,8 @@ _LEGACY_FIELDS = ("shape", "dtype", "warmup", "iters", "mode", "router", "peer",
 
 
 def _norm_path(path: object) -> str | None:
-    return None if not path else os.path.normpath(os.path.abspath(str(path)))
+    """The file a path names, resolved (symlinks and ``..`` as the system follows them)."""
+    return None if not path else os.path.realpath(str(path))
 
 
 def settings_digest(record: dict, d: dict) -> str:
@@ -176,9 +177,10 @@ def remove_earlier_outputs(run_dir: str, started: float, written: list[str] = ()
 
 def _file_tag(path: str) -> str:
     """A file as a name part: its stem (letters, digits, ``.``, ``_``, ``-`` only) and 6 hex digits of
-    its absolute path's hash, so that two files of one stem in other folders keep two records."""
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.splitext(os.path.basename(str(path)))[0]).strip("-") or "file"
-    return f"{stem}-{hashlib.sha1(os.path.abspath(str(path)).encode()).hexdigest()[:6]}"
+    its resolved path's hash, so that two files of one stem in other folders keep two records."""
+    real = os.path.realpath(str(path))
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.splitext(os.path.basename(real))[0]).strip("-") or "file"
+    return f"{stem}-{hashlib.sha1(real.encode()).hexdigest()[:6]}"
 
 
 def _setting_suffix(r: dict) -> str:

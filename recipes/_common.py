@@ -346,6 +346,14 @@ def provenance(inputs: dict[str, Any] | None = None) -> dict:
             "inputs": files}
 
 
+#: the variables that point git at another repository than the one ``git -C`` names (``git rev-parse
+#: --local-env-vars`` without the configuration ones: safe.directory given as GIT_CONFIG_* must stay)
+_GIT_REPOSITORY_VARS = frozenset({
+    "GIT_DIR", "GIT_WORK_TREE", "GIT_IMPLICIT_WORK_TREE", "GIT_INDEX_FILE", "GIT_COMMON_DIR", "GIT_OBJECT_DIRECTORY",
+    "GIT_ALTERNATE_OBJECT_DIRECTORIES", "GIT_PREFIX", "GIT_INTERNAL_SUPER_PREFIX", "GIT_SHALLOW_FILE", "GIT_GRAFT_FILE",
+    "GIT_NO_REPLACE_OBJECTS", "GIT_REPLACE_REF_BASE", "GIT_NAMESPACE"})
+
+
 def _source_commit() -> dict:
     """``{"commit", "dirty"}`` of the git checkout moelayers is imported from (``None`` for an
     installed copy: a checkout around the install, say a project holding its virtualenv, is not
@@ -355,7 +363,7 @@ def _source_commit() -> dict:
     import moelayers
 
     source = os.path.dirname(os.path.dirname(os.path.abspath(moelayers.__file__)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}  # (GIT_DIR: another repository's)
+    env = {k: v for k, v in os.environ.items() if k not in _GIT_REPOSITORY_VARS}  # (GIT_DIR: another repository)
     try:
         def git(*args: str) -> str:
             return subprocess.run(["git", "-C", source, *args], capture_output=True, text=True, timeout=10,

@@ -134,10 +134,24 @@ def _first_key(path: str | os.PathLike) -> str | None:
     return match.group(1) if match else None
 
 
+def _bench_record(path: str | os.PathLike) -> dict | None:
+    """The ``recipes/bench.py`` record in ``path`` (a JSON object starting with ``device_name``, as
+    every record does, with ``tokens_per_rank`` and ``ms``; a few kB: larger files are not read),
+    else ``None``."""
+    if not str(path).endswith(".json") or _first_key(path) != "device_name":
+        return None
+    try:
+        if os.path.getsize(path) > 1 << 20:
+            return None
+        rec = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) and {"tokens_per_rank", "ms"} <= set(rec) else None
+
+
 def is_bench_record(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a ``recipes/bench.py`` record (a JSON object starting with ``device_name``,
-    as every record does)."""
-    return str(path).endswith(".json") and _first_key(path) == "device_name"
+    """Whether ``path`` is a ``recipes/bench.py`` record."""
+    return _bench_record(path) is not None
 
 
 def _npz_names(path: Path) -> list[str]:
@@ -158,17 +172,21 @@ def recipe_outputs_in(out_dir: str | os.PathLike) -> dict[str, list[str]]:
     that recipe writes: serve's ``results.json`` and plan's ``report.json`` (each told by its first
     key, not by its name alone), profile's ``curves.npz`` (with ``device_names``: plan's copy has
     none), bench's records, profiler traces and ``bench.png``, and a ``bench.save_to`` folder
-    (``bench.py (save_to)``: :data:`BENCH_STORE_MARK`)."""
+    (``bench.py (save_to)``: :data:`BENCH_STORE_MARK`, or records of more than one run)."""
     folder = Path(out_dir)
     if not folder.is_dir():
         return {}
     names = {p.name for p in folder.iterdir() if p.is_file()}
+    records = {n: _bench_record(folder / n) for n in names if n.endswith(".json")}
+    records = {n: r for n, r in records.items() if r is not None}
+    # records of several runs: a bench.save_to folder (one written before it got its mark), not a run dir
+    store = BENCH_STORE_MARK in names or len({(str(r.get("date")), str(r.get("command"))) for r in records.values()}) > 1
     found = {"serve.py": [n for n in ("results.json",) if n in names and _first_key(folder / n) == "throughput_tok_s"],
              "plan.py": [n for n in ("report.json",) if n in names and _first_key(folder / n) == "planner"],
              "profile.py": [n for n in ("curves.npz",) if n in names and "device_names" in _npz_names(folder / n)],
              "bench.py": sorted(n for n in names if n == "bench.png" or (n.startswith("profile_") and n.endswith(
-                 "_rank0.json")) or is_bench_record(folder / n)),
-             "bench.py (save_to)": [BENCH_STORE_MARK] if BENCH_STORE_MARK in names else []}
+                 "_rank0.json")) or n in records),
+             "bench.py (save_to)": sorted(set(records) | ({BENCH_STORE_MARK} & names)) if store else []}
     return {recipe: files for recipe, files in found.items() if files}
 
 
@@ -180,8 +198,8 @@ def _refuse_another_recipes_dir(out: str, recipe: str) -> None:
     held = recipe_outputs_in(out)
     if "bench.py (save_to)" in held:
         raise ValueError(f"{out} is a bench.save_to folder, which keeps the records of every run and configuration "
-                         f"(it holds {BENCH_STORE_MARK}): a run dir holds one run's files (a bench run there would "
-                         "remove the earlier records): give this run another hydra.run.dir")
+                         f"(it holds {BENCH_STORE_MARK} or records of several runs): a run dir holds one run's files "
+                         "(a bench run there would remove the earlier records): give this run another hydra.run.dir")
     others = {r: files for r, files in held.items() if r != recipe}
     if others:
         held = "; ".join(f"{r}'s {', '.join(files[:3])}{' ...' if len(files) > 3 else ''}" for r, files in others.items())
@@ -317,8 +335,16 @@ def _interrupts_deferred():
         for sig, handler in previous.items():  # (None: a handler set outside Python, which cannot be put back)
             signal.signal(sig, handler if handler is not None else
                           signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
-        for signum in dict.fromkeys(caught):  # each once, in the order they came
-            signal.raise_signal(signum)
+        _deliver(list(dict.fromkeys(caught)))  # each once, in the order they came
+
+
+def _deliver(signals: list[int]) -> None:
+    """Raise each of ``signals`` in turn, the later ones also when an earlier one's handler raises."""
+    if signals:
+        try:
+            signal.raise_signal(signals[0])
+        finally:
+            _deliver(signals[1:])
 
 
 def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path], None]],
@@ -373,14 +399,14 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
         for tmp in tmps.values():
             tmp.unlink(missing_ok=True)
         raise
-    try:
-        with _interrupts_deferred():  # a Ctrl-C between two moves would leave one run's file beside another's
+    with _interrupts_deferred():  # a Ctrl-C between two moves would leave one run's file beside another's
+        try:
             remove_stale(out, stale, tmps)
             for name, tmp in tmps.items():
                 os.replace(tmp, out / name)
-    finally:  # a failed move leaves no temporary file behind
-        for tmp in tmps.values():
-            tmp.unlink(missing_ok=True)
+        finally:  # a failed move leaves no temporary file behind (before a held signal ends the process)
+            for tmp in tmps.values():
+                tmp.unlink(missing_ok=True)
     for message in left_out:
         warn(message)
     return [out / name for name in tmps]

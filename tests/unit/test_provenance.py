@@ -92,3 +92,23 @@ def test_git_dir_of_another_repository_is_not_read(tmp_path, monkeypatch):
     theirs = subprocess.run(["git", "-C", str(other), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     monkeypatch.setenv("GIT_DIR", str(other / ".git"))
     assert _common._source_commit()["commit"] != theirs
+
+
+def test_git_configuration_from_the_environment_is_kept(monkeypatch):
+    """Dropping every GIT_* variable lost safe.directory given as GIT_CONFIG_* (CI, containers with a
+    checkout of another owner): only the ones naming another repository are dropped (a second review)."""
+    import subprocess as sp
+
+    seen = []
+
+    def fake_run(cmd, **kwargs):
+        seen.append(kwargs["env"])
+        raise sp.SubprocessError("stop")
+
+    monkeypatch.setattr(sp, "run", fake_run)
+    monkeypatch.setenv("GIT_CONFIG_COUNT", "1")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", "/etc/ci.gitconfig")
+    monkeypatch.setenv("GIT_DIR", "/elsewhere/.git")
+    assert _common._source_commit() == {"commit": None, "dirty": None}
+    assert seen and seen[0].get("GIT_CONFIG_COUNT") == "1" and seen[0].get("GIT_CONFIG_GLOBAL") and \
+        "GIT_DIR" not in seen[0]

@@ -164,7 +164,8 @@ def test_sigterm_between_the_moves_is_delivered_after_them(tmp_path, monkeypatch
     import signal
 
     got = []
-    before = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(("handled", [p.name for p in moved])))
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(
+        ("handled", [p.name for p in moved], [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")])))
     real_replace, moved = os.replace, []
 
     def replace_then_term(src, dst):
@@ -177,16 +178,17 @@ def test_sigterm_between_the_moves_is_delivered_after_them(tmp_path, monkeypatch
 
     monkeypatch.setattr(common.os, "replace", replace_then_term)
     try:
-        for fail in (False, True):
+        for fail in (False, True):  # (failing: the temporary files are removed before the signal is delivered)
             moved.clear()
             got.clear()
-            writers = {name: (lambda p: p.write_text("new")) for name in ("a.json", "b.json")}
+            writers = {name: (lambda p: p.write_text("new")) for name in ("a.json", "b.json", "c.json")}
             if fail:
                 with pytest.raises(OSError, match="No space left"):
                     commit_files(tmp_path, writers)
             else:
                 commit_files(tmp_path, writers)
-            assert got == [("handled", ["a.json", "b.json"])], (fail, got)  # once, after both moves
+            # once, after the moves and the clean-up (c.json's temporary file when the second move failed)
+            assert got == [("handled", ["a.json", "b.json"] + ([] if fail else ["c.json"]), [])], (fail, got)
     finally:
         signal.signal(signal.SIGTERM, before)
 
@@ -302,13 +304,25 @@ def test_a_large_json_in_the_run_dir_is_not_parsed(in_dir):
 
 
 @pytest.mark.parametrize("recipe", ["serve.py", "plan.py", "profile.py", "bench.py"])
-def test_a_bench_save_to_folder_is_refused_as_a_run_dir(in_dir, recipe):
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_bench_save_to_folder_is_refused_as_a_run_dir(in_dir, recipe, marked):
     """A folder that bench.save_to keeps records in, given as hydra.run.dir: a bench run removed every
-    record as an earlier run's output (a review)."""
+    record as an earlier run's output (a review). A store written before the mark existed is told by
+    its records of several runs (a second review)."""
     in_dir.mkdir()
-    _write(in_dir, {"vanilla_t16.json": BENCH_RECORD, common.BENCH_STORE_MARK: None})
+    files = {"vanilla_t16.json": {**BENCH_RECORD, "date": "2026-11-22", "command": "a"},
+             "vanilla_t64.json": {**BENCH_RECORD, "date": "2026-11-28", "command": "b"}}
+    _write(in_dir, {**files, **({common.BENCH_STORE_MARK: None} if marked else {})})
     with pytest.raises(ValueError, match="is a bench.save_to folder, which keeps the records of every run"):
         claim_run_dir(recipe)
+
+
+def test_a_json_starting_with_device_name_is_not_taken_for_a_bench_record(in_dir):
+    """A user's gpu_info.json ({"device_name": ..., "driver": ...}) was removed by a bench run as an
+    earlier run's record, and made the other recipes refuse the dir (a second review)."""
+    in_dir.mkdir()
+    _write(in_dir, {"gpu_info.json": {"device_name": "NVIDIA H200", "driver": "580"}})
+    assert common.recipe_outputs_in(in_dir) == {} and not common.is_bench_record(in_dir / "gpu_info.json")
 
 
 @pytest.mark.timeout(120)
