@@ -23,6 +23,7 @@ import threading
 import traceback
 import zipfile
 from collections.abc import Callable
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any
 
@@ -347,6 +348,22 @@ def _deliver(signals: list[int]) -> None:
             _deliver(signals[1:])
 
 
+def _remove_dead_temporaries(out: Path, names: tuple[str, ...]) -> None:
+    """Remove the temporary files (``.NAME.*.tmp``) of ``names`` that a run killed while writing
+    them (SIGKILL, SIGTERM) left in ``out``: those last written before this process started, so not
+    this run's (and not a live run's: the run dir is held by one run at a time)."""
+    import psutil
+
+    started = psutil.Process().create_time()
+    for name in names:
+        for tmp in out.glob(f".{glob_escape(name)}.*.tmp"):
+            try:
+                if tmp.is_file() and tmp.stat().st_mtime < started - 1.0:
+                    tmp.unlink()
+            except OSError:
+                pass  # (gone meanwhile, or not ours to remove)
+
+
 def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path], None]],
                  stale: tuple[str, ...] = (), optional: tuple[str, ...] = ()) -> list[Path]:
     """Write several files into ``out_dir`` all or nothing.
@@ -377,6 +394,7 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
         raise IsADirectoryError(f"{out}: {', '.join(folders)} is a directory: cannot write the run's files there")
     from moelayers.files import file_mode
 
+    _remove_dead_temporaries(out, (*writers, *stale))
     mode = file_mode()
     tmps: dict[str, Path] = {}
     left_out: list[str] = []  # optional files whose writer failed: told once the rest is in

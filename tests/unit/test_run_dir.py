@@ -193,6 +193,21 @@ def test_sigterm_between_the_moves_is_delivered_after_them(tmp_path, monkeypatch
         signal.signal(signal.SIGTERM, before)
 
 
+def test_a_killed_runs_temporary_files_are_removed_by_the_next_commit(tmp_path):
+    """A run killed while writing (SIGTERM, SIGKILL) left .results.json.*.tmp in the run dir for good
+    (a review); the next run's commit removes those written before it started, not others."""
+    dead = tmp_path / ".results.json.abc123.tmp"
+    dead.write_text("half a file")
+    os.utime(dead, (time.time() - 3600, time.time() - 3600))
+    fresh = tmp_path / ".results.json.def456.tmp"  # (written after this process started: not a dead run's)
+    fresh.write_text("another")
+    other = tmp_path / ".notes.txt.abc.tmp"  # not one of the outputs
+    other.write_text("x")
+    os.utime(other, (time.time() - 3600, time.time() - 3600))
+    commit_files(tmp_path, {"results.json": lambda p: p.write_text("{}")})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".notes.txt.abc.tmp", fresh.name, "results.json"]
+
+
 def test_a_failing_optional_plot_is_left_out_and_the_run_written(tmp_path, capsys):
     """A journey found a finished serve / plan run lost (exit 1, no results.json) when its plot
     failed (a broken matplotlib backend): plots are optional files, an earlier one removed."""
