@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
+
+#: a function type kept through a decorator (type checkers see the wrapped signature)
+F = TypeVar("F", bound=Callable[..., Any])
 
 _DISABLED: dict[Callable, Callable] = {}
 
@@ -28,8 +31,9 @@ def _disabled(fn: Callable) -> Callable:
     return _DISABLED[fn]
 
 
-def eager_under_compile(fn: Callable) -> Callable:
-    """``fn`` as it is in eager code; under ``torch.compile``, ``torch.compiler.disable(fn)``."""
+def eager_under_compile(fn: F) -> F:
+    """``fn`` as it is in eager code; under ``torch.compile``, ``torch.compiler.disable(fn)`` (the
+    same signature for type checkers and IDEs)."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -37,7 +41,7 @@ def eager_under_compile(fn: Callable) -> Callable:
             return _disabled(fn)(*args, **kwargs)
         return fn(*args, **kwargs)
 
-    return wrapper
+    return cast(F, wrapper)
 
 
 def cached_tensor(cache: dict, key: Any, make: Callable[[], Any]) -> Any:

@@ -5,6 +5,7 @@ Pure functions over tensors, and `MoEStats`, the record every layer leaves in ``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +26,7 @@ def local_activation_rate(token_rank: torch.Tensor, expert_rank_of_pair: torch.T
     return float((expert_rank_of_pair == token_rank[:, None]).double().mean())
 
 
-def imbalance(loads: torch.Tensor | list[float]) -> float:
+def imbalance(loads: torch.Tensor | Sequence[float]) -> float:
     """``max / mean`` of per-rank loads (1.0 = perfectly balanced; 1.0 for all-zero loads)."""
     loads = torch.as_tensor(loads, dtype=torch.float64)
     mean = float(loads.mean()) if loads.numel() else 0.0

@@ -11,23 +11,24 @@ import functools
 import hashlib
 import os
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 import torch
 
-from moelayers._compile import cached_tensor
+from moelayers._compile import F, cached_tensor
 from moelayers.files import atomic_write, read_npz
 
 
-def on_host(fn):
+def on_host(fn: F) -> F:
     """Build a placement's tables on the CPU whatever the default device (a model built under
     ``with torch.device("meta")`` or ``torch.set_default_device("cuda")``): they are host tables;
     :meth:`ExpertPlacement.device_tables` copies them where the routing needs them."""
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
         with torch.device("cpu"):
             return fn(*args, **kwargs)
-    return wrapper
+    return cast(F, wrapper)
 
 
 @dataclass(frozen=True)

@@ -7,4 +7,4 @@
 Submodules are not imported here, so ``import moelayers`` never imports megatron-core.
 """
 
-__all__ = ["megatron"]
+__all__: list[str] = []  # (import moelayers.integrations.megatron explicitly: it imports megatron-core)

@@ -117,6 +117,19 @@ class MoELayerBase(LayerWeights, nn.Module):
     Default initialisation: router and expert weights ``~ N(0, config.init_std)``.
     """
 
+    # the layer's attributes, declared for type checkers (set in __init__)
+    config: MoEConfig  # the layer's own copy
+    groups: ParallelGroups
+    placement: ExpertPlacement  # this layer's current placement (apply_placement changes it)
+    seed: int
+    capacity: int | None
+    cuda_graph: bool
+    dedup: bool
+    dispatcher_name: str
+    replica_policy: ReplicaPolicy
+    router: TopKRouter
+    experts: GroupedExperts
+
     moe_layer_marker = True  # found by moelayers.trace.TraceRecorder
     _layer_number: int | None = None  # (a layer pickled before layer_number existed has none)
     _order_taken = 0  # the backwards' order digest the running forward took (see _order_flag)

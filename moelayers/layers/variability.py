@@ -105,6 +105,17 @@ class VariabilityAwareMoE(MoELayerBase):
     the first automatic move in training warns that the state stayed with the slots.
     """
 
+    # the layer's attributes, declared for type checkers (set in __init__)
+    curves: Any  # LatencyCurves, or what a custom planner takes (None: the preset, built on first use)
+    variability: str
+    window: int
+    auto_replan: bool
+    replan_every: int | None
+    min_gain: float | None
+    steps: int
+    num_replans: int
+    num_moves: int
+
     #: a deep copy watches none of the original's autograd graphs (its weights are in none of them),
     #: is in none of its optimizers (``replan_optimizer``) and has not trained (a frozen reference
     #: model's re-plans do not warn about optimizer state); it keeps the load window and the step count

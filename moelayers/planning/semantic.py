@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -559,10 +560,13 @@ class SemanticPlan:
         return cls(**kw, source=str(path))
 
 
-def __getattr__(name: str):
-    """``plan_semantic`` lives in :mod:`moelayers.planning.semantic_solvers` (which imports this module)."""
-    if name == "plan_semantic":
-        from moelayers.planning.semantic_solvers import plan_semantic
+if TYPE_CHECKING:  # what the lazy name below is (type checkers see it, and no other name, here)
+    from moelayers.planning.semantic_solvers import plan_semantic  # noqa: F401
+else:
+    def __getattr__(name: str) -> Any:
+        """``plan_semantic`` lives in :mod:`moelayers.planning.semantic_solvers` (which imports this module)."""
+        if name == "plan_semantic":
+            from moelayers.planning import semantic_solvers
 
-        return plan_semantic
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+            return semantic_solvers.plan_semantic
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -440,7 +440,12 @@ def solve_dp(profiles: np.ndarray, loads: np.ndarray, num_ranks: int, rng: np.ra
 
     Returns:
         ``(request_rank [S], expert_rank [L, E], J)``.
+
+    Raises:
+        ValueError: ``restarts`` below 1 (nothing would be solved).
     """
+    if isinstance(restarts, bool) or not isinstance(restarts, (int, np.integer)) or restarts < 1:
+        raise ValueError(f"restarts must be an int >= 1, got {restarts!r}")
     num_s, num_l, num_e = profiles.shape
     r = num_ranks
     cap = np.full((1, r), int(math.ceil(beta * num_s / r)))

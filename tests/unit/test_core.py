@@ -953,3 +953,24 @@ def test_long_lists_of_experts_in_messages_say_how_many():
 
     assert _some([3], "expert") == "expert(s) [3]"
     assert _some(list(range(16)), "expert") == "16 experts: [0, 1, 2, 3, 4, 5, 6, 7, ...]"
+
+
+def test_the_package_is_marked_typed_and_the_marker_is_packaged():
+    """No py.typed: a typed user's mypy saw every moelayers import as Any (a typing journey)."""
+    import importlib.resources
+    import tomllib
+    from pathlib import Path
+
+    assert importlib.resources.files("moelayers").joinpath("py.typed").is_file()
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert "py.typed" in project["tool"]["setuptools"]["package-data"]["moelayers"]
+
+
+def test_solve_dp_refuses_no_restarts():
+    """restarts=0 returned (None, None, inf) against its annotation (a typing journey)."""
+    import numpy as np
+
+    from moelayers.planning.semantic_solvers import solve_dp
+
+    with pytest.raises(ValueError, match="restarts must be an int >= 1, got 0"):
+        solve_dp(np.ones((4, 2, 4)), np.ones((2, 4)), 2, np.random.default_rng(0), restarts=0)
