@@ -14,6 +14,7 @@ sends it to spawned workers, which a thread lock cannot reach).
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Iterable
@@ -35,6 +36,21 @@ def _bar_class(tqdm: type) -> type:
     return _BAR_CLASSES[tqdm]
 
 
+def _usable(stream: Any) -> bool:
+    """Whether ``stream`` can be written: not ``None`` (Python's stderr when fd 2 is closed) and open."""
+    if stream is None:
+        return False
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # (io.UnsupportedOperation is one): no descriptor, a StringIO
+        return not getattr(stream, "closed", False)
+    try:  # (an empty write: fd 2 closed at start (2>&-) fails, or is a file opened since for reading)
+        os.write(fd, b"")
+        return True
+    except OSError:
+        return False
+
+
 def progress_bar(iterable: Iterable | None = None, *, desc: str, total: int | None = None, unit: str = "it",
                  nested: bool = False, leave: bool = True) -> Any:
     """A tqdm bar on stderr over ``iterable`` (or, with ``None``, one updated by hand up to ``total``).
@@ -43,10 +59,14 @@ def progress_bar(iterable: Iterable | None = None, *, desc: str, total: int | No
         desc, total, unit, leave: as tqdm's.
         nested: drawn on the line under another bar (``position=1``, not left behind); not drawn
             where stderr is not a terminal.
+
+    Without a usable stderr (closed: ``2>&-``) nothing is drawn and the work goes on.
     """
     from tqdm.auto import tqdm
 
     notebook = any(c.__module__.startswith("tqdm.notebook") for c in tqdm.__mro__)  # (tqdm.auto's class in a kernel)
+    if not notebook and not _usable(sys.stderr):
+        return tqdm(iterable, desc=desc, total=total, unit=unit, disable=True)
     to_log = not sys.stderr.isatty() and not notebook
     pacing = {"mininterval": LOG_INTERVAL_S, "maxinterval": LOG_INTERVAL_S} if to_log else {}
     return _bar_class(tqdm)(iterable, desc=desc, total=total, unit=unit, file=sys.stderr, leave=leave and not nested,

@@ -67,7 +67,7 @@ def _create_temp(folder: Path, name: str = "") -> tuple[int, Path]:
     ``.<name>.<random>.tmp`` after the destination ``name`` (its first 64 bytes: the name may be near
     the file system's 255-byte limit), so that one left by a killed run says whose it was."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-    stem = name.encode()[:64].decode(errors="ignore")
+    stem = os.fsdecode(os.fsencode(name)[:64])  # (a name from os.listdir may hold undecodable bytes: kept)
     for _ in range(100):
         tmp = folder / f".{stem}.{secrets.token_hex(8)}.tmp"
         try:

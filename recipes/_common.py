@@ -33,7 +33,8 @@ __all__ = [
     "launch", "resolve_backend", "device_for", "invocation", "to_dict", "print_table", "print_grid",
     "percentile", "provenance", "absolute_path", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
     "normalize_flags", "LAYER_FLAGS", "int_setting", "check_layer_settings", "timeout_setting",
-    "import_object", "plan_fraction_setting", "check_input_file", "refuse_unread_overrides",
+    "import_object", "plan_fraction_setting", "check_input_file", "refuse_empty_paths", "PATH_KEYS",
+    "refuse_unread_overrides",
 ]
 
 #: Layer kwargs that say *how* a layer executes rather than *what* it is: a comparison gives the
@@ -208,6 +209,25 @@ def import_object(path: str, key: str, sep: str = ".") -> Any:
         return getattr(module, name)
     except AttributeError:
         raise ValueError(f"{key}={path!r}: module {mod!r} has no {name!r}") from None
+
+
+#: the settings that name a file or folder (refused when set to an empty string)
+PATH_KEYS = ("trace.path", "layer.plan_path", "layer.placement_path", "scheduler.plan_path", "curves.path",
+             "variability.curves.path", "plan.path", "planner.embeddings", "bench.save_to",
+             "compare.layer.plan_path", "compare.layer.placement_path")
+
+
+def refuse_empty_paths(d: dict) -> None:
+    """Refuse a path setting given as an empty string (``trace.path=$TRACE`` with ``TRACE`` unset):
+    read as "not given", it ran on a synthetic trace, a solved plan or the linear placement instead,
+    silently. ``null`` (or leaving it out) says "not given"."""
+    for key in PATH_KEYS:
+        node: Any = d
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, str) and not node.strip():
+            raise ValueError(f"{key} is empty ({node!r}): give a path, or null to leave it unset (an empty value "
+                             "from an unset shell variable would otherwise run without the file)")
 
 
 def check_input_file(path: str, key: str, what: str) -> None:

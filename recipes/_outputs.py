@@ -76,14 +76,15 @@ def claim_run_dir(recipe: str) -> str:
         RuntimeError: another live run holds the dir (naming it, and how to go on).
         ValueError: the dir holds another recipe's outputs (:func:`recipe_outputs_in`), which this
             run's files would mix with or replace (profile's ``curves.npz`` by plan's copy).
+        PermissionError: the dir cannot be created or written into.
     """
     out = run_dir()
     if not writes_outputs():
         return out
     _refuse_another_recipes_dir(out, recipe)
+    _refuse_unwritable(out)
     if fcntl is None:
         return out
-    os.makedirs(out, exist_ok=True)
     lock = Path(out) / RUN_LOCK
     if str(lock) in _HELD:
         return out  # this process holds it already (a recipe's main called again, e.g. a -m sweep's jobs)
@@ -191,6 +192,19 @@ def recipe_outputs_in(out_dir: str | os.PathLike) -> dict[str, list[str]]:
     return {recipe: files for recipe, files in found.items() if files}
 
 
+def _refuse_unwritable(out: str) -> None:
+    """Refuse a run dir this process cannot write into (read-only, another user's) before the run,
+    not at its end, when the outputs would have nowhere to go (a journey lost a whole run so)."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=out, prefix=".moelayers-write-check.", suffix=".tmp")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise PermissionError(f"{out}: the run dir cannot be written ({exc.strerror or exc}): give a "
+                              "hydra.run.dir this run can write into") from None
+
+
 def _refuse_another_recipes_dir(out: str, recipe: str) -> None:
     """Refuse a run dir that holds another recipe's outputs (a reused ``hydra.run.dir``): the two
     runs' files would mix there, and plan's ``curves.npz`` would replace profile's. A
@@ -248,6 +262,37 @@ _PRINT_ONLY_FLAGS = frozenset({"--help", "-h", "--hydra-help", "--cfg", "-c", "-
                                "--package"})
 
 
+class _PipeSafeStream:
+    """A text stream whose reader may go away (``recipe | head -2``): after a ``BrokenPipeError`` its
+    descriptor points at the null device, and the run goes on (and writes its files) without output."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._drop()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._drop()
+
+    def _drop(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, self._stream.fileno())  # (what is still buffered goes there too)
+        finally:
+            os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def run_recipe(main: Callable[[], Any]) -> None:
     """Run a recipe's Hydra ``main``; Ctrl-C ends it with one line instead of a traceback (exit
     status 130, as a shell reports it).
@@ -259,6 +304,8 @@ def run_recipe(main: Callable[[], Any]) -> None:
     Ctrl-C's line, ``--help`` and ``--cfg`` come from rank 0.
     """
     rank = int(os.environ.get("RANK", "0")) if under_torchrun() else 0
+    if sys.stdout is not None and not isinstance(sys.stdout, _PipeSafeStream):
+        sys.stdout = _PipeSafeStream(sys.stdout)  # (`| head`: the run goes on and writes its files)
     if rank:
         os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing: told below
         if any(a.split("=", 1)[0] in _PRINT_ONLY_FLAGS for a in sys.argv[1:]):  # --help, --cfg job: rank 0 prints

@@ -97,8 +97,8 @@ from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
     LAYER_FLAGS, absolute_path, check_input_file, check_layer_settings, device_for, flag, import_object, int_setting, launch,
-    normalize_flags, overridden, plan_fraction_setting, provenance, refuse_unread_overrides, resolve_backend,
-    shared_execution_kwargs, shutdown, to_dict,
+    normalize_flags, overridden, plan_fraction_setting, provenance, refuse_empty_paths, refuse_unread_overrides,
+    resolve_backend, shared_execution_kwargs, shutdown, to_dict,
 )
 from recipes._outputs import claim_run_dir, run_recipe, under_torchrun, warn  # noqa: E402
 from recipes._bench_records import (  # noqa: E402
@@ -881,6 +881,7 @@ EXTRA_KEYS = ("bench.shape.init_std", "bench.shape.score_fn", "bench.shape.norm_
 def main(cfg: DictConfig) -> None:
     refuse_unread_overrides("bench.py", "bench", CONFIG_GROUPS, OPEN_KEYS, EXTRA_KEYS)
     d = to_dict(cfg)
+    refuse_empty_paths(d)
     normalize_flags(d, ("plot", "trace.synthetic", "bench.inference_mode", "bench.check_finite", "bench.cuda_graph", "bench.train",
                         "bench.profile", "bench.allow_large_cpu", "bench.check.strict", *LAYER_FLAGS))
     b = d["bench"]

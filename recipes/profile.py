@@ -42,7 +42,8 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
-    device_for, flag, int_setting, invocation, launch, provenance, refuse_unread_overrides, resolve_backend, shutdown, to_dict,
+    device_for, flag, int_setting, invocation, launch, provenance, refuse_empty_paths, refuse_unread_overrides,
+    resolve_backend, shutdown, to_dict,
 )
 from recipes._outputs import (  # noqa: E402
     claim_run_dir, commit_files, jsonable, run_recipe, under_torchrun, warn, writes_outputs,
@@ -306,6 +307,7 @@ CONFIG_GROUPS = ("parallel", "profile")
 def main(cfg: DictConfig) -> None:
     refuse_unread_overrides("profile.py", "profile", CONFIG_GROUPS)
     d = to_dict(cfg)
+    refuse_empty_paths(d)
     d["run_dir"] = claim_run_dir("profile.py")
     check_profile(d["profile"])  # a bad setting fails here, before any rank starts
     int_setting(d.get("seed", 0), "seed", 0)

@@ -93,7 +93,7 @@ from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import (  # noqa: E402
     LAYER_FLAGS, absolute_path, check_input_file, check_layer_settings, device_for, import_object, in_sweep, int_setting,
     invocation, launch, merge_curves_path, normalize_flags, overridden, percentile, print_table, provenance,
-    refuse_unread_overrides, shutdown, to_dict,
+    refuse_empty_paths, refuse_unread_overrides, shutdown, to_dict,
 )
 from recipes._outputs import claim_run_dir, commit_files, run_recipe, warn, write_json, writes_outputs  # noqa: E402
 from recipes._bench_tools import seq_len_bounds  # noqa: E402
@@ -614,22 +614,23 @@ def emulated_expert_time(cfg: dict, group_loads: torch.Tensor, ep_ranks: list[in
 
 # ---------------------------------------------------------------------- output
 def summarize(res: dict, out_dir: str) -> None:
-    """Print the summary table; write results.json and rank_load.png into ``out_dir``."""
+    """Write results.json and rank_load.png into ``out_dir``, then print the summary table (the files
+    first: output that cannot be shown must not cost the run's files)."""
     keys = ["throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_mean_s", "tpot_p90_s",
             *(["emulated_expert_s"] if "emulated_expert_s" in res else []),  # curve mode: the expert time imposed
             "lar", "a2a_bytes", "imbalance", "imbalance_step_mean", "num_requests", "finished_requests",
             "unserved_requests", "unarrived_requests", "output_tokens", "steps", "elapsed_s"]
     rows = [(compare.METRIC_LABELS[key], res.get(key, 0) if key == "unarrived_requests" else res[key]) for key in keys]
-    for note in res["notes"]:
-        print(f"note: {note}")
-    print_table(rows, title=f"serve: layer={res['layer']} router={res['router']} scheduler={res['scheduler']} "
-                            f"world={res['world_size']}")
     title = f"{res['layer']} ({res['router']}), world {res['world_size']}: received per step"
     writers = {"rank_load.png": lambda p: plot_rank_load(res["rank_load_per_step"], p, title)} \
         if res["config"].get("plot", True) else {}
     writers["results.json"] = lambda p: write_json(p, res)  # last: it marks a finished run
     # all or nothing (an interrupted run leaves an earlier run's files, never one of each)
     paths = commit_files(out_dir, writers, stale=compare.OUTPUTS, optional=("rank_load.png",))
+    for note in res["notes"]:
+        print(f"note: {note}")
+    print_table(rows, title=f"serve: layer={res['layer']} router={res['router']} scheduler={res['scheduler']} "
+                            f"world={res['world_size']}")
     print(f"results: {paths[-1]}")
     for png in paths[:-1]:
         print(f"plot: {png}")
@@ -980,6 +981,7 @@ EXTRA_KEYS = ("layer.plan_path", "layer.plan_train_fraction", "layer.placement_p
 def main(cfg: DictConfig) -> None:
     refuse_unread_overrides("serve.py", "config", CONFIG_GROUPS, OPEN_KEYS, EXTRA_KEYS, MIRRORS)
     d = to_dict(cfg)
+    refuse_empty_paths(d)
     normalize_flags(d, ("progress", "plot", "trace.synthetic", *LAYER_FLAGS))
     if merge_curves_path(d) and not isinstance(d.get("variability"), dict):  # curves.path: plan.py's spelling
         d["variability"] = {"name": d.get("variability") or "none", "curves": dict(d["curves"])}

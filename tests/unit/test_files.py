@@ -411,3 +411,18 @@ def test_expert_ids_are_kept_compact(tmp_path):
     assert wide.topk_ids.dtype == np.int32 and int(wide.topk_ids.max()) == 40_001
     small = RoutingTrace(np.zeros((4, 1, 2), np.uint8) + np.arange(2, dtype=np.uint8), np.arange(4), np.array([0, 4]), 8)
     assert small.topk_ids.dtype == np.uint8
+
+
+def test_a_file_name_that_is_not_utf8_can_be_saved(tmp_path):
+    """A name as os.listdir returns it for Latin-1 bytes (caf\\udce9.npz) could be loaded but not
+    saved: the temporary file's name was made with str.encode (an environment journey)."""
+    import os
+
+    from moelayers.files import atomic_write
+
+    for raw in (b"caf\xe9.npz", ("\u00e9" * 40).encode() + b".npz"):  # (the second cut inside a character)
+        path = tmp_path / os.fsdecode(raw)
+        atomic_write(path, lambda f: f.write(b"x"))
+        assert path.read_bytes() == b"x"
+    assert sorted(os.fsencode(p.name) for p in tmp_path.iterdir()) == sorted(
+        [b"caf\xe9.npz", ("\u00e9" * 40).encode() + b".npz"])

@@ -46,3 +46,17 @@ def test_bars_take_a_thread_lock_not_a_semaphore():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     # ours a thread lock; the user's tqdm class untouched (its process_map sends its lock to spawned workers)
     assert out.stdout.strip() == "RLock False", out.stderr[-2000:]
+
+
+def test_a_closed_stderr_draws_nothing_and_the_work_goes_on():
+    """With stderr closed (2>&-) every recipe failed at its first bar and wrote nothing (an
+    environment journey): fd 2 is then closed, or a file opened since for reading."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from moelayers._progress import progress_bar\n"
+            "print(sum(progress_bar(range(5), desc='x')), flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, timeout=60,
+                          preexec_fn=lambda: os.close(2))
+    assert proc.returncode == 0 and proc.stdout.strip() == "10"

@@ -208,3 +208,30 @@ def test_a_misspelt_layer_kwarg_names_the_ones_the_layer_takes():
     with pytest.raises(TypeError, match=r"layer.kwargs: .*'capcity' \(SemanticMoE takes .*\bcapacity\b.*\bmode\b"):
         check_layer_settings(build, {"capcity": 8}, "layer.kwargs", ml.SemanticMoE)
     check_layer_settings(build, {"capacity": 8}, "layer.kwargs", ml.SemanticMoE)
+
+
+@pytest.mark.parametrize("key", ["trace.path", "layer.plan_path", "compare.layer.placement_path", "bench.save_to"])
+def test_an_empty_path_is_refused(key):
+    """`trace.path=$TRACE` with TRACE unset planned a synthetic trace and exited 0 (an environment
+    journey): an empty path read as "not given". It is refused; null still means not given."""
+    from recipes._common import refuse_empty_paths
+
+    d: dict = {}
+    node = d
+    *parents, last = key.split(".")
+    for part in parents:
+        node = node.setdefault(part, {})
+    node[last] = " "
+    with pytest.raises(ValueError, match=rf"{re.escape(key)} is empty \(' '\): give a path, or null"):
+        refuse_empty_paths(d)
+    node[last] = None
+    refuse_empty_paths(d)
+
+
+@pytest.mark.parametrize("recipe, override", [("plan.py", "trace.path="), ("serve.py", "layer.placement_path=")])
+def test_an_empty_path_on_the_command_line_is_refused_before_the_run(tmp_path, recipe, override):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / recipe), override, f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and f"{override[:-1]} is empty" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())

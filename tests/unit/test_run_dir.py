@@ -308,6 +308,20 @@ def test_a_run_dir_holding_another_recipes_outputs_is_refused(in_dir, files, rec
         claim_run_dir(recipe)
 
 
+def test_a_run_dir_that_cannot_be_written_is_refused_before_the_run(in_dir, monkeypatch):
+    """A read-only run dir was taken for a file system without locks ("not held"), and the run
+    failed at its very end on a temporary file's name (an environment journey)."""
+    import errno
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(common.tempfile, "mkstemp", read_only)
+    with pytest.raises(PermissionError, match=r"run dir cannot be written \(Read-only file system\): give a "
+                                              r"hydra.run.dir this run can write into"):
+        claim_run_dir("serve.py")
+
+
 def test_a_large_json_in_the_run_dir_is_not_parsed(in_dir):
     """Every JSON file of the dir was parsed to find bench records: 11 s and 0.5 GB for a 57 MB file."""
     in_dir.mkdir()
@@ -353,6 +367,22 @@ def test_bench_save_to_the_run_dir_is_refused(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)
     assert proc.returncode != 0 and "is this run's dir (hydra.run.dir)" in proc.stderr, proc.stderr[-2000:]
     assert json.loads((run / "vanilla_t16.json").read_text()) == BENCH_RECORD
+
+
+@pytest.mark.timeout(120)
+def test_a_reader_that_goes_away_costs_the_run_nothing(tmp_path):
+    """`serve.py ... | true` printed its table before writing its files and died on BrokenPipeError
+    with nothing written (an environment journey): the files come first, and output to a closed
+    pipe is dropped."""
+    run = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "recipes" / "serve.py"), "parallel.world_size=2",
+                             f"hydra.run.dir={run}", "workload.num_requests=2", "plot=false", "progress=false"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=110) == 0, err[-2000:]
+    assert "BrokenPipeError" not in err and (run / "results.json").is_file()
 
 
 def _sleep_forever(rank, world):
