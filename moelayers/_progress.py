@@ -66,7 +66,7 @@ def progress_bar(iterable: Iterable | None = None, *, desc: str, total: int | No
 
     notebook = any(c.__module__.startswith("tqdm.notebook") for c in tqdm.__mro__)  # (tqdm.auto's class in a kernel)
     if not notebook and not _usable(sys.stderr):
-        return tqdm(iterable, desc=desc, total=total, unit=unit, disable=True)
+        return _bar_class(tqdm)(iterable, desc=desc, total=total, unit=unit, disable=True)
     to_log = not sys.stderr.isatty() and not notebook
     pacing = {"mininterval": LOG_INTERVAL_S, "maxinterval": LOG_INTERVAL_S} if to_log else {}
     return _bar_class(tqdm)(iterable, desc=desc, total=total, unit=unit, file=sys.stderr, leave=leave and not nested,

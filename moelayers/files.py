@@ -67,7 +67,9 @@ def _create_temp(folder: Path, name: str = "") -> tuple[int, Path]:
     ``.<name>.<random>.tmp`` after the destination ``name`` (its first 64 bytes: the name may be near
     the file system's 255-byte limit), so that one left by a killed run says whose it was."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-    stem = os.fsdecode(os.fsencode(name)[:64])  # (a name from os.listdir may hold undecodable bytes: kept)
+    stem = name  # its first characters within 64 bytes (a name from os.listdir may hold undecodable bytes: kept)
+    while len(os.fsencode(stem)) > 64:
+        stem = stem[:-1]
     for _ in range(100):
         tmp = folder / f".{stem}.{secrets.token_hex(8)}.tmp"
         try:

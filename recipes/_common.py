@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from recipes._outputs import mark_launched, run_dir, under_torchrun
+from recipes._outputs import mark_launched, pipe_safe_output, run_dir, under_torchrun
 
 __all__ = [
     "launch", "resolve_backend", "device_for", "invocation", "to_dict", "print_table", "print_grid",
@@ -214,7 +214,7 @@ def import_object(path: str, key: str, sep: str = ".") -> Any:
 #: the settings that name a file or folder (refused when set to an empty string)
 PATH_KEYS = ("trace.path", "layer.plan_path", "layer.placement_path", "scheduler.plan_path", "curves.path",
              "variability.curves.path", "plan.path", "planner.embeddings", "bench.save_to",
-             "compare.layer.plan_path", "compare.layer.placement_path")
+             "compare.layer.plan_path", "compare.layer.placement_path", "compare.scheduler.plan_path")
 
 
 def refuse_empty_paths(d: dict) -> None:
@@ -594,12 +594,20 @@ def launch(cfg: Any, fn: Callable[[int, int, dict], Any]) -> Any:
     # no limit on the run's length: a rank that waits in a collective longer than timeout_s fails it, and so
     # does one that has not reported timeout_s after another did
     try:
-        results = run_distributed(fn, world, d, backend=backend, timeout=None, collective_timeout=timeout)
+        results = run_distributed(_rank_with_safe_output, world, fn, d, backend=backend, timeout=None,
+                                  collective_timeout=timeout)
     except Exception:
-        if sys.stderr.isatty() and flag(d, "progress", True):  # rank 0's bar may hold the line: the error
+        if sys.stderr is not None and sys.stderr.isatty() and flag(d, "progress", True):  # rank 0's bar may hold the line: the error
             print(file=sys.stderr, flush=True)                  # starts on its own
         raise
     return results[0]
+
+
+def _rank_with_safe_output(rank: int, world: int, fn: Callable[..., Any], d: dict) -> Any:
+    """A spawned rank running ``fn``: its stdout and stderr, like the launcher's, drop what a reader
+    that went away (``recipe | head``) no longer takes, instead of failing the run."""
+    pipe_safe_output()
+    return fn(rank, world, d)
 
 
 def shutdown() -> None:

@@ -34,7 +34,7 @@ try:
 except ImportError:  # (Windows: run dirs are not held)
     fcntl = None
 
-__all__ = ["RUN_LOCK", "under_torchrun", "writes_outputs", "run_dir", "claim_run_dir", "recipe_outputs_in", "is_bench_record", "run_recipe",
+__all__ = ["RUN_LOCK", "under_torchrun", "writes_outputs", "pipe_safe_output", "run_dir", "claim_run_dir", "recipe_outputs_in", "is_bench_record", "run_recipe",
            "jsonable", "remove_stale", "commit_files", "warn", "write_json"]
 
 
@@ -264,33 +264,55 @@ _PRINT_ONLY_FLAGS = frozenset({"--help", "-h", "--hydra-help", "--cfg", "-c", "-
 
 class _PipeSafeStream:
     """A text stream whose reader may go away (``recipe | head -2``): after a ``BrokenPipeError`` its
-    descriptor points at the null device, and the run goes on (and writes its files) without output."""
+    descriptor points at the null device (or, without one, what is written is dropped), and the run
+    goes on (and writes its files) without output."""
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
+        self._dropped = False
 
     def write(self, text: str) -> int:
+        if self._dropped:
+            return len(text)
         try:
             return self._stream.write(text)
         except BrokenPipeError:
             self._drop()
             return len(text)
 
+    def writelines(self, lines: Any) -> None:
+        for line in lines:
+            self.write(line)
+
     def flush(self) -> None:
+        if self._dropped:
+            return
         try:
             self._stream.flush()
         except BrokenPipeError:
             self._drop()
 
     def _drop(self) -> None:
-        devnull = os.open(os.devnull, os.O_WRONLY)
         try:
-            os.dup2(devnull, self._stream.fileno())  # (what is still buffered goes there too)
-        finally:
-            os.close(devnull)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, self._stream.fileno())  # (what is still buffered goes there too)
+            finally:
+                os.close(devnull)
+        except (OSError, ValueError):  # (io.UnsupportedOperation is one: no descriptor) drop it here
+            self._dropped = True
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)
+
+
+def pipe_safe_output() -> None:
+    """Wrap ``sys.stdout`` and ``sys.stderr`` in :class:`_PipeSafeStream` (once; a closed one, ``None``,
+    is left as it is)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _PipeSafeStream):
+            setattr(sys, name, _PipeSafeStream(stream))
 
 
 def run_recipe(main: Callable[[], Any]) -> None:
@@ -304,8 +326,7 @@ def run_recipe(main: Callable[[], Any]) -> None:
     Ctrl-C's line, ``--help`` and ``--cfg`` come from rank 0.
     """
     rank = int(os.environ.get("RANK", "0")) if under_torchrun() else 0
-    if sys.stdout is not None and not isinstance(sys.stdout, _PipeSafeStream):
-        sys.stdout = _PipeSafeStream(sys.stdout)  # (`| head`: the run goes on and writes its files)
+    pipe_safe_output()  # (`| head`, `2>&1 | head`: the run goes on and writes its files)
     if rank:
         os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing: told below
         if any(a.split("=", 1)[0] in _PRINT_ONLY_FLAGS for a in sys.argv[1:]):  # --help, --cfg job: rank 0 prints
@@ -397,10 +418,12 @@ def _deliver(signals: list[int]) -> None:
 
 def _remove_dead_temporaries(out: Path, names: tuple[str, ...]) -> None:
     """Remove the temporary files (``.NAME.*.tmp``) of ``names`` that a run killed while writing
-    them (SIGKILL, SIGTERM) left in ``out``: those last written before this process started, so not
-    this run's (and not a live run's: the run dir is held by one run at a time)."""
+    them (SIGKILL, SIGTERM) left in ``out``, where this process holds the run dir (no other live
+    run writes there): those last written before this process started, so not this run's."""
     import psutil
 
+    if str(out / RUN_LOCK) not in _HELD:  # (unheld: a live run's, whose clock may differ, could be among them)
+        return
     started = psutil.Process().create_time()
     for name in names:
         for tmp in out.glob(f".{glob_escape(name)}.*.tmp"):

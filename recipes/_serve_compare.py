@@ -331,8 +331,13 @@ def plot_rank_load_sides(res: dict, path: str) -> None:
 
 
 def summarize(run_results: list[dict], cfg: dict, out_dir: str, wall_s: float, origin: dict | None = None) -> dict:
-    """Build the results, print the tables, write results.json, compare.png and rank_load.png."""
+    """Build the results, write results.json, compare.png and rank_load.png, then print the tables
+    (the files first: output that cannot be shown must not cost the runs' files)."""
     res = build_results(run_results, cfg, wall_s, origin)
+    writers = {"compare.png": lambda p: plot_compare(res, p), "rank_load.png": lambda p: plot_rank_load_sides(res, p)} \
+        if cfg.get("plot", True) else {}
+    writers["results.json"] = lambda p: write_json(p, res)  # last: it marks a finished run
+    paths = commit_files(out_dir, writers, stale=OUTPUTS, optional=("compare.png", "rank_load.png"))  # all or nothing
     for note in res["notes"]:
         print(f"note (ours): {note}")
     for note in res["baseline"]["notes"]:
@@ -340,10 +345,6 @@ def summarize(run_results: list[dict], cfg: dict, out_dir: str, wall_s: float, o
     print_tables(res)
     for warning in res["warnings"]:
         warn(warning)
-    writers = {"compare.png": lambda p: plot_compare(res, p), "rank_load.png": lambda p: plot_rank_load_sides(res, p)} \
-        if cfg.get("plot", True) else {}
-    writers["results.json"] = lambda p: write_json(p, res)  # last: it marks a finished run
-    paths = commit_files(out_dir, writers, stale=OUTPUTS, optional=("compare.png", "rank_load.png"))  # all or nothing
     print(f"results: {paths[-1]}  ({len(run_results)} runs, {wall_s:.1f} s)")
     for png in paths[:-1]:
         print(f"plot: {png}")

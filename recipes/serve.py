@@ -988,7 +988,7 @@ def main(cfg: DictConfig) -> None:
     if d.get("trace", {}).get("path"):
         d["trace"]["path"] = absolute_path(d["trace"]["path"])
     baseline = (d.get("compare") or {}).get("layer")
-    for holder in (d["layer"], d["scheduler"], baseline):  # (a baseline given as a dict too)
+    for holder in (d["layer"], d["scheduler"], baseline, (d.get("compare") or {}).get("scheduler")):  # (dicts too)
         for key in ("plan_path", "placement_path"):
             if isinstance(holder, dict) and holder.get(key):
                 holder[key] = absolute_path(holder[key])
