@@ -196,7 +196,7 @@ def test_empty_or_bad_loads_are_rejected() -> None:
     with pytest.raises(ValueError, match="method must be one of"):
         plan_gem(np.ones((2, 4)), curves, method="fancy")
     # the public search checked nothing: E=5 over 2 ranks gave [3, 2] experts, NaN loads returned None
-    with pytest.raises(ValueError, match=r"num_experts \(5\) must be divisible by the number of ranks \(2\)"):
+    with pytest.raises(ValueError, match=r"num_experts \(5\) must be divisible by the number of ranks of the curves \(2\)"):
         search(np.ones((2, 5)), curves)
     with pytest.raises(ValueError, match="finite and >= 0"):
         search(np.array([[1.0, np.nan, 3.0, 4.0]]), curves, method="plain")
