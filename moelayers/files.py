@@ -62,14 +62,21 @@ def file_mode() -> int:
     return 0o666 & ~(_UMASK_AT_IMPORT if umask is None else umask)
 
 
+def temp_stem(name: str) -> str:
+    """The part of a file name that its temporary files carry (``.<stem>.<random>.tmp``): its first
+    characters within 64 bytes (a name from ``os.listdir`` may hold undecodable bytes: kept)."""
+    stem = name
+    while len(os.fsencode(stem)) > 64:
+        stem = stem[:-1]
+    return stem
+
+
 def _create_temp(folder: Path, name: str = "") -> tuple[int, Path]:
     """Create a new empty file in ``folder`` with the permissions of a plain ``open()``, named
     ``.<name>.<random>.tmp`` after the destination ``name`` (its first 64 bytes: the name may be near
     the file system's 255-byte limit), so that one left by a killed run says whose it was."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-    stem = name  # its first characters within 64 bytes (a name from os.listdir may hold undecodable bytes: kept)
-    while len(os.fsencode(stem)) > 64:
-        stem = stem[:-1]
+    stem = temp_stem(name)
     for _ in range(100):
         tmp = folder / f".{stem}.{secrets.token_hex(8)}.tmp"
         try:

@@ -195,6 +195,8 @@ def recipe_outputs_in(out_dir: str | os.PathLike) -> dict[str, list[str]]:
 def _refuse_unwritable(out: str) -> None:
     """Refuse a run dir this process cannot write into (read-only, another user's) before the run,
     not at its end, when the outputs would have nowhere to go (a journey lost a whole run so)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise NotADirectoryError(f"{out}: the run dir is a file: give a hydra.run.dir that is a folder (or none yet)")
     try:
         os.makedirs(out, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=out, prefix=".moelayers-write-check.", suffix=".tmp")
@@ -422,11 +424,13 @@ def _remove_dead_temporaries(out: Path, names: tuple[str, ...]) -> None:
     run writes there): those last written before this process started, so not this run's."""
     import psutil
 
+    from moelayers.files import temp_stem
+
     if str(out / RUN_LOCK) not in _HELD:  # (unheld: a live run's, whose clock may differ, could be among them)
         return
     started = psutil.Process().create_time()
     for name in names:
-        for tmp in out.glob(f".{glob_escape(name)}.*.tmp"):
+        for tmp in out.glob(f".{glob_escape(temp_stem(name))}.*.tmp"):
             try:
                 if tmp.is_file() and tmp.stat().st_mtime < started - 1.0:
                     tmp.unlink()
@@ -462,7 +466,7 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
     folders = [name for name in writers if (out / name).is_dir()]
     if folders:  # found before anything is written, not when the first files have been moved in
         raise IsADirectoryError(f"{out}: {', '.join(folders)} is a directory: cannot write the run's files there")
-    from moelayers.files import file_mode
+    from moelayers.files import file_mode, temp_stem
 
     _remove_dead_temporaries(out, (*writers, *stale))
     mode = file_mode()
@@ -470,7 +474,7 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
     left_out: list[str] = []  # optional files whose writer failed: told once the rest is in
     try:
         for name, write in writers.items():
-            fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{name}.", suffix=".tmp")
+            fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{temp_stem(name)}.", suffix=".tmp")
             os.close(fd)
             tmps[name] = Path(tmp)
             try:

@@ -330,6 +330,29 @@ def test_a_run_dir_that_cannot_be_written_is_refused_before_the_run(in_dir, monk
         claim_run_dir("serve.py")
 
 
+def test_a_run_dir_that_is_a_file_is_told_so(in_dir):
+    in_dir.parent.mkdir(exist_ok=True)
+    in_dir.write_text("a file")
+    with pytest.raises(NotADirectoryError, match="the run dir is a file"):
+        claim_run_dir("plan.py")
+
+
+def test_a_long_output_names_dead_temporary_is_removed_too(in_dir):
+    """Temporary names carry the first 64 bytes of the output's name: the clean-up looked for the
+    whole name (a review)."""
+    in_dir.mkdir()
+    claim_run_dir("serve.py")
+    name = "r" * 80 + ".json"
+    commit_files(in_dir, {name: lambda p: p.write_text("1")})
+    dead = next(iter(in_dir.glob(".r*.tmp")), None)
+    assert dead is None  # (none left by a finished commit)
+    dead = in_dir / f".{'r' * 64}.abc.tmp"
+    dead.write_text("half")
+    os.utime(dead, (time.time() - 3600, time.time() - 3600))
+    commit_files(in_dir, {name: lambda p: p.write_text("2")})
+    assert not dead.exists() and (in_dir / name).read_text() == "2"
+
+
 def test_a_large_json_in_the_run_dir_is_not_parsed(in_dir):
     """Every JSON file of the dir was parsed to find bench records: 11 s and 0.5 GB for a 57 MB file."""
     in_dir.mkdir()
