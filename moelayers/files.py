@@ -9,8 +9,10 @@ Every npz it reads goes through :func:`read_npz`, so an unreadable or foreign fi
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
+import warnings
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -19,7 +21,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-__all__ = ["atomic_write", "file_mode", "read_npz"]
+__all__ = ["atomic_write", "check_format_version", "file_mode", "read_npz", "warn_unknown_entries"]
 
 # What a damaged zip member or .npy header raises while it is read (an encrypted member: RuntimeError,
 # an unknown compression method: NotImplementedError).
@@ -90,8 +92,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
     """Write ``path`` all or nothing: ``write(f)`` fills a temporary file beside it, then it replaces ``path``.
 
     Like a plain ``open(path, "wb")``, a new file gets ``0o666 & ~umask``, an existing file keeps
-    its permission bits, and a symbolic link is written through (its target is replaced, the link
-    stays).
+    its permission bits (one this process may not write, e.g. made read-only to keep it, is
+    refused), and a symbolic link is written through (its target is replaced, the link stays).
 
     Args:
         path: destination; its folder must exist.
@@ -105,6 +107,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
     Raises:
         FileNotFoundError: the folder does not exist.
         IsADirectoryError: ``path`` is a folder (refused before anything is written).
+        PermissionError: ``path`` exists and may not be written (refused before anything is written).
         OSError: the folder is not writable and the like, naming ``path`` (not the temporary file).
     """
     path = Path(path)
@@ -117,6 +120,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
         mode = os.stat(dest).st_mode & 0o777
     except FileNotFoundError:
         mode = None
+    if mode is not None and not os.access(dest, os.W_OK):  # open() would refuse it; a rename would not
+        raise PermissionError(errno.EACCES, f"{path}: the file may not be written (mode {mode:#o}): not replaced")
     try:
         fd, tmp = _create_temp(dest.parent, dest.name)
     except OSError as e:
@@ -253,3 +258,57 @@ def read_npz(path: str | os.PathLike, what: str) -> dict[str, np.ndarray]:
             except _READ_ERRORS as exc:
                 raise ValueError(f"{path}: cannot read member {name!r} of this {what} ({exc})") from exc
     return arrays
+
+
+def check_format_version(arrays: dict[str, np.ndarray], path: str | os.PathLike, what: str, reads: int) -> int:
+    """The layout version of a file read by :func:`read_npz` (its ``format_version`` entry; 1 where it
+    has none, as files written before the entry existed), checked before anything else in it, so that
+    a file of a newer moelayers is told as such and not as a file with unknown or missing fields.
+
+    Args:
+        arrays: the file's arrays (left as they are).
+        path: the file, for messages.
+        what: what the file is, for messages (e.g. ``"placement file"``).
+        reads: the newest version this code reads.
+
+    Raises:
+        ValueError: the entry is not a positive integer scalar, or names a version newer than ``reads``.
+    """
+    if "format_version" not in arrays:
+        return 1
+    entry = arrays["format_version"]
+    if entry.ndim != 0 or entry.dtype.kind not in "iu" or int(entry) < 1:
+        raise ValueError(f"{path}: this {what}'s format_version must be a positive integer scalar, got {entry!r}")
+    version = int(entry)
+    if version > reads:
+        from moelayers import __version__
+
+        raise ValueError(f"{path}: this {what} is of format {version}, written by a newer moelayers; this one "
+                         f"({__version__}) reads formats up to {reads}: upgrade moelayers to read it")
+    return version
+
+
+def warn_unknown_entries(arrays: dict[str, np.ndarray], expected: str, known: tuple[str, ...] | list[str],
+                         path: str | os.PathLike, kind: str) -> list[str]:
+    """Warn (once a job: on rank 0 of an initialised process group) about the entries of a file that
+    files of its ``kind`` do not have (``format_version`` aside) and that its reader ignores, e.g. a
+    recorder's metadata or what a newer moelayers added without changing the format.
+
+    Args:
+        arrays: the file's arrays.
+        expected: what files of the kind hold, for the message.
+        known: the entries the reader uses.
+        path: the file, for messages.
+        kind: e.g. ``"placement files"``.
+
+    Returns:
+        The ignored names, sorted.
+    """
+    unknown = sorted(set(arrays) - set(known) - {"format_version"})
+    if unknown:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_rank() > 0):
+            warnings.warn(f"{path}: ignoring key(s) {unknown} that {kind} do not have (expected {expected})",
+                          UserWarning, stacklevel=3)
+    return unknown

@@ -17,7 +17,10 @@ import numpy as np
 import torch
 
 from moelayers._compile import F, cached_tensor
-from moelayers.files import atomic_write, read_npz
+from moelayers.files import atomic_write, check_format_version, read_npz, warn_unknown_entries
+
+#: the layout of placement files (:meth:`ExpertPlacement.save`; files without the entry are of format 1)
+FILE_FORMAT = 1
 
 
 def on_host(fn: F) -> F:
@@ -298,17 +301,26 @@ class ExpertPlacement:
 
     # ---------------------------------------------------------------- persistence
     def save(self, path: str | os.PathLike) -> None:
-        """Write ``phy2log`` and ``num_experts`` to an ``.npz`` file atomically."""
+        """Write ``phy2log``, ``num_experts`` and ``format_version`` to an ``.npz`` file atomically."""
         phy2log, num_experts = self.phy2log.numpy(), np.int64(self.num_experts)
-        atomic_write(path, lambda f: np.savez(f, phy2log=phy2log, num_experts=num_experts))
+        atomic_write(path, lambda f: np.savez(f, phy2log=phy2log, num_experts=num_experts,
+                                              format_version=np.int64(FILE_FORMAT)))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "ExpertPlacement":
-        """Read a placement written by :meth:`save`."""
+        """Read a placement written by :meth:`save` (other entries are ignored with a warning).
+
+        Raises:
+            FileNotFoundError: no such file.
+            ValueError: not a placement file, one of a newer format, or an invalid placement; the
+                message names the file.
+        """
         data = read_npz(path, "placement file")
+        check_format_version(data, path, "placement file", FILE_FORMAT)
         missing = {"phy2log", "num_experts"} - set(data)
         if missing:
             raise ValueError(f"{path}: not a placement file, missing key(s) {sorted(missing)}")
+        warn_unknown_entries(data, "phy2log [R, S] and num_experts", ("phy2log", "num_experts"), path, "placement files")
         num_experts = data["num_experts"]
         if num_experts.ndim or num_experts.dtype.kind not in "iu":
             raise ValueError(f"{path}: 'num_experts' must be an integer scalar, got {num_experts!r}")

@@ -9,6 +9,8 @@ layers chose::
     num_experts   scalar     int       experts per layer
     topk_weights  [T, L, K]  float     router weights (optional)
     vocab_size    scalar     int       token ids lie in [0, vocab_size) (optional; default max id + 1)
+    format_version scalar    int       the layout's version, 1 (optional: files without it are of format 1;
+                                       a newer one is refused as such, other entries ignored with a warning)
 
 ``synthetic_trace`` and ``trace_statistics`` live in :mod:`moelayers.trace_synthetic` and are
 re-exported here.
@@ -28,11 +30,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from moelayers._autograd import in_backward
-from moelayers.files import atomic_write, read_npz
+from moelayers.files import atomic_write, check_format_version, read_npz, warn_unknown_entries
 
 __all__ = [
     "RoutingTrace", "TraceRecorder", "load_trace", "save_trace", "synthetic_trace", "trace_statistics",
@@ -41,6 +42,8 @@ __all__ = [
 
 REQUIRED_KEYS = ("topk_ids", "token_ids", "seq_offsets", "num_experts")
 OPTIONAL_KEYS = ("topk_weights", "vocab_size")
+#: the layout of trace files (:func:`save_trace` writes it as ``format_version``; files without the entry are of format 1)
+FILE_FORMAT = 1
 
 
 def _fail(source: str, field: str, problem: str, exc: type[Exception] = ValueError) -> Exception:
@@ -157,6 +160,19 @@ class RoutingTrace:
         self.seq_offsets = self.seq_offsets.astype(np.int64, copy=False)
         self.num_experts = int(self.num_experts)
         self.vocab_size = int(self.token_ids.max()) + 1 if self.vocab_size is None else int(self.vocab_size)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal contents (the values of every field, whatever the integer widths; ``source`` aside)."""
+        if not isinstance(other, RoutingTrace):
+            return NotImplemented
+        return (int(self.num_experts) == int(other.num_experts) and self.vocab_size == other.vocab_size
+                and all(np.array_equal(a, b) for a, b in ((self.topk_ids, other.topk_ids),
+                                                          (self.token_ids, other.token_ids),
+                                                          (self.seq_offsets, other.seq_offsets)))
+                and (self.topk_weights is None) == (other.topk_weights is None)
+                and (self.topk_weights is None or np.array_equal(self.topk_weights, other.topk_weights)))
+
+    __hash__ = None  # type: ignore[assignment]  # (mutable arrays)
 
     def validate(self, source: str = "<memory>") -> None:
         """Check every field; raise naming ``source`` and the field.
@@ -358,6 +374,7 @@ class RoutingTrace:
             "seq_offsets": self.seq_offsets,
             "num_experts": np.asarray(self.num_experts, dtype=np.int64),
             "vocab_size": np.asarray(self.vocab_size, dtype=np.int64),
+            "format_version": np.asarray(FILE_FORMAT, dtype=np.int64),
         }
         if self.topk_weights is not None:
             out["topk_weights"] = self.topk_weights
@@ -377,6 +394,8 @@ def load_trace(path: str | os.PathLike) -> RoutingTrace:
     """
     path = Path(path)
     arrays = read_npz(path, "routing trace file")
+    check_format_version(arrays, path, "routing trace file", FILE_FORMAT)
+    arrays.pop("format_version", None)
     keys = set(arrays)
     missing = [k for k in REQUIRED_KEYS if k not in keys]
     unknown = sorted(keys - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
@@ -388,9 +407,8 @@ def load_trace(path: str | os.PathLike) -> RoutingTrace:
         hint = "".join(f"; '{k}': did you mean '{close[0]}'?" for k, close in typos.items())
         raise ValueError(f"{path}: missing key(s) {missing}, unknown key(s) {sorted(typos)}{hint}; expected "
                          f"{list(REQUIRED_KEYS)} and optionally {list(OPTIONAL_KEYS)}")
-    if unknown and not (dist.is_available() and dist.is_initialized() and dist.get_rank() > 0):  # (once a job)
-        warnings.warn(f"{path}: ignoring key(s) {unknown} that routing traces do not have (expected "
-                      f"{list(REQUIRED_KEYS)} and optionally {list(OPTIONAL_KEYS)})", UserWarning, stacklevel=2)
+    warn_unknown_entries(arrays, f"{list(REQUIRED_KEYS)} and optionally {list(OPTIONAL_KEYS)}",
+                         REQUIRED_KEYS + OPTIONAL_KEYS, path, "routing traces")
     return RoutingTrace(**{k: v for k, v in arrays.items() if k not in unknown}, source=str(path))
 
 

@@ -117,7 +117,7 @@ from recipes._common import (  # noqa: E402
 )
 from recipes._outputs import claim_run_dir, commit_files, run_recipe, warn, write_json  # noqa: E402
 from recipes._plots import plot_plan  # noqa: E402
-from recipes._plan_tools import DP_MAX_RATIO, MODES, even_token_rank, lar_report  # noqa: E402
+from recipes._plan_tools import ASSIGNMENT_FORMAT, DP_MAX_RATIO, MODES, even_token_rank, lar_report  # noqa: E402
 
 SYNTHETIC_KEYS = ("synthetic", "num_sequences", "num_layers", "num_experts", "top_k", "vocab_size", "seq_len")
 OUTPUTS = ("assignment.npz", "curves.npz", "plan.png", "plan.npz", "report.json")  # every file a run may write
@@ -480,7 +480,8 @@ def write_outputs(out_dir: str, report: dict, plans: dict, name: str, token_rank
             np.savez_compressed(f, expert_rank=np.asarray(plans[name], dtype=np.int64), **every, token_rank=token_rank,
                      token_rank_linear=np.asarray(even, dtype=np.int64), seq_offsets=held_out.seq_offsets, num_ranks=np.int64(report["ep"]),
                      tokens_per_step=np.int64(report["tokens_per_step"]),
-                     train_fraction=np.float64(report["train_fraction"]), mode=np.str_(report["mode"]))
+                     train_fraction=np.float64(report["train_fraction"]), mode=np.str_(report["mode"]),
+                     format_version=np.int64(ASSIGNMENT_FORMAT))
 
     writers = {"assignment.npz": assignment, "curves.npz": curves.save}
     if plot:

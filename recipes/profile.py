@@ -264,12 +264,13 @@ def save_curves(path: str, rows, latency_s: np.ndarray, device_names, raw_latenc
     """Write the curves file atomically (the format ``LatencyCurves.load`` reads; ``latency_raw_s``:
     the measurements before :func:`monotone_fit`; ``config``: stored as a JSON string)."""
     from moelayers.files import atomic_write
+    from moelayers.planning.gem import FILE_FORMAT as CURVES_FORMAT
 
     extra = {} if raw_latency_s is None else {"latency_raw_s": np.asarray(raw_latency_s, dtype=np.float64)}
     if config is not None:
         extra["config"] = np.str_(json.dumps(jsonable(config), sort_keys=True))
     arrays = dict(rows=np.asarray(rows, dtype=np.int64), latency_s=np.asarray(latency_s, dtype=np.float64),
-                  device_names=np.asarray(device_names, dtype=str), **extra)
+                  device_names=np.asarray(device_names, dtype=str), format_version=np.int64(CURVES_FORMAT), **extra)
     atomic_write(path, lambda fh: np.savez(fh, **arrays))
 
 

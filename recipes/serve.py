@@ -185,10 +185,13 @@ def layer_placements(path: str, num_experts: int, ep: int) -> list:
             number of expert-parallel ranks (an assignment's ``num_ranks``, where it has one, must
             be ``ep``: a plan for fewer ranks leaves ranks without experts), naming the file.
     """
-    from moelayers.files import read_npz
+    from moelayers.files import check_format_version, read_npz
     from moelayers.placement import ExpertPlacement
+    from recipes._plan_tools import ASSIGNMENT_FORMAT
 
     data = read_npz(path, "placement file or plan.py assignment.npz")
+    if "expert_rank" in data and "phy2log" not in data:  # (a placement file's version: ExpertPlacement.load)
+        check_format_version(data, path, "plan.py assignment.npz", ASSIGNMENT_FORMAT)
     kinds = [key for key in ("phy2log", "expert_rank") if key in data]
     if len(kinds) != 1:
         raise ValueError(f"{path}: " + ("holds both a placement (phy2log) and an assignment (expert_rank): which to "

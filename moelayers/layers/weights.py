@@ -69,6 +69,13 @@ def read_placement_record(state: Any) -> tuple[torch.Tensor, int, int | None]:
         _, num_experts, ep_rank, r, s = (int(v) for v in state[:5].tolist())
         if r >= 1 and s >= 1 and state.numel() == 5 + r * s:
             return state[5:].detach().cpu().clone().view(r, s), num_experts, ep_rank
+    if (isinstance(state, torch.Tensor) and state.dim() == 1 and state.dtype == torch.int64 and state.numel() >= 1
+            and int(state[0]) > _STATE_FORMAT):
+        from moelayers import __version__
+
+        raise ValueError(f"the checkpoint's placement record of this MoE layer is of format {int(state[0])}, written by "
+                         f"a newer moelayers; this one ({__version__}) reads formats up to {_STATE_FORMAT}: upgrade "
+                         f"moelayers to load it")
     got = f"a tensor of shape {list(state.shape)} and dtype {state.dtype}" if isinstance(state, torch.Tensor) else \
         type(state).__name__
     if isinstance(state, torch.Tensor) and state.dtype != torch.int64:

@@ -22,7 +22,10 @@ upper half of the sampled range (at least the last two), or of all the samples w
 flat: a last segment, or an upper half, that the profiler's non-decreasing fit flattened does not make
 every row beyond it free. Synthetic ("tiled") curves
 ``C_r(n) = s_r * (base + per_tile * ceil(n / tile))`` are evaluated exactly; their file also holds
-the optional keys ``tile``, ``base_s``, ``per_tile_s`` (scalars) and ``scale [R]``.
+the optional keys ``tile``, ``base_s``, ``per_tile_s`` (scalars) and ``scale [R]``. ``format_version``
+(int scalar, 1; absent in files written before it existed) is the layout's version: a file of a newer
+one is refused as such. A profile's file also holds ``latency_raw_s``, ``device_names`` and ``config``
+(recipes/profile.py), which the reader skips; other entries are ignored with a warning.
 
 The search itself lives in :mod:`moelayers.planning.gem_search`.
 """
@@ -33,7 +36,7 @@ import os
 
 import numpy as np
 
-from moelayers.files import atomic_write, read_npz
+from moelayers.files import atomic_write, check_format_version, read_npz, warn_unknown_entries
 from moelayers.placement import _check_positive, indivisible_experts
 from moelayers.planning.steps import DEFAULT_TOKENS_PER_STEP, rank_rows, trace_step_loads
 
@@ -46,6 +49,10 @@ BASE_S = 20e-6
 PER_TILE_S = 10e-6
 TILE_ROWS = 128
 PRESETS = ("high", "moderate", "low", "none")
+#: the layout of latency curve files (see the module docstring)
+FILE_FORMAT = 1
+_TILED_KEYS = ("scale", "base_s", "per_tile_s", "tile")
+_PROFILE_KEYS = ("latency_raw_s", "device_names", "config")  # recipes/profile.py's record of the measurement (not read)
 
 
 def preset_scale(name: str, num_ranks: int) -> np.ndarray:
@@ -178,16 +185,19 @@ class LatencyCurves:
                 incomplete or disagree with the samples; the message names the file.
         """
         data = read_npz(path, "latency curve file")
+        check_format_version(data, path, "latency curve file", FILE_FORMAT)
         missing = [k for k in ("rows", "latency_s") if k not in data]
         if missing:
             raise ValueError(f"{path}: not a latency curve file, missing key(s) {missing} (need rows [N], latency_s [R, N])")
+        warn_unknown_entries(data, "rows [N], latency_s [R, N] and optionally the tiled parameters "
+                             "scale [R], base_s, per_tile_s, tile", ("rows", "latency_s") + _TILED_KEYS + _PROFILE_KEYS,
+                             path, "latency curve files")
         curves = cls(data["rows"], data["latency_s"], source=str(path))
-        tiled_keys = ("scale", "base_s", "per_tile_s", "tile")
-        present = [k for k in tiled_keys if k in data]
+        present = [k for k in _TILED_KEYS if k in data]
         if not present:
             return curves
-        if len(present) < len(tiled_keys):
-            raise ValueError(f"{path}: tiled curve parameters {present} without {sorted(set(tiled_keys) - set(present))}")
+        if len(present) < len(_TILED_KEYS):
+            raise ValueError(f"{path}: tiled curve parameters {present} without {sorted(set(_TILED_KEYS) - set(present))}")
         tile = data["tile"]
         if tile.ndim or tile.dtype.kind not in "iu":
             raise ValueError(f"{path}: 'tile' must be an integer scalar, got {tile!r}")
@@ -209,7 +219,7 @@ class LatencyCurves:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write ``rows`` and ``latency_s`` (plus the tiled parameters, if any) to ``path`` atomically."""
-        arrays = {"rows": self.rows, "latency_s": self.latency_s}
+        arrays = {"rows": self.rows, "latency_s": self.latency_s, "format_version": np.int64(FILE_FORMAT)}
         if self._tiled is not None:
             scale, base_s, per_tile_s, tile = self._tiled
             arrays.update(scale=scale, base_s=np.float64(base_s), per_tile_s=np.float64(per_tile_s), tile=np.int64(tile))

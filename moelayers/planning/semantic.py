@@ -34,14 +34,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from moelayers.placement import ExpertPlacement
-from moelayers.files import atomic_write, read_npz
+from moelayers.files import atomic_write, check_format_version, read_npz
 
 __all__ = [
     "TokenExpertTable", "build_token_table", "check_token_ids", "nearest_seen_tokens", "token_rank_probs",
     "majority_rank", "rank_counts", "ngram_tables", "SemanticPlan",
 ]  # plan_semantic is importable from here too (lazily, see __getattr__)
 
-FORMAT_VERSION = 2  # 2: train_sequences (older readers refuse it by this number, not as an unknown field)
+#: 2 added train_sequences (format 1's reader refuses such a plan as having an unknown field; readers
+#: since then check the version first: files.check_format_version)
+FORMAT_VERSION = 2
 
 #: how tokens are given ranks in tp mode, offline (planning/semantic_eval.py) and online (SemanticMoE)
 PREDICTORS = ("combined", "alg3", "token")
@@ -532,6 +534,7 @@ class SemanticPlan:
         """Read and validate a plan written by :meth:`save`."""
         path = Path(path)
         arrays = read_npz(path, "semantic plan file")
+        check_format_version(arrays, path, "semantic plan", FORMAT_VERSION)  # first: a newer plan may lack or add fields
         missing = [k for k in _REQUIRED if k not in arrays]
         if missing:
             raise ValueError(f"{path}: semantic plan is missing field(s) {missing}")
@@ -554,9 +557,6 @@ class SemanticPlan:
                 kw[k] = float(a)
             else:
                 kw[k] = a
-        if kw.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
-            raise ValueError(f"{path}: semantic plan field 'format_version' is {kw['format_version']}, "
-                             f"newer than this moelayers reads ({FORMAT_VERSION})")
         return cls(**kw, source=str(path))
 
 

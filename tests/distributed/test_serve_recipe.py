@@ -856,6 +856,10 @@ def test_serve_starts_in_a_planned_placement(tmp_path):
     np.savez(path, expert_rank=rows, num_ranks=np.int64(2))
     with pytest.raises(ValueError, match=r"planned for 2 expert-parallel ranks, 4 here: ranks 2\.\.3 would hold no expert"):
         serve.layer_placements(str(path), 8, 4)
+    np.savez(path, expert_rank=rows, num_ranks=np.int64(2), format_version=np.int64(2))  # of a newer plan.py
+    with pytest.raises(ValueError, match=r"assignment\.npz: this plan\.py assignment\.npz is of format 2, written by a newer"):
+        serve.layer_placements(str(path), 8, 2)
+    np.savez(path, expert_rank=rows, num_ranks=np.int64(2))
     odd = tmp_path / "odd.npz"
     np.savez(odd, expert_rank=-rows)
     with pytest.raises(ValueError, match="expert_rank holds rank -1: ranks are >= 0"):

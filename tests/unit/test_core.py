@@ -269,6 +269,11 @@ def test_state_dict_carries_the_placement():
         state["_extra_state"] = {"weights": 1}
         with pytest.raises(ValueError, match="must be its placement"):
             fresh.load_state_dict(state)
+        newer = layer.state_dict()["_extra_state"].clone()  # the record of a newer moelayers: told as such
+        newer[0] += 1
+        with pytest.raises(ValueError, match=rf"placement record of this MoE layer is of format {int(newer[0])}, "
+                                             rf"written by a newer moelayers; this one \(.*\) reads formats up to"):
+            fresh.load_state_dict(dict(layer.state_dict(), _extra_state=newer))
 
 
 def test_stats_merge_and_reduce_keep_their_counts():

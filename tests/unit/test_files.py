@@ -394,7 +394,7 @@ def test_a_damaged_zip_directory_is_refused_not_read_short(tmp_path):
     entries = [i for i in range(len(raw)) if raw[i:i + 4] == b"PK\x01\x02"]
     struct.pack_into("<H", raw, entries[3] + 32, 0xFFFF)
     (tmp_path / "damaged.npz").write_bytes(bytes(raw))
-    with pytest.raises(ValueError, match=r"damaged\.npz: damaged zip directory: it lists 4 of the 6 members"):
+    with pytest.raises(ValueError, match=r"damaged\.npz: damaged zip directory: it lists 4 of the 7 members"):
         load_trace(tmp_path / "damaged.npz")
     assert load_trace(tmp_path / "t.npz").vocab_size == 1000
 
@@ -426,3 +426,116 @@ def test_a_file_name_that_is_not_utf8_can_be_saved(tmp_path):
         atomic_write(path, lambda f: f.write(b"x"))
         assert path.read_bytes() == b"x"
     assert sorted(os.fsencode(p.name) for p in tmp_path.iterdir()) == sorted([b"caf\xe9.npz", long])
+
+
+# ------------------------------------------------------------------------- format versions
+def _with(path, **entries):
+    """Rewrite the npz at ``path`` with ``entries`` added or replaced (``None`` removes one)."""
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    for k, v in entries.items():
+        if v is None:
+            arrays.pop(k, None)
+        else:
+            arrays[k] = v
+    np.savez(path, **arrays)
+    return path
+
+
+def _written(tmp_path):
+    """One file of each kind the library reads, written by its writer: name -> (path, reader)."""
+    from moelayers.planning.semantic import SemanticPlan, plan_semantic
+    from moelayers.trace import synthetic_trace
+
+    plan = plan_semantic(synthetic_trace(24, 2, 8, 2, 50, seq_len=(4, 12), seed=0), 2, "dp", progress=False)
+    files = {"trace": (save_trace, _trace(), load_trace), "placement": (None, ml.ExpertPlacement.linear(4, 2),
+                                                                       ml.ExpertPlacement.load),
+             "curves": (None, LatencyCurves.preset("high", 2), LatencyCurves.load),
+             "plan": (None, plan, SemanticPlan.load)}
+    out = {}
+    for name, (save, obj, load) in files.items():
+        path = tmp_path / f"{name}.npz"
+        save(obj, path) if save else obj.save(path)
+        out[name] = (path, load)
+    return out
+
+
+def test_every_file_records_its_format_and_a_newer_one_is_told_as_such(tmp_path):
+    """A file of a newer moelayers was refused for its new field ("unknown field(s)"), read while
+    ignoring it (curves, placements: a changed meaning read the old way), or read as the current
+    format (the plan when the number came after the field check)."""
+    from moelayers import __version__
+
+    for name, (path, load) in _written(tmp_path).items():
+        with np.load(path) as z:
+            version = int(z["format_version"])
+        assert version >= 1, name
+        assert load(path) is not None
+        _with(path, format_version=np.int64(version + 1), added_in_a_later_version=np.arange(3))
+        with pytest.raises(ValueError, match=rf"{path.name}: this .* is of format {version + 1}, written by a newer "
+                                             rf"moelayers; this one \({__version__}\) reads formats up to {version}"):
+            load(path)
+        for bad in (np.int64(0), np.int64(-7), np.float64(1.0), np.arange(2)):
+            _with(path, format_version=bad, added_in_a_later_version=None)
+            with pytest.raises(ValueError, match="format_version must be a positive integer scalar"):
+                load(path)
+
+
+def test_files_written_before_the_format_version_still_load(tmp_path):
+    import warnings
+
+    for name, (path, load) in _written(tmp_path).items():
+        first = load(path)
+        _with(path, format_version=None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = load(path)
+        if name in ("trace", "placement"):
+            assert again == first, name
+
+
+def test_unknown_entries_of_placements_and_curves_are_named_in_a_warning(tmp_path):
+    """They were dropped silently: an entry a newer version added would be read the old way."""
+    files = _written(tmp_path)
+    for name, kind in (("placement", "placement files"), ("curves", "latency curve files")):
+        path, load = files[name]
+        _with(path, units=np.str_("ms"))
+        with pytest.warns(UserWarning, match=rf"{path.name}: ignoring key\(s\) \['units'\] that {kind} do not have"):
+            load(path)
+
+
+def test_a_profile_curves_file_loads_without_warnings(tmp_path):
+    import warnings
+
+    from recipes.profile import save_curves
+
+    save_curves(str(tmp_path / "c.npz"), [1, 128], np.array([[1e-5, 2e-5]] * 2), ["cpu", "cpu"],
+                np.array([[1e-5, 2.1e-5]] * 2), config={"a": 1})
+    with np.load(tmp_path / "c.npz") as z:
+        assert int(z["format_version"]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert LatencyCurves.load(tmp_path / "c.npz").num_ranks == 2
+
+
+def test_a_trace_compares_by_content_with_its_saved_copy(tmp_path):
+    trace = _trace()
+    save_trace(trace, tmp_path / "t.npz")
+    loaded = load_trace(tmp_path / "t.npz")
+    assert loaded == trace and loaded is not trace
+    other = _trace(seq_offsets=(0, 6, 20))
+    assert loaded != other and (loaded == "a trace") is False
+
+
+def test_a_read_only_file_is_not_replaced(tmp_path, monkeypatch):
+    """``os.replace`` replaced a file made read-only to keep it (``open(path, "wb")`` would refuse)."""
+    path = tmp_path / "keep.npz"
+    ml.ExpertPlacement.linear(4, 2).save(path)
+    before = path.read_bytes()
+    os.chmod(path, 0o444)
+    real_access = os.access
+    if os.geteuid() == 0:  # root may write anything: as open() would for it, so pretend a user
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if mode == os.W_OK else real_access(p, mode, **kw))
+    with pytest.raises(PermissionError, match=r"keep.npz: the file may not be written \(mode 0o444\): not replaced"):
+        ml.ExpertPlacement.linear(4, 1).save(path)
+    assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["keep.npz"]

@@ -59,7 +59,8 @@ def test_round_trip(tmp_path: Path) -> None:
     save_trace(trace, path)
     assert_same(trace, load_trace(path))
     with np.load(path, allow_pickle=False) as raw:
-        assert set(raw.files) == {"topk_ids", "token_ids", "seq_offsets", "num_experts", "topk_weights", "vocab_size"}
+        assert set(raw.files) == {"topk_ids", "token_ids", "seq_offsets", "num_experts", "topk_weights", "vocab_size",
+                                  "format_version"}
         assert raw["num_experts"].ndim == 0 and raw["token_ids"].dtype == np.int64
     assert os.listdir(tmp_path) == ["t.npz"]
 
