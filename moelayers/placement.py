@@ -83,6 +83,9 @@ class ExpertPlacement:
 
     @on_host
     def __init__(self, phy2log: torch.Tensor | np.ndarray, num_experts: int):
+        if isinstance(phy2log, torch.Tensor) and phy2log.is_meta:  # (e.g. built under `with torch.device("meta")`)
+            raise ValueError("phy2log is a meta tensor (a shape without values): a placement needs its expert ids; "
+                             "build the table on the CPU")
         p = torch.as_tensor(phy2log)
         if p.dtype.is_floating_point or p.dtype == torch.bool or p.dtype.is_complex:
             raise TypeError(f"phy2log must be an integer tensor, got {p.dtype}")

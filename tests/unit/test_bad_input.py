@@ -59,6 +59,12 @@ def test_placement_not_integer():
         ml.ExpertPlacement.from_phy2log(torch.zeros(2, 2), 4)
 
 
+def test_placement_of_a_meta_table():
+    """torch's "Cannot copy out of meta tensor" was all a user got."""
+    with pytest.raises(ValueError, match="phy2log is a meta tensor"):
+        ml.ExpertPlacement(torch.zeros(2, 2, dtype=torch.int64, device="meta"), 4)
+
+
 def test_placement_for_other_experts_or_ranks():
     with pytest.raises(ValueError, match="8 experts"):
         layer(placement=ml.ExpertPlacement.linear(8, 1))
