@@ -38,6 +38,7 @@ from moelayers.kernels import HAVE_TRITON, TRITON_INSTALL_HINT, use_triton
 from moelayers.layers.inflight import InFlightGraphs
 from moelayers.layers.moves import Staging, move_expert_weights
 from moelayers.layers.replay import ForcedForRecompute
+from moelayers.layers.turns import one_at_a_time
 from moelayers.layers.weights import LayerWeights, placement_record
 from moelayers.metrics import MoEStats
 from moelayers.placement import ExpertPlacement
@@ -314,6 +315,7 @@ class MoELayerBase(LayerWeights, nn.Module):
         self.experts.tie_replicas(self.placement, self.groups.ep_rank, self.groups.ep)
         self.dispatcher = self._make_dispatcher()
 
+    @one_at_a_time
     def apply_placement(self, placement: ExpertPlacement, *, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Move expert weights to ``placement`` while serving (a collective over ``groups.ep``: every
         rank calls it with the same placement).
@@ -364,6 +366,7 @@ class MoELayerBase(LayerWeights, nn.Module):
         back-propagated): a move is accepted again. Call it on every rank."""
         self._graphs.clear()
 
+    @one_at_a_time
     def force_routing(self, topk_ids: torch.Tensor | None) -> None:
         """Use these ``[T, K]`` (or, for ``[S, B, H]`` input, ``[S, B, K]``) logical experts (e.g.
         replayed from a trace) in the next forward;
@@ -393,6 +396,7 @@ class MoELayerBase(LayerWeights, nn.Module):
     # data-dependent shapes would break the graph 16-23 times and recompile per load pattern, and inductor
     # drops writes into the all-to-all buffer (views of another dtype)
     @eager_under_compile
+    @one_at_a_time  # threads take turns (moelayers/layers/turns.py)
     def forward(self, x: torch.Tensor, *, token_ids: torch.Tensor | None = None,
                 topk_ids: torch.Tensor | None = None) -> torch.Tensor:
         """MoE forward.

@@ -40,6 +40,7 @@ from moelayers.dispatch.comm import all_gather_flat, copy_to_group, fingerprint
 from moelayers.groups import ParallelGroups
 from moelayers.kernels import shuffle_rows
 from moelayers.layers.base import MoELayerBase, _check_forced_type
+from moelayers.layers.turns import one_at_a_time
 from moelayers.placement import ExpertPlacement, on_host
 from moelayers.planning.semantic import PREDICTORS
 from moelayers.schedule.token_shuffle import (
@@ -226,6 +227,7 @@ class SemanticMoE(MoELayerBase):
         return rebatch_tokens(ids, self.tables(ids.device), self.groups.tp_size, prev_ranks)
 
     @eager_under_compile  # eager under torch.compile, as MoELayerBase.forward
+    @one_at_a_time  # threads take turns (moelayers/layers/turns.py)
     def forward_tp(self, attn_partial: torch.Tensor, residual: torch.Tensor,
                    norm: Callable[[torch.Tensor], torch.Tensor], *, token_ids: torch.Tensor | None = None,
                    prev_ranks: PrevRanks = None, topk_ids: torch.Tensor | None = None) -> torch.Tensor:

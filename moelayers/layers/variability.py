@@ -29,6 +29,7 @@ from moelayers.config import MoEConfig
 from moelayers.groups import ParallelGroups, collective_device
 from moelayers.layers.base import MoELayerBase
 from moelayers.layers.moves import PlacementMoveError, PlacementRejected, holds_gradients
+from moelayers.layers.turns import one_at_a_time
 from moelayers.placement import ExpertPlacement
 
 Planner = Callable[..., Any]  # (loads [steps, E], curves, *, restarts, seed) -> expert_rank [E]
@@ -215,6 +216,7 @@ class VariabilityAwareMoE(MoELayerBase):
 
     # ------------------------------------------------------------------ forward + load recording
     @eager_under_compile  # eager under torch.compile, as MoELayerBase.forward (its step count made a recompile per step)
+    @one_at_a_time  # threads take turns (moelayers/layers/turns.py)
     def forward(self, x: torch.Tensor, *, token_ids: torch.Tensor | None = None,
                 topk_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The base forward, then record this step's expert loads (and re-plan when due).
@@ -389,6 +391,7 @@ class VariabilityAwareMoE(MoELayerBase):
             self.curves = LatencyCurves.preset(self.variability, self.groups.ep_size)
         return self.curves
 
+    @one_at_a_time
     def replan(self, loads: torch.Tensor | None = None, *, optimizer: torch.optim.Optimizer | None = None
                ) -> ExpertPlacement:
         """Plan a placement on rank 0, broadcast it and apply it on every rank (a collective).

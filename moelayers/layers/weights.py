@@ -331,11 +331,12 @@ class LayerWeights:
                     if buf is not None and buf.is_meta:
                         module._buffers[name] = torch.zeros_like(buf, device=device)
 
-    #: attributes a deep copy starts afresh (factories) instead of copying: a captured CUDA graph
+    #: attributes a deep copy starts afresh (factories) instead of copying: a captured CUDA graph, a lock
     _fresh_on_copy: dict[str, Callable[[], Any]] = {"_graphed": lambda: None,
                                                     "_forced_for_recompute": ForcedForRecompute,
                                                     "_graphs": InFlightGraphs,
-                                                    "_reduced_grads": dict}
+                                                    "_reduced_grads": dict,
+                                                    "_turn": lambda: None}  # (made on first use: turns.py)
 
     def __deepcopy__(self, memo: dict) -> "MoELayerBase":
         """A copy with its own weights and state that shares the process groups (handles, which
