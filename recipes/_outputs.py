@@ -63,7 +63,8 @@ RUN_LOCK = ".moelayers-run.lock"
 
 
 def claim_run_dir(recipe: str) -> str:
-    """The run dir (:func:`run_dir`), held by this run until its process exits: a run started into
+    """The run dir (:func:`run_dir`), held by this run until its process exits (or, in a ``-m``
+    sweep, until the sweep's next job claims its own dir: one held at a time): a run started into
     the dir of a run still going is refused, since the two would overwrite some of each other's
     files and leave a mix (``hydra.run.dir`` given twice, a script that did not vary it). The hold
     is an exclusive ``flock`` on :data:`RUN_LOCK` (the file names the holder), which the system
@@ -88,6 +89,8 @@ def claim_run_dir(recipe: str) -> str:
     lock = Path(out) / RUN_LOCK
     if str(lock) in _HELD:
         return out  # this process holds it already (a recipe's main called again, e.g. a -m sweep's jobs)
+    for earlier in list(_HELD):  # an earlier job of a -m sweep (run one after another in this process): done
+        _release_run_dir(Path(earlier))
     for _ in range(10):
         fd = None
         try:

@@ -68,6 +68,18 @@ def test_a_live_run_holds_its_run_dir_and_a_killed_one_holds_nothing(in_dir):
     assert not (in_dir / RUN_LOCK).exists()
 
 
+def test_a_sweeps_next_job_lets_the_last_ones_dir_go(in_dir, tmp_path, monkeypatch):
+    """A -m sweep runs its jobs one after another in one process, which held every job's lock until
+    the sweep ended: one open file per job (a sweep of about a thousand jobs would run out)."""
+    jobs = [tmp_path / "sweep" / str(n) for n in range(3)]
+    for job in jobs:
+        monkeypatch.setattr(common, "run_dir", lambda default=".", job=job: str(job))
+        assert claim_run_dir("serve.py") == str(job)
+        assert list(common._HELD) == [str(job / RUN_LOCK)] and (job / RUN_LOCK).exists()
+    assert [(job / RUN_LOCK).exists() for job in jobs] == [False, False, True]
+    common._release_run_dir(jobs[-1] / RUN_LOCK)
+
+
 def test_runs_starting_together_take_the_dir_once(in_dir, tmp_path):
     """Eight processes claiming one run dir at once (with the lock file a killed run left): one holds it."""
     in_dir.mkdir()
