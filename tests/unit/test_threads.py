@@ -37,10 +37,16 @@ def test_a_shared_layer_checks_each_threads_input(kw):
     """The router's and the dispatcher's flags lived on the layer between the steps of a forward: with
     a second thread in the same layer, 8 % of the NaN inputs came back as NaN outputs without the
     error (capacity mode) and the clean thread's forwards were refused for the other's NaN."""
+    check_shared_layer(kw, "cpu")
+
+
+def check_shared_layer(kw: dict, device: str, calls: int = 300) -> None:
+    """Two threads in one layer, one feeding a NaN (every call raises), one clean input (each call
+    gives the first call's output); the first forward before the threads (a CUDA graph's capture)."""
     torch.manual_seed(0)
     cfg = ml.MoEConfig(hidden_size=32, ffn_hidden_size=32, num_experts=8, top_k=2)
-    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), **kw)
-    good = torch.randn(32, 32)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device=device, **kw)
+    good = torch.randn(32, 32, device=device)
     bad = good.clone()
     bad[0, 0] = float("nan")
     with torch.no_grad():
@@ -58,8 +64,8 @@ def test_a_shared_layer_checks_each_threads_input(kw):
             layer(bad)
         seen["bad"] += 1
 
-    _in_two_threads(clean, poisoned, 300)
-    assert seen == {"good": 300, "bad": 300}
+    _in_two_threads(clean, poisoned, calls)
+    assert seen == {"good": calls, "bad": calls}
 
 
 def test_a_shared_variability_layer_records_every_threads_tokens():
