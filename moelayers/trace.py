@@ -138,6 +138,8 @@ class RoutingTrace:
         topk_weights: optional ``[T, L, K]`` finite float router weights.
         vocab_size: optional vocabulary size; ``None`` means ``max(token_ids) + 1``.
         source: init-only; names the trace (e.g. its file) in validation errors.
+        format_version: init-only; a saved trace's ``format_version`` entry (checked: one of a newer
+            moelayers is refused as such), so that ``RoutingTrace(**np.load(path))`` takes a file.
     """
 
     topk_ids: np.ndarray
@@ -147,8 +149,11 @@ class RoutingTrace:
     topk_weights: np.ndarray | None = None
     vocab_size: int | None = None
     source: InitVar[str] = "<memory>"
+    format_version: InitVar[Any] = None
 
-    def __post_init__(self, source: str) -> None:
+    def __post_init__(self, source: str, format_version: Any = None) -> None:
+        if format_version is not None:  # RoutingTrace(**np.load(path)) of a saved trace
+            check_format_version({"format_version": np.asarray(format_version)}, source, "routing trace", FILE_FORMAT)
         self.validate(source)
         self._source = source  # (not a field: traces compare by content)
         # expert ids in the narrowest of int16/int32 that holds them: int64 ids take 4x the memory, and
@@ -374,7 +379,6 @@ class RoutingTrace:
             "seq_offsets": self.seq_offsets,
             "num_experts": np.asarray(self.num_experts, dtype=np.int64),
             "vocab_size": np.asarray(self.vocab_size, dtype=np.int64),
-            "format_version": np.asarray(FILE_FORMAT, dtype=np.int64),
         }
         if self.topk_weights is not None:
             out["topk_weights"] = self.topk_weights
@@ -426,7 +430,7 @@ def save_trace(trace: RoutingTrace, path: str | os.PathLike, *, compress: bool =
     """
     path = Path(path)
     trace.validate(source=str(path))
-    arrays = trace.to_arrays()
+    arrays = {**trace.to_arrays(), "format_version": np.asarray(FILE_FORMAT, dtype=np.int64)}
     atomic_write(path, lambda f: (np.savez_compressed if compress else np.savez)(f, **arrays), fsync=True)
 
 

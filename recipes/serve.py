@@ -190,7 +190,7 @@ def layer_placements(path: str, num_experts: int, ep: int) -> list:
     from recipes._plan_tools import ASSIGNMENT_FORMAT
 
     data = read_npz(path, "placement file or plan.py assignment.npz")
-    if "expert_rank" in data and "phy2log" not in data:  # (a placement file's version: ExpertPlacement.load)
+    if "phy2log" not in data:  # first (a newer one may name its entries otherwise); a placement's: ExpertPlacement.load
         check_format_version(data, path, "plan.py assignment.npz", ASSIGNMENT_FORMAT)
     kinds = [key for key in ("phy2log", "expert_rank") if key in data]
     if len(kinds) != 1:

@@ -54,6 +54,7 @@ from moelayers.config import MoEConfig, megatron_training_losses
 from moelayers.experts import GroupedExperts
 from moelayers.groups import ParallelGroups, collective_device
 from moelayers.layers.base import layer_kwargs as _layer_kwargs
+from moelayers.layers.turns import turn_of
 
 try:
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -508,7 +509,14 @@ class MegatronMoEAdapter(nn.Module):
 
     def _forward(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None,
                  token_ids: torch.Tensor | None) -> torch.Tensor:
-        """:meth:`forward` after the training checks: validates, drops padded rows, runs the layer."""
+        """:meth:`forward` after the training checks (and its recomputation), in the layer's turn: its
+        forced routing, replay key and forward belong to one call (``moelayers/layers/turns.py``)."""
+        with turn_of(self.layer):
+            return self._forward_rows(hidden_states, padding_mask, token_ids)
+
+    def _forward_rows(self, hidden_states: torch.Tensor, padding_mask: torch.Tensor | None,
+                      token_ids: torch.Tensor | None) -> torch.Tensor:
+        """Validates, drops padded rows, runs the layer."""
         try:
             if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
                 raise ValueError("hidden_states must be an [S, B, H] tensor")

@@ -361,6 +361,7 @@ class MoELayerBase(LayerWeights, nn.Module):
         """
         return self._graphs.count()
 
+    @one_at_a_time
     def forget_graphs(self) -> None:
         """Declare every recorded forward's graph gone (e.g. kept alive but never to be
         back-propagated): a move is accepted again. Call it on every rank."""
@@ -538,6 +539,7 @@ class MoELayerBase(LayerWeights, nn.Module):
         return torch.is_grad_enabled() and (x2.requires_grad or self.router.weight.requires_grad
                                             or self.experts.w13.requires_grad or self.experts.w2.requires_grad)
 
+    @one_at_a_time
     def refuse_input(self, exc: Exception) -> NoReturn:
         """Raise ``exc``, a caller's refusal of this rank's input to the forward that every
         expert-parallel rank is about to run (e.g. a model's check of its token ids), after taking
@@ -726,6 +728,7 @@ class MoELayerBase(LayerWeights, nn.Module):
             raise ValueError(f"more tokens than the layer's capacity of {self.capacity} per rank on expert-parallel "
                              f"rank(s) {bad}{here}: split the batch or build the layer with a larger capacity")
 
+    @one_at_a_time
     def release_graphs(self) -> None:
         """Drop the captured CUDA graph (call on every rank before destroying the process group)."""
         if self._graphed is not None:

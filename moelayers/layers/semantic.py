@@ -372,6 +372,7 @@ class SemanticMoE(MoELayerBase):
         elif self.gather_context:
             self.last_context_ranks = self._context_ranks(rb, n)
 
+    @one_at_a_time
     def refuse_input(self, exc: Exception) -> NoReturn:
         """As :meth:`MoELayerBase.refuse_input`; in ``tp`` mode, where the ranks are about to call
         :meth:`forward_tp`, through its first collective (the agreement on the inputs, which

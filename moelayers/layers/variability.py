@@ -356,6 +356,7 @@ class VariabilityAwareMoE(MoELayerBase):
             return True
         return self.replan_every is not None and (self.steps - self.window) % self.replan_every == 0
 
+    @one_at_a_time
     def reset_loads(self) -> None:
         """Forget the recorded window (``steps`` back to 0), e.g. after warm-up forwards that did
         not serve real requests; the next re-plan is due when the window has filled again."""

@@ -22,6 +22,7 @@ from moelayers.dispatch.comm import fingerprint
 from moelayers.experts import gather_logical
 from moelayers.layers.inflight import InFlightGraphs
 from moelayers.layers.moves import check_own_weights
+from moelayers.layers.turns import one_at_a_time
 from moelayers.layers.replay import ForcedForRecompute
 from moelayers.placement import ExpertPlacement
 
@@ -132,6 +133,7 @@ class LayerWeights:
 
     # ------------------------------------------------------------------ weights in logical order
     @torch.no_grad()
+    @one_at_a_time
     def load_full_weights(self, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, *,
                           verify: bool = True) -> None:
         """Load logical weights, identical on every rank; all checks happen before any copy.
@@ -374,6 +376,7 @@ class LayerWeights:
                 state[key] = fresh()
         return state
 
+    @one_at_a_time  # (the weights and set_extra_state's placement together)
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
         """A load that holds some but not all of this layer's keys, or whose weights do not fit this

@@ -523,6 +523,10 @@ def test_a_trace_compares_by_content_with_its_saved_copy(tmp_path):
     save_trace(trace, tmp_path / "t.npz")
     loaded = load_trace(tmp_path / "t.npz")
     assert loaded == trace and loaded is not trace
+    with np.load(tmp_path / "t.npz") as z:  # the arrays of a file (format_version included) and to_arrays() build one
+        assert RoutingTrace(**z) == trace == RoutingTrace(**trace.to_arrays())
+        with pytest.raises(ValueError, match="this routing trace is of format 2, written by a newer moelayers"):
+            RoutingTrace(**{**z, "format_version": np.int64(2)})
     other = _trace(seq_offsets=(0, 6, 20))
     assert loaded != other and (loaded == "a trace") is False
 
