@@ -325,7 +325,9 @@ class VariabilitySettings:
         time_scale = _finite(emu.get("time_scale", 1.0), "emulation.time_scale", 0.0, inclusive=False)
         out = cls(str(name), path, str(mode), time_scale, str(emu.get("wait", "auto")), given)
         if out.name not in VARIABILITY_PRESETS:
-            raise ValueError(f"variability must be one of {VARIABILITY_PRESETS}, got {out.name!r}")
+            key = "variability.name" if isinstance(var, dict) else "variability"
+            raise ValueError(f"{key} must be one of the presets {VARIABILITY_PRESETS}, got {out.name!r}; for "
+                             f"measured curves give variability.curves.path=FILE (recipes/profile.py's curves.npz)")
         if out.mode not in MODES + ("off",):
             raise ValueError(f"emulation.mode must be measured, curve or off, got {mode!r}")
         if out.wait not in WAITS:

@@ -19,6 +19,7 @@ import datetime
 import importlib
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -63,8 +64,62 @@ def _recipe_groups() -> str:
         groups = sorted(n for n in os.listdir(CONF_DIR) if os.path.isdir(os.path.join(CONF_DIR, n)))
     lines = []
     for group in sorted(groups):
-        lines.append(f"{group}: {', '.join(_options(group))}")
+        lines.append(f"{group}: {', '.join(app_options(group))}")
     return "\n".join(lines).replace("$", "$$")
+
+
+def config_dirs() -> list[str]:
+    """The folders of this run's config search path, in Hydra's order: conf/, a user's
+    ``--config-dir`` and ``hydra.searchpath`` folders (``file://`` ones; the sources Hydra composed
+    this run from, or, before that, e.g. for ``--help``, its search path); conf/ alone outside a
+    Hydra app."""
+    found: list[str] = []
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        found = [str(src.path) for src in HydraConfig.get().runtime.config_sources if src.schema == "file"]
+    except Exception:  # (no job yet: --help) the app's search path
+        try:
+            from hydra.core.global_hydra import GlobalHydra
+
+            if GlobalHydra.instance().is_initialized():
+                for entry in GlobalHydra.instance().config_loader().get_search_path().get_path():
+                    path = str(entry.path)
+                    if path.startswith("file://"):
+                        found.append(path[len("file://"):])
+                    elif "://" not in path:
+                        found.append(path)
+        except Exception:  # (a Hydra without these: conf/ alone)
+            pass
+    dirs: list[str] = []
+    for path in [*found, CONF_DIR]:
+        path = os.path.abspath(path)
+        if os.path.isdir(path) and path not in dirs:
+            dirs.append(path)
+    return dirs
+
+
+def app_options(group: str) -> list[str]:
+    """The options of config ``group`` this run can select: conf/'s and those of a user's config
+    folders (:func:`config_dirs`), sorted."""
+    return sorted({n[:-5] for d in config_dirs() if os.path.isdir(os.path.join(d, group))
+                   for n in os.listdir(os.path.join(d, group)) if n.endswith(".yaml")})
+
+
+def app_groups() -> set[str]:
+    """The top-level config groups of this run's config folders (:func:`config_dirs`)."""
+    return {n for d in config_dirs() for n in os.listdir(d) if os.path.isdir(os.path.join(d, n)) and n != "hydra"}
+
+
+def group_option(group: str, name: str) -> dict | None:
+    """The unresolved content of option ``name`` of config ``group`` as a dict, from the first of
+    :func:`config_dirs` that has it (a user's option too); ``None`` where none has it."""
+    for folder in config_dirs():
+        path = os.path.join(folder, group, f"{name}.yaml")
+        if os.path.isfile(path):
+            content = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+            return content if isinstance(content, dict) else None
+    return None
 
 
 def _run_stamp() -> str:
@@ -485,8 +540,71 @@ def readable_keys(primary: str, groups: Sequence[str], extra_keys: Sequence[str]
     return keys
 
 
+_REFERENCE = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")  # ${a.b}: a key (not ${resolver:...}, not a relative ${.a})
+
+
+def referenced_keys(cfg: Any) -> set[str]:
+    """The config keys that values of ``cfg`` (unresolved) refer to by interpolation, ``${a.b}``
+    (inside a resolver's arguments too): read by that value, so a key of the user's own that only
+    feeds others (``my.n`` in ``workload.num_requests: ${my.n}``) is not one the run ignores."""
+    refs: set[str] = set()
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+        elif isinstance(node, str):
+            refs.update(_REFERENCE.findall(node))
+
+    walk(OmegaConf.to_container(cfg, resolve=False) if not isinstance(cfg, dict) else cfg)
+    return refs
+
+
+def _touches(name: str, refs: set[str]) -> bool:
+    """Whether key ``name`` is one of ``refs``, above one (read with it) or below one (read as part of it)."""
+    return any(r == name or r.startswith(name + ".") or name.startswith(r + ".") for r in refs)
+
+
+def unread_config_keys(cfg: Any, keys: set[str], open_keys: Sequence[str] = (), skip: Sequence[str] = ()) -> list[str]:
+    """The keys of the composed config ``cfg`` (its config files; ``hydra`` aside) that the recipe
+    reads nowhere: not in ``keys`` (:func:`readable_keys`), not under one of ``open_keys``, not read
+    by an interpolation, not set by one of the command-line keys ``skip`` (checked as overrides).
+    The highest such key of a branch only."""
+    tree = OmegaConf.to_container(cfg, resolve=False) if not isinstance(cfg, dict) else cfg
+    refs = referenced_keys(tree)
+    out: list[str] = []
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            name = prefix + str(key)
+            if (any(name == k or name.startswith(k + ".") for k in open_keys) or _touches(name, refs)
+                    or any(name == k or name.startswith(k + ".") or k.startswith(name + ".") for k in skip)):
+                continue
+            if name not in keys:
+                out.append(name)
+            elif isinstance(value, dict):
+                walk(value, name + ".")
+
+    walk({k: v for k, v in tree.items() if k != "hydra"}, "")
+    return out
+
+
+def _near(name: str, keys: set[str]) -> str:
+    """`` (did you mean KEY?)`` for a key of ``keys`` spelt like ``name`` at the same level, else ``""``."""
+    import difflib
+
+    parent, _, leaf = name.rpartition(".")
+    siblings = {k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent}
+    close = difflib.get_close_matches(leaf, sorted(siblings), n=1, cutoff=0.75)
+    return f" (did you mean {parent + '.' if parent else ''}{close[0]}?)" if close else ""
+
+
 def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], open_keys: Sequence[str] = (),
-                            extra_keys: Sequence[str] = (), mirrors: dict[str, str] | None = None) -> None:
+                            extra_keys: Sequence[str] = (), mirrors: dict[str, str] | None = None,
+                            cfg: Any = None) -> None:
     """Refuse command-line overrides that add something this recipe would ignore: ``+GROUP=NAME``
     for a config group of ``conf/`` it does not read (e.g. ``serve.py +planner=semantic``), and
     ``+KEY=VALUE`` / ``++KEY=VALUE`` for a key that it does not read (:func:`readable_keys`; a
@@ -495,7 +613,12 @@ def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], op
     ``layer=vanilla``; ``++KEY`` of another option passes in a ``-m`` sweep, which sets a key of some
     of its jobs' options so): Hydra adds such a key and nothing reads it. Keys under one of ``open_keys`` (and groups named there) are read by code that
     checks them itself (a layer's constructor for ``layer.kwargs``, a scheduler for ``scheduler``, a
-    recipe's own refusal with its reason) and pass; so do Hydra's own settings.
+    recipe's own refusal with its reason) and pass; so do Hydra's own settings, an option of a
+    group of the user's own config dirs (``+experiment=NAME``, which may set anything), and a key
+    that an interpolation of the config reads (``++my.n=3`` for ``workload.num_requests: ${my.n}``).
+    With the composed ``cfg``, keys of the user's config files that nothing reads (a misspelt
+    ``num_request:`` in an experiment file, an own option's ``placment_path:``) are named in a
+    warning (rank 0): a config file may hold notes of its own.
 
     Args:
         recipe: the recipe's file name, for the message.
@@ -503,13 +626,17 @@ def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], op
         groups: the config groups it reads.
         open_keys: key prefixes whose sub-keys are checked where they are read.
         extra_keys, mirrors: see :func:`readable_keys`.
+        cfg: the composed config (for the keys interpolations read and the config files' keys).
 
     Raises:
         ValueError: naming the override and what the recipe reads.
     """
-    known_groups = {n for n in os.listdir(CONF_DIR) if os.path.isdir(os.path.join(CONF_DIR, n))}
+    package_groups = {n for n in os.listdir(CONF_DIR) if os.path.isdir(os.path.join(CONF_DIR, n))}
+    refs = referenced_keys(cfg) if cfg is not None else set()
     keys, union, choices = None, None, chosen_options()
-    for override in invocation()["overrides"]:
+    known_groups = package_groups | app_groups() | set(choices)
+    overrides = invocation()["overrides"]
+    for override in overrides:
         key = override.split("=", 1)[0]
         name = key.lstrip("+~")
         selected, _, package = name.partition("@")  # +GROUP@PACKAGE=NAME puts the option at PACKAGE
@@ -518,11 +645,13 @@ def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], op
             continue
         selects = "." not in selected and group in known_groups  # an option of a config group
         if selects and group not in groups and group not in open_keys:
+            if group not in package_groups:  # the user's own group (an experiment: it may set anything)
+                continue
             raise ValueError(f"{override}: {recipe} does not read the {group} config group (it reads "
                              f"{', '.join(sorted(groups))}), so the run would ignore it: drop it")
         name = package or name  # where the override adds something
         keys = readable_keys(primary, groups, extra_keys, mirrors, choices) if keys is None else keys
-        if name in keys or any(name == k or name.startswith(k + ".") for k in open_keys):
+        if name in keys or any(name == k or name.startswith(k + ".") for k in open_keys) or _touches(name, refs):
             continue
         union = readable_keys(primary, groups, extra_keys, mirrors) if union is None else union
         if key.startswith("++") and name in union and in_sweep(name.split(".", 1)[0]):  # a -m sweep across
@@ -541,6 +670,17 @@ def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], op
         hint = f"{where} {', '.join(near)}" if near else f"{parent} takes no keys"
         raise ValueError(f"{override}: {recipe} reads no key {name}, so the run would ignore it "
                          f"({hint}): check the spelling, or drop it")
+    if cfg is None:
+        return
+    keys = readable_keys(primary, groups, extra_keys, mirrors, choices) if keys is None else keys
+    set_here = [key for key in (o.split("=", 1)[0].lstrip("+~").partition("@")[0] for o in overrides)
+                if "." in key or key not in known_groups]  # keys set on the command line (not GROUP=NAME)
+    unread = unread_config_keys(cfg, keys, open_keys, set_here)
+    if unread and not (under_torchrun() and int(os.environ.get("RANK", "0"))):
+        names = ", ".join(f"{name}{_near(name, keys)}" for name in unread)
+        print(f"warning: {recipe} reads no key {names} of the config, so the run ignores "
+              f"{'it' if len(unread) == 1 else 'them'}: check the spelling in your config file", file=sys.stderr,
+              flush=True)
 
 
 def to_dict(cfg: Any) -> dict:

@@ -94,21 +94,30 @@ def seeds_warning(cfg_or_seeds: dict | list[int]) -> str | None:
 
 
 def baseline_layer(spec: Any, conf_dir: str, key: str = "compare.layer") -> dict:
-    """The baseline's layer config: a name of ``conf/layer/NAME.yaml``, or a dict like one (``key``:
-    the setting that named it, for the errors).
+    """The baseline's layer config: the name of an option of the ``layer`` config group (conf/'s
+    ``layer/NAME.yaml``, or of a user's ``--config-dir`` / ``hydra.searchpath`` folder inside a
+    Hydra app, as ``layer=NAME`` finds it), or a dict like one (``key``: the setting that named it,
+    for the errors).
 
     Raises:
         ValueError / FileNotFoundError: an unknown name or a dict without ``name`` and ``cls``.
     """
     if isinstance(spec, str):
-        path = os.path.join(conf_dir, "layer", f"{spec}.yaml")
-        if not os.path.isfile(path):
-            names = sorted(f[:-5] for f in os.listdir(os.path.join(conf_dir, "layer")) if f.endswith(".yaml"))
-            also = ", or a dict with name, cls" if key == "compare.layer" else ""  # bench.baseline takes names only
-            raise FileNotFoundError(f"{key}={spec!r}: no {path}; one of {names}{also}")
         from omegaconf import OmegaConf
 
-        return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        from recipes._common import app_options, config_dirs, group_option
+
+        dirs = config_dirs()
+        option = group_option("layer", spec) if os.path.abspath(conf_dir) in dirs else None
+        if option is None:  # (outside the app's folders: conf_dir's own)
+            path = os.path.join(conf_dir, "layer", f"{spec}.yaml")
+            option = OmegaConf.to_container(OmegaConf.load(path), resolve=False) if os.path.isfile(path) else None
+        if option is None:
+            names = app_options("layer")
+            also = ", or a dict with name, cls" if key == "compare.layer" else ""  # bench.baseline takes names only
+            where = " or ".join(os.path.join(d, "layer") for d in dirs)
+            raise FileNotFoundError(f"{key}={spec!r}: no {spec}.yaml in {where}; one of {names}{also}")
+        return OmegaConf.to_container(OmegaConf.create(option), resolve=True)
     if isinstance(spec, dict) and spec.get("name") and spec.get("cls"):
         return copy.deepcopy(spec)
     raise ValueError(f"{key} must be a layer name (conf/layer) or a dict with name and cls, got {spec!r}")

@@ -879,7 +879,7 @@ EXTRA_KEYS = ("bench.shape.init_std", "bench.shape.score_fn", "bench.shape.norm_
 
 @hydra.main(config_path="../conf", config_name="bench", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    refuse_unread_overrides("bench.py", "bench", CONFIG_GROUPS, OPEN_KEYS, EXTRA_KEYS)
+    refuse_unread_overrides("bench.py", "bench", CONFIG_GROUPS, OPEN_KEYS, EXTRA_KEYS, cfg=cfg)
     d = to_dict(cfg)
     refuse_empty_paths(d)
     normalize_flags(d, ("plot", "trace.synthetic", "bench.inference_mode", "bench.check_finite", "bench.cuda_graph", "bench.train",

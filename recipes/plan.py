@@ -500,7 +500,7 @@ OPEN_KEYS = ("variability",)
 
 @hydra.main(config_path="../conf", config_name="plan", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    refuse_unread_overrides("plan.py", "plan", CONFIG_GROUPS, OPEN_KEYS)
+    refuse_unread_overrides("plan.py", "plan", CONFIG_GROUPS, OPEN_KEYS, cfg=cfg)
     d = to_dict(cfg)
     refuse_empty_paths(d)
     normalize_flags(d, ("progress", "plot", "trace.synthetic"))

@@ -306,7 +306,7 @@ CONFIG_GROUPS = ("parallel", "profile")
 
 @hydra.main(config_path="../conf", config_name="profile", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    refuse_unread_overrides("profile.py", "profile", CONFIG_GROUPS)
+    refuse_unread_overrides("profile.py", "profile", CONFIG_GROUPS, cfg=cfg)
     d = to_dict(cfg)
     refuse_empty_paths(d)
     d["run_dir"] = claim_run_dir("profile.py")

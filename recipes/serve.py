@@ -982,7 +982,7 @@ EXTRA_KEYS = ("layer.plan_path", "layer.plan_train_fraction", "layer.placement_p
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    refuse_unread_overrides("serve.py", "config", CONFIG_GROUPS, OPEN_KEYS, EXTRA_KEYS, MIRRORS)
+    refuse_unread_overrides("serve.py", "config", CONFIG_GROUPS, OPEN_KEYS, EXTRA_KEYS, MIRRORS, cfg=cfg)
     d = to_dict(cfg)
     refuse_empty_paths(d)
     normalize_flags(d, ("progress", "plot", "trace.synthetic", *LAYER_FLAGS))

@@ -482,7 +482,7 @@ def test_bench_flags_repeated_trace_tokens_per_size(tmp_path):
     ("bench.profile_tokens=0", r"bench\.profile_tokens must be an integer >= 1, got 0"),
     ("bench.profile_iters=0", r"bench\.profile_iters must be an integer >= 1, got 0"),
     ("+layer.kwargs.mode=tp", r"use layer\.kwargs\.mode=dp; mode=tp runs through forward_tp"),
-    ("bench.baseline=bogus", r"bench\.baseline='bogus': no .*conf/layer/bogus\.yaml; one of \['semantic', 'vanilla', 'variability'\].*\(registered: \['vanilla'\]\)"),
+    ("bench.baseline=bogus", r"bench\.baseline='bogus': no bogus\.yaml in .*conf/layer; one of \['semantic', 'vanilla', 'variability'\].*\(registered: \['vanilla'\]\)"),
     ("bench.baseline=semantic", r"bench\.baseline=semantic is built from a semantic plan"),
     ("parallel.ep=3", r"parallel\.ep=3 must divide the world size 2"),  # failed inside every rank
     # the layer's kwarg won in build_layer while the record and its name said bench.check_finite's

@@ -959,3 +959,14 @@ def test_plan_semantic_refuses_a_bad_seed():
     trace = synthetic_trace(12, 2, 8, 2, 64, seq_len=(4, 16), seed=0)
     with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
         plan_semantic(trace, 2, "dp", seed=-1, progress=False)
+
+
+def test_an_unknown_variability_name_names_its_key():
+    """A user's variability option with its own name was told 'variability must be one of ...'."""
+    from moelayers.emulation import VariabilitySettings
+
+    with pytest.raises(ValueError, match=r"variability\.name must be one of the presets .* got 'mine'; for measured "
+                                         r"curves give variability\.curves\.path=FILE"):
+        VariabilitySettings.from_config({"variability": {"name": "mine"}})
+    with pytest.raises(ValueError, match=r"^variability must be one of the presets"):
+        VariabilitySettings.from_config({"variability": "mine"})
