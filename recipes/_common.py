@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import inspect
 import math
 import os
 import re
@@ -35,7 +36,7 @@ __all__ = [
     "percentile", "provenance", "absolute_path", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
     "normalize_flags", "LAYER_FLAGS", "int_setting", "check_layer_settings", "timeout_setting",
     "import_object", "plan_fraction_setting", "check_input_file", "refuse_empty_paths", "PATH_KEYS",
-    "refuse_unread_overrides",
+    "refuse_unread_overrides", "layer_objects", "OBJECT_KWARGS",
 ]
 
 #: Layer kwargs that say *how* a layer executes rather than *what* it is: a comparison gives the
@@ -264,6 +265,35 @@ def import_object(path: str, key: str, sep: str = ".") -> Any:
         return getattr(module, name)
     except AttributeError:
         raise ValueError(f"{key}={path!r}: module {mod!r} has no {name!r}") from None
+
+
+#: layer keyword arguments that take a callable, which a config gives by import path
+OBJECT_KWARGS = ("replica_policy", "planner")
+
+
+def layer_objects(kwargs: dict, what: str = "layer.kwargs") -> dict:
+    """``kwargs`` with each of :data:`OBJECT_KWARGS` given as a string (``mypkg.policies.Last`` or
+    ``mypkg.policies:last``) replaced by the object it names, a class by an instance made without
+    arguments (a ``ReplicaPolicy`` class; a function is used as it is).
+
+    Raises:
+        ValueError: a path that names nothing (naming ``what.KEY``), or a class that cannot be
+            made without arguments.
+    """
+    out = dict(kwargs)
+    for key in OBJECT_KWARGS:
+        path = out.get(key)
+        if not isinstance(path, str):
+            continue
+        obj = import_object(path, f"{what}.{key}", sep=":" if ":" in path else ".")
+        if inspect.isclass(obj):
+            try:
+                obj = obj()
+            except TypeError as exc:
+                raise ValueError(f"{what}.{key}={path!r}: a class is made without arguments here ({exc}); name a "
+                                 "function or an instance instead") from exc
+        out[key] = obj
+    return out
 
 
 #: the settings that name a file or folder (refused when set to an empty string)

@@ -96,7 +96,7 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, absolute_path, check_input_file, check_layer_settings, device_for, flag, import_object, int_setting, launch,
+    LAYER_FLAGS, absolute_path, check_input_file, check_layer_settings, device_for, flag, import_object, int_setting, launch, layer_objects,
     normalize_flags, overridden, plan_fraction_setting, provenance, refuse_empty_paths, refuse_unread_overrides,
     resolve_backend, shared_execution_kwargs, shutdown, to_dict,
 )
@@ -181,7 +181,7 @@ def build_layer(layer_cfg: dict, config, groups, device: torch.device, seed: int
     builder = _construct(layer_cfg["cls"]) if layer_cfg.get("cls") else LAYERS.get(name)
     if builder is None:
         raise ValueError(f"unknown layer {name!r}: registered {sorted(LAYERS)}, or give layer.cls")
-    kwargs = dict(layer_cfg.get("kwargs") or {})
+    kwargs = layer_objects(layer_cfg.get("kwargs") or {})
     kwargs.setdefault("check_finite", check_finite)
     return builder(config, groups, device=device, seed=seed, **kwargs, **extra)
 

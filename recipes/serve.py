@@ -91,7 +91,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, absolute_path, check_input_file, check_layer_settings, device_for, import_object, in_sweep, int_setting,
+    LAYER_FLAGS, absolute_path, check_input_file, check_layer_settings, device_for, import_object, in_sweep, int_setting, layer_objects,
     invocation, launch, merge_curves_path, normalize_flags, overridden, percentile, print_table, provenance,
     refuse_empty_paths, refuse_unread_overrides, shutdown, to_dict,
 )
@@ -157,7 +157,7 @@ def build_model(m: dict, layer: dict, groups, device: torch.device, seed: int, p
     dtype = DTYPES[m.get("dtype", "float32")]
     moe_cfg = moe_config(m)
     cls = import_object(layer["cls"], "layer.cls")
-    kwargs = dict(layer.get("kwargs") or {})
+    kwargs = layer_objects(layer.get("kwargs") or {})
     placements = (layer_placements(layer["placement_path"], moe_cfg.num_experts, groups.ep_size)
                   if layer.get("placement_path") else None)
 
@@ -871,7 +871,8 @@ def check_model_and_layer(d: dict) -> None:
     if uses_plan(d["layer"]):
         return
     cls = import_object(d["layer"]["cls"], "layer.cls")
-    check_layer_settings(lambda **kw: cls(moe_cfg, ml.ParallelGroups.single(), device=torch.device("meta"), **kw),
+    check_layer_settings(lambda **kw: cls(moe_cfg, ml.ParallelGroups.single(), device=torch.device("meta"),
+                                          **layer_objects(kw)),
                          d["layer"].get("kwargs") or {}, f"layer={d['layer'].get('name')} layer.kwargs", cls)
 
 

@@ -93,7 +93,12 @@ def _tokens(rank: int, case: dict) -> int:
     return 6 + 3 * rank
 
 
-def run_cases(rank: int, world: int, device: str = "cpu", names: list[str] | None = None) -> dict[str, str | None]:
+def run_cases(rank: int, world: int, device: str = "cpu", names: list[str] | None = None,
+              layer_cls: type | None = None) -> dict[str, str | None]:
+    """Every case of :func:`case_list` on this rank: ``{name: None or what differs}``. ``layer_cls``:
+    the layer to check (default ``VanillaMoE``), built like it (``(config, groups, placement=, ...)``;
+    a strategy overriding ``plan`` is run through every placement, dispatcher and dtype)."""
+    layer_cls = ml.VanillaMoE if layer_cls is None else layer_cls
     groups = ml.ParallelGroups.from_world() if world > 1 else ml.ParallelGroups.single()
     sub_groups = {}  # ep size -> groups, made the first time a case needs them (by every rank alike)
     results = {}
@@ -104,7 +109,7 @@ def run_cases(rank: int, world: int, device: str = "cpu", names: list[str] | Non
             sub_groups[case["ep"]] = ml.ParallelGroups.from_world(ep=case["ep"])
         try:
             results[case["name"]] = _run_case(rank, world, sub_groups[case["ep"]] if case.get("ep") else groups, case,
-                                              torch.device(device))
+                                              torch.device(device), layer_cls)
         except Exception as e:  # a failing case must not desynchronise the others
             results[case["name"]] = f"{case['name']}: raised {type(e).__name__}: {e}"
             if world > 1:
@@ -112,7 +117,8 @@ def run_cases(rank: int, world: int, device: str = "cpu", names: list[str] | Non
     return results
 
 
-def _run_case(rank: int, world: int, groups, case: dict, device: torch.device) -> str | None:
+def _run_case(rank: int, world: int, groups, case: dict, device: torch.device,
+              layer_cls: type = ml.VanillaMoE) -> str | None:
     num_experts = 8 if world <= 2 else 16
     top_k = num_experts if case.get("topk_all") else (1 if case.get("one_expert") else 2)
     dtype = case["dtype"]
@@ -140,7 +146,7 @@ def _run_case(rank: int, world: int, groups, case: dict, device: torch.device) -
            for r, x in enumerate(xs)]
 
     policy = LastReplicaPolicy() if case.get("policy") == "last" else None
-    layer = ml.VanillaMoE(cfg, groups, placement=placements(case["place"], num_experts, groups.ep_size),
+    layer = layer_cls(cfg, groups, placement=placements(case["place"], num_experts, groups.ep_size),
                           dispatcher=case["dispatcher"], dedup=case["dedup"], replica_policy=policy, device=device,
                           capacity=3 * world + 6 if case.get("capacity") else None,
                           cuda_graph=bool(case.get("capacity")) and device.type == "cuda" and dtype == torch.bfloat16)

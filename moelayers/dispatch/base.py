@@ -175,6 +175,64 @@ def check_routes(routes: Routes, num_ranks: int, num_slots: int, *, padding: boo
                                nonfinite=merge_flags(routes.nonfinite, flag), in_range=True)
 
 
+def checked_plan(plan: Any, owner: str, topk_ids: torch.Tensor, weights: torch.Tensor, token_ids: torch.Tensor | None,
+                 placement: ExpertPlacement) -> Routes:
+    """Step 2 by a ``plan()`` override, its routes checked on the device (no host sync): every
+    ``(token, k)`` must go to a slot of ``placement`` that holds ``topk_ids[t, k]`` (one of
+    ``placement.log2phy``'s replicas of it), with ``dest_rank`` / ``dest_slot`` integer ``[T, K]``
+    tensors on ``topk_ids``' device and ``weights`` ``[T, K]`` there in ``weights``' dtype. An override
+    that raises, returns anything else or routes a token elsewhere on one rank alone would leave
+    the other ranks waiting in the exchange, or compute another expert silently: here its routes
+    are replaced by rank 0, slot 0 (the exchange completes) and flagged ``BAD_ROUTE``, so that
+    every rank raises after the exchange; a ``RuntimeWarning`` on this rank says what it did.
+
+    Args:
+        plan: the bound override, called with its own copy of the ids.
+        owner: the layer's class name, for the warning.
+        topk_ids, weights, token_ids: the router's (step 1) output and the forward's token ids.
+        placement: the layer's placement.
+
+    Returns:
+        :class:`Routes` with the router's ``topk_ids``, ``in_range`` set.
+    """
+    problem, routes = None, None
+    try:
+        routes = plan(topk_ids.clone(), weights, token_ids)
+    except Exception as exc:  # noqa: BLE001 -- reported on this rank, flagged to every rank
+        problem = f"raised {type(exc).__name__}: {exc}"
+    if problem is None and not isinstance(routes, Routes):
+        problem = f"must return Routes, got {type(routes).__name__}"
+    if problem is None:
+        for name in ("dest_rank", "dest_slot", "weights"):
+            t = getattr(routes, name)
+            wants_float = name == "weights"
+            if (not isinstance(t, torch.Tensor) or t.is_complex() or t.dtype == torch.bool
+                    or t.is_floating_point() != wants_float):
+                kind = "a float" if wants_float else "an integer"
+                problem = f"must return Routes.{name} as {kind} tensor, got {getattr(t, 'dtype', type(t).__name__)}"
+            elif wants_float and t.dtype != weights.dtype:
+                problem = f"must return Routes.weights in the router weights' dtype {weights.dtype}, got {t.dtype}"
+            elif t.shape != topk_ids.shape or t.device != topk_ids.device:
+                problem = (f"must return Routes.{name} as [T, K] = {list(topk_ids.shape)} on {topk_ids.device}, got "
+                           f"{list(t.shape)} on {t.device}")
+            if problem is not None:
+                break
+    if problem is not None:
+        warn_caller(f"{owner}.plan() {problem}", RuntimeWarning)
+        zero = torch.zeros_like(topk_ids)
+        return Routes(topk_ids, weights, zero, zero, nonfinite=torch.full((), BAD_ROUTE, dtype=torch.int32,
+                                                                          device=topk_ids.device), in_range=True)
+    phy2log = placement.device_tables(topk_ids.device)[0]  # [R, S]
+    num_ranks, num_slots = phy2log.shape
+    dest_rank, dest_slot = routes.dest_rank.to(torch.int64), routes.dest_slot.to(torch.int64)
+    inside = (dest_rank >= 0) & (dest_rank < num_ranks) & (dest_slot >= 0) & (dest_slot < num_slots)
+    dest_rank, dest_slot = dest_rank.clamp(0, num_ranks - 1), dest_slot.clamp(0, num_slots - 1)
+    wrong = (~inside | (phy2log[dest_rank, dest_slot] != topk_ids)).any()
+    flag = wrong.to(torch.int32) * BAD_ROUTE
+    return Routes(topk_ids, routes.weights, dest_rank, dest_slot, nonfinite=merge_flags(routes.nonfinite, flag),
+                  overflow=routes.overflow, in_range=True)
+
+
 def _checked_picks(policy, phys, topk_ids, placement: ExpertPlacement) -> tuple[torch.Tensor, torch.Tensor]:
     """A custom policy's picks, checked on the device (no sync): ``(phys clamped into the slots, so
     that the exchange completes, 0-dim int32 flag: BAD_REPLICA where a pick does not hold the
@@ -185,9 +243,10 @@ def _checked_picks(policy, phys, topk_ids, placement: ExpertPlacement) -> tuple[
     problem = None
     if isinstance(phys, Exception):
         problem = f"picks, but raised {type(phys).__name__}: {phys}"
-    elif not isinstance(phys, torch.Tensor) or phys.is_floating_point() or phys.is_complex() \
-            or phys.dtype == torch.bool:
-        problem = f"integer physical slots, got {getattr(phys, 'dtype', type(phys).__name__)}"
+    elif not isinstance(phys, torch.Tensor):
+        problem = f"a torch tensor of integer physical slots, got {type(phys).__name__}"
+    elif phys.is_floating_point() or phys.is_complex() or phys.dtype == torch.bool:
+        problem = f"integer physical slots, got {phys.dtype}"
     elif phys.shape != topk_ids.shape:
         problem = f"[T, K] = {list(topk_ids.shape)} physical slots, got {list(phys.shape)}"
     elif phys.device != topk_ids.device or phys.layout != torch.strided:

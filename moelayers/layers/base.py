@@ -27,7 +27,7 @@ from moelayers._autograd import in_backward
 from moelayers._compile import cached_tensor, eager_under_compile
 from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, ReplicaPolicy, Routes
-from moelayers.dispatch.base import Dispatcher, routes_from_placement
+from moelayers.dispatch.base import Dispatcher, checked_plan, routes_from_placement
 from moelayers.dispatch.flags import (
     BAD_INPUT, DISPATCH_AUTOGRAD, ORDER_SHIFT, PAYLOAD_NAMES, RECORDS_AUTOGRAD, REPLICA_AUTOGRAD, BackwardOrderError,
     SettingsDiffer, check_exchanged, merge_flags, settings_differences,
@@ -595,9 +595,10 @@ class MoELayerBase(LayerWeights, nn.Module):
         ``flag``: a ``[]`` int32 device tensor merged into the routing flags (the CUDA graph's input
         that says whether this rank refused its input); without it, ``_bad_input`` says so."""
         topk_ids, topk_weights = self.router(x2, forced, defer_check=True)  # 1 route
-        routes = self.plan(topk_ids, topk_weights, token_ids)             # 2 plan
-        if type(self).plan is not MoELayerBase.plan:  # an override's routes (edited ones too): the dispatcher checks them
-            routes.in_range = False
+        if type(self).plan is MoELayerBase.plan:                           # 2 plan
+            routes = self.plan(topk_ids, topk_weights, token_ids)
+        else:  # an override's routes, checked without a sync (an error on one rank alone would hang the others)
+            routes = checked_plan(self.plan, type(self).__name__, topk_ids, topk_weights, token_ids, self.placement)
         routes.nonfinite = self._routing_flags(x2, routes, flag)
         if num_valid is not None:  # capacity mode: rows from num_valid on are padding
             padding = self._arange(x2.shape[0], x2.device) >= num_valid
@@ -742,7 +743,28 @@ class MoELayerBase(LayerWeights, nn.Module):
         return cached_tensor(cls._ARANGE, (n, device), lambda: torch.arange(n, device=device))
 
     def plan(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_ids: torch.Tensor | None) -> Routes:
-        """Step 2: a physical slot per (token, k). The base maps through ``self.placement``."""
+        """Step 2: a physical slot per (token, k). The base maps through ``self.placement``, choosing
+        among an expert's replicas with ``self.replica_policy``.
+
+        The one step a strategy overrides (the others stay the base's). An override returns
+        :class:`~moelayers.dispatch.Routes` with ``dest_rank`` and ``dest_slot`` integer ``[T, K]``
+        tensors on ``topk_ids``' device that send every ``(token, k)`` to a slot holding
+        ``topk_ids[t, k]`` (one of ``self.placement.log2phy[e, :logcnt[e]]``: physical slot ``p`` is
+        slot ``p % S`` of rank ``p // S``), and ``weights`` ``[T, K]`` (usually ``topk_weights``).
+        It gets its own copy of ``topk_ids``; routing to other experts is the router's business. Its
+        routes are checked on the device without a host sync, and an override that raises, returns
+        anything else or routes a token to a slot without its expert makes every expert-parallel
+        rank raise ``ValueError`` after the exchange (a ``RuntimeWarning`` on the rank says what it
+        did), never a hang or a silently different output.
+
+        Args:
+            topk_ids: ``[T, K]`` int64 logical experts the router chose.
+            topk_weights: ``[T, K]`` their weights, in the hidden states' dtype.
+            token_ids: ``[T]`` token ids of the forward, or ``None``.
+
+        Returns:
+            The routes of this rank's tokens.
+        """
         return routes_from_placement(topk_ids, topk_weights, self.placement, self.groups.ep_rank, self.replica_policy)
 
     def _check_input(self, x: torch.Tensor, token_ids: torch.Tensor | None, name: str = "x"

@@ -167,7 +167,11 @@ def check_new_placement(old: ExpertPlacement, new: Any) -> None:
     for what, a, b in (("experts", old.num_experts, new.num_experts), ("ranks", old.num_ranks, new.num_ranks),
                        ("slots per rank", old.slots_per_rank, new.slots_per_rank)):
         if a != b:
-            raise ValueError(f"the new placement has {b} {what}, the layer's has {a}")
+            hint = ""
+            if what == "slots per rank":  # (a layer's slots are its buffers: fixed when it is built)
+                hint = (f" (a layer keeps the slots it was built with: for replicas, build it with spare slots, e.g. "
+                        f"placement=ExpertPlacement.linear({old.num_experts}, {old.num_ranks}, slots_per_rank={b}))")
+            raise ValueError(f"the new placement has {b} {what}, the layer's has {a}{hint}")
     new.validate()
 
 

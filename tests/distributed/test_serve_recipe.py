@@ -905,3 +905,26 @@ def test_check_config_checks_a_variability_layers_settings():
         with pytest.raises(ValueError, match=rf"layer=variability layer\.kwargs: {match}"):
             check_config(_config("layer=variability", override))
     check_config(_config("layer=variability", "variability=high"))  # per-rank curves and slowdowns: fine
+
+
+def test_layer_kwargs_take_a_replica_policy_or_planner_by_import_path():
+    """``+layer.kwargs.replica_policy=mypkg.Policy`` was refused ("must be callable, got str"), while
+    layer.cls and scheduler take import paths."""
+    import moelayers as ml
+    from recipes import serve
+    from recipes._common import layer_objects
+
+    made = layer_objects({"replica_policy": "moelayers.dispatch.LocalFirstPolicy",
+                          "planner": "moelayers.planning.eplb:plan_eplb", "dedup": False})
+    assert isinstance(made["replica_policy"], ml.LocalFirstPolicy) and callable(made["planner"])
+    assert made["dedup"] is False
+    serve.check_config(_config("+layer.kwargs.replica_policy=moelayers.dispatch.LocalFirstPolicy"))
+    with pytest.raises(ValueError, match=r"layer\.kwargs\.replica_policy='nope\.Policy': cannot import 'nope'"):
+        serve.check_config(_config("+layer.kwargs.replica_policy=nope.Policy"))
+    with pytest.raises(ValueError, match=r"layer\.kwargs\.planner='moelayers\.ExpertPlacement': a class is made "
+                                         r"without arguments here"):
+        layer_objects({"planner": "moelayers.ExpertPlacement"})
+    groups = ml.ParallelGroups.single()
+    d = _config("layer=variability", "+layer.kwargs.planner=moelayers.planning.eplb:plan_eplb")
+    model = serve.build_model(d["model"], d["layer"], groups, torch.device("cpu"), 0)
+    assert model.moe_layers and all(callable(m.planner) for m in model.moe_layers)

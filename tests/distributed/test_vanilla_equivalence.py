@@ -282,3 +282,32 @@ def _policy_raising_on_one_rank(rank, world, kwargs):
 def test_a_replica_policy_raising_on_one_rank_raises_on_every_rank(kwargs):
     out = run_distributed(_policy_raising_on_one_rank, 2, kwargs, timeout=60)
     assert out == [[("raised", False), "exact", "exact"], [("raised", True), "exact", "exact"]]
+
+
+class SpreadingMoE(ml.VanillaMoE):
+    """A strategy of its own (step 2 only, as docs/architecture.md says): token t's k-th expert goes
+    to its replica ``(t + k + rank) % replicas``, wherever that is (no preference for local ones)."""
+
+    def plan(self, topk_ids, topk_weights, token_ids):
+        _, log2phy, logcnt = self.placement.device_tables(topk_ids.device)
+        t = torch.arange(topk_ids.shape[0], device=topk_ids.device)[:, None]
+        k = torch.arange(topk_ids.shape[1], device=topk_ids.device)[None, :]
+        pick = (t + k + self.groups.ep_rank) % logcnt[topk_ids]
+        phys = torch.gather(log2phy[topk_ids], 2, pick[..., None]).squeeze(-1)
+        slots = self.placement.slots_per_rank
+        return ml.Routes(topk_ids, topk_weights, phys // slots, phys % slots)
+
+
+def _spreading_cases(rank, world):
+    return run_cases(rank, world, names=[c["name"] for c in case_list(world) if c["name"].startswith("replicas")
+                                         and "float32" in c["name"]], layer_cls=SpreadingMoE)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", (1, 2))
+def test_a_plan_of_its_own_matches_the_reference(world):
+    """run_cases(layer_cls=...) runs the suite on a strategy's layer: here one overriding plan()
+    (the float32 cases with replicas, where the choice of replica matters)."""
+    results = [_spreading_cases(0, 1)] if world == 1 else run_distributed(_spreading_cases, world, timeout=300)
+    for rank, res in enumerate(results):
+        assert res and all(v is None for v in res.values()), (rank, res)

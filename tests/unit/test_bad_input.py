@@ -445,6 +445,18 @@ def test_replica_policy_must_be_callable_and_return_slots():
     m = layer(replica_policy=lambda ids, placement, rank: ids[:, :1])
     with pytest.warns(RuntimeWarning, match=r"must return \[T, K\]"), pytest.raises(ValueError, match="replica policy"):
         m(torch.randn(3, 16))
+    m = layer(replica_policy=lambda ids, placement, rank: ids.numpy())  # it said "integer slots, got int64"
+    with pytest.warns(RuntimeWarning, match="must return a torch tensor of integer physical slots, got ndarray"), \
+            pytest.raises(ValueError, match="replica policy"):
+        m(torch.randn(3, 16))
+
+
+def test_a_placement_with_other_slots_per_rank_says_how_to_make_room():
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    m = ml.VanillaMoE(cfg, ml.ParallelGroups.single())
+    with pytest.raises(ValueError, match=r"has 5 slots per rank, the layer's has 4 \(a layer keeps the slots it was "
+                                         r"built with: .*placement=ExpertPlacement\.linear\(4, 1, slots_per_rank=5\)\)"):
+        m.apply_placement(ml.ExpertPlacement.linear(4, 1, slots_per_rank=5))
 
 
 def _overflow_on_one_rank(rank, world, check_finite, served_before=True):
@@ -827,11 +839,84 @@ def _bad_routes_of_a_plan(rank, world, dispatcher, fresh=True):
 @pytest.mark.parametrize("fresh", [True, False], ids=["own-routes", "edited-routes"])
 @pytest.mark.parametrize("dispatcher", ["alltoall", "nodedup", "allgather", "capacity"])
 def test_routes_out_of_range_raise_on_every_rank(dispatcher, fresh):
-    want = ["raised"] * 5 + [None]
-    if dispatcher == "capacity":  # -1 is capacity mode's padding: a route sent nowhere, no error
-        want[1] = "('rank', -1): no error"
+    want = ["raised"] * 5 + [None]  # (-1, capacity mode's padding, too: a plan() override drops no token)
     assert _bad_routes_of_a_plan(0, 1, dispatcher, fresh) == want
     assert run_distributed(_bad_routes_of_a_plan, 2, dispatcher, fresh) == [want] * 2
+
+
+class _BrokenPlanMoE(ml.VanillaMoE):
+    """A strategy whose plan() breaks its contract in one way (``how``) on rank ``on_rank``."""
+
+    def __init__(self, *args, how="", on_rank=0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.how, self.on_rank = how, on_rank
+
+    def plan(self, topk_ids, topk_weights, token_ids):
+        r = super().plan(topk_ids, topk_weights, token_ids)
+        if self.groups.ep_rank != self.on_rank:
+            return r
+        if self.how == "raises":
+            raise RuntimeError("my plan failed")
+        if self.how == "other_expert":  # in range, but the slot holds another expert
+            r.dest_slot = (r.dest_slot + 1) % self.placement.slots_per_rank
+        elif self.how == "tuple":
+            return r.dest_rank, r.dest_slot
+        elif self.how == "flat_rank":
+            r.dest_rank = r.dest_rank[:, 0]
+        elif self.how == "fewer_rows":
+            return ml.Routes(r.topk_ids[:-1], r.weights[:-1], r.dest_rank[:-1], r.dest_slot[:-1])
+        elif self.how == "float_slot":
+            r.dest_slot = r.dest_slot.float()
+        elif self.how == "float64_weights":
+            r.weights = r.weights.double()
+        return r
+
+
+PLAN_BREAKS = {"raises": "raised RuntimeError: my plan failed", "other_expert": None,
+               "tuple": "must return Routes, got tuple", "flat_rank": r"Routes.dest_rank as \[T, K\]",
+               "fewer_rows": r"Routes.dest_rank as \[T, K\]", "float_slot": "Routes.dest_slot as an integer tensor",
+               "float64_weights": "Routes.weights in the router weights' dtype"}
+
+
+def _broken_plans(rank, world, dispatcher):
+    import warnings
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, init_std=0.5)
+    groups = ml.ParallelGroups.from_world() if world > 1 else ml.ParallelGroups.single()
+    kwargs = {"capacity": dict(capacity=6)}.get(dispatcher, dict(dispatcher=dispatcher))
+    out = {}
+    for how in PLAN_BREAKS:
+        layer = _BrokenPlanMoE(cfg, groups, how=how, on_rank=world - 1, seed=1, **kwargs)
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            try:
+                layer(torch.randn(5, 8))
+                out[how] = "no error"
+            except ValueError as e:
+                told = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+                out[how] = ("raised", str(e).startswith(f"the routes of expert-parallel rank(s) [{world - 1}]"),
+                            told[0] if told else None)
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "capacity"])
+def test_a_plan_override_that_breaks_its_contract_raises_on_every_rank(dispatcher):
+    """An override that raised on one rank left the others waiting in the exchange (a hang until
+    the timeout), one with [T] or fewer routes did too, and one routing a token to an in-range slot
+    holding another expert computed that expert silently."""
+    import re
+
+    for world in (1, 2):
+        results = _broken_plans(0, 1, dispatcher) if world == 1 else run_distributed(_broken_plans, 2, dispatcher)
+        for rank, got in enumerate([results] if world == 1 else results):
+            for how, warning in PLAN_BREAKS.items():
+                assert got[how][:2] == ("raised", True), (world, rank, how, got[how])
+                on_it = rank == world - 1  # the rank whose plan broke says what it did
+                if warning is None or not on_it:
+                    assert got[how][2] is None, (world, rank, how, got[how])
+                else:
+                    assert re.search(rf"_BrokenPlanMoE\.plan\(\) .*{warning}", got[how][2]), (how, got[how])
 
 
 def test_the_reference_refuses_what_the_layers_refuse():
