@@ -75,10 +75,13 @@ def config_dirs() -> list[str]:
     this run from, or, before that, e.g. for ``--help``, its search path); conf/ alone outside a
     Hydra app."""
     found: list[str] = []
+    start = os.getcwd()
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        found = [str(src.path) for src in HydraConfig.get().runtime.config_sources if src.schema == "file"]
+        runtime = HydraConfig.get().runtime
+        start = str(runtime.cwd)  # a relative folder is Hydra's from where the run started (hydra.job.chdir)
+        found = [str(src.path) for src in runtime.config_sources if src.schema == "file"]
     except Exception:  # (no job yet: --help) the app's search path
         try:
             from hydra.core.global_hydra import GlobalHydra
@@ -93,9 +96,11 @@ def config_dirs() -> list[str]:
         except Exception:  # (a Hydra without these: conf/ alone)
             pass
     dirs: list[str] = []
+    seen: set[str] = set()
     for path in [*found, CONF_DIR]:
-        path = os.path.abspath(path)
-        if os.path.isdir(path) and path not in dirs:
+        path = path if os.path.isabs(path) else os.path.join(start, path)
+        if os.path.isdir(path) and os.path.realpath(path) not in seen:
+            seen.add(os.path.realpath(path))
             dirs.append(path)
     return dirs
 
@@ -570,26 +575,46 @@ def readable_keys(primary: str, groups: Sequence[str], extra_keys: Sequence[str]
     return keys
 
 
-_REFERENCE = re.compile(r"\$\{([A-Za-z_][\w.]*)\}")  # ${a.b}: a key (not ${resolver:...}, not a relative ${.a})
+_INTERPOLATION = re.compile(r"\$\{([^${}]*)\}")  # the innermost ${...} of a value
+_KEY_TOKEN = re.compile(r"[A-Za-z_][\w.\-]*")
 
 
 def referenced_keys(cfg: Any) -> set[str]:
-    """The config keys that values of ``cfg`` (unresolved) refer to by interpolation, ``${a.b}``
-    (inside a resolver's arguments too): read by that value, so a key of the user's own that only
-    feeds others (``my.n`` in ``workload.num_requests: ${my.n}``) is not one the run ignores."""
+    """The config keys that values of ``cfg`` (unresolved) refer to by interpolation: ``${a.b}``,
+    relative ``${.n}`` / ``${..n}``, and the names among a resolver's arguments
+    (``${oc.select:my.n,8}``), in the config itself and, inside a Hydra app, in its ``hydra`` node
+    (``hydra.run.dir: runs/${tag}``): read by that value, so a key of the user's own that only feeds
+    others (``my.n`` in ``workload.num_requests: ${my.n}``) is not one the run ignores. A resolver's
+    argument that names no key adds a name nothing has (harmless)."""
     refs: set[str] = set()
 
-    def walk(node: Any) -> None:
+    def walk(node: Any, parents: list[str]) -> None:
         if isinstance(node, dict):
-            for value in node.values():
-                walk(value)
+            for key, value in node.items():
+                walk(value, [*parents, str(key)] if isinstance(value, (dict, list)) else parents)
         elif isinstance(node, list):
             for value in node:
-                walk(value)
+                walk(value, parents)
         elif isinstance(node, str):
-            refs.update(_REFERENCE.findall(node))
+            for body in _INTERPOLATION.findall(node):
+                name, colon, args = body.partition(":")
+                if colon:  # a resolver: the names among its arguments
+                    refs.update(_KEY_TOKEN.findall(args))
+                    continue
+                body = body.strip()
+                dots = len(body) - len(body.lstrip("."))
+                if dots:  # relative: from the node holding the value, one level up per extra dot
+                    base = parents[:max(0, len(parents) - (dots - 1))]
+                    body = ".".join([*base, body[dots:]])
+                refs.add(body)
 
-    walk(OmegaConf.to_container(cfg, resolve=False) if not isinstance(cfg, dict) else cfg)
+    walk(OmegaConf.to_container(cfg, resolve=False) if not isinstance(cfg, dict) else cfg, [])
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        walk({"hydra": OmegaConf.to_container(HydraConfig.get(), resolve=False)}, [])
+    except Exception:  # not inside @hydra.main
+        pass
     return refs
 
 
@@ -611,7 +636,7 @@ def unread_config_keys(cfg: Any, keys: set[str], open_keys: Sequence[str] = (), 
         for key, value in node.items():
             name = prefix + str(key)
             if (any(name == k or name.startswith(k + ".") for k in open_keys) or _touches(name, refs)
-                    or any(name == k or name.startswith(k + ".") or k.startswith(name + ".") for k in skip)):
+                    or any(name == k or name.startswith(k + ".") for k in skip)):
                 continue
             if name not in keys:
                 out.append(name)

@@ -93,11 +93,12 @@ def seeds_warning(cfg_or_seeds: dict | list[int]) -> str | None:
             f"over seeds; the comparison is indicative only (results.json: seeds_below_minimum=true)")
 
 
-def baseline_layer(spec: Any, conf_dir: str, key: str = "compare.layer") -> dict:
+def baseline_layer(spec: Any, conf_dir: str, key: str = "compare.layer", root: dict | None = None) -> dict:
     """The baseline's layer config: the name of an option of the ``layer`` config group (conf/'s
     ``layer/NAME.yaml``, or of a user's ``--config-dir`` / ``hydra.searchpath`` folder inside a
     Hydra app, as ``layer=NAME`` finds it), or a dict like one (``key``: the setting that named it,
-    for the errors).
+    for the errors). An option's interpolations of other keys (``${seed}``) resolve against ``root``,
+    the run's resolved config, as they would in ``layer=NAME``.
 
     Raises:
         ValueError / FileNotFoundError: an unknown name or a dict without ``name`` and ``cls``.
@@ -108,7 +109,8 @@ def baseline_layer(spec: Any, conf_dir: str, key: str = "compare.layer") -> dict
         from recipes._common import app_options, config_dirs, group_option
 
         dirs = config_dirs()
-        option = group_option("layer", spec) if os.path.abspath(conf_dir) in dirs else None
+        option = (group_option("layer", spec) if os.path.realpath(conf_dir) in map(os.path.realpath, dirs)
+                  else None)
         if option is None:  # (outside the app's folders: conf_dir's own)
             path = os.path.join(conf_dir, "layer", f"{spec}.yaml")
             option = OmegaConf.to_container(OmegaConf.load(path), resolve=False) if os.path.isfile(path) else None
@@ -117,6 +119,13 @@ def baseline_layer(spec: Any, conf_dir: str, key: str = "compare.layer") -> dict
             also = ", or a dict with name, cls" if key == "compare.layer" else ""  # bench.baseline takes names only
             where = " or ".join(os.path.join(d, "layer") for d in dirs)
             raise FileNotFoundError(f"{key}={spec!r}: no {spec}.yaml in {where}; one of {names}{also}")
+        if root is not None:
+            try:  # the run's settings beside it (values OmegaConf cannot hold: the option alone, below)
+                holder = OmegaConf.create({**{k: v for k, v in root.items() if k != "layer"}, "layer": option})
+            except Exception:  # noqa: BLE001
+                holder = None
+            if holder is not None:
+                return OmegaConf.to_container(holder, resolve=True)["layer"]
         return OmegaConf.to_container(OmegaConf.create(option), resolve=True)
     if isinstance(spec, dict) and spec.get("name") and spec.get("cls"):
         return copy.deepcopy(spec)
@@ -157,7 +166,7 @@ def run_configs(cfg: dict, conf_dir: str) -> list[dict]:
     goes first). Each is ``cfg`` without ``compare``, with ``seed``, ``layer``, ``scheduler`` set and
     ``_side`` / ``_run_label`` (not echoed into results)."""
     comp = cfg["compare"]
-    base_layer = baseline_layer(comp["layer"], conf_dir)
+    base_layer = baseline_layer(comp["layer"], conf_dir, root=cfg)
     if isinstance(comp["layer"], str):  # a named baseline executes like ours: only the layer differs
         base_layer["kwargs"] = {**(base_layer.get("kwargs") or {}), **shared_execution_kwargs(cfg["layer"])}
     base_sched = comp.get("scheduler") if comp.get("scheduler") is not None else cfg["scheduler"]

@@ -73,6 +73,7 @@ Usage::
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import inspect
@@ -186,7 +187,7 @@ def build_layer(layer_cfg: dict, config, groups, device: torch.device, seed: int
     return builder(config, groups, device=device, seed=seed, **kwargs, **extra)
 
 
-def baseline_config(name: str, ours: dict) -> dict:
+def baseline_config(name: str, ours: dict, root: dict | None = None) -> dict:
     """``bench.baseline``'s layer config: a registered name (:data:`LAYERS`), else ``conf/layer/NAME.yaml``
     (its ``cls`` and kwargs). It executes like ours (dispatcher, dedup, NaN check, expert backend):
     only the layer differs.
@@ -201,7 +202,7 @@ def baseline_config(name: str, ours: dict) -> dict:
         from recipes._serve_compare import baseline_layer
 
         try:
-            layer = baseline_layer(name, os.path.join(os.path.dirname(_HERE), "conf"), key="bench.baseline")
+            layer = baseline_layer(name, os.path.join(os.path.dirname(_HERE), "conf"), key="bench.baseline", root=root)
         except FileNotFoundError as e:  # its message lists the conf/layer names
             raise ValueError(f"{e} (registered: {sorted(LAYERS)})") from None
         if uses_plan(layer):
@@ -337,7 +338,7 @@ def check_config(d: dict) -> None:
     int_setting(b.get("iters"), "bench.iters", 1)
     base_name = resolve_baseline(b.get("baseline", "auto"), plan_based=True)  # auto: the one a plan-built layer gets
     if base_name is not None:
-        baseline_config(base_name, (d.get("layer") or {}))
+        baseline_config(base_name, (d.get("layer") or {}), d)
     peer_mode(b.get("peer", "auto"))
     if b.get("profile_tokens") is not None:
         int_setting(b["profile_tokens"], "bench.profile_tokens", 1)
@@ -556,7 +557,8 @@ def _setup(rank: int, world: int, cfg: dict) -> _Run:
                base_cfg=None, peer=None, peer_name=None, peer_note=None, tol=tol)
     run.ours = run.make(cfg["layer"], **({} if plan is None else {"plan": plan, "plan_layer": replay.layer}))
     run.base_name = resolve_baseline(b.get("baseline", "auto"), plan is not None)
-    run.base_cfg = None if run.base_name is None else baseline_config(run.base_name, cfg["layer"])
+    run.base_cfg = None if run.base_name is None else copy.deepcopy(cfg["_baseline_layer"]) if (
+        "_baseline_layer" in cfg and run.base_name not in LAYERS) else baseline_config(run.base_name, cfg["layer"])
     run.base = run.make(run.base_cfg) if run.base_cfg is not None else None
     run.peer, run.peer_name, run.peer_note = build_peer(config, dtype, device, b.get("peer", "auto"), weights,
                                                         groups.ep_size)
@@ -891,6 +893,9 @@ def main(cfg: DictConfig) -> None:
     if (d.get("layer") or {}).get("plan_path"):
         d["layer"]["plan_path"] = absolute_path(d["layer"]["plan_path"])
     check_config(d)
+    named = resolve_baseline(b.get("baseline", "auto"), plan_based=False)
+    if named is not None and named not in LAYERS:  # a layer option found here (a user's --config-dir too), where
+        d["_baseline_layer"] = baseline_config(named, d["layer"], d)  # Hydra's search path is known, not in the ranks
     d["run_dir"] = claim_run_dir("bench.py")
     if b.get("save_to") and os.path.realpath(absolute_path(b["save_to"])) == os.path.realpath(d["run_dir"]):
         raise ValueError(f"bench.save_to={b['save_to']} is this run's dir (hydra.run.dir), whose earlier records each run "

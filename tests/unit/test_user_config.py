@@ -33,6 +33,8 @@ def user_dir(tmp_path):
     (conf / "withvars.yaml").write_text("defaults:\n  - plan\n  - _self_\n" + SMALL +
                                         "my: {restarts: 3}\nnotes: my own record\nplanner: {restarts: '${my.restarts}'}\n")
     (conf / "layer" / "mylayer.yaml").write_text("name: mine\ncls: moelayers.VanillaMoE\nkwargs: {dedup: false}\n")
+    (conf / "layer" / "seeded.yaml").write_text("name: seeded\ncls: moelayers.VariabilityAwareMoE\n"
+                                                "kwargs: {plan_seed: '${seed}'}\n")
     return conf
 
 
@@ -69,5 +71,43 @@ def test_help_and_a_baseline_find_the_users_options(user_dir, tmp_path, monkeypa
     assert baseline_layer("mylayer", common.CONF_DIR)["kwargs"] == {"dedup": False}
     assert baseline_layer("vanilla", common.CONF_DIR)["name"] == "vanilla"
     with pytest.raises(FileNotFoundError, match=r"compare\.layer='nope': no nope\.yaml in .*myconf/layer or "
-                                                r".*conf/layer; one of \['mylayer', 'semantic', 'vanilla', 'variability'\]"):
+                                                r".*conf/layer; one of \['mylayer', 'seeded', 'semantic', 'vanilla', 'variability'\]"):
         baseline_layer("nope", common.CONF_DIR)
+
+
+def test_the_keys_interpolations_read_are_found():
+    """Relative ${.n}, a resolver's arguments and the hydra node's references were missed: their keys
+    were named as unread, and ++ of them refused."""
+    cfg = {"my": {"n": 4, "tag": "a"}, "workload": {"n": 2, "num_requests": "${.n}", "rate": "${..my.n}"},
+           "seed": "${oc.select:my.seed-x,8}", "run": ["${my.tag}"]}
+    assert {"workload.n", "my.n", "my.seed-x", "my.tag"} <= common.referenced_keys(cfg)
+
+
+def test_a_typo_beside_a_key_set_on_the_command_line_is_still_named():
+    keys = {"planner", "planner.restarts", "planner.name"}
+    tree = {"planner": {"name": "gem", "restarts": 3, "restart": 2}}
+    assert common.unread_config_keys(tree, keys, skip=["planner.restarts"]) == ["planner.restart"]
+    assert common.unread_config_keys(tree, keys, skip=["planner"]) == []
+
+
+def test_a_run_dir_named_by_a_key_of_ones_own(user_dir, tmp_path):
+    """${tag} read by hydra.run.dir alone was named as unread, and ++tag= refused."""
+    (user_dir / "tagged.yaml").write_text("defaults:\n  - plan\n  - _self_\n" + SMALL + "tag: small\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "plan.py"), "--config-dir", str(user_dir),
+                           "--config-name", "tagged", "planner=eplb", "++tag=big", f"hydra.run.dir={tmp_path}/" + "${tag}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0 and "reads no key" not in proc.stderr, proc.stderr[-2000:]
+    assert (tmp_path / "big" / "report.json").is_file()
+
+
+def test_a_bench_baseline_of_ones_own(user_dir, tmp_path):
+    """bench.baseline=NAME of a --config-dir layer passed the checks and failed in the spawned ranks,
+    which do not know Hydra's search path; an option reading ${seed} failed to resolve alone."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "bench.py"), "--config-dir", str(user_dir),
+                           "bench.baseline=seeded", "bench.tokens_per_rank=[8]", "bench.iters=1", "bench.warmup=0",
+                           "plot=false", f"hydra.run.dir={tmp_path}/b"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "baseline seeded" in proc.stdout, proc.stdout[-2000:]
