@@ -36,7 +36,7 @@ __all__ = [
     "percentile", "provenance", "absolute_path", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
     "normalize_flags", "LAYER_FLAGS", "int_setting", "check_layer_settings", "timeout_setting",
     "import_object", "plan_fraction_setting", "check_input_file", "refuse_empty_paths", "PATH_KEYS",
-    "refuse_unread_overrides", "layer_objects", "OBJECT_KWARGS",
+    "refuse_unread_overrides", "layer_objects", "OBJECT_KWARGS", "require_keys",
 ]
 
 #: Layer kwargs that say *how* a layer executes rather than *what* it is: a comparison gives the
@@ -736,6 +736,20 @@ def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], op
         print(f"warning: {recipe} reads no key {names} of the config, so the run ignores "
               f"{'it' if len(unread) == 1 else 'them'}: check the spelling in your config file", file=sys.stderr,
               flush=True)
+
+
+def require_keys(d: dict, recipe: str, keys: Sequence[str]) -> None:
+    """Refuse a config without one of the top-level ``keys`` the recipe reads throughout (removed
+    with ``~KEY``, or left out of a config of one's own that does not inherit the recipe's), which
+    would end in a bare ``KeyError`` deep in the run.
+
+    Raises:
+        ValueError: naming the missing keys.
+    """
+    missing = [k for k in keys if k not in d]
+    if missing:
+        raise ValueError(f"{recipe} needs the config's {', '.join(missing)} (removed with ~KEY, or a config that does "
+                         f"not inherit the recipe's?): set the values you want there instead")
 
 
 def to_dict(cfg: Any) -> dict:

@@ -98,7 +98,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
     LAYER_FLAGS, absolute_path, check_input_file, check_layer_settings, device_for, flag, import_object, int_setting, launch, layer_objects,
-    normalize_flags, overridden, plan_fraction_setting, provenance, refuse_empty_paths, refuse_unread_overrides,
+    normalize_flags, overridden, plan_fraction_setting, provenance, refuse_empty_paths, refuse_unread_overrides, require_keys,
     resolve_backend, shared_execution_kwargs, shutdown, to_dict,
 )
 from recipes._outputs import claim_run_dir, run_recipe, under_torchrun, warn  # noqa: E402
@@ -883,6 +883,7 @@ EXTRA_KEYS = ("bench.shape.init_std", "bench.shape.score_fn", "bench.shape.norm_
 def main(cfg: DictConfig) -> None:
     refuse_unread_overrides("bench.py", "bench", CONFIG_GROUPS, OPEN_KEYS, EXTRA_KEYS, cfg=cfg)
     d = to_dict(cfg)
+    require_keys(d, "bench.py", ("bench", "layer", "trace"))
     refuse_empty_paths(d)
     normalize_flags(d, ("plot", "trace.synthetic", "bench.inference_mode", "bench.check_finite", "bench.cuda_graph", "bench.train",
                         "bench.profile", "bench.allow_large_cpu", "bench.check.strict", *LAYER_FLAGS))

@@ -113,7 +113,7 @@ from moelayers.planning.semantic_eval import PREDICTORS  # noqa: E402
 from moelayers.planning.steps import MIN_STEPS  # noqa: E402
 from recipes._common import (  # noqa: E402
     absolute_path, config_trace, flag, int_setting, invocation, merge_curves_path, normalize_flags, overridden, print_table, provenance,
-    refuse_empty_paths, refuse_unread_overrides, to_dict,
+    refuse_empty_paths, refuse_unread_overrides, require_keys, to_dict,
 )
 from recipes._outputs import claim_run_dir, commit_files, run_recipe, warn, write_json  # noqa: E402
 from recipes._plots import plot_plan  # noqa: E402
@@ -502,6 +502,7 @@ OPEN_KEYS = ("variability",)
 def main(cfg: DictConfig) -> None:
     refuse_unread_overrides("plan.py", "plan", CONFIG_GROUPS, OPEN_KEYS, cfg=cfg)
     d = to_dict(cfg)
+    require_keys(d, "plan.py", ("parallel", "planner", "seed", "trace"))
     refuse_empty_paths(d)
     normalize_flags(d, ("progress", "plot", "trace.synthetic"))
     merge_curves_path(d)  # variability.curves.path (serve.py's spelling) means curves.path here

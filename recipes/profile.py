@@ -42,7 +42,7 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from recipes._common import (  # noqa: E402
-    device_for, flag, int_setting, invocation, launch, provenance, refuse_empty_paths, refuse_unread_overrides,
+    device_for, flag, int_setting, invocation, launch, provenance, refuse_empty_paths, refuse_unread_overrides, require_keys,
     resolve_backend, shutdown, to_dict,
 )
 from recipes._outputs import (  # noqa: E402
@@ -308,6 +308,7 @@ CONFIG_GROUPS = ("parallel", "profile")
 def main(cfg: DictConfig) -> None:
     refuse_unread_overrides("profile.py", "profile", CONFIG_GROUPS, cfg=cfg)
     d = to_dict(cfg)
+    require_keys(d, "profile.py", ("profile",))
     refuse_empty_paths(d)
     d["run_dir"] = claim_run_dir("profile.py")
     check_profile(d["profile"])  # a bad setting fails here, before any rank starts

@@ -93,7 +93,7 @@ from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import (  # noqa: E402
     LAYER_FLAGS, absolute_path, check_input_file, check_layer_settings, device_for, import_object, in_sweep, int_setting, layer_objects,
     invocation, launch, merge_curves_path, normalize_flags, overridden, percentile, print_table, provenance,
-    refuse_empty_paths, refuse_unread_overrides, shutdown, to_dict,
+    refuse_empty_paths, refuse_unread_overrides, require_keys, shutdown, to_dict,
 )
 from recipes._outputs import claim_run_dir, commit_files, run_recipe, warn, write_json, writes_outputs  # noqa: E402
 from recipes._bench_tools import seq_len_bounds  # noqa: E402
@@ -985,6 +985,8 @@ EXTRA_KEYS = ("layer.plan_path", "layer.plan_train_fraction", "layer.placement_p
 def main(cfg: DictConfig) -> None:
     refuse_unread_overrides("serve.py", "config", CONFIG_GROUPS, OPEN_KEYS, EXTRA_KEYS, MIRRORS, cfg=cfg)
     d = to_dict(cfg)
+    require_keys(d, "serve.py", ("layer", "max_batch_size", "max_steps", "model", "parallel", "router", "scheduler",
+                                 "seed", "trace", "workload"))
     refuse_empty_paths(d)
     normalize_flags(d, ("progress", "plot", "trace.synthetic", *LAYER_FLAGS))
     if merge_curves_path(d) and not isinstance(d.get("variability"), dict):  # curves.path: plan.py's spelling

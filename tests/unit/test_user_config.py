@@ -111,3 +111,10 @@ def test_a_bench_baseline_of_ones_own(user_dir, tmp_path):
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "baseline seeded" in proc.stdout, proc.stdout[-2000:]
+
+
+def test_a_removed_section_is_named(user_dir, tmp_path):
+    """``~trace`` ended in a bare ``KeyError: 'trace'``."""
+    proc = _plan(user_dir, tmp_path / "r", "~trace")
+    assert proc.returncode != 0 and "ValueError: plan.py needs the config's trace (removed with ~KEY" in proc.stderr, \
+        proc.stderr[-2000:]
