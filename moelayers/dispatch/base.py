@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from moelayers._warnings import warn_caller
 from moelayers.dispatch.flags import BAD_REPLICA, BAD_ROUTE, merge_flags
 from moelayers.kernels import unpermute_combine
 from moelayers.placement import ExpertPlacement
@@ -44,9 +43,13 @@ class Routes:
         overflow: capacity mode: optional 0-dim device flag, true when this rank had more tokens
             than the capacity (it sends the first ``capacity``); exchanged like ``nonfinite``.
         in_range: ``dest_rank`` and ``dest_slot`` are known to lie in ``[0, R)`` and ``[0, S)``
-            (:func:`routes_from_placement` sets it; a layer clears it on the routes of a ``plan()``
-            override, which may have edited them). Otherwise the dispatchers check them on the
-            device (:func:`check_routes`; no sync) and every rank raises on a route outside.
+            (:func:`routes_from_placement` and :func:`checked_plan` set it). Otherwise the
+            dispatchers check them on the device (:func:`check_routes`; no sync) and every rank
+            raises on a route outside.
+        refusal: this rank's own account of routes it flagged (a replica policy or a ``plan()``
+            override that raised or returned something else here): the layer raises it on this
+            rank after the exchange (the other ranks raise from the flags), its cause the
+            policy's or override's own exception.
     """
 
     topk_ids: torch.Tensor
@@ -56,6 +59,7 @@ class Routes:
     nonfinite: torch.Tensor | None = None
     overflow: torch.Tensor | None = None
     in_range: bool = False
+    refusal: Exception | None = None
 
 
 @dataclass
@@ -135,7 +139,7 @@ def routes_from_placement(
     if placement.max_replicas == 1 and type(policy) is LocalFirstPolicy:  # one replica each: two table lookups
         rank_of, slot_of = placement.first_replica_location(topk_ids.device)
         return Routes(topk_ids, weights, rank_of[topk_ids], slot_of[topk_ids], in_range=True)
-    flag = None
+    flag, refusal = None, None
     if type(policy) is LocalFirstPolicy:
         phys = policy(topk_ids, placement, rank)
     else:
@@ -143,12 +147,12 @@ def routes_from_placement(
             # its own copy of the ids: one edited in place would route the tokens to other experts,
             # and the picks would be checked against the edited ids
             phys = policy(topk_ids.clone(), placement, rank)
-        except Exception as exc:  # noqa: BLE001 -- reported on this rank, flagged to every rank
+        except Exception as exc:  # noqa: BLE001 -- raised on this rank after the exchange, flagged to every rank
             phys = exc
-        phys, flag = _checked_picks(policy, phys, topk_ids, placement)
+        phys, flag, refusal = _checked_picks(policy, phys, topk_ids, placement)
     dest_rank = torch.div(phys, placement.slots_per_rank, rounding_mode="floor")
     return Routes(topk_ids, weights, dest_rank, phys - dest_rank * placement.slots_per_rank, nonfinite=flag,
-                  in_range=True)  # (a custom policy's picks are clamped into the slots: _checked_picks)
+                  in_range=True, refusal=refusal)  # (a custom policy's picks are clamped into the slots)
 
 
 def check_routes(routes: Routes, num_ranks: int, num_slots: int, *, padding: bool = False) -> Routes:
@@ -175,53 +179,47 @@ def check_routes(routes: Routes, num_ranks: int, num_slots: int, *, padding: boo
                                nonfinite=merge_flags(routes.nonfinite, flag), in_range=True)
 
 
+def _refusal(what: str, problem: str, cause: BaseException | None = None) -> ValueError:
+    """The error a rank raises after the exchange for its own broken routes (``cause``: the
+    policy's or override's exception)."""
+    err = ValueError(f"{what} {problem}")
+    err.__cause__ = cause
+    return err
+
+
 def checked_plan(plan: Any, owner: str, topk_ids: torch.Tensor, weights: torch.Tensor, token_ids: torch.Tensor | None,
                  placement: ExpertPlacement) -> Routes:
     """Step 2 by a ``plan()`` override, its routes checked on the device (no host sync): every
     ``(token, k)`` must go to a slot of ``placement`` that holds ``topk_ids[t, k]`` (one of
     ``placement.log2phy``'s replicas of it), with ``dest_rank`` / ``dest_slot`` integer ``[T, K]``
-    tensors on ``topk_ids``' device and ``weights`` ``[T, K]`` there in ``weights``' dtype. An override
-    that raises, returns anything else or routes a token elsewhere on one rank alone would leave
-    the other ranks waiting in the exchange, or compute another expert silently: here its routes
-    are replaced by rank 0, slot 0 (the exchange completes) and flagged ``BAD_ROUTE``, so that
-    every rank raises after the exchange; a ``RuntimeWarning`` on this rank says what it did.
+    strided tensors on ``topk_ids``' device and ``weights`` a ``[T, K]`` float one there (cast to
+    ``weights``' dtype). An override that raises, returns anything else or routes a token
+    elsewhere on one rank alone would leave the other ranks waiting in the exchange, or compute
+    another expert silently: here its routes are replaced by rank 0, slot 0 (the exchange
+    completes) and flagged ``BAD_ROUTE``, so that every rank raises after the exchange, this one
+    with :attr:`Routes.refusal` (what the override did, its exception as the cause).
 
     Args:
         plan: the bound override, called with its own copy of the ids.
-        owner: the layer's class name, for the warning.
+        owner: the layer's class name, for the messages.
         topk_ids, weights, token_ids: the router's (step 1) output and the forward's token ids.
         placement: the layer's placement.
 
     Returns:
         :class:`Routes` with the router's ``topk_ids``, ``in_range`` set.
     """
-    problem, routes = None, None
+    problem, cause, routes = None, None, None
     try:
         routes = plan(topk_ids.clone(), weights, token_ids)
-    except Exception as exc:  # noqa: BLE001 -- reported on this rank, flagged to every rank
-        problem = f"raised {type(exc).__name__}: {exc}"
-    if problem is None and not isinstance(routes, Routes):
-        problem = f"must return Routes, got {type(routes).__name__}"
+    except Exception as exc:  # noqa: BLE001 -- raised on this rank after the exchange, flagged to every rank
+        problem, cause = f"raised {type(exc).__name__}: {exc}", exc
     if problem is None:
-        for name in ("dest_rank", "dest_slot", "weights"):
-            t = getattr(routes, name)
-            wants_float = name == "weights"
-            if (not isinstance(t, torch.Tensor) or t.is_complex() or t.dtype == torch.bool
-                    or t.is_floating_point() != wants_float):
-                kind = "a float" if wants_float else "an integer"
-                problem = f"must return Routes.{name} as {kind} tensor, got {getattr(t, 'dtype', type(t).__name__)}"
-            elif wants_float and t.dtype != weights.dtype:
-                problem = f"must return Routes.weights in the router weights' dtype {weights.dtype}, got {t.dtype}"
-            elif t.shape != topk_ids.shape or t.device != topk_ids.device:
-                problem = (f"must return Routes.{name} as [T, K] = {list(topk_ids.shape)} on {topk_ids.device}, got "
-                           f"{list(t.shape)} on {t.device}")
-            if problem is not None:
-                break
+        problem = _plan_contract(routes, topk_ids)
     if problem is not None:
-        warn_caller(f"{owner}.plan() {problem}", RuntimeWarning)
         zero = torch.zeros_like(topk_ids)
         return Routes(topk_ids, weights, zero, zero, nonfinite=torch.full((), BAD_ROUTE, dtype=torch.int32,
-                                                                          device=topk_ids.device), in_range=True)
+                                                                          device=topk_ids.device),
+                      in_range=True, refusal=_refusal(f"{owner}.plan()", problem, cause))
     phy2log = placement.device_tables(topk_ids.device)[0]  # [R, S]
     num_ranks, num_slots = phy2log.shape
     dest_rank, dest_slot = routes.dest_rank.to(torch.int64), routes.dest_slot.to(torch.int64)
@@ -229,19 +227,43 @@ def checked_plan(plan: Any, owner: str, topk_ids: torch.Tensor, weights: torch.T
     dest_rank, dest_slot = dest_rank.clamp(0, num_ranks - 1), dest_slot.clamp(0, num_slots - 1)
     wrong = (~inside | (phy2log[dest_rank, dest_slot] != topk_ids)).any()
     flag = wrong.to(torch.int32) * BAD_ROUTE
-    return Routes(topk_ids, routes.weights, dest_rank, dest_slot, nonfinite=merge_flags(routes.nonfinite, flag),
-                  overflow=routes.overflow, in_range=True)
+    return Routes(topk_ids, routes.weights.to(weights.dtype), dest_rank, dest_slot,
+                  nonfinite=merge_flags(routes.nonfinite, flag), overflow=routes.overflow, in_range=True)
 
 
-def _checked_picks(policy, phys, topk_ids, placement: ExpertPlacement) -> tuple[torch.Tensor, torch.Tensor]:
+def _plan_contract(routes: Any, topk_ids: torch.Tensor) -> str | None:
+    """What a ``plan()`` override's return breaks of its contract (:func:`checked_plan`), or ``None``."""
+    if not isinstance(routes, Routes):
+        return f"must return Routes, got {type(routes).__name__}"
+    for name in ("dest_rank", "dest_slot", "weights"):
+        t = getattr(routes, name)
+        wants_float = name == "weights"
+        if (not isinstance(t, torch.Tensor) or t.is_complex() or t.dtype == torch.bool
+                or t.is_floating_point() != wants_float):
+            kind = "a float" if wants_float else "an integer"
+            return f"must return Routes.{name} as {kind} tensor, got {getattr(t, 'dtype', type(t).__name__)}"
+        if t.shape != topk_ids.shape or t.device != topk_ids.device or t.layout != torch.strided:
+            return (f"must return Routes.{name} as a strided [T, K] = {list(topk_ids.shape)} tensor on "
+                    f"{topk_ids.device}, got {t.layout} {list(t.shape)} on {t.device}")
+    for name in ("nonfinite", "overflow"):
+        t = getattr(routes, name)
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dim() != 0 or t.is_floating_point()
+                              or t.device != topk_ids.device):
+            return f"must leave Routes.{name} None or a 0-dim integer tensor on {topk_ids.device}, got {t!r}"
+    return None
+
+
+def _checked_picks(policy, phys, topk_ids, placement: ExpertPlacement
+                   ) -> tuple[torch.Tensor, torch.Tensor, ValueError | None]:
     """A custom policy's picks, checked on the device (no sync): ``(phys clamped into the slots, so
     that the exchange completes, 0-dim int32 flag: BAD_REPLICA where a pick does not hold the
-    routed expert)``. A policy that raised (``phys`` is the exception) or returned anything but an
-    integer, strided ``[T, K]`` tensor on ``topk_ids``' device is flagged the same way, with a
-    warning on this rank saying what happened (raising here would leave the other ranks waiting in
-    the exchange)."""
-    problem = None
+    routed expert, this rank's refusal)``. A policy that raised (``phys`` is the exception) or
+    returned anything but an integer, strided ``[T, K]`` tensor on ``topk_ids``' device is flagged
+    the same way, with the refusal this rank raises after the exchange saying what happened
+    (raising here would leave the other ranks waiting in the exchange)."""
+    problem, cause, refusal = None, None, None
     if isinstance(phys, Exception):
+        cause = phys
         problem = f"picks, but raised {type(phys).__name__}: {phys}"
     elif not isinstance(phys, torch.Tensor):
         problem = f"a torch tensor of integer physical slots, got {type(phys).__name__}"
@@ -252,13 +274,13 @@ def _checked_picks(policy, phys, topk_ids, placement: ExpertPlacement) -> tuple[
     elif phys.device != topk_ids.device or phys.layout != torch.strided:
         problem = f"a strided tensor on {topk_ids.device}, got {phys.layout} on {phys.device}"
     if problem is not None:
-        warn_caller(f"replica policy {type(policy).__name__} must return {problem}", RuntimeWarning)
+        refusal = _refusal(f"replica policy {type(policy).__name__}", f"must return {problem}", cause)
         phys = torch.full_like(topk_ids, -1)  # flagged below: every rank raises after the exchange
     phy2log = placement.device_tables(topk_ids.device)[0].flatten()
     inside = (phys >= 0) & (phys < phy2log.numel())
     phys = phys.to(torch.int64).clamp(0, phy2log.numel() - 1)
     wrong = (~inside | (phy2log[phys] != topk_ids)).any()
-    return phys, wrong.to(torch.int32) * BAD_REPLICA
+    return phys, wrong.to(torch.int32) * BAD_REPLICA, refusal
 
 
 @dataclass

@@ -248,14 +248,14 @@ def raise_if_flagged(flags: list[int]) -> None:
     if replica:
         raise ValueError(f"the replica policy picked physical slots that do not hold the routed expert on "
                          f"expert-parallel rank(s) {replica} (or raised, or returned no [T, K] integer tensor "
-                         f"there: a RuntimeWarning on that rank says which): a policy must return, for every "
+                         f"there: that rank's error says which): a policy must return, for every "
                          f"(token, k), one of the slots that placement.log2phy lists for topk_ids[t, k]")
     route = [r for r, f in enumerate(flags) if int(f) & BAD_ROUTE]
     if route:
         raise ValueError(f"the routes of expert-parallel rank(s) {route} hold a dest_rank outside [0, ranks) or a "
                          f"dest_slot outside [0, slots per rank), or, from a plan() override, a slot that does not "
                          f"hold the (token, k)'s expert (or the override raised, or returned no Routes of [T, K] "
-                         f"tensors: a RuntimeWarning on that rank says which). A plan() must send every (token, k) "
+                         f"tensors: that rank's error says which). A plan() must send every (token, k) "
                          f"to one of the slots that placement.log2phy lists for topk_ids[t, k] "
                          f"(routes_from_placement builds such routes)")
     bad = [r for r, f in enumerate(flags) if int(f) & NONFINITE_LOGITS]

@@ -604,10 +604,18 @@ class MoELayerBase(LayerWeights, nn.Module):
             padding = self._arange(x2.shape[0], x2.device) >= num_valid
             routes.dest_rank = routes.dest_rank.masked_fill(padding[:, None], -1)
             routes.overflow = num_valid > x2.shape[0]  # more tokens than the capacity: told to every rank
-        received = self.dispatcher.dispatch(x2, routes)                   # 3 dispatch
+        try:
+            received = self.dispatcher.dispatch(x2, routes)               # 3 dispatch
+        except ValueError:  # the exchanged flags: this rank tells its own broken routes, the cause its code's error
+            if routes.refusal is not None:
+                raise routes.refusal  # noqa: B904 (the flags' error stays as its context)
+            raise
         expert_out = self.experts(received.expert_input, received.slot_counts)  # 4 compute
         received.expert_input = None  # not read by the combine: freed before it (autograd keeps what it saved)
-        return self.dispatcher.combine(expert_out, received), topk_ids    # 5 combine
+        y = self.dispatcher.combine(expert_out, received)                 # 5 combine
+        if routes.refusal is not None:  # (capacity mode reads the flags later, or not at all)
+            raise routes.refusal
+        return y, topk_ids
 
     def _routing_flags(self, x2: torch.Tensor, routes: Routes, flag: torch.Tensor | None) -> torch.Tensor | None:
         """This rank's flag word for the exchange (``moelayers.dispatch.flags``): the routes' own
@@ -748,14 +756,14 @@ class MoELayerBase(LayerWeights, nn.Module):
 
         The one step a strategy overrides (the others stay the base's). An override returns
         :class:`~moelayers.dispatch.Routes` with ``dest_rank`` and ``dest_slot`` integer ``[T, K]``
-        tensors on ``topk_ids``' device that send every ``(token, k)`` to a slot holding
+        strided tensors on ``topk_ids``' device that send every ``(token, k)`` to a slot holding
         ``topk_ids[t, k]`` (one of ``self.placement.log2phy[e, :logcnt[e]]``: physical slot ``p`` is
-        slot ``p % S`` of rank ``p // S``), and ``weights`` ``[T, K]`` (usually ``topk_weights``).
+        slot ``p % S`` of rank ``p // S``), and float ``weights`` ``[T, K]`` (usually ``topk_weights``).
         It gets its own copy of ``topk_ids``; routing to other experts is the router's business. Its
         routes are checked on the device without a host sync, and an override that raises, returns
         anything else or routes a token to a slot without its expert makes every expert-parallel
-        rank raise ``ValueError`` after the exchange (a ``RuntimeWarning`` on the rank says what it
-        did), never a hang or a silently different output.
+        rank raise ``ValueError`` after the exchange (on the rank whose override broke, one that says
+        what it did, caused by its exception), never a hang or a silently different output.
 
         Args:
             topk_ids: ``[T, K]`` int64 logical experts the router chose.
