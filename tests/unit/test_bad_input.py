@@ -884,7 +884,6 @@ PLAN_BREAKS = {"raises": "raised RuntimeError: my plan failed", "other_expert": 
 
 
 def _broken_plans(rank, world, dispatcher):
-
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, init_std=0.5)
     groups = ml.ParallelGroups.from_world() if world > 1 else ml.ParallelGroups.single()
     kwargs = {"capacity": dict(capacity=6)}.get(dispatcher, dict(dispatcher=dispatcher))
