@@ -127,13 +127,16 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
     except OSError as e:
         raise _naming(e, path) from e
     try:
-        with os.fdopen(fd, "wb") as f:
-            if mode is not None:
-                os.fchmod(f.fileno(), mode)
-            write(f)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
+        try:
+            with os.fdopen(fd, "wb") as f:
+                if mode is not None:
+                    os.fchmod(f.fileno(), mode)
+                write(f)
+                if fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+        except OSError as e:  # a full disk, a quota, an I/O error: told about the caller's file
+            raise _naming(e, path) from e
         try:
             os.replace(tmp, dest)
         except OSError as e:
@@ -158,6 +161,15 @@ def _fsync_folder(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _said(exc: BaseException) -> str:
+    """What ``exc`` says, or what it is where it says nothing (a file cut short gives a bare EOFError)."""
+    if str(exc):
+        return str(exc)
+    if isinstance(exc, (EOFError, zipfile.BadZipFile)):
+        return f"{type(exc).__name__}: the file ends early; was it cut short, or changed while it was read?"
+    return type(exc).__name__
 
 
 def _naming(error: OSError, path: Path) -> OSError:
@@ -243,7 +255,7 @@ def read_npz(path: str | os.PathLike, what: str) -> dict[str, np.ndarray]:
     try:
         data = np.load(path, allow_pickle=False)
     except _READ_ERRORS as exc:
-        raise ValueError(f"{path}: not a readable npz {what} ({exc})") from exc
+        raise ValueError(f"{path}: not a readable npz {what} ({_said(exc)})") from exc
     if not isinstance(data, np.lib.npyio.NpzFile):
         raise ValueError(f"{path}: not an npz archive but a single array (a {what} is an npz of named arrays)")
     arrays = {}
@@ -256,7 +268,7 @@ def read_npz(path: str | os.PathLike, what: str) -> dict[str, np.ndarray]:
             try:
                 arrays[name.removesuffix(".npy")] = _read_member(data.zip, name)
             except _READ_ERRORS as exc:
-                raise ValueError(f"{path}: cannot read member {name!r} of this {what} ({exc})") from exc
+                raise ValueError(f"{path}: cannot read member {name!r} of this {what} ({_said(exc)})") from exc
     return arrays
 
 

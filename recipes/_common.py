@@ -16,6 +16,7 @@ where rank 0 writes its files). ``fn`` must be defined at module level (it is pi
 from __future__ import annotations
 
 import datetime
+import errno
 import importlib
 import inspect
 import math
@@ -35,7 +36,7 @@ __all__ = [
     "launch", "resolve_backend", "device_for", "invocation", "to_dict", "print_table", "print_grid",
     "percentile", "provenance", "absolute_path", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
     "normalize_flags", "LAYER_FLAGS", "int_setting", "check_layer_settings", "timeout_setting",
-    "import_object", "plan_fraction_setting", "check_input_file", "refuse_empty_paths", "PATH_KEYS",
+    "import_object", "plan_fraction_setting", "check_input_file", "not_a_file", "refuse_empty_paths", "PATH_KEYS",
     "refuse_unread_overrides", "layer_objects", "OBJECT_KWARGS", "require_keys",
 ]
 
@@ -320,17 +321,37 @@ def refuse_empty_paths(d: dict) -> None:
                              "from an unset shell variable would otherwise run without the file)")
 
 
+def not_a_file(path: str) -> str | None:
+    """Why ``path`` is not a regular file to read (``"does not exist"``, ``"is a directory"``, ``"is not
+    a regular file (a pipe or a device?)"``, a symbolic link loop or a broken one), or ``None``."""
+    if os.path.isfile(path):
+        return None
+    if os.path.islink(path) and not os.path.exists(path):
+        try:
+            os.stat(path)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return "is a symbolic link that loops"
+        return "is a symbolic link to nothing"
+    if os.path.isdir(path):
+        return "is a directory"
+    return "is not a regular file (a pipe or a device?)" if os.path.exists(path) else "does not exist"
+
+
 def check_input_file(path: str, key: str, what: str) -> None:
-    """Refuse a setting naming a file that is not there (or a folder) before any rank starts.
+    """Refuse a setting naming a file that is not there (or a folder, a pipe) before any rank starts.
 
     Raises:
-        FileNotFoundError: nothing at ``path``. IsADirectoryError: a folder, not a file.
-        The messages name ``key`` and ``what`` the file should hold.
+        FileNotFoundError: nothing at ``path`` (or a broken link). IsADirectoryError: a folder.
+        ValueError: a pipe or a device. The messages name ``key`` and ``what`` the file should hold.
     """
-    if os.path.isdir(path):
+    reason = not_a_file(path)
+    if reason is None:
+        return
+    if reason == "is a directory":
         raise IsADirectoryError(f"{key}={path} is a directory, not {what}")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{key}={path} does not exist (it names {what})")
+    error = ValueError if reason.startswith("is not a regular") else FileNotFoundError
+    raise error(f"{key}={path} {reason} (it names {what})")
 
 
 def timeout_setting(parallel: dict | None) -> float:

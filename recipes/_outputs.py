@@ -120,8 +120,14 @@ def claim_run_dir(recipe: str) -> str:
         raise RuntimeError(f"{out}: could not take {lock} (runs starting and ending in this run dir at once)")
     record = {"pid": os.getpid(), "host": socket.gethostname(), "recipe": recipe,
               "started": datetime.datetime.now().isoformat(timespec="seconds")}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(record).encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+    except OSError as exc:  # a full disk: the run could not write its outputs there either
+        lock.unlink(missing_ok=True)
+        os.close(fd)
+        raise type(exc)(exc.errno, f"{out}: cannot write {RUN_LOCK} there ({exc.strerror}): the run's outputs could "
+                                   "not be written either") from exc
     _HELD[str(lock)] = fd
     atexit.register(_release_run_dir, lock)
     return out
@@ -248,6 +254,8 @@ def _release_run_dir(lock: Path) -> None:
         return
     try:
         lock.unlink(missing_ok=True)
+    except OSError:  # (a file system remounted read-only meanwhile: the lock goes with the descriptor)
+        pass
     finally:
         os.close(fd)
 
@@ -422,7 +430,7 @@ def _deliver(signals: list[int]) -> None:
 
 
 def _remove_dead_temporaries(out: Path, names: tuple[str, ...]) -> None:
-    """Remove the temporary files (``.NAME.*.tmp``) of ``names`` that a run killed while writing
+    """Remove the temporary files (``.NAME.*.tmp``, and ``..NAME.*`` of a writer's own) of ``names`` that a run killed while writing
     them (SIGKILL, SIGTERM) left in ``out``, where this process holds the run dir (no other live
     run writes there): those last written before this process started, so not this run's."""
     import psutil
@@ -432,8 +440,9 @@ def _remove_dead_temporaries(out: Path, names: tuple[str, ...]) -> None:
     if str(out / RUN_LOCK) not in _HELD:  # (unheld: a live run's, whose clock may differ, could be among them)
         return
     started = psutil.Process().create_time()
-    for name in names:
-        for tmp in out.glob(f".{glob_escape(temp_stem(name))}.*.tmp"):
+    for name in names:  # (and the temporaries atomic_write made of those: ``..NAME.*.tmp.*.tmp``)
+        stem = temp_stem(name)
+        for tmp in [*out.glob(f".{glob_escape(stem)}.*.tmp"), *out.glob(f".{glob_escape(temp_stem('.' + stem))}*.tmp")]:
             try:
                 if tmp.is_file() and tmp.stat().st_mtime < started - 1.0:
                     tmp.unlink()
@@ -484,6 +493,8 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
                 write(tmps[name])
             except Exception as exc:
                 if name not in optional:
+                    if isinstance(exc, OSError) and exc.errno is not None:  # a full disk: named, not the temporary
+                        raise type(exc)(exc.errno, f"{out / name}: cannot write ({exc.strerror})") from exc
                     raise
                 tmps.pop(name).unlink(missing_ok=True)
                 left_out.append(f"{out / name} not written ({type(exc).__name__}: {exc}); the run's other files are "
@@ -495,10 +506,20 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
             tmp.unlink(missing_ok=True)
         raise
     with _interrupts_deferred():  # a Ctrl-C between two moves would leave one run's file beside another's
+        moved: list[str] = []
         try:
             remove_stale(out, stale, tmps)
             for name, tmp in tmps.items():
-                os.replace(tmp, out / name)
+                try:
+                    os.replace(tmp, out / name)
+                except OSError as exc:
+                    if exc.errno is None:
+                        raise
+                    mixed = (f"the run dir now holds this run's {', '.join(moved)} beside an earlier run's files: rerun "
+                             "into this dir or another") if moved else "nothing of this run was written"
+                    raise type(exc)(exc.errno, f"{out / name}: cannot move this run's file in ({exc.strerror}); "
+                                               f"{mixed}") from exc
+                moved.append(name)
         finally:  # a failed move leaves no temporary file behind (before a held signal ends the process)
             for tmp in tmps.values():
                 tmp.unlink(missing_ok=True)

@@ -870,7 +870,7 @@ def test_serve_starts_in_a_planned_placement(tmp_path):
     np.savez(odd, expert_rank=np.concatenate([rows, rows, rows]))  # 6 layers for a 2-layer model
     with pytest.raises(ValueError, match=r"holds placements of 6 layers, the model \(model\.num_layers\) has 2"):
         serve.check_config(_config(f"layer.placement_path={odd}"))
-    with pytest.raises(FileNotFoundError, match="it is a folder"):
+    with pytest.raises(FileNotFoundError, match="is a directory \\(name the assignment.npz in it\\)"):
         serve.check_config(_config(f"layer.placement_path={tmp_path}"))
     with pytest.raises(ValueError, match=r"places 8 experts per layer, the model has 16"):
         serve.layer_placements(str(path), 16, 2)

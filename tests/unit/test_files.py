@@ -543,3 +543,33 @@ def test_a_read_only_file_is_not_replaced(tmp_path, monkeypatch):
     with pytest.raises(PermissionError, match=r"keep.npz: the file may not be written \(mode 0o444\): not replaced"):
         ml.ExpertPlacement.linear(4, 1).save(path)
     assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["keep.npz"]
+
+
+
+def test_a_full_disk_or_a_cut_file_is_told_with_the_file(tmp_path):
+    """A write failing with ENOSPC / EIO named no file; a member cut short said "()"."""
+    import errno
+
+    def full(f):
+        f.write(b"half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(OSError, match=r"p\.npz: cannot write \(No space left on device\)"):
+        atomic_write(tmp_path / "p.npz", full)
+    assert os.listdir(tmp_path) == []
+    save_trace(_trace(), tmp_path / "t.npz")
+    data = (tmp_path / "t.npz").read_bytes()
+    (tmp_path / "cut.npz").write_bytes(data[:len(data) // 2] + data[-200:])  # members cut, directory kept
+    with pytest.raises(ValueError, match=r"cut\.npz: .*\((?!\)).+\)"):
+        load_trace(tmp_path / "cut.npz")
+
+
+def test_a_pipe_as_an_input_file_is_told_so(tmp_path):
+    from recipes._common import check_input_file
+
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(ValueError, match=r"trace\.path=.*fifo is not a regular file \(a pipe or a device\?\)"):
+        check_input_file(str(tmp_path / "fifo"), "trace.path", "a routing trace file")
+    os.symlink(tmp_path / "loop", tmp_path / "loop")
+    with pytest.raises(FileNotFoundError, match="is a symbolic link that loops"):
+        check_input_file(str(tmp_path / "loop"), "trace.path", "a routing trace file")
