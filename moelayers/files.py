@@ -136,6 +136,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
                     f.flush()
                     os.fsync(f.fileno())
         except OSError as e:  # a full disk, a quota, an I/O error: told about the caller's file
+            if e.filename is not None and e.filename not in (str(tmp), tmp):  # another file's error: its own
+                raise
             raise _naming(e, path) from e
         try:
             os.replace(tmp, dest)
@@ -173,10 +175,11 @@ def _said(exc: BaseException) -> str:
 
 
 def _naming(error: OSError, path: Path) -> OSError:
-    """``error`` told about ``path`` (the caller's file) instead of the temporary file beside it."""
+    """``error`` told about ``path`` (the caller's file) instead of the temporary file beside it (an
+    ``OSError`` of the errno's own class: ``FileNotFoundError``, ``PermissionError``, ...)."""
     if error.errno is None:
         return error
-    return type(error)(error.errno, f"{path}: cannot write ({error.strerror})")
+    return OSError(error.errno, f"{path}: cannot write ({error.strerror})")
 
 
 def _read_member(zf: zipfile.ZipFile, name: str) -> np.ndarray:

@@ -124,10 +124,14 @@ def claim_run_dir(recipe: str) -> str:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)
     except OSError as exc:  # a full disk: the run could not write its outputs there either
-        lock.unlink(missing_ok=True)
-        os.close(fd)
-        raise type(exc)(exc.errno, f"{out}: cannot write {RUN_LOCK} there ({exc.strerror}): the run's outputs could "
-                                   "not be written either") from exc
+        try:
+            lock.unlink(missing_ok=True)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+        raise OSError(exc.errno, f"{out}: cannot write {RUN_LOCK} there ({exc.strerror}): the run's outputs could "
+                                 "not be written either") from exc
     _HELD[str(lock)] = fd
     atexit.register(_release_run_dir, lock)
     return out
@@ -387,15 +391,18 @@ def jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-def remove_stale(out_dir: str | os.PathLike, outputs: tuple[str, ...], written: Any) -> None:
+def remove_stale(out_dir: str | os.PathLike, outputs: tuple[str, ...], written: Any) -> list[str]:
     """Remove every file of ``outputs`` (all a recipe may write into its run dir) that this run does
     not write (``written``), so that a reused run dir never mixes two runs' files (each one removed
-    is named on stdout)."""
+    is named on stdout). Returns the names removed."""
+    removed = []
     for name in outputs:
         path = Path(out_dir) / name
         if name not in written and path.exists():
             path.unlink(missing_ok=True)
+            removed.append(name)
             print(f"note: removed {path}, an earlier run's output that this run does not write")
+    return removed
 
 
 @contextlib.contextmanager
@@ -442,12 +449,20 @@ def _remove_dead_temporaries(out: Path, names: tuple[str, ...]) -> None:
     started = psutil.Process().create_time()
     for name in names:  # (and the temporaries atomic_write made of those: ``..NAME.*.tmp.*.tmp``)
         stem = temp_stem(name)
-        for tmp in [*out.glob(f".{glob_escape(stem)}.*.tmp"), *out.glob(f".{glob_escape(temp_stem('.' + stem))}*.tmp")]:
+        nested = temp_stem("." + stem + ".")
+        for tmp in [*out.glob(f".{glob_escape(stem)}.*.tmp"), *out.glob(f".{glob_escape(nested)}*.tmp")]:
             try:
                 if tmp.is_file() and tmp.stat().st_mtime < started - 1.0:
                     tmp.unlink()
             except OSError:
                 pass  # (gone meanwhile, or not ours to remove)
+
+
+def _about_temporary(exc: OSError, tmp: Path) -> bool:
+    """Whether ``exc`` is about writing ``tmp`` (or a temporary of its own beside it), not another
+    file a writer read or wrote (whose error names that file)."""
+    return exc.filename is None or Path(exc.filename).parent == tmp.parent and Path(exc.filename).name.startswith(
+        (tmp.name, "." + tmp.name[:60]))
 
 
 def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path], None]],
@@ -493,8 +508,9 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
                 write(tmps[name])
             except Exception as exc:
                 if name not in optional:
-                    if isinstance(exc, OSError) and exc.errno is not None:  # a full disk: named, not the temporary
-                        raise type(exc)(exc.errno, f"{out / name}: cannot write ({exc.strerror})") from exc
+                    if isinstance(exc, OSError) and exc.errno is not None and _about_temporary(exc, tmps[name]):
+                        # a full disk: the output named, not its temporary (another file's error stays its own)
+                        raise OSError(exc.errno, f"{out / name}: cannot write ({exc.strerror})") from exc
                     raise
                 tmps.pop(name).unlink(missing_ok=True)
                 left_out.append(f"{out / name} not written ({type(exc).__name__}: {exc}); the run's other files are "
@@ -508,17 +524,19 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
     with _interrupts_deferred():  # a Ctrl-C between two moves would leave one run's file beside another's
         moved: list[str] = []
         try:
-            remove_stale(out, stale, tmps)
+            removed = remove_stale(out, stale, tmps)
             for name, tmp in tmps.items():
                 try:
                     os.replace(tmp, out / name)
                 except OSError as exc:
                     if exc.errno is None:
                         raise
-                    mixed = (f"the run dir now holds this run's {', '.join(moved)} beside an earlier run's files: rerun "
-                             "into this dir or another") if moved else "nothing of this run was written"
-                    raise type(exc)(exc.errno, f"{out / name}: cannot move this run's file in ({exc.strerror}); "
-                                               f"{mixed}") from exc
+                    done = (f"this run's {', '.join(moved)} moved in already" if moved else
+                            "nothing of this run moved in")
+                    if removed:
+                        done += f", the earlier {', '.join(removed)} removed (this run does not write it)"
+                    raise OSError(exc.errno, f"{out / name}: cannot move this run's file in ({exc.strerror}); {done}: "
+                                             "rerun into this dir or another") from exc
                 moved.append(name)
         finally:  # a failed move leaves no temporary file behind (before a held signal ends the process)
             for tmp in tmps.values():

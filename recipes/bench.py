@@ -883,7 +883,7 @@ EXTRA_KEYS = ("bench.shape.init_std", "bench.shape.score_fn", "bench.shape.norm_
 def main(cfg: DictConfig) -> None:
     refuse_unread_overrides("bench.py", "bench", CONFIG_GROUPS, OPEN_KEYS, EXTRA_KEYS, cfg=cfg)
     d = to_dict(cfg)
-    require_keys(d, "bench.py", ("bench", "layer", "trace"))
+    require_keys(d, "bench.py", ("bench", "layer"))
     refuse_empty_paths(d)
     normalize_flags(d, ("plot", "trace.synthetic", "bench.inference_mode", "bench.check_finite", "bench.cuda_graph", "bench.train",
                         "bench.profile", "bench.allow_large_cpu", "bench.check.strict", *LAYER_FLAGS))

@@ -557,6 +557,9 @@ def test_a_full_disk_or_a_cut_file_is_told_with_the_file(tmp_path):
     with pytest.raises(OSError, match=r"p\.npz: cannot write \(No space left on device\)"):
         atomic_write(tmp_path / "p.npz", full)
     assert os.listdir(tmp_path) == []
+    with pytest.raises(FileNotFoundError, match="source.bin") as info:  # a writer's error about another file: its own
+        atomic_write(tmp_path / "p.npz", lambda f: f.write(open(tmp_path / "source.bin", "rb").read()))
+    assert info.value.filename == str(tmp_path / "source.bin") and os.listdir(tmp_path) == []
     save_trace(_trace(), tmp_path / "t.npz")
     data = (tmp_path / "t.npz").read_bytes()
     (tmp_path / "cut.npz").write_bytes(data[:len(data) // 2] + data[-200:])  # members cut, directory kept

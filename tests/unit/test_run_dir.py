@@ -227,9 +227,13 @@ def test_a_killed_runs_temporary_files_are_removed_by_the_next_commit(in_dir, he
     nested = tmp_path / "..results.json.abc123.tmp.f00d.tmp"  # atomic_write's own temporary of a writer's file
     nested.write_text("half a file")
     os.utime(nested, (time.time() - 3600, time.time() - 3600))
+    mine = tmp_path / "..results.jsonl.backup.tmp"  # a user's own file that only looks like one
+    mine.write_text("keep")
+    os.utime(mine, (time.time() - 3600, time.time() - 3600))
     commit_files(tmp_path, {"results.json": lambda p: p.write_text("{}")})
     left = sorted(p.name for p in tmp_path.iterdir() if p.name != RUN_LOCK)
-    assert left == sorted([".notes.txt.abc.tmp", fresh.name, "results.json"] + ([] if held else [dead.name, nested.name]))
+    assert left == sorted([".notes.txt.abc.tmp", fresh.name, "results.json", mine.name]
+                          + ([] if held else [dead.name, nested.name]))
 
 
 def test_a_failing_optional_plot_is_left_out_and_the_run_written(tmp_path, capsys):
@@ -484,10 +488,21 @@ def test_a_full_disk_is_told_with_the_file(in_dir, monkeypatch):
         return real(src, dst)
 
     monkeypatch.setattr(os, "replace", second_fails)
-    with pytest.raises(OSError, match=r"results\.json: cannot move this run's file in \(Input/output error\); the "
-                                      r"run dir now holds this run's a\.png beside an earlier run's files"):
+    with pytest.raises(OSError, match=r"results\.json: cannot move this run's file in \(Input/output error\); this "
+                                      r"run's a\.png moved in already: rerun"):
         commit_files(in_dir, {"a.png": lambda p: p.write_text("new"), "results.json": lambda p: p.write_text("new")})
     assert sorted(p.name for p in in_dir.iterdir() if p.name != RUN_LOCK) == ["a.png", "results.json"]
+    calls[:] = ["(counted)"]  # the first move fails, after an earlier output this run does not write was removed
+    with pytest.raises(OSError, match=r"nothing of this run moved in, the earlier a\.png removed"):
+        commit_files(in_dir, {"x.json": lambda p: p.write_text("1"), "results.json": lambda p: p.write_text("new")},
+                     stale=("a.png",))
+
+    def reads_a_missing_file(path):  # another file's error is its own, not the output's
+        open(in_dir / "no-such-input.txt").read()
+
+    monkeypatch.setattr(os, "replace", real)
+    with pytest.raises(FileNotFoundError, match="no-such-input.txt"):
+        commit_files(in_dir, {"results.json": reads_a_missing_file})
 
 
 def test_a_full_disk_at_the_start_leaves_no_lock_file(in_dir, monkeypatch):
