@@ -669,13 +669,20 @@ def unread_config_keys(cfg: Any, keys: set[str], open_keys: Sequence[str] = (), 
 
 
 def _near(name: str, keys: set[str]) -> str:
-    """`` (did you mean KEY?)`` for a key of ``keys`` spelt like ``name`` at the same level, else ``""``."""
+    """`` (did you mean KEY?)`` for a key of ``keys`` spelt like ``name``, at the same level first, then
+    at any level, else ``""``."""
     import difflib
 
     parent, _, leaf = name.rpartition(".")
     siblings = {k.rpartition(".")[2] for k in keys if k.rpartition(".")[0] == parent}
     close = difflib.get_close_matches(leaf, sorted(siblings), n=1, cutoff=0.75)
-    return f" (did you mean {parent + '.' if parent else ''}{close[0]}?)" if close else ""
+    if close:
+        return f" (did you mean {parent + '.' if parent else ''}{close[0]}?)"
+    elsewhere = {}  # a key spelt like it at another level (num_request: at the top for workload.num_requests)
+    for key in sorted(keys):
+        elsewhere.setdefault(key.rpartition(".")[2], key)
+    close = difflib.get_close_matches(leaf, sorted(elsewhere), n=1, cutoff=0.75)
+    return f" (did you mean {elsewhere[close[0]]}?)" if close else ""
 
 
 def refuse_unread_overrides(recipe: str, primary: str, groups: Sequence[str], open_keys: Sequence[str] = (),

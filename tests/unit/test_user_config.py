@@ -83,6 +83,13 @@ def test_the_keys_interpolations_read_are_found():
     assert {"workload.n", "my.n", "my.seed-x", "my.tag"} <= common.referenced_keys(cfg)
 
 
+def test_a_misspelt_key_at_the_wrong_level_gets_the_key_it_resembles():
+    keys = {"workload", "workload.num_requests", "workload.rate", "seed"}
+    assert common._near("num_request", keys) == " (did you mean workload.num_requests?)"
+    assert common._near("workload.rat", keys) == " (did you mean workload.rate?)"
+    assert common._near("zzz", keys) == ""
+
+
 def test_a_typo_beside_a_key_set_on_the_command_line_is_still_named():
     keys = {"planner", "planner.restarts", "planner.name"}
     tree = {"planner": {"name": "gem", "restarts": 3, "restart": 2}}
