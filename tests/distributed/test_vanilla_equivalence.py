@@ -301,7 +301,7 @@ def _spreading_cases(rank, world):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world", (1, 2))
+@pytest.mark.parametrize("world", WORLD_SIZES)
 def test_a_plan_of_its_own_matches_the_reference(world):
     """run_cases(layer_cls=...) runs the suite on a strategy's layer: here one overriding plan()
     (the float32 cases with replicas, where the choice of replica matters)."""
