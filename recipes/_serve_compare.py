@@ -348,13 +348,24 @@ def plot_rank_load_sides(res: dict, path: str) -> None:
     save_png(fig, path)
 
 
+def as_written(res: dict, cfg: dict) -> dict:
+    """``res`` as results.json holds it: with ``per_request=false`` without the per-request records
+    (``requests`` of a single run, or of each of a comparison's runs); ``res`` itself otherwise."""
+    if cfg.get("per_request", True):
+        return res
+    out = {key: value for key, value in res.items() if key != "requests"}
+    if isinstance(res.get("runs"), dict):
+        out["runs"] = {side: [as_written(run, cfg) for run in runs] for side, runs in res["runs"].items()}
+    return out
+
+
 def summarize(run_results: list[dict], cfg: dict, out_dir: str, wall_s: float, origin: dict | None = None) -> dict:
     """Build the results, write results.json, compare.png and rank_load.png, then print the tables
     (the files first: output that cannot be shown must not cost the runs' files)."""
     res = build_results(run_results, cfg, wall_s, origin)
     writers = {"compare.png": lambda p: plot_compare(res, p), "rank_load.png": lambda p: plot_rank_load_sides(res, p)} \
         if cfg.get("plot", True) else {}
-    writers["results.json"] = lambda p: write_json(p, res)  # last: it marks a finished run
+    writers["results.json"] = lambda p: write_json(p, as_written(res, cfg))  # last: it marks a finished run
     paths = commit_files(out_dir, writers, stale=OUTPUTS, optional=("compare.png", "rank_load.png"))  # all or nothing
     for note in res["notes"]:
         print(f"note (ours): {note}")

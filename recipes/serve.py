@@ -627,7 +627,7 @@ def summarize(res: dict, out_dir: str) -> None:
     title = f"{res['layer']} ({res['router']}), world {res['world_size']}: received per step"
     writers = {"rank_load.png": lambda p: plot_rank_load(res["rank_load_per_step"], p, title)} \
         if res["config"].get("plot", True) else {}
-    writers["results.json"] = lambda p: write_json(p, res)  # last: it marks a finished run
+    writers["results.json"] = lambda p: write_json(p, compare.as_written(res, res["config"]))  # last: a finished run
     # all or nothing (an interrupted run leaves an earlier run's files, never one of each)
     paths = commit_files(out_dir, writers, stale=compare.OUTPUTS, optional=("rank_load.png",))
     for note in res["notes"]:
@@ -988,7 +988,7 @@ def main(cfg: DictConfig) -> None:
     require_keys(d, "serve.py", ("layer", "max_batch_size", "max_steps", "model", "parallel", "router", "scheduler",
                                  "seed", "trace", "workload"))
     refuse_empty_paths(d)
-    normalize_flags(d, ("progress", "plot", "trace.synthetic", *LAYER_FLAGS))
+    normalize_flags(d, ("progress", "plot", "per_request", "trace.synthetic", *LAYER_FLAGS))
     if merge_curves_path(d) and not isinstance(d.get("variability"), dict):  # curves.path: plan.py's spelling
         d["variability"] = {"name": d.get("variability") or "none", "curves": dict(d["curves"])}
     if d.get("trace", {}).get("path"):

@@ -110,18 +110,21 @@ def test_serve_default(tmp_path):
 @pytest.mark.timeout(90)
 def test_serve_reads_off_and_no_as_false(tmp_path):
     """Hydra passes ``plot=off`` as the string 'off' (truthy in Python): it means false, for the
-    recipe's own switches and the layer's; a value that is not on/off is refused before any rank."""
+    recipe's own switches and the layer's; a value that is not on/off is refused before any rank.
+    (``per_request=no``: results.json without the per-request records, the summary all there.)"""
     run = tmp_path / "run"
     run.mkdir()
     for name in ("compare.png", "rank_load.png", "results.json"):  # a reused run dir: an earlier run's files
         (run / name).write_text("stale")
     (run / "notes.txt").write_text("mine")  # not a serve output: kept
-    proc = _run_serve(run, "workload.num_requests=4", "progress=off", "plot=no", "layer.kwargs.dedup=off")
+    proc = _run_serve(run, "workload.num_requests=4", "progress=off", "plot=no", "layer.kwargs.dedup=off", "per_request=no")
     assert proc.returncode == 0, proc.stderr
     assert "serve vanilla x2" not in proc.stderr  # no progress bar
     assert sorted(p.name for p in run.iterdir()) == ["notes.txt", "results.json"]  # no plot, no stale plots
     res = json.loads((run / "results.json").read_text())
     assert res["config"]["layer"]["kwargs"]["dedup"] is False and res["config"]["plot"] is False
+    assert res["config"]["per_request"] is False and "requests" not in res
+    assert res["num_requests"] == res["finished_requests"] == 4 and res["output_tokens"] > 0
     proc = _serve_fails(tmp_path / "bad", "plot=sometimes")
     assert "plot must be true or false" in proc.stderr
     assert not (tmp_path / "bad").exists() or not list((tmp_path / "bad").iterdir())
