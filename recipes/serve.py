@@ -91,7 +91,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, absolute_path, check_input_file, check_layer_settings, device_for, import_object, in_sweep, int_setting, layer_objects, not_a_file,
+    LAYER_FLAGS, absolute_path, check_input_file, check_layer_settings, device_for, import_object, in_sweep, int_setting, layer_objects,
     invocation, launch, merge_curves_path, normalize_flags, overridden, percentile, print_table, provenance,
     refuse_empty_paths, refuse_unread_overrides, require_keys, shutdown, to_dict,
 )
@@ -785,8 +785,8 @@ def check_config(d: dict) -> None:
                              f"{scheduler_name(d['scheduler'])}: choose one of them, or drop it")
     if scheduler_name(d["scheduler"]) == "semantic" or uses_plan(d["layer"]):
         plan_path = semantic_plan_path(d)
-        if plan_path and not_a_file(plan_path):
-            raise FileNotFoundError(f"semantic plan {plan_path} {not_a_file(plan_path)}")
+        if plan_path:
+            check_input_file(plan_path, _plan_path_key(d), "a semantic plan (recipes/plan.py's plan file)")
         if not plan_path and d["router"]["name"] != "replay":
             raise ValueError("layer=semantic / scheduler=semantic need a plan: layer.plan_path=FILE, "
                              "scheduler={name:semantic,plan_path:FILE}, or router=replay (planned on the trace)")
@@ -898,9 +898,7 @@ def check_placement_file(d: dict, experts: int, ep: int, trace=None) -> None:
         raise ValueError(f"layer.placement_path={path}: layer={d['layer'].get('name')} takes its placement from its "
                          f"semantic plan (layer.plan_path); placement_path is for layers built by their constructor "
                          f"(vanilla, variability)")
-    if not_a_file(path):
-        raise FileNotFoundError(f"layer.placement_path={path} {not_a_file(path)}" +
-                                (" (name the assignment.npz in it)" if os.path.isdir(path) else ""))
+    check_input_file(path, "layer.placement_path", "placements (plan.py's assignment.npz: name the file in its run dir)")
     n = len(layer_placements(path, experts, ep))
     layers, whose = (trace.num_layers, f"the trace {d['trace']['path']}") if trace is not None else (
         int(d["model"]["num_layers"]), "the model (model.num_layers)")

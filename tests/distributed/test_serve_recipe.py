@@ -873,8 +873,15 @@ def test_serve_starts_in_a_planned_placement(tmp_path):
     np.savez(odd, expert_rank=np.concatenate([rows, rows, rows]))  # 6 layers for a 2-layer model
     with pytest.raises(ValueError, match=r"holds placements of 6 layers, the model \(model\.num_layers\) has 2"):
         serve.check_config(_config(f"layer.placement_path={odd}"))
-    with pytest.raises(FileNotFoundError, match="is a directory \\(name the assignment.npz in it\\)"):
+    with pytest.raises(IsADirectoryError, match="is a directory, not placements .*name the file in its run dir"):
         serve.check_config(_config(f"layer.placement_path={tmp_path}"))
+    os.mkfifo(tmp_path / "pipe")  # (serve said "does not exist", as for a semantic plan)
+    with pytest.raises(ValueError, match="layer.placement_path=.*pipe is not a regular file"):
+        serve.check_config(_config(f"layer.placement_path={tmp_path / 'pipe'}"))
+    with pytest.raises(ValueError, match="layer.plan_path=.*pipe is not a regular file .*names a semantic plan"):
+        serve.check_config(_config("layer=semantic", f"layer.plan_path={tmp_path / 'pipe'}"))
+    with pytest.raises(IsADirectoryError, match="scheduler.plan_path=.* is a directory, not a semantic plan"):
+        serve.check_config(_config("scheduler={name:semantic,plan_path:" + str(tmp_path) + "}"))
     with pytest.raises(ValueError, match=r"places 8 experts per layer, the model has 16"):
         serve.layer_placements(str(path), 16, 2)
     with pytest.raises(ValueError, match="takes its placement from its semantic plan"):
