@@ -75,6 +75,7 @@ METHODS = ("plain", "robust")
 MAX_SCENARIOS = 128  # robust: scenarios for E <= 64 ...
 MIN_SCENARIOS = 32  # ... and at least this many
 SCENARIO_WORK = MAX_SCENARIOS * 64 * 64  # N * E^2 kept at this for E > 64 (the work of one swap round)
+_CHUNK_FLOATS = 1 << 22  # refine: floats of the swap scores computed at once (32 MB)
 
 
 def objective(expert_rank: np.ndarray, x: np.ndarray, curves: LatencyCurves) -> float:
@@ -144,6 +145,8 @@ def refine(expert_rank: np.ndarray, x: np.ndarray, curves: LatencyCurves, *, min
     swaps of each pair of ranks ``a < b`` once, from the blocks ``(a, b)`` and ``(b, a)``, and a
     swap exchanges two slots' experts (the other ranks' columns of ``A`` trade places) and
     recomputes the rows of the two ranks. Ties go to the lowest ``(i, j)`` in expert order.
+    Memory: ``A`` (``8 E^2 S`` bytes: 1.1 GB for 256 experts and 2,048 steps) and a few hundred MB
+    of temporaries at most (pairs of ranks are scored in chunks).
 
     Args:
         expert_rank: ``[E]`` starting placement, ``E / R`` experts on every rank.
@@ -168,24 +171,33 @@ def refine(expert_rank: np.ndarray, x: np.ndarray, curves: LatencyCurves, *, min
                          f"{np.bincount(er.ravel(), minlength=num_r).tolist() if er.size and er.min() >= 0 else er}")
     xt = np.ascontiguousarray(x.T)  # [E, S]
     slot = np.argsort(er, kind="stable")  # slot -> expert, rank blocks of m
-    slot_rank = np.repeat(np.arange(num_r), m)
     rows = np.zeros((num_r, num_s))
     np.add.at(rows, er, xt)
     lat = curves.eval_ranks(rows.T, np.arange(num_r))  # [S, R]
     xs = xt[slot]
-    # A[k, l, s]: latency of slot k's rank if its expert is swapped for slot l's
-    A = curves.eval_ranks((rows[slot_rank] - xs)[:, None, :] + xs[None, :, :], slot_rank[:, None, None])
+    # A[k, l, s]: latency of slot k's rank if its expert is swapped for slot l's (built a rank's rows
+    # at a time, as after a swap: the [E, E, S] temporaries of one expression were 3x A's memory)
+    A = np.empty((num_e, num_e, num_s))
+
+    def rank_rows(r: int) -> None:
+        A[r * m:(r + 1) * m] = curves.eval_ranks((rows[r] - xs[r * m:(r + 1) * m])[:, None, :] + xs[None, :, :], r)
+
+    for r in range(num_r):
+        rank_rows(r)
     blocks = A.reshape(num_r, m, num_r, m, num_s)
     pa, pb = np.triu_indices(num_r, 1)
-    pair_of = np.full((num_r, num_r), -1)
-    pair_of[pa, pb] = np.arange(pa.size)
+    chunk = max(1, _CHUNK_FLOATS // (m * m * num_s))  # pairs scored at once: bounded temporaries
+    tot = np.empty((pa.size, m, m))
     f = float(lat.max(axis=1).sum())
     max_rounds = 1000 * num_e if max_rounds is None else max_rounds
     for _ in range(max_rounds if pa.size else 0):  # one rank: nothing to swap
         # tot[p, u, v]: F after swapping the u-th expert of rank pa[p] with the v-th of rank pb[p]
-        new = np.maximum(blocks[pa, :, pb], blocks[pb, :, pa].transpose(0, 2, 1, 3))  # [P, m, m, S]
-        np.maximum(new, _others_max(lat)[pa, pb][:, None, None, :], out=new)
-        tot = new.sum(axis=3)
+        others = _others_max(lat)
+        for c0 in range(0, pa.size, chunk):
+            ca, cb = pa[c0:c0 + chunk], pb[c0:c0 + chunk]
+            new = np.maximum(blocks[ca, :, cb], blocks[cb, :, ca].transpose(0, 2, 1, 3))  # [P', m, m, S]
+            np.maximum(new, others[ca, cb][:, None, None, :], out=new)
+            new.sum(axis=3, out=tot[c0:c0 + chunk])
         best = tot.min()
         if not f - best > max(min_gain * f, 0.0):  # a swap must gain something (F = 0: nothing to gain)
             break
@@ -204,8 +216,8 @@ def refine(expert_rank: np.ndarray, x: np.ndarray, curves: LatencyCurves, *, min
         f = float(lat.max(axis=1).sum())
         A[:, [k, l]] = A[:, [l, k]]  # the other ranks' rows: slots k and l traded experts
         xs = xt[slot]
-        for r in (a, b):
-            A[r * m:(r + 1) * m] = curves.eval_ranks((rows[r] - xs[r * m:(r + 1) * m])[:, None, :] + xs[None, :, :], r)
+        rank_rows(a)
+        rank_rows(b)
     return er, f
 
 

@@ -93,9 +93,13 @@ def _refine_by_scanning_all_swaps(er: np.ndarray, x: np.ndarray, curves: Latency
         er, f = best_er, best
 
 
-def test_refine_makes_the_swaps_of_a_scan_over_all_pairs() -> None:
+@pytest.mark.parametrize("chunk", ["default", "one pair"])
+def test_refine_makes_the_swaps_of_a_scan_over_all_pairs(chunk, monkeypatch) -> None:
     """The incremental, rank-blocked refinement applies exactly the swaps of the reference above, in
-    the same order (integer loads: every latency is computed from the same exact row count)."""
+    the same order (integer loads: every latency is computed from the same exact row count), whether
+    it scores all pairs of ranks at once or (a large layer's bounded memory) one pair at a time."""
+    if chunk == "one pair":
+        monkeypatch.setattr(gem_search, "_CHUNK_FLOATS", 1)
     rng = np.random.default_rng(11)
     for case in range(40):
         num_r, m, num_s = int(rng.integers(2, 5)), int(rng.integers(1, 5)), int(rng.integers(1, 7))
