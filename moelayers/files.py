@@ -21,7 +21,8 @@ from typing import BinaryIO
 
 import numpy as np
 
-__all__ = ["atomic_write", "check_format_version", "file_mode", "read_npz", "warn_unknown_entries"]
+__all__ = ["atomic_write", "check_format_version", "file_mode", "fsync_file", "fsync_folder", "read_npz",
+           "warn_unknown_entries"]
 
 # What a damaged zip member or .npy header raises while it is read (an encrypted member: RuntimeError,
 # an unknown compression method: NotImplementedError).
@@ -88,7 +89,7 @@ def _create_temp(folder: Path, name: str = "") -> tuple[int, Path]:
     raise FileExistsError(f"{folder}: cannot create a temporary file")
 
 
-def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, fsync: bool = False) -> Path:
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, fsync: bool = True) -> Path:
     """Write ``path`` all or nothing: ``write(f)`` fills a temporary file beside it, then it replaces ``path``.
 
     Like a plain ``open(path, "wb")``, a new file gets ``0o666 & ~umask``, an existing file keeps
@@ -98,8 +99,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
     Args:
         path: destination; its folder must exist.
         write: writes the content to the binary file object it is given.
-        fsync: flush the content to disk before the rename, and the folder after it (for files
-            that must survive a crash).
+        fsync: flush the content to disk before the rename, and the folder after it, so that a
+            crash or a power cut just after leaves the new file or the old one, never an empty one
+            (a few ms; ``False`` for scratch files).
 
     Returns:
         ``path`` as a ``Path``.
@@ -144,15 +146,32 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
         except OSError as e:
             raise _naming(e, path) from e
         if fsync:  # the rename itself lives in the folder
-            _fsync_folder(dest.parent)
+            fsync_folder(dest.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return path
 
 
-def _fsync_folder(folder: Path) -> None:
-    """Flush ``folder``'s entries to disk (where the platform can: not on Windows)."""
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush the content of the file at ``path`` (written by other code: ``np.savez``, a plot) to disk.
+
+    Raises:
+        OSError: the disk failed to take it (EIO, a full disk found late); a file system that
+            cannot flush (EINVAL) is passed over.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
+            raise OSError(e.errno, e.strerror, str(path)) from e
+    finally:
+        os.close(fd)
+
+
+def fsync_folder(folder: str | os.PathLike) -> None:
+    """Flush ``folder``'s entries (a rename into it) to disk (where the platform can: not on Windows)."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:

@@ -431,7 +431,7 @@ def save_trace(trace: RoutingTrace, path: str | os.PathLike, *, compress: bool =
     path = Path(path)
     trace.validate(source=str(path))
     arrays = {**trace.to_arrays(), "format_version": np.asarray(FILE_FORMAT, dtype=np.int64)}
-    atomic_write(path, lambda f: (np.savez_compressed if compress else np.savez)(f, **arrays), fsync=True)
+    atomic_write(path, lambda f: (np.savez_compressed if compress else np.savez)(f, **arrays))
 
 
 # ---- recording -------------------------------------------------------------------------------

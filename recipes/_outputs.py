@@ -475,7 +475,9 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
     a folder is refused before anything is written. (A failure of ``os.replace`` itself, e.g. a disk
     error mid-way, leaves the files moved before it, never a temporary file.) The ``optional`` files
     (plots: views of the data) are left out with a warning on stderr when their writer raises an
-    ``Exception``, and the rest is written: a plot that fails must not lose a finished run.
+    ``Exception``, and the rest is written: a plot that fails must not lose a finished run. Each
+    file is flushed to disk before the moves and the folder after them: a crash or a power cut just
+    after a run leaves its files whole (not empty ones in place of an earlier run's).
 
     Args:
         out_dir: destination folder (created if missing).
@@ -493,7 +495,7 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
     folders = [name for name in writers if (out / name).is_dir()]
     if folders:  # found before anything is written, not when the first files have been moved in
         raise IsADirectoryError(f"{out}: {', '.join(folders)} is a directory: cannot write the run's files there")
-    from moelayers.files import file_mode, temp_stem
+    from moelayers.files import file_mode, fsync_file, fsync_folder, temp_stem
 
     _remove_dead_temporaries(out, (*writers, *stale))
     mode = file_mode()
@@ -506,6 +508,7 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
             tmps[name] = Path(tmp)
             try:
                 write(tmps[name])
+                fsync_file(tmps[name])  # on disk before it replaces an earlier run's file (a crash, a power cut)
             except Exception as exc:
                 if name not in optional:
                     if isinstance(exc, OSError) and exc.errno is not None and _about_temporary(exc, tmps[name]):
@@ -541,6 +544,7 @@ def commit_files(out_dir: str | os.PathLike, writers: dict[str, Callable[[Path],
         finally:  # a failed move leaves no temporary file behind (before a held signal ends the process)
             for tmp in tmps.values():
                 tmp.unlink(missing_ok=True)
+    fsync_folder(out)  # the moves themselves
     for message in left_out:
         warn(message)
     return [out / name for name in tmps]

@@ -5,11 +5,13 @@ results.json beside the earlier run's plot, or a truncated PNG under its final n
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -234,6 +236,37 @@ def test_a_killed_runs_temporary_files_are_removed_by_the_next_commit(in_dir, he
     left = sorted(p.name for p in tmp_path.iterdir() if p.name != RUN_LOCK)
     assert left == sorted([".notes.txt.abc.tmp", fresh.name, "results.json", mine.name]
                           + ([] if held else [dead.name, nested.name]))
+
+
+def test_commit_files_flushes_each_file_before_the_moves_and_the_folder_after(tmp_path, monkeypatch):
+    """Outputs other than save_trace's were not fsynced: a crash just after a run could leave an
+    empty results.json in place of an earlier run's. Each file's content is flushed before any move,
+    the folder after the moves; an I/O error of the flush fails the set, naming the output."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        st = os.fstat(fd)
+        events.append(("fsync", "dir" if stat.S_ISDIR(st.st_mode) else st.st_size))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("move", Path(dst).name))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    commit_files(tmp_path, {"plan.npz": lambda p: p.write_bytes(b"12345"), "report.json": lambda p: p.write_text("{}")})
+    assert events == [("fsync", 5), ("fsync", 2), ("move", "plan.npz"), ("move", "report.json"), ("fsync", "dir")]
+
+    def eio(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", eio)
+    with pytest.raises(OSError, match=re.escape(f"{tmp_path / 'report.json'}: cannot write (Input/output error)")):
+        commit_files(tmp_path, {"report.json": lambda p: p.write_text('{"new": 1}')})
+    assert (tmp_path / "report.json").read_text() == "{}"  # the earlier run's file stays
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.npz", "report.json"]  # no temporary file
 
 
 def test_a_failing_optional_plot_is_left_out_and_the_run_written(tmp_path, capsys):
