@@ -9,6 +9,7 @@ import os
 import re
 from pathlib import Path
 
+from moelayers.files import atomic_write
 from recipes._common import plan_fraction_setting, print_grid
 from recipes._outputs import BENCH_STORE_MARK, commit_files, is_bench_record, write_json
 from recipes._plots import plot_bench
@@ -83,11 +84,23 @@ def save_records(records: list[dict], out_dir: str, save_to: str | None, plot: b
         paths += [str(p) for p in commit_files(out_dir, {"bench.png": lambda path: plot_bench(records, path)},
                                                optional=("bench.png",))]
     if save_to:  # after every record is in the run dir; each written atomically, as there
-        paths += [str(write_json(_unclaimed(save_to, name, r), r)) for name, r in zip(names, records)]
         mark = Path(save_to) / BENCH_STORE_MARK  # (a run dir there, which would remove records, is refused)
-        if not mark.exists():
-            mark.write_text("This folder keeps recipes/bench.py records (bench.save_to): the recipes refuse it as a "
-                            "run dir (hydra.run.dir).\n")
+        copied: list[str] = []
+        try:
+            mark.parent.mkdir(parents=True, exist_ok=True)
+            if not mark.exists():  # first: a folder with some records copied is marked as a store too
+                atomic_write(mark, lambda f: f.write(b"This folder keeps recipes/bench.py records (bench.save_to): "
+                                                     b"the recipes refuse it as a run dir (hydra.run.dir).\n"))
+            for name, r in zip(names, records):
+                copied.append(str(write_json(_unclaimed(save_to, name, r), r)))
+        except OSError as exc:
+            if exc.errno is None:
+                raise
+            left = names[len(copied):]
+            raise OSError(exc.errno, f"{exc.strerror or exc}: bench.save_to={save_to}: {len(copied)} of "
+                                     f"{len(names)} records copied; every record is in the run dir {out_dir}: copy "
+                                     f"{', '.join(left)} from there") from exc
+        paths += copied
     return paths
 
 

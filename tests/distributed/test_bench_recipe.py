@@ -578,6 +578,32 @@ def test_save_to_is_written_atomically(tmp_path, monkeypatch):
     assert not saved.exists() or json.loads(saved.read_text()) == rec  # all or nothing
 
 
+def test_save_to_filling_up_names_the_records_left_to_copy(tmp_path, monkeypatch):
+    """A full disk in bench.save_to after the first record: the folder is marked as a record store
+    all the same, and the error says which records to copy from the run dir (all of them are there)."""
+    import errno
+
+    import recipes._bench_records as records
+
+    real = records.write_json
+
+    def full_disk(path, obj):
+        if "saved" in str(path) and "t32" in str(path):
+            raise OSError(errno.ENOSPC, f"{path}: cannot write (No space left on device)")
+        return real(path, obj)
+
+    monkeypatch.setattr(records, "write_json", full_disk)
+    recs = [{"device_name": "cpu", "layer": "vanilla", "shape_name": "s", "tokens_per_rank": t, "world_size": 2,
+             "ep": 2, "mode": "eager", "ms": 1.0} for t in (16, 32)]
+    with pytest.raises(OSError, match=r"No space left on device\): bench.save_to=.*saved: 1 of 2 records copied; "
+                                      r"every record is in the run dir .*run: copy vanilla_s_t32_ws2_cpu.json from there"):
+        records.save_records(recs, str(tmp_path / "run"), str(tmp_path / "saved"))
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if not p.name.startswith(".")) == [
+        "vanilla_s_t16_ws2_cpu.json", "vanilla_s_t32_ws2_cpu.json"]
+    saved = sorted(p.name for p in (tmp_path / "saved").iterdir())
+    assert saved == sorted([records.BENCH_STORE_MARK, "vanilla_s_t16_ws2_cpu.json"])
+
+
 def test_save_to_keeps_a_record_of_other_settings_under_the_same_name(tmp_path, capsys):
     """Found by a sweep: a changed shape field (bench.shape.hidden_size=128), seed or
     bench.inference_mode left the file name alone, so bench.save_to replaced one configuration's
