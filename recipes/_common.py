@@ -486,9 +486,9 @@ _GIT_REPOSITORY_VARS = frozenset({
 
 
 def _source_commit() -> dict:
-    """``{"commit", "dirty"}`` of the git checkout moelayers is imported from (``None`` for an
-    installed copy: a checkout around the install, say a project holding its virtualenv, is not
-    moelayers')."""
+    """``{"commit", "dirty"}`` of the git checkout moelayers is imported from, or of the ``git
+    archive`` it was unpacked from (``dirty`` then ``None``: unknown); ``None`` for an installed
+    copy (a checkout around the install, say a project holding its virtualenv, is not moelayers')."""
     import subprocess
 
     import moelayers
@@ -500,11 +500,24 @@ def _source_commit() -> dict:
             return subprocess.run(["git", "-C", source, *args], capture_output=True, text=True, timeout=10,
                                   check=True, env=env).stdout.strip()
 
-        if os.path.realpath(git("rev-parse", "--show-toplevel")) != os.path.realpath(source):
-            return {"commit": None, "dirty": None}
-        return {"commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+        if os.path.realpath(git("rev-parse", "--show-toplevel")) == os.path.realpath(source):
+            return {"commit": git("rev-parse", "HEAD"),
+                    "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
     except (OSError, subprocess.SubprocessError):  # no git, not a checkout
-        return {"commit": None, "dirty": None}
+        pass
+    return {"commit": _archived_commit(source), "dirty": None}
+
+
+def _archived_commit(source: str) -> str | None:
+    """The commit ``git archive`` wrote into ``source/.git_archival.txt`` (its ``export-subst``
+    attribute), or ``None``: no such file (an installed copy), or a checkout's unexpanded one."""
+    try:
+        with open(os.path.join(source, ".git_archival.txt"), encoding="utf-8") as f:
+            text = f.read(4096)
+    except (OSError, ValueError):
+        return None
+    found = re.search(r"^commit: ([0-9a-f]{40,64})$", text, flags=re.M)
+    return found.group(1) if found else None
 
 
 def chosen_options() -> dict[str, str]:

@@ -55,6 +55,29 @@ def test_an_installed_copy_inside_another_checkout_names_no_commit(tmp_path, mon
     assert _common._source_commit() == {"commit": None, "dirty": None}
 
 
+def test_a_git_archive_names_its_commit(tmp_path, monkeypatch):
+    """A copy unpacked from ``git archive`` (a release tarball, the GPU machines' snapshots) recorded
+    ``commit: null``: .git_archival.txt carries the commit (export-subst), ``dirty`` unknown."""
+    if not shutil.which("git"):
+        pytest.skip("needs git")
+    repo = Path(_common.__file__).resolve().parents[1]
+    if not (repo / ".git").exists():
+        pytest.skip("needs the moelayers checkout")
+    head = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    archive = subprocess.run(["git", "-C", str(repo), "archive", "HEAD", ".git_archival.txt", "moelayers/__init__.py"],
+                             capture_output=True, check=True).stdout
+    import io
+    import tarfile
+
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(tmp_path, filter="data")
+    monkeypatch.setattr(moelayers, "__file__", str(tmp_path / "moelayers" / "__init__.py"))
+    assert _common._source_commit() == {"commit": head, "dirty": None}
+    (tmp_path / ".git_archival.txt").write_text("commit: $Format:%H$\n")  # a checkout's own, unexpanded
+    assert _common._source_commit() == {"commit": None, "dirty": None}
+
+
 def test_no_git_names_no_commit(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     assert _common._source_commit() == {"commit": None, "dirty": None}
