@@ -171,7 +171,15 @@ class MoELayerBase(LayerWeights, nn.Module):
                              f"got {seed!r}")
         seed = int(seed)
         self._layer_number = _check_layer_number(layer_number)
-        placement = placement or ExpertPlacement.linear(config.num_experts, groups.ep_size)
+        if placement is None:
+            if config.num_experts % groups.ep_size:
+                raise ValueError(
+                    f"the default (linear) placement needs num_experts ({config.num_experts}) divisible by the "
+                    f"{groups.ep_size} expert-parallel ranks; pass a placement that spreads them unevenly, e.g. "
+                    f"placement=ExpertPlacement.from_expert_rank(torch.arange({config.num_experts}) % "
+                    f"{groups.ep_size}, num_ranks={groups.ep_size}) (ranks may hold different numbers of experts, "
+                    f"or none)")
+            placement = ExpertPlacement.linear(config.num_experts, groups.ep_size)
         self._check_placement(placement, config, groups)
         if dispatcher not in DISPATCHERS:
             hint = ("; DeepEP's dispatcher is not part of this version of moelayers (its all-to-all dispatcher "

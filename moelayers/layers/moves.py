@@ -168,9 +168,14 @@ def check_new_placement(old: ExpertPlacement, new: Any) -> None:
                        ("slots per rank", old.slots_per_rank, new.slots_per_rank)):
         if a != b:
             hint = ""
-            if what == "slots per rank":  # (a layer's slots are its buffers: fixed when it is built)
+            if what == "slots per rank" and b > a:  # (a layer's slots are its buffers: fixed when it is built)
                 hint = (f" (a layer keeps the slots it was built with: for replicas, build it with spare slots, e.g. "
-                        f"placement=ExpertPlacement.linear({old.num_experts}, {old.num_ranks}, slots_per_rank={b}))")
+                        f"placement=ExpertPlacement.from_expert_rank(expert_rank, num_ranks={old.num_ranks}, "
+                        f"slots_per_rank={b}))")
+            elif what == "slots per rank":
+                hint = (f" (a layer keeps the slots it was built with: give the new placement {a} slots per rank, "
+                        f"the extra ones empty (-1), e.g. ExpertPlacement.from_expert_rank(expert_rank, "
+                        f"num_ranks={old.num_ranks}, slots_per_rank={a}))")
             raise ValueError(f"the new placement has {b} {what}, the layer's has {a}{hint}")
     new.validate()
 

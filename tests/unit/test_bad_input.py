@@ -455,11 +455,43 @@ def test_replica_policy_must_be_callable_and_return_slots():
 
 
 def test_a_placement_with_other_slots_per_rank_says_how_to_make_room():
+    """More slots: build the layer with them (a hint that works for any E and R, where linear() needs
+    E divisible by R); fewer: pad the new placement with empty slots (the hint pointed the other way)."""
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
     m = ml.VanillaMoE(cfg, ml.ParallelGroups.single())
     with pytest.raises(ValueError, match=r"has 5 slots per rank, the layer's has 4 \(a layer keeps the slots it was "
-                                         r"built with: .*placement=ExpertPlacement\.linear\(4, 1, slots_per_rank=5\)\)"):
+                                         r"built with: for replicas, build it with spare slots, e\.g\. placement="
+                                         r"ExpertPlacement\.from_expert_rank\(expert_rank, num_ranks=1, "
+                                         r"slots_per_rank=5\)\)"):
         m.apply_placement(ml.ExpertPlacement.linear(4, 1, slots_per_rank=5))
+    roomy = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), placement=ml.ExpertPlacement.linear(4, 1, slots_per_rank=6))
+    with pytest.raises(ValueError, match=r"has 4 slots per rank, the layer's has 6 \(.*give the new placement 6 slots "
+                                         r"per rank, the extra ones empty \(-1\), e\.g\. ExpertPlacement\."
+                                         r"from_expert_rank\(expert_rank, num_ranks=1, slots_per_rank=6\)\)"):
+        roomy.apply_placement(ml.ExpertPlacement.linear(4, 1))
+    roomy.apply_placement(ml.ExpertPlacement.from_expert_rank(torch.zeros(4, dtype=torch.long), num_ranks=1,
+                                                              slots_per_rank=6))  # as the hint says
+
+
+def test_the_default_placement_says_how_to_spread_experts_unevenly():
+    """E not divisible by the ranks: 'linear placement needs ... divisible' did not say it was the
+    default placement, nor that uneven placements (ranks without experts too) are served."""
+    from moelayers.testing import run_distributed
+
+    run_distributed(_uneven_default, 3)
+
+
+def _uneven_default(rank, world):
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=7, top_k=2, params_dtype=torch.float64)
+    groups = ml.ParallelGroups.from_world()
+    with pytest.raises(ValueError, match=r"the default \(linear\) placement needs num_experts \(7\) divisible by the "
+                                         r"3 expert-parallel ranks; .*from_expert_rank\(torch\.arange\(7\) % 3, "
+                                         r"num_ranks=3\)"):
+        ml.VanillaMoE(cfg, groups)
+    m = ml.VanillaMoE(cfg, groups, placement=ml.ExpertPlacement.from_expert_rank(torch.arange(7) % 3, num_ranks=3))
+    x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    w = m.export_full_weights()
+    torch.testing.assert_close(m(x), ml.reference.moe_forward(x, *w, cfg), rtol=1e-12, atol=1e-12)
 
 
 def _overflow_on_one_rank(rank, world, check_finite, served_before=True):
