@@ -115,6 +115,9 @@ def moe_forward(
         if forced.numel() and (forced.min() < 0 or forced.max() >= config.num_experts):
             raise ValueError(f"topk_ids must be in [0, {config.num_experts}), got ids in "
                              f"[{int(forced.min())}, {int(forced.max())}]")
+    if x2.shape[0] == 0:  # no token: an empty output on the graph all the same (zero gradients), as the layers'
+        tied = (logits.sum() + w13.sum() + w2.sum()).to(x.dtype)
+        return (x2 + 0 * tied).view(shape)
     ids, weights = _routing(logits, config, forced)
     weights = weights.to(x.dtype)
     y = torch.zeros_like(x2)

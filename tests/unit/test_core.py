@@ -980,3 +980,20 @@ def test_solve_dp_refuses_no_restarts():
 
     with pytest.raises(ValueError, match="restarts must be an int >= 1, got 0"):
         solve_dp(np.ones((4, 2, 4)), np.ones((2, 4)), 2, np.random.default_rng(0), restarts=0)
+
+
+def test_reference_of_no_tokens_is_on_the_graph_like_the_layers_output():
+    """A rank without tokens summed its reference loss into a global one: the reference's empty
+    output was outside autograd ('element 0 of tensors does not require grad'), the layer's was not."""
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single())
+    router, w13, w2 = (w.clone().requires_grad_(True) for w in layer.export_full_weights())
+    x = torch.zeros(0, 8, dtype=torch.float64, requires_grad=True)
+    y = ml.reference.moe_forward(x, router, w13, w2, cfg)
+    assert y.shape == (0, 8) and y.grad_fn is not None
+    y.sum().backward()
+    assert x.grad.shape == (0, 8)
+    assert all(w.grad is not None and not w.grad.any() for w in (router, w13, w2))
+    y3 = ml.reference.moe_forward(torch.zeros(0, 2, 8, dtype=torch.float64), router, w13, w2, cfg)
+    assert y3.shape == (0, 2, 8)
+    layer(x).sum().backward()  # the layer's too
