@@ -139,9 +139,17 @@ def check_config(d: dict) -> tuple[str, int, str, int, float]:
     tps, frac = int_setting(tc.get("tokens_per_step", 2048), "trace.tokens_per_step", 1), tc.get("train_fraction", 0.5)
     if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0.0 < frac < 1.0:
         raise ValueError(f"trace.train_fraction must be a number in (0, 1), got {frac!r}")
+    problems = []  # every one of them in one message (the second came after the synthetic trace was drawn)
     if mode == "tp" and tps % ep:
-        raise ValueError(f"trace.tokens_per_step ({tps}) must be divisible by parallel.ep ({ep}) in mode=tp: "
-                         "every rank receives tokens_per_step / ep tokens of each batch")
+        problems.append(f"trace.tokens_per_step ({tps}) must be divisible by parallel.ep ({ep}) in mode=tp: "
+                        f"every rank receives tokens_per_step / ep tokens of each batch (e.g. "
+                        f"trace.tokens_per_step={tps - tps % ep or ep})")
+    experts = tc.get("num_experts")
+    if not tc.get("path") and isinstance(experts, int) and not isinstance(experts, bool) and experts > 0 and experts % ep:
+        problems.append(f"trace.num_experts ({experts}) of the synthetic trace must be divisible by parallel.ep ({ep}) "
+                        f"(e.g. trace.num_experts={experts - experts % ep or ep})")
+    if problems:
+        raise ValueError("; ".join(problems))
     if tc.get("path"):
         shaped = overridden([f"trace.{k}" for k in SYNTHETIC_KEYS])
         if shaped:

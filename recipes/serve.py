@@ -845,7 +845,10 @@ def check_config(d: dict) -> None:
     if experts % ep:
         source = f"trace.path={d['trace']['path']} has" if trace is not None else "model.num_experts:"
         default = " (parallel.ep defaults to parallel.world_size)" if d["parallel"].get("ep") is None else ""
-        raise ValueError(f"{source} {experts} experts per layer, which do not split over parallel.ep={ep} ranks{default}")
+        hint = (f"model.num_experts={experts - experts % ep or ep} or {experts + ep - experts % ep}" if trace is None
+                else f"parallel.ep={math.gcd(experts, world)}")  # (the recipe serves linear placements only)
+        raise ValueError(f"{source} {experts} experts per layer, which do not split over parallel.ep={ep} ranks{default}: "
+                         f"e.g. {hint}")
     if plan_path:
         check_plan_file(d, plan_path, trace)
     check_placement_file(d, experts, ep, trace)

@@ -515,6 +515,15 @@ def test_config_errors(trace_file, tmp_path):
     expect_failure(trace_file, tmp_path, {}, r"trace\.tokens_per_step \(256\) must be divisible by parallel\.ep \(3\)",
                    "parallel.ep=3")
     expect_failure(trace_file, tmp_path, {}, "mode must be one of", "mode=ep")
+    from recipes.plan import check_config  # a synthetic trace's shape: both mistakes at once, before it is drawn
+
+    synthetic = config(tmp_path / "run", trace_file, "planner=gem", "parallel.ep=3")
+    del synthetic["trace"]["path"]
+    with pytest.raises(ValueError, match=r"trace\.tokens_per_step \(256\) must be divisible by parallel\.ep \(3\) in "
+                                         r"mode=tp: .*\(e\.g\. trace\.tokens_per_step=255\); trace\.num_experts \(64\) of the "
+                                         r"synthetic trace must be divisible by parallel\.ep \(3\) \(e\.g\. "
+                                         r"trace\.num_experts=63\)$"):
+        check_config(synthetic)
     expect_failure(trace_file, tmp_path, {}, r"parallel\.ep must be an integer >= 1, got 2\.7", "parallel.ep=2.7")
     expect_failure(trace_file, tmp_path, {}, r"trace\.tokens_per_step must be an integer >= 1, got 64\.9",
                    "trace.tokens_per_step=64.9")

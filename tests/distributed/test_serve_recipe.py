@@ -253,7 +253,8 @@ def test_serve_bad_input_writes_nothing_in_the_run_dir(tmp_path):
     (("seed=-1",), r"seed must be an integer >= 0, got -1"),  # numpy's bare "expected non-negative integer"
     (("router=replay", "trace.seq_len=[48,16]"), r"trace\.seq_len \[lo, hi\] needs lo <= hi"),
     (("router=replay", "trace.num_sequences=2.5"), r"trace\.num_sequences must be an integer >= 1, got 2\.5"),
-    (("model.num_experts=7",), r"model\.num_experts: 7 experts per layer, which do not split over parallel\.ep=2"),
+    (("model.num_experts=7",), r"model\.num_experts: 7 experts per layer, which do not split over parallel\.ep=2 "
+                               r"ranks \(parallel\.ep defaults to parallel\.world_size\): e\.g\. model\.num_experts=6 or 8"),
     # the scheduler planned over 4 ranks, the layers over 2: LAR below round robin's, silently
     (("parallel.world_size=4", "parallel.ep=2", "layer=semantic", "scheduler=semantic", "router=replay"),
      r"scheduler=semantic .* parallel\.ep must be null or the world size \(4\), got 2"),
@@ -278,7 +279,7 @@ def test_serve_trace_file_checks(tmp_path):
                             rng.integers(0, 100, size=20).astype(np.int64), np.array([0, 10, 20]), 3,
                             vocab_size=100), path)
     with pytest.raises(ValueError, match=rf"trace\.path={path} has 3 experts per layer, which do not split over "
-                                         r"parallel\.ep=2 ranks"):
+                                         r"parallel\.ep=2 ranks.*: e\.g\. parallel\.ep=1$"):
         serve.check_config(_config("router=replay", f"trace.path={path}"))
     serve.check_config(_config("router=replay", f"trace.path={path}", "parallel.world_size=1"))
     with pytest.raises(ValueError, match=r"trace\.num_sequences=4 sizes the synthetic trace; with trace\.path"):
