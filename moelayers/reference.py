@@ -61,7 +61,7 @@ def _check_inputs(x, router_weight, w13, w2, config: MoEConfig, topk_ids) -> Non
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if x.dim() not in (2, 3) or x.shape[-1] != h:
-        raise ValueError(f"x must be [T, {h}] or [S, B, {h}], got {list(x.shape)}")
+        raise ValueError(f"x must be [T, {h}], [S, B, {h}] or [B, S, {h}], got {list(x.shape)}")
     for name, t, want in (("router_weight", router_weight, (e, h)), ("w13", w13, (e, 2 * f, h)), ("w2", w2, (e, h, f))):
         if tuple(t.shape) != want:
             raise ValueError(f"{name} must be {list(want)} for this config (E={e}, H={h}, F={f}), got {list(t.shape)}")
@@ -83,11 +83,11 @@ def moe_forward(
     """Dense MoE forward: ``y = sum_k w_k * expert_{id_k}(x)``, computed in ``x.dtype``.
 
     Args:
-        x: ``[T, H]`` or ``[S, B, H]``.
+        x: ``[T, H]``, ``[S, B, H]`` or ``[B, S, H]``.
         router_weight: ``[E, H]``; w13: ``[E, 2F, H]``; w2: ``[E, H, F]`` (logical order).
         config: routing configuration.
-        topk_ids: optional forced ``[T, K]`` expert choice (as in trace replay); ``[S, B, K]``
-            for ``[S, B, H]`` hidden states.
+        topk_ids: optional forced ``[T, K]`` expert choice (as in trace replay), or laid out like
+            ``x`` (``[S, B, K]`` for ``[S, B, H]`` hidden states).
 
     Returns:
         Same shape as ``x``.

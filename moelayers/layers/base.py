@@ -411,9 +411,11 @@ class MoELayerBase(LayerWeights, nn.Module):
         """MoE forward.
 
         Args:
-            x: ``[T, H]`` or ``[S, B, H]`` hidden states in ``params_dtype`` on the layer's device
-                (or in autocast's dtype while ``torch.autocast`` is on: cast to ``params_dtype``).
-            token_ids: optional ``[T]`` (or ``[S, B]``) token ids, flattened like ``x``.
+            x: ``[T, H]``, ``[S, B, H]`` or ``[B, S, H]`` hidden states (tokens are independent: any
+                leading layout) in ``params_dtype`` on the layer's device (or in autocast's dtype while
+                ``torch.autocast`` is on: cast to ``params_dtype``).
+            token_ids: optional ``[T]`` token ids, or shaped like ``x`` without its last dimension
+                (``[S, B]`` for ``[S, B, H]``, ``[B, S]`` for ``[B, S, H]``).
             topk_ids: optional forced routing of this forward (as :meth:`force_routing`, but an
                 argument: activation checkpointing hands it to the recomputation with ``x``, so a
                 checkpointed block may make the layer's input itself; like ``x``, it must not be
@@ -789,7 +791,8 @@ class MoELayerBase(LayerWeights, nn.Module):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() not in (2, 3) or x.shape[-1] != cfg.hidden_size:
-            raise ValueError(f"{name} must be [T, {cfg.hidden_size}] or [S, B, {cfg.hidden_size}], got {list(x.shape)}")
+            raise ValueError(f"{name} must be [T, {cfg.hidden_size}], [S, B, {cfg.hidden_size}] or [B, S, {cfg.hidden_size}], "
+                             f"got {list(x.shape)}")
         x = self._from_autocast(x, name)
         if x.device != self.router.weight.device:
             hint = (": it was built on the meta device; call to_empty(device=...) and load or reset its weights first"

@@ -222,8 +222,8 @@ class VariabilityAwareMoE(MoELayerBase):
         """The base forward, then record this step's expert loads (and re-plan when due).
 
         Args:
-            x: ``[T, H]`` or ``[S, B, H]``; token_ids: optional ``[T]`` / ``[S, B]``; topk_ids:
-                optional forced routing (see :meth:`MoELayerBase.forward`).
+            x: ``[T, H]``, ``[S, B, H]`` or ``[B, S, H]``; token_ids: optional, ``[T]`` or laid out
+                like ``x``; topk_ids: optional forced routing (see :meth:`MoELayerBase.forward`).
 
         Returns:
             ``y`` with the shape of ``x``.

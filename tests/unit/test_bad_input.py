@@ -970,7 +970,7 @@ def test_the_reference_refuses_what_the_layers_refuse():
         moe_forward(x, rw[:3], w13[:3], w2[:3], cfg)
     with pytest.raises(ValueError, match=r"w13 must be \[4, 8, 8\] for this config \(E=4, H=8, F=4\), got \[4, 12, 8\]"):
         moe_forward(x, rw, torch.randn(4, 12, 8), torch.randn(4, 8, 6), cfg)
-    with pytest.raises(ValueError, match=r"x must be \[T, 8\] or \[S, B, 8\], got \[3, 7\]"):
+    with pytest.raises(ValueError, match=r"x must be \[T, 8\], \[S, B, 8\] or \[B, S, 8\], got \[3, 7\]"):
         moe_forward(x[:, :7], rw, w13, w2, cfg)
     with pytest.raises(TypeError, match="x must be a torch.Tensor, got ndarray"):
         moe_forward(np.zeros((3, 8), dtype=np.float32), rw, w13, w2, cfg)
