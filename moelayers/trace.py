@@ -453,6 +453,23 @@ def _batch_of(module: nn.Module, x: Any) -> np.ndarray | tuple[int, int] | None:
     return None
 
 
+def _continues_cache(kwargs: dict) -> bool:
+    """Whether a model forward's keyword arguments say it continues cached sequences (a Hugging
+    Face-style decode step): a ``cache_position`` starting after 0, or a ``past_key_values`` cache
+    holding tokens already."""
+    position = kwargs.get("cache_position")
+    if isinstance(position, torch.Tensor) and position.numel():
+        return int(position.reshape(-1)[0]) > 0
+    cache = kwargs.get("past_key_values")
+    if cache is None:
+        return False
+    length = getattr(cache, "get_seq_length", None)
+    try:
+        return bool(length() > 0) if callable(length) else bool(len(cache))
+    except Exception:  # a cache of another kind: not told apart
+        return False
+
+
 def _untagged_sequences(batch: np.ndarray | tuple[int, int] | None, token_ids: np.ndarray) -> np.ndarray:
     """``[T]`` the sequence (0, 1, ...) of each token of an untagged forward: the rows of ``[B, S]``
     ids when the layers saw them row by row, their columns when column by column (a model that
@@ -519,12 +536,15 @@ class TraceRecorder:
 
     Sequences: ``tag(seq_ids)`` before a forward gives each of its ``T`` tokens a sequence key
     (any hashable). An untagged forward is new sequences, read from the model's first positional
-    argument: integer ``[B, S]`` token ids (``TinyDecoder(input_ids)``, a Hugging Face-style model)
-    are ``B`` sequences, one per row, when the MoE layers saw the ids row by row (one per column
-    when they saw them column by column, as in a model that runs sequence position first); a MoE
-    layer recorded as the model itself takes ``[S, B, H]`` input as ``B`` sequences, one per column;
-    anything else (``[T, H]``, keyword inputs, ids the layers saw in another order,
-    ``TinyDecoder.step``) is one sequence (a forward of no tokens: none). Tokens of a sequence keep
+    argument or its ``input_ids=`` keyword: integer ``[B, S]`` token ids (``TinyDecoder(input_ids)``,
+    a Hugging Face-style model) are ``B`` sequences, one per row, when the MoE layers saw the ids row
+    by row (one per column when they saw them column by column, as in a model that runs sequence
+    position first); a MoE layer recorded as the model itself takes ``[S, B, H]`` input as ``B``
+    sequences, one per column; anything else (``[T, H]``, other keyword inputs, ids the layers saw
+    in another order, ``TinyDecoder.step``) is one sequence (a forward of no tokens: none). An
+    untagged forward given a cache of earlier tokens (a ``cache_position`` starting after 0, or a
+    non-empty ``past_key_values``: the decode steps of Hugging Face's ``generate``) continues the
+    previous untagged forward's sequences row by row when it has as many. Tokens of a sequence keep
     the order they were seen in; sequences are ordered by first appearance.
 
     Example::
@@ -559,6 +579,8 @@ class TraceRecorder:
         self._finished = False
         self._result: RoutingTrace | None = None
         self._pending_tag: list[Hashable] | None = None
+        self._continues = False  # this forward continues the last one's sequences (a cache passed: a decode step)
+        self._rows: np.ndarray | None = None  # the last untagged forward's sequence codes, row by row
         self._in_forward = False  # a model forward started and has not recorded all its MoE layers yet
         self._batch: Any = None  # what tells the model input's sequences, for an untagged forward
         self._dropped = 0  # forwards dropped after some (not all) of their MoE layers were recorded
@@ -592,7 +614,7 @@ class TraceRecorder:
                              "(mode='dp'): the same weights and inputs route the same (up to rounding)")
         self._names, self.layers = [n for n, _ in named], [m for _, m in named]
         try:
-            self._handles.append(self.model.register_forward_pre_hook(self._on_model_forward))
+            self._handles.append(self.model.register_forward_pre_hook(self._on_model_forward, with_kwargs=True))
             for index, layer in enumerate(self.layers):
                 self._handles.append(layer.register_forward_hook(self._make_hook(index)))
             # after the layer hooks: when the model is itself a MoE layer, its forward hooks run in
@@ -662,7 +684,7 @@ class TraceRecorder:
                                 "each token's sequence key must be hashable (e.g. an int, str or tuple)") from None
         self._pending_tag = keys
 
-    def _on_model_forward(self, module: nn.Module, args: Any) -> None:
+    def _on_model_forward(self, module: nn.Module, args: Any, kwargs: dict) -> None:
         # a deep copy of the model carries these hooks (and the layers' closures): not ours to record;
         # activation checkpointing re-runs the forward: recorded once already
         if not self._active or module is not self.model or in_backward():
@@ -670,7 +692,8 @@ class TraceRecorder:
         if self._in_forward:  # the last model forward raised part-way (and nothing was tagged since)
             self._drop_broken_forward()
         self._in_forward = True
-        self._batch = _batch_of(module, args[0] if args else None)
+        self._batch = _batch_of(module, args[0] if args else kwargs.get("input_ids"))
+        self._continues = _continues_cache(kwargs)
 
     def _on_model_return(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self._active or module is not self.model or in_backward():
@@ -745,10 +768,17 @@ class TraceRecorder:
                 raise ValueError(f"TraceRecorder: {self._where(i)} saw different token ids than {self._where(given[0][0])} in forward {index}")
         keys, self._pending_tag = self._pending_tag, None
         batch, self._batch = self._batch, None
+        continues, self._continues = self._continues, False
+        rows, self._rows = self._rows, None
         if keys is None:  # untagged: the model input's sequences where the layers' token order shows them
             seq = _untagged_sequences(batch, given[0][1])
-            codes = self._next_code + seq.astype(np.int64)
-            self._next_code += int(seq.max(initial=-1)) + 1
+            count = int(seq.max(initial=-1)) + 1
+            if continues and rows is not None and rows.size == count:  # a decode step: the same rows go on
+                codes = rows[seq]
+            else:
+                codes = self._next_code + seq.astype(np.int64)
+                self._next_code += count
+            self._rows = np.unique(codes) if count else None  # (in row order: fresh codes ascend with rows)
         elif len(keys) != num_tokens:
             raise ValueError(f"TraceRecorder: tag() gave {len(keys)} sequence keys but forward {index} had T = {num_tokens} tokens")
         else:

@@ -456,6 +456,44 @@ def test_untagged_batches_are_one_sequence_per_row_or_column() -> None:
     np.testing.assert_array_equal(rec.result.seq_offsets, [0, 3, 6, 8, 10])
 
 
+def test_hugging_face_style_keywords_and_decode_steps_keep_their_sequences() -> None:
+    """A journey with a Hugging Face model: model(input_ids=ids) recorded one sequence of B x S
+    tokens, and generate()'s decode steps ([B, 1] ids with a cache) a new sequence each step: 3
+    prompts of 11 tokens and 3 steps gave [33, 3, 3, 3] instead of [14, 14, 14]."""
+    moe = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=8, top_k=2)
+
+    class HFStyle(nn.Module):  # HF's calling convention: keywords, a cache position on decode steps
+        def __init__(self):
+            super().__init__()
+            self.emb, self.moe = nn.Embedding(100, 16), ml.VanillaMoE(moe, ml.ParallelGroups.single(), seed=0)
+
+        def forward(self, input_ids=None, past_key_values=None, cache_position=None):
+            return self.moe(self.emb(input_ids), token_ids=input_ids)
+
+    class Cache:  # the part of transformers' Cache the recorder reads
+        def __init__(self, n):
+            self.n = n
+
+        def get_seq_length(self):
+            return self.n
+
+    model = HFStyle()
+    prompts = torch.tensor([[1, 2, 3], [11, 12, 13]])
+    with torch.no_grad(), TraceRecorder(model) as rec:
+        model(input_ids=prompts, cache_position=torch.arange(3))  # prefill: two sequences
+        for step in range(2):  # decode: each continues its row
+            model(input_ids=torch.tensor([[4 + step], [14 + step]]), cache_position=torch.tensor([3 + step]))
+        model(input_ids=torch.tensor([[21, 22], [31, 32]]), past_key_values=Cache(0))  # a new batch: new sequences
+        model(input_ids=torch.tensor([[23], [33]]), past_key_values=Cache(2))  # continues it
+        model(input_ids=torch.tensor([[40], [41], [42]]), cache_position=torch.tensor([9]))  # other rows: new
+        rec.tag(["t", "t"])
+        model(input_ids=torch.tensor([[50, 51]]))
+        model(input_ids=torch.tensor([[60], [61]]), cache_position=torch.tensor([5]))  # after a tag: new
+    np.testing.assert_array_equal(rec.result.token_ids, [1, 2, 3, 4, 5, 11, 12, 13, 14, 15, 21, 22, 23, 31, 32, 33,
+                                                         40, 41, 42, 50, 51, 60, 61])
+    np.testing.assert_array_equal(np.diff(rec.result.seq_offsets), [5, 5, 3, 3, 1, 1, 1, 2, 1, 1])
+
+
 def test_recorder_removes_hooks_on_exception() -> None:
     model = FakeModel()
     with pytest.raises(KeyError):
