@@ -3,6 +3,10 @@
 - :mod:`moelayers.integrations.megatron`: drop-in megatron-core adapter (``MegatronMoEAdapter``),
   ``moe_spec(layer_cls, **kw)`` for ``TransformerLayerSubmodules.mlp``, and helpers that build and
   load megatron-core's own ``MoELayer`` for benchmarks and equality checks.
+- :mod:`moelayers.integrations.hf`: Hugging Face transformers: ``swap_moe_blocks(model, groups)``
+  replaces a Mixtral / Qwen3-MoE / OLMoE / Qwen3-VL-MoE model's sparse MoE blocks with layers
+  (``moe_config_from_hf``, ``weights_from_hf``; ``hf_weights`` for the way back); it never imports
+  transformers.
 
 Submodules are not imported here, so ``import moelayers`` never imports megatron-core.
 """

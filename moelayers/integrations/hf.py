@@ -1,0 +1,460 @@
+"""Hugging Face transformers integration: swap a model's sparse MoE blocks for moelayers layers.
+
+Three lines::
+
+    import moelayers as ml
+    from moelayers.integrations.hf import swap_moe_blocks
+
+    model = AutoModelForCausalLM.from_pretrained(name, torch_dtype=torch.bfloat16)
+    names = swap_moe_blocks(model, ml.ParallelGroups.from_world(ep=4))   # or ParallelGroups.single()
+
+Supported (``config.model_type``), each a softmax router and SwiGLU experts without biases:
+
+- ``mixtral``: softmax over all experts, top-k, renormalised (``norm_topk_prob=True``);
+- ``qwen3_moe`` and ``olmoe``: softmax, top-k, renormalised iff the HF config's
+  ``norm_topk_prob``, which defaults to **False** in both (``MoEConfig``'s default is True: a
+  hand-made config that keeps it gives other weights without any error);
+- ``qwen3_vl_moe`` (its text model, ``qwen3_vl_moe_text``): Qwen3-MoE's block that always
+  renormalises (its router ignores ``norm_topk_prob``); transformers >= 5 only.
+
+Both expert layouts are read (:func:`weights_from_hf`): transformers >= 5's fused experts
+(``experts.gate_up_proj [E, 2F, H]``, gate rows first, and ``experts.down_proj [E, H, F]``, with
+the ``is_transposed`` / ``is_concatenated`` / ``has_bias`` ... flags its experts carry) and
+transformers 4.x's ``nn.ModuleList`` of per-expert MLPs (``gate_proj`` / ``up_proj`` /
+``down_proj``; Mixtral's ``w1`` / ``w3`` / ``w2``) with an ``nn.Linear`` router ``gate``.
+
+Refused, with a ``ValueError`` naming the model type and the reason (a conversion would give other
+outputs without any error): every other model type, in particular
+
+- ``qwen2_moe`` (and other blocks with shared experts): its ``shared_expert`` and sigmoid
+  ``shared_expert_gate`` would need a wrapper that keeps them beside the layer;
+- ``deepseek_v2`` / ``deepseek_v3``: shared experts, plus routing moelayers does not implement
+  (V3: sigmoid scores shifted by ``e_score_correction_bias`` to choose the experts, group-limited
+  top-k over ``n_group`` groups, ``routed_scaling_factor``; V2: group-limited greedy top-k);
+- Mixtral's ``router_jitter_noise > 0`` (HF multiplies the input by noise in training; the layers
+  add none), expert or router biases, experts that are not SwiGLU (``hidden_act`` other than
+  ``'silu'``), the fused layouts moelayers cannot read (interleaved gate/up, a custom gate, no gate,
+  a post-expert norm, experts sharded by HF's own expert parallelism).
+
+Notes on the HF side:
+
+- Set ``model.config.output_router_logits = False`` (and do not pass ``output_router_logits=True``):
+  the layers expose no router logits, and HF's load-balancing loss then raises ``IndexError`` on an
+  empty tuple.
+- With expert parallelism (``ep > 1``) call ``model.generate(..., synced_gpus=True)``: every rank
+  must run the same number of forwards; a rank whose sequences end early (EOS) would leave the
+  others waiting in the expert exchange until the process group's timeout.
+- HF routes float64 models in float32 (its routers' ``softmax(..., dtype=torch.float)``), the
+  layers in float64: differences of about 1e-7 in float64 are HF's rounding (float32 models were
+  observed bit-identical).
+- :class:`~moelayers.SemanticMoE` plans need ``token_ids``, which HF's decoder layer does not pass
+  to its mlp: keep ``input_ids`` with a model forward pre-hook
+  (``register_forward_pre_hook(..., with_kwargs=True)``) and wrap the layer to call
+  ``layer(h, token_ids=ids)`` (``[B, S]`` ids for ``[B, S, H]`` hidden states).
+- ``save_pretrained`` of a swapped model does not round-trip: the layers' keys
+  (``mlp.router.weight``, ``mlp.experts.w13`` ...) are not HF's, and ``from_pretrained`` silently
+  re-initialises every MoE weight. Write HF's names with :func:`hf_weights`.
+
+This module never imports transformers: it reads blocks and configs by their attributes, so it
+also works on HF-like modules of other libraries that follow the same layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from moelayers.config import MoEConfig
+from moelayers.groups import ParallelGroups
+from moelayers.layers import VanillaMoE
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "moe_config_from_hf", "weights_from_hf", "swap_moe_blocks", "hf_weights",
+           "TupleOutput"]
+
+#: ``config.model_type`` -> (config field of ``E``, config field of ``F``, how ``norm_topk_prob`` is set:
+#: ``True`` always, or ``None`` for the config's ``norm_topk_prob``, False where it is missing as in HF)
+_MODEL_TYPES: dict[str, tuple[str, str, bool | None]] = {
+    "mixtral": ("num_local_experts", "intermediate_size", True),
+    "qwen3_moe": ("num_experts", "moe_intermediate_size", None),
+    "olmoe": ("num_experts", "intermediate_size", None),
+    "qwen3_vl_moe_text": ("num_experts", "moe_intermediate_size", True),
+}
+#: the model types :func:`moe_config_from_hf` converts (``qwen3_vl_moe`` reads its ``text_config``)
+SUPPORTED_MODEL_TYPES = (*_MODEL_TYPES, "qwen3_vl_moe")
+
+#: model types refused with the reason (what a conversion would need)
+_REFUSED: dict[str, str] = {
+    "qwen2_moe": "its block adds a shared expert scaled by a sigmoid shared_expert_gate, which a moelayers layer "
+                 "does not compute; it would need a wrapper that keeps block.shared_expert and "
+                 "block.shared_expert_gate and adds their output to the layer's",
+    "deepseek_v3": "its router chooses experts by sigmoid scores plus e_score_correction_bias, limits the top-k "
+                   "to topk_group of n_group expert groups and scales the weights by routed_scaling_factor, and "
+                   "its block adds shared experts: moelayers has no score-correction bias or group-limited "
+                   "top-k (routed_scaling_factor could be folded into w2 and the shared experts kept in a "
+                   "wrapper, but a bias or n_group > 1 cannot be represented)",
+    "deepseek_v2": "its block adds shared experts and its router may use group-limited greedy top-k "
+                   "(topk_method='group_limited_greedy') and routed_scaling_factor, which moelayers does not "
+                   "implement",
+}
+_SILU = ("silu", "swish")  # the same function in HF's ACT2FN
+
+
+# ---------------------------------------------------------------------------------------- configs
+def _text_config(hf_config: Any) -> Any:
+    """The text config of a composite (vision-language) HF config, else ``hf_config``."""
+    if getattr(hf_config, "model_type", None) == "qwen3_vl_moe":
+        sub = getattr(hf_config, "text_config", None)
+        if sub is None:
+            raise ValueError("hf_config.model_type is 'qwen3_vl_moe' but it has no text_config")
+        return sub
+    return hf_config
+
+
+def _required(hf_config: Any, name: str, model_type: str) -> Any:
+    value = getattr(hf_config, name, None)
+    if value is None:
+        raise ValueError(f"the {model_type!r} config has no {name}: pass the model's own config (model.config)")
+    return value
+
+
+def _refuse(model_type: str, reason: str) -> ValueError:
+    return ValueError(f"cannot convert a {model_type!r} MoE block to moelayers: {reason}")
+
+
+def _block_dtype(block: nn.Module) -> torch.dtype:
+    dtypes = {p.dtype for p in block.parameters()}
+    if len(dtypes) != 1:
+        raise ValueError(f"the block's weights have dtypes {sorted(str(d) for d in dtypes)}: a moelayers layer holds "
+                         "one params_dtype; pass dtype= (and cast the weights to it)")
+    return dtypes.pop()
+
+
+def moe_config_from_hf(block: nn.Module, hf_config: Any, *, dtype: torch.dtype | None = None,
+                       **overrides: Any) -> MoEConfig:
+    """The :class:`~moelayers.MoEConfig` that computes what HF's sparse MoE ``block`` computes.
+
+    Args:
+        block: an HF sparse MoE block (``model.model.layers[i].mlp``): a router ``gate`` and
+            ``experts``, in either layout of :func:`weights_from_hf`.
+        hf_config: the model's config (``model.config``; for ``qwen3_vl_moe`` the composite config
+            or its ``text_config``). Read: ``model_type``, ``hidden_size``, ``num_experts_per_tok``,
+            ``hidden_act``, ``norm_topk_prob`` (Qwen3-MoE, OLMoE), ``router_jitter_noise``
+            (Mixtral), and the number of experts and expert width where the config has them (checked
+            against the weights' shapes).
+        dtype: ``params_dtype`` (default: the block's weights' dtype, which must be one).
+        **overrides: other :class:`~moelayers.MoEConfig` fields (``init_std``, ``router_dtype``,
+            ...). The fields read from the model (sizes, ``top_k``, ``score_fn``,
+            ``norm_topk_prob``, ``activation``) cannot be overridden.
+
+    Returns:
+        the config; ``norm_topk_prob`` is HF's (False unless the HF config sets it, Mixtral and
+        Qwen3-VL-MoE: True).
+
+    Raises:
+        ValueError: a model type or setting moelayers cannot represent (see the module docstring;
+            the message names the model type and the reason), a config that disagrees with the
+            block's weights or its router's own settings, an override of a field read from the
+            model, or a block whose weights have several dtypes and no ``dtype``.
+    """
+    config = _text_config(hf_config)
+    model_type = getattr(config, "model_type", None)
+    if model_type in _REFUSED:
+        raise _refuse(model_type, _REFUSED[model_type])
+    if model_type not in _MODEL_TYPES:
+        raise ValueError(f"cannot convert a {model_type!r} MoE block to moelayers: the supported model types are "
+                         f"{list(SUPPORTED_MODEL_TYPES)} (a block of another type may route, scale or add shared "
+                         "experts in ways these layers would not reproduce, so it is refused rather than guessed)")
+    read = {"hidden_size", "ffn_hidden_size", "num_experts", "top_k", "score_fn", "norm_topk_prob", "activation"}
+    fixed = sorted(read & set(overrides))
+    if fixed:
+        raise ValueError(f"moe_config_from_hf reads {fixed} from the {model_type!r} model; overriding them would "
+                         "compute another MoE than the HF block")
+    if "params_dtype" in overrides:
+        raise ValueError("pass the weights' dtype as dtype=, not params_dtype=")
+    e_field, f_field, norm_rule = _MODEL_TYPES[model_type]
+
+    act = getattr(config, "hidden_act", "silu")
+    if act not in _SILU:
+        raise _refuse(model_type, f"hidden_act={act!r}: moelayers experts are SwiGLU (silu(x W1^T) * x W3^T); "
+                                  "another activation would compute other experts")
+    if model_type == "mixtral":
+        jitter = max(float(getattr(config, "router_jitter_noise", 0.0) or 0.0),
+                     float(getattr(block, "jitter_noise", 0.0) or 0.0))
+        if jitter > 0:
+            raise _refuse(model_type, f"router_jitter_noise={jitter}: HF multiplies the block's input by uniform "
+                                      "noise in training mode, which the layers do not add; set "
+                                      "config.router_jitter_noise = 0 (and block.jitter_noise = 0) to convert, e.g. "
+                                      "for serving, where HF applies no noise")
+    for shared in ("shared_expert", "shared_experts"):
+        if getattr(block, shared, None) is not None:
+            raise _refuse(model_type, f"the block has {shared}, which a moelayers layer does not compute")
+
+    router, w13, w2 = weights_from_hf(block)
+    e, two_f, h = w13.shape
+    f = two_f // 2
+    hidden = int(_required(config, "hidden_size", model_type))
+    top_k = int(_required(config, "num_experts_per_tok", model_type))
+    expected = {"hidden_size": (hidden, h), e_field: (getattr(config, e_field, None), e),
+                f_field: (getattr(config, f_field, None), f)}
+    for name, (want, got) in expected.items():
+        if want is not None and int(want) != got:
+            raise ValueError(f"hf_config.{name}={want} but the block's weights have {got} (w13 {list(w13.shape)}, "
+                             f"router {list(router.shape)}): pass the config of this block's model")
+    if norm_rule is None:
+        norm = getattr(config, "norm_topk_prob", False)
+        norm = bool(False if norm is None else norm)
+    else:
+        norm = norm_rule
+    # the router's own settings (5.x: on block.gate; 4.x: on the block) are what runs: a config that disagrees
+    # with them describes another model
+    for owner in (getattr(block, "gate", None), block):
+        own_k = getattr(owner, "top_k", None)
+        if isinstance(own_k, int) and own_k != top_k:
+            raise ValueError(f"the block routes to top_k={own_k} experts, hf_config.num_experts_per_tok={top_k}: pass "
+                             "the config of this block's model")
+        own_norm = getattr(owner, "norm_topk_prob", None)
+        if isinstance(own_norm, bool) and own_norm != norm:
+            raise ValueError(f"the block was built with norm_topk_prob={own_norm}, hf_config gives {norm} for "
+                             f"{model_type!r}: pass the config of this block's model")
+    params_dtype = _block_dtype(block) if dtype is None else dtype
+    return MoEConfig(hidden_size=h, ffn_hidden_size=f, num_experts=e, top_k=top_k, score_fn="softmax",
+                     norm_topk_prob=norm, params_dtype=params_dtype, **overrides)
+
+
+# ---------------------------------------------------------------------------------------- weights
+def _weight(module: Any, what: str) -> torch.Tensor:
+    w = getattr(module, "weight", None)
+    if not isinstance(w, torch.Tensor):
+        raise ValueError(f"{what} has no weight tensor")
+    if getattr(module, "bias", None) is not None:
+        raise ValueError(f"{what} has a bias: moelayers routers and experts have none")
+    return w.detach()
+
+
+def _fused_experts(ex: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w13 [E, 2F, H], w2 [E, H, F])`` of transformers >= 5's fused experts."""
+    flags = {"has_gate": True, "is_concatenated": True, "has_bias": False, "has_post_expert_norm": False,
+             "_is_expert_parallel": False}
+    bad = [f"{k}={getattr(ex, k)!r}" for k, ok in flags.items() if hasattr(ex, k) and bool(getattr(ex, k)) != ok]
+    if bad:
+        raise ValueError(f"the fused experts ({type(ex).__name__}) have a layout moelayers cannot read: "
+                         f"{', '.join(bad)} (needed: gate and up projections concatenated, no biases, no post-expert "
+                         "norm, all experts on this process, not HF's expert parallelism)")
+    for bias in ("gate_up_proj_bias", "down_proj_bias"):
+        if getattr(ex, bias, None) is not None:
+            raise ValueError(f"the fused experts have {bias}: moelayers experts have no biases")
+    apply_gate = getattr(type(ex), "_apply_gate", None)
+    if apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate":
+        raise ValueError(f"the fused experts ({type(ex).__name__}) override _apply_gate: moelayers computes "
+                         "silu(gate) * up only")
+    if not hasattr(ex, "is_transposed"):
+        raise ValueError(f"the fused experts ({type(ex).__name__}) carry no is_transposed flag (transformers >= 5's "
+                         "layout flags): cannot tell [E, 2F, H] from [E, H, 2F]; only transformers >= 5 fused "
+                         "experts are read")
+    gu, down = ex.gate_up_proj.detach(), ex.down_proj.detach()
+    if gu.dim() != 3 or down.dim() != 3:
+        raise ValueError(f"experts.gate_up_proj and experts.down_proj must be 3-D, got {list(gu.shape)} and "
+                         f"{list(down.shape)}")
+    if ex.is_transposed:  # [E, H, 2F] and [E, F, H]: x @ w instead of x @ w^T
+        gu, down = gu.transpose(1, 2), down.transpose(1, 2)
+    return gu, down
+
+
+_PER_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))  # Qwen3 / OLMoE, Mixtral
+
+
+def _listed_experts(experts: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w13, w2)`` stacked from transformers 4.x's per-expert MLPs."""
+    first = experts[0]
+    names = next((n for n in _PER_EXPERT_NAMES if all(hasattr(first, a) for a in n)), None)
+    if names is None:
+        raise ValueError(f"the experts ({type(first).__name__}) have neither gate_proj/up_proj/down_proj nor "
+                         "w1/w3/w2 projections")
+    gate, up, down = names
+    w13, w2 = [], []
+    for i, mlp in enumerate(experts):
+        g, u, d = (_weight(getattr(mlp, n), f"experts[{i}].{n}") for n in names)
+        if g.shape != u.shape:
+            raise ValueError(f"experts[{i}].{gate} {list(g.shape)} and .{up} {list(u.shape)} differ in shape")
+        w13.append(torch.cat([g, u], dim=0))  # gate rows first, then up
+        w2.append(d)
+    shapes = {(tuple(a.shape), tuple(b.shape)) for a, b in zip(w13, w2)}
+    if len(shapes) != 1:
+        raise ValueError(f"the experts have different shapes: {sorted(shapes)}")
+    return torch.stack(w13), torch.stack(w2)
+
+
+def _is_moe_block(module: Any) -> bool:
+    ex, gate = getattr(module, "experts", None), getattr(module, "gate", None)
+    if ex is None or gate is None or not isinstance(getattr(gate, "weight", None), torch.Tensor):
+        return False
+    if hasattr(ex, "gate_up_proj") and hasattr(ex, "down_proj"):
+        return True
+    return isinstance(ex, nn.ModuleList) and len(ex) > 0 and \
+        any(all(hasattr(ex[0], a) for a in names) for names in _PER_EXPERT_NAMES)
+
+
+def weights_from_hf(block: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logical weights of an HF sparse MoE block, as :meth:`~moelayers.MoELayerBase.load_full_weights`
+    takes them.
+
+    Layouts: transformers >= 5's fused experts (``block.experts.gate_up_proj [E, 2F, H]``, gate rows
+    first, ``block.experts.down_proj [E, H, F]``; ``[E, H, 2F]`` / ``[E, F, H]`` with
+    ``is_transposed``) with a router ``block.gate.weight [E, H]``; transformers 4.x's
+    ``block.experts`` ``nn.ModuleList`` of MLPs with ``gate_proj`` / ``up_proj`` / ``down_proj``
+    (Qwen3-MoE, OLMoE) or ``w1`` / ``w3`` / ``w2`` (Mixtral) ``nn.Linear`` s, with an ``nn.Linear``
+    router ``block.gate``.
+
+    Returns:
+        ``(router_weight [E, H], w13 [E, 2F, H], w2 [E, H, F])``, detached, in the block's dtype and
+        device: views of the block's parameters in the fused layout, new tensors in the 4.x one.
+
+    Raises:
+        ValueError: not a sparse MoE block of these layouts, biases, a fused layout moelayers cannot
+            read (interleaved gate/up, no gate, a custom gate, a post-expert norm, HF's expert
+            parallelism, no layout flags), or shapes that do not agree (the message gives them).
+    """
+    if not _is_moe_block(block):
+        raise ValueError(f"{type(block).__name__} is not a sparse MoE block moelayers reads: it needs a router `gate` "
+                         "with a weight and `experts` with gate_up_proj/down_proj (transformers >= 5) or a "
+                         "ModuleList of gate_proj/up_proj/down_proj (or w1/w3/w2) MLPs (transformers 4.x)")
+    router = _weight(block.gate, "the router (block.gate)")
+    for extra in ("e_score_correction_bias",):
+        if getattr(block.gate, extra, None) is not None:
+            raise ValueError(f"the router has {extra}, which moelayers cannot represent")
+    ex = block.experts
+    w13, w2 = _fused_experts(ex) if hasattr(ex, "gate_up_proj") else _listed_experts(ex)
+    if router.dim() != 2:
+        raise ValueError(f"the router weight must be [E, H], got {list(router.shape)}")
+    e, h = router.shape
+    if w13.dim() != 3 or w13.shape[0] != e or w13.shape[2] != h or w13.shape[1] % 2:
+        raise ValueError(f"w13 (gate and up) must be [E, 2F, H] = [{e}, 2F, {h}] for a router of shape "
+                         f"{list(router.shape)}, got {list(w13.shape)}")
+    f = w13.shape[1] // 2
+    if tuple(w2.shape) != (e, h, f):
+        raise ValueError(f"w2 (down) must be [E, H, F] = [{e}, {h}, {f}], got {list(w2.shape)}")
+    return router, w13, w2
+
+
+# ---------------------------------------------------------------------------------------- swapping
+class TupleOutput(nn.Module):
+    """Stands where a transformers 4.x sparse block stood: returns ``(y, None)``, as the 4.x block's
+    ``(hidden_states, router_logits)``, which 4.x's Mixtral and OLMoE decoder layers unpack (the
+    ``None`` is where router logits would be: keep ``output_router_logits=False``).
+
+    Args:
+        layer: the moelayers layer; ``forward(hidden_states [B, S, H])``.
+    """
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.layer(hidden_states), None
+
+
+def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    found: list[tuple[str, nn.Module]] = []
+    inside: tuple[str, ...] = ()
+    for name, module in model.named_modules():
+        if inside and name.startswith(inside):
+            continue
+        if name and _is_moe_block(module):
+            found.append((name, module))
+            inside = (*inside, name + ".")
+    return found
+
+
+def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = VanillaMoE,
+                    **layer_kwargs: Any) -> list[str]:
+    """Replace every sparse MoE block of the HF ``model`` in place with a moelayers layer.
+
+    Each block's config comes from :func:`moe_config_from_hf` (``model.config``) with the block's
+    dtype as ``params_dtype``, its weights from :func:`weights_from_hf`. Each layer gets
+    ``layer_number`` = the block's index among the model's MoE blocks, the block's device (unless
+    ``device=`` is given), its train/eval mode and its weights' ``requires_grad``. Every block is
+    checked before any is replaced, and every layer built and loaded before any is put in.
+
+    In transformers >= 5 the block takes ``[B, S, H]`` and returns a tensor: the layer takes its
+    place as it is. In transformers 4.x it returned ``(hidden_states, router_logits)``: the layer
+    is wrapped in a :class:`TupleOutput`.
+
+    At world > 1 every rank calls it on the same model (the same weights): each layer's
+    ``load_full_weights`` is a collective over the expert-parallel group.
+
+    Args:
+        model: the HF model (``model.config.model_type`` one of :data:`SUPPORTED_MODEL_TYPES`).
+        groups: the layers' process groups (``ParallelGroups.single()`` for one process).
+        layer_cls: :class:`~moelayers.VanillaMoE` (default), :class:`~moelayers.VariabilityAwareMoE`,
+            :class:`~moelayers.SemanticMoE` (which needs ``token_ids``: see the module docstring).
+        **layer_kwargs: passed to each ``layer_cls(config, groups, ...)`` (``dispatcher``,
+            ``placement``, ...), except ``layer_number``, which is set here.
+
+    Returns:
+        the swapped modules' names (``model.get_submodule(name)`` is the layer, or its
+        :class:`TupleOutput` for transformers 4.x).
+
+    Raises:
+        ValueError: the model has no sparse MoE block moelayers recognises, or a block or setting
+            :func:`moe_config_from_hf` / :func:`weights_from_hf` refuse (nothing is replaced then).
+        TypeError: ``layer_number`` in ``layer_kwargs``, or ``layer_cls`` not an ``nn.Module`` class.
+    """
+    if not (isinstance(layer_cls, type) and issubclass(layer_cls, nn.Module)):
+        raise TypeError(f"layer_cls must be a moelayers layer class, got {layer_cls!r}")
+    if "layer_number" in layer_kwargs:
+        raise TypeError("swap_moe_blocks sets layer_number itself (the block's index among the model's MoE blocks)")
+    hf_config = getattr(model, "config", None)
+    if hf_config is None:
+        raise ValueError(f"{type(model).__name__} has no .config: pass the HF model (PreTrainedModel)")
+    blocks = _moe_blocks(model)
+    if not blocks:
+        model_type = getattr(hf_config, "model_type", None)
+        raise ValueError(f"{type(model).__name__} (model_type {model_type!r}) has no sparse "
+                         "MoE block moelayers recognises (a module with a router `gate` and `experts`)")
+    configs = [moe_config_from_hf(block, hf_config) for _, block in blocks]  # refusals before anything changes
+    new: list[nn.Module] = []
+    for number, ((name, block), cfg) in enumerate(zip(blocks, configs)):
+        gate: Any = block.gate
+        router, w13, w2 = weights_from_hf(block)
+        kwargs = {"device": router.device, **layer_kwargs}
+        layer: Any = layer_cls(cfg, groups, layer_number=number, **kwargs)
+        dev = layer.router.weight.device
+        layer.load_full_weights(router.to(dev), w13.to(dev), w2.to(dev))
+        layer.train(block.training)
+        experts: Any = block.experts
+        layer.router.requires_grad_(any(p.requires_grad for p in gate.parameters()))
+        layer.experts.requires_grad_(any(p.requires_grad for p in experts.parameters()))
+        new.append(layer if hasattr(experts, "gate_up_proj") else TupleOutput(layer))
+    for (name, _), module in zip(blocks, new):
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, module)
+    return [name for name, _ in blocks]
+
+
+def hf_weights(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """The layer's weights under HF's fused-layout names, relative to the block (transformers >= 5).
+
+    ``{'gate.weight': [E, H], 'experts.gate_up_proj': [E, 2F, H], 'experts.down_proj': [E, H, F]}``
+    from :meth:`~moelayers.MoELayerBase.export_full_weights`, in logical expert order: a collective
+    over the expert-parallel group at world > 1 (every rank calls it; every rank gets every expert).
+    A swapped model's HF state dict, for ``save_pretrained(..., state_dict=sd)``::
+
+        sd = {k: v for k, v in model.state_dict().items() if not k.startswith(tuple(n + "." for n in names))}
+        for n in names:
+            sd.update({f"{n}.{k}": v for k, v in hf_weights(model.get_submodule(n)).items()})
+
+    Args:
+        layer: a moelayers layer, or the :class:`TupleOutput` around one.
+
+    Raises:
+        TypeError: not a moelayers layer.
+    """
+    inner: Any = layer.layer if isinstance(layer, TupleOutput) else layer
+    if not callable(getattr(inner, "export_full_weights", None)):
+        raise TypeError(f"hf_weights takes a moelayers layer (or swap_moe_blocks' TupleOutput), got "
+                        f"{type(layer).__name__}")
+    router, w13, w2 = inner.export_full_weights()
+    return {"gate.weight": router, "experts.gate_up_proj": w13, "experts.down_proj": w2}

@@ -1,0 +1,47 @@
+"""moelayers.integrations.hf at world 2 (gloo): swapped HF-like models (the fake modules of
+tests/unit/test_hf.py, both layouts) compute what their blocks computed, each rank on its own input,
+and ``hf_weights`` gathers every expert on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moelayers as ml
+from moelayers.integrations.hf import hf_weights, swap_moe_blocks
+from moelayers.testing import run_distributed
+from tests.unit.test_hf import Model, _x
+
+
+def _swap_and_compare(rank: int, world: int) -> list:
+    out = []
+    for model_type, old in (("qwen3_moe", False), ("mixtral", True)):
+        model = Model(model_type, norm=False, old=old).eval()  # the same weights on every rank
+        blocks = [model.layers[0].mlp, model.layers[2].mlp]
+        x = _x(1 + rank, 3 + 2 * rank, seed=10 + rank)  # each rank its own batch
+        with torch.no_grad():
+            expected = model(x)
+        names = swap_moe_blocks(model, ml.ParallelGroups.from_world())
+        with torch.no_grad():
+            diff = (model(x) - expected).abs().max().item()
+        same = []
+        for name, block in zip(names, blocks):
+            back = hf_weights(model.get_submodule(name))  # a collective: every rank, every expert
+            w13, w2 = block.logical()
+            same.append(torch.equal(back["gate.weight"], block.gate.weight)
+                        and torch.equal(back["experts.gate_up_proj"], w13)
+                        and torch.equal(back["experts.down_proj"], w2))
+        layer = model.get_submodule(names[0])
+        layer = getattr(layer, "layer", layer)
+        out.append((names, diff, same, layer.groups.ep_size, len(layer.placement.experts_on(rank))))
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_swap_at_world_2():
+    for rank, results in enumerate(run_distributed(_swap_and_compare, 2, timeout=150)):
+        for names, diff, same, ep_size, local in results:
+            assert names == ["layers.0.mlp", "layers.2.mlp"]
+            assert diff < 1e-12, (rank, diff)
+            assert same == [True, True]
+            assert (ep_size, local) == (2, 3)  # 6 experts over 2 ranks

@@ -1,0 +1,472 @@
+"""moelayers.integrations.hf: HF sparse MoE blocks -> moelayers layers.
+
+The core tests use small HF-like modules written here (transformers >= 5's fused experts and 4.x's
+per-expert ``nn.ModuleList``, with HF's routing written out), so they run without transformers;
+the tests at the end use the real transformers when it is installed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import moelayers as ml
+from moelayers.integrations import hf
+from moelayers.integrations.hf import hf_weights, moe_config_from_hf, swap_moe_blocks, weights_from_hf
+
+H, FF, E, K = 16, 8, 6, 2
+
+
+def hf_config(model_type: str = "qwen3_moe", **kw) -> SimpleNamespace:
+    """An HF-like config with the fields each model type has."""
+    fields = {"model_type": model_type, "hidden_size": H, "num_experts_per_tok": K, "hidden_act": "silu"}
+    if model_type == "mixtral":
+        fields.update(num_local_experts=E, intermediate_size=FF, router_jitter_noise=0.0)
+    elif model_type == "olmoe":
+        fields.update(num_experts=E, intermediate_size=FF, norm_topk_prob=False)
+    else:
+        fields.update(num_experts=E, moe_intermediate_size=FF, norm_topk_prob=False)
+    fields.update(kw)
+    return SimpleNamespace(**fields)
+
+
+def hf_route(logits: torch.Tensor, k: int, norm: bool, mixtral: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's routers: Qwen3/OLMoE softmax -> top-k -> optional renorm; Mixtral top-k of the logits -> softmax."""
+    if mixtral:
+        top, ids = torch.topk(logits, k, dim=-1)
+        return F.softmax(top, dim=-1), ids
+    probs = F.softmax(logits, dim=-1)
+    top, ids = torch.topk(probs, k, dim=-1)
+    return (top / top.sum(-1, keepdim=True) if norm else top), ids
+
+
+def hf_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            gate, up = F.linear(x[t], w13[ids[t, j]]).chunk(2, dim=-1)
+            out[t] += weights[t, j] * F.linear(F.silu(gate) * up, w2[ids[t, j]])
+    return out
+
+
+class Router5(nn.Module):
+    def __init__(self, norm: bool | None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(E, H, dtype=torch.float64))
+        self.top_k = K
+        if norm is not None:
+            self.norm_topk_prob = norm
+
+
+class Experts5(nn.Module):
+    """transformers >= 5's fused experts, with its layout flags."""
+
+    def __init__(self, transposed: bool = False, **flags):
+        super().__init__()
+        shapes = ((E, H, 2 * FF), (E, FF, H)) if transposed else ((E, 2 * FF, H), (E, H, FF))
+        self.gate_up_proj = nn.Parameter(torch.empty(*shapes[0], dtype=torch.float64))
+        self.down_proj = nn.Parameter(torch.empty(*shapes[1], dtype=torch.float64))
+        self.has_gate, self.has_bias, self.has_post_expert_norm = True, False, False
+        self.is_transposed, self.is_concatenated, self._is_expert_parallel = transposed, True, False
+        for name, value in flags.items():
+            setattr(self, name, value)
+
+    def logical(self):
+        if self.is_transposed:
+            return self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)
+        return self.gate_up_proj, self.down_proj
+
+
+def _default_apply_gate(self, gate_up_out):  # the name HF's decorator gives the default
+    gate, up = gate_up_out.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+Experts5._apply_gate = _default_apply_gate
+
+
+class Block5(nn.Module):
+    """transformers >= 5 sparse block: [B, S, H] -> tensor."""
+
+    def __init__(self, model_type="qwen3_moe", norm=False, transposed=False, seed=0, **flags):
+        super().__init__()
+        self.mixtral = model_type == "mixtral"
+        self.norm = True if self.mixtral else norm
+        self.gate = Router5(None if self.mixtral else norm)
+        self.experts = Experts5(transposed, **flags)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
+
+    def logical(self):
+        return self.experts.logical()
+
+    def forward(self, x):
+        x2 = x.reshape(-1, H)
+        weights, ids = hf_route(F.linear(x2, self.gate.weight), K, self.norm, self.mixtral)
+        return hf_experts(x2, *self.experts.logical(), weights, ids).reshape(x.shape)
+
+
+class MLP4(nn.Module):
+    def __init__(self, names, bias=False):
+        super().__init__()
+        gate, up, down = names
+        setattr(self, gate, nn.Linear(H, FF, bias=bias, dtype=torch.float64))
+        setattr(self, up, nn.Linear(H, FF, bias=bias, dtype=torch.float64))
+        setattr(self, down, nn.Linear(FF, H, bias=bias, dtype=torch.float64))
+        self.names = names
+
+
+class Block4(nn.Module):
+    """transformers 4.x sparse block: nn.Linear router, per-expert MLPs, returns (y, router_logits)."""
+
+    def __init__(self, model_type="qwen3_moe", norm=False, seed=0, bias=False):
+        super().__init__()
+        self.mixtral = model_type == "mixtral"
+        self.norm_topk_prob, self.top_k = (True if self.mixtral else norm), K
+        if self.mixtral:
+            del self.norm_topk_prob
+            self.jitter_noise = 0.0
+        names = ("w1", "w3", "w2") if self.mixtral else ("gate_proj", "up_proj", "down_proj")
+        self.gate = nn.Linear(H, E, bias=False, dtype=torch.float64)
+        self.experts = nn.ModuleList([MLP4(names, bias) for _ in range(E)])
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5)
+
+    def logical(self):
+        gate, up, down = self.experts[0].names
+        w13 = torch.stack([torch.cat([getattr(m, gate).weight, getattr(m, up).weight]) for m in self.experts])
+        return w13, torch.stack([getattr(m, down).weight for m in self.experts])
+
+    def forward(self, x):
+        x2 = x.reshape(-1, H)
+        logits = self.gate(x2)
+        weights, ids = hf_route(logits, K, True if self.mixtral else self.norm_topk_prob, self.mixtral)
+        return hf_experts(x2, *self.logical(), weights, ids).reshape(x.shape), logits
+
+
+class Decoder(nn.Module):
+    def __init__(self, mlp, old: bool):
+        super().__init__()
+        self.mlp, self.old = mlp, old
+
+    def forward(self, h):
+        if self.old:  # 4.x Mixtral / OLMoE: `hidden_states, router_logits = self.mlp(hidden_states)`
+            y, _ = self.mlp(h)
+        else:
+            y = self.mlp(h)
+        return torch.tanh(h + y)
+
+
+class Model(nn.Module):
+    """MoE, dense, MoE decoder layers (Qwen3-MoE's mlp_only_layers), with .config as HF's."""
+
+    def __init__(self, model_type="qwen3_moe", norm=False, old=False):
+        super().__init__()
+        self.config = hf_config(model_type, norm_topk_prob=norm)
+        block = (lambda s: Block4(model_type, norm, seed=s)) if old else (lambda s: Block5(model_type, norm, seed=s))
+        dense = nn.Sequential(nn.Linear(H, H, dtype=torch.float64))
+        self.layers = nn.ModuleList([Decoder(block(1), old), nn.Sequential(dense), Decoder(block(2), old)])
+
+    def forward(self, h):
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+def _x(*shape, seed=3):
+    return torch.randn(*shape, H, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _layer(block, cfg):
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single())
+    layer.load_full_weights(*weights_from_hf(block))
+    return layer
+
+
+CASES = [("qwen3_moe", False, "fused"), ("qwen3_moe", True, "fused"), ("olmoe", False, "fused"),
+         ("mixtral", True, "fused"), ("qwen3_moe", False, "transposed"), ("qwen3_moe", False, "list"),
+         ("qwen3_moe", True, "list"), ("olmoe", True, "list"), ("mixtral", True, "list")]
+
+
+@pytest.mark.parametrize("model_type,norm,layout", CASES)
+def test_layer_computes_the_hf_block(model_type, norm, layout):
+    if layout == "list":
+        block = Block4(model_type, norm)
+    else:
+        block = Block5(model_type, norm, transposed=layout == "transposed")
+    cfg = moe_config_from_hf(block, hf_config(model_type, norm_topk_prob=norm))
+    assert (cfg.hidden_size, cfg.ffn_hidden_size, cfg.num_experts, cfg.top_k) == (H, FF, E, K)
+    assert (cfg.score_fn, cfg.norm_topk_prob, cfg.params_dtype) == ("softmax", norm, torch.float64)
+    router, w13, w2 = weights_from_hf(block)
+    want13, want2 = block.logical()
+    assert torch.equal(router, block.gate.weight) and torch.equal(w13, want13) and torch.equal(w2, want2)
+    layer = _layer(block, cfg)
+    x = _x(2, 5)
+    with torch.no_grad():
+        expected = block(x)[0] if layout == "list" else block(x)
+        y = layer(x)
+    torch.testing.assert_close(y, expected, rtol=0, atol=1e-12)
+    ref = ml.reference.moe_forward(x.reshape(-1, H), router, w13, w2, cfg)
+    torch.testing.assert_close(y.reshape(-1, H), ref, rtol=0, atol=1e-12)
+
+
+def test_norm_topk_prob_is_hf_default_false_and_matters():
+    """HF's Qwen3-MoE / OLMoE default norm_topk_prob=False; MoEConfig's default True gives other outputs."""
+    block = Block5("qwen3_moe", norm=False)
+    config = hf_config()
+    del config.norm_topk_prob  # a config without the field: HF's default
+    cfg = moe_config_from_hf(block, config)
+    assert cfg.norm_topk_prob is False
+    x = _x(7)
+    with torch.no_grad():
+        assert torch.allclose(_layer(block, cfg)(x), block(x), rtol=0, atol=1e-12)
+        assert not torch.allclose(_layer(block, cfg.replace(norm_topk_prob=True))(x), block(x), atol=1e-3)
+
+
+def test_overrides_and_dtype():
+    block = Block5()
+    cfg = moe_config_from_hf(block, hf_config(), router_dtype=torch.float64, init_std=0.1)
+    assert cfg.router_dtype == torch.float64 and cfg.init_std == 0.1
+    assert moe_config_from_hf(block, hf_config(), dtype=torch.float32).params_dtype == torch.float32
+    with pytest.raises(ValueError, match=r"reads \['norm_topk_prob'\] from the 'qwen3_moe' model"):
+        moe_config_from_hf(block, hf_config(), norm_topk_prob=True)
+    with pytest.raises(ValueError, match="as dtype=, not params_dtype="):
+        moe_config_from_hf(block, hf_config(), params_dtype=torch.float32)
+    block.gate.float()
+    with pytest.raises(ValueError, match=r"dtypes \['torch.float32', 'torch.float64'\].*pass dtype="):
+        moe_config_from_hf(block, hf_config())
+
+
+@pytest.mark.parametrize("old", [False, True])
+def test_swap_moe_blocks(old):
+    model = Model("mixtral" if old else "qwen3_moe", norm=False, old=old).eval()
+    x = _x(2, 4)
+    with torch.no_grad():
+        expected = model(x)
+    blocks = [model.layers[0].mlp, model.layers[2].mlp]
+    assert swap_moe_blocks(model, ml.ParallelGroups.single()) == ["layers.0.mlp", "layers.2.mlp"]
+    layers = [model.layers[i].mlp for i in (0, 2)]
+    if old:
+        assert all(isinstance(m, hf.TupleOutput) for m in layers)
+        layers = [m.layer for m in layers]
+    assert all(isinstance(m, ml.VanillaMoE) for m in layers)
+    assert [m.layer_number for m in layers] == [0, 1] and not any(m.training for m in layers)
+    assert layers[0].config.norm_topk_prob is old  # Mixtral always renormalises; Qwen3 as its config
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-12)
+    for block, name in zip(blocks, ("layers.0.mlp", "layers.2.mlp")):  # the way back, HF's fused names
+        back = hf_weights(model.get_submodule(name))
+        assert sorted(back) == ["experts.down_proj", "experts.gate_up_proj", "gate.weight"]
+        w13, w2 = block.logical()
+        assert torch.equal(back["gate.weight"], block.gate.weight)
+        assert torch.equal(back["experts.gate_up_proj"], w13) and torch.equal(back["experts.down_proj"], w2)
+
+
+def test_swap_keeps_frozen_weights_frozen_and_passes_layer_kwargs():
+    model = Model()
+    model.requires_grad_(False)
+    swap_moe_blocks(model, ml.ParallelGroups.single(), layer_cls=ml.VariabilityAwareMoE, dispatcher="allgather")
+    layer = model.layers[0].mlp
+    assert isinstance(layer, ml.VariabilityAwareMoE) and layer.dispatcher_name == "allgather" and layer.training
+    assert not any(p.requires_grad for p in layer.parameters())
+
+
+def test_hf_weights_load_back_into_a_block():
+    block, fresh = Block5(seed=1), Block5(seed=2)
+    layer = _layer(block, moe_config_from_hf(block, hf_config()))
+    fresh.load_state_dict(hf_weights(layer), strict=True)
+    x = _x(5)
+    with torch.no_grad():
+        assert torch.equal(fresh(x), block(x))
+    with pytest.raises(TypeError, match="hf_weights takes a moelayers layer"):
+        hf_weights(block)
+
+
+# ---------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("model_type,message", [
+    ("qwen2_moe", "'qwen2_moe' MoE block to moelayers: its block adds a shared expert"),
+    ("deepseek_v3", "'deepseek_v3' MoE block to moelayers: .*e_score_correction_bias.*group-limited top-k"),
+    ("deepseek_v2", "'deepseek_v2' MoE block to moelayers: its block adds shared experts"),
+    ("phimoe", r"'phimoe' MoE block to moelayers: the supported model types are \['mixtral', 'qwen3_moe'"),
+])
+def test_refuses_other_model_types(model_type, message):
+    with pytest.raises(ValueError, match=message):
+        moe_config_from_hf(Block5(), hf_config(model_type))
+    model = Model()
+    model.config.model_type = model_type
+    with pytest.raises(ValueError, match=message):
+        swap_moe_blocks(model, ml.ParallelGroups.single())
+    assert isinstance(model.layers[0].mlp, Block5)  # nothing replaced
+
+
+def test_refuses_settings_it_cannot_represent():
+    block = Block5("mixtral")
+    with pytest.raises(ValueError, match="'mixtral' MoE block to moelayers: router_jitter_noise=0.1: HF multiplies"):
+        moe_config_from_hf(block, hf_config("mixtral", router_jitter_noise=0.1))
+    block.jitter_noise = 0.01
+    with pytest.raises(ValueError, match="router_jitter_noise=0.01"):
+        moe_config_from_hf(block, hf_config("mixtral"))
+    with pytest.raises(ValueError, match="'olmoe' MoE block to moelayers: hidden_act='gelu': .* are SwiGLU"):
+        moe_config_from_hf(Block5(), hf_config("olmoe", hidden_act="gelu"))
+    moe_config_from_hf(Block5(), hf_config(hidden_act="swish"))  # HF's other name of silu
+    shared = Block5()
+    shared.shared_expert = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="the block has shared_expert"):
+        moe_config_from_hf(shared, hf_config())
+    with pytest.raises(ValueError, match=r"hf_config.hidden_size=32 but the block's weights have 16"):
+        moe_config_from_hf(Block5(), hf_config(hidden_size=32))
+    with pytest.raises(ValueError, match=r"hf_config.moe_intermediate_size=4 but the block's weights have 8"):
+        moe_config_from_hf(Block5(), hf_config(moe_intermediate_size=4))
+    with pytest.raises(ValueError, match="built with norm_topk_prob=True, hf_config gives False"):
+        moe_config_from_hf(Block5(norm=True), hf_config(norm_topk_prob=False))
+    with pytest.raises(ValueError, match="routes to top_k=2 experts, hf_config.num_experts_per_tok=3"):
+        moe_config_from_hf(Block4(), hf_config(num_experts_per_tok=3))
+    with pytest.raises(ValueError, match="the 'qwen3_moe' config has no num_experts_per_tok"):
+        moe_config_from_hf(Block5(), hf_config(num_experts_per_tok=None))
+
+
+@pytest.mark.parametrize("flags,message", [
+    ({"is_concatenated": False}, r"layout moelayers cannot read: is_concatenated=False"),
+    ({"has_bias": True}, r"cannot read: has_bias=True"),
+    ({"has_post_expert_norm": True}, r"cannot read: has_post_expert_norm=True"),
+    ({"_is_expert_parallel": True}, r"cannot read: _is_expert_parallel=True.*not HF's expert parallelism"),
+    ({"down_proj_bias": nn.Parameter(torch.zeros(E, H))}, "have down_proj_bias: moelayers experts have no biases"),
+])
+def test_refuses_fused_layouts_it_cannot_read(flags, message):
+    with pytest.raises(ValueError, match=message):
+        weights_from_hf(Block5(**flags))
+
+
+def test_refuses_other_blocks_and_shapes():
+    block = Block5()
+    type(block.experts)._apply_gate, saved = (lambda self, x: x), Experts5._apply_gate
+    try:
+        with pytest.raises(ValueError, match=r"override _apply_gate: moelayers computes silu\(gate\) \* up only"):
+            weights_from_hf(block)
+    finally:
+        Experts5._apply_gate = saved
+    block = Block5()
+    del block.experts.is_transposed
+    with pytest.raises(ValueError, match=r"no is_transposed flag.*cannot tell \[E, 2F, H\] from \[E, H, 2F\]"):
+        weights_from_hf(block)
+    block = Block5()
+    block.experts.down_proj = nn.Parameter(torch.zeros(E, FF, H, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"w2 \(down\) must be \[E, H, F\] = \[6, 16, 8\], got \[6, 8, 16\]"):
+        weights_from_hf(block)
+    block = Block5()
+    block.gate.weight = nn.Parameter(torch.zeros(E + 1, H, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"w13 \(gate and up\) must be \[E, 2F, H\] = \[7, 2F, 16\]"):
+        weights_from_hf(block)
+    block = Block5()
+    block.gate.e_score_correction_bias = torch.zeros(E)
+    with pytest.raises(ValueError, match="the router has e_score_correction_bias"):
+        weights_from_hf(block)
+    with pytest.raises(ValueError, match="has a bias: moelayers routers and experts have none"):
+        weights_from_hf(Block4(bias=True))
+    with pytest.raises(ValueError, match="Linear is not a sparse MoE block moelayers reads"):
+        weights_from_hf(nn.Linear(2, 2))
+    model = nn.Sequential(nn.Linear(H, H))
+    model.config = hf_config()
+    with pytest.raises(ValueError, match="has no sparse MoE block moelayers recognises"):
+        swap_moe_blocks(model, ml.ParallelGroups.single())
+    with pytest.raises(TypeError, match="swap_moe_blocks sets layer_number itself"):
+        swap_moe_blocks(Model(), ml.ParallelGroups.single(), layer_number=3)
+
+
+def test_import_does_not_import_transformers():
+    code = "import sys, moelayers.integrations.hf; assert 'transformers' not in sys.modules, 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# ---------------------------------------------------------------------------------------- real transformers
+def _tiny(model_type: str, **kw):
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts_per_tok=2, max_position_embeddings=64)
+    if model_type == "mixtral":
+        cfg = transformers.MixtralConfig(num_local_experts=4, **common, **kw)
+    elif model_type == "olmoe":
+        cfg = transformers.OlmoeConfig(num_experts=4, **common, **kw)
+    elif model_type == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=24, head_dim=8, **common, **kw)
+    elif model_type == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig(num_experts=4, moe_intermediate_size=24, shared_expert_intermediate_size=24,
+                                          **common, **kw)
+    else:
+        cfg = transformers.DeepseekV3Config(n_routed_experts=4, moe_intermediate_size=24, n_group=2, topk_group=1,
+                                            first_k_dense_replace=0, q_lora_rank=16, kv_lora_rank=16,
+                                            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, **common, **kw)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # HF's std-0.02 init leaves the MoE output negligible
+        for name, p in model.named_parameters():
+            if ".mlp." in name or "block_sparse_moe" in name:
+                p.normal_(0.0, 0.3)
+    return model
+
+
+@pytest.mark.parametrize("model_type,kw", [("qwen3_moe", {"norm_topk_prob": True}),
+                                           ("qwen3_moe", {"norm_topk_prob": False}), ("mixtral", {}), ("olmoe", {})])
+def test_real_transformers_logits_bit_identical(model_type, kw):
+    transformers = pytest.importorskip("transformers")
+    model = _tiny(model_type, **kw)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits
+    names = swap_moe_blocks(model, ml.ParallelGroups.single())
+    assert len(names) == 2
+    layer = model.get_submodule(names[0])
+    layer = getattr(layer, "layer", layer)
+    assert layer.config.norm_topk_prob is (model_type == "mixtral" or kw.get("norm_topk_prob", False))
+    with torch.no_grad():
+        got = model(ids).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    if int(transformers.__version__.split(".")[0]) >= 5:  # 4.x sums the experts' terms in another order
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("model_type,message", [("qwen2_moe", "'qwen2_moe' MoE block.*shared expert"),
+                                                ("deepseek_v3", "'deepseek_v3' MoE block.*e_score_correction_bias")])
+def test_real_transformers_refusals(model_type, message):
+    model = _tiny(model_type)
+    with pytest.raises(ValueError, match=message):
+        swap_moe_blocks(model, ml.ParallelGroups.single())
+
+
+def test_real_transformers_qwen3_vl_moe_text():
+    """Qwen3-VL-MoE's text block is Qwen3-MoE's, always renormalised; 4.x stored its experts transposed
+    without a layout flag, which is refused."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3VLMoeTextModel"):
+        pytest.skip("this transformers has no Qwen3-VL-MoE")
+    cfg = transformers.Qwen3VLMoeTextConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                            num_experts_per_tok=2, moe_intermediate_size=24)
+    if hasattr(cfg, "rope_scaling") and cfg.rope_scaling is None:  # 4.x
+        cfg.rope_scaling = {"rope_type": "default", "mrope_section": [2, 1, 1]}
+    torch.manual_seed(0)
+    model = transformers.Qwen3VLMoeTextModel(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".mlp." in name:
+                p.normal_(0.0, 0.3)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0))
+    if int(transformers.__version__.split(".")[0]) < 5:
+        with pytest.raises(ValueError, match="no is_transposed flag"):
+            swap_moe_blocks(model, ml.ParallelGroups.single())
+        return
+    with torch.no_grad():
+        expected = model(input_ids=ids).last_hidden_state
+    names = swap_moe_blocks(model, ml.ParallelGroups.single())
+    assert len(names) == 2 and model.get_submodule(names[0]).config.norm_topk_prob is True
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).last_hidden_state, expected)
