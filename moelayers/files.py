@@ -136,7 +136,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
                 write(f)
                 if fsync:
                     f.flush()
-                    os.fsync(f.fileno())
+                    _flush(f.fileno())
         except OSError as e:  # a full disk, a quota, an I/O error: told about the caller's file
             if e.filename is not None and e.filename not in (str(tmp), tmp):  # another file's error: its own
                 raise
@@ -153,19 +153,34 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
     return path
 
 
+#: fsync errors of a file system that cannot flush (not a failure of the disk): passed over
+_CANNOT_FLUSH = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP})
+
+
+def _flush(fd: int) -> None:
+    """``os.fsync(fd)``, passing over a file system that cannot flush (:data:`_CANNOT_FLUSH`)."""
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in _CANNOT_FLUSH:
+            raise
+
+
 def fsync_file(path: str | os.PathLike) -> None:
     """Flush the content of the file at ``path`` (written by other code: ``np.savez``, a plot) to disk.
 
     Raises:
-        OSError: the disk failed to take it (EIO, a full disk found late); a file system that
-            cannot flush (EINVAL) is passed over.
+        OSError: the disk failed to take it (EIO, a full disk found late), naming ``path``; a file
+            system that cannot flush (EINVAL) is passed over.
     """
-    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        fd = os.open(path, os.O_RDWR)  # (Windows flushes only a file open for writing)
+    except PermissionError:
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        _flush(fd)
     except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
-            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise OSError(e.errno, e.strerror, str(path)) from e
     finally:
         os.close(fd)
 

@@ -94,9 +94,10 @@ def check_close(name: str, y: torch.Tensor, ref64: torch.Tensor, ref_low: torch.
                 "would pass almost anything; draw inputs without near-ties (redraw_near_ties) or force the routing")
     if y.dtype in (torch.float32, torch.float64) and not allow_loose and tol > SMALL_TOLERANCE * scale > 0:
         if scale < ROUND_OFF:
-            return (f"{name}: max|ref64| = {scale:.3e}: the reference is zero up to round-off (a quantity that does "
-                    "not depend on the inputs, e.g. the router's gradient with top_k=1 and norm_topk_prob=True), so "
-                    "the check means nothing: leave it out, or pass allow_loose=True")
+            return (f"{name}: max|ref64| = {scale:.3e} is zero up to round-off, so the check means nothing: a "
+                    "quantity that does not depend on the inputs (e.g. the router's gradient with top_k=1 and "
+                    "norm_topk_prob=True) is left out or checked with allow_loose=True; a real output this small "
+                    "needs its weights (init_std) or inputs scaled up")
         return (f"{name}: max|ref64| = {scale:.3e} is so small that the {y.dtype} tolerance {tol:.3e} (its absolute "
                 f"floor) is over {SMALL_TOLERANCE:.0%} of it, so the check would pass wrong outputs: scale the "
                 "weights (init_std) or the inputs up")

@@ -463,10 +463,15 @@ def _continues_cache(kwargs: dict) -> bool:
     cache = kwargs.get("past_key_values")
     if cache is None:
         return False
-    length = getattr(cache, "get_seq_length", None)
     try:
-        return bool(length() > 0) if callable(length) else bool(len(cache))
-    except Exception:  # a cache of another kind: not told apart
+        length = getattr(cache, "get_seq_length", None)
+        if callable(length):
+            return bool(length() > 0)
+        # the legacy format: per layer a (key [B, heads, S, D], value) pair
+        first = cache[0] if isinstance(cache, (list, tuple)) and cache else None
+        key = first[0] if isinstance(first, (list, tuple)) and first else None
+        return isinstance(key, torch.Tensor) and key.dim() >= 2 and key.shape[-2] > 0
+    except Exception:  # a cache of another kind (a list of None: nothing cached yet): not a decode step
         return False
 
 
@@ -543,8 +548,10 @@ class TraceRecorder:
     sequences, one per column; anything else (``[T, H]``, other keyword inputs, ids the layers saw
     in another order, ``TinyDecoder.step``) is one sequence (a forward of no tokens: none). An
     untagged forward given a cache of earlier tokens (a ``cache_position`` starting after 0, or a
-    non-empty ``past_key_values``: the decode steps of Hugging Face's ``generate``) continues the
-    previous untagged forward's sequences row by row when it has as many. Tokens of a sequence keep
+    ``past_key_values`` holding tokens: the decode steps of Hugging Face's ``generate``) continues
+    the sequences of the forward just before it, row by row, when that forward was untagged and had
+    as many rows (else its rows are new sequences). Padding is recorded like other tokens, and beam
+    search's reordered beams as the rows they land in: tag such forwards. Tokens of a sequence keep
     the order they were seen in; sequences are ordered by first appearance.
 
     Example::
@@ -713,6 +720,7 @@ class TraceRecorder:
         """Forget a model forward that raised before all MoE layers ran (its routing and its tag)."""
         self._dropped += bool(self._current)
         self._current, self._pending_tag, self._in_forward, self._batch = [], None, False, None
+        self._continues = False
 
     def _make_hook(self, index: int):
         def hook(module: nn.Module, args: Any, output: Any) -> None:

@@ -98,8 +98,8 @@ def save_records(records: list[dict], out_dir: str, save_to: str | None, plot: b
                 raise
             left = names[len(copied):]
             raise OSError(exc.errno, f"{exc.strerror or exc}: bench.save_to={save_to}: {len(copied)} of "
-                                     f"{len(names)} records copied; every record is in the run dir {out_dir}: copy "
-                                     f"{', '.join(left)} from there") from exc
+                                     f"{len(names)} records copied; every record is in the run dir {out_dir}, the "
+                                     f"ones not copied: {', '.join(left)}") from exc
         paths += copied
     return paths
 

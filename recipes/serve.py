@@ -845,8 +845,9 @@ def check_config(d: dict) -> None:
     if experts % ep:
         source = f"trace.path={d['trace']['path']} has" if trace is not None else "model.num_experts:"
         default = " (parallel.ep defaults to parallel.world_size)" if d["parallel"].get("ep") is None else ""
-        hint = (f"model.num_experts={experts - experts % ep or ep} or {experts + ep - experts % ep}" if trace is None
-                else f"parallel.ep={math.gcd(experts, world)}")  # (the recipe serves linear placements only)
+        fits = sorted({n for n in (experts - experts % ep, experts + ep - experts % ep) if n > 0})
+        hint = (f"model.num_experts={' or '.join(map(str, fits))}" if trace is None
+                else f"a parallel.ep that divides {experts} and the world size {world}")  # (linear placements only)
         raise ValueError(f"{source} {experts} experts per layer, which do not split over parallel.ep={ep} ranks{default}: "
                          f"e.g. {hint}")
     if plan_path:

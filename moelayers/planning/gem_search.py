@@ -145,8 +145,9 @@ def refine(expert_rank: np.ndarray, x: np.ndarray, curves: LatencyCurves, *, min
     swaps of each pair of ranks ``a < b`` once, from the blocks ``(a, b)`` and ``(b, a)``, and a
     swap exchanges two slots' experts (the other ranks' columns of ``A`` trade places) and
     recomputes the rows of the two ranks. Ties go to the lowest ``(i, j)`` in expert order.
-    Memory: ``A`` (``8 E^2 S`` bytes: 1.1 GB for 256 experts and 2,048 steps) and a few hundred MB
-    of temporaries at most (pairs of ranks are scored in chunks).
+    Memory: ``A`` (``8 E^2 S`` bytes: 1.1 GB for 256 experts and 2,048 steps) and temporaries of
+    about 100 MB, or three of one pair of ranks' ``8 m^2 S`` bytes where that is more (``A`` is
+    built and the pairs of ranks are scored in chunks; 0.8 GB at 2 ranks in that example).
 
     Args:
         expert_rank: ``[E]`` starting placement, ``E / R`` experts on every rank.
@@ -174,23 +175,28 @@ def refine(expert_rank: np.ndarray, x: np.ndarray, curves: LatencyCurves, *, min
     rows = np.zeros((num_r, num_s))
     np.add.at(rows, er, xt)
     lat = curves.eval_ranks(rows.T, np.arange(num_r))  # [S, R]
+    f = float(lat.max(axis=1).sum())
+    if num_r == 1 or num_s == 0:  # nothing to swap, or no step to score a swap on
+        return er, f
     xs = xt[slot]
-    # A[k, l, s]: latency of slot k's rank if its expert is swapped for slot l's (built a rank's rows
-    # at a time, as after a swap: the [E, E, S] temporaries of one expression were 3x A's memory)
+    # A[k, l, s]: latency of slot k's rank if its expert is swapped for slot l's (built a few slots'
+    # rows at a time, as after a swap: the [E, E, S] temporaries of one expression were 3x A's memory)
     A = np.empty((num_e, num_e, num_s))
+    per = max(1, _CHUNK_FLOATS // max(1, num_e * num_s))  # slots' rows at once
 
     def rank_rows(r: int) -> None:
-        A[r * m:(r + 1) * m] = curves.eval_ranks((rows[r] - xs[r * m:(r + 1) * m])[:, None, :] + xs[None, :, :], r)
+        for k in range(r * m, (r + 1) * m, per):
+            k1 = min(k + per, (r + 1) * m)
+            A[k:k1] = curves.eval_ranks((rows[r] - xs[k:k1])[:, None, :] + xs[None, :, :], r)
 
     for r in range(num_r):
         rank_rows(r)
     blocks = A.reshape(num_r, m, num_r, m, num_s)
     pa, pb = np.triu_indices(num_r, 1)
-    chunk = max(1, _CHUNK_FLOATS // (m * m * num_s))  # pairs scored at once: bounded temporaries
+    chunk = max(1, _CHUNK_FLOATS // max(1, m * m * num_s))  # pairs scored at once: bounded temporaries
     tot = np.empty((pa.size, m, m))
-    f = float(lat.max(axis=1).sum())
     max_rounds = 1000 * num_e if max_rounds is None else max_rounds
-    for _ in range(max_rounds if pa.size else 0):  # one rank: nothing to swap
+    for _ in range(max_rounds):
         # tot[p, u, v]: F after swapping the u-th expert of rank pa[p] with the v-th of rank pb[p]
         others = _others_max(lat)
         for c0 in range(0, pa.size, chunk):

@@ -42,6 +42,7 @@ def _check_structure(res: dict, seeds: list[int], ours: str, base: str) -> None:
             assert summary[key] == pytest.approx(float(np.median([r[key] for r in runs[side]])), rel=1e-12), (side, key)
     for ro, rb in zip(runs["ours"], runs["baseline"]):  # same seed -> the same requests on both sides
         assert ro["requests_digest"] == rb["requests_digest"]
+        assert ("requests" in ro) is ("requests" in rb) is (res["config"].get("per_request") is not False)
         if "requests" in ro:  # (per_request=false leaves them out)
             strip = [[(q["id"], q["arrival_s"], q["prompt_len"], q["output_len"]) for q in r["requests"]] for r in (ro, rb)]
             assert strip[0] == strip[1]

@@ -279,7 +279,8 @@ def test_serve_trace_file_checks(tmp_path):
                             rng.integers(0, 100, size=20).astype(np.int64), np.array([0, 10, 20]), 3,
                             vocab_size=100), path)
     with pytest.raises(ValueError, match=rf"trace\.path={path} has 3 experts per layer, which do not split over "
-                                         r"parallel\.ep=2 ranks.*: e\.g\. parallel\.ep=1$"):
+                                         r"parallel\.ep=2 ranks.*: e\.g\. a parallel\.ep that divides 3 and the world "
+                                         r"size 2$"):
         serve.check_config(_config("router=replay", f"trace.path={path}"))
     serve.check_config(_config("router=replay", f"trace.path={path}", "parallel.world_size=1"))
     with pytest.raises(ValueError, match=r"trace\.num_sequences=4 sizes the synthetic trace; with trace\.path"):

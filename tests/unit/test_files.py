@@ -1,7 +1,9 @@
 """The library's files: written atomically and readable by others, read with errors that name the file."""
 
+import errno
 import io
 import os
+import re
 import stat
 import struct
 import zipfile
@@ -348,6 +350,30 @@ def test_atomic_write_fsyncs_the_folder_after_the_rename(tmp_path, monkeypatch):
     kinds.clear()
     atomic_write(tmp_path / "b.bin", lambda f: f.write(b"x"), fsync=False)
     assert kinds == []
+
+
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.EOPNOTSUPP])
+def test_a_file_system_that_cannot_flush_still_takes_the_file(tmp_path, monkeypatch, code):
+    """fsync by default failed every save on a mount that refuses fsync (EINVAL), where commit_files'
+    own flush passed over it; a disk error (EIO) still fails the save, naming the file."""
+    from recipes._outputs import commit_files
+
+    def refuse(fd):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "fsync", refuse)
+    ml.ExpertPlacement.linear(4, 2).save(tmp_path / "p.npz")
+    assert ml.ExpertPlacement.load(tmp_path / "p.npz").num_experts == 4
+    commit_files(tmp_path / "run", {"a.json": lambda p: p.write_text("{}")})
+    assert (tmp_path / "run" / "a.json").read_text() == "{}"
+
+    def eio(fd):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", eio)
+    with pytest.raises(OSError, match=re.escape(f"{tmp_path / 'q.npz'}: cannot write (Input/output error)")):
+        ml.ExpertPlacement.linear(4, 2).save(tmp_path / "q.npz")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.npz", "run"]
 
 
 def test_atomic_write_names_the_destination_when_the_rename_fails(tmp_path, monkeypatch):

@@ -115,6 +115,19 @@ def test_refine_makes_the_swaps_of_a_scan_over_all_pairs(chunk, monkeypatch) -> 
             assert got[1] == want[1], case
 
 
+def test_refine_of_nothing_to_swap_or_score() -> None:
+    """No step, no expert, one rank: the start and its score (no step or expert raised
+    ZeroDivisionError once the swap scores were computed in chunks; a review)."""
+    curves = LatencyCurves.preset("high", 2)
+    er, f = gem_search.refine(np.array([0, 1]), np.zeros((0, 2)), curves)
+    assert er.tolist() == [0, 1] and f == 0.0
+    er, f = gem_search.refine(np.zeros(0, dtype=np.int64), np.zeros((3, 0)), curves)
+    assert er.size == 0 and f == pytest.approx(gem_search.objective(er, np.zeros((3, 0)), curves))
+    x = np.arange(12.0).reshape(3, 4)
+    er, f = gem_search.refine(np.zeros(4, dtype=np.int64), x, LatencyCurves.preset("high", 1))
+    assert er.tolist() == [0] * 4 and f == pytest.approx(gem_search.objective(er, x, LatencyCurves.preset("high", 1)))
+
+
 def test_refine_needs_equal_experts_per_rank() -> None:
     x = np.ones((2, 4))
     with pytest.raises(ValueError, match=r"E / R = 4 / 2 experts on every rank, got \[3, 1\]"):

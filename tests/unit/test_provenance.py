@@ -71,7 +71,7 @@ def test_a_git_archive_names_its_commit(tmp_path, monkeypatch):
     import tarfile
 
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        tar.extractall(tmp_path, filter="data")
+        tar.extractall(tmp_path, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))  # (3.10.12+)
     monkeypatch.setattr(moelayers, "__file__", str(tmp_path / "moelayers" / "__init__.py"))
     assert _common._source_commit() == {"commit": head, "dirty": None}
     (tmp_path / ".git_archival.txt").write_text("commit: $Format:%H$\n")  # a checkout's own, unexpanded

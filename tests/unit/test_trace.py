@@ -486,12 +486,15 @@ def test_hugging_face_style_keywords_and_decode_steps_keep_their_sequences() -> 
         model(input_ids=torch.tensor([[21, 22], [31, 32]]), past_key_values=Cache(0))  # a new batch: new sequences
         model(input_ids=torch.tensor([[23], [33]]), past_key_values=Cache(2))  # continues it
         model(input_ids=torch.tensor([[40], [41], [42]]), cache_position=torch.tensor([9]))  # other rows: new
+        model(input_ids=torch.tensor([[43], [44], [45]]), past_key_values=[None, None])  # nothing cached: new
+        legacy = [(torch.zeros(3, 2, 4, 8), torch.zeros(3, 2, 4, 8))]  # the legacy format, 4 tokens cached
+        model(input_ids=torch.tensor([[46], [47], [48]]), past_key_values=legacy)  # continues
         rec.tag(["t", "t"])
         model(input_ids=torch.tensor([[50, 51]]))
         model(input_ids=torch.tensor([[60], [61]]), cache_position=torch.tensor([5]))  # after a tag: new
     np.testing.assert_array_equal(rec.result.token_ids, [1, 2, 3, 4, 5, 11, 12, 13, 14, 15, 21, 22, 23, 31, 32, 33,
-                                                         40, 41, 42, 50, 51, 60, 61])
-    np.testing.assert_array_equal(np.diff(rec.result.seq_offsets), [5, 5, 3, 3, 1, 1, 1, 2, 1, 1])
+                                                         40, 41, 42, 43, 46, 44, 47, 45, 48, 50, 51, 60, 61])
+    np.testing.assert_array_equal(np.diff(rec.result.seq_offsets), [5, 5, 3, 3, 1, 1, 1, 2, 2, 2, 2, 1, 1])
 
 
 def test_recorder_removes_hooks_on_exception() -> None:
