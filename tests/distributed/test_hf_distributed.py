@@ -13,12 +13,12 @@ from moelayers.testing import run_distributed
 from tests.unit.test_hf import Model, _x
 
 
-def _swap_and_compare(rank: int, world: int) -> list:
+def _swap_and_compare(rank: int, world: int, device: str = "cpu") -> list:
     out = []
     for model_type, old in (("qwen3_moe", False), ("mixtral", True)):
-        model = Model(model_type, norm=False, old=old).eval()  # the same weights on every rank
+        model = Model(model_type, norm=False, old=old).eval().to(device)  # the same weights on every rank
         blocks = [model.layers[0].mlp, model.layers[2].mlp]
-        x = _x(1 + rank, 3 + 2 * rank, seed=10 + rank)  # each rank its own batch
+        x = _x(1 + rank, 3 + 2 * rank, seed=10 + rank).to(device)  # each rank its own batch
         with torch.no_grad():
             expected = model(x)
         names = swap_moe_blocks(model, ml.ParallelGroups.from_world())
@@ -39,9 +39,13 @@ def _swap_and_compare(rank: int, world: int) -> list:
 
 @pytest.mark.timeout(180)
 def test_swap_at_world_2():
-    for rank, results in enumerate(run_distributed(_swap_and_compare, 2, timeout=150)):
+    check_swap_results(run_distributed(_swap_and_compare, 2, timeout=150))
+
+
+def check_swap_results(per_rank: list) -> None:
+    for results in per_rank:
         for names, diff, same, ep_size, local in results:
             assert names == ["layers.0.mlp", "layers.2.mlp"]
-            assert diff < 1e-12, (rank, diff)
+            assert diff < 1e-12, diff
             assert same == [True, True]
             assert (ep_size, local) == (2, 3)  # 6 experts over 2 ranks

@@ -1,0 +1,33 @@
+"""moelayers.integrations.hf on GPUs: HF-like models (tests/unit/test_hf.py's, both expert layouts)
+swapped at world 2 over NCCL compute what their blocks computed (float64), and ``hf_weights``
+gathers every expert on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moelayers as ml
+from moelayers.integrations.hf import swap_moe_blocks
+from moelayers.testing import run_distributed
+from tests.distributed.test_hf_distributed import _swap_and_compare, check_swap_results
+from tests.unit.test_hf import Model, _x
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_swap_at_world_2_nccl():
+    check_swap_results(run_distributed(_swap_and_compare, 2, "cuda", backend="nccl", timeout=180))
+
+
+@pytest.mark.parametrize("old", [False, True], ids=["fused", "per_expert"])
+def test_swap_on_one_gpu(old):
+    model = Model("qwen3_moe", norm=True, old=old).eval().cuda()
+    x = _x(2, 5).cuda()
+    with torch.no_grad():
+        expected = model(x)
+        swap_moe_blocks(model, ml.ParallelGroups.single())
+        assert float((model(x) - expected).abs().max()) < 1e-12
+    layer = model.get_submodule("layers.0.mlp")
+    assert getattr(layer, "layer", layer).router.weight.is_cuda  # built on the block's device
