@@ -11,7 +11,9 @@ equal the dense reference before and after a move.
 Load recording: after each forward, this rank's per-step logical expert counts ``[E]`` go into a
 ring buffer of ``window`` steps (on the layer's device, no host sync). Re-planning sums the buffer
 over the expert-parallel ranks (one all_reduce of ``[window, E]``), plans on rank 0 and broadcasts
-the result, so every rank applies the same placement.
+the result, so every rank applies the same placement. The window, the step count and the re-plan
+schedule are not part of ``state_dict()`` (the placement and weights are): a resumed layer starts a
+new window.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ forward; it reads the layer's ``config``, ``groups``, ``placement``, ``seed``, `
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -400,7 +401,8 @@ class LayerWeights:
                   and state_dict[prefix + k].shape != v.shape]
         if misfit:  # torch would load the placement (extra state) first and raise about the sizes at the end
             if prefix + "_extra_state" in state_dict:  # the reason in the placement's terms, where it has one
-                self._saved_placement(state_dict[prefix + "_extra_state"])
+                with self._naming_the_layer(prefix):
+                    self._saved_placement(state_dict[prefix + "_extra_state"])
             raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: size mismatch for "
                                f"{'; '.join(misfit)}; nothing of this MoE layer was loaded")
         if local_metadata.get("assign_to_params_buffers", False):  # the checkpoint's tensors become the weights
@@ -409,8 +411,19 @@ class LayerWeights:
         # load_state_dict(assign=True) puts the checkpoint's tensors in place of the parameters: their
         # flags (allreduce, sequence_parallel) are put back, and the dtype followed, in _after_load
         self._flags_before_load = {name: (p.data_ptr(), dict(vars(p))) for name, p in self.named_parameters()}
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        with self._naming_the_layer(prefix):  # (set_extra_state's refusal: which of the model's layers)
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+
+    @contextlib.contextmanager
+    def _naming_the_layer(self, prefix: str) -> Iterator[None]:
+        """A checkpoint's placement refused while loading names the layer (its key prefix in the model
+        and :meth:`_label`): torch raises ``set_extra_state``'s errors as they are."""
+        try:
+            yield
+        except ValueError as exc:
+            where = f"{prefix.rstrip('.')} ({self._label()})" if prefix else self._label()
+            raise ValueError(f"{where}: {exc}") from exc
 
     def _check_assigned_dtypes(self, tensors: list[torch.Tensor]) -> None:
         """``load_state_dict(assign=True)`` makes ``tensors`` the parameters: one dtype the layer can
@@ -488,7 +501,7 @@ class LayerWeights:
         phy2log, num_experts, ep_rank = read_placement_record(state)
         if phy2log.dim() == 2 and phy2log.shape[0] != self.groups.ep_size:  # before the rank: the cause
             raise ValueError(f"this checkpoint was saved at expert-parallel size {phy2log.shape[0]}, this "
-                             f"layer's group has {self.groups.ep_size} ranks: a layer's state_dict() holds one rank's "
+                             f"layer's group has {self.groups.ep_size} rank(s): a layer's state_dict() holds one rank's "
                              "expert slots and loads at the same size only; to change it, save and load the experts "
                              "by id (moelayers.checkpoint, or export_full_weights / load_full_weights)")
         if ep_rank is not None and ep_rank != self.groups.ep_rank:  # (older checkpoints lack it)
@@ -499,7 +512,10 @@ class LayerWeights:
                              "moelayers.checkpoint.model_state_dict(model) with it)")
         saved = ExpertPlacement(phy2log, num_experts)
         if saved != self.placement:
-            self._check_placement(saved, self.config, self.groups)
+            try:
+                self._check_placement(saved, self.config, self.groups)
+            except ValueError as exc:
+                raise ValueError(f"the checkpoint's {exc}") from exc
             if saved.slots_per_rank != self.placement.slots_per_rank:
                 raise ValueError(f"the checkpoint's placement has {saved.slots_per_rank} slots per rank, this layer "
                                  f"{self.placement.slots_per_rank}: build it with placement= of that shape")

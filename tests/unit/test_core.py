@@ -997,3 +997,28 @@ def test_reference_of_no_tokens_is_on_the_graph_like_the_layers_output():
     y3 = ml.reference.moe_forward(torch.zeros(0, 2, 8, dtype=torch.float64), router, w13, w2, cfg)
     assert y3.shape == (0, 2, 8)
     layer(x).sum().backward()  # the layer's too
+
+
+def test_a_refused_checkpoint_placement_names_the_layer():
+    """'placement is for 7 experts, config has 13' named neither the layer (one of dozens) nor the
+    checkpoint (a journey moving checkpoints between models)."""
+    from torch import nn
+
+    small = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=7, top_k=2)
+    big = small.replace(num_experts=13)
+
+    def model(cfg, number):
+        return nn.ModuleDict({"blocks": nn.ModuleList([nn.ModuleDict({"moe": ml.VanillaMoE(
+            cfg, ml.ParallelGroups.single(), layer_number=number)})])})
+
+    saved = model(small, 3).state_dict()
+    with pytest.raises(ValueError, match=r"^blocks\.0\.moe \(VanillaMoE \(layer 3\)\): the checkpoint's placement is "
+                                         r"for 7 experts, config has 13$"):
+        model(big, 3).load_state_dict(saved)  # (the weights' sizes differ too: the placement's reason first)
+    same_size = ml.VanillaMoE(small, ml.ParallelGroups.single(), placement=ml.ExpertPlacement.linear(7, 1, 8))
+    with pytest.raises(ValueError, match=r"^blocks\.0\.moe \(VanillaMoE \(layer 3\)\): the checkpoint's placement has "
+                                         r"8 slots per rank, this layer 7"):
+        model(small, 3).load_state_dict({f"blocks.0.moe.{k}": v for k, v in same_size.state_dict().items()})
+    with pytest.raises(ValueError, match=r"^VanillaMoE: the checkpoint's placement is for 7 experts"):
+        ml.VanillaMoE(big, ml.ParallelGroups.single()).load_state_dict(
+            {k[len("blocks.0.moe."):]: v for k, v in saved.items()})
