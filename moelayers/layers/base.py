@@ -25,6 +25,7 @@ from torch import nn
 
 from moelayers._autograd import in_backward
 from moelayers._compile import cached_tensor, eager_under_compile
+from moelayers._warnings import warn_caller
 from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, ReplicaPolicy, Routes
 from moelayers.dispatch.base import Dispatcher, checked_plan, routes_from_placement
@@ -219,6 +220,8 @@ class MoELayerBase(LayerWeights, nn.Module):
         self._forced_ids: torch.Tensor | None = None
         self._forced_for_recompute = ForcedForRecompute()  # for activation checkpointing (layers/replay.py)
         self._graphs = InFlightGraphs()  # recorded forwards awaiting their backward: a move waits (layers/inflight.py)
+        self._trained = False  # a forward ran under autograd: a move without the optimizer warns (apply_placement)
+        self._warned_moments = False
         self._order_sent: torch.Tensor | None = None  # the flag of _order_flag, and the value it holds
         self._order_value = 0
         # the tensor a wrapper was given, to key the next forward's routing by for checkpointing when the
@@ -344,6 +347,9 @@ class MoELayerBase(LayerWeights, nn.Module):
         Args:
             placement: the new placement (the same on every rank).
             optimizer: a torch optimizer over the expert weights (every rank one with the same states).
+                Without one, the first move of trained expert weights (a forward ran under autograd)
+                warns once per layer (``RuntimeWarning``): an optimizer's per-slot state would stay
+                with the slots.
 
         Raises:
             moelayers.PlacementRejected: bad input on some rank (wrong experts/ranks/slots, invalid,
@@ -352,7 +358,20 @@ class MoELayerBase(LayerWeights, nn.Module):
             moelayers.PlacementMoveError: a failure while staging on some rank; raised on every
                 rank, the old placement serving (a ``RuntimeError``).
         """
+        before = self.placement
         move_expert_weights(self, placement, fault_hook=self._staging_fault_hook, optimizer=optimizer)
+        if (optimizer is None and self.placement != before and self._trained and not self._warned_moments
+                and (self.experts.w13.requires_grad or self.experts.w2.requires_grad)):
+            self._warned_moments = True  # (every rank moved: each warns, as a filter may make it an error)
+            warn_caller(f"{self._label()}: expert weights that trained moved to another placement without the "
+                        "optimizer's per-slot state, which stays with the slots (Adam's moments now belong to other "
+                        f"experts): {self._moments_hint()}. Nothing to do if no optimizer holds these weights "
+                        "(warned once per layer)", RuntimeWarning)
+
+    def _moments_hint(self) -> str:
+        """How to move an optimizer's state with the weights, for the warning of :meth:`apply_placement`."""
+        return ("pass optimizer= to apply_placement (or to moelayers.checkpoint.load_placement_state_dict) to move it "
+                "with them")
 
     # ------------------------------------------------------------------ forward
     def graphs_in_flight(self) -> int:
@@ -477,6 +496,7 @@ class MoELayerBase(LayerWeights, nn.Module):
         if self.capacity is not None:
             return self._keeping_order(self._forward_capacity, x2, token_ids, forced).view(x.shape)
         y, routed = self._keeping_order(self._forward_steps, x2, token_ids, forced)
+        self._trained = self._trained or y.requires_grad  # (a reentrant checkpoint's first pass: in its recompute)
         if recomputable:
             self._forced_for_recompute.keep(key, routed_as)
         elif (routed_as is not None and not recompute and topk_ids is None  # (e.g. forced on an input made under

@@ -120,10 +120,10 @@ class VariabilityAwareMoE(MoELayerBase):
     num_moves: int
 
     #: a deep copy watches none of the original's autograd graphs (its weights are in none of them),
-    #: is in none of its optimizers (``replan_optimizer``) and has not trained (a frozen reference
-    #: model's re-plans do not warn about optimizer state); it keeps the load window and the step count
-    _fresh_on_copy = {**MoELayerBase._fresh_on_copy, "replan_optimizer": lambda: None, "_trained": lambda: False,
-                      "_warned_optimizer": lambda: False, "_warned_zeros": lambda: False}
+    #: is in none of its optimizers (``replan_optimizer``) and has not trained (the base's: a frozen
+    #: reference model's re-plans do not warn about optimizer state); it keeps the load window and
+    #: the step count
+    _fresh_on_copy = {**MoELayerBase._fresh_on_copy, "replan_optimizer": lambda: None, "_warned_zeros": lambda: False}
 
     # normal tensors even when built under torch.inference_mode() (see MoELayerBase.__init__)
     @torch.inference_mode(False)
@@ -195,8 +195,7 @@ class VariabilityAwareMoE(MoELayerBase):
         #: the torch optimizer whose per-slot state (Adam's moments) automatic re-plans move with the
         #: weights (training with ``auto_replan=True``; ``replan(optimizer=)`` for explicit ones)
         self.replan_optimizer: torch.optim.Optimizer | None = None
-        self._trained = False  # a forward ran under autograd: an automatic move without the optimizer warns
-        self._warned_optimizer = self._warned_zeros = False
+        self._warned_zeros = False
         self._in_forward = False  # inside forward(): a refusal there has run the deferred re-plan already
         self.last_replan: dict | None = None
         self.register_buffer("_loads", torch.zeros(window, config.num_experts, dtype=torch.int64,
@@ -231,17 +230,13 @@ class VariabilityAwareMoE(MoELayerBase):
             ``y`` with the shape of ``x``.
         """
         if in_backward():  # activation checkpointing recomputing a forward: its step is recorded, and no
-            y = super().forward(x, token_ids=token_ids, topk_ids=topk_ids)  # move may run inside the backward
-            self._trained = self._trained or y.requires_grad  # (a reentrant checkpoint's first pass had no grad)
-            return y
+            return super().forward(x, token_ids=token_ids, topk_ids=topk_ids)  # move may run inside the backward
         self._run_pending_replan()
         self._in_forward = True
         try:
             y = super().forward(x, token_ids=token_ids, topk_ids=topk_ids)
         finally:
             self._in_forward = False
-        if y.requires_grad:  # autograd saved the weights: a move waits until this graph's backward has run
-            self._trained = True  # (MoELayerBase.forward watches the graph: graphs_in_flight())
         if self.record_loads:
             self._record(self.last_topk_ids)
             if self._replan_due():  # the ranks wait together: a re-plan is a collective
@@ -295,17 +290,9 @@ class VariabilityAwareMoE(MoELayerBase):
     def _auto_replan(self) -> None:
         """:meth:`replan`, where a failure (raised on every rank together) warns instead of costing
         the forward its output, and schedules another try ``window`` steps later."""
-        moves = self.num_moves
         try:
-            self.replan(optimizer=self.replan_optimizer)
+            self.replan(optimizer=self.replan_optimizer)  # (trained weights moved without it warn: _moments_hint)
             self._retry_at = None
-            unmoved_state = self._trained and self.replan_optimizer is None
-            if self.num_moves > moves and unmoved_state and not self._warned_optimizer:
-                self._warned_optimizer = True
-                warn_caller(f"{self._label()}: an automatic re-plan moved expert weights between training steps "
-                            "without the optimizer's per-slot state, which stays with the slots (Adam's moments now "
-                            "belong to other experts): set layer.replan_optimizer = optimizer to move it with the "
-                            "weights (or re-plan yourself: replan(optimizer=...))", RuntimeWarning)
         except PlacementMoveError as exc:  # (on every rank: a filter that turns it into an error raises on all)
             self._retry_at = self.steps + self.window
             warn_caller(f"{self._label()}: the automatic re-plan failed ({exc}); tried again in "
@@ -395,6 +382,10 @@ class VariabilityAwareMoE(MoELayerBase):
         return self.curves
 
     @one_at_a_time
+    def _moments_hint(self) -> str:
+        return ("set layer.replan_optimizer = optimizer for the automatic re-plans, and pass optimizer= to replan / "
+                "apply_placement (or moelayers.checkpoint.load_placement_state_dict), to move it with them")
+
     def replan(self, loads: torch.Tensor | None = None, *, optimizer: torch.optim.Optimizer | None = None
                ) -> ExpertPlacement:
         """Plan a placement on rank 0, broadcast it and apply it on every rank (a collective).

@@ -339,7 +339,11 @@ class LayerWeights:
                                                     "_forced_for_recompute": ForcedForRecompute,
                                                     "_graphs": InFlightGraphs,
                                                     "_reduced_grads": dict,
-                                                    "_turn": lambda: None}  # (made on first use: turns.py)
+                                                    "_turn": lambda: None,  # (made on first use: turns.py)
+                                                    # a copy has not trained (a frozen reference model's moves
+                                                    # do not warn about optimizer state): see apply_placement
+                                                    "_trained": lambda: False,
+                                                    "_warned_moments": lambda: False}
 
     def __deepcopy__(self, memo: dict) -> "MoELayerBase":
         """A copy with its own weights and state that shares the process groups (handles, which

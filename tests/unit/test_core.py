@@ -1022,3 +1022,42 @@ def test_a_refused_checkpoint_placement_names_the_layer():
     with pytest.raises(ValueError, match=r"^VanillaMoE: the checkpoint's placement is for 7 experts"):
         ml.VanillaMoE(big, ml.ParallelGroups.single()).load_state_dict(
             {k[len("blocks.0.moe."):]: v for k, v in saved.items()})
+
+
+def test_moving_trained_weights_without_the_optimizer_warns_once():
+    """A journey: load_placement_state_dict / apply_placement without optimizer= after training moved
+    the weights and left Adam's moments on the slots (1.7e-2 off after one step), silently; the
+    automatic re-plans of VariabilityAwareMoE already warned."""
+    import copy
+    import warnings
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    there, back = ml.ExpertPlacement.from_phy2log(torch.tensor([[3, 2, 1, 0]]), 4), ml.ExpertPlacement.linear(4, 1)
+
+    def moves(layer, *placements, **kw):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for p in placements:
+                layer.apply_placement(p, **kw)
+        return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+    fresh = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), layer_number=2)
+    with torch.no_grad():
+        fresh(torch.randn(3, 8, dtype=torch.float64))
+    assert moves(fresh, there, back) == []  # never trained
+    trained = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), layer_number=2)
+    opt = torch.optim.Adam(trained.parameters())
+    trained(torch.randn(3, 8, dtype=torch.float64)).square().sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    reference = copy.deepcopy(trained)
+    assert moves(trained, there, optimizer=opt) == []  # the moments moved with the weights
+    assert moves(trained, trained.placement) == []  # nothing moved
+    warned = moves(trained, back, there)
+    assert len(warned) == 1 and warned[0].startswith("VanillaMoE (layer 2): expert weights that trained moved to "
+                                                     "another placement without the optimizer's per-slot state")
+    assert "pass optimizer= to apply_placement" in warned[0]
+    assert moves(reference, back) == []  # a copy has not trained
+    frozen = copy.deepcopy(trained).requires_grad_(False)
+    frozen._trained = True
+    assert moves(frozen, back) == []  # no optimizer holds frozen weights
