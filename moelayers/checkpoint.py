@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -55,7 +56,7 @@ from moelayers.layers.moves import PlacementMoveError, check_can_move
 from moelayers.placement import ExpertPlacement
 
 __all__ = ["model_state_dict", "load_model_state_dict", "optimizer_state_dict", "load_optimizer_state_dict",
-           "placement_state_dict", "load_placement_state_dict", "EXPERT_KEYS", "slot_copies"]
+           "placement_state_dict", "load_placement_state_dict", "placements_fit", "EXPERT_KEYS", "slot_copies"]
 
 #: a layer's parameters with one row per slot of its placement
 EXPERT_KEYS = ("experts.w13", "experts.w2")
@@ -482,7 +483,8 @@ def placement_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     A placement is a table of the expert-parallel ranks and slots it was saved with: only a model of
     the same expert-parallel size and slots per rank can take it (``dcp.load`` refuses another
-    shape); at another size, leave the placements out and resume in the loading layers' own.
+    shape); at another size, leave the placements out and resume in the loading layers' own
+    (:func:`placements_fit` tells which).
 
     Returns:
         ``{name: tensor}``, one entry per layer (a layer under several names: the first).
@@ -491,6 +493,32 @@ def placement_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
     return {_placement_key(p): p.layer.placement.phy2log.clone()
             for p in _expert_params(model, get_model_state_dict(model)) if p.name == EXPERT_KEYS[0]}
+
+
+def placements_fit(model: nn.Module, checkpoint_id: str | os.PathLike, key: str = "placements") -> bool:
+    """Whether the placements a checkpoint saved (``{key: placement_state_dict(model)}`` in a DCP
+    checkpoint on the file system) can be loaded into ``model``: an entry for each of its layers, of
+    the same expert-parallel size and slots per rank. Reads the checkpoint's metadata only (no
+    collective); ``dcp.load`` of placements that do not fit raises ``CheckpointException``, which is
+    not an ``Exception``::
+
+        state = {"model": mlc.model_state_dict(model), "optim": mlc.optimizer_state_dict(model, optim)}
+        if mlc.placements_fit(model, path):  # the same sizes: resume in the saved placements
+            state["placements"] = mlc.placement_state_dict(model)
+
+    Raises:
+        FileNotFoundError: no checkpoint metadata at ``checkpoint_id``.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not os.path.exists(os.path.join(os.fspath(checkpoint_id), ".metadata")):
+        raise FileNotFoundError(f"{checkpoint_id}: no torch.distributed.checkpoint metadata (.metadata) there")
+    saved = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    for name, phy2log in placement_state_dict(model).items():
+        entry = saved.get(f"{key}.{name}")
+        if getattr(entry, "size", None) != phy2log.shape:
+            return False
+    return True
 
 
 def load_placement_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *,

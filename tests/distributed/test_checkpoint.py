@@ -452,3 +452,29 @@ def test_dcp_checkpoint_gives_the_step_to_a_rank_without_experts(tmp_path):
     for out in run_distributed(_resume_on_a_rank_without_experts, 2, str(tmp_path / "ckpt"), timeout=120):
         assert out["steps"] == [float(STEPS)] * 2, out
         assert out["resumed"] < 1e-12, out
+
+
+def test_placements_fit_tells_whether_saved_placements_load(tmp_path):
+    """Resuming in the saved placements at another expert-parallel size or slot count failed inside
+    dcp.load with a CheckpointException (not an Exception, so a fallback missed it): placements_fit
+    reads the checkpoint's metadata first (a journey at odd shapes)."""
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+
+    from moelayers import checkpoint as mlc
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+
+    def model(slots=None):
+        place = ml.ExpertPlacement.linear(4, 1, slots_per_rank=slots)
+        return nn.ModuleDict({"moe": ml.VanillaMoE(cfg, ml.ParallelGroups.single(), placement=place)})
+
+    saved = model(5)
+    dcp.save({"placements": mlc.placement_state_dict(saved)}, checkpoint_id=str(tmp_path / "ck"))
+    assert mlc.placements_fit(model(5), tmp_path / "ck")
+    assert not mlc.placements_fit(model(), tmp_path / "ck")  # 4 slots per rank, the checkpoint's 5
+    assert not mlc.placements_fit(model(5), tmp_path / "ck", key="elsewhere")
+    state = {"placements": mlc.placement_state_dict(model(5))}
+    dcp.load(state, checkpoint_id=str(tmp_path / "ck"))  # what fits loads
+    with pytest.raises(FileNotFoundError, match="no torch.distributed.checkpoint metadata"):
+        mlc.placements_fit(model(5), tmp_path / "nothing")
