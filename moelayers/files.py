@@ -153,8 +153,9 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], None], *, 
     return path
 
 
-#: fsync errors of a file system that cannot flush (not a failure of the disk): passed over
-_CANNOT_FLUSH = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP})
+#: fsync errors of a file system or a descriptor that cannot flush (not a failure of the disk): passed
+#: over (EBADF: Windows flushes a file open for writing only; EROFS: a read-only mount)
+_CANNOT_FLUSH = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF, errno.EROFS})
 
 
 def _flush(fd: int) -> None:
@@ -175,7 +176,7 @@ def fsync_file(path: str | os.PathLike) -> None:
     """
     try:
         fd = os.open(path, os.O_RDWR)  # (Windows flushes only a file open for writing)
-    except PermissionError:
+    except OSError:  # a read-only file or mount, a running program: flushed as far as a reader can
         fd = os.open(path, os.O_RDONLY)
     try:
         _flush(fd)

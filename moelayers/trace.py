@@ -455,12 +455,13 @@ def _batch_of(module: nn.Module, x: Any) -> np.ndarray | tuple[int, int] | None:
 
 def _continues_cache(kwargs: dict) -> bool:
     """Whether a model forward's keyword arguments say it continues cached sequences (a Hugging
-    Face-style decode step): a ``cache_position`` starting after 0, or a ``past_key_values`` cache
-    holding tokens already."""
+    Face-style decode step): a ``cache_position`` starting after 0, or a ``past_key_values`` (or,
+    as transformers 5 passes it, ``cache``) holding tokens already."""
     position = kwargs.get("cache_position")
     if isinstance(position, torch.Tensor) and position.numel():
         return int(position.reshape(-1)[0]) > 0
     cache = kwargs.get("past_key_values")
+    cache = kwargs.get("cache") if cache is None else cache  # (transformers 5's generate passes cache=)
     if cache is None:
         return False
     try:
@@ -548,7 +549,7 @@ class TraceRecorder:
     sequences, one per column; anything else (``[T, H]``, other keyword inputs, ids the layers saw
     in another order, ``TinyDecoder.step``) is one sequence (a forward of no tokens: none). An
     untagged forward given a cache of earlier tokens (a ``cache_position`` starting after 0, or a
-    ``past_key_values`` holding tokens: the decode steps of Hugging Face's ``generate``) continues
+    ``past_key_values`` / ``cache`` holding tokens: the decode steps of Hugging Face's ``generate``) continues
     the sequences of the forward just before it, row by row, when that forward was untagged and had
     as many rows (else its rows are new sequences). Padding is recorded like other tokens, and beam
     search's reordered beams as the rows they land in: tag such forwards. Tokens of a sequence keep

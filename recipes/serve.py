@@ -846,7 +846,9 @@ def check_config(d: dict) -> None:
         source = f"trace.path={d['trace']['path']} has" if trace is not None else "model.num_experts:"
         default = " (parallel.ep defaults to parallel.world_size)" if d["parallel"].get("ep") is None else ""
         fits = sorted({n for n in (experts - experts % ep, experts + ep - experts % ep) if n > 0})
+        whole = scheduler_name(d["scheduler"]) == "semantic" or uses_plan(d["layer"])  # (ep = the world there)
         hint = (f"model.num_experts={' or '.join(map(str, fits))}" if trace is None
+                else f"a parallel.world_size that divides {experts}" if whole
                 else f"a parallel.ep that divides {experts} and the world size {world}")  # (linear placements only)
         raise ValueError(f"{source} {experts} experts per layer, which do not split over parallel.ep={ep} ranks{default}: "
                          f"e.g. {hint}")

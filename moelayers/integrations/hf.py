@@ -38,22 +38,23 @@ outputs without any error): every other model type, in particular
 
 Notes on the HF side:
 
-- Set ``model.config.output_router_logits = False`` (and do not pass ``output_router_logits=True``):
-  the layers expose no router logits, and HF's load-balancing loss then raises ``IndexError`` on an
-  empty tuple.
+- Set ``model.config.output_router_logits = False`` (a config with it on is refused; do not pass
+  ``output_router_logits=True`` either): the layers expose no router logits, and HF's
+  load-balancing loss then raises (transformers 5) or is 0 without a word (4.x).
 - With expert parallelism (``ep > 1``) call ``model.generate(..., synced_gpus=True)``: every rank
   must run the same number of forwards; a rank whose sequences end early (EOS) would leave the
   others waiting in the expert exchange until the process group's timeout.
 - HF routes float64 models in float32 (its routers' ``softmax(..., dtype=torch.float)``), the
   layers in float64: differences of about 1e-7 in float64 are HF's rounding (float32 models were
-  observed bit-identical).
+  observed bit-identical with transformers 5's eager and grouped_mm experts, within 1e-6 otherwise).
 - :class:`~moelayers.SemanticMoE` plans need ``token_ids``, which HF's decoder layer does not pass
   to its mlp: keep ``input_ids`` with a model forward pre-hook
   (``register_forward_pre_hook(..., with_kwargs=True)``) and wrap the layer to call
   ``layer(h, token_ids=ids)`` (``[B, S]`` ids for ``[B, S, H]`` hidden states).
 - ``save_pretrained`` of a swapped model does not round-trip: the layers' keys
-  (``mlp.router.weight``, ``mlp.experts.w13`` ...) are not HF's, and ``from_pretrained`` silently
-  re-initialises every MoE weight. Write HF's names with :func:`hf_weights`.
+  (``mlp.router.weight``, ``mlp.experts.w13`` ...) are not HF's, and ``from_pretrained``
+  re-initialises every MoE weight (with only a load report saying so). Write HF's names with
+  :func:`hf_weights`.
 
 This module never imports transformers: it reads blocks and configs by their attributes, so it
 also works on HF-like modules of other libraries that follow the same layout.
@@ -99,6 +100,15 @@ _REFUSED: dict[str, str] = {
                    "implement",
 }
 _SILU = ("silu", "swish")  # the same function in HF's ACT2FN
+_SILU_MODULES = ("SiLU", "SiLUActivation")  # what ACT2FN gives for them (torch's, transformers')
+
+
+def _act_of(experts: Any) -> Any:
+    """The experts' activation module (``act_fn`` of the fused experts or of the first MLP), or ``None``."""
+    act = getattr(experts, "act_fn", None)
+    if act is None and isinstance(experts, nn.ModuleList) and len(experts):
+        act = getattr(experts[0], "act_fn", None)
+    return act
 
 
 # ---------------------------------------------------------------------------------------- configs
@@ -179,6 +189,15 @@ def moe_config_from_hf(block: nn.Module, hf_config: Any, *, dtype: torch.dtype |
     if act not in _SILU:
         raise _refuse(model_type, f"hidden_act={act!r}: moelayers experts are SwiGLU (silu(x W1^T) * x W3^T); "
                                   "another activation would compute other experts")
+    act_fn = _act_of(getattr(block, "experts", None))
+    if act_fn is not None and type(act_fn).__name__ not in _SILU_MODULES:  # (the config edited after the build)
+        raise _refuse(model_type, f"the block's experts compute {type(act_fn).__name__}, not SiLU, whatever "
+                                  f"hf_config.hidden_act={act!r} says: moelayers experts are SwiGLU")
+    if getattr(hf_config, "output_router_logits", False) or getattr(config, "output_router_logits", False):
+        raise ValueError("hf_config.output_router_logits is True: the layers return no router logits, so HF's "
+                         "load-balancing loss would fail (transformers 5) or be 0 without a word (4.x); set "
+                         "model.config.output_router_logits = False (an aux loss of one's own can take "
+                         "x @ layer.router.weight.T)")
     if model_type == "mixtral":
         jitter = max(float(getattr(config, "router_jitter_noise", 0.0) or 0.0),
                      float(getattr(block, "jitter_noise", 0.0) or 0.0))
@@ -346,11 +365,14 @@ class TupleOutput(nn.Module):
 
     Args:
         layer: the moelayers layer; ``forward(hidden_states [B, S, H])``.
+        names: the block's per-expert projections (``gate_proj``, ``up_proj``, ``down_proj``, or
+            Mixtral's ``w1``, ``w3``, ``w2``), for :func:`hf_weights`' keys.
     """
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, names: tuple[str, str, str] = _PER_EXPERT_NAMES[0]):
         super().__init__()
         self.layer = layer
+        self.names = names
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
         return self.layer(hidden_states), None
@@ -368,8 +390,8 @@ def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = VanillaMoE,
-                    **layer_kwargs: Any) -> list[str]:
+def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = VanillaMoE, *,
+                    dtype: torch.dtype | None = None, **layer_kwargs: Any) -> list[str]:
     """Replace every sparse MoE block of the HF ``model`` in place with a moelayers layer.
 
     Each block's config comes from :func:`moe_config_from_hf` (``model.config``) with the block's
@@ -390,6 +412,8 @@ def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = 
         groups: the layers' process groups (``ParallelGroups.single()`` for one process).
         layer_cls: :class:`~moelayers.VanillaMoE` (default), :class:`~moelayers.VariabilityAwareMoE`,
             :class:`~moelayers.SemanticMoE` (which needs ``token_ids``: see the module docstring).
+        dtype: the layers' ``params_dtype`` (default: each block's; needed where a block holds
+            weights of several dtypes, e.g. a float32 router beside bf16 experts: cast to it).
         **layer_kwargs: passed to each ``layer_cls(config, groups, ...)`` (``dispatcher``,
             ``placement``, ...), except ``layer_number``, which is set here.
 
@@ -412,22 +436,32 @@ def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = 
     blocks = _moe_blocks(model)
     if not blocks:
         model_type = getattr(hf_config, "model_type", None)
+        swapped = [n for n, m in model.named_modules() if getattr(m, "moe_layer_marker", False) is True]
+        if swapped:
+            raise ValueError(f"{type(model).__name__} holds moelayers layers already ({swapped[0]}, ...) and no HF "
+                             "sparse MoE block: swapped before?")
         raise ValueError(f"{type(model).__name__} (model_type {model_type!r}) has no sparse "
                          "MoE block moelayers recognises (a module with a router `gate` and `experts`)")
-    configs = [moe_config_from_hf(block, hf_config) for _, block in blocks]  # refusals before anything changes
+    # refusals before anything changes
+    configs = [moe_config_from_hf(block, hf_config, dtype=dtype) for _, block in blocks]
     new: list[nn.Module] = []
     for number, ((name, block), cfg) in enumerate(zip(blocks, configs)):
         gate: Any = block.gate
         router, w13, w2 = weights_from_hf(block)
         kwargs = {"device": router.device, **layer_kwargs}
         layer: Any = layer_cls(cfg, groups, layer_number=number, **kwargs)
-        dev = layer.router.weight.device
-        layer.load_full_weights(router.to(dev), w13.to(dev), w2.to(dev))
+        dev, to = layer.router.weight.device, cfg.params_dtype
+        layer.load_full_weights(router.to(dev, to), w13.to(dev, to), w2.to(dev, to))
         layer.train(block.training)
         experts: Any = block.experts
         layer.router.requires_grad_(any(p.requires_grad for p in gate.parameters()))
         layer.experts.requires_grad_(any(p.requires_grad for p in experts.parameters()))
-        new.append(layer if hasattr(experts, "gate_up_proj") else TupleOutput(layer))
+        if hasattr(experts, "gate_up_proj"):
+            if getattr(experts, "is_transposed", False):
+                layer._hf_transposed = True  # hf_weights writes the layout read: [E, H, 2F] and [E, F, H]
+            new.append(layer)
+        else:
+            new.append(TupleOutput(layer, next(n for n in _PER_EXPERT_NAMES if all(hasattr(experts[0], a) for a in n))))
     for (name, _), module in zip(blocks, new):
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, module)
@@ -435,10 +469,14 @@ def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = 
 
 
 def hf_weights(layer: nn.Module) -> dict[str, torch.Tensor]:
-    """The layer's weights under HF's fused-layout names, relative to the block (transformers >= 5).
+    """The layer's weights under HF's names, relative to the block, in the layout
+    :func:`swap_moe_blocks` read.
 
-    ``{'gate.weight': [E, H], 'experts.gate_up_proj': [E, 2F, H], 'experts.down_proj': [E, H, F]}``
-    from :meth:`~moelayers.MoELayerBase.export_full_weights`, in logical expert order: a collective
+    transformers >= 5: ``{'gate.weight': [E, H], 'experts.gate_up_proj': [E, 2F, H],
+    'experts.down_proj': [E, H, F]}`` (``[E, H, 2F]`` and ``[E, F, H]`` for a block of
+    ``is_transposed`` experts); 4.x (a :class:`TupleOutput`): ``gate.weight`` and
+    ``experts.<e>.gate_proj.weight`` ... (Mixtral's ``w1`` / ``w3`` / ``w2``). From
+    :meth:`~moelayers.MoELayerBase.export_full_weights`, in logical expert order: a collective
     over the expert-parallel group at world > 1 (every rank calls it; every rank gets every expert).
     A swapped model's HF state dict, for ``save_pretrained(..., state_dict=sd)``::
 
@@ -457,4 +495,14 @@ def hf_weights(layer: nn.Module) -> dict[str, torch.Tensor]:
         raise TypeError(f"hf_weights takes a moelayers layer (or swap_moe_blocks' TupleOutput), got "
                         f"{type(layer).__name__}")
     router, w13, w2 = inner.export_full_weights()
-    return {"gate.weight": router, "experts.gate_up_proj": w13, "experts.down_proj": w2}
+    if not isinstance(layer, TupleOutput):
+        if getattr(inner, "_hf_transposed", False):  # a block of is_transposed experts (swap_moe_blocks)
+            w13, w2 = w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
+        return {"gate.weight": router, "experts.gate_up_proj": w13, "experts.down_proj": w2}
+    gate, up, down = layer.names  # transformers 4.x: per-expert nn.Linear weights
+    f = w2.shape[-1]
+    out = {"gate.weight": router}
+    for e in range(w13.shape[0]):
+        out.update({f"experts.{e}.{gate}.weight": w13[e, :f], f"experts.{e}.{up}.weight": w13[e, f:],
+                    f"experts.{e}.{down}.weight": w2[e]})
+    return out

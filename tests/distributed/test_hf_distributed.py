@@ -27,10 +27,8 @@ def _swap_and_compare(rank: int, world: int, device: str = "cpu") -> list:
         same = []
         for name, block in zip(names, blocks):
             back = hf_weights(model.get_submodule(name))  # a collective: every rank, every expert
-            w13, w2 = block.logical()
-            same.append(torch.equal(back["gate.weight"], block.gate.weight)
-                        and torch.equal(back["experts.gate_up_proj"], w13)
-                        and torch.equal(back["experts.down_proj"], w2))
+            own = {k: v.to(back[k].device) for k, v in block.state_dict().items() if k in back}
+            same.append(sorted(back) == sorted(block.state_dict()) and all(torch.equal(back[k], v) for k, v in own.items()))
         layer = model.get_submodule(names[0])
         layer = getattr(layer, "layer", layer)
         out.append((names, diff, same, layer.groups.ep_size, len(layer.placement.experts_on(rank))))

@@ -263,12 +263,21 @@ def test_swap_moe_blocks(old):
     assert layers[0].config.norm_topk_prob is old  # Mixtral always renormalises; Qwen3 as its config
     with torch.no_grad():
         torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-12)
-    for block, name in zip(blocks, ("layers.0.mlp", "layers.2.mlp")):  # the way back, HF's fused names
-        back = hf_weights(model.get_submodule(name))
-        assert sorted(back) == ["experts.down_proj", "experts.gate_up_proj", "gate.weight"]
-        w13, w2 = block.logical()
-        assert torch.equal(back["gate.weight"], block.gate.weight)
-        assert torch.equal(back["experts.gate_up_proj"], w13) and torch.equal(back["experts.down_proj"], w2)
+    for block, name in zip(blocks, ("layers.0.mlp", "layers.2.mlp")):  # the way back, in the block's own names
+        assert_loads_back(block, hf_weights(model.get_submodule(name)))
+
+
+def assert_loads_back(block: nn.Module, back: dict) -> None:
+    """``back`` (hf_weights) holds exactly the block's keys and values: a copy of the block with other
+    weights takes it (strict) and then equals the block."""
+    import copy
+
+    fresh = copy.deepcopy(block)
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    fresh.load_state_dict(back, strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), block.state_dict().values()))
 
 
 def test_swap_keeps_frozen_weights_frozen_and_passes_layer_kwargs():
@@ -332,6 +341,36 @@ def test_refuses_settings_it_cannot_represent():
         moe_config_from_hf(Block4(), hf_config(num_experts_per_tok=3))
     with pytest.raises(ValueError, match="the 'qwen3_moe' config has no num_experts_per_tok"):
         moe_config_from_hf(Block5(), hf_config(num_experts_per_tok=None))
+    gelu = Block5()
+    gelu.experts.act_fn = nn.GELU()  # a model built with gelu experts, its config edited to silu afterwards
+    with pytest.raises(ValueError, match="the block's experts compute GELU, not SiLU, whatever hf_config.hidden_act="):
+        moe_config_from_hf(gelu, hf_config())
+    gelu.experts.act_fn = nn.SiLU()
+    moe_config_from_hf(gelu, hf_config())
+    with pytest.raises(ValueError, match="output_router_logits is True: the layers return no router logits"):
+        moe_config_from_hf(Block5(), hf_config(output_router_logits=True))  # (4.x: an aux loss of 0, silently)
+
+
+def test_swap_casts_mixed_dtypes_and_tells_a_second_swap_and_writes_the_layout_read():
+    """A float32 router beside float64 experts: 'pass dtype=', which swap_moe_blocks did not take; a
+    second swap said 'no sparse MoE block'; a transposed block's weights came back untransposed."""
+    model, x = Model(), _x(2, 3)
+    with torch.no_grad():
+        expected = model(x)  # (the fake block computes in one dtype)
+    model.layers[0].mlp.gate.float()
+    with pytest.raises(ValueError, match="weights have dtypes .*pass dtype="):
+        swap_moe_blocks(model, ml.ParallelGroups.single())
+    swap_moe_blocks(model, ml.ParallelGroups.single(), dtype=torch.float64)
+    assert model.layers[0].mlp.router.weight.dtype == torch.float64
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected, rtol=0, atol=1e-6)  # (the router was float32)
+    with pytest.raises(ValueError, match=r"holds moelayers layers already \(layers\.0\.mlp, \.\.\.\) .*swapped before"):
+        swap_moe_blocks(model, ml.ParallelGroups.single())
+    transposed = Model()
+    block = Block5(transposed=True, seed=4)
+    transposed.layers[0].mlp = block
+    swap_moe_blocks(transposed, ml.ParallelGroups.single())
+    assert_loads_back(block, hf_weights(transposed.layers[0].mlp))
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -467,7 +467,7 @@ def test_hugging_face_style_keywords_and_decode_steps_keep_their_sequences() -> 
             super().__init__()
             self.emb, self.moe = nn.Embedding(100, 16), ml.VanillaMoE(moe, ml.ParallelGroups.single(), seed=0)
 
-        def forward(self, input_ids=None, past_key_values=None, cache_position=None):
+        def forward(self, input_ids=None, past_key_values=None, cache_position=None, cache=None):
             return self.moe(self.emb(input_ids), token_ids=input_ids)
 
     class Cache:  # the part of transformers' Cache the recorder reads
@@ -484,7 +484,7 @@ def test_hugging_face_style_keywords_and_decode_steps_keep_their_sequences() -> 
         for step in range(2):  # decode: each continues its row
             model(input_ids=torch.tensor([[4 + step], [14 + step]]), cache_position=torch.tensor([3 + step]))
         model(input_ids=torch.tensor([[21, 22], [31, 32]]), past_key_values=Cache(0))  # a new batch: new sequences
-        model(input_ids=torch.tensor([[23], [33]]), past_key_values=Cache(2))  # continues it
+        model(input_ids=torch.tensor([[23], [33]]), cache=Cache(2))  # continues it (transformers 5: cache=)
         model(input_ids=torch.tensor([[40], [41], [42]]), cache_position=torch.tensor([9]))  # other rows: new
         model(input_ids=torch.tensor([[43], [44], [45]]), past_key_values=[None, None])  # nothing cached: new
         legacy = [(torch.zeros(3, 2, 4, 8), torch.zeros(3, 2, 4, 8))]  # the legacy format, 4 tokens cached
