@@ -406,6 +406,7 @@ def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
         name = p.in_optimizer(live)
         if name is not None:
             _share_slot_table_states(p, live[name])
+            p.layer._trained = True  # its optimizer holds state for these slots: a move without it warns
     return set_optimizer_state_dict(model, optimizer, {**state_dict, "state": native})
 
 
@@ -497,8 +498,9 @@ def placement_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def placements_fit(model: nn.Module, checkpoint_id: str | os.PathLike, key: str = "placements") -> bool:
     """Whether the placements a checkpoint saved (``{key: placement_state_dict(model)}`` in a DCP
-    checkpoint on the file system) can be loaded into ``model``: an entry for each of its layers, of
-    the same expert-parallel size and slots per rank. Reads the checkpoint's metadata only (no
+    checkpoint on the local file system) can be loaded into ``model``: an entry for each of its
+    layers, of the same expert-parallel size and slots per rank (the shapes; the experts the tables
+    hold are checked by :func:`load_placement_state_dict`). Reads the checkpoint's metadata only (no
     collective); ``dcp.load`` of placements that do not fit raises ``CheckpointException``, which is
     not an ``Exception``::
 
@@ -511,9 +513,10 @@ def placements_fit(model: nn.Module, checkpoint_id: str | os.PathLike, key: str 
     """
     from torch.distributed.checkpoint import FileSystemReader
 
-    if not os.path.exists(os.path.join(os.fspath(checkpoint_id), ".metadata")):
-        raise FileNotFoundError(f"{checkpoint_id}: no torch.distributed.checkpoint metadata (.metadata) there")
-    saved = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    try:
+        saved = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"{checkpoint_id}: no torch.distributed.checkpoint metadata there ({exc})") from exc
     for name, phy2log in placement_state_dict(model).items():
         entry = saved.get(f"{key}.{name}")
         if getattr(entry, "size", None) != phy2log.shape:
@@ -592,8 +595,11 @@ def load_placement_state_dict(model: nn.Module, state_dict: Mapping[str, torch.T
             moves.append((layer, new))
     if raised is not None:
         raise raised
+    befores = [layer.placement for layer, _ in moves]
     for layer, new in moves:
         _move_with_its_copies(layer, new, optimizer)
+    for (layer, _), before in zip(moves, befores):  # every layer moved: trained weights moved without the
+        layer._warn_if_moments_left(before, optimizer)  # optimizer warn now (a filter may make it an error)
 
 
 def _move_with_its_copies(layer: nn.Module, new: ExpertPlacement, optimizer: Any) -> None:
@@ -604,7 +610,7 @@ def _move_with_its_copies(layer: nn.Module, new: ExpertPlacement, optimizer: Any
     old = layer.placement
     failure = None
     try:
-        layer.apply_placement(new, optimizer=optimizer)
+        layer._move(new, optimizer)  # (its warning after every layer's move: load_placement_state_dict)
     except Exception as exc:  # noqa: BLE001 - raised on every rank of this expert-parallel group; shared first
         failure = exc
     edp = layer.groups.edp
@@ -617,7 +623,7 @@ def _move_with_its_copies(layer: nn.Module, new: ExpertPlacement, optimizer: Any
     if failure is not None:
         raise failure
     if flag.item():
-        layer.apply_placement(old, optimizer=optimizer)
+        layer._move(old, optimizer)
         raise PlacementMoveError("load_placement_state_dict: the move failed in another expert-parallel group (see "
                                  "its error), so this group moved back: every group serves the placement it had; the "
                                  "layers before this one have moved, it and the ones after it have not", [], "staging")

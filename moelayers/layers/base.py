@@ -134,6 +134,8 @@ class MoELayerBase(LayerWeights, nn.Module):
 
     moe_layer_marker = True  # found by moelayers.trace.TraceRecorder
     _layer_number: int | None = None  # (a layer pickled before layer_number existed has none)
+    _trained = False  # (nor these, before the moves of trained weights warned: apply_placement)
+    _warned_moments = False
     _order_taken = 0  # the backwards' order digest the running forward took (see _order_flag)
 
     # normal tensors even when built under torch.inference_mode(): the layer updates its weights, tables
@@ -359,10 +361,21 @@ class MoELayerBase(LayerWeights, nn.Module):
                 rank, the old placement serving (a ``RuntimeError``).
         """
         before = self.placement
+        self._move(placement, optimizer)
+        self._warn_if_moments_left(before, optimizer)
+
+    def _move(self, placement: ExpertPlacement, optimizer: torch.optim.Optimizer | None) -> None:
+        """:meth:`apply_placement`'s move, without its warning: for callers whose transaction goes on
+        after it (a move undone in another group, a re-plan's bookkeeping), which warn at its end."""
         move_expert_weights(self, placement, fault_hook=self._staging_fault_hook, optimizer=optimizer)
+
+    def _warn_if_moments_left(self, before: ExpertPlacement, optimizer: torch.optim.Optimizer | None) -> None:
+        """After a move from ``before`` (on every rank of the group: each warns, so that a filter making
+        it an error raises on all): warn once per layer where trained expert weights moved without the
+        optimizer, whose per-slot state then belongs to other experts."""
         if (optimizer is None and self.placement != before and self._trained and not self._warned_moments
                 and (self.experts.w13.requires_grad or self.experts.w2.requires_grad)):
-            self._warned_moments = True  # (every rank moved: each warns, as a filter may make it an error)
+            self._warned_moments = True
             warn_caller(f"{self._label()}: expert weights that trained moved to another placement without the "
                         "optimizer's per-slot state, which stays with the slots (Adam's moments now belong to other "
                         f"experts): {self._moments_hint()}. Nothing to do if no optimizer holds these weights "
@@ -371,7 +384,8 @@ class MoELayerBase(LayerWeights, nn.Module):
     def _moments_hint(self) -> str:
         """How to move an optimizer's state with the weights, for the warning of :meth:`apply_placement`."""
         return ("pass optimizer= to apply_placement (or to moelayers.checkpoint.load_placement_state_dict) to move it "
-                "with them")
+                "with them (a torch optimizer; megatron's, with fp32 master weights, cannot move: move such layers "
+                "between runs, through a checkpoint)")
 
     # ------------------------------------------------------------------ forward
     def graphs_in_flight(self) -> int:

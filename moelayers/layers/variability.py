@@ -381,11 +381,11 @@ class VariabilityAwareMoE(MoELayerBase):
             self.curves = LatencyCurves.preset(self.variability, self.groups.ep_size)
         return self.curves
 
-    @one_at_a_time
     def _moments_hint(self) -> str:
         return ("set layer.replan_optimizer = optimizer for the automatic re-plans, and pass optimizer= to replan / "
                 "apply_placement (or moelayers.checkpoint.load_placement_state_dict), to move it with them")
 
+    @one_at_a_time
     def replan(self, loads: torch.Tensor | None = None, *, optimizer: torch.optim.Optimizer | None = None
                ) -> ExpertPlacement:
         """Plan a placement on rank 0, broadcast it and apply it on every rank (a collective).
@@ -473,11 +473,13 @@ class VariabilityAwareMoE(MoELayerBase):
         # the same experts on the same ranks in another slot order is no move worth paying for
         same_ranks = self.placement.max_replicas == 1 and torch.equal(self.placement.expert_rank(), new.expert_rank())
         move = not same_ranks and (self.min_gain is None or (gain is not None and gain >= self.min_gain))
+        before = self.placement
         if move:
-            self.apply_placement(new, optimizer=optimizer)
+            self._move(new, optimizer)
             self.num_moves += 1
         self.num_replans += 1
         self.last_replan = {"score_current": s_cur, "score_new": s_new, "gain": gain, "moved": move}
+        self._warn_if_moments_left(before, optimizer)  # (after the bookkeeping: a filter may make it an error)
         return self.placement
 
     def _window_scores(self, loads, curves, expert_rank: torch.Tensor) -> tuple[float, float]:

@@ -425,9 +425,13 @@ class LayerWeights:
         and :meth:`_label`): torch raises ``set_extra_state``'s errors as they are."""
         try:
             yield
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             where = f"{prefix.rstrip('.')} ({self._label()})" if prefix else self._label()
-            raise ValueError(f"{where}: {exc}") from exc
+            try:
+                named = type(exc)(f"{where}: {exc}")  # (the same class where it takes a message alone)
+            except Exception:  # noqa: BLE001 - a class of other arguments: told as its base
+                named = (ValueError if isinstance(exc, ValueError) else TypeError)(f"{where}: {exc}")
+            raise named from exc
 
     def _check_assigned_dtypes(self, tensors: list[torch.Tensor]) -> None:
         """``load_state_dict(assign=True)`` makes ``tensors`` the parameters: one dtype the layer can
@@ -514,7 +518,10 @@ class LayerWeights:
                              "saved. (A checkpointer that writes one copy of the keys all ranks share, such as "
                              "torch.distributed.checkpoint of model.state_dict(), kept one rank's experts only: save "
                              "moelayers.checkpoint.model_state_dict(model) with it)")
-        saved = ExpertPlacement(phy2log, num_experts)
+        try:
+            saved = ExpertPlacement(phy2log, num_experts)
+        except (ValueError, TypeError) as exc:
+            raise type(exc)(f"the checkpoint's placement: {exc}") from exc
         if saved != self.placement:
             try:
                 self._check_placement(saved, self.config, self.groups)

@@ -1019,6 +1019,10 @@ def test_a_refused_checkpoint_placement_names_the_layer():
     with pytest.raises(ValueError, match=r"^blocks\.0\.moe \(VanillaMoE \(layer 3\)\): the checkpoint's placement has "
                                          r"8 slots per rank, this layer 7"):
         model(small, 3).load_state_dict({f"blocks.0.moe.{k}": v for k, v in same_size.state_dict().items()})
+    eight = ml.VanillaMoE(small, ml.ParallelGroups.single(), placement=ml.ExpertPlacement.linear(7, 1, 8))
+    with pytest.raises(ValueError, match=r"^blocks\.0\.moe \(VanillaMoE \(layer 3\)\): the checkpoint's placement is "
+                                         r"for 7 experts, config has 8$"):  # the same shapes: set_extra_state refuses
+        model(small.replace(num_experts=8), 3).load_state_dict({f"blocks.0.moe.{k}": v for k, v in eight.state_dict().items()})
     with pytest.raises(ValueError, match=r"^VanillaMoE: the checkpoint's placement is for 7 experts"):
         ml.VanillaMoE(big, ml.ParallelGroups.single()).load_state_dict(
             {k[len("blocks.0.moe."):]: v for k, v in saved.items()})
@@ -1057,7 +1061,40 @@ def test_moving_trained_weights_without_the_optimizer_warns_once():
     assert len(warned) == 1 and warned[0].startswith("VanillaMoE (layer 2): expert weights that trained moved to "
                                                      "another placement without the optimizer's per-slot state")
     assert "pass optimizer= to apply_placement" in warned[0]
-    assert moves(reference, back) == []  # a copy has not trained
+    assert moves(reference, there) == []  # a copy has not trained
     frozen = copy.deepcopy(trained).requires_grad_(False)
     frozen._trained = True
     assert moves(frozen, back) == []  # no optimizer holds frozen weights
+
+
+def test_a_resumed_optimizer_makes_a_move_without_it_warn():
+    """The documented resume (weights and optimizer loaded, then load_placement_state_dict) without
+    optimizer= left the moments behind without a word: the layer had run no forward in this process."""
+    import warnings
+
+    from torch import nn
+
+    from moelayers import checkpoint as mlc
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+
+    def build():
+        model = nn.ModuleDict({"moe": ml.VanillaMoE(cfg, ml.ParallelGroups.single())})
+        return model, torch.optim.Adam(model.parameters())
+
+    model, opt = build()
+    model["moe"](torch.randn(3, 8, dtype=torch.float64)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    weights, moments = mlc.model_state_dict(model), mlc.optimizer_state_dict(model, opt)
+    placements = {"moe.placement": torch.tensor([[3, 2, 1, 0]])}
+    for give_optimizer in (False, True):
+        resumed, ropt = build()
+        mlc.load_model_state_dict(resumed, weights)
+        mlc.load_optimizer_state_dict(resumed, ropt, moments)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mlc.load_placement_state_dict(resumed, placements, optimizer=ropt if give_optimizer else None)
+        said = [str(w.message) for w in caught if "without the optimizer's per-slot state" in str(w.message)]
+        assert resumed["moe"].placement.phy2log.tolist() == [[3, 2, 1, 0]]
+        assert len(said) == (0 if give_optimizer else 1), said
