@@ -21,6 +21,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import math
+import numbers
 import os
 import warnings
 from collections.abc import Hashable, Sequence
@@ -476,6 +477,25 @@ def _continues_cache(kwargs: dict) -> bool:
         return False
 
 
+def _real_tokens(batch: np.ndarray | tuple[int, int] | None, mask: torch.Tensor | None, token_ids: np.ndarray,
+                 pad_token_id: int | None) -> np.ndarray | None:
+    """``[T]`` bool, the tokens that are not padding, or ``None`` (all are): where ``mask`` (an
+    ``attention_mask [B, S_total]``, its last ``S`` columns this forward's) is 0 for ``[B, S]`` ids the
+    layers saw row by row or column by column, and where the id is ``pad_token_id``."""
+    t = token_ids.shape[0]
+    keep = np.ones(t, dtype=bool)
+    if mask is not None and isinstance(batch, np.ndarray) and batch.size == t and mask.shape[0] == batch.shape[0] \
+            and mask.shape[1] >= batch.shape[1]:
+        m = mask[:, mask.shape[1] - batch.shape[1]:].numpy() != 0
+        if np.array_equal(batch.reshape(-1), token_ids):
+            keep &= m.reshape(-1)
+        elif np.array_equal(batch.T.reshape(-1), token_ids):
+            keep &= m.T.reshape(-1)
+    if pad_token_id is not None:
+        keep &= token_ids != pad_token_id
+    return None if keep.all() else keep
+
+
 def _untagged_sequences(batch: np.ndarray | tuple[int, int] | None, token_ids: np.ndarray) -> np.ndarray:
     """``[T]`` the sequence (0, 1, ...) of each token of an untagged forward: the rows of ``[B, S]``
     ids when the layers saw them row by row, their columns when column by column (a model that
@@ -551,9 +571,13 @@ class TraceRecorder:
     untagged forward given a cache of earlier tokens (a ``cache_position`` starting after 0, or a
     ``past_key_values`` / ``cache`` holding tokens: the decode steps of Hugging Face's ``generate``) continues
     the sequences of the forward just before it, row by row, when that forward was untagged and had
-    as many rows (else its rows are new sequences). Padding is recorded like other tokens, and beam
-    search's reordered beams as the rows they land in: tag such forwards. Tokens of a sequence keep
-    the order they were seen in; sequences are ordered by first appearance.
+    as many rows (else its rows are new sequences). Padding is left out of the trace (counted in
+    ``padding_dropped``): positions an ``attention_mask=`` keyword of the model call marks 0 (left
+    or right padding of ``[B, S]`` ids), and tokens equal to ``pad_token_id`` (Hugging Face's
+    ``generate`` feeds the pad token to rows that have finished, with a mask of 1: pass
+    ``model.generation_config.pad_token_id``; where it is the EOS token, the EOS tokens go too).
+    Beam search's reordered beams are recorded as the rows they land in: tag such forwards. Tokens
+    of a sequence keep the order they were seen in; sequences are ordered by first appearance.
 
     Example::
 
@@ -565,21 +589,38 @@ class TraceRecorder:
 
     Args:
         model: module containing the MoE layers (or a MoE layer itself).
-        vocab_size: stored in the trace; default ``max(token_ids) + 1``.
+        vocab_size: stored in the trace; default ``model.config.vocab_size`` where the model has one
+            (a Hugging Face model, ``TinyDecoder``), else ``max(token_ids) + 1`` (a plan of such a
+            trace refuses ids above the ones recorded).
         num_experts: experts per layer; default the layers' ``config.num_experts``.
+        pad_token_id: a token id left out of the trace as padding (see above).
 
     Raises:
-        TypeError: ``vocab_size`` or ``num_experts`` is given but is not an integer.
-        ValueError: ``vocab_size`` or ``num_experts`` is given but is not in ``[1, 2**63)``.
+        TypeError: ``vocab_size``, ``num_experts`` or ``pad_token_id`` is given but is not an integer.
+        ValueError: ``vocab_size`` or ``num_experts`` is given but is not in ``[1, 2**63)``, or
+            ``pad_token_id`` is negative.
     """
 
-    def __init__(self, model: nn.Module, vocab_size: int | None = None, *, num_experts: int | None = None) -> None:
+    def __init__(self, model: nn.Module, vocab_size: int | None = None, *, num_experts: int | None = None,
+                 pad_token_id: int | None = None) -> None:
         # checked now, not when the trace is built after (maybe hours of) recording
+        if vocab_size is None:  # the model's own (a Hugging Face config, TinyConfig): max id + 1 left its
+            own = getattr(getattr(model, "config", None), "vocab_size", None)  # last ids out of the plans
+            vocab_size = own if isinstance(own, int) and not isinstance(own, bool) and own > 0 else None
         if vocab_size is not None:
             vocab_size = _check_int_scalar(vocab_size, "TraceRecorder", "vocab_size")
         if num_experts is not None:
             num_experts = _check_int_scalar(num_experts, "TraceRecorder", "num_experts")
+        if pad_token_id is not None and (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral)
+                                         or pad_token_id < 0):
+            raise (ValueError if isinstance(pad_token_id, numbers.Integral) and not isinstance(pad_token_id, bool)
+                   else TypeError)(f"TraceRecorder: pad_token_id must be a token id (an int >= 0), got {pad_token_id!r}")
+        pad_token_id = None if pad_token_id is None else int(pad_token_id)
         self.model, self.vocab_size, self.num_experts = model, vocab_size, num_experts
+        self.pad_token_id = pad_token_id
+        #: tokens left out as padding (``attention_mask`` 0, or ``pad_token_id``)
+        self.padding_dropped = 0
+        self._mask: torch.Tensor | None = None  # the forward's attention_mask [B, S_total]
         self.layers: list[nn.Module] = []
         self._names: list[str] = []
         self._handles: list[Any] = []
@@ -702,6 +743,8 @@ class TraceRecorder:
         self._in_forward = True
         self._batch = _batch_of(module, args[0] if args else kwargs.get("input_ids"))
         self._continues = _continues_cache(kwargs)
+        mask = kwargs.get("attention_mask")
+        self._mask = mask.detach().to("cpu") if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
 
     def _on_model_return(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self._active or module is not self.model or in_backward():
@@ -779,6 +822,7 @@ class TraceRecorder:
         batch, self._batch = self._batch, None
         continues, self._continues = self._continues, False
         rows, self._rows = self._rows, None
+        mask, self._mask = self._mask, None
         if keys is None:  # untagged: the model input's sequences where the layers' token order shows them
             seq = _untagged_sequences(batch, given[0][1])
             count = int(seq.max(initial=-1)) + 1
@@ -792,7 +836,12 @@ class TraceRecorder:
             raise ValueError(f"TraceRecorder: tag() gave {len(keys)} sequence keys but forward {index} had T = {num_tokens} tokens")
         else:
             codes = np.fromiter((self._code(k) for k in keys), dtype=np.int64, count=num_tokens)
-        self._forwards.append((np.stack([ids for ids, _ in layers], axis=1), given[0][1], codes))
+        routed, tokens = np.stack([ids for ids, _ in layers], axis=1), given[0][1]
+        keep = _real_tokens(batch, mask, tokens, self.pad_token_id)
+        if keep is not None:  # padding left out (the rows' sequences stay, for the decode steps after)
+            self.padding_dropped += int(keep.size - keep.sum())
+            routed, tokens, codes = routed[keep], tokens[keep], codes[keep]
+        self._forwards.append((routed, tokens, codes))
         self._num_forwards += 1
         self._unjoined += 1
         if self._unjoined >= _JOIN_FORWARDS:

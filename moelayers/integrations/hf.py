@@ -46,11 +46,11 @@ Notes on the HF side:
   others waiting in the expert exchange until the process group's timeout.
 - HF routes float64 models in float32 (its routers' ``softmax(..., dtype=torch.float)``), the
   layers in float64: differences of about 1e-7 in float64 are HF's rounding (float32 models were
-  observed bit-identical with transformers 5's eager and grouped_mm experts, within 1e-6 otherwise).
-- :class:`~moelayers.SemanticMoE` plans need ``token_ids``, which HF's decoder layer does not pass
-  to its mlp: keep ``input_ids`` with a model forward pre-hook
-  (``register_forward_pre_hook(..., with_kwargs=True)``) and wrap the layer to call
-  ``layer(h, token_ids=ids)`` (``[B, S]`` ids for ``[B, S, H]`` hidden states).
+  observed bit-identical with transformers 5's eager and grouped_mm experts on one CPU thread, within
+  1e-6 otherwise).
+- :class:`~moelayers.SemanticMoE` plans and :class:`~moelayers.trace.TraceRecorder` need ``token_ids``,
+  which HF's decoder layer does not pass to its mlp: ``swap_moe_blocks(..., token_ids=True)``
+  keeps the model call's ``input_ids`` with a forward pre-hook and passes them to the layers.
 - ``save_pretrained`` of a swapped model does not round-trip: the layers' keys
   (``mlp.router.weight``, ``mlp.experts.w13`` ...) are not HF's, and ``from_pretrained``
   re-initialises every MoE weight (with only a load report saying so). Write HF's names with
@@ -72,7 +72,7 @@ from moelayers.groups import ParallelGroups
 from moelayers.layers import VanillaMoE
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "moe_config_from_hf", "weights_from_hf", "swap_moe_blocks", "hf_weights",
-           "TupleOutput"]
+           "TupleOutput", "InputIds", "PassTokenIds"]
 
 #: ``config.model_type`` -> (config field of ``E``, config field of ``F``, how ``norm_topk_prob`` is set:
 #: ``True`` always, or ``None`` for the config's ``norm_topk_prob``, False where it is missing as in HF)
@@ -378,6 +378,41 @@ class TupleOutput(nn.Module):
         return self.layer(hidden_states), None
 
 
+class InputIds:
+    """The ``input_ids`` of the model call under way, kept by a forward pre-hook of the model
+    (``model.register_forward_pre_hook(input_ids, with_kwargs=True)``; :func:`swap_moe_blocks`
+    with ``token_ids=True`` installs it) for :class:`PassTokenIds`."""
+
+    def __init__(self) -> None:
+        self.ids: torch.Tensor | None = None
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = args[0] if args else kwargs.get("input_ids")
+        self.ids = ids if isinstance(ids, torch.Tensor) and not ids.is_floating_point() else None
+
+
+class PassTokenIds(nn.Module):
+    """Calls the layer with the model call's ``input_ids`` as ``token_ids`` (what
+    :class:`~moelayers.SemanticMoE` routes tokens by and :class:`~moelayers.trace.TraceRecorder` records),
+    which HF's decoder layers do not pass to their MLP; ids of another shape than the hidden states'
+    (``[B, S]`` for ``[B, S, H]``; ``inputs_embeds`` calls have none) are not passed.
+
+    Args:
+        layer: the moelayers layer.
+        source: the :class:`InputIds` hook of the model.
+    """
+
+    def __init__(self, layer: nn.Module, source: InputIds):
+        super().__init__()
+        self.layer, self.source = layer, source
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        ids = self.source.ids
+        if ids is not None and tuple(ids.shape) == tuple(hidden_states.shape[:-1]):
+            return self.layer(hidden_states, token_ids=ids.to(hidden_states.device))
+        return self.layer(hidden_states)
+
+
 def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     found: list[tuple[str, nn.Module]] = []
     inside: tuple[str, ...] = ()
@@ -391,7 +426,7 @@ def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = VanillaMoE, *,
-                    dtype: torch.dtype | None = None, **layer_kwargs: Any) -> list[str]:
+                    dtype: torch.dtype | None = None, token_ids: bool = False, **layer_kwargs: Any) -> list[str]:
     """Replace every sparse MoE block of the HF ``model`` in place with a moelayers layer.
 
     Each block's config comes from :func:`moe_config_from_hf` (``model.config``) with the block's
@@ -414,8 +449,13 @@ def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = 
             :class:`~moelayers.SemanticMoE` (which needs ``token_ids``: see the module docstring).
         dtype: the layers' ``params_dtype`` (default: each block's; needed where a block holds
             weights of several dtypes, e.g. a float32 router beside bf16 experts: cast to it).
+        token_ids: pass the model call's ``input_ids`` to the layers as ``token_ids`` (a forward
+            pre-hook of the model, :class:`InputIds`, and each layer wrapped in a
+            :class:`PassTokenIds`): for :class:`~moelayers.SemanticMoE` and for recording with
+            :class:`~moelayers.trace.TraceRecorder`, which need them.
         **layer_kwargs: passed to each ``layer_cls(config, groups, ...)`` (``dispatcher``,
-            ``placement``, ...), except ``layer_number``, which is set here.
+            ``placement``, ...), except ``layer_number``, which is set here, as is ``layer_idx``
+            with a ``plan=`` (:class:`~moelayers.SemanticMoE`: block ``i`` serves the plan's layer ``i``).
 
     Returns:
         the swapped modules' names (``model.get_submodule(name)`` is the layer, or its
@@ -430,6 +470,8 @@ def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = 
         raise TypeError(f"layer_cls must be a moelayers layer class, got {layer_cls!r}")
     if "layer_number" in layer_kwargs:
         raise TypeError("swap_moe_blocks sets layer_number itself (the block's index among the model's MoE blocks)")
+    if "layer_idx" in layer_kwargs and layer_kwargs.get("plan") is not None:
+        raise TypeError("swap_moe_blocks sets layer_idx itself with a plan= (block i serves the plan's layer i)")
     hf_config = getattr(model, "config", None)
     if hf_config is None:
         raise ValueError(f"{type(model).__name__} has no .config: pass the HF model (PreTrainedModel)")
@@ -444,11 +486,14 @@ def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = 
                          "MoE block moelayers recognises (a module with a router `gate` and `experts`)")
     # refusals before anything changes
     configs = [moe_config_from_hf(block, hf_config, dtype=dtype) for _, block in blocks]
+    source = InputIds() if token_ids else None
     new: list[nn.Module] = []
     for number, ((name, block), cfg) in enumerate(zip(blocks, configs)):
         gate: Any = block.gate
         router, w13, w2 = weights_from_hf(block)
         kwargs = {"device": router.device, **layer_kwargs}
+        if layer_kwargs.get("plan") is not None:  # SemanticMoE: block i is the plan's layer i (every one was layer 0)
+            kwargs["layer_idx"] = number
         layer: Any = layer_cls(cfg, groups, layer_number=number, **kwargs)
         dev, to = layer.router.weight.device, cfg.params_dtype
         layer.load_full_weights(router.to(dev, to), w13.to(dev, to), w2.to(dev, to))
@@ -456,15 +501,17 @@ def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = 
         experts: Any = block.experts
         layer.router.requires_grad_(any(p.requires_grad for p in gate.parameters()))
         layer.experts.requires_grad_(any(p.requires_grad for p in experts.parameters()))
-        if hasattr(experts, "gate_up_proj"):
-            if getattr(experts, "is_transposed", False):
-                layer._hf_transposed = True  # hf_weights writes the layout read: [E, H, 2F] and [E, F, H]
-            new.append(layer)
-        else:
-            new.append(TupleOutput(layer, next(n for n in _PER_EXPERT_NAMES if all(hasattr(experts[0], a) for a in n))))
+        if getattr(experts, "is_transposed", False):
+            layer._hf_transposed = True  # hf_weights writes the layout read: [E, H, 2F] and [E, F, H]
+        module: nn.Module = layer if source is None else PassTokenIds(layer, source)
+        if not hasattr(experts, "gate_up_proj"):
+            module = TupleOutput(module, next(n for n in _PER_EXPERT_NAMES if all(hasattr(experts[0], a) for a in n)))
+        new.append(module)
     for (name, _), module in zip(blocks, new):
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, module)
+    if source is not None:
+        model.register_forward_pre_hook(source, with_kwargs=True)
     return [name for name, _ in blocks]
 
 
@@ -490,7 +537,9 @@ def hf_weights(layer: nn.Module) -> dict[str, torch.Tensor]:
     Raises:
         TypeError: not a moelayers layer.
     """
-    inner: Any = layer.layer if isinstance(layer, TupleOutput) else layer
+    inner: Any = layer
+    while isinstance(inner, (TupleOutput, PassTokenIds)):
+        inner = inner.layer
     if not callable(getattr(inner, "export_full_weights", None)):
         raise TypeError(f"hf_weights takes a moelayers layer (or swap_moe_blocks' TupleOutput), got "
                         f"{type(layer).__name__}")

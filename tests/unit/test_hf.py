@@ -10,6 +10,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -469,7 +470,8 @@ def test_real_transformers_logits_bit_identical(model_type, kw):
     with torch.no_grad():
         got = model(ids).logits
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
-    if int(transformers.__version__.split(".")[0]) >= 5:  # 4.x sums the experts' terms in another order
+    # 4.x sums the experts' terms in another order; with several threads the matmuls' blocking differs
+    if int(transformers.__version__.split(".")[0]) >= 5 and torch.get_num_threads() == 1:
         assert torch.equal(got, expected)
 
 
@@ -508,4 +510,49 @@ def test_real_transformers_qwen3_vl_moe_text():
     names = swap_moe_blocks(model, ml.ParallelGroups.single())
     assert len(names) == 2 and model.get_submodule(names[0]).config.norm_topk_prob is True
     with torch.no_grad():
-        assert torch.equal(model(input_ids=ids).last_hidden_state, expected)
+        got = model(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    assert torch.equal(got, expected) or torch.get_num_threads() > 1  # (bit for bit on one thread)
+
+
+def test_a_plan_serves_each_block_its_own_layer():
+    """swap_moe_blocks(layer_cls=SemanticMoE, plan=plan) built every layer as the plan's layer 0 (a
+    journey: outputs right, layers >= 1 in another layer's placement, without a word)."""
+    from tests.distributed.test_semantic import make_plan
+
+    plan = make_plan(E, 1, vocab=50, layers=2, mode="dp")
+    model = Model()
+    swap_moe_blocks(model, ml.ParallelGroups.single(), layer_cls=ml.SemanticMoE, plan=plan)
+    assert [model.layers[i].mlp.layer_idx for i in (0, 2)] == [0, 1]
+    with pytest.raises(TypeError, match="sets layer_idx itself with a plan="):
+        swap_moe_blocks(Model(), ml.ParallelGroups.single(), layer_cls=ml.SemanticMoE, plan=plan, layer_idx=1)
+
+
+def test_token_ids_reach_the_layers_and_the_recorder():
+    """HF's decoder layers call their MLP with the hidden states only: SemanticMoE and TraceRecorder
+    had no token ids (a journey wrote a pre-hook and a wrapper by hand)."""
+    from moelayers.trace import TraceRecorder
+
+    class WithIds(Model):  # an HF-like model taking input_ids
+        def __init__(self, old=False):
+            super().__init__("mixtral" if old else "qwen3_moe", old=old)
+            self.emb = nn.Embedding(30, H, dtype=torch.float64)
+
+        def forward(self, input_ids=None):
+            return super().forward(self.emb(input_ids))
+
+    for old in (False, True):
+        model = WithIds(old).eval()
+        ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+        with torch.no_grad():
+            expected = model(input_ids=ids)
+        swap_moe_blocks(model, ml.ParallelGroups.single(), token_ids=True)
+        with torch.no_grad(), TraceRecorder(model, vocab_size=30) as rec:
+            torch.testing.assert_close(model(input_ids=ids), expected, rtol=0, atol=1e-12)
+            model(ids[:, :2])  # positional too
+        assert rec.result.token_ids.tolist() == [1, 2, 3, 4, 5, 6, 1, 2, 4, 5]
+        assert np.diff(rec.result.seq_offsets).tolist() == [3, 3, 2, 2]
+        layer = model.get_submodule("layers.0.mlp")
+        assert isinstance(layer.layer if old else layer, hf.PassTokenIds)
+        assert sorted(hf_weights(layer)) == sorted(Block4("mixtral").state_dict() if old else
+                                                   ["gate.weight", "experts.gate_up_proj", "experts.down_proj"])
