@@ -117,9 +117,12 @@ def redraw_near_ties(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, d
         router_weight: ``[E, H]`` float64 router weight.
         top_k: experts per token (``>= E``: nothing to tie).
         draw: ``n -> [n, H]`` fresh float64 tokens (e.g. from the generator that drew ``x``).
+        margin: the least gap between a token's ``top_k``-th and next logits.
+        tries: rounds of redrawing before giving up.
         score_fn: with ``'softmax'`` or ``'sigmoid'``, the ``top_k``-th and next *scores* must differ by
             more than ``score_margin`` relative too: scores rounded to bf16 (``rank_in_logits_dtype``)
             tie within 2^-8, although their logits lie further apart where the sigmoid saturates.
+        score_margin: that relative gap of the scores (default ``2^-5``).
 
     Returns:
         ``x``.
