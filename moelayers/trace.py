@@ -478,10 +478,10 @@ def _continues_cache(kwargs: dict) -> bool:
 
 
 def _real_tokens(batch: np.ndarray | tuple[int, int] | None, mask: torch.Tensor | None, token_ids: np.ndarray,
-                 pad_token_id: int | None) -> np.ndarray | None:
+                 pad_token_id: np.ndarray | None) -> np.ndarray | None:
     """``[T]`` bool, the tokens that are not padding, or ``None`` (all are): where ``mask`` (an
     ``attention_mask [B, S_total]``, its last ``S`` columns this forward's) is 0 for ``[B, S]`` ids the
-    layers saw row by row or column by column, and where the id is ``pad_token_id``."""
+    layers saw row by row or column by column, and where the id is one of ``pad_token_id``."""
     t = token_ids.shape[0]
     keep = np.ones(t, dtype=bool)
     if mask is not None and isinstance(batch, np.ndarray) and batch.size == t and mask.shape[0] == batch.shape[0] \
@@ -492,7 +492,7 @@ def _real_tokens(batch: np.ndarray | tuple[int, int] | None, mask: torch.Tensor 
         elif np.array_equal(batch.T.reshape(-1), token_ids):
             keep &= m.T.reshape(-1)
     if pad_token_id is not None:
-        keep &= token_ids != pad_token_id
+        keep &= ~np.isin(token_ids, pad_token_id)
     return None if keep.all() else keep
 
 
@@ -575,9 +575,11 @@ class TraceRecorder:
     ``padding_dropped``): positions an ``attention_mask=`` keyword of the model call marks 0 (left
     or right padding of ``[B, S]`` ids), and tokens equal to ``pad_token_id`` (Hugging Face's
     ``generate`` feeds the pad token to rows that have finished, with a mask of 1: pass
-    ``model.generation_config.pad_token_id``; where it is the EOS token, the EOS tokens go too).
-    Beam search's reordered beams are recorded as the rows they land in: tag such forwards. Tokens
-    of a sequence keep the order they were seen in; sequences are ordered by first appearance.
+    ``model.generation_config.pad_token_id``, or its EOS token where it has none, as ``generate``
+    does; where the pad token is the EOS token, the EOS tokens go too); a sequence left with no
+    token is no sequence. Beam search and ``num_return_sequences`` repeat and reorder rows: tag
+    such forwards. Tokens of a sequence keep the order they were seen in; sequences are ordered
+    by first appearance.
 
     Example::
 
@@ -593,7 +595,7 @@ class TraceRecorder:
             (a Hugging Face model, ``TinyDecoder``), else ``max(token_ids) + 1`` (a plan of such a
             trace refuses ids above the ones recorded).
         num_experts: experts per layer; default the layers' ``config.num_experts``.
-        pad_token_id: a token id left out of the trace as padding (see above).
+        pad_token_id: a token id (or a list of them) left out of the trace as padding (see above).
 
     Raises:
         TypeError: ``vocab_size``, ``num_experts`` or ``pad_token_id`` is given but is not an integer.
@@ -605,17 +607,24 @@ class TraceRecorder:
                  pad_token_id: int | None = None) -> None:
         # checked now, not when the trace is built after (maybe hours of) recording
         if vocab_size is None:  # the model's own (a Hugging Face config, TinyConfig): max id + 1 left its
-            own = getattr(getattr(model, "config", None), "vocab_size", None)  # last ids out of the plans
+            config = getattr(model, "config", None)  # last ids out of the plans
+            text = getattr(config, "get_text_config", None)  # (a multimodal HF config: its text model's)
+            own = getattr(config, "vocab_size", None)
+            if own is None and callable(text):
+                own = getattr(text(), "vocab_size", None)
             vocab_size = own if isinstance(own, int) and not isinstance(own, bool) and own > 0 else None
         if vocab_size is not None:
             vocab_size = _check_int_scalar(vocab_size, "TraceRecorder", "vocab_size")
         if num_experts is not None:
             num_experts = _check_int_scalar(num_experts, "TraceRecorder", "num_experts")
-        if pad_token_id is not None and (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, numbers.Integral)
-                                         or pad_token_id < 0):
-            raise (ValueError if isinstance(pad_token_id, numbers.Integral) and not isinstance(pad_token_id, bool)
-                   else TypeError)(f"TraceRecorder: pad_token_id must be a token id (an int >= 0), got {pad_token_id!r}")
-        pad_token_id = None if pad_token_id is None else int(pad_token_id)
+        pads = [] if pad_token_id is None else list(pad_token_id) if isinstance(pad_token_id, (list, tuple)) \
+            else [pad_token_id]
+        for pad in pads:
+            if isinstance(pad, bool) or not isinstance(pad, numbers.Integral) or pad < 0:
+                raise (ValueError if isinstance(pad, numbers.Integral) and not isinstance(pad, bool) else TypeError)(
+                    f"TraceRecorder: pad_token_id must be a token id (an int >= 0) or a list of them, got "
+                    f"{pad_token_id!r}")
+        pad_token_id = np.asarray([int(p) for p in pads], dtype=np.int64) if pads else None
         self.model, self.vocab_size, self.num_experts = model, vocab_size, num_experts
         self.pad_token_id = pad_token_id
         #: tokens left out as padding (``attention_mask`` 0, or ``pad_token_id``)
@@ -879,11 +888,12 @@ class TraceRecorder:
         top_ks = {ids.shape[2] for ids, _, _ in self._forwards}
         if len(top_ks) != 1:
             raise ValueError(f"TraceRecorder: forwards used different top-k values {sorted(top_ks)}")
-        seq = np.concatenate([f[2] for f in self._forwards])
+        # codes ascend in order of first appearance; a sequence whose every token was padding has none left
+        present, seq = np.unique(np.concatenate([f[2] for f in self._forwards]), return_inverse=True)
         order = np.argsort(seq, kind="stable")  # by first appearance, then seen order
         ids = np.concatenate([f[0] for f in self._forwards])[order]
         tokens = np.concatenate([f[1] for f in self._forwards])[order]
-        offsets = np.concatenate([[0], np.cumsum(np.bincount(seq, minlength=self._next_code))]).astype(np.int64)
+        offsets = np.concatenate([[0], np.cumsum(np.bincount(seq, minlength=present.size))]).astype(np.int64)
         return RoutingTrace(ids, tokens, offsets, self._resolve_num_experts(), vocab_size=self.vocab_size)
 
     def _resolve_num_experts(self) -> int:

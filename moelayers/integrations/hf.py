@@ -62,6 +62,7 @@ also works on HF-like modules of other libraries that follow the same layout.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -72,7 +73,7 @@ from moelayers.groups import ParallelGroups
 from moelayers.layers import VanillaMoE
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "moe_config_from_hf", "weights_from_hf", "swap_moe_blocks", "hf_weights",
-           "TupleOutput", "InputIds", "PassTokenIds"]
+           "TupleOutput", "InputIds"]
 
 #: ``config.model_type`` -> (config field of ``E``, config field of ``F``, how ``norm_topk_prob`` is set:
 #: ``True`` always, or ``None`` for the config's ``norm_topk_prob``, False where it is missing as in HF)
@@ -379,38 +380,39 @@ class TupleOutput(nn.Module):
 
 
 class InputIds:
-    """The ``input_ids`` of the model call under way, kept by a forward pre-hook of the model
-    (``model.register_forward_pre_hook(input_ids, with_kwargs=True)``; :func:`swap_moe_blocks`
-    with ``token_ids=True`` installs it) for :class:`PassTokenIds`."""
+    """The ``input_ids`` of the model call under way, for the layers (``swap_moe_blocks(...,
+    token_ids=True)`` installs it): a forward pre-hook of the model's input embedding keeps the ids
+    it embeds (the model called by its own code too: chunked prefill, ``model.model(...)``), one of
+    the model forgets them at each call's start and end (a call with ``inputs_embeds`` has none),
+    and a forward pre-hook of each layer passes them as ``token_ids`` where they are laid out like
+    its hidden states (``[B, S]`` for ``[B, S, H]``). Per thread; nothing of it is pickled."""
 
     def __init__(self) -> None:
-        self.ids: torch.Tensor | None = None
+        self._local = threading.local()
 
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        ids = args[0] if args else kwargs.get("input_ids")
-        self.ids = ids if isinstance(ids, torch.Tensor) and not ids.is_floating_point() else None
+    @property
+    def ids(self) -> torch.Tensor | None:
+        return getattr(self._local, "ids", None)
 
+    def forget(self, *_: Any, **__: Any) -> None:
+        self._local.ids = None
 
-class PassTokenIds(nn.Module):
-    """Calls the layer with the model call's ``input_ids`` as ``token_ids`` (what
-    :class:`~moelayers.SemanticMoE` routes tokens by and :class:`~moelayers.trace.TraceRecorder` records),
-    which HF's decoder layers do not pass to their MLP; ids of another shape than the hidden states'
-    (``[B, S]`` for ``[B, S, H]``; ``inputs_embeds`` calls have none) are not passed.
+    def keep(self, module: nn.Module, args: tuple) -> None:
+        ids = args[0] if args else None
+        self._local.ids = ids if isinstance(ids, torch.Tensor) and not ids.is_floating_point() else None
 
-    Args:
-        layer: the moelayers layer.
-        source: the :class:`InputIds` hook of the model.
-    """
+    def pass_to(self, layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        ids = self.ids
+        if kwargs.get("token_ids") is not None or ids is None or not args or not isinstance(args[0], torch.Tensor) \
+                or tuple(ids.shape) != tuple(args[0].shape[:-1]):
+            return None
+        return args, {**kwargs, "token_ids": ids.to(args[0].device)}
 
-    def __init__(self, layer: nn.Module, source: InputIds):
-        super().__init__()
-        self.layer, self.source = layer, source
+    def __getstate__(self) -> dict:  # (torch.save of the model: the hooks go with it, the ids do not)
+        return {}
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        ids = self.source.ids
-        if ids is not None and tuple(ids.shape) == tuple(hidden_states.shape[:-1]):
-            return self.layer(hidden_states, token_ids=ids.to(hidden_states.device))
-        return self.layer(hidden_states)
+    def __setstate__(self, state: dict) -> None:
+        self._local = threading.local()
 
 
 def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -449,9 +451,9 @@ def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = 
             :class:`~moelayers.SemanticMoE` (which needs ``token_ids``: see the module docstring).
         dtype: the layers' ``params_dtype`` (default: each block's; needed where a block holds
             weights of several dtypes, e.g. a float32 router beside bf16 experts: cast to it).
-        token_ids: pass the model call's ``input_ids`` to the layers as ``token_ids`` (a forward
-            pre-hook of the model, :class:`InputIds`, and each layer wrapped in a
-            :class:`PassTokenIds`): for :class:`~moelayers.SemanticMoE` and for recording with
+        token_ids: pass the ids the model embeds to the layers as ``token_ids`` (hooks of
+            :class:`InputIds`; the layers' state dict keys stay as they are): for
+            :class:`~moelayers.SemanticMoE` and for recording with
             :class:`~moelayers.trace.TraceRecorder`, which need them.
         **layer_kwargs: passed to each ``layer_cls(config, groups, ...)`` (``dispatcher``,
             ``placement``, ...), except ``layer_number``, which is set here, as is ``layer_idx``
@@ -487,6 +489,13 @@ def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = 
     # refusals before anything changes
     configs = [moe_config_from_hf(block, hf_config, dtype=dtype) for _, block in blocks]
     source = InputIds() if token_ids else None
+    embedding = None
+    if source is not None:
+        get = getattr(model, "get_input_embeddings", None)
+        embedding = get() if callable(get) else None
+        if not isinstance(embedding, nn.Module):
+            raise ValueError(f"token_ids=True reads the ids the model embeds: {type(model).__name__} has no "
+                             "get_input_embeddings() module")
     new: list[nn.Module] = []
     for number, ((name, block), cfg) in enumerate(zip(blocks, configs)):
         gate: Any = block.gate
@@ -503,15 +512,19 @@ def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = 
         layer.experts.requires_grad_(any(p.requires_grad for p in experts.parameters()))
         if getattr(experts, "is_transposed", False):
             layer._hf_transposed = True  # hf_weights writes the layout read: [E, H, 2F] and [E, F, H]
-        module: nn.Module = layer if source is None else PassTokenIds(layer, source)
+        if source is not None:
+            layer.register_forward_pre_hook(source.pass_to, with_kwargs=True)
+        module: nn.Module = layer
         if not hasattr(experts, "gate_up_proj"):
             module = TupleOutput(module, next(n for n in _PER_EXPERT_NAMES if all(hasattr(experts[0], a) for a in n)))
         new.append(module)
     for (name, _), module in zip(blocks, new):
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attr, module)
-    if source is not None:
-        model.register_forward_pre_hook(source, with_kwargs=True)
+    if source is not None and embedding is not None:
+        embedding.register_forward_pre_hook(source.keep)
+        model.register_forward_pre_hook(source.forget)
+        model.register_forward_hook(source.forget, always_call=True)
     return [name for name, _ in blocks]
 
 
@@ -537,9 +550,7 @@ def hf_weights(layer: nn.Module) -> dict[str, torch.Tensor]:
     Raises:
         TypeError: not a moelayers layer.
     """
-    inner: Any = layer
-    while isinstance(inner, (TupleOutput, PassTokenIds)):
-        inner = inner.layer
+    inner: Any = layer.layer if isinstance(layer, TupleOutput) else layer
     if not callable(getattr(inner, "export_full_weights", None)):
         raise TypeError(f"hf_weights takes a moelayers layer (or swap_moe_blocks' TupleOutput), got "
                         f"{type(layer).__name__}")

@@ -364,6 +364,7 @@ class MoELayerBase(LayerWeights, nn.Module):
         self._move(placement, optimizer)
         self._warn_if_moments_left(before, optimizer)
 
+    @one_at_a_time
     def _move(self, placement: ExpertPlacement, optimizer: torch.optim.Optimizer | None) -> None:
         """:meth:`apply_placement`'s move, without its warning: for callers whose transaction goes on
         after it (a move undone in another group, a re-plan's bookkeeping), which warn at its end."""

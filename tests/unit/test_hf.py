@@ -530,7 +530,13 @@ def test_a_plan_serves_each_block_its_own_layer():
 
 def test_token_ids_reach_the_layers_and_the_recorder():
     """HF's decoder layers call their MLP with the hidden states only: SemanticMoE and TraceRecorder
-    had no token ids (a journey wrote a pre-hook and a wrapper by hand)."""
+    had no token ids (a journey wrote a pre-hook and a wrapper by hand). The ids are the ones the
+    model embeds, per call and per thread (a review: a model pre-hook's ids went stale in calls that
+    bypass it, or came from another thread), and the layers' keys stay as they were."""
+    import copy
+    import io
+    import threading
+
     from moelayers.trace import TraceRecorder
 
     class WithIds(Model):  # an HF-like model taking input_ids
@@ -538,21 +544,48 @@ def test_token_ids_reach_the_layers_and_the_recorder():
             super().__init__("mixtral" if old else "qwen3_moe", old=old)
             self.emb = nn.Embedding(30, H, dtype=torch.float64)
 
-        def forward(self, input_ids=None):
-            return super().forward(self.emb(input_ids))
+        def get_input_embeddings(self):
+            return self.emb
+
+        def forward(self, input_ids=None, inputs_embeds=None):
+            return super().forward(self.emb(input_ids) if inputs_embeds is None else inputs_embeds)
 
     for old in (False, True):
         model = WithIds(old).eval()
         ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
         with torch.no_grad():
             expected = model(input_ids=ids)
+        keys = sorted(model.state_dict())
         swap_moe_blocks(model, ml.ParallelGroups.single(), token_ids=True)
+        layer = model.get_submodule("layers.0.mlp")
+        moe = layer.layer if old else layer
+        seen = []
+        watch = moe.register_forward_hook(lambda m, a, y: seen.append(None if m.last_token_ids is None else
+                                                                      m.last_token_ids.tolist()))
         with torch.no_grad(), TraceRecorder(model, vocab_size=30) as rec:
             torch.testing.assert_close(model(input_ids=ids), expected, rtol=0, atol=1e-12)
             model(ids[:, :2])  # positional too
         assert rec.result.token_ids.tolist() == [1, 2, 3, 4, 5, 6, 1, 2, 4, 5]
         assert np.diff(rec.result.seq_offsets).tolist() == [3, 3, 2, 2]
-        layer = model.get_submodule("layers.0.mlp")
-        assert isinstance(layer.layer if old else layer, hf.PassTokenIds)
+        with torch.no_grad():
+            embedded = model.emb(ids)
+            model(inputs_embeds=embedded)  # embedded elsewhere: no ids (not the last call's)
+            model.layers[0](embedded)  # a part of the model called after it: no ids either
+        assert seen[-2:] == [None, None]
+        other = torch.tensor([[7, 8, 9], [10, 11, 12]])
+        thread = threading.Thread(target=lambda: model(input_ids=other))  # another thread's call
+        thread.start()
+        with torch.no_grad():
+            model(input_ids=ids)
+        thread.join()
+        assert [1, 2, 3, 4, 5, 6] in seen and [7, 8, 9, 10, 11, 12] in seen
+        assert isinstance(moe, ml.VanillaMoE) and isinstance(layer, hf.TupleOutput) is old
+        if not old:  # (4.x's TupleOutput adds a level of its own)
+            assert "layers.0.mlp.router.weight" in model.state_dict() and not any(
+                ".mlp.layer." in k for k in model.state_dict())
+            assert {k for k in model.state_dict() if ".mlp." not in k} == {k for k in keys if ".mlp." not in k}
         assert sorted(hf_weights(layer)) == sorted(Block4("mixtral").state_dict() if old else
                                                    ["gate.weight", "experts.gate_up_proj", "experts.down_proj"])
+        watch.remove()
+        torch.save(moe, io.BytesIO())  # its hook pickles, without the ids
+        copy.deepcopy(model)

@@ -522,10 +522,15 @@ def test_padding_is_left_out_and_the_vocabulary_is_the_models() -> None:
         mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)  # row 1 finished: the pad token, mask 1
         model(input_ids=torch.tensor([[13], [pad]]), attention_mask=mask, cache_position=torch.tensor([5]))
         model(torch.tensor([[20, 21], [22, 23]]))  # no mask: every token
+        model(input_ids=torch.tensor([[30, 31], [32, 33]]), attention_mask=torch.tensor([[0, 0], [1, 1]]))
     trace = rec.result
-    np.testing.assert_array_equal(trace.token_ids, [5, 6, 11, 13, 7, 8, 9, 10, 12, 20, 21, 22, 23])
-    np.testing.assert_array_equal(np.diff(trace.seq_offsets), [4, 5, 2, 2])
-    assert rec.padding_dropped == 3 and trace.vocab_size == 100  # (the model's, not 23 + 1)
+    np.testing.assert_array_equal(trace.token_ids, [5, 6, 11, 13, 7, 8, 9, 10, 12, 20, 21, 22, 23, 32, 33])
+    np.testing.assert_array_equal(np.diff(trace.seq_offsets), [4, 5, 2, 2, 2])  # (an all-padding row: none)
+    assert rec.padding_dropped == 5 and trace.vocab_size == 100  # (the model's, not 33 + 1)
+    trace.split(0.5)  # (an empty sequence made split refuse the trace)
+    with torch.no_grad(), TraceRecorder(model, pad_token_id=[98, 99]) as rec:  # EOS lists, as HF configs have
+        model(torch.tensor([[1, 98, 2, 99]]))
+    assert rec.result.token_ids.tolist() == [1, 2]
     assert TraceRecorder(model, 64).vocab_size == 64  # given: as given
     with pytest.raises(ValueError, match="pad_token_id must be a token id"):
         TraceRecorder(model, pad_token_id=-1)
