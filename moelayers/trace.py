@@ -598,13 +598,14 @@ class TraceRecorder:
         pad_token_id: a token id (or a list of them) left out of the trace as padding (see above).
 
     Raises:
-        TypeError: ``vocab_size``, ``num_experts`` or ``pad_token_id`` is given but is not an integer.
-        ValueError: ``vocab_size`` or ``num_experts`` is given but is not in ``[1, 2**63)``, or
+        TypeError: ``vocab_size``, ``num_experts`` or ``pad_token_id`` is given but is not an integer
+            (``pad_token_id``: or a list of them).
+        ValueError: ``vocab_size`` or ``num_experts`` is given but is not in ``[1, 2**63)``, or a
             ``pad_token_id`` is negative.
     """
 
     def __init__(self, model: nn.Module, vocab_size: int | None = None, *, num_experts: int | None = None,
-                 pad_token_id: int | None = None) -> None:
+                 pad_token_id: int | Sequence[int] | None = None) -> None:
         # checked now, not when the trace is built after (maybe hours of) recording
         if vocab_size is None:  # the model's own (a Hugging Face config, TinyConfig): max id + 1 left its
             config = getattr(model, "config", None)  # last ids out of the plans
@@ -617,6 +618,8 @@ class TraceRecorder:
             vocab_size = _check_int_scalar(vocab_size, "TraceRecorder", "vocab_size")
         if num_experts is not None:
             num_experts = _check_int_scalar(num_experts, "TraceRecorder", "num_experts")
+        if isinstance(pad_token_id, (np.ndarray, torch.Tensor)):
+            pad_token_id = pad_token_id.tolist()
         pads = [] if pad_token_id is None else list(pad_token_id) if isinstance(pad_token_id, (list, tuple)) \
             else [pad_token_id]
         for pad in pads:

@@ -50,7 +50,7 @@ Notes on the HF side:
   1e-6 otherwise).
 - :class:`~moelayers.SemanticMoE` plans and :class:`~moelayers.trace.TraceRecorder` need ``token_ids``,
   which HF's decoder layer does not pass to its mlp: ``swap_moe_blocks(..., token_ids=True)``
-  keeps the model call's ``input_ids`` with a forward pre-hook and passes them to the layers.
+  passes them (the ids the model embeds, by hooks: :class:`InputIds`).
 - ``save_pretrained`` of a swapped model does not round-trip: the layers' keys
   (``mlp.router.weight``, ``mlp.experts.w13`` ...) are not HF's, and ``from_pretrained``
   re-initialises every MoE weight (with only a load report saying so). Write HF's names with
@@ -382,10 +382,12 @@ class TupleOutput(nn.Module):
 class InputIds:
     """The ``input_ids`` of the model call under way, for the layers (``swap_moe_blocks(...,
     token_ids=True)`` installs it): a forward pre-hook of the model's input embedding keeps the ids
-    it embeds (the model called by its own code too: chunked prefill, ``model.model(...)``), one of
-    the model forgets them at each call's start and end (a call with ``inputs_embeds`` has none),
-    and a forward pre-hook of each layer passes them as ``token_ids`` where they are laid out like
-    its hidden states (``[B, S]`` for ``[B, S, H]``). Per thread; nothing of it is pickled."""
+    it embeds; hooks of the modules on the way from the model to its embedding (the model, its
+    base model ...) forget them when the outermost of them starts and ends a call, so that a call
+    of any of them (``model.model(...)``, chunked prefill calling ``forward``) starts without the
+    last call's ids (a call with ``inputs_embeds`` has none); a forward pre-hook of each layer
+    passes them as ``token_ids`` where they are laid out like its hidden states (``[B, S]`` for
+    ``[B, S, H]``). Per thread; nothing of it is pickled."""
 
     def __init__(self) -> None:
         self._local = threading.local()
@@ -396,6 +398,17 @@ class InputIds:
 
     def forget(self, *_: Any, **__: Any) -> None:
         self._local.ids = None
+
+    def enter(self, *_: Any, **__: Any) -> None:
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        if depth == 0:
+            self.forget()
+
+    def leave(self, *_: Any, **__: Any) -> None:
+        self._local.depth = max(getattr(self._local, "depth", 1) - 1, 0)
+        if self._local.depth == 0:
+            self.forget()
 
     def keep(self, module: nn.Module, args: tuple) -> None:
         ids = args[0] if args else None
@@ -523,8 +536,11 @@ def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = 
         setattr(model.get_submodule(parent_name), attr, module)
     if source is not None and embedding is not None:
         embedding.register_forward_pre_hook(source.keep)
-        model.register_forward_pre_hook(source.forget)
-        model.register_forward_hook(source.forget, always_call=True)
+        where = next((n for n, m in model.named_modules() if m is embedding), "")
+        parts = where.split(".")[:-1] if where else []
+        for module in [model] + [model.get_submodule(".".join(parts[:i + 1])) for i in range(len(parts))]:
+            module.register_forward_pre_hook(source.enter)
+            module.register_forward_hook(source.leave, always_call=True)
     return [name for name, _ in blocks]
 
 

@@ -528,9 +528,10 @@ def test_padding_is_left_out_and_the_vocabulary_is_the_models() -> None:
     np.testing.assert_array_equal(np.diff(trace.seq_offsets), [4, 5, 2, 2, 2])  # (an all-padding row: none)
     assert rec.padding_dropped == 5 and trace.vocab_size == 100  # (the model's, not 33 + 1)
     trace.split(0.5)  # (an empty sequence made split refuse the trace)
-    with torch.no_grad(), TraceRecorder(model, pad_token_id=[98, 99]) as rec:  # EOS lists, as HF configs have
-        model(torch.tensor([[1, 98, 2, 99]]))
-    assert rec.result.token_ids.tolist() == [1, 2]
+    for pads in ([98, 99], torch.tensor([98, 99]), np.array([98, 99])):  # a list of ids, as HF's EOS lists
+        with torch.no_grad(), TraceRecorder(model, pad_token_id=pads) as rec:
+            model(torch.tensor([[1, 98, 2, 99]]))
+        assert rec.result.token_ids.tolist() == [1, 2]
     assert TraceRecorder(model, 64).vocab_size == 64  # given: as given
     with pytest.raises(ValueError, match="pad_token_id must be a token id"):
         TraceRecorder(model, pad_token_id=-1)
