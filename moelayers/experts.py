@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moelayers.dispatch.comm import all_gather_flat
+from moelayers.groups import collective_device
 from moelayers.placement import ExpertPlacement
 from moelayers.router import autocast_on
 
@@ -293,10 +294,34 @@ def gather_logical(
     w13: torch.Tensor, w2: torch.Tensor, placement: ExpertPlacement, group=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather per-slot tensors ``[S, ...]`` over ``group`` and pick each logical expert's
-    first replica: ``-> ([E, ...], [E, ...])`` (weights, and the gradients of tied replicas)."""
+    first replica: ``-> ([E, ...], [E, ...])`` (weights, and the gradients of tied replicas).
+
+    Raises:
+        ValueError: on every rank, where the ranks hold them in different dtypes (a layer cast on
+            some ranks only: the gather would exchange rows of other sizes, and gloo aborts).
+    """
+    if group is not None and dist.get_world_size(group) > 1:
+        agree_on_dtypes((w13, w2), group)
     full13, full2 = _all_slots(w13, group), _all_slots(w2, group)
     first = placement.log2phy[:, 0].to(w13.device)
     return full13[first], full2[first]
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def agree_on_dtypes(tensors: tuple[torch.Tensor, ...], group) -> None:
+    """One small all-reduce (MAX of each dtype's index and of its negation) over ``group``; a
+    ``ValueError`` on every rank where the ranks' dtypes differ."""
+    codes = torch.tensor([_DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES) for t in tensors],
+                         dtype=torch.int64)
+    vec = torch.cat([codes, -codes]).to(collective_device(group))
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+    high, low = vec[:len(tensors)].tolist(), (-vec[len(tensors):]).tolist()
+    if high != low:
+        names = [str(_DTYPES[i]) if i < len(_DTYPES) else "another dtype" for i in sorted({*high, *low})]
+        raise ValueError(f"the expert-parallel ranks hold the layer's expert weights (or gradients) in different "
+                         f"dtypes ({', '.join(names)}): cast the layer alike on every rank")
 
 
 def _all_slots(t: torch.Tensor, group) -> torch.Tensor:

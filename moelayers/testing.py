@@ -53,7 +53,7 @@ ROUND_OFF = 1e-10
 
 
 def check_close(name: str, y: torch.Tensor, ref64: torch.Tensor, ref_low: torch.Tensor | None = None, *,
-                allow_loose: bool = False) -> str | None:
+                allow_loose: bool = False, dtype: torch.dtype | None = None) -> str | None:
     """``None`` if ``y`` obeys the rule, else a message naming ``name`` with error and bound.
 
     The bf16 bound is 3 x the bf16 reference's own error: where that reference picks another expert
@@ -73,6 +73,10 @@ def check_close(name: str, y: torch.Tensor, ref64: torch.Tensor, ref_low: torch.
         ref_low: ``[...]`` the reference computed in ``y``'s dtype, ``ref64``'s shape; needed for a
             bfloat16/float16 ``y`` (its bound), unused for float32/float64.
         allow_loose: let a loose check pass (see above) instead of failing it.
+        dtype: the precision ``y`` was computed in, whose rule applies (default ``y.dtype``): under
+            ``torch.autocast`` a float32 layer returns float32 computed in autocast's dtype, so pass
+            ``dtype=torch.bfloat16`` and, as ``ref_low``, the reference computed under the same
+            autocast.
 
     Returns:
         ``None`` when ``y`` is within the bound; else a message (the error and the bound, or why the
@@ -82,28 +86,33 @@ def check_close(name: str, y: torch.Tensor, ref64: torch.Tensor, ref_low: torch.
         ValueError: a bfloat16/float16 ``y`` without ``ref_low``; ``ref_low`` of another dtype than
             ``y`` or another shape than ``ref64``; ``y`` and ``ref64`` of different shapes.
     """
-    if ref_low is not None and (ref_low.dtype != y.dtype or ref_low.shape != ref64.shape):
-        raise ValueError(f"{name}: ref_low must be the reference computed in y's dtype {y.dtype} with ref64's shape "
-                         f"{list(ref64.shape)}, got {ref_low.dtype} {list(ref_low.shape)} (a coarser one loosens the check)")
+    rule = y.dtype if dtype is None else dtype
+    if ref_low is not None and (ref_low.dtype != rule or ref_low.shape != ref64.shape):
+        raise ValueError(f"{name}: ref_low must be the reference computed in y's dtype {rule} with ref64's shape "
+                         f"{list(ref64.shape)}, got {ref_low.dtype} {list(ref_low.shape)} (a coarser one loosens the check"
+                         f"{'' if dtype is not None else '; under autocast pass dtype= its dtype'})")
+    if ref_low is not None and not bool(torch.isfinite(ref_low).all()):
+        return (f"{name}: the {rule} reference is not finite (it overflowed), so it bounds nothing: compare at a "
+                "smaller scale (a lower loss scale), or against ref64 alone")
     err = max_error(y, ref64)
-    tol = tolerance(ref64.double().cpu(), None if ref_low is None else ref_low.cpu(), y.dtype)
+    tol = tolerance(ref64.double().cpu(), None if ref_low is None else ref_low.cpu(), rule)
     scale = float(ref64.detach().abs().max()) if ref64.numel() else 0.0
     if ref_low is not None and not allow_loose and tol > LOOSE_TOLERANCE * scale > 0:
-        return (f"{name}: the {y.dtype} tolerance {tol:.3e} is over {LOOSE_TOLERANCE:.0%} of max|ref64| = {scale:.3e}: "
+        return (f"{name}: the {rule} tolerance {tol:.3e} is over {LOOSE_TOLERANCE:.0%} of max|ref64| = {scale:.3e}: "
                 "the low-precision reference routes some token to other experts (a router near-tie), so the check "
                 "would pass almost anything; draw inputs without near-ties (redraw_near_ties) or force the routing")
-    if y.dtype in (torch.float32, torch.float64) and not allow_loose and tol > SMALL_TOLERANCE * scale > 0:
+    if rule in (torch.float32, torch.float64) and not allow_loose and tol > SMALL_TOLERANCE * scale > 0:
         if scale < ROUND_OFF:
             return (f"{name}: max|ref64| = {scale:.3e} is zero up to round-off, so the check means nothing: a "
                     "quantity that does not depend on the inputs (e.g. the router's gradient with top_k=1 and "
                     "norm_topk_prob=True) is left out or checked with allow_loose=True; a real output this small "
                     "needs its weights (init_std) or inputs scaled up")
-        return (f"{name}: max|ref64| = {scale:.3e} is so small that the {y.dtype} tolerance {tol:.3e} (its absolute "
+        return (f"{name}: max|ref64| = {scale:.3e} is so small that the {rule} tolerance {tol:.3e} (its absolute "
                 f"floor) is over {SMALL_TOLERANCE:.0%} of it, so the check would pass wrong outputs: scale the "
                 "weights (init_std) or the inputs up")
     if err <= tol:
         return None
-    return f"{name}: max|y - ref64| = {err:.3e} > tolerance {tol:.3e} ({y.dtype})"
+    return f"{name}: max|y - ref64| = {err:.3e} > tolerance {tol:.3e} ({rule})"
 
 
 def redraw_near_ties(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, draw: Callable[[int], torch.Tensor], *,

@@ -97,7 +97,8 @@ class MoELayerBase(LayerWeights, nn.Module):
             ``groups.backend`` is NCCL; else CPU).
         seed: the default initialisation draws each logical expert from its own generator seeded
             by ``(seed, expert id)``, so that replicas agree and every rank builds the same model.
-        check_finite: raise on NaN/inf router logits.
+        check_finite: raise on NaN/inf router logits (on every rank). Only those: an overflow inside
+            the experts (float16) gives inf/NaN output rows, as the reference does.
         expert_backend: ``'auto'`` | ``'grouped_mm'`` | ``'loop'`` (see :class:`GroupedExperts`).
         capacity: all-to-all only: fixed tokens per rank per forward (inputs are padded to it;
             more is a ``ValueError``). Static shapes, no host sync; see ``AllToAllDispatcher``.
@@ -339,7 +340,8 @@ class MoELayerBase(LayerWeights, nn.Module):
         group's move is its own transaction: after a failure in one, the groups serve different
         placements, which ``reduce_expert_grads`` refuses).
         Outputs are unchanged: each logical expert's weights move with it; the router stays in
-        logical order. At most one layer's expert weights of extra memory (only changing slots).
+        logical order (in bfloat16 up to a rounding of the tokens whose experts come to share a rank
+        or part: bf16 partial sums are combined in bf16). At most one layer's expert weights of extra memory (only changing slots).
         In training, move between optimizer steps: expert weights that hold gradients are refused
         (``zero_grad(set_to_none=True)`` first; megatron's DDP: a zero ``main_grad``). Pass the
         torch ``optimizer`` to move its per-slot state (Adam's moments) with the weights, in the same

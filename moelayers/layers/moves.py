@@ -325,7 +325,8 @@ def _fail(stage: str, failing: list[int], old: ExpertPlacement, cause: BaseExcep
                f"placement ({old!r}) keeps serving and no weights changed; {mine}")
     else:
         msg = (f"placement change aborted on {scope}: the ranks were handed different placements, or optimizers "
-               "with different per-slot states or at different steps (every rank must pass the same); the old "
+               "with different per-slot states or at different steps, or hold the layer in different dtypes (every "
+               "rank must pass the same, and cast the layer alike); the old "
                "placement keeps serving")
     cls = PlacementRejected if stage == "validate" else PlacementMoveError
     raise cls(msg, failing, stage) from cause
@@ -369,7 +370,8 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
         # and ranks at other steps would mix moments of different ages
         layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in states]
         layout += shared_states(optimizer, w13, w2) if states else []
-        digest = placement_digest(old, new) ^ (_layout_digest(layout) if layout else 0)
+        # and the weights' dtype: ranks holding the layer in other dtypes would exchange rows of other sizes
+        digest = placement_digest(old, new) ^ (_layout_digest(layout) if layout else 0) ^ _DTYPE_BITS.get(w13.dtype, 0)
         moves = old.moves_to(new)
         plan = local_plan(moves, old, new, rank)
         n = len(plan.slots)
@@ -404,6 +406,10 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
             tensor[s].zero_()
     layer._adopt_placement(new)
     return moves
+
+
+#: a part of the move's digest per weight dtype (ranks holding the layer in other dtypes disagree)
+_DTYPE_BITS = {torch.float32: 0, torch.bfloat16: 1 << 57, torch.float16: 2 << 57, torch.float64: 3 << 57}
 
 
 def _layout_digest(layout: list) -> int:

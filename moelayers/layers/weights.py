@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moelayers.dispatch.comm import fingerprint
-from moelayers.experts import gather_logical
+from moelayers.experts import agree_on_dtypes, gather_logical
 from moelayers.layers.inflight import InFlightGraphs
 from moelayers.layers.moves import check_own_weights
 from moelayers.layers.turns import one_at_a_time
@@ -251,6 +251,9 @@ class LayerWeights:
             ValueError: on every rank, naming the experts whose copies differ (init the weights of a
                 dense model and :meth:`load_full_weights` them instead, or :meth:`reset_parameters`).
         """
+        for group in (self.groups.ep, self.groups.edp):  # (copies of other dtypes: told as such, not as other bits)
+            if group is not None and dist.get_world_size(group) > 1:
+                agree_on_dtypes((self.experts.w13, self.experts.w2), group)
         e, dev = self.config.num_experts, self.router.weight.device
         lowest = torch.iinfo(torch.int64).min + 1
         ids = self.placement.phy2log[self.groups.ep_rank].to(dev)

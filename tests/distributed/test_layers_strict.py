@@ -355,3 +355,25 @@ def check_copies(results: list) -> None:
 @pytest.mark.timeout(90)
 def test_check_weights_finds_copies_that_differ():
     check_copies(run_distributed(_copies_that_differ, 2, timeout=60))
+
+
+def _cast_on_rank_0_only(rank, world, op):
+    """A layer cast to bf16 on rank 0 only, then ``op``: what each rank raised (or "no error")."""
+    e, h, f = 4, 16, 8
+    layer = ml.VanillaMoE(ml.MoEConfig(hidden_size=h, ffn_hidden_size=f, num_experts=e, top_k=2),
+                          ml.ParallelGroups.from_world())
+    if rank == 0:
+        layer.to(torch.bfloat16)
+    calls = {"export_full_weights": layer.export_full_weights, "expert_grads_full": layer.expert_grads_full,
+             "check_weights": layer.check_weights,
+             "apply_placement": lambda: layer.apply_placement(ml.ExpertPlacement(torch.tensor([[2, 3], [0, 1]]), e))}
+    return error_of(calls[op]) or "no error"
+
+
+@pytest.mark.parametrize("op", ["export_full_weights", "expert_grads_full", "check_weights", "apply_placement"])
+def test_a_layer_cast_on_some_ranks_only_is_told_on_every_rank(op):
+    """The gathers and the move exchanged rows of other sizes: gloo aborted the process (SIGABRT), and
+    check_weights blamed copies that differ (a low-precision journey); forward and load_full_weights
+    already told the dtypes."""
+    for said in run_distributed(_cast_on_rank_0_only, 2, op, timeout=120, collective_timeout=60):
+        assert ("different dtypes" in said and "cast the layer alike" in said), said

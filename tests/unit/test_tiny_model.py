@@ -309,3 +309,26 @@ def test_idle_ranks_forcing_empty_ids_raise_with_the_others_in_capacity_mode():
 
     for got in run_distributed(_forced_out_of_range_in_capacity_mode, 2, timeout=60):
         assert "forced routing (force_routing) holds expert ids outside" in got, got
+
+
+def test_check_close_takes_autocasts_precision_and_refuses_an_overflowed_reference():
+    """A float32 layer under bf16 autocast returns float32 computed in bf16: check_close applied the
+    float32 rule (1.8e-2 against 2.5e-5) or refused the bf16 reference; and an fp16 reference that
+    overflowed gave 'tolerance nan' (a low-precision journey)."""
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, init_std=0.5)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=3)
+    x = torch.randn(12, 16, generator=torch.Generator().manual_seed(0)).bfloat16()  # as an nn.Linear hands it on
+    weights = layer.export_full_weights()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+        ref = ml.reference.moe_forward(x, *weights, cfg, topk_ids=layer.last_topk_ids)
+    with torch.no_grad():
+        ref64 = ml.reference.moe_forward(x.double(), *(w.double() for w in weights), cfg, topk_ids=layer.last_topk_ids)
+    assert y.dtype == torch.float32 and ref.dtype == torch.bfloat16
+    assert check_close("y", y, ref64, ref, dtype=torch.bfloat16) is None
+    with pytest.raises(ValueError, match="under autocast pass dtype= its dtype"):
+        check_close("y", y, ref64, ref)
+    assert check_close("y", y, ref64) is not None  # the float32 rule: off by bf16's error
+    inf = ref.clone()
+    inf[0, 0] = float("inf")
+    assert "reference is not finite (it overflowed)" in check_close("y", y, ref64, inf, dtype=torch.bfloat16)
