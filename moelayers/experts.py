@@ -300,8 +300,7 @@ def gather_logical(
         ValueError: on every rank, where the ranks hold them in different dtypes (a layer cast on
             some ranks only: the gather would exchange rows of other sizes, and gloo aborts).
     """
-    if group is not None and dist.get_world_size(group) > 1:
-        agree_on_dtypes((w13, w2), group)
+    agree_on_dtypes((w13, w2), group)
     full13, full2 = _all_slots(w13, group), _all_slots(w2, group)
     first = placement.log2phy[:, 0].to(w13.device)
     return full13[first], full2[first]
@@ -310,13 +309,19 @@ def gather_logical(
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def agree_on_dtypes(tensors: tuple[torch.Tensor, ...], group) -> None:
-    """One small all-reduce (MAX of each dtype's index and of its negation) over ``group``; a
+def agree_on_dtypes(tensors: tuple[torch.Tensor, ...], *groups) -> None:
+    """A small all-reduce (MAX of each dtype's index and of its negation) over each of ``groups``
+    in turn (those of more than one rank; every rank takes part in all before any decides); a
     ``ValueError`` on every rank where the ranks' dtypes differ."""
+    groups = tuple(g for g in groups if g is not None and dist.get_world_size(g) > 1)
+    if not groups:
+        return
     codes = torch.tensor([_DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES) for t in tensors],
                          dtype=torch.int64)
-    vec = torch.cat([codes, -codes]).to(collective_device(group))
-    dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
+    vec = torch.cat([codes, -codes])
+    for group in groups:
+        vec = vec.to(collective_device(group))
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=group)
     high, low = vec[:len(tensors)].tolist(), (-vec[len(tensors):]).tolist()
     if high != low:
         names = [str(_DTYPES[i]) if i < len(_DTYPES) else "another dtype" for i in sorted({*high, *low})]

@@ -73,10 +73,11 @@ def check_close(name: str, y: torch.Tensor, ref64: torch.Tensor, ref_low: torch.
         ref_low: ``[...]`` the reference computed in ``y``'s dtype, ``ref64``'s shape; needed for a
             bfloat16/float16 ``y`` (its bound), unused for float32/float64.
         allow_loose: let a loose check pass (see above) instead of failing it.
-        dtype: the precision ``y`` was computed in, whose rule applies (default ``y.dtype``): under
-            ``torch.autocast`` a float32 layer returns float32 computed in autocast's dtype, so pass
-            ``dtype=torch.bfloat16`` and, as ``ref_low``, the reference computed under the same
-            autocast.
+        dtype: the precision ``y`` was computed in, whose rule applies (default ``y.dtype``): for
+            output computed under ``torch.autocast`` only (a float32 layer returns float32 computed
+            in autocast's dtype): pass ``dtype=torch.bfloat16`` and, as ``ref_low``, the reference
+            computed under the same autocast. A lower precision than ``y``'s otherwise loosens the
+            check for nothing.
 
     Returns:
         ``None`` when ``y`` is within the bound; else a message (the error and the bound, or why the
@@ -88,10 +89,12 @@ def check_close(name: str, y: torch.Tensor, ref64: torch.Tensor, ref_low: torch.
     """
     rule = y.dtype if dtype is None else dtype
     if ref_low is not None and (ref_low.dtype != rule or ref_low.shape != ref64.shape):
-        raise ValueError(f"{name}: ref_low must be the reference computed in y's dtype {rule} with ref64's shape "
-                         f"{list(ref64.shape)}, got {ref_low.dtype} {list(ref_low.shape)} (a coarser one loosens the check"
-                         f"{'' if dtype is not None else '; under autocast pass dtype= its dtype'})")
-    if ref_low is not None and not bool(torch.isfinite(ref_low).all()):
+        raise ValueError(f"{name}: ref_low must be the reference computed in {rule} (the precision of the rule) with "
+                         f"ref64's shape {list(ref64.shape)}, got {ref_low.dtype} {list(ref_low.shape)} (a coarser one "
+                         f"loosens the check{'' if dtype is not None else '; under autocast pass dtype= its dtype'})")
+    if ref64.numel() and not bool(torch.isfinite(ref64).all()):
+        return f"{name}: the float64 reference is not finite (NaN or inf inputs or weights?): nothing to compare with"
+    if ref_low is not None and rule not in (torch.float32, torch.float64) and not bool(torch.isfinite(ref_low).all()):
         return (f"{name}: the {rule} reference is not finite (it overflowed), so it bounds nothing: compare at a "
                 "smaller scale (a lower loss scale), or against ref64 alone")
     err = max_error(y, ref64)

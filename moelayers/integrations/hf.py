@@ -385,7 +385,8 @@ class InputIds:
     it embeds; hooks of the modules on the way from the model to its embedding (the model, its
     base model ...) forget them when the outermost of them starts and ends a call, so that a call
     of any of them (``model.model(...)``, chunked prefill calling ``forward``) starts without the
-    last call's ids (a call with ``inputs_embeds`` has none); a forward pre-hook of each layer
+    last call's ids (a call with ``inputs_embeds`` has none; a nested call of the model keeps the
+    ids of the call around it for after it); a forward pre-hook of each layer
     passes them as ``token_ids`` where they are laid out like its hidden states (``[B, S]`` for
     ``[B, S, H]``). Per thread; nothing of it is pickled."""
 
@@ -399,16 +400,30 @@ class InputIds:
     def forget(self, *_: Any, **__: Any) -> None:
         self._local.ids = None
 
-    def enter(self, *_: Any, **__: Any) -> None:
-        depth = getattr(self._local, "depth", 0)
-        self._local.depth = depth + 1
-        if depth == 0:
+    def _calls(self) -> list:
+        calls = getattr(self._local, "calls", None)
+        if calls is None:
+            calls = self._local.calls = []
+        return calls
+
+    def enter(self, module: nn.Module, *_: Any, **__: Any) -> None:
+        """A module between the model and its embedding starts a call: the outermost one, or one
+        already under way (the model called from inside itself; or a call a Ctrl-C cut off, which
+        never left), starts without ids; the ids before it come back when it ends."""
+        calls = self._calls()
+        fresh = not calls or any(m is module for m, _ in calls)
+        calls.append((module, self.ids))
+        if fresh:
             self.forget()
 
-    def leave(self, *_: Any, **__: Any) -> None:
-        self._local.depth = max(getattr(self._local, "depth", 1) - 1, 0)
-        if self._local.depth == 0:
-            self.forget()
+    def leave(self, module: nn.Module, *_: Any, **__: Any) -> None:
+        calls = self._calls()
+        for i in range(len(calls) - 1, -1, -1):
+            if calls[i][0] is module:
+                _, before = calls.pop(i)
+                outer = any(m is module for m, _ in calls)  # a call inside a call of the same module
+                self._local.ids = before if outer else (self.ids if calls else None)
+                return
 
     def keep(self, module: nn.Module, args: tuple) -> None:
         ids = args[0] if args else None
@@ -425,7 +440,7 @@ class InputIds:
         return {}
 
     def __setstate__(self, state: dict) -> None:
-        self._local = threading.local()
+        self._local = threading.local()  # (and its call stack)
 
 
 def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

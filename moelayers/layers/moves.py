@@ -371,7 +371,7 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
         layout = [(name, tuple(t.shape), str(t.dtype)) for name, t in states]
         layout += shared_states(optimizer, w13, w2) if states else []
         # and the weights' dtype: ranks holding the layer in other dtypes would exchange rows of other sizes
-        digest = placement_digest(old, new) ^ (_layout_digest(layout) if layout else 0) ^ _DTYPE_BITS.get(w13.dtype, 0)
+        digest = placement_digest(old, new) ^ (_layout_digest(layout) if layout else 0) ^ _dtype_bits(w13.dtype)
         moves = old.moves_to(new)
         plan = local_plan(moves, old, new, rank)
         n = len(plan.slots)
@@ -408,8 +408,10 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
     return moves
 
 
-#: a part of the move's digest per weight dtype (ranks holding the layer in other dtypes disagree)
-_DTYPE_BITS = {torch.float32: 0, torch.bfloat16: 1 << 57, torch.float16: 2 << 57, torch.float64: 3 << 57}
+def _dtype_bits(dtype: torch.dtype) -> int:
+    """A part of the move's digest for the weights' dtype (ranks holding the layer in other dtypes
+    disagree): 8 bits of its name's hash, above the placements' 56 (below int64's sign)."""
+    return int.from_bytes(hashlib.blake2b(str(dtype).encode(), digest_size=1).digest(), "little") << 54
 
 
 def _layout_digest(layout: list) -> int:

@@ -251,9 +251,8 @@ class LayerWeights:
             ValueError: on every rank, naming the experts whose copies differ (init the weights of a
                 dense model and :meth:`load_full_weights` them instead, or :meth:`reset_parameters`).
         """
-        for group in (self.groups.ep, self.groups.edp):  # (copies of other dtypes: told as such, not as other bits)
-            if group is not None and dist.get_world_size(group) > 1:
-                agree_on_dtypes((self.experts.w13, self.experts.w2), group)
+        # copies of other dtypes: told as such, not as other bits (both groups reduced before any rank decides)
+        agree_on_dtypes((self.experts.w13, self.experts.w2), self.groups.ep, self.groups.edp)
         e, dev = self.config.num_experts, self.router.weight.device
         lowest = torch.iinfo(torch.int64).min + 1
         ids = self.placement.phy2log[self.groups.ep_rank].to(dev)

@@ -357,11 +357,11 @@ def test_check_weights_finds_copies_that_differ():
     check_copies(run_distributed(_copies_that_differ, 2, timeout=60))
 
 
-def _cast_on_rank_0_only(rank, world, op):
+def _cast_on_rank_0_only(rank, world, op, ep=None):
     """A layer cast to bf16 on rank 0 only, then ``op``: what each rank raised (or "no error")."""
     e, h, f = 4, 16, 8
     layer = ml.VanillaMoE(ml.MoEConfig(hidden_size=h, ffn_hidden_size=f, num_experts=e, top_k=2),
-                          ml.ParallelGroups.from_world())
+                          ml.ParallelGroups.from_world(ep=ep))
     if rank == 0:
         layer.to(torch.bfloat16)
     calls = {"export_full_weights": layer.export_full_weights, "expert_grads_full": layer.expert_grads_full,
@@ -376,4 +376,11 @@ def test_a_layer_cast_on_some_ranks_only_is_told_on_every_rank(op):
     check_weights blamed copies that differ (a low-precision journey); forward and load_full_weights
     already told the dtypes."""
     for said in run_distributed(_cast_on_rank_0_only, 2, op, timeout=120, collective_timeout=60):
+        assert ("different dtypes" in said and "cast the layer alike" in said), said
+
+
+def test_check_weights_tells_a_cast_on_one_rank_to_every_group():
+    """Two expert-parallel groups of 2 (world 4): the dtype check raised on rank 0's group before the
+    expert-data-parallel all-reduce, and the other group waited in it (a review)."""
+    for said in run_distributed(_cast_on_rank_0_only, 4, "check_weights", 2, timeout=150, collective_timeout=60):
         assert ("different dtypes" in said and "cast the layer alike" in said), said

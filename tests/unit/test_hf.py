@@ -626,3 +626,86 @@ def test_token_ids_of_a_base_model_called_on_its_own_do_not_go_stale():
             call(input_ids=ids)
             call(inputs_embeds=embedded)
     assert [None if t is None else t.tolist() for t in seen] == [[1, 2, 3], None] * 3
+
+
+class _Base(Model):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(30, H, dtype=torch.float64)
+
+    def forward(self, input_ids=None, inputs_embeds=None):
+        return super().forward(self.emb(input_ids) if inputs_embeds is None else inputs_embeds)
+
+
+class _Outer(nn.Module):
+    """An HF-like model: a base model holding the embedding (``model.model``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = _Base()
+        self.config = self.model.config
+
+    def get_input_embeddings(self):
+        return self.model.emb
+
+    def forward(self, input_ids=None, inputs_embeds=None):
+        return self.model(input_ids=input_ids, inputs_embeds=inputs_embeds)
+
+
+class _Multimodal(_Outer):
+    """Qwen3-VL's way: the outer model embeds the ids, then calls its text model with the embeddings."""
+
+    def forward(self, input_ids=None, inputs_embeds=None):
+        return self.model(inputs_embeds=self.model.emb(input_ids))
+
+
+def _swapped_with_ids(cls):
+    model = cls().eval()
+    swap_moe_blocks(model, ml.ParallelGroups.single(), token_ids=True)
+    mlps = [model.model.layers[i].mlp for i in (0, 2)]
+    seen = []
+    for m in mlps:
+        m.register_forward_hook(lambda m, a, y: seen.append(None if m.last_token_ids is None else
+                                                            m.last_token_ids.tolist()))
+    return model, mlps, seen
+
+
+def test_token_ids_across_an_interrupted_a_nested_and_a_multimodal_call():
+    """A Ctrl-C skips torch's always_call hooks: the call never left, and its ids stayed for good; a
+    call of the model from inside itself gave the outer call's later layers the inner call's ids; a
+    model that embeds and then calls its text model with inputs_embeds keeps its ids (a review)."""
+    ids, other = torch.tensor([[1, 2, 3]]), torch.tensor([[7, 8, 9]])
+    model, mlps, seen = _swapped_with_ids(_Outer)
+    with torch.no_grad():
+        embedded = model.model.emb(other)
+
+        def ctrl_c(module, args):
+            raise KeyboardInterrupt
+
+        hook = mlps[0].register_forward_pre_hook(ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            model(input_ids=ids)
+        hook.remove()
+        model(inputs_embeds=embedded)
+        assert seen == [None, None]  # not the interrupted call's ids
+        seen.clear()
+        model(input_ids=ids)
+        assert seen == [[1, 2, 3]] * 2
+
+    model, mlps, seen = _swapped_with_ids(_Outer)
+    nested = []
+
+    def call_inside(module, args, y):
+        if not nested:
+            nested.append(True)
+            model(input_ids=other)
+
+    mlps[0].register_forward_hook(call_inside)
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert seen == [[1, 2, 3], [7, 8, 9], [7, 8, 9], [1, 2, 3]]  # outer 1st, inner 1st and 2nd, outer 2nd
+
+    model, mlps, seen = _swapped_with_ids(_Multimodal)
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert seen == [[1, 2, 3]] * 2

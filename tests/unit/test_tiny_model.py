@@ -206,7 +206,7 @@ def test_check_close_refuses_a_coarser_low_precision_reference():
     ref64 = torch.linspace(-1, 1, 64, dtype=torch.float64).reshape(8, 8)
     y = (ref64 * 1.02).half()
     assert check_close("y", y, ref64, ref64.half()) is not None
-    with pytest.raises(ValueError, match="ref_low must be the reference computed in y's dtype"):
+    with pytest.raises(ValueError, match=r"ref_low must be the reference computed in torch.float16 \(the precision of the rule\)"):
         check_close("y", y, ref64, ref64.bfloat16())
 
 
@@ -332,3 +332,7 @@ def test_check_close_takes_autocasts_precision_and_refuses_an_overflowed_referen
     inf = ref.clone()
     inf[0, 0] = float("inf")
     assert "reference is not finite (it overflowed)" in check_close("y", y, ref64, inf, dtype=torch.bfloat16)
+    nan64 = ref64.clone()
+    nan64[1, 1] = float("nan")
+    assert "the float64 reference is not finite" in check_close("y", y, nan64, ref, dtype=torch.bfloat16)
+    assert "the float64 reference is not finite" in check_close("y", y.double(), nan64)  # (the rule's floor hid it)
