@@ -325,8 +325,9 @@ def agree_on_dtypes(tensors: tuple[torch.Tensor, ...], *groups) -> None:
     high, low = vec[:len(tensors)].tolist(), (-vec[len(tensors):]).tolist()
     if high != low:
         names = [str(_DTYPES[i]) if i < len(_DTYPES) else "another dtype" for i in sorted({*high, *low})]
-        raise ValueError(f"the expert-parallel ranks hold the layer's expert weights (or gradients) in different "
-                         f"dtypes ({', '.join(names)}): cast the layer alike on every rank")
+        raise ValueError(f"the ranks holding the layer's experts (its expert-parallel group, or their copies in the "
+                         f"other groups) hold the expert weights (or gradients) in different dtypes (among them "
+                         f"{' and '.join(names)}): cast the layer alike on every rank")
 
 
 def _all_slots(t: torch.Tensor, group) -> torch.Tensor:

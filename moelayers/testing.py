@@ -92,13 +92,13 @@ def check_close(name: str, y: torch.Tensor, ref64: torch.Tensor, ref_low: torch.
         raise ValueError(f"{name}: ref_low must be the reference computed in {rule} (the precision of the rule) with "
                          f"ref64's shape {list(ref64.shape)}, got {ref_low.dtype} {list(ref_low.shape)} (a coarser one "
                          f"loosens the check{'' if dtype is not None else '; under autocast pass dtype= its dtype'})")
+    err = max_error(y, ref64)  # (its shape check, and tolerance's need of ref_low, raise first)
+    tol = tolerance(ref64.double().cpu(), None if ref_low is None else ref_low.cpu(), rule)
     if ref64.numel() and not bool(torch.isfinite(ref64).all()):
         return f"{name}: the float64 reference is not finite (NaN or inf inputs or weights?): nothing to compare with"
     if ref_low is not None and rule not in (torch.float32, torch.float64) and not bool(torch.isfinite(ref_low).all()):
         return (f"{name}: the {rule} reference is not finite (it overflowed), so it bounds nothing: compare at a "
                 "smaller scale (a lower loss scale), or against ref64 alone")
-    err = max_error(y, ref64)
-    tol = tolerance(ref64.double().cpu(), None if ref_low is None else ref_low.cpu(), rule)
     scale = float(ref64.detach().abs().max()) if ref64.numel() else 0.0
     if ref_low is not None and not allow_loose and tol > LOOSE_TOLERANCE * scale > 0:
         return (f"{name}: the {rule} tolerance {tol:.3e} is over {LOOSE_TOLERANCE:.0%} of max|ref64| = {scale:.3e}: "

@@ -62,6 +62,7 @@ also works on HF-like modules of other libraries that follow the same layout.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -384,9 +385,10 @@ class InputIds:
     token_ids=True)`` installs it): a forward pre-hook of the model's input embedding keeps the ids
     it embeds; hooks of the modules on the way from the model to its embedding (the model, its
     base model ...) forget them when the outermost of them starts and ends a call, so that a call
-    of any of them (``model.model(...)``, chunked prefill calling ``forward``) starts without the
-    last call's ids (a call with ``inputs_embeds`` has none; a nested call of the model keeps the
-    ids of the call around it for after it); a forward pre-hook of each layer
+    from outside the model (``model.model(...)`` alone, chunked prefill calling ``forward``)
+    starts without the last call's ids (a call with ``inputs_embeds`` has none; a nested call of
+    the model keeps the ids of the call around it for after it; a module called twice within one
+    call, the second time with ``inputs_embeds``, keeps the call's ids); a forward pre-hook of each layer
     passes them as ``token_ids`` where they are laid out like its hidden states (``[B, S]`` for
     ``[B, S, H]``). Per thread; nothing of it is pickled."""
 
@@ -407,12 +409,19 @@ class InputIds:
         return calls
 
     def enter(self, module: nn.Module, *_: Any, **__: Any) -> None:
-        """A module between the model and its embedding starts a call: the outermost one, or one
-        already under way (the model called from inside itself; or a call a Ctrl-C cut off, which
-        never left), starts without ids; the ids before it come back when it ends."""
+        """A module between the model and its embedding starts a call: the outermost one, or another
+        call of a module whose call is under way (the model called from inside itself), starts
+        without ids; the ids before it come back when it ends. Calls a Ctrl-C cut off (torch runs
+        no forward hook then, so they never left) are dropped first: their frames are gone."""
         calls = self._calls()
-        fresh = not calls or any(m is module for m, _ in calls)
-        calls.append((module, self.ids))
+        caller = sys._getframe(1)  # torch's call of the module: on the stack while its forward runs
+        live, frame = set(), caller
+        while frame is not None:
+            live.add(id(frame))
+            frame = frame.f_back
+        calls[:] = [c for c in calls if id(c[2]) in live]  # (a frame held here keeps its id its own)
+        fresh = not calls or any(m is module for m, _, _ in calls)
+        calls.append((module, self.ids, caller))
         if fresh:
             self.forget()
 
@@ -420,8 +429,8 @@ class InputIds:
         calls = self._calls()
         for i in range(len(calls) - 1, -1, -1):
             if calls[i][0] is module:
-                _, before = calls.pop(i)
-                outer = any(m is module for m, _ in calls)  # a call inside a call of the same module
+                _, before, _ = calls.pop(i)
+                outer = any(m is module for m, _, _ in calls)  # a call inside a call of the same module
                 self._local.ids = before if outer else (self.ids if calls else None)
                 return
 

@@ -410,7 +410,8 @@ def move_expert_weights(layer: Any, new: Any, *, fault_hook: Callable[[Staging],
 
 def _dtype_bits(dtype: torch.dtype) -> int:
     """A part of the move's digest for the weights' dtype (ranks holding the layer in other dtypes
-    disagree): 8 bits of its name's hash, above the placements' 56 (below int64's sign)."""
+    disagree): 8 bits of its name's hash at bits 54-61 (over the top of the placements' 56; every
+    pair of the float dtypes differs at bit 56 or above; below int64's sign)."""
     return int.from_bytes(hashlib.blake2b(str(dtype).encode(), digest_size=1).digest(), "little") << 54
 
 

@@ -684,4 +684,14 @@ def test_token_ids_across_an_interrupted_a_nested_and_a_multimodal_call():
     model, mlps, seen = _swapped_with_ids(_Multimodal)
     with torch.no_grad():
         model(input_ids=ids)
-    assert seen == [[1, 2, 3]] * 2
+        assert seen == [[1, 2, 3]] * 2
+        hook = mlps[0].register_forward_pre_hook(ctrl_c)  # a multimodal call cut off: the next ones have ids
+        for _ in range(3):
+            with pytest.raises(KeyboardInterrupt):
+                model(input_ids=ids)
+        hook.remove()
+        seen.clear()
+        model(input_ids=other)
+    assert seen == [[7, 8, 9]] * 2
+    source = next(h.__self__ for h in model.model.emb._forward_pre_hooks.values())
+    assert source.ids is None and source._calls() == []  # nothing left of the calls cut off
