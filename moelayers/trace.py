@@ -477,17 +477,34 @@ def _continues_cache(kwargs: dict) -> bool:
         return False
 
 
+def _rows_of_batch(batch: np.ndarray | tuple[int, int] | None, token_ids: np.ndarray,
+                   rows: np.ndarray | None) -> np.ndarray | None:
+    """``rows`` (the layers' ``last_input_rows``: which of the ``B * S`` positions of an ``[B, S]``
+    batch they computed, padding left out) where the batch's ids there are ``token_ids``, else ``None``."""
+    if rows is None or not isinstance(batch, np.ndarray) or rows.shape != token_ids.shape:
+        return None
+    flat = batch.reshape(-1)
+    if rows.size and (rows.min() < 0 or rows.max() >= flat.size):
+        return None
+    return rows if np.array_equal(flat[rows], token_ids) else None
+
+
 def _real_tokens(batch: np.ndarray | tuple[int, int] | None, mask: torch.Tensor | None, token_ids: np.ndarray,
-                 pad_token_id: np.ndarray | None) -> np.ndarray | None:
+                 pad_token_id: np.ndarray | None, rows: np.ndarray | None = None) -> np.ndarray | None:
     """``[T]`` bool, the tokens that are not padding, or ``None`` (all are): where ``mask`` (an
     ``attention_mask [B, S_total]``, its last ``S`` columns this forward's) is 0 for ``[B, S]`` ids the
-    layers saw row by row or column by column, and where the id is one of ``pad_token_id``."""
+    layers saw row by row (all, or the ``rows`` of :func:`_rows_of_batch`) or column by column, and
+    where the id is one of ``pad_token_id``."""
     t = token_ids.shape[0]
     keep = np.ones(t, dtype=bool)
-    if mask is not None and isinstance(batch, np.ndarray) and batch.size == t and mask.shape[0] == batch.shape[0] \
+    if mask is not None and isinstance(batch, np.ndarray) and mask.shape[0] == batch.shape[0] \
             and mask.shape[1] >= batch.shape[1]:
         m = mask[:, mask.shape[1] - batch.shape[1]:].numpy() != 0
-        if np.array_equal(batch.reshape(-1), token_ids):
+        if rows is not None:
+            keep &= m.reshape(-1)[rows]
+        elif batch.size != t:
+            pass
+        elif np.array_equal(batch.reshape(-1), token_ids):
             keep &= m.reshape(-1)
         elif np.array_equal(batch.T.reshape(-1), token_ids):
             keep &= m.T.reshape(-1)
@@ -496,11 +513,15 @@ def _real_tokens(batch: np.ndarray | tuple[int, int] | None, mask: torch.Tensor 
     return None if keep.all() else keep
 
 
-def _untagged_sequences(batch: np.ndarray | tuple[int, int] | None, token_ids: np.ndarray) -> np.ndarray:
+def _untagged_sequences(batch: np.ndarray | tuple[int, int] | None, token_ids: np.ndarray,
+                        rows: np.ndarray | None = None) -> np.ndarray:
     """``[T]`` the sequence (0, 1, ...) of each token of an untagged forward: the rows of ``[B, S]``
-    ids when the layers saw them row by row, their columns when column by column (a model that
-    runs sequence position first), a MoE layer's ``[S, B, H]`` input by column; else all one."""
+    ids when the layers saw them row by row (all, or the ``rows`` of :func:`_rows_of_batch`), their
+    columns when column by column (a model that runs sequence position first), a MoE layer's
+    ``[S, B, H]`` input by column; else all one."""
     t = token_ids.shape[0]
+    if rows is not None:
+        return rows // batch.shape[1]
     if isinstance(batch, tuple) and batch[0] * batch[1] == t:
         return np.arange(t) % batch[1]
     if isinstance(batch, np.ndarray) and batch.size == t and batch.shape[0] > 1:
@@ -564,7 +585,8 @@ class TraceRecorder:
     (any hashable). An untagged forward is new sequences, read from the model's first positional
     argument or its ``input_ids=`` keyword: integer ``[B, S]`` token ids (``TinyDecoder(input_ids)``,
     a Hugging Face-style model) are ``B`` sequences, one per row, when the MoE layers saw the ids row
-    by row (one per column when they saw them column by column, as in a model that runs sequence
+    by row (or some of them: the rows their ``last_input_rows`` name, where
+    ``swap_moe_blocks(skip_padding=True)`` left padding out) (one per column when they saw them column by column, as in a model that runs sequence
     position first); a MoE layer recorded as the model itself takes ``[S, B, H]`` input as ``B``
     sequences, one per column; anything else (``[T, H]``, other keyword inputs, ids the layers saw
     in another order, ``TinyDecoder.step``) is one sequence (a forward of no tokens: none). An
@@ -814,9 +836,13 @@ class TraceRecorder:
         tok = getattr(module, "last_token_ids", None)
         if tok is not None and (not isinstance(tok, torch.Tensor) or tuple(tok.shape) != (ids.shape[0],)):
             raise ValueError(f"TraceRecorder: {self._where(index)} last_token_ids must be None or a [{ids.shape[0]}] tensor, got {getattr(tok, 'shape', type(tok).__name__)}")
+        rows = getattr(module, "last_input_rows", None)  # swap_moe_blocks(skip_padding=True): the rows it kept
+        if rows is not None and (not isinstance(rows, torch.Tensor) or tuple(rows.shape) != (ids.shape[0],)):
+            raise ValueError(f"TraceRecorder: {self._where(index)} last_input_rows must be None or a [{ids.shape[0]}] tensor, got {getattr(rows, 'shape', type(rows).__name__)}")
         self._current.append((  # copies: for CPU int64 tensors .to() alone is a view of the caller's buffer
             _narrow(ids.detach().to("cpu", torch.int64, copy=True).numpy()),
             None if tok is None else tok.detach().to("cpu", torch.int64, copy=True).numpy(),
+            None if rows is None else rows.detach().to("cpu", torch.int64, copy=True).numpy(),
         ))
         if len(self._current) == len(self.layers):
             self._finish_forward()
@@ -824,7 +850,7 @@ class TraceRecorder:
     def _finish_forward(self) -> None:
         layers, self._current, self._in_forward = self._current, [], False
         num_tokens, index = layers[0][0].shape[0], self._num_forwards
-        given = [(i, t) for i, (_, t) in enumerate(layers) if t is not None]
+        given = [(i, t) for i, (_, t, _) in enumerate(layers) if t is not None]
         if not given:
             raise ValueError(f"TraceRecorder: forward {index} has no token ids: no MoE layer set last_token_ids (pass token_ids= to the layers)")
         for i, t in given[1:]:
@@ -833,13 +859,14 @@ class TraceRecorder:
         keys, self._pending_tag = self._pending_tag, None
         batch, self._batch = self._batch, None
         continues, self._continues = self._continues, False
-        rows, self._rows = self._rows, None
+        previous, self._rows = self._rows, None
         mask, self._mask = self._mask, None
+        rows = _rows_of_batch(batch, given[0][1], layers[0][2])  # (every layer saw the same ids: the same rows)
         if keys is None:  # untagged: the model input's sequences where the layers' token order shows them
-            seq = _untagged_sequences(batch, given[0][1])
+            seq = _untagged_sequences(batch, given[0][1], rows)
             count = int(seq.max(initial=-1)) + 1
-            if continues and rows is not None and rows.size == count:  # a decode step: the same rows go on
-                codes = rows[seq]
+            if continues and previous is not None and previous.size == count:  # a decode step: the same rows go on
+                codes = previous[seq]
             else:
                 codes = self._next_code + seq.astype(np.int64)
                 self._next_code += count
@@ -848,8 +875,8 @@ class TraceRecorder:
             raise ValueError(f"TraceRecorder: tag() gave {len(keys)} sequence keys but forward {index} had T = {num_tokens} tokens")
         else:
             codes = np.fromiter((self._code(k) for k in keys), dtype=np.int64, count=num_tokens)
-        routed, tokens = np.stack([ids for ids, _ in layers], axis=1), given[0][1]
-        keep = _real_tokens(batch, mask, tokens, self.pad_token_id)
+        routed, tokens = np.stack([ids for ids, _, _ in layers], axis=1), given[0][1]
+        keep = _real_tokens(batch, mask, tokens, self.pad_token_id, rows)
         if keep is not None:  # padding left out (the rows' sequences stay, for the decode steps after)
             self.padding_dropped += int(keep.size - keep.sum())
             routed, tokens, codes = routed[keep], tokens[keep], codes[keep]

@@ -50,7 +50,12 @@ Notes on the HF side:
   1e-6 otherwise).
 - :class:`~moelayers.SemanticMoE` plans and :class:`~moelayers.trace.TraceRecorder` need ``token_ids``,
   which HF's decoder layer does not pass to its mlp: ``swap_moe_blocks(..., token_ids=True)``
-  passes them (the ids the model embeds, by hooks: :class:`InputIds`).
+  passes them (the ids the model embeds, by hooks: :class:`CallInputs`).
+- Padded positions are routed and exchanged as HF computes them, unless ``swap_moe_blocks(...,
+  skip_padding=True)``: the layers then compute only the positions the model call's
+  ``attention_mask`` marks non-zero (fewer rows to exchange, and padding out of the layers' loads
+  and traces), with zeros at the padded ones, whose outputs HF discards (not with gradient
+  checkpointing in training).
 - ``save_pretrained`` of a swapped model does not round-trip: the layers' keys
   (``mlp.router.weight``, ``mlp.experts.w13`` ...) are not HF's, and ``from_pretrained``
   re-initialises every MoE weight (with only a load report saying so). Write HF's names with
@@ -62,6 +67,7 @@ also works on HF-like modules of other libraries that follow the same layout.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 from typing import Any
@@ -69,12 +75,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from moelayers._autograd import in_backward
 from moelayers.config import MoEConfig
 from moelayers.groups import ParallelGroups
 from moelayers.layers import VanillaMoE
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "moe_config_from_hf", "weights_from_hf", "swap_moe_blocks", "hf_weights",
-           "TupleOutput", "InputIds"]
+           "TupleOutput", "CallInputs"]
 
 #: ``config.model_type`` -> (config field of ``E``, config field of ``F``, how ``norm_topk_prob`` is set:
 #: ``True`` always, or ``None`` for the config's ``norm_topk_prob``, False where it is missing as in HF)
@@ -380,27 +387,44 @@ class TupleOutput(nn.Module):
         return self.layer(hidden_states), None
 
 
-class InputIds:
-    """The ``input_ids`` of the model call under way, for the layers (``swap_moe_blocks(...,
-    token_ids=True)`` installs it): a forward pre-hook of the model's input embedding keeps the ids
-    it embeds; hooks of the modules on the way from the model to its embedding (the model, its
-    base model ...) forget them when the outermost of them starts and ends a call, so that a call
-    from outside the model (``model.model(...)`` alone, chunked prefill calling ``forward``)
-    starts without the last call's ids (a call with ``inputs_embeds`` has none; a nested call of
-    the model keeps the ids of the call around it for after it; a module called twice within one
-    call, the second time with ``inputs_embeds``, keeps the call's ids); a forward pre-hook of each layer
-    passes them as ``token_ids`` where they are laid out like its hidden states (``[B, S]`` for
-    ``[B, S, H]``). Per thread; nothing of it is pickled."""
+class CallInputs:
+    """What the layers need to know of the model call under way (``swap_moe_blocks(...,
+    token_ids=True, skip_padding=True)`` installs it): the ids the model embeds and its
+    ``attention_mask``.
 
-    def __init__(self) -> None:
+    A forward pre-hook of the model's input embedding keeps the ids it embeds; hooks of the modules
+    on the way from the model to its embedding (the model, its base model ...) keep a call's
+    ``attention_mask`` (``[B, S_total]``, by keyword or position) and forget both when the
+    outermost of them starts and ends a call, so that a call from outside the model
+    (``model.model(...)`` alone, chunked prefill calling ``forward``) starts without the last
+    call's (a call with ``inputs_embeds`` has no ids; a nested call of the model keeps the ids of
+    the call around it for after it; a module called twice within one call, the second time with
+    ``inputs_embeds``, keeps the call's ids). A forward pre-hook of each layer passes the ids as
+    ``token_ids`` where they are laid out like its hidden states (``[B, S]`` for ``[B, S, H]``)
+    and, with ``skip_padding``, hands the layer only the rows the mask's last ``S`` columns mark
+    non-zero (``[N, H]``; a forward hook puts them back into ``[B, S, H]``, zeros at the padded
+    positions, and the layer's ``last_input_rows`` says which rows of ``B * S`` it computed). Per
+    thread; nothing of it is pickled.
+
+    Args:
+        token_ids: pass the ids.
+        skip_padding: leave padded positions out of the layers.
+    """
+
+    def __init__(self, *, token_ids: bool = True, skip_padding: bool = False) -> None:
+        self.token_ids, self.skip_padding = token_ids, skip_padding
         self._local = threading.local()
 
     @property
     def ids(self) -> torch.Tensor | None:
         return getattr(self._local, "ids", None)
 
+    @property
+    def mask(self) -> torch.Tensor | None:
+        return getattr(self._local, "mask", None)
+
     def forget(self, *_: Any, **__: Any) -> None:
-        self._local.ids = None
+        self._local.ids = self._local.mask = self._local.rows = None
 
     def _calls(self) -> list:
         calls = getattr(self._local, "calls", None)
@@ -408,11 +432,11 @@ class InputIds:
             calls = self._local.calls = []
         return calls
 
-    def enter(self, module: nn.Module, *_: Any, **__: Any) -> None:
+    def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """A module between the model and its embedding starts a call: the outermost one, or another
         call of a module whose call is under way (the model called from inside itself), starts
-        without ids; the ids before it come back when it ends. Calls a Ctrl-C cut off (torch runs
-        no forward hook then, so they never left) are dropped first: their frames are gone."""
+        without ids or mask; those before it come back when it ends. Calls a Ctrl-C cut off (torch
+        runs no forward hook then, so they never left) are dropped first: their frames are gone."""
         calls = self._calls()
         caller = sys._getframe(1)  # torch's call of the module: on the stack while its forward runs
         live, frame = set(), caller
@@ -421,9 +445,14 @@ class InputIds:
             frame = frame.f_back
         calls[:] = [c for c in calls if id(c[2]) in live]  # (a frame held here keeps its id its own)
         fresh = not calls or any(m is module for m, _, _ in calls)
-        calls.append((module, self.ids, caller))
+        calls.append((module, (self.ids, self.mask), caller))
         if fresh:
             self.forget()
+        if self.skip_padding:
+            mask = _argument(module, args, kwargs, "attention_mask")
+            if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+                self._local.mask = mask
+            # (a 4-D mask, or none: the mask of the call around it, if any; no padding left out)
 
     def leave(self, module: nn.Module, *_: Any, **__: Any) -> None:
         calls = self._calls()
@@ -431,7 +460,8 @@ class InputIds:
             if calls[i][0] is module:
                 _, before, _ = calls.pop(i)
                 outer = any(m is module for m, _, _ in calls)  # a call inside a call of the same module
-                self._local.ids = before if outer else (self.ids if calls else None)
+                ids, mask = before if outer else ((self.ids, self.mask) if calls else (None, None))
+                self._local.ids, self._local.mask = ids, mask
                 return
 
     def keep(self, module: nn.Module, args: tuple) -> None:
@@ -439,17 +469,86 @@ class InputIds:
         self._local.ids = ids if isinstance(ids, torch.Tensor) and not ids.is_floating_point() else None
 
     def pass_to(self, layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        ids = self.ids
-        if kwargs.get("token_ids") is not None or ids is None or not args or not isinstance(args[0], torch.Tensor) \
-                or tuple(ids.shape) != tuple(args[0].shape[:-1]):
+        """The layer's forward pre-hook: its ``token_ids`` and, with ``skip_padding``, its rows."""
+        if not args or not isinstance(args[0], torch.Tensor):
             return None
-        return args, {**kwargs, "token_ids": ids.to(args[0].device)}
+        x, given = args[0], kwargs.get("token_ids")
+        ids = self.ids if self.token_ids and given is None else given
+        if ids is not None and tuple(ids.shape) != tuple(x.shape[:-1]):
+            ids = given  # (another call's ids, laid out otherwise: none)
+        rows = self._rows_of(layer, x) if self.skip_padding else None
+        if self.skip_padding and not in_backward():  # (as the layer's last_* attributes: not a recomputation's)
+            layer.last_input_rows = rows
+        if rows is None:
+            return None if ids is given else (args, {**kwargs, "token_ids": ids.to(x.device)})
+        self._dropped().setdefault(id(layer), []).append((rows, x))
+        if ids is not None and ids.numel() == x.shape[0] * x.shape[1]:  # (else the layer tells the caller)
+            ids = ids.to(x.device).reshape(-1).index_select(0, rows)
+        n = x.shape[0] * x.shape[1]
+        forced = getattr(layer, "_forced_ids", None)  # force_routing's rows, laid out like x: the kept ones
+        if isinstance(forced, torch.Tensor) and forced.dim() in (2, 3) and forced.shape[:-1].numel() == n:
+            layer._forced_ids = forced.reshape(n, -1).index_select(0, rows.to(forced.device))
+        return (x.reshape(-1, x.shape[-1]).index_select(0, rows), *args[1:]), {**kwargs, "token_ids": ids}
+
+    def put_back(self, layer: nn.Module, args: tuple, output: Any) -> Any:
+        """The layer's forward hook (``always_call``): its ``[N, H]`` output back into ``[B, S, H]``."""
+        stack = self._dropped().get(id(layer))
+        if not stack:
+            return None
+        rows, x = stack.pop()
+        if not stack:
+            del self._dropped()[id(layer)]
+        if not isinstance(output, torch.Tensor):  # the forward raised
+            return None
+        full = output.new_zeros(x.shape[0] * x.shape[1], output.shape[-1])
+        return full.index_copy(0, rows, output).view(*x.shape[:2], output.shape[-1])
+
+    def _dropped(self) -> dict:
+        dropped = getattr(self._local, "dropped", None)
+        if dropped is None:
+            dropped = self._local.dropped = {}
+        return dropped
+
+    def _rows_of(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """``[N]`` the rows of ``x [B, S, H]`` (flattened to ``B * S``) that are not padding, or
+        ``None`` where none is (or the mask is not laid out like ``x``)."""
+        mask = self.mask
+        if mask is None or x.dim() != 3 or mask.shape[0] != x.shape[0] or mask.shape[1] < x.shape[1]:
+            return None
+        cached = getattr(self._local, "rows", None)  # (the call's later layers: one host sync per call)
+        if cached is not None and cached[0] is mask and cached[1] == (x.shape[1], x.device):
+            return cached[2]
+        keep = mask[:, mask.shape[1] - x.shape[1]:].to(x.device) != 0
+        rows = None if bool(keep.all()) else keep.reshape(-1).nonzero().squeeze(1)
+        calls = self._calls()
+        model = calls[0][0] if calls else layer  # the outermost call's module: HF's is_gradient_checkpointing
+        if rows is not None and torch.is_grad_enabled() and model.training \
+                and getattr(model, "is_gradient_checkpointing", False) is True:
+            raise ValueError(
+                f"swap_moe_blocks(skip_padding=True) cannot leave padding out of {type(layer).__name__} while the "
+                "model trains with gradient checkpointing: the recomputation in the backward would not know the "
+                "mask. Swap without skip_padding (padded positions are then computed, as HF does), or turn "
+                "gradient checkpointing off")
+        self._local.rows = (mask, (x.shape[1], x.device), rows)
+        return rows
 
     def __getstate__(self) -> dict:  # (torch.save of the model: the hooks go with it, the ids do not)
-        return {}
+        return {"token_ids": self.token_ids, "skip_padding": self.skip_padding}
 
     def __setstate__(self, state: dict) -> None:
+        self.token_ids, self.skip_padding = state.get("token_ids", True), state.get("skip_padding", False)
         self._local = threading.local()  # (and its call stack)
+
+
+def _argument(module: nn.Module, args: tuple, kwargs: dict, name: str) -> Any:
+    """The argument ``name`` of a call ``module(*args, **kwargs)``, by keyword or by the position its
+    ``forward`` gives it (``None`` if absent or the signature cannot tell)."""
+    if name in kwargs or not args:
+        return kwargs.get(name)
+    try:
+        return inspect.signature(module.forward).bind_partial(*args).arguments.get(name)
+    except (TypeError, ValueError):
+        return None
 
 
 def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -465,7 +564,8 @@ def _moe_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = VanillaMoE, *,
-                    dtype: torch.dtype | None = None, token_ids: bool = False, **layer_kwargs: Any) -> list[str]:
+                    dtype: torch.dtype | None = None, token_ids: bool = False, skip_padding: bool = False,
+                    **layer_kwargs: Any) -> list[str]:
     """Replace every sparse MoE block of the HF ``model`` in place with a moelayers layer.
 
     Each block's config comes from :func:`moe_config_from_hf` (``model.config``) with the block's
@@ -489,9 +589,15 @@ def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = 
         dtype: the layers' ``params_dtype`` (default: each block's; needed where a block holds
             weights of several dtypes, e.g. a float32 router beside bf16 experts: cast to it).
         token_ids: pass the ids the model embeds to the layers as ``token_ids`` (hooks of
-            :class:`InputIds`; the layers' state dict keys stay as they are): for
+            :class:`CallInputs`; the layers' state dict keys stay as they are): for
             :class:`~moelayers.SemanticMoE` and for recording with
             :class:`~moelayers.trace.TraceRecorder`, which need them.
+        skip_padding: the layers compute only the positions the model call's ``attention_mask``
+            (``[B, S_total]``, its last ``S`` columns this forward's) marks non-zero, and give zeros
+            at the others (HF computes them and discards their outputs): fewer rows to route and
+            exchange, and no padding in the layers' loads, statistics and traces. The logits at
+            non-padded positions are HF's; at padded ones they differ. Not in training with
+            gradient checkpointing (``ValueError`` in the forward that would leave padding out).
         **layer_kwargs: passed to each ``layer_cls(config, groups, ...)`` (``dispatcher``,
             ``placement``, ...), except ``layer_number``, which is set here, as is ``layer_idx``
             with a ``plan=`` (:class:`~moelayers.SemanticMoE`: block ``i`` serves the plan's layer ``i``).
@@ -525,14 +631,15 @@ def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = 
                          "MoE block moelayers recognises (a module with a router `gate` and `experts`)")
     # refusals before anything changes
     configs = [moe_config_from_hf(block, hf_config, dtype=dtype) for _, block in blocks]
-    source = InputIds() if token_ids else None
+    source = CallInputs(token_ids=token_ids, skip_padding=skip_padding) if token_ids or skip_padding else None
     embedding = None
     if source is not None:
         get = getattr(model, "get_input_embeddings", None)
         embedding = get() if callable(get) else None
         if not isinstance(embedding, nn.Module):
-            raise ValueError(f"token_ids=True reads the ids the model embeds: {type(model).__name__} has no "
-                             "get_input_embeddings() module")
+            what = "token_ids=True reads the ids the model embeds" if token_ids else \
+                "skip_padding=True reads the attention_mask of the calls on the way to the model's embedding"
+            raise ValueError(f"{what}: {type(model).__name__} has no get_input_embeddings() module")
     new: list[nn.Module] = []
     for number, ((name, block), cfg) in enumerate(zip(blocks, configs)):
         gate: Any = block.gate
@@ -551,6 +658,8 @@ def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = 
             layer._hf_transposed = True  # hf_weights writes the layout read: [E, H, 2F] and [E, F, H]
         if source is not None:
             layer.register_forward_pre_hook(source.pass_to, with_kwargs=True)
+            if skip_padding:
+                layer.register_forward_hook(source.put_back, always_call=True)
         module: nn.Module = layer
         if not hasattr(experts, "gate_up_proj"):
             module = TupleOutput(module, next(n for n in _PER_EXPERT_NAMES if all(hasattr(experts[0], a) for a in n)))
@@ -563,7 +672,7 @@ def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = 
         where = next((n for n, m in model.named_modules() if m is embedding), "")
         parts = where.split(".")[:-1] if where else []
         for module in [model] + [model.get_submodule(".".join(parts[:i + 1])) for i in range(len(parts))]:
-            module.register_forward_pre_hook(source.enter)
+            module.register_forward_pre_hook(source.enter, with_kwargs=True)
             module.register_forward_hook(source.leave, always_call=True)
     return [name for name, _ in blocks]
 

@@ -10,7 +10,7 @@ import torch
 import moelayers as ml
 from moelayers.integrations.hf import hf_weights, swap_moe_blocks
 from moelayers.testing import run_distributed
-from tests.unit.test_hf import Model, _x
+from tests.unit.test_hf import Model, _Masked, _x
 
 
 def _swap_and_compare(rank: int, world: int, device: str = "cpu") -> list:
@@ -47,3 +47,29 @@ def check_swap_results(per_rank: list) -> None:
             assert diff < 1e-12, diff
             assert same == [True, True]
             assert (ep_size, local) == (2, 3)  # 6 experts over 2 ranks
+
+
+def _skip_padding(rank: int, world: int, device: str = "cpu") -> list:
+    """Each rank its own left-padded batch; rank 1's is all padding at first (no rows to exchange)."""
+    out = []
+    for old in (False, True):
+        torch.manual_seed(0)  # the same weights on every rank
+        plain, model = _Masked(old).eval().to(device), _Masked(old).eval().to(device)
+        model.load_state_dict(plain.state_dict())
+        names = swap_moe_blocks(model, ml.ParallelGroups.from_world(), token_ids=True, skip_padding=True)
+        layer = model.get_submodule(names[0])
+        layer = getattr(layer, "layer", layer)
+        ids = torch.randint(1, 30, (2 + rank, 4), generator=torch.Generator().manual_seed(rank)).to(device)
+        for mask in (torch.zeros_like(ids) if rank else (ids > 10).long(), (ids > 10 + 5 * rank).long()):
+            with torch.no_grad():
+                expected, got = plain(ids, attention_mask=mask), model(ids, attention_mask=mask)
+            keep = mask.bool()
+            out.append(((got[keep] - expected[keep]).abs().max().item() if keep.any() else 0.0,
+                        layer.last_topk_ids.shape[0] == int(keep.sum())))
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_skip_padding_at_world_2():
+    for results in run_distributed(_skip_padding, 2, timeout=150):
+        assert all(diff < 1e-12 and rows for diff, rows in results), results

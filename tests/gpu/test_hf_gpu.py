@@ -10,8 +10,8 @@ import torch
 import moelayers as ml
 from moelayers.integrations.hf import swap_moe_blocks
 from moelayers.testing import run_distributed
-from tests.distributed.test_hf_distributed import _swap_and_compare, check_swap_results
-from tests.unit.test_hf import Model, _x
+from tests.distributed.test_hf_distributed import _skip_padding, _swap_and_compare, check_swap_results
+from tests.unit.test_hf import Model, _Masked, _x
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
 
@@ -19,6 +19,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_swap_at_world_2_nccl():
     check_swap_results(run_distributed(_swap_and_compare, 2, "cuda", backend="nccl", timeout=180))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_skip_padding_at_world_2_nccl():
+    for results in run_distributed(_skip_padding, 2, "cuda", backend="nccl", timeout=180):
+        assert all(diff < 1e-12 and rows for diff, rows in results), results
 
 
 @pytest.mark.parametrize("old", [False, True], ids=["fused", "per_expert"])
@@ -31,3 +37,16 @@ def test_swap_on_one_gpu(old):
         assert float((model(x) - expected).abs().max()) < 1e-12
     layer = model.get_submodule("layers.0.mlp")
     assert getattr(layer, "layer", layer).router.weight.is_cuda  # built on the block's device
+
+
+def test_skip_padding_on_one_gpu():
+    plain = _Masked().eval().cuda()
+    model = _Masked().eval().cuda()
+    model.load_state_dict(plain.state_dict())
+    swap_moe_blocks(model, ml.ParallelGroups.single(), token_ids=True, skip_padding=True)
+    ids = torch.tensor([[0, 0, 3, 4], [5, 6, 7, 8]], device="cuda")
+    mask = (ids != 0).long()
+    with torch.no_grad():
+        keep = mask.bool()
+        assert float((model(ids, attention_mask=mask)[keep] - plain(ids, attention_mask=mask)[keep]).abs().max()) < 1e-12
+    assert model.model.layers[0].mlp.last_input_rows.tolist() == [2, 3, 4, 5, 6, 7]

@@ -693,5 +693,137 @@ def test_token_ids_across_an_interrupted_a_nested_and_a_multimodal_call():
         seen.clear()
         model(input_ids=other)
     assert seen == [[7, 8, 9]] * 2
-    source = next(h.__self__ for h in model.model.emb._forward_pre_hooks.values())
+    source = next(h.__self__ for h in model.model.emb._forward_pre_hooks.values())  # the CallInputs
     assert source.ids is None and source._calls() == []  # nothing left of the calls cut off
+
+
+class _Masked(nn.Module):
+    """An HF-like model taking ``attention_mask`` (by keyword or second position; 0 = padding) and
+    ``cache_position`` (a decode step after cached tokens: the mask then covers those too)."""
+
+    def __init__(self, old=False):
+        super().__init__()
+        self.model = Model("mixtral" if old else "qwen3_moe", old=old)
+        self.emb = nn.Embedding(30, H, dtype=torch.float64)
+        self.config = self.model.config
+        self.is_gradient_checkpointing = False
+
+    def get_input_embeddings(self):
+        return self.emb
+
+    def forward(self, input_ids=None, attention_mask=None, cache_position=None):
+        return self.model(self.emb(input_ids))
+
+
+def test_skip_padding_computes_only_the_positions_the_mask_keeps():
+    """Padded positions were routed and exchanged like tokens (their experts' loads, the recorder and
+    replans saw them): with skip_padding=True the layers get the mask's non-zero rows only, the
+    outputs there are HF's, zeros come out of the layers at the padded ones."""
+    from moelayers.trace import TraceRecorder
+
+    ids = torch.tensor([[0, 0, 3, 4, 5], [6, 7, 8, 9, 1], [0, 0, 0, 0, 2]])
+    mask = (ids != 0).long()  # left padding
+    for old in (False, True):
+        plain, skipping = _Masked(old).eval(), _Masked(old).eval()
+        skipping.load_state_dict(plain.state_dict())
+        swap_moe_blocks(plain, ml.ParallelGroups.single(), token_ids=True)
+        names = swap_moe_blocks(skipping, ml.ParallelGroups.single(), token_ids=True, skip_padding=True)
+        moes = [getattr(m, "layer", m) for m in map(skipping.get_submodule, names)]
+        seen = []
+        moes[0].register_forward_hook(lambda m, a, y: seen.append((m.last_topk_ids.shape[0], m.last_token_ids.tolist(),
+                                                                   None if m.last_input_rows is None else
+                                                                   m.last_input_rows.tolist())))
+        with torch.no_grad():
+            expected = plain(ids, attention_mask=mask)
+            for call in (lambda: skipping(ids, attention_mask=mask), lambda: skipping(ids, mask)):  # keyword, position
+                got = call()
+                keep = mask.bool()
+                torch.testing.assert_close(got[keep], expected[keep], rtol=0, atol=1e-12)
+                assert not torch.equal(got[~keep], expected[~keep])  # (zeros out of the layers there)
+            assert seen[-1] == (9, [3, 4, 5, 6, 7, 8, 9, 1, 2], [2, 3, 4, 5, 6, 7, 8, 9, 14])
+            # a decode step: the mask covers the cache too (its last S columns are this forward's)
+            skipping(ids[:, -1:], attention_mask=torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1),
+                          cache_position=torch.tensor([5]))
+            assert seen[-1] == (3, [5, 1, 2], None)  # nothing padded: every row, no rows named
+            skipping(ids)  # no mask: every row
+            assert seen[-1][0] == 15 and seen[-1][2] is None
+            skipping(torch.zeros(2, 3, dtype=torch.long), attention_mask=torch.zeros(2, 3))  # all padding
+            assert seen[-1] == (0, [], [])
+            reused = mask.clone()  # a mask buffer the caller changes between calls: each call's own rows
+            skipping(ids, attention_mask=reused)
+            reused[1, :4] = 0
+            skipping(ids, attention_mask=reused)
+            assert seen[-1] == (5, [3, 4, 5, 1, 2], [2, 3, 4, 9, 14])
+            assert moes[1].last_input_rows.tolist() == [2, 3, 4, 9, 14]  # (the call's later layers: the same rows)
+            # the recorder keeps the sequences (rows) of the tokens the layers computed
+            with TraceRecorder(skipping, vocab_size=30) as rec:
+                skipping(ids, attention_mask=mask)
+                skipping(ids[:, -1:], attention_mask=torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1),
+                          cache_position=torch.tensor([5]))
+            assert rec.result.token_ids.tolist() == [3, 4, 5, 5, 6, 7, 8, 9, 1, 1, 2, 2]
+            assert np.diff(rec.result.seq_offsets).tolist() == [4, 6, 2]
+
+
+def test_skip_padding_forced_routing_gradients_and_checkpointing():
+    """Forced routing laid out like the model's input keeps the kept rows; gradients flow through
+    the kept rows; a model training with gradient checkpointing is refused (the recomputation would
+    not know the mask)."""
+    ids = torch.tensor([[0, 2, 3], [4, 5, 6]])
+    mask = (ids != 0).long()
+    model, plain = _Masked().train(), _Masked().train()
+    model.load_state_dict(plain.state_dict())
+    names = swap_moe_blocks(model, ml.ParallelGroups.single(), skip_padding=True)
+    layer = model.get_submodule(names[0])
+    forced = torch.tensor([[0, 1], [2, 3], [4, 5], [1, 0], [3, 2], [5, 4]])
+    layer.force_routing(forced.view(2, 3, 2))
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+    assert layer.last_topk_ids.tolist() == forced[1:].tolist()
+    for m in (model, plain):  # a loss over the positions that are not padding: the same gradients
+        (m(ids, attention_mask=mask) * mask[..., None]).sum().backward()
+    torch.testing.assert_close(layer.experts.w13.grad, plain.model.layers[0].mlp.experts.gate_up_proj.grad,
+                               rtol=0, atol=1e-12)
+    model.is_gradient_checkpointing = True
+    with pytest.raises(ValueError, match=r"skip_padding=True\) cannot leave padding out.*gradient checkpointing"):
+        model(ids, attention_mask=mask)
+    with torch.no_grad():
+        model(ids, attention_mask=mask)  # (not training: fine)
+    model.eval()
+    model(ids, attention_mask=mask)
+    with pytest.raises(ValueError, match="skip_padding=True reads the attention_mask"):
+        swap_moe_blocks(Model(), ml.ParallelGroups.single(), skip_padding=True)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_real_transformers_skip_padding(model_type):
+    """Left-padded batches with skip_padding=True: the logits at the positions that are not padding
+    and greedy generate's tokens are HF's; the layers saw none of the padding; the recorded trace is
+    the one recorded without skip_padding."""
+    from moelayers.trace import TraceRecorder
+
+    hf_model = _tiny(model_type)
+    ids = torch.randint(1, 64, (3, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = mask[2, :5] = 0  # left padding
+    ids = ids.masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        expected = hf_model(input_ids=ids, attention_mask=mask).logits
+        want = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    traces = []
+    for skip in (False, True):
+        model = _tiny(model_type)
+        names = swap_moe_blocks(model, ml.ParallelGroups.single(), token_ids=True, skip_padding=skip)
+        layer = model.get_submodule(names[0])
+        layer = getattr(layer, "layer", layer)
+        with torch.no_grad():
+            got = model(input_ids=ids, attention_mask=mask).logits
+            torch.testing.assert_close(got[mask.bool()], expected[mask.bool()], rtol=0, atol=1e-5)
+            assert layer.last_topk_ids.shape[0] == (int(mask.sum()) if skip else ids.numel())
+            with TraceRecorder(model, pad_token_id=0) as rec:
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                     pad_token_id=0)
+        assert torch.equal(out, want)
+        traces.append(rec.result)
+    plain, skipped = traces
+    assert np.array_equal(plain.token_ids, skipped.token_ids) and np.array_equal(plain.topk_ids, skipped.topk_ids)
+    assert np.array_equal(plain.seq_offsets, skipped.seq_offsets) and np.diff(plain.seq_offsets).tolist() == [7, 9, 4]
