@@ -1,0 +1,160 @@
+#!/usr/bin/env python
+"""A Hugging Face MoE model with its sparse blocks swapped for moelayers layers, against the same
+model as transformers runs it: greedy ``generate`` on left-padded prompts of mixed lengths, one
+process (world 1). Measures the prefill (one forward of the padded batch) and the decode step
+(``(t(generate N tokens) - t(generate 1 token)) / (N - 1)``), medians of ``--reps``, for:
+
+* ``hf``: the model as transformers builds it (transformers >= 5: its ``grouped_mm`` experts on
+  GPU by default);
+* ``moelayers``: ``swap_moe_blocks(model, ParallelGroups.single())`` (``VanillaMoE``);
+* ``moelayers_skip_padding``: the same with ``skip_padding=True`` (padded positions left out).
+
+It also reports the share of generated tokens equal to ``hf``'s (random weights in bf16: a rounding
+can flip a near tie, after which a sequence goes its own way) and the padding share of the batch.
+
+Usage::
+
+    python tools/hf_bench.py --device cuda --out DIR          # Qwen3-30B-A3B's layer shape, 4 layers
+    python tools/hf_bench.py --smoke                           # CPU, a tiny shape (a check of the script)
+
+Writes ``DIR/hf_bench.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _args import positive_int  # noqa: E402  (tools/ is the script's directory)
+import moelayers as ml  # noqa: E402
+from moelayers.integrations.hf import swap_moe_blocks  # noqa: E402
+
+#: Qwen3-30B-A3B's decoder shape (the layer count is --layers)
+QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                     num_experts=128, num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, norm_topk_prob=True, max_position_embeddings=8192)
+SMOKE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+             num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, norm_topk_prob=True,
+             max_position_embeddings=512)
+
+
+def build(shape: dict, layers: int, device: str, dtype: torch.dtype):
+    import transformers
+
+    cfg = transformers.Qwen3MoeConfig(num_hidden_layers=layers, **shape)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None  # every sequence generates --new tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prompts(batch: int, lo: int, hi: int, vocab: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, hi]`` left-padded ids (0) of lengths uniform in ``[lo, hi]`` and their attention mask."""
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(lo, hi + 1, (batch,), generator=g)
+    lengths[0] = hi
+    ids = torch.randint(1, vocab, (batch, hi), generator=g)
+    mask = (torch.arange(hi)[None, :] >= (hi - lengths)[:, None]).long()
+    return ids.masked_fill(mask == 0, 0).to(device), mask.to(device)
+
+
+def timed(fn, device: str) -> float:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, out
+
+
+def measure(model, ids, mask, new: int, reps: int, device: str) -> dict:
+    gen = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=2, **gen)  # warm-up
+        prefill = [timed(lambda: model(ids, attention_mask=mask), device)[0] for _ in range(reps)]
+        one = [timed(lambda: model.generate(ids, max_new_tokens=1, **gen), device)[0] for _ in range(reps)]
+        full = []
+        for _ in range(reps):
+            t, out = timed(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, **gen), device)
+            full.append(t)
+    decode = (statistics.median(full) - statistics.median(one)) / (new - 1)
+    return {"prefill_ms": 1e3 * statistics.median(prefill), "decode_step_ms": 1e3 * decode,
+            "prefill_ms_all": [1e3 * t for t in prefill], "generate_ms_all": [1e3 * t for t in full],
+            "tokens": out[:, ids.shape[1]:].cpu()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--layers", type=positive_int, default=4, help="decoder layers (default 4)")
+    p.add_argument("--batch", type=positive_int, default=16)
+    p.add_argument("--prompt", type=positive_int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="prompt lengths, uniform in [MIN, MAX] (default 64 512; 8 32 with --smoke)")
+    p.add_argument("--new", type=positive_int, default=32, help="tokens generated (default 32)")
+    p.add_argument("--reps", type=positive_int, default=5)
+    p.add_argument("--smoke", action="store_true", help="a tiny shape on CPU (checks the script)")
+    p.add_argument("--out", type=Path, default=None, help="folder for hf_bench.json")
+    args = p.parse_args(argv)
+    if args.prompt is None:
+        args.prompt = [8, 32] if args.smoke else [64, 512]
+    if args.new < 2:
+        p.error("--new must be at least 2 (the decode step is measured between 1 and N tokens)")
+    if args.prompt[0] > args.prompt[1]:
+        p.error("--prompt MIN MAX: MIN must not exceed MAX")
+    shape, dtype = (SMOKE, torch.float32) if args.smoke else (QWEN3_30B_A3B, torch.bfloat16)
+    device = "cpu" if args.smoke else args.device
+    import transformers
+
+    base = build(shape, args.layers, device, dtype)
+    ids, mask = prompts(args.batch, *args.prompt, shape["vocab_size"], device)
+    results = {}
+    for name in ("hf", "moelayers", "moelayers_skip_padding"):
+        model = base if name == "hf" else copy.deepcopy(base)
+        if name != "hf":
+            swap_moe_blocks(model, ml.ParallelGroups.single(), skip_padding=name.endswith("skip_padding"))
+        results[name] = measure(model, ids, mask, args.new, args.reps, device)
+        print(f"{name:24s} prefill {results[name]['prefill_ms']:9.2f} ms   decode step "
+              f"{results[name]['decode_step_ms']:8.2f} ms", flush=True)
+        if model is not base:
+            del model
+    ref = results["hf"].pop("tokens")
+    for name in ("moelayers", "moelayers_skip_padding"):
+        tokens = results[name].pop("tokens")
+        results[name]["same_tokens_as_hf"] = float((tokens == ref).float().mean())
+        results[name]["prefill_vs_hf"] = results[name]["prefill_ms"] / results["hf"]["prefill_ms"]
+        results[name]["decode_vs_hf"] = results[name]["decode_step_ms"] / results["hf"]["decode_step_ms"]
+    record = {
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "hf_experts_implementation": getattr(base.config, "_experts_implementation_internal", None)
+        or getattr(base.config, "_experts_implementation", None),
+        "shape": "smoke" if args.smoke else "qwen3_30b_a3b", "layers": args.layers, "dtype": str(dtype),
+        "batch": args.batch, "prompt": args.prompt, "new_tokens": args.new, "reps": args.reps,
+        "padding_share": float(1 - mask.float().mean()), "results": results,
+        "command": " ".join(sys.argv),
+    }
+    for name in ("moelayers", "moelayers_skip_padding"):
+        r = results[name]
+        print(f"{name:24s} / hf: prefill {r['prefill_vs_hf']:.3f}  decode {r['decode_vs_hf']:.3f}  "
+              f"same tokens {r['same_tokens_as_hf']:.3f}")
+    print(f"padding share of the prompts: {record['padding_share']:.3f}")
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "hf_bench.json").write_text(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
