@@ -595,7 +595,8 @@ class TraceRecorder:
     the sequences of the forward just before it, row by row, when that forward was untagged and had
     as many rows (else its rows are new sequences). Padding is left out of the trace (counted in
     ``padding_dropped``): positions an ``attention_mask=`` keyword of the model call marks 0 (left
-    or right padding of ``[B, S]`` ids), and tokens equal to ``pad_token_id`` (Hugging Face's
+    or right padding of ``[B, S]`` ids; those ``swap_moe_blocks(skip_padding=True)`` kept from the
+    layers count too), and tokens equal to ``pad_token_id`` (Hugging Face's
     ``generate`` feeds the pad token to rows that have finished, with a mask of 1: pass
     ``model.generation_config.pad_token_id``, or its EOS token where it has none, as ``generate``
     does; where the pad token is the EOS token, the EOS tokens go too); a sequence left with no
@@ -736,7 +737,8 @@ class TraceRecorder:
         """Give each token of the next model forward a sequence key.
 
         Args:
-            seq_ids: ``[T]`` one hashable key per token (list, 1-D tensor or 1-D array).
+            seq_ids: ``[T]`` one hashable key per token (list, 1-D tensor or 1-D array): per token the
+                layers compute, so without the padding ``swap_moe_blocks(skip_padding=True)`` leaves out.
 
         A model forward that raised part-way is dropped here (not recorded). Call it before the
         model forward, not from inside it: the recorder cannot tell a forward still running from
@@ -876,6 +878,8 @@ class TraceRecorder:
         else:
             codes = np.fromiter((self._code(k) for k in keys), dtype=np.int64, count=num_tokens)
         routed, tokens = np.stack([ids for ids, _, _ in layers], axis=1), given[0][1]
+        if rows is not None:  # padding the layers left out (swap_moe_blocks(skip_padding=True)) counts too
+            self.padding_dropped += int(batch.size - rows.size)
         keep = _real_tokens(batch, mask, tokens, self.pad_token_id, rows)
         if keep is not None:  # padding left out (the rows' sequences stay, for the decode steps after)
             self.padding_dropped += int(keep.size - keep.sum())

@@ -437,22 +437,35 @@ class CallInputs:
         call of a module whose call is under way (the model called from inside itself), starts
         without ids or mask; those before it come back when it ends. Calls a Ctrl-C cut off (torch
         runs no forward hook then, so they never left) are dropped first: their frames are gone."""
-        calls = self._calls()
         caller = sys._getframe(1)  # torch's call of the module: on the stack while its forward runs
-        live, frame = set(), caller
-        while frame is not None:
-            live.add(id(frame))
-            frame = frame.f_back
-        calls[:] = [c for c in calls if id(c[2]) in live]  # (a frame held here keeps its id its own)
+        calls = self._live_calls(caller)
         fresh = not calls or any(m is module for m, _, _ in calls)
         calls.append((module, (self.ids, self.mask), caller))
         if fresh:
             self.forget()
+            # HF checkpoints a decoder layer when it trains with grad enabled (a reentrant checkpoint then runs
+            # its first pass under no_grad: decided here, outside it); the recomputation would not know the mask
+            self._local.checkpointed = self.skip_padding and module.training and torch.is_grad_enabled() and any(
+                getattr(m, "gradient_checkpointing", False) is True for m in module.modules())
         if self.skip_padding:
             mask = _argument(module, args, kwargs, "attention_mask")
             if isinstance(mask, torch.Tensor) and mask.dim() == 2:
                 self._local.mask = mask
             # (a 4-D mask, or none: the mask of the call around it, if any; no padding left out)
+
+    def _live_calls(self, frame: Any) -> list:
+        """The calls under way, less those a Ctrl-C cut off (their frames are not on the stack of
+        ``frame``); with none left, the ids and mask of the calls cut off are forgotten."""
+        calls, live = self._calls(), set()
+        while frame is not None:
+            live.add(id(frame))
+            frame = frame.f_back
+        if any(id(c[2]) not in live for c in calls):  # (a frame held here keeps its id its own)
+            calls[:] = [c for c in calls if id(c[2]) in live]
+            if not calls:
+                self.forget()
+                self._local.dropped = {}  # (their layers' rows: torch ran no forward hook to take them back)
+        return calls
 
     def leave(self, module: nn.Module, *_: Any, **__: Any) -> None:
         calls = self._calls()
@@ -472,30 +485,45 @@ class CallInputs:
         """The layer's forward pre-hook: its ``token_ids`` and, with ``skip_padding``, its rows."""
         if not args or not isinstance(args[0], torch.Tensor):
             return None
+        if self._calls():
+            self._live_calls(sys._getframe(1))  # (a layer called after a call a Ctrl-C cut off: not its ids or mask)
         x, given = args[0], kwargs.get("token_ids")
         ids = self.ids if self.token_ids and given is None else given
         if ids is not None and tuple(ids.shape) != tuple(x.shape[:-1]):
             ids = given  # (another call's ids, laid out otherwise: none)
-        rows = self._rows_of(layer, x) if self.skip_padding else None
+        if self.skip_padding and getattr(self._local, "checkpointed", False) and not in_backward():
+            # on every rank and whether or not this batch has padding: no rank enters the exchange alone
+            raise ValueError(
+                f"swap_moe_blocks(skip_padding=True) cannot leave padding out of {type(layer).__name__} while the "
+                "model trains with gradient checkpointing: its recomputation in the backward would not know the "
+                "mask. Swap without skip_padding (padded positions are then computed, as HF does), or turn "
+                "gradient checkpointing off (model.gradient_checkpointing_disable())")
+        rows = self._rows_of(x) if self.skip_padding else None
         if self.skip_padding and not in_backward():  # (as the layer's last_* attributes: not a recomputation's)
             layer.last_input_rows = rows
         if rows is None:
             return None if ids is given else (args, {**kwargs, "token_ids": ids.to(x.device)})
-        self._dropped().setdefault(id(layer), []).append((rows, x))
+        sent = x.reshape(-1, x.shape[-1]).index_select(0, rows)
+        self._dropped().setdefault(id(layer), []).append((sent, rows, x))
         if ids is not None and ids.numel() == x.shape[0] * x.shape[1]:  # (else the layer tells the caller)
             ids = ids.to(x.device).reshape(-1).index_select(0, rows)
         n = x.shape[0] * x.shape[1]
         forced = getattr(layer, "_forced_ids", None)  # force_routing's rows, laid out like x: the kept ones
         if isinstance(forced, torch.Tensor) and forced.dim() in (2, 3) and forced.shape[:-1].numel() == n:
             layer._forced_ids = forced.reshape(n, -1).index_select(0, rows.to(forced.device))
-        return (x.reshape(-1, x.shape[-1]).index_select(0, rows), *args[1:]), {**kwargs, "token_ids": ids}
+        return (sent, *args[1:]), {**kwargs, "token_ids": ids}
 
     def put_back(self, layer: nn.Module, args: tuple, output: Any) -> Any:
         """The layer's forward hook (``always_call``): its ``[N, H]`` output back into ``[B, S, H]``."""
         stack = self._dropped().get(id(layer))
-        if not stack:
+        sent = args[0] if args else None
+        while stack:  # this call's rows: the entry of the tensor the pre-hook sent (a cut-off call's go with it)
+            entry = stack.pop()
+            if entry[0] is sent:
+                break
+        else:
             return None
-        rows, x = stack.pop()
+        _, rows, x = entry
         if not stack:
             del self._dropped()[id(layer)]
         if not isinstance(output, torch.Tensor):  # the forward raised
@@ -509,7 +537,7 @@ class CallInputs:
             dropped = self._local.dropped = {}
         return dropped
 
-    def _rows_of(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    def _rows_of(self, x: torch.Tensor) -> torch.Tensor | None:
         """``[N]`` the rows of ``x [B, S, H]`` (flattened to ``B * S``) that are not padding, or
         ``None`` where none is (or the mask is not laid out like ``x``)."""
         mask = self.mask
@@ -520,15 +548,6 @@ class CallInputs:
             return cached[2]
         keep = mask[:, mask.shape[1] - x.shape[1]:].to(x.device) != 0
         rows = None if bool(keep.all()) else keep.reshape(-1).nonzero().squeeze(1)
-        calls = self._calls()
-        model = calls[0][0] if calls else layer  # the outermost call's module: HF's is_gradient_checkpointing
-        if rows is not None and torch.is_grad_enabled() and model.training \
-                and getattr(model, "is_gradient_checkpointing", False) is True:
-            raise ValueError(
-                f"swap_moe_blocks(skip_padding=True) cannot leave padding out of {type(layer).__name__} while the "
-                "model trains with gradient checkpointing: the recomputation in the backward would not know the "
-                "mask. Swap without skip_padding (padded positions are then computed, as HF does), or turn "
-                "gradient checkpointing off")
         self._local.rows = (mask, (x.shape[1], x.device), rows)
         return rows
 
@@ -596,8 +615,10 @@ def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = 
             (``[B, S_total]``, its last ``S`` columns this forward's) marks non-zero, and give zeros
             at the others (HF computes them and discards their outputs): fewer rows to route and
             exchange, and no padding in the layers' loads, statistics and traces. The logits at
-            non-padded positions are HF's; at padded ones they differ. Not in training with
-            gradient checkpointing (``ValueError`` in the forward that would leave padding out).
+            non-padded positions are HF's; at padded ones they differ (HF's training loss with
+            left padding counts the last padded position's prediction of the first token). Not in
+            training with gradient checkpointing (``ValueError`` in every such forward, on every
+            rank, padding or not: the recomputation would not know the mask).
         **layer_kwargs: passed to each ``layer_cls(config, groups, ...)`` (``dispatcher``,
             ``placement``, ...), except ``layer_number``, which is set here, as is ``layer_idx``
             with a ``plan=`` (:class:`~moelayers.SemanticMoE`: block ``i`` serves the plan's layer ``i``).

@@ -73,3 +73,24 @@ def _skip_padding(rank: int, world: int, device: str = "cpu") -> list:
 def test_skip_padding_at_world_2():
     for results in run_distributed(_skip_padding, 2, timeout=150):
         assert all(diff < 1e-12 and rows for diff, rows in results), results
+
+
+def _refused_with_checkpointing(rank: int, world: int) -> str:
+    """Training with gradient checkpointing: rank 0's batch has padding, rank 1's none; both must refuse
+    (a rank that refused alone left the other waiting in the expert exchange, a review)."""
+    torch.manual_seed(0)
+    model = _Masked().train()
+    swap_moe_blocks(model, ml.ParallelGroups.from_world(), skip_padding=True)
+    model.model.layers[0].gradient_checkpointing = True  # as HF's gradient_checkpointing_enable() marks its layers
+    ids = torch.tensor([[0, 2, 3], [4, 5, 6]])
+    try:
+        model(ids, attention_mask=(ids != 0).long() if rank == 0 else torch.ones_like(ids)).sum().backward()
+    except ValueError as exc:
+        return str(exc)
+    return "not refused"
+
+
+@pytest.mark.timeout(180)
+def test_skip_padding_refused_with_checkpointing_on_every_rank():
+    for message in run_distributed(_refused_with_checkpointing, 2, timeout=120, collective_timeout=60):
+        assert "gradient checkpointing" in message, message

@@ -29,8 +29,25 @@ def test_int_types():
     (["tools/gem_timing.py", "--sequences", "1"], "--sequences must be >= 2"),
     (["tools/semantic_yardstick.py", "--plan-kw", '{"foo": 1}'], "plan_semantic takes no ['foo']"),
     (["tools/calibrate_trace.py", "--counts", "/no/such/dir"], "is not a directory of routing counts"),
+    (["tools/hf_bench.py", "--new", "1"], "--new must be at least 2"),
+    (["tools/hf_bench.py", "--smoke", "--prompt", "9", "3"], "MIN must not exceed MAX"),
 ])
 def test_tools_refuse_bad_arguments(argv, message):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and message in out.stderr, out.stderr[-1000:]
+
+
+def test_hf_bench_smoke(tmp_path):
+    """tools/hf_bench.py on CPU at a tiny shape: every variant runs and the record is written."""
+    pytest.importorskip("transformers")
+    import json
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    argv = ["tools/hf_bench.py", "--smoke", "--layers", "1", "--batch", "3", "--new", "2", "--reps", "1",
+            "--out", str(tmp_path)]
+    out = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    record = json.loads((tmp_path / "hf_bench.json").read_text())
+    assert set(record["results"]) == {"hf", "moelayers", "moelayers_skip_padding"}
+    assert record["results"]["moelayers_skip_padding"]["same_tokens_as_hf"] == 1.0  # (float32)
