@@ -866,13 +866,16 @@ class TraceRecorder:
         rows = _rows_of_batch(batch, given[0][1], layers[0][2])  # (every layer saw the same ids: the same rows)
         if keys is None:  # untagged: the model input's sequences where the layers' token order shows them
             seq = _untagged_sequences(batch, given[0][1], rows)
-            count = int(seq.max(initial=-1)) + 1
+            # the batch's rows (a row whose every token was left out as padding still counts: the next steps
+            # continue it)
+            count = batch.shape[0] if rows is not None else int(seq.max(initial=-1)) + 1
             if continues and previous is not None and previous.size == count:  # a decode step: the same rows go on
-                codes = previous[seq]
+                row_codes = previous
             else:
-                codes = self._next_code + seq.astype(np.int64)
+                row_codes = self._next_code + np.arange(count, dtype=np.int64)
                 self._next_code += count
-            self._rows = np.unique(codes) if count else None  # (in row order: fresh codes ascend with rows)
+            codes = row_codes[seq]
+            self._rows = row_codes if count else None
         elif len(keys) != num_tokens:
             raise ValueError(f"TraceRecorder: tag() gave {len(keys)} sequence keys but forward {index} had T = {num_tokens} tokens")
         else:

@@ -27,13 +27,15 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 _MIX = (-7046029254386353131, -4658895280553007687, -7723592293110705685)
 
 
-def fingerprint(values: torch.Tensor, *, chunk: int = 1 << 24) -> torch.Tensor:
+def fingerprint(values: torch.Tensor, *, chunk: int = 1 << 22) -> torch.Tensor:
     """Order-sensitive exact fingerprints of the rows of an integer tensor: ``[N, M] -> [N]`` int64.
 
     Each value is mixed with its position (splitmix64's finaliser) and the row's mixes are summed,
     wrapping: equal rows give equal fingerprints on any device, while a changed or reordered value
     changes it (a plain or position-weighted sum misses swaps that cancel). Rows are processed in
-    chunks of about ``chunk`` values to bound the temporary memory.
+    chunks of about ``chunk`` values (at least one row) to bound the temporary memory: two int64
+    tensors of a chunk, 64 MiB at the default (it was about 400 MiB at 2^24 values and out-of-place
+    steps, whatever the weights' size: a review of ``load_full_weights``' memory).
     """
     if not values.dim():
         v = values.reshape(1, 1)
@@ -43,10 +45,12 @@ def fingerprint(values: torch.Tensor, *, chunk: int = 1 << 24) -> torch.Tensor:
     pos = torch.arange(v.shape[1], dtype=torch.int64, device=v.device) * _MIX[0]
     step = max(1, chunk // max(v.shape[1], 1))
     for lo in range(0, v.shape[0], step):
-        x = v[lo:lo + step].to(torch.int64) + pos
-        x = (x ^ (x >> 30)) * _MIX[1]
-        x = (x ^ (x >> 27)) * _MIX[2]
-        out[lo:lo + step] = (x ^ (x >> 31)).sum(-1)
+        x = v[lo:lo + step].to(torch.int64, copy=True) + pos  # (a copy: the steps below work in place)
+        for shift, mix in ((30, _MIX[1]), (27, _MIX[2])):
+            x ^= x >> shift
+            x *= mix
+        x ^= x >> 31
+        out[lo:lo + step] = x.sum(-1)
     return out
 
 

@@ -424,7 +424,11 @@ class CallInputs:
         return getattr(self._local, "mask", None)
 
     def forget(self, *_: Any, **__: Any) -> None:
-        self._local.ids = self._local.mask = self._local.rows = None
+        self._local.ids = self._local.mask = self._local.rows = self._local.grad = None
+        self._local.around = ()
+
+    def _state(self) -> tuple:
+        return self.ids, self.mask, getattr(self._local, "grad", None), getattr(self._local, "around", ())
 
     def _calls(self) -> list:
         calls = getattr(self._local, "calls", None)
@@ -440,13 +444,12 @@ class CallInputs:
         caller = sys._getframe(1)  # torch's call of the module: on the stack while its forward runs
         calls = self._live_calls(caller)
         fresh = not calls or any(m is module for m, _, _ in calls)
-        calls.append((module, (self.ids, self.mask), caller))
+        calls.append((module, self._state(), caller))
         if fresh:
             self.forget()
-            # HF checkpoints a decoder layer when it trains with grad enabled (a reentrant checkpoint then runs
-            # its first pass under no_grad: decided here, outside it); the recomputation would not know the mask
-            self._local.checkpointed = self.skip_padding and module.training and torch.is_grad_enabled() and any(
-                getattr(m, "gradient_checkpointing", False) is True for m in module.modules())
+            # whether the call records autograd, read here: HF checkpoints a decoder layer that trains with grad on,
+            # and a reentrant checkpoint runs its first pass (where the layers' hooks run) under no_grad
+            self._local.grad = torch.is_grad_enabled()
         if self.skip_padding:
             mask = _argument(module, args, kwargs, "attention_mask")
             if isinstance(mask, torch.Tensor) and mask.dim() == 2:
@@ -456,8 +459,13 @@ class CallInputs:
     def _live_calls(self, frame: Any) -> list:
         """The calls under way, less those a Ctrl-C cut off (their frames are not on the stack of
         ``frame``); with none left, the ids and mask of the calls cut off are forgotten."""
-        calls, live = self._calls(), set()
+        calls = self._calls()
+        if not calls:
+            return calls
+        live, innermost = set(), calls[-1][2]
         while frame is not None:
+            if frame is innermost:  # the usual case, found a few frames up: every call around it is live too
+                return calls
             live.add(id(frame))
             frame = frame.f_back
         if any(id(c[2]) not in live for c in calls):  # (a frame held here keeps its id its own)
@@ -473,8 +481,10 @@ class CallInputs:
             if calls[i][0] is module:
                 _, before, _ = calls.pop(i)
                 outer = any(m is module for m, _, _ in calls)  # a call inside a call of the same module
-                ids, mask = before if outer else ((self.ids, self.mask) if calls else (None, None))
-                self._local.ids, self._local.mask = ids, mask
+                if not calls:
+                    self.forget()
+                elif outer:  # (a nested call of the same module: the outer call's state again)
+                    self._local.ids, self._local.mask, self._local.grad, self._local.around = before
                 return
 
     def keep(self, module: nn.Module, args: tuple) -> None:
@@ -485,13 +495,12 @@ class CallInputs:
         """The layer's forward pre-hook: its ``token_ids`` and, with ``skip_padding``, its rows."""
         if not args or not isinstance(args[0], torch.Tensor):
             return None
-        if self._calls():
-            self._live_calls(sys._getframe(1))  # (a layer called after a call a Ctrl-C cut off: not its ids or mask)
+        calls = self._live_calls(sys._getframe(1))  # (a layer called after a call a Ctrl-C cut off: not its state)
         x, given = args[0], kwargs.get("token_ids")
         ids = self.ids if self.token_ids and given is None else given
         if ids is not None and tuple(ids.shape) != tuple(x.shape[:-1]):
             ids = given  # (another call's ids, laid out otherwise: none)
-        if self.skip_padding and getattr(self._local, "checkpointed", False) and not in_backward():
+        if self.skip_padding and not in_backward() and self._checkpointed(calls):
             # on every rank and whether or not this batch has padding: no rank enters the exchange alone
             raise ValueError(
                 f"swap_moe_blocks(skip_padding=True) cannot leave padding out of {type(layer).__name__} while the "
@@ -504,7 +513,7 @@ class CallInputs:
         if rows is None:
             return None if ids is given else (args, {**kwargs, "token_ids": ids.to(x.device)})
         sent = x.reshape(-1, x.shape[-1]).index_select(0, rows)
-        self._dropped().setdefault(id(layer), []).append((sent, rows, x))
+        self._dropped().setdefault(id(layer), []).append((rows, x))
         if ids is not None and ids.numel() == x.shape[0] * x.shape[1]:  # (else the layer tells the caller)
             ids = ids.to(x.device).reshape(-1).index_select(0, rows)
         n = x.shape[0] * x.shape[1]
@@ -513,21 +522,38 @@ class CallInputs:
             layer._forced_ids = forced.reshape(n, -1).index_select(0, rows.to(forced.device))
         return (sent, *args[1:]), {**kwargs, "token_ids": ids}
 
+    def _checkpointed(self, calls: list) -> bool:
+        """Whether HF checkpoints the decoder layer this layer sits in: it has ``gradient_checkpointing``
+        on and trains (:meth:`around`), and the call records autograd (read where it started)."""
+        grad = getattr(self._local, "grad", None) if calls else torch.is_grad_enabled()
+        return bool(grad) and bool(getattr(self._local, "around", ()))
+
+    def around(self, module: nn.Module, *_: Any, **__: Any) -> None:
+        """Forward pre-hook of the module a layer sits in (HF's decoder layer, which it checkpoints):
+        whether it checkpoints (``gradient_checkpointing`` on and training), until :meth:`out`."""
+        outer = getattr(self._local, "around", ())
+        self._local.around = (*outer, module) if getattr(module, "gradient_checkpointing", False) is True \
+            and module.training else outer
+
+    def out(self, module: nn.Module, *_: Any, **__: Any) -> None:
+        around = getattr(self._local, "around", ())
+        if module in around:
+            self._local.around = around[:around.index(module)]
+
     def put_back(self, layer: nn.Module, args: tuple, output: Any) -> Any:
         """The layer's forward hook (``always_call``): its ``[N, H]`` output back into ``[B, S, H]``."""
         stack = self._dropped().get(id(layer))
-        sent = args[0] if args else None
-        while stack:  # this call's rows: the entry of the tensor the pre-hook sent (a cut-off call's go with it)
-            entry = stack.pop()
-            if entry[0] is sent:
-                break
-        else:
+        if not stack:
             return None
-        _, rows, x = entry
+        rows, x = stack.pop()  # (a call cut off by a Ctrl-C left none: _live_calls dropped them)
         if not stack:
             del self._dropped()[id(layer)]
         if not isinstance(output, torch.Tensor):  # the forward raised
             return None
+        if output.dim() != 2 or output.shape[0] != rows.numel():
+            raise RuntimeError(f"swap_moe_blocks(skip_padding=True): {type(layer).__name__} returned "
+                               f"{list(output.shape)} for the {rows.numel()} rows it was given (a hook of yours "
+                               "changed its input or output?): cannot put them back into the padded batch")
         full = output.new_zeros(x.shape[0] * x.shape[1], output.shape[-1])
         return full.index_copy(0, rows, output).view(*x.shape[:2], output.shape[-1])
 
@@ -687,7 +713,11 @@ def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = 
         new.append(module)
     for (name, _), module in zip(blocks, new):
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, module)
+        parent = model.get_submodule(parent_name)
+        setattr(parent, attr, module)
+        if source is not None and skip_padding:  # (HF checkpoints the decoder layer a block sits in)
+            parent.register_forward_pre_hook(source.around)
+            parent.register_forward_hook(source.out, always_call=True)
     if source is not None and embedding is not None:
         embedding.register_forward_pre_hook(source.keep)
         where = next((n for n, m in model.named_modules() if m is embedding), "")

@@ -799,6 +799,8 @@ def test_real_transformers_skip_padding(model_type):
     """Left-padded batches with skip_padding=True: the logits at the positions that are not padding
     and greedy generate's tokens are HF's; the layers saw none of the padding; the recorded trace is
     the one recorded without skip_padding."""
+    import transformers
+
     from moelayers.trace import TraceRecorder
 
     hf_model = _tiny(model_type)
@@ -825,6 +827,12 @@ def test_real_transformers_skip_padding(model_type):
         assert torch.equal(out, want)
         assert rec.padding_dropped == int((mask == 0).sum())  # (left out by the layers, or by the recorder)
         traces.append(rec.result)
+        if int(transformers.__version__.split(".")[0]) >= 5:  # chunked prefill: a row may be all padding in a chunk
+            with torch.no_grad(), TraceRecorder(model, pad_token_id=0) as chunked:
+                model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                               prefill_chunk_size=2)
+            assert np.array_equal(chunked.result.seq_offsets, traces[0].seq_offsets)
+            assert np.array_equal(chunked.result.token_ids, traces[0].token_ids)
         if skip:  # training with HF's gradient checkpointing, reentrant (4.x's default) or not: refused
             model.train()
             for reentrant in (True, False):
@@ -862,3 +870,50 @@ def test_skip_padding_after_a_call_cut_off_by_ctrl_c():
                                        rtol=0, atol=1e-12)
     source = next(h.__self__ for h in layer._forward_pre_hooks.values())
     assert source._dropped() == {}
+
+
+def test_skip_padding_refusal_follows_the_checkpointed_decoder_layer_and_user_hooks_keep_working():
+    """(a second review) A user's pre-hook returning a new tensor made the output unplaceable (matched by
+    the tensor sent); a nested no_grad call of the model cleared the refusal for the rest of the outer
+    call, which then trained with wrong gradients under a reentrant checkpoint; the refusal followed the
+    model's train mode where HF checkpoints by its decoder layer's; a refused call left the flag set."""
+    ids = torch.tensor([[0, 2, 3], [4, 5, 6]])
+    mask = (ids != 0).long()
+    plain, model = _Masked().eval(), _Masked().eval()
+    model.load_state_dict(plain.state_dict())
+    names = swap_moe_blocks(model, ml.ParallelGroups.single(), skip_padding=True)
+    layer = model.get_submodule(names[0])
+    hook = layer.register_forward_pre_hook(lambda m, args: (args[0] * 1.0,))  # a new tensor, after ours
+    with torch.no_grad():
+        keep = mask.bool()
+        torch.testing.assert_close(model(ids, attention_mask=mask)[keep], plain(ids, attention_mask=mask)[keep],
+                                   rtol=0, atol=1e-12)
+    hook.remove()
+    decoder = model.model.layers[0]
+    decoder.gradient_checkpointing = True
+    refused = r"skip_padding=True\) cannot leave padding out"
+    model.eval()
+    decoder.train()  # HF checkpoints by the decoder layer's own mode
+    with pytest.raises(ValueError, match=refused):
+        model(ids, attention_mask=mask)
+    with torch.no_grad():
+        model.model.layers[2].mlp(_x(2, 3))  # after a refused call: a block alone in eval runs
+    model.train()
+    decoder.eval()
+    model(ids, attention_mask=mask).sum().backward()  # nothing checkpointed: not refused
+    decoder.train()
+    nested = []
+
+    def reference_pass(module, args):  # a no_grad call of the model from inside the outer one
+        if not nested:
+            nested.append(True)
+            with torch.no_grad():
+                model(ids, attention_mask=mask)
+
+    handle = model.model.layers[2].register_forward_pre_hook(reference_pass)
+    decoder.gradient_checkpointing = False
+    model.model.layers[2].gradient_checkpointing = True
+    with pytest.raises(ValueError, match=refused):  # the outer call's second block is still refused
+        model(ids, attention_mask=mask)
+    assert nested == [True]
+    handle.remove()
