@@ -68,8 +68,11 @@ class VariabilityAwareMoE(MoELayerBase):
         min_gain: move only when the new placement's predicted time on the planning window
             (``moelayers.planning.gem.score`` of the loads under the curves) is at least this share
             below the current placement's, e.g. ``0.01``: no weights moved for a 0.1 % gain when
-            re-planning every few steps. ``None`` (default): always apply the planner's placement
-            (a placement with every expert on the rank that holds it now moves nothing).
+            re-planning every few steps. ``None`` (default): apply the planner's placement (a
+            placement with every expert on the rank that holds it now moves nothing); with the
+            default planner not one that scores exactly as the current one (a tie, e.g. a window
+            without loads, or below one tile on every rank: GEM's pick among ties is arbitrary, and
+            no weights move for nothing).
             Scores need a placement with one replica per expert and ``LatencyCurves``; with
             ``min_gain`` set, a re-plan whose gain cannot be scored keeps the placement.
         record_loads: keep the load window (forwards replayed from a CUDA graph too: the graph
@@ -472,7 +475,12 @@ class VariabilityAwareMoE(MoELayerBase):
         # with min_gain, a gain that cannot be scored (a placement with replicas) keeps the placement
         # the same experts on the same ranks in another slot order is no move worth paying for
         same_ranks = self.placement.max_replicas == 1 and torch.equal(self.placement.expert_rank(), new.expert_rank())
-        move = not same_ranks and (self.min_gain is None or (gain is not None and gain >= self.min_gain))
+        if same_ranks:
+            move = False
+        elif self.min_gain is None:  # GEM's pick among placements that tie with the current one is arbitrary
+            move = gain is None or gain != 0.0 or self.planner is not None
+        else:
+            move = gain is not None and gain >= self.min_gain
         before = self.placement
         if move:
             self._move(new, optimizer)

@@ -257,6 +257,20 @@ class StubPlanner:
         return er.numpy()
 
 
+class AlternatingPlanner:
+    """The linear placement reversed, then the linear one, in turn: every re-plan moves (GEM itself
+    keeps the placement where the loads tie, as they do below one tile on every rank)."""
+
+    def __init__(self, num_ranks: int):
+        self.num_ranks, self.calls = num_ranks, 0
+
+    def __call__(self, loads, curves, *, restarts, seed):
+        self.calls += 1
+        e = np.asarray(loads).shape[1]
+        linear = np.arange(e) // (e // self.num_ranks)
+        return linear[::-1].copy() if self.calls % 2 else linear
+
+
 def scenario_recorder_replan(rank: int, world: int, device: str) -> dict:
     """The window holds the sum over ranks of the bincounts of the tokens seen; replan() gives the
     same placement on every rank; outputs stay equal to the reference."""
@@ -848,6 +862,23 @@ def test_replan_failures_are_explained_on_every_rank():
         assert out["replicas"] == (None, False, True)  # min_gain 0.5 and no score: kept (it moved, dropping replicas)
 
 
+def _ties_move_nothing(rank, world):
+    """min_gain=None moved every expert on a tie (a window without loads: gain 0.0), a journey."""
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2)
+    layer = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.from_world(), variability="high")
+    start = layer.placement
+    layer.replan(loads=torch.zeros(1, 4, dtype=torch.int64))
+    tie = (layer.last_replan["gain"], layer.last_replan["moved"], layer.placement == start)
+    layer.replan(loads=torch.tensor([[900, 5, 3, 2]] * 3))  # rank 0 slow and holding the hot expert: a move
+    return tie, (layer.last_replan["gain"] > 0, layer.last_replan["moved"], layer.placement == start)
+
+
+@pytest.mark.timeout(120)
+def test_a_replan_that_ties_moves_nothing():
+    for tie, gain in run_distributed(_ties_move_nothing, 2, timeout=90):
+        assert tie == (0.0, False, True) and gain == (True, True, False), (tie, gain)
+
+
 def _checkpoints_of_two_moments(rank, world):
     """Rank 0 loads the checkpoint saved before a move, rank 1 the one after: the next forward raises
     on every rank (it returned outputs off by 75 silently); all-to-all, all-gather and capacity mode
@@ -1125,7 +1156,8 @@ def _auto_replan_in_training(rank: int, world: int) -> dict:
            torch.randn(8, 2 * F, H, generator=g, dtype=torch.float64) * H ** -0.5,
            torch.randn(8, H, F, generator=g, dtype=torch.float64) * F ** -0.5)
     layers = [ml.VariabilityAwareMoE(cfg, groups)] + [
-        ml.VariabilityAwareMoE(cfg, groups, window=2, variability="high", auto_replan=True, replan_every=1)
+        ml.VariabilityAwareMoE(cfg, groups, window=2, variability="high", auto_replan=True, replan_every=1,
+                               planner=AlternatingPlanner(world))
         for _ in range(2)]
     opts = []
     for layer in layers:
@@ -1231,7 +1263,7 @@ def _deep_copied_reference(rank: int, world: int) -> dict:
     gen = torch.Generator().manual_seed(rank)
     xs = [torch.randn(6, 8, dtype=torch.float64, generator=gen) * (1 + i) for i in range(8)]
     policy = ml.VariabilityAwareMoE(cfg, ml.ParallelGroups.from_world(), seed=1, window=2, auto_replan=True,
-                                    replan_every=2, variability="high")
+                                    replan_every=2, variability="high", planner=AlternatingPlanner(world))
     optim = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     policy.replan_optimizer = optim
     for x in xs[:3]:
