@@ -334,7 +334,8 @@ class RoutingTrace:
         return getattr(self, "_source", "<memory>")
 
     def split(self, train_fraction: float) -> tuple[RoutingTrace, RoutingTrace]:
-        """Split by sequence: the first ``floor(train_fraction * S)`` sequences, and the rest.
+        """Split by sequence: the first ``floor(train_fraction * S)`` sequences, and the rest (their
+        token arrays are views of this trace's: change neither in place).
 
         Raises:
             ValueError: the fraction is not in (0, 1) or either part would have no sequences.
@@ -355,7 +356,20 @@ class RoutingTrace:
             part = "train" if cut == 0 else "held-out"
             raise ValueError(f"{self._name()}: split({train_fraction}): the {part} sequences ({n_train if cut == 0 else num - n_train}) "
                              f"hold no tokens (all of length 0); choose another train_fraction")
-        return self.select_sequences(np.arange(n_train)), self.select_sequences(np.arange(n_train, num))
+        return self._sequences_view(0, n_train), self._sequences_view(n_train, num)
+
+    def _sequences_view(self, lo: int, hi: int) -> RoutingTrace:
+        """Sequences ``lo:hi`` as a trace whose token arrays are views of this one's (no copy: a
+        planner's split of a large trace held it twice, a memory journey)."""
+        a, b = int(self.seq_offsets[lo]), int(self.seq_offsets[hi])
+        return RoutingTrace._of_valid_parts(
+            topk_ids=self.topk_ids[a:b],
+            token_ids=self.token_ids[a:b],
+            seq_offsets=self.seq_offsets[lo:hi + 1] - a,
+            num_experts=self.num_experts,
+            topk_weights=None if self.topk_weights is None else self.topk_weights[a:b],
+            vocab_size=self.vocab_size,
+        )
 
     # ---- aggregates --------------------------------------------------------------------------
     def expert_counts(self) -> np.ndarray:

@@ -1126,3 +1126,16 @@ def test_synthetic_trace_progress_bar_changes_nothing_else(capsys):
     shown = synthetic_trace(6, 3, 8, 2, 50, seq_len=(4, 9), seed=3, progress=True)
     assert np.array_equal(quiet.topk_ids, shown.topk_ids) and np.array_equal(quiet.token_ids, shown.token_ids)
     assert "synthetic trace" in capsys.readouterr().err
+
+
+def test_split_parts_are_the_selected_sequences_without_a_copy() -> None:
+    """split() copied both parts (plan.py held a large trace twice, a memory journey): its parts are
+    now views, equal to select_sequences' copies."""
+    trace = synthetic_trace(40, 3, 8, 2, 100, seed=0)
+    for part, idx in zip(trace.split(0.3), (np.arange(12), np.arange(12, 40))):
+        copy = trace.select_sequences(idx)
+        for name in ("topk_ids", "token_ids", "seq_offsets"):
+            got, want = getattr(part, name), getattr(copy, name)
+            assert np.array_equal(got, want) and got.dtype == want.dtype, name
+        assert (part.num_experts, part.vocab_size, part.topk_weights) == (copy.num_experts, copy.vocab_size, None)
+        assert np.shares_memory(part.topk_ids, trace.topk_ids) and np.shares_memory(part.token_ids, trace.token_ids)
