@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A world-1 ``VanillaMoE`` forward on one GPU at the Qwen3-30B-A3B layer shape (bf16, inference)
 against transformers' ``Qwen3MoeSparseMoeBlock`` (its ``grouped_mm`` experts, when transformers is
-installed) and a minimal torch forward (route, sort, two ``torch._grouped_mm``, ``index_add_``):
+installed; given the layer's weights) and a minimal torch forward (route, sort, two ``torch._grouped_mm``, ``index_add_``):
 milliseconds per forward (synchronised, median of 50) and CPU milliseconds per call (launch-bound
 time), at 16 to 8,192 tokens, then a profile of three 16-token forwards.
 
@@ -53,6 +53,10 @@ try:
     c._experts_implementation = "grouped_mm"
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
     hf = Qwen3MoeSparseMoeBlock(c).to(dev, torch.bfloat16).eval()
+    with torch.no_grad():  # the layer's weights (a block built alone is not initialised: one routing for all)
+        hf.gate.weight.copy_(rw)
+        hf.experts.gate_up_proj.copy_(w13)
+        hf.experts.down_proj.copy_(w2)
 except Exception as e:
     print("no hf block:", repr(e))
 
@@ -82,6 +86,8 @@ with torch.inference_mode():
         row["ours_cpu_per_call"] = cpu_only(layer, x)
         row["minimal_cpu_per_call"] = cpu_only(minimal, x)
         row["minimal_vs_ours_maxdiff"] = float((minimal(x) - layer(x)).abs().max())
+        if hf is not None:
+            row["hf_vs_ours_maxdiff"] = float((hf(x[None])[0] - layer(x)).abs().max())
         out[T] = row
         print(T, {k: round(v, 3) for k, v in row.items()}, flush=True)
     from torch.profiler import profile, ProfilerActivity

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """A Hugging Face MoE model with its sparse blocks swapped for moelayers layers, against the same
 model as transformers runs it: greedy ``generate`` on left-padded prompts of mixed lengths, one
-process (world 1). Measures the prefill (one forward of the padded batch) and the decode step
+process (world 1). Measures the prefill (one forward of the padded batch, the logits of its last
+position only, as ``generate``'s) and the decode step
 (``(t(generate N tokens) - t(generate 1 token)) / (N - 1)``), medians of ``--reps``, for:
 
 * ``hf``: the model as transformers builds it (transformers >= 5: its ``grouped_mm`` experts on
@@ -83,7 +84,8 @@ def measure(model, ids, mask, new: int, reps: int, device: str) -> dict:
     gen = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None)
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=2, **gen)  # warm-up
-        prefill = [timed(lambda: model(ids, attention_mask=mask), device)[0] for _ in range(reps)]
+        # as generate's prefill: the logits of the last position only (not the LM head over every position)
+        prefill = [timed(lambda: model(ids, attention_mask=mask, logits_to_keep=1), device)[0] for _ in range(reps)]
         one = [timed(lambda: model.generate(ids, max_new_tokens=1, **gen), device)[0] for _ in range(reps)]
         full = []
         for _ in range(reps):

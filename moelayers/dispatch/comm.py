@@ -27,30 +27,33 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 _MIX = (-7046029254386353131, -4658895280553007687, -7723592293110705685)
 
 
-def fingerprint(values: torch.Tensor, *, chunk: int = 1 << 22) -> torch.Tensor:
+def fingerprint(values: torch.Tensor, *, chunk: int = 1 << 21) -> torch.Tensor:
     """Order-sensitive exact fingerprints of the rows of an integer tensor: ``[N, M] -> [N]`` int64.
 
     Each value is mixed with its position (splitmix64's finaliser) and the row's mixes are summed,
     wrapping: equal rows give equal fingerprints on any device, while a changed or reordered value
-    changes it (a plain or position-weighted sum misses swaps that cancel). Rows are processed in
-    chunks of about ``chunk`` values (at least one row) to bound the temporary memory: two int64
-    tensors of a chunk, 64 MiB at the default (it was about 400 MiB at 2^24 values and out-of-place
-    steps, whatever the weights' size: a review of ``load_full_weights``' memory).
+    changes it (a plain or position-weighted sum misses swaps that cancel). The values are taken in
+    blocks of about ``chunk`` (whole rows, or parts of one long row: the wrapping sums do not depend
+    on the blocks), so the temporaries take a few int64 blocks, tens of MiB at the default, whatever
+    the rows' length (it was about 400 MiB at 2^24 values with the rows whole, and more for longer
+    rows: reviews of ``load_full_weights``' memory).
     """
     if not values.dim():
         v = values.reshape(1, 1)
     else:  # (reshape cannot infer -1 for zero rows)
         v = values.reshape(values.shape[0], math.prod(values.shape[1:]))
-    out = torch.empty(v.shape[0], dtype=torch.int64, device=v.device)
-    pos = torch.arange(v.shape[1], dtype=torch.int64, device=v.device) * _MIX[0]
-    step = max(1, chunk // max(v.shape[1], 1))
-    for lo in range(0, v.shape[0], step):
-        x = v[lo:lo + step].to(torch.int64, copy=True) + pos  # (a copy: the steps below work in place)
-        for shift, mix in ((30, _MIX[1]), (27, _MIX[2])):
-            x ^= x >> shift
-            x *= mix
-        x ^= x >> 31
-        out[lo:lo + step] = x.sum(-1)
+    n, m = v.shape
+    out = torch.zeros(n, dtype=torch.int64, device=v.device)
+    rows, cols = max(1, chunk // max(m, 1)), max(1, min(m, chunk))
+    for lo in range(0, n, rows):
+        for c0 in range(0, m, cols):
+            pos = torch.arange(c0, min(m, c0 + cols), dtype=torch.int64, device=v.device) * _MIX[0]
+            x = v[lo:lo + rows, c0:c0 + cols].to(torch.int64) + pos  # (a new tensor: the steps below work in place)
+            for shift, mix in ((30, _MIX[1]), (27, _MIX[2])):
+                x ^= x >> shift
+                x *= mix
+            x ^= x >> 31
+            out[lo:lo + rows] += x.sum(-1)
     return out
 
 

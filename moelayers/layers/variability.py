@@ -70,9 +70,10 @@ class VariabilityAwareMoE(MoELayerBase):
             below the current placement's, e.g. ``0.01``: no weights moved for a 0.1 % gain when
             re-planning every few steps. ``None`` (default): apply the planner's placement (a
             placement with every expert on the rank that holds it now moves nothing); with the
-            default planner not one that scores exactly as the current one (a tie, e.g. a window
-            without loads, or below one tile on every rank: GEM's pick among ties is arbitrary, and
-            no weights move for nothing).
+            default planner only where it is predicted faster on the window, by any margin (not on
+            a tie, e.g. a window without loads or below one tile on every rank, where GEM's pick is
+            arbitrary, nor where it would be slower: its search may miss the current placement).
+            A planner of your own is always applied.
             Scores need a placement with one replica per expert and ``LatencyCurves``; with
             ``min_gain`` set, a re-plan whose gain cannot be scored keeps the placement.
         record_loads: keep the load window (forwards replayed from a CUDA graph too: the graph
@@ -477,8 +478,8 @@ class VariabilityAwareMoE(MoELayerBase):
         same_ranks = self.placement.max_replicas == 1 and torch.equal(self.placement.expert_rank(), new.expert_rank())
         if same_ranks:
             move = False
-        elif self.min_gain is None:  # GEM's pick among placements that tie with the current one is arbitrary
-            move = gain is None or gain != 0.0 or self.planner is not None
+        elif self.min_gain is None:  # the default planner's placement, only where it is predicted faster
+            move = gain is None or gain > 0.0 or self.planner is not None
         else:
             move = gain is not None and gain >= self.min_gain
         before = self.placement
