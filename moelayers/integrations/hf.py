@@ -5,7 +5,7 @@ Three lines::
     import moelayers as ml
     from moelayers.integrations.hf import swap_moe_blocks
 
-    model = AutoModelForCausalLM.from_pretrained(name, torch_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16)   # (torch_dtype= in older transformers)
     names = swap_moe_blocks(model, ml.ParallelGroups.from_world(ep=4))   # or ParallelGroups.single()
 
 Supported (``config.model_type``), each a softmax router and SwiGLU experts without biases:

@@ -105,9 +105,12 @@ class SemanticMoE(MoELayerBase):
         ValueError: an unknown mode, a plan for another number of experts or ranks, ``layer_idx``
             outside the plan, or ``mode='tp'`` with an expert-parallel group other than the TP group.
 
-    Example:
-        >>> layer = SemanticMoE.from_plan(plan, 3, cfg, ParallelGroups.from_world(tp=world), mode="tp")
-        >>> h = layer.forward_tp(attn_partial, h, norm, token_ids=ids, prev_ranks=(r1, r2))
+    Example (layers 2 and 3 of a decoder; ``prev`` is what the earlier layers left for the next)::
+
+        layers = [SemanticMoE.from_plan(plan, i, cfg, ParallelGroups.from_world(tp=world), mode="tp")
+                  for i in range(plan.num_layers)]
+        prev = (layers[1].last_context_ranks, layers[2].last_context_ranks)
+        h = layers[3].forward_tp(attn_partial, h, norm, token_ids=ids, prev_ranks=prev)
     """
 
     # normal tensors even when built under torch.inference_mode() (see MoELayerBase.__init__)

@@ -22,8 +22,8 @@ token to the rank holding its experts. Two predictors:
 ::
 
     perm      [R*C] token per shuffled row (-1 = dummy); chunk r = perm[r*C:(r+1)*C], C = ceil(T / R)
-    shuffled_reduce_scatter(partial [T, H], perm) -> [C, H]    rows gathered by perm, then reduce-scatter
-    shuffled_all_gather(chunk [C, H], perm)      -> [T, H]    all-gather, then the inverse permutation
+    shuffled_reduce_scatter(partial [T, H], perm, group) -> [C, H]    rows gathered by perm, then reduce-scatter
+    shuffled_all_gather(chunk [C, H], perm, group)      -> [T, H]    all-gather, then the inverse permutation
 
 Everything here is a deterministic function of its inputs (integer counts, stable orders, no
 atomics), so every TP rank, given the same tokens, computes the same rebatch without talking.
