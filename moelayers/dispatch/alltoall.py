@@ -41,6 +41,15 @@ class _State:
     dtype: torch.dtype
 
 
+@dataclass
+class _Alone:
+    """``combine``'s state after :meth:`AllToAllDispatcher._dispatch_alone`."""
+
+    pairs: LocalPairs
+    weights: torch.Tensor  # [T, K]
+    dtype: torch.dtype
+
+
 class AllToAllDispatcher:
     """Expert-parallel dispatch over ``group`` with all-to-all-v.
 
@@ -78,7 +87,8 @@ class AllToAllDispatcher:
     # ------------------------------------------------------------------ step 3
     def dispatch(self, x: torch.Tensor, routes: Routes) -> Received:
         """Step 3: send each token's rows to the ranks in ``routes`` (one all-to-all-v; in capacity
-        mode, a fixed-size all-to-all), a collective over ``group``.
+        mode, a fixed-size all-to-all), a collective over ``group``. Alone (no group, one rank, with
+        de-duplication) nothing is packed or exchanged: the pairs come straight from the tokens.
 
         Args:
             x: ``[T, H]`` this rank's tokens.
@@ -91,6 +101,12 @@ class AllToAllDispatcher:
         routes = check_routes(routes, self.num_ranks, self.num_slots, padding=self.capacity is not None)
         if self.capacity is not None:
             return self._dispatch_fixed(x, routes)
+        if self.group is None and self.num_ranks == 1 and self.dedup:
+            return self._dispatch_alone(x, routes)
+        return self._dispatch_exchange(x, routes)
+
+    def _dispatch_exchange(self, x: torch.Tensor, routes: Routes) -> Received:
+        """The all-to-all-v exchange (:meth:`dispatch` without capacity)."""
         self.payload = payload_dtypes(x, routes.weights.dtype)
         dest_map, header = self._layout(routes, payload_digest(self.placement_digest, self.payload))
         rows_sent, rows_received, pairs_sent, recv_pairs = self._exchange_counts(header)
@@ -113,6 +129,20 @@ class AllToAllDispatcher:
         self.last_stats = MoEStats.from_counts(self.rank, pairs_sent, rows_sent, layout.row_bytes, routes.topk_ids)
         state = _State(dest_map, rows_sent, rows_received, recv_w, pairs, x.dtype)
         return Received(recv_x.index_select(0, pairs.pair_row), pairs.slot_counts, state)
+
+    def _dispatch_alone(self, x: torch.Tensor, routes: Routes) -> Received:
+        """One rank: no payload to pack, exchange or unpack (its launches were most of a small
+        forward's host time on a GPU). The same pairs in the same order, the same flag checks and
+        statistics, and the same outputs bit for bit as the exchange through a group of one."""
+        self.payload = payload_dtypes(x, routes.weights.dtype)
+        flag = 0 if routes.nonfinite is None else int(routes.nonfinite)  # (the one host sync, as the header's)
+        check_exchanged([flag], [payload_digest(self.placement_digest, self.payload)], together=True)
+        t, k = routes.dest_slot.shape
+        pairs = local_pairs(routes.dest_slot, self.num_slots, t * k)
+        layout = RowLayout(((x.shape[1], x.dtype), (k, routes.weights.dtype), (k, torch.int32)))
+        self.last_stats = MoEStats.from_counts(self.rank, [t * k], [t], layout.row_bytes, routes.topk_ids)
+        state = _Alone(pairs, routes.weights, x.dtype)
+        return Received(x.index_select(0, pairs.pair_row), pairs.slot_counts, state)
 
     def _dispatch_fixed(self, x: torch.Tensor, routes: Routes) -> Received:
         """Capacity mode: static shapes, no host sync (see the class docstring)."""
@@ -210,7 +240,9 @@ class AllToAllDispatcher:
         """Step 5: weight ``expert_output [P, H]`` (rows as :meth:`dispatch` delivered them), sum
         each token's rows on the rank that computed them, send the partial sums back (the reverse
         all-to-all) and add them up: ``y [T, H] = sum_k w_k * expert_k(x)`` in the order of ``x``."""
-        st: _State = received.state
+        st = received.state
+        if isinstance(st, _Alone):  # (one rounding into the layer's dtype, as the partial sums' return trip)
+            return unpermute_combine(expert_output, st.pairs.index, st.weights, out_dtype=st.dtype)
         wire = partial_sum_dtype(st.dtype)  # the rows are partial sums over this rank's experts
         row_out = combine_pairs(expert_output, st.pairs, st.recv_weights, wire)
         # the rows' size on the wire must not depend on this rank's autograd state (a peer may record
