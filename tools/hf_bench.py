@@ -8,7 +8,9 @@ position only, as ``generate``'s) and the decode step
 * ``hf``: the model as transformers builds it (transformers >= 5: its ``grouped_mm`` experts on
   GPU by default);
 * ``moelayers``: ``swap_moe_blocks(model, ParallelGroups.single())`` (``VanillaMoE``);
-* ``moelayers_skip_padding``: the same with ``skip_padding=True`` (padded positions left out).
+* ``moelayers_skip_padding``: the same with ``skip_padding=True`` (padded positions left out);
+* ``moelayers_unchecked``: ``swap_moe_blocks(..., check_finite=False)``: no NaN/inf check of the
+  router logits, so (one process, inference) no host sync in the layers.
 
 It also reports the share of generated tokens equal to ``hf``'s (random weights in bf16: a rounding
 can flip a near tie, after which a sequence goes its own way) and the padding share of the batch.
@@ -43,6 +45,7 @@ from moelayers.integrations.hf import swap_moe_blocks  # noqa: E402
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                      num_experts=128, num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4,
                      head_dim=128, norm_topk_prob=True, max_position_embeddings=8192)
+VARIANTS = ("hf", "moelayers", "moelayers_skip_padding", "moelayers_unchecked")
 SMOKE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
              num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, norm_topk_prob=True,
              max_position_embeddings=512)
@@ -122,17 +125,18 @@ def main(argv: list[str] | None = None) -> int:
     base = build(shape, args.layers, device, dtype)
     ids, mask = prompts(args.batch, *args.prompt, shape["vocab_size"], device)
     results = {}
-    for name in ("hf", "moelayers", "moelayers_skip_padding"):
+    for name in VARIANTS:
         model = base if name == "hf" else copy.deepcopy(base)
         if name != "hf":
-            swap_moe_blocks(model, ml.ParallelGroups.single(), skip_padding=name.endswith("skip_padding"))
+            swap_moe_blocks(model, ml.ParallelGroups.single(), skip_padding=name.endswith("skip_padding"),
+                            check_finite=not name.endswith("unchecked"))
         results[name] = measure(model, ids, mask, args.new, args.reps, device)
         print(f"{name:24s} prefill {results[name]['prefill_ms']:9.2f} ms   decode step "
               f"{results[name]['decode_step_ms']:8.2f} ms", flush=True)
         if model is not base:
             del model
     ref = results["hf"].pop("tokens")
-    for name in ("moelayers", "moelayers_skip_padding"):
+    for name in VARIANTS[1:]:
         tokens = results[name].pop("tokens")
         results[name]["same_tokens_as_hf"] = float((tokens == ref).float().mean())
         results[name]["prefill_vs_hf"] = results[name]["prefill_ms"] / results["hf"]["prefill_ms"]
@@ -147,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         "padding_share": float(1 - mask.float().mean()), "results": results,
         "command": " ".join(sys.argv),
     }
-    for name in ("moelayers", "moelayers_skip_padding"):
+    for name in VARIANTS[1:]:
         r = results[name]
         print(f"{name:24s} / hf: prefill {r['prefill_vs_hf']:.3f}  decode {r['decode_vs_hf']:.3f}  "
               f"same tokens {r['same_tokens_as_hf']:.3f}")
