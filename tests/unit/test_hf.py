@@ -763,15 +763,20 @@ def test_skip_padding_computes_only_the_positions_the_mask_keeps():
             assert np.diff(rec.result.seq_offsets).tolist() == [4, 6, 2]
 
 
+def _skipping_pair(train: bool = False):
+    """A left-padded batch, a ``_Masked`` model swapped with ``skip_padding=True`` and its unswapped twin."""
+    ids = torch.tensor([[0, 2, 3], [4, 5, 6]])
+    plain, model = _Masked().train(train), _Masked().train(train)
+    model.load_state_dict(plain.state_dict())
+    names = swap_moe_blocks(model, ml.ParallelGroups.single(), skip_padding=True)
+    return ids, (ids != 0).long(), plain, model, names
+
+
 def test_skip_padding_forced_routing_gradients_and_checkpointing():
     """Forced routing laid out like the model's input keeps the kept rows; gradients flow through
     the kept rows; a model training with gradient checkpointing is refused (the recomputation would
     not know the mask)."""
-    ids = torch.tensor([[0, 2, 3], [4, 5, 6]])
-    mask = (ids != 0).long()
-    model, plain = _Masked().train(), _Masked().train()
-    model.load_state_dict(plain.state_dict())
-    names = swap_moe_blocks(model, ml.ParallelGroups.single(), skip_padding=True)
+    ids, mask, plain, model, names = _skipping_pair(train=True)
     layer = model.get_submodule(names[0])
     forced = torch.tensor([[0, 1], [2, 3], [4, 5], [1, 0], [3, 2], [5, 4]])
     layer.force_routing(forced.view(2, 3, 2))
@@ -847,11 +852,7 @@ def test_real_transformers_skip_padding(model_type):
 def test_skip_padding_after_a_call_cut_off_by_ctrl_c():
     """A Ctrl-C skips torch's always_call forward hooks: the rows the pre-hook kept for the cut-off call
     stayed, and the next call's layer got them back (an IndexError in the next decode step, a review)."""
-    ids = torch.tensor([[0, 2, 3], [4, 5, 6]])
-    mask = (ids != 0).long()
-    plain, model = _Masked().eval(), _Masked().eval()
-    model.load_state_dict(plain.state_dict())
-    names = swap_moe_blocks(model, ml.ParallelGroups.single(), skip_padding=True)
+    ids, mask, plain, model, names = _skipping_pair()
 
     def ctrl_c(module, args, output):
         raise KeyboardInterrupt
@@ -877,11 +878,7 @@ def test_skip_padding_refusal_follows_the_checkpointed_decoder_layer_and_user_ho
     the tensor sent); a nested no_grad call of the model cleared the refusal for the rest of the outer
     call, which then trained with wrong gradients under a reentrant checkpoint; the refusal followed the
     model's train mode where HF checkpoints by its decoder layer's; a refused call left the flag set."""
-    ids = torch.tensor([[0, 2, 3], [4, 5, 6]])
-    mask = (ids != 0).long()
-    plain, model = _Masked().eval(), _Masked().eval()
-    model.load_state_dict(plain.state_dict())
-    names = swap_moe_blocks(model, ml.ParallelGroups.single(), skip_padding=True)
+    ids, mask, plain, model, names = _skipping_pair()
     layer = model.get_submodule(names[0])
     hook = layer.register_forward_pre_hook(lambda m, args: (args[0] * 1.0,))  # a new tensor, after ours
     with torch.no_grad():
