@@ -87,7 +87,7 @@ class AllToAllDispatcher:
     # ------------------------------------------------------------------ step 3
     def dispatch(self, x: torch.Tensor, routes: Routes) -> Received:
         """Step 3: send each token's rows to the ranks in ``routes`` (one all-to-all-v; in capacity
-        mode, a fixed-size all-to-all), a collective over ``group``. Alone (no group, one rank, with
+        mode, a fixed-size all-to-all), a collective over ``group``. Alone (one rank, with
         de-duplication) nothing is packed or exchanged: the pairs come straight from the tokens.
 
         Args:
@@ -101,7 +101,7 @@ class AllToAllDispatcher:
         routes = check_routes(routes, self.num_ranks, self.num_slots, padding=self.capacity is not None)
         if self.capacity is not None:
             return self._dispatch_fixed(x, routes)
-        if self.group is None and self.num_ranks == 1 and self.dedup:
+        if self.num_ranks == 1 and self.dedup:  # (no group, or a group of one: an exchange with itself)
             return self._dispatch_alone(x, routes)
         return self._dispatch_exchange(x, routes)
 
@@ -131,7 +131,7 @@ class AllToAllDispatcher:
         return Received(recv_x.index_select(0, pairs.pair_row), pairs.slot_counts, state)
 
     def _dispatch_alone(self, x: torch.Tensor, routes: Routes) -> Received:
-        """One rank: no payload to pack, exchange or unpack (its launches were most of a small
+        """One rank (no group, or a group of one): no payload to pack, exchange or unpack (its launches were most of a small
         forward's host time on a GPU). The same pairs in the same order, the same flag checks and
         statistics, and the same outputs bit for bit as the exchange through a group of one."""
         self.payload = payload_dtypes(x, routes.weights.dtype)

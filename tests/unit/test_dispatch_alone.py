@@ -62,3 +62,29 @@ def test_one_rank_tells_what_the_exchange_told():
     layer.force_routing(torch.tensor([[0, 9]]))
     with pytest.raises(ValueError, match=r"\[0, 4\)|out of range|outside"):
         layer(torch.zeros(1, H))
+
+
+def _groups_of_one(rank, world):
+    """Each rank its own expert-parallel group of one (a real process group): alone too, the same output."""
+    import torch.distributed as dist
+
+    from moelayers.testing import check_close
+    from moelayers.reference import moe_forward
+
+    calls = []
+    alone = AllToAllDispatcher._dispatch_alone
+    AllToAllDispatcher._dispatch_alone = lambda self, *a: (calls.append(1), alone(self, *a))[1]
+    groups = [dist.new_group([r]) for r in range(world)]
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=E, top_k=K, params_dtype=torch.float64,
+                       init_std=0.5)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.from_groups(groups[rank]), seed=1)
+    x = torch.randn(5, H, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        error = check_close("group of one", layer(x), moe_forward(x, *layer.export_full_weights(), cfg))
+    return layer.groups.ep is not None, bool(calls), error
+
+
+def test_a_group_of_one_is_alone_too():
+    from moelayers.testing import run_distributed
+
+    assert run_distributed(_groups_of_one, 2, timeout=60) == [(True, True, None)] * 2
