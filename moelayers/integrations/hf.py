@@ -501,12 +501,18 @@ class CallInputs:
         if ids is not None and tuple(ids.shape) != tuple(x.shape[:-1]):
             ids = given  # (another call's ids, laid out otherwise: none)
         if self.skip_padding and not in_backward() and self._checkpointed(calls):
-            # on every rank and whether or not this batch has padding: no rank enters the exchange alone
-            raise ValueError(
+            # whether or not this batch has padding; through the layer's exchange, so that a rank configured
+            # otherwise (not checkpointing) raises too instead of waiting for this one
+            refusal = ValueError(
                 f"swap_moe_blocks(skip_padding=True) cannot leave padding out of {type(layer).__name__} while the "
                 "model trains with gradient checkpointing: its recomputation in the backward would not know the "
                 "mask. Swap without skip_padding (padded positions are then computed, as HF does), or turn "
-                "gradient checkpointing off (model.gradient_checkpointing_disable())")
+                "gradient checkpointing off (model.gradient_checkpointing_disable(); "
+                "activation_checkpointing_disable() in recent transformers)")
+            refuse = getattr(layer, "refuse_input", None)
+            if callable(refuse):
+                refuse(refusal)  # raises
+            raise refusal
         rows = self._rows_of(x) if self.skip_padding else None
         if self.skip_padding and not in_backward():  # (as the layer's last_* attributes: not a recomputation's)
             layer.last_input_rows = rows

@@ -63,7 +63,8 @@ class VariabilityAwareMoE(MoELayerBase):
             state, Adam's moments, with the weights; without it the first automatic move warns.)
         replan_every: steps between automatic re-plans after the first (needs ``auto_replan``).
         planner: ``planner(loads [steps, E], curves, *, restarts, seed) -> expert_rank [E]``, run on
-            rank 0 only (default: ``moelayers.planning.gem.plan_gem``).
+            rank 0 only (default: ``moelayers.planning.gem.plan_gem``); ``loads`` is a float64 numpy
+            array, ``expert_rank`` any integer array or tensor.
         restarts, plan_seed: passed to the planner as ``restarts`` and ``seed`` (an int ``>= 0``).
         min_gain: move only when the new placement's predicted time on the planning window
             (``moelayers.planning.gem.score`` of the loads under the curves) is at least this share

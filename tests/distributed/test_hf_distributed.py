@@ -75,22 +75,31 @@ def test_skip_padding_at_world_2():
         assert all(diff < 1e-12 and rows for diff, rows in results), results
 
 
-def _refused_with_checkpointing(rank: int, world: int) -> str:
+def _refused_with_checkpointing(rank: int, world: int) -> list:
     """Training with gradient checkpointing: rank 0's batch has padding, rank 1's none; both must refuse
-    (a rank that refused alone left the other waiting in the expert exchange, a review)."""
+    (a rank that refused alone left the other waiting in the expert exchange, a review). Then only rank
+    0 checkpointing (a misconfiguration): rank 1 learns it in the exchange instead of waiting, and the
+    next forwards, checkpointing off, run in step (a journey: they paired with the wrong calls)."""
     torch.manual_seed(0)
     model = _Masked().train()
     swap_moe_blocks(model, ml.ParallelGroups.from_world(), skip_padding=True)
-    model.model.layers[0].gradient_checkpointing = True  # as HF's gradient_checkpointing_enable() marks its layers
     ids = torch.tensor([[0, 2, 3], [4, 5, 6]])
-    try:
-        model(ids, attention_mask=(ids != 0).long() if rank == 0 else torch.ones_like(ids)).sum().backward()
-    except ValueError as exc:
-        return str(exc)
-    return "not refused"
+    mask = (ids != 0).long() if rank == 0 else torch.ones_like(ids)
+    out = []
+    for checkpointing in (True, rank == 0, False):
+        model.model.layers[0].gradient_checkpointing = checkpointing  # as HF's gradient_checkpointing_enable() does
+        try:
+            model(ids, attention_mask=mask).sum().backward()
+            out.append("ran")
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
 
 
 @pytest.mark.timeout(180)
 def test_skip_padding_refused_with_checkpointing_on_every_rank():
-    for message in run_distributed(_refused_with_checkpointing, 2, timeout=120, collective_timeout=60):
-        assert "gradient checkpointing" in message, message
+    for rank, (both, one, none) in enumerate(run_distributed(_refused_with_checkpointing, 2, timeout=120,
+                                                             collective_timeout=60)):
+        assert "gradient checkpointing" in both, both
+        assert ("gradient checkpointing" if rank == 0 else "refused the input of expert-parallel rank(s) [0]") in one
+        assert none == "ran"
