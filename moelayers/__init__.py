@@ -1,6 +1,6 @@
 """moelayers: Mixture-of-Experts parallel layers for serving and RL rollout.
 
-Public API (DESIGN.md §4)::
+Public API (README.md, "A short tour", walks through it)::
 
     import moelayers as ml
     cfg = ml.MoEConfig(hidden_size=2048, ffn_hidden_size=768, num_experts=128, top_k=8)

@@ -1,6 +1,6 @@
 """Helpers for checking layers against the dense reference (used by our tests; handy for yours).
 
-The tolerance rule of DESIGN.md §1, against a float64 reference ``ref64``:
+The tolerance rule of every equivalence check, against a float64 reference ``ref64``:
 
 - float32 (and float64): ``max|y - ref64| <= 1e-5 * max(1, max|ref64|)``;
 - bfloat16/float16: ``max|y - ref64| <= 3 * max|ref_low - ref64| + 1e-3 * max|ref64|``, where

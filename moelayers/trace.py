@@ -1,4 +1,4 @@
-"""Routing traces: the npz format of DESIGN.md §5, its I/O, and recording from a running model.
+"""Routing traces: their npz format (below), its I/O, and recording from a running model.
 
 A trace holds, for ``T`` tokens grouped into ``S`` sequences, the ``K`` experts each of ``L`` MoE
 layers chose::
@@ -125,7 +125,7 @@ def train_sequences(train_fraction: float, num_sequences: int) -> int:
 
 @dataclass(eq=False)
 class RoutingTrace:
-    """Routing of ``T`` tokens in ``S`` sequences through ``L`` MoE layers (DESIGN.md §5).
+    """Routing of ``T`` tokens in ``S`` sequences through ``L`` MoE layers (the npz format: this module's docstring).
 
     Validated on construction; ``token_ids`` and ``seq_offsets`` are stored as int64, ``topk_ids``
     as int16 (int32 beyond 32,768 experts; a narrower integer type is kept), and ``vocab_size`` is
@@ -387,7 +387,7 @@ class RoutingTrace:
         return [slice(i, min(i + n, t)) for i in range(0, t, n)]
 
     def to_arrays(self) -> dict[str, np.ndarray]:
-        """The npz payload: a dict of arrays keyed as in DESIGN.md §5."""
+        """The npz payload: a dict of arrays keyed as in this module's docstring."""
         out = {
             "topk_ids": self.topk_ids,
             "token_ids": self.token_ids,

@@ -398,7 +398,7 @@ def wrongly_routed(x: torch.Tensor, router_w: torch.Tensor, ids: torch.Tensor, c
 def check_against_reference(layer, x: torch.Tensor, y: torch.Tensor, weights, config, rows: int,
                             device: torch.device, *, forced: torch.Tensor | None = None,
                             max_bad_frac: float = 0.0) -> dict:
-    """Ours against the dense reference (DESIGN.md §1 tolerance) on ``rows`` rows spread over the
+    """Ours against the dense reference (:func:`moelayers.testing.check_close`'s tolerance) on ``rows`` rows spread over the
     batch, on the experts ours chose; and those experts against the float64 reference router's
     (beyond near-ties, :func:`wrongly_routed`; ``forced`` routing: exactly the forced experts). A
     NaN/inf anywhere in ``y`` fails.
@@ -456,7 +456,7 @@ def check_grads_against_reference(layer, x: torch.Tensor, grad: torch.Tensor, we
                                   device: torch.device, forced: torch.Tensor | None = None) -> dict:
     """The input gradient of a training step of ``layer`` (output gradient ``grad``) against the
     dense reference's on ``rows`` rows spread over the batch, on the experts the layer chose (each
-    row's gradient depends on that row alone), with DESIGN.md §1's tolerance."""
+    row's gradient depends on that row alone), with :func:`moelayers.testing.check_close`'s tolerance."""
     from moelayers.reference import moe_forward
     from moelayers.testing import max_error, tolerance
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Layer micro-benchmark (DESIGN.md §6): forward latency of a moelayers layer against megatron-core's
+"""Layer micro-benchmark: forward latency of a moelayers layer against megatron-core's
 ``MoELayer``, in the same run, on the same weights.
 
 Every rank builds the same random weights (seeded, identical everywhere) and loads them into ours
@@ -8,7 +8,7 @@ Every rank builds the same random weights (seeded, identical everywhere) and loa
 ``bench.tokens_per_rank`` value each rank draws its own random input (seeded by rank), then:
 
 1. checks before timing: ours against the dense reference on the experts ours chose
-   (:func:`moelayers.reference.moe_forward`, DESIGN.md §1 tolerance) and, with a peer, ours against
+   (:func:`moelayers.reference.moe_forward`, :func:`moelayers.testing.check_close`'s tolerance) and, with a peer, ours against
    the peer (max abs diff relative to max|peer|, over all ranks) with megatron's choice of experts
    (captured from its router) forced on ours — a router near-tie may break differently — so a wrong
    result is never timed; the agreement of the two routers is reported. Both routers score in

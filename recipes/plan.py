@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Offline expert placement from a routing trace, evaluated on held-out sequences (DESIGN.md §6).
+"""Offline expert placement from a routing trace, evaluated on held-out sequences.
 
 The trace's first ``floor(trace.train_fraction * S)`` sequences train the planner, the rest are
 held out (:func:`moelayers.trace.train_sequences`: the floor forgives float rounding, so

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Serving loop (DESIGN.md §6): Poisson arrivals, continuous batching, attention-DP + expert-parallel MoE.
+"""Serving loop: Poisson arrivals, continuous batching, attention-DP + expert-parallel MoE.
 
 Every rank builds the same :class:`moelayers.models.TinyDecoder` (attention weights identical,
 experts spread over the ranks), generates the same request list (same seed) and keeps the requests

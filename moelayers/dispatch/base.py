@@ -1,6 +1,6 @@
 """What every dispatcher shares: the routes it is given, replica choice, and the receive side.
 
-A dispatcher does steps 3 and 5 of the forward (DESIGN.md §1): ``dispatch`` delivers tokens to
+A dispatcher does steps 3 and 5 of the forward (``MoELayerBase.forward``; docs/architecture.md): ``dispatch`` delivers tokens to
 the ranks and slots of their experts, sorted by local slot; ``combine`` brings the expert outputs
 back, weighted and summed, in the caller's token order.
 """

@@ -1,6 +1,6 @@
 """megatron-core integration: drop-in MoE specs and megatron's own ``MoELayer`` for comparisons.
 
-Drop-in use (DESIGN.md §4)::
+Drop-in use::
 
     from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
     from moelayers.integrations.megatron import moe_spec

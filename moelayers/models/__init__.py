@@ -1,4 +1,4 @@
-"""Small models for recipes and tests (DESIGN.md §3)."""
+"""Small models for recipes and tests."""
 
 from moelayers.models.tiny import KVCache, StepRequest, TinyConfig, TinyDecoder
 

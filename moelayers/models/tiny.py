@@ -12,7 +12,7 @@ requests. The MoE slot is expert-parallel: all ranks call it collectively every 
 zero tokens. With ``attention='tp'`` the attention heads are split over the TP ranks (every TP rank
 runs the same requests with its heads and their KV caches) and each block's MoE slot finishes the
 partial attention output itself: ``h = moe.forward_tp(attn_partial, h, norm2, token_ids=...)``
-(DESIGN.md §4; e.g. ``SemanticMoE(mode='tp')``, which also gets its two predecessors' n-gram
+(e.g. ``SemanticMoE(mode='tp')``, which also gets its two predecessors' n-gram
 context ranks as ``prev_ranks``).
 
 Continuous batching goes through :meth:`TinyDecoder.step`: a step mixes prefill chunks and single

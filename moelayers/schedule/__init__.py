@@ -1,4 +1,4 @@
-"""Online scheduling (DESIGN.md §3): where requests go (attention-DP) and where tokens go (attention-TP).
+"""Online scheduling: where requests go (attention-DP) and where tokens go (attention-TP).
 
 - :mod:`moelayers.schedule.requests`: ``SemanticScheduler`` (Sem-MoE Algorithm 2) and
   ``RoundRobinScheduler``, both ``assign(token_ids) -> rank``.
