@@ -25,6 +25,7 @@ from moelayers._compile import cached_tensor
 from moelayers.dispatch.base import LocalPairs, Received, Routes, check_routes, combine_pairs, local_pairs, partial_sum_dtype
 from moelayers.dispatch.flags import (
     HEADER_DIGEST, HEADER_FLAGS, HEADER_PAIRS, HEADER_ROWS, check_exchanged, payload_digest, payload_dtypes,
+    raise_if_flagged,
 )
 from moelayers.dispatch.comm import ROW_ALIGN, RowLayout, all_to_all_bytes, packed_all_to_all
 from moelayers.kernels import dispatch_pack, send_layout, unpermute_combine
@@ -131,16 +132,16 @@ class AllToAllDispatcher:
         return Received(recv_x.index_select(0, pairs.pair_row), pairs.slot_counts, state)
 
     def _dispatch_alone(self, x: torch.Tensor, routes: Routes) -> Received:
-        """One rank (no group, or a group of one): no payload to pack, exchange or unpack (its launches were most of a small
-        forward's host time on a GPU). The same pairs in the same order, the same flag checks and
-        statistics, and the same outputs bit for bit as the exchange through a group of one."""
+        """One rank (no group, or a group of one): no payload to pack, exchange or unpack (its
+        launches were most of a small forward's host time on a GPU). The same pairs in the same
+        order, the same flag checks and statistics, and the same outputs bit for bit as the
+        exchange through a group of one (whose digests cannot differ and whose bytes sent are 0)."""
         self.payload = payload_dtypes(x, routes.weights.dtype)
-        flag = 0 if routes.nonfinite is None else int(routes.nonfinite)  # (the one host sync, as the header's)
-        check_exchanged([flag], [payload_digest(self.placement_digest, self.payload)], together=True)
+        if routes.nonfinite is not None:
+            raise_if_flagged([int(routes.nonfinite)])  # (the one host sync, as the header's)
         t, k = routes.dest_slot.shape
         pairs = local_pairs(routes.dest_slot, self.num_slots, t * k)
-        layout = RowLayout(((x.shape[1], x.dtype), (k, routes.weights.dtype), (k, torch.int32)))
-        self.last_stats = MoEStats.from_counts(self.rank, [t * k], [t], layout.row_bytes, routes.topk_ids)
+        self.last_stats = MoEStats.from_counts(self.rank, [t * k], [t], 0, routes.topk_ids)
         state = _Alone(pairs, routes.weights, x.dtype)
         return Received(x.index_select(0, pairs.pair_row), pairs.slot_counts, state)
 
