@@ -36,7 +36,7 @@ __all__ = [
     "launch", "resolve_backend", "device_for", "invocation", "to_dict", "print_table", "print_grid",
     "percentile", "provenance", "absolute_path", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
     "normalize_flags", "LAYER_FLAGS", "int_setting", "check_layer_settings", "timeout_setting",
-    "import_object", "plan_fraction_setting", "check_input_file", "not_a_file", "refuse_empty_paths", "PATH_KEYS",
+    "import_object", "plan_fraction_setting", "capacity_setting", "check_input_file", "not_a_file", "refuse_empty_paths", "PATH_KEYS",
     "refuse_unread_overrides", "layer_objects", "OBJECT_KWARGS", "require_keys",
 ]
 
@@ -231,6 +231,22 @@ def int_setting(value: Any, key: str, minimum: int | None = None) -> int:
         bound = "" if minimum is None else f" >= {minimum}"
         raise ValueError(f"{key} must be an integer{bound}, got {value!r}")
     return value
+
+
+def capacity_setting(value: Any, key: str = "layer.kwargs.capacity") -> int | None:
+    """The most tokens per rank a layer's ``capacity`` takes (an int, or a list of the sizes a
+    forward may be padded to: the largest); ``None`` without one.
+
+    Raises:
+        ValueError: not an int >= 1 or a non-empty list of them, naming ``key``.
+    """
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError(f"{key} must be an integer >= 1 or a non-empty list of them, got {value!r}")
+        return max(int_setting(v, f"{key}[{i}]", 1) for i, v in enumerate(value))
+    return int_setting(value, key, 1)
 
 
 def plan_fraction_setting(value: Any, key: str) -> float:

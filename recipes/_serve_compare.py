@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from recipes._common import print_grid, shared_execution_kwargs
+from recipes._common import capacity_setting, print_grid, shared_execution_kwargs
 from recipes._outputs import commit_files, warn, write_json
 from recipes._plots import pyplot, save_png
 from recipes._serve_workload import scheduler_name
@@ -157,7 +157,8 @@ def shared_step_budget(cfg: dict, layers: list[dict]) -> int | None:
     would otherwise batch less than the other), else none."""
     if cfg.get("max_tokens_per_step") is not None:
         return int(cfg["max_tokens_per_step"])
-    capacities = [int(c) for c in ((layer.get("kwargs") or {}).get("capacity") for layer in layers) if c is not None]
+    capacities = [c for c in (capacity_setting((layer.get("kwargs") or {}).get("capacity")) for layer in layers)
+                  if c is not None]
     return min(capacities, default=None)
 
 

@@ -91,7 +91,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, absolute_path, check_input_file, check_layer_settings, device_for, import_object, in_sweep, int_setting, layer_objects,
+    LAYER_FLAGS, absolute_path, capacity_setting, check_input_file, check_layer_settings, device_for, import_object, in_sweep, int_setting, layer_objects,
     invocation, launch, merge_curves_path, normalize_flags, overridden, percentile, print_table, provenance,
     refuse_empty_paths, refuse_unread_overrides, require_keys, shutdown, to_dict,
 )
@@ -390,9 +390,9 @@ def compare_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
 
 def _combine_rows(layer, stats) -> int:
     """Hidden-state rows one forward's combine sent to other ranks: one per remote dispatch row, or
-    with ``capacity`` the whole fixed buffer (``C`` rows to every other rank, padding included, as
-    ``bytes_sent`` counts the dispatch)."""
-    cap = getattr(layer, "capacity", None)
+    with ``capacity`` the whole fixed buffer (``C`` rows to every other rank, ``C`` the capacity
+    the forward ran at, padding included, as ``bytes_sent`` counts the dispatch)."""
+    cap = getattr(layer.dispatcher, "capacity", None)
     if cap is not None:
         return int(cap) * (len(stats.rows_sent) - 1)
     return sum(stats.rows_sent) - stats.rows_sent[stats.rank]
@@ -921,13 +921,14 @@ def step_token_budget(d: dict) -> float:
     (one token per request, and every prompt has one at least)."""
     budget = d.get("max_tokens_per_step")
     if budget is None:
-        budget = (d["layer"].get("kwargs") or {}).get("capacity")
+        budget = capacity_setting((d["layer"].get("kwargs") or {}).get("capacity"))
     return math.inf if budget is None else int(budget)
 
 
 def check_capacity(d: dict, trace) -> None:
     """``max_tokens_per_step`` and ``+layer.kwargs.capacity=C`` (capacity mode: at most ``C``
-    tokens per rank in a step; the step budget by default): the longest prompt's prefill must fit
+    tokens per rank in a step, the largest of a list ``[C1, C2, ...]`` of sizes a step is padded
+    to; the step budget by default): the longest prompt's prefill must fit
     the budget, or it could never be admitted, and the budget must fit the capacity, or the run
     fails inside the ranks at a large prefill.
 
@@ -935,10 +936,8 @@ def check_capacity(d: dict, trace) -> None:
         ValueError: either not an int >= 1, a budget above the capacity, or one below the longest
             prompt.
     """
-    capacity = (d["layer"].get("kwargs") or {}).get("capacity")
+    capacity = capacity_setting((d["layer"].get("kwargs") or {}).get("capacity"))
     budget = d.get("max_tokens_per_step")
-    if capacity is not None:
-        capacity = int_setting(capacity, "layer.kwargs.capacity", 1)
     if budget is not None:
         budget = int_setting(budget, "max_tokens_per_step", 1)
         if capacity is not None and budget > capacity:

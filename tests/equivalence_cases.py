@@ -58,6 +58,8 @@ def case_list(world: int) -> list[dict]:
         for place in ("permuted", "replicas"):  # fixed-capacity mode (inference only)
             cases.append(dict(place=place, dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True))
         cases.append(dict(place="linear", dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True, zero_tokens=True))
+        # several capacities: each forward padded to the smallest that holds every rank's tokens
+        cases.append(dict(place="replicas", dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True, buckets=True))
         # apply_placement (a transactional move) before the forward and backward, and between two
         # fixed-capacity forwards (the captured graph is dropped and captured again on CUDA)
         cases.append(dict(place="replicas", dispatcher="alltoall", dedup=True, dtype=dtype, moved=True))
@@ -77,14 +79,23 @@ def case_list(world: int) -> list[dict]:
                   dict(place="replicas", dispatcher="allgather", dedup=True, dtype=torch.float32, ep=sub),
                   dict(place="replicas", dispatcher="alltoall", dedup=True, dtype=torch.bfloat16, ep=sub, moved=True),
                   dict(place="permuted", dispatcher="alltoall", dedup=True, dtype=torch.float32, ep=sub, capacity=True,
-                       moved=True)]
+                       moved=True),
+                  dict(place="linear", dispatcher="alltoall", dedup=True, dtype=torch.bfloat16, ep=sub, capacity=True,
+                       buckets=True, zero_tokens=True)]
     for c in cases:
         flags = [k for k in ("policy", "zero_tokens", "one_expert", "topk_all", "sigmoid", "capacity", "fp32_router",
-                             "megatron_rank", "moved") if c.get(k)]
+                             "megatron_rank", "moved", "buckets") if c.get(k)]
         c["name"] = f"{c['place']}-{c['dispatcher']}-{'dedup' if c['dedup'] else 'nodedup'}-" \
                     f"{str(c['dtype']).split('.')[-1]}" + "".join(f"-{f}" for f in flags) \
                     + (f"-ep{c['ep']}" if c.get("ep") else "")
     return cases
+
+
+def _capacity(world: int, case: dict) -> int | tuple[int, ...] | None:
+    """The layer's ``capacity``: the most tokens of a rank, or sizes around it with ``buckets``."""
+    if not case.get("capacity"):
+        return None
+    return (3, 6, 3 * world + 6) if case.get("buckets") else 3 * world + 6
 
 
 def _tokens(rank: int, case: dict) -> int:
@@ -148,7 +159,7 @@ def _run_case(rank: int, world: int, groups, case: dict, device: torch.device,
     policy = LastReplicaPolicy() if case.get("policy") == "last" else None
     layer = layer_cls(cfg, groups, placement=placements(case["place"], num_experts, groups.ep_size),
                           dispatcher=case["dispatcher"], dedup=case["dedup"], replica_policy=policy, device=device,
-                          capacity=3 * world + 6 if case.get("capacity") else None,
+                          capacity=_capacity(world, case),
                           cuda_graph=bool(case.get("capacity")) and device.type == "cuda" and dtype == torch.bfloat16)
     layer.load_full_weights(router64.to(dtype).to(device), w13_64.to(dtype).to(device), w2_64.to(dtype).to(device))
 
@@ -167,8 +178,22 @@ def _run_case(rank: int, world: int, groups, case: dict, device: torch.device,
             y = layer(x)
         ref_y, low_y = _reference_outputs(xs[rank], router64, w13_64, w2_64, cfg, cfg64, dtype)
         err = check_close(f"{case['name']} output", y.reshape(ref_y.shape), ref_y, low_y)
+        err = err or _stats_error(case, layer, x.shape[0], top_k)
+        if case.get("buckets") and not err:  # the size every rank's tokens fit, then a smaller one (its own graph)
+            members = dist.get_process_group_ranks(groups.ep) if groups.ep is not None else [rank]
+            for rows in (None, 2):
+                if rows is not None:
+                    with torch.inference_mode():
+                        y = layer(x.reshape(-1, H)[:rows])
+                    err = check_close(f"{case['name']} output of {rows} rows", y, ref_y[:rows],
+                                      None if low_y is None else low_y[:rows])
+                    err = err or _stats_error(case, layer, y.shape[0], top_k)
+                most = max(min(rows or _tokens(r, case), _tokens(r, case)) for r in members)
+                want = min(c for c in layer.capacities if c >= most)
+                if not err and layer.dispatcher.capacity != want:
+                    err = f"{case['name']}: ran at capacity {layer.dispatcher.capacity}, not {want} ({most} rows)"
         layer.release_graphs()
-        return err or _stats_error(case, layer, x.shape[0], top_k)
+        return err
     if moved is not None:
         layer.apply_placement(moved)
         assert layer.placement == moved != placements(case["place"], num_experts, groups.ep_size)

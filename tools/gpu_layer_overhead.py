@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """A world-1 ``VanillaMoE`` forward on one GPU at the Qwen3-30B-A3B layer shape (bf16, inference)
 against transformers' ``Qwen3MoeSparseMoeBlock`` (its ``grouped_mm`` experts, when transformers is
-installed; given the layer's weights) and a minimal torch forward (route, sort, two ``torch._grouped_mm``, ``index_add_``):
+installed; given the layer's weights), the layer with ``capacity=(16, 128, 1024, 8192), cuda_graph=True``
+(a graph per size) and a minimal torch forward (route, sort, two ``torch._grouped_mm``, ``index_add_``):
 milliseconds per forward (synchronised, median of 50) and CPU milliseconds per call (launch-bound
 time), at 16 to 8,192 tokens, then a profile of three 16-token forwards.
 
@@ -27,6 +28,10 @@ cfg = ml.MoEConfig(num_experts=E, top_k=K, hidden_size=H, ffn_hidden_size=FF, pa
 layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device=dev).eval()
 w13, w2 = layer.experts.w13.detach(), layer.experts.w2.detach()
 rw = layer.router.weight.detach()
+SIZES = (16, 128, 1024, 8192)
+# the same layer with a CUDA graph per size (each forward replays the graph of the capacity it fits)
+graphed = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device=dev, capacity=SIZES, cuda_graph=True).eval()
+graphed.load_state_dict(layer.state_dict())
 
 def minimal(x):
     logits = x @ rw.t()
@@ -78,14 +83,15 @@ def cpu_only(fn, x, n=50):  # time to return (launch-bound CPU time), GPU not sy
 
 out = {}
 with torch.inference_mode():
-    for T in (16, 128, 1024, 8192):
+    for T in SIZES:
         x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
-        row = {"ours": t(layer, x), "minimal": t(minimal, x)}
+        row = {"ours": t(layer, x), "ours_graphed": t(graphed, x), "minimal": t(minimal, x)}
         if hf is not None:
             row["hf"] = t(lambda z: hf(z[None]), x)
         row["ours_cpu_per_call"] = cpu_only(layer, x)
         row["minimal_cpu_per_call"] = cpu_only(minimal, x)
         row["minimal_vs_ours_maxdiff"] = float((minimal(x) - layer(x)).abs().max())
+        row["graphed_vs_ours_maxdiff"] = float((graphed(x) - layer(x)).abs().max())
         if hf is not None:
             row["hf_vs_ours_maxdiff"] = float((hf(x[None])[0] - layer(x)).abs().max())
         out[T] = row

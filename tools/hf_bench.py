@@ -10,7 +10,10 @@ position only, as ``generate``'s) and the decode step
 * ``moelayers``: ``swap_moe_blocks(model, ParallelGroups.single())`` (``VanillaMoE``);
 * ``moelayers_skip_padding``: the same with ``skip_padding=True`` (padded positions left out);
 * ``moelayers_unchecked``: ``swap_moe_blocks(..., check_finite=False)``: no NaN/inf check of the
-  router logits, so (one process, inference) no host sync in the layers.
+  router logits, so (one process, inference) no host sync in the layers;
+* ``moelayers_graphs``: ``swap_moe_blocks(..., capacity=(16, 32, ..., 2^n), cuda_graph=True)`` (the
+  powers of two up to the batch's padded prompt tokens): each call padded to the smallest that
+  holds it and replayed from that size's CUDA graph (on CPU: run eagerly).
 
 It also reports the share of generated tokens equal to ``hf``'s (random weights in bf16: a rounding
 can flip a near tie, after which a sequence goes its own way) and the padding share of the batch.
@@ -45,7 +48,7 @@ from moelayers.integrations.hf import swap_moe_blocks  # noqa: E402
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                      num_experts=128, num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4,
                      head_dim=128, norm_topk_prob=True, max_position_embeddings=8192)
-VARIANTS = ("hf", "moelayers", "moelayers_skip_padding", "moelayers_unchecked")
+VARIANTS = ("hf", "moelayers", "moelayers_skip_padding", "moelayers_unchecked", "moelayers_graphs")
 SMOKE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
              num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, norm_topk_prob=True,
              max_position_embeddings=512)
@@ -100,6 +103,14 @@ def measure(model, ids, mask, new: int, reps: int, device: str) -> dict:
             "tokens": out[:, ids.shape[1]:].cpu()}
 
 
+def powers_of_two(low: int, high: int) -> tuple[int, ...]:
+    """``(low, 2 low, 4 low, ...)`` up to the first at least ``high``."""
+    sizes = [low]
+    while sizes[-1] < high:
+        sizes.append(2 * sizes[-1])
+    return tuple(sizes)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -128,8 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in VARIANTS:
         model = base if name == "hf" else copy.deepcopy(base)
         if name != "hf":
+            graphs = {}
+            if name.endswith("graphs"):
+                graphs = dict(capacity=powers_of_two(16, ids.numel()), cuda_graph=device.startswith("cuda"))
             swap_moe_blocks(model, ml.ParallelGroups.single(), skip_padding=name.endswith("skip_padding"),
-                            check_finite=not name.endswith("unchecked"))
+                            check_finite=not name.endswith("unchecked"), **graphs)
         results[name] = measure(model, ids, mask, args.new, args.reps, device)
         print(f"{name:24s} prefill {results[name]['prefill_ms']:9.2f} ms   decode step "
               f"{results[name]['decode_step_ms']:8.2f} ms", flush=True)

@@ -16,7 +16,7 @@ import dataclasses
 import hashlib
 import inspect
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import torch
@@ -73,6 +73,17 @@ def _check_layer_number(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
+def _check_capacity(capacity: Any) -> tuple[int, ...] | None:
+    """``capacity`` as the ascending tuple of its distinct sizes (``None``: exact mode)."""
+    if capacity is None:
+        return None
+    sizes = [capacity] if not isinstance(capacity, Sequence) or isinstance(capacity, (str, bytes)) else list(capacity)
+    if not sizes or any(isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 1 for c in sizes):
+        raise ValueError(f"capacity must be None, an int >= 1 (tokens per rank) or a non-empty sequence of them "
+                         f"(the sizes a forward may be padded to), got {capacity!r}")
+    return tuple(sorted({int(c) for c in sizes}))
+
+
 def _check_forced_type(topk_ids: Any) -> None:
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dtype == torch.bool or topk_ids.is_floating_point() \
             or topk_ids.is_complex():
@@ -101,9 +112,15 @@ class MoELayerBase(LayerWeights, nn.Module):
             the experts (float16) gives inf/NaN output rows, as the reference does.
         expert_backend: ``'auto'`` | ``'grouped_mm'`` | ``'loop'`` (see :class:`GroupedExperts`).
         capacity: all-to-all only: fixed tokens per rank per forward (inputs are padded to it;
-            more is a ``ValueError``). Static shapes, no host sync; see ``AllToAllDispatcher``.
+            more is a ``ValueError``). Static shapes, no host sync; see ``AllToAllDispatcher``. A
+            sequence of ints (e.g. ``(16, 64, 256, 1024)``): capacities to choose from, each forward
+            padded to the smallest that holds the most tokens any expert-parallel rank has (with
+            several ranks they agree on it in one small all-reduce, a host sync); more than the
+            largest is a ``ValueError``. ``capacity`` is then the largest, and ``capacities`` all.
         cuda_graph: with ``capacity``, on CUDA and without autograd, capture the whole forward in a
-            CUDA graph on first use and replay it (every rank must take this path together). Needs
+            CUDA graph on first use and replay it (every rank must take this path together; with
+            several capacities, one graph per capacity, each captured the first time it runs and
+            holding about the memory of one forward at its size). Needs
             what a capture allows, checked on every rank before the first one: the experts on
             ``torch._grouped_mm``'s fast path (bf16 on compute capability 9.x/10.x, ``H`` and ``F``
             multiples of 8, ``expert_backend`` not ``'loop'``) and the Triton kernels (installed, not
@@ -125,7 +142,8 @@ class MoELayerBase(LayerWeights, nn.Module):
     groups: ParallelGroups
     placement: ExpertPlacement  # this layer's current placement (apply_placement changes it)
     seed: int
-    capacity: int | None
+    capacity: int | None  # the most tokens per rank a forward takes (the largest of capacities)
+    capacities: tuple[int, ...] | None  # the sizes forwards are padded to, ascending
     cuda_graph: bool
     dedup: bool
     dispatcher_name: str
@@ -155,7 +173,7 @@ class MoELayerBase(LayerWeights, nn.Module):
         seed: int = 0,
         check_finite: bool = True,
         expert_backend: str = "auto",
-        capacity: int | None = None,
+        capacity: int | Sequence[int] | None = None,
         cuda_graph: bool = False,
         layer_number: int | None = None,
     ):
@@ -189,14 +207,13 @@ class MoELayerBase(LayerWeights, nn.Module):
             hint = ("; DeepEP's dispatcher is not part of this version of moelayers (its all-to-all dispatcher "
                     "serves the same layouts)") if str(dispatcher).lower().replace("_", "") == "deepep" else ""
             raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}{hint}")
-        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral) or capacity < 1):
-            raise ValueError(f"capacity must be None or an int >= 1 (tokens per rank), got {capacity!r}")
+        self.capacities = _check_capacity(capacity)
         if capacity is not None and (dispatcher != "alltoall" or not dedup):
             raise ValueError("capacity needs dispatcher='alltoall' with dedup=True")
         if cuda_graph and capacity is None:
             raise ValueError("cuda_graph=True needs a fixed capacity (tokens per rank)")
-        self.capacity, self.cuda_graph = None if capacity is None else int(capacity), cuda_graph
-        self._graphed = None
+        self.capacity, self.cuda_graph = None if capacity is None else self.capacities[-1], cuda_graph
+        self._graphed: dict[int, Any] = {}  # capacity -> its captured CUDA graph (GraphedForward)
         # the layer's own copies: a caller editing its placement or config afterwards cannot
         # desynchronise the layer (replace() validates again)
         config = config.replace()
@@ -216,7 +233,8 @@ class MoELayerBase(LayerWeights, nn.Module):
             dtype=config.params_dtype, device=device, backend=expert_backend, init=False,
         )
         self.experts.tie_replicas(self.placement, groups.ep_rank, groups.ep)
-        self.dispatcher: Dispatcher = self._make_dispatcher()
+        self.dispatcher: Dispatcher  # the last forward's (with several capacities: of the capacity it ran at)
+        self._new_dispatchers()
         self.last_stats: MoEStats | None = None
         self.last_topk_ids: torch.Tensor | None = None
         self.last_token_ids: torch.Tensor | None = None
@@ -249,12 +267,30 @@ class MoELayerBase(LayerWeights, nn.Module):
             raise ValueError(f"placement spans {placement.num_ranks} ranks, the expert-parallel group has {groups.ep_size}")
         placement.validate()  # also catches a phy2log edited in place after the placement was built
 
-    def _make_dispatcher(self) -> Dispatcher:
+    def _make_dispatcher(self, capacity: int | None = None) -> Dispatcher:
+        """A dispatcher for the layer's placement and settings; ``capacity``: a fixed-size one for
+        forwards padded to it (default: the largest capacity, where the layer has one). The
+        layer keeps one per capacity in ``_dispatchers`` (each holds the flags and counts of its
+        own forwards, which its CUDA graph writes on replay): :meth:`_new_dispatchers` drops them."""
         g, p = self.groups, self.placement
         if self.dispatcher_name == "allgather":
             return AllGatherDispatcher(g.ep, g.ep_size, g.ep_rank, p.slots_per_rank, placement_digest=self._digest())
         return AllToAllDispatcher(g.ep, g.ep_size, g.ep_rank, p.slots_per_rank, dedup=self.dedup,
-                                  capacity=self.capacity, placement_digest=self._digest())
+                                  capacity=self.capacity if capacity is None else capacity,
+                                  placement_digest=self._digest())
+
+    def _new_dispatchers(self) -> None:
+        """Build the dispatcher afresh (for a new placement or digest): ``dispatcher``, and, with
+        several capacities, the others when their forwards first run."""
+        self.dispatcher = self._make_dispatcher()
+        self._dispatchers = {self.capacity: self.dispatcher}
+
+    def _redigest(self) -> None:
+        """Send the digest of the current :meth:`_settings` from the next forward on (every
+        capacity's dispatcher)."""
+        digest = self._digest()
+        for d in self._dispatchers.values():
+            d.placement_digest = digest
 
     def _digest(self) -> int:
         """62-bit digest the ranks compare with every exchange: of :meth:`_settings`, as built."""
@@ -267,7 +303,7 @@ class MoELayerBase(LayerWeights, nn.Module):
         config (another ``ffn_hidden_size`` or ``norm_topk_prob`` on one rank served another model),
         the layer's :meth:`_agreed_settings` and its ``layer_number``."""
         c = self.config
-        payload = (("dedup", self.dedup), ("capacity", self.capacity)) if self.dispatcher_name == "alltoall" else ()
+        payload = (("dedup", self.dedup), ("capacity", self.capacities)) if self.dispatcher_name == "alltoall" else ()
         config = tuple((f"config.{f.name}", getattr(c, f.name)) for f in dataclasses.fields(c) if f.name != "params_dtype")
         return (("placement", self.placement.digest()), ("dispatcher", self.dispatcher_name), *payload, *config,
                 *self._agreed_settings(), ("layer_number", self._layer_number))
@@ -301,7 +337,7 @@ class MoELayerBase(LayerWeights, nn.Module):
         if value != self._layer_number:
             self.release_graphs()  # its exchange sends the digest it was captured with
             self._layer_number = value
-            self.dispatcher.placement_digest = self._digest()
+            self._redigest()
             self._placement_unchecked = True  # capacity mode: compared on the next forward
 
     def _label(self) -> str:
@@ -327,7 +363,7 @@ class MoELayerBase(LayerWeights, nn.Module):
         else:
             self._placement_rec = record
         self.experts.tie_replicas(self.placement, self.groups.ep_rank, self.groups.ep)
-        self.dispatcher = self._make_dispatcher()
+        self._new_dispatchers()
 
     @one_at_a_time
     def apply_placement(self, placement: ExpertPlacement, *, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -688,8 +724,11 @@ class MoELayerBase(LayerWeights, nn.Module):
         return flags if order is None else merge_flags(flags, order)
 
     def _forward_capacity(self, x2, token_ids, forced):
-        """Fixed-capacity forward: pad to ``capacity`` rows, eager or replayed from a CUDA graph."""
-        t, c = x2.shape[0], self.capacity
+        """Fixed-capacity forward: pad to the capacity that holds the rows (:meth:`_capacity_for`),
+        eager or replayed from that capacity's CUDA graph."""
+        t = x2.shape[0]
+        c, most = self._capacity_for(t)
+        self.dispatcher = self._dispatchers.get(c) or self._dispatchers.setdefault(c, self._make_dispatcher(c))
         if t > c:  # take part in the exchange with the first c tokens and a flag (no rank hangs), then raise
             x2 = x2[:c]
             forced = None if forced is None else forced[:c]
@@ -699,16 +738,17 @@ class MoELayerBase(LayerWeights, nn.Module):
         # and replay run the same collectives on every rank, whichever rank refused its input
         graphed = self.cuda_graph and x2.is_cuda and forced is None and not self._records_autograd(x2)
         if graphed:
-            if self._graphed is None:
+            graph = self._graphed.get(c)
+            if graph is None:
                 self._check_capturable(x2)
                 from moelayers.layers.graphs import GraphedForward
 
                 def padded(xp, num_valid, flag):
                     return self._forward_steps(xp, None, None, num_valid, flag)  # (y, topk_ids)
 
-                self._graphed = GraphedForward(padded, c, self.config.hidden_size, x2.dtype, x2.device)
+                graph = self._graphed[c] = GraphedForward(padded, c, self.config.hidden_size, x2.dtype, x2.device)
             # topk_ids: a view of the graph's static output
-            y, topk_ids = self._graphed(x2, num_valid=t, flag=BAD_INPUT if self._bad_input else 0)
+            y, topk_ids = graph(x2, num_valid=t, flag=BAD_INPUT if self._bad_input else 0)
             counts = self.dispatcher.fixed_counts.clone()
             # the routing of this forward (a copy: the next replay overwrites the view), for the expert loads
             # that merge_stats / reduce compute later
@@ -724,10 +764,23 @@ class MoELayerBase(LayerWeights, nn.Module):
             stats._topk_ids = topk_ids
         # a refused forward leaves the last good one's stats; on the graph path last_topk_ids is a view
         # of the graph's output, which every replay (a refusal's too) overwrites
-        self._raise_on_flags(t, forced is not None)
+        self._raise_on_flags(t, forced is not None, most)
         stats._num_experts = self.config.num_experts
         self.last_stats, self.last_topk_ids, self.last_token_ids = stats, topk_ids, token_ids
         return y
+
+    def _capacity_for(self, t: int) -> tuple[int, int]:
+        """``(capacity, most)``: the capacity a forward of ``t`` rows on this rank runs at, the
+        smallest of ``capacities`` that holds ``most``, the most rows of any expert-parallel rank
+        (their collectives must match; with several capacities and ranks, one small all-reduce and
+        a host sync find it: otherwise ``most`` is ``t``), else the largest (the forward then
+        raises: :meth:`_raise_on_flags`)."""
+        caps, most = self.capacities, t
+        if len(caps) > 1 and self.groups.ep_size > 1:
+            vote = torch.tensor([t], dtype=torch.int64, device=collective_device(self.groups.ep))
+            dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.groups.ep)
+            most = int(vote.item())
+        return next((c for c in caps if c >= most), caps[-1]), most
 
     def _check_capturable(self, x2: torch.Tensor) -> None:
         """Before the first capture: raise ``ValueError`` on every expert-parallel rank when any of
@@ -758,7 +811,7 @@ class MoELayerBase(LayerWeights, nn.Module):
         have one rank raise while the others go on into them (``VariabilityAwareMoE``)."""
         return False
 
-    def _raise_on_flags(self, t: int, forced: bool) -> None:
+    def _raise_on_flags(self, t: int, forced: bool, most: int) -> None:
         """Capacity mode: raise on every rank when any rank had NaN/inf logits, forced expert ids out
         of range, more than ``capacity`` tokens or another placement (the flags and placement digests
         came with the exchange). One host sync, made when the NaN check is on, the routing was forced,
@@ -767,8 +820,9 @@ class MoELayerBase(LayerWeights, nn.Module):
         its placement is new (the first forward after the layer was built, loaded from a state dict
         or moved: ranks that loaded checkpoints of different placements raise together);
         otherwise (``check_finite=False`` and the router's own routing) only an overflowing rank
-        itself raises, and the placements are not compared again."""
-        if not (self.router.check_finite or forced or t > self.capacity or self._bad_input
+        itself raises, and the placements are not compared again. ``most``: the most rows of any
+        rank where :meth:`_capacity_for` learnt it (else ``t``): every rank then knows an overflow."""
+        if not (self.router.check_finite or forced or max(t, most) > self.capacity or self._bad_input
                 or type(self.replica_policy) is not LocalFirstPolicy or type(self).plan is not MoELayerBase.plan
                 or self._flags_read_always() or self._placement_unchecked):
             return
@@ -786,10 +840,10 @@ class MoELayerBase(LayerWeights, nn.Module):
 
     @one_at_a_time
     def release_graphs(self) -> None:
-        """Drop the captured CUDA graph (call on every rank before destroying the process group)."""
-        if self._graphed is not None:
-            self._graphed.release()  # waits for the graph's own device, not the current one
-            self._graphed = None
+        """Drop the captured CUDA graphs (call on every rank before destroying the process group)."""
+        for graph in self._graphed.values():
+            graph.release()  # waits for the graph's own device, not the current one
+        self._graphed = {}
 
     _ARANGE: dict = {}
 

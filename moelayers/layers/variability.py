@@ -205,7 +205,7 @@ class VariabilityAwareMoE(MoELayerBase):
         self.last_replan: dict | None = None
         self.register_buffer("_loads", torch.zeros(window, config.num_experts, dtype=torch.int64,
                                                    device=self.router.weight.device), persistent=False)
-        self.dispatcher.placement_digest = self._digest()  # with the settings above (_agreed_settings)
+        self._redigest()  # with the settings above (_agreed_settings)
         self.slowdown = slowdown  # as given, the same on every rank (this rank's factor: self.emulator.factor)
         self.emulator = None  # a rank at full speed (factor 1.0) gets none: nothing to stretch, no timing syncs
         if factor is not None and factor != 1.0:

@@ -710,6 +710,16 @@ def test_serve_counts_the_padded_combine_of_capacity_layers(tmp_path):
     assert res["a2a_bytes"] == res["a2a_dispatch_bytes"] + res["a2a_combine_bytes"]
 
 
+def test_serve_with_several_capacities_pads_each_step_to_the_one_it_fits(tmp_path):
+    """``+layer.kwargs.capacity=[16,512]``: a decode step runs at 16 rows, a prefill at 512, and the
+    combine bytes count each step's own buffer."""
+    res = _serve(tmp_path / "run", "workload.num_requests=4", "+layer.kwargs.capacity=[16,512]")
+    h, layers, steps = res["config"]["model"]["hidden_size"], res["config"]["model"]["num_layers"], res["steps"]
+    units, rest = divmod(res["a2a_combine_bytes"], 2 * layers * h * 4)  # rows per rank and layer, all steps
+    small, rest2 = divmod(512 * steps - units, 512 - 16)
+    assert rest == rest2 == 0 and 1 <= small < steps, (units, steps)  # some steps at 16 rows, some at 512
+
+
 def test_capacity_below_the_longest_prompt_is_refused_before_the_ranks_start():
     """+layer.kwargs.capacity=4 failed inside the spawned ranks at the first prefill; now check_config
     says so (learned routing and a replayed synthetic trace), and a capacity that fits passes."""
@@ -721,6 +731,11 @@ def test_capacity_below_the_longest_prompt_is_refused_before_the_ranks_start():
         serve.check_config(_config("+layer.kwargs.capacity=4096", *extra))
     with pytest.raises(ValueError, match=r"layer\.kwargs\.capacity must be an integer >= 1"):
         serve.check_config(_config("+layer.kwargs.capacity=0"))
+    with pytest.raises(ValueError, match=r"layer\.kwargs\.capacity\[1\] must be an integer >= 1"):
+        serve.check_config(_config("+layer.kwargs.capacity=[8,0]"))
+    with pytest.raises(ValueError, match=r"layer\.kwargs\.capacity=8 is below the longest prompt"):
+        serve.check_config(_config("+layer.kwargs.capacity=[4,8]"))  # (the largest decides)
+    serve.check_config(_config("+layer.kwargs.capacity=[16,4096]"))
 
 
 def test_a_step_admits_prompts_within_the_capacity(tmp_path):

@@ -81,6 +81,36 @@ def test_graphed_layer_overflow_raises_and_recovers():
     layer.release_graphs()
 
 
+def test_graphed_layer_with_several_capacities():
+    """One graph per capacity, each captured the first time a forward fits it best; replays in any
+    order give every forward the output of the reference on the experts it chose, the same bits as
+    that size's first replay, and the routing of its own rows."""
+    import moelayers as ml
+    from moelayers.testing import check_close
+
+    cfg = ml.MoEConfig(hidden_size=256, ffn_hidden_size=128, num_experts=8, top_k=2, params_dtype=torch.bfloat16)
+    layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device="cuda", capacity=(4, 16, 64), cuda_graph=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(64, 256, device="cuda", generator=gen).to(torch.bfloat16)
+    w = layer.export_full_weights()
+    w64 = [t.double() for t in w]
+    first = {}
+    with torch.no_grad():
+        for rows in (3, 10, 64, 4, 16, 33, 3, 10, 1):
+            y = layer(x[:rows])
+            ids = layer.last_topk_ids.clone()
+            assert ids.shape == (rows, 2) and layer.dispatcher.capacity == min(c for c in (4, 16, 64) if c >= rows)
+            ref = ml.reference.moe_forward(x[:rows].double(), *w64, cfg.replace(params_dtype=torch.float64), topk_ids=ids)
+            low = ml.reference.moe_forward(x[:rows], *w, cfg, topk_ids=ids)
+            assert check_close(f"{rows} rows", y, ref, low) is None
+            if rows in first:
+                assert torch.equal(y, first[rows]), rows
+            first[rows] = y
+    assert sorted(layer._graphed) == [4, 16, 64]
+    layer.release_graphs()
+    assert layer._graphed == {}
+
+
 def test_graphed_layer_after_a_device_round_trip_and_deferred_init():
     """A captured graph read the old weights' addresses after ``.cpu()`` / ``.cuda()`` (it was kept:
     only a dtype change dropped it); a layer built under ``torch.device("meta")`` and materialised on

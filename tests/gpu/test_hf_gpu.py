@@ -50,3 +50,24 @@ def test_skip_padding_on_one_gpu():
         keep = mask.bool()
         assert float((model(ids, attention_mask=mask)[keep] - plain(ids, attention_mask=mask)[keep]).abs().max()) < 1e-12
     assert model.model.layers[0].mlp.last_input_rows.tolist() == [2, 3, 4, 5, 6, 7]
+
+
+def test_swap_with_graphs_of_several_capacities_on_one_gpu():
+    """``swap_moe_blocks(..., capacity=(4, 16, 64), cuda_graph=True)`` in bf16: calls of 1 to 64
+    tokens replay the graph of the capacity they fit and compute what the exact (eager) swap does."""
+    exact = Model("qwen3_moe", norm=True).eval().cuda().to(torch.bfloat16)
+    graphed = Model("qwen3_moe", norm=True).eval().cuda().to(torch.bfloat16)
+    graphed.load_state_dict(exact.state_dict())
+    swap_moe_blocks(exact, ml.ParallelGroups.single())
+    names = swap_moe_blocks(graphed, ml.ParallelGroups.single(), capacity=(4, 16, 64), cuda_graph=True)
+    with torch.no_grad():
+        for shape in ((2, 5), (1, 1), (4, 16), (1, 3), (2, 5)):
+            x = _x(*shape, seed=sum(shape)).cuda().to(torch.bfloat16)
+            diff = float((graphed(x) - exact(x)).abs().max())
+            assert diff < 2e-2, (shape, diff)
+    layer = graphed.get_submodule(names[0])
+    layer = getattr(layer, "layer", layer)
+    assert sorted(layer._graphed) == [4, 16, 64]
+    for name in names:
+        m = graphed.get_submodule(name)
+        getattr(m, "layer", m).release_graphs()

@@ -181,9 +181,9 @@ def test_config_values(kw, err, match):
         ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, **kw)
 
 
-@pytest.mark.parametrize("capacity", [2.5, True, "4", 0])
+@pytest.mark.parametrize("capacity", [2.5, True, "4", 0, [], [4, 0], (2, "4"), [True]])
 def test_capacity_must_be_a_positive_int(capacity):
-    with pytest.raises(ValueError, match="capacity must be None or an int >= 1"):
+    with pytest.raises(ValueError, match="capacity must be None, an int >= 1 .* or a non-empty sequence of them"):
         layer(capacity=capacity)
 
 
@@ -362,9 +362,16 @@ def test_layer_cast_on_one_rank_raises_on_every_rank(dispatcher):
         assert "hold the layer in different dtypes" in out["load"], out["load"]
 
 
+def _kwargs(dispatcher: str) -> dict:
+    """The layer's arguments for ``dispatcher``: ``"capacity"`` a fixed capacity of 6 tokens,
+    ``"capacities"`` sizes to choose from (6 the largest)."""
+    return {"capacity": dict(capacity=6), "capacities": dict(capacity=(2, 4, 6))}.get(dispatcher,
+                                                                                     dict(dispatcher=dispatcher))
+
+
 def _nan_on_one_rank(rank, world, dispatcher):
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
-    kwargs = dict(capacity=6) if dispatcher == "capacity" else dict(dispatcher=dispatcher)
+    kwargs = _kwargs(dispatcher)
     m = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), **kwargs)
     x = torch.randn(5, 8)
     if rank == 1:
@@ -373,7 +380,7 @@ def _nan_on_one_rank(rank, world, dispatcher):
         with torch.no_grad():
             m(x)
     except ValueError as e:
-        assert "NaN or inf" in str(e) and (dispatcher == "capacity" or "rank(s) [1]" in str(e)), str(e)
+        assert "NaN or inf" in str(e) and (dispatcher.startswith("capacit") or "rank(s) [1]" in str(e)), str(e)
         with torch.no_grad():
             m(torch.randn(3, 8))  # still usable afterwards: nothing was left half-done
         return "raised"
@@ -381,7 +388,7 @@ def _nan_on_one_rank(rank, world, dispatcher):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "capacity"])
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "capacity", "capacities"])
 def test_nan_on_one_rank_raises_on_every_rank(dispatcher):
     assert run_distributed(_nan_on_one_rank, 2, dispatcher) == ["raised", "raised"]
 
@@ -410,7 +417,7 @@ def _bad_replica_picks(rank, world, dispatcher):
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
     spr = 4 // world + 1  # one empty spare slot per rank
     place = ml.ExpertPlacement.linear(4, world, slots_per_rank=spr)
-    kwargs = dict(capacity=6, check_finite=False) if dispatcher == "capacity" else dict(dispatcher=dispatcher)
+    kwargs = dict(_kwargs(dispatcher), check_finite=False) if dispatcher.startswith("capacit") else _kwargs(dispatcher)
     out = []
     for phys in ("next", spr - 1, world * spr + 3, -2, "float", "short"):
         m = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world() if world > 1 else ml.ParallelGroups.single(),
@@ -430,7 +437,7 @@ def _bad_replica_picks(rank, world, dispatcher):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "capacity"])
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "capacity", "capacities"])
 def test_bad_replica_picks_raise_on_every_rank(dispatcher):
     assert _bad_replica_picks(0, 1, dispatcher) == ["raised"] * 6
     assert run_distributed(_bad_replica_picks, 2, dispatcher) == [["raised"] * 6] * 2
@@ -494,11 +501,11 @@ def _uneven_default(rank, world):
     torch.testing.assert_close(m(x), ml.reference.moe_forward(x, *w, cfg), rtol=1e-12, atol=1e-12)
 
 
-def _overflow_on_one_rank(rank, world, check_finite, served_before=True):
+def _overflow_on_one_rank(rank, world, check_finite, served_before=True, capacity=4):
     """Rank 1 has more tokens than the capacity: it takes part in the exchange (no rank hangs).
     ``served_before``: after a first forward, which compares the ranks' placements (a flag read)."""
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
-    m = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), capacity=4, check_finite=check_finite)
+    m = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), capacity=capacity, check_finite=check_finite)
     if served_before:
         with torch.no_grad():
             m(torch.randn(3, 8))
@@ -519,7 +526,7 @@ def _overflow_on_one_rank(rank, world, check_finite, served_before=True):
 def _forced_out_of_range_on_one_rank(rank, world, dispatcher, check_finite):
     """Every rank replays a trace; rank 1's holds an expert id >= E: every rank raises, none hangs."""
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
-    kwargs = dict(capacity=6) if dispatcher == "capacity" else dict(dispatcher=dispatcher)
+    kwargs = _kwargs(dispatcher)
     m = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), check_finite=check_finite, **kwargs)
     ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
     if rank == 1:
@@ -537,7 +544,7 @@ def _forced_out_of_range_on_one_rank(rank, world, dispatcher, check_finite):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "capacity"])
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "capacity", "capacities"])
 @pytest.mark.parametrize("check_finite", [True, False])
 def test_forced_ids_out_of_range_on_one_rank_raise_on_every_rank(dispatcher, check_finite):
     assert run_distributed(_forced_out_of_range_on_one_rank, 2, dispatcher, check_finite) == ["raised", "raised"]
@@ -553,7 +560,7 @@ BAD_INPUTS = {  # what rank 1 passes instead of x [3, 8] (with token ids [3] and
 
 def _bad_input_on_one_rank(rank, world, dispatcher, check_finite):
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
-    kwargs = dict(capacity=6) if dispatcher == "capacity" else dict(dispatcher=dispatcher)
+    kwargs = _kwargs(dispatcher)
     m = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), check_finite=check_finite, **kwargs)
     return {kind: _refused_forward(m, rank, kind) for kind in BAD_INPUTS}
 
@@ -584,11 +591,11 @@ def _refused_forward(m, rank, kind):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "capacity"])
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "capacity", "capacities"])
 def test_bad_input_on_one_rank_raises_on_every_rank(dispatcher):
     raised = {kind: "raised" for kind in BAD_INPUTS}
     assert run_distributed(_bad_input_on_one_rank, 2, dispatcher, True, timeout=90) == [raised, raised]
-    if dispatcher == "capacity":  # no NaN check, but every rank forces its routing: each reads the flags
+    if dispatcher.startswith("capacit"):  # no NaN check, but every rank forces its routing: each reads the flags
         assert run_distributed(_bad_input_on_one_rank, 2, dispatcher, False, timeout=90) == [raised, raised]
 
 
@@ -599,6 +606,8 @@ def test_capacity_overflow_on_one_rank_raises_without_a_hang():
     # the first forward after the layer was built (which reads the flags to compare the placements)
     assert run_distributed(_overflow_on_one_rank, 2, False) == ["no error", "raised"]
     assert run_distributed(_overflow_on_one_rank, 2, False, False) == ["raised", "raised"]
+    # several capacities: the ranks agree on one from their row counts, so every rank knows an overflow
+    assert run_distributed(_overflow_on_one_rank, 2, False, True, (2, 4)) == ["raised", "raised"]
 
 
 def test_capacity_errors():
@@ -918,7 +927,7 @@ PLAN_BREAKS = {"raises": "raised RuntimeError: my plan failed", "other_expert": 
 def _broken_plans(rank, world, dispatcher):
     cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, init_std=0.5)
     groups = ml.ParallelGroups.from_world() if world > 1 else ml.ParallelGroups.single()
-    kwargs = {"capacity": dict(capacity=6)}.get(dispatcher, dict(dispatcher=dispatcher))
+    kwargs = _kwargs(dispatcher)
     out = {}
     for how in PLAN_BREAKS:
         layer = _BrokenPlanMoE(cfg, groups, how=how, on_rank=world - 1, seed=1, **kwargs)
@@ -933,7 +942,7 @@ def _broken_plans(rank, world, dispatcher):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "capacity"])
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather", "capacity", "capacities"])
 def test_a_plan_override_that_breaks_its_contract_raises_on_every_rank(dispatcher):
     """An override that raised on one rank left the others waiting in the exchange (a hang until
     the timeout), one with [T] or fewer routes did too, and one routing a token to an in-range slot

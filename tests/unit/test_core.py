@@ -724,14 +724,14 @@ def test_layer_state_stays_whole():
         def release(self):
             self.released = True
 
-    src._graphed = graph = _Graph()
+    src._graphed = {4: (graph := _Graph())}
     src._apply(lambda t: t.clone())  # new storage on the same device, as .cpu() / .cuda() round trips give
-    assert graph.released and src._graphed is None
-    src._graphed = graph = _Graph()
+    assert graph.released and src._graphed == {}
+    src._graphed = {4: (graph := _Graph()), 8: (other_graph := _Graph())}
     src.load_state_dict(src.state_dict())  # copied in place: the graph still reads the right weights
     assert not graph.released
-    src.load_state_dict(copy.deepcopy(src.state_dict()), assign=True)  # new tensors: the graph goes
-    assert graph.released and src._graphed is None
+    src.load_state_dict(copy.deepcopy(src.state_dict()), assign=True)  # new tensors: the graphs go
+    assert graph.released and other_graph.released and src._graphed == {}
 
     other = {k: v.clone() for k, v in src.state_dict().items()}
     other["_extra_state"][2] = 1  # ep_rank

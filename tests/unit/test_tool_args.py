@@ -49,5 +49,7 @@ def test_hf_bench_smoke(tmp_path):
     out = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     record = json.loads((tmp_path / "hf_bench.json").read_text())
-    assert set(record["results"]) == {"hf", "moelayers", "moelayers_skip_padding", "moelayers_unchecked"}
-    assert record["results"]["moelayers_skip_padding"]["same_tokens_as_hf"] == 1.0  # (float32)
+    assert set(record["results"]) == {"hf", "moelayers", "moelayers_skip_padding", "moelayers_unchecked",
+                                      "moelayers_graphs"}
+    for name in ("moelayers_skip_padding", "moelayers_graphs"):  # (float32)
+        assert record["results"][name]["same_tokens_as_hf"] == 1.0, name
