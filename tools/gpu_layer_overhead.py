@@ -89,6 +89,7 @@ with torch.inference_mode():
         if hf is not None:
             row["hf"] = t(lambda z: hf(z[None]), x)
         row["ours_cpu_per_call"] = cpu_only(layer, x)
+        row["ours_graphed_cpu_per_call"] = cpu_only(graphed, x)
         row["minimal_cpu_per_call"] = cpu_only(minimal, x)
         row["minimal_vs_ours_maxdiff"] = float((minimal(x) - layer(x)).abs().max())
         row["graphed_vs_ours_maxdiff"] = float((graphed(x) - layer(x)).abs().max())

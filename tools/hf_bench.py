@@ -13,7 +13,8 @@ position only, as ``generate``'s) and the decode step
   router logits, so (one process, inference) no host sync in the layers;
 * ``moelayers_graphs``: ``swap_moe_blocks(..., capacity=(16, 32, ..., 2^n), cuda_graph=True)`` (the
   powers of two up to the batch's padded prompt tokens): each call padded to the smallest that
-  holds it and replayed from that size's CUDA graph (on CPU: run eagerly).
+  holds it and replayed from that size's CUDA graph (on CPU: run eagerly);
+* ``moelayers_graphs_unchecked``: the same with ``check_finite=False`` (no flag read after a replay).
 
 It also reports the share of generated tokens equal to ``hf``'s (random weights in bf16: a rounding
 can flip a near tie, after which a sequence goes its own way) and the padding share of the batch.
@@ -48,7 +49,8 @@ from moelayers.integrations.hf import swap_moe_blocks  # noqa: E402
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                      num_experts=128, num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4,
                      head_dim=128, norm_topk_prob=True, max_position_embeddings=8192)
-VARIANTS = ("hf", "moelayers", "moelayers_skip_padding", "moelayers_unchecked", "moelayers_graphs")
+VARIANTS = ("hf", "moelayers", "moelayers_skip_padding", "moelayers_unchecked", "moelayers_graphs",
+            "moelayers_graphs_unchecked")
 SMOKE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
              num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, norm_topk_prob=True,
              max_position_embeddings=512)
@@ -140,12 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         model = base if name == "hf" else copy.deepcopy(base)
         if name != "hf":
             graphs = {}
-            if name.endswith("graphs"):
+            if "graphs" in name:
                 graphs = dict(capacity=powers_of_two(16, ids.numel()), cuda_graph=device.startswith("cuda"))
             swap_moe_blocks(model, ml.ParallelGroups.single(), skip_padding=name.endswith("skip_padding"),
                             check_finite=not name.endswith("unchecked"), **graphs)
         results[name] = measure(model, ids, mask, args.new, args.reps, device)
-        print(f"{name:24s} prefill {results[name]['prefill_ms']:9.2f} ms   decode step "
+        print(f"{name:28s} prefill {results[name]['prefill_ms']:9.2f} ms   decode step "
               f"{results[name]['decode_step_ms']:8.2f} ms", flush=True)
         if model is not base:
             del model
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name in VARIANTS[1:]:
         r = results[name]
-        print(f"{name:24s} / hf: prefill {r['prefill_vs_hf']:.3f}  decode {r['decode_vs_hf']:.3f}  "
+        print(f"{name:28s} / hf: prefill {r['prefill_vs_hf']:.3f}  decode {r['decode_vs_hf']:.3f}  "
               f"same tokens {r['same_tokens_as_hf']:.3f}")
     print(f"padding share of the prompts: {record['padding_share']:.3f}")
     if args.out is not None:
