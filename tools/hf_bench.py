@@ -3,7 +3,8 @@
 model as transformers runs it: greedy ``generate`` on left-padded prompts of mixed lengths, one
 process (world 1). Measures the prefill (one forward of the padded batch, the logits of its last
 position only, as ``generate``'s) and the decode step
-(``(t(generate N tokens) - t(generate 1 token)) / (N - 1)``), medians of ``--reps``, for:
+(``(t(generate N tokens) - t(generate 1 token)) / (N - 1)``), medians of ``--reps``, the variants
+interleaved within each repetition, and their ratios to ``hf``'s per repetition (median and range), for:
 
 * ``hf``: the model as transformers builds it (transformers >= 5: its ``grouped_mm`` experts on
   GPU by default);
@@ -88,21 +89,42 @@ def timed(fn, device: str) -> float:
     return time.perf_counter() - t0, out
 
 
-def measure(model, ids, mask, new: int, reps: int, device: str) -> dict:
+def measure(models: dict, ids, mask, new: int, reps: int, device: str) -> dict:
+    """Each model's prefill and generate times, the variants interleaved within each repetition
+    (the machine's drift between repetitions then falls on every variant alike; the first variant
+    of a repetition rotates): ``{name: {"prefill": [s], "one": [s], "full": [s], "tokens": ...}}``."""
     gen = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None)
+    names = list(models)
+    out = {name: {"prefill": [], "one": [], "full": []} for name in names}
     with torch.inference_mode():
-        model.generate(ids, max_new_tokens=2, **gen)  # warm-up
-        # as generate's prefill: the logits of the last position only (not the LM head over every position)
-        prefill = [timed(lambda: model(ids, attention_mask=mask, logits_to_keep=1), device)[0] for _ in range(reps)]
-        one = [timed(lambda: model.generate(ids, max_new_tokens=1, **gen), device)[0] for _ in range(reps)]
-        full = []
-        for _ in range(reps):
-            t, out = timed(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, **gen), device)
-            full.append(t)
-    decode = (statistics.median(full) - statistics.median(one)) / (new - 1)
-    return {"prefill_ms": 1e3 * statistics.median(prefill), "decode_step_ms": 1e3 * decode,
-            "prefill_ms_all": [1e3 * t for t in prefill], "generate_ms_all": [1e3 * t for t in full],
-            "tokens": out[:, ids.shape[1]:].cpu()}
+        for model in models.values():
+            model.generate(ids, max_new_tokens=2, **gen)  # warm-up (and the CUDA graphs' captures)
+        for rep in range(reps):
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                model, got = models[name], out[name]
+                # as generate's prefill: the logits of the last position only (not the LM head over every position)
+                got["prefill"].append(timed(lambda: model(ids, attention_mask=mask, logits_to_keep=1), device)[0])
+                got["one"].append(timed(lambda: model.generate(ids, max_new_tokens=1, **gen), device)[0])
+                t, tokens = timed(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, **gen), device)
+                got["full"].append(t)
+                got["tokens"] = tokens[:, ids.shape[1]:].cpu()
+    return out
+
+
+def summary(times: dict, hf: dict | None, new: int) -> dict:
+    """Medians (ms) of one variant's prefill and decode step (``(t(N tokens) - t(1 token)) / (N - 1)``
+    within each repetition), and against ``hf``'s: the median and range of the per-repetition ratios."""
+    decode = [(f - o) / (new - 1) for f, o in zip(times["full"], times["one"])]
+    row = {"prefill_ms": 1e3 * statistics.median(times["prefill"]), "decode_step_ms": 1e3 * statistics.median(decode),
+           "prefill_ms_all": [1e3 * t for t in times["prefill"]], "decode_step_ms_all": [1e3 * t for t in decode],
+           "generate_ms_all": [1e3 * t for t in times["full"]]}
+    if hf is not None:
+        hf_decode = [(f - o) / (new - 1) for f, o in zip(hf["full"], hf["one"])]
+        for key, mine, theirs in (("prefill", times["prefill"], hf["prefill"]), ("decode", decode, hf_decode)):
+            ratios = [a / b for a, b in zip(mine, theirs)]
+            row[f"{key}_vs_hf"] = statistics.median(ratios)
+            row[f"{key}_vs_hf_range"] = [min(ratios), max(ratios)]
+    return row
 
 
 def powers_of_two(low: int, high: int) -> tuple[int, ...]:
@@ -137,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
 
     base = build(shape, args.layers, device, dtype)
     ids, mask = prompts(args.batch, *args.prompt, shape["vocab_size"], device)
-    results = {}
+    models = {}
     for name in VARIANTS:
         model = base if name == "hf" else copy.deepcopy(base)
         if name != "hf":
@@ -146,17 +168,14 @@ def main(argv: list[str] | None = None) -> int:
                 graphs = dict(capacity=powers_of_two(16, ids.numel()), cuda_graph=device.startswith("cuda"))
             swap_moe_blocks(model, ml.ParallelGroups.single(), skip_padding=name.endswith("skip_padding"),
                             check_finite=not name.endswith("unchecked"), **graphs)
-        results[name] = measure(model, ids, mask, args.new, args.reps, device)
+        models[name] = model
+    times = measure(models, ids, mask, args.new, args.reps, device)
+    results = {name: summary(times[name], None if name == "hf" else times["hf"], args.new) for name in VARIANTS}
+    for name in VARIANTS:
         print(f"{name:28s} prefill {results[name]['prefill_ms']:9.2f} ms   decode step "
               f"{results[name]['decode_step_ms']:8.2f} ms", flush=True)
-        if model is not base:
-            del model
-    ref = results["hf"].pop("tokens")
     for name in VARIANTS[1:]:
-        tokens = results[name].pop("tokens")
-        results[name]["same_tokens_as_hf"] = float((tokens == ref).float().mean())
-        results[name]["prefill_vs_hf"] = results[name]["prefill_ms"] / results["hf"]["prefill_ms"]
-        results[name]["decode_vs_hf"] = results[name]["decode_step_ms"] / results["hf"]["decode_step_ms"]
+        results[name]["same_tokens_as_hf"] = float((times[name]["tokens"] == times["hf"]["tokens"]).float().mean())
     record = {
         "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
         "torch": torch.__version__, "transformers": transformers.__version__,
@@ -169,8 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     }
     for name in VARIANTS[1:]:
         r = results[name]
-        print(f"{name:28s} / hf: prefill {r['prefill_vs_hf']:.3f}  decode {r['decode_vs_hf']:.3f}  "
-              f"same tokens {r['same_tokens_as_hf']:.3f}")
+        print(f"{name:28s} / hf: prefill {r['prefill_vs_hf']:.3f} ({r['prefill_vs_hf_range'][0]:.3f}-"
+              f"{r['prefill_vs_hf_range'][1]:.3f})  decode {r['decode_vs_hf']:.3f} ({r['decode_vs_hf_range'][0]:.3f}-"
+              f"{r['decode_vs_hf_range'][1]:.3f})  same tokens {r['same_tokens_as_hf']:.3f}")
     print(f"padding share of the prompts: {record['padding_share']:.3f}")
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
