@@ -2,8 +2,9 @@
 """A Hugging Face MoE model with its sparse blocks swapped for moelayers layers, against the same
 model as transformers runs it: greedy ``generate`` on left-padded prompts of mixed lengths, one
 process (world 1). Measures the prefill (one forward of the padded batch, the logits of its last
-position only, as ``generate``'s) and the decode step
-(``(t(generate N tokens) - t(generate 1 token)) / (N - 1)``), medians of ``--reps``, the variants
+position only, as ``generate``'s) and the decode step (the median interval between the steps of
+a ``generate`` of N tokens, timed by a stopping criterion that synchronises, as ``generate``
+does after each step anyway), medians of ``--reps``, the variants
 interleaved within each repetition, and their ratios to ``hf``'s per repetition (median and range), for:
 
 * ``hf``: the model as transformers builds it (transformers >= 5: its ``grouped_mm`` experts on
@@ -89,39 +90,59 @@ def timed(fn, device: str) -> float:
     return time.perf_counter() - t0, out
 
 
+class StepClock:
+    """A ``generate`` stopping criterion that stops nothing and records when each step ended
+    (synchronised with the GPU)."""
+
+    def __init__(self, device: str):
+        self.device, self.times = device, []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def step(self) -> float:
+        """The median interval between steps (seconds): the decode step."""
+        return statistics.median(b - a for a, b in zip(self.times, self.times[1:]))
+
+
 def measure(models: dict, ids, mask, new: int, reps: int, device: str) -> dict:
-    """Each model's prefill and generate times, the variants interleaved within each repetition
-    (the machine's drift between repetitions then falls on every variant alike; the first variant
-    of a repetition rotates): ``{name: {"prefill": [s], "one": [s], "full": [s], "tokens": ...}}``."""
+    """Each model's prefill and decode step, the variants interleaved within each repetition (the
+    machine's drift between repetitions then falls on every variant alike; the first variant of a
+    repetition rotates): ``{name: {"prefill": [s], "decode": [s], "full": [s], "tokens": ...}}``."""
+    from transformers import StoppingCriteriaList
+
     gen = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None)
     names = list(models)
-    out = {name: {"prefill": [], "one": [], "full": []} for name in names}
+    out = {name: {"prefill": [], "decode": [], "full": []} for name in names}
     with torch.inference_mode():
         for model in models.values():
             model.generate(ids, max_new_tokens=2, **gen)  # warm-up (and the CUDA graphs' captures)
         for rep in range(reps):
             for name in names[rep % len(names):] + names[:rep % len(names)]:
-                model, got = models[name], out[name]
+                model, got, clock = models[name], out[name], StepClock(device)
                 # as generate's prefill: the logits of the last position only (not the LM head over every position)
                 got["prefill"].append(timed(lambda: model(ids, attention_mask=mask, logits_to_keep=1), device)[0])
-                got["one"].append(timed(lambda: model.generate(ids, max_new_tokens=1, **gen), device)[0])
-                t, tokens = timed(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new, **gen), device)
+                t, tokens = timed(lambda: model.generate(ids, max_new_tokens=new, min_new_tokens=new,
+                                                         stopping_criteria=StoppingCriteriaList([clock]), **gen), device)
                 got["full"].append(t)
+                got["decode"].append(clock.step())
                 got["tokens"] = tokens[:, ids.shape[1]:].cpu()
     return out
 
 
-def summary(times: dict, hf: dict | None, new: int) -> dict:
-    """Medians (ms) of one variant's prefill and decode step (``(t(N tokens) - t(1 token)) / (N - 1)``
-    within each repetition), and against ``hf``'s: the median and range of the per-repetition ratios."""
-    decode = [(f - o) / (new - 1) for f, o in zip(times["full"], times["one"])]
-    row = {"prefill_ms": 1e3 * statistics.median(times["prefill"]), "decode_step_ms": 1e3 * statistics.median(decode),
-           "prefill_ms_all": [1e3 * t for t in times["prefill"]], "decode_step_ms_all": [1e3 * t for t in decode],
+def summary(times: dict, hf: dict | None) -> dict:
+    """Medians (ms) of one variant's prefill and decode step, and against ``hf``'s: the median and
+    range of the per-repetition ratios."""
+    row = {"prefill_ms": 1e3 * statistics.median(times["prefill"]),
+           "decode_step_ms": 1e3 * statistics.median(times["decode"]),
+           "prefill_ms_all": [1e3 * t for t in times["prefill"]], "decode_step_ms_all": [1e3 * t for t in times["decode"]],
            "generate_ms_all": [1e3 * t for t in times["full"]]}
     if hf is not None:
-        hf_decode = [(f - o) / (new - 1) for f, o in zip(hf["full"], hf["one"])]
-        for key, mine, theirs in (("prefill", times["prefill"], hf["prefill"]), ("decode", decode, hf_decode)):
-            ratios = [a / b for a, b in zip(mine, theirs)]
+        for key in ("prefill", "decode"):
+            ratios = [a / b for a, b in zip(times[key], hf[key])]
             row[f"{key}_vs_hf"] = statistics.median(ratios)
             row[f"{key}_vs_hf_range"] = [min(ratios), max(ratios)]
     return row
@@ -150,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt is None:
         args.prompt = [8, 32] if args.smoke else [64, 512]
     if args.new < 2:
-        p.error("--new must be at least 2 (the decode step is measured between 1 and N tokens)")
+        p.error("--new must be at least 2 (the decode step is the interval between two steps)")
     if args.prompt[0] > args.prompt[1]:
         p.error("--prompt MIN MAX: MIN must not exceed MAX")
     shape, dtype = (SMOKE, torch.float32) if args.smoke else (QWEN3_30B_A3B, torch.bfloat16)
@@ -170,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
                             check_finite=not name.endswith("unchecked"), **graphs)
         models[name] = model
     times = measure(models, ids, mask, args.new, args.reps, device)
-    results = {name: summary(times[name], None if name == "hf" else times["hf"], args.new) for name in VARIANTS}
+    results = {name: summary(times[name], None if name == "hf" else times["hf"]) for name in VARIANTS}
     for name in VARIANTS:
         print(f"{name:28s} prefill {results[name]['prefill_ms']:9.2f} ms   decode step "
               f"{results[name]['decode_step_ms']:8.2f} ms", flush=True)
