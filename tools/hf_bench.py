@@ -118,8 +118,10 @@ def measure(models: dict, ids, mask, new: int, reps: int, device: str) -> dict:
     names = list(models)
     out = {name: {"prefill": [], "decode": [], "full": []} for name in names}
     with torch.inference_mode():
-        for model in models.values():
-            model.generate(ids, max_new_tokens=2, **gen)  # warm-up (and the CUDA graphs' captures)
+        for model in models.values():  # warm-up, as timed (and the CUDA graphs' captures)
+            model(ids, attention_mask=mask, logits_to_keep=1)
+            model.generate(ids, max_new_tokens=new, min_new_tokens=new,
+                           stopping_criteria=StoppingCriteriaList([StepClock(device)]), **gen)
         for rep in range(reps):
             for name in names[rep % len(names):] + names[:rep % len(names)]:
                 model, got, clock = models[name], out[name], StepClock(device)
