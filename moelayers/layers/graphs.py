@@ -30,6 +30,9 @@ class GraphedForward:
         self.x = torch.zeros(capacity, hidden, dtype=dtype, device=device)
         self.num_valid = torch.zeros((), dtype=torch.int64, device=device)
         self.flag = torch.zeros((), dtype=torch.int32, device=device)
+        # what the static inputs hold, known on the host: a replay of a batch like the previous one
+        # (decode steps) launches no kernel to set them
+        self._rows_set, self._num_valid, self._flag = 0, 0, 0  # rows of x that may be non-zero; the fills
         self.graph: torch.cuda.CUDAGraph | None = None
         self.y: torch.Tensor | None = None
         self.aux: torch.Tensor | None = None
@@ -60,12 +63,18 @@ class GraphedForward:
         valid until the next replay (no extra kernel on the latency path). Capture and replay run
         with the activations' device current, whichever device was current before."""
         t = x.shape[0]
+        num_valid = t if num_valid is None else num_valid
         with torch.cuda.device(self.x.device):
             self.x[:t].copy_(x)
-            if t < self.capacity:
-                self.x[t:].zero_()
-            self.num_valid.fill_(t if num_valid is None else num_valid)
-            self.flag.fill_(flag)
+            if t < self._rows_set:  # the padding rows are zeros (a stale row could hold a NaN, flagged)
+                self.x[t:self._rows_set].zero_()
+            self._rows_set = t
+            if num_valid != self._num_valid:
+                self.num_valid.fill_(num_valid)
+                self._num_valid = num_valid
+            if flag != self._flag:
+                self.flag.fill_(flag)
+                self._flag = flag
             if self.graph is None:
                 self._capture()
             self.graph.replay()

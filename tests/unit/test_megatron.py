@@ -551,6 +551,44 @@ def test_graphed_forward_release(monkeypatch):
     assert graphed.graph is None and graphed.y is None and graphed.aux is None
 
 
+def test_graphed_forward_sets_its_static_inputs_only_where_they_change(monkeypatch):
+    """A replay of a batch like the previous one launches no kernel to set the static inputs (the
+    padding rows are zero already, the fills hold their values); whatever the order of the calls, the
+    graph sees the rows given, zeros after them, and the row count and flag of the call. CPU
+    stand-ins: a "graph" that runs the function on the static inputs."""
+    import contextlib
+
+    from moelayers.layers.graphs import GraphedForward
+
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    seen = []
+
+    def fn(x, num_valid, flag):
+        seen.append((x.clone(), int(num_valid), int(flag)))
+        return x * 2, x[:, :1]
+
+    graphed = GraphedForward(fn, capacity=6, hidden=H, dtype=torch.float32, device=torch.device("cpu"))
+
+    class _Replay:
+        def replay(self):
+            graphed.y, graphed.aux = fn(graphed.x, graphed.num_valid, graphed.flag)
+
+    graphed._capture = lambda: setattr(graphed, "graph", _Replay())
+    kernels = []
+    for name in ("zero_", "fill_"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _real=real, _name=name: kernels.append(_name) or _real(t, *a))
+    for rows, num_valid, flag in ((5, None, 0), (2, None, 0), (2, None, 0), (4, 7, 0), (1, None, 4), (1, None, 0)):
+        x = torch.randn(rows, H)
+        kernels.clear()
+        y, _ = graphed(x, num_valid=num_valid, flag=flag)
+        sx, sn, sf = seen[-1]
+        assert torch.equal(y, 2 * x) and torch.equal(sx[:rows], x) and not sx[rows:].any()
+        assert (sn, sf) == (rows if num_valid is None else num_valid, flag)
+        if (rows, num_valid, flag) == (2, None, 0):
+            assert kernels.count("zero_") <= 1 and (len(seen) < 3 or kernels == [])  # the repeat: no kernel
+
+
 # ------------------------------------------------------------------ 2 processes: parallel_state on gloo
 def _padded_tokens(rank: int):
     s, b = 3 + rank, 2
