@@ -119,8 +119,9 @@ class MoELayerBase(LayerWeights, nn.Module):
             largest is a ``ValueError``. ``capacity`` is then the largest, and ``capacities`` all.
         cuda_graph: with ``capacity``, on CUDA and without autograd, capture the whole forward in a
             CUDA graph on first use and replay it (every rank must take this path together; with
-            several capacities, one graph per capacity, each captured the first time it runs and
-            holding about the memory of one forward at its size). Needs
+            several capacities, one graph per capacity, each captured the first time it runs, all
+            in one memory pool of the layer that holds about its largest forward's memory;
+            :func:`moelayers.share_graph_pool` shares one pool between layers). Needs
             what a capture allows, checked on every rank before the first one: the experts on
             ``torch._grouped_mm``'s fast path (bf16 on compute capability 9.x/10.x, ``H`` and ``F``
             multiples of 8, ``expert_backend`` not ``'loop'``) and the Triton kernels (installed, not
@@ -214,6 +215,10 @@ class MoELayerBase(LayerWeights, nn.Module):
             raise ValueError("cuda_graph=True needs a fixed capacity (tokens per rank)")
         self.capacity, self.cuda_graph = None if capacity is None else self.capacities[-1], cuda_graph
         self._graphed: dict[int, Any] = {}  # capacity -> its captured CUDA graph (GraphedForward)
+        #: the memory pool the layer's CUDA graphs are captured into, shared with other layers
+        #: (:func:`moelayers.share_graph_pool`); ``None``: one of its own, shared by its capacities' graphs
+        self.graph_pool: tuple | None = None
+        self._own_pool: tuple | None = None  # made at the first capture without graph_pool, dropped with the graphs
         # the layer's own copies: a caller editing its placement or config afterwards cannot
         # desynchronise the layer (replace() validates again)
         config = config.replace()
@@ -746,7 +751,10 @@ class MoELayerBase(LayerWeights, nn.Module):
                 def padded(xp, num_valid, flag):
                     return self._forward_steps(xp, None, None, num_valid, flag)  # (y, topk_ids)
 
-                graph = self._graphed[c] = GraphedForward(padded, c, self.config.hidden_size, x2.dtype, x2.device)
+                if self.graph_pool is None and self._own_pool is None:
+                    self._own_pool = torch.cuda.graph_pool_handle()
+                graph = self._graphed[c] = GraphedForward(padded, c, self.config.hidden_size, x2.dtype, x2.device,
+                                                          pool=self.graph_pool or self._own_pool)
             # topk_ids: a view of the graph's static output
             y, topk_ids = graph(x2, num_valid=t, flag=BAD_INPUT if self._bad_input else 0)
             counts = self.dispatcher.fixed_counts.clone()
@@ -843,7 +851,7 @@ class MoELayerBase(LayerWeights, nn.Module):
         """Drop the captured CUDA graphs (call on every rank before destroying the process group)."""
         for graph in self._graphed.values():
             graph.release()  # waits for the graph's own device, not the current one
-        self._graphed = {}
+        self._graphed, self._own_pool = {}, None
 
     _ARANGE: dict = {}
 

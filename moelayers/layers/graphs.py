@@ -20,13 +20,16 @@ class GraphedForward:
         fn: the padded forward; must be free of host syncs and shape changes.
         capacity: ``C``; hidden: ``H``; dtype/device: of the activations.
         warmup: eager iterations on a side stream before capture (compiles kernels, warms NCCL).
+        pool: the memory pool to capture into (``torch.cuda.graph_pool_handle()``), shared with other
+            graphs whose replays never overlap this one's and whose static outputs are read before
+            another of them replays; ``None``: a pool of its own.
     """
 
     # normal static inputs even when captured under torch.inference_mode(): replays outside it copy into them
     @torch.inference_mode(False)
     def __init__(self, fn: Callable, capacity: int, hidden: int, dtype: torch.dtype, device: torch.device,
-                 warmup: int = 3):
-        self.fn, self.capacity, self.warmup = fn, capacity, warmup
+                 warmup: int = 3, pool: tuple | None = None):
+        self.fn, self.capacity, self.warmup, self.pool = fn, capacity, warmup, pool
         self.x = torch.zeros(capacity, hidden, dtype=dtype, device=device)
         self.num_valid = torch.zeros((), dtype=torch.int64, device=device)
         self.flag = torch.zeros((), dtype=torch.int32, device=device)
@@ -48,7 +51,7 @@ class GraphedForward:
         graph = torch.cuda.CUDAGraph()
         # a capture stream of the activations' device: torch's default one is made once per process,
         # on whichever device was current then
-        with torch.cuda.graph(graph, stream=torch.cuda.Stream(device=device)):
+        with torch.cuda.graph(graph, pool=self.pool, stream=torch.cuda.Stream(device=device)):
             self.y, self.aux = self.fn(self.x, self.num_valid, self.flag)
         self.graph = graph
 
@@ -91,3 +94,40 @@ class GraphedForward:
         if self.graph is not None:
             torch.cuda.synchronize(self.x.device)
         self.graph = self.y = self.aux = None
+
+
+def share_graph_pool(module: torch.nn.Module, pool: tuple | None = None) -> tuple | None:
+    """Capture the CUDA graphs of every moelayers layer in ``module`` into one memory pool.
+
+    Each layer built with ``cuda_graph=True`` captures its graphs (one per capacity) into a pool of
+    its own, which holds about the memory of its largest forward; sharing one pool across the layers
+    of a model holds that once instead of once per layer. The layers' forwards must then run one
+    after another on one CUDA stream, as a model's layers do (not concurrently on several streams),
+    and a layer's ``last_topk_ids`` after a replay is valid until the next forward of any of them.
+    Graphs captured before are dropped (captured again, into the pool, on their next forward).
+
+    Args:
+        module: a model, or a layer; every :class:`~moelayers.layers.base.MoELayerBase` in
+            ``module.modules()`` takes the pool.
+        pool: a ``torch.cuda.graph_pool_handle()`` to use (default: a new one).
+
+    Returns:
+        The pool's handle, or ``None`` without CUDA (graphs run eagerly there: nothing to share).
+
+    Raises:
+        ValueError: ``module`` holds no moelayers layer.
+    """
+    from moelayers.layers.base import MoELayerBase
+
+    layers = [m for m in module.modules() if isinstance(m, MoELayerBase)]
+    if not layers:
+        raise ValueError(f"share_graph_pool: {type(module).__name__} holds no moelayers layer")
+    if pool is None:
+        if not torch.cuda.is_available():
+            return None
+        pool = torch.cuda.graph_pool_handle()
+    for layer in layers:
+        if layer.graph_pool != pool:
+            layer.release_graphs()
+            layer.graph_pool = pool
+    return pool

@@ -337,7 +337,7 @@ class LayerWeights:
                         module._buffers[name] = torch.zeros_like(buf, device=device)
 
     #: attributes a deep copy starts afresh (factories) instead of copying: a captured CUDA graph, a lock
-    _fresh_on_copy: dict[str, Callable[[], Any]] = {"_graphed": dict,
+    _fresh_on_copy: dict[str, Callable[[], Any]] = {"_graphed": dict, "graph_pool": lambda: None, "_own_pool": lambda: None,
                                                     "_forced_for_recompute": ForcedForRecompute,
                                                     "_graphs": InFlightGraphs,
                                                     "_reduced_grads": dict,

@@ -111,6 +111,40 @@ def test_graphed_layer_with_several_capacities():
     assert layer._graphed == {}
 
 
+def test_layers_sharing_one_graph_pool():
+    """Two layers whose graphs (three sizes each) share one memory pool compute what two layers of
+    their own pools do, bit for bit, whatever the order of the sizes; the shared pool reserves less."""
+    import moelayers as ml
+
+    cfg = ml.MoEConfig(hidden_size=256, ffn_hidden_size=128, num_experts=8, top_k=2, params_dtype=torch.bfloat16)
+
+    def model():
+        return torch.nn.Sequential(*[ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device="cuda",
+                                                   capacity=(4, 16, 64), cuda_graph=True, seed=i) for i in range(2)])
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(64, 256, device="cuda", generator=gen).to(torch.bfloat16)
+    reserved, outs = [], []
+    for share in (False, True):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
+        m = model()
+        if share:
+            pool = ml.share_graph_pool(m)
+            assert pool is not None and all(layer.graph_pool == pool for layer in m)
+        with torch.no_grad():
+            outs.append([m(x[:rows]) for rows in (3, 64, 10, 1, 40, 16)])
+        torch.cuda.synchronize()
+        reserved.append(torch.cuda.memory_reserved() - before)
+        assert all(sorted(layer._graphed) == [4, 16, 64] for layer in m)
+        for layer in m:
+            layer.release_graphs()
+        del m
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert reserved[1] < reserved[0], reserved
+
+
 def test_graphed_layer_after_a_device_round_trip_and_deferred_init():
     """A captured graph read the old weights' addresses after ``.cpu()`` / ``.cuda()`` (it was kept:
     only a dtype change dropped it); a layer built under ``torch.device("meta")`` and materialised on

@@ -1272,3 +1272,30 @@ def test_from_megatron_without_megatron_names_the_package(monkeypatch):
             ml.MoEConfig.from_megatron(_tc(num_moe_experts=8))
     finally:
         megatron_rounds_scores.cache_clear()
+
+
+def test_share_graph_pool_sets_one_pool_and_drops_the_graphs_captured_before():
+    """CPU stand-ins (a pool handle is a tuple; capture needs CUDA: tests/gpu): every moelayers layer
+    in the module takes the pool, graphs captured elsewhere are dropped, a copy starts without it."""
+    import copy
+
+    class _Graph:
+        released = False
+
+        def release(self):
+            self.released = True
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    model = torch.nn.ModuleList([ml.VanillaMoE(cfg, ml.ParallelGroups.single(), capacity=(2, 4)) for _ in range(2)])
+    model[0]._graphed = {2: (graph := _Graph())}
+    assert ml.share_graph_pool(model, pool=(0, 7)) == (0, 7)
+    assert [m.graph_pool for m in model] == [(0, 7), (0, 7)] and graph.released and model[0]._graphed == {}
+    model[1]._graphed = {4: (kept := _Graph())}
+    ml.share_graph_pool(model[1], pool=(0, 7))  # the pool it has already: its graphs stay
+    assert not kept.released
+    model[1]._graphed = {}
+    assert copy.deepcopy(model[0]).graph_pool is None
+    if not torch.cuda.is_available():
+        assert ml.share_graph_pool(model) is None  # nothing to share: graphs run eagerly
+    with pytest.raises(ValueError, match="holds no moelayers layer"):
+        ml.share_graph_pool(torch.nn.Linear(2, 2))
