@@ -392,7 +392,7 @@ def _combine_rows(layer, stats) -> int:
     """Hidden-state rows one forward's combine sent to other ranks: one per remote dispatch row, or
     with ``capacity`` the whole fixed buffer (``C`` rows to every other rank, ``C`` the capacity
     the forward ran at, padding included, as ``bytes_sent`` counts the dispatch)."""
-    cap = getattr(layer.dispatcher, "capacity", None)
+    cap = getattr(layer, "last_capacity", None)
     if cap is not None:
         return int(cap) * (len(stats.rows_sent) - 1)
     return sum(stats.rows_sent) - stats.rows_sent[stats.rank]

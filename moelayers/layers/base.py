@@ -31,8 +31,9 @@ from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFir
 from moelayers.dispatch.base import Dispatcher, checked_plan, routes_from_placement
 from moelayers.dispatch.flags import (
     BAD_INPUT, DISPATCH_AUTOGRAD, ORDER_SHIFT, PAYLOAD_NAMES, RECORDS_AUTOGRAD, REPLICA_AUTOGRAD, BackwardOrderError,
-    SettingsDiffer, check_exchanged, merge_flags, settings_differences,
+    SettingsDiffer, check_exchanged, merge_flags, raise_if_placements_differ, settings_differences,
 )
+from moelayers.dispatch.comm import all_gather_flat
 from moelayers.experts import GroupedExperts
 from moelayers.groups import ParallelGroups, backend_device, collective_device
 from moelayers.kernels import HAVE_TRITON, TRITON_INSTALL_HINT, use_triton
@@ -115,8 +116,10 @@ class MoELayerBase(LayerWeights, nn.Module):
             more is a ``ValueError``). Static shapes, no host sync; see ``AllToAllDispatcher``. A
             sequence of ints (e.g. ``(16, 64, 256, 1024)``): capacities to choose from, each forward
             padded to the smallest that holds the most tokens any expert-parallel rank has (with
-            several ranks they agree on it in one small all-reduce, a host sync); more than the
-            largest is a ``ValueError``. ``capacity`` is then the largest, and ``capacities`` all.
+            several ranks they agree on it in one small all-gather, a host sync, in which ranks
+            built with other sizes raise together); more than the largest is a ``ValueError``.
+            ``capacity`` is then the largest, ``capacities`` all, and ``last_capacity`` the size
+            of the last forward.
         cuda_graph: with ``capacity``, on CUDA and without autograd, capture the whole forward in a
             CUDA graph on first use and replay it (every rank must take this path together; with
             several capacities, one graph per capacity, each captured the first time it runs, all
@@ -238,11 +241,12 @@ class MoELayerBase(LayerWeights, nn.Module):
             dtype=config.params_dtype, device=device, backend=expert_backend, init=False,
         )
         self.experts.tie_replicas(self.placement, groups.ep_rank, groups.ep)
-        self.dispatcher: Dispatcher  # the last forward's (with several capacities: of the capacity it ran at)
+        self.dispatcher: Dispatcher  # with several capacities: the last forward's size's (a move rebuilds it)
         self._new_dispatchers()
         self.last_stats: MoEStats | None = None
         self.last_topk_ids: torch.Tensor | None = None
         self.last_token_ids: torch.Tensor | None = None
+        self.last_capacity: int | None = None  # capacity mode: the size the last forward was padded to
         self._forced_ids: torch.Tensor | None = None
         self._forced_for_recompute = ForcedForRecompute()  # for activation checkpointing (layers/replay.py)
         self._graphs = InFlightGraphs()  # recorded forwards awaiting their backward: a move waits (layers/inflight.py)
@@ -733,6 +737,7 @@ class MoELayerBase(LayerWeights, nn.Module):
         eager or replayed from that capacity's CUDA graph."""
         t = x2.shape[0]
         c, most = self._capacity_for(t)
+        self.last_capacity = c
         self.dispatcher = self._dispatchers.get(c) or self._dispatchers.setdefault(c, self._make_dispatcher(c))
         if t > c:  # take part in the exchange with the first c tokens and a flag (no rank hangs), then raise
             x2 = x2[:c]
@@ -780,14 +785,24 @@ class MoELayerBase(LayerWeights, nn.Module):
     def _capacity_for(self, t: int) -> tuple[int, int]:
         """``(capacity, most)``: the capacity a forward of ``t`` rows on this rank runs at, the
         smallest of ``capacities`` that holds ``most``, the most rows of any expert-parallel rank
-        (their collectives must match; with several capacities and ranks, one small all-reduce and
+        (their collectives must match; with several capacities and ranks, one small all-gather and
         a host sync find it: otherwise ``most`` is ``t``), else the largest (the forward then
-        raises: :meth:`_raise_on_flags`)."""
+        raises: :meth:`_raise_on_flags`).
+
+        Raises:
+            SettingsDiffer: on every rank, where the ranks' settings differ (their digests travel
+                with the row counts).
+        """
         caps, most = self.capacities, t
         if len(caps) > 1 and self.groups.ep_size > 1:
-            vote = torch.tensor([t], dtype=torch.int64, device=collective_device(self.groups.ep))
-            dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self.groups.ep)
-            most = int(vote.item())
+            # with the digest of the ranks' settings: ranks built with other sizes would pick others, and
+            # exchange buffers of different sizes (a hang, or gloo aborting the process)
+            mine = torch.tensor([t, self.dispatcher.placement_digest], dtype=torch.int64)
+            votes = mine.new_empty(2 * self.groups.ep_size).to(collective_device(self.groups.ep))
+            all_gather_flat(votes, mine.to(votes.device), group=self.groups.ep)
+            rows, digests = votes.view(-1, 2).t().tolist()
+            raise_if_placements_differ(digests, together=True)
+            most = max(rows)
         return next((c for c in caps if c >= most), caps[-1]), most
 
     def _check_capturable(self, x2: torch.Tensor) -> None:

@@ -12,6 +12,22 @@ from typing import Callable
 import torch
 
 
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream every capture on ``device`` warms up and captures on. One per device: the
+    caching allocator reuses a freed block only on the stream it was allocated on, so a stream per
+    capture kept every capture's warm-up memory, and captures sharing a pool could not reuse each
+    other's blocks (4 layers of 10 sizes held 1.9 GB each whether or not they shared a pool). Not
+    torch's default capture stream: that one is made once per process, on whichever device was
+    current then."""
+    stream = _CAPTURE_STREAMS.get(device)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return stream
+
+
 class GraphedForward:
     """Captures ``fn(x_static [C, H], num_valid [] int64, flag [] int32) -> (y [C, H], aux [C, ...])``
     on first use and replays it.
@@ -42,16 +58,14 @@ class GraphedForward:
 
     def _capture(self) -> None:
         device = self.x.device
-        side = torch.cuda.Stream(device=device)
+        side = capture_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(self.warmup):
                 self.fn(self.x, self.num_valid, self.flag)
         torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # a capture stream of the activations' device: torch's default one is made once per process,
-        # on whichever device was current then
-        with torch.cuda.graph(graph, pool=self.pool, stream=torch.cuda.Stream(device=device)):
+        with torch.cuda.graph(graph, pool=self.pool, stream=side):
             self.y, self.aux = self.fn(self.x, self.num_valid, self.flag)
         self.graph = graph
 

@@ -720,6 +720,32 @@ def test_serve_with_several_capacities_pads_each_step_to_the_one_it_fits(tmp_pat
     assert rest == rest2 == 0 and 1 <= small < steps, (units, steps)  # some steps at 16 rows, some at 512
 
 
+def _combine_rows_after_moves(rank, world):
+    import moelayers as ml
+    from recipes.serve import _combine_rows
+
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    groups = ml.ParallelGroups.from_world()
+    planner = lambda loads, curves, *, restarts, seed: np.array([1, 1, 0, 0])  # noqa: E731 (a move)
+    layers = [ml.VanillaMoE(cfg, groups, capacity=(2, 64)),
+              ml.VariabilityAwareMoE(cfg, groups, capacity=(2, 64), window=1, auto_replan=True, planner=planner)]
+    counted = []
+    for layer in layers:
+        with torch.no_grad():
+            layer(torch.randn(1, 8))  # at 2 rows (a re-plan moving the weights after it)
+        if isinstance(layer, ml.VanillaMoE):
+            layer.apply_placement(ml.ExpertPlacement(torch.tensor([[3, 2], [1, 0]]), 4))
+        counted.append((layer.last_capacity, _combine_rows(layer, layer.last_stats), getattr(layer, "num_moves", 1)))
+    return counted
+
+
+def test_combine_rows_count_the_size_the_forward_ran_at_after_a_move():
+    """A move rebuilds the layer's dispatchers (the largest size's first): the combine's rows of a
+    step whose re-plan moved weights were counted at the largest capacity (64 rows for 2)."""
+    for counted in run_distributed(_combine_rows_after_moves, 2, timeout=120):
+        assert counted == [(2, 2, 1), (2, 2, 1)], counted
+
+
 def test_capacity_below_the_longest_prompt_is_refused_before_the_ranks_start():
     """+layer.kwargs.capacity=4 failed inside the spawned ranks at the first prefill; now check_config
     says so (learned routing and a replayed synthetic trace), and a capacity that fits passes."""

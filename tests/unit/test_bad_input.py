@@ -610,6 +610,26 @@ def test_capacity_overflow_on_one_rank_raises_without_a_hang():
     assert run_distributed(_overflow_on_one_rank, 2, False, True, (2, 4)) == ["raised", "raised"]
 
 
+def _other_capacities_on_one_rank(rank, world, caps, rows):
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2)
+    m = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), capacity=caps[rank], check_finite=False)
+    try:
+        with torch.no_grad():
+            m(torch.randn(rows, 8))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("caps,rows", [(((2, 8), (4, 8)), 1), (((2, 8), (2, 16)), 5), (((2, 8), (2, 16)), 1)])
+def test_ranks_with_other_capacity_lists_raise_together(caps, rows):
+    """Ranks built with other sizes picked different ones and exchanged buffers of different sizes
+    (gloo aborted the process; a hang elsewhere): the ranks' settings travel with the size vote."""
+    for got in run_distributed(_other_capacities_on_one_rank, 2, caps, rows, timeout=90):
+        assert "serve different placements or layer settings" in got and "capacity" in got, got
+
+
 def test_capacity_errors():
     with pytest.raises(ValueError, match="capacity needs dispatcher='alltoall'"):
         layer(capacity=4, dispatcher="allgather")
