@@ -129,7 +129,6 @@ class MoELayerBase(LayerWeights, nn.Module):
             ``torch._grouped_mm``'s fast path (bf16 on compute capability 9.x/10.x, ``H`` and ``F``
             multiples of 8, ``expert_backend`` not ``'loop'``) and the Triton kernels (installed, not
             disabled by ``MOELAYERS_DISABLE_TRITON=1``); otherwise the forward raises ``ValueError``.
-            ``last_topk_ids`` is then a view of the graph's output, valid until the next forward.
         layer_number: the layer's place in the model (an int >= 0, the same on every rank; the
             megatron adapter sets megatron's ``layer_number``, ``TinyDecoder`` a block's index). It
             joins the digest the expert-parallel ranks compare in every exchange, so ranks that call
@@ -760,13 +759,14 @@ class MoELayerBase(LayerWeights, nn.Module):
                     self._own_pool = torch.cuda.graph_pool_handle()
                 graph = self._graphed[c] = GraphedForward(padded, c, self.config.hidden_size, x2.dtype, x2.device,
                                                           pool=self.graph_pool or self._own_pool)
-            # topk_ids: a view of the graph's static output
             y, topk_ids = graph(x2, num_valid=t, flag=BAD_INPUT if self._bad_input else 0)
+            # the routing of this forward, a copy of the graph's static output (which the next replay of
+            # any graph in its pool may overwrite): last_topk_ids, and the expert loads that merge_stats /
+            # reduce compute later
+            topk_ids = topk_ids.clone()
             counts = self.dispatcher.fixed_counts.clone()
-            # the routing of this forward (a copy: the next replay overwrites the view), for the expert loads
-            # that merge_stats / reduce compute later
             stats = MoEStats.deferred(self.groups.ep_rank, counts[0], counts[1], self.dispatcher.fixed_bytes,
-                                      topk_ids.clone())
+                                      topk_ids)
         else:
             xp = torch.nn.functional.pad(x2, (0, 0, 0, c - n))
             fp = None if forced is None else torch.nn.functional.pad(forced, (0, 0, 0, c - n))
@@ -775,8 +775,7 @@ class MoELayerBase(LayerWeights, nn.Module):
             y, topk_ids = y[:n], topk_ids[:n]
             stats = self.dispatcher.last_stats
             stats._topk_ids = topk_ids
-        # a refused forward leaves the last good one's stats; on the graph path last_topk_ids is a view
-        # of the graph's output, which every replay (a refusal's too) overwrites
+        # a refused forward leaves the last good one's stats and routing
         self._raise_on_flags(t, forced is not None, most)
         stats._num_experts = self.config.num_experts
         self.last_stats, self.last_topk_ids, self.last_token_ids = stats, topk_ids, token_ids

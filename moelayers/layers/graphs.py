@@ -116,8 +116,9 @@ def share_graph_pool(module: torch.nn.Module, pool: tuple | None = None) -> tupl
     Each layer built with ``cuda_graph=True`` captures its graphs (one per capacity) into a pool of
     its own, which holds about the memory of its largest forward; sharing one pool across the layers
     of a model holds that once instead of once per layer. The layers' forwards must then run one
-    after another on one CUDA stream, as a model's layers do (not concurrently on several streams),
-    and a layer's ``last_topk_ids`` after a replay is valid until the next forward of any of them.
+    after another on one CUDA stream, as a model's layers do (not concurrently on several streams).
+    On an H200, 4 layers of Qwen3-30B-A3B's shape with graphs of 10 sizes from 16 to 8,192 tokens
+    held 1.3-1.5 GB each in pools of their own, 0.42 GB each in one (``tools/gpu_graph_memory.py``).
     Graphs captured before are dropped (captured again, into the pool, on their next forward).
 
     Args:

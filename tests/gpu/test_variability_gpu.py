@@ -40,10 +40,10 @@ def _graph_worker(rank: int, world: int) -> list[str]:
     e = ctx.e
     layer = ctx.layer(_permuted(e, world, 1), capacity=16, cuda_graph=True, record_loads=False)
     errors = [ctx.check("graph start", layer)]
-    if layer._graphed is None:
+    if not layer._graphed:
         errors.append("no CUDA graph was captured")
     layer.apply_placement(_permuted(e, world, 2))
-    if layer._graphed is not None:
+    if layer._graphed:
         errors.append("apply_placement kept the old CUDA graph")
     errors.append(ctx.check("graph after move", layer, salt=1))
     errors.append(ctx.check_weights("graph after move", layer))
@@ -63,7 +63,7 @@ def test_cuda_graph_layer_moves_nccl():
 
 
 def test_cuda_graph_layer_records_loads_and_replans():
-    """One GPU: a CUDA-graph layer exposes its routing (a view of the graph's output), so it records
+    """One GPU: a CUDA-graph layer exposes its routing (a copy of the graph's output), so it records
     its loads and re-plans by itself (at world size 1 the plan cannot move anything; the 2-GPU test
     above moves a graphed layer), and outputs stay exact."""
     ctx = Ctx(0, 1, "cuda", torch.bfloat16)
@@ -72,7 +72,7 @@ def test_cuda_graph_layer_records_loads_and_replans():
     errors, replans = [], []
     for step in range(4):
         errors.append(ctx.check(f"graph step {step}", layer, salt=step))
-        if step == 0 and layer._graphed is None:
+        if step == 0 and not layer._graphed:
             errors.append("no CUDA graph was captured")
         ctx.forward(eager, salt=step)
         if not torch.equal(layer.last_topk_ids, eager.last_topk_ids):
