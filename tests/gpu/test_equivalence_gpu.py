@@ -133,8 +133,15 @@ def test_layers_sharing_one_graph_pool():
         if share:
             pool = ml.share_graph_pool(m)
             assert pool is not None and all(layer.graph_pool == pool for layer in m)
+        right_after = {}  # each layer's routing copied as its forward returns
+        for i, layer in enumerate(m):
+            layer.register_forward_hook(lambda mod, a, y, i=i: right_after.__setitem__(i, mod.last_topk_ids.clone()))
+        outs.append([])
         with torch.no_grad():
-            outs.append([m(x[:rows]) for rows in (3, 64, 10, 1, 40, 16)])
+            for rows in (3, 64, 10, 1, 40, 16):
+                outs[-1].append(m(x[:rows]))
+                # read after the whole model: another layer's replay in the pool did not overwrite it
+                assert all(torch.equal(layer.last_topk_ids, right_after[i]) for i, layer in enumerate(m))
         torch.cuda.synchronize()
         reserved.append(torch.cuda.memory_reserved() - before)
         assert all(sorted(layer._graphed) == [4, 16, 64] for layer in m)
