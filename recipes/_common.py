@@ -42,9 +42,10 @@ __all__ = [
 
 #: Layer kwargs that say *how* a layer executes rather than *what* it is: a comparison gives the
 #: baseline ours' values, so that only the layer differs (dispatcher, de-duplication, NaN check,
-#: expert GEMM backend, capacity and CUDA graph: fixed buffers or an exact exchange; bench.py
-#: refuses the last two in layer.kwargs and sets them itself).
-EXECUTION_KWARGS = ("dispatcher", "dedup", "check_finite", "expert_backend", "capacity", "cuda_graph")
+#: expert GEMM backend, capacity, CUDA graph and what runs beyond the capacity: fixed buffers or an
+#: exact exchange; bench.py refuses capacity and cuda_graph in layer.kwargs and sets them itself).
+EXECUTION_KWARGS = ("dispatcher", "dedup", "check_finite", "expert_backend", "capacity", "cuda_graph",
+                    "beyond_capacity")
 
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")

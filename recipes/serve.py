@@ -921,14 +921,23 @@ def step_token_budget(d: dict) -> float:
     (one token per request, and every prompt has one at least)."""
     budget = d.get("max_tokens_per_step")
     if budget is None:
-        budget = capacity_setting((d["layer"].get("kwargs") or {}).get("capacity"))
+        budget = _capacity_bound(d)
     return math.inf if budget is None else int(budget)
+
+
+def _capacity_bound(d: dict) -> int | None:
+    """The most tokens per rank the layer's capacity takes (``None``: no capacity, or
+    ``beyond_capacity='exact'``, which serves more exactly)."""
+    kwargs = d["layer"].get("kwargs") or {}
+    capacity = capacity_setting(kwargs.get("capacity"))
+    return None if kwargs.get("beyond_capacity") == "exact" else capacity
 
 
 def check_capacity(d: dict, trace) -> None:
     """``max_tokens_per_step`` and ``+layer.kwargs.capacity=C`` (capacity mode: at most ``C``
     tokens per rank in a step, the largest of a list ``[C1, C2, ...]`` of sizes a step is padded
-    to; the step budget by default): the longest prompt's prefill must fit
+    to; the step budget by default; no bound with ``beyond_capacity=exact``): the longest prompt's
+    prefill must fit
     the budget, or it could never be admitted, and the budget must fit the capacity, or the run
     fails inside the ranks at a large prefill.
 
@@ -936,7 +945,7 @@ def check_capacity(d: dict, trace) -> None:
         ValueError: either not an int >= 1, a budget above the capacity, or one below the longest
             prompt.
     """
-    capacity = capacity_setting((d["layer"].get("kwargs") or {}).get("capacity"))
+    capacity = _capacity_bound(d)
     budget = d.get("max_tokens_per_step")
     if budget is not None:
         budget = int_setting(budget, "max_tokens_per_step", 1)

@@ -60,6 +60,9 @@ def case_list(world: int) -> list[dict]:
         cases.append(dict(place="linear", dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True, zero_tokens=True))
         # several capacities: each forward padded to the smallest that holds every rank's tokens
         cases.append(dict(place="replicas", dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True, buckets=True))
+        # and more tokens than the largest on some rank: every rank runs exact (beyond_capacity='exact')
+        cases.append(dict(place="permuted", dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True, buckets=True,
+                          beyond=True))
         # apply_placement (a transactional move) before the forward and backward, and between two
         # fixed-capacity forwards (the captured graph is dropped and captured again on CUDA)
         cases.append(dict(place="replicas", dispatcher="alltoall", dedup=True, dtype=dtype, moved=True))
@@ -84,7 +87,7 @@ def case_list(world: int) -> list[dict]:
                        buckets=True, zero_tokens=True)]
     for c in cases:
         flags = [k for k in ("policy", "zero_tokens", "one_expert", "topk_all", "sigmoid", "capacity", "fp32_router",
-                             "megatron_rank", "moved", "buckets") if c.get(k)]
+                             "megatron_rank", "moved", "buckets", "beyond") if c.get(k)]
         c["name"] = f"{c['place']}-{c['dispatcher']}-{'dedup' if c['dedup'] else 'nodedup'}-" \
                     f"{str(c['dtype']).split('.')[-1]}" + "".join(f"-{f}" for f in flags) \
                     + (f"-ep{c['ep']}" if c.get("ep") else "")
@@ -95,6 +98,8 @@ def _capacity(world: int, case: dict) -> int | tuple[int, ...] | None:
     """The layer's ``capacity``: the most tokens of a rank, or sizes around it with ``buckets``."""
     if not case.get("capacity"):
         return None
+    if case.get("beyond"):
+        return (3, 6)  # the 6 + 3 * rank tokens of rank 1 and up exceed them
     return (3, 6, 3 * world + 6) if case.get("buckets") else 3 * world + 6
 
 
@@ -159,7 +164,7 @@ def _run_case(rank: int, world: int, groups, case: dict, device: torch.device,
     policy = LastReplicaPolicy() if case.get("policy") == "last" else None
     layer = layer_cls(cfg, groups, placement=placements(case["place"], num_experts, groups.ep_size),
                           dispatcher=case["dispatcher"], dedup=case["dedup"], replica_policy=policy, device=device,
-                          capacity=_capacity(world, case),
+                          capacity=_capacity(world, case), beyond_capacity="exact" if case.get("beyond") else "raise",
                           cuda_graph=bool(case.get("capacity")) and device.type == "cuda" and dtype == torch.bfloat16)
     layer.load_full_weights(router64.to(dtype).to(device), w13_64.to(dtype).to(device), w2_64.to(dtype).to(device))
 
@@ -189,9 +194,9 @@ def _run_case(rank: int, world: int, groups, case: dict, device: torch.device,
                                       None if low_y is None else low_y[:rows])
                     err = err or _stats_error(case, layer, y.shape[0], top_k)
                 most = max(min(rows or _tokens(r, case), _tokens(r, case)) for r in members)
-                want = min(c for c in layer.capacities if c >= most)
-                if not err and layer.dispatcher.capacity != want:
-                    err = f"{case['name']}: ran at capacity {layer.dispatcher.capacity}, not {want} ({most} rows)"
+                want = min((c for c in layer.capacities if c >= most), default=None)  # None: exact, beyond them
+                if not err and (layer.last_capacity != want or layer.dispatcher.capacity != want):
+                    err = f"{case['name']}: ran at capacity {layer.last_capacity}, not {want} ({most} rows)"
         layer.release_graphs()
         return err
     if moved is not None:

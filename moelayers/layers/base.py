@@ -78,10 +78,13 @@ def _check_capacity(capacity: Any) -> tuple[int, ...] | None:
     """``capacity`` as the ascending tuple of its distinct sizes (``None``: exact mode)."""
     if capacity is None:
         return None
-    sizes = [capacity] if not isinstance(capacity, Sequence) or isinstance(capacity, (str, bytes)) else list(capacity)
-    if not sizes or any(isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 1 for c in sizes):
-        raise ValueError(f"capacity must be None, an int >= 1 (tokens per rank) or a non-empty sequence of them "
-                         f"(the sizes a forward may be padded to), got {capacity!r}")
+    listed = isinstance(capacity, Sequence) and not isinstance(capacity, (str, bytes))
+    sizes = list(capacity) if listed else [capacity]
+    bad = [i for i, c in enumerate(sizes) if isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 1]
+    if not sizes or bad:
+        what = f"capacity[{bad[0]}] = {sizes[bad[0]]!r}" if listed and bad else f"got {capacity!r}"
+        raise ValueError(f"capacity must be None, an int >= 1 (tokens per rank) or a non-empty list or tuple of them "
+                         f"(the sizes a forward may be padded to): {what}")
     return tuple(sorted({int(c) for c in sizes}))
 
 
@@ -117,9 +120,13 @@ class MoELayerBase(LayerWeights, nn.Module):
             sequence of ints (e.g. ``(16, 64, 256, 1024)``): capacities to choose from, each forward
             padded to the smallest that holds the most tokens any expert-parallel rank has (with
             several ranks they agree on it in one small all-gather, a host sync, in which ranks
-            built with other sizes raise together); more than the largest is a ``ValueError``.
-            ``capacity`` is then the largest, ``capacities`` all, and ``last_capacity`` the size
-            of the last forward.
+            built with other sizes raise together). ``capacity`` is then the largest,
+            ``capacities`` all, and ``last_capacity`` the size of the last forward.
+        beyond_capacity: what a forward with more tokens than the largest capacity on any rank
+            does: ``'raise'`` a ``ValueError`` on every rank (default), or ``'exact'``: run the
+            exact all-to-all-v forward on every rank (no padding, no graph; ``last_capacity`` is
+            then ``None``), for batches that rarely exceed the sizes (a long prefill). With one
+            capacity and several ranks, ``'exact'`` costs the all-gather above too.
         cuda_graph: with ``capacity``, on CUDA and without autograd, capture the whole forward in a
             CUDA graph on first use and replay it (every rank must take this path together; with
             several capacities, one graph per capacity, each captured the first time it runs, all
@@ -145,8 +152,6 @@ class MoELayerBase(LayerWeights, nn.Module):
     groups: ParallelGroups
     placement: ExpertPlacement  # this layer's current placement (apply_placement changes it)
     seed: int
-    capacity: int | None  # the most tokens per rank a forward takes (the largest of capacities)
-    capacities: tuple[int, ...] | None  # the sizes forwards are padded to, ascending
     cuda_graph: bool
     dedup: bool
     dispatcher_name: str
@@ -179,6 +184,7 @@ class MoELayerBase(LayerWeights, nn.Module):
         capacity: int | Sequence[int] | None = None,
         cuda_graph: bool = False,
         layer_number: int | None = None,
+        beyond_capacity: str = "raise",
     ):
         super().__init__()
         if not isinstance(config, MoEConfig):
@@ -210,12 +216,16 @@ class MoELayerBase(LayerWeights, nn.Module):
             hint = ("; DeepEP's dispatcher is not part of this version of moelayers (its all-to-all dispatcher "
                     "serves the same layouts)") if str(dispatcher).lower().replace("_", "") == "deepep" else ""
             raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {dispatcher!r}{hint}")
-        self.capacities = _check_capacity(capacity)
+        self._capacities = _check_capacity(capacity)
         if capacity is not None and (dispatcher != "alltoall" or not dedup):
             raise ValueError("capacity needs dispatcher='alltoall' with dedup=True")
         if cuda_graph and capacity is None:
             raise ValueError("cuda_graph=True needs a fixed capacity (tokens per rank)")
-        self.capacity, self.cuda_graph = None if capacity is None else self.capacities[-1], cuda_graph
+        if beyond_capacity not in ("raise", "exact"):
+            raise ValueError(f"beyond_capacity must be 'raise' or 'exact', got {beyond_capacity!r}")
+        if beyond_capacity == "exact" and capacity is None:
+            raise ValueError("beyond_capacity='exact' needs a capacity (without one every forward is exact)")
+        self.cuda_graph, self.beyond_capacity = cuda_graph, beyond_capacity
         self._graphed: dict[int, Any] = {}  # capacity -> its captured CUDA graph (GraphedForward)
         #: the memory pool the layer's CUDA graphs are captured into, shared with other layers
         #: (:func:`moelayers.share_graph_pool`); ``None``: one of its own, shared by its capacities' graphs
@@ -275,16 +285,28 @@ class MoELayerBase(LayerWeights, nn.Module):
             raise ValueError(f"placement spans {placement.num_ranks} ranks, the expert-parallel group has {groups.ep_size}")
         placement.validate()  # also catches a phy2log edited in place after the placement was built
 
-    def _make_dispatcher(self, capacity: int | None = None) -> Dispatcher:
+    @property
+    def capacity(self) -> int | None:
+        """The most tokens per rank a forward takes (the largest of :attr:`capacities`; ``None``:
+        exact mode). Set at construction."""
+        return None if self._capacities is None else self._capacities[-1]
+
+    @property
+    def capacities(self) -> tuple[int, ...] | None:
+        """The sizes forwards are padded to, ascending (``None``: exact mode). Set at construction."""
+        return self._capacities
+
+    def _make_dispatcher(self, capacity: int | None = -1) -> Dispatcher:
         """A dispatcher for the layer's placement and settings; ``capacity``: a fixed-size one for
-        forwards padded to it (default: the largest capacity, where the layer has one). The
-        layer keeps one per capacity in ``_dispatchers`` (each holds the flags and counts of its
-        own forwards, which its CUDA graph writes on replay): :meth:`_new_dispatchers` drops them."""
+        forwards padded to it (default: the largest capacity, where the layer has one), ``None``
+        an exact one (``beyond_capacity='exact'``). The layer keeps one per capacity in
+        ``_dispatchers`` (each holds the flags and counts of its own forwards, which its CUDA graph
+        writes on replay): :meth:`_new_dispatchers` drops them."""
         g, p = self.groups, self.placement
         if self.dispatcher_name == "allgather":
             return AllGatherDispatcher(g.ep, g.ep_size, g.ep_rank, p.slots_per_rank, placement_digest=self._digest())
         return AllToAllDispatcher(g.ep, g.ep_size, g.ep_rank, p.slots_per_rank, dedup=self.dedup,
-                                  capacity=self.capacity if capacity is None else capacity,
+                                  capacity=self.capacity if capacity == -1 else capacity,
                                   placement_digest=self._digest())
 
     def _new_dispatchers(self) -> None:
@@ -311,7 +333,8 @@ class MoELayerBase(LayerWeights, nn.Module):
         config (another ``ffn_hidden_size`` or ``norm_topk_prob`` on one rank served another model),
         the layer's :meth:`_agreed_settings` and its ``layer_number``."""
         c = self.config
-        payload = (("dedup", self.dedup), ("capacity", self.capacities)) if self.dispatcher_name == "alltoall" else ()
+        payload = ((("dedup", self.dedup), ("capacity", self.capacities), ("beyond_capacity", self.beyond_capacity))
+                   if self.dispatcher_name == "alltoall" else ())
         config = tuple((f"config.{f.name}", getattr(c, f.name)) for f in dataclasses.fields(c) if f.name != "params_dtype")
         return (("placement", self.placement.digest()), ("dispatcher", self.dispatcher_name), *payload, *config,
                 *self._agreed_settings(), ("layer_number", self._layer_number))
@@ -736,8 +759,9 @@ class MoELayerBase(LayerWeights, nn.Module):
         eager or replayed from that capacity's CUDA graph."""
         t = x2.shape[0]
         c, most = self._capacity_for(t)
-        self.last_capacity = c
-        self.dispatcher = self._dispatchers.get(c) or self._dispatchers.setdefault(c, self._make_dispatcher(c))
+        if most > c and self.beyond_capacity == "exact":  # (every rank knows most: _capacity_for)
+            return self._forward_beyond(x2, token_ids, forced)
+        self.dispatcher = self._dispatcher_for(c)
         if t > c:  # take part in the exchange with the first c tokens and a flag (no rank hangs), then raise
             x2 = x2[:c]
             forced = None if forced is None else forced[:c]
@@ -779,6 +803,25 @@ class MoELayerBase(LayerWeights, nn.Module):
         self._raise_on_flags(t, forced is not None, most)
         stats._num_experts = self.config.num_experts
         self.last_stats, self.last_topk_ids, self.last_token_ids = stats, topk_ids, token_ids
+        self.last_capacity = c
+        return y
+
+    def _dispatcher_for(self, c: int | None) -> Dispatcher:
+        """The dispatcher of forwards padded to ``c`` (``None``: exact ones), made on first use."""
+        d = self._dispatchers.get(c)
+        if d is None:
+            d = self._dispatchers[c] = self._make_dispatcher(c)
+        return d
+
+    def _forward_beyond(self, x2, token_ids, forced):
+        """``beyond_capacity='exact'``: a forward with more tokens than the largest capacity on some
+        rank runs exact on every rank (the all-to-all-v and its host sync, no padding, no graph)."""
+        self.dispatcher = self._dispatcher_for(None)
+        y, topk_ids = self._forward_steps(x2, token_ids, forced)
+        stats = self.dispatcher.last_stats
+        stats._num_experts = self.config.num_experts
+        self.last_stats, self.last_topk_ids, self.last_token_ids = stats, topk_ids, token_ids
+        self.last_capacity = None
         return y
 
     def _capacity_for(self, t: int) -> tuple[int, int]:
@@ -793,7 +836,7 @@ class MoELayerBase(LayerWeights, nn.Module):
                 with the row counts).
         """
         caps, most = self.capacities, t
-        if len(caps) > 1 and self.groups.ep_size > 1:
+        if (len(caps) > 1 or self.beyond_capacity == "exact") and self.groups.ep_size > 1:
             # with the digest of the ranks' settings: ranks built with other sizes would pick others, and
             # exchange buffers of different sizes (a hang, or gloo aborting the process)
             mine = torch.tensor([t, self.dispatcher.placement_digest], dtype=torch.int64)
@@ -857,8 +900,11 @@ class MoELayerBase(LayerWeights, nn.Module):
         bad = [i for i, f in enumerate(flags[r:2 * r]) if f]
         if bad:
             here = f" ({t} tokens on this rank)" if t > self.capacity else ""
-            raise ValueError(f"more tokens than the layer's capacity of {self.capacity} per rank on expert-parallel "
-                             f"rank(s) {bad}{here}: split the batch or build the layer with a larger capacity")
+            sizes = f" (its largest of {list(self.capacities)})" if len(self.capacities) > 1 else ""
+            raise ValueError(f"more tokens than the layer's capacity of {self.capacity}{sizes} per rank on "
+                             f"expert-parallel rank(s) {bad}{here}; every row counts, padding included: split the "
+                             f"batch, build the layer with a larger capacity, or with beyond_capacity='exact' (an "
+                             f"exact forward for such batches)")
 
     @one_at_a_time
     def release_graphs(self) -> None:

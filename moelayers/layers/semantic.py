@@ -289,7 +289,8 @@ class SemanticMoE(MoELayerBase):
                     raise ValueError("topk_ids given to a forward_tp for which force_routing ids are pending: pass one")
             x2, residual, token_ids, forced = self._tp_inputs(attn_partial, residual, token_ids, forced)
             rb = self.rebatch(token_ids, prev_ranks, num_tokens=x2.shape[0])
-            if self.capacity is not None and rb.chunk_size > self.capacity:  # known alike on every TP rank
+            if (self.capacity is not None and self.beyond_capacity == "raise"
+                    and rb.chunk_size > self.capacity):  # known alike on every TP rank
                 raise ValueError(f"forward_tp: {x2.shape[0]} tokens over {rb.num_ranks} TP rank(s) make chunks of "
                                  f"{rb.chunk_size} rows, more than the layer's capacity of {self.capacity}: split "
                                  "the batch or build the layer with a larger capacity")

@@ -183,7 +183,7 @@ def test_config_values(kw, err, match):
 
 @pytest.mark.parametrize("capacity", [2.5, True, "4", 0, [], [4, 0], (2, "4"), [True]])
 def test_capacity_must_be_a_positive_int(capacity):
-    with pytest.raises(ValueError, match="capacity must be None, an int >= 1 .* or a non-empty sequence of them"):
+    with pytest.raises(ValueError, match="capacity must be None, an int >= 1 .* or a non-empty list or tuple of them"):
         layer(capacity=capacity)
 
 
@@ -628,6 +628,56 @@ def test_ranks_with_other_capacity_lists_raise_together(caps, rows):
     (gloo aborted the process; a hang elsewhere): the ranks' settings travel with the size vote."""
     for got in run_distributed(_other_capacities_on_one_rank, 2, caps, rows, timeout=90):
         assert "serve different placements or layer settings" in got and "capacity" in got, got
+
+
+def _beyond_capacity_on_one_rank(rank, world, capacity):
+    """Rank 1 has more tokens than the largest capacity, and later refuses its input while rank 0
+    has too many: every rank runs exact, then padded again; the refusal reaches every rank."""
+    cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    m = ml.VanillaMoE(cfg, ml.ParallelGroups.from_world(), capacity=capacity, beyond_capacity="exact",
+                      check_finite=False)
+    w = m.export_full_weights()
+    out = []
+    for rows in ((3, 20), (3, 1), (0, 9)):
+        x = torch.randn(rows[rank], 8, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+        with torch.no_grad():
+            y = m(x)
+        torch.testing.assert_close(y, ml.reference.moe_forward(x, *w, cfg), rtol=1e-12, atol=1e-12)
+        out.append(m.last_capacity)
+    try:
+        with torch.no_grad():
+            m(torch.randn(20, 8, dtype=torch.float64) if rank == 0 else torch.randn(2, 9, dtype=torch.float64))
+        out.append("no error")
+    except ValueError as e:
+        out.append("refused" if rank == 1 or "refused the input of expert-parallel rank(s) [1]" in str(e) else str(e))
+    with torch.no_grad():
+        m(torch.randn(2, 8, dtype=torch.float64))  # in step again
+    out.append(m.last_capacity)
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("capacity", [8, (4, 8)])
+def test_beyond_capacity_exact_on_one_rank(capacity):
+    small = 4 if isinstance(capacity, tuple) else 8
+    assert run_distributed(_beyond_capacity_on_one_rank, 2, capacity, timeout=90) == [[None, small, None, "refused",
+                                                                                       small]] * 2
+
+
+def test_beyond_capacity_errors():
+    with pytest.raises(ValueError, match="beyond_capacity must be 'raise' or 'exact'"):
+        layer(capacity=4, beyond_capacity="eager")
+    with pytest.raises(ValueError, match="beyond_capacity='exact' needs a capacity"):
+        layer(beyond_capacity="exact")
+    with pytest.raises(ValueError, match=r"capacity\[1\] = -1"):
+        layer(capacity=[16, -1])
+    m = layer(capacity=(2, 4))
+    with pytest.raises(AttributeError):
+        m.capacity = 8  # set at construction: the dispatchers and graphs are made for it
+    with pytest.raises(ValueError, match=r"capacity of 4 \(its largest of \[2, 4\]\) .* padding included"), \
+            torch.no_grad():
+        m(torch.randn(5, 16))
+    assert m.last_capacity is None  # (a refused forward leaves the last good one's records)
 
 
 def test_capacity_errors():
