@@ -293,6 +293,7 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
     replans = []
     pending, waiting, running = deque(mine), deque(), []
     acc, load_rows, combine_rows, max_step_tokens = None, [], 0, 0
+    sizes_run: dict[str, int] = {}  # capacity mode: layer forwards per size they were padded to ("exact": beyond)
     finished, steps, out_tokens, prompt_tokens = 0, 0, 0, 0
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -328,6 +329,10 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
             per_layer = [layer.last_stats for layer in layers]
             acc = merge_stats(per_layer if acc is None else [acc] + per_layer)
             combine_rows += sum(_combine_rows(layer, s) for layer, s in zip(layers, per_layer))
+            for layer in layers:
+                if getattr(layer, "capacity", None) is not None:
+                    size = "exact" if layer.last_capacity is None else str(layer.last_capacity)
+                    sizes_run[size] = sizes_run.get(size, 0) + 1
             load_rows.append([list(s.pairs_sent) for s in per_layer])  # [L, R] activations sent to each rank
             for i, m in enumerate(layers):
                 if getattr(m, "num_replans", 0) != replans_seen[i]:
@@ -354,7 +359,7 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
     counted = [(i, m.num_replans) for i, m in enumerate(layers) if hasattr(m, "num_replans")]
     res = _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, steps, out_tokens,
                           prompt_tokens, elapsed, mcfg, notes, device, (replans, counted), combine_rows,
-                          max_step_tokens)
+                          max_step_tokens, sizes_run)
     if res is not None:
         res["in_sample_requests"] = in_sample
         if trace is not None:
@@ -400,7 +405,7 @@ def _combine_rows(layer, stats) -> int:
 
 def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, steps, out_tokens, prompt_tokens,
                     elapsed, mcfg, notes, device, replanning=((), ()), combine_rows=0,
-                    max_step_tokens=0) -> dict | None:
+                    max_step_tokens=0, sizes_run: dict | None = None) -> dict | None:
     """Reduce the counters over ranks; rank 0 builds the results dict.
 
     ``replanning``: this rank's ``(replans, [(layer, count)])``. Every expert-parallel group re-plans
@@ -411,7 +416,8 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
     ranks, hidden state + routing metadata, ``MoEStats.bytes_sent``) plus ``a2a_combine_bytes`` (one
     hidden-state row back per such row; with ``capacity`` the fixed buffers both ways, padding
     included: :func:`_combine_rows`) = ``a2a_bytes``, summed over ranks, MoE layers and steps.
-    ``max_step_tokens``: the most tokens one rank ran in a step (max over ranks).
+    ``max_step_tokens``: the most tokens one rank ran in a step (max over ranks). ``sizes_run``:
+    this rank's layer forwards per capacity they ran at (summed over ranks: ``capacity_forwards``).
     """
     from moelayers.dispatch.base import partial_sum_dtype
     from moelayers.metrics import MoEStats, imbalance
@@ -446,6 +452,14 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
         dist.all_reduce(most, op=dist.ReduceOp.MAX)
     else:
         group_loads = group_loads[None]
+    every_sizes = [sizes_run or {}]
+    if world > 1:
+        every_sizes = [None] * world
+        dist.all_gather_object(every_sizes, sizes_run or {})
+    capacity_forwards: dict[str, int] = {}
+    for got in every_sizes:
+        for size, n in got.items():
+            capacity_forwards[size] = capacity_forwards.get(size, 0) + n
     # times: arrival_s, last_token_s, finish_s from the run's start; ttft_s from the request's arrival
     per_req = [{"id": r.rid, "rank": rank, "arrival_s": r.arrival, "prompt_len": len(r.prompt),
                 "output_len": r.output_len, "generated_tokens": r.generated, "finished": r.done,
@@ -505,6 +519,8 @@ def _gather_results(cfg, rank, world, groups, requests, mine, acc, load_rows, st
         "world_size": world, "layer": layer_label(cfg["layer"]), "router": cfg["router"]["name"],
         "scheduler": cfg["scheduler"], "num_requests": len(reqs), "output_tokens": out_total,
         "prompt_tokens": prompt_total, "max_step_tokens": int(most[0]),
+        "capacity_forwards": dict(sorted(capacity_forwards.items(),
+                                         key=lambda kv: (kv[0] == "exact", 0 if kv[0] == "exact" else int(kv[0])))),
         "steps": steps, "elapsed_s": elapsed, "seed": cfg["seed"], "requests_digest": requests_digest(requests),
         "model": mcfg, "notes": notes, "config": echo, "replans": replans,
         "requests": reqs, "rank_load_per_step": loads.tolist(),
@@ -961,7 +977,9 @@ def check_capacity(d: dict, trace) -> None:
     longest = max((len(r.prompt) for r in make_requests(d, int(vocab), trace)), default=0)
     name, value = ("max_tokens_per_step", budget) if budget is not None else ("layer.kwargs.capacity", capacity)
     if value < longest:
-        raise ValueError(f"{name}={value} is below the longest prompt ({longest} tokens): a step prefills whole "
+        given = (d["layer"].get("kwargs") or {}).get("capacity")
+        shown = f"{list(given)} (largest {value})" if budget is None and isinstance(given, (list, tuple)) else value
+        raise ValueError(f"{name}={shown} is below the longest prompt ({longest} tokens): a step prefills whole "
                          f"prompts, so that request could never be served; raise it to at least {longest} or "
                          f"shorten the prompts (workload.prompt_len, workload.prompt_fraction)")
 

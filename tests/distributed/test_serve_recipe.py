@@ -718,6 +718,18 @@ def test_serve_with_several_capacities_pads_each_step_to_the_one_it_fits(tmp_pat
     units, rest = divmod(res["a2a_combine_bytes"], 2 * layers * h * 4)  # rows per rank and layer, all steps
     small, rest2 = divmod(512 * steps - units, 512 - 16)
     assert rest == rest2 == 0 and 1 <= small < steps, (units, steps)  # some steps at 16 rows, some at 512
+    # every layer forward of every rank, at the size it ran at
+    assert res["capacity_forwards"] == {"16": 2 * layers * small, "512": 2 * layers * (steps - small)}
+
+
+def test_serve_beyond_the_largest_capacity_runs_exact(tmp_path):
+    """Prompts longer than every size with ``beyond_capacity=exact``: their prefills run exact (the
+    run would otherwise be refused before it starts), the decode steps padded."""
+    res = _serve(tmp_path / "run", "workload.num_requests=4", "+layer.kwargs.capacity=[4,8]",
+                 "+layer.kwargs.beyond_capacity=exact")
+    sizes = res["capacity_forwards"]
+    assert set(sizes) <= {"4", "8", "exact"} and sizes.get("exact", 0) > 0 and sizes.get("4", 0) > 0, sizes
+    assert res["finished_requests"] == 4
 
 
 def _combine_rows_after_moves(rank, world):
@@ -759,9 +771,10 @@ def test_capacity_below_the_longest_prompt_is_refused_before_the_ranks_start():
         serve.check_config(_config("+layer.kwargs.capacity=0"))
     with pytest.raises(ValueError, match=r"layer\.kwargs\.capacity\[1\] must be an integer >= 1"):
         serve.check_config(_config("+layer.kwargs.capacity=[8,0]"))
-    with pytest.raises(ValueError, match=r"layer\.kwargs\.capacity=8 is below the longest prompt"):
+    with pytest.raises(ValueError, match=r"layer\.kwargs\.capacity=\[4, 8\] \(largest 8\) is below the longest prompt"):
         serve.check_config(_config("+layer.kwargs.capacity=[4,8]"))  # (the largest decides)
     serve.check_config(_config("+layer.kwargs.capacity=[16,4096]"))
+    serve.check_config(_config("+layer.kwargs.capacity=[4,8]", "+layer.kwargs.beyond_capacity=exact"))  # no bound
 
 
 def test_a_step_admits_prompts_within_the_capacity(tmp_path):

@@ -9,8 +9,10 @@ from pathlib import Path
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "outputs.md"
 #: keys whose values are described as a whole (the resolved config echoes conf/; a comparison's
-#: per-run records are a single run's, checked by the single-run tests; a profiler trace is torch's)
-_OPAQUE = {"config", "layer_kwargs", "baseline_kwargs", "model", "scheduler", "runs", "per_layer", "inputs"}
+#: per-run records are a single run's, checked by the single-run tests; a profiler trace is torch's;
+#: capacity_forwards is keyed by the sizes themselves)
+_OPAQUE = {"config", "layer_kwargs", "baseline_kwargs", "model", "scheduler", "runs", "per_layer", "inputs",
+           "capacity_forwards"}
 
 
 def _documented(section: str) -> set[str]:
