@@ -109,6 +109,20 @@ def test_graphed_layer_with_several_capacities():
     assert sorted(layer._graphed) == [4, 16, 64]
     layer.release_graphs()
     assert layer._graphed == {}
+    # beyond the largest size with beyond_capacity='exact': an exact forward, then the graphs again
+    beyond = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device="cuda", capacity=(4, 16), cuda_graph=True,
+                           beyond_capacity="exact")
+    beyond.load_state_dict(layer.state_dict())
+    with torch.no_grad():
+        for rows in (10, 64, 3, 40, 10):
+            y = beyond(x[:rows])
+            assert beyond.last_capacity == (None if rows > 16 else min(c for c in (4, 16) if c >= rows))
+            assert torch.equal(y, first[rows]) if rows in (10, 3) else y.shape == (rows, 256)
+            ids = beyond.last_topk_ids.clone()
+            ref = ml.reference.moe_forward(x[:rows].double(), *w64, cfg.replace(params_dtype=torch.float64), topk_ids=ids)
+            assert check_close(f"{rows} rows beyond", y, ref, ml.reference.moe_forward(x[:rows], *w, cfg, topk_ids=ids)) is None
+    assert sorted(beyond._graphed) == [4, 16]
+    beyond.release_graphs()
 
 
 def test_layers_sharing_one_graph_pool():
