@@ -36,7 +36,7 @@ __all__ = [
     "launch", "resolve_backend", "device_for", "invocation", "to_dict", "print_table", "print_grid",
     "percentile", "provenance", "absolute_path", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
     "normalize_flags", "LAYER_FLAGS", "int_setting", "check_layer_settings", "timeout_setting",
-    "import_object", "plan_fraction_setting", "capacity_setting", "check_input_file", "not_a_file", "refuse_empty_paths", "PATH_KEYS",
+    "import_object", "plan_fraction_setting", "capacity_setting", "capacity_bound", "check_input_file", "not_a_file", "refuse_empty_paths", "PATH_KEYS",
     "refuse_unread_overrides", "layer_objects", "OBJECT_KWARGS", "require_keys",
 ]
 
@@ -232,6 +232,15 @@ def int_setting(value: Any, key: str, minimum: int | None = None) -> int:
         bound = "" if minimum is None else f" >= {minimum}"
         raise ValueError(f"{key} must be an integer{bound}, got {value!r}")
     return value
+
+
+def capacity_bound(layer_kwargs: dict | None) -> int | None:
+    """The most tokens per rank a layer built with ``layer_kwargs`` takes in a forward: its
+    ``capacity`` (the largest of a list), ``None`` without one or with ``beyond_capacity='exact'``
+    (which runs larger batches exact)."""
+    kwargs = layer_kwargs or {}
+    capacity = capacity_setting(kwargs.get("capacity"))
+    return None if kwargs.get("beyond_capacity") == "exact" else capacity
 
 
 def capacity_setting(value: Any, key: str = "layer.kwargs.capacity") -> int | None:

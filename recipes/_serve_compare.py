@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from recipes._common import capacity_setting, print_grid, shared_execution_kwargs
+from recipes._common import capacity_bound, print_grid, shared_execution_kwargs
 from recipes._outputs import commit_files, warn, write_json
 from recipes._plots import pyplot, save_png
 from recipes._serve_workload import scheduler_name
@@ -154,11 +154,11 @@ def pin_semantic_plan(sched: Any, cfg: dict) -> Any:
 def shared_step_budget(cfg: dict, layers: list[dict]) -> int | None:
     """The ``max_tokens_per_step`` both sides serve with, so that they batch the same requests
     alike: the one set, else the smaller ``capacity`` of the two layers (a side in capacity mode
-    would otherwise batch less than the other), else none."""
+    would otherwise batch less than the other; not one with ``beyond_capacity=exact``, which runs
+    larger steps exact), else none."""
     if cfg.get("max_tokens_per_step") is not None:
         return int(cfg["max_tokens_per_step"])
-    capacities = [c for c in (capacity_setting((layer.get("kwargs") or {}).get("capacity")) for layer in layers)
-                  if c is not None]
+    capacities = [c for c in (capacity_bound(layer.get("kwargs")) for layer in layers) if c is not None]
     return min(capacities, default=None)
 
 

@@ -352,12 +352,13 @@ def check_config(d: dict) -> None:
     if layer_kwargs.get("mode") == "tp":  # forward_tp takes attention partials, a norm and a residual
         raise ValueError("bench.py times the layer's forward (attention data-parallel): use layer.kwargs.mode=dp; "
                          "mode=tp runs through forward_tp inside an attention-TP model")
-    for key in ("capacity", "cuda_graph"):
+    for key in ("capacity", "cuda_graph", "beyond_capacity"):
         # a fixed capacity pads every size to it (t=16 timed as 64 tokens), leaves the baseline exact
-        # and was recorded as mode "eager (exact all-to-all-v)"
-        if layer_kwargs.get(key) is not None and layer_kwargs[key] is not False:
+        # and was recorded as mode "eager (exact all-to-all-v)"; nothing is beyond capacity = tokens
+        if layer_kwargs.get(key) is not None and layer_kwargs[key] not in (False, "raise"):
             raise ValueError(f"layer.kwargs.{key}={layer_kwargs[key]!r}: the bench sets capacity (= tokens/rank) "
-                             "and cuda_graph itself, for ours and the baseline: use bench.cuda_graph=true (CUDA)")
+                             "and cuda_graph itself, for ours and the baseline (no batch goes beyond the "
+                             "capacity): use bench.cuda_graph=true (CUDA)")
     if "check_finite" in layer_kwargs and layer_kwargs["check_finite"] != bool(b.get("check_finite", False)):
         # build_layer lets the layer's kwargs win: the record and its name would say bench.check_finite's
         raise ValueError(f"layer.kwargs.check_finite={layer_kwargs['check_finite']!r} differs from "

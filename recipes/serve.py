@@ -7,8 +7,8 @@ the scheduler gives it (requests, schedulers and the semantic plan: ``recipes/_s
 Each step all ranks run the model together — a rank without work still calls the MoE layers with
 zero tokens — and stop when an all-reduce says every rank is done. A rank admits waiting requests
 in arrival order while its step stays within ``max_batch_size`` requests and ``max_tokens_per_step``
-tokens (one per decode, whole prompts; by default the layer's ``capacity`` when set: see
-:func:`step_token_budget`); ``max_step_tokens`` in results.json is the most one rank ran.
+tokens (one per decode, whole prompts; by default the layer's ``capacity`` when set, the largest
+of a list, unless ``beyond_capacity=exact``: see :func:`step_token_budget`); ``max_step_tokens`` in results.json is the most one rank ran.
 
 Measured: per request TTFT (arrival to first token) and TPOT (mean gap between output tokens),
 output throughput, LAR and imbalance of the MoE layers (summed over layers and steps, reduced over
@@ -91,7 +91,7 @@ from omegaconf import DictConfig  # noqa: E402
 
 from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import (  # noqa: E402
-    LAYER_FLAGS, absolute_path, capacity_setting, check_input_file, check_layer_settings, device_for, import_object, in_sweep, int_setting, layer_objects,
+    LAYER_FLAGS, absolute_path, capacity_bound, check_input_file, check_layer_settings, device_for, import_object, in_sweep, int_setting, layer_objects,
     invocation, launch, merge_curves_path, normalize_flags, overridden, percentile, print_table, provenance,
     refuse_empty_paths, refuse_unread_overrides, require_keys, shutdown, to_dict,
 )
@@ -931,22 +931,15 @@ def check_placement_file(d: dict, experts: int, ep: int, trace=None) -> None:
 
 def step_token_budget(d: dict) -> float:
     """Most tokens a rank runs through the model in one step (a decode's one token, a prefill's
-    whole prompt): ``max_tokens_per_step``, else the layer's ``capacity`` (capacity mode refuses
-    a step of more tokens per rank), else no bound. Waiting requests are admitted in arrival
+    whole prompt): ``max_tokens_per_step``, else the layer's ``capacity`` (the largest of a list:
+    capacity mode refuses a step of more tokens per rank), else no bound (also with
+    ``beyond_capacity=exact``, which runs such steps exact). Waiting requests are admitted in arrival
     order while the step's tokens stay within it; the decodes that follow fit by construction
     (one token per request, and every prompt has one at least)."""
     budget = d.get("max_tokens_per_step")
     if budget is None:
-        budget = _capacity_bound(d)
+        budget = capacity_bound(d["layer"].get("kwargs"))
     return math.inf if budget is None else int(budget)
-
-
-def _capacity_bound(d: dict) -> int | None:
-    """The most tokens per rank the layer's capacity takes (``None``: no capacity, or
-    ``beyond_capacity='exact'``, which serves more exactly)."""
-    kwargs = d["layer"].get("kwargs") or {}
-    capacity = capacity_setting(kwargs.get("capacity"))
-    return None if kwargs.get("beyond_capacity") == "exact" else capacity
 
 
 def check_capacity(d: dict, trace) -> None:
@@ -961,7 +954,7 @@ def check_capacity(d: dict, trace) -> None:
         ValueError: either not an int >= 1, a budget above the capacity, or one below the longest
             prompt.
     """
-    capacity = _capacity_bound(d)
+    capacity = capacity_bound(d["layer"].get("kwargs"))
     budget = d.get("max_tokens_per_step")
     if budget is not None:
         budget = int_setting(budget, "max_tokens_per_step", 1)

@@ -827,9 +827,10 @@ class MoELayerBase(LayerWeights, nn.Module):
     def _capacity_for(self, t: int) -> tuple[int, int]:
         """``(capacity, most)``: the capacity a forward of ``t`` rows on this rank runs at, the
         smallest of ``capacities`` that holds ``most``, the most rows of any expert-parallel rank
-        (their collectives must match; with several capacities and ranks, one small all-gather and
-        a host sync find it: otherwise ``most`` is ``t``), else the largest (the forward then
-        raises: :meth:`_raise_on_flags`).
+        (their collectives must match; with several ranks and several capacities or
+        ``beyond_capacity='exact'``, one small all-gather and a host sync find it: otherwise
+        ``most`` is ``t``), else the largest (the forward then raises, :meth:`_raise_on_flags`, or
+        runs exact, :meth:`_forward_beyond`).
 
         Raises:
             SettingsDiffer: on every rank, where the ranks' settings differ (their digests travel

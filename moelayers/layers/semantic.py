@@ -293,7 +293,8 @@ class SemanticMoE(MoELayerBase):
                     and rb.chunk_size > self.capacity):  # known alike on every TP rank
                 raise ValueError(f"forward_tp: {x2.shape[0]} tokens over {rb.num_ranks} TP rank(s) make chunks of "
                                  f"{rb.chunk_size} rows, more than the layer's capacity of {self.capacity}: split "
-                                 "the batch or build the layer with a larger capacity")
+                                 "the batch, build the layer with a larger capacity, or with "
+                                 "beyond_capacity='exact'")
         except Exception as exc:  # whatever this rank's input raised: the other TP ranks must learn it
             if self.groups.tp_size == 1 or not self.verify_tp_inputs:
                 raise

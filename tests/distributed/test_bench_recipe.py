@@ -478,6 +478,7 @@ def test_bench_flags_repeated_trace_tokens_per_size(tmp_path):
 @pytest.mark.parametrize("override, match", [
     ("+layer.kwargs.capacity=64", r"layer\.kwargs\.capacity=64: the bench sets capacity"),
     ("+layer.kwargs.cuda_graph=true", r"layer\.kwargs\.cuda_graph=True: the bench sets"),
+    ("+layer.kwargs.beyond_capacity=exact", r"layer\.kwargs\.beyond_capacity='exact': the bench sets"),
     ("bench.peer=ture", r"bench\.peer must be auto, true \(required\) or false, got 'ture'"),
     ("bench.profile_tokens=0", r"bench\.profile_tokens must be an integer >= 1, got 0"),
     ("bench.profile_iters=0", r"bench\.profile_iters must be an integer >= 1, got 0"),

@@ -817,6 +817,10 @@ def test_a_comparison_batches_both_sides_within_the_smaller_capacity():
     assert compare.shared_step_budget({}, [ours, {"name": "v", "kwargs": {"capacity": 128}}]) == 128
     assert compare.shared_step_budget({"max_tokens_per_step": 64}, [ours, {"name": "vanilla"}]) == 64
     assert compare.shared_step_budget({}, [{"name": "semantic"}, {"name": "vanilla"}]) is None
+    # a list's largest; beyond_capacity=exact bounds no step (a comparison capped its steps, or refused)
+    assert compare.shared_step_budget({}, [{"name": "v", "kwargs": {"capacity": [16, 96]}}, {"name": "vanilla"}]) == 96
+    beyond = {"name": "v", "kwargs": {"capacity": [4, 8], "beyond_capacity": "exact"}}
+    assert compare.shared_step_budget({}, [beyond, {"name": "vanilla", "kwargs": dict(beyond["kwargs"])}]) is None
 
 
 def test_serve_notes_loads_past_the_profiled_curves(tmp_path):
