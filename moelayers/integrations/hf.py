@@ -652,8 +652,10 @@ def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = 
             training with gradient checkpointing (``ValueError`` in every such forward, on every
             rank, padding or not: the recomputation would not know the mask).
         **layer_kwargs: passed to each ``layer_cls(config, groups, ...)`` (``dispatcher``,
-            ``placement``, ...), except ``layer_number``, which is set here, as is ``layer_idx``
-            with a ``plan=`` (:class:`~moelayers.SemanticMoE`: block ``i`` serves the plan's layer ``i``).
+            ``placement``, ``capacity``, ...), except ``layer_number``, which is set here, as is
+            ``layer_idx`` with a ``plan=`` (:class:`~moelayers.SemanticMoE`: block ``i`` serves the
+            plan's layer ``i``). With ``cuda_graph=True`` the layers' graphs share one memory pool
+            (:func:`moelayers.share_graph_pool`: the model calls its blocks one after another).
 
     Returns:
         the swapped modules' names (``model.get_submodule(name)`` is the layer, or its
@@ -717,6 +719,10 @@ def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = 
         if not hasattr(experts, "gate_up_proj"):
             module = TupleOutput(module, next(n for n in _PER_EXPERT_NAMES if all(hasattr(experts[0], a) for a in n)))
         new.append(module)
+    if layer_kwargs.get("cuda_graph"):  # the model calls its blocks one after another: one pool for their graphs
+        from moelayers.layers.graphs import share_graph_pool
+
+        share_graph_pool(nn.ModuleList(new))
     for (name, _), module in zip(blocks, new):
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)

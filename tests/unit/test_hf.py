@@ -290,6 +290,20 @@ def test_swap_keeps_frozen_weights_frozen_and_passes_layer_kwargs():
     assert not any(p.requires_grad for p in layer.parameters())
 
 
+@pytest.mark.parametrize("old", [False, True], ids=["fused", "per_expert"])
+def test_swap_with_cuda_graphs_shares_one_graph_pool(monkeypatch, old):
+    """With cuda_graph=True the swapped layers (under a TupleOutput too) capture into one pool (a
+    CPU stand-in for the handle: capture needs CUDA, tests/gpu/test_hf_gpu.py); without it, none."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: (0, 99))
+    model, plain = Model(old=old), Model(old=old)
+    names = swap_moe_blocks(model, ml.ParallelGroups.single(), capacity=(4, 16), cuda_graph=True)
+    swap_moe_blocks(plain, ml.ParallelGroups.single(), capacity=(4, 16))
+    for m, pool in ((model, (0, 99)), (plain, None)):
+        layers = [getattr(m.get_submodule(n), "layer", m.get_submodule(n)) for n in names]
+        assert [layer.graph_pool for layer in layers] == [pool, pool]
+
+
 def test_hf_weights_load_back_into_a_block():
     block, fresh = Block5(seed=1), Block5(seed=2)
     layer = _layer(block, moe_config_from_hf(block, hf_config()))
