@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from moelayers._compile import cached_tensor
-from moelayers.dispatch.base import LocalPairs, Received, Routes, check_routes, combine_pairs, local_pairs, partial_sum_dtype
+from moelayers.dispatch.base import (LocalPairs, Received, Routes, check_routes, combine_pairs, dense_pairs, local_pairs,
+                                     partial_sum_dtype)
 from moelayers.dispatch.flags import (
     HEADER_DIGEST, HEADER_FLAGS, HEADER_PAIRS, HEADER_ROWS, check_exchanged, payload_digest, payload_dtypes,
     raise_if_flagged,
@@ -140,7 +141,7 @@ class AllToAllDispatcher:
         if routes.nonfinite is not None:
             raise_if_flagged([int(routes.nonfinite)])  # (the one host sync, as the header's)
         t, k = routes.dest_slot.shape
-        pairs = local_pairs(routes.dest_slot, self.num_slots, t * k)
+        pairs = dense_pairs(routes.dest_slot, self.num_slots)  # (every route is to this rank, in range)
         self.last_stats = MoEStats.from_counts(self.rank, [t * k], [t], 0, routes.topk_ids)
         state = _Alone(pairs, routes.weights, x.dtype)
         return Received(x.index_select(0, pairs.pair_row), pairs.slot_counts, state)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from moelayers._compile import cached_tensor
 from moelayers.dispatch.flags import BAD_REPLICA, BAD_ROUTE, merge_flags
 from moelayers.kernels import unpermute_combine
 from moelayers.placement import ExpertPlacement
@@ -323,6 +324,46 @@ def local_pairs(slots: torch.Tensor, num_slots: int, num_pairs: int | None = Non
     index = torch.full((n * j,), -1, dtype=torch.int64, device=slots.device)
     index[sel] = torch.arange(num_pairs, device=slots.device)
     return LocalPairs(sel // j, counts[:num_slots], index.view(n, j))
+
+
+def dense_pairs(slots: torch.Tensor, num_slots: int) -> LocalPairs:
+    """:func:`local_pairs` of ``slots [N, J]`` whose entries are all valid slots (one rank computes
+    every ``(token, k)``): the same pairs, counts and index in fewer kernels (no masking of absent
+    entries, the index an inverse permutation), which decide a small forward's time on a GPU."""
+    n, j = slots.shape
+    key = slots.flatten().to(torch.int64)
+    order = torch.argsort(key, stable=True)
+    dev = slots.device
+    counts = torch.zeros(num_slots, dtype=torch.int64, device=dev)
+    counts.scatter_add_(0, key, _ones(n * j, dev))
+    index = torch.empty_like(order).scatter_(0, order, _arange(n * j, dev))
+    return LocalPairs(order // j, counts, index.view(n, j))
+
+
+_ONES: dict = {}
+_ARANGE: dict = {}
+
+
+def _ones(n: int, device: torch.device) -> torch.Tensor:
+    """``[n]`` int64 ones: a view of a cached, never written tensor (no kernel)."""
+    return _cached_prefix(_ONES, n, device, torch.ones)
+
+
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` in int64: a view of a cached, never written tensor (no kernel)."""
+    return _cached_prefix(_ARANGE, n, device, lambda m, **kw: torch.arange(m, **kw))
+
+
+def _cached_prefix(cache: dict, n: int, device: torch.device, make) -> torch.Tensor:
+    """The first ``n`` entries of ``make(size, dtype=int64, device=device)``, cached per device and
+    power-of-two ``size >= n`` (normal tensors even when first made under inference mode)."""
+    size = max(1024, 1 << max(n - 1, 0).bit_length())
+
+    def build() -> torch.Tensor:
+        with torch.inference_mode(False):
+            return make(size, dtype=torch.int64, device=device)
+
+    return cached_tensor(cache, (device, size), build)[:n]
 
 
 def partial_sum_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -88,3 +88,19 @@ def test_a_group_of_one_is_alone_too():
     from moelayers.testing import run_distributed
 
     assert run_distributed(_groups_of_one, 2, timeout=60) == [(True, True, None)] * 2
+
+
+@pytest.mark.parametrize("n,j,s", [(0, 2, 4), (1, 1, 1), (5, 2, 4), (300, 8, 16), (3000, 8, 128)])
+def test_dense_pairs_are_local_pairs_with_every_entry_valid(n, j, s):
+    """The one-rank dispatch's pairs (fewer kernels) are those of the general sort, also when made
+    under inference mode and then used where autograd records (the cached constants are normal tensors)."""
+    from moelayers.dispatch.base import dense_pairs, local_pairs
+
+    slots = torch.randint(0, s, (n, j), generator=torch.Generator().manual_seed(n + j))
+    with torch.inference_mode():
+        first = dense_pairs(slots.clone(), s)
+    want, got = local_pairs(slots, s, n * j), dense_pairs(slots, s)
+    for a, b, c in zip((want.pair_row, want.slot_counts, want.index), (got.pair_row, got.slot_counts, got.index),
+                       (first.pair_row, first.slot_counts, first.index)):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    assert not got.index.is_inference()
