@@ -654,8 +654,10 @@ def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = 
         **layer_kwargs: passed to each ``layer_cls(config, groups, ...)`` (``dispatcher``,
             ``placement``, ``capacity``, ...), except ``layer_number``, which is set here, as is
             ``layer_idx`` with a ``plan=`` (:class:`~moelayers.SemanticMoE`: block ``i`` serves the
-            plan's layer ``i``). With ``cuda_graph=True`` the layers' graphs share one memory pool
-            (:func:`moelayers.share_graph_pool`: the model calls its blocks one after another).
+            plan's layer ``i``). With ``cuda_graph=True`` the layers swapped in capture their
+            graphs into one memory pool (:func:`moelayers.share_graph_pool`). Run the model's
+            forwards one after another on one CUDA stream, as ``generate`` does: two forwards at
+            once on two streams would use the same memory.
 
     Returns:
         the swapped modules' names (``model.get_submodule(name)`` is the layer, or its

@@ -115,23 +115,30 @@ class MoELayerBase(LayerWeights, nn.Module):
         check_finite: raise on NaN/inf router logits (on every rank). Only those: an overflow inside
             the experts (float16) gives inf/NaN output rows, as the reference does.
         expert_backend: ``'auto'`` | ``'grouped_mm'`` | ``'loop'`` (see :class:`GroupedExperts`).
-        capacity: all-to-all only: fixed tokens per rank per forward (inputs are padded to it;
-            more is a ``ValueError``). Static shapes, no host sync; see ``AllToAllDispatcher``. A
-            sequence of ints (e.g. ``(16, 64, 256, 1024)``): capacities to choose from, each forward
-            padded to the smallest that holds the most tokens any expert-parallel rank has (with
-            several ranks they agree on it in one small all-gather, a host sync, in which ranks
-            built with other sizes raise together). ``capacity`` is then the largest,
-            ``capacities`` all, and ``last_capacity`` the size of the last forward.
+        capacity: all-to-all only: the tokens per rank a forward is padded to (static shapes; see
+            ``AllToAllDispatcher``). An int, or a sequence of ints (e.g. ``(16, 64, 256, 1024)``;
+            any order, duplicates dropped). With one int and ``beyond_capacity='raise'`` the
+            exchange makes no host sync. With several sizes, each forward is padded to the
+            smallest that holds the most tokens of any expert-parallel rank. With several ranks,
+            they agree on that size in one small all-gather per forward, a host sync. The
+            all-gather also compares the ranks' settings: ranks built with other sizes raise
+            ``ValueError`` together. For more tokens than the largest size, see
+            ``beyond_capacity``. Afterwards ``capacity`` is the largest size and ``capacities``
+            all of them, ascending. ``last_capacity`` is the size the last forward ran at:
+            ``None`` before the first forward and after an exact one.
         beyond_capacity: what a forward with more tokens than the largest capacity on any rank
             does: ``'raise'`` a ``ValueError`` on every rank (default), or ``'exact'``: run the
             exact all-to-all-v forward on every rank (no padding, no graph; ``last_capacity`` is
             then ``None``), for batches that rarely exceed the sizes (a long prefill). With one
-            capacity and several ranks, ``'exact'`` costs the all-gather above too.
+            capacity and several ranks, ``'exact'`` costs that all-gather too (a host sync per
+            forward). Build every rank alike. A rank with one capacity and ``'raise'`` makes no
+            all-gather, so beside ranks with ``'exact'`` or several sizes it hangs.
         cuda_graph: with ``capacity``, on CUDA and without autograd, capture the whole forward in a
-            CUDA graph on first use and replay it (every rank must take this path together; with
-            several capacities, one graph per capacity, each captured the first time it runs, all
-            in one memory pool of the layer that holds about its largest forward's memory;
-            :func:`moelayers.share_graph_pool` shares one pool between layers). Needs
+            CUDA graph on first use and replay it (every rank must take this path together). With
+            several capacities there is one graph per capacity. Each is captured the first time a
+            forward runs at its size, after three eager warm-up forwards, so that forward is slow.
+            A layer's graphs share one memory pool, which holds about the memory of its largest
+            size's forward. :func:`moelayers.share_graph_pool` shares one pool between layers. Needs
             what a capture allows, checked on every rank before the first one: the experts on
             ``torch._grouped_mm``'s fast path (bf16 on compute capability 9.x/10.x, ``H`` and ``F``
             multiples of 8, ``expert_backend`` not ``'loop'``) and the Triton kernels (installed, not

@@ -118,7 +118,8 @@ def share_graph_pool(module: torch.nn.Module, pool: tuple | None = None) -> tupl
     of a model holds that once instead of once per layer. The layers' forwards must then run one
     after another on one CUDA stream, as a model's layers do (not concurrently on several streams).
     On an H200, 4 layers of Qwen3-30B-A3B's shape with graphs of 10 sizes from 16 to 8,192 tokens
-    held 1.3-1.5 GB each in pools of their own, 0.42 GB each in one (``tools/gpu_graph_memory.py``).
+    reserved 5.1-5.9 GiB in pools of their own (1.3-1.5 GiB a layer), and 1.6 GiB in one shared pool
+    (``tools/gpu_graph_memory.py``, 2026-11-29, docs/benchmarks.md).
     Graphs captured before are dropped (captured again, into the pool, on their next forward).
 
     Args:
