@@ -351,7 +351,7 @@ def _ones(n: int, device: torch.device) -> torch.Tensor:
 
 def _arange(n: int, device: torch.device) -> torch.Tensor:
     """``arange(n)`` in int64: a view of a cached, never written tensor (no kernel)."""
-    return _cached_prefix(_ARANGE, n, device, lambda m, **kw: torch.arange(m, **kw))
+    return _cached_prefix(_ARANGE, n, device, torch.arange)
 
 
 def _cached_prefix(cache: dict, n: int, device: torch.device, make) -> torch.Tensor:
