@@ -78,6 +78,8 @@ def _check_capacity(capacity: Any) -> tuple[int, ...] | None:
     """``capacity`` as the ascending tuple of its distinct sizes (``None``: exact mode)."""
     if capacity is None:
         return None
+    if isinstance(capacity, torch.Tensor) or type(capacity).__module__ == "numpy":  # an array of sizes
+        capacity = capacity.tolist()
     listed = isinstance(capacity, Sequence) and not isinstance(capacity, (str, bytes))
     sizes = list(capacity) if listed else [capacity]
     bad = [i for i, c in enumerate(sizes) if isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 1]

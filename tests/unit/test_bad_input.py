@@ -664,6 +664,16 @@ def test_beyond_capacity_exact_on_one_rank(capacity):
                                                                                        small]] * 2
 
 
+def test_capacity_takes_arrays_of_sizes():
+    import numpy as np
+
+    for sizes in (np.array([16, 4]), torch.tensor([16, 4]), np.int64(16), torch.tensor(16)):
+        m = layer(capacity=sizes)
+        assert m.capacities == ((4, 16) if np.ndim(sizes) else (16,)) and type(m.capacity) is int
+    with pytest.raises(ValueError, match=r"capacity\[0\] = 4.0"):
+        layer(capacity=torch.tensor([4.0, 16.0]))
+
+
 def test_beyond_capacity_errors():
     with pytest.raises(ValueError, match="beyond_capacity must be 'raise' or 'exact'"):
         layer(capacity=4, beyond_capacity="eager")
