@@ -335,8 +335,8 @@ def dense_pairs(slots: torch.Tensor, num_slots: int) -> LocalPairs:
     order = torch.argsort(key, stable=True)
     dev = slots.device
     counts = torch.zeros(num_slots, dtype=torch.int64, device=dev)
-    counts.scatter_add_(0, key, _ones(n * j, dev))
-    index = torch.empty_like(order).scatter_(0, order, _arange(n * j, dev))
+    counts.scatter_add_(0, key, cached_ones(n * j, dev))
+    index = torch.empty_like(order).scatter_(0, order, cached_arange(n * j, dev))
     return LocalPairs(order // j, counts, index.view(n, j))
 
 
@@ -344,12 +344,12 @@ _ONES: dict = {}
 _ARANGE: dict = {}
 
 
-def _ones(n: int, device: torch.device) -> torch.Tensor:
+def cached_ones(n: int, device: torch.device) -> torch.Tensor:
     """``[n]`` int64 ones: a view of a cached, never written tensor (no kernel)."""
     return _cached_prefix(_ONES, n, device, torch.ones)
 
 
-def _arange(n: int, device: torch.device) -> torch.Tensor:
+def cached_arange(n: int, device: torch.device) -> torch.Tensor:
     """``arange(n)`` in int64: a view of a cached, never written tensor (no kernel)."""
     return _cached_prefix(_ARANGE, n, device, torch.arange)
 

@@ -28,7 +28,7 @@ from moelayers._compile import cached_tensor, eager_under_compile
 from moelayers._warnings import warn_caller
 from moelayers.config import MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, ReplicaPolicy, Routes
-from moelayers.dispatch.base import Dispatcher, checked_plan, routes_from_placement
+from moelayers.dispatch.base import Dispatcher, cached_arange, checked_plan, routes_from_placement
 from moelayers.dispatch.flags import (
     BAD_INPUT, DISPATCH_AUTOGRAD, ORDER_SHIFT, PAYLOAD_NAMES, RECORDS_AUTOGRAD, REPLICA_AUTOGRAD, BackwardOrderError,
     SettingsDiffer, check_exchanged, merge_flags, raise_if_placements_differ, settings_differences,
@@ -724,7 +724,7 @@ class MoELayerBase(LayerWeights, nn.Module):
             routes = checked_plan(self.plan, type(self).__name__, topk_ids, topk_weights, token_ids, self.placement)
         routes.nonfinite = self._routing_flags(x2, routes, flag)
         if num_valid is not None:  # capacity mode: rows from num_valid on are padding
-            padding = self._arange(x2.shape[0], x2.device) >= num_valid
+            padding = cached_arange(x2.shape[0], x2.device) >= num_valid
             routes.dest_rank = routes.dest_rank.masked_fill(padding[:, None], -1)
             routes.overflow = num_valid > x2.shape[0]  # more tokens than the capacity: told to every rank
         try:
@@ -922,12 +922,6 @@ class MoELayerBase(LayerWeights, nn.Module):
         for graph in self._graphed.values():
             graph.release()  # waits for the graph's own device, not the current one
         self._graphed, self._own_pool = {}, None
-
-    _ARANGE: dict = {}
-
-    @classmethod
-    def _arange(cls, n: int, device: torch.device) -> torch.Tensor:
-        return cached_tensor(cls._ARANGE, (n, device), lambda: torch.arange(n, device=device))
 
     def plan(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor, token_ids: torch.Tensor | None) -> Routes:
         """Step 2: a physical slot per (token, k). The base maps through ``self.placement``, choosing

@@ -80,9 +80,10 @@ def test_a_failed_fake_tensor_trace_leaves_later_forwards_working():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from moelayers.dispatch import alltoall
+    from moelayers.dispatch import base as dispatch_base
     from moelayers.layers import base
 
-    for cache in (base._CONSTANTS, base.MoELayerBase._ARANGE, alltoall._FIXED_ROWS):
+    for cache in (base._CONSTANTS, dispatch_base._ARANGE, dispatch_base._ONES, alltoall._FIXED_ROWS):
         cache.clear()  # as in a process where the trace comes first
     cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=8, num_experts=4, top_k=2, init_std=0.5)
     layer = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=1)
@@ -91,11 +92,11 @@ def test_a_failed_fake_tensor_trace_leaves_later_forwards_working():
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             layer(mode.from_tensor(x))
     for transform in (torch.func.functionalize, lambda f: torch.func.grad(lambda t: f(t).sum())):
-        for cache in (base._CONSTANTS, base.MoELayerBase._ARANGE, layer.placement._device_cache):
+        for cache in (base._CONSTANTS, dispatch_base._ARANGE, dispatch_base._ONES, layer.placement._device_cache):
             cache.clear()
         with pytest.raises(Exception):
             transform(layer)(x.clone().requires_grad_())
-        kept = [*base._CONSTANTS.values(), *base.MoELayerBase._ARANGE.values(),
+        kept = [*base._CONSTANTS.values(), *dispatch_base._ARANGE.values(), *dispatch_base._ONES.values(),
                 *layer.placement._device_cache.values()]
         for t in (t for v in kept for t in (v if isinstance(v, tuple) else (v,))):
             assert type(t) is torch.Tensor and not torch._is_functional_tensor(t)
