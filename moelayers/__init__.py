@@ -15,6 +15,7 @@ from moelayers.experts import GroupedExperts
 from moelayers.groups import ParallelGroups
 from moelayers.layers import (MoELayerBase, PlacementMoveError, PlacementRejected, SemanticMoE, VanillaMoE,
                               VariabilityAwareMoE)
+from moelayers.layers.deferred import check_pending
 from moelayers.layers.graphs import share_graph_pool
 from moelayers.metrics import MoEStats
 from moelayers.placement import ExpertPlacement, SlotMove
@@ -28,5 +29,5 @@ __all__ = [
     "MoEConfig", "MoELayerBase", "MoEStats", "ParallelGroups", "Routes", "SlotMove", "TopKRouter", "VanillaMoE",
     "VariabilityAwareMoE", "metrics", "reference", "trace",
     "SemanticMoE", "rank_local_names", "rank_local_params", "reduce_expert_grads", "clip_grad_norm_",
-    "PlacementMoveError", "PlacementRejected", "share_graph_pool",
+    "PlacementMoveError", "PlacementRejected", "share_graph_pool", "check_pending",
 ]

@@ -176,6 +176,8 @@ def flag(cfg: dict, key: str, default: bool) -> bool:
 #: the on/off layer kwargs a recipe's ``layer.kwargs`` may set (read with :func:`flag`)
 LAYER_FLAGS = ("layer.kwargs.dedup", "layer.kwargs.check_finite", "layer.kwargs.cuda_graph",
                "layer.kwargs.auto_replan", "layer.kwargs.record_loads")  # the last two: VariabilityAwareMoE
+#: words besides on/off that a flag of :data:`LAYER_FLAGS` may take (kept as the word, lower case)
+FLAG_WORDS = {"layer.kwargs.check_finite": ("deferred",)}
 
 
 def merge_curves_path(d: dict) -> str | None:
@@ -206,7 +208,8 @@ def merge_curves_path(d: dict) -> str | None:
 
 def normalize_flags(d: dict, keys: Sequence[str]) -> None:
     """Replace each on/off setting named by a dotted key (``"bench.profile"``) with its bool, in
-    place, where it is set (see :func:`flag`); absent keys stay absent.
+    place, where it is set (see :func:`flag`); absent keys stay absent. A word of
+    :data:`FLAG_WORDS` for its key (``layer.kwargs.check_finite=deferred``) stays that word.
 
     Raises:
         ValueError: a value that is not on/off, naming its dotted key.
@@ -217,7 +220,11 @@ def normalize_flags(d: dict, keys: Sequence[str]) -> None:
         for part in parents:
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict) and node.get(leaf) is not None:
-            node[leaf] = flag({key: node[leaf]}, key, False)
+            word = node[leaf].strip().lower() if isinstance(node[leaf], str) else None
+            if word in FLAG_WORDS.get(key, ()):
+                node[leaf] = word
+            else:
+                node[leaf] = flag({key: node[leaf]}, key, False)
 
 
 def int_setting(value: Any, key: str, minimum: int | None = None) -> int:

@@ -79,9 +79,9 @@ class AllToAllDispatcher:
         self.dedup, self.capacity = dedup, capacity
         self.placement_digest = int(placement_digest)  # exchanged with the counts: the ranks must agree
         self.last_stats: MoEStats | None = None
-        self.flags: torch.Tensor | None = None  # capacity mode: [R] every rank's routing flag, read after the forward
-        self.overflow: torch.Tensor | None = None  # capacity mode: [R] int32, the ranks that had more tokens
-        self.digests: torch.Tensor | None = None  # capacity mode: [R, 2] int32, every rank's placement digest
+        # capacity mode: [R, 4] int32, every rank's header (its routing flag word, whether it had more tokens
+        # than the capacity, its placement digest in two 31-bit halves), read after the forward
+        self.header: torch.Tensor | None = None
         self.payload: tuple = ()  # the last forward's payload_dtypes (named when the ranks' digests differ)
         self.fixed_counts: torch.Tensor | None = None  # capacity mode: [2, R] activations and rows sent per rank
         self.fixed_bytes: list[int] | None = None  # capacity mode: bytes sent to each rank
@@ -171,9 +171,7 @@ class AllToAllDispatcher:
         fv.copy_(flags.expand(r * c, 4))
         recv = all_to_all_bytes(buf, r * c, [c] * r, [c] * r, self.group)
         recv_x, recv_w, recv_s, recv_f = layout.views(recv)
-        self.flags = recv_f[::c, 0]  # row r * C comes from rank r
-        self.overflow = recv_f[::c, 1]
-        self.digests = recv_f[::c, 2:]  # [R, 2]: every rank's placement digest in two 31-bit halves
+        self.header = recv_f[::c]  # row r * C comes from rank r
         pairs = local_pairs(recv_s, self.num_slots, static=True)
         self.fixed_counts = torch.stack([per_rank.sum(0), (per_rank > 0).sum(0)])  # [2, R] on the device
         self.fixed_bytes = [0 if i == self.rank else c * layout.row_bytes for i in range(r)]

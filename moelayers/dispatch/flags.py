@@ -145,7 +145,7 @@ def raise_if_placements_differ(digests: list[int], *, together: bool = False) ->
 #: where different digests come from (the message when the ranks cannot compare their settings)
 _CAUSES = (": every rank must call its layers in the same order (layers with a layer_number are told apart), "
            "load the same checkpoint moment or apply the same placement, build the layer with the same MoEConfig, "
-           "dispatcher, dedup, capacity (and a VariabilityAwareMoE with the same window and re-planning settings), "
+           "dispatcher, dedup, capacity, check_finite (with a capacity) (and a VariabilityAwareMoE with the same window and re-planning settings), "
            "and compute in the same dtype (a layer cast on some ranks only, torch.autocast on some ranks only, or "
            "the router's logits in another dtype)")
 

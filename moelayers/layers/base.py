@@ -37,6 +37,7 @@ from moelayers.dispatch.comm import all_gather_flat
 from moelayers.experts import GroupedExperts
 from moelayers.groups import ParallelGroups, backend_device, collective_device
 from moelayers.kernels import HAVE_TRITON, TRITON_INSTALL_HINT, use_triton
+from moelayers.layers.deferred import DeferredFlags
 from moelayers.layers.inflight import InFlightGraphs
 from moelayers.layers.moves import Staging, move_expert_weights
 from moelayers.layers.replay import ForcedForRecompute
@@ -115,7 +116,14 @@ class MoELayerBase(LayerWeights, nn.Module):
         seed: the default initialisation draws each logical expert from its own generator seeded
             by ``(seed, expert id)``, so that replicas agree and every rank builds the same model.
         check_finite: raise on NaN/inf router logits (on every rank). Only those: an overflow inside
-            the experts (float16) gives inf/NaN output rows, as the reference does.
+            the experts (float16) gives inf/NaN output rows, as the reference does. ``True``: the
+            forward raises (with ``capacity``, reading the flags costs a host sync per forward);
+            ``False``: no check; ``'deferred'``: with ``capacity``, the flags are copied to the host
+            behind the forward without a sync and read when the layer's next forward starts, which
+            raises the error of the one before it on every rank, before any collective (that
+            forward's output was returned already); :func:`moelayers.check_pending` reads what the
+            last forwards left. Without ``capacity`` ``'deferred'`` is ``True`` (the flags come with
+            the split sizes at no extra sync).
         expert_backend: ``'auto'`` | ``'grouped_mm'`` | ``'loop'`` (see :class:`GroupedExperts`).
         capacity: all-to-all only: the tokens per rank a forward is padded to (static shapes; see
             ``AllToAllDispatcher``). An int, or a sequence of ints (e.g. ``(16, 64, 256, 1024)``;
@@ -173,6 +181,8 @@ class MoELayerBase(LayerWeights, nn.Module):
     _trained = False  # (nor these, before the moves of trained weights warned: apply_placement)
     _warned_moments = False
     _order_taken = 0  # the backwards' order digest the running forward took (see _order_flag)
+    _check_deferred = False  # (nor these, before check_finite='deferred' existed)
+    _deferred: DeferredFlags | None = None
 
     # normal tensors even when built under torch.inference_mode(): the layer updates its weights, tables
     # and buffers in place (moves, loads, load recording) outside it too
@@ -188,7 +198,7 @@ class MoELayerBase(LayerWeights, nn.Module):
         replica_policy: ReplicaPolicy | None = None,
         device: torch.device | str | None = None,
         seed: int = 0,
-        check_finite: bool = True,
+        check_finite: bool | str = True,
         expert_backend: str = "auto",
         capacity: int | Sequence[int] | None = None,
         cuda_graph: bool = False,
@@ -200,9 +210,11 @@ class MoELayerBase(LayerWeights, nn.Module):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
         if not isinstance(groups, ParallelGroups):
             raise TypeError(f"groups must be a ParallelGroups, got {type(groups).__name__}")
-        for name, value in (("dedup", dedup), ("check_finite", check_finite), ("cuda_graph", cuda_graph)):
+        for name, value in (("dedup", dedup), ("cuda_graph", cuda_graph)):
             if not isinstance(value, bool):  # a config's string 'off' would be truthy
                 raise TypeError(f"{name} must be a bool, got {value!r}")
+        if not isinstance(check_finite, bool) and check_finite != "deferred":
+            raise TypeError(f"check_finite must be True, False or 'deferred', got {check_finite!r}")
         if placement is not None and not isinstance(placement, ExpertPlacement):  # (a table: "ambiguous" from bool())
             raise TypeError(f"placement must be an ExpertPlacement (ExpertPlacement.from_phy2log(table, num_experts) "
                             f"for a [ranks, slots] table), got {type(placement).__name__}")
@@ -253,7 +265,9 @@ class MoELayerBase(LayerWeights, nn.Module):
         self.dedup = dedup
         self.dispatcher_name = dispatcher
         device = torch.device(device) if device is not None else _default_device(groups)
-        self.router = TopKRouter(config, device=device, check_finite=check_finite, init=False)  # reset_parameters draws
+        self._check_deferred = check_finite == "deferred"  # capacity mode: flags read at the next forward
+        self._deferred = DeferredFlags()  # what the last forward left for the next one to read
+        self.router = TopKRouter(config, device=device, check_finite=check_finite is not False, init=False)  # reset_parameters draws
         self.experts = GroupedExperts(
             placement.slots_per_rank, config.hidden_size, config.ffn_hidden_size,
             dtype=config.params_dtype, device=device, backend=expert_backend, init=False,
@@ -344,6 +358,8 @@ class MoELayerBase(LayerWeights, nn.Module):
         c = self.config
         payload = ((("dedup", self.dedup), ("capacity", self.capacities), ("beyond_capacity", self.beyond_capacity))
                    if self.dispatcher_name == "alltoall" else ())
+        if self.capacities is not None:  # where some ranks reading the flags and others not would hang
+            payload += (("check_finite", "deferred" if self._check_deferred else self.router.check_finite),)
         config = tuple((f"config.{f.name}", getattr(c, f.name)) for f in dataclasses.fields(c) if f.name != "params_dtype")
         return (("placement", self.placement.digest()), ("dispatcher", self.dispatcher_name), *payload, *config,
                 *self._agreed_settings(), ("layer_number", self._layer_number))
@@ -766,6 +782,7 @@ class MoELayerBase(LayerWeights, nn.Module):
     def _forward_capacity(self, x2, token_ids, forced):
         """Fixed-capacity forward: pad to the capacity that holds the rows (:meth:`_capacity_for`),
         eager or replayed from that capacity's CUDA graph."""
+        self._read_deferred()  # the previous forward's flags, before any collective of this one
         t = x2.shape[0]
         c, most = self._capacity_for(t)
         if most > c and self.beyond_capacity == "exact":  # (every rank knows most: _capacity_for)
@@ -897,17 +914,18 @@ class MoELayerBase(LayerWeights, nn.Module):
         otherwise (``check_finite=False`` and the router's own routing) only an overflowing rank
         itself raises, and the placements are not compared again. ``most``: the most rows of any
         rank where :meth:`_capacity_for` learnt it (else ``t``): every rank then knows an overflow."""
-        if not (self.router.check_finite or forced or max(t, most) > self.capacity or self._bad_input
-                or type(self.replica_policy) is not LocalFirstPolicy or type(self).plan is not MoELayerBase.plan
-                or self._flags_read_always() or self._placement_unchecked):
+        if not ((self.router.check_finite and not self._check_deferred) or forced or max(t, most) > self.capacity
+                or self._bad_input or type(self.replica_policy) is not LocalFirstPolicy
+                or type(self).plan is not MoELayerBase.plan or self._flags_read_always() or self._placement_unchecked):
+            if self.router.check_finite and self._check_deferred:
+                if self._deferred is None:
+                    self._deferred = DeferredFlags()
+                self._deferred.record(self.dispatcher.header)
             return
-        d = self.dispatcher
-        r = self.groups.ep_size
-        flags = torch.cat([d.flags.to(torch.int32), d.overflow.to(torch.int32), d.digests.flatten()]).tolist()
-        digests = [lo | (hi << 31) for lo, hi in zip(flags[2 * r::2], flags[2 * r + 1::2])]
-        check_exchanged(flags[:r], digests)  # (not together: ranks with nothing to check go on)
-        self._placement_unchecked = False
-        bad = [i for i, f in enumerate(flags[r:2 * r]) if f]
+        header = self.dispatcher.header.tolist()  # [R][flag word, overflow, digest's two halves]
+        check_exchanged([h[0] for h in header], [h[2] | (h[3] << 31) for h in header])  # (not together: ranks
+        self._placement_unchecked = False                                             # with nothing to check go on)
+        bad = [i for i, h in enumerate(header) if h[1]]
         if bad:
             here = f" ({t} tokens on this rank)" if t > self.capacity else ""
             sizes = f" (its largest of {list(self.capacities)})" if len(self.capacities) > 1 else ""
@@ -915,6 +933,32 @@ class MoELayerBase(LayerWeights, nn.Module):
                              f"expert-parallel rank(s) {bad}{here}; every row counts, padding included: split the "
                              f"batch, build the layer with a larger capacity, or with beyond_capacity='exact' (an "
                              f"exact forward for such batches)")
+
+    def _read_deferred(self) -> None:
+        """``check_finite='deferred'``: raise what the flags of the forward before this one say (on
+        every rank alike: they were exchanged), waiting for their copy to the host if it is not done."""
+        header = None if self._deferred is None else self._deferred.take()
+        if header is None:
+            return
+        try:
+            check_exchanged([h[0] for h in header], [h[2] | (h[3] << 31) for h in header])
+        except ValueError as exc:
+            raise ValueError(f"{self._label()}: its last forward, whose output was returned already (check_finite="
+                             f"'deferred' reads a forward's flags at the next forward or check_pending()): {exc}") from exc
+
+    @one_at_a_time
+    def check_pending(self) -> None:
+        """Raise what the deferred NaN check (``check_finite='deferred'``) found in the last
+        forward, as its next forward would; waits for that forward (a host sync). Call it on every
+        expert-parallel rank, e.g. after the last forward of a generation
+        (:func:`moelayers.check_pending` does for every layer of a model). A no-op when nothing is
+        pending.
+
+        Raises:
+            ValueError: NaN/inf router logits or another flagged problem on some rank, or ranks
+                with different settings, in the last forward.
+        """
+        self._read_deferred()
 
     @one_at_a_time
     def release_graphs(self) -> None:

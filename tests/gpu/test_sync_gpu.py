@@ -29,3 +29,35 @@ def test_no_host_sync_alone_without_the_finite_check(dtype):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(y, checked(x))
+
+
+def test_graphed_replays_with_the_deferred_check_make_no_host_sync():
+    """``check_finite='deferred'``: a graphed decode step reads no flag after its replay (the one host
+    sync per layer of the NaN check); a NaN batch's error comes at the next forward; outputs are the
+    checked layer's, bit for bit."""
+    cfg = ml.MoEConfig(hidden_size=256, ffn_hidden_size=128, num_experts=16, top_k=4, params_dtype=torch.bfloat16)
+    kw = dict(device="cuda", capacity=(16, 64), cuda_graph=True)
+    deferred = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), check_finite="deferred", **kw).eval()
+    checked = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), **kw).eval()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(64, 256, device="cuda", generator=gen).to(torch.bfloat16)
+    bad = x[:9].clone()
+    bad[4, 7] = float("nan")
+    with torch.inference_mode():
+        for rows in (9, 40, 9, 40):  # capture both sizes (first forwards, warm-ups)
+            assert torch.equal(deferred(x[:rows]), checked(x[:rows]))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            ys = [deferred(x[:rows]) for rows in (9, 12, 40, 9)]
+            deferred(bad)  # its output is returned: its flags are read at the next forward
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for y, rows in zip(ys, (9, 12, 40, 9)):
+            assert torch.equal(y, checked(x[:rows])), rows
+        with pytest.raises(ValueError, match=r"its last forward, whose output was returned already .*NaN or inf"):
+            deferred(x[:9])
+        assert torch.equal(deferred(x[:9]), checked(x[:9]))
+        deferred(bad)
+        with pytest.raises(ValueError, match=r"NaN or inf"):
+            ml.check_pending(deferred)

@@ -1,0 +1,86 @@
+"""The deferred NaN check of capacity mode (``check_finite='deferred'``).
+
+A capacity-mode forward (the CUDA-graph path) learns what the ranks' exchanged flag words say
+(NaN/inf router logits, a refused input, settings that differ) only by reading them on the host:
+a device sync per layer, which at decode-sized batches costs more than the layer's work. Deferred,
+the words are copied to pinned host memory behind the forward, without a sync, and read when the
+layer's next forward starts (by then the copy is long done): that forward raises the error of the
+one before it, on every expert-parallel rank alike, before any collective.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class DeferredFlags:
+    """One capacity-mode forward's exchanged header ``[R, 4]`` int32 (per rank: its flag word, its
+    overflow, its settings digest in two 31-bit halves), on its way to the host."""
+
+    def __init__(self) -> None:
+        self._host: torch.Tensor | None = None  # pinned where the header is on an accelerator
+        self._event: torch.Event | None = None  # recorded behind the copy (None on CPU: the copy is done)
+        self.pending = False
+
+    @torch.inference_mode(False)  # a buffer made in a rollout is written outside inference mode later
+    def _buffers(self, header: torch.Tensor) -> None:
+        device = header.device
+        on_host = device.type == "cpu"
+        self._host = torch.empty(header.shape, dtype=header.dtype, pin_memory=not on_host)
+        self._event = None if on_host else torch.Event(device=device)
+
+    def record(self, header: torch.Tensor) -> None:
+        """Start copying ``header`` to the host behind the work queued so far (no sync)."""
+        if self._host is None or self._host.shape != header.shape or (self._event is None) != (header.device.type == "cpu"):
+            self._buffers(header)
+        self._host.copy_(header, non_blocking=True)
+        if self._event is not None:
+            self._event.record(torch.accelerator.current_stream(header.device))
+        self.pending = True
+
+    def take(self) -> list[list[int]] | None:
+        """The recorded header as ``[R][4]`` ints (waits for its copy), or ``None`` when nothing is
+        pending; pending no more either way."""
+        if not self.pending:
+            return None
+        self.pending = False
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
+    # a copied or pickled layer starts with nothing pending (events and pinned buffers do not copy)
+    def __deepcopy__(self, memo: dict) -> "DeferredFlags":
+        return DeferredFlags()
+
+    def __reduce__(self):
+        return DeferredFlags, ()
+
+
+def check_pending(module: torch.nn.Module) -> None:
+    """Raise what the deferred NaN checks of ``module``'s layers found in their last forwards.
+
+    Layers built with ``check_finite='deferred'`` raise a forward's error at their next forward;
+    call this after the last one (the end of a generation, a rollout) so that none goes unread.
+    Waits for those forwards (a host sync). Call it on every expert-parallel rank, as the forward:
+    every rank then raises alike. A no-op for layers with nothing pending.
+
+    Args:
+        module: a model, or a layer; every :class:`~moelayers.layers.base.MoELayerBase` in
+            ``module.modules()``, in that order.
+
+    Raises:
+        ValueError: the first layer's error, where the last forwards had NaN/inf router logits on
+            some rank, another flagged problem, or ranks with different settings (every layer's
+            pending flags are read first: none is left to raise later).
+    """
+    from moelayers.layers.base import MoELayerBase
+
+    first: ValueError | None = None
+    for layer in module.modules():
+        if isinstance(layer, MoELayerBase):
+            try:
+                layer.check_pending()
+            except ValueError as exc:
+                first = first or exc
+    if first is not None:
+        raise first

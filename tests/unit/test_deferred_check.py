@@ -1,0 +1,133 @@
+"""``check_finite='deferred'``: capacity mode reads a forward's exchanged flags when the next forward
+starts (no host sync per forward), and that forward raises the error on every rank, before any
+collective; ``moelayers.check_pending`` reads what the last forwards left."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+import moelayers as ml
+from moelayers.testing import run_distributed
+
+CFG = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2, params_dtype=torch.float64)
+
+
+def _x(rows: int, seed: int, nan: bool = False) -> torch.Tensor:
+    x = torch.randn(rows, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    if nan:
+        x[rows // 2, 3] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize("capacity", [16, (4, 16)])
+def test_deferred_check_raises_at_the_next_forward(capacity):
+    groups = ml.ParallelGroups.single()
+    layer = ml.VanillaMoE(CFG, groups, capacity=capacity, check_finite="deferred")
+    checked = ml.VanillaMoE(CFG, groups, capacity=capacity)  # the same weights (seed 0), checked at once
+    w = layer.export_full_weights()
+    with torch.inference_mode():
+        for step in range(3):  # good batches: the same outputs as the checked layer, bit for bit
+            x = _x(3 + 4 * step, step)
+            y = layer(x)
+            assert torch.equal(y, checked(x))
+            torch.testing.assert_close(y, ml.reference.moe_forward(x, *w, CFG), rtol=1e-12, atol=1e-12)
+        assert torch.isnan(layer(_x(5, 7, nan=True))).any()  # returned: its flags are read later
+        with pytest.raises(ValueError, match=r"its last forward, whose output was returned already .*NaN or inf"):
+            layer(_x(5, 8))
+        assert torch.equal(layer(_x(5, 8)), checked(_x(5, 8)))  # read once: the layer goes on
+        layer(_x(2, 9, nan=True))
+        model = torch.nn.Sequential(layer, ml.VanillaMoE(CFG, groups, capacity=capacity, check_finite="deferred"))
+        model[1](_x(3, 10))  # (a layer's first forward reads the flags: it compares the ranks' placements)
+        model[1](_x(3, 10, nan=True))
+        with pytest.raises(ValueError, match=r"NaN or inf"):  # both layers' flags read, the first one's error
+            ml.check_pending(model)
+        ml.check_pending(model)  # nothing left to raise, here or at the next forwards
+        layer(_x(5, 8)), model[1](_x(5, 8))
+        layer(_x(2, 9, nan=True))
+        for twin in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+            twin.check_pending()  # a copy starts with nothing pending
+            assert torch.equal(twin(_x(5, 8)), checked(_x(5, 8)))
+        with pytest.raises(ValueError, match=r"NaN or inf"):
+            layer.check_pending()
+
+
+def test_deferred_check_without_capacity_raises_at_once():
+    """Without capacity the flags come with the split sizes: 'deferred' checks as True does."""
+    layer = ml.VanillaMoE(CFG, ml.ParallelGroups.single(), check_finite="deferred")
+    assert layer.router.check_finite is True
+    with torch.no_grad(), pytest.raises(ValueError, match=r"^router logits contain NaN or inf"):
+        layer(_x(4, 0, nan=True))
+    layer.check_pending()
+
+
+@pytest.mark.parametrize("value", ["off", "Deferred", 1, None])
+def test_check_finite_takes_a_bool_or_deferred(value):
+    with pytest.raises(TypeError, match=r"check_finite must be True, False or 'deferred', got"):
+        ml.VanillaMoE(CFG, ml.ParallelGroups.single(), check_finite=value)
+
+
+def test_recipes_read_check_finite_deferred():
+    from recipes._common import LAYER_FLAGS, normalize_flags
+
+    d = {"layer": {"kwargs": {"check_finite": " Deferred", "dedup": "off"}}}
+    normalize_flags(d, LAYER_FLAGS)
+    assert d["layer"]["kwargs"] == {"check_finite": "deferred", "dedup": False}
+    with pytest.raises(ValueError, match=r"layer\.kwargs\.dedup must be true or false"):
+        normalize_flags({"layer": {"kwargs": {"dedup": "deferred"}}}, LAYER_FLAGS)
+
+
+def _nan_on_rank_1(rank, world, capacity):
+    """Rank 1's router logits are NaN at one forward: both ranks return it, both raise at the next
+    forward (or at check_pending), and go on; a refusal at the forward that reads the flags makes
+    neither rank hang. Ranks with other NaN checks raise together at the first forward."""
+    layer = ml.VanillaMoE(CFG, ml.ParallelGroups.from_world(), capacity=capacity, check_finite="deferred")
+    w = layer.export_full_weights()
+    out = []
+
+    def step(x, read=None):
+        try:
+            with torch.inference_mode():
+                y = read() if read else layer(x)
+            if y is not None and not torch.isnan(x).any():
+                torch.testing.assert_close(y, ml.reference.moe_forward(x, *w, CFG), rtol=1e-12, atol=1e-12)
+            out.append("ok")
+        except ValueError as e:
+            out.append("raised" if "rank(s) [1]" in str(e) and "last forward" in str(e) else str(e))
+
+    rows = (3, 9)[rank]
+    step(_x(rows, rank))
+    step(_x(rows, 10 + rank, nan=rank == 1))
+    step(_x(rows, 20 + rank))
+    step(_x(rows, 30 + rank))
+    step(_x(rows, 40 + rank, nan=rank == 1))
+    step(None, read=layer.check_pending)
+    step(_x(rows, 50 + rank, nan=rank == 1))
+    try:  # rank 0 refuses its input at the forward that reads rank 1's NaN: rank 1 raises that
+        with torch.inference_mode():
+            layer(torch.randn(2, 15, dtype=torch.float64) if rank == 0 else _x(rows, 60))
+        out.append("no error")
+    except ValueError as e:
+        out.append("hidden size" if "must be [T, 16]" in str(e) else "raised" if "rank(s) [1]" in str(e) else str(e))
+    step(_x(rows, 70 + rank))
+    mixed = ml.VanillaMoE(CFG, ml.ParallelGroups.from_world(), capacity=capacity,
+                          check_finite=True if rank == 0 else "deferred")
+    try:
+        with torch.inference_mode():
+            mixed(_x(rows, 80))
+        out.append("no error")
+    except ValueError as e:
+        out.append("differ" if "check_finite" in str(e) else str(e))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("capacity", [16, (4, 16)])
+def test_deferred_check_raises_on_every_rank_at_the_next_forward(capacity):
+    got = run_distributed(_nan_on_rank_1, 2, capacity, timeout=100)
+    expected = ["ok", "ok", "raised", "ok", "ok", "raised", "ok"]
+    assert got[0] == [*expected, "hidden size", "ok", "differ"], repr(got[0])
+    assert got[1] == [*expected, "raised", "ok", "differ"], got[1]
