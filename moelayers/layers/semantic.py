@@ -74,11 +74,14 @@ class SemanticMoE(MoELayerBase):
             planner.predictor`` evaluates it: ``'combined'`` (default: the log-linear predictor of the
             token id and the experts of the previous layers), ``'token'`` (the token id alone) or
             ``'alg3'`` (Sem-MoE Algorithm 3 as published: token table vs n-gram of the previous ranks).
-            A plan without ``token_logq`` (Algorithm 3 tables only) runs ``'alg3'`` whatever is asked.
+            A plan without ``token_logq`` (Algorithm 3 tables only, e.g. a ``mode='dp'`` plan) runs
+            ``'alg3'`` whatever is asked; the ``predictor`` attribute then says ``'alg3'``.
         verify_tp_inputs: ``forward_tp`` with several TP ranks first checks in one small all-reduce
-            (and a host read) that the ranks hold the same tokens and none refused its input.
+            (and a host read) that the ranks hold the same tokens and none refused its input, and,
+            with a plan, that the token ids are in its vocabulary (alone: one host read for that).
             ``False`` saves that per call; every rank must then pass identical, valid inputs (a
-            refused input on one rank leaves the others waiting in the reduce-scatter).
+            refused input on one rank leaves the others waiting in the reduce-scatter; ids outside
+            the vocabulary get no prediction from the token table).
         verify_tp_residual: ``forward_tp`` also checks, in the same all-reduce, that ``residual``
             holds the same bits on every TP rank (a fingerprint of its ``[T, H]`` values: a few
             elementwise passes over it on every call). Off by default: a residual stream that
@@ -150,6 +153,13 @@ class SemanticMoE(MoELayerBase):
             _check_plan(plan, config, groups)
             tables, predictor_obj, gather_context = _plan_tables(plan, layer_idx, mode, predictor)  # checks layer_idx
             placement = placement or plan.placement(layer_idx)
+            if mode == "tp" and predictor_obj is None:
+                predictor = "alg3"  # what runs (the plan has no rank predictor's tables)
+            if mode == "tp" and getattr(plan, "mode", mode) == "dp":
+                warn_caller("SemanticMoE(mode='tp') got a plan made for mode='dp': its placements were solved for "
+                            "requests that keep one rank through every layer, and it has no per-layer rank "
+                            "predictor (Algorithm 3 runs on its tables). For attention-TP plan with mode=tp "
+                            "(recipes/plan.py mode=tp)")
         super().__init__(config, groups, placement=placement, **kwargs)
         self.gather_context = gather_context
         self.mode, self.semantic_plan, self.layer_idx, self.predictor = mode, plan, layer_idx, predictor
@@ -288,6 +298,8 @@ class SemanticMoE(MoELayerBase):
                 if pending is not None:
                     raise ValueError("topk_ids given to a forward_tp for which force_routing ids are pending: pass one")
             x2, residual, token_ids, forced = self._tp_inputs(attn_partial, residual, token_ids, forced)
+            if self.groups.tp_size == 1 and self.verify_tp_inputs and token_ids is not None and token_ids.numel():
+                self._check_vocabulary(*torch.stack([token_ids.min(), token_ids.max()]).tolist())
             rb = self.rebatch(token_ids, prev_ranks, num_tokens=x2.shape[0])
             if (self.capacity is not None and self.beyond_capacity == "raise"
                     and rb.chunk_size > self.capacity):  # known alike on every TP rank
@@ -405,7 +417,7 @@ class SemanticMoE(MoELayerBase):
         different counts or dtypes crash them, different ids, contexts, plans or forced routing give
         wrong outputs silently, and a backward into an input on some ranks only waits in its
         collective for the others)."""
-        r, fields = self.groups.tp_size, 12
+        r, fields = self.groups.tp_size, 14
         host = torch.full((fields + 2 * r,), -(1 << 62), dtype=torch.int64)  # MAX identity of the fields
         host[fields:] = 0
         host[fields + self.groups.tp_rank] = int(refused is not None)
@@ -425,6 +437,9 @@ class SemanticMoE(MoELayerBase):
             for i, tensors in prints:
                 f = _fingerprint_of(tensors, vec.device)
                 vec[i], vec[i + 1] = f >> 1, -(f >> 1)  # halved: the negation never overflows
+            if token_ids is not None and token_ids.numel():  # the largest and the smallest id (fields 12, 13)
+                ids = token_ids.to(vec.device, torch.int64)
+                vec[12], vec[13] = ids.max(), -ids.min()
         dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.groups.tp)
         v = vec.tolist()
         bad = [i for i, flag in enumerate(v[fields:fields + r]) if flag]
@@ -440,6 +455,20 @@ class SemanticMoE(MoELayerBase):
         for i, what in enumerate(_TP_DISAGREEMENTS):  # fingerprint i in fields 2 + 2i (max) and 3 + 2i (-min)
             if v[2 + 2 * i] != -v[3 + 2 * i]:
                 raise ValueError(f"forward_tp: the TP ranks {what}")
+        if v[12] > -(1 << 62):  # (some rank had token ids)
+            self._check_vocabulary(-v[13], v[12])
+
+    def _check_vocabulary(self, lo: int, hi: int) -> None:
+        """``ValueError`` when token ids from ``lo`` to ``hi`` leave the plan's vocabulary (the
+        plan was made for another one: its token table would predict nothing for them)."""
+        if self._tables is None:
+            return
+        v = self._tables.vocab_size
+        if lo < 0 or hi >= v:
+            raise ValueError(f"forward_tp: token id {lo if lo < 0 else hi} is outside the plan's vocabulary "
+                             f"[0, vocab_size={v}) ({self._label()}, plan layer {self.layer_idx}): token ids must be "
+                             f">= 0 and < vocab_size; use a plan made for this vocabulary (a plan takes its vocab_size from the "
+                             f"trace: a trace file without one has that of its largest id + 1)")
 
     def _gather_rows(self, rows: torch.Tensor, rb: Rebatch) -> torch.Tensor:
         """``[T, ...]`` in the original token order from every rank's ``[C, ...]`` chunk rows."""
@@ -675,10 +704,12 @@ def _check_plan(plan: Any, config: MoEConfig, groups: ParallelGroups) -> None:
     e, r = getattr(plan, "num_experts", None), getattr(plan, "num_ranks", None)
     if e is None or r is None:
         raise TypeError(f"plan must be a SemanticPlan (num_experts, num_ranks, tables), got {type(plan).__name__}")
-    if int(e) != config.num_experts:
-        raise ValueError(f"the plan is for {int(e)} experts, the layer has {config.num_experts}")
-    if int(r) != groups.ep_size:
-        raise ValueError(f"the plan is for {int(r)} ranks, the expert-parallel group has {groups.ep_size}")
     check = getattr(plan, "check_compatible", None)
-    if check is not None:
+    if check is not None:  # (a SemanticPlan's names its file and field, and the fix)
         check(config.num_experts, groups.ep_size)
+    if int(e) != config.num_experts:
+        raise ValueError(f"the plan is for {int(e)} experts, the layer has {config.num_experts}: re-plan with "
+                         f"recipes/plan.py for this model")
+    if int(r) != groups.ep_size:
+        raise ValueError(f"the plan is for {int(r)} ranks, the expert-parallel group has {groups.ep_size}: re-plan "
+                         f"with recipes/plan.py parallel.ep={groups.ep_size}")

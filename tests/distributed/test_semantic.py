@@ -82,8 +82,8 @@ def _tp_inputs(case, world, t, plan):
     g = torch.Generator().manual_seed(17 + t)
     partials = [torch.randn(t, H, generator=g, dtype=torch.float64) for _ in range(world)]
     residual = torch.randn(t, H, generator=g, dtype=torch.float64)
-    if case.get("unseen"):  # ids past the vocabulary and ids with confidence 0
-        ids = torch.randint(V - 8, V + 20, (t,), generator=g)
+    if case.get("unseen"):  # ids the profiling never saw: confidence 0 (ids past the vocabulary are refused)
+        ids = torch.randint(V - 8, V, (t,), generator=g)
     else:
         ids = torch.randint(0, V, (t,), generator=g)
     prev = None
@@ -262,7 +262,7 @@ def _tiny_case(rank, world, groups, device, outs):
     for mine, theirs in zip(tp.moe_layers, ref.moe_layers):  # same logical weights on any device
         mine.load_full_weights(*(w.to(device) for w in theirs.export_full_weights()))
     g = torch.Generator().manual_seed(9)
-    a, b = torch.randint(0, V + 16, (7,), generator=g), torch.randint(0, V + 16, (4,), generator=g)
+    a, b = torch.randint(0, V, (7,), generator=g), torch.randint(0, V, (4,), generator=g)
     errs, got = [], []
     with torch.no_grad():
         for batch in ([("a", a[:5]), ("b", b[:3])], [("a", a[5:6]), ("b", b[3:4])], [("a", a[6:7])]):
@@ -326,7 +326,7 @@ def test_semantic_moe_matches_reference(world):
 
 
 TP_BAD_INPUTS = ("residual shape", "dtype", "forced rows", "no token ids", "not a tensor", "fewer tokens",
-                 "other token ids", "swaps that cancel")
+                 "other token ids", "swaps that cancel", "id past the vocabulary", "negative id")
 
 
 def _tp_bad_input_on_one_rank(rank, world):
@@ -355,6 +355,9 @@ def _tp_bad_input_on_one_rank(rank, world):
             a, b = int(ids[0]), (int(ids[0]) + 1) % int(ids.max() + 1)
             tok = ids.clone()
             tok[:4] = torch.tensor([a, b, b, a] if rank == 0 else [b, a, a, b])
+        if kind in ("id past the vocabulary", "negative id"):  # on every rank: the plan is for another vocabulary
+            tok = ids.clone()
+            tok[5] = V if kind == "id past the vocabulary" else -1
         layer.force_routing(forced)
         try:
             with torch.no_grad():
@@ -365,6 +368,8 @@ def _tp_bad_input_on_one_rank(rank, world):
                 ok = "different numbers of tokens (8..9; this rank " in str(e)
             elif kind in ("other token ids", "swaps that cancel"):
                 ok = "different token ids" in str(e)
+            elif kind in ("id past the vocabulary", "negative id"):
+                ok = f"token id {int(tok[5])} is outside the plan's vocabulary [0, vocab_size={V})" in str(e)
             else:
                 ok = ("refused the input of TP rank(s) [1]" in str(e)) == (rank == 0)
             outcome[kind] = "raised" if ok else f"raised the wrong error: {e}"
@@ -388,6 +393,21 @@ def test_forward_tp_bad_input_on_one_rank_raises_on_every_rank():
     with pytest.raises(TypeError, match="verify_tp_inputs must be a bool"):
         ml.SemanticMoE(ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2),
                        ml.ParallelGroups.single(), verify_tp_inputs="off")
+    # one TP rank: the ids are checked too (one host read), unless verify_tp_inputs=False
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2, params_dtype=torch.float64)
+    partials, residual, ids, _ = _tp_inputs({}, 1, 9, None)
+    for verify in (True, False):
+        alone = ml.SemanticMoE.from_plan(make_plan(4, 1), 0, cfg, ml.ParallelGroups.single(), mode="tp",
+                                         verify_tp_inputs=verify)
+        for bad in (V, -3):
+            tok = ids.clone()
+            tok[2] = bad
+            with torch.no_grad():
+                if verify:
+                    with pytest.raises(ValueError, match=rf"token id {bad} is outside the plan's vocabulary"):
+                        alone.forward_tp(partials[0], residual, _norm(torch.float64), token_ids=tok)
+                else:
+                    alone.forward_tp(partials[0], residual, _norm(torch.float64), token_ids=tok)
 
 
 def _tp_residual_out_of_sync(rank, world, device="cpu"):
@@ -758,3 +778,13 @@ def test_tp_mode_needs_the_same_ranks_in_tp_and_ep():
     waited in the first collective) while ranks 1 and 2 refused with 'got tp=2, ep=2'."""
     for rank, msg in enumerate(run_distributed(_tp_mode_with_other_ep_ranks, 4, timeout=100)):
         assert "the same ranks" in msg and f"tp=2 ranks [{rank // 2 * 2}, {rank // 2 * 2 + 1}]" in msg, (rank, msg)
+
+
+def test_tp_layer_with_a_dp_plan_warns_and_names_the_predictor_that_runs():
+    """A ``mode='dp'`` plan has no per-layer rank predictor: in tp mode Algorithm 3 runs on its tables,
+    which ``predictor`` says (it said 'combined'), and the layer warns that the plan was made for dp."""
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2, params_dtype=torch.float64)
+    with pytest.warns(UserWarning, match=r"got a plan made for mode='dp'.*plan with mode=tp"):
+        layer = ml.SemanticMoE.from_plan(make_plan(4, 1, mode="dp"), 1, cfg, ml.ParallelGroups.single(), mode="tp")
+    assert layer.predictor == "alg3"
+    assert ml.SemanticMoE.from_plan(make_plan(4, 1, mode="dp"), 1, cfg, ml.ParallelGroups.single()).mode == "dp"

@@ -341,8 +341,13 @@ def _plan(num_experts=4, num_ranks=1, mode="tp", layers=4, vocab=16):
 def test_semantic_layer_checks_its_plan_mode_and_inputs():
     cfg = _cfg(num_experts=4, top_k=2, params_dtype=torch.float64)
     single = ml.ParallelGroups.single()
-    with pytest.raises(ValueError, match="the plan is for 4 experts, the layer has 6"):
+    with pytest.raises(ValueError, match=r"<memory>: semantic plan field 'num_experts' is 4, but the model/parallel "
+                                         r"setup needs 6; re-plan with recipes/plan.py"):
         ml.SemanticMoE(_cfg(num_experts=6), single, plan=_plan())
+    duck = _plan()
+    duck.check_compatible = None  # a plan-like object without the check: the layer's own
+    with pytest.raises(ValueError, match="the plan is for 4 experts, the layer has 6: re-plan with recipes/plan.py"):
+        ml.SemanticMoE(_cfg(num_experts=6), single, plan=duck)
     with pytest.raises(ValueError, match="mode must be one of"):
         ml.SemanticMoE(cfg, single, mode="ep")
     assert ml.SemanticMoE.from_plan(_plan(mode="tp"), 0, cfg, single).mode == "tp"

@@ -505,9 +505,9 @@ def test_semantic_moe_single_process_dp_and_tp():
 def test_semantic_moe_errors():
     cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=16, num_experts=8, top_k=2)
     single = ml.ParallelGroups.single()
-    with pytest.raises(ValueError, match="16 experts"):
+    with pytest.raises(ValueError, match="field 'num_experts' is 16, but the model/parallel setup needs 8"):
         ml.SemanticMoE.from_plan(make_plan(16, 1), 0, cfg, single)
-    with pytest.raises(ValueError, match="2 ranks"):
+    with pytest.raises(ValueError, match="field 'num_ranks' is 2, but the model/parallel setup needs 1"):
         ml.SemanticMoE.from_plan(make_plan(8, 2), 0, cfg, single)
     with pytest.raises(ValueError, match="out of range"):
         ml.SemanticMoE.from_plan(make_plan(8, 1), 7, cfg, single)
