@@ -923,8 +923,9 @@ class MoELayerBase(LayerWeights, nn.Module):
                 self._deferred.record(self.dispatcher.header)
             return
         header = self.dispatcher.header.tolist()  # [R][flag word, overflow, digest's two halves]
-        check_exchanged([h[0] for h in header], [h[2] | (h[3] << 31) for h in header])  # (not together: ranks
-        self._placement_unchecked = False                                             # with nothing to check go on)
+        # (not together: ranks with nothing to check go on)
+        check_exchanged([h[0] for h in header], [h[2] | (h[3] << 31) for h in header])
+        self._placement_unchecked = False
         bad = [i for i, h in enumerate(header) if h[1]]
         if bad:
             here = f" ({t} tokens on this rank)" if t > self.capacity else ""
