@@ -123,7 +123,10 @@ class MoELayerBase(LayerWeights, nn.Module):
             raises the error of the one before it on every rank, before any collective (that
             forward's output was returned already); :func:`moelayers.check_pending` reads what the
             last forwards left. Without ``capacity`` ``'deferred'`` is ``True`` (the flags come with
-            the split sizes at no extra sync).
+            the split sizes at no extra sync), and so it is where capacity mode reads the flags
+            after every forward anyway (see :meth:`_raise_on_flags`: forced routing, a custom
+            replica policy or ``plan()``, ``VariabilityAwareMoE`` recording loads,
+            ``SemanticMoE.forward_tp``).
         expert_backend: ``'auto'`` | ``'grouped_mm'`` | ``'loop'`` (see :class:`GroupedExperts`).
         capacity: all-to-all only: the tokens per rank a forward is padded to (static shapes; see
             ``AllToAllDispatcher``). An int, or a sequence of ints (e.g. ``(16, 64, 256, 1024)``;
