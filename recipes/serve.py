@@ -350,6 +350,7 @@ def serve_worker(rank: int, world: int, cfg: dict) -> dict | None:
                     model.release(r.rid)
                     finished += 1
             running = [r for r, _ in batch if not r.done]
+    ml.check_pending(model)  # layers with check_finite='deferred': the last step's flags (every rank alike)
     elapsed = time.perf_counter() - t0
     emulated = var.describe(groups.ep_size)
     notes += [emulated] if emulated else []

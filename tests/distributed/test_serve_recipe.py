@@ -712,8 +712,10 @@ def test_serve_counts_the_padded_combine_of_capacity_layers(tmp_path):
 
 def test_serve_with_several_capacities_pads_each_step_to_the_one_it_fits(tmp_path):
     """``+layer.kwargs.capacity=[16,512]``: a decode step runs at 16 rows, a prefill at 512, and the
-    combine bytes count each step's own buffer."""
-    res = _serve(tmp_path / "run", "workload.num_requests=4", "+layer.kwargs.capacity=[16,512]")
+    combine bytes count each step's own buffer (with the NaN check deferred: read at the next step)."""
+    res = _serve(tmp_path / "run", "workload.num_requests=4", "+layer.kwargs.capacity=[16,512]",
+                 "+layer.kwargs.check_finite=deferred")
+    assert res["config"]["layer"]["kwargs"]["check_finite"] == "deferred"
     h, layers, steps = res["config"]["model"]["hidden_size"], res["config"]["model"]["num_layers"], res["steps"]
     units, rest = divmod(res["a2a_combine_bytes"], 2 * layers * h * 4)  # rows per rank and layer, all steps
     small, rest2 = divmod(512 * steps - units, 512 - 16)
