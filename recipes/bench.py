@@ -363,7 +363,8 @@ def check_config(d: dict) -> None:
         # build_layer lets the layer's kwargs win: the record and its name would say bench.check_finite's
         raise ValueError(f"layer.kwargs.check_finite={layer_kwargs['check_finite']!r} differs from "
                          f"bench.check_finite={b.get('check_finite', False)!r}: the bench sets the NaN check for ours "
-                         "and the baseline alike and names the record by it: use bench.check_finite")
+                         "and the baseline alike and names the record by it: use bench.check_finite (true or "
+                         "false: the bench times forwards one by one, so it offers no 'deferred')")
     ep = (d.get("parallel") or {}).get("ep")
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else (d.get("parallel") or {}).get("world_size")
     if ep is not None and world is not None and world % int_setting(ep, "parallel.ep", 1):

@@ -122,11 +122,15 @@ class MoELayerBase(LayerWeights, nn.Module):
             behind the forward without a sync and read when the layer's next forward starts, which
             raises the error of the one before it on every rank, before any collective (that
             forward's output was returned already); :func:`moelayers.check_pending` reads what the
-            last forwards left. Without ``capacity`` ``'deferred'`` is ``True`` (the flags come with
-            the split sizes at no extra sync), and so it is where capacity mode reads the flags
-            after every forward anyway (see :meth:`_raise_on_flags`: forced routing, a custom
-            replica policy or ``plan()``, ``VariabilityAwareMoE`` recording loads,
-            ``SemanticMoE.forward_tp``).
+            last forwards left. It defers with one expert-parallel rank, or with several and
+            several capacities or ``beyond_capacity='exact'``: their size vote before each forward
+            also tells every rank when one must read the flags at once (its refused input, forced
+            routing, an overflow), and all then raise in that forward; a rank raising alone would
+            leave the others waiting in the next layer's exchange. Elsewhere ``'deferred'`` is
+            ``True``: without ``capacity`` (the flags come with the split sizes at no extra sync),
+            with one capacity and several ranks, and where capacity mode reads the flags after
+            every forward anyway (see :meth:`_raise_on_flags`: forced routing, a custom replica
+            policy or ``plan()``, ``VariabilityAwareMoE`` recording loads, ``SemanticMoE.forward_tp``).
         expert_backend: ``'auto'`` | ``'grouped_mm'`` | ``'loop'`` (see :class:`GroupedExperts`).
         capacity: all-to-all only: the tokens per rank a forward is padded to (static shapes; see
             ``AllToAllDispatcher``). An int, or a sequence of ints (e.g. ``(16, 64, 256, 1024)``;
@@ -573,7 +577,11 @@ class MoELayerBase(LayerWeights, nn.Module):
                 need them: with ``check_finite=False``, a rank that neither forced its routing nor
                 overflowed nor was refused returns its output while the others raise (every rank
                 that forces routing, as trace replay does, raises together; a
-                ``VariabilityAwareMoE`` recording loads always reads the flags: all its ranks raise).
+                ``VariabilityAwareMoE`` recording loads always reads the flags: all its ranks raise;
+                with several ranks voting on the size of each forward, every rank reads them when
+                one of these must). With ``check_finite='deferred'`` in effect, what the flags of a
+                forward say (NaN/inf logits, ranks' settings) is raised as a ``ValueError`` by the
+                next forward, before its exchange, on every rank.
         """
         recompute = in_backward()  # activation checkpointing re-running a forward inside the backward
         pending = None
@@ -787,7 +795,7 @@ class MoELayerBase(LayerWeights, nn.Module):
         eager or replayed from that capacity's CUDA graph."""
         self._read_deferred()  # the previous forward's flags, before any collective of this one
         t = x2.shape[0]
-        c, most = self._capacity_for(t)
+        c, most, read_now = self._capacity_for(t, forced is not None)
         if most > c and self.beyond_capacity == "exact":  # (every rank knows most: _capacity_for)
             return self._forward_beyond(x2, token_ids, forced)
         self.dispatcher = self._dispatcher_for(c)
@@ -829,7 +837,7 @@ class MoELayerBase(LayerWeights, nn.Module):
             stats = self.dispatcher.last_stats
             stats._topk_ids = topk_ids
         # a refused forward leaves the last good one's stats and routing
-        self._raise_on_flags(t, forced is not None, most)
+        self._raise_on_flags(t, forced is not None, most, read_now)
         stats._num_experts = self.config.num_experts
         self.last_stats, self.last_topk_ids, self.last_token_ids = stats, topk_ids, token_ids
         self.last_capacity = c
@@ -853,29 +861,38 @@ class MoELayerBase(LayerWeights, nn.Module):
         self.last_capacity = None
         return y
 
-    def _capacity_for(self, t: int) -> tuple[int, int]:
-        """``(capacity, most)``: the capacity a forward of ``t`` rows on this rank runs at, the
-        smallest of ``capacities`` that holds ``most``, the most rows of any expert-parallel rank
+    def _votes(self) -> bool:
+        """Whether every capacity-mode forward starts with the ranks' size vote (:meth:`_capacity_for`):
+        several expert-parallel ranks, with several capacities or ``beyond_capacity='exact'``."""
+        return self.groups.ep_size > 1 and (len(self.capacities) > 1 or self.beyond_capacity == "exact")
+
+    def _capacity_for(self, t: int, forced: bool) -> tuple[int, int, bool]:
+        """``(capacity, most, read_now)``: the capacity a forward of ``t`` rows on this rank runs at,
+        the smallest of ``capacities`` that holds ``most``, the most rows of any expert-parallel rank
         (their collectives must match; with several ranks and several capacities or
         ``beyond_capacity='exact'``, one small all-gather and a host sync find it: otherwise
         ``most`` is ``t``), else the largest (the forward then raises, :meth:`_raise_on_flags`, or
-        runs exact, :meth:`_forward_beyond`).
+        runs exact, :meth:`_forward_beyond`). ``read_now``: some rank must read the exchanged flags
+        after this forward for a reason of its own (:meth:`_reads_flags_now`; ``forced``: this
+        rank's routing was forced), learnt in that all-gather (else ``False``): every rank then
+        reads them, so that with ``check_finite='deferred'`` all raise in the same forward.
 
         Raises:
             SettingsDiffer: on every rank, where the ranks' settings differ (their digests travel
                 with the row counts).
         """
-        caps, most = self.capacities, t
-        if (len(caps) > 1 or self.beyond_capacity == "exact") and self.groups.ep_size > 1:
+        caps, most, read_now = self.capacities, t, False
+        if self._votes():
             # with the digest of the ranks' settings: ranks built with other sizes would pick others, and
             # exchange buffers of different sizes (a hang, or gloo aborting the process)
-            mine = torch.tensor([t, self.dispatcher.placement_digest], dtype=torch.int64)
-            votes = mine.new_empty(2 * self.groups.ep_size).to(collective_device(self.groups.ep))
+            mine = torch.tensor([t, self.dispatcher.placement_digest, int(self._reads_flags_now(forced))],
+                                dtype=torch.int64)
+            votes = mine.new_empty(3 * self.groups.ep_size).to(collective_device(self.groups.ep))
             all_gather_flat(votes, mine.to(votes.device), group=self.groups.ep)
-            rows, digests = votes.view(-1, 2).t().tolist()
+            rows, digests, needs = votes.view(-1, 3).t().tolist()
             raise_if_placements_differ(digests, together=True)
-            most = max(rows)
-        return next((c for c in caps if c >= most), caps[-1]), most
+            most, read_now = max(rows), any(needs)
+        return next((c for c in caps if c >= most), caps[-1]), most, read_now
 
     def _check_capturable(self, x2: torch.Tensor) -> None:
         """Before the first capture: raise ``ValueError`` on every expert-parallel rank when any of
@@ -906,7 +923,20 @@ class MoELayerBase(LayerWeights, nn.Module):
         have one rank raise while the others go on into them (``VariabilityAwareMoE``)."""
         return False
 
-    def _raise_on_flags(self, t: int, forced: bool, most: int) -> None:
+    def _reads_flags_now(self, forced: bool) -> bool:
+        """Whether this rank reads the exchanged flags right after a capacity-mode forward for a
+        reason of its own, whatever ``check_finite`` says (see :meth:`_raise_on_flags`)."""
+        return (forced or self._bad_input or type(self.replica_policy) is not LocalFirstPolicy
+                or type(self).plan is not MoELayerBase.plan or self._flags_read_always() or self._placement_unchecked)
+
+    def _defers_check(self) -> bool:
+        """``check_finite='deferred'`` in effect: one expert-parallel rank, or ranks that vote on the
+        size of every forward (:meth:`_votes`), whose vote tells them whether any of them must read
+        the flags at once. Otherwise a rank raising for its own input or overflow while the others
+        go on would leave them waiting in the next layer's exchange: the check is then immediate."""
+        return self._check_deferred and self.router.check_finite and (self.groups.ep_size == 1 or self._votes())
+
+    def _raise_on_flags(self, t: int, forced: bool, most: int, read_now: bool = False) -> None:
         """Capacity mode: raise on every rank when any rank had NaN/inf logits, forced expert ids out
         of range, more than ``capacity`` tokens or another placement (the flags and placement digests
         came with the exchange). One host sync, made when the NaN check is on, the routing was forced,
@@ -916,14 +946,17 @@ class MoELayerBase(LayerWeights, nn.Module):
         or moved: ranks that loaded checkpoints of different placements raise together);
         otherwise (``check_finite=False`` and the router's own routing) only an overflowing rank
         itself raises, and the placements are not compared again. ``most``: the most rows of any
-        rank where :meth:`_capacity_for` learnt it (else ``t``): every rank then knows an overflow."""
-        if not ((self.router.check_finite and not self._check_deferred) or forced or max(t, most) > self.capacity
-                or self._bad_input or type(self.replica_policy) is not LocalFirstPolicy
-                or type(self).plan is not MoELayerBase.plan or self._flags_read_always() or self._placement_unchecked):
-            if self.router.check_finite and self._check_deferred:
+        rank where :meth:`_capacity_for` learnt it (else ``t``): every rank then knows an overflow.
+        ``read_now``: some rank reads them for its own reason (learnt there too). With
+        ``check_finite='deferred'`` in effect (:meth:`_defers_check`) the NaN check makes no sync:
+        the flags are copied to the host and read when the next forward starts (:meth:`_read_deferred`)."""
+        defers = self._defers_check()
+        if not ((self.router.check_finite and not defers) or read_now or max(t, most) > self.capacity
+                or self._reads_flags_now(forced)):
+            if defers:
                 if self._deferred is None:
                     self._deferred = DeferredFlags()
-                self._deferred.record(self.dispatcher.header)
+                self._deferred.record(self.dispatcher.header, self.groups.ep)
             return
         header = self.dispatcher.header.tolist()  # [R][flag word, overflow, digest's two halves]
         # (not together: ranks with nothing to check go on)
@@ -947,6 +980,7 @@ class MoELayerBase(LayerWeights, nn.Module):
         try:
             check_exchanged([h[0] for h in header], [h[2] | (h[3] << 31) for h in header])
         except ValueError as exc:
+            self._deferred.drop_later()  # the other layers' flags of the failed step, raised once: here
             raise ValueError(f"{self._label()}: its last forward, whose output was returned already (check_finite="
                              f"'deferred' reads a forward's flags at the next forward or check_pending()): {exc}") from exc
 

@@ -10,7 +10,14 @@ one before it, on every expert-parallel rank alike, before any collective.
 
 from __future__ import annotations
 
+import itertools
+import weakref
+from typing import Any
+
 import torch
+
+_RECORDS = itertools.count()  # the order of the records in this process
+_PENDING: "weakref.WeakSet[DeferredFlags]" = weakref.WeakSet()  # every record not read yet
 
 
 class DeferredFlags:
@@ -20,23 +27,28 @@ class DeferredFlags:
     def __init__(self) -> None:
         self._host: torch.Tensor | None = None  # pinned where the header is on an accelerator
         self._event: torch.Event | None = None  # recorded behind the copy (None on CPU: the copy is done)
+        self._device: torch.device | None = None  # the header's device (the event's)
+        self._group: Any = None  # the expert-parallel group of the forward recorded
+        self._order = -1  # its place among the records of this process
         self.pending = False
 
     @torch.inference_mode(False)  # a buffer made in a rollout is written outside inference mode later
     def _buffers(self, header: torch.Tensor) -> None:
-        device = header.device
+        device = self._device = header.device
         on_host = device.type == "cpu"
         self._host = torch.empty(header.shape, dtype=header.dtype, pin_memory=not on_host)
         self._event = None if on_host else torch.Event(device=device)
 
-    def record(self, header: torch.Tensor) -> None:
-        """Start copying ``header`` to the host behind the work queued so far (no sync)."""
-        if self._host is None or self._host.shape != header.shape or (self._event is None) != (header.device.type == "cpu"):
-            self._buffers(header)
+    def record(self, header: torch.Tensor, group: Any) -> None:
+        """Start copying ``header`` to the host behind the work queued so far (no sync);
+        ``group``: the forward's expert-parallel group (``None`` for one rank)."""
+        if self._host is None or self._host.shape != header.shape or self._device != header.device:
+            self._buffers(header)  # (a layer moved to another device records its event there)
         self._host.copy_(header, non_blocking=True)
         if self._event is not None:
             self._event.record(torch.accelerator.current_stream(header.device))
-        self.pending = True
+        self.pending, self._group, self._order = True, group, next(_RECORDS)
+        _PENDING.add(self)
 
     def take(self) -> list[list[int]] | None:
         """The recorded header as ``[R][4]`` ints (waits for its copy), or ``None`` when nothing is
@@ -44,9 +56,20 @@ class DeferredFlags:
         if not self.pending:
             return None
         self.pending = False
+        _PENDING.discard(self)
         if self._event is not None:
             self._event.synchronize()
         return self._host.tolist()
+
+    def drop_later(self) -> None:
+        """Forget the records made after this one (taken: it raises) by layers of the same group:
+        those forwards ran in the step that failed, or in the next one, which its error aborts;
+        raised too, one failure would make each of a model's layers raise at a forward of its own.
+        Every rank of the group ran the same forwards of its layers: they drop the same records."""
+        for other in list(_PENDING):
+            if other._group is self._group and other._order > self._order:
+                other.pending = False
+                _PENDING.discard(other)
 
     # a copied or pickled layer starts with nothing pending (events and pinned buffers do not copy)
     def __deepcopy__(self, memo: dict) -> "DeferredFlags":

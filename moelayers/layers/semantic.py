@@ -158,8 +158,8 @@ class SemanticMoE(MoELayerBase):
             if mode == "tp" and getattr(plan, "mode", mode) == "dp":
                 warn_caller("SemanticMoE(mode='tp') got a plan made for mode='dp': its placements were solved for "
                             "requests that keep one rank through every layer, and it has no per-layer rank "
-                            "predictor (Algorithm 3 runs on its tables). For attention-TP plan with mode=tp "
-                            "(recipes/plan.py mode=tp)")
+                            "predictor (Algorithm 3 runs on its tables). For attention-TP, make the plan with "
+                            "recipes/plan.py mode=tp")
         super().__init__(config, groups, placement=placement, **kwargs)
         self.gather_context = gather_context
         self.mode, self.semantic_plan, self.layer_idx, self.predictor = mode, plan, layer_idx, predictor
@@ -298,7 +298,8 @@ class SemanticMoE(MoELayerBase):
                 if pending is not None:
                     raise ValueError("topk_ids given to a forward_tp for which force_routing ids are pending: pass one")
             x2, residual, token_ids, forced = self._tp_inputs(attn_partial, residual, token_ids, forced)
-            if self.groups.tp_size == 1 and self.verify_tp_inputs and token_ids is not None and token_ids.numel():
+            if (self.groups.tp_size == 1 and self.verify_tp_inputs and self._tables is not None
+                    and token_ids is not None and token_ids.numel()):
                 self._check_vocabulary(*torch.stack([token_ids.min(), token_ids.max()]).tolist())
             rb = self.rebatch(token_ids, prev_ranks, num_tokens=x2.shape[0])
             if (self.capacity is not None and self.beyond_capacity == "raise"
@@ -438,7 +439,7 @@ class SemanticMoE(MoELayerBase):
                 f = _fingerprint_of(tensors, vec.device)
                 vec[i], vec[i + 1] = f >> 1, -(f >> 1)  # halved: the negation never overflows
             if token_ids is not None and token_ids.numel():  # the largest and the smallest id (fields 12, 13)
-                ids = token_ids.to(vec.device, torch.int64)
+                ids = token_ids.to(vec.device, torch.int64).clamp(-(1 << 61), 1 << 61)  # (above the MAX identity)
                 vec[12], vec[13] = ids.max(), -ids.min()
         dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.groups.tp)
         v = vec.tolist()
@@ -465,7 +466,8 @@ class SemanticMoE(MoELayerBase):
             return
         v = self._tables.vocab_size
         if lo < 0 or hi >= v:
-            raise ValueError(f"forward_tp: token id {lo if lo < 0 else hi} is outside the plan's vocabulary "
+            bad = (lo if lo > -(1 << 61) else "<= -2**61") if lo < 0 else (hi if hi < 1 << 61 else ">= 2**61")
+            raise ValueError(f"forward_tp: token id {bad} is outside the plan's vocabulary "
                              f"[0, vocab_size={v}) ({self._label()}, plan layer {self.layer_idx}): token ids must be "
                              f">= 0 and < vocab_size; use a plan made for this vocabulary (a plan takes its vocab_size from the "
                              f"trace: a trace file without one has that of its largest id + 1)")

@@ -326,7 +326,8 @@ def test_semantic_moe_matches_reference(world):
 
 
 TP_BAD_INPUTS = ("residual shape", "dtype", "forced rows", "no token ids", "not a tensor", "fewer tokens",
-                 "other token ids", "swaps that cancel", "id past the vocabulary", "negative id")
+                 "other token ids", "swaps that cancel", "id past the vocabulary", "negative id",
+                 "lowest int64 id")
 
 
 def _tp_bad_input_on_one_rank(rank, world):
@@ -355,9 +356,9 @@ def _tp_bad_input_on_one_rank(rank, world):
             a, b = int(ids[0]), (int(ids[0]) + 1) % int(ids.max() + 1)
             tok = ids.clone()
             tok[:4] = torch.tensor([a, b, b, a] if rank == 0 else [b, a, a, b])
-        if kind in ("id past the vocabulary", "negative id"):  # on every rank: the plan is for another vocabulary
+        if kind in ("id past the vocabulary", "negative id", "lowest int64 id"):  # on every rank: another vocabulary
             tok = ids.clone()
-            tok[5] = V if kind == "id past the vocabulary" else -1
+            tok[5] = {"id past the vocabulary": V, "negative id": -1}.get(kind, -2 ** 63)
         layer.force_routing(forced)
         try:
             with torch.no_grad():
@@ -368,8 +369,9 @@ def _tp_bad_input_on_one_rank(rank, world):
                 ok = "different numbers of tokens (8..9; this rank " in str(e)
             elif kind in ("other token ids", "swaps that cancel"):
                 ok = "different token ids" in str(e)
-            elif kind in ("id past the vocabulary", "negative id"):
-                ok = f"token id {int(tok[5])} is outside the plan's vocabulary [0, vocab_size={V})" in str(e)
+            elif kind in ("id past the vocabulary", "negative id", "lowest int64 id"):
+                bad = "<= -2**61" if kind == "lowest int64 id" else int(tok[5])
+                ok = f"token id {bad} is outside the plan's vocabulary [0, vocab_size={V})" in str(e)
             else:
                 ok = ("refused the input of TP rank(s) [1]" in str(e)) == (rank == 0)
             outcome[kind] = "raised" if ok else f"raised the wrong error: {e}"
@@ -784,7 +786,7 @@ def test_tp_layer_with_a_dp_plan_warns_and_names_the_predictor_that_runs():
     """A ``mode='dp'`` plan has no per-layer rank predictor: in tp mode Algorithm 3 runs on its tables,
     which ``predictor`` says (it said 'combined'), and the layer warns that the plan was made for dp."""
     cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=F, num_experts=4, top_k=2, params_dtype=torch.float64)
-    with pytest.warns(UserWarning, match=r"got a plan made for mode='dp'.*plan with mode=tp"):
+    with pytest.warns(UserWarning, match=r"got a plan made for mode='dp'.*make the plan with recipes/plan.py mode=tp"):
         layer = ml.SemanticMoE.from_plan(make_plan(4, 1, mode="dp"), 1, cfg, ml.ParallelGroups.single(), mode="tp")
     assert layer.predictor == "alg3"
     assert ml.SemanticMoE.from_plan(make_plan(4, 1, mode="dp"), 1, cfg, ml.ParallelGroups.single()).mode == "dp"

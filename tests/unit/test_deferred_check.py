@@ -80,54 +80,80 @@ def test_recipes_read_check_finite_deferred():
         normalize_flags({"layer": {"kwargs": {"dedup": "deferred"}}}, LAYER_FLAGS)
 
 
-def _nan_on_rank_1(rank, world, capacity):
-    """Rank 1's router logits are NaN at one forward: both ranks return it, both raise at the next
-    forward (or at check_pending), and go on; a refusal at the forward that reads the flags makes
-    neither rank hang. Ranks with other NaN checks raise together at the first forward."""
-    layer = ml.VanillaMoE(CFG, ml.ParallelGroups.from_world(), capacity=capacity, check_finite="deferred")
-    w = layer.export_full_weights()
+def _outcome(e: ValueError) -> str:
+    msg = str(e)
+    if "must be [T, 16]" in msg:
+        return "hidden size"
+    if "refused the input of expert-parallel rank(s) [0]" in msg:
+        return "refused 0"
+    if "check_finite" in msg and "serve different" in msg:
+        return "differ"
+    if "NaN or inf" in msg and "rank(s) [1]" in msg:
+        return "late" if "its last forward" in msg else "now"
+    return msg
+
+
+def _deferred_on_two_ranks(rank, world, capacity):
+    """Rank 1's router logits are NaN at some forwards, rank 0 refuses its input or forces its
+    routing at others, through a model of two layers: every rank raises in the same forward and
+    layer (none goes on into the next layer's exchange alone), deferred or at once; then the ranks
+    go on. Ranks built with other NaN checks raise together at their first forward."""
+    layers = [ml.VanillaMoE(CFG, ml.ParallelGroups.from_world(), capacity=capacity, check_finite="deferred",
+                            seed=i) for i in range(2)]
+    weights = [layer.export_full_weights() for layer in layers]
     out = []
 
-    def step(x, read=None):
+    def step(x, *, refuse=False, force=False, read=False):
         try:
             with torch.inference_mode():
-                y = read() if read else layer(x)
-            if y is not None and not torch.isnan(x).any():
-                torch.testing.assert_close(y, ml.reference.moe_forward(x, *w, CFG), rtol=1e-12, atol=1e-12)
+                if read:
+                    ml.check_pending(torch.nn.ModuleList(layers))
+                    out.append("ok")
+                    return
+                h = x
+                for i, (layer, w) in enumerate(zip(layers, weights)):
+                    if refuse and i == 0:  # as a model refusing its token ids before its first block
+                        layer.refuse_input(ValueError("x must be [T, 16] here"))
+                    if force and i == 0:
+                        layer.force_routing(torch.zeros(h.shape[0], 2, dtype=torch.int64) + torch.tensor([0, 1]))
+                    y = layer(h)
+                    if not torch.isnan(h).any() and not force:
+                        torch.testing.assert_close(y, ml.reference.moe_forward(h, *w, CFG), rtol=1e-12, atol=1e-12)
+                    h = y
             out.append("ok")
         except ValueError as e:
-            out.append("raised" if "rank(s) [1]" in str(e) and "last forward" in str(e) else str(e))
+            out.append(_outcome(e))
 
     rows = (3, 9)[rank]
     step(_x(rows, rank))
     step(_x(rows, 10 + rank, nan=rank == 1))
     step(_x(rows, 20 + rank))
-    step(_x(rows, 30 + rank))
-    step(_x(rows, 40 + rank, nan=rank == 1))
-    step(None, read=layer.check_pending)
-    step(_x(rows, 50 + rank, nan=rank == 1))
-    try:  # rank 0 refuses its input at the forward that reads rank 1's NaN: rank 1 raises that
-        with torch.inference_mode():
-            layer(torch.randn(2, 15, dtype=torch.float64) if rank == 0 else _x(rows, 60))
-        out.append("no error")
-    except ValueError as e:
-        out.append("hidden size" if "must be [T, 16]" in str(e) else "raised" if "rank(s) [1]" in str(e) else str(e))
-    step(_x(rows, 70 + rank))
+    step(_x(rows, 30 + rank, nan=rank == 1))
+    step(None, read=True)
+    step(_x(rows, 40 + rank), refuse=rank == 0)  # nothing pending: the vote tells rank 1
+    step(_x(rows, 50 + rank, nan=rank == 1), force=rank == 0)  # rank 0 reads at once: so does rank 1
+    step(_x(rows, 60 + rank, nan=rank == 1))
+    step(_x(rows, 70 + rank), refuse=rank == 0)  # rank 1's NaN pending: read first, on both
+    step(_x(rows, 80 + rank))
     mixed = ml.VanillaMoE(CFG, ml.ParallelGroups.from_world(), capacity=capacity,
                           check_finite=True if rank == 0 else "deferred")
     try:
         with torch.inference_mode():
-            mixed(_x(rows, 80))
+            mixed(_x(rows, 90))
         out.append("no error")
     except ValueError as e:
-        out.append("differ" if "check_finite" in str(e) else str(e))
+        out.append(_outcome(e))
     return out
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("capacity", [16, (4, 16)])
-def test_deferred_check_raises_on_every_rank_at_the_next_forward(capacity):
-    got = run_distributed(_nan_on_rank_1, 2, capacity, timeout=100)
-    expected = ["ok", "ok", "raised", "ok", "ok", "raised", "ok"]
-    assert got[0] == [*expected, "hidden size", "ok", "differ"], repr(got[0])
-    assert got[1] == [*expected, "raised", "ok", "differ"], got[1]
+def test_deferred_check_on_two_ranks_raises_on_every_rank_in_the_same_forward(capacity):
+    got = run_distributed(_deferred_on_two_ranks, 2, capacity, timeout=100)
+    if capacity == 16:  # one capacity on two ranks: no size vote to learn another rank's refusal: immediate
+        expected = [["ok", "now", "ok", "now", "ok", own, "now", "now", own, "ok", "differ"]
+                    for own in ("hidden size", "refused 0")]
+    else:
+        expected = [["ok", "ok", "late", "ok", "late", own, "now", "ok", late, "ok", "differ"]
+                    for own, late in (("hidden size", "hidden size"), ("refused 0", "late"))]
+    assert got == expected, got
