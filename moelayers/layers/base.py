@@ -122,8 +122,9 @@ class MoELayerBase(LayerWeights, nn.Module):
             behind the forward without a sync and read when the layer's next forward starts, which
             raises the error of the one before it on every rank, before any collective (that
             forward's output was returned already); :func:`moelayers.check_pending` reads what the
-            last forwards left. It defers with one expert-parallel rank, or with several and
-            several capacities or ``beyond_capacity='exact'``: their size vote before each forward
+            last forwards left (each layer raises its own). It defers with one expert-parallel
+            rank, or with several and two or more capacities or ``beyond_capacity='exact'``: their
+            size vote before each forward
             also tells every rank when one must read the flags at once (its refused input, forced
             routing, an overflow), and all then raise in that forward; a rank raising alone would
             leave the others waiting in the next layer's exchange. Elsewhere ``'deferred'`` is
@@ -956,7 +957,7 @@ class MoELayerBase(LayerWeights, nn.Module):
             if defers:
                 if self._deferred is None:
                     self._deferred = DeferredFlags()
-                self._deferred.record(self.dispatcher.header, self.groups.ep)
+                self._deferred.record(self.dispatcher.header)
             return
         header = self.dispatcher.header.tolist()  # [R][flag word, overflow, digest's two halves]
         # (not together: ranks with nothing to check go on)
@@ -979,10 +980,11 @@ class MoELayerBase(LayerWeights, nn.Module):
             return
         try:
             check_exchanged([h[0] for h in header], [h[2] | (h[3] << 31) for h in header])
-        except ValueError as exc:
-            self._deferred.drop_later()  # the other layers' flags of the failed step, raised once: here
+        except ValueError as exc:  # (each layer raises its own: moelayers.check_pending(model) reads them all)
             raise ValueError(f"{self._label()}: its last forward, whose output was returned already (check_finite="
-                             f"'deferred' reads a forward's flags at the next forward or check_pending()): {exc}") from exc
+                             f"'deferred' reads a forward's flags at the layer's next forward; the model's other "
+                             f"layers may hold that step's too: moelayers.check_pending(model) reads them all): "
+                             f"{exc}") from exc
 
     @one_at_a_time
     def check_pending(self) -> None:

@@ -1,23 +1,20 @@
 """The deferred NaN check of capacity mode (``check_finite='deferred'``).
 
 A capacity-mode forward (the CUDA-graph path) learns what the ranks' exchanged flag words say
-(NaN/inf router logits, a refused input, settings that differ) only by reading them on the host:
-a device sync per layer, which at decode-sized batches costs more than the layer's work. Deferred,
-the words are copied to pinned host memory behind the forward, without a sync, and read when the
-layer's next forward starts (by then the copy is long done): that forward raises the error of the
-one before it, on every expert-parallel rank alike, before any collective.
+(NaN/inf router logits, settings that differ) only by reading them on the host: a device sync per
+layer, which at decode-sized batches costs more than the layer's work. Deferred, the words are
+copied to pinned host memory behind the forward, without a sync, and read when the layer's next
+forward starts (by then the copy is long done): that forward raises the error of the one before
+it, on every expert-parallel rank alike, before any collective. (What a rank knows it must raise
+at once, a refused input or an overflow, it still does, and the other ranks learn it in the same
+forward: see ``MoELayerBase._defers_check``.) Each layer raises its own: after a failed step the
+model's other layers may raise the same step's errors at their next forwards, which
+:func:`check_pending` reads all at once.
 """
 
 from __future__ import annotations
 
-import itertools
-import weakref
-from typing import Any
-
 import torch
-
-_RECORDS = itertools.count()  # the order of the records in this process
-_PENDING: "weakref.WeakSet[DeferredFlags]" = weakref.WeakSet()  # every record not read yet
 
 
 class DeferredFlags:
@@ -28,8 +25,6 @@ class DeferredFlags:
         self._host: torch.Tensor | None = None  # pinned where the header is on an accelerator
         self._event: torch.Event | None = None  # recorded behind the copy (None on CPU: the copy is done)
         self._device: torch.device | None = None  # the header's device (the event's)
-        self._group: Any = None  # the expert-parallel group of the forward recorded
-        self._order = -1  # its place among the records of this process
         self.pending = False
 
     @torch.inference_mode(False)  # a buffer made in a rollout is written outside inference mode later
@@ -39,16 +34,14 @@ class DeferredFlags:
         self._host = torch.empty(header.shape, dtype=header.dtype, pin_memory=not on_host)
         self._event = None if on_host else torch.Event(device=device)
 
-    def record(self, header: torch.Tensor, group: Any) -> None:
-        """Start copying ``header`` to the host behind the work queued so far (no sync);
-        ``group``: the forward's expert-parallel group (``None`` for one rank)."""
+    def record(self, header: torch.Tensor) -> None:
+        """Start copying ``header`` to the host behind the work queued so far (no sync)."""
         if self._host is None or self._host.shape != header.shape or self._device != header.device:
             self._buffers(header)  # (a layer moved to another device records its event there)
         self._host.copy_(header, non_blocking=True)
         if self._event is not None:
             self._event.record(torch.accelerator.current_stream(header.device))
-        self.pending, self._group, self._order = True, group, next(_RECORDS)
-        _PENDING.add(self)
+        self.pending = True
 
     def take(self) -> list[list[int]] | None:
         """The recorded header as ``[R][4]`` ints (waits for its copy), or ``None`` when nothing is
@@ -56,20 +49,9 @@ class DeferredFlags:
         if not self.pending:
             return None
         self.pending = False
-        _PENDING.discard(self)
         if self._event is not None:
             self._event.synchronize()
         return self._host.tolist()
-
-    def drop_later(self) -> None:
-        """Forget the records made after this one (taken: it raises) by layers of the same group:
-        those forwards ran in the step that failed, or in the next one, which its error aborts;
-        raised too, one failure would make each of a model's layers raise at a forward of its own.
-        Every rank of the group ran the same forwards of its layers: they drop the same records."""
-        for other in list(_PENDING):
-            if other._group is self._group and other._order > self._order:
-                other.pending = False
-                _PENDING.discard(other)
 
     # a copied or pickled layer starts with nothing pending (events and pinned buffers do not copy)
     def __deepcopy__(self, memo: dict) -> "DeferredFlags":
@@ -83,9 +65,11 @@ def check_pending(module: torch.nn.Module) -> None:
     """Raise what the deferred NaN checks of ``module``'s layers found in their last forwards.
 
     Layers built with ``check_finite='deferred'`` raise a forward's error at their next forward;
-    call this after the last one (the end of a generation, a rollout) so that none goes unread.
-    Waits for those forwards (a host sync). Call it on every expert-parallel rank, as the forward:
-    every rank then raises alike. A no-op for layers with nothing pending.
+    call this after the last one (the end of a generation, a rollout) so that none goes unread,
+    and after catching such an error, so that the model's other layers do not raise the same
+    step's at their next forwards. Waits for those forwards (a host sync). Call it on every
+    expert-parallel rank, as the forward: every rank then raises alike. A no-op for layers with
+    nothing pending.
 
     Args:
         module: a model, or a layer; every :class:`~moelayers.layers.base.MoELayerBase` in

@@ -127,13 +127,15 @@ def _deferred_on_two_ranks(rank, world, capacity):
     rows = (3, 9)[rank]
     step(_x(rows, rank))
     step(_x(rows, 10 + rank, nan=rank == 1))
-    step(_x(rows, 20 + rank))
+    step(_x(rows, 20 + rank))  # layer 0 raises step 2's
+    step(None, read=True)  # layer 1 still holds step 2's: check_pending reads it
     step(_x(rows, 30 + rank, nan=rank == 1))
     step(None, read=True)
     step(_x(rows, 40 + rank), refuse=rank == 0)  # nothing pending: the vote tells rank 1
     step(_x(rows, 50 + rank, nan=rank == 1), force=rank == 0)  # rank 0 reads at once: so does rank 1
     step(_x(rows, 60 + rank, nan=rank == 1))
     step(_x(rows, 70 + rank), refuse=rank == 0)  # rank 1's NaN pending: read first, on both
+    step(None, read=True)  # layer 1's of step 9
     step(_x(rows, 80 + rank))
     mixed = ml.VanillaMoE(CFG, ml.ParallelGroups.from_world(), capacity=capacity,
                           check_finite=True if rank == 0 else "deferred")
@@ -151,9 +153,9 @@ def _deferred_on_two_ranks(rank, world, capacity):
 def test_deferred_check_on_two_ranks_raises_on_every_rank_in_the_same_forward(capacity):
     got = run_distributed(_deferred_on_two_ranks, 2, capacity, timeout=100)
     if capacity == 16:  # one capacity on two ranks: no size vote to learn another rank's refusal: immediate
-        expected = [["ok", "now", "ok", "now", "ok", own, "now", "now", own, "ok", "differ"]
+        expected = [["ok", "now", "ok", "ok", "now", "ok", own, "now", "now", own, "ok", "ok", "differ"]
                     for own in ("hidden size", "refused 0")]
     else:
-        expected = [["ok", "ok", "late", "ok", "late", own, "now", "ok", late, "ok", "differ"]
+        expected = [["ok", "ok", "late", "late", "ok", "late", own, "now", "ok", late, "late", "ok", "differ"]
                     for own, late in (("hidden size", "hidden size"), ("refused 0", "late"))]
     assert got == expected, got
