@@ -275,7 +275,8 @@ class MoELayerBase(LayerWeights, nn.Module):
         device = torch.device(device) if device is not None else _default_device(groups)
         self._check_deferred = check_finite == "deferred"  # capacity mode: flags read at the next forward
         self._deferred = DeferredFlags()  # what the last forward left for the next one to read
-        self.router = TopKRouter(config, device=device, check_finite=check_finite is not False, init=False)  # reset_parameters draws
+        # (reset_parameters draws the router's weights)
+        self.router = TopKRouter(config, device=device, check_finite=check_finite is not False, init=False)
         self.experts = GroupedExperts(
             placement.slots_per_rank, config.hidden_size, config.ffn_hidden_size,
             dtype=config.params_dtype, device=device, backend=expert_backend, init=False,

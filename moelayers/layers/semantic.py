@@ -467,10 +467,10 @@ class SemanticMoE(MoELayerBase):
         v = self._tables.vocab_size
         if lo < 0 or hi >= v:
             bad = (lo if lo > -(1 << 61) else "<= -2**61") if lo < 0 else (hi if hi < 1 << 61 else ">= 2**61")
-            raise ValueError(f"forward_tp: token id {bad} is outside the plan's vocabulary "
-                             f"[0, vocab_size={v}) ({self._label()}, plan layer {self.layer_idx}): token ids must be "
-                             f">= 0 and < vocab_size; use a plan made for this vocabulary (a plan takes its vocab_size from the "
-                             f"trace: a trace file without one has that of its largest id + 1)")
+            raise ValueError(f"forward_tp: token id {bad} is outside the plan's vocabulary [0, vocab_size={v}) "
+                             f"({self._label()}, plan layer {self.layer_idx}): token ids must be >= 0 and < "
+                             f"vocab_size; use a plan made for this vocabulary (a plan takes its vocab_size from "
+                             f"the trace: a trace file without one has that of its largest id + 1)")
 
     def _gather_rows(self, rows: torch.Tensor, rb: Rebatch) -> torch.Tensor:
         """``[T, ...]`` in the original token order from every rank's ``[C, ...]`` chunk rows."""
