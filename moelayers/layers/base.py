@@ -117,21 +117,23 @@ class MoELayerBase(LayerWeights, nn.Module):
             by ``(seed, expert id)``, so that replicas agree and every rank builds the same model.
         check_finite: raise on NaN/inf router logits (on every rank). Only those: an overflow inside
             the experts (float16) gives inf/NaN output rows, as the reference does. ``True``: the
-            forward raises (with ``capacity``, reading the flags costs a host sync per forward);
-            ``False``: no check; ``'deferred'``: with ``capacity``, the flags are copied to the host
-            behind the forward without a sync and read when the layer's next forward starts, which
-            raises the error of the one before it on every rank, before any collective (that
-            forward's output was returned already); :func:`moelayers.check_pending` reads what the
-            last forwards left (each layer raises its own). It defers with one expert-parallel
-            rank, or with several and two or more capacities or ``beyond_capacity='exact'``: their
-            size vote before each forward
-            also tells every rank when one must read the flags at once (its refused input, forced
-            routing, an overflow), and all then raise in that forward; a rank raising alone would
-            leave the others waiting in the next layer's exchange. Elsewhere ``'deferred'`` is
-            ``True``: without ``capacity`` (the flags come with the split sizes at no extra sync),
-            with one capacity and several ranks, and where capacity mode reads the flags after
-            every forward anyway (see :meth:`_raise_on_flags`: forced routing, a custom replica
-            policy or ``plan()``, ``VariabilityAwareMoE`` recording loads, ``SemanticMoE.forward_tp``).
+            forward raises (with ``capacity``, reading the flags costs a host sync per forward).
+            ``False``: no check. ``'deferred'``: with ``capacity``, the flags are copied to the
+            host behind the forward, without a sync, and read when the layer's next forward
+            starts. That forward raises the error of the one before it (whose output was returned
+            already), on every rank, before its exchange. Each layer raises only its own error:
+            :func:`moelayers.check_pending` reads what the last forwards of a model's layers left;
+            call it after the last forward of a generation, and after catching such an error.
+            It defers with one expert-parallel rank, or with several and two or more capacities or
+            ``beyond_capacity='exact'``. A forward that must read the flags at once (a refused
+            input, forced routing, an overflow, a new placement) still does. With several ranks
+            their vote on each forward's size tells every rank when one must, and all then raise
+            in that forward (a rank raising alone would leave the others waiting in the next
+            layer's exchange). Elsewhere ``'deferred'`` acts as ``True``: without ``capacity``
+            (the flags come with the split sizes, at no extra sync), with one capacity and several
+            ranks, and where capacity mode reads the flags after every forward anyway (see
+            :meth:`_raise_on_flags`: a custom replica policy or ``plan()``, ``VariabilityAwareMoE``
+            recording loads, ``SemanticMoE.forward_tp``).
         expert_backend: ``'auto'`` | ``'grouped_mm'`` | ``'loop'`` (see :class:`GroupedExperts`).
         capacity: all-to-all only: the tokens per rank a forward is padded to (static shapes; see
             ``AllToAllDispatcher``). An int, or a sequence of ints (e.g. ``(16, 64, 256, 1024)``;

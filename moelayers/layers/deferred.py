@@ -3,13 +3,14 @@
 A capacity-mode forward (the CUDA-graph path) learns what the ranks' exchanged flag words say
 (NaN/inf router logits, settings that differ) only by reading them on the host: a device sync per
 layer, which at decode-sized batches costs more than the layer's work. Deferred, the words are
-copied to pinned host memory behind the forward, without a sync, and read when the layer's next
-forward starts (by then the copy is long done): that forward raises the error of the one before
-it, on every expert-parallel rank alike, before any collective. (What a rank knows it must raise
-at once, a refused input or an overflow, it still does, and the other ranks learn it in the same
-forward: see ``MoELayerBase._defers_check``.) Each layer raises its own: after a failed step the
-model's other layers may raise the same step's errors at their next forwards, which
-:func:`check_pending` reads all at once.
+copied to host memory (pinned on an accelerator) behind the forward, without a sync, and read
+when the layer's next forward starts (by then the copy is usually done; if not, the read waits
+for it). That forward raises the error of the one before it, on every expert-parallel rank alike,
+before its exchange. (What a rank knows it must raise at once, a refused input or an overflow, it
+still does, and the other ranks learn it in the same forward: see
+``MoELayerBase._defers_check``.) Each layer raises only its own error: after a failed step the
+model's other layers may raise errors of the same step at their next forwards.
+:func:`check_pending` reads them all at once.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ def check_pending(module: torch.nn.Module) -> None:
     call this after the last one (the end of a generation, a rollout) so that none goes unread,
     and after catching such an error, so that the model's other layers do not raise the same
     step's at their next forwards. Waits for those forwards (a host sync). Call it on every
-    expert-parallel rank, as the forward: every rank then raises alike. A no-op for layers with
-    nothing pending.
+    expert-parallel rank, as you call the forward, so that every rank raises alike (it runs no
+    collective). A no-op for layers with nothing pending.
 
     Args:
         module: a model, or a layer; every :class:`~moelayers.layers.base.MoELayerBase` in

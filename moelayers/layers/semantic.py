@@ -77,8 +77,9 @@ class SemanticMoE(MoELayerBase):
             A plan without ``token_logq`` (Algorithm 3 tables only, e.g. a ``mode='dp'`` plan) runs
             ``'alg3'`` whatever is asked; the ``predictor`` attribute then says ``'alg3'``.
         verify_tp_inputs: ``forward_tp`` with several TP ranks first checks in one small all-reduce
-            (and a host read) that the ranks hold the same tokens and none refused its input, and,
-            with a plan, that the token ids are in its vocabulary (alone: one host read for that).
+            (and a host read) that the ranks hold the same tokens and none refused its input. With
+            a plan it also checks that the token ids are in the plan's vocabulary, on one TP rank
+            too (there with a host read of its own).
             ``False`` saves that per call; every rank must then pass identical, valid inputs (a
             refused input on one rank leaves the others waiting in the reduce-scatter; ids outside
             the vocabulary get no prediction from the token table).
@@ -281,7 +282,9 @@ class SemanticMoE(MoELayerBase):
                 collective): when any rank refused its input, or the ranks hold different numbers of
                 tokens, token ids, contexts, plans (the shuffle of the tokens) or forced routing,
                 every TP rank raises (the refused rank its own error,
-                the others a ``ValueError`` naming it) instead of crashing or waiting.
+                the others a ``ValueError`` naming it) instead of crashing or waiting. Token ids
+                outside the plan's vocabulary raise ``ValueError`` on every TP rank (both with
+                ``verify_tp_inputs``).
             Exception: ``norm`` raising (or returning another shape or dtype) on one rank: that rank
                 raises its error, the others ``ValueError``, after the layer's exchange.
         """
