@@ -714,6 +714,10 @@ class MoELayerBase(LayerWeights, nn.Module):
         ``capacity`` and ``check_finite=False`` they make no host sync to learn it, and go on)."""
         if self.router.weight.device.type == "meta":  # no exchange without storage (every rank's layer, as built)
             raise exc
+        try:  # the previous forward's deferred flags: every rank raises them here, before the exchange
+            self._read_deferred()
+        except ValueError:  # this rank raises its own error, with that report as its context
+            raise exc  # noqa: B904 (implicitly chained: the report shows above the error)
         empty = self.router.weight.new_empty(0, self.config.hidden_size)
         self._bad_input = True
         try:
