@@ -58,8 +58,10 @@ def case_list(world: int) -> list[dict]:
         for place in ("permuted", "replicas"):  # fixed-capacity mode (inference only)
             cases.append(dict(place=place, dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True))
         cases.append(dict(place="linear", dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True, zero_tokens=True))
-        # several capacities: each forward padded to the smallest that holds every rank's tokens
-        cases.append(dict(place="replicas", dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True, buckets=True))
+        # several capacities: each forward padded to the smallest that holds every rank's tokens (the NaN
+        # check deferred: its flags read at the next forward, check_pending after the last)
+        cases.append(dict(place="replicas", dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True, buckets=True,
+                          deferred=True))
         # and more tokens than the largest on some rank: every rank runs exact (beyond_capacity='exact')
         cases.append(dict(place="permuted", dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True, buckets=True,
                           beyond=True))
@@ -87,7 +89,7 @@ def case_list(world: int) -> list[dict]:
                        buckets=True, zero_tokens=True)]
     for c in cases:
         flags = [k for k in ("policy", "zero_tokens", "one_expert", "topk_all", "sigmoid", "capacity", "fp32_router",
-                             "megatron_rank", "moved", "buckets", "beyond") if c.get(k)]
+                             "megatron_rank", "moved", "buckets", "beyond", "deferred") if c.get(k)]
         c["name"] = f"{c['place']}-{c['dispatcher']}-{'dedup' if c['dedup'] else 'nodedup'}-" \
                     f"{str(c['dtype']).split('.')[-1]}" + "".join(f"-{f}" for f in flags) \
                     + (f"-ep{c['ep']}" if c.get("ep") else "")
@@ -165,6 +167,7 @@ def _run_case(rank: int, world: int, groups, case: dict, device: torch.device,
     layer = layer_cls(cfg, groups, placement=placements(case["place"], num_experts, groups.ep_size),
                           dispatcher=case["dispatcher"], dedup=case["dedup"], replica_policy=policy, device=device,
                           capacity=_capacity(world, case), beyond_capacity="exact" if case.get("beyond") else "raise",
+                          check_finite="deferred" if case.get("deferred") else True,
                           cuda_graph=bool(case.get("capacity")) and device.type == "cuda" and dtype == torch.bfloat16)
     layer.load_full_weights(router64.to(dtype).to(device), w13_64.to(dtype).to(device), w2_64.to(dtype).to(device))
 
@@ -197,6 +200,7 @@ def _run_case(rank: int, world: int, groups, case: dict, device: torch.device,
                 want = min((c for c in layer.capacities if c >= most), default=None)  # None: exact, beyond them
                 if not err and (layer.last_capacity != want or layer.dispatcher.capacity != want):
                     err = f"{case['name']}: ran at capacity {layer.last_capacity}, not {want} ({most} rows)"
+        layer.check_pending()  # (deferred: the last forward's flags, clean)
         layer.release_graphs()
         return err
     if moved is not None:

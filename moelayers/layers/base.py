@@ -968,7 +968,7 @@ class MoELayerBase(LayerWeights, nn.Module):
             return
         header = self.dispatcher.header.tolist()  # [R][flag word, overflow, digest's two halves]
         # (not together: ranks with nothing to check go on)
-        check_exchanged([h[0] for h in header], [h[2] | (h[3] << 31) for h in header])
+        _check_header(header)
         self._placement_unchecked = False
         bad = [i for i, h in enumerate(header) if h[1]]
         if bad:
@@ -986,7 +986,7 @@ class MoELayerBase(LayerWeights, nn.Module):
         if header is None:
             return
         try:
-            check_exchanged([h[0] for h in header], [h[2] | (h[3] << 31) for h in header])
+            _check_header(header)
         except ValueError as exc:  # (each layer raises its own: moelayers.check_pending(model) reads them all)
             raise ValueError(f"{self._label()}: its last forward, whose output was returned already (check_finite="
                              f"'deferred' reads a forward's flags at the layer's next forward; the model's other "
@@ -1093,6 +1093,12 @@ class MoELayerBase(LayerWeights, nn.Module):
 
 
 _CONSTANTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _check_header(header: list[list[int]]) -> None:
+    """Raise what capacity mode's exchanged header says (one ``[flag word, overflow, digest's low and
+    high 31 bits]`` per rank; :func:`~moelayers.dispatch.flags.check_exchanged`; not the overflow)."""
+    check_exchanged([h[0] for h in header], [h[2] | (h[3] << 31) for h in header])
 
 
 def _constant(value: int, device: torch.device) -> torch.Tensor:
