@@ -718,3 +718,9 @@ def _check_plan(plan: Any, config: MoEConfig, groups: ParallelGroups) -> None:
     if int(r) != groups.ep_size:
         raise ValueError(f"the plan is for {int(r)} ranks, the expert-parallel group has {groups.ep_size}: re-plan "
                          f"with recipes/plan.py parallel.ep={groups.ep_size}")
+    k = getattr(plan, "top_k", None)
+    if k is not None and int(k) != config.top_k and getattr(plan, "history_pmi", None) is not None:
+        warn_caller(f"{getattr(plan, 'source', 'the plan')}: the semantic plan was made from routing with top_k={int(k)}, "
+                    f"the layer routes top_k={config.top_k}: its placement serves, but its tp predictor's history "
+                    f"terms were fitted on {int(k)} experts per earlier layer and will sum {config.top_k}; re-plan "
+                    f"from a trace of this routing for the best locality")

@@ -26,6 +26,7 @@ held-out evaluation in :mod:`moelayers.planning.semantic_eval`.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -42,8 +43,8 @@ __all__ = [
 ]  # plan_semantic is importable from here too (lazily, see __getattr__)
 
 #: 2 added train_sequences (format 1's reader refuses such a plan as having an unknown field; readers
-#: since then check the version first: files.check_format_version)
-FORMAT_VERSION = 2
+#: since then check the version first: files.check_format_version); 3 added top_k
+FORMAT_VERSION = 3
 
 #: how tokens are given ranks in tp mode, offline (planning/semantic_eval.py) and online (SemanticMoE)
 PREDICTORS = ("combined", "alg3", "token")
@@ -298,7 +299,7 @@ def ngram_tables(topk_ids: np.ndarray, expert_rank: np.ndarray, num_ranks: int) 
 _REQUIRED = ("expert_rank", "token_rank", "token_conf", "ngram_rank", "ngram_conf", "num_ranks", "num_experts",
              "vocab_size", "mode")
 _OPTIONAL = ("token_logq", "history_pmi", "history_weight", "solver", "theta", "seed", "objective", "format_version",
-             "train_sequences")
+             "train_sequences", "top_k")
 
 
 @dataclass(eq=False)
@@ -325,6 +326,10 @@ class SemanticPlan:
         train_sequences: optional ``[S_train]`` uint64 content digests of the sequences the plan
             was trained on (:meth:`RoutingTrace.sequence_digests`; ``plan_semantic`` records them):
             :meth:`trained_on` tells which sequences of a trace are in-sample for the plan.
+        top_k: optional ``K`` of the routing the plan was made from (``plan_semantic`` records the
+            trace's; ``None`` in files written before format 3). ``SemanticMoE.from_plan`` warns
+            when the layer routes another number of experts per token: the placement still serves,
+            but the tp predictor's history terms add ``K`` experts per earlier layer.
         source: where the plan was loaded from (for error messages).
     """
 
@@ -345,6 +350,7 @@ class SemanticPlan:
     seed: int = 0
     objective: np.ndarray | None = None
     train_sequences: np.ndarray | None = None
+    top_k: int | None = None
     format_version: int = FORMAT_VERSION
     source: str = field(default="<memory>", repr=False)
 
@@ -433,6 +439,35 @@ class SemanticPlan:
                 raise self._fail("train_sequences", f"must be [S] uint64 digests, got shape {list(seqs.shape)} "
                                  f"dtype {seqs.dtype}")
             self.train_sequences = seqs
+        if self.top_k is not None:
+            k = self.top_k
+            if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= e:
+                raise self._fail("top_k", f"must be an int in [1, num_experts={e}] or None, got {k!r}")
+            self.top_k = int(k)
+            self.format_version = max(int(self.format_version), 3)  # (saved with it, a format-2 reader would not read it)
+
+    def __eq__(self, other: object) -> bool:
+        """The same plan: every field equal (arrays in shape, dtype and values; a NaN ``theta`` equals
+        a NaN), whatever ``source`` and ``format_version`` say. So a plan equals itself saved and
+        loaded back."""
+        if not isinstance(other, SemanticPlan):
+            return NotImplemented
+        for f in fields(self):
+            if f.name in ("source", "format_version"):
+                continue
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if a is None or b is None:
+                if a is not b:
+                    return False
+            elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+                a, b = np.asarray(a), np.asarray(b)
+                if a.shape != b.shape or a.dtype != b.dtype or not np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"):
+                    return False
+            elif a != b and not (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)):
+                return False
+        return True
+
+    __hash__ = None  # (mutable, compared by value)
 
     def trained_on(self, trace) -> np.ndarray | None:
         """``[S]`` bool: which sequences of ``trace`` (a ``RoutingTrace``) the plan was trained on
@@ -543,7 +578,7 @@ class SemanticPlan:
             raise ValueError(f"{path}: semantic plan has unknown field(s) {unknown}")
         kw = {}
         for k, a in arrays.items():
-            if k in ("num_ranks", "num_experts", "vocab_size", "seed", "format_version"):
+            if k in ("num_ranks", "num_experts", "vocab_size", "seed", "format_version", "top_k"):
                 if a.ndim != 0 or a.dtype.kind not in "iu":
                     raise ValueError(f"{path}: semantic plan field '{k}' must be an integer scalar")
                 kw[k] = int(a)

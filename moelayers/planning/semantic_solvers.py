@@ -641,6 +641,7 @@ def plan_semantic(train_trace, ep: int, mode: str = "tp", *, solver: str = "alte
               max_requests=int(max_requests), predictor_sample=int(predictor_sample),
               threads=_fit_threads() if threads is None else int(threads))
     plan.train_sequences = train_trace.sequence_digests()  # what it was trained on: in-sample checks later
+    plan.top_k = train_trace.topk_ids.shape[2]  # the routing it was made from (from_plan warns on another)
     return plan
 
 

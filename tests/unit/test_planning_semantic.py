@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import replace
@@ -291,6 +292,58 @@ def test_plan_round_trip_and_placement(tmp_path, tp_plan):
         back.check_compatible(32, 4)
     with pytest.raises(ValueError, match=r"semantic\.npz.*num_ranks.*4.*8"):
         back.check_compatible(16, 8)
+
+
+def test_plan_compares_by_value_and_records_its_top_k(tmp_path, tp_plan, synth):
+    """A plan equals itself saved and loaded back (``==`` was identity, and a dataclass ``==`` over
+    arrays raises); it records the routing's ``top_k``, and a file of format 2 (no ``top_k``) loads."""
+    import dataclasses
+
+    assert tp_plan.top_k == synth[0].top_k == 2 and tp_plan.format_version == 3
+    tp_plan.save(tmp_path / "p.npz")
+    back = SemanticPlan.load(tmp_path / "p.npz")
+    assert back == tp_plan and not back != tp_plan and back.top_k == 2
+    assert math.isnan(back.theta) or back.theta == tp_plan.theta
+    for change in ({"seed": 1}, {"top_k": 3}, {"token_logq": None}, {"mode": "tp", "solver": "cem"}):
+        assert dataclasses.replace(tp_plan, **change) != tp_plan, change
+    conf = tp_plan.token_conf.copy()
+    conf[0, 0] = np.nextafter(conf[0, 0], np.float32(0))
+    assert dataclasses.replace(tp_plan, token_conf=conf) != tp_plan
+    assert dataclasses.replace(tp_plan, theta=float("nan")) == dataclasses.replace(tp_plan, theta=float("nan"))
+    assert tp_plan != "plan" and tp_plan != tp_plan.to_arrays()
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(tp_plan)
+    arrays = {k: v for k, v in tp_plan.to_arrays().items() if k != "top_k"}
+    np.savez(tmp_path / "v2.npz", **dict(arrays, format_version=np.int64(2)))
+    old = SemanticPlan.load(tmp_path / "v2.npz")
+    assert old.top_k is None and old.format_version == 2 and old != tp_plan
+    assert dataclasses.replace(old, top_k=2) == tp_plan
+    old.top_k = 2  # given one later: saved as format 3, which a format-2 reader refuses as newer
+    old.save(tmp_path / "v3.npz")
+    with np.load(tmp_path / "v3.npz") as z:
+        assert int(z["format_version"]) == 3 and int(z["top_k"]) == 2
+    for bad in (0, 17, 2.0, True):
+        with pytest.raises(ValueError, match=r"semantic plan field 'top_k' must be an int in \[1, num_experts=16\]"):
+            dataclasses.replace(tp_plan, top_k=bad)
+
+
+def test_from_plan_warns_when_the_layer_routes_another_top_k(synth):
+    """The tp predictor's history terms were fitted on the plan's ``top_k`` experts per earlier layer."""
+    import warnings
+
+    import moelayers as ml
+
+    plan = plan_semantic(synth[0], 1, "tp", progress=False)  # (one rank: a layer without process groups)
+    for k, warns in ((2, False), (3, True)):
+        cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=16, num_experts=16, top_k=k)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            layer = ml.SemanticMoE.from_plan(plan, 1, cfg, ml.ParallelGroups.single())
+        assert layer.mode == "tp"
+        told = [w for w in caught if "top_k=2" in str(w.message)]
+        assert bool(told) == warns, [str(w.message) for w in caught]
+        if warns:
+            assert told[0].filename == __file__  # (told at the caller's line)
 
 
 def test_plan_for_another_number_of_layers_is_refused(tmp_path, tp_plan, synth):
