@@ -62,6 +62,8 @@ def case_list(world: int) -> list[dict]:
         # check deferred: its flags read at the next forward, check_pending after the last)
         cases.append(dict(place="replicas", dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True, buckets=True,
                           deferred=True))
+        # without capacity: one rank's inference forward defers its NaN check too (several ranks: as True)
+        cases.append(dict(place="permuted", dispatcher="alltoall", dedup=True, dtype=dtype, deferred=True))
         # and more tokens than the largest on some rank: every rank runs exact (beyond_capacity='exact')
         cases.append(dict(place="permuted", dispatcher="alltoall", dedup=True, dtype=dtype, capacity=True, buckets=True,
                           beyond=True))
@@ -206,6 +208,14 @@ def _run_case(rank: int, world: int, groups, case: dict, device: torch.device,
     if moved is not None:
         layer.apply_placement(moved)
         assert layer.placement == moved != placements(case["place"], num_experts, groups.ep_size)
+    if case.get("deferred"):  # an inference forward first (the deferred check's path), then training (at once)
+        with torch.inference_mode():
+            y = layer(x)
+        ref_y, low_y = _reference_outputs(xs[rank], router64, w13_64, w2_64, cfg, cfg64, dtype)
+        layer.check_pending()
+        err = check_close(f"{case['name']} inference output", y.reshape(ref_y.shape), ref_y, low_y)
+        if err:
+            return err
     x.requires_grad_(True)
     y = layer(x)
     (y.float() * gys[rank].view(y.shape).float().to(device)).sum().backward()

@@ -2,7 +2,7 @@
 """A world-1 ``VanillaMoE`` forward on one GPU at the Qwen3-30B-A3B layer shape (bf16, inference)
 against transformers' ``Qwen3MoeSparseMoeBlock`` (its ``grouped_mm`` experts, when transformers is
 installed; given the layer's weights), the layer with ``capacity=(16, 128, 1024, 8192), cuda_graph=True``
-(a graph per size) and a minimal torch forward (route, sort, two ``torch._grouped_mm``, ``index_add_``):
+(a graph per size), the eager layer with ``check_finite='deferred'`` and a minimal torch forward (route, sort, two ``torch._grouped_mm``, ``index_add_``):
 milliseconds per forward (synchronised, median of 50) and CPU milliseconds per call (launch-bound
 time), at 16 to 8,192 tokens, then a profile of three 16-token forwards.
 
@@ -32,6 +32,9 @@ SIZES = (16, 128, 1024, 8192)
 # the same layer with a CUDA graph per size (each forward replays the graph of the capacity it fits)
 graphed = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device=dev, capacity=SIZES, cuda_graph=True).eval()
 graphed.load_state_dict(layer.state_dict())
+# the eager layer with check_finite='deferred' (its flag word read at its next forward: no host sync)
+deferred = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), device=dev, check_finite="deferred").eval()
+deferred.load_state_dict(layer.state_dict())
 
 def minimal(x):
     logits = x @ rw.t()
@@ -85,14 +88,17 @@ out = {}
 with torch.inference_mode():
     for T in SIZES:
         x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
-        row = {"ours": t(layer, x), "ours_graphed": t(graphed, x), "minimal": t(minimal, x)}
+        row = {"ours": t(layer, x), "ours_deferred": t(deferred, x), "ours_graphed": t(graphed, x),
+               "minimal": t(minimal, x)}
         if hf is not None:
             row["hf"] = t(lambda z: hf(z[None]), x)
         row["ours_cpu_per_call"] = cpu_only(layer, x)
+        row["ours_deferred_cpu_per_call"] = cpu_only(deferred, x)
         row["ours_graphed_cpu_per_call"] = cpu_only(graphed, x)
         row["minimal_cpu_per_call"] = cpu_only(minimal, x)
         row["minimal_vs_ours_maxdiff"] = float((minimal(x) - layer(x)).abs().max())
         row["graphed_vs_ours_maxdiff"] = float((graphed(x) - layer(x)).abs().max())
+        row["deferred_vs_ours_maxdiff"] = float((deferred(x) - layer(x)).abs().max())
         if hf is not None:
             row["hf_vs_ours_maxdiff"] = float((hf(x[None])[0] - layer(x)).abs().max())
         out[T] = row
@@ -105,4 +111,18 @@ with torch.inference_mode():
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
     kern = [e for e in prof.events() if e.device_type.name == "CUDA"]
     print("cuda kernels per forward:", len(kern) / 3)
+    for name, fn in (("deferred", deferred), ("minimal", minimal)) + ((("hf", lambda z: hf(z[None])),) if hf else ()):
+        with profile(activities=[ProfilerActivity.CUDA]) as p2:
+            for _ in range(3): fn(x)
+            torch.cuda.synchronize()
+        print(f"{name}: cuda kernels and copies per forward:", len(p2.events()) / 3)
+    import cProfile
+    import pstats
+    pr = cProfile.Profile()  # where the eager deferred layer's host time goes (Python functions)
+    pr.enable()
+    for _ in range(200): deferred(x)
+    torch.cuda.synchronize()
+    pr.disable()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(40)
+    deferred.check_pending()
 json.dump(out, open(sys.argv[1], "w"), indent=1)

@@ -13,6 +13,9 @@ interleaved within each repetition, and their ratios to ``hf``'s per repetition 
 * ``moelayers_skip_padding``: the same with ``skip_padding=True`` (padded positions left out);
 * ``moelayers_unchecked``: ``swap_moe_blocks(..., check_finite=False)``: no NaN/inf check of the
   router logits, so (one process, inference) no host sync in the layers;
+* ``moelayers_deferred``: ``swap_moe_blocks(..., check_finite='deferred')``: the check kept, each
+  layer's flag word read at its next forward (no host sync in the layers either);
+  ``moelayers.check_pending`` after each ``generate``, in its time;
 * ``moelayers_graphs``: ``swap_moe_blocks(..., capacity=(16, 32, ..., 2^n), cuda_graph=True)`` (the
   powers of two up to the batch's padded prompt tokens): each call padded to the smallest that
   holds it and replayed from that size's CUDA graph (on CPU: run eagerly);
@@ -54,8 +57,8 @@ from moelayers.integrations.hf import swap_moe_blocks  # noqa: E402
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                      num_experts=128, num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4,
                      head_dim=128, norm_topk_prob=True, max_position_embeddings=8192)
-VARIANTS = ("hf", "moelayers", "moelayers_skip_padding", "moelayers_unchecked", "moelayers_graphs",
-            "moelayers_graphs_unchecked", "moelayers_graphs_deferred")
+VARIANTS = ("hf", "moelayers", "moelayers_skip_padding", "moelayers_unchecked", "moelayers_deferred",
+            "moelayers_graphs", "moelayers_graphs_unchecked", "moelayers_graphs_deferred")
 SMOKE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
              num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, norm_topk_prob=True,
              max_position_embeddings=512)

@@ -31,7 +31,7 @@ from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFir
 from moelayers.dispatch.base import Dispatcher, cached_arange, checked_plan, routes_from_placement
 from moelayers.dispatch.flags import (
     BAD_INPUT, DISPATCH_AUTOGRAD, ORDER_SHIFT, PAYLOAD_NAMES, RECORDS_AUTOGRAD, REPLICA_AUTOGRAD, BackwardOrderError,
-    SettingsDiffer, check_exchanged, merge_flags, raise_if_placements_differ, settings_differences,
+    SettingsDiffer, check_exchanged, merge_flags, raise_if_flagged, raise_if_placements_differ, settings_differences,
 )
 from moelayers.dispatch.comm import all_gather_flat
 from moelayers.experts import GroupedExperts
@@ -117,23 +117,24 @@ class MoELayerBase(LayerWeights, nn.Module):
             by ``(seed, expert id)``, so that replicas agree and every rank builds the same model.
         check_finite: raise on NaN/inf router logits (on every rank). Only those: an overflow inside
             the experts (float16) gives inf/NaN output rows, as the reference does. ``True``: the
-            forward raises (with ``capacity``, reading the flags costs a host sync per forward).
-            ``False``: no check. ``'deferred'``: with ``capacity``, the flags are copied to the
+            forward raises (with ``capacity``, or alone on one rank, reading the flags costs a host
+            sync per forward). ``False``: no check. ``'deferred'``: the flags are copied to the
             host behind the forward, without a sync, and read when the layer's next forward
             starts. That forward raises the error of the one before it (whose output was returned
             already), on every rank, before its exchange. Each layer raises only its own error:
             :func:`moelayers.check_pending` reads what the last forwards of a model's layers left;
             call it after the last forward of a generation, and after catching such an error.
-            It defers with one expert-parallel rank, or with several and two or more capacities or
-            ``beyond_capacity='exact'``. A forward that must read the flags at once (a refused
-            input, forced routing, an overflow, a new placement) still does. With several ranks
-            their vote on each forward's size tells every rank when one must, and all then raise
-            in that forward (a rank raising alone would leave the others waiting in the next
-            layer's exchange). Elsewhere ``'deferred'`` acts as ``True``: without ``capacity``
-            (the flags come with the split sizes, at no extra sync), with one capacity and several
-            ranks, and where capacity mode reads the flags after every forward anyway (see
-            :meth:`_raise_on_flags`: a custom replica policy or ``plan()``, ``VariabilityAwareMoE``
-            recording loads, ``SemanticMoE.forward_tp``).
+            It defers with one expert-parallel rank (with ``capacity``, or without it in inference
+            forwards), or with several and two or more capacities or ``beyond_capacity='exact'``.
+            A forward that must read the flags at once (a refused input, forced routing, an
+            overflow, a new placement) still does. With several ranks their vote on each forward's
+            size tells every rank when one must, and all then raise in that forward (a rank raising
+            alone would leave the others waiting in the next layer's exchange). Elsewhere
+            ``'deferred'`` acts as ``True``: without ``capacity`` on several ranks (the flags come
+            with the split sizes, at no extra sync), in a forward recording autograd, with one
+            capacity and several ranks, and where capacity mode reads the flags after every
+            forward anyway (see :meth:`_raise_on_flags`: a custom replica policy or ``plan()``,
+            ``VariabilityAwareMoE`` recording loads, ``SemanticMoE.forward_tp``).
         expert_backend: ``'auto'`` | ``'grouped_mm'`` | ``'loop'`` (see :class:`GroupedExperts`).
         capacity: all-to-all only: the tokens per rank a forward is padded to (static shapes; see
             ``AllToAllDispatcher``). An int, or a sequence of ints (e.g. ``(16, 64, 256, 1024)``;
@@ -619,6 +620,8 @@ class MoELayerBase(LayerWeights, nn.Module):
             self._keeping_order(self._refuse_in_step, exc)  # raises
         if self.capacity is not None:
             return self._keeping_order(self._forward_capacity, x2, token_ids, forced).view(x.shape)
+        if not recompute:  # one rank's deferred flag word (_defers_alone), from its previous forward
+            self._read_deferred()
         y, routed = self._keeping_order(self._forward_steps, x2, token_ids, forced)
         self._trained = self._trained or y.requires_grad  # (a reentrant checkpoint's first pass: in its recompute)
         if recomputable:
@@ -758,6 +761,9 @@ class MoELayerBase(LayerWeights, nn.Module):
         else:  # an override's routes, checked without a sync (an error on one rank alone would hang the others)
             routes = checked_plan(self.plan, type(self).__name__, topk_ids, topk_weights, token_ids, self.placement)
         routes.nonfinite = self._routing_flags(x2, routes, flag)
+        if num_valid is None and routes.nonfinite is not None and self._defers_alone(x2, forced is not None):
+            self._deferred_record(routes.nonfinite.view(1, 1))  # read at the next forward (no sync now)
+            routes.nonfinite = None
         if num_valid is not None:  # capacity mode: rows from num_valid on are padding
             padding = cached_arange(x2.shape[0], x2.device) >= num_valid
             routes.dest_rank = routes.dest_rank.masked_fill(padding[:, None], -1)
@@ -931,11 +937,22 @@ class MoELayerBase(LayerWeights, nn.Module):
         have one rank raise while the others go on into them (``VariabilityAwareMoE``)."""
         return False
 
-    def _reads_flags_now(self, forced: bool) -> bool:
+    def _reads_flags_now(self, forced: bool, *, placement: bool = True) -> bool:
         """Whether this rank reads the exchanged flags right after a capacity-mode forward for a
-        reason of its own, whatever ``check_finite`` says (see :meth:`_raise_on_flags`)."""
+        reason of its own, whatever ``check_finite`` says (see :meth:`_raise_on_flags`).
+        ``placement=False``: not for a new placement (one rank has none to compare)."""
         return (forced or self._bad_input or type(self.replica_policy) is not LocalFirstPolicy
-                or type(self).plan is not MoELayerBase.plan or self._flags_read_always() or self._placement_unchecked)
+                or type(self).plan is not MoELayerBase.plan or self._flags_read_always()
+                or (placement and self._placement_unchecked))
+
+    def _defers_alone(self, x2: torch.Tensor, forced: bool) -> bool:
+        """``check_finite='deferred'`` without ``capacity`` on one expert-parallel rank: an
+        inference forward with the router's own routing reads its flag word (the NaN check) at the
+        layer's next forward instead of at once, as capacity mode does (with several ranks the flags
+        come with the split sizes, at no extra sync)."""
+        return (self._check_deferred and self.router.check_finite and self.groups.ep_size == 1
+                and self.capacity is None and not self._records_autograd(x2)
+                and not self._reads_flags_now(forced, placement=False))
 
     def _defers_check(self) -> bool:
         """``check_finite='deferred'`` in effect: one expert-parallel rank, or ranks that vote on the
@@ -962,9 +979,7 @@ class MoELayerBase(LayerWeights, nn.Module):
         if not ((self.router.check_finite and not defers) or read_now or max(t, most) > self.capacity
                 or self._reads_flags_now(forced)):
             if defers:
-                if self._deferred is None:
-                    self._deferred = DeferredFlags()
-                self._deferred.record(self.dispatcher.header)
+                self._deferred_record(self.dispatcher.header)
             return
         header = self.dispatcher.header.tolist()  # [R][flag word, overflow, digest's two halves]
         # (not together: ranks with nothing to check go on)
@@ -978,6 +993,13 @@ class MoELayerBase(LayerWeights, nn.Module):
                              f"expert-parallel rank(s) {bad}{here}; every row counts, padding included: split the "
                              f"batch, build the layer with a larger capacity, or with beyond_capacity='exact' (an "
                              f"exact forward for such batches)")
+
+    def _deferred_record(self, header: torch.Tensor) -> None:
+        """Start copying ``header`` (``[R, 4]``, or ``[1, 1]``: one rank's flag word alone) to the
+        host, for :meth:`_read_deferred` at the next forward."""
+        if self._deferred is None:  # (a layer unpickled from before the deferred check)
+            self._deferred = DeferredFlags()
+        self._deferred.record(header)
 
     def _read_deferred(self) -> None:
         """``check_finite='deferred'``: raise what the flags of the forward before this one say (on
@@ -1097,7 +1119,11 @@ _CONSTANTS: dict[tuple[int, torch.device], torch.Tensor] = {}
 
 def _check_header(header: list[list[int]]) -> None:
     """Raise what capacity mode's exchanged header says (one ``[flag word, overflow, digest's low and
-    high 31 bits]`` per rank; :func:`~moelayers.dispatch.flags.check_exchanged`; not the overflow)."""
+    high 31 bits]`` per rank; :func:`~moelayers.dispatch.flags.check_exchanged`; not the overflow), or
+    one rank's ``[[flag word]]`` (the deferred check without capacity)."""
+    if len(header[0]) == 1:  # one rank's word: no exchange, no digests
+        raise_if_flagged([header[0][0]])
+        return
     check_exchanged([h[0] for h in header], [h[2] | (h[3] << 31) for h in header])
 
 

@@ -1,8 +1,9 @@
-"""The deferred NaN check of capacity mode (``check_finite='deferred'``).
+"""The deferred NaN check (``check_finite='deferred'``) of capacity mode and of one rank's forward.
 
 A capacity-mode forward (the CUDA-graph path) learns what the ranks' exchanged flag words say
 (NaN/inf router logits, settings that differ) only by reading them on the host: a device sync per
-layer, which at decode-sized batches costs more than the layer's work. Deferred, the words are
+layer, which at decode-sized batches costs more than the layer's work. (So does a forward on one
+expert-parallel rank without a capacity: its flag word is its one host sync.) Deferred, the words are
 copied to host memory (pinned on an accelerator) behind the forward, without a sync, and read
 when the layer's next forward starts (by then the copy is usually done; if not, the read waits
 for it). That forward raises the error of the one before it, on every expert-parallel rank alike,
@@ -20,7 +21,8 @@ import torch
 
 class DeferredFlags:
     """One capacity-mode forward's exchanged header ``[R, 4]`` int32 (per rank: its flag word, its
-    overflow, its settings digest in two 31-bit halves), on its way to the host."""
+    overflow, its settings digest in two 31-bit halves), or one rank's flag word ``[1, 1]`` (without
+    a capacity), on its way to the host."""
 
     def __init__(self) -> None:
         self._host: torch.Tensor | None = None  # pinned where the header is on an accelerator

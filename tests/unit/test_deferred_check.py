@@ -23,7 +23,7 @@ def _x(rows: int, seed: int, nan: bool = False) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("capacity", [16, (4, 16)])
+@pytest.mark.parametrize("capacity", [16, (4, 16), None])  # None: one rank's exact forward defers too
 def test_deferred_check_raises_at_the_next_forward(capacity):
     groups = ml.ParallelGroups.single()
     layer = ml.VanillaMoE(CFG, groups, capacity=capacity, check_finite="deferred")
@@ -55,13 +55,22 @@ def test_deferred_check_raises_at_the_next_forward(capacity):
             layer.check_pending()
 
 
-def test_deferred_check_without_capacity_raises_at_once():
-    """Without capacity the flags come with the split sizes: 'deferred' checks as True does."""
+def test_deferred_check_without_capacity_raises_at_once_where_it_must():
+    """Without capacity, 'deferred' defers only an inference forward of the router's own routing
+    on one rank. A forward recording autograd (training) and a forced one check at once."""
     layer = ml.VanillaMoE(CFG, ml.ParallelGroups.single(), check_finite="deferred")
     assert layer.router.check_finite is True
-    with torch.no_grad(), pytest.raises(ValueError, match=r"^router logits contain NaN or inf"):
-        layer(_x(4, 0, nan=True))
+    with pytest.raises(ValueError, match=r"^router logits contain NaN or inf"):
+        layer(_x(4, 0, nan=True))  # autograd records it: at once
     layer.check_pending()
+    with torch.no_grad():
+        layer.force_routing(torch.tensor([[0, 4]] * 4))
+        with pytest.raises(ValueError, match=r"^forced routing .* outside \[0, num_experts\)"):
+            layer(_x(4, 1))
+        layer.check_pending()
+        layer(_x(4, 2, nan=True))
+        with pytest.raises(ValueError, match=r"its last forward, whose output was returned already .*NaN or inf"):
+            layer.check_pending()
 
 
 @pytest.mark.parametrize("value", ["off", "Deferred", 1, None])

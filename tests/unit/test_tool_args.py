@@ -50,6 +50,7 @@ def test_hf_bench_smoke(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     record = json.loads((tmp_path / "hf_bench.json").read_text())
     assert set(record["results"]) == {"hf", "moelayers", "moelayers_skip_padding", "moelayers_unchecked",
-                                      "moelayers_graphs", "moelayers_graphs_unchecked", "moelayers_graphs_deferred"}
-    for name in ("moelayers_skip_padding", "moelayers_graphs", "moelayers_graphs_deferred"):  # (float32)
+                                      "moelayers_deferred", "moelayers_graphs", "moelayers_graphs_unchecked",
+                                      "moelayers_graphs_deferred"}
+    for name in ("moelayers_skip_padding", "moelayers_deferred", "moelayers_graphs", "moelayers_graphs_deferred"):
         assert record["results"][name]["same_tokens_as_hf"] == 1.0, name
