@@ -227,7 +227,8 @@ def _check_edp_groups_agree(edp_layers: list[MoELayerBase]) -> None:
         raise ValueError("ParallelGroups.edp must hold the ranks at the same place (ep_rank) of every "
                          "expert-parallel group, one each: a rank's group does not (ParallelGroups.from_world "
                          "builds it)")
-    differ = [type(layer).__name__ for i, layer in enumerate(edp_layers) if both[i] != -both[n + i]]
+    # (frozen layers have no gradients to sum: a frozen rollout copy may serve other placements per group)
+    differ = [type(layer).__name__ for i, layer in enumerate(edp_layers) if both[3 * n + i] and both[i] != -both[n + i]]
     if differ:
         raise ValueError(f"the expert-parallel groups serve different placements in {len(differ)} layer(s) "
                          f"({differ[0]} first): a slot holds other experts from one group to the next, so their "

@@ -102,8 +102,12 @@ def check_exchanged(flags: list[int], digests: list[int], *, together: bool = Fa
     """Raise on every rank what the ranks' exchanged flag words and digests (one per rank, in rank
     order) say is wrong: a rank out of step (:func:`raise_if_out_of_step`, checked first: its bytes are
     no header), a flagged rank (:func:`raise_if_flagged`), different settings
-    (:func:`raise_if_placements_differ`; ``together`` as there)."""
+    (:func:`raise_if_placements_differ`; ``together`` as there). Where both the settings and the
+    orders of backwards differ, the settings are told: two different layers met in this exchange
+    (e.g. two models' layers called in different orders), and their backwards differ for that."""
     raise_if_out_of_step(digests)
+    if len(set(digests)) > 1 and len({int(f) >> ORDER_SHIFT for f in flags}) > 1:
+        raise_if_placements_differ(digests, together=together)
     raise_if_flagged(flags)
     raise_if_placements_differ(digests, together=together)
 
@@ -239,7 +243,10 @@ def raise_if_flagged(flags: list[int]) -> None:
             "the expert-parallel ranks back-propagated this layer's forwards in different orders (or not the same "
             "ones) since its previous forward: their exchanges pair up by order alone, so where sizes matched, those "
             "gradients mixed micro-batches and are wrong (an optimizer step taken with them is too: resume from a "
-            "checkpoint). Every rank must back-propagate each recorded forward once, in the same order")
+            "checkpoint). Every rank must back-propagate each recorded forward once, in the same order. (Or this "
+            "exchange paired two different layers: ranks that call the layers of two models over the same group in "
+            "different orders, e.g. a policy and its deep copy, whose layer_numbers are alike: then the gradients "
+            "are not at fault; call them in one order on every rank, or give the copy's layers other layer_numbers)")
     forced = [r for r, f in enumerate(flags) if int(f) & FORCED_OUT_OF_RANGE]
     if forced:
         raise ValueError(f"forced routing (force_routing) holds expert ids outside [0, num_experts) on "

@@ -347,10 +347,12 @@ class LayerWeights:
                                                     "_trained": lambda: False,
                                                     "_warned_moments": lambda: False}
 
+    @torch.inference_mode(False)  # a copy made in a rollout takes weights in place later, as a layer built there
     def __deepcopy__(self, memo: dict) -> "MoELayerBase":
         """A copy with its own weights and state that shares the process groups (handles, which
         cannot be copied; the dispatcher and the replica ties hold them too) and drops a captured
-        CUDA graph (the copy captures its own)."""
+        CUDA graph (the copy captures its own). Its tensors are normal ones, also when copied under
+        ``torch.inference_mode()`` (inference tensors could not be updated in place outside it)."""
         for group in (self.groups.ep, self.groups.tp, self.groups.dp, self.groups.edp):  # (edp: its own group
             if group is not None:                                                      # when ep < world)
                 memo[id(group)] = group

@@ -144,3 +144,34 @@ def test_deepcopy_with_expert_data_parallel_groups():
     """copy.deepcopy failed ("cannot pickle ProcessGroup") where ep < world: the edp group was copied."""
     for same, shared, number in run_distributed(_deepcopy_with_edp, 4, timeout=TIMEOUT):
         assert same and shared and number == 0
+
+
+def _policy_and_reference(rank, world):
+    import copy
+
+    groups = ml.ParallelGroups.from_world()
+    policy = ml.VanillaMoE(CFG, groups, seed=1, layer_number=0)
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    reference.layer_number = 1000  # (the README's advice for a copy held beside its model)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(rank))
+    policy(x).sum().backward()  # the policy trained: it has an order of backwards to report
+
+    def both(order):
+        with torch.no_grad():
+            for layer in order:
+                layer(x)
+
+    swapped = _outcome(lambda: both((policy, reference) if rank == 0 else (reference, policy)))
+    after = [_outcome(lambda: both((policy, reference))), _outcome(lambda: policy(x).sum().backward())]
+    return swapped, after
+
+
+def test_a_model_and_its_renumbered_copy_called_out_of_order_name_the_layer_numbers():
+    """A journey's RL process (a trained policy and its deep-copied reference) called them in
+    different orders on the ranks. The copy renumbered, the exchange paired layers 0 and 1000 and
+    said the ranks "back-propagated in different orders ... resume from a checkpoint", on the
+    reference too, which never trained: now the layer numbers are named, and training goes on."""
+    for swapped, after in run_distributed(_policy_and_reference, 2, timeout=TIMEOUT):
+        assert swapped.startswith("ValueError") and "layer_number is 0 on rank(s)" in swapped, swapped
+        assert "back-propagated" not in swapped, swapped
+        assert after == ["ok", "ok"], after

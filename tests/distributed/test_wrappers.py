@@ -461,6 +461,14 @@ def _ddp(rank: int, world: int, ep: int | None = None, device: str = "cpu") -> l
         except ValueError as exc:
             if "serve different placements" not in str(exc):
                 errs.append(str(exc))
+        # frozen on every rank (a rollout copy beside the trained model): no gradients to sum, not refused
+        frozen = torch.nn.ModuleDict({"policy": torch.nn.Sequential(ml.VanillaMoE(_cfg(), groups, device=dev)),
+                                      "rollout": model.requires_grad_(False)})
+        frozen["policy"](xs[rank].to(dev)).pow(2).sum().backward()
+        try:
+            ml.reduce_expert_grads(frozen)
+        except ValueError as exc:
+            errs.append(f"a frozen layer in other placements: {exc}")
     return [e for e in errs if e]
 
 

@@ -646,6 +646,29 @@ def test_deepcopy_and_config_copies():
         ml.MoEConfig.from_megatron({"num_moe_experts": 8})
 
 
+@pytest.mark.parametrize("cls", [ml.VanillaMoE, ml.VariabilityAwareMoE])
+def test_a_copy_made_under_inference_mode_takes_weights_later(cls):
+    """A rollout copy made inside ``torch.inference_mode()`` held inference tensors: loading the
+    trainer's weights into it later raised torch's "Inplace update to inference tensor" (and a
+    VariabilityAwareMoE's no_grad forward did too, through its load window)."""
+    import copy
+
+    cfg = ml.MoEConfig(hidden_size=16, ffn_hidden_size=8, num_experts=4, top_k=2)
+    policy = cls(cfg, ml.ParallelGroups.single(), seed=2)
+    with torch.inference_mode():
+        rollout = copy.deepcopy(policy)
+    assert not any(t.is_inference() for t in (*rollout.parameters(), *rollout.buffers()))
+    trained = cls(cfg, ml.ParallelGroups.single(), seed=3)
+    rollout.load_full_weights(*trained.export_full_weights())
+    rollout.apply_placement(ml.ExpertPlacement.from_phy2log(torch.tensor([[3, 2, 1, 0]]), 4))
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        assert torch.equal(rollout(x), trained(x))
+    rollout.load_state_dict(policy.state_dict())
+    with torch.no_grad():
+        assert torch.equal(rollout(x), policy(x))
+
+
 def test_a_strict_load_missing_keys_loads_nothing_of_the_layer():
     """set_extra_state adopted the checkpoint's placement before the missing weight was noticed: a
     caller catching the error kept a layer serving expert 2's w2 as expert 0's."""
