@@ -13,9 +13,10 @@ Every rank builds the same random weights (seeded, identical everywhere) and loa
    (captured from its router) forced on ours — a router near-tie may break differently — so a wrong
    result is never timed; the agreement of the two routers is reported. Both routers score in
    ``bench.router_dtype`` (``null``: the input's dtype; ``fp32``: megatron's ``moe_router_dtype``);
-2. times ``bench.warmup`` + ``bench.iters`` forwards of each (inference mode): before each timed
-   forward a device synchronize and a barrier, CUDA events around it (``perf_counter`` on CPU);
-   the layer time is the median over iterations, maximised over ranks (the slowest rank sets it).
+2. times ``bench.warmup`` (20 more for the first size) + ``bench.iters`` forwards of each
+   (inference mode): before each timed forward a device synchronize and a barrier, CUDA events
+   around it (``perf_counter`` on CPU); the layer time is the median over iterations, maximised
+   over ranks (the slowest rank sets it).
    Ours and the baseline (below) are timed interleaved, one forward each in turn, so that their
    ratio is not skewed by host jitter between two blocks of iterations; the peer is timed apart.
 
@@ -490,11 +491,16 @@ class _Run:
         return layer.eval()
 
 
+#: more warm-up forwards for the first size timed: it absorbed the process's one-time costs
+#: (allocators, thread pools, lazy initialisation), with ``bench=cpu_smoke``'s two warm-ups 2-5x its time
+FIRST_SIZE_WARMUP = 20
+
+
 def bench_worker(rank: int, world: int, cfg: dict) -> list[dict] | None:
     """Runs on every rank; rank 0 returns one record per tokens/rank value."""
     run = _setup(rank, world, cfg)
     tokens_list = tokens_per_rank(run.b)
-    records = [_bench_size(run, tokens) for tokens in tokens_list]
+    records = [_bench_size(run, tokens, first=i == 0) for i, tokens in enumerate(tokens_list)]
     run.weights = None  # free them before profiling (make() is not called after this)
     if run.b.get("profile", False):
         _profile(run, int(run.b.get("profile_tokens") or max(tokens_list)))
@@ -570,8 +576,9 @@ def _setup(rank: int, world: int, cfg: dict) -> _Run:
     return run
 
 
-def _bench_size(run: _Run, tokens: int) -> dict:
-    """Check, then time, ours (the baseline and the peer) at ``tokens`` per rank: one record."""
+def _bench_size(run: _Run, tokens: int, first: bool = False) -> dict:
+    """Check, then time, ours (the baseline and the peer) at ``tokens`` per rank: one record.
+    ``first``: the first size timed, which warms up :data:`FIRST_SIZE_WARMUP` more forwards."""
     cfg, b, rank, device, config = run.cfg, run.b, run.rank, run.device, run.config
     ours, base, peer, replay, seed = run.ours, run.base, run.peer, run.replay, int(cfg.get("seed", 0))
     x = rank_input(tokens, config.hidden_size, seed, rank, device, run.dtype)
@@ -617,7 +624,7 @@ def _bench_size(run: _Run, tokens: int) -> dict:
             if module is not None:
                 module.train()
         check_grads(check, run, x_grad, g, peer_ids, forced, base_forced)
-    warmup, iters = int(b["warmup"]), int(b["iters"])
+    warmup, iters = int(b["warmup"]) + (FIRST_SIZE_WARMUP if first else 0), int(b["iters"])
     with torch.enable_grad() if run.train else run.grad_ctx():
         # ours and the baseline interleaved (their ratio is the point); the much slower peer on its own
         t_ours, t_base = (time_forwards(steps[:2], device, warmup, iters) if base is not None

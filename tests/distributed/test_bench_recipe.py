@@ -878,3 +878,32 @@ def test_check_config_checks_the_shape_and_the_layer_settings(override, match):
     d = bench_config(override, "parallel.world_size=2")
     with pytest.raises(ValueError, match=match):
         check_config(d)
+
+
+def _warmups_per_size(rank, world, d):
+    import recipes.bench as bench
+
+    seen = []
+
+    def timed(runs, device, warmup, iters):
+        seen.append(warmup)
+        return [[1.0] * iters for _ in runs]
+
+    bench.time_forwards = timed
+    bench.time_forward = lambda run, device, warmup, iters: timed([run], device, warmup, iters)[0]
+    records = bench.bench_worker(rank, world, d)
+    return [r["tokens_per_rank"] for r in records], seen
+
+
+def test_the_first_size_timed_warms_up_longer():
+    """A metrics audit found bench=cpu_smoke's first size 2-5x slower than the next (its two warm-up
+    forwards absorbed the process's one-time costs: latency fell as tokens grew). The first size
+    timed now warms up FIRST_SIZE_WARMUP more forwards; the others take bench.warmup."""
+    from moelayers.testing import run_distributed
+    from recipes.bench import FIRST_SIZE_WARMUP, check_config
+
+    d = bench_config("parallel.world_size=1", "bench.tokens_per_rank=[16,8]", "plot=false")
+    check_config(d)
+    [(sizes, seen)] = run_distributed(_warmups_per_size, 1, d, timeout=120)
+    assert sizes == [16, 8]
+    assert seen == [d["bench"]["warmup"] + FIRST_SIZE_WARMUP, d["bench"]["warmup"]], seen
