@@ -127,10 +127,10 @@ class _ExpertParam:
         if missing:
             raise KeyError(f"{what}: missing the expert entries {missing[:4]}{' ...' if len(missing) > 4 else ''} "
                            f"({len(missing)} of {len(self.experts)} on this rank); nothing was loaded. Build the "
-                           f"state dict with moelayers.checkpoint, which names the experts by id, before dcp.load; "
-                           f"from another live model, fill in this model's experts (model_state_dict(this model), "
-                           f"then its entries from the other): a model in another placement holds other experts "
-                           f"on this rank (export_full_weights / load_full_weights move whole layers)")
+                           f"state dict with moelayers.checkpoint, which names the experts by id, before dcp.load. "
+                           f"A state dict of another live model holds the experts that model keeps on this rank: "
+                           f"in another placement those are others (export_full_weights / load_full_weights move "
+                           f"whole layers between placements)")
         return {e: state[self.key(e)] for e in self.experts}
 
     def in_optimizer(self, state: Mapping[str, Any]) -> str | None:

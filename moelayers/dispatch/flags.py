@@ -31,6 +31,8 @@ REPLICA_AUTOGRAD = 128  # not an error: replicated experts want a gradient (the 
 #: this rank back-propagated the layer's forwards since its previous forward (0: none); compared
 #: across the ranks (an int32 on the wire in capacity mode: 8 + 22 bits).
 ORDER_SHIFT, ORDER_BITS = 8, 22
+#: the bits that report an error of the rank that set them (the others are compared across ranks)
+ERROR_BITS = NONFINITE_LOGITS | FORCED_OUT_OF_RANGE | BAD_INPUT | BAD_REPLICA | BAD_ROUTE
 _AUTOGRAD_BITS = (
     (RECORDS_AUTOGRAD, "record autograd in this forward",
      "torch.no_grad, inference_mode or frozen weights on some ranks only"),
@@ -103,10 +105,13 @@ def check_exchanged(flags: list[int], digests: list[int], *, together: bool = Fa
     order) say is wrong: a rank out of step (:func:`raise_if_out_of_step`, checked first: its bytes are
     no header), a flagged rank (:func:`raise_if_flagged`), different settings
     (:func:`raise_if_placements_differ`; ``together`` as there). Where both the settings and the
-    orders of backwards differ, the settings are told: two different layers met in this exchange
-    (e.g. two models' layers called in different orders), and their backwards differ for that."""
+    orders of backwards differ and no rank flags an error of its own (:data:`ERROR_BITS`: a rank
+    that refused its input raises its own error, and must not be expected in the collective that
+    names the settings), the settings are told: most likely two different layers met in this
+    exchange (two models' layers called in different orders), whose backwards differ for that."""
     raise_if_out_of_step(digests)
-    if len(set(digests)) > 1 and len({int(f) >> ORDER_SHIFT for f in flags}) > 1:
+    if (len(set(digests)) > 1 and len({int(f) >> ORDER_SHIFT for f in flags}) > 1
+            and not any(int(f) & ERROR_BITS for f in flags)):  # (a rank with an error of its own raises that)
         raise_if_placements_differ(digests, together=together)
     raise_if_flagged(flags)
     raise_if_placements_differ(digests, together=together)

@@ -124,8 +124,9 @@ class MoELayerBase(LayerWeights, nn.Module):
             already), on every rank, before its exchange. Each layer raises only its own error:
             :func:`moelayers.check_pending` reads what the last forwards of a model's layers left;
             call it after the last forward of a generation, and after catching such an error.
-            It defers with one expert-parallel rank (with ``capacity``, or without it in inference
-            forwards), or with several and two or more capacities or ``beyond_capacity='exact'``.
+            It defers with one expert-parallel rank (every inference forward: padded to a
+            capacity or exact), or with several and two or more capacities or
+            ``beyond_capacity='exact'``.
             A forward that must read the flags at once (a refused input, forced routing, an
             overflow, a new placement) still does. With several ranks their vote on each forward's
             size tells every rank when one must, and all then raise in that forward (a rank raising
@@ -193,6 +194,7 @@ class MoELayerBase(LayerWeights, nn.Module):
     _warned_moments = False
     _order_taken = 0  # the backwards' order digest the running forward took (see _order_flag)
     _check_deferred = False  # (nor these, before check_finite='deferred' existed)
+    _reentrant_first_pass = False  # the forward running: a reentrant checkpoint's first pass (forward sets it)
     _deferred: DeferredFlags | None = None
 
     # normal tensors even when built under torch.inference_mode(): the layer updates its weights, tables
@@ -618,6 +620,7 @@ class MoELayerBase(LayerWeights, nn.Module):
             if self.groups.ep_size == 1:
                 raise
             self._keeping_order(self._refuse_in_step, exc)  # raises
+        self._reentrant_first_pass = key.requires_grad and not torch.is_grad_enabled()  # (see _defers_alone)
         if self.capacity is not None:
             return self._keeping_order(self._forward_capacity, x2, token_ids, forced).view(x.shape)
         if not recompute:  # one rank's deferred flag word (_defers_alone), from its previous forward
@@ -707,7 +710,7 @@ class MoELayerBase(LayerWeights, nn.Module):
         if not in_backward():
             self._forced_ids = None
         if self.groups.ep_size > 1:
-            self._refuse_in_step(exc)  # raises
+            self._keeping_order(self._refuse_in_step, exc)  # raises (the order of backwards it took put back)
         raise exc
 
     def _refuse_in_step(self, exc: Exception) -> NoReturn:
@@ -946,12 +949,14 @@ class MoELayerBase(LayerWeights, nn.Module):
                 or (placement and self._placement_unchecked))
 
     def _defers_alone(self, x2: torch.Tensor, forced: bool) -> bool:
-        """``check_finite='deferred'`` without ``capacity`` on one expert-parallel rank: an
-        inference forward with the router's own routing reads its flag word (the NaN check) at the
-        layer's next forward instead of at once, as capacity mode does (with several ranks the flags
-        come with the split sizes, at no extra sync)."""
+        """``check_finite='deferred'`` in an exact forward on one expert-parallel rank (without
+        ``capacity``, or beyond its largest size): an inference forward with the router's own
+        routing reads its flag word (the NaN check) at the layer's next forward instead of at once,
+        as capacity mode does (with several ranks the flags come with the split sizes, at no extra
+        sync). Not a reentrant activation checkpoint's first pass (under ``no_grad`` on an input
+        that requires grad): that is training."""
         return (self._check_deferred and self.router.check_finite and self.groups.ep_size == 1
-                and self.capacity is None and not self._records_autograd(x2)
+                and not self._records_autograd(x2) and not self._reentrant_first_pass
                 and not self._reads_flags_now(forced, placement=False))
 
     def _defers_check(self) -> bool:

@@ -39,7 +39,8 @@ class DeferredFlags:
 
     def record(self, header: torch.Tensor) -> None:
         """Start copying ``header`` to the host behind the work queued so far (no sync)."""
-        if self._host is None or self._host.shape != header.shape or self._device != header.device:
+        if (self._host is None or self._host.shape != header.shape or self._host.dtype != header.dtype
+                or self._device != header.device):  # (a word with more bits than a bool; another device)
             self._buffers(header)  # (a layer moved to another device records its event there)
         self._host.copy_(header, non_blocking=True)
         if self._event is not None:

@@ -156,6 +156,13 @@ class SemanticMoE(MoELayerBase):
             placement = placement or plan.placement(layer_idx)
             if mode == "tp" and predictor_obj is None:
                 predictor = "alg3"  # what runs (the plan has no rank predictor's tables)
+            k = getattr(plan, "top_k", None)
+            if (mode == "tp" and predictor == "combined" and getattr(plan, "history_pmi", None) is not None
+                    and k not in (None, config.top_k)):
+                warn_caller(f"{getattr(plan, 'source', 'the plan')}: the semantic plan was made from routing with "
+                            f"top_k={int(k)} and this layer routes top_k={config.top_k}. Its placement serves, but "
+                            f"its tp rank predictor weighs each expert an earlier layer chose as fitted for "
+                            f"{int(k)} of them a token: re-plan from a trace of this routing for the best locality")
             if mode == "tp" and getattr(plan, "mode", mode) == "dp":
                 warn_caller("SemanticMoE(mode='tp') got a plan made for mode='dp': its placements were solved for "
                             "requests that keep one rank through every layer, and it has no per-layer rank "
@@ -718,9 +725,3 @@ def _check_plan(plan: Any, config: MoEConfig, groups: ParallelGroups) -> None:
     if int(r) != groups.ep_size:
         raise ValueError(f"the plan is for {int(r)} ranks, the expert-parallel group has {groups.ep_size}: re-plan "
                          f"with recipes/plan.py parallel.ep={groups.ep_size}")
-    k = getattr(plan, "top_k", None)
-    if k is not None and int(k) != config.top_k and getattr(plan, "history_pmi", None) is not None:
-        warn_caller(f"{getattr(plan, 'source', 'the plan')}: the semantic plan was made from routing with top_k={int(k)}, "
-                    f"the layer routes top_k={config.top_k}: its placement serves, but its tp predictor's history "
-                    f"terms were fitted on {int(k)} experts per earlier layer and will sum {config.top_k}; re-plan "
-                    f"from a trace of this routing for the best locality")

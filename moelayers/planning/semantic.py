@@ -463,7 +463,8 @@ class SemanticPlan:
                 a, b = np.asarray(a), np.asarray(b)
                 if a.shape != b.shape or a.dtype != b.dtype or not np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"):
                     return False
-            elif a != b and not (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)):
+            elif a != b and not (isinstance(a, (float, np.floating)) and isinstance(b, (float, np.floating))
+                                 and math.isnan(a) and math.isnan(b)):
                 return False
         return True
 
@@ -569,7 +570,7 @@ class SemanticPlan:
         """Read and validate a plan written by :meth:`save`."""
         path = Path(path)
         arrays = read_npz(path, "semantic plan file")
-        check_format_version(arrays, path, "semantic plan", FORMAT_VERSION)  # first: a newer plan may lack or add fields
+        version = check_format_version(arrays, path, "semantic plan", FORMAT_VERSION)  # first: a newer plan may lack or add fields
         missing = [k for k in _REQUIRED if k not in arrays]
         if missing:
             raise ValueError(f"{path}: semantic plan is missing field(s) {missing}")
@@ -592,6 +593,7 @@ class SemanticPlan:
                 kw[k] = float(a)
             else:
                 kw[k] = a
+        kw["format_version"] = version  # (1 for a file without the entry: saved again, it stays readable as such)
         return cls(**kw, source=str(path))
 
 

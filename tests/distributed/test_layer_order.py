@@ -163,7 +163,16 @@ def _policy_and_reference(rank, world):
 
     swapped = _outcome(lambda: both((policy, reference) if rank == 0 else (reference, policy)))
     after = [_outcome(lambda: both((policy, reference))), _outcome(lambda: policy(x).sum().backward())]
-    return swapped, after
+
+    def refused():  # out of order again, and rank 0 refuses its input (a model's check of its token ids)
+        with torch.no_grad():
+            if rank == 0:
+                policy.refuse_input(ValueError("rank 0's token ids are bad"))
+            reference(x)
+
+    refusal = _outcome(refused)
+    after += [_outcome(lambda: both((policy, reference))), _outcome(lambda: policy(x).sum().backward())]
+    return swapped, refusal, after
 
 
 def test_a_model_and_its_renumbered_copy_called_out_of_order_name_the_layer_numbers():
@@ -171,7 +180,12 @@ def test_a_model_and_its_renumbered_copy_called_out_of_order_name_the_layer_numb
     different orders on the ranks. The copy renumbered, the exchange paired layers 0 and 1000 and
     said the ranks "back-propagated in different orders ... resume from a checkpoint", on the
     reference too, which never trained: now the layer numbers are named, and training goes on."""
-    for swapped, after in run_distributed(_policy_and_reference, 2, timeout=TIMEOUT):
+    outcomes = run_distributed(_policy_and_reference, 2, timeout=TIMEOUT)
+    for swapped, _, after in outcomes:
         assert swapped.startswith("ValueError") and "layer_number is 0 on rank(s)" in swapped, swapped
         assert "back-propagated" not in swapped, swapped
-        assert after == ["ok", "ok"], after
+        assert after == ["ok"] * 4, after
+    # a rank's own error first (it does not join the collective that names the settings: no hang), and
+    # the order of backwards it took put back (refuse_input then raised a false backward-order error)
+    assert outcomes[0][1] == "ValueError: rank 0's token ids are bad", outcomes
+    assert "refused the input of expert-parallel rank(s) [0]" in outcomes[1][1], outcomes

@@ -73,6 +73,36 @@ def test_deferred_check_without_capacity_raises_at_once_where_it_must():
             layer.check_pending()
 
 
+def test_deferred_check_alone_across_training_and_checkpoints():
+    """Found by a review of the one-rank deferral: (1) a rollout, a training step, a rollout: the
+    flag word of the second rollout (the backward's order bits) was copied into the first's bool
+    buffer and read as NaN; (2) a reentrant checkpoint's first pass (under no_grad) deferred, so
+    its NaN output went on silently and the next good step raised; (3) beyond the largest
+    capacity (exact) it defers too."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = ml.VanillaMoE(CFG, ml.ParallelGroups.single(), check_finite="deferred")
+    with torch.inference_mode():
+        layer(_x(4, 0))
+    layer(_x(4, 1).requires_grad_()).sum().backward()
+    with torch.inference_mode():
+        layer(_x(4, 2))
+        layer(_x(4, 3))  # reads the last one's word: the backward's order bits, no error
+    layer.check_pending()
+    x = _x(4, 4, nan=True).requires_grad_()
+    with pytest.raises(ValueError, match=r"^router logits contain NaN or inf"):
+        checkpoint(layer, x, use_reentrant=True)  # the first pass: at once, as in training
+    checkpoint(layer, _x(4, 5).requires_grad_(), use_reentrant=True).sum().backward()  # the next step is fine
+    layer.check_pending()
+    beyond = ml.VanillaMoE(CFG, ml.ParallelGroups.single(), check_finite="deferred", capacity=4,
+                           beyond_capacity="exact")
+    with torch.inference_mode():
+        beyond(_x(3, 6))
+        assert torch.isnan(beyond(_x(8, 7, nan=True))).any()  # exact, beyond 4 rows: returned
+        with pytest.raises(ValueError, match=r"its last forward, whose output was returned already .*NaN or inf"):
+            beyond(_x(3, 8))
+
+
 @pytest.mark.parametrize("value", ["off", "Deferred", 1, None])
 def test_check_finite_takes_a_bool_or_deferred(value):
     with pytest.raises(TypeError, match=r"check_finite must be True, False or 'deferred', got"):

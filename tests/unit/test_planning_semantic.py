@@ -322,6 +322,11 @@ def test_plan_compares_by_value_and_records_its_top_k(tmp_path, tp_plan, synth):
     old.save(tmp_path / "v3.npz")
     with np.load(tmp_path / "v3.npz") as z:
         assert int(z["format_version"]) == 3 and int(z["top_k"]) == 2
+    np.savez(tmp_path / "v1.npz", **{k: v for k, v in arrays.items() if k != "format_version"})
+    first = SemanticPlan.load(tmp_path / "v1.npz")
+    assert first.format_version == 1 and first.top_k is None and dataclasses.replace(first, top_k=2) == tp_plan
+    f32 = dataclasses.replace(tp_plan, theta=np.float32("nan"))
+    assert f32 == dataclasses.replace(tp_plan, theta=np.float32("nan")) == dataclasses.replace(tp_plan, theta=math.nan)
     for bad in (0, 17, 2.0, True):
         with pytest.raises(ValueError, match=r"semantic plan field 'top_k' must be an int in \[1, num_experts=16\]"):
             dataclasses.replace(tp_plan, top_k=bad)
@@ -334,14 +339,16 @@ def test_from_plan_warns_when_the_layer_routes_another_top_k(synth):
     import moelayers as ml
 
     plan = plan_semantic(synth[0], 1, "tp", progress=False)  # (one rank: a layer without process groups)
-    for k, warns in ((2, False), (3, True)):
+    # only where the history terms are read: tp mode with the combined predictor
+    for k, kw, warns in ((2, {}, False), (3, {}, True), (3, {"predictor": "alg3"}, False),
+                         (3, {"predictor": "token"}, False), (3, {"mode": "dp"}, False)):
         cfg = ml.MoEConfig(hidden_size=8, ffn_hidden_size=16, num_experts=16, top_k=k)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            layer = ml.SemanticMoE.from_plan(plan, 1, cfg, ml.ParallelGroups.single())
-        assert layer.mode == "tp"
+            layer = ml.SemanticMoE.from_plan(plan, 1, cfg, ml.ParallelGroups.single(), **kw)
+        assert layer.mode == kw.get("mode", "tp")
         told = [w for w in caught if "top_k=2" in str(w.message)]
-        assert bool(told) == warns, [str(w.message) for w in caught]
+        assert bool(told) == warns, (kw, [str(w.message) for w in caught])
         if warns:
             assert told[0].filename == __file__  # (told at the caller's line)
 
