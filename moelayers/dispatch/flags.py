@@ -104,14 +104,13 @@ def check_exchanged(flags: list[int], digests: list[int], *, together: bool = Fa
     """Raise on every rank what the ranks' exchanged flag words and digests (one per rank, in rank
     order) say is wrong: a rank out of step (:func:`raise_if_out_of_step`, checked first: its bytes are
     no header), a flagged rank (:func:`raise_if_flagged`), different settings
-    (:func:`raise_if_placements_differ`; ``together`` as there). Where both the settings and the
-    orders of backwards differ and no rank flags an error of its own (:data:`ERROR_BITS`: a rank
-    that refused its input raises its own error, and must not be expected in the collective that
-    names the settings), the settings are told: most likely two different layers met in this
-    exchange (two models' layers called in different orders), whose backwards differ for that."""
+    (:func:`raise_if_placements_differ`; ``together`` as there). Where the settings differ, only the
+    ranks' own errors (:data:`ERROR_BITS`) are read before them: the order and autograd bits of
+    ranks at different settings, e.g. two models' layers called in different orders, are not
+    comparable (a backward-order error there would be false, and send the user to a checkpoint)."""
     raise_if_out_of_step(digests)
-    if (len(set(digests)) > 1 and len({int(f) >> ORDER_SHIFT for f in flags}) > 1
-            and not any(int(f) & ERROR_BITS for f in flags)):  # (a rank with an error of its own raises that)
+    if len(set(digests)) > 1:  # ranks at different settings (or layers): their order and autograd bits
+        raise_if_flagged([int(f) & ERROR_BITS for f in flags])  # are not comparable, their own errors are
         raise_if_placements_differ(digests, together=together)
     raise_if_flagged(flags)
     raise_if_placements_differ(digests, together=together)

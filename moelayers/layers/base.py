@@ -135,7 +135,11 @@ class MoELayerBase(LayerWeights, nn.Module):
             with the split sizes, at no extra sync), in a forward recording autograd, with one
             capacity and several ranks, and where capacity mode reads the flags after every
             forward anyway (see :meth:`_raise_on_flags`: a custom replica policy or ``plan()``,
-            ``VariabilityAwareMoE`` recording loads, ``SemanticMoE.forward_tp``).
+            ``VariabilityAwareMoE`` recording loads, ``SemanticMoE.forward_tp``). It is meant for
+            serving and rollouts: train with ``True``. (A reentrant activation checkpoint's first
+            pass runs under ``no_grad``: it checks at once where the layer's input requires grad,
+            but an input made inside the checkpointed region defers like an evaluation, and the
+            error comes from the backward's recomputation, then again at the next forward.)
         expert_backend: ``'auto'`` | ``'grouped_mm'`` | ``'loop'`` (see :class:`GroupedExperts`).
         capacity: all-to-all only: the tokens per rank a forward is padded to (static shapes; see
             ``AllToAllDispatcher``). An int, or a sequence of ints (e.g. ``(16, 64, 256, 1024)``;
@@ -732,6 +736,9 @@ class MoELayerBase(LayerWeights, nn.Module):
                     self._forward_capacity(empty, None, None)
                 else:
                     self._forward_steps(empty, None, None)
+        except SettingsDiffer as differ:  # (capacity mode's size vote compares the settings before any flag)
+            if differ.together:  # the other ranks name the differences in one more collective: join it
+                self._name_differences(differ)
         except ValueError:
             pass  # the exchanged flag: this rank raises its own, more precise error
         finally:

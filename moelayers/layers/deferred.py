@@ -25,23 +25,28 @@ class DeferredFlags:
     a capacity), on its way to the host."""
 
     def __init__(self) -> None:
-        self._host: torch.Tensor | None = None  # pinned where the header is on an accelerator
+        self._hosts: dict[tuple, torch.Tensor] = {}  # per (shape, dtype): pinned where the header is on an accelerator
+        self._host: torch.Tensor | None = None  # the one the pending header is copied into
         self._event: torch.Event | None = None  # recorded behind the copy (None on CPU: the copy is done)
-        self._device: torch.device | None = None  # the header's device (the event's)
+        self._device: torch.device | None = None  # the header's device (the event's and the buffers')
         self.pending = False
 
     @torch.inference_mode(False)  # a buffer made in a rollout is written outside inference mode later
-    def _buffers(self, header: torch.Tensor) -> None:
-        device = self._device = header.device
-        on_host = device.type == "cpu"
-        self._host = torch.empty(header.shape, dtype=header.dtype, pin_memory=not on_host)
-        self._event = None if on_host else torch.Event(device=device)
+    def _buffer(self, header: torch.Tensor) -> torch.Tensor:
+        """The host buffer for ``header``'s shape and dtype (a layer alternating capacity-mode and
+        exact forwards on one rank records ``[1, 4]`` int32 and ``[1, 1]`` bool or int32 words: each
+        keeps its buffer), made on first use; all of them anew when the device changes."""
+        if self._device != header.device:  # (a layer moved to another device records its event there)
+            self._device, self._hosts = header.device, {}
+            self._event = None if header.device.type == "cpu" else torch.Event(device=header.device)
+        key = (tuple(header.shape), header.dtype)
+        if key not in self._hosts:
+            self._hosts[key] = torch.empty(header.shape, dtype=header.dtype, pin_memory=header.device.type != "cpu")
+        return self._hosts[key]
 
     def record(self, header: torch.Tensor) -> None:
         """Start copying ``header`` to the host behind the work queued so far (no sync)."""
-        if (self._host is None or self._host.shape != header.shape or self._host.dtype != header.dtype
-                or self._device != header.device):  # (a word with more bits than a bool; another device)
-            self._buffers(header)  # (a layer moved to another device records its event there)
+        self._host = self._buffer(header)
         self._host.copy_(header, non_blocking=True)
         if self._event is not None:
             self._event.record(torch.accelerator.current_stream(header.device))

@@ -172,7 +172,41 @@ def _policy_and_reference(rank, world):
 
     refusal = _outcome(refused)
     after += [_outcome(lambda: both((policy, reference))), _outcome(lambda: policy(x).sum().backward())]
-    return swapped, refusal, after
+    def swapped_with_nan():  # out of order, with NaN logits on rank 1: every rank raises that (not a false
+        h = x.clone()        # backward-order error, and none at the next forwards)
+        if rank == 1:
+            h[1, 2] = float("nan")
+        with torch.no_grad():
+            for layer in (policy, reference) if rank == 0 else (reference, policy):
+                layer(h)
+
+    with_nan = _outcome(swapped_with_nan)
+    after += [_outcome(lambda: both((policy, reference))), _outcome(lambda: policy(x).sum().backward())]
+    return swapped, refusal, with_nan, after
+
+
+def _vote_and_refusal(rank, world):
+    """Capacity mode with a size vote (two capacities): the vote compares the settings before any
+    flag; a rank refusing its input there left the others alone in the collective that names them."""
+    import copy
+
+    groups = ml.ParallelGroups.from_world()
+    policy = ml.VanillaMoE(CFG, groups, seed=1, layer_number=0, capacity=(4, 8))
+    reference = copy.deepcopy(policy)
+    reference.layer_number = 1000
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        policy(x), reference(x)
+
+        def refused():
+            if rank == 0:
+                policy.refuse_input(ValueError("rank 0's token ids are bad"))
+            else:
+                reference(x)
+
+        refusal = _outcome(refused)
+        after = _outcome(lambda: (policy(x), reference(x)))
+    return refusal, after
 
 
 def test_a_model_and_its_renumbered_copy_called_out_of_order_name_the_layer_numbers():
@@ -181,11 +215,15 @@ def test_a_model_and_its_renumbered_copy_called_out_of_order_name_the_layer_numb
     said the ranks "back-propagated in different orders ... resume from a checkpoint", on the
     reference too, which never trained: now the layer numbers are named, and training goes on."""
     outcomes = run_distributed(_policy_and_reference, 2, timeout=TIMEOUT)
-    for swapped, _, after in outcomes:
+    for swapped, _, with_nan, after in outcomes:
         assert swapped.startswith("ValueError") and "layer_number is 0 on rank(s)" in swapped, swapped
         assert "back-propagated" not in swapped, swapped
-        assert after == ["ok"] * 4, after
+        assert "router logits contain nan or inf (on expert-parallel rank(s) [1])" in with_nan, with_nan
+        assert after == ["ok"] * 6, after
     # a rank's own error first (it does not join the collective that names the settings: no hang), and
     # the order of backwards it took put back (refuse_input then raised a false backward-order error)
     assert outcomes[0][1] == "ValueError: rank 0's token ids are bad", outcomes
     assert "refused the input of expert-parallel rank(s) [0]" in outcomes[1][1], outcomes
+    (own, after0), (other, after1) = run_distributed(_vote_and_refusal, 2, timeout=TIMEOUT)
+    assert own == "ValueError: rank 0's token ids are bad" and "serve different" in other, (own, other)
+    assert after0 == after1 == "ok"
