@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from moelayers._dtypes import to_dtype
 from moelayers.config import MoEConfig
 from moelayers.dispatch.flags import FORCED_OUT_OF_RANGE, raise_if_flagged
 
@@ -29,7 +31,7 @@ def scores_to_topk(logits: torch.Tensor, config: MoEConfig) -> tuple[torch.Tenso
         top, ids = torch.topk(logits, config.top_k, dim=-1)  # megatron: top-k of the logits, softmax over them
         return ids, torch.softmax(top.to(work), dim=-1)
     weights, ids = torch.topk(_scores(logits, config), config.top_k, dim=-1)
-    return ids, _normalised(weights.to(work), config)
+    return ids, _normalised(to_dtype(weights, work), config)
 
 
 def forced_topk_weights(logits: torch.Tensor, topk_ids: torch.Tensor, config: MoEConfig) -> torch.Tensor:
@@ -44,7 +46,9 @@ def _any_nonfinite(logits: torch.Tensor) -> torch.Tensor:
     """0-dim bool: whether ``logits`` holds a NaN or an inf, in three kernels (``isfinite().all()``
     takes six on CUDA, and the router is on the host-bound path): ``x * 0`` is 0 for every finite
     ``x`` and NaN for NaN and ±inf, so the sum is NaN exactly when some entry is not finite."""
-    return torch.isnan(logits.detach().mul(0).sum())
+    if logits.requires_grad:  # (nothing to record; without autograd, detach would be one more call)
+        logits = logits.detach()
+    return torch.isnan(logits.mul(0).sum())
 
 
 def _post_softmax(config: MoEConfig) -> bool:
@@ -56,7 +60,7 @@ def _scores(logits: torch.Tensor, config: MoEConfig) -> torch.Tensor:
     """``[T, E]`` softmax or sigmoid scores in float32/float64; with ``config.rank_in_logits_dtype``
     rounded to the logits' dtype (megatron-core 0.16's ``.type_as(logits)``), except for softmax after
     the top-k, whose weights megatron computes in float32 from the selected logits."""
-    scores = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    scores = to_dtype(logits, torch.promote_types(logits.dtype, torch.float32))
     scores = torch.softmax(scores, dim=-1) if config.score_fn == "softmax" else torch.sigmoid(scores)
     return scores.to(logits.dtype) if config.rank_in_logits_dtype and not _post_softmax(config) else scores
 
@@ -149,7 +153,7 @@ class TopKRouter(nn.Module):
             with torch.autocast(x.device.type, enabled=False):
                 return self.forward(x, forced_ids, defer_check=defer_check)
         if self.config.router_dtype is None:  # the default: no extra calls on the latency path
-            logits = x @ self.weight.t()
+            logits = F.linear(x, self.weight)  # (x @ weight.t(): the same matmul, one call fewer)
         else:
             dtype = self.config.logits_dtype(x.dtype)
             logits = x.to(dtype) @ self.weight.to(dtype).t()
@@ -162,7 +166,8 @@ class TopKRouter(nn.Module):
             flag = bad if flag is None else bad | flag.to(torch.int32)
             ids = ids.clamp(0, self.config.num_experts - 1)
             weights = forced_topk_weights(logits, ids, self.config)
-        self.last_flags = flag if defer_check else None
+        # a plain value (no parameter, buffer or submodule): set without nn.Module.__setattr__'s checks for them
+        object.__setattr__(self, "last_flags", flag if defer_check else None)
         if not defer_check and flag is not None:
             raise_if_flagged([int(flag)])
-        return ids, weights.to(x.dtype)
+        return ids, to_dtype(weights, x.dtype)

@@ -242,7 +242,8 @@ class AllToAllDispatcher:
         all-to-all) and add them up: ``y [T, H] = sum_k w_k * expert_k(x)`` in the order of ``x``."""
         st = received.state
         if isinstance(st, _Alone):  # (one rounding into the layer's dtype, as the partial sums' return trip)
-            return unpermute_combine(expert_output, st.pairs.index, st.weights, out_dtype=st.dtype)
+            return unpermute_combine(expert_output, st.pairs.index, st.weights, out_dtype=st.dtype,
+                                     all_valid=True)  # (every (token, k) computed here: an inverse permutation)
         wire = partial_sum_dtype(st.dtype)  # the rows are partial sums over this rank's experts
         row_out = combine_pairs(expert_output, st.pairs, st.recv_weights, wire)
         # the rows' size on the wire must not depend on this rank's autograd state (a peer may record

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from moelayers._compile import cached_tensor
+from moelayers._dtypes import to_dtype
 from moelayers.dispatch.flags import BAD_REPLICA, BAD_ROUTE, merge_flags
 from moelayers.kernels import unpermute_combine
 from moelayers.placement import ExpertPlacement
@@ -331,7 +332,7 @@ def dense_pairs(slots: torch.Tensor, num_slots: int) -> LocalPairs:
     every ``(token, k)``): the same pairs, counts and index in fewer kernels (no masking of absent
     entries, the index an inverse permutation), which decide a small forward's time on a GPU."""
     n, j = slots.shape
-    key = slots.flatten().to(torch.int64)
+    key = to_dtype(slots.flatten(), torch.int64)
     order = torch.argsort(key, stable=True)
     dev = slots.device
     counts = torch.zeros(num_slots, dtype=torch.int64, device=dev)

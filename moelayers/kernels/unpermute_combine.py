@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from moelayers._dtypes import to_dtype
 from moelayers.kernels import HAVE_TRITON, on_device_of, require_triton, use_triton
 
 if HAVE_TRITON:
@@ -100,6 +101,8 @@ def unpermute_combine_reference(
     index: torch.Tensor,
     weight: torch.Tensor | None,
     out_dtype: torch.dtype | None = None,
+    *,
+    all_valid: bool = False,
 ) -> torch.Tensor:
     """Pure-torch unpermute + weighted combine; differentiable w.r.t. ``src`` and ``weight``.
 
@@ -108,6 +111,8 @@ def unpermute_combine_reference(
         index: ``[T, J]`` int32/int64 row of ``src`` per (token, j); ``< 0`` means none.
         weight: ``[T, J]`` combine weights, or None for all ones. Ignored where ``index < 0``.
         out_dtype: result dtype; default ``src.dtype``.
+        all_valid: the caller knows every entry of ``index`` is a row of ``src`` (one rank's pairs,
+            an inverse permutation): no masks (they would keep every value as it is).
 
     Returns:
         ``[T, H]`` in ``out_dtype``; zeros for tokens with no valid index.
@@ -117,14 +122,20 @@ def unpermute_combine_reference(
     H = src.shape[1]
     if src.shape[0] == 0:  # every index is -1 (_check); keep a (zero) row so indexing stays valid
         src = torch.cat([src, src.new_zeros(1, H)])
+    index = to_dtype(index, torch.int64)
+    if all_valid:
+        rows = to_dtype(_gather(src, index), acc)  # [T, J, H]
+        if weight is not None:
+            rows = rows * to_dtype(weight, acc).unsqueeze(-1)
+        return to_dtype(rows.sum(dim=1), out_dtype or src.dtype)
     valid = index >= 0  # [T, J]
-    rows = _gather(src, index.long().clamp(min=0)).to(acc)  # [T, J, H]
+    rows = to_dtype(_gather(src, index.clamp(min=0)), acc)  # [T, J, H]
     rows = torch.where(valid.unsqueeze(-1), rows, rows.new_zeros(()))
     if weight is not None:
-        w = torch.where(valid, weight.to(acc), weight.new_zeros((), dtype=acc))
+        w = torch.where(valid, to_dtype(weight, acc), weight.new_zeros((), dtype=acc))
         rows = rows * w.unsqueeze(-1)
     out = rows.sum(dim=1)  # J = 0: zeros, still in the autograd graph of src and weight
-    return out.to(out_dtype or src.dtype)
+    return to_dtype(out, out_dtype or src.dtype)
 
 
 #: Batches whose ``[T, J, H]`` temporaries (in the accumulation dtype) take at most this take the
@@ -214,6 +225,8 @@ def unpermute_combine_lean(
     index: torch.Tensor,
     weight: torch.Tensor | None,
     out_dtype: torch.dtype | None = None,
+    *,
+    all_valid: bool = False,
 ) -> torch.Tensor:
     """:func:`unpermute_combine_reference` (same arguments, the same output bit for bit,
     differentiable w.r.t. ``src`` and ``weight``) that saves for the backward only its inputs, not
@@ -222,7 +235,7 @@ def unpermute_combine_lean(
     Batches whose ``[T, J, H]`` temporaries fit in 32 MiB take the reference itself (fewer host
     calls: small batches are host-bound on GPUs)."""
     if index.shape[0] * _token_bytes(src, index) <= _SMALL_BYTES:
-        return unpermute_combine_reference(src, index, weight, out_dtype)
+        return unpermute_combine_reference(src, index, weight, out_dtype, all_valid=all_valid)
     _check(src, index, weight)
     if src.shape[0] == 0:  # every index is -1 (_check): zeros, still in the autograd graph of src and weight
         src = torch.cat([src, src.new_zeros(1, src.shape[1])])
@@ -334,15 +347,18 @@ def unpermute_combine(
     index: torch.Tensor,
     weight: torch.Tensor | None,
     out_dtype: torch.dtype | None = None,
+    *,
+    all_valid: bool = False,
 ) -> torch.Tensor:
     """Gather ``src [N, H]`` rows by ``index [T, J]`` and sum them weighted into ``[T, H]``.
 
     Uses :func:`unpermute_combine_triton` (forward and backward kernels) when
     :func:`moelayers.kernels.use_triton` allows it for training too, except where a gradient is
     wanted under ``torch.use_deterministic_algorithms(True)`` (its backward adds with atomics); else
-    :func:`unpermute_combine_lean` (the reference's sums with bounded temporaries).
+    :func:`unpermute_combine_lean` (the reference's sums with bounded temporaries). ``all_valid``:
+    the caller knows ``index`` holds no ``-1`` (the reference then skips its masks; the same result).
     """
     if use_triton(src, differentiable=True) and not (_wants_grad(src, weight)
                                                      and torch.are_deterministic_algorithms_enabled()):
         return unpermute_combine_triton(src, index, weight, out_dtype)
-    return unpermute_combine_lean(src, index, weight, out_dtype)
+    return unpermute_combine_lean(src, index, weight, out_dtype, all_valid=all_valid)

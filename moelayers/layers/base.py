@@ -201,6 +201,20 @@ class MoELayerBase(LayerWeights, nn.Module):
     _reentrant_first_pass = False  # the forward running: a reentrant checkpoint's first pass (forward sets it)
     _deferred: DeferredFlags | None = None
 
+    #: what a forward records on the layer: always plain values or tensors, never a parameter, buffer or
+    #: submodule, so they are set as on any object (see ``__setattr__``)
+    _FORWARD_STATE = frozenset({"_forced_ids", "_replay_key", "_reentrant_first_pass", "_trained", "_order_taken",
+                                "last_topk_ids", "last_token_ids", "last_stats", "last_capacity", "dispatcher"})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """``nn.Module.__setattr__``, except for the names of :attr:`_FORWARD_STATE`: its checks for
+        parameters, buffers and submodules (about 1 us a name on the host, ``isinstance`` through
+        ``Parameter``'s metaclass) would find none there, and a forward sets ten such names."""
+        if name in self._FORWARD_STATE:
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
     # normal tensors even when built under torch.inference_mode(): the layer updates its weights, tables
     # and buffers in place (moves, loads, load recording) outside it too
     @torch.inference_mode(False)
@@ -1086,7 +1100,7 @@ class MoELayerBase(LayerWeights, nn.Module):
             hint = (": it was built on the meta device; call to_empty(device=...) and load or reset its weights first"
                     if self.router.weight.device.type == "meta" and x.device.type != "meta" else "")
             raise TypeError(f"{name} is on {x.device}, the layer is on {self.router.weight.device}{hint}")
-        x2 = x.reshape(-1, cfg.hidden_size)
+        x2 = x if x.dim() == 2 else x.reshape(-1, cfg.hidden_size)  # (a reshape of [T, H] is a view alike)
         if token_ids is not None:
             if not isinstance(token_ids, torch.Tensor) or token_ids.dtype.is_floating_point or token_ids.dtype == torch.bool:
                 raise TypeError("token_ids must be an integer tensor")

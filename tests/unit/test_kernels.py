@@ -188,6 +188,28 @@ def test_unpermute_combine_out_dtype_and_empty_src():
         assert out.shape == (4, 24) and (out == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_unpermute_combine_with_every_entry_valid_skips_the_masks_bit_for_bit(dtype):
+    """``all_valid=True`` (one rank's pairs: the index an inverse permutation) takes the reference
+    without its masks, on the host-bound path: the same sums bit for bit, and the same gradients."""
+    from moelayers.kernels.unpermute_combine import unpermute_combine_reference
+
+    g = torch.Generator().manual_seed(3)
+    t, j, h = 7, 3, 16
+    index = torch.randperm(t * j, generator=g).view(t, j).to(torch.int32)
+    for weighted in (True, False):
+        outs, grads = [], []
+        for all_valid in (False, True):
+            src = torch.randn(t * j, h, generator=torch.Generator().manual_seed(4)).to(dtype).requires_grad_()
+            w = torch.rand(t, j, generator=torch.Generator().manual_seed(5)).to(dtype).requires_grad_() if weighted else None
+            y = unpermute_combine_reference(src, index, w, torch.float32, all_valid=all_valid)
+            y.pow(2).sum().backward()
+            outs.append(y)
+            grads.append((src.grad, None if w is None else w.grad))
+        assert torch.equal(outs[0], outs[1])
+        assert torch.equal(grads[0][0], grads[1][0]) and (not weighted or torch.equal(grads[0][1], grads[1][1]))
+
+
 def test_unpermute_combine_without_entries_keeps_the_graph():
     """J = 0 returned fresh zeros, cut off from src and weight: backward raised "does not require grad"."""
     src = torch.randn(3, 4, requires_grad=True)
@@ -344,7 +366,7 @@ def test_unpermute_combine_takes_triton_for_training_unless_deterministic(monkey
     taken = []
     monkeypatch.setattr(module, "use_triton", lambda t, differentiable=False: differentiable)
     monkeypatch.setattr(module, "unpermute_combine_triton", lambda *a: taken.append("triton"))
-    monkeypatch.setattr(module, "unpermute_combine_lean", lambda *a: taken.append("lean"))
+    monkeypatch.setattr(module, "unpermute_combine_lean", lambda *a, **kw: taken.append("lean"))
     src = torch.randn(3, 4, requires_grad=True)
     index = torch.tensor([[0, 1]])
     module.unpermute_combine(src, index, None)
