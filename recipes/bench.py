@@ -491,8 +491,8 @@ class _Run:
         return layer.eval()
 
 
-#: more warm-up forwards for the first size timed: it absorbed the process's one-time costs
-#: (allocators, thread pools, lazy initialisation), with ``bench=cpu_smoke``'s two warm-ups 2-5x its time
+#: more warm-up forwards for the first size timed. It absorbed the process's one-time costs (allocators,
+#: thread pools, lazy initialisation): with ``bench=cpu_smoke``'s two warm-ups it took 2-5x its time
 FIRST_SIZE_WARMUP = 20
 
 

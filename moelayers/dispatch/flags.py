@@ -105,9 +105,10 @@ def check_exchanged(flags: list[int], digests: list[int], *, together: bool = Fa
     order) say is wrong: a rank out of step (:func:`raise_if_out_of_step`, checked first: its bytes are
     no header), a flagged rank (:func:`raise_if_flagged`), different settings
     (:func:`raise_if_placements_differ`; ``together`` as there). Where the settings differ, only the
-    ranks' own errors (:data:`ERROR_BITS`) are read before them: the order and autograd bits of
-    ranks at different settings, e.g. two models' layers called in different orders, are not
-    comparable (a backward-order error there would be false, and send the user to a checkpoint)."""
+    ranks' own errors (:data:`ERROR_BITS`) are read before the settings are named. The order and
+    autograd bits of ranks at different settings are not comparable (e.g. two models' layers called
+    in different orders). A backward-order error there would be false, and would send the user to a
+    checkpoint."""
     raise_if_out_of_step(digests)
     if len(set(digests)) > 1:  # ranks at different settings (or layers): their order and autograd bits
         raise_if_flagged([int(f) & ERROR_BITS for f in flags])  # are not comparable, their own errors are

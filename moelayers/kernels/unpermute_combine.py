@@ -111,8 +111,8 @@ def unpermute_combine_reference(
         index: ``[T, J]`` int32/int64 row of ``src`` per (token, j); ``< 0`` means none.
         weight: ``[T, J]`` combine weights, or None for all ones. Ignored where ``index < 0``.
         out_dtype: result dtype; default ``src.dtype``.
-        all_valid: the caller knows every entry of ``index`` is a row of ``src`` (one rank's pairs,
-            an inverse permutation): no masks (they would keep every value as it is).
+        all_valid: the caller knows every entry of ``index`` is a row of ``src`` (one rank's pairs:
+            an inverse permutation). The masks are then skipped: they would keep every value as it is.
 
     Returns:
         ``[T, H]`` in ``out_dtype``; zeros for tokens with no valid index.
@@ -356,7 +356,8 @@ def unpermute_combine(
     :func:`moelayers.kernels.use_triton` allows it for training too, except where a gradient is
     wanted under ``torch.use_deterministic_algorithms(True)`` (its backward adds with atomics); else
     :func:`unpermute_combine_lean` (the reference's sums with bounded temporaries). ``all_valid``:
-    the caller knows ``index`` holds no ``-1`` (the reference then skips its masks; the same result).
+    the caller knows ``index`` holds no ``-1``. The reference then skips its masks, with the same
+    result.
     """
     if use_triton(src, differentiable=True) and not (_wants_grad(src, weight)
                                                      and torch.are_deterministic_algorithms_enabled()):

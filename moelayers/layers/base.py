@@ -115,31 +115,42 @@ class MoELayerBase(LayerWeights, nn.Module):
             ``groups.backend`` is NCCL; else CPU).
         seed: the default initialisation draws each logical expert from its own generator seeded
             by ``(seed, expert id)``, so that replicas agree and every rank builds the same model.
-        check_finite: raise on NaN/inf router logits (on every rank). Only those: an overflow inside
-            the experts (float16) gives inf/NaN output rows, as the reference does. ``True``: the
-            forward raises (with ``capacity``, or alone on one rank, reading the flags costs a host
-            sync per forward). ``False``: no check. ``'deferred'``: the flags are copied to the
-            host behind the forward, without a sync, and read when the layer's next forward
-            starts. That forward raises the error of the one before it (whose output was returned
-            already), on every rank, before its exchange. Each layer raises only its own error:
-            :func:`moelayers.check_pending` reads what the last forwards of a model's layers left;
-            call it after the last forward of a generation, and after catching such an error.
-            It defers with one expert-parallel rank (every inference forward: padded to a
-            capacity or exact), or with several and two or more capacities or
-            ``beyond_capacity='exact'``.
-            A forward that must read the flags at once (a refused input, forced routing, an
-            overflow, a new placement) still does. With several ranks their vote on each forward's
-            size tells every rank when one must, and all then raise in that forward (a rank raising
-            alone would leave the others waiting in the next layer's exchange). Elsewhere
-            ``'deferred'`` acts as ``True``: without ``capacity`` on several ranks (the flags come
-            with the split sizes, at no extra sync), in a forward recording autograd, with one
-            capacity and several ranks, and where capacity mode reads the flags after every
-            forward anyway (see :meth:`_raise_on_flags`: a custom replica policy or ``plan()``,
-            ``VariabilityAwareMoE`` recording loads, ``SemanticMoE.forward_tp``). It is meant for
-            serving and rollouts: train with ``True``. (A reentrant activation checkpoint's first
-            pass runs under ``no_grad``: it checks at once where the layer's input requires grad,
-            but an input made inside the checkpointed region defers like an evaluation, and the
-            error comes from the backward's recomputation, then again at the next forward.)
+        check_finite: raise on NaN/inf router logits, on every rank. Only on those: an overflow
+            inside the experts (float16) gives inf/NaN output rows, as the reference does.
+
+            * ``True``: the forward raises. With ``capacity``, or on one expert-parallel rank,
+              reading the flags costs a host sync per forward.
+            * ``False``: no check.
+            * ``'deferred'``: the flags are copied to the host behind the forward, without a sync.
+              The layer reads them when its next forward starts. That forward raises the error of
+              the one before it (whose output was returned already), on every rank, before its
+              exchange. Each layer raises only its own error. :func:`moelayers.check_pending`
+              reads what the last forwards of a model's layers left: call it after the last
+              forward of a generation, and after catching such an error.
+
+            Where ``'deferred'`` defers: on one expert-parallel rank, in every inference forward
+            (padded to a capacity or exact); on several, with two or more capacities or
+            ``beyond_capacity='exact'``. A forward that must read the flags at once still does (a
+            refused input, forced routing, an overflow, a new placement). With several ranks,
+            their vote on each forward's size tells every rank when one must, and all then raise
+            in that forward. A rank raising alone would leave the others waiting in the next
+            layer's exchange.
+
+            Elsewhere ``'deferred'`` acts as ``True``:
+
+            * without ``capacity`` on several ranks (the flags come with the split sizes, at no
+              extra sync);
+            * in a forward recording autograd;
+            * with one capacity and several ranks;
+            * where capacity mode reads the flags after every forward anyway (see
+              :meth:`_raise_on_flags`): a custom replica policy or ``plan()``,
+              ``VariabilityAwareMoE`` recording loads, ``SemanticMoE.forward_tp``.
+
+            ``'deferred'`` is meant for serving and rollouts: train with ``True``. A reentrant
+            activation checkpoint's first pass runs under ``no_grad``. Where the layer's input
+            requires grad, that pass checks at once. An input made inside the checkpointed region
+            defers as in an evaluation: the error then comes from the backward's recomputation,
+            and again at the next forward.
         expert_backend: ``'auto'`` | ``'grouped_mm'`` | ``'loop'`` (see :class:`GroupedExperts`).
         capacity: all-to-all only: the tokens per rank a forward is padded to (static shapes; see
             ``AllToAllDispatcher``). An int, or a sequence of ints (e.g. ``(16, 64, 256, 1024)``;
@@ -207,9 +218,10 @@ class MoELayerBase(LayerWeights, nn.Module):
                                 "last_topk_ids", "last_token_ids", "last_stats", "last_capacity", "dispatcher"})
 
     def __setattr__(self, name: str, value: Any) -> None:
-        """``nn.Module.__setattr__``, except for the names of :attr:`_FORWARD_STATE`: its checks for
-        parameters, buffers and submodules (about 1 us a name on the host, ``isinstance`` through
-        ``Parameter``'s metaclass) would find none there, and a forward sets ten such names."""
+        """``nn.Module.__setattr__``, except for the names in :attr:`_FORWARD_STATE`, which are set as
+        on any object. Its checks for parameters, buffers and submodules would find none there, and
+        they cost about 1 us a name on the host (``isinstance`` through ``Parameter``'s metaclass); a
+        forward sets ten such names."""
         if name in self._FORWARD_STATE:
             object.__setattr__(self, name, value)
         else:
@@ -970,12 +982,12 @@ class MoELayerBase(LayerWeights, nn.Module):
                 or (placement and self._placement_unchecked))
 
     def _defers_alone(self, x2: torch.Tensor, forced: bool) -> bool:
-        """``check_finite='deferred'`` in an exact forward on one expert-parallel rank (without
-        ``capacity``, or beyond its largest size): an inference forward with the router's own
-        routing reads its flag word (the NaN check) at the layer's next forward instead of at once,
-        as capacity mode does (with several ranks the flags come with the split sizes, at no extra
-        sync). Not a reentrant activation checkpoint's first pass (under ``no_grad`` on an input
-        that requires grad): that is training."""
+        """Whether ``check_finite='deferred'`` defers in this exact forward on one expert-parallel
+        rank (without ``capacity``, or beyond its largest size). It does in an inference forward with
+        the router's own routing: its flag word (the NaN check) is read at the layer's next forward
+        instead of at once, as capacity mode does. (With several ranks the flags come with the split
+        sizes, at no extra sync.) A reentrant activation checkpoint's first pass does not defer: it
+        runs under ``no_grad`` on an input that requires grad, and that is training."""
         return (self._check_deferred and self.router.check_finite and self.groups.ep_size == 1
                 and not self._records_autograd(x2) and not self._reentrant_first_pass
                 and not self._reads_flags_now(forced, placement=False))

@@ -1,17 +1,19 @@
-"""The deferred NaN check (``check_finite='deferred'``) of capacity mode and of one rank's forward.
+"""The deferred NaN check (``check_finite='deferred'``), in capacity mode and in one rank's forward.
 
 A capacity-mode forward (the CUDA-graph path) learns what the ranks' exchanged flag words say
-(NaN/inf router logits, settings that differ) only by reading them on the host: a device sync per
-layer, which at decode-sized batches costs more than the layer's work. (So does a forward on one
-expert-parallel rank without a capacity: its flag word is its one host sync.) Deferred, the words are
-copied to host memory (pinned on an accelerator) behind the forward, without a sync, and read
-when the layer's next forward starts (by then the copy is usually done; if not, the read waits
-for it). That forward raises the error of the one before it, on every expert-parallel rank alike,
-before its exchange. (What a rank knows it must raise at once, a refused input or an overflow, it
-still does, and the other ranks learn it in the same forward: see
-``MoELayerBase._defers_check``.) Each layer raises only its own error: after a failed step the
-model's other layers may raise errors of the same step at their next forwards.
-:func:`check_pending` reads them all at once.
+(NaN/inf router logits, settings that differ) only by reading them on the host. That is a device
+sync per layer, and at decode-sized batches it costs more than the layer's work. A forward on one
+expert-parallel rank without a capacity pays the same: reading its flag word is its one host sync.
+
+Deferred, the words are copied to host memory (pinned on an accelerator) behind the forward,
+without a sync. They are read when the layer's next forward starts: by then the copy is usually
+done, and if not, the read waits for it. That forward raises the error of the one before it, on
+every expert-parallel rank alike, before its exchange.
+
+A rank that knows it must raise at once (a refused input, an overflow) still does, and the other
+ranks learn it in the same forward (see ``MoELayerBase._defers_check``). Each layer raises only its
+own error: after a failed step, the model's other layers may raise errors of the same step at their
+next forwards. :func:`check_pending` reads them all at once.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ class DeferredFlags:
 
     @torch.inference_mode(False)  # a buffer made in a rollout is written outside inference mode later
     def _buffer(self, header: torch.Tensor) -> torch.Tensor:
-        """The host buffer for ``header``'s shape and dtype (a layer alternating capacity-mode and
-        exact forwards on one rank records ``[1, 4]`` int32 and ``[1, 1]`` bool or int32 words: each
-        keeps its buffer), made on first use; all of them anew when the device changes."""
+        """The host buffer for ``header``'s shape and dtype, made on first use. Each shape and dtype
+        keeps its own buffer: a layer that alternates capacity-mode and exact forwards on one rank
+        records ``[1, 4]`` int32 headers and ``[1, 1]`` bool or int32 words. A new device makes all
+        of them anew."""
         if self._device != header.device:  # (a layer moved to another device records its event there)
             self._device, self._hosts = header.device, {}
             self._event = None if header.device.type == "cpu" else torch.Event(device=header.device)

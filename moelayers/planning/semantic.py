@@ -326,10 +326,11 @@ class SemanticPlan:
         train_sequences: optional ``[S_train]`` uint64 content digests of the sequences the plan
             was trained on (:meth:`RoutingTrace.sequence_digests`; ``plan_semantic`` records them):
             :meth:`trained_on` tells which sequences of a trace are in-sample for the plan.
-        top_k: optional ``K`` of the routing the plan was made from (``plan_semantic`` records the
-            trace's; ``None`` in files written before format 3). ``SemanticMoE.from_plan`` warns
-            when the layer routes another number of experts per token: the placement still serves,
-            but the tp predictor's history terms add ``K`` experts per earlier layer.
+        top_k: optional: the ``K`` (experts per token) of the routing the plan was made from.
+            ``plan_semantic`` records the trace's; files written before format 3 give ``None``.
+            ``SemanticMoE.from_plan`` warns when the layer routes another number of experts per
+            token. The placement still serves, but the tp predictor's history terms add ``K``
+            experts per earlier layer.
         source: where the plan was loaded from (for error messages).
     """
 
