@@ -1048,10 +1048,11 @@ class MoELayerBase(LayerWeights, nn.Module):
         try:
             _check_header(header)
         except ValueError as exc:  # (each layer raises its own: moelayers.check_pending(model) reads them all)
-            raise ValueError(f"{self._label()}: its last forward, whose output was returned already (check_finite="
-                             f"'deferred' reads a forward's flags at the layer's next forward; the model's other "
-                             f"layers may hold that step's too: moelayers.check_pending(model) reads them all): "
-                             f"{exc}") from exc
+            # the error itself (a BackwardOrderError stays one), told as the last forward's
+            exc.args = (f"{self._label()}: its last forward, whose output was returned already (check_finite="
+                        f"'deferred' reads a forward's flags at the layer's next forward; the model's other "
+                        f"layers may hold that step's too: moelayers.check_pending(model) reads them all): {exc}",)
+            raise
 
     @one_at_a_time
     def check_pending(self) -> None:
