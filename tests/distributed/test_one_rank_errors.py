@@ -5,6 +5,8 @@ outcome; a rank left waiting fails the run by its timeout."""
 
 from __future__ import annotations
 
+import random
+import traceback
 import warnings
 
 import pytest
@@ -27,6 +29,52 @@ def _outcome(fn, *args, **kwargs) -> str:
 
 
 REFUSED_ELSEWHERE = "ValueError: the layer refused the input of expert-parallel rank(s) [1]"
+
+
+# ------------------------------------------------------------------------------ one spawn per group of checks
+# Starting the ranks costs more than most checks here (at world 4 on 2 cores about 3 s, the first
+# load_placement_state_dict of a process alone 2 s): the checks of one group (one world size, see
+# GROUPS at the end) run in one spawn, in sequence, each from the global RNG state and warning
+# filters a fresh rank starts with. The first test of a group starts it, the others read its
+# results; every test asserts its own check's outcomes, as with a spawn of its own.
+_group_results: dict[str, list[dict] | Exception] = {}
+
+
+def _run_checks(rank: int, world: int, checks: list[tuple[str, object, tuple]]) -> dict:
+    import numpy as np
+
+    fresh = torch.random.get_rng_state(), np.random.get_state(), random.getstate()
+    out = {}
+    for key, fn, args in checks:
+        torch.random.set_rng_state(fresh[0])
+        np.random.set_state(fresh[1])
+        random.setstate(fresh[2])
+        with warnings.catch_warnings():
+            try:
+                out[key] = ("returned", fn(rank, world, *args))
+            except Exception:  # noqa: BLE001 - reported by the check's own test
+                out[key] = ("raised", traceback.format_exc())
+    return out
+
+
+def _outcomes(group: str, key: str) -> list:
+    """Every rank's result of check ``key`` of ``group`` (what ``run_distributed(fn, world, *args)``
+    returned for it alone)."""
+    if group not in _group_results:
+        world, checks = GROUPS[group]
+        try:
+            _group_results[group] = run_distributed(_run_checks, world, checks, timeout=TIMEOUT)
+        except Exception as exc:  # noqa: BLE001 - failed once: every test of the group says so, none runs it again
+            _group_results[group] = exc
+    results = _group_results[group]
+    if isinstance(results, Exception):
+        raise RuntimeError(f"the spawn of group {group!r} (check {key!r} among them) failed") from results
+    out = []
+    for rank, by_key in enumerate(results):
+        how, value = by_key[key]
+        assert how == "returned", f"check {key!r} raised on rank {rank}:\n{value}"
+        out.append(value)
+    return out
 
 
 def _assert_all_raise(outcomes: list[str], own: str, others: str = REFUSED_ELSEWHERE) -> None:
@@ -71,7 +119,7 @@ def test_megatron_adapter_refusals_on_one_rank(case):
     own = {"intermediate_tensors": "NotImplementedError: MegatronMoEAdapter does not support partial CUDA-graph",
            "semantic_tp": "NotImplementedError: MegatronMoEAdapter does not support partial CUDA-graph",
            "training_losses": "RuntimeError: the transformer_config turns on training losses"}[case]
-    _assert_all_raise(run_distributed(_adapter_check, 2, case, timeout=TIMEOUT), own)
+    _assert_all_raise(_outcomes("megatron", case), own)
 
 
 # ------------------------------------------------------------------------------ tiny decoder
@@ -109,7 +157,7 @@ TINY_OWN = {"forward_out_of_vocab": "ValueError: input_ids: token id 69 outside"
 @pytest.mark.parametrize("case", sorted(TINY_OWN))
 def test_tiny_decoder_refusals_on_one_rank(case, attention):
     others = REFUSED_ELSEWHERE if attention == "dp" else "ValueError: forward_tp refused the input of TP rank(s) [1]"
-    _assert_all_raise(run_distributed(_tiny_check, 2, case, attention, timeout=TIMEOUT), TINY_OWN[case], others)
+    _assert_all_raise(_outcomes("world2", f"tiny/{case}/{attention}"), TINY_OWN[case], others)
 
 
 # ------------------------------------------------------------------------------ SemanticMoE.forward_tp
@@ -147,7 +195,7 @@ def _forward_tp_check(rank: int, world: int, case: str) -> str:
 def test_forward_tp_ranks_that_disagree_all_raise(case, message):
     """Token tables or forced ids that differ on one rank gave a silently wrong output (each rank
     shuffled, or routed, its chunk by its own)."""
-    outcomes = run_distributed(_forward_tp_check, 2, case, timeout=TIMEOUT)
+    outcomes = _outcomes("world2", f"forward_tp/{case}")
     assert all(message in got for got in outcomes), outcomes
 
 
@@ -157,7 +205,7 @@ def test_forward_tp_input_error_of_any_type_on_one_rank_raises_everywhere(case, 
     """Only TypeError and ValueError reached the TP agreement: token ids on another device (a
     NotImplementedError from bincount, or a copy out of a meta tensor) left the other ranks waiting
     in the agreement's all-reduce."""
-    outcomes = run_distributed(_forward_tp_check, 2, case, timeout=TIMEOUT)
+    outcomes = _outcomes("world2", f"forward_tp/{case}")
     _assert_all_raise(outcomes, own, "ValueError: forward_tp refused the input of TP rank(s) [1]")
 
 
@@ -170,7 +218,7 @@ def _dp_ids_check(rank: int, world: int) -> str:
 
 
 def test_token_ids_on_another_device_on_one_rank():
-    outcomes = run_distributed(_dp_ids_check, 2, timeout=TIMEOUT)
+    outcomes = _outcomes("world2", "dp_ids")
     _assert_all_raise(outcomes, "TypeError: token_ids are on meta, x on cpu")
 
 
@@ -214,7 +262,7 @@ def test_load_placement_state_dict_with_one_rank_apart(case, world):
     """One rank's entry refused (or missing) raised on that rank while the others waited in the
     move; a rank already in the saved placement skipped the move the others made. At world 4 the
     other expert-parallel group {2, 3} moved alone: the layer's two copies in other placements."""
-    outcomes = run_distributed(_placement_check, world, case, timeout=TIMEOUT)
+    outcomes = _outcomes(f"world{world}", f"placement/{case}")
     if case == "already_there":  # the ranks started in different placements: the move refuses that everywhere
         assert all(loaded.startswith("PlacementRejected") for loaded, _, _ in outcomes[:2]), outcomes
         return
@@ -243,7 +291,7 @@ def test_load_placement_state_dict_with_one_group_there_already():
     """World 4, EP2 x EDP2: group {0, 1} already served layer a's saved placement, group {2, 3} did
     not, so only {2, 3} moved it and waited for {0, 1} in the move's agreement over the copies
     (which {0, 1} ran for layer b instead): a hang. The groups now decide to move together."""
-    for loaded, placements in run_distributed(_placement_one_group_there_already, 4, timeout=TIMEOUT):
+    for loaded, placements in _outcomes("world4", "placement/one_group_there_already"):
         assert loaded == "ok" and placements == [[[3, 0], [1, 2]]] * 2, (loaded, placements)
 
 
@@ -270,7 +318,7 @@ def test_load_placement_state_dict_refusal_reaches_a_later_layers_group():
     """Layer a on two expert-parallel groups without edp, layer b over the world; rank 1 lacks a's
     entry: ranks 0 and 1 raised at layer a, while ranks 2 and 3 waited in layer b's all-reduce (or,
     agreed there, in b's move) forever."""
-    outcomes = run_distributed(_placement_mixed_groups, 4, timeout=TIMEOUT)
+    outcomes = _outcomes("world4", "placement/mixed_groups")
     _assert_all_raise([first for first, *_ in outcomes], "KeyError",
                       "ValueError: load_placement_state_dict: another rank refused its entry")
     assert all(unmoved and retry == "ok" and b == [3, 2, 1, 0] for _, unmoved, retry, b in outcomes), outcomes
@@ -304,7 +352,7 @@ def test_load_placement_state_dict_move_failing_in_one_group_moves_no_group():
     """World 4, EP2 x EDP2: layer a's move failed while staging in group {2, 3}, which raised and
     kept its placement, while group {0, 1} moved both layers and returned: the layer's copies then
     served different placements. The group that moved now moves back, and every rank raises."""
-    outcomes = run_distributed(_placement_move_fails_in_one_group, 4, timeout=TIMEOUT)
+    outcomes = _outcomes("world4", "placement/move_fails_in_one_group")
     for rank, (loaded, placements, same) in enumerate(outcomes):
         expected = "failed while staging" if rank >= 2 else "the move failed in another expert-parallel group"
         assert loaded.startswith("PlacementMoveError") and expected in loaded, (rank, loaded)
@@ -381,7 +429,7 @@ def test_load_optimizer_state_dict_with_optimizers_holding_other_weights():
     """Rank 1's optimizer does not hold the expert weights: each rank's own state dict is fine, but
     the step sharing for ranks without experts (and any later move) needs every rank's optimizer
     alike; every rank refuses, and none loads."""
-    for loaded, unchanged in run_distributed(_model_state_check, 2, "optimizer_holds_other_weights", timeout=TIMEOUT):
+    for loaded, unchanged in _outcomes("world2", "load/optimizer_holds_other_weights"):
         assert loaded.startswith("ValueError: load_optimizer_state_dict: the ranks' optimizers"), loaded
         assert unchanged
 
@@ -392,7 +440,7 @@ def test_load_model_state_dict_refused_on_one_rank_loads_nowhere(world):
     the other ranks loaded theirs and went on, holding experts of another checkpoint than rank 1's.
     Now every rank raises and none loads (at world 4, with two expert-parallel groups, the agreement
     crosses the groups too)."""
-    results = run_distributed(_model_state_checks, world, timeout=TIMEOUT)
+    results = _outcomes(f"world{world}", "load/every_case")
     for case, own in LOAD_CASES.items():
         outcomes = [by_case[case] for by_case in results]
         what = "load_optimizer_state_dict" if case.startswith("optimizer") else "load_model_state_dict"
@@ -421,7 +469,7 @@ def _capacity_placement_check(rank: int, world: int, served_before: bool) -> str
 def test_capacity_mode_compares_placements_after_a_load(served_before):
     """Capacity mode with check_finite=False reads no flags: ranks that loaded checkpoints of
     different placements served a silently wrong output (off by about the output's size)."""
-    outcomes = run_distributed(_capacity_placement_check, 2, served_before, timeout=TIMEOUT)
+    outcomes = _outcomes("world2", f"capacity/served_before={served_before}")
     assert all("serve different placements" in got for got in outcomes), outcomes
 
 
@@ -441,7 +489,7 @@ def _autograd_check(rank: int, world: int, dispatcher: str, how: str) -> str:
 def test_autograd_on_some_ranks_only_raises_in_the_forward(dispatcher, how):
     """Rank 0 ran its forward without autograd (no_grad, or its layer frozen): the forward passed,
     and rank 1's backward then waited forever in the reverse exchange rank 0 never ran."""
-    outcomes = run_distributed(_autograd_check, 2, dispatcher, how, timeout=TIMEOUT)
+    outcomes = _outcomes("world2", f"autograd/{dispatcher}/{how}")
     assert all("record autograd in this forward and rank(s) [0] do not" in got for got in outcomes), outcomes
 
 
@@ -458,7 +506,7 @@ def _frozen_experts_check(rank: int, world: int) -> str:
 
 def test_reduce_expert_grads_with_experts_frozen_on_one_rank():
     """Rank 1 skipped the all-reduce of its frozen experts' gradients; rank 0 waited in it."""
-    outcomes = run_distributed(_frozen_experts_check, 2, timeout=TIMEOUT)
+    outcomes = _outcomes("world2", "frozen_experts")
     assert all("require grad on some ranks and not on others" in got for got in outcomes), outcomes
 
 
@@ -489,7 +537,7 @@ def test_auto_replan_waits_for_every_rank(main_grad):
     """A due re-plan ran at once on the rank without a live graph and waited on the other: the
     first rank's move then waited forever for the second (with megatron's main_grad, the check of
     the gradients was a collective that only the rank without a live graph ran)."""
-    logs = run_distributed(_replan_check, 2, main_grad, timeout=TIMEOUT)
+    logs = _outcomes("world2", f"replan/main_grad={main_grad}")
     assert logs[0] == logs[1], logs
     assert logs[0][-1][0] >= 1, logs  # it did re-plan, once every rank could
 
@@ -525,7 +573,7 @@ def _rank0_settings_check(rank: int, world: int) -> str:
 
 
 def test_variability_planner_settings_read_on_rank_0_may_differ():
-    assert run_distributed(_rank0_settings_check, 2, timeout=TIMEOUT) == ["ok replans=1"] * 2
+    assert _outcomes("world2", "rank0_settings") == ["ok replans=1"] * 2
 
 
 @pytest.mark.parametrize("case", ["ffn_hidden_size", "norm_topk_prob", "window", "autocast"])
@@ -533,7 +581,7 @@ def test_ranks_built_with_other_settings_all_raise(case):
     """Another ffn_hidden_size or norm_topk_prob on one rank served another model silently; a
     VariabilityAwareMoE with another window on one rank re-planned at another step: a hang. Under
     torch.autocast on one rank only, its experts computed in bf16 and the other's in fp32, unflagged."""
-    outcomes = run_distributed(_settings_check, 2, case, timeout=TIMEOUT)
+    outcomes = _outcomes("world2", f"settings/{case}")
     assert all("serve different placements or layer settings" in got for got in outcomes), outcomes
     named = {"ffn_hidden_size": "config.ffn_hidden_size is 4 on rank(s) [0], 6 on rank(s) [1]",
              "norm_topk_prob": "config.norm_topk_prob is True on rank(s) [0], False on rank(s) [1]",
@@ -546,7 +594,7 @@ def test_ranks_built_with_other_settings_all_raise(case):
 @pytest.mark.parametrize("case", ["autocast everywhere", "autocast float64"])
 def test_autocast_on_every_rank_or_of_float64_agrees(case):
     """(A float64 layer under autocast on one rank only was refused: autocast does not touch it.)"""
-    assert run_distributed(_settings_check, 2, case, timeout=TIMEOUT) == ["ok", "ok"]
+    assert _outcomes("world2", f"settings/{case}") == ["ok", "ok"]
 
 
 def _groups_check(rank: int, world: int, case: str) -> str:
@@ -558,7 +606,7 @@ def _groups_check(rank: int, world: int, case: str) -> str:
 def test_from_world_with_other_sizes_on_one_rank(case):
     """ep=2 on rank 0 and 1 on rank 1 made other groups on each rank: the first forward returned on
     one rank and failed (or waited) on the other; ep=3 on one rank raised there alone."""
-    outcomes = run_distributed(_groups_check, 2, case, timeout=TIMEOUT)
+    outcomes = _outcomes("world2", f"from_world/{case}")
     if case == "bad_ep_on_one":
         assert outcomes[1].startswith("ValueError: ep=3 does not divide the world size 2"), outcomes
         assert "the ranks asked for different sizes or one refused its own" in outcomes[0], outcomes
@@ -584,7 +632,7 @@ def test_load_full_weights_agrees_across_expert_parallel_groups(case, ep):
     """The check compared the expert-parallel group's ranks only (none at ep=1): weights drawn with
     another seed in each group were accepted (outputs 20-44 apart across ranks, a checkpoint of
     them a mix), and a refusal in one group loaded the others."""
-    outcomes = run_distributed(_load_full_check, 4, ep, case, timeout=TIMEOUT)
+    outcomes = _outcomes("world4", f"load_full/{case}/ep={ep}")
     if case == "seed_per_group":
         assert all("the weights differ between ranks of the layer" in got for got in outcomes), outcomes
     else:
@@ -630,6 +678,46 @@ def _refused_with_routing_forced(rank: int, world: int, kind: str) -> list:
 
 @pytest.mark.parametrize("kind", ["vanilla", "semantic_dp", "semantic_tp"])
 def test_refuse_input_drops_routing_forced_for_that_forward(kind):
-    outcomes = run_distributed(_refused_with_routing_forced, 2, kind, timeout=TIMEOUT)
+    outcomes = _outcomes("world2", f"refuse_input/{kind}")
     assert outcomes[1][0] == "ValueError: bad token ids" and outcomes[0][0].startswith("ValueError"), outcomes
     assert all(o[1:] == [True, None] for o in outcomes), outcomes
+
+
+# ------------------------------------------------------------------------------ the groups of checks
+PLACEMENT_CASES = ["bad_entry", "missing_entry", "meta_entry", "float_entry", "already_there"]
+GROUPS: dict[str, tuple[int, list[tuple[str, object, tuple]]]] = {
+    # (megatron's checks apart: that group runs only where megatron-core is installed)
+    "megatron": (2, [(case, _adapter_check, (case,)) for case in ("intermediate_tensors", "training_losses",
+                                                                  "semantic_tp")]),
+    "world2": (2, [
+        *[(f"tiny/{case}/{attention}", _tiny_check, (case, attention)) for case in sorted(TINY_OWN)
+          for attention in ("dp", "tp")],
+        *[(f"forward_tp/{case}", _forward_tp_check, (case,)) for case in ("other_token_tables", "other_forced_routing",
+                                                                           "ids_on_meta", "history_on_meta")],
+        ("dp_ids", _dp_ids_check, ()),
+        *[(f"placement/{case}", _placement_check, (case,)) for case in PLACEMENT_CASES],
+        ("load/every_case", _model_state_checks, ()),
+        ("load/optimizer_holds_other_weights", _model_state_check, ("optimizer_holds_other_weights",)),
+        *[(f"capacity/served_before={served}", _capacity_placement_check, (served,)) for served in (False, True)],
+        *[(f"autograd/{dispatcher}/{how}", _autograd_check, (dispatcher, how)) for dispatcher in ("alltoall", "allgather")
+          for how in ("no_grad", "frozen")],
+        ("frozen_experts", _frozen_experts_check, ()),
+        *[(f"replan/main_grad={main_grad}", _replan_check, (main_grad,)) for main_grad in (False, True)],
+        ("rank0_settings", _rank0_settings_check, ()),
+        *[(f"settings/{case}", _settings_check, (case,)) for case in ("ffn_hidden_size", "norm_topk_prob", "window",
+                                                                       "autocast", "autocast everywhere",
+                                                                       "autocast float64")],
+        *[(f"from_world/{case}", _groups_check, (case,)) for case in ("other_ep", "bad_ep_on_one")],
+        *[(f"refuse_input/{kind}", _refused_with_routing_forced, (kind,)) for kind in ("vanilla", "semantic_dp",
+                                                                                         "semantic_tp")],
+    ]),
+    "world4": (4, [
+        *[(f"placement/{case}", _placement_check, (case,)) for case in PLACEMENT_CASES],
+        ("placement/one_group_there_already", _placement_one_group_there_already, ()),
+        ("placement/mixed_groups", _placement_mixed_groups, ()),
+        ("placement/move_fails_in_one_group", _placement_move_fails_in_one_group, ()),
+        ("load/every_case", _model_state_checks, ()),
+        *[(f"load_full/{case}/ep={ep}", _load_full_check, (ep, case)) for case in ("seed_per_group", "bad_shape_on_2")
+          for ep in (2, 1)],
+    ]),
+}
