@@ -133,8 +133,8 @@ class MoELayerBase(LayerWeights, nn.Module):
             ``beyond_capacity='exact'``. A forward that must read the flags at once still does (a
             refused input, forced routing, an overflow, a capacity-mode forward's new placement).
             With several ranks, their vote on each forward's size tells every rank when one
-            must, and all then raise in that forward. A rank raising alone would leave the others waiting in the next
-            layer's exchange.
+            must, and all then raise in that forward. A rank raising alone would leave the others
+            waiting in the next layer's exchange.
 
             Elsewhere ``'deferred'`` acts as ``True``:
 
