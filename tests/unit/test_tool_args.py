@@ -31,6 +31,7 @@ def test_int_types():
     (["tools/calibrate_trace.py", "--counts", "/no/such/dir"], "is not a directory of routing counts"),
     (["tools/hf_bench.py", "--new", "1"], "--new must be at least 2"),
     (["tools/hf_bench.py", "--smoke", "--prompt", "9", "3"], "MIN must not exceed MAX"),
+    (["tools/host_stages.py", "out.json", "--calls", "0"], "argument --calls: must be an integer >= 1"),
 ])
 def test_tools_refuse_bad_arguments(argv, message):
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -54,3 +55,18 @@ def test_hf_bench_smoke(tmp_path):
                                       "moelayers_graphs_deferred"}
     for name in ("moelayers_skip_padding", "moelayers_deferred", "moelayers_graphs", "moelayers_graphs_deferred"):
         assert record["results"][name]["same_tokens_as_hf"] == 1.0, name
+
+
+def test_host_stages_smoke(tmp_path):
+    """tools/host_stages.py on CPU at a tiny shape: every step of every check_finite mode is timed."""
+    import json
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    argv = ["tools/host_stages.py", str(tmp_path / "stages.json"), "--device", "cpu", "--shape", "small", "--calls", "5"]
+    out = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    record = json.loads((tmp_path / "stages.json").read_text())
+    assert set(record["steps_us"]) == {"check_finite=True", "check_finite=False", "check_finite=deferred"}
+    for steps in record["steps_us"].values():
+        assert {"route", "plan", "flags", "dispatch", "dispatch: dense_pairs", "experts", "combine"} <= set(steps)
+        assert sum(steps[k] for k in ("route", "plan", "flags", "dispatch", "experts", "combine")) < steps["whole call"]
