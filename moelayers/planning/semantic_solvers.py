@@ -578,6 +578,34 @@ def check_settings(settings: dict, *, prefix: str = "") -> None:
             raise ValueError(f"{prefix}{name} must be {what}, got {value!r}")
 
 
+def table_bytes(num_layers: int, vocab_size: int, num_ranks: int, mode: str) -> int:
+    """Bytes of a semantic plan's per-token tables: ``token_rank`` (int64) and ``token_conf`` (float32)
+    ``[L, V]``, plus ``token_logq`` (float16) ``[L, V, R]`` in tp mode. Planning holds more than this
+    (temporaries of the same shapes), so it is a lower bound of what a plan of this vocabulary needs."""
+    return int(num_layers) * int(vocab_size) * (8 + 4 + (2 * int(num_ranks) if mode == "tp" else 0))
+
+
+def _physical_memory() -> int | None:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, ValueError, OSError):  # (no sysconf, e.g. on Windows: not checked)
+        return None
+
+
+def check_vocab_size(trace, ep: int, mode: str, source: str | None = None) -> None:
+    """Refuse a vocabulary whose per-token tables (:func:`table_bytes`) would not fit in this
+    machine's memory, naming ``vocab_size`` (and ``source``): a clear error instead of a
+    ``MemoryError`` from deep inside the planner (token ids are vocabulary ids ``[0, V)``; a trace
+    keyed by hashes or with a huge ``vocab_size`` needs its ids mapped to a dense range first)."""
+    need, have = table_bytes(trace.num_layers, trace.vocab_size, ep, mode), _physical_memory()
+    if have is not None and need > have:
+        where = f"{source}: " if source else ""
+        raise ValueError(f"{where}field 'vocab_size' ({trace.vocab_size}) is too large for the semantic planner: its "
+                         f"per-token tables of {trace.num_layers} layer(s) x {trace.vocab_size} token ids would take "
+                         f"{need / 2 ** 30:.3g} GiB, more than this machine's {have / 2 ** 30:.3g} GiB of memory; map "
+                         f"the token ids to a dense range [0, V) of the ids that occur (and set vocab_size to V)")
+
+
 def _check_args(trace, ep: int, mode: str, **settings) -> None:
     if isinstance(ep, bool) or not isinstance(ep, (int, np.integer)) or ep < 1:
         raise ValueError(f"ep must be a positive int, got {ep!r}")
@@ -585,6 +613,7 @@ def _check_args(trace, ep: int, mode: str, **settings) -> None:
         raise indivisible_experts(trace.num_experts, ep, "ep")
     if mode not in ("tp", "dp"):
         raise ValueError(f"mode must be 'tp' or 'dp', got {mode!r}")
+    check_vocab_size(trace, ep, mode, trace._name())
     seed = settings.pop("seed", 0)
     if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be an int >= 0, got {seed!r}")

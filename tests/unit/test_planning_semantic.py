@@ -1070,3 +1070,23 @@ def test_evaluate_takes_progress_in_either_mode(synth, tp_plan, capsys):
     assert quiet == shown and np.array_equal(tr, tr2) and "held-out token ranks" in capsys.readouterr().err
     dp = plan_semantic(synth[0], 4, "dp", progress=False)
     assert evaluate(dp, held, progress=True)[0] == evaluate(dp, held)[0]
+
+
+@pytest.mark.parametrize("mode", ["tp", "dp"])
+def test_plan_semantic_refuses_a_vocabulary_too_large_for_its_tables(mode):
+    """A legal trace whose vocab_size is far beyond memory for the [L, V] token tables: a ValueError
+    naming vocab_size, not a MemoryError from inside the planner (found by fuzzing, planfuzz25)."""
+    rng = np.random.default_rng(0)
+    ids = np.argsort(rng.random((40, 2, 4)), axis=-1)[..., :2]
+    trace = RoutingTrace(topk_ids=ids, token_ids=rng.integers(0, 10, 40), seq_offsets=np.array([0, 10, 20, 30, 40]),
+                         num_experts=4, vocab_size=2 ** 40)
+    with pytest.raises(ValueError, match="'vocab_size' \\(1099511627776\\) is too large"):
+        plan_semantic(trace, 2, mode, seed=0, progress=False)
+
+    from moelayers.planning.semantic_solvers import check_vocab_size, table_bytes
+
+    assert table_bytes(2, 2 ** 40, 2, mode) >= 2 * 2 ** 40 * 12
+    with pytest.raises(ValueError, match="^trace.npz: field 'vocab_size'"):
+        check_vocab_size(trace, 2, mode, "trace.npz")
+    small = RoutingTrace(topk_ids=ids, token_ids=trace.token_ids, seq_offsets=trace.seq_offsets, num_experts=4)
+    check_vocab_size(small, 2, mode)  # an ordinary vocabulary passes
