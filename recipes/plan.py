@@ -165,10 +165,37 @@ def check_config(d: dict) -> tuple[str, int, str, int, float]:
         predictor = d["planner"].get("predictor", "combined")
         if predictor not in PREDICTORS:  # checked here, not after the solve
             raise ValueError(f"planner.predictor must be one of {list(PREDICTORS)}, got {predictor!r}")
+        ignored = ignored_semantic_settings(d["planner"], mode, bool(path))
+        if ignored:
+            raise ValueError(f"{', '.join(ignored)}: this run would ignore them; drop them")
     int_setting(d.get("seed", 0), "seed", 0)
     if name == "gem":
         gem_settings(d["planner"])
     return name, ep, mode, tps, frac
+
+
+# planner.<key> of planner=semantic that only some runs read (the others are refused when set on the command line)
+TP_ONLY = ("history", "sample", "smoothing", "predictor_sample", "threads", "predictor")  # the tp predictor and its fit
+DP_ONLY = ("max_requests", "dp_schedule")  # the request clustering and the dp evaluation
+SOLVE_ONLY = ("solver", "theta", "history", "sample", "beta", "rho", "slack", "smoothing", "max_requests",
+              "predictor_sample", "threads", "embeddings")  # read by the solve, not by a plan.path run
+
+
+def ignored_semantic_settings(planner: dict, mode: str, from_file: bool) -> list[str]:
+    """The command-line overrides of ``planner=semantic`` settings that this run would not read, each
+    with the reason: a tp-only setting in ``mode=dp`` and the other way round, ``planner.rho`` without
+    ``planner.solver=cem``, and the solver's settings with ``plan.path`` (the file's plan is evaluated)."""
+    why = {key: f"mode={mode}" for key in (TP_ONLY if mode == "dp" else DP_ONLY)}
+    if planner.get("solver", "alternating") != "cem":
+        why.setdefault("rho", "planner.solver is not cem")
+    if from_file:
+        for key in SOLVE_ONLY:
+            why.setdefault(key, "plan.path: the file's plan is evaluated, not solved")
+    out = []
+    for override in overridden([f"planner.{key}" for key in why]):
+        key = override.split("=", 1)[0].lstrip("+~").split(".")[1]  # planner.<key>[.sub]=value
+        out.append(f"{override} ({why[key]})")
+    return out
 
 
 def gem_settings(planner: dict) -> tuple[int, str]:
@@ -245,6 +272,10 @@ def load_embeddings(path: str | None, vocab_size: int) -> np.ndarray | None:
     if emb.ndim != 2 or emb.shape[0] != vocab_size or emb.dtype.kind != "f":
         raise ValueError(f"{path}: planner.embeddings must be a float [V={vocab_size}, D] array, "
                          f"got {emb.dtype} {list(emb.shape)}")
+    bad = np.flatnonzero(~np.isfinite(emb).all(axis=1))
+    if bad.size:
+        raise ValueError(f"{path}: planner.embeddings has NaN/inf values in {bad.size} row(s) (token ids "
+                         f"{bad[:5].tolist()}{' ...' if bad.size > 5 else ''})")
     return emb
 
 
@@ -412,6 +443,10 @@ def run(d: dict) -> dict:
     if trace.num_experts % ep:
         raise ValueError(f"{trace_name(d)}: field 'num_experts' ({trace.num_experts}) must be divisible by "
                          f"parallel.ep ({ep})")
+    if name == "semantic" and not (d.get("plan") or {}).get("path"):  # before the curves, the split and the baselines
+        from moelayers.planning.semantic_solvers import check_vocab_size
+
+        check_vocab_size(trace, ep, mode, trace_name(d))
     curves, variability = load_curves(d, ep)
     try:
         train, held_out = trace.split(frac)

@@ -507,6 +507,11 @@ def test_bad_embeddings_is_a_clear_error(trace_file, tmp_path):
     np.save(emb, np.zeros((499, 8), np.float32))
     expect_failure(trace_file, tmp_path, {}, r"emb\.npy: planner\.embeddings must be a float \[V=500, D\] array",
                    f"planner.embeddings={emb}")
+    nan = np.zeros((500, 8), np.float32)
+    nan[[3, 70]] = np.nan  # (named neither the file nor the setting: planfuzz25)
+    np.save(emb, nan)
+    expect_failure(trace_file, tmp_path, {}, r"emb\.npy: planner\.embeddings has NaN/inf values in 2 row\(s\) "
+                   r"\(token ids \[3, 70\]\)", f"planner.embeddings={emb}")
 
 
 def test_config_errors(trace_file, tmp_path):
@@ -551,6 +556,35 @@ def test_bad_semantic_settings_fail_before_planning(trace_file, tmp_path, monkey
 
     monkeypatch.setattr(recipe, "load_plan_trace", lambda d: pytest.fail("the trace was read"))
     expect_failure(trace_file, tmp_path, {}, match, override)
+
+
+@pytest.mark.parametrize("overrides, refused", [
+    (["mode=dp", "planner.predictor=alg3"], r"planner\.predictor=alg3 \(mode=dp\)"),
+    (["mode=dp", "planner.history=4", "planner.smoothing=1"],
+     r"planner\.history=4 \(mode=dp\), planner\.smoothing=1 \(mode=dp\)"),
+    (["mode=tp", "planner.dp_schedule=joint"], r"planner\.dp_schedule=joint \(mode=tp\)"),
+    (["planner.rho=0.3"], r"planner\.rho=0\.3 \(planner\.solver is not cem\)"),
+    (["plan.path=plan.npz", "planner.theta=0.2"], r"planner\.theta=0\.2 \(plan\.path: the file's plan is evaluated"),
+    (["mode=tp", "planner.solver=cem", "planner.rho=0.3", "planner.history=4"], None),
+    (["mode=dp", "plan.path=plan.npz", "planner.dp_schedule=joint"], None),
+])
+def test_semantic_settings_the_run_would_ignore_are_refused(trace_file, tmp_path, monkeypatch, overrides, refused):
+    """A semantic setting this run does not read (tp-only in dp mode and the other way round, rho
+    without the cem solver, the solver's settings with plan.path) was ignored silently (planfuzz25);
+    it is refused, before the trace is read, naming each override and why."""
+    import recipes._common as common
+    import recipes.plan as recipe
+
+    monkeypatch.setattr(common, "invocation", lambda: {"argv": [], "overrides": overrides})  # as Hydra's command line
+    monkeypatch.setattr(recipe, "load_plan_trace", lambda d: pytest.fail("the trace was read"))
+    d = config(tmp_path / "run", trace_file, "planner=semantic", "parallel.ep=4", *overrides)
+    if refused is None:
+        mode = d["mode"]
+        assert recipe.ignored_semantic_settings(d["planner"], mode, bool((d.get("plan") or {}).get("path"))) == []
+        return
+    with pytest.raises(ValueError, match=refused + ".*this run would ignore them"):
+        recipe.run(d)
+    assert not (tmp_path / "run" / "report.json").exists()
 
 
 @pytest.mark.parametrize("override, match", [
