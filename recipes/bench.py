@@ -346,6 +346,10 @@ def check_config(d: dict) -> None:
     for key in ("profile_iters", "profile_rows"):
         if key in b:
             int_setting(b[key], f"bench.{key}", 1)
+    if not b.get("profile"):
+        unused = overridden([f"bench.{k}" for k in ("profile_tokens", "profile_iters", "profile_rows")])
+        if unused:
+            raise ValueError(f"{', '.join(unused)} is read with bench.profile=true only: add it, or drop it")
     layer_kwargs = (d.get("layer") or {}).get("kwargs") or {}
     if b.get("train") and b.get("cuda_graph"):
         raise ValueError("bench.train=true times forward + backward, which the CUDA-graph forward does not "
@@ -397,6 +401,10 @@ def check_config(d: dict) -> None:
                 raise ValueError("trace.num_sequences sizes the synthetic trace: it has no meaning with trace.path")
             int_setting(tc["num_sequences"], "trace.num_sequences", 1)
         if tc.get("path"):
+            unused = overridden(["trace.seq_len", "trace.vocab_size"])
+            if unused:
+                raise ValueError(f"{', '.join(unused)} sizes the synthetic trace; with trace.path the file's "
+                                 "sequences are replayed as they are: drop it")
             check_input_file(tc["path"], "trace.path", "a routing trace file")
             _check_trace_fits(tc, d["bench"]["shape"])
 
@@ -427,6 +435,10 @@ def _check_plan_settings(d: dict, world: int | None) -> None:
     path = layer.get("plan_path")
     if not path:
         return
+    if layer.get("plan_train_fraction") is not None:
+        raise ValueError(f"layer.plan_train_fraction={layer['plan_train_fraction']} splits the trace for a plan made "
+                         f"by the run; with layer.plan_path={path} the plan file is used as it is (the sequences it "
+                         "was trained on are left out by content): drop it")
     check_input_file(path, "layer.plan_path", "a semantic plan")
     from moelayers.planning.semantic import SemanticPlan
 
@@ -918,6 +930,11 @@ def main(cfg: DictConfig) -> None:
         raise ValueError("bench.cuda_graph=true needs CUDA (parallel=gpu)")
     if backend != "nccl" and peer_mode(b.get("peer", "auto")) == "required":
         raise ValueError("bench.peer=true but megatron-core's MoELayer needs CUDA (parallel=gpu): no peer on CPU")
+    if backend != "nccl" or peer_mode(b.get("peer", "auto")) == "off":
+        unused = overridden(["bench.check.tol", "bench.check.strict"])
+        if unused:  # (the dense-reference check has check_close's tolerance and always stops the run)
+            raise ValueError(f"{', '.join(unused)} is read by the check of ours against megatron-core's MoELayer "
+                             f"(the peer), and this run has no peer ({'no CUDA' if backend != 'nccl' else 'bench.peer=false'}): drop it")
     command = command_line()
     started = datetime.datetime.now().timestamp()
     records = launch(d, bench_worker)

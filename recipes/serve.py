@@ -779,6 +779,7 @@ def check_config(d: dict) -> None:
     from moelayers.emulation import VariabilitySettings
 
     get_scheduler(d["scheduler"])
+    check_scheduler_keys(d)
     compare = d.get("compare") or {}
     if not compare.get("layer"):  # the comparison's settings without a comparison
         unused = overridden([f"compare.{k}" for k in compare if k != "layer"])
@@ -804,6 +805,14 @@ def check_config(d: dict) -> None:
         plan_path = semantic_plan_path(d)
         if plan_path:
             check_input_file(plan_path, _plan_path_key(d), "a semantic plan (recipes/plan.py's plan file)")
+            sched = d["scheduler"] if isinstance(d["scheduler"], dict) else {}
+            unused = overridden(["layer.plan_train_fraction"]) + (
+                [f"scheduler.plan_train_fraction={sched['plan_train_fraction']}"]
+                if sched.get("plan_train_fraction") is not None else [])
+            if unused and "_side" not in d:
+                raise ValueError(f"{', '.join(unused)} splits the replay trace for a plan made by the run; with "
+                                 f"{_plan_path_key(d)}={plan_path} the plan file is served as it is (it records the "
+                                 f"sequences it was trained on): drop it")
         if not plan_path and d["router"]["name"] != "replay":
             raise ValueError("layer=semantic / scheduler=semantic need a plan: layer.plan_path=FILE, "
                              "scheduler={name:semantic,plan_path:FILE}, or router=replay (planned on the trace)")
@@ -812,7 +821,9 @@ def check_config(d: dict) -> None:
     if (d["layer"].get("kwargs") or {}).get("mode") == "tp":
         raise ValueError("serve.py runs attention data-parallel: use the layer's mode=dp (layer.kwargs.mode=dp)")
     check_curves_file(d)
-    VariabilitySettings.from_config(d).layer_config(d["layer"], ep)  # its keys; a second slowdown of the layer
+    var = VariabilitySettings.from_config(d)
+    var.layer_config(d["layer"], ep)  # its keys; a second slowdown of the layer
+    check_emulation_read(d, var, ep)
     router = d["router"]["name"]
     if router not in ("learned", "replay"):
         raise ValueError(f"router must be learned or replay, got {router!r}")
@@ -824,7 +835,7 @@ def check_config(d: dict) -> None:
     trace = None
     if router != "replay":
         unused = [f"trace.{key}={d['trace'][key]}" for key in ("path", "request_offset") if d["trace"].get(key)]
-        unused += overridden(["trace.num_sequences", "trace.seq_len", "workload.prompt_fraction"])
+        unused += overridden(["trace.num_sequences", "trace.seq_len", "trace.synthetic", "workload.prompt_fraction"])
         if unused:
             raise ValueError(f"{', '.join(unused)} is read with router=replay only (router={router} routes with "
                              f"the model's own router and draws the requests from workload.prompt_len / "
@@ -874,6 +885,55 @@ def check_config(d: dict) -> None:
     check_placement_file(d, experts, ep, trace)
     check_capacity(d, trace)
     check_model_and_layer(d)  # last: the checks above name their keys more precisely
+
+
+def check_scheduler_keys(d: dict) -> None:
+    """A dict ``scheduler`` of a built-in scheduler: keys it reads only (a ``module:function``
+    scheduler gets the whole config and may read any), and the plan keys only where a semantic plan
+    is read (``scheduler=semantic`` or a plan-built layer)."""
+    from recipes._serve_workload import SCHEDULERS
+
+    sched = d["scheduler"]
+    if "_side" in d or not isinstance(sched, dict) or scheduler_name(sched) not in SCHEDULERS:
+        return
+    plan_keys = ("plan_path", "plan_train_fraction")
+    unknown = sorted(set(sched) - {"name", *plan_keys})
+    if unknown:
+        raise ValueError(f"scheduler.{unknown[0]}={sched[unknown[0]]}: scheduler={scheduler_name(sched)} reads no key "
+                         f"{unknown[0]} (its dict form takes name, plan_path, plan_train_fraction), so the run would "
+                         "ignore it: drop it")
+    unused = [f"scheduler.{k}={sched[k]}" for k in plan_keys if sched.get(k) is not None]
+    if unused and not (scheduler_name(sched) == "semantic" or uses_plan(d["layer"])):
+        raise ValueError(f"{', '.join(unused)}: a semantic plan is read with layer=semantic or scheduler=semantic "
+                         f"only, and this run has layer={d['layer'].get('name')}, scheduler={scheduler_name(sched)}: "
+                         "choose one of them, or drop it")
+
+
+def check_emulation_read(d: dict, var, ep: int) -> None:
+    """Refuse emulation / variability settings that nothing of this run reads: ``emulation.wait``
+    where no rank is slowed down (``emulation.mode=off``, or measured mode with a preset that slows
+    no rank), and, for a layer that takes no ``variability`` (e.g. vanilla) and no comparison,
+    a ``variability`` preset with ``emulation.mode=off`` or a curves file outside curve mode."""
+    import inspect
+
+    if "_side" in d or (d.get("compare") or {}).get("layer"):  # (the baseline's layer may read them)
+        return
+    unused = overridden(["emulation.wait"]) if not var.slows(ep) else []
+    try:  # (a class taking **kwargs may read it)
+        params = inspect.signature(import_object(d["layer"]["cls"], "layer.cls")).parameters
+        takes = "variability" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    except (TypeError, ValueError):
+        takes = True
+    if not takes:
+        if var.mode == "off":
+            unused += [o for o in overridden(["variability"]) if o.split("=", 1)[0].lstrip("+~") == "variability"]
+        if var.mode != "curve":
+            unused += overridden(["curves.path", "variability.curves"])
+    if unused:
+        raise ValueError(f"{', '.join(unused)}: nothing in this run reads it (layer={d['layer'].get('name')}, "
+                         f"variability={var.name}, emulation.mode={var.mode}: no rank's expert time is emulated from "
+                         f"it, and the layer plans with no latency curves): set emulation.mode=curve (or a "
+                         f"variability that slows a rank), use layer=variability, or drop it")
 
 
 def check_model_and_layer(d: dict) -> None:

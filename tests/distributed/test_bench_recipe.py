@@ -907,3 +907,27 @@ def test_the_first_size_timed_warms_up_longer():
     [(sizes, seen)] = run_distributed(_warmups_per_size, 1, d, timeout=120)
     assert sizes == [16, 8]
     assert seen == [d["bench"]["warmup"] + FIRST_SIZE_WARMUP, d["bench"]["warmup"]], seen
+
+
+@pytest.mark.timeout(120)
+def test_settings_a_fuzzer_found_ignored_are_refused(tmp_path):
+    """Found by a fuzzer of the command line: each ran to the end with the setting read nowhere:
+    bench.profile_* without bench.profile; trace.seq_len / trace.vocab_size beside trace.path;
+    layer.plan_train_fraction beside layer.plan_path; bench.check.tol / strict without a peer."""
+    from moelayers.trace import synthetic_trace, save_trace
+    from tests.distributed.test_semantic import make_plan
+
+    trace = tmp_path / "trace.npz"
+    save_trace(synthetic_trace(32, 1, 8, 2, 256, seq_len=(16, 32), seed=0), trace)
+    plan = tmp_path / "plan.npz"
+    make_plan(8, 2, vocab=256, mode="dp").save(plan)
+    for overrides, match in (
+            (("bench.profile_rows=3",), r"bench.profile_rows=3 is read with bench.profile=true only"),
+            (("router=replay", f"trace.path={trace}", "trace.seq_len=[4,8]"),
+             r"trace.seq_len=\[4,8\] sizes the synthetic trace; with trace.path"),
+            (("layer=semantic", "router=replay", f"layer.plan_path={plan}", "layer.plan_train_fraction=0.25"),
+             r"layer.plan_train_fraction=0.25 splits the trace for a plan made by the run"),
+            (("bench.check.tol=1e-30",), r"bench.check.tol=1e-30 is read by the check of ours against megatron")):
+        proc = run_bench(tmp_path, "bench.tokens_per_rank=[16]", *overrides)
+        assert proc.returncode != 0 and re.search(match, proc.stdout + proc.stderr), \
+            (overrides, (proc.stdout + proc.stderr)[-2000:])

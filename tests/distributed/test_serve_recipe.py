@@ -1010,3 +1010,34 @@ def test_layer_kwargs_take_a_replica_policy_or_planner_by_import_path():
     d = _config("layer=variability", "+layer.kwargs.planner=moelayers.planning.eplb:plan_eplb")
     model = serve.build_model(d["model"], d["layer"], groups, torch.device("cpu"), 0)
     assert model.moe_layers and all(callable(m.planner) for m in model.moe_layers)
+
+
+@pytest.mark.timeout(120)
+def test_settings_a_fuzzer_found_ignored_are_refused(tmp_path):
+    """Found by a fuzzer of the command line: each ran to the end with the setting read nowhere:
+    trace.synthetic under router=learned; layer.plan_train_fraction beside a plan file (the file is
+    served as it is); emulation.wait where no rank is slowed; a variability preset with
+    emulation.mode=off, and a curves file outside curve mode, for a layer that takes no curves; a
+    scheduler dict's plan_path with round_robin and a vanilla layer (recorded in provenance.inputs
+    as if served), and a key of the scheduler dict that no scheduler reads."""
+    from tests.distributed.test_semantic import make_plan
+
+    plan = tmp_path / "plan.npz"
+    make_plan(8, 2, vocab=512, mode="dp").save(plan)
+    curves = tmp_path / "curves.npz"
+    from moelayers.planning.gem import LatencyCurves
+
+    LatencyCurves(np.array([1, 64, 2048]), np.array([[1e-5, 2e-5, 3e-4], [1e-5, 2e-5, 3e-4]])).save(curves)
+    for overrides, match in (
+            (("trace.synthetic=false",), r"trace.synthetic=false is read with router=replay only"),
+            (("layer=semantic", "scheduler=semantic", f"layer.plan_path={plan}", "layer.plan_train_fraction=0.25"),
+             r"layer.plan_train_fraction=0.25 splits the replay trace for a plan made by the run"),
+            (("emulation.wait=spin",), r"emulation.wait=spin: nothing in this run reads it"),
+            (("variability=high", "emulation.mode=off"), r"variability=high: nothing in this run reads it"),
+            ((f"curves.path={curves}",), r"curves.path=.*: nothing in this run reads it"),
+            ((f"scheduler={{name:round_robin,plan_path:{plan}}}",),
+             r"scheduler.plan_path=.*: a semantic plan is read with layer=semantic or scheduler=semantic only"),
+            ((f"scheduler={{name:semantic,plan_path:{plan},foo:1}}",), r"scheduler.foo=1: scheduler=semantic reads no key foo")):
+        proc = _run_serve(tmp_path / "run", "progress=false", *overrides)
+        assert proc.returncode != 0 and re.search(match, proc.stderr), (overrides, proc.stderr[-2000:])
+        assert "rank 0" not in proc.stderr  # refused before any rank started
