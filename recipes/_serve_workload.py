@@ -6,6 +6,7 @@ same seed and runs the same scheduler, then keeps the requests it is given."""
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -217,6 +218,13 @@ def get_scheduler(name):
         if not callable(fn):
             raise ValueError(f"scheduler={name!r} is a {type(fn).__name__}, not a function (requests, world_size, "
                              "cfg) -> rank per request")
+        try:
+            inspect.signature(fn).bind(None, None, None)
+        except TypeError as exc:  # (in every rank, the call's own TypeError named no setting)
+            raise ValueError(f"scheduler={name!r} cannot be called as (requests, world_size, cfg) -> rank per "
+                             f"request: {exc}") from None
+        except ValueError:  # no signature to read (some builtins): the call will tell
+            pass
         return fn
     raise ValueError(f"unknown scheduler {name!r}: one of {sorted(SCHEDULERS)} or 'module:function'")
 

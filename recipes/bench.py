@@ -822,16 +822,18 @@ def expert_params(shape: dict) -> int:
 
 
 def check_shape_fits(b: dict, device: torch.device) -> None:
-    """Refuse a large shape without CUDA (it would take minutes per forward and gigabytes per rank)."""
-    limit = int(b.get("max_cpu_expert_params", 50_000_000))
+    """Refuse a large shape without CUDA (it would take minutes per forward and gigabytes per rank):
+    more expert parameters than ``bench.max_cpu_expert_params``, unless ``bench.allow_large_cpu``."""
+    limit = int_setting(b.get("max_cpu_expert_params", 50_000_000), "bench.max_cpu_expert_params", 0)
     n = expert_params(b["shape"])
     if device.type != "cuda" and n > limit and not b.get("allow_large_cpu", False):
+        way_out = (f"Run the CPU smoke shape instead:\n    python recipes/bench.py bench=cpu_smoke\nor on GPUs: "
+                   f"torchrun --standalone --nproc_per_node=N recipes/bench.py bench={b['name']} "
+                   if b["name"] != "cpu_smoke" else "Raise bench.max_cpu_expert_params ")
         raise SystemExit(
-            f"bench={b['name']} has {n / 1e6:.0f}M expert parameters and there is no CUDA device here "
-            f"(a large shape on CPU is not a useful benchmark). Run the CPU smoke shape instead:\n"
-            f"    python recipes/bench.py bench=cpu_smoke\n"
-            f"or on GPUs: torchrun --standalone --nproc_per_node=N recipes/bench.py bench={b['name']} "
-            f"(bench.allow_large_cpu=true forces it)")
+            f"bench={b['name']} has {n / 1e6:.3g}M expert parameters, more than bench.max_cpu_expert_params="
+            f"{limit} allows without a CUDA device (a large shape on CPU is not a useful benchmark). "
+            f"{way_out}(bench.allow_large_cpu=true forces it)")
 
 
 def device_name(device: torch.device) -> str:

@@ -945,6 +945,9 @@ def check_model_and_layer(d: dict) -> None:
     from moelayers.models import TinyConfig
 
     m = d["model"]
+    for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size", "num_experts", "top_k"):
+        if key in m:  # (named here: int() below would say only "invalid literal")
+            int_setting(m[key], f"model.{key}", 1)
     try:
         moe_cfg = moe_config(m)
         TinyConfig(vocab_size=int(m["vocab_size"]), hidden_size=int(m["hidden_size"]), num_layers=int(m["num_layers"]),

@@ -131,8 +131,24 @@ def test_bench_refuses_large_shape_on_cpu(tmp_path):
     proc = run_bench(tmp_path, shape="qwen3_30b_a3b")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "no CUDA device" in out and "bench=cpu_smoke" in out
+    assert "without a CUDA device" in out and "bench=cpu_smoke" in out
     assert not list((tmp_path / "run").glob("*.json"))
+
+
+def test_the_cpu_size_limit_is_named():
+    """bench.max_cpu_expert_params: a bad value named no key ("invalid literal for int()"), and a
+    limit below the smoke shape told to run the smoke shape (found by a fuzzer of the command line)."""
+    import torch
+    from recipes.bench import check_shape_fits
+
+    smoke = {"name": "cpu_smoke", "shape": {"num_experts": 8, "hidden_size": 64, "ffn_hidden_size": 32}}
+    with pytest.raises(ValueError, match=r"bench\.max_cpu_expert_params must be an integer >= 0, got 'abc'"):
+        check_shape_fits({**smoke, "max_cpu_expert_params": "abc"}, torch.device("cpu"))
+    with pytest.raises(SystemExit, match=r"more than bench\.max_cpu_expert_params=10 allows .* Raise "
+                                         r"bench\.max_cpu_expert_params \(bench\.allow_large_cpu=true forces it\)"):
+        check_shape_fits({**smoke, "max_cpu_expert_params": 10}, torch.device("cpu"))
+    check_shape_fits({**smoke, "max_cpu_expert_params": 10, "allow_large_cpu": True}, torch.device("cpu"))
+    check_shape_fits(smoke, torch.device("cpu"))
 
 
 @pytest.mark.timeout(120)

@@ -258,6 +258,9 @@ def test_serve_bad_input_writes_nothing_in_the_run_dir(tmp_path):
     # the scheduler planned over 4 ranks, the layers over 2: LAR below round robin's, silently
     (("parallel.world_size=4", "parallel.ep=2", "layer=semantic", "scheduler=semantic", "router=replay"),
      r"scheduler=semantic .* parallel\.ep must be null or the world size \(4\), got 2"),
+    # (a fuzzer of the command line: "invalid literal for int()" named no key; os.getcwd failed in every rank)
+    (("model.hidden_size=abc",), r"model\.hidden_size must be an integer >= 1, got 'abc'"),
+    (("scheduler=os:getcwd",), r"scheduler='os:getcwd' cannot be called as \(requests, world_size, cfg\)"),
 ])
 def test_serve_config_mistakes_are_named_before_the_ranks_start(overrides, match):
     """These used to pass check_config and fail inside every spawned rank (or not at all)."""
