@@ -936,7 +936,7 @@ def main(cfg: DictConfig) -> None:
         unused = overridden(["bench.check.tol", "bench.check.strict"])
         if unused:  # (the dense-reference check has check_close's tolerance and always stops the run)
             raise ValueError(f"{', '.join(unused)} is read by the check of ours against megatron-core's MoELayer "
-                             f"(the peer), and this run has no peer ({'no CUDA' if backend != 'nccl' else 'bench.peer=false'}): drop it")
+                             f"(the peer), and this run has no peer ({'not parallel=gpu' if backend != 'nccl' else 'bench.peer=false'}): drop it")
     command = command_line()
     started = datetime.datetime.now().timestamp()
     records = launch(d, bench_worker)

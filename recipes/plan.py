@@ -112,7 +112,8 @@ from omegaconf import DictConfig  # noqa: E402
 from moelayers.planning.semantic_eval import PREDICTORS  # noqa: E402
 from moelayers.planning.steps import MIN_STEPS  # noqa: E402
 from recipes._common import (  # noqa: E402
-    absolute_path, config_trace, flag, int_setting, invocation, merge_curves_path, normalize_flags, overridden, print_table, provenance,
+    absolute_path, config_trace, flag, in_sweep, int_setting, invocation, merge_curves_path, normalize_flags, overridden, print_table,
+    provenance,
     refuse_empty_paths, refuse_unread_overrides, require_keys, to_dict,
 )
 from recipes._outputs import claim_run_dir, commit_files, run_recipe, warn, write_json  # noqa: E402
@@ -167,7 +168,8 @@ def check_config(d: dict) -> tuple[str, int, str, int, float]:
             raise ValueError(f"planner.predictor must be one of {list(PREDICTORS)}, got {predictor!r}")
         ignored = ignored_semantic_settings(d["planner"], mode, bool(path))
         if ignored:
-            raise ValueError(f"{', '.join(ignored)}: this run would ignore them; drop them")
+            raise ValueError(f"{', '.join(ignored)}: this run would ignore them; drop them (++KEY=VALUE passes in a -m "
+                             "sweep over the setting in brackets, whose other jobs read it)")
     int_setting(d.get("seed", 0), "seed", 0)
     if name == "gem":
         gem_settings(d["planner"])
@@ -184,16 +186,28 @@ SOLVE_ONLY = ("solver", "theta", "history", "sample", "beta", "rho", "slack", "s
 def ignored_semantic_settings(planner: dict, mode: str, from_file: bool) -> list[str]:
     """The command-line overrides of ``planner=semantic`` settings that this run would not read, each
     with the reason: a tp-only setting in ``mode=dp`` and the other way round, ``planner.rho`` without
-    ``planner.solver=cem``, and the solver's settings with ``plan.path`` (the file's plan is evaluated)."""
-    why = {key: f"mode={mode}" for key in (TP_ONLY if mode == "dp" else DP_ONLY)}
+    ``planner.solver=cem``, and the solver's settings with ``plan.path`` (the file's plan is evaluated).
+    A ``++KEY`` passes in a ``-m`` sweep over each setting that makes this job ignore it (``-m
+    mode=tp,dp ++planner.history=4``: the tp job reads it), as ``++KEY`` of another option does."""
+    why: dict[str, str] = {}
+    deciders: dict[str, set[str]] = {}
+
+    def ignored(key: str, reason: str, decider: str) -> None:
+        why.setdefault(key, reason)
+        deciders.setdefault(key, set()).add(decider)
+
+    for key in (TP_ONLY if mode == "dp" else DP_ONLY):
+        ignored(key, f"mode={mode}", "mode")
     if planner.get("solver", "alternating") != "cem":
-        why.setdefault("rho", "planner.solver is not cem")
+        ignored("rho", "planner.solver is not cem", "planner.solver")
     if from_file:
         for key in SOLVE_ONLY:
-            why.setdefault(key, "plan.path: the file's plan is evaluated, not solved")
+            ignored(key, "plan.path: the file's plan is evaluated, not solved", "plan.path")
     out = []
     for override in overridden([f"planner.{key}" for key in why]):
         key = override.split("=", 1)[0].lstrip("+~").split(".")[1]  # planner.<key>[.sub]=value
+        if override.startswith("++") and all(in_sweep(k) for k in deciders[key]):
+            continue  # (another job of the sweep reads it)
         out.append(f"{override} ({why[key]})")
     return out
 
@@ -275,7 +289,8 @@ def load_embeddings(path: str | None, vocab_size: int) -> np.ndarray | None:
     bad = np.flatnonzero(~np.isfinite(emb).all(axis=1))
     if bad.size:
         raise ValueError(f"{path}: planner.embeddings has NaN/inf values in {bad.size} row(s) (token ids "
-                         f"{bad[:5].tolist()}{' ...' if bad.size > 5 else ''})")
+                         f"{bad[:5].tolist()}{' ...' if bad.size > 5 else ''}): give those rows finite values, or drop "
+                         "planner.embeddings (unseen tokens then lean on the layer's overall distribution)")
     return emb
 
 

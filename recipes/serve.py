@@ -903,7 +903,12 @@ def check_scheduler_keys(d: dict) -> None:
                          f"{unknown[0]} (its dict form takes name, plan_path, plan_train_fraction), so the run would "
                          "ignore it: drop it")
     unused = [f"scheduler.{k}={sched[k]}" for k in plan_keys if sched.get(k) is not None]
-    if unused and not (scheduler_name(sched) == "semantic" or uses_plan(d["layer"])):
+    compare = d.get("compare") or {}
+    # a comparison's baseline reads them too: a semantic compare.scheduler takes ours' plan (pin_semantic_plan),
+    # and without compare.scheduler the baseline serves with this dict (a plan-built compare.layer reads it)
+    baseline_reads = bool(compare.get("layer")) and (compare.get("scheduler") is None
+                                                     or scheduler_name(compare["scheduler"]) == "semantic")
+    if unused and not (scheduler_name(sched) == "semantic" or uses_plan(d["layer"]) or baseline_reads):
         raise ValueError(f"{', '.join(unused)}: a semantic plan is read with layer=semantic or scheduler=semantic "
                          f"only, and this run has layer={d['layer'].get('name')}, scheduler={scheduler_name(sched)}: "
                          "choose one of them, or drop it")
@@ -913,12 +918,20 @@ def check_emulation_read(d: dict, var, ep: int) -> None:
     """Refuse emulation / variability settings that nothing of this run reads: ``emulation.wait``
     where no rank is slowed down (``emulation.mode=off``, or measured mode with a preset that slows
     no rank), and, for a layer that takes no ``variability`` (e.g. vanilla) and no comparison,
-    a ``variability`` preset with ``emulation.mode=off`` or a curves file outside curve mode."""
+    a ``variability`` preset with ``emulation.mode=off`` or a curves file outside curve mode. Each
+    is named with its own reason; a ``++KEY`` (or a ``variability`` option) passes in a ``-m`` sweep
+    over a setting that decides whether it is read (``-m layer=vanilla,variability ++curves.path=F``:
+    the variability job reads it)."""
     import inspect
 
     if "_side" in d or (d.get("compare") or {}).get("layer"):  # (the baseline's layer may read them)
         return
-    unused = overridden(["emulation.wait"]) if not var.slows(ep) else []
+    layer = d["layer"].get("name")
+    found = []  # (override, why nothing reads it, what to do, the settings that decide it)
+    if not var.slows(ep):
+        found += [(o, f"it picks how a slowed rank waits, and variability={var.name} with emulation.mode={var.mode} "
+                      f"slows no rank", "set emulation.mode=curve or a variability that slows a rank (e.g. high), "
+                      "or drop it", ("variability", "emulation.mode")) for o in overridden(["emulation.wait"])]
     try:  # (a class taking **kwargs may read it)
         params = inspect.signature(import_object(d["layer"]["cls"], "layer.cls")).parameters
         takes = "variability" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
@@ -926,14 +939,18 @@ def check_emulation_read(d: dict, var, ep: int) -> None:
         takes = True
     if not takes:
         if var.mode == "off":
-            unused += [o for o in overridden(["variability"]) if o.split("=", 1)[0].lstrip("+~") == "variability"]
+            found += [(o, f"layer={layer} takes no variability, and emulation.mode=off slows no rank with it",
+                       "set emulation.mode=measured or curve, use layer=variability, or drop it", ("layer", "emulation.mode"))
+                      for o in overridden(["variability"]) if o.split("=", 1)[0].lstrip("+~") == "variability"]
         if var.mode != "curve":
-            unused += overridden(["curves.path", "variability.curves"])
-    if unused:
-        raise ValueError(f"{', '.join(unused)}: nothing in this run reads it (layer={d['layer'].get('name')}, "
-                         f"variability={var.name}, emulation.mode={var.mode}: no rank's expert time is emulated from "
-                         f"it, and the layer plans with no latency curves): set emulation.mode=curve (or a "
-                         f"variability that slows a rank), use layer=variability, or drop it")
+            found += [(o, f"layer={layer} plans with no latency curves, and emulation.mode={var.mode} does not read "
+                          "them", "set emulation.mode=curve, use layer=variability, or drop it", ("layer", "emulation.mode"))
+                      for o in overridden(["curves.path", "variability.curves"])]
+    # (in a sweep over what decides it another job reads it: ++KEY, or a variability option, which takes no ++)
+    found = [f for f in found if not ((f[0].startswith("++") or f[0].split("=", 1)[0] == "variability")
+                                      and any(in_sweep(k) for k in f[3]))]
+    if found:
+        raise ValueError("; ".join(f"{o}: nothing in this run reads it ({why}): {todo}" for o, why, todo, _ in found))
 
 
 def check_model_and_layer(d: dict) -> None:

@@ -639,3 +639,30 @@ def test_synthetic_trace_settings_are_not_truncated_or_replaced(override, match)
         load_plan_trace({"trace": {**tc, **override}, "seed": 0})
     tc["num_sequences"] = np.int64(3)  # a numpy integer is an integer
     assert load_plan_trace({"trace": tc, "seed": 0}).num_sequences == 3
+
+
+@pytest.mark.parametrize("overrides, swept, refused", [
+    (["mode=dp", "++planner.history=4"], {"mode"}, None),  # -m mode=tp,dp: the tp job reads it
+    (["mode=tp", "++planner.dp_schedule=joint"], {"mode"}, None),
+    (["++planner.rho=0.3"], {"planner.solver"}, None),  # -m planner.solver=alternating,cem
+    (["mode=dp", "++planner.history=4"], {"seed"}, r"\+\+planner\.history=4 \(mode=dp\)"),  # no job reads it
+    (["mode=dp", "planner.history=4"], {"mode"}, r"planner\.history=4 \(mode=dp\)"),  # ++ marks a sweep's key
+    (["++planner.rho=0.3"], {"mode"}, r"planner\.rho=0\.3 \(planner\.solver is not cem\)"),  # every job ignores it
+])
+def test_a_sweep_over_what_decides_a_semantic_setting_lets_plus_plus_through(trace_file, tmp_path, monkeypatch,
+                                                                           overrides, swept, refused):
+    """A review found `plan.py -m mode=tp,dp ++planner.history=4` refused on its dp job (README: ++KEY
+    passes in a -m sweep whose other jobs read it); a key no job of the sweep reads is still refused."""
+    import re
+
+    import recipes._common as common
+    import recipes.plan as recipe
+
+    monkeypatch.setattr(common, "invocation", lambda: {"argv": [], "overrides": overrides})
+    monkeypatch.setattr(recipe, "in_sweep", lambda key: key in swept, raising=False)
+    d = config(tmp_path / "run", trace_file, "planner=semantic", "parallel.ep=4", *overrides)
+    ignored = recipe.ignored_semantic_settings(d["planner"], d["mode"], False)
+    if refused is None:
+        assert ignored == []
+    else:
+        assert len(ignored) == 1 and re.search(refused, ignored[0]), ignored

@@ -1044,3 +1044,61 @@ def test_settings_a_fuzzer_found_ignored_are_refused(tmp_path):
         proc = _run_serve(tmp_path / "run", "progress=false", *overrides)
         assert proc.returncode != 0 and re.search(match, proc.stderr), (overrides, proc.stderr[-2000:])
         assert "rank 0" not in proc.stderr  # refused before any rank started
+
+
+@pytest.mark.parametrize("overrides, swept, refused", [
+    (("layer=vanilla", "++curves.path=/c.npz"), {"layer"}, None),  # -m layer=vanilla,variability: GEM reads it
+    (("variability=none", "++emulation.wait=sleep"), {"variability"}, None),  # -m variability=none,high
+    (("emulation.mode=off", "variability=high", "++emulation.wait=sleep"), {"emulation.mode"}, None),
+    (("layer=vanilla", "variability=high", "emulation.mode=off"), {"layer"}, None),  # (an option takes no ++)
+    (("layer=vanilla", "variability=high", "emulation.mode=off"), {"seed"}, r"variability=high: nothing in this run"),
+    (("layer=vanilla", "++curves.path=/c.npz"), {"seed"}, r"\+\+curves\.path=/c\.npz: nothing in this run reads it"),
+    (("layer=vanilla", "curves.path=/c.npz"), {"layer"}, r"curves\.path=/c\.npz: nothing in this run reads it"),
+])
+def test_a_sweep_over_what_decides_an_emulation_setting_lets_plus_plus_through(monkeypatch, overrides, swept, refused):
+    """A review found `serve.py -m layer=vanilla,variability ++curves.path=F` refused on its vanilla job,
+    and `-m variability=none,high ++emulation.wait=sleep` on its none job (README: ++KEY passes in a
+    -m sweep whose other jobs read it)."""
+    import recipes._common as common
+    import recipes.serve as serve
+    from moelayers.emulation import VariabilitySettings
+
+    monkeypatch.setattr(common, "invocation", lambda: {"argv": [], "overrides": list(overrides)})
+    monkeypatch.setattr(serve, "in_sweep", lambda key: key in swept)
+    d = _config(*overrides)
+    if common.merge_curves_path(d) and not isinstance(d.get("variability"), dict):  # (as main does)
+        d["variability"] = {"name": d.get("variability") or "none", "curves": dict(d["curves"])}
+    var = VariabilitySettings.from_config(d)
+    if refused is None:
+        serve.check_emulation_read(d, var, 2)
+    else:
+        with pytest.raises(ValueError, match=refused):
+            serve.check_emulation_read(d, var, 2)
+
+
+def test_emulation_refusals_give_each_setting_its_own_reason(monkeypatch):
+    """emulation.wait with layer=variability was told to `use layer=variability` (chosen already)
+    because 'the layer plans with no latency curves' (GEM plans with the preset's)."""
+    import recipes._common as common
+    import recipes.serve as serve
+    from moelayers.emulation import VariabilitySettings
+
+    overrides = ("layer=variability", "emulation.wait=spin")
+    monkeypatch.setattr(common, "invocation", lambda: {"argv": [], "overrides": list(overrides)})
+    d = _config(*overrides)
+    with pytest.raises(ValueError, match=r"emulation\.wait=spin: nothing in this run reads it") as err:
+        serve.check_emulation_read(d, VariabilitySettings.from_config(d), 2)
+    assert "layer=variability" not in str(err.value).split("(", 1)[1] and "latency curves" not in str(err.value)
+
+
+def test_the_baseline_reads_a_plan_path_of_our_scheduler_dict(monkeypatch):
+    """`scheduler={name:round_robin,plan_path:F} compare.layer=vanilla compare.scheduler=semantic`: the
+    baseline's semantic scheduler takes ours' plan (pin_semantic_plan); a review found it refused."""
+    import recipes._common as common
+    import recipes.serve as serve
+
+    monkeypatch.setattr(common, "invocation", lambda: {"argv": [], "overrides": []})
+    sched = "scheduler={name:round_robin,plan_path:/p.npz}"
+    serve.check_scheduler_keys(_config("router=replay", sched, "compare.layer=vanilla", "compare.scheduler=semantic"))
+    with pytest.raises(ValueError, match=r"scheduler\.plan_path=/p\.npz: a semantic plan is read with"):
+        serve.check_scheduler_keys(_config("router=replay", sched))  # nothing reads it without the comparison
