@@ -340,8 +340,10 @@ class SemanticMoE(MoELayerBase):
         if topk_ids is None and chunk_ids is not None:  # (force_routing's: the layer keeps it for recomputation)
             self._forced_ids, chunk_ids = chunk_ids, None
         # a recomputation (activation checkpointing) finds this forward's routing by forward_tp's own input,
-        # which it is given again, not by the chunk z, which it makes anew
-        self._replay_key = attn_partial
+        # which it is given again, not by the chunk z, which it makes anew: the one that requires grad (a
+        # reentrant checkpoint's first pass keeps the routing of an input that does; with attn_partial made
+        # under no_grad and a residual that requires grad, keyed by attn_partial its recomputation was refused)
+        self._replay_key = residual if residual.requires_grad and not attn_partial.requires_grad else attn_partial
         try:
             y = self.forward(z, token_ids=None if token_ids is None else token_ids.index_select(0, rows),
                              topk_ids=chunk_ids)

@@ -379,6 +379,43 @@ def test_checkpointed_forward_tp_with_force_routing(reentrant):
             layer.forward_tp(a, r, norm, token_ids=None)
 
 
+def _tp_forced_residual_only(rank, world):
+    """At tp = ep = world: forward_tp forced by force_routing, attn_partial without grad and the
+    residual with it, under each checkpoint kind: the gradients, or the error's text."""
+    from moelayers.models.tiny import RMSNorm
+
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=4, num_experts=4, top_k=2, params_dtype=torch.float64)
+    groups = ml.ParallelGroups.from_world(ep=world, tp=world)
+    out = {}
+    for wrap in (None, True, False):  # unwrapped, reentrant, non-reentrant
+        layer = ml.SemanticMoE(cfg, groups, mode="tp", seed=1)
+        norm = RMSNorm(H, dtype=torch.float64)
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(6, H, generator=g, dtype=torch.float64)
+        r = torch.randn(6, H, generator=g, dtype=torch.float64).requires_grad_()
+        layer.force_routing(torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(6)]))
+        fn = lambda x, res: layer.forward_tp(x, res, norm, token_ids=None)  # noqa: E731
+        try:
+            y = fn(a, r) if wrap is None else checkpoint(fn, a, r, use_reentrant=wrap)
+            y.pow(2).sum().backward()
+            out[wrap] = [r.grad, layer.router.weight.grad, *layer.expert_grads_full()]
+        except ValueError as exc:
+            out[wrap] = str(exc)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_checkpointed_forward_tp_forced_with_only_the_residual_requiring_grad():
+    """forward_tp forced by force_routing, its attention partial made without grad and the residual
+    requiring it: a reentrant checkpoint's recomputation was refused on every rank as if the input
+    had been made inside the checkpointed region (the routing was kept by attn_partial, which does
+    not require grad; a fuzzing helper found it). It recomputes with the forced routing."""
+    for out in run_distributed(_tp_forced_residual_only, 2, timeout=100):
+        for wrap in (True, False):
+            assert not isinstance(out[wrap], str), (wrap, out[wrap])
+            assert all(torch.equal(p, w) for p, w in zip(out[None], out[wrap])), wrap
+
+
 def test_a_layer_pickles_after_a_training_forward():
     """A VariabilityAwareMoE that had run a forward under autograd held weak references (its graphs in
     flight): torch.save(model) failed with "cannot pickle 'weakref.ReferenceType' object"."""
