@@ -37,7 +37,7 @@ __all__ = [
     "percentile", "provenance", "absolute_path", "EXECUTION_KWARGS", "shared_execution_kwargs", "flag",
     "normalize_flags", "LAYER_FLAGS", "int_setting", "check_layer_settings", "timeout_setting",
     "import_object", "plan_fraction_setting", "capacity_setting", "capacity_bound", "check_input_file", "not_a_file", "refuse_empty_paths", "PATH_KEYS",
-    "refuse_unread_overrides", "layer_objects", "OBJECT_KWARGS", "require_keys",
+    "refuse_unread_overrides", "unread_overrides", "layer_objects", "OBJECT_KWARGS", "require_keys",
 ]
 
 #: Layer kwargs that say *how* a layer executes rather than *what* it is: a comparison gives the
@@ -596,6 +596,14 @@ def overridden(keys: Sequence[str]) -> list[str]:
         if any(key == k or key.startswith(k + ".") for k in keys):
             out.append(override)
     return out
+
+
+def unread_overrides(keys: Sequence[str], deciders: Sequence[str]) -> list[str]:
+    """:func:`overridden` ``keys`` that this run does not read, less the ``++KEY`` ones of a ``-m``
+    sweep over one of ``deciders`` (the settings that decide whether a run reads them): another job
+    of the sweep reads those (``-m bench.profile=true,false ++bench.profile_rows=3``)."""
+    swept = any(in_sweep(k) for k in deciders)
+    return [o for o in overridden(keys) if not (swept and o.startswith("++"))]
 
 
 def _yaml_keys(path: str) -> set[str]:

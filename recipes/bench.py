@@ -100,7 +100,7 @@ from omegaconf import DictConfig  # noqa: E402
 from recipes._common import (  # noqa: E402
     LAYER_FLAGS, absolute_path, check_input_file, check_layer_settings, device_for, flag, import_object, int_setting, launch, layer_objects,
     normalize_flags, overridden, plan_fraction_setting, provenance, refuse_empty_paths, refuse_unread_overrides, require_keys,
-    resolve_backend, shared_execution_kwargs, shutdown, to_dict,
+    resolve_backend, shared_execution_kwargs, shutdown, to_dict, unread_overrides,
 )
 from recipes._outputs import claim_run_dir, run_recipe, under_torchrun, warn  # noqa: E402
 from recipes._bench_records import (  # noqa: E402
@@ -347,7 +347,8 @@ def check_config(d: dict) -> None:
         if key in b:
             int_setting(b[key], f"bench.{key}", 1)
     if not b.get("profile"):
-        unused = overridden([f"bench.{k}" for k in ("profile_tokens", "profile_iters", "profile_rows")])
+        unused = unread_overrides([f"bench.{k}" for k in ("profile_tokens", "profile_iters", "profile_rows")],
+                                  ["bench.profile"])
         if unused:
             raise ValueError(f"{', '.join(unused)} is read with bench.profile=true only: add it, or drop it")
     layer_kwargs = (d.get("layer") or {}).get("kwargs") or {}
@@ -401,7 +402,7 @@ def check_config(d: dict) -> None:
                 raise ValueError("trace.num_sequences sizes the synthetic trace: it has no meaning with trace.path")
             int_setting(tc["num_sequences"], "trace.num_sequences", 1)
         if tc.get("path"):
-            unused = overridden(["trace.seq_len", "trace.vocab_size"])
+            unused = unread_overrides(["trace.seq_len", "trace.vocab_size"], ["trace.path"])
             if unused:
                 raise ValueError(f"{', '.join(unused)} sizes the synthetic trace; with trace.path the file's "
                                  "sequences are replayed as they are: drop it")
@@ -933,7 +934,7 @@ def main(cfg: DictConfig) -> None:
     if backend != "nccl" and peer_mode(b.get("peer", "auto")) == "required":
         raise ValueError("bench.peer=true but megatron-core's MoELayer needs CUDA (parallel=gpu): no peer on CPU")
     if backend != "nccl" or peer_mode(b.get("peer", "auto")) == "off":
-        unused = overridden(["bench.check.tol", "bench.check.strict"])
+        unused = unread_overrides(["bench.check.tol", "bench.check.strict"], ["bench.peer", "parallel"])
         if unused:  # (the dense-reference check has check_close's tolerance and always stops the run)
             raise ValueError(f"{', '.join(unused)} is read by the check of ours against megatron-core's MoELayer "
                              f"(the peer), and this run has no peer ({'not parallel=gpu' if backend != 'nccl' else 'bench.peer=false'}): drop it")

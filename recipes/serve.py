@@ -93,7 +93,7 @@ from recipes import _serve_compare as compare  # noqa: E402
 from recipes._common import (  # noqa: E402
     LAYER_FLAGS, absolute_path, capacity_bound, check_input_file, check_layer_settings, device_for, import_object, in_sweep, int_setting, layer_objects,
     invocation, launch, merge_curves_path, normalize_flags, overridden, percentile, print_table, provenance,
-    refuse_empty_paths, refuse_unread_overrides, require_keys, shutdown, to_dict,
+    refuse_empty_paths, refuse_unread_overrides, require_keys, shutdown, to_dict, unread_overrides,
 )
 from recipes._outputs import claim_run_dir, commit_files, run_recipe, warn, write_json, writes_outputs  # noqa: E402
 from recipes._bench_tools import seq_len_bounds  # noqa: E402
@@ -806,7 +806,7 @@ def check_config(d: dict) -> None:
         if plan_path:
             check_input_file(plan_path, _plan_path_key(d), "a semantic plan (recipes/plan.py's plan file)")
             sched = d["scheduler"] if isinstance(d["scheduler"], dict) else {}
-            unused = overridden(["layer.plan_train_fraction"]) + (
+            unused = unread_overrides(["layer.plan_train_fraction"], ["layer.plan_path", "scheduler"]) + (
                 [f"scheduler.plan_train_fraction={sched['plan_train_fraction']}"]
                 if sched.get("plan_train_fraction") is not None else [])
             if unused and "_side" not in d:
@@ -835,7 +835,8 @@ def check_config(d: dict) -> None:
     trace = None
     if router != "replay":
         unused = [f"trace.{key}={d['trace'][key]}" for key in ("path", "request_offset") if d["trace"].get(key)]
-        unused += overridden(["trace.num_sequences", "trace.seq_len", "trace.synthetic", "workload.prompt_fraction"])
+        unused += unread_overrides(["trace.num_sequences", "trace.seq_len", "trace.synthetic", "workload.prompt_fraction"],
+                                   ["router"])
         if unused:
             raise ValueError(f"{', '.join(unused)} is read with router=replay only (router={router} routes with "
                              f"the model's own router and draws the requests from workload.prompt_len / "

@@ -947,3 +947,19 @@ def test_settings_a_fuzzer_found_ignored_are_refused(tmp_path):
         proc = run_bench(tmp_path, "bench.tokens_per_rank=[16]", *overrides)
         assert proc.returncode != 0 and re.search(match, proc.stdout + proc.stderr), \
             (overrides, (proc.stdout + proc.stderr)[-2000:])
+
+
+@pytest.mark.parametrize("overrides, swept, unread", [
+    (["++bench.profile_rows=3"], {"bench.profile"}, []),  # -m bench.profile=true,false: the true job reads it
+    (["++bench.profile_rows=3"], {"seed"}, ["++bench.profile_rows=3"]),  # no job of the sweep reads it
+    (["bench.profile_rows=3"], {"bench.profile"}, ["bench.profile_rows=3"]),  # ++ marks a sweep's key
+    (["bench.iters=3"], set(), []),
+])
+def test_unread_overrides_let_a_sweeps_plus_plus_through(monkeypatch, overrides, swept, unread):
+    """The refusals of settings a run would not read (profile_*, check.*, trace.* beside a file, ...)
+    let ++KEY through in a -m sweep over the setting that decides, as README says (a review)."""
+    import recipes._common as common
+
+    monkeypatch.setattr(common, "invocation", lambda: {"argv": [], "overrides": overrides})
+    monkeypatch.setattr(common, "in_sweep", lambda key: key in swept)
+    assert common.unread_overrides(["bench.profile_rows"], ["bench.profile"]) == unread
