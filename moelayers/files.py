@@ -16,13 +16,14 @@ import warnings
 import zipfile
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
 
-__all__ = ["atomic_write", "check_format_version", "file_mode", "fsync_file", "fsync_folder", "read_npz",
-           "warn_unknown_entries"]
+__all__ = ["FILE_KINDS", "FileKind", "atomic_write", "check_format_version", "file_mode", "fsync_file", "fsync_folder",
+           "read_npz", "refuse_other_kind", "warn_unknown_entries"]
 
 # What a damaged zip member or .npy header raises while it is read (an encrypted member: RuntimeError,
 # an unknown compression method: NotImplementedError).
@@ -310,7 +311,53 @@ def read_npz(path: str | os.PathLike, what: str) -> dict[str, np.ndarray]:
     return arrays
 
 
-def check_format_version(arrays: dict[str, np.ndarray], path: str | os.PathLike, what: str, reads: int) -> int:
+@dataclass(frozen=True)
+class FileKind:
+    """One kind of npz file the library writes: entries every file of the kind has had in every
+    format, what it is and how it is used (for the message that tells a reader it got one)."""
+
+    keys: tuple[str, ...]
+    description: str
+    use: str
+
+
+#: the library's npz files, by the entries that tell them apart (a plan.py run dir holds three kinds)
+FILE_KINDS = {
+    "trace": FileKind(("topk_ids", "token_ids", "seq_offsets"), "a routing trace",
+                      "read it with moelayers.trace.load_trace, or pass it to a recipe as trace.path=FILE"),
+    "semantic_plan": FileKind(("token_rank", "token_conf", "ngram_rank"), "a semantic plan (plan.py's plan.npz)",
+                              "read it with SemanticPlan.load, or pass it to serve.py or bench.py as layer=semantic "
+                              "layer.plan_path=FILE"),
+    "assignment": FileKind(("expert_rank", "token_rank", "seq_offsets"), "plan.py's assignment.npz",
+                           "pass it to serve.py or bench.py as layer.placement_path=FILE"),
+    "placement": FileKind(("phy2log", "num_experts"), "a placement file (ExpertPlacement.save)",
+                          "read it with ExpertPlacement.load, or pass it to serve.py or bench.py as "
+                          "layer.placement_path=FILE"),
+    "curves": FileKind(("rows", "latency_s"), "a latency curve file (profile.py's or plan.py's curves.npz)",
+                       "read it with LatencyCurves.load, or pass it to a recipe as curves.path=FILE"),
+}
+
+
+def refuse_other_kind(arrays: dict[str, np.ndarray], path: str | os.PathLike, what: str,
+                      kinds: tuple[str, ...]) -> None:
+    """Refuse a file that is another of :data:`FILE_KINDS` than the reader's ``kinds`` (plan.py's
+    ``plan.npz`` handed to a placement reader), naming what it is and what reads it, before its
+    version or fields are looked at: those would say "newer format" or "missing fields" of it.
+
+    Raises:
+        ValueError: the file has every entry of another kind and not those of any of ``kinds``.
+    """
+    present = set(arrays)
+    if any(set(FILE_KINDS[k].keys) <= present for k in kinds):
+        return
+    for name, kind in FILE_KINDS.items():
+        if name not in kinds and set(kind.keys) <= present:
+            raise ValueError(f"{path}: not a {what} but {kind.description}: {kind.use} (its entries: "
+                             f"{sorted(present)})")
+
+
+def check_format_version(arrays: dict[str, np.ndarray], path: str | os.PathLike, what: str, reads: int,
+                         kinds: tuple[str, ...] = ()) -> int:
     """The layout version of a file read by :func:`read_npz` (its ``format_version`` entry; 1 where it
     has none, as files written before the entry existed), checked before anything else in it, so that
     a file of a newer moelayers is told as such and not as a file with unknown or missing fields.
@@ -320,10 +367,15 @@ def check_format_version(arrays: dict[str, np.ndarray], path: str | os.PathLike,
         path: the file, for messages.
         what: what the file is, for messages (e.g. ``"placement file"``).
         reads: the newest version this code reads.
+        kinds: the :data:`FILE_KINDS` the reader reads: a file of another kind is told as such first
+            (:func:`refuse_other_kind`; its version is another layout's).
 
     Raises:
-        ValueError: the entry is not a positive integer scalar, or names a version newer than ``reads``.
+        ValueError: a file of another kind, an entry that is not a positive integer scalar, or a
+            version newer than ``reads``.
     """
+    if kinds:
+        refuse_other_kind(arrays, path, what, kinds)
     if "format_version" not in arrays:
         return 1
     entry = arrays["format_version"]

@@ -319,7 +319,7 @@ class ExpertPlacement:
                 message names the file.
         """
         data = read_npz(path, "placement file")
-        check_format_version(data, path, "placement file", FILE_FORMAT)
+        check_format_version(data, path, "placement file", FILE_FORMAT, ("placement",))
         missing = {"phy2log", "num_experts"} - set(data)
         if missing:
             raise ValueError(f"{path}: not a placement file, missing key(s) {sorted(missing)}")

@@ -185,7 +185,7 @@ class LatencyCurves:
                 incomplete or disagree with the samples; the message names the file.
         """
         data = read_npz(path, "latency curve file")
-        check_format_version(data, path, "latency curve file", FILE_FORMAT)
+        check_format_version(data, path, "latency curve file", FILE_FORMAT, ("curves",))
         missing = [k for k in ("rows", "latency_s") if k not in data]
         if missing:
             raise ValueError(f"{path}: not a latency curve file, missing key(s) {missing} (need rows [N], latency_s [R, N])")

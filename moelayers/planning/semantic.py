@@ -571,7 +571,8 @@ class SemanticPlan:
         """Read and validate a plan written by :meth:`save`."""
         path = Path(path)
         arrays = read_npz(path, "semantic plan file")
-        version = check_format_version(arrays, path, "semantic plan", FORMAT_VERSION)  # first: a newer plan may lack or add fields
+        # first: a newer plan may lack or add fields, and another kind of file has another version
+        version = check_format_version(arrays, path, "semantic plan", FORMAT_VERSION, ("semantic_plan",))
         missing = [k for k in _REQUIRED if k not in arrays]
         if missing:
             raise ValueError(f"{path}: semantic plan is missing field(s) {missing}")

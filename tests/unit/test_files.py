@@ -507,6 +507,29 @@ def test_every_file_records_its_format_and_a_newer_one_is_told_as_such(tmp_path)
                 load(path)
 
 
+def test_a_file_of_another_kind_is_told_as_such(tmp_path):
+    """plan.py writes plan.npz, assignment.npz and curves.npz side by side; plan.npz (format 3)
+    handed to the trace, placement or curve reader (format 1) was "written by a newer moelayers:
+    upgrade", and the others got "missing key(s)" without a word of what the file was."""
+    from recipes.serve import layer_placements
+
+    files = _written(tmp_path)
+    assignment = tmp_path / "assignment.npz"
+    np.savez(assignment, expert_rank=np.zeros((2, 4), np.int64), token_rank=np.zeros((6, 2), np.int64),
+             seq_offsets=np.array([0, 6]), num_ranks=np.int64(2), format_version=np.int64(1))
+    files["assignment"] = (assignment, lambda path: layer_placements(str(path), 4, 2))
+    said = {"trace": "a routing trace", "plan": r"a semantic plan \(plan.py's plan.npz\)",
+            "placement": r"a placement file \(ExpertPlacement.save\)", "curves": "a latency curve file",
+            "assignment": "plan.py's assignment.npz"}
+    for reader, (_, load) in files.items():
+        for kind, (path, _) in files.items():
+            if kind == reader or (reader, kind) == ("assignment", "placement"):  # serve.py reads either
+                assert load(path) is not None, (reader, kind)
+                continue
+            with pytest.raises(ValueError, match=rf"{path.name}: not a .* but {said[kind]}.*: (read it|pass it)"):
+                load(path)
+
+
 def test_files_written_before_the_format_version_still_load(tmp_path):
     import warnings
 
