@@ -54,10 +54,22 @@ class RequestScheduler(Protocol):
 
 
 def _token_array(token_ids: Any) -> np.ndarray:
-    """``[N]`` integer token ids in their own dtype (``uint64`` ids above the int64 range must not wrap)."""
+    """``[N]`` integer token ids of one request in their own dtype (``uint64`` ids above the int64
+    range must not wrap), from ``[N]`` or a tokenizer's ``[1, N]``.
+
+    Raises:
+        ValueError: several rows (``[B, N]``: a batch of requests, which one request's votes would
+            send to one rank; :meth:`SemanticScheduler.assign_batch` takes them).
+        TypeError: ids that are not integers.
+    """
     if isinstance(token_ids, torch.Tensor):
         token_ids = token_ids.detach().cpu().numpy()
     a = np.asarray(token_ids)
+    while a.ndim > 1 and a.shape[0] == 1:
+        a = a[0]
+    if a.ndim > 1:
+        raise ValueError(f"token_ids of one request must be [N] (or [1, N]), got shape {list(a.shape)}: for a "
+                         f"batch of requests call assign_batch(requests), each request its own ids without padding")
     if a.size == 0:
         return a.reshape(0).astype(np.int64)
     if a.dtype.kind not in "iu":
@@ -174,7 +186,13 @@ class SemanticScheduler:
 
     def assign(self, token_ids: Any, num_tokens: int | None = None) -> int:
         """The best unmasked rank for this request (within the token cap); masks it (and clears a
-        full mask). ``num_tokens``: the request's tokens for the cap (default: ``len(token_ids)``)."""
+        full mask).
+
+        Args:
+            token_ids: the request's (prompt) token ids, ``[N]`` or ``[1, N]``, without padding (a pad
+                id would vote like the others).
+            num_tokens: the request's tokens for the cap (default: ``N``).
+        """
         ids = _token_array(token_ids)
         if num_tokens is not None and (isinstance(num_tokens, (bool, np.bool_))
                                        or not isinstance(num_tokens, numbers.Integral) or num_tokens < 0):
@@ -186,7 +204,8 @@ class SemanticScheduler:
         """Ranks for requests known together (e.g. a batch of rollout prompts), in order.
 
         Args:
-            requests: each request's (prompt) token ids.
+            requests: each request's (prompt) token ids, ``[N_i]``, without padding (the rows of a
+                padded ``[B, N]`` batch would count the pad id's votes).
             joint: the requests of each mask cycle get their ranks together, the largest total vote
                 (see the module docstring); ``False``: the same as :meth:`assign` on each in turn.
 

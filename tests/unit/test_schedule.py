@@ -84,6 +84,24 @@ def test_semantic_scheduler_affinity_mask_and_reset():
     assert s.loads.sum() == 0 and not s.mask.any()
 
 
+def test_a_batch_handed_to_assign_is_refused():
+    """A tokenizer's [B, S] batch given to assign was flattened into one request: all B prompts
+    went to one rank without a word (a new-user journey). [1, S] is one request."""
+    s = SemanticScheduler(_plan_for_requests())
+    assert s.assign(torch.tensor([[2, 5, 0]])) == 2  # [1, S]: the request [2, 5, 0]
+    np.testing.assert_allclose(s.scores(np.array([[0, 3, 4]])), s.scores([0, 3, 4]))
+    loads = s.loads.copy()
+    for batch in (torch.tensor([[2, 5, 0], [1, 4, 7]]), [[2, 5], [1, 4]], np.zeros((1, 2, 3), np.int64)):
+        with pytest.raises(ValueError, match=r"must be \[N\] \(or \[1, N\]\), got shape .*assign_batch"):
+            s.assign(batch)
+        with pytest.raises(ValueError, match="assign_batch"):
+            s.assign_batch([batch])
+    assert (s.loads == loads).all()  # nothing assigned by the refused calls
+    rows = [[2, 5, 0], [1, 4, 7], [0, 3, 6]]  # a [B, S] tensor to assign_batch: its rows, one request each
+    assert SemanticScheduler(_plan_for_requests()).assign_batch(torch.tensor(rows)) == [2, 1, 0]
+    assert SemanticScheduler(_plan_for_requests()).assign_batch(rows) == [2, 1, 0]
+
+
 def test_semantic_scheduler_token_cap_is_the_evaluations():
     """Given the total tokens, the online scheduler closes ranks at 1.3x the mean exactly as the
     held-out evaluation (request_schedule) does without its look-ahead; without the total, the mask
