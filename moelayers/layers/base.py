@@ -1145,7 +1145,8 @@ class MoELayerBase(LayerWeights, nn.Module):
                 return x.to(want)
             raise TypeError(f"{name} has dtype {x.dtype}, the layer computes in {want} (and takes "
                             f"{torch.get_autocast_dtype(x.device.type)} under the torch.autocast that is on)")
-        raise TypeError(f"{name} has dtype {x.dtype}, the layer computes in {want}")
+        raise TypeError(f"{name} has dtype {x.dtype}, the layer computes in {want}: cast {name} "
+                        f"({name}.to({want})) or the layer (layer.to({x.dtype}))")
 
     def extra_repr(self) -> str:
         c = self.config

@@ -527,7 +527,8 @@ def test_under_autocast_the_layer_takes_the_autocast_dtype():
         with pytest.raises(TypeError, match=r"attn_partial has dtype torch.float16, the layer computes in "
                                             r"torch.float32 \(and takes torch.bfloat16 under the torch.autocast"):
             tp.forward_tp(x.half(), residual, norm, token_ids=None)
-    with pytest.raises(TypeError, match=r"x has dtype torch.bfloat16, the layer computes in torch.float32$"):
+    with pytest.raises(TypeError, match=r"x has dtype torch.bfloat16, the layer computes in torch.float32: "
+                                        r"cast x \(x.to\(torch.float32\)\) or the layer \(layer.to\(torch.bfloat16\)\)$"):
         layer(x)  # no autocast: refused as before
 
 
