@@ -413,7 +413,7 @@ def load_trace(path: str | os.PathLike) -> RoutingTrace:
     """
     path = Path(path)
     arrays = read_npz(path, "routing trace file")
-    check_format_version(arrays, path, "routing trace file", FILE_FORMAT)
+    check_format_version(arrays, path, "routing trace file", FILE_FORMAT, ("trace",))
     arrays.pop("format_version", None)
     keys = set(arrays)
     missing = [k for k in REQUIRED_KEYS if k not in keys]
@@ -868,7 +868,10 @@ class TraceRecorder:
         num_tokens, index = layers[0][0].shape[0], self._num_forwards
         given = [(i, t) for i, (_, t, _) in enumerate(layers) if t is not None]
         if not given:
-            raise ValueError(f"TraceRecorder: forward {index} has no token ids: no MoE layer set last_token_ids (pass token_ids= to the layers)")
+            raise ValueError(f"TraceRecorder: forward {index} has no token ids: no MoE layer set last_token_ids (pass "
+                             "token_ids= to the layers, or hook the model's ids to them: "
+                             "moelayers.integrations.hf.pass_token_ids(model), or swap_moe_blocks(..., "
+                             "token_ids=True) for a Hugging Face model)")
         for i, t in given[1:]:
             if not np.array_equal(t, given[0][1]):
                 raise ValueError(f"TraceRecorder: {self._where(i)} saw different token ids than {self._where(given[0][0])} in forward {index}")

@@ -50,7 +50,8 @@ Notes on the HF side:
   1e-6 otherwise).
 - :class:`~moelayers.SemanticMoE` plans and :class:`~moelayers.trace.TraceRecorder` need ``token_ids``,
   which HF's decoder layer does not pass to its mlp: ``swap_moe_blocks(..., token_ids=True)``
-  passes them (the ids the model embeds, by hooks: :class:`CallInputs`).
+  passes them (the ids the model embeds, by hooks: :class:`CallInputs`); :func:`pass_token_ids`
+  does the same for a model of one's own that holds moelayers layers already.
 - Padded positions are routed and exchanged as HF computes them, unless ``swap_moe_blocks(...,
   skip_padding=True)``: the layers then compute only the positions the model call's
   ``attention_mask`` marks non-zero (fewer rows to exchange, and padding out of the layers' loads
@@ -81,7 +82,7 @@ from moelayers.groups import ParallelGroups
 from moelayers.layers import VanillaMoE
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "moe_config_from_hf", "weights_from_hf", "swap_moe_blocks", "hf_weights",
-           "TupleOutput", "CallInputs"]
+           "pass_token_ids", "TupleOutput", "CallInputs"]
 
 #: ``config.model_type`` -> (config field of ``E``, config field of ``F``, how ``norm_topk_prob`` is set:
 #: ``True`` always, or ``None`` for the config's ``norm_topk_prob``, False where it is missing as in HF)
@@ -733,13 +734,63 @@ def swap_moe_blocks(model: nn.Module, groups: ParallelGroups, layer_cls: type = 
             parent.register_forward_pre_hook(source.around)
             parent.register_forward_hook(source.out, always_call=True)
     if source is not None and embedding is not None:
-        embedding.register_forward_pre_hook(source.keep)
-        where = next((n for n, m in model.named_modules() if m is embedding), "")
-        parts = where.split(".")[:-1] if where else []
-        for module in [model] + [model.get_submodule(".".join(parts[:i + 1])) for i in range(len(parts))]:
-            module.register_forward_pre_hook(source.enter, with_kwargs=True)
-            module.register_forward_hook(source.leave, always_call=True)
+        _watch_calls(model, embedding, source)
     return [name for name, _ in blocks]
+
+
+def _watch_calls(model: nn.Module, embedding: nn.Module, source: CallInputs) -> None:
+    """Hooks that let ``source`` know the ids ``embedding`` embeds and where a call of ``model``
+    (or of a module between it and the embedding) starts and ends."""
+    embedding.register_forward_pre_hook(source.keep)
+    where = next((n for n, m in model.named_modules() if m is embedding), "")
+    parts = where.split(".")[:-1] if where else []
+    for module in [model] + [model.get_submodule(".".join(parts[:i + 1])) for i in range(len(parts))]:
+        module.register_forward_pre_hook(source.enter, with_kwargs=True)
+        module.register_forward_hook(source.leave, always_call=True)
+
+
+def pass_token_ids(model: nn.Module, embedding: nn.Module | None = None) -> list[str]:
+    """Hand every moelayers layer of a model of one's own the token ids of the model call under way
+    as ``token_ids`` (what :func:`swap_moe_blocks` ``(token_ids=True)`` does for HF models), so that
+    :class:`~moelayers.trace.TraceRecorder` and :class:`~moelayers.SemanticMoE`'s token table work
+    without changing the blocks' signatures: the ids ``embedding`` embeds (its first argument) reach
+    each layer called with hidden states laid out like them (``[B, S, H]`` for ``[B, S]`` ids, or
+    ``[S, B, H]`` for ``[S, B]``); a layer called with ``token_ids=`` keeps its own, one called with
+    other shapes or outside a call of ``model`` gets none (:class:`CallInputs` says how calls are
+    told apart). Only calls of the layers (``forward``) are hooked, not ``SemanticMoE.forward_tp``.
+
+    Args:
+        model: a module that holds moelayers layers (``moe_layer_marker``) and embeds token ids.
+        embedding: the module that embeds them, inside ``model``; default
+            ``model.get_input_embeddings()`` where it has one, else the model's only ``nn.Embedding``.
+
+    Returns:
+        The names of the layers that get the ids, in module order.
+
+    Raises:
+        ValueError: no moelayers layer in ``model``, no embedding (or several ``nn.Embedding`` and
+            none given), or an ``embedding`` that is not a submodule of ``model``.
+    """
+    layers = [(n, m) for n, m in model.named_modules() if getattr(m, "moe_layer_marker", False) is True]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} holds no moelayers layer: swap its MoE blocks first")
+    if embedding is None:
+        get = getattr(model, "get_input_embeddings", None)
+        embedding = get() if callable(get) else None
+    if embedding is None:
+        found = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+        if len(found) != 1:
+            raise ValueError(f"{type(model).__name__} has {len(found)} nn.Embedding modules"
+                             f"{' (' + ', '.join(n for n, _ in found) + ')' if found else ''}: pass the one that "
+                             "embeds the token ids as embedding=")
+        embedding = found[0][1]
+    if not isinstance(embedding, nn.Module) or not any(m is embedding for m in model.modules()):
+        raise ValueError(f"embedding ({type(embedding).__name__}) is not a submodule of {type(model).__name__}")
+    source = CallInputs(token_ids=True)
+    for _, layer in layers:
+        layer.register_forward_pre_hook(source.pass_to, with_kwargs=True)
+    _watch_calls(model, embedding, source)
+    return [n for n, _ in layers]
 
 
 def hf_weights(layer: nn.Module) -> dict[str, torch.Tensor]:

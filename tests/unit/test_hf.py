@@ -605,6 +605,76 @@ def test_token_ids_reach_the_layers_and_the_recorder():
         copy.deepcopy(model)
 
 
+def test_pass_token_ids_hands_a_model_of_ones_own_its_ids():
+    """A model of one's own whose MoE blocks see hidden states only had no way to give the layers
+    their token ids (TraceRecorder: "no MoE layer set last_token_ids"; a new-user journey)."""
+    from moelayers.integrations.hf import pass_token_ids
+    from moelayers.trace import TraceRecorder
+
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=FF, num_experts=E, top_k=K, params_dtype=torch.float64)
+
+    class Block(nn.Module):
+        def __init__(self, i):
+            super().__init__()
+            self.moe = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=i)
+
+        def forward(self, h):
+            return h + self.moe(h)
+
+    class Body(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(30, H, dtype=torch.float64)
+            self.blocks = nn.ModuleList(Block(i) for i in range(2))
+
+        def forward(self, ids):
+            h = self.tok(ids)
+            for b in self.blocks:
+                h = b(h)
+            return h
+
+    class Mine(nn.Module):
+        def __init__(self, heads=1):
+            super().__init__()
+            self.body = Body()
+            self.heads = nn.ModuleList(nn.Embedding(4, H) for _ in range(heads - 1))  # another embedding
+
+        def forward(self, ids):
+            return self.body(ids)
+
+    model = Mine().eval()
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with torch.no_grad():
+        expected = model(ids)
+        with pytest.raises(ValueError, match=r"no token ids: .*pass_token_ids\(model\)"), \
+                TraceRecorder(model, vocab_size=30):
+            model(ids)
+    assert pass_token_ids(model) == ["body.blocks.0.moe", "body.blocks.1.moe"]
+    with torch.no_grad(), TraceRecorder(model, vocab_size=30) as rec:
+        torch.testing.assert_close(model(ids), expected, rtol=0, atol=0)
+        model(ids[:1])
+    assert rec.result.token_ids.tolist() == [1, 2, 3, 4, 5, 6, 1, 2, 3]
+    moe = model.body.blocks[0].moe
+    with torch.no_grad():
+        h = torch.randn(2, 3, H, dtype=torch.float64)
+        model(ids)
+        moe(h)  # called after the model call: not that call's ids
+        assert moe.last_token_ids is None
+        model(ids[:1])
+        model.body.blocks[0](h[:1])  # nor a block called on its own
+        assert moe.last_token_ids is None
+        moe(h, token_ids=ids + 1)  # its own ids win
+        assert moe.last_token_ids.tolist() == (ids + 1).flatten().tolist()
+    two = Mine(heads=2)
+    with pytest.raises(ValueError, match=r"has 2 nn.Embedding modules \(body.tok, heads.0\): pass the one"):
+        pass_token_ids(two)
+    assert len(pass_token_ids(two, embedding=two.body.tok)) == 2
+    with pytest.raises(ValueError, match="is not a submodule of Mine"):
+        pass_token_ids(Mine(), embedding=nn.Embedding(3, H))
+    with pytest.raises(ValueError, match="holds no moelayers layer"):
+        pass_token_ids(nn.Sequential(nn.Embedding(3, H)))
+
+
 def test_token_ids_of_a_base_model_called_on_its_own_do_not_go_stale():
     """HF models wrap a base model (``model.model``) holding the embedding: a call of the base model
     alone kept the ids of the call before it, so an ``inputs_embeds`` call after ran with them."""
