@@ -20,6 +20,8 @@ test_vanilla_equivalence.py); each check is reported as its own test.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -279,6 +281,124 @@ def tp_cases() -> list[dict]:
         c["name"] = f"tp-{c['disp']}-{'dedup' if c['dedup'] else 'nodedup'}-{c['place']}-T{c['t']}" + \
             ("-forced" if c.get("forced") else "")
     return cases
+
+
+# bf16 forward_tp at world 4: three configurations a fuzz of its gradients found (seeds 43, 53, 249,
+# T <= 128) where the gradients of the router or w2 came out 3-44 % over the bf16
+# bound of the reference summing the attention partials in one fixed order. The layer sums them in
+# its reduce-scatter in another order per chunk: every order is an equally valid bf16 reference
+# (sums_in_every_order), and with the worst of them as ref_low every gradient is within the bound.
+TP_BF16_CASES = [
+    dict(seed=43, H=48, F=16, E=12, K=2, T=24, plan=True, disp="allgather", dedup=False, place="permuted", forced=True),
+    dict(seed=53, H=40, F=8, E=4, K=1, T=19, plan=True, disp="allgather", dedup=True, place="linear", forced=True),
+    dict(seed=249, H=64, F=16, E=8, K=2, T=14, plan=False, disp="allgather", dedup=True, place="linear", forced=True),
+]
+
+
+def _tp_bf16_draws(c: dict, world: int):
+    """Weights, norm weight, inputs (router near-ties of norm(h) redrawn) and forced routing, float64."""
+    g = torch.Generator().manual_seed(30_000 + c["seed"])
+    e, h, f, t = c["E"], c["H"], c["F"], c["T"]
+    w64 = [torch.randn(e, h, generator=g, dtype=torch.float64) * 0.5,
+           torch.randn(e, 2 * f, h, generator=g, dtype=torch.float64) * h ** -0.5,
+           torch.randn(e, h, f, generator=g, dtype=torch.float64) * f ** -0.5]
+    nw = 1.0 + 0.1 * torch.randn(h, generator=g, dtype=torch.float64)
+    g = torch.Generator().manual_seed(20_000 + c["seed"])
+    partials = [torch.randn(t, h, generator=g, dtype=torch.float64) for _ in range(world)]
+    residual = torch.randn(t, h, generator=g, dtype=torch.float64)
+    for _ in range(200):
+        hs = residual + sum(partials)
+        z = hs * torch.rsqrt(hs.pow(2).mean(-1, keepdim=True) + 1e-6) * nw
+        logits = z @ w64[0].t()
+        if c["K"] >= e:
+            break
+        top = logits.topk(c["K"] + 1, dim=1).values
+        tie = (top[:, -2] - top[:, -1]) < 0.1
+        sc = torch.softmax(logits, 1).topk(c["K"] + 1, dim=1).values
+        tie |= (sc[:, -2] - sc[:, -1]) < 2 ** -5 * sc[:, -2]
+        if not tie.any():
+            break
+        for p in partials:
+            p[tie] = torch.randn(int(tie.sum()), h, generator=g, dtype=torch.float64)
+        residual[tie] = torch.randn(int(tie.sum()), h, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 48, (t,), generator=g)
+    gy = torch.randn(t, h, generator=g, dtype=torch.float64)
+    g = torch.Generator().manual_seed(40_000 + c["seed"])
+    forced = torch.stack([torch.randperm(e, generator=g)[:c["K"]] for _ in range(t)]) if c["forced"] else None
+    return w64, nw, partials, residual, ids, gy, forced
+
+
+def _tp_bf16_reference(c, dtype, w64, nw, h, gy, forced, pr, rr):
+    """``h + moe(norm(h))`` in ``dtype`` with ``h`` summed from ``pr``/``rr`` already; backward with ``gy``."""
+    from moelayers.models.tiny import RMSNorm
+
+    cfg = ml.MoEConfig(hidden_size=c["H"], ffn_hidden_size=c["F"], num_experts=c["E"], top_k=c["K"], params_dtype=dtype)
+    params = [w.detach().to(dtype).clone().requires_grad_(True) for w in w64]
+    norm = RMSNorm(c["H"], dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(nw.to(dtype))
+    ref = h + ml.reference.moe_forward(norm(h), *params, cfg, topk_ids=forced)
+    (ref.double() * gy).sum().backward()
+    return dict(output=ref.detach(), attn_partial=pr.grad, residual=rr.grad, norm=norm.weight.grad,
+                router=params[0].grad, w13=params[1].grad, w2=params[2].grad)
+
+
+def _tp_bf16_case(rank: int, world: int, c: dict) -> str | None:
+    """The layer in bf16 against the float64 reference, bounded by the bf16 references over every
+    order of the bf16 sum of the attention partials (the residual added last, as the layer does)."""
+    from moelayers.dispatch.comm import allreduce_partial_grads
+    from moelayers.models.tiny import RMSNorm
+    from moelayers.testing import sums_in_every_order
+    from tests.distributed.test_semantic import make_plan
+
+    dtype = torch.bfloat16
+    w64, nw, partials, residual, ids, gy, forced = _tp_bf16_draws(c, world)
+    cfg = ml.MoEConfig(hidden_size=c["H"], ffn_hidden_size=c["F"], num_experts=c["E"], top_k=c["K"], params_dtype=dtype)
+    groups = ml.ParallelGroups.from_world(tp=world)
+    kw = dict(mode="tp", seed=7, dispatcher=c["disp"], dedup=c["dedup"],
+              placement=_placement(c["place"], c["E"], world))
+    layer = (ml.SemanticMoE.from_plan(make_plan(c["E"], world, seed=c["seed"]), 2, cfg, groups, **kw) if c["plan"]
+             else ml.SemanticMoE(cfg, groups, **kw))
+    layer.load_full_weights(*(w.to(dtype) for w in w64))
+    norm = RMSNorm(c["H"], dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(nw.to(dtype))
+    norm.weight.sequence_parallel = True
+    p = partials[rank].to(dtype).requires_grad_(True)
+    res = residual.to(dtype).requires_grad_(True)
+    if forced is not None:
+        layer.force_routing(forced)
+    y = layer.forward_tp(p, res, norm, token_ids=ids if c["plan"] else None)
+    (y.double() * gy).sum().backward()
+    allreduce_partial_grads(layer, groups.tp)
+    allreduce_partial_grads(norm, groups.tp)
+    g13, g2 = layer.expert_grads_full()
+    got = dict(output=y, attn_partial=p.grad, residual=res.grad, norm=norm.weight.grad, router=layer.router.weight.grad,
+               w13=g13, w2=g2)
+    pr64 = [q.clone().requires_grad_(True) for q in partials]
+    rr64 = residual.clone().requires_grad_(True)
+    r64 = _tp_bf16_reference(c, torch.float64, w64, nw, rr64 + sum(pr64), gy, forced, pr64[rank], rr64)
+    lows = []
+    for k in range(math.factorial(world)):  # one bf16 reference per order of the partials' sum, each on its own leaves
+        pr = [q.to(dtype).requires_grad_(True) for q in partials]
+        rr = residual.to(dtype).requires_grad_(True)
+        h = rr + sums_in_every_order(pr)[k]
+        lows.append(_tp_bf16_reference(c, dtype, w64, nw, h, gy, forced, pr[rank], rr))
+    name = f"tp-bf16-seed{c['seed']}"
+    errors = [check_close(f"{name} {k}", got[k], r64[k], [lo[k] for lo in lows])
+              for k in got if not (k == "router" and c["K"] == 1)]  # top-1 renormalised: no router gradient
+    errors = [m for m in errors if m]
+    return "; ".join(errors) if errors else None
+
+
+def _tp_bf16_cases(rank: int, world: int) -> list[str | None]:
+    return [_tp_bf16_case(rank, world, c) for c in TP_BF16_CASES]
+
+
+@pytest.mark.timeout(300)
+def test_forward_tp_bf16_gradients_within_every_summation_order():
+    for rank, errors in enumerate(run_distributed(_tp_bf16_cases, 4, timeout=240)):
+        assert errors == [None] * len(TP_BF16_CASES), f"rank {rank}: {errors}"
 
 
 # ---------------------------------------------------------------------- moves, replicas and optimizer steps

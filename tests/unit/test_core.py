@@ -1126,3 +1126,23 @@ def test_a_resumed_optimizer_makes_a_move_without_it_warn():
         said = [str(w.message) for w in caught if "without the optimizer's per-slot state" in str(w.message)]
         assert resumed["moe"].placement.phy2log.tolist() == [[3, 2, 1, 0]]
         assert len(said) == (0 if give_optimizer else 1), said
+
+
+def test_check_close_takes_the_worst_of_several_low_precision_references():
+    """ref_low as a list (references that differ only in the order of a bf16 sum): the bound is 3 x
+    the largest of their errors; an empty list or one of another dtype is refused."""
+    from moelayers.testing import sums_in_every_order, tolerance
+
+    g = torch.Generator().manual_seed(0)
+    terms64 = [torch.randn(64, 16, generator=g, dtype=torch.float64) for _ in range(4)]
+    ref64 = sum(terms64)
+    lows = sums_in_every_order([t.bfloat16() for t in terms64])
+    bf = [t.bfloat16() for t in terms64]
+    assert len(lows) == 24 and torch.equal(lows[0], ((bf[0] + bf[1]) + bf[2]) + bf[3])
+    errs = [float((lo.double() - ref64).abs().max()) for lo in lows]
+    assert tolerance(ref64, lows, torch.bfloat16) == 3 * max(errs) + 1e-3 * float(ref64.abs().max())
+    assert all(check_close("order", lo, ref64, lows) is None for lo in lows)
+    with pytest.raises(ValueError, match="empty"):
+        check_close("none", lows[0], ref64, [])
+    with pytest.raises(ValueError, match="must be the reference computed in"):
+        check_close("mixed", lows[0], ref64, [lows[1], lows[2].float()])
