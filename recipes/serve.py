@@ -191,8 +191,7 @@ def layer_placements(path: str, num_experts: int, ep: int) -> list:
 
     data = read_npz(path, "placement file or plan.py assignment.npz")
     if "phy2log" not in data:  # first (a newer one may name its entries otherwise); a placement's: ExpertPlacement.load
-        check_format_version(data, path, "placement file or plan.py assignment.npz", ASSIGNMENT_FORMAT,
-                             ("assignment", "placement"))
+        check_format_version(data, path, "plan.py assignment.npz", ASSIGNMENT_FORMAT, ("assignment", "placement"))
     kinds = [key for key in ("phy2log", "expert_rank") if key in data]
     if len(kinds) != 1:
         raise ValueError(f"{path}: " + ("holds both a placement (phy2log) and an assignment (expert_rank): which to "
