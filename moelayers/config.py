@@ -40,6 +40,9 @@ MEGATRON_SUPPORTED_VALUES: dict[str, tuple] = {
     "glu_linear_offset": (0.0,),
     "fp8": (None,),                              # fp8 / fp4 matmuls (TransformerEngine) change the outputs
     "fp4": (None,),
+    # per-module quantization (megatron's RecipeConfig): its TE linear / grouped-linear modules run their
+    # matmuls quantized where a matcher names them (the experts' included), with fp8 and fp4 unset
+    "quant_recipe": (None,),
     "activation_func_clamp_value": (None,),
     # megatron's RouterReplay (RL: replay rollout routing in training) has no hook into our router;
     # replay routing with the layer's force_routing instead
