@@ -180,6 +180,13 @@ class RoutingTrace:
 
     __hash__ = None  # type: ignore[assignment]  # (mutable arrays)
 
+    def __repr__(self) -> str:
+        """Sizes, not arrays (the dataclass's repr printed millions of ids)."""
+        source = getattr(self, "_source", "<memory>")
+        return (f"RoutingTrace(tokens={self.num_tokens}, sequences={self.num_sequences}, layers={self.num_layers}, "
+                f"top_k={self.top_k}, num_experts={self.num_experts}, vocab_size={self.vocab_size}, "
+                f"weights={self.topk_weights is not None}{'' if source == '<memory>' else f', source={source!r}'})")
+
     def validate(self, source: str = "<memory>") -> None:
         """Check every field; raise naming ``source`` and the field.
 

@@ -86,6 +86,15 @@ def test_properties() -> None:
     np.testing.assert_array_equal(counts, expected)
 
 
+def test_repr_gives_sizes_not_arrays(tmp_path: Path) -> None:
+    """The dataclass repr printed every array (a new-user journey: millions of ids in a REPL)."""
+    trace = RoutingTrace(**small_arrays())
+    assert repr(trace) == ("RoutingTrace(tokens=7, sequences=3, layers=2, top_k=2, num_experts=4, vocab_size=10, "
+                           "weights=True)")
+    save_trace(trace, tmp_path / "t.npz")
+    assert repr(load_trace(tmp_path / "t.npz")).endswith(f"weights=True, source={str(tmp_path / 't.npz')!r})")
+
+
 BAD = {
     "ids above E": (lambda a: a["topk_ids"].__setitem__((0, 0, 0), 70), ValueError, "'topk_ids'.*out of range \\[0, 4\\): found 70"),
     "negative id": (lambda a: a["topk_ids"].__setitem__((1, 1, 1), -1), ValueError, "'topk_ids'.*found -1"),
