@@ -329,10 +329,9 @@ FILE_KINDS = {
                               "read it with SemanticPlan.load, or pass it to serve.py or bench.py as layer=semantic "
                               "layer.plan_path=FILE"),
     "assignment": FileKind(("expert_rank", "token_rank", "seq_offsets"), "plan.py's assignment.npz",
-                           "pass it to serve.py or bench.py as layer.placement_path=FILE"),
+                           "pass it to serve.py as layer.placement_path=FILE (bench.py times the default placement)"),
     "placement": FileKind(("phy2log", "num_experts"), "a placement file (ExpertPlacement.save)",
-                          "read it with ExpertPlacement.load, or pass it to serve.py or bench.py as "
-                          "layer.placement_path=FILE"),
+                          "read it with ExpertPlacement.load, or pass it to serve.py as layer.placement_path=FILE"),
     "curves": FileKind(("rows", "latency_s"), "a latency curve file (profile.py's or plan.py's curves.npz)",
                        "read it with LatencyCurves.load, or pass it to a recipe as curves.path=FILE"),
 }

@@ -41,7 +41,9 @@ def tolerance(ref64: torch.Tensor, ref_low: torch.Tensor | Sequence[torch.Tensor
 
 def sums_in_every_order(terms: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``terms[i0] + terms[i1] + ...`` added left to right in the terms' dtype, once per order of the
-    ``n`` terms (``n!`` tensors; the first is the given order).
+    ``n`` terms (``n!`` tensors; the first is the given order). Chains only: a collective that adds
+    in a tree (``(a + b) + (c + d)``: recursive halving, NCCL's tree) rounds in a bracketing that is
+    not among them.
 
     A layer that sums per-rank terms in the low precision in a collective (``forward_tp``'s
     reduce-scatter of the attention partials over ``R`` TP ranks) rounds after every addition in an

@@ -758,6 +758,10 @@ def pass_token_ids(model: nn.Module, embedding: nn.Module | None = None) -> list
     ``[S, B, H]`` for ``[S, B]``); a layer called with ``token_ids=`` keeps its own, one called with
     other shapes or outside a call of ``model`` gets none (:class:`CallInputs` says how calls are
     told apart). Only calls of the layers (``forward``) are hooked, not ``SemanticMoE.forward_tp``.
+    The ids are matched to the hidden states by shape alone: a block that flattens them first
+    (``layer(h.view(-1, H))``) gets none, and a model that embeds ``[B, S]`` ids and transposes to
+    ``[S, B, H]`` gets none, or, where ``B == S``, the ids in the wrong layout: such a model passes
+    ``token_ids=`` to its layers itself.
 
     Args:
         model: a module that holds moelayers layers (``moe_layer_marker``) and embeds token ids.
@@ -776,7 +780,10 @@ def pass_token_ids(model: nn.Module, embedding: nn.Module | None = None) -> list
         raise ValueError(f"{type(model).__name__} holds no moelayers layer: swap its MoE blocks first")
     if embedding is None:
         get = getattr(model, "get_input_embeddings", None)
-        embedding = get() if callable(get) else None
+        try:
+            embedding = get() if callable(get) else None
+        except NotImplementedError:  # (transformers' PreTrainedModel without a base model or embed_tokens)
+            embedding = None
     if embedding is None:
         found = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
         if len(found) != 1:
@@ -784,8 +791,10 @@ def pass_token_ids(model: nn.Module, embedding: nn.Module | None = None) -> list
                              f"{' (' + ', '.join(n for n, _ in found) + ')' if found else ''}: pass the one that "
                              "embeds the token ids as embedding=")
         embedding = found[0][1]
-    if not isinstance(embedding, nn.Module) or not any(m is embedding for m in model.modules()):
-        raise ValueError(f"embedding ({type(embedding).__name__}) is not a submodule of {type(model).__name__}")
+    if not isinstance(embedding, nn.Module) or embedding is model or not any(m is embedding for m in model.modules()):
+        raise ValueError(f"embedding ({type(embedding).__name__}) is not a submodule of {type(model).__name__}"
+                         + (" (it is the model itself: pass the module that embeds the ids)" if embedding is model
+                            else ""))
     source = CallInputs(token_ids=True)
     for _, layer in layers:
         layer.register_forward_pre_hook(source.pass_to, with_kwargs=True)

@@ -26,7 +26,7 @@ from torch import nn
 from moelayers._autograd import in_backward
 from moelayers._compile import cached_tensor, eager_under_compile
 from moelayers._warnings import warn_caller
-from moelayers.config import MoEConfig
+from moelayers.config import PARAMS_DTYPES, MoEConfig
 from moelayers.dispatch import AllGatherDispatcher, AllToAllDispatcher, LocalFirstPolicy, ReplicaPolicy, Routes
 from moelayers.dispatch.base import Dispatcher, cached_arange, checked_plan, routes_from_placement
 from moelayers.dispatch.flags import (
@@ -1145,8 +1145,12 @@ class MoELayerBase(LayerWeights, nn.Module):
                 return x.to(want)
             raise TypeError(f"{name} has dtype {x.dtype}, the layer computes in {want} (and takes "
                             f"{torch.get_autocast_dtype(x.device.type)} under the torch.autocast that is on)")
-        raise TypeError(f"{name} has dtype {x.dtype}, the layer computes in {want}: cast {name} "
-                        f"({name}.to({want})) or the layer (layer.to({x.dtype}))")
+        if x.dtype in PARAMS_DTYPES:
+            raise TypeError(f"{name} has dtype {x.dtype}, the layer computes in {want}: cast {name} "
+                            f"({name}.to({want})) or the layer (layer.to({x.dtype}))")
+        integer = not (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool)
+        raise TypeError(f"{name} has dtype {x.dtype}, the layer computes in {want}: cast {name} ({name}.to({want}))"
+                        + (f"; {name} is the hidden states (token ids go as token_ids=)" if integer else ""))
 
     def extra_repr(self) -> str:
         c = self.config

@@ -64,7 +64,12 @@ def _token_array(token_ids: Any) -> np.ndarray:
     """
     if isinstance(token_ids, torch.Tensor):
         token_ids = token_ids.detach().cpu().numpy()
-    a = np.asarray(token_ids)
+    try:
+        a = np.asarray(token_ids)
+    except ValueError as e:  # a ragged list of lists: a tokenizer's unpadded batch
+        raise ValueError(f"token_ids of one request must be [N] (or [1, N]), got a ragged sequence of sequences "
+                         f"({e}): for a batch of requests call assign_batch(requests), each request its own "
+                         "ids") from None
     while a.ndim > 1 and a.shape[0] == 1:
         a = a[0]
     if a.ndim > 1:
@@ -212,6 +217,10 @@ class SemanticScheduler:
         Returns:
             The rank of each request.
         """
+        single = next((i for i, q in enumerate(requests) if np.ndim(q) == 0), None)
+        if single is not None:  # (one request's [N] ids given as the batch: N requests of one token each)
+            raise ValueError(f"requests[{single}] is one token id, not a request's ids: assign_batch takes a "
+                             "sequence of requests, each [N_i] ids; for one request call assign(token_ids)")
         ids = [_token_array(q) for q in requests]
         if not ids:
             return []

@@ -530,6 +530,16 @@ def test_a_file_of_another_kind_is_told_as_such(tmp_path):
                 load(path)
 
 
+def test_a_placement_handed_to_another_reader_is_sent_where_it_is_read(tmp_path):
+    """The message named bench.py's layer.placement_path, which bench.py refuses ("read by
+    recipes/serve.py only")."""
+    files = _written(tmp_path)
+    placement, _ = files["placement"]
+    with pytest.raises(ValueError, match=r"serve.py as layer.placement_path=FILE") as caught:
+        LatencyCurves.load(placement)
+    assert "bench.py as" not in str(caught.value)
+
+
 def test_files_written_before_the_format_version_still_load(tmp_path):
     import warnings
 

@@ -673,6 +673,19 @@ def test_pass_token_ids_hands_a_model_of_ones_own_its_ids():
         pass_token_ids(Mine(), embedding=nn.Embedding(3, H))
     with pytest.raises(ValueError, match="holds no moelayers layer"):
         pass_token_ids(nn.Sequential(nn.Embedding(3, H)))
+    model = Mine()
+    with pytest.raises(ValueError, match="it is the model itself"):  # (its hooks forgot the ids: none passed)
+        pass_token_ids(model, embedding=model)
+
+    class Unset(Mine):  # transformers' PreTrainedModel.get_input_embeddings without a base model
+        def get_input_embeddings(self):
+            raise NotImplementedError
+
+    model = Unset().eval()
+    assert pass_token_ids(model) == ["body.blocks.0.moe", "body.blocks.1.moe"]  # its only nn.Embedding
+    with torch.no_grad():
+        model(ids)
+    assert model.body.blocks[1].moe.last_token_ids.tolist() == ids.flatten().tolist()
 
 
 def test_token_ids_of_a_base_model_called_on_its_own_do_not_go_stale():

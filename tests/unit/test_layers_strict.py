@@ -530,6 +530,10 @@ def test_under_autocast_the_layer_takes_the_autocast_dtype():
     with pytest.raises(TypeError, match=r"x has dtype torch.bfloat16, the layer computes in torch.float32: "
                                         r"cast x \(x.to\(torch.float32\)\) or the layer \(layer.to\(torch.bfloat16\)\)$"):
         layer(x)  # no autocast: refused as before
+    with pytest.raises(TypeError, match=r"x has dtype torch.int64, the layer computes in torch.float32: cast x "
+                                        r"\(x.to\(torch.float32\)\); x is the hidden states \(token ids go as "
+                                        r"token_ids=\)$"):
+        layer(x.long())  # not layer.to(torch.int64), which torch refuses
 
 
 def test_a_submodule_cast_alone_is_named():

@@ -102,6 +102,20 @@ def test_a_batch_handed_to_assign_is_refused():
     assert SemanticScheduler(_plan_for_requests()).assign_batch(rows) == [2, 1, 0]
 
 
+def test_a_ragged_batch_to_assign_and_one_request_to_assign_batch_are_refused():
+    """A tokenizer's unpadded batch (a ragged list of lists) to assign got numpy's "inhomogeneous
+    shape" without a word of assign_batch; one request's ids to assign_batch became one request per
+    token, spread over the ranks without a word."""
+    s = SemanticScheduler(_plan_for_requests())
+    with pytest.raises(ValueError, match=r"got a ragged sequence .*assign_batch"):
+        s.assign([[2, 5, 0], [1, 4]])
+    for one in ([2, 5, 0], torch.tensor([2, 5, 0]), np.array([2, 5, 0])):
+        with pytest.raises(ValueError, match=r"requests\[0\] is one token id.*call assign\(token_ids\)"):
+            s.assign_batch(one)
+    assert s.loads.sum() == 0
+    assert s.assign_batch([[2, 5, 0], [1, 4]]) == [2, 1]  # a ragged batch is assign_batch's
+
+
 def test_semantic_scheduler_token_cap_is_the_evaluations():
     """Given the total tokens, the online scheduler closes ranks at 1.3x the mean exactly as the
     held-out evaluation (request_schedule) does without its look-ahead; without the total, the mask
