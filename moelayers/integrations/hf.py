@@ -410,10 +410,16 @@ class CallInputs:
     Args:
         token_ids: pass the ids.
         skip_padding: leave padded positions out of the layers.
+        layout: where the layers' hidden states keep the positions of ``[B, S]`` ids: ``'bs'`` as
+            embedded (``[B, S, H]``, HF's), ``'sb'`` transposed (``[S, B, H]``); a layer called with
+            them flattened (``[B * S, H]`` or ``[S * B, H]``) gets the ids flattened alike.
+            ``None`` (HF): only hidden states laid out like the ids get them.
     """
 
-    def __init__(self, *, token_ids: bool = True, skip_padding: bool = False) -> None:
-        self.token_ids, self.skip_padding = token_ids, skip_padding
+    def __init__(self, *, token_ids: bool = True, skip_padding: bool = False, layout: str | None = None) -> None:
+        if layout not in (None, "bs", "sb"):
+            raise ValueError(f"layout must be 'bs' ([B, S, H] for [B, S] ids) or 'sb' ([S, B, H]), got {layout!r}")
+        self.token_ids, self.skip_padding, self.layout = token_ids, skip_padding, layout
         self._local = threading.local()
 
     @property
@@ -492,15 +498,27 @@ class CallInputs:
         ids = args[0] if args else None
         self._local.ids = ids if isinstance(ids, torch.Tensor) and not ids.is_floating_point() else None
 
+    def _ids_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The call's ids laid out like the hidden states ``x`` (``layout``), or ``None`` (another
+        call's ids, or a layout they do not fit)."""
+        ids = self.ids
+        if ids is None:
+            return None
+        if self.layout == "sb" and ids.dim() == 2:
+            ids = ids.t()
+        if tuple(ids.shape) == tuple(x.shape[:-1]):
+            return ids
+        if self.layout is not None and x.dim() == 2 and ids.numel() == x.shape[0]:
+            return ids.reshape(-1)
+        return None
+
     def pass_to(self, layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """The layer's forward pre-hook: its ``token_ids`` and, with ``skip_padding``, its rows."""
         if not args or not isinstance(args[0], torch.Tensor):
             return None
         calls = self._live_calls(sys._getframe(1))  # (a layer called after a call a Ctrl-C cut off: not its state)
         x, given = args[0], kwargs.get("token_ids")
-        ids = self.ids if self.token_ids and given is None else given
-        if ids is not None and tuple(ids.shape) != tuple(x.shape[:-1]):
-            ids = given  # (another call's ids, laid out otherwise: none)
+        ids = self._ids_for(x) if self.token_ids and given is None else given
         if self.skip_padding and not in_backward() and self._checkpointed(calls):
             # whether or not this batch has padding; through the layer's exchange, so that a rank configured
             # otherwise (not checkpointing) raises too instead of waiting for this one
@@ -749,32 +767,35 @@ def _watch_calls(model: nn.Module, embedding: nn.Module, source: CallInputs) -> 
         module.register_forward_hook(source.leave, always_call=True)
 
 
-def pass_token_ids(model: nn.Module, embedding: nn.Module | None = None) -> list[str]:
+def pass_token_ids(model: nn.Module, embedding: nn.Module | None = None, *, layout: str = "bs") -> list[str]:
     """Hand every moelayers layer of a model of one's own the token ids of the model call under way
     as ``token_ids`` (what :func:`swap_moe_blocks` ``(token_ids=True)`` does for HF models), so that
     :class:`~moelayers.trace.TraceRecorder` and :class:`~moelayers.SemanticMoE`'s token table work
-    without changing the blocks' signatures: the ids ``embedding`` embeds (its first argument) reach
-    each layer called with hidden states laid out like them (``[B, S, H]`` for ``[B, S]`` ids, or
-    ``[S, B, H]`` for ``[S, B]``); a layer called with ``token_ids=`` keeps its own, one called with
-    other shapes or outside a call of ``model`` gets none (:class:`CallInputs` says how calls are
-    told apart). Only calls of the layers (``forward``) are hooked, not ``SemanticMoE.forward_tp``.
-    The ids are matched to the hidden states by shape alone: a block that flattens them first
-    (``layer(h.view(-1, H))``) gets none, and a model that embeds ``[B, S]`` ids and transposes to
-    ``[S, B, H]`` gets none, or, where ``B == S``, the ids in the wrong layout: such a model passes
-    ``token_ids=`` to its layers itself.
+    without changing the blocks' signatures: the ids ``embedding`` embeds (its first argument, e.g.
+    ``[B, S]``) reach each layer, laid out as ``layout`` says the model lays out its hidden states; a
+    layer called with ``token_ids=`` keeps its own, one called with hidden states the ids do not fit
+    or outside a call of ``model`` gets none (:class:`CallInputs` says how calls are told apart).
+    Only calls of the layers (``forward``) are hooked, not ``SemanticMoE.forward_tp``. The layout
+    cannot be told from the shapes where ``B == S``: give the model's.
 
     Args:
         model: a module that holds moelayers layers (``moe_layer_marker``) and embeds token ids.
         embedding: the module that embeds them, inside ``model``; default
             ``model.get_input_embeddings()`` where it has one, else the model's only ``nn.Embedding``.
+        layout: ``'bs'`` (default): the layers see ``[B, S, H]`` for ``[B, S]`` ids, as embedded;
+            ``'sb'``: the model transposes to ``[S, B, H]`` (megatron's layout). Either way a block
+            that flattens its hidden states first (``layer(h.view(-1, H))``) gets the ids flattened
+            in the same order.
 
     Returns:
         The names of the layers that get the ids, in module order.
 
     Raises:
         ValueError: no moelayers layer in ``model``, no embedding (or several ``nn.Embedding`` and
-            none given), or an ``embedding`` that is not a submodule of ``model``.
+            none given), an ``embedding`` that is not a submodule of ``model``, or another ``layout``.
     """
+    if layout not in ("bs", "sb"):
+        raise ValueError(f"layout must be 'bs' ([B, S, H] for [B, S] ids) or 'sb' ([S, B, H]), got {layout!r}")
     layers = [(n, m) for n, m in model.named_modules() if getattr(m, "moe_layer_marker", False) is True]
     if not layers:
         raise ValueError(f"{type(model).__name__} holds no moelayers layer: swap its MoE blocks first")
@@ -795,7 +816,7 @@ def pass_token_ids(model: nn.Module, embedding: nn.Module | None = None) -> list
         raise ValueError(f"embedding ({type(embedding).__name__}) is not a submodule of {type(model).__name__}"
                          + (" (it is the model itself: pass the module that embeds the ids)" if embedding is model
                             else ""))
-    source = CallInputs(token_ids=True)
+    source = CallInputs(token_ids=True, layout=layout)
     for _, layer in layers:
         layer.register_forward_pre_hook(source.pass_to, with_kwargs=True)
     _watch_calls(model, embedding, source)

@@ -688,6 +688,46 @@ def test_pass_token_ids_hands_a_model_of_ones_own_its_ids():
     assert model.body.blocks[1].moe.last_token_ids.tolist() == ids.flatten().tolist()
 
 
+@pytest.mark.parametrize("flatten", [False, True])
+def test_pass_token_ids_follows_the_models_layout(flatten):
+    """A model that embeds [B, S] ids and computes in [S, B, H] (megatron's layout), or flattens
+    before its MoE layer: matched by shape alone, the ids reached no layer, or, where B == S, the
+    layers in the wrong order without a word (a review)."""
+    from moelayers.integrations.hf import pass_token_ids
+    from moelayers.trace import TraceRecorder
+
+    cfg = ml.MoEConfig(hidden_size=H, ffn_hidden_size=FF, num_experts=E, top_k=K, params_dtype=torch.float64)
+
+    class SB(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(30, H, dtype=torch.float64)
+            self.moe = ml.VanillaMoE(cfg, ml.ParallelGroups.single(), seed=0)
+
+        def forward(self, ids):
+            h = self.tok(ids).transpose(0, 1)  # [S, B, H]
+            return self.moe(h.reshape(-1, H)).view_as(h) if flatten else self.moe(h)
+
+    ids = torch.tensor([[1, 2], [3, 4]])  # B == S: the shapes cannot tell the layouts apart
+    model = SB().eval()
+    pass_token_ids(model, layout="sb")
+    with torch.no_grad(), TraceRecorder(model, vocab_size=30) as rec:
+        rec.tag(["s0", "s1", "s0", "s1"])  # rows of [S, B]: position-major
+        model(ids)
+        rec.tag(["t0", "t1", "t2", "t0", "t1", "t2"])
+        model(torch.tensor([[5, 6], [7, 8], [9, 10]]))  # B = 3, S = 2
+    assert model.moe.last_token_ids.tolist() == [5, 7, 9, 6, 8, 10]  # [S, B] flattened
+    assert rec.result.token_ids.tolist() == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]  # each sequence in order
+    if not flatten:  # (flattened, the ids fit either layout: only the one given is right)
+        as_embedded = SB().eval()
+        pass_token_ids(as_embedded)  # layout="bs": [B, S] ids do not fit [S, B, H] where B != S
+        with torch.no_grad():
+            as_embedded(torch.tensor([[5, 6], [7, 8], [9, 10]]))
+        assert as_embedded.moe.last_token_ids is None
+    with pytest.raises(ValueError, match="layout must be 'bs'"):
+        pass_token_ids(SB(), layout="bsh")
+
+
 def test_token_ids_of_a_base_model_called_on_its_own_do_not_go_stale():
     """HF models wrap a base model (``model.model``) holding the embedding: a call of the base model
     alone kept the ids of the call before it, so an ``inputs_embeds`` call after ran with them."""
