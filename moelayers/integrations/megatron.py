@@ -108,12 +108,7 @@ def groups_for_megatron(pg_collection: Any = None) -> ParallelGroups:
     """
     if pg_collection is not None:
         return _drop_singleton_groups(ParallelGroups.from_megatron(pg_collection))
-    initialised = False
-    if HAVE_MEGATRON:
-        from megatron.core import parallel_state as ps
-
-        initialised = ps.model_parallel_is_initialized()
-    if initialised:
+    if HAVE_MEGATRON and _parallel_state_initialised():
         return _drop_singleton_groups(ParallelGroups.from_megatron())
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
         return ParallelGroups.single()
@@ -203,6 +198,45 @@ def megatron_init(layer: nn.Module, config: Any, layer_number: int | None = None
     return True
 
 
+def _group_ranks(group: Any) -> list[int]:
+    """The global ranks of ``group`` (``None``, a group of one: this rank)."""
+    if group is None:
+        return [dist.get_rank() if dist.is_available() and dist.is_initialized() else 0]
+    return sorted(dist.get_process_group_ranks(group))
+
+
+def _check_groups_are_megatrons(groups: ParallelGroups, pg_collection: Any) -> None:
+    """Refuse explicit ``groups`` whose expert- or tensor-parallel ranks are not megatron's, where
+    megatron has groups (``pg_collection``, or an initialised ``parallel_state``): the expert
+    parameters carry ``allreduce = False``, so megatron's DDP reduces their gradients over its own
+    expert-data-parallel group, i.e. over ranks that hold other experts (or hold the same experts
+    but are left out), without any error.
+
+    Raises:
+        ValueError: naming both sets of ranks and the way out.
+    """
+    if pg_collection is None and not (HAVE_MEGATRON and _parallel_state_initialised()):
+        return
+    theirs = groups_for_megatron(pg_collection)
+    for name, what in (("ep", "expert-parallel"), ("tp", "tensor-parallel")):
+        mine, meg = _group_ranks(getattr(groups, name)), _group_ranks(getattr(theirs, name))
+        if mine != meg:
+            raise ValueError(
+                f"MegatronMoEAdapter: groups= has {what} ranks {mine} on this rank, megatron's "
+                f"{'pg_collection' if pg_collection is not None else 'parallel_state'} {meg}: megatron's DDP "
+                "reduces the experts' gradients over its own expert-data-parallel group (their parameters carry "
+                "allreduce=False), so they would be summed over ranks that hold other experts without an error. "
+                "Leave groups= out (the adapter takes megatron's), or initialise megatron with these sizes "
+                "(parallel_state.initialize_model_parallel(expert_model_parallel_size=..., "
+                "tensor_model_parallel_size=...))")
+
+
+def _parallel_state_initialised() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return bool(ps.model_parallel_is_initialized())
+
+
 class MegatronMoEAdapter(nn.Module):
     """A moelayers layer in megatron-core's mlp slot.
 
@@ -216,7 +250,8 @@ class MegatronMoEAdapter(nn.Module):
         layer_cls: the moelayers layer class (default :class:`moelayers.VanillaMoE`).
         pg_collection: megatron ``ProcessGroupCollection`` (>= 0.19 passes one); see
             :func:`groups_for_megatron` for what is used without it.
-        groups: explicit :class:`ParallelGroups` (overrides ``pg_collection``).
+        groups: explicit :class:`ParallelGroups` (instead of ``pg_collection``'s); where megatron
+            has groups, their expert- and tensor-parallel ranks must be megatron's.
         layer_number, is_mtp_layer, name: megatron's bookkeeping, stored.
         **kwargs: keyword arguments of ``layer_cls`` (from the spec's ``params``) go to the layer;
             megatron build-time extras (:data:`MEGATRON_BUILD_KWARGS`) are ignored; anything else is
@@ -271,6 +306,8 @@ class MegatronMoEAdapter(nn.Module):
         self.training_losses: tuple[str, ...] = tuple(megatron_training_losses(config))
         if groups is not None and not isinstance(groups, ParallelGroups):
             raise TypeError(f"groups must be a ParallelGroups, got {type(groups).__name__}")
+        if groups is not None:
+            _check_groups_are_megatrons(groups, pg_collection)
         self.groups = groups if groups is not None else groups_for_megatron(pg_collection)
         if "device" in accepted and layer_kwargs.get("device") is None:
             layer_kwargs["device"] = _pick_device(config, self.groups)
@@ -601,7 +638,8 @@ def moe_spec(layer_cls: type, **layer_kwargs: Any) -> "ModuleSpec":
     Args:
         layer_cls: a moelayers layer class, e.g. ``moelayers.VanillaMoE``.
         **layer_kwargs: keyword arguments of ``layer_cls`` (``dispatcher=``, ``placement=``,
-            ``device=``, ...), plus optionally ``groups=`` (a :class:`ParallelGroups`).
+            ``device=``, ...), plus optionally ``groups=`` (a :class:`ParallelGroups`; where megatron
+            has groups, with megatron's expert- and tensor-parallel ranks: others are refused).
 
     Returns:
         ``ModuleSpec(module=MegatronMoEAdapter, params={'layer_cls': layer_cls, **layer_kwargs})``;

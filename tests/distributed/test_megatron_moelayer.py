@@ -208,3 +208,39 @@ def test_adapter_matches_megatrons_moelayer(world_results):
     bad = [f"world {world} rank {r} (tp, ep, sp, pad, dtype, train, layer)={case}: {msg}"
            for r, res in enumerate(results) for case, msg in res.items() if msg]
     assert not bad, "\n".join(bad)
+
+
+def _explicit_groups(rank: int, world: int) -> list:
+    """Adapters given groups= under megatron's parallel_state at EP 2, then at EP 1."""
+    from megatron.core import parallel_state as ps
+
+    from moelayers.integrations import megatron as mi
+
+    _megatron_on_cpu()
+    said = []
+    for ep, groups in ((2, ml.ParallelGroups.single()), (2, ml.ParallelGroups.from_world(ep=2)),
+                       (1, ml.ParallelGroups.from_world(ep=2)), (1, ml.ParallelGroups.single())):
+        ps.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=ep,
+                                     expert_tensor_parallel_size=1)
+        try:
+            mi.MegatronMoEAdapter(_tc(1, ep, False, torch.float32), ml.VanillaMoE, groups=groups)
+            said.append(None)
+        except ValueError as e:
+            said.append(str(e))
+        finally:
+            ps.destroy_model_parallel()
+    return said
+
+
+def test_groups_other_than_megatrons_are_refused():
+    """moe_spec(..., groups=) unlike megatron's parallel_state trained wrong without a word: the
+    expert parameters carry allreduce=False, and megatron's DDP reduced their gradients over its own
+    expert-data-parallel group (a megatron user journey: replicas drifted apart at EP 2 with
+    groups=single(), different experts' gradients were averaged at EP 1 with from_world(ep=2))."""
+    for rank, said in enumerate(run_distributed(_explicit_groups, 2, timeout=120)):
+        assert said[1] is None and said[3] is None, said  # megatron's own ranks
+        assert said[0].startswith(f"MegatronMoEAdapter: groups= has expert-parallel ranks [{rank}] on this rank, "
+                                  "megatron's parallel_state [0, 1]: megatron's DDP reduces"), said[0]
+        assert said[2].startswith("MegatronMoEAdapter: groups= has expert-parallel ranks [0, 1] on this rank, "
+                                  f"megatron's parallel_state [{rank}]"), said[2]
+        assert "Leave groups= out" in said[0]
