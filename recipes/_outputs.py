@@ -20,6 +20,7 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 import traceback
 import zipfile
 from collections.abc import Callable
@@ -332,14 +333,20 @@ def pipe_safe_output() -> None:
             setattr(sys, name, _PipeSafeStream(stream))
 
 
+#: seconds a rank other than 0 waits after telling a refusal before the run started, so that rank 0's
+#: full message comes first (see :func:`run_recipe`)
+REFUSAL_GRACE_S = 5.0
+
+
 def run_recipe(main: Callable[[], Any]) -> None:
     """Run a recipe's Hydra ``main``; Ctrl-C ends it with one line instead of a traceback (exit
     status 130, as a shell reports it).
 
     Under torchrun every rank composes the config and runs the recipe's checks: a refused setting
     is told with its traceback by rank 0 (as Hydra prints it) and as its message alone by each other
-    rank (Hydra adds its "Error executing job" line), not the whole traceback once per rank; an error
-    of the run itself (after the ranks started) is told in full by every rank that meets it.
+    rank (Hydra adds its "Error executing job" line), not the whole traceback once per rank (the other
+    ranks then wait :data:`REFUSAL_GRACE_S` before they exit: torchrun stops every rank at the first
+    exit, which could stop rank 0 before it printed); an error of the run itself (after the ranks started) is told in full by every rank that meets it.
     Ctrl-C's line, ``--help`` and ``--cfg`` come from rank 0.
     """
     rank = int(os.environ.get("RANK", "0")) if under_torchrun() else 0
@@ -364,6 +371,10 @@ def run_recipe(main: Callable[[], Any]) -> None:
         else:  # (the whole message: a setting refused on this rank alone, a file missing on its node, is told here only)
             print(f"rank {rank} stopped before the run started: {type(exc).__name__}: {exc}", file=sys.stderr,
                   flush=True)
+            # torchrun's agent stops every rank at the first exit: rank 0, which refuses a setting of the
+            # command line too, is given the time to tell it in full first (a loaded machine let this rank
+            # exit before rank 0 had printed); where rank 0 refuses nothing, it waits for this rank anyway
+            time.sleep(REFUSAL_GRACE_S)
         sys.exit(1)
 
 
