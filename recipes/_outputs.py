@@ -346,7 +346,8 @@ def run_recipe(main: Callable[[], Any]) -> None:
     is told with its traceback by rank 0 (as Hydra prints it) and as its message alone by each other
     rank (Hydra adds its "Error executing job" line), not the whole traceback once per rank (the other
     ranks then wait :data:`REFUSAL_GRACE_S` before they exit: torchrun stops every rank at the first
-    exit, which could stop rank 0 before it printed); an error of the run itself (after the ranks started) is told in full by every rank that meets it.
+    exit, which could stop rank 0 before it printed); an error of the run itself (after the ranks
+    started) is told in full by every rank that meets it.
     Ctrl-C's line, ``--help`` and ``--cfg`` come from rank 0.
     """
     rank = int(os.environ.get("RANK", "0")) if under_torchrun() else 0
